@@ -1,0 +1,421 @@
+"""Chunked Hash Tree: shared-prefix bookkeeping between waiting and running requests.
+
+A prompt is cut into fixed chunks; chunk *i*'s key is a digest of everything up to the end
+of chunk *i*, so two requests with the same key at level *i* share their prefix through
+chunk *i*.  The tree itself is implicit: a key stands for a trie node, and because keys are
+cumulative the set of a request's chunks that some running request also holds is always a
+*prefix* of its key list.  That makes every per-request question a binary search over
+dict look-ups instead of a walk over tokens.
+
+State, kept incrementally:
+
+* ``_running_refs``: key -> number of running requests holding it (the working set);
+* for each waiting request its *depth*, the number of leading chunks present in the working
+  set (so ``missing = chunks - depth``), indexed two ways: by the first missing key
+  (``_by_frontier``, which requests advance when a key becomes live) and by the last present
+  key (``_by_deepest``, which requests fall back when a key dies);
+* ``_waiting_refs``: key -> number of waiting requests holding it (for sharing counts);
+* a lazy min-heap of (missing, arrival order) giving the best candidate.
+
+Admitting a request touches its own keys plus the waiting requests whose depth changes;
+a request joining a group that already runs touches only its own keys.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from bisect import bisect_left
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+import xxhash
+
+ChunkKey = Hashable
+RequestId = Hashable
+
+DEFAULT_CHUNK_TOKENS = 64
+
+
+class CHTError(ValueError):
+    """An operation that does not fit the request's state; the tree is left unchanged."""
+
+
+class RequestState(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+
+
+def token_chunk_keys(
+    tokens: np.ndarray | Sequence[int] | bytes, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+) -> list[int]:
+    """Cumulative 64-bit keys of every full chunk of ``chunk_tokens`` tokens.
+
+    The tokens are viewed as one contiguous int32 buffer and hashed a whole chunk at a
+    time with a streaming xxh3; the digest taken after chunk *i* covers chunks 0..i, so
+    equal keys mean equal prefixes.  A trailing partial chunk gets no key (as an engine's
+    KV block hashes cover only full blocks).  Pass a contiguous int32 numpy array for the
+    fast path; ``bytes`` are taken as int32 tokens already packed.
+    """
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if isinstance(tokens, bytes | bytearray | memoryview):
+        buffer = memoryview(tokens).cast("B")
+    else:
+        buffer = memoryview(np.ascontiguousarray(tokens, dtype=np.int32)).cast("B")
+    if len(buffer) % 4:
+        raise ValueError("a token buffer must hold whole int32 tokens")
+    stride = chunk_tokens * 4
+    full_chunks = len(buffer) // stride
+    digest = xxhash.xxh3_64()
+    keys = []
+    for end in range(stride, (full_chunks + 1) * stride, stride):
+        digest.update(buffer[end - stride : end])
+        keys.append(digest.intdigest())
+    return keys
+
+
+def block_chunk_keys(block_hashes: Sequence[ChunkKey], blocks_per_chunk: int = 1) -> list:
+    """Chunk keys taken from an engine's chained per-block hashes, without re-hashing.
+
+    An engine such as vLLM chains each full KV block's hash with its parent's, so the hash
+    of a chunk's last block already identifies the whole prefix through that chunk.
+    """
+    if blocks_per_chunk <= 0:
+        raise ValueError(f"blocks_per_chunk must be positive, got {blocks_per_chunk}")
+    return list(block_hashes[blocks_per_chunk - 1 :: blocks_per_chunk])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The waiting request the tree would admit next, and what admitting it would do."""
+
+    request_id: RequestId
+    missing_chunks: int
+    shared_before: int | None
+    """Chunks shared by all running requests now (None when nothing runs)."""
+    shared_after: int
+    """Chunks shared by all running requests once the candidate joins them."""
+    sharing_waiters: int
+    """Other waiting requests that also hold the prefix of ``shared_after`` chunks."""
+
+    @property
+    def chunk_loss(self) -> int:
+        """How many chunks of running-set homogeneity admitting the candidate gives up."""
+        return 0 if self.shared_before is None else self.shared_before - self.shared_after
+
+
+@dataclass(frozen=True)
+class PrefixGroup:
+    """Waiting requests that share at least their first chunk (for reports)."""
+
+    size: int
+    shared_chunks: int
+
+
+class _Entry:
+    __slots__ = ("depth", "keys", "order", "state")
+
+    def __init__(self, keys: list, order: int) -> None:
+        self.keys = keys
+        self.order = order
+        self.state = RequestState.WAITING
+        self.depth = 0
+
+
+class ChunkedHashTree:
+    """Tracks which waiting request shares most with the running set, in microseconds."""
+
+    def __init__(self) -> None:
+        self._entries: dict[RequestId, _Entry] = {}
+        self._running: dict[RequestId, None] = {}
+        self._running_refs: dict[ChunkKey, int] = {}
+        self._waiting_refs: dict[ChunkKey, int] = {}
+        self._by_frontier: dict[ChunkKey, set[RequestId]] = {}
+        self._by_deepest: dict[ChunkKey, set[RequestId]] = {}
+        self._heap: list[tuple[int, int, RequestId]] = []
+        self._arrivals = itertools.count()
+        self._num_waiting = 0
+
+    # ---- sizes and states -------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._entries
+
+    def state(self, request_id: RequestId) -> RequestState:
+        return self._entry(request_id).state
+
+    def chunk_keys(self, request_id: RequestId) -> list:
+        return self._entry(request_id).keys
+
+    def missing_chunks(self, request_id: RequestId) -> int:
+        """Chunks of a waiting request that no running request holds."""
+        entry = self._entry(request_id)
+        return len(entry.keys) - entry.depth
+
+    def waiting_ids(self) -> Iterator[RequestId]:
+        """Waiting requests in arrival order."""
+        return (rid for rid, e in self._entries.items() if e.state is RequestState.WAITING)
+
+    def running_ids(self) -> Iterator[RequestId]:
+        return iter(self._running)
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def add(self, request_id: RequestId, keys: Sequence[ChunkKey]) -> None:
+        """Register a new waiting request with its chunk keys (see ``token_chunk_keys``)."""
+        if request_id in self._entries:
+            raise CHTError(f"request {request_id!r} is already in the tree")
+        entry = _Entry(list(keys), next(self._arrivals))
+        self._entries[request_id] = entry
+        self._enter_waiting(request_id, entry)
+
+    def admit(self, request_id: RequestId) -> None:
+        """Move a waiting request into the running set."""
+        entry = self._entry(request_id)
+        if entry.state is not RequestState.WAITING:
+            raise CHTError(f"cannot admit request {request_id!r}: it is {entry.state.value}")
+        self._leave_waiting(request_id, entry)
+        self._enter_running(request_id, entry)
+
+    def requeue(self, request_id: RequestId) -> None:
+        """Move a running request back to waiting (preemption); it keeps its arrival order."""
+        entry = self._entry(request_id)
+        if entry.state is not RequestState.RUNNING:
+            raise CHTError(f"cannot requeue request {request_id!r}: it is {entry.state.value}")
+        self._leave_running(request_id, entry)
+        self._enter_waiting(request_id, entry)
+
+    def finish(self, request_id: RequestId) -> None:
+        """Forget a running request that completed."""
+        entry = self._entry(request_id)
+        if entry.state is not RequestState.RUNNING:
+            raise CHTError(f"cannot finish request {request_id!r}: it is {entry.state.value}")
+        self._leave_running(request_id, entry)
+        del self._entries[request_id]
+
+    def remove(self, request_id: RequestId) -> None:
+        """Forget a request in any state (abort)."""
+        entry = self._entry(request_id)
+        if entry.state is RequestState.WAITING:
+            self._leave_waiting(request_id, entry)
+        else:
+            self._leave_running(request_id, entry)
+        del self._entries[request_id]
+
+    # ---- queries ----------------------------------------------------------------------
+
+    def best(self) -> RequestId | None:
+        """The waiting request with the fewest missing chunks, ties to the oldest."""
+        heap = self._heap
+        entries = self._entries
+        while heap:
+            missing, _, request_id = heap[0]
+            entry = entries.get(request_id)
+            if (
+                entry is not None
+                and entry.state is RequestState.WAITING
+                and len(entry.keys) - entry.depth == missing
+            ):
+                return request_id
+            heapq.heappop(heap)
+        return None
+
+    def candidate(self, request_id: RequestId | None = None) -> Candidate | None:
+        """What admitting ``request_id`` (default: the best) would do to the running set."""
+        if request_id is None:
+            request_id = self.best()
+            if request_id is None:
+                return None
+        entry = self._entry(request_id)
+        if entry.state is not RequestState.WAITING:
+            raise CHTError(f"request {request_id!r} is not waiting")
+        before = self.shared_prefix_chunks()
+        after = len(entry.keys) if before is None else min(before, self._all_running_depth(entry))
+        return Candidate(
+            request_id=request_id,
+            missing_chunks=len(entry.keys) - entry.depth,
+            shared_before=before,
+            shared_after=after,
+            sharing_waiters=self._waiters_sharing(entry, after) - 1,
+        )
+
+    def shared_prefix_chunks(self) -> int | None:
+        """Chunks shared by every running request; None when nothing runs."""
+        if not self._running:
+            return None
+        first = self._entries[next(iter(self._running))]
+        return self._all_running_depth(first)
+
+    def waiting_groups(self) -> list[PrefixGroup]:
+        """Waiting requests grouped by first chunk, largest group first (reports only)."""
+        firsts: dict[ChunkKey, list[_Entry]] = {}
+        ungrouped = 0
+        for entry in self._entries.values():
+            if entry.state is not RequestState.WAITING:
+                continue
+            if entry.keys:
+                firsts.setdefault(entry.keys[0], []).append(entry)
+            else:
+                ungrouped += 1
+        groups = [self._group_of(members) for members in firsts.values()]
+        groups += [PrefixGroup(size=1, shared_chunks=0)] * ungrouped
+        return sorted(groups, key=lambda g: (-g.size, -g.shared_chunks))
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _entry(self, request_id: RequestId) -> _Entry:
+        try:
+            return self._entries[request_id]
+        except KeyError:
+            raise CHTError(f"unknown request {request_id!r}") from None
+        except TypeError:
+            raise CHTError(f"request id {request_id!r} is not hashable") from None
+
+    def _live_depth(self, keys: list) -> int:
+        """Leading keys held by some running request (liveness is prefix-closed)."""
+        live = self._running_refs
+        if not keys or keys[0] not in live:
+            return 0
+        if keys[-1] in live:
+            return len(keys)
+        return bisect_left(keys, True, key=lambda k: k not in live)
+
+    def _all_running_depth(self, entry: _Entry) -> int:
+        """Leading keys of ``entry`` that every running request holds."""
+        refs = self._running_refs
+        count = len(self._running)
+        keys = entry.keys
+        return bisect_left(keys, True, key=lambda k: refs.get(k, 0) != count)
+
+    def _waiters_sharing(self, entry: _Entry, chunks: int) -> int:
+        """Waiting requests (``entry`` included if waiting) holding its first ``chunks``."""
+        if chunks == 0:
+            return self._num_waiting
+        return self._waiting_refs.get(entry.keys[chunks - 1], 0)
+
+    def _group_of(self, members: list[_Entry]) -> PrefixGroup:
+        refs = self._waiting_refs
+        size = len(members)
+        keys = members[0].keys
+        shared = bisect_left(keys, True, key=lambda k: refs[k] != size)
+        return PrefixGroup(size=size, shared_chunks=shared)
+
+    def _enter_waiting(self, request_id: RequestId, entry: _Entry) -> None:
+        entry.state = RequestState.WAITING
+        refs = self._waiting_refs
+        for key in entry.keys:
+            refs[key] = refs.get(key, 0) + 1
+        self._num_waiting += 1
+        self._place(request_id, entry, self._live_depth(entry.keys))
+
+    def _leave_waiting(self, request_id: RequestId, entry: _Entry) -> None:
+        self._unplace(request_id, entry)
+        refs = self._waiting_refs
+        for key in entry.keys:
+            left = refs[key] - 1
+            if left:
+                refs[key] = left
+            else:
+                del refs[key]
+        self._num_waiting -= 1
+
+    def _place(self, request_id: RequestId, entry: _Entry, depth: int) -> None:
+        """Index a waiting request at ``depth`` and offer it to the heap."""
+        entry.depth = depth
+        keys = entry.keys
+        if depth < len(keys):
+            self._by_frontier.setdefault(keys[depth], set()).add(request_id)
+        if depth:
+            self._by_deepest.setdefault(keys[depth - 1], set()).add(request_id)
+        heapq.heappush(self._heap, (len(keys) - depth, entry.order, request_id))
+        if len(self._heap) > 4 * self._num_waiting + 64:
+            self._compact_heap()
+
+    def _unplace(self, request_id: RequestId, entry: _Entry) -> None:
+        keys = entry.keys
+        depth = entry.depth
+        if depth < len(keys):
+            _discard(self._by_frontier, keys[depth], request_id)
+        if depth:
+            _discard(self._by_deepest, keys[depth - 1], request_id)
+
+    def _enter_running(self, request_id: RequestId, entry: _Entry) -> None:
+        entry.state = RequestState.RUNNING
+        self._running[request_id] = None
+        refs = self._running_refs
+        born = []
+        for key in entry.keys:
+            count = refs.get(key, 0)
+            refs[key] = count + 1
+            if not count:
+                born.append(key)
+        self._reindex(self._by_frontier, born)
+
+    def _leave_running(self, request_id: RequestId, entry: _Entry) -> None:
+        del self._running[request_id]
+        refs = self._running_refs
+        died = []
+        for key in entry.keys:
+            left = refs[key] - 1
+            if left:
+                refs[key] = left
+            else:
+                del refs[key]
+                died.append(key)
+        self._reindex(self._by_deepest, died)
+
+    def _reindex(self, index: dict[ChunkKey, set[RequestId]], changed: list) -> None:
+        """Recompute the depth of waiting requests indexed under keys whose liveness changed.
+
+        After the change no waiting request can be indexed under a changed key again
+        (a frontier is never live, a deepest key is never dead), so each moves once.
+        """
+        entries = self._entries
+        for key in changed:
+            moved = index.pop(key, None)
+            if not moved:
+                continue
+            for request_id in moved:
+                entry = entries[request_id]
+                self._unplace_other(request_id, entry, index)
+                self._place(request_id, entry, self._live_depth(entry.keys))
+
+    def _unplace_other(
+        self, request_id: RequestId, entry: _Entry, popped: dict[ChunkKey, set[RequestId]]
+    ) -> None:
+        """Drop a request from the index that was not just popped wholesale."""
+        keys = entry.keys
+        depth = entry.depth
+        if popped is self._by_frontier:
+            if depth:
+                _discard(self._by_deepest, keys[depth - 1], request_id)
+        elif depth < len(keys):
+            _discard(self._by_frontier, keys[depth], request_id)
+
+    def _compact_heap(self) -> None:
+        entries = self._entries
+        self._heap = [
+            (len(e.keys) - e.depth, e.order, rid)
+            for rid, e in entries.items()
+            if e.state is RequestState.WAITING
+        ]
+        heapq.heapify(self._heap)
+
+
+def _discard(index: dict[ChunkKey, set[RequestId]], key: ChunkKey, request_id: RequestId) -> None:
+    members = index.get(key)
+    if members is not None:
+        members.discard(request_id)
+        if not members:
+            del index[key]

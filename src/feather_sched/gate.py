@@ -1,0 +1,313 @@
+"""ADD/STOP gates: whether to admit the tree's best waiting request into this step's batch.
+
+STOP ends admission for the current step so the running batch stays prefix-homogeneous;
+running requests are never evicted.  Three policies:
+
+* ``AlwaysAddGate`` - what vLLM and SGLang do today: fill the batch while resources last.
+* ``ChunkLossGate`` - the hand-tuned gate of the authors' vLLM pull request: admit while
+  the candidate costs at most a few chunks of shared prefix, otherwise only while the
+  batch is below a floor that rises the longer the gate keeps holding requests back.
+* ``UCBBanditGate`` - the paper's tabular contextual bandit with UCB1 exploration,
+  rewarded with each step's throughput; its table can be saved and loaded (warm start).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Protocol
+
+# Paper defaults for the bandit (see the module docstring of UCBBanditGate).
+BATCH_BIN = 4
+BATCH_BINS = 16
+LOSS_CLAMP = 5
+WAITERS_BIN = 4
+WAITERS_BINS = 16
+EXPLORATION = 200.0
+
+
+class Decision(Enum):
+    ADD = "add"
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class GateContext:
+    """What the gate sees about one admission: the batch and the candidate's effect."""
+
+    batch_size: int
+    """Requests already running (before the candidate)."""
+    chunk_loss: int
+    """Chunks of prefix shared by the whole batch that admitting the candidate gives up."""
+    sharing_waiters: int
+    """Other waiting requests that share the batch's prefix once the candidate joins."""
+    num_waiting: int
+    """Waiting requests, candidate included."""
+
+
+class Gate(Protocol):
+    """An ADD/STOP policy.  ``decide`` per candidate, ``reward`` once per engine step."""
+
+    def decide(self, context: GateContext) -> Decision: ...
+
+    def reward(self, batch_size: int, seconds: float) -> None: ...
+
+    def end_step(self) -> None: ...
+
+
+def must_add(context: GateContext) -> bool:
+    """Admissions no gate may refuse: an empty batch, or a candidate that loses nothing."""
+    return context.batch_size == 0 or context.chunk_loss <= 0
+
+
+class AlwaysAddGate:
+    """Admit whenever the engine has room: today's engines' behaviour."""
+
+    def decide(self, context: GateContext) -> Decision:
+        return Decision.ADD
+
+    def reward(self, batch_size: int, seconds: float) -> None:
+        """Nothing to learn."""
+
+    def end_step(self) -> None:
+        """No per-step state."""
+
+
+@dataclass
+class ChunkLossGate:
+    """The upstream pull request's heuristic gate.
+
+    ADD when the candidate loses at most ``max_loss`` chunks of shared prefix
+    (``max_loss_loaded`` once ``load_waiting`` or more requests wait).  Otherwise ADD only
+    while the batch is smaller than a floor that starts at ``floor_start`` and rises by
+    ``floor_step`` for every step in a row in which the gate said STOP, up to
+    ``floor_max``; a step without STOP resets it.  The rising floor keeps a long
+    heterogeneous queue from starving behind a small homogeneous batch.
+    """
+
+    max_loss: int = 5
+    max_loss_loaded: int = 7
+    load_waiting: int = 256
+    floor_start: int = 4
+    floor_step: int = 1
+    floor_max: int = 256
+    _stopped_steps: int = field(default=0, init=False)
+    _stopped_now: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        _check_non_negative(
+            max_loss=self.max_loss,
+            max_loss_loaded=self.max_loss_loaded,
+            load_waiting=self.load_waiting,
+            floor_start=self.floor_start,
+            floor_step=self.floor_step,
+        )
+        if self.floor_max < self.floor_start:
+            raise ValueError("floor_max must be at least floor_start")
+
+    @property
+    def floor(self) -> int:
+        return min(self.floor_max, self.floor_start + self.floor_step * self._stopped_steps)
+
+    def decide(self, context: GateContext) -> Decision:
+        if must_add(context):
+            return Decision.ADD
+        loaded = context.num_waiting >= self.load_waiting
+        limit = self.max_loss_loaded if loaded else self.max_loss
+        if context.chunk_loss <= limit or context.batch_size < self.floor:
+            return Decision.ADD
+        self._stopped_now = True
+        return Decision.STOP
+
+    def reward(self, batch_size: int, seconds: float) -> None:
+        """The heuristic does not learn."""
+
+    def end_step(self) -> None:
+        self._stopped_steps = self._stopped_steps + 1 if self._stopped_now else 0
+        self._stopped_now = False
+
+
+Context = tuple[int, int, int]
+
+
+@dataclass
+class _Arm:
+    pulls: int = 0
+    total: float = 0.0
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.pulls
+
+
+@dataclass
+class UCBBanditGate:
+    """The paper's contextual bandit: one UCB1 learner per discretised context.
+
+    Context = (batch size // ``batch_bin`` capped at ``batch_bins - 1``, chunk loss
+    clamped to [-``loss_clamp``, ``loss_clamp``], sharing waiters // ``waiters_bin``
+    capped at ``waiters_bins - 1``).  In each context an untried action is tried first,
+    then the action maximising ``mean + exploration * sqrt(ln n / pulls)``; equal scores
+    are broken by a seeded RNG so runs are reproducible.  The reward of an engine step is
+    batch size / step seconds and goes to every decision taken while forming that batch.
+    Admissions that lose no prefix, or fill an empty batch, are always ADD and not learned.
+    """
+
+    exploration: float = EXPLORATION
+    batch_bin: int = BATCH_BIN
+    batch_bins: int = BATCH_BINS
+    loss_clamp: int = LOSS_CLAMP
+    waiters_bin: int = WAITERS_BIN
+    waiters_bins: int = WAITERS_BINS
+    seed: int | None = 0
+    table: dict[Context, dict[Decision, _Arm]] = field(default_factory=dict)
+    _pending: list[tuple[Context, Decision]] = field(default_factory=list, init=False)
+    _rng: random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.exploration < 0:
+            raise ValueError("exploration must be non-negative")
+        _check_positive(
+            batch_bin=self.batch_bin,
+            batch_bins=self.batch_bins,
+            loss_clamp=self.loss_clamp,
+            waiters_bin=self.waiters_bin,
+            waiters_bins=self.waiters_bins,
+        )
+        self._rng = random.Random(self.seed)
+
+    def context_of(self, context: GateContext) -> Context:
+        return (
+            min(context.batch_size // self.batch_bin, self.batch_bins - 1),
+            max(-self.loss_clamp, min(self.loss_clamp, context.chunk_loss)),
+            min(context.sharing_waiters // self.waiters_bin, self.waiters_bins - 1),
+        )
+
+    def decide(self, context: GateContext) -> Decision:
+        if must_add(context):
+            return Decision.ADD
+        key = self.context_of(context)
+        arms = self.table.setdefault(key, {d: _Arm() for d in Decision})
+        decision = self._choose(arms)
+        self._pending.append((key, decision))
+        return decision
+
+    def _choose(self, arms: dict[Decision, _Arm]) -> Decision:
+        untried = [d for d, arm in arms.items() if arm.pulls == 0]
+        if untried:
+            return self._rng.choice(untried)
+        log_total = math.log(sum(arm.pulls for arm in arms.values()))
+        scores = {
+            d: arm.mean + self.exploration * math.sqrt(log_total / arm.pulls)
+            for d, arm in arms.items()
+        }
+        best = max(scores.values())
+        return self._rng.choice([d for d, s in scores.items() if s == best])
+
+    def reward(self, batch_size: int, seconds: float) -> None:
+        """Credit ``batch_size / seconds`` to every decision of the batch just run."""
+        if seconds <= 0:
+            raise ValueError(f"step time must be positive, got {seconds}")
+        value = batch_size / seconds
+        for key, decision in self._pending:
+            arm = self.table[key][decision]
+            arm.pulls += 1
+            arm.total += value
+        self._pending.clear()
+
+    def end_step(self) -> None:
+        """Decisions wait for the step's reward; nothing to do here."""
+
+    def greedy(self, context: GateContext) -> Decision:
+        """The learned best action, without exploring (for inspection and reports)."""
+        if must_add(context):
+            return Decision.ADD
+        arms = self.table.get(self.context_of(context))
+        if not arms or any(arm.pulls == 0 for arm in arms.values()):
+            return Decision.ADD
+        return max(arms, key=lambda d: arms[d].mean)
+
+    # ---- warm start -------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        """Write the learned table (and the binning it was learned with) as JSON."""
+        rows = [
+            {"context": list(key), "action": d.value, "pulls": arm.pulls, "total": arm.total}
+            for key, arms in sorted(self.table.items())
+            for d, arm in arms.items()
+            if arm.pulls
+        ]
+        Path(path).write_text(json.dumps({"format": "feather-bandit", "version": 1,
+                                          "binning": self._binning(), "table": rows}))
+
+    def load(self, path: str | Path) -> None:
+        """Replace the table with one saved by ``save``; the binning must match."""
+        data = json.loads(Path(path).read_text())
+        if data.get("format") != "feather-bandit":
+            raise ValueError(f"{path}: not a feather bandit table")
+        if data.get("binning") != self._binning():
+            raise ValueError(
+                f"{path}: table was learned with binning {data.get('binning')}, "
+                f"this gate uses {self._binning()}"
+            )
+        table: dict[Context, dict[Decision, _Arm]] = {}
+        for row in data["table"]:
+            key = tuple(row["context"])
+            arms = table.setdefault(key, {d: _Arm() for d in Decision})
+            arms[Decision(row["action"])] = _Arm(int(row["pulls"]), float(row["total"]))
+        self.table = table
+
+    def _binning(self) -> dict[str, int]:
+        return {
+            "batch_bin": self.batch_bin,
+            "batch_bins": self.batch_bins,
+            "loss_clamp": self.loss_clamp,
+            "waiters_bin": self.waiters_bin,
+            "waiters_bins": self.waiters_bins,
+        }
+
+
+GATE_KINDS = ("always", "chunk-loss", "bandit")
+
+
+def make_gate(kind: str, **options: float | int | str | None) -> Gate:
+    """Build a gate by name (``always``, ``chunk-loss``, ``bandit``) from keyword options.
+
+    A bandit given ``state_file`` loads it when it exists (warm start).
+    """
+    if kind == "always":
+        if options:
+            raise ValueError(f"gate 'always' takes no options, got {sorted(options)}")
+        return AlwaysAddGate()
+    if kind == "chunk-loss":
+        return _build(ChunkLossGate, kind, options)
+    if kind == "bandit":
+        state_file = options.pop("state_file", None)
+        gate = _build(UCBBanditGate, kind, options)
+        if state_file and Path(str(state_file)).exists():
+            gate.load(str(state_file))
+        return gate
+    raise ValueError(f"unknown gate kind {kind!r}; choose one of {', '.join(GATE_KINDS)}")
+
+
+def _build(cls: type, kind: str, options: dict) -> Gate:
+    try:
+        return cls(**options)
+    except TypeError as error:
+        raise ValueError(f"bad option for gate {kind!r}: {error}") from None
+
+
+def _check_non_negative(**values: int) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"{name} must be non-negative, got {value}")
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")

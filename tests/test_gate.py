@@ -1,0 +1,141 @@
+"""ADD/STOP gates: the fixed rules, the bandit's learning, and its saved table."""
+
+from __future__ import annotations
+
+import pytest
+
+from feather_sched.gate import (
+    AlwaysAddGate,
+    ChunkLossGate,
+    Decision,
+    GateContext,
+    UCBBanditGate,
+    make_gate,
+)
+
+
+def ctx(batch: int = 8, loss: int = 3, waiters: int = 0, waiting: int = 10) -> GateContext:
+    return GateContext(batch_size=batch, chunk_loss=loss, sharing_waiters=waiters,
+                       num_waiting=waiting)
+
+
+def test_always_add_adds_even_a_total_loss() -> None:
+    assert AlwaysAddGate().decide(ctx(loss=1000)) is Decision.ADD
+
+
+def test_chunk_loss_gate_limits_loss_and_loosens_under_load() -> None:
+    gate = ChunkLossGate(max_loss=5, max_loss_loaded=7, load_waiting=100, floor_start=4)
+    assert gate.decide(ctx(batch=16, loss=5)) is Decision.ADD
+    assert gate.decide(ctx(batch=16, loss=6, waiting=10)) is Decision.STOP
+    assert gate.decide(ctx(batch=16, loss=6, waiting=100)) is Decision.ADD
+    assert gate.decide(ctx(batch=16, loss=8, waiting=100)) is Decision.STOP
+
+
+def test_chunk_loss_gate_floor_rises_while_it_holds_requests_back() -> None:
+    gate = ChunkLossGate(floor_start=2, floor_step=3, floor_max=8)
+    assert gate.decide(ctx(batch=1, loss=50)) is Decision.ADD
+    assert gate.decide(ctx(batch=2, loss=50)) is Decision.STOP
+    gate.end_step()
+    assert gate.floor == 5
+    assert gate.decide(ctx(batch=4, loss=50)) is Decision.ADD
+    assert gate.decide(ctx(batch=5, loss=50)) is Decision.STOP
+    gate.end_step()
+    assert gate.floor == 8
+    assert gate.decide(ctx(batch=8, loss=50)) is Decision.STOP
+    gate.end_step()
+    assert gate.floor == 8
+    gate.end_step()
+    assert gate.floor == 2
+
+
+@pytest.mark.parametrize("gate", [ChunkLossGate(), UCBBanditGate()])
+def test_no_gate_refuses_an_empty_batch_or_a_free_admission(gate) -> None:
+    assert gate.decide(ctx(batch=0, loss=99)) is Decision.ADD
+    assert gate.decide(ctx(batch=30, loss=0)) is Decision.ADD
+
+
+def train(gate: UCBBanditGate, throughput: dict[Decision, float], steps: int) -> None:
+    """Each step asks once in one context; the step's reward depends on the answer."""
+    for _ in range(steps):
+        decision = gate.decide(ctx(batch=8, loss=4, waiters=2))
+        gate.reward(batch_size=1, seconds=1 / throughput[decision])
+
+
+def test_bandit_learns_that_stopping_pays() -> None:
+    gate = UCBBanditGate(exploration=10.0, seed=1)
+    train(gate, {Decision.ADD: 100.0, Decision.STOP: 300.0}, steps=200)
+    arms = gate.table[gate.context_of(ctx(batch=8, loss=4, waiters=2))]
+    assert arms[Decision.STOP].pulls > 150
+    assert gate.greedy(ctx(batch=8, loss=4, waiters=2)) is Decision.STOP
+
+
+def test_bandit_learns_that_adding_pays() -> None:
+    gate = UCBBanditGate(exploration=10.0, seed=1)
+    train(gate, {Decision.ADD: 300.0, Decision.STOP: 100.0}, steps=200)
+    assert gate.greedy(ctx(batch=8, loss=4, waiters=2)) is Decision.ADD
+
+
+def test_bandit_rewards_every_decision_of_the_batch() -> None:
+    gate = UCBBanditGate(seed=0)
+    decisions = [gate.decide(ctx(batch=b, loss=3)) for b in (4, 8, 12)]
+    gate.reward(batch_size=12, seconds=0.5)
+    for batch, decision in zip((4, 8, 12), decisions, strict=True):
+        arm = gate.table[gate.context_of(ctx(batch=batch, loss=3))][decision]
+        assert (arm.pulls, arm.total) == (1, 24.0)
+
+
+def test_bandit_context_bins_follow_the_paper() -> None:
+    gate = UCBBanditGate()
+    assert gate.context_of(ctx(batch=9, loss=12, waiters=7)) == (2, 5, 1)
+    assert gate.context_of(ctx(batch=10_000, loss=-40, waiters=10_000)) == (15, -5, 15)
+
+
+def test_bandit_is_deterministic_for_a_seed() -> None:
+    def run(seed: int) -> list[Decision]:
+        gate = UCBBanditGate(seed=seed)
+        out = []
+        for step in range(60):
+            out.append(gate.decide(ctx(batch=4 + step % 3, loss=2 + step % 4)))
+            gate.reward(batch_size=4, seconds=0.01 + 0.001 * (step % 5))
+        return out
+
+    assert run(3) == run(3)
+    assert any(run(3) != run(seed) for seed in range(4, 10))
+
+
+def test_bandit_table_round_trips_and_warm_starts(tmp_path) -> None:
+    gate = UCBBanditGate(exploration=10.0, seed=1)
+    train(gate, {Decision.ADD: 100.0, Decision.STOP: 300.0}, steps=50)
+    path = tmp_path / "bandit.json"
+    gate.save(path)
+    warm = make_gate("bandit", exploration=10.0, state_file=str(path))
+    assert warm.table == gate.table
+    assert warm.greedy(ctx(batch=8, loss=4, waiters=2)) is Decision.STOP
+
+
+def test_bandit_refuses_a_table_learned_with_other_bins(tmp_path) -> None:
+    path = tmp_path / "bandit.json"
+    UCBBanditGate(batch_bin=8).save(path)
+    with pytest.raises(ValueError, match="binning"):
+        UCBBanditGate().load(path)
+
+
+@pytest.mark.parametrize(
+    ("kind", "options", "message"),
+    [
+        ("greedy", {}, "unknown gate kind 'greedy'"),
+        ("always", {"max_loss": 3}, "takes no options"),
+        ("chunk-loss", {"max_loss": -1}, "max_loss must be non-negative"),
+        ("chunk-loss", {"speed": 1}, "bad option for gate 'chunk-loss'"),
+        ("bandit", {"exploration": -2.0}, "exploration must be non-negative"),
+        ("bandit", {"batch_bin": 0}, "batch_bin must be positive"),
+    ],
+)
+def test_bad_gate_options_fail_clearly(kind: str, options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_gate(kind, **options)
+
+
+def test_step_time_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        UCBBanditGate().reward(batch_size=4, seconds=0.0)
