@@ -1,0 +1,198 @@
+"""Feather inside vLLM's V1 engine (pinned: vLLM 0.32.0).
+
+Load with ``--scheduler-cls feather_sched.integrations.vllm.FeatherScheduler`` (server) or
+``LLM(..., scheduler_cls=FeatherScheduler)``.  The subclass is thin: vLLM's own
+``schedule()`` runs unchanged over a waiting queue that is a ``FeatherQueue``.
+
+* Order: ``peek_request``/``pop_request`` return the Chunked Hash Tree's best candidate;
+  chunk keys are the engine's own ``request.block_hashes`` (every k-th chained block
+  hash; no re-hashing), or token chunks when prefix caching is off.
+* Gate: the admission loop stops when the queue is falsy, so ``__bool__`` answers the
+  gate's ADD/STOP while ``__len__`` stays the true count (what vLLM reports).
+* Feedback: the time from handing a step to the workers until its output returns, and
+  the step's batch size, become the gate's reward.
+* Exits: a preempted or skipped request comes back through ``prepend_request(s)`` and is
+  requeued in the tree; finished, aborted and stopped requests leave through
+  ``remove_requests`` or vLLM's ``_free_request``, whichever comes first, exactly once.
+
+Options: ``--additional-config '{"feather": {"gate": "bandit", ...}}'`` or ``FEATHER_*``
+environment variables (see ``feather_sched.config``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from vllm.v1.core.sched.request_queue import RequestQueue
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+from feather_sched.cht import RequestState, block_chunk_keys, token_chunk_keys
+from feather_sched.config import FeatherConfig
+from feather_sched.gate import UCBBanditGate
+from feather_sched.queue import FeatherQueue
+from feather_sched.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+SAVE_STATE_EVERY_STEPS = 512
+"""How often the stats file and a bandit's state file are written (and at shutdown)."""
+
+
+class FeatherWaitingQueue(RequestQueue):
+    """vLLM's ``RequestQueue`` interface over a ``FeatherQueue`` of vLLM requests."""
+
+    def __init__(self, queue: FeatherQueue, config: FeatherConfig, hash_block_size: int):
+        self.queue = queue
+        self.config = config
+        self.hash_block_size = hash_block_size
+        self.blocks_per_chunk = config.blocks_per_chunk(hash_block_size)
+
+    def chunk_keys(self, request: Request) -> list:
+        """The prompt's chunk keys, from the engine's block hashes when it has them."""
+        prompt_blocks = request.num_prompt_tokens // self.hash_block_size
+        if request.block_hashes:
+            return block_chunk_keys(request.block_hashes[:prompt_blocks], self.blocks_per_chunk)
+        if request.prompt_token_ids is None:
+            return []
+        return token_chunk_keys(request.prompt_token_ids, self.config.chunk_tokens)
+
+    # ---- what vLLM's schedule() and request handling call -----------------------------
+
+    def add_request(self, request: Request) -> None:
+        self._enter_waiting(request)
+
+    def pop_request(self) -> Request:
+        return self.queue.payload(self.queue.pop())
+
+    def peek_request(self) -> Request:
+        return self.queue.payload(self.queue.peek())
+
+    def prepend_request(self, request: Request) -> None:
+        """A preempted request, or one the admission loop skipped, comes back."""
+        self._enter_waiting(request)
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self._enter_waiting(request)
+
+    def remove_request(self, request: Request) -> None:
+        self.forget(request.request_id)
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self.forget(request.request_id)
+
+    def __bool__(self) -> bool:
+        return self.queue.may_admit()
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (self.queue.payload(request_id) for request_id in self.queue)
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request from the tree if it is still there (any exit path, once)."""
+        if request_id in self.queue:
+            self.queue.remove(request_id)
+
+    def _enter_waiting(self, request: Request) -> None:
+        request_id = request.request_id
+        if request_id not in self.queue:
+            arrival = getattr(request, "arrival_time", None)
+            self.queue.add(request_id, self.chunk_keys(request), request, arrival)
+        elif self.queue.tree.state(request_id) is RequestState.RUNNING:
+            self.queue.requeue(request_id)
+
+
+def feather_options(vllm_config: Any) -> FeatherConfig:
+    """Feather's options from ``--additional-config '{"feather": {...}}'`` or FEATHER_*."""
+    additional = vllm_config.additional_config
+    options = additional.get("feather") if isinstance(additional, dict) else None
+    return FeatherConfig.from_sources(options)
+
+
+class InstrumentedScheduler(Scheduler):
+    """vLLM's own scheduler, unchanged, that also accounts for its steps.
+
+    It measures the wall time of ``schedule()`` and of each step (from handing it to the
+    workers until its output returns) and writes them to the ``stats_file`` option.
+    ``feather bench`` runs the FCFS baseline with it, so both sides are measured alike.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.feather_config = feather_options(self.vllm_config)
+        self.stats = SchedulerStats(scheduler=type(self).__name__)
+        self._step_started: dict[int, float] = {}
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        started = time.perf_counter()
+        output = super().schedule(*args, **kwargs)
+        now = time.perf_counter()
+        self.stats.schedule_calls += 1
+        self.stats.schedule_s += now - started
+        if output.num_scheduled_tokens:
+            self._step_started[id(output)] = now
+        return output
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        started = self._step_started.pop(id(scheduler_output), None)
+        if started is not None:
+            self._on_step(len(scheduler_output.num_scheduled_tokens),
+                          time.perf_counter() - started)
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def shutdown(self) -> None:
+        self._write_state()
+        super().shutdown()
+
+    def _on_step(self, batch_size: int, seconds: float) -> None:
+        self.stats.steps += 1
+        self.stats.step_s += seconds
+        self.stats.batched_requests += batch_size
+        if self.stats.steps % SAVE_STATE_EVERY_STEPS == 0:
+            self._write_state()
+
+    def _write_state(self) -> None:
+        if self.feather_config.stats_file:
+            self.stats.write(self.feather_config.stats_file)
+
+
+class FeatherScheduler(InstrumentedScheduler):
+    """vLLM's scheduler with Feather's ordering and ADD/STOP gate at admission."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        hash_block_size = kwargs.get("hash_block_size") or self.block_size
+        queue = self.feather_config.make_queue(clock=time.time)
+        self.feather = FeatherWaitingQueue(queue, self.feather_config, hash_block_size)
+        self.waiting = self.feather
+        logger.info("Feather scheduler: %s", self.feather_config)
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        self.feather.queue.new_step()
+        return super().schedule(*args, **kwargs)
+
+    def _free_request(self, request: Request, *args: Any, **kwargs: Any):
+        self.feather.forget(request.request_id)
+        return super()._free_request(request, *args, **kwargs)
+
+    def _on_step(self, batch_size: int, seconds: float) -> None:
+        self.feather.queue.record_step(batch_size, seconds)
+        super()._on_step(batch_size, seconds)
+
+    def _write_state(self) -> None:
+        counts = self.feather.queue.counts
+        self.stats.gate_add, self.stats.gate_stop = counts.add, counts.stop
+        self.stats.gate_forced = counts.forced
+        gate = self.feather.queue.gate
+        if self.feather_config.state_file and isinstance(gate, UCBBanditGate):
+            gate.save(self.feather_config.state_file)
+        super()._write_state()

@@ -1,0 +1,105 @@
+"""Keep vLLM's persistent batch ordered by prefix group (a vLLM general plugin).
+
+The decode-attention kernel walks the batch in order, so requests of one prefix group
+placed back to back re-read their shared KV blocks while they are still in cache; vLLM
+instead fills freed batch slots with whatever request comes next, interleaving groups
+over time.  The scheduler cannot reach the worker's batch, so this module is registered as
+a ``vllm.general_plugins`` entry point (vLLM loads those in every process) and wraps the
+model runner's ``_may_reorder_batch`` hook.  It acts only when the engine runs
+``FeatherScheduler`` with ``order_running`` on; other engines are left untouched.
+
+Group key of a request: the physical id of its first KV block, which prefix caching
+shares between requests of one group.  The order is stable within a group, and requests
+stay in the decode/extend/prefill regions that attention backends with a reorder
+threshold (e.g. FlashInfer, MLA) require.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from feather_sched.config import FeatherConfig
+
+_PATCHED = "_feather_batch_order"
+
+
+def register() -> None:
+    """Entry point: wrap the GPU/CPU model runner's batch-reorder hook once per process."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._may_reorder_batch
+    if getattr(original, _PATCHED, False):
+        return
+
+    def _may_reorder_batch(self: Any, scheduler_output: Any) -> None:
+        if _ordering_enabled(self):
+            order_by_prefix_group(self.input_batch, scheduler_output,
+                                  self.reorder_batch_threshold)
+        original(self, scheduler_output)
+
+    setattr(_may_reorder_batch, _PATCHED, True)
+    GPUModelRunner._may_reorder_batch = _may_reorder_batch
+
+
+def _ordering_enabled(runner: Any) -> bool:
+    """Decided once per runner from the engine's own configuration."""
+    enabled = getattr(runner, _PATCHED, None)
+    if enabled is None:
+        from feather_sched.integrations.vllm import FeatherScheduler
+
+        config = runner.vllm_config
+        scheduler_cls = config.scheduler_config.get_scheduler_cls()
+        enabled = issubclass(scheduler_cls, FeatherScheduler) and _order_option(config)
+        setattr(runner, _PATCHED, enabled)
+    return enabled
+
+
+def _order_option(vllm_config: Any) -> bool:
+    additional = vllm_config.additional_config
+    options = additional.get("feather") if isinstance(additional, dict) else None
+    return FeatherConfig.from_sources(options).order_running
+
+
+def batch_regions(input_batch: Any, scheduler_output: Any, threshold: int | None) -> np.ndarray:
+    """vLLM's reorder regions (0 decode, 1 short extend, 2 long extend, 3 prefill)."""
+    num_reqs = input_batch.num_reqs
+    if threshold is None:
+        return np.zeros(num_reqs, dtype=np.int32)
+    scheduled = np.array([scheduler_output.num_scheduled_tokens[r] for r in input_batch.req_ids])
+    computed = input_batch.num_computed_tokens_cpu[:num_reqs]
+    prompt = input_batch.num_prompt_tokens[:num_reqs]
+    below = scheduled <= threshold
+    regions = np.where(below & (computed < prompt), 1, 0)
+    regions = np.where(~below, 2, regions)
+    return np.where(computed == 0, 3, regions).astype(np.int32)
+
+
+def order_by_prefix_group(input_batch: Any, scheduler_output: Any,
+                          threshold: int | None) -> int:
+    """Sort the batch by (region, first KV block id), stably; returns the swaps made."""
+    num_reqs = input_batch.num_reqs
+    if num_reqs < 2:
+        return 0
+    first_blocks = input_batch.block_table[0].block_table.np[:num_reqs, 0]
+    regions = batch_regions(input_batch, scheduler_output, threshold)
+    order = np.lexsort((np.arange(num_reqs), first_blocks, regions))
+    return apply_order(input_batch, order.tolist())
+
+
+def apply_order(input_batch: Any, order: list[int]) -> int:
+    """Permute with ``swap_states`` so that slot i holds the request now at ``order[i]``."""
+    position = list(range(len(order)))  # request (by old slot) -> its current slot
+    occupant = list(range(len(order)))  # slot -> request (by old slot) now in it
+    swaps = 0
+    for target, request in enumerate(order):
+        current = position[request]
+        if current == target:
+            continue
+        input_batch.swap_states(current, target)
+        displaced = occupant[target]
+        occupant[target], occupant[current] = request, displaced
+        position[request], position[displaced] = target, current
+        swaps += 1
+    return swaps

@@ -1,0 +1,83 @@
+"""Batch ordering by prefix group: the permutation, and its effect in the real engine."""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from feather_sched.integrations.vllm_batch_order import apply_order
+
+
+class ListBatch:
+    def __init__(self, items: list[int]) -> None:
+        self.items = list(items)
+
+    def swap_states(self, i: int, j: int) -> None:
+        self.items[i], self.items[j] = self.items[j], self.items[i]
+
+
+@given(st.permutations(list(range(12))))
+def test_apply_order_realises_any_permutation(order: list[int]) -> None:
+    batch = ListBatch([f"req{i}" for i in range(12)])
+    swaps = apply_order(batch, order)
+    assert batch.items == [f"req{i}" for i in order]
+    assert swaps <= 11
+
+
+def test_apply_order_makes_no_swap_when_sorted() -> None:
+    assert apply_order(ListBatch([1, 2, 3]), [0, 1, 2]) == 0
+
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+pytest.importorskip("vllm", reason="the vllm extra is not installed")
+
+from tests.integrations.test_vllm import (  # noqa: E402
+    RecordingScheduler,
+    group_prompts,
+    make_llm,
+    run_to_completion,
+)
+
+
+def runner_of(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+class OrderWatcher(RecordingScheduler):
+    """Snapshots the worker's batch order (first KV block per slot) after every step."""
+
+    runner = None
+    orders: ClassVar[list[list[int]]] = []
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        batch = OrderWatcher.runner.input_batch
+        blocks = batch.block_table[0].block_table.np[: batch.num_reqs, 0].tolist()
+        OrderWatcher.orders.append(blocks)
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+
+def group_runs(order: list[int]) -> int:
+    """How many runs of equal first blocks: one per group when ordered."""
+    return sum(1 for i, block in enumerate(order) if i == 0 or block != order[i - 1])
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_running_batch_is_kept_ordered_by_group(ordered: bool) -> None:
+    llm = make_llm(OrderWatcher, {"gate": "always", "order_running": ordered})
+    OrderWatcher.runner, OrderWatcher.orders = runner_of(llm), []
+    pairs = group_prompts(groups=3, per_group=4, seed=5)
+    # Every other request stops early; vLLM moves the batch's tail into the freed slots,
+    # which interleaves the groups that remain.
+    lengths = [3 if i % 2 else 16 for i in range(len(pairs))]
+    run_to_completion(llm, [p for _, p in pairs], max_tokens=lengths)
+    last = OrderWatcher.orders[-2]
+    assert len(last) == lengths.count(16)
+    groups, runs = len(set(last)), group_runs(last)
+    if ordered:
+        assert runs == groups
+    else:
+        assert runs > groups
