@@ -1,0 +1,345 @@
+"""Turn benchmark runs into vLLM-comparable numbers: summaries, text block, table, JSON, plot.
+
+Metrics follow ``vllm bench serve`` (``vllm/benchmarks/serve.py``: ``calculate_metrics``
+and the result dict) key for key, so a Feather run reads side by side with a vLLM one:
+only successful requests count; TPOT is ``(e2el - ttft) / (output_len - 1)`` for
+requests with more than one token; ITL holds one gap per streamed chunk, so ``k``
+tokens that arrive together give one gap (what vLLM's client records); an empty sample
+counts as 0 as in vLLM.  Our own keys (batch size, prefix groups, cache hit rate, gate
+counts) come after vLLM's and are ``None`` when the run did not observe them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import groupby, pairwise
+from pathlib import Path
+
+import numpy as np
+from rich.table import Table
+
+from feather_sched.bench.records import RequestRecord, StepRecord
+from feather_sched.stats import SchedulerStats
+
+Summary = dict[str, float | int | None]
+
+WIDTH = 50
+LINE = "{:<40} {:<10}"
+NUMBER = "{:<40} {:<10.2f}"
+
+LATENCIES = (
+    ("ttft", "TTFT", "Time to First Token"),
+    ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+    ("itl", "ITL", "Inter-token Latency"),
+    ("e2el", "E2EL", "End-to-end Latency"),
+)
+"""vLLM's latency metrics: summary key stem, printed name, section title."""
+
+GATE_KEYS = ("add", "stop", "forced")
+
+RATIO_COLUMNS = (
+    ("request_throughput", "Req/s"),
+    ("output_throughput", "Output tok/s"),
+    ("total_token_throughput", "Total tok/s"),
+    ("mean_ttft_ms", "Mean TTFT ms"),
+    ("p99_ttft_ms", "P99 TTFT ms"),
+    ("mean_tpot_ms", "Mean TPOT ms"),
+    ("mean_e2el_ms", "Mean E2EL ms"),
+)
+
+
+@dataclass
+class RunResult:
+    """One scheduler's benchmark run, as recorded, before any statistics."""
+
+    name: str
+    """Scheduler label, e.g. ``fcfs`` or ``feather-bandit``."""
+    records: list[RequestRecord]
+    duration_s: float
+    steps: list[StepRecord] | None = None
+    gate_counts: dict[str, int] | None = None
+    """Keys ``add``, ``stop``, ``forced``."""
+    prefix_cache_hit_rate: float | None = None
+    """Engine-reported fraction; when None, derived from the records' ``cached_tokens``."""
+    request_rate: float | None = None
+    max_concurrency: int | None = None
+    scheduler_stats: SchedulerStats | None = None
+    """The engine-side scheduler's own accounting, when the run could read it."""
+
+
+# ---- summary ----------------------------------------------------------------------------
+
+
+def summarize(run: RunResult, percentiles: Sequence[float] = (99,)) -> Summary:
+    """vLLM's ``bench serve`` result keys for ``run``, then Feather's own keys."""
+    ok = [r for r in run.records if r.success]
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_len for r in ok)
+    summary: Summary = {
+        "duration": run.duration_s,
+        "completed": len(ok),
+        "failed": len(run.records) - len(ok),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": _per_second(len(ok), run.duration_s),
+        "output_throughput": _per_second(output_tokens, run.duration_s),
+        "total_token_throughput": _per_second(input_tokens + output_tokens, run.duration_s),
+    }
+    for key, values in _latency_samples(ok).items():
+        summary.update(_latency_stats(key, values, percentiles))
+    summary.update(_feather_keys(run, ok))
+    return summary
+
+
+def _per_second(count: int, duration_s: float) -> float | None:
+    """A throughput; None when the run has no duration to divide by."""
+    return count / duration_s if duration_s > 0 else None
+
+
+def _latency_samples(ok: list[RequestRecord]) -> dict[str, list[float]]:
+    """Per-request TTFT, TPOT and E2EL and per-chunk ITL samples, in seconds."""
+    samples: dict[str, list[float]] = {key: [] for key, _, _ in LATENCIES}
+    for record in ok:
+        e2el = _end_s(record) - record.submitted_s
+        samples["e2el"].append(e2el)
+        samples["itl"].extend(_chunk_gaps(record.token_times_s))
+        ttft = record.ttft_s
+        if ttft is None:
+            continue
+        samples["ttft"].append(ttft)
+        if record.output_len > 1:
+            samples["tpot"].append((e2el - ttft) / (record.output_len - 1))
+    return samples
+
+
+def _end_s(record: RequestRecord) -> float:
+    """When the request finished; its last token (vLLM's end) if no finish was recorded."""
+    if record.finished_s is not None:
+        return record.finished_s
+    return record.token_times_s[-1] if record.token_times_s else record.submitted_s
+
+
+def _chunk_gaps(token_times_s: list[float]) -> list[float]:
+    """Gaps between successive chunks: tokens sharing an arrival time are one chunk."""
+    chunks = [t for t, _ in groupby(token_times_s)]
+    return [b - a for a, b in pairwise(chunks)]
+
+
+def _latency_stats(key: str, values: list[float], percentiles: Iterable[float]) -> Summary:
+    """Mean, median, std and percentiles in ms, as vLLM names them (empty -> 0)."""
+    data = values or 0
+    stats: Summary = {
+        f"mean_{key}_ms": float(np.mean(data)) * 1000,
+        f"median_{key}_ms": float(np.median(data)) * 1000,
+        f"std_{key}_ms": float(np.std(data)) * 1000,
+    }
+    for p in percentiles:
+        stats[f"p{_percentile_word(p)}_{key}_ms"] = float(np.percentile(data, p)) * 1000
+    return stats
+
+
+def _percentile_word(p: float) -> str:
+    """vLLM's spelling of a percentile: ``99`` for 99.0, ``99.9`` for 99.9."""
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def _feather_keys(run: RunResult, ok: list[RequestRecord]) -> Summary:
+    """Scheduler-side observations; None where the run did not record them."""
+    steps = run.steps or []
+    gates = run.gate_counts or {}
+    stats = run.scheduler_stats
+    return {
+        "mean_batch_size": _mean([s.batch_size for s in steps]),
+        "mean_groups_per_step": _mean([s.groups for s in steps]),
+        "prefix_cache_hit_rate": _hit_rate(run, ok),
+        **{f"gate_{key}": gates.get(key) for key in GATE_KEYS},
+        "schedule_ms_per_call": stats.schedule_ms_per_call if stats else None,
+        "engine_step_ms": stats.step_ms if stats else None,
+    }
+
+
+def _mean(values: list[int]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def _hit_rate(run: RunResult, ok: list[RequestRecord]) -> float | None:
+    """The engine's hit rate, else cached / prompt tokens when every success reports it."""
+    if run.prefix_cache_hit_rate is not None:
+        return run.prefix_cache_hit_rate
+    if not ok or any(r.cached_tokens is None for r in ok):
+        return None
+    prompt = sum(r.prompt_len for r in ok)
+    return sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else None
+
+
+# ---- text block -------------------------------------------------------------------------
+
+
+def format_result_block(run: RunResult, summary: Summary) -> str:
+    """vLLM's result block for ``summary``, then a Feather section naming the scheduler."""
+    lines = [_title(" Serving Benchmark Result ", "="), *_header_lines(run, summary)]
+    for key, name, title in LATENCIES:
+        lines.append(_title(title, "-"))
+        lines.extend(_latency_lines(key, name, summary))
+    lines.append(_title(" Feather ", "-"))
+    lines.extend(_feather_lines(run, summary))
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)
+
+
+def _title(text: str, fill: str) -> str:
+    return "{s:{c}^{n}}".format(s=text, n=WIDTH, c=fill)
+
+
+def _number(label: str, value: float | int | None) -> str:
+    """A ``{:<10.2f}`` line as vLLM prints it, or ``n/a`` for a missing value."""
+    return LINE.format(label, "n/a") if value is None else NUMBER.format(label, value)
+
+
+def _header_lines(run: RunResult, summary: Summary) -> list[str]:
+    lines = [
+        LINE.format("Successful requests:", summary["completed"]),
+        LINE.format("Failed requests:", summary["failed"]),
+    ]
+    if run.max_concurrency is not None:
+        lines.append(LINE.format("Maximum request concurrency:", run.max_concurrency))
+    if run.request_rate is not None and not math.isinf(run.request_rate):
+        lines.append(NUMBER.format("Request rate configured (RPS):", run.request_rate))
+    return [
+        *lines,
+        _number("Benchmark duration (s):", summary["duration"]),
+        LINE.format("Total input tokens:", summary["total_input_tokens"]),
+        LINE.format("Total generated tokens:", summary["total_output_tokens"]),
+        _number("Request throughput (req/s):", summary["request_throughput"]),
+        _number("Output token throughput (tok/s):", summary["output_throughput"]),
+        _number("Total token throughput (tok/s):", summary["total_token_throughput"]),
+    ]
+
+
+def _latency_lines(key: str, name: str, summary: Summary) -> list[str]:
+    """Mean, median and every percentile the summary holds for one metric."""
+    lines = [
+        _number(f"Mean {name} (ms):", summary[f"mean_{key}_ms"]),
+        _number(f"Median {name} (ms):", summary[f"median_{key}_ms"]),
+    ]
+    pattern = re.compile(rf"p([0-9.]+)_{key}_ms")
+    for summary_key, value in summary.items():
+        if match := pattern.fullmatch(summary_key):
+            lines.append(_number(f"P{match[1]} {name} (ms):", value))
+    return lines
+
+
+def _feather_lines(run: RunResult, summary: Summary) -> list[str]:
+    rate = summary["prefix_cache_hit_rate"]
+    gates = [summary[f"gate_{key}"] for key in GATE_KEYS]
+    gate_text = "n/a" if all(g is None for g in gates) else " / ".join(map(_or_na, gates))
+    return [
+        LINE.format("Scheduler:", run.name),
+        _number("Mean running batch size:", summary["mean_batch_size"]),
+        _number("Prefix groups per step:", summary["mean_groups_per_step"]),
+        _number("Prefix-cache hit rate (%):", None if rate is None else rate * 100),
+        LINE.format("Gate ADD / STOP / forced:", gate_text),
+        _number("Scheduler time per step (ms):", summary["schedule_ms_per_call"]),
+        _number("Engine step time (ms):", summary["engine_step_ms"]),
+    ]
+
+
+def _or_na(value: float | int | None) -> str:
+    return "n/a" if value is None else str(value)
+
+
+# ---- comparison table -------------------------------------------------------------------
+
+
+def format_ratio_table(summaries: dict[str, Summary], baseline: str) -> Table:
+    """One row per scheduler: each metric's value and its ratio value / baseline value."""
+    if baseline not in summaries:
+        raise KeyError(f"baseline {baseline!r} is not among {sorted(summaries)}")
+    table = Table(title=f"Schedulers against {baseline} (ratio = value / {baseline})")
+    table.add_column("Scheduler")
+    for _, label in RATIO_COLUMNS:
+        table.add_column(f"{label} (x vs {baseline})", justify="right")
+    base = summaries[baseline]
+    for name, summary in summaries.items():
+        cells = [_ratio_cell(summary.get(key), base.get(key)) for key, _ in RATIO_COLUMNS]
+        table.add_row(name, *cells)
+    return table
+
+
+def _ratio_cell(value: float | int | None, base: float | int | None) -> str:
+    """``value (ratio x)``; ``n/a`` parts where a value is missing or the base is 0."""
+    if value is None:
+        return "n/a"
+    ratio = f"{value / base:.2f}x" if base else "n/a"
+    return f"{value:.2f} ({ratio})"
+
+
+# ---- files ------------------------------------------------------------------------------
+
+
+def write_json(
+    path: str | Path,
+    runs: list[RunResult],
+    summaries: dict[str, Summary],
+    extra: dict,
+) -> None:
+    """Write ``{"runs": {name: summary}, "config": extra}`` in run order, making parents.
+
+    ``summaries`` must hold exactly the runs' names, so no run is dropped or invented;
+    values JSON cannot hold (paths, enums) in ``extra`` are written as strings.
+    """
+    names = [run.name for run in runs]
+    if set(names) != set(summaries) or len(set(names)) != len(names):
+        raise ValueError(f"runs {names} and summaries {sorted(summaries)} do not match")
+    document = {"runs": {name: summaries[name] for name in names}, "config": extra}
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=2, default=str) + "\n")
+
+
+def plot(summaries: dict[str, Summary], path: str | Path) -> None:
+    """Throughput and latency bars per scheduler in one figure, saved by ``path``'s suffix.
+
+    Uses the Agg canvas directly (no pyplot, no display, no global backend switch);
+    matplotlib is imported here so the rest of the module works without it.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    throughput, latency = fig.subplots(1, 2)
+    names = list(summaries)
+    _grouped_bars(throughput, names, summaries,
+                  {"Output tok/s": "output_throughput", "Total tok/s": "total_token_throughput"},
+                  ylabel="tokens / s", title="Token throughput")
+    _grouped_bars(latency, names, summaries,
+                  {"Mean TTFT": "mean_ttft_ms", "P99 TTFT": "p99_ttft_ms",
+                   "Mean TPOT": "mean_tpot_ms"},
+                  ylabel="ms", title="Latency")
+    fig.suptitle("Scheduler comparison")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+
+
+def _grouped_bars(ax, names: list[str], summaries: dict[str, Summary],
+                  series: dict[str, str], *, ylabel: str, title: str) -> None:
+    """One group of bars per scheduler, one bar per series; missing values are left out."""
+    width = 0.8 / len(series)
+    positions = np.arange(len(names))
+    for i, (label, key) in enumerate(series.items()):
+        heights = [_or_nan(summaries[name].get(key)) for name in names]
+        ax.bar(positions + (i - (len(series) - 1) / 2) * width, heights, width, label=label)
+    ax.set_xticks(positions, names)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+
+
+def _or_nan(value: float | int | None) -> float:
+    return math.nan if value is None else float(value)

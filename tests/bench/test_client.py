@@ -1,0 +1,222 @@
+"""The benchmark client against a fake OpenAI-compatible streaming server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from feather_sched.bench.client import run_against_server, send_offsets
+from feather_sched.bench.records import RequestRecord
+from feather_sched.workloads import RequestSpec, Workload
+
+FAIL_TOKEN = 0
+"""A prompt holding this token id is rejected with HTTP 400."""
+MODEL = "fake-model"
+
+
+class FakeServer:
+    """``/v1/models`` and streaming ``/v1/completions``, counting requests in flight.
+
+    Each completion streams ``max_tokens`` tokens ``tokens_per_chunk`` at a time, as
+    ``token_ids`` lists or (``token_ids=False``) as one piece of text per chunk, then a
+    usage chunk reporting half the prompt as cached (unless ``report_cached=False``).
+    """
+
+    def __init__(
+        self,
+        *,
+        token_delay_s: float = 0.005,
+        tokens_per_chunk: int = 1,
+        token_ids: bool = False,
+        report_cached: bool = True,
+    ) -> None:
+        self.token_delay_s = token_delay_s
+        self.tokens_per_chunk = tokens_per_chunk
+        self.token_ids = token_ids
+        self.report_cached = report_cached
+        self.bodies: list[dict[str, Any]] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        self.runner = web.AppRunner(app)
+
+    async def __aenter__(self) -> str:
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        host, port = self.runner.addresses[0][:2]
+        return f"http://{host}:{port}/"
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.runner.cleanup()
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL}, {"id": "other"}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if FAIL_TOKEN in body["prompt"]:
+            return web.json_response({"error": {"message": "bad prompt"}}, status=400)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self.stream(request, body)
+        finally:
+            self.in_flight -= 1
+
+    async def stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b": ping\n\n")
+        total = body["max_tokens"]
+        for first in range(0, total, self.tokens_per_chunk):
+            await asyncio.sleep(self.token_delay_s)
+            ids = list(range(first, min(first + self.tokens_per_chunk, total)))
+            choice = {"index": 0, "text": "x" * len(ids)}
+            if self.token_ids:
+                choice["token_ids"] = ids
+            await response.write(sse({"choices": [choice]}))
+        usage: dict[str, Any] = {"prompt_tokens": len(body["prompt"]), "completion_tokens": total}
+        if self.report_cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": len(body["prompt"]) // 2}
+        await response.write(sse({"choices": [], "usage": usage}))
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+def workload(n: int, *, output_len: int = 4, fail: tuple[int, ...] = (), arrivals=None) -> Workload:
+    """``n`` requests with distinct 8-token prompts; indices in ``fail`` hold FAIL_TOKEN."""
+    arrivals = [0.0] * n if arrivals is None else arrivals
+    specs = [
+        RequestSpec(
+            f"r{i}",
+            np.array([FAIL_TOKEN if i in fail else 1, *range(2, 8), 100 + i]),
+            output_len,
+            arrivals[i],
+            group=i % 3,
+        )
+        for i in range(n)
+    ]
+    return Workload("test", specs)
+
+
+def run(server: FakeServer, load: Workload, **kwargs: Any) -> tuple[list[RequestRecord], float]:
+    async def go() -> tuple[list[RequestRecord], float]:
+        async with server as base_url:
+            return await run_against_server(load, base_url=base_url, **kwargs)
+
+    return asyncio.run(go())
+
+
+def test_streams_every_token_with_monotone_times() -> None:
+    server, load = FakeServer(), workload(6, output_len=5)
+    records, duration = run(server, load)
+    assert [r.request_id for r in records] == [s.request_id for s in load]
+    for record, spec in zip(records, load, strict=True):
+        assert record.success and not record.error
+        assert (record.prompt_len, record.group) == (spec.prompt.size, spec.group)
+        assert record.output_len == 5
+        assert record.ttft_s is not None and record.ttft_s > 0
+        times = [record.submitted_s, *record.token_times_s, record.finished_s]
+        assert times == sorted(times)
+        assert record.finished_s <= duration
+    body = server.bodies[0]
+    assert body["model"] == MODEL  # the server's first model
+    assert body["prompt"] == load.requests[0].prompt.tolist()
+    assert (body["max_tokens"], body["min_tokens"], body["ignore_eos"]) == (5, 5, True)
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize("token_ids", [True, False])
+def test_bundled_tokens_repeat_their_chunk_time(token_ids: bool) -> None:
+    server = FakeServer(tokens_per_chunk=3, token_ids=token_ids)
+    (record,), _ = run(server, workload(1, output_len=7), model=MODEL)
+    assert record.success and record.output_len == 7
+    assert record.token_times_s == sorted(record.token_times_s)
+    assert len(set(record.token_times_s)) == 3  # three chunks: 3 + 3 + 1 tokens
+    if token_ids:
+        assert record.token_times_s[0] == record.token_times_s[2] < record.token_times_s[3]
+
+
+def test_failed_requests_are_recorded_not_raised() -> None:
+    done: list[str] = []
+    records, _ = run(
+        FakeServer(), workload(5, fail=(1, 3)), on_done=lambda r: done.append(r.request_id)
+    )
+    assert [r.success for r in records] == [True, False, True, False, True]
+    for record in (records[1], records[3]):
+        assert record.error.startswith("HTTP 400") and "bad prompt" in record.error
+        assert record.token_times_s == [] and record.finished_s is not None
+    assert sorted(done) == [f"r{i}" for i in range(5)]
+
+
+def test_request_timeout_fails_the_request() -> None:
+    (record,), _ = run(FakeServer(token_delay_s=0.2), workload(1), model=MODEL, timeout_s=0.3)
+    assert not record.success and "Timeout" in record.error
+
+
+def test_max_concurrency_is_respected() -> None:
+    server = FakeServer(token_delay_s=0.01)
+    records, _ = run(server, workload(12), max_concurrency=3)
+    assert all(r.success for r in records)
+    assert server.max_in_flight == 3
+
+
+def test_request_rate_spreads_submissions() -> None:
+    records, duration = run(FakeServer(), workload(20, output_len=1), request_rate=50.0)
+    submitted = [r.submitted_s for r in records]
+    assert submitted == sorted(submitted)
+    assert 0.3 < submitted[-1] - submitted[0] < 0.6  # about 20 / 50 = 0.4 s
+    assert duration >= submitted[-1]
+
+
+def test_send_offsets() -> None:
+    load = workload(20)
+    offsets = send_offsets(load, request_rate=50.0, seed=1)
+    assert np.all(np.diff(offsets) >= 0) and offsets[-1] == pytest.approx(0.4)
+    assert np.array_equal(offsets, send_offsets(load, request_rate=50.0, seed=1))
+    assert not np.array_equal(offsets, send_offsets(load, request_rate=50.0, seed=2))
+    even = send_offsets(load, request_rate=50.0, burstiness=math.inf)
+    assert np.allclose(np.diff(even), 0.02)
+    assert not send_offsets(load).any() and not send_offsets(load, request_rate=math.inf).any()
+    replay = workload(3, arrivals=[0.0, 0.5, 1.5])
+    assert send_offsets(replay).tolist() == [0.0, 0.5, 1.5]
+    with pytest.raises(ValueError, match="burstiness"):
+        send_offsets(load, request_rate=1.0, burstiness=0.0)
+
+
+def test_trace_arrivals_are_replayed() -> None:
+    records, _ = run(FakeServer(), workload(2, output_len=1, arrivals=[0.0, 0.25]))
+    assert records[1].submitted_s - records[0].submitted_s > 0.2
+
+
+def test_unreachable_server_raises_connection_error_quickly() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    began = time.perf_counter()
+    with pytest.raises(ConnectionError, match=f"{url}/v1/models"):
+        asyncio.run(run_against_server(workload(2), base_url=url))
+    assert time.perf_counter() - began < 5
+
+
+@pytest.mark.parametrize("report", [True, False])
+def test_cached_tokens_come_from_usage(report: bool) -> None:
+    records, _ = run(FakeServer(report_cached=report), workload(2))
+    expected = 8 // 2 if report else None
+    assert [r.cached_tokens for r in records] == [expected, expected]

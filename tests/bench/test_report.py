@@ -1,0 +1,212 @@
+"""Report metrics against hand computations, and the text, table, JSON and plot outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from rich.console import Console
+
+from feather_sched.bench.records import RequestRecord, StepRecord
+from feather_sched.bench.report import (
+    RunResult,
+    format_ratio_table,
+    format_result_block,
+    plot,
+    summarize,
+    write_json,
+)
+
+VLLM_KEYS = [
+    "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+    "request_throughput", "output_throughput", "total_token_throughput",
+    *(f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el")
+      for stat in ("mean", "median", "std", "p99")),
+]
+FEATHER_KEYS = ["mean_batch_size", "mean_groups_per_step", "prefix_cache_hit_rate",
+                "gate_add", "gate_stop", "gate_forced", "schedule_ms_per_call",
+                "engine_step_ms"]
+
+
+def record(rid: str, prompt_len: int, submitted: float, tokens: list[float],
+           finished: float | None, success: bool = True, cached: int | None = None):
+    return RequestRecord(rid, prompt_len, group=0, submitted_s=submitted, token_times_s=tokens,
+                         finished_s=finished, success=success, cached_tokens=cached)
+
+
+def two_requests_and_a_failure(**kwargs) -> RunResult:
+    """a: tokens at 0.1/0.2/0.4; b: a 2-token chunk at 0.8, then 1.0; c failed."""
+    records = [
+        record("a", 10, 0.0, [0.1, 0.2, 0.4], 0.4, cached=4),
+        record("b", 20, 0.5, [0.8, 0.8, 1.0], 1.0, cached=8),
+        record("c", 100, 0.6, [0.9], None, success=False),
+    ]
+    return RunResult("fcfs", records, duration_s=2.0, **kwargs)
+
+
+def test_keys_are_vllms_then_ours_in_order() -> None:
+    assert list(summarize(two_requests_and_a_failure())) == VLLM_KEYS + FEATHER_KEYS
+
+
+def test_counts_and_throughputs_exclude_failures() -> None:
+    s = summarize(two_requests_and_a_failure())
+    assert (s["completed"], s["failed"]) == (2, 1)
+    assert (s["total_input_tokens"], s["total_output_tokens"]) == (30, 6)
+    assert s["duration"] == 2.0
+    assert s["request_throughput"] == pytest.approx(1.0)
+    assert s["output_throughput"] == pytest.approx(3.0)
+    assert s["total_token_throughput"] == pytest.approx(18.0)
+
+
+@pytest.mark.parametrize(("metric", "mean", "median", "std", "p99"), [
+    # TTFT: a 0.1, b 0.3.  p99 interpolates: 0.1 + 0.99 * 0.2.
+    ("ttft", 200.0, 200.0, 100.0, 298.0),
+    # TPOT: a (0.4 - 0.1) / 2 = 0.15, b (0.5 - 0.3) / 2 = 0.1 (chunk tokens still count).
+    ("tpot", 125.0, 125.0, 25.0, 149.5),
+    # ITL: a 0.1, 0.2; b one gap 0.2 (the 2-token chunk is one arrival, as in vLLM).
+    ("itl", 500 / 3, 200.0, 1000 * math.sqrt(0.02 / 9), 200.0),
+    # E2EL: a 0.4, b 0.5.
+    ("e2el", 450.0, 450.0, 50.0, 499.0),
+])
+def test_latencies_match_hand_computation(metric, mean, median, std, p99) -> None:
+    s = summarize(two_requests_and_a_failure())
+    got = [s[f"{stat}_{metric}_ms"] for stat in ("mean", "median", "std", "p99")]
+    assert got == pytest.approx([mean, median, std, p99])
+
+
+def test_percentiles_are_named_as_vllm_names_them() -> None:
+    s = summarize(two_requests_and_a_failure(), percentiles=(50, 99.9))
+    assert s["p50_ttft_ms"] == pytest.approx(200.0)
+    assert "p99.9_e2el_ms" in s and "p99_e2el_ms" not in s
+
+
+def test_single_token_request_has_no_tpot_and_no_itl() -> None:
+    run = RunResult("x", [record("a", 5, 0.0, [0.25], 0.25)], duration_s=1.0)
+    s = summarize(run)
+    assert s["mean_ttft_ms"] == pytest.approx(250.0)
+    assert s["mean_tpot_ms"] == 0.0 and s["mean_itl_ms"] == 0.0
+
+
+def test_steps_gates_and_engine_hit_rate() -> None:
+    run = two_requests_and_a_failure(
+        steps=[StepRecord(4, 1), StepRecord(2, 2), StepRecord(3, 3)],
+        gate_counts={"add": 7, "stop": 2, "forced": 1},
+        prefix_cache_hit_rate=0.75,
+    )
+    s = summarize(run)
+    assert s["mean_batch_size"] == pytest.approx(3.0)
+    assert s["mean_groups_per_step"] == pytest.approx(2.0)
+    assert (s["gate_add"], s["gate_stop"], s["gate_forced"]) == (7, 2, 1)
+    assert s["prefix_cache_hit_rate"] == 0.75
+
+
+def test_hit_rate_from_cached_tokens_of_successes_only() -> None:
+    s = summarize(two_requests_and_a_failure())
+    assert s["prefix_cache_hit_rate"] == pytest.approx(12 / 30)
+    assert s["mean_batch_size"] is None and s["gate_add"] is None
+
+
+def test_hit_rate_unknown_when_a_success_lacks_cached_tokens() -> None:
+    run = two_requests_and_a_failure()
+    run.records[1].cached_tokens = None
+    assert summarize(run)["prefix_cache_hit_rate"] is None
+
+
+@pytest.mark.parametrize("duration", [0.0, 3.0])
+def test_runs_without_successes_do_not_crash(duration: float) -> None:
+    run = RunResult("x", [record("a", 7, 0.0, [], None, success=False)], duration_s=duration)
+    s = summarize(run)
+    assert (s["completed"], s["failed"], s["total_input_tokens"]) == (0, 1, 0)
+    assert s["mean_ttft_ms"] == 0.0 and s["p99_e2el_ms"] == 0.0
+    assert s["request_throughput"] == (0.0 if duration else None)
+    assert "n/a" in format_result_block(run, s)
+
+
+def test_result_block_prints_vllms_lines() -> None:
+    run = two_requests_and_a_failure(request_rate=4.0, max_concurrency=8,
+                                     gate_counts={"add": 7, "stop": 2, "forced": 1})
+    lines = format_result_block(run, summarize(run)).splitlines()
+    assert lines[0] == "{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")
+    assert lines[-1] == "=" * 50
+    for line in (
+        "{:<40} {:<10}".format("Successful requests:", 2),
+        "{:<40} {:<10}".format("Maximum request concurrency:", 8),
+        "{:<40} {:<10.2f}".format("Request rate configured (RPS):", 4.0),
+        "{:<40} {:<10.2f}".format("Output token throughput (tok/s):", 3.0),
+        "{s:{c}^{n}}".format(s="Time per Output Token (excl. 1st token)", n=50, c="-"),
+        "{:<40} {:<10.2f}".format("Mean TTFT (ms):", 200.0),
+        "{:<40} {:<10.2f}".format("P99 E2EL (ms):", 499.0),
+        "{:<40} {:<10}".format("Scheduler:", "fcfs"),
+        "{:<40} {:<10.2f}".format("Prefix-cache hit rate (%):", 40.0),
+        "{:<40} {:<10}".format("Gate ADD / STOP / forced:", "7 / 2 / 1"),
+    ):
+        assert line in lines
+
+
+def test_result_block_omits_unset_rate_and_concurrency() -> None:
+    run = two_requests_and_a_failure(request_rate=math.inf)
+    block = format_result_block(run, summarize(run))
+    assert "Request rate configured" not in block
+    assert "Maximum request concurrency" not in block
+    assert "{:<40} {:<10}".format("Mean running batch size:", "n/a") in block
+
+
+def faster_run() -> RunResult:
+    """Same requests, half the duration and half the latencies of the baseline."""
+    records = [record("a", 10, 0.0, [0.05, 0.1, 0.2], 0.2), record("b", 20, 0.0, [0.1], 0.1)]
+    return RunResult("feather", records, duration_s=1.0)
+
+
+def test_ratio_table_shows_value_over_baseline() -> None:
+    summaries = {"fcfs": summarize(two_requests_and_a_failure()),
+                 "feather": summarize(faster_run())}
+    console = Console(record=True, width=200)
+    console.print(format_ratio_table(summaries, baseline="fcfs"))
+    text = console.export_text()
+    assert "x vs fcfs" in text
+    assert "1.00 (1.00x)" in text  # fcfs request throughput
+    assert "2.00 (2.00x)" in text  # feather: 2 requests in 1 s
+    assert "75.00 (0.38x)" in text  # feather mean TTFT 75 ms against 200 ms
+
+
+def test_ratio_table_rejects_unknown_baseline() -> None:
+    with pytest.raises(KeyError):
+        format_ratio_table({"fcfs": summarize(faster_run())}, baseline="vllm")
+
+
+def test_json_round_trips(tmp_path) -> None:
+    runs = [two_requests_and_a_failure(), faster_run()]
+    summaries = {run.name: summarize(run) for run in runs}
+    out = tmp_path / "nested" / "result.json"
+    write_json(out, runs, summaries, {"model": "tiny", "output": tmp_path})
+    document = json.loads(out.read_text())
+    assert list(document["runs"]) == ["fcfs", "feather"]
+    assert document["runs"]["fcfs"] == summaries["fcfs"]
+    assert document["config"] == {"model": "tiny", "output": str(tmp_path)}
+
+
+def test_json_refuses_runs_without_summaries(tmp_path) -> None:
+    with pytest.raises(ValueError, match="do not match"):
+        write_json(tmp_path / "r.json", [faster_run()], {}, {})
+
+
+def test_plot_writes_a_png(tmp_path) -> None:
+    summaries = {"fcfs": summarize(two_requests_and_a_failure()),
+                 "feather": summarize(faster_run()),
+                 "empty": summarize(RunResult("empty", [], duration_s=0.0))}
+    out = tmp_path / "plots" / "compare.png"
+    plot(summaries, out)
+    assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_scheduler_accounting_is_reported_per_step() -> None:
+    from feather_sched.stats import SchedulerStats
+
+    run = two_requests_and_a_failure()
+    run.scheduler_stats = SchedulerStats(schedule_calls=4, schedule_s=0.002, steps=2,
+                                         step_s=0.5)
+    summary = summarize(run)
+    assert summary["schedule_ms_per_call"] == pytest.approx(0.5)
+    assert summary["engine_step_ms"] == pytest.approx(250.0)
+    assert "Scheduler time per step (ms):" in format_result_block(run, summary)
