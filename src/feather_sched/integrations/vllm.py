@@ -36,7 +36,8 @@ from feather_sched.gate import UCBBanditGate
 from feather_sched.queue import FeatherQueue
 from feather_sched.stats import SchedulerStats
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.feather_sched")
+"""Under vLLM's logger, so Feather's lines appear in the engine's own log."""
 
 SAVE_STATE_EVERY_STEPS = 512
 """How often the stats file and a bandit's state file are written (and at shutdown)."""

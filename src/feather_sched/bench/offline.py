@@ -1,0 +1,154 @@
+"""Run a workload through the real vLLM engine, once per scheduler, timing every token.
+
+Each run builds a fresh engine (vLLM's default multi-process mode: the engine core steps
+in its own process, as in a server), submits requests at their arrival times, and records
+when each output token reaches the client.  Both sides of a comparison use vLLM's own
+scheduler code: the FCFS baseline runs ``InstrumentedScheduler`` (vLLM's scheduler with
+step accounting only), Feather runs ``FeatherScheduler``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from feather_sched.bench.records import RequestRecord, StepRecord
+from feather_sched.bench.report import RunResult
+from feather_sched.stats import SchedulerStats
+from feather_sched.workloads import RequestSpec, Workload
+
+INTEGRATION = "feather_sched.integrations.vllm"
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """A named scheduler configuration of the vLLM engine."""
+
+    name: str
+    scheduler_cls: str
+    feather: dict[str, Any] = field(default_factory=dict)
+    prefix_caching: bool = True
+
+
+def scheduler_specs(names: list[str], feather_options: dict[str, Any]) -> list[SchedulerSpec]:
+    """``fcfs``, ``fcfs-nocache``, or ``feather-<gate>`` (gate: always, chunk-loss, bandit);
+    ``feather-<gate>-noorder`` keeps vLLM's batch order (to measure ordering's share)."""
+    specs = []
+    for name in names:
+        if name in ("fcfs", "fcfs-nocache"):
+            specs.append(SchedulerSpec(name, f"{INTEGRATION}.InstrumentedScheduler",
+                                       prefix_caching=name == "fcfs"))
+        elif name.startswith("feather-"):
+            gate = name.removeprefix("feather-")
+            ordered = not gate.endswith("-noorder")
+            options = {**feather_options, "gate": gate.removesuffix("-noorder"),
+                       "order_running": ordered}
+            specs.append(SchedulerSpec(name, f"{INTEGRATION}.FeatherScheduler", options))
+        else:
+            raise ValueError(f"unknown scheduler {name!r}: use fcfs, fcfs-nocache or "
+                             "feather-<always|chunk-loss|bandit>[-noorder]")
+    return specs
+
+
+def engine_kwargs(spec: SchedulerSpec, stats_file: Path, model: str,
+                  engine_args: dict[str, Any]) -> dict[str, Any]:
+    """Arguments of ``vllm.LLM`` for one run: the scheduler's, then the user's."""
+    return {
+        "model": model,
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "seed": 0,
+        "scheduler_cls": spec.scheduler_cls,
+        "enable_prefix_caching": spec.prefix_caching,
+        "additional_config": {"feather": {**spec.feather, "stats_file": str(stats_file)}},
+        **engine_args,
+    }
+
+
+def run_offline(
+    workload: Workload,
+    spec: SchedulerSpec,
+    *,
+    model: str,
+    engine_args: dict[str, Any],
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> RunResult:
+    """One scheduler's run of the workload on a fresh engine."""
+    from vllm import LLM
+
+    with tempfile.TemporaryDirectory() as scratch:
+        stats_file = Path(scratch) / "stats.json"
+        llm = LLM(**engine_kwargs(spec, stats_file, model, engine_args))
+        try:
+            records, steps, duration = _drive(llm.llm_engine, workload, on_done)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+        stats = SchedulerStats.read(stats_file) if stats_file.exists() else None
+    return RunResult(
+        name=spec.name, records=records, duration_s=duration, steps=steps,
+        gate_counts=_gate_counts(stats, spec), scheduler_stats=stats,
+    )
+
+
+def _gate_counts(stats: SchedulerStats | None, spec: SchedulerSpec) -> dict[str, int] | None:
+    if stats is None or not spec.feather:
+        return None
+    return {"add": stats.gate_add, "stop": stats.gate_stop, "forced": stats.gate_forced}
+
+
+def _drive(engine: Any, workload: Workload,
+           on_done: Callable[[RequestRecord], None] | None):
+    """Submit requests at their arrival times and step until all have finished."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    pending = list(workload.requests)
+    records: dict[str, RequestRecord] = {}
+    steps: list[StepRecord] = []
+    start = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while pending and pending[0].arrival_s <= now:
+            spec = pending.pop(0)
+            records[spec.request_id] = _submit(engine, spec, now, SamplingParams, TokensPrompt)
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, pending[0].arrival_s - now))
+            continue
+        outputs = engine.step()
+        steps.append(_observe(outputs, records, time.perf_counter() - start, on_done))
+    ordered = [records[spec.request_id] for spec in workload.requests]
+    duration = max((r.finished_s or 0.0) for r in ordered)
+    return ordered, [s for s in steps if s.batch_size], duration
+
+
+def _submit(engine: Any, spec: RequestSpec, now: float, sampling, tokens_prompt) -> RequestRecord:
+    params = sampling(max_tokens=spec.output_len, min_tokens=spec.output_len,
+                      ignore_eos=True, temperature=0.0)
+    prompt = tokens_prompt(prompt_token_ids=spec.prompt.tolist())
+    engine.add_request(spec.request_id, prompt, params)
+    return RequestRecord(spec.request_id, len(spec.prompt), spec.group, submitted_s=now)
+
+
+def _observe(outputs: list, records: dict[str, RequestRecord], now: float,
+             on_done: Callable[[RequestRecord], None] | None) -> StepRecord:
+    """Credit each output's new tokens to this moment; one step's batch and groups."""
+    groups = set()
+    batch = 0
+    for output in outputs:
+        record = records[output.request_id]
+        new_tokens = len(output.outputs[0].token_ids) - record.output_len
+        if new_tokens > 0:
+            record.token_times_s += [now] * new_tokens
+            batch += 1
+            groups.add(record.group if record.group >= 0 else ("solo", record.request_id))
+        if output.finished:
+            record.finished_s = now
+            record.success = True
+            record.cached_tokens = output.num_cached_tokens
+            if on_done:
+                on_done(record)
+    return StepRecord(batch_size=batch, groups=len(groups))

@@ -1,0 +1,181 @@
+"""``feather bench``: one workload, several schedulers, vLLM's metrics side by side.
+
+Offline mode builds a fresh real vLLM engine per scheduler (``offline.run_offline``);
+server mode measures whatever OpenAI-compatible server is at ``base_url`` (vLLM's or
+SGLang's) with the async client.  Either way each run prints vLLM's "Serving Benchmark
+Result" block plus Feather's lines, then a table of ratios against the first scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+from feather_sched.bench.records import RequestRecord
+from feather_sched.bench.report import (
+    RunResult,
+    format_ratio_table,
+    format_result_block,
+    plot,
+    summarize,
+    write_json,
+)
+from feather_sched.models import TINY_LLAMA
+from feather_sched.workloads import (
+    ArrivalSpec,
+    Workload,
+    load_jsonl,
+    load_mooncake,
+    long_documents,
+    multi_turn_chat,
+    no_sharing,
+    shared_prefix_groups,
+)
+
+WORKLOADS = ("shared-prefix", "long-docs", "chat", "no-sharing")
+KV_BLOCK_TOKENS = 128
+
+
+@dataclass
+class WorkloadArgs:
+    """The generator knobs ``feather bench`` and ``feather sim`` expose."""
+
+    kind: str = "shared-prefix"
+    trace: Path | None = None
+    groups: int = 4
+    prompts_per_group: int = 16
+    prefix_len: int = 8192
+    suffix_len: int = 32
+    output_len: int = 64
+    jitter: float = 0.0
+    order: str = "shuffled"
+    request_rate: float | None = None
+    burstiness: float = 1.0
+    seed: int = 0
+
+    def build(self) -> Workload:
+        if self.trace is not None:
+            return load_trace(self.trace)
+        arrival = self._arrival()
+        common = {"output_len": self.output_len, "arrival": arrival, "seed": self.seed}
+        if self.kind == "shared-prefix":
+            return shared_prefix_groups(
+                groups=self.groups, prompts_per_group=self.prompts_per_group,
+                prefix_len=self.prefix_len, suffix_len=self.suffix_len, jitter=self.jitter,
+                order=self.order, **common)
+        if self.kind == "long-docs":
+            return long_documents(
+                documents=self.groups, questions_per_document=self.prompts_per_group,
+                doc_len_range=(self.prefix_len, 2 * self.prefix_len), order=self.order,
+                **common)
+        if self.kind == "chat":
+            return multi_turn_chat(
+                conversations=self.groups, turns=self.prompts_per_group,
+                system_prompt_len=self.prefix_len, user_turn_len=self.suffix_len,
+                assistant_turn_len=self.output_len, **common)
+        if self.kind == "no-sharing":
+            return no_sharing(requests=self.groups * self.prompts_per_group,
+                              prompt_len=self.prefix_len + self.suffix_len,
+                              jitter=self.jitter, **common)
+        raise ValueError(f"unknown workload {self.kind!r}; choose from {', '.join(WORKLOADS)}")
+
+    def _arrival(self) -> ArrivalSpec | None:
+        if self.request_rate is None:
+            return None
+        kind = "poisson" if self.burstiness == 1.0 else "bursty"
+        return ArrivalSpec(kind=kind, rate=self.request_rate)
+
+
+def load_trace(path: Path) -> Workload:
+    """A feather JSONL trace, or a Mooncake trace (recognised by its first line)."""
+    with open(path) as handle:
+        first = handle.readline()
+    return load_mooncake(path) if '"hash_ids"' in first else load_jsonl(path)
+
+
+@dataclass
+class BenchPlan:
+    workload: Workload
+    schedulers: list[str] = field(default_factory=lambda: ["fcfs", "feather-chunk-loss"])
+    feather_options: dict[str, Any] = field(default_factory=dict)
+    model: str = str(TINY_LLAMA)
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    kv_cache_gib: float = 4.0
+    base_url: str | None = None
+    label: str = "server"
+    max_concurrency: int | None = None
+    request_rate: float | None = None
+
+
+def run_bench(plan: BenchPlan, console: Console) -> tuple[list[RunResult], dict[str, dict]]:
+    """Run every scheduler (or the server once), print each result and the ratios."""
+    runs = []
+    for name, runner in _runners(plan):
+        with _progress(console, f"{name}: {plan.workload.describe()}",
+                       len(plan.workload)) as advance:
+            run = runner(advance)
+        run.request_rate, run.max_concurrency = plan.request_rate, plan.max_concurrency
+        runs.append(run)
+        console.print(format_result_block(run, summarize(run)), highlight=False)
+    summaries = {run.name: summarize(run) for run in runs}
+    if len(summaries) > 1:
+        console.print(format_ratio_table(summaries, baseline=runs[0].name))
+    return runs, summaries
+
+
+def save_outputs(plan: BenchPlan, runs: list[RunResult], summaries: dict[str, dict],
+                 json_path: Path | None, plot_path: Path | None) -> None:
+    if json_path:
+        config = {"workload": plan.workload.describe(), "schedulers": plan.schedulers,
+                  "model": plan.model, "engine_args": plan.engine_args,
+                  "feather_options": plan.feather_options, "base_url": plan.base_url}
+        write_json(json_path, runs, summaries, config)
+    if plot_path:
+        plot(summaries, plot_path)
+
+
+def _runners(plan: BenchPlan) -> list[tuple[str, Callable[[Callable], RunResult]]]:
+    if plan.base_url:
+        return [(plan.label, lambda advance: _server_run(plan, advance))]
+    from feather_sched.bench.offline import run_offline, scheduler_specs
+
+    engine_args = {**_default_engine_args(plan), **plan.engine_args}
+    return [
+        (spec.name, lambda advance, spec=spec: run_offline(
+            plan.workload, spec, model=plan.model, engine_args=engine_args, on_done=advance))
+        for spec in scheduler_specs(plan.schedulers, plan.feather_options)
+    ]
+
+
+def _default_engine_args(plan: BenchPlan) -> dict[str, Any]:
+    """Room for the longest request and a KV cache of ``kv_cache_gib``."""
+    longest = max(len(r.prompt) + r.output_len for r in plan.workload.requests)
+    blocks = -(-longest // KV_BLOCK_TOKENS) + 1
+    return {"max_model_len": blocks * KV_BLOCK_TOKENS,
+            "kv_cache_memory_bytes": int(plan.kv_cache_gib * 2**30)}
+
+
+def _server_run(plan: BenchPlan, advance: Callable[[RequestRecord], None]) -> RunResult:
+    from feather_sched.bench.client import run_against_server
+
+    records, duration = asyncio.run(run_against_server(
+        plan.workload, base_url=plan.base_url, max_concurrency=plan.max_concurrency,
+        on_done=advance))
+    return RunResult(name=plan.label, records=records, duration_s=duration)
+
+
+@contextmanager
+def _progress(console: Console, title: str, total: int) -> Iterator[Callable]:
+    """A progress bar over finished requests; yields the callback that advances it."""
+    columns = ("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(title, total=total)
+        yield lambda _record: bar.advance(task)
