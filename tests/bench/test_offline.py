@@ -52,3 +52,8 @@ def test_bench_rejects_unknown_schedulers_before_starting_an_engine() -> None:
     result = CliRunner().invoke(app, ["bench", "--schedulers", "fcfs,lifo"],
                                 env={"COLUMNS": "200"})
     assert result.exit_code != 0 and "unknown scheduler 'lifo'" in result.output
+
+
+def test_a_repeated_scheduler_gets_its_own_label() -> None:
+    labels = [s.name for s in scheduler_specs(["fcfs", "feather-always", "fcfs"], {})]
+    assert labels == ["fcfs", "feather-always", "fcfs#2"]

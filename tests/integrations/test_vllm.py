@@ -13,15 +13,18 @@ import numpy as np  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-from feather_sched.integrations.vllm import FeatherScheduler  # noqa: E402
+from feather_sched.integrations.vllm import (  # noqa: E402
+    FeatherScheduler,
+    FeatherSyncScheduler,
+)
 from feather_sched.models import TINY_LLAMA  # noqa: E402
 
 BLOCK = 128
 KV_BYTES_PER_TOKEN = 2 * 8 * 64 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16
 
 
-class RecordingScheduler(FeatherScheduler):
-    """Counts preemptions and records which requests run after every step."""
+class RecordingScheduler(FeatherSyncScheduler):
+    """Counts preemptions and records which requests run after every step (CPU: sync)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -147,3 +150,19 @@ def test_every_request_ends_once_with_aborts_and_preemption() -> None:
 def test_bad_feather_options_fail_at_startup() -> None:
     with pytest.raises(Exception, match="feather option 'gate' must be one of"):
         make_llm(FeatherScheduler, {"gate": "greedy"})
+
+
+def test_feather_scheduler_builds_the_variant_the_engine_mode_needs() -> None:
+    llm = make_llm(FeatherScheduler, {"gate": "bandit"})
+    assert type(scheduler_of(llm)) is FeatherSyncScheduler  # vLLM on CPU: no async
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for _, p in group_prompts(2, 2)],
+                           greedy(3))
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3, 3, 3]
+
+
+def test_a_subclass_of_the_wrong_base_is_refused() -> None:
+    class AsyncOnly(FeatherScheduler):
+        pass
+
+    with pytest.raises(Exception, match="does not match async scheduling off"):
+        make_llm(AsyncOnly)

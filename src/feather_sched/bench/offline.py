@@ -36,22 +36,27 @@ class SchedulerSpec:
 
 def scheduler_specs(names: list[str], feather_options: dict[str, Any]) -> list[SchedulerSpec]:
     """``fcfs``, ``fcfs-nocache``, or ``feather-<gate>`` (gate: always, chunk-loss, bandit);
-    ``feather-<gate>-noorder`` keeps vLLM's batch order (to measure ordering's share)."""
-    specs = []
+    ``feather-<gate>-noorder`` keeps vLLM's batch order (to measure ordering's share).
+    A name given again is run again, labelled ``name#2`` and so on (to see the noise)."""
+    specs, seen = [], {}
     for name in names:
-        if name in ("fcfs", "fcfs-nocache"):
-            specs.append(SchedulerSpec(name, f"{INTEGRATION}.InstrumentedScheduler",
-                                       prefix_caching=name == "fcfs"))
-        elif name.startswith("feather-"):
-            gate = name.removeprefix("feather-")
-            ordered = not gate.endswith("-noorder")
-            options = {**feather_options, "gate": gate.removesuffix("-noorder"),
-                       "order_running": ordered}
-            specs.append(SchedulerSpec(name, f"{INTEGRATION}.FeatherScheduler", options))
-        else:
-            raise ValueError(f"unknown scheduler {name!r}: use fcfs, fcfs-nocache or "
-                             "feather-<always|chunk-loss|bandit>[-noorder]")
+        seen[name] = seen.get(name, 0) + 1
+        label = name if seen[name] == 1 else f"{name}#{seen[name]}"
+        specs.append(_spec(name, label, feather_options))
     return specs
+
+
+def _spec(name: str, label: str, feather_options: dict[str, Any]) -> SchedulerSpec:
+    if name in ("fcfs", "fcfs-nocache"):
+        return SchedulerSpec(label, f"{INTEGRATION}.InstrumentedScheduler",
+                             prefix_caching=name == "fcfs")
+    if name.startswith("feather-"):
+        gate = name.removeprefix("feather-")
+        options = {**feather_options, "gate": gate.removesuffix("-noorder"),
+                   "order_running": not gate.endswith("-noorder")}
+        return SchedulerSpec(label, f"{INTEGRATION}.FeatherScheduler", options)
+    raise ValueError(f"unknown scheduler {name!r}: use fcfs, fcfs-nocache or "
+                     "feather-<always|chunk-loss|bandit>[-noorder]")
 
 
 def engine_kwargs(spec: SchedulerSpec, stats_file: Path, model: str,

@@ -3,6 +3,10 @@
 Load with ``--scheduler-cls feather_sched.integrations.vllm.FeatherScheduler`` (server) or
 ``LLM(..., scheduler_cls=FeatherScheduler)``.  The subclass is thin: vLLM's own
 ``schedule()`` runs unchanged over a waiting queue that is a ``FeatherQueue``.
+vLLM runs ``AsyncScheduler`` when async scheduling is on (its GPU default) and the plain
+``Scheduler`` when it is off (always on CPU); ``FeatherScheduler`` builds whichever
+variant the engine's mode needs (``FeatherSyncScheduler`` is the synchronous one), and the
+logic lives in mixins, so both variants share every line.
 
 * Order: ``peek_request``/``pop_request`` return the Chunked Hash Tree's best candidate;
   chunk keys are the engine's own ``request.block_hashes`` (every k-th chained block
@@ -26,6 +30,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
@@ -119,8 +124,8 @@ def feather_options(vllm_config: Any) -> FeatherConfig:
     return FeatherConfig.from_sources(options)
 
 
-class InstrumentedScheduler(Scheduler):
-    """vLLM's own scheduler, unchanged, that also accounts for its steps.
+class _Instrumented:
+    """Step accounting on top of a vLLM scheduler, which it leaves unchanged.
 
     It measures the wall time of ``schedule()`` and of each step (from handing it to the
     workers until its output returns) and writes them to the ``stats_file`` option.
@@ -130,6 +135,7 @@ class InstrumentedScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.feather_config = feather_options(self.vllm_config)
+        self._check_scheduling_mode()
         self.stats = SchedulerStats(scheduler=type(self).__name__)
         self._step_started: dict[int, float] = {}
 
@@ -165,9 +171,19 @@ class InstrumentedScheduler(Scheduler):
         if self.feather_config.stats_file:
             self.stats.write(self.feather_config.stats_file)
 
+    def _check_scheduling_mode(self) -> None:
+        """Async scheduling needs the AsyncScheduler base, sync mode the plain one."""
+        is_async = bool(self.scheduler_config.async_scheduling)
+        if is_async != isinstance(self, AsyncScheduler):
+            raise ValueError(
+                f"{type(self).__name__} does not match async scheduling "
+                f"{'on' if is_async else 'off'}: use FeatherScheduler (InstrumentedScheduler) "
+                "with async scheduling, FeatherSyncScheduler (InstrumentedSyncScheduler) "
+                "without")
 
-class FeatherScheduler(InstrumentedScheduler):
-    """vLLM's scheduler with Feather's ordering and ADD/STOP gate at admission."""
+
+class _Feather:
+    """Feather's ordering and ADD/STOP gate at admission (mixed into a vLLM scheduler)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -197,3 +213,42 @@ class FeatherScheduler(InstrumentedScheduler):
         if self.feather_config.state_file and isinstance(gate, UCBBanditGate):
             gate.save(self.feather_config.state_file)
         super()._write_state()
+
+
+def _for_mode(cls: type, sync_cls: type, args: tuple, kwargs: dict) -> Any:
+    """An instance of ``cls``, or of its synchronous twin when async scheduling is off."""
+    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    if not vllm_config.scheduler_config.async_scheduling:
+        return sync_cls(*args, **kwargs)
+    return object.__new__(cls)
+
+
+class InstrumentedSyncScheduler(_Instrumented, Scheduler):
+    """vLLM's synchronous scheduler with step accounting only."""
+
+
+class InstrumentedScheduler(_Instrumented, AsyncScheduler):
+    """vLLM's own scheduler with step accounting only: the FCFS baseline of feather bench."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if cls is InstrumentedScheduler:
+            return _for_mode(cls, InstrumentedSyncScheduler, args, kwargs)
+        return object.__new__(cls)
+
+
+class FeatherSyncScheduler(_Feather, _Instrumented, Scheduler):
+    """Feather in vLLM with async scheduling off (always the case on CPU)."""
+
+
+class FeatherScheduler(_Feather, _Instrumented, AsyncScheduler):
+    """Feather in vLLM; builds ``FeatherSyncScheduler`` when async scheduling is off."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if cls is FeatherScheduler:
+            return _for_mode(cls, FeatherSyncScheduler, args, kwargs)
+        return object.__new__(cls)
+
+
+def is_feather_scheduler(scheduler_cls: type) -> bool:
+    """Whether an engine's scheduler class runs Feather (either base)."""
+    return isinstance(scheduler_cls, type) and issubclass(scheduler_cls, _Feather)

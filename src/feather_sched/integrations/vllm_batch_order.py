@@ -47,11 +47,11 @@ def _ordering_enabled(runner: Any) -> bool:
     """Decided once per runner from the engine's own configuration."""
     enabled = getattr(runner, _PATCHED, None)
     if enabled is None:
-        from feather_sched.integrations.vllm import FeatherScheduler
+        from feather_sched.integrations.vllm import is_feather_scheduler
 
         config = runner.vllm_config
         scheduler_cls = config.scheduler_config.get_scheduler_cls()
-        enabled = issubclass(scheduler_cls, FeatherScheduler) and _order_option(config)
+        enabled = is_feather_scheduler(scheduler_cls) and _order_option(config)
         setattr(runner, _PATCHED, enabled)
     return enabled
 
