@@ -174,7 +174,13 @@ def bench(
     = None,
 ) -> None:
     """Feather vs the engine's own scheduler on the real vLLM engine (or any server)."""
-    from feather_sched.bench.serving import BenchPlan, WorkloadArgs, run_bench, save_outputs
+    from feather_sched.bench.serving import (
+        BenchPlan,
+        WorkloadArgs,
+        bench_config,
+        run_bench,
+        save_outputs,
+    )
     from feather_sched.models import TINY_LLAMA
 
     try:
@@ -195,8 +201,8 @@ def bench(
             scheduler_specs(plan.schedulers, plan.feather_options)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
-    runs, summaries = run_bench(plan, console)
-    save_outputs(plan, runs, summaries, json_path, plot_path)
+    runs, _ = run_bench(plan, console)
+    save_outputs(runs, bench_config(plan), json_path, plot_path)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -229,6 +235,171 @@ def serve(
         console.print(shlex.join(command), highlight=False)
         return
     os.execvpe(command[0], command, env)
+
+
+def _sim_plan(workload_args, hardware: str, model: str, profile: Path | None,
+              schedulers: str, feather_options: str, cascade: bool, max_num_seqs: int,
+              max_num_batched_tokens: int, charge_scheduler_time: bool,
+              block_tokens: int = 16, kv_cache_gib: float | None = None):
+    from feather_sched.sim.calibrate import load_profile
+    from feather_sched.sim.cost import CostParams
+    from feather_sched.sim.engine import EngineConfig
+    from feather_sched.sim.hardware import HARDWARE, load_hardware
+    from feather_sched.sim.model_profiles import MODELS
+    from feather_sched.sim.runner import SimPlan
+
+    if profile is not None:
+        hw, mp, params = load_profile(profile)
+    else:
+        hw = HARDWARE.get(hardware) or (load_hardware(hardware) if Path(hardware).exists()
+                                        else _unknown("hardware", hardware, HARDWARE))
+        mp = MODELS.get(model) or _unknown("model", model, MODELS)
+        params = CostParams()
+    plan = SimPlan(workload=workload_args.build(), hardware=hw, model=mp, params=params,
+                   schedulers=[s.strip() for s in schedulers.split(",") if s.strip()],
+                   feather_options=_json_option(feather_options, "--feather-options"),
+                   cascade=cascade)
+    blocks = plan.engine_config().num_blocks * 16 // block_tokens
+    if kv_cache_gib is not None:
+        blocks = int(kv_cache_gib * 2**30 // (mp.kv_bytes_per_token * block_tokens))
+    plan.engine = EngineConfig(block_tokens=block_tokens, num_blocks=blocks,
+                               max_num_seqs=max_num_seqs,
+                               max_num_batched_tokens=max_num_batched_tokens,
+                               charge_scheduler_time=charge_scheduler_time)
+    return plan
+
+
+def _unknown(kind: str, name: str, known: dict):
+    raise ValueError(f"unknown {kind} {name!r}; choose from {', '.join(known)} "
+                     "or give a profile file")
+
+
+WorkloadKind = Annotated[str, typer.Option(help="shared-prefix, long-docs, chat, no-sharing.")]
+Groups = Annotated[int, typer.Option(min=1, help="Prefix groups (docs, chats).")]
+PerGroup = Annotated[int, typer.Option(min=1, help="Requests a group.")]
+PrefixLen = Annotated[int, typer.Option(min=1, help="Shared prefix tokens.")]
+SuffixLen = Annotated[int, typer.Option(min=1, help="Unique suffix tokens.")]
+OutputLen = Annotated[int, typer.Option(min=1, help="Output tokens a request.")]
+Rate = Annotated[float | None, typer.Option(help="Poisson rate (req/s); default: all at once.")]
+JsonOut = Annotated[Path | None, typer.Option("--json", help="Write results here.")]
+PlotOut = Annotated[Path | None, typer.Option("--plot", help="Draw a chart here.")]
+
+
+@app.command()
+def sim(
+    workload: WorkloadKind = "shared-prefix",
+    trace: Annotated[Path | None, typer.Option(help="Replay a JSONL or Mooncake trace.")] = None,
+    groups: Groups = 8,
+    prompts_per_group: PerGroup = 64,
+    prefix_len: PrefixLen = 4096,
+    suffix_len: SuffixLen = 32,
+    output_len: OutputLen = 50,
+    request_rate: Rate = None,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    hardware: Annotated[str, typer.Option(help="rtx6000-ada, a100-80gb, h100-sxm, h200, "
+                                          "or a hardware JSON.")] = "h100-sxm",
+    model: Annotated[str, typer.Option(help="llama-3-8b, qwen2.5-0.5b, qwen2.5-1.5b, "
+                                       "qwen3-8b, longchat-13b, tiny-llama.")] = "llama-3-8b",
+    profile: Annotated[Path | None, typer.Option(help="Calibrated profile from feather "
+                                                 "calibrate (overrides --hardware/--model).")]
+    = None,
+    schedulers: Annotated[str, typer.Option(help="fcfs, sglang-lpm, sglang-dfs-weight, "
+                                            "feather-<gate>[-noorder].")]
+    = "fcfs,sglang-lpm,sglang-dfs-weight,feather-chunk-loss",
+    feather_options: Annotated[str, typer.Option(help="JSON options for feather runs.")] = "{}",
+    cascade: Annotated[bool, typer.Option(help="Model a prefix-aware (cascade) kernel.")]
+    = False,
+    max_num_seqs: Annotated[int, typer.Option(min=1)] = 256,
+    max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = 8192,
+    block_tokens: Annotated[int, typer.Option(min=1, help="KV block size.")] = 16,
+    kv_cache_gib: Annotated[float | None, typer.Option(help="KV pool size (default: device "
+                                                       "memory less weights).")] = None,
+    charge_scheduler_time: Annotated[bool, typer.Option(help="Add the scheduler's CPU time "
+                                                        "to the simulated clock.")] = True,
+    json_path: JsonOut = None,
+    plot_path: PlotOut = None,
+) -> None:
+    """Simulate Feather against vLLM's and SGLang's schedulers on GPUs we do not have."""
+    from feather_sched.bench.serving import WorkloadArgs, report_runs, save_outputs
+    from feather_sched.sim.runner import simulate
+
+    try:
+        args = WorkloadArgs(kind=workload, trace=trace, groups=groups,
+                            prompts_per_group=prompts_per_group, prefix_len=prefix_len,
+                            suffix_len=suffix_len, output_len=output_len,
+                            request_rate=request_rate, seed=seed)
+        plan = _sim_plan(args, hardware, model, profile, schedulers, feather_options, cascade,
+                         max_num_seqs, max_num_batched_tokens, charge_scheduler_time,
+                         block_tokens, kv_cache_gib)
+        runners = [(name, lambda advance, name=name: simulate(plan, name, advance))
+                   for name in plan.schedulers]
+        for name in plan.schedulers:
+            from feather_sched.sim.policies import make_policy
+
+            make_policy(name, plan.feather_options, 16)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    runs = report_runs(runners, plan.workload, console)
+    config = {"workload": plan.workload.describe(), "hardware": plan.hardware.name,
+              "model": plan.model.name, "cascade": cascade, "schedulers": plan.schedulers}
+    save_outputs(runs, config, json_path, plot_path)
+
+
+@app.command()
+def calibrate(
+    steps_csv: Annotated[Path, typer.Argument(help="Measured steps: step,position,group,"
+                                              "shared_tokens,context_tokens,new_tokens,"
+                                              "seconds.")],
+    hardware: Annotated[str, typer.Option(help="Starting hardware profile (name or JSON).")],
+    model: Annotated[str, typer.Option(help="Model profile name.")],
+    out: Annotated[Path, typer.Option(help="Profile JSON for feather sim --profile.")],
+    granularity: Annotated[str, typer.Option(help="layer (GPU kernels) or layer-head "
+                                             "(vLLM's CPU kernel).")] = "layer",
+) -> None:
+    """Fit the step-cost model to measured step times and write a simulator profile."""
+    from feather_sched.sim.calibrate import fit, read_steps_csv, save_profile
+    from feather_sched.sim.hardware import HARDWARE, load_hardware
+    from feather_sched.sim.model_profiles import MODELS
+
+    try:
+        hw = HARDWARE.get(hardware) or load_hardware(hardware)
+        mp = MODELS.get(model) or _unknown("model", model, MODELS)
+        params, report = fit(read_steps_csv(steps_csv), hw, mp, granularity=granularity)
+    except (ValueError, OSError) as error:
+        raise typer.BadParameter(str(error)) from None
+    save_profile(out, hw, mp, params)
+    console.print(f"fitted {report.rows} steps: MAPE {100 * report.mape:.1f}%, "
+                  f"R^2 {report.r2:.3f}; params {params}", highlight=False)
+    console.print(f"wrote {out}")
+
+
+@app.command()
+def pretrain(
+    out: Annotated[Path, typer.Option(help="Bandit table to write (and extend if present).")],
+    hardware: Annotated[str, typer.Option(help="Hardware profile name or JSON.")] = "h100-sxm",
+    model: Annotated[str, typer.Option(help="Model profile name.")] = "llama-3-8b",
+    profile: Annotated[Path | None, typer.Option(help="Calibrated profile instead.")] = None,
+    rounds: Annotated[int, typer.Option(min=1, help="Passes over the workload family.")] = 2,
+    feather_options: Annotated[str, typer.Option(help="JSON options (gate_options...).")]
+    = "{}",
+) -> None:
+    """Pre-train the bandit gate in the simulator so FeatherScheduler starts warm."""
+    from feather_sched.bench.serving import WorkloadArgs
+    from feather_sched.sim.runner import pretrain_bandit
+
+    def workload_of(groups: int, per_group: int, prefix: int, output: int, seed: int):
+        return WorkloadArgs(groups=groups, prompts_per_group=per_group, prefix_len=prefix,
+                            output_len=output, seed=seed).build()
+
+    try:
+        plan = _sim_plan(WorkloadArgs(groups=1, prompts_per_group=1, prefix_len=16),
+                         hardware, model, profile, "feather-bandit", feather_options, False,
+                         256, 8192, True)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    pulls = pretrain_bandit(plan, str(out), rounds, workload_of)
+    console.print(f"wrote {out}: {pulls} learned decisions; start vLLM with "
+                  f"FEATHER_GATE=bandit FEATHER_STATE_FILE={out}", highlight=False)
 
 
 if __name__ == "__main__":

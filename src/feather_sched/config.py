@@ -43,6 +43,8 @@ class FeatherConfig:
     """Keep the running batch ordered by prefix group."""
     stats_file: str | None = None
     """Where the adapter writes its ``SchedulerStats`` (periodically and at shutdown)."""
+    step_log: str | None = None
+    """CSV to append each step's batch composition and time to (for ``feather calibrate``)."""
 
     def __post_init__(self) -> None:
         if self.gate not in GATE_KINDS:
@@ -104,6 +106,7 @@ def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
         "max_wait_s": _seconds,
         "order_running": _boolean,
         "stats_file": str,
+        "step_log": str,
     }
     values = {}
     for name, parse in parsers.items():

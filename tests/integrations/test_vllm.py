@@ -166,3 +166,20 @@ def test_a_subclass_of_the_wrong_base_is_refused() -> None:
 
     with pytest.raises(Exception, match="does not match async scheduling off"):
         make_llm(AsyncOnly)
+
+
+def test_step_log_feeds_feather_calibrate(tmp_path) -> None:
+    from feather_sched.sim.calibrate import read_steps_csv
+
+    log = tmp_path / "steps.csv"
+    llm = make_llm(FeatherScheduler, {"gate": "always", "step_log": str(log)})
+    pairs = group_prompts(groups=2, per_group=3)
+    llm.generate([TokensPrompt(prompt_token_ids=p) for _, p in pairs], greedy(4))
+    steps = read_steps_csv(log)
+    assert len(steps) >= 4
+    decode = steps[-1][0]
+    assert len(decode) == 6 and all(e.new_tokens == 1 for e in decode)
+    groups = [e.group for e in decode]
+    assert groups == sorted(groups) and len(set(groups)) == 2  # ordered by group
+    assert all(e.shared_tokens == 4 * BLOCK for e in decode)
+    assert all(seconds > 0 for _, seconds in steps)

@@ -15,7 +15,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import groupby, pairwise
 from pathlib import Path
 
@@ -69,6 +69,8 @@ class RunResult:
     max_concurrency: int | None = None
     scheduler_stats: SchedulerStats | None = None
     """The engine-side scheduler's own accounting, when the run could read it."""
+    extra: dict[str, float | None] = field(default_factory=dict)
+    """Further figures only some runs have (e.g. the simulator's modelled HBM traffic)."""
 
 
 # ---- summary ----------------------------------------------------------------------------
@@ -159,6 +161,7 @@ def _feather_keys(run: RunResult, ok: list[RequestRecord]) -> Summary:
         **{f"gate_{key}": gates.get(key) for key in GATE_KEYS},
         "schedule_ms_per_call": stats.schedule_ms_per_call if stats else None,
         "engine_step_ms": stats.step_ms if stats else None,
+        **run.extra,
     }
 
 
@@ -245,6 +248,7 @@ def _feather_lines(run: RunResult, summary: Summary) -> list[str]:
         LINE.format("Gate ADD / STOP / forced:", gate_text),
         _number("Scheduler time per step (ms):", summary["schedule_ms_per_call"]),
         _number("Engine step time (ms):", summary["engine_step_ms"]),
+        *(_number(f"{key.replace('_', ' ').capitalize()}:", summary[key]) for key in run.extra),
     ]
 
 

@@ -114,34 +114,49 @@ class BenchPlan:
     request_rate: float | None = None
 
 
+Runner = Callable[[Callable[[RequestRecord], None]], RunResult]
+"""Runs one scheduler, calling its argument for every finished request."""
+
+
 def run_bench(plan: BenchPlan, console: Console) -> tuple[list[RunResult], dict[str, dict]]:
     """Run every scheduler (or the server once), print each result and the ratios."""
-    runs = []
-    for name, runner in _runners(plan):
-        with _progress(console, f"{name}: {plan.workload.describe()}",
-                       len(plan.workload)) as advance:
-            run = runner(advance)
+    runs = report_runs(_runners(plan), plan.workload, console)
+    for run in runs:
         run.request_rate, run.max_concurrency = plan.request_rate, plan.max_concurrency
+    return runs, {run.name: summarize(run) for run in runs}
+
+
+def report_runs(runners: list[tuple[str, Runner]], workload: Workload,
+                console: Console) -> list[RunResult]:
+    """Each run under a progress bar, its vLLM-style block, then the ratio table."""
+    runs = []
+    for name, runner in runners:
+        with _progress(console, f"{name}: {workload.describe()}", len(workload)) as advance:
+            run = runner(advance)
         runs.append(run)
         console.print(format_result_block(run, summarize(run)), highlight=False)
-    summaries = {run.name: summarize(run) for run in runs}
-    if len(summaries) > 1:
+    if len(runs) > 1:
+        summaries = {run.name: summarize(run) for run in runs}
         console.print(format_ratio_table(summaries, baseline=runs[0].name))
-    return runs, summaries
+    return runs
 
 
-def save_outputs(plan: BenchPlan, runs: list[RunResult], summaries: dict[str, dict],
-                 json_path: Path | None, plot_path: Path | None) -> None:
+def save_outputs(runs: list[RunResult], config: dict[str, Any], json_path: Path | None,
+                 plot_path: Path | None) -> None:
+    summaries = {run.name: summarize(run) for run in runs}
     if json_path:
-        config = {"workload": plan.workload.describe(), "schedulers": plan.schedulers,
-                  "model": plan.model, "engine_args": plan.engine_args,
-                  "feather_options": plan.feather_options, "base_url": plan.base_url}
         write_json(json_path, runs, summaries, config)
     if plot_path:
         plot(summaries, plot_path)
 
 
-def _runners(plan: BenchPlan) -> list[tuple[str, Callable[[Callable], RunResult]]]:
+def bench_config(plan: BenchPlan) -> dict[str, Any]:
+    return {"workload": plan.workload.describe(), "schedulers": plan.schedulers,
+            "model": plan.model, "engine_args": plan.engine_args,
+            "feather_options": plan.feather_options, "base_url": plan.base_url}
+
+
+def _runners(plan: BenchPlan) -> list[tuple[str, Runner]]:
     if plan.base_url:
         return [(plan.label, lambda advance: _server_run(plan, advance))]
     from feather_sched.bench.offline import run_offline, scheduler_specs

@@ -25,8 +25,10 @@ environment variables (see ``feather_sched.config``).
 
 from __future__ import annotations
 
+import csv
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -137,7 +139,9 @@ class _Instrumented:
         self.feather_config = feather_options(self.vllm_config)
         self._check_scheduling_mode()
         self.stats = SchedulerStats(scheduler=type(self).__name__)
-        self._step_started: dict[int, float] = {}
+        self._step_started: dict[int, tuple[float, list]] = {}
+        log = self.feather_config.step_log
+        self._step_log = StepLog(log, self.block_size) if log else None
 
     def schedule(self, *args: Any, **kwargs: Any):
         started = time.perf_counter()
@@ -146,18 +150,23 @@ class _Instrumented:
         self.stats.schedule_calls += 1
         self.stats.schedule_s += now - started
         if output.num_scheduled_tokens:
-            self._step_started[id(output)] = now
+            batch = self._step_log.batch(self, output) if self._step_log else []
+            self._step_started[id(output)] = (now, batch)
         return output
 
     def update_from_output(self, scheduler_output, model_runner_output):
         started = self._step_started.pop(id(scheduler_output), None)
         if started is not None:
-            self._on_step(len(scheduler_output.num_scheduled_tokens),
-                          time.perf_counter() - started)
+            seconds = time.perf_counter() - started[0]
+            self._on_step(len(scheduler_output.num_scheduled_tokens), seconds)
+            if self._step_log:
+                self._step_log.write(started[1], seconds)
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def shutdown(self) -> None:
         self._write_state()
+        if self._step_log:
+            self._step_log.handle.close()
         super().shutdown()
 
     def _on_step(self, batch_size: int, seconds: float) -> None:
@@ -180,6 +189,68 @@ class _Instrumented:
                 f"{'on' if is_async else 'off'}: use FeatherScheduler (InstrumentedScheduler) "
                 "with async scheduling, FeatherSyncScheduler (InstrumentedSyncScheduler) "
                 "without")
+
+
+class StepLog:
+    """Each step's batch composition and measured time, as ``feather calibrate`` reads them.
+
+    Rows follow ``feather_sched.sim.calibrate``: one per scheduled request, in batch
+    order (vLLM's running order; by prefix group when Feather orders the batch, as its
+    worker plugin does). A request's group is its first KV block hash; its shared tokens
+    are its leading prompt blocks that another request of the step also holds.
+    """
+
+    COLUMNS = ("step", "position", "group", "shared_tokens", "context_tokens", "new_tokens",
+               "seconds")
+
+    def __init__(self, path: str, block_size: int) -> None:
+        self.block_size = block_size
+        self.step = self._next_step(path)
+        self.handle = open(path, "a", newline="")  # noqa: SIM115 - kept for the engine's life
+        self.writer = csv.writer(self.handle)
+        if self.handle.tell() == 0:
+            self.writer.writerow(self.COLUMNS)
+
+    @staticmethod
+    def _next_step(path: str) -> int:
+        """Continue the step numbers of a log that earlier engines appended to."""
+        try:
+            with open(path, newline="") as handle:
+                steps = [int(row["step"]) for row in csv.DictReader(handle)]
+        except FileNotFoundError:
+            return 0
+        return max(steps, default=-1) + 1
+
+    def batch(self, scheduler: Any, output: Any) -> list[tuple]:
+        requests = [r for r in scheduler.running if r.request_id in output.num_scheduled_tokens]
+        if isinstance(scheduler, _Feather) and scheduler.feather_config.order_running:
+            requests.sort(key=self._group)
+        holders = Counter(h for r in requests for h in set(self._prompt_hashes(r)))
+        return [(self._group(r), self._shared_tokens(r, holders), r.num_computed_tokens +
+                 output.num_scheduled_tokens[r.request_id],
+                 output.num_scheduled_tokens[r.request_id]) for r in requests]
+
+    def write(self, batch: list[tuple], seconds: float) -> None:
+        for position, (group, shared, context, new) in enumerate(batch):
+            self.writer.writerow((self.step, position, group, min(shared, context), context,
+                                  new, f"{seconds:.9f}"))
+        self.step += 1
+        self.handle.flush()
+
+    def _prompt_hashes(self, request: Request) -> list:
+        return request.block_hashes[: request.num_prompt_tokens // self.block_size]
+
+    def _group(self, request: Request) -> str:
+        hashes = request.block_hashes
+        return hashes[0].hex()[:16] if hashes else request.request_id
+
+    def _shared_tokens(self, request: Request, holders: Counter) -> int:
+        shared = 0
+        for block_hash in self._prompt_hashes(request):
+            if holders[block_hash] < 2:
+                break
+            shared += 1
+        return shared * self.block_size
 
 
 class _Feather:

@@ -1,0 +1,1 @@
+"""Serving simulator: hardware and model profiles, a step-cost model and its calibration."""

@@ -1,0 +1,226 @@
+"""A paged KV-cache block pool with prefix caching, shaped like vLLM V1's ``BlockPool``.
+
+Every physical block is in exactly one of three states:
+
+* **free**: no owner and no cached content, on the free list;
+* **referenced**: owned by one or more running requests (``ref count`` = number of owners);
+* **evictable**: no owner, but it holds a full prompt block registered under its chained
+  key, so a later request with the same prefix can reuse it; kept in LRU order of the
+  time it was freed and evicted (oldest first) only when the free list is empty.
+
+A request's full prompt blocks are named by chained keys (``token_chunk_keys(prompt,
+block_tokens)``: key *i* identifies the whole prefix through block *i*), so a prefix hit
+is the longest run of leading keys present in the cache.  Allocation is all-or-nothing,
+as in vLLM's ``allocate_slots``: it either succeeds or leaves the pool untouched.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
+
+BlockKey = Hashable
+RequestId = Hashable
+
+
+def blocks_for(num_tokens: int, block_tokens: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens (ceiling division)."""
+    return -(-num_tokens // block_tokens)
+
+
+class BlockPool:
+    """``num_blocks`` KV blocks of ``block_tokens`` tokens, shared through a prefix cache.
+
+    Keys must be hashable and not ``None``.  ``hit_tokens / query_tokens`` counts what
+    successful allocations served from the cache (vLLM's prefix-cache hit rate).
+    """
+
+    def __init__(self, num_blocks: int, block_tokens: int) -> None:
+        if num_blocks < 1 or block_tokens < 1:
+            raise ValueError(
+                f"num_blocks and block_tokens must be positive, got {num_blocks}, {block_tokens}"
+            )
+        self.num_blocks = num_blocks
+        self.block_tokens = block_tokens
+        self.hit_tokens = 0
+        self.query_tokens = 0
+        self._ref = [0] * num_blocks
+        self._key: list[BlockKey | None] = [None] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._cached: dict[BlockKey, int] = {}
+        self._owned: dict[RequestId, list[int]] = {}
+        self._registered: dict[RequestId, int] = {}
+        """Leading blocks of each request already registered in the cache."""
+
+    # ---- counters ---------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take: free ones plus evictable cached ones (as vLLM)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_referenced(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered under a prefix key, referenced or evictable."""
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (vLLM's KV-cache usage)."""
+        return self.num_referenced / self.num_blocks
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else None
+
+    def blocks_of(self, request_id: RequestId) -> tuple[int, ...]:
+        """The physical blocks a request holds, in token order (empty if none)."""
+        return tuple(self._owned.get(request_id, ()))
+
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._owned
+
+    # ---- operations -------------------------------------------------------------------
+
+    def match(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Physical blocks of the longest cached run of leading ``keys``; no state change."""
+        cached = self._cached
+        hits = []
+        for key in keys:
+            block = cached.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate(
+        self,
+        request_id: RequestId,
+        keys: Sequence[BlockKey],
+        num_tokens: int,
+        *,
+        query_tokens: int | None = None,
+    ) -> bool:
+        """Give a request blocks for ``num_tokens`` tokens, reusing cached leading ``keys``.
+
+        Returns False and changes nothing when too few blocks can be had.  On success the
+        hit counters grow by the reused tokens and ``query_tokens`` (default
+        ``num_tokens``: pass the request's full length to get vLLM's hit rate).
+        """
+        if request_id in self._owned:
+            raise ValueError(f"request {request_id!r} already holds blocks")
+        needed = blocks_for(num_tokens, self.block_tokens)
+        hits = self.match(keys[:needed])
+        revived = sum(1 for block in hits if not self._ref[block])
+        fresh = needed - len(hits)
+        if fresh > self.num_free - revived:
+            return False
+        for block in hits:
+            self._reference(block)
+        self._owned[request_id] = hits + self._take(fresh)
+        self._registered[request_id] = len(hits)
+        self.hit_tokens += min(len(hits) * self.block_tokens, num_tokens)
+        self.query_tokens += num_tokens if query_tokens is None else query_tokens
+        return True
+
+    def grow(self, request_id: RequestId, num_tokens: int) -> bool:
+        """Extend a request's blocks to cover ``num_tokens`` tokens in all; all-or-nothing."""
+        blocks = self._blocks(request_id)
+        fresh = blocks_for(num_tokens, self.block_tokens) - len(blocks)
+        if fresh <= 0:
+            return True
+        if fresh > self.num_free:
+            return False
+        blocks += self._take(fresh)
+        return True
+
+    def free(self, request_id: RequestId) -> None:
+        """Release a request's blocks; cached ones become evictable, tail blocks first."""
+        blocks = self._blocks(request_id)
+        del self._owned[request_id], self._registered[request_id]
+        ref, key = self._ref, self._key
+        for block in reversed(blocks):
+            ref[block] -= 1
+            if ref[block]:
+                continue
+            if key[block] is None:
+                self._free.append(block)
+            else:
+                self._evictable[block] = None
+
+    def cache_full_blocks(
+        self, request_id: RequestId, keys: Sequence[BlockKey], computed_tokens: int
+    ) -> None:
+        """Register the request's computed full prompt blocks under their keys.
+
+        A key another block already holds (two requests computed the same prefix at
+        once) keeps the first block; the duplicate stays private and is freed normally.
+        """
+        blocks = self._blocks(request_id)
+        start = self._registered[request_id]
+        end = min(len(keys), len(blocks), computed_tokens // self.block_tokens)
+        for i in range(start, end):
+            key = keys[i]
+            if key not in self._cached:
+                self._cached[key] = blocks[i]
+                self._key[blocks[i]] = key
+        self._registered[request_id] = max(start, end)
+
+    # ---- checks -----------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Verify every invariant of the pool; raises AssertionError naming the broken one."""
+        owners = [0] * self.num_blocks
+        for request_id, blocks in self._owned.items():
+            assert len(set(blocks)) == len(blocks), f"{request_id!r} owns a block twice"
+            for block in blocks:
+                owners[block] += 1
+        assert owners == self._ref, "ref counts differ from the owners' block lists"
+        free, evictable = set(self._free), set(self._evictable)
+        referenced = {b for b in range(self.num_blocks) if self._ref[b]}
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        assert not (free & evictable or free & referenced or evictable & referenced)
+        assert len(free) + len(evictable) + len(referenced) == self.num_blocks, "blocks leaked"
+        assert all(self._key[b] is None for b in free), "a free block still has a key"
+        assert all(self._key[b] is not None for b in evictable), "an evictable block has no key"
+        keyed = {b: k for b, k in enumerate(self._key) if k is not None}
+        assert keyed == {b: k for k, b in self._cached.items()}, "cache index out of sync"
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _blocks(self, request_id: RequestId) -> list[int]:
+        try:
+            return self._owned[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} holds no blocks") from None
+
+    def _reference(self, block: int) -> None:
+        if not self._ref[block]:
+            del self._evictable[block]
+        self._ref[block] += 1
+
+    def _take(self, count: int) -> list[int]:
+        """``count`` fresh blocks, evicting least-recently-freed cached ones if needed."""
+        taken = []
+        for _ in range(count):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                del self._cached[self._key[block]]
+                self._key[block] = None
+            self._ref[block] = 1
+            taken.append(block)
+        return taken

@@ -1,0 +1,266 @@
+"""Fit the step-cost model's parameters to measured steps, and store the result.
+
+Measured steps travel as CSV, one row per request of a step (the GPU kernel kit and the
+vLLM engine adapter write the same format)::
+
+    step,position,group,shared_tokens,context_tokens,new_tokens,seconds
+
+``position`` is the request's place in the batch and ``seconds`` the step's measured
+time, equal on every row of the step. The fit keeps the model's structure but makes the
+roofline additive (time = a*hbm_bytes + b*l2_bytes + c*flops + d + e*requests), since
+that is linear in the unknowns; the L2 capacity enters non-linearly, so it is searched on
+a grid with a non-negative least-squares solve per grid point.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from feather_sched.sim.cost import BatchEntry, CostModel, CostParams, StepTraffic, summarize
+from feather_sched.sim.hardware import HardwareProfile, from_dict
+from feather_sched.sim.model_profiles import ModelProfile
+
+CSV_COLUMNS = ("step", "position", "group", "shared_tokens", "context_tokens", "new_tokens",
+               "seconds")
+_INT_COLUMNS = ("step", "position", "shared_tokens", "context_tokens", "new_tokens")
+DEFAULT_GRID = tuple(round(0.05 * i, 2) for i in range(1, 21))
+"""Candidate ``l2_usable_fraction`` values: 0.05, 0.10, ..., 1.0."""
+FEATURES = ("hbm_bytes", "l2_bytes", "flops", "step", "requests")
+
+Step = tuple[list[BatchEntry], float]
+"""A step's batch in execution order and its measured seconds."""
+
+
+# --- CSV -------------------------------------------------------------------------------
+
+def write_steps_csv(path: str | Path, steps: Iterable[tuple[Sequence[BatchEntry], float]]) -> None:
+    """Write steps in the measured-steps format. Groups are written with ``str()``, so
+    they read back as strings; an empty step has no rows and does not survive."""
+    with open(path, "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(CSV_COLUMNS)
+        for index, (batch, seconds) in enumerate(steps):
+            for position, e in enumerate(batch):
+                writer.writerow([index, position, e.group, e.shared_tokens, e.context_tokens,
+                                 e.new_tokens, repr(float(seconds))])
+
+
+def read_steps_csv(path: str | Path) -> list[Step]:
+    """Read measured steps, ordered by step id, each batch ordered by position.
+
+    Raises ValueError naming the line and column of the first problem: a missing
+    column, an empty or non-numeric value, a negative number, a repeated position, or
+    a step whose rows disagree on ``seconds``.
+    """
+    rows: dict[int, dict[int, BatchEntry]] = {}
+    seconds: dict[int, float] = {}
+    with open(path, newline="") as file:
+        reader = csv.DictReader(file)
+        missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise ValueError(f"{path}: line 1: missing column(s) {', '.join(missing)}")
+        for row in reader:
+            where = f"{path}: line {reader.line_num}"
+            step, position, entry, measured = _parse_row(row, where)
+            if step in seconds and not math.isclose(seconds[step], measured, rel_tol=1e-9):
+                raise ValueError(f"{where}: column 'seconds': {measured!r} differs from "
+                                 f"{seconds[step]!r} on an earlier row of step {step}")
+            if position in rows.setdefault(step, {}):
+                raise ValueError(f"{where}: column 'position': {position} repeats in step {step}")
+            seconds[step] = measured
+            rows[step][position] = entry
+    return [([batch[p] for p in sorted(batch)], seconds[s]) for s, batch in sorted(rows.items())]
+
+
+def _parse_row(row: dict[str, str | None], where: str) -> tuple[int, int, BatchEntry, float]:
+    ints = {column: int(_number(row, column, where, int)) for column in _INT_COLUMNS}
+    measured = _number(row, "seconds", where, float)
+    group = row["group"]
+    if not group:
+        raise ValueError(f"{where}: column 'group': empty value")
+    try:
+        entry = BatchEntry(group, ints["shared_tokens"], ints["context_tokens"],
+                           ints["new_tokens"])
+    except ValueError as error:
+        raise ValueError(f"{where}: column 'shared_tokens': {error}") from error
+    return ints["step"], ints["position"], entry, measured
+
+
+def _number(row: dict[str, str | None], column: str, where: str, kind: type) -> float:
+    text = (row.get(column) or "").strip()
+    try:
+        value = kind(text)
+    except ValueError:
+        expected = "an integer" if kind is int else "a number"
+        raise ValueError(f"{where}: column '{column}': expected {expected}, "
+                         f"got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{where}: column '{column}': expected a finite non-negative "
+                         f"number, got {text!r}")
+    return value
+
+
+# --- fit -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FitReport:
+    """How well the fitted additive model explains the measured steps."""
+
+    rows: int
+    """Steps used (non-empty, with positive measured time)."""
+    mape: float
+    """Mean absolute percentage error of predicted step times, as a fraction."""
+    r2: float
+    """Coefficient of determination of predicted step times."""
+    coefficients: tuple[float, ...]
+    """Seconds per unit of each of FEATURES."""
+    grid_error: tuple[tuple[float, float], ...]
+    """(l2_usable_fraction, RMS relative error) per grid point; flat means L2 is not
+    identified by these steps."""
+    unidentified: tuple[str, ...]
+    """Parameters no step informs (an all-zero feature); they keep their defaults."""
+
+
+def fit(steps: Sequence[tuple[Sequence[BatchEntry], float]], hardware: HardwareProfile,
+        model: ModelProfile, *, granularity: str = "layer",
+        grid: Sequence[float] = DEFAULT_GRID) -> tuple[CostParams, FitReport]:
+    """Fit CostParams (additive roofline) to measured steps.
+
+    Each grid point fixes ``l2_usable_fraction``; the other parameters come from a
+    non-negative least-squares fit of relative error (so short and long steps weigh
+    alike). The grid point with the lowest error wins.
+    """
+    used = [(summarize(batch), t) for batch, t in steps if batch and t > 0]
+    if len(used) < len(FEATURES):
+        raise ValueError(f"need at least {len(FEATURES)} non-empty steps with positive "
+                         f"time, got {len(used)}")
+    traffic = [s for s, _ in used]
+    times = np.array([t for _, t in used])
+    base = CostParams(reuse_granularity=granularity, additive=True)
+    scored = []
+    for fraction in grid:
+        params = replace(base, l2_usable_fraction=fraction)
+        x = features(CostModel(hardware, model, params), traffic)
+        coefficients = nnls(x / times[:, None], np.ones(len(times)))
+        error = float(np.sqrt(np.mean((x @ coefficients / times - 1) ** 2)))
+        scored.append((error, fraction, x, coefficients))
+    _, fraction, x, coefficients = min(scored, key=lambda s: s[0])
+    unidentified = tuple(n for n, column in zip(FEATURES, x.T, strict=True) if not column.any())
+    params = _to_params(replace(base, l2_usable_fraction=fraction), coefficients, unidentified,
+                        hardware)
+    predicted = x @ coefficients
+    report = FitReport(
+        rows=len(times), mape=float(np.mean(np.abs(predicted / times - 1))),
+        r2=float(1 - np.sum((predicted - times) ** 2) / np.sum((times - times.mean()) ** 2)),
+        coefficients=tuple(float(c) for c in coefficients),
+        grid_error=tuple((float(f), s[0]) for f, s in zip(grid, scored, strict=True)),
+        unidentified=unidentified,
+    )
+    return params, report
+
+
+def features(cost_model: CostModel, traffic: Sequence[StepTraffic]) -> np.ndarray:
+    """One row per step: the additive model's regressors (FEATURES)."""
+    rows = []
+    for step in traffic:
+        cost = cost_model.cost(step)
+        rows.append((cost.hbm_bytes, cost.l2_bytes, cost.flops, 1.0, step.requests))
+    return np.array(rows, dtype=float)
+
+
+def _to_params(base: CostParams, coefficients: np.ndarray, unidentified: tuple[str, ...],
+               hardware: HardwareProfile) -> CostParams:
+    """Seconds-per-unit coefficients back to CostParams (0 s/byte: an infinite efficiency,
+    the term is free); unidentified parameters keep their defaults."""
+    a, b, c, d, e = (float(v) for v in coefficients)
+
+    def efficiency(seconds_per_unit: float, peak: float) -> float:
+        return 1.0 / (seconds_per_unit * peak) if seconds_per_unit > 0 else math.inf
+
+    fitted = {
+        "hbm_bytes": ("bandwidth_efficiency", efficiency(a, hardware.hbm_bytes_per_s)),
+        "l2_bytes": ("l2_bandwidth_efficiency", efficiency(b, hardware.l2_bytes_per_s)),
+        "flops": ("flops_efficiency", efficiency(c, hardware.bf16_flops)),
+        "step": ("step_overhead_s", d),
+        "requests": ("request_overhead_s", e),
+    }
+    return replace(base, **{name: value for feature, (name, value) in fitted.items()
+                            if feature not in unidentified})
+
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iterations: int = 100) -> np.ndarray:
+    """argmin ||a x - b|| subject to x >= 0 (Lawson & Hanson, "Solving Least Squares
+    Problems", 1974, ch. 23). Columns are scaled to unit norm first for conditioning;
+    all-zero columns get 0."""
+    norms = np.linalg.norm(a, axis=0)
+    live = norms > 0
+    scaled = a[:, live] / norms[live]
+    x = _lawson_hanson(scaled, b, max_iterations)
+    result = np.zeros(a.shape[1])
+    result[live] = x / norms[live]
+    return result
+
+
+def _lawson_hanson(a: np.ndarray, b: np.ndarray, max_iterations: int) -> np.ndarray:
+    n = a.shape[1]
+    tolerance = 1e-10 * max(1.0, float(np.linalg.norm(b)))
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    for _ in range(max_iterations):
+        gradient = a.T @ (b - a @ x)
+        if passive.all() or gradient[~passive].max() <= tolerance:
+            break
+        passive[np.argmax(np.where(passive, -np.inf, gradient))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                break
+            # Move from x towards z until the first passive variable reaches zero; drop it.
+            blocking = passive & (z <= 0)
+            ratios = np.full(n, np.inf)
+            ratios[blocking] = x[blocking] / np.maximum(x[blocking] - z[blocking], 1e-300)
+            first = int(np.argmin(ratios))
+            x = x + ratios[first] * (z - x)
+            x[first] = 0.0
+            passive &= x > 0
+        x = z
+    return x
+
+
+# --- profiles --------------------------------------------------------------------------
+
+class Profile(NamedTuple):
+    """What the simulator needs to cost steps: hardware, model and fitted parameters."""
+
+    hardware: HardwareProfile
+    model: ModelProfile
+    params: CostParams
+
+    def cost_model(self, cascade: bool = False) -> CostModel:
+        return CostModel(self.hardware, self.model, self.params, cascade=cascade)
+
+
+def save_profile(path: str | Path, hardware: HardwareProfile, model: ModelProfile,
+                 params: CostParams) -> None:
+    """One JSON object with hardware, model and params (infinite efficiencies are
+    written as ``Infinity``, which Python's json reads back)."""
+    data = {"hardware": asdict(hardware), "model": asdict(model), "params": asdict(params)}
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def load_profile(path: str | Path) -> Profile:
+    data = json.loads(Path(path).read_text())
+    missing = [key for key in ("hardware", "model", "params") if key not in data]
+    if missing:
+        raise ValueError(f"{path}: missing {', '.join(missing)}")
+    return Profile(from_dict(HardwareProfile, data["hardware"]),
+                   from_dict(ModelProfile, data["model"]), from_dict(CostParams, data["params"]))

@@ -1,0 +1,244 @@
+"""Step-cost model: how long one engine step takes for a given batch, in batch order.
+
+Why order matters: requests of a prefix group read the same physical prefix KV blocks.
+When the batch keeps a group together, a later member re-reads the prefix while it is
+still in L2; when groups are interleaved, other requests' KV evicts it first and the
+re-read goes to HBM again. Feather keeps decode batches prefix-homogeneous for this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from feather_sched.sim.hardware import HardwareProfile
+from feather_sched.sim.model_profiles import ModelProfile
+
+GRANULARITIES = ("layer", "layer-head")
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """One request in one engine step."""
+
+    group: Hashable
+    """Prefix-group identity: requests of a group share physical prefix KV blocks."""
+    shared_tokens: int
+    """Tokens of this request's context that are its group's shared prefix."""
+    context_tokens: int
+    """KV tokens attended: already computed plus computed this step."""
+    new_tokens: int
+    """Tokens computed this step (1 for decode, a chunk for prefill)."""
+
+    def __post_init__(self) -> None:
+        if self.new_tokens < 0 or not 0 <= self.shared_tokens <= self.context_tokens:
+            raise ValueError(f"need 0 <= shared_tokens <= context_tokens and new_tokens >= 0: "
+                             f"{self}")
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """The model's free parameters; ``calibrate.fit`` estimates them from measured steps.
+
+    Defaults are plausible for a GPU serving engine: memory-bound kernels reach ~80% of
+    peak HBM bandwidth and GEMMs ~60% of peak tensor throughput; a step costs a couple of
+    milliseconds of launch and framework (scheduler, sampling) time.
+    """
+
+    bandwidth_efficiency: float = 0.8
+    """Achieved / peak HBM bandwidth."""
+    flops_efficiency: float = 0.6
+    """Achieved / peak dense bf16 throughput."""
+    l2_usable_fraction: float = 0.5
+    """Share of L2 that reused prefix KV can occupy (the rest: weights, activations)."""
+    step_overhead_s: float = 2e-3
+    """Kernel launches and framework time per step."""
+    request_overhead_s: float = 2e-6
+    """Per-request bookkeeping (metadata, sampling) per step."""
+    reuse_granularity: str = "layer"
+    """Working set compared with L2: "layer" when the kernel walks the whole batch one
+    layer at a time (GPU attention), "layer-head" when it walks it per (layer, KV head)
+    (vLLM's CPU attention kernel)."""
+    l2_bandwidth_efficiency: float = 1.0
+    """Achieved / nominal L2 bandwidth; fitted by calibration, 1.0 means the estimate."""
+    additive: bool = False
+    """Step time = memory + compute instead of max(memory, compute). Calibrated profiles
+    use this additive roofline, because the fit is a linear least-squares model."""
+
+    def __post_init__(self) -> None:
+        if self.reuse_granularity not in GRANULARITIES:
+            raise ValueError(f"reuse_granularity must be one of {GRANULARITIES}")
+        if not 0.0 <= self.l2_usable_fraction <= 1.0:
+            raise ValueError("l2_usable_fraction must lie in [0, 1]")
+        efficiencies = (self.bandwidth_efficiency, self.flops_efficiency,
+                        self.l2_bandwidth_efficiency)
+        if min(efficiencies) <= 0:
+            raise ValueError("efficiencies must be positive (math.inf: the term is free)")
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Time and traffic of one step. ``hbm_bytes`` includes ``weight_bytes``."""
+
+    seconds: float
+    hbm_bytes: float
+    l2_bytes: float
+    weight_bytes: float
+    flops: float
+    memory_s: float = 0.0
+    compute_s: float = 0.0
+
+    @property
+    def kv_bytes(self) -> float:
+        """KV bytes read, from HBM and from L2."""
+        return self.hbm_bytes - self.weight_bytes + self.l2_bytes
+
+    @property
+    def l2_hit_rate(self) -> float:
+        """Share of KV bytes served from L2."""
+        return self.l2_bytes / self.kv_bytes if self.kv_bytes else 0.0
+
+    @property
+    def compute_bound(self) -> bool:
+        return self.compute_s > self.memory_s
+
+
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class StepTraffic:
+    """What a batch's cost depends on, independent of cache capacity and parameters.
+
+    Summarising once lets calibration score many L2 capacities without re-walking batches.
+    """
+
+    requests: int = 0
+    context_tokens: int = 0
+    new_tokens: int = 0
+    attention_tokens: int = 0
+    """Sum over requests of new_tokens * context_tokens (attention work)."""
+    shared_tokens: int = 0
+    prefix_tokens: int = 0
+    """Distinct prefix tokens: per group, the longest shared prefix in the step."""
+    reuse_tokens: np.ndarray = field(default_factory=lambda: _NO_TOKENS)
+    """Per re-read of a group's prefix: tokens an earlier member of the step already read."""
+    reuse_distance: np.ndarray = field(default_factory=lambda: _NO_TOKENS)
+    """Per re-read: KV tokens read since the previous reader finished the prefix."""
+
+
+def summarize(batch: Sequence[BatchEntry]) -> StepTraffic:
+    """Walk the batch in order once, in O(len(batch)), keeping per group the position
+    (in cumulative KV tokens) where its last reader finished the prefix.
+
+    The reuse distance of a re-read is the KV read in between: the previous reader's
+    private part plus the whole context of every request between them. Where shared
+    lengths differ within a group, only the part some earlier member read can be reused.
+    """
+    last: dict[Hashable, tuple[int, int]] = {}  # group -> (mark, longest prefix read)
+    reuse: list[int] = []
+    distance: list[int] = []
+    read = new = attention = shared = 0
+    for entry in batch:
+        if entry.shared_tokens:
+            seen = last.get(entry.group)
+            longest = entry.shared_tokens
+            if seen is not None:
+                mark, longest = seen
+                reuse.append(min(entry.shared_tokens, longest))
+                distance.append(read - mark)
+                longest = max(longest, entry.shared_tokens)
+            last[entry.group] = (read + entry.shared_tokens, longest)
+            shared += entry.shared_tokens
+        read += entry.context_tokens
+        new += entry.new_tokens
+        attention += entry.new_tokens * entry.context_tokens
+    return StepTraffic(
+        requests=len(batch), context_tokens=read, new_tokens=new, attention_tokens=attention,
+        shared_tokens=shared, prefix_tokens=sum(longest for _, longest in last.values()),
+        reuse_tokens=np.array(reuse, dtype=np.int64),
+        reuse_distance=np.array(distance, dtype=np.int64),
+    )
+
+
+class CostModel:
+    """Roofline step time with on-chip reuse of shared-prefix KV.
+
+    Terms (roofline: Williams, Waterman & Patterson, CACM 2009):
+
+    - Weights: every step streams all weights from HBM once (``model.weight_bytes``).
+    - KV: each request reads its whole context, ``context_tokens * kv_bytes_per_token``;
+      the private part (context - shared) always comes from HBM.
+    - Shared prefix, default kernel (PagedAttention walks requests one by one): the first
+      member of a group in the step reads the prefix from HBM; a later member hits L2 iff
+      its reuse distance (:func:`summarize`; the LRU stack-distance idea of Mattson et
+      al., IBM Sys. J. 1970) and the prefix itself each fit in ``l2_usable_fraction *
+      l2_bytes``, both measured per layer (bytes / layers) or per (layer, KV head) slice
+      (bytes / (layers * kv_heads)) as ``reuse_granularity`` says; else HBM again.
+      L2 reads cost ``bytes / (l2_bytes_per_s * l2_bandwidth_efficiency)``.
+    - Shared prefix, ``cascade=True`` (FlashInfer cascade attention, Ye et al. 2024;
+      Hydragen, Juravsky et al. 2024): each group's prefix is read once from HBM per step.
+    - Compute: ``2 * params`` FLOPs per new token for the linear layers plus attention
+      ``4 * layers * heads * head_dim * new * context`` (QK^T and PV, 2 FLOPs per
+      multiply-add; forward third of PaLM's 6N + 12LHQT, Chowdhery et al. 2022, app. B),
+      at ``bf16_flops * flops_efficiency``.
+    - Time: max(memory, compute) (or their sum if ``params.additive``), with memory =
+      HBM bytes / (peak * bandwidth_efficiency) + L2 time, plus ``step_overhead_s`` and
+      ``request_overhead_s`` per request. An empty batch costs nothing.
+    """
+
+    def __init__(self, hardware: HardwareProfile, model: ModelProfile,
+                 params: CostParams = CostParams(), cascade: bool = False) -> None:
+        self.hardware = hardware
+        self.model = model
+        self.params = params
+        self.cascade = cascade
+        slices = model.layers * (model.kv_heads if params.reuse_granularity == "layer-head" else 1)
+        capacity_bytes = params.l2_usable_fraction * hardware.l2_bytes
+        self.capacity_tokens = capacity_bytes * slices / model.kv_bytes_per_token
+        """Tokens of KV whose per-slice footprint fits the usable L2."""
+
+    def step(self, batch: Sequence[BatchEntry]) -> StepCost:
+        """Cost of one step, batch in execution order."""
+        return self.cost(summarize(batch))
+
+    def cost(self, traffic: StepTraffic) -> StepCost:
+        """Cost of a step already summarised by :func:`summarize`."""
+        if traffic.requests == 0:
+            return StepCost(0.0, 0.0, 0.0, 0.0, 0.0)
+        kv = self.model.kv_bytes_per_token
+        l2_tokens = self.l2_tokens(traffic)
+        hbm_kv_tokens = traffic.context_tokens - l2_tokens
+        if self.cascade:
+            hbm_kv_tokens -= traffic.shared_tokens - traffic.prefix_tokens
+        weight_bytes = self.model.weight_bytes
+        hbm_bytes = weight_bytes + hbm_kv_tokens * kv
+        l2_bytes = float(l2_tokens * kv)
+        flops = self.flops(traffic)
+        memory_s = self._memory_seconds(hbm_bytes, l2_bytes)
+        compute_s = flops / (self.hardware.bf16_flops * self.params.flops_efficiency)
+        busy = memory_s + compute_s if self.params.additive else max(memory_s, compute_s)
+        seconds = (busy + self.params.step_overhead_s
+                   + self.params.request_overhead_s * traffic.requests)
+        return StepCost(seconds, hbm_bytes, l2_bytes, weight_bytes, flops, memory_s, compute_s)
+
+    def l2_tokens(self, traffic: StepTraffic) -> int:
+        """Prefix KV tokens re-read from L2 (none under cascade: nothing is re-read)."""
+        if self.cascade or not traffic.reuse_tokens.size:
+            return 0
+        capacity = self.capacity_tokens
+        hits = (traffic.reuse_distance <= capacity) & (traffic.reuse_tokens <= capacity)
+        return int(traffic.reuse_tokens[hits].sum())
+
+    def flops(self, traffic: StepTraffic) -> float:
+        m = self.model
+        attention = 4 * m.layers * m.heads * m.head_dim * traffic.attention_tokens
+        return 2 * m.params * traffic.new_tokens + attention
+
+    def _memory_seconds(self, hbm_bytes: float, l2_bytes: float) -> float:
+        hw, p = self.hardware, self.params
+        hbm_s = hbm_bytes / (hw.hbm_bytes_per_s * p.bandwidth_efficiency)
+        l2_s = l2_bytes / (hw.l2_bytes_per_s * p.l2_bandwidth_efficiency)
+        return hbm_s + l2_s

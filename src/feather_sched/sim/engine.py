@@ -1,0 +1,513 @@
+"""A discrete-event model of vLLM V1's continuous batching, driving real scheduler objects.
+
+Each step follows the shape of vLLM's ``Scheduler.schedule()``: running requests first
+(one decode token, or their next prefill chunk), preempting the most recently admitted
+request by recompute when KV blocks run out; then, if nothing was preempted, admission
+from the waiting policy while the token budget and ``max_num_seqs`` allow.  The batch is
+laid out like vLLM's *persistent batch* (new requests take the lowest free slot, then
+``condense`` moves the last slots into the remaining holes), which is what interleaves
+prefix groups over time; a policy with ``order_running`` sorts the slots by group.
+
+A cost model prices each step; the simulated clock advances by that price plus, when
+``charge_scheduler_time`` is on, the wall-clock time the policy's calls took (and any
+modelled seconds it declares in ``charged_s``), so a slow scheduler costs simulated
+throughput.  The run yields the same ``RequestRecord`` and
+``StepRecord`` lists as a real benchmark run, so the same report code reads both.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+from feather_sched.bench.records import RequestRecord, StepRecord
+from feather_sched.bench.report import RunResult
+from feather_sched.cht import token_chunk_keys
+from feather_sched.sim.block_pool import BlockPool, blocks_for
+from feather_sched.sim.cost import BatchEntry, StepCost
+from feather_sched.workloads import RequestSpec, Workload
+
+
+class SimState(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    REJECTED = "rejected"
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """A request inside the simulator: its spec, prompt block keys and progress.
+
+    Preemption is by recompute (vLLM V1): ``num_computed_tokens`` drops to 0 while the
+    output produced so far stays, so the request recomputes prompt + outputs and then
+    samples its next token.
+    """
+
+    spec: RequestSpec
+    keys: list[int]
+    """Chained keys of the prompt's full KV blocks (``token_chunk_keys``)."""
+    record: RequestRecord
+    group: Hashable
+    """The workload group, or the request id when it shares nothing."""
+    index: int
+    """Position in the workload (arrival order)."""
+    prompt_len: int
+    state: SimState = SimState.WAITING
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    preemptions: int = 0
+    scheduled_tokens: int = 0
+    """Tokens scheduled in the current step."""
+    step: int = -1
+    """The last step this request was scheduled in."""
+    slot: int = -1
+    """Its slot in the persistent batch (-1: none)."""
+
+    @classmethod
+    def create(cls, spec: RequestSpec, index: int, block_tokens: int) -> SimRequest:
+        record = RequestRecord(spec.request_id, spec.prompt.size, spec.group, spec.arrival_s)
+        group = spec.group if spec.group >= 0 else spec.request_id
+        keys = token_chunk_keys(spec.prompt, block_tokens)
+        return cls(spec, keys, record, group, index, spec.prompt.size)
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output so far: what must be computed before the next token."""
+        return self.prompt_len + self.num_output_tokens
+
+    @property
+    def group_order(self) -> tuple[bool, int]:
+        """Sort key of Feather's batch ordering: workload groups, then each loner alone."""
+        group = self.spec.group
+        return (group < 0, group if group >= 0 else self.index)
+
+
+class Policy(Protocol):
+    """A waiting queue as vLLM's scheduler sees it."""
+
+    name: str
+    order_running: bool
+    """Keep the persistent batch sorted by prefix group (Feather's batch ordering)."""
+
+    def add(self, request: SimRequest) -> None: ...
+
+    def peek(self) -> SimRequest | None:
+        """The next request to admit; None stops admission for this step."""
+
+    def pop(self) -> SimRequest:
+        """Admit the request ``peek`` returned."""
+
+    def requeue(self, request: SimRequest) -> None: ...
+
+    def finish(self, request: SimRequest) -> None: ...
+
+    def new_step(self, engine: SimEngine) -> None: ...
+
+    def record_step(self, batch_size: int, seconds: float) -> None: ...
+
+    def __len__(self) -> int: ...
+
+
+def _charged_s(policy: Policy) -> float:
+    """A policy's optional ``charged_s``: modelled scheduler seconds of the current step
+    (e.g. SGLang's prefix matching, which the simulator does far cheaper), reset by the
+    policy in ``new_step`` and read once per step."""
+    return getattr(policy, "charged_s", 0.0)
+
+
+class StepCostModel(Protocol):
+    def step(self, batch: Sequence[BatchEntry]) -> StepCost: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """vLLM's scheduler limits and the simulator's own switches."""
+
+    block_tokens: int = 16
+    num_blocks: int = 8192
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    charge_scheduler_time: bool = True
+    max_steps: int = 10**7
+
+    def __post_init__(self) -> None:
+        for name in ("block_tokens", "num_blocks", "max_num_seqs",
+                     "max_num_batched_tokens", "max_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class CostTotals:
+    """The cost model's prices summed over a run."""
+
+    model_seconds: float = 0.0
+    hbm_bytes: float = 0.0
+    """All HBM traffic, weights included."""
+    l2_bytes: float = 0.0
+    """KV bytes the model says L2 served instead of HBM."""
+    weight_bytes: float = 0.0
+    output_tokens: int = 0
+
+    def add(self, cost: StepCost, output_tokens: int) -> None:
+        self.model_seconds += cost.seconds
+        self.hbm_bytes += cost.hbm_bytes
+        self.l2_bytes += cost.l2_bytes
+        self.weight_bytes += cost.weight_bytes
+        self.output_tokens += output_tokens
+
+    @property
+    def hbm_bytes_per_output_token(self) -> float | None:
+        return self.hbm_bytes / self.output_tokens if self.output_tokens else None
+
+    @property
+    def l2_hit_rate(self) -> float | None:
+        """Share of KV bytes read that L2 served (as ``StepCost.l2_hit_rate``, run-wide)."""
+        kv_bytes = self.hbm_bytes - self.weight_bytes + self.l2_bytes
+        return self.l2_bytes / kv_bytes if kv_bytes else None
+
+
+@dataclass
+class SimResult:
+    """One simulated run: the benchmark records plus what only a model can report."""
+
+    name: str
+    records: list[RequestRecord]
+    """In workload order."""
+    steps: list[StepRecord]
+    duration_s: float
+    costs: CostTotals
+    prefix_cache_hit_rate: float | None
+    scheduler_cpu_s: float
+    """Wall-clock seconds spent in policy calls (charged to the clock if configured)."""
+    modelled_scheduler_s: float
+    """Seconds the policies declared in ``charged_s`` (charged likewise)."""
+    num_preemptions: int
+
+    def run_result(self) -> RunResult:
+        """The run as the benchmark report code takes it."""
+        return RunResult(name=self.name, records=self.records, duration_s=self.duration_s,
+                         steps=self.steps, prefix_cache_hit_rate=self.prefix_cache_hit_rate)
+
+
+class SimEngine:
+    """Runs a workload through a policy and a cost model on a simulated clock."""
+
+    def __init__(self, policy: Policy, cost_model: StepCostModel, config: EngineConfig) -> None:
+        self.policy = policy
+        self.cost_model = cost_model
+        self.config = config
+        self._reset([], None)
+
+    # ---- driver -----------------------------------------------------------------------
+
+    def run(
+        self, workload: Workload, on_done: Callable[[RequestRecord], None] | None = None
+    ) -> SimResult:
+        """Simulate the whole workload; every request ends exactly once (or this raises).
+
+        Each run starts a fresh pool and clock; the policy is used as given.
+        """
+        self._reset(workload.requests, on_done)
+        for _ in range(self.config.max_steps):
+            if self._ended == self._total:
+                return self._result()
+            self._arrive()
+            batch, preempted = self._schedule()
+            if batch:
+                self._execute(batch)
+            elif not (preempted or self.running):
+                self._wait_for_arrival()
+        raise RuntimeError(f"simulation did not finish within {self.config.max_steps} steps")
+
+    def _reset(
+        self, specs: Sequence[RequestSpec], on_done: Callable[[RequestRecord], None] | None
+    ) -> None:
+        config = self.config
+        self.pool = BlockPool(config.num_blocks, config.block_tokens)
+        self.now = 0.0
+        """The simulated clock, in seconds from the run's start."""
+        self.running: list[SimRequest] = []
+        """Running requests in admission order (preemption takes the last)."""
+        self.requests: list[SimRequest] = []
+        self.steps: list[StepRecord] = []
+        self.costs = CostTotals()
+        self.num_preemptions = 0
+        self.scheduler_cpu_s = 0.0
+        self.modelled_scheduler_s = 0.0
+        self._pending = deque(specs)
+        self._total = len(specs)
+        self._on_done = on_done
+        self._ended = 0
+        self._step = 0
+        self._uncharged_s = 0.0
+        self._slots: list[SimRequest | None] = []
+        self._holes: list[int] = []
+
+    def _timed(self, call: Callable[..., Any], *args: Any) -> Any:
+        """Call into the policy, adding its wall-clock time to the scheduler's account."""
+        start = time.perf_counter()
+        result = call(*args)
+        elapsed = time.perf_counter() - start
+        self.scheduler_cpu_s += elapsed
+        self._uncharged_s += elapsed
+        return result
+
+    def _arrive(self) -> None:
+        """Hand every request that has arrived by now to the policy (or reject it)."""
+        pending = self._pending
+        while pending and pending[0].arrival_s <= self.now:
+            request = SimRequest.create(pending.popleft(), len(self.requests),
+                                        self.config.block_tokens)
+            self.requests.append(request)
+            if not self._reject_if_unfit(request):
+                self._timed(self.policy.add, request)
+
+    def _reject_if_unfit(self, request: SimRequest) -> bool:
+        """Fail a request whose full sequence could never fit the pool, instead of hanging."""
+        kv_tokens = request.prompt_len + max(request.spec.output_len - 1, 0)
+        needed = blocks_for(kv_tokens, self.config.block_tokens)
+        if needed <= self.config.num_blocks:
+            return False
+        request.record.error = (f"needs {needed} KV blocks for {kv_tokens} tokens; "
+                                f"the pool has {self.config.num_blocks}")
+        self._end(request, SimState.REJECTED, request.spec.arrival_s)
+        return True
+
+    def _wait_for_arrival(self) -> None:
+        """Nothing runs and nothing was admitted: jump to the next arrival, or fail."""
+        if not self._pending:
+            raise RuntimeError(
+                f"no progress at t={self.now:.6f}s: {len(self.policy)} waiting requests, "
+                f"none running, and policy {self.policy.name!r} admits none"
+            )
+        if self.config.charge_scheduler_time:
+            self.now += self._uncharged_s  # idle time absorbs scheduling that fits in it
+        self._uncharged_s = 0.0
+        self.now = max(self.now, self._pending[0].arrival_s)
+
+    # ---- scheduling -------------------------------------------------------------------
+
+    def _schedule(self) -> tuple[list[SimRequest], bool]:
+        """One ``schedule()``: running requests first, then admissions; returns the batch."""
+        self._step += 1
+        self._timed(self.policy.new_step, self)
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[SimRequest] = []
+        preempted = self._schedule_running(scheduled, budget)
+        if not preempted:
+            self._admit(scheduled, budget - sum(r.scheduled_tokens for r in scheduled))
+        modelled = _charged_s(self.policy)
+        self.modelled_scheduler_s += modelled
+        self._uncharged_s += modelled
+        return self._layout(scheduled), preempted
+
+    def _schedule_running(self, scheduled: list[SimRequest], budget: int) -> bool:
+        """Give each running request its tokens, preempting from the back for blocks."""
+        preempted = False
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.pool.grow(request.request_id, request.num_computed_tokens + tokens):
+                victim = running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    return True
+            self._mark(request, tokens, scheduled)
+            budget -= tokens
+            i += 1
+        return preempted
+
+    def _preempt(self, request: SimRequest) -> None:
+        """vLLM's recompute preemption: drop the KV, keep the output, back to waiting."""
+        self.pool.free(request.request_id)
+        request.state = SimState.WAITING
+        request.num_computed_tokens = 0
+        request.preemptions += 1
+        self.num_preemptions += 1
+        self._timed(self.policy.requeue, request)
+
+    def _admit(self, scheduled: list[SimRequest], budget: int) -> None:
+        """Admit waiting requests while budget, seats and KV blocks last."""
+        pool, block_tokens = self.pool, self.config.block_tokens
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._timed(self.policy.peek)
+            if request is None:
+                return
+            num_tokens = request.num_tokens
+            # As vLLM: cached blocks are skipped, but the last token is always computed.
+            hits = min(len(pool.match(request.keys)), (num_tokens - 1) // block_tokens)
+            cached = hits * block_tokens
+            tokens = min(num_tokens - cached, budget)
+            if not pool.allocate(request.request_id, request.keys[:hits], cached + tokens,
+                                 query_tokens=num_tokens):
+                return
+            popped = self._timed(self.policy.pop)
+            if popped is not request:
+                raise RuntimeError(
+                    f"policy {self.policy.name!r} popped {_name(popped)!r} "
+                    f"after peeking {request.request_id!r}"
+                )
+            if request.record.cached_tokens is None:
+                request.record.cached_tokens = cached
+            request.state = SimState.RUNNING
+            request.num_computed_tokens = cached
+            self.running.append(request)
+            self._mark(request, tokens, scheduled)
+            budget -= tokens
+
+    def _mark(self, request: SimRequest, tokens: int, scheduled: list[SimRequest]) -> None:
+        """Schedule ``tokens`` of the request in this step.
+
+        As vLLM's ``allocate_slots``, the full prompt blocks this step will compute are
+        cached at once, so a request admitted later in the same step already hits them:
+        the kernel writes each layer's KV before any request of the step attends to it.
+        """
+        request.scheduled_tokens = tokens
+        request.step = self._step
+        scheduled.append(request)
+        target = request.num_computed_tokens + tokens
+        if request.num_computed_tokens < len(request.keys) * self.config.block_tokens:
+            self.pool.cache_full_blocks(request.request_id, request.keys, target)
+
+    # ---- persistent batch -------------------------------------------------------------
+
+    def _layout(self, scheduled: list[SimRequest]) -> list[SimRequest]:
+        """Place the step's requests in the persistent batch; returns them in slot order.
+
+        As vLLM's input batch: requests not scheduled now leave their slots, newcomers
+        take the lowest holes (else the end), then ``condense`` fills remaining holes
+        with the last occupied slots.
+        """
+        slots, holes = self._slots, self._holes
+        for index, request in enumerate(slots):
+            if request is not None and request.step != self._step:
+                request.slot = -1
+                slots[index] = None
+                heapq.heappush(holes, index)
+        for request in scheduled:
+            if request.slot < 0:
+                request.slot = heapq.heappop(holes) if holes else len(slots)
+                if request.slot == len(slots):
+                    slots.append(request)
+                else:
+                    slots[request.slot] = request
+        self._condense()
+        batch = [r for r in slots if r is not None]  # condensed: every slot is occupied
+        if self.policy.order_running:
+            # Feather's batch ordering: by prefix group, stable within a group.
+            batch.sort(key=lambda r: r.group_order)
+            slots[:] = batch
+            for index, request in enumerate(batch):
+                request.slot = index
+        return batch
+
+    def _condense(self) -> None:
+        """Move the last occupied slot into the lowest hole until no hole is left."""
+        slots, holes = self._slots, self._holes
+        while holes:
+            while slots and slots[-1] is None:
+                slots.pop()
+            hole = heapq.heappop(holes)
+            if hole < len(slots):
+                request = slots.pop()
+                assert request is not None
+                slots[hole] = request
+                request.slot = hole
+        while slots and slots[-1] is None:
+            slots.pop()
+
+    # ---- execution --------------------------------------------------------------------
+
+    def _execute(self, batch: list[SimRequest]) -> None:
+        """Price the step, advance the clock, then credit its tokens."""
+        entries = [self._entry(r) for r in batch]
+        cost = self.cost_model.step(entries)
+        seconds = cost.seconds
+        if self.config.charge_scheduler_time:
+            seconds += self._uncharged_s
+        self._uncharged_s = 0.0
+        self.now += seconds
+        self.steps.append(StepRecord(batch_size=len(batch), groups=len({r.group for r in batch})))
+        emitted = self._credit(batch)
+        self.costs.add(cost, emitted)
+        self._timed(self.policy.record_step, len(batch), seconds)
+
+    @staticmethod
+    def _entry(request: SimRequest) -> BatchEntry:
+        context = request.num_computed_tokens + request.scheduled_tokens
+        return BatchEntry(group=request.group,
+                          shared_tokens=min(request.spec.shared_len, context),
+                          context_tokens=context, new_tokens=request.scheduled_tokens)
+
+    def _credit(self, batch: list[SimRequest]) -> int:
+        """Apply the step's tokens at the step's end; returns output tokens emitted."""
+        emitted = 0
+        finished = False
+        for request in batch:
+            request.num_computed_tokens += request.scheduled_tokens
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk that does not reach the end yet
+            if request.num_output_tokens < request.spec.output_len:
+                request.num_output_tokens += 1
+                request.record.token_times_s.append(self.now)
+                emitted += 1
+            if request.num_output_tokens >= request.spec.output_len:
+                self._finish(request)
+                finished = True
+        if finished:
+            self.running = [r for r in self.running if r.state is SimState.RUNNING]
+        return emitted
+
+    def _finish(self, request: SimRequest) -> None:
+        self.pool.free(request.request_id)
+        request.record.success = True
+        self._end(request, SimState.FINISHED, self.now)
+        self._timed(self.policy.finish, request)
+
+    def _end(self, request: SimRequest, state: SimState, when: float) -> None:
+        """The one place a request ends; ending twice is a simulator bug."""
+        if request.state in (SimState.FINISHED, SimState.REJECTED):
+            raise RuntimeError(f"request {request.request_id!r} ended twice")
+        request.state = state
+        request.record.finished_s = when
+        self._ended += 1
+        if self._on_done is not None:
+            self._on_done(request.record)
+
+    # ---- result -----------------------------------------------------------------------
+
+    def _result(self) -> SimResult:
+        unended = [r.request_id for r in self.requests
+                   if r.state not in (SimState.FINISHED, SimState.REJECTED)]
+        if unended or self._pending or self.running:
+            raise RuntimeError(f"run ended with unfinished requests: {unended[:5]}")
+        records = [r.record for r in self.requests]
+        return SimResult(
+            name=self.policy.name,
+            records=records,
+            steps=self.steps,
+            duration_s=max((r.finished_s or 0.0 for r in records), default=0.0),
+            costs=self.costs,
+            prefix_cache_hit_rate=self.pool.hit_rate,
+            scheduler_cpu_s=self.scheduler_cpu_s,
+            modelled_scheduler_s=self.modelled_scheduler_s,
+            num_preemptions=self.num_preemptions,
+        )
+
+
+def _name(request: object) -> object:
+    return getattr(request, "request_id", request)

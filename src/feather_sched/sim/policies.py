@@ -1,0 +1,202 @@
+"""Schedulers for the simulator: Feather (the real FeatherQueue) and SGLang's LPM and DFS-weight.
+
+Every policy is a waiting queue as the engine loop sees it (``peek`` returns None to stop
+admitting).  Feather runs the same ``FeatherQueue``, CHT and gates as the vLLM adapter,
+keyed by the simulated pool's block keys and clocked by simulated time.  The SGLang
+policies follow ``SchedulePolicy.calc_priority`` of SGLang 0.5.23: once per step they order
+the queue by cached prefix (LPM: longest first, falling back to FCFS above 128 waiting
+requests, in-batch de-prioritisation of requests sharing 32+ tokens with one already
+chosen; DFS-weight: depth-first over the cached-prefix tree, heaviest subtree first).
+
+They match prefixes against the pool's block keys, which is far cheaper than SGLang's
+token radix tree; so that the simulated clock still pays what SGLang pays, each ordering
+pass is charged ``match_s`` per waiting request it matched (default: SGLang's own cost per
+request measured by ``feather cht-bench``, ``benchmarks/cht``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Hashable
+from itertools import pairwise
+from typing import Any
+
+from feather_sched.cht import block_chunk_keys
+from feather_sched.config import FeatherConfig
+from feather_sched.sim.engine import SimRequest
+
+LPM_MAX_WAITING = 128
+"""SGLang's WAITING_QUEUE_PREFIX_MATCH_MAX: above it LPM does no prefix matching."""
+IN_BATCH_TOKENS = 32
+"""SGLang's IN_BATCH_PREFIX_CACHING_{CHECK,DEPRIORITIZE}_THRESHOLD."""
+SGLANG_MATCH_S = 18e-6
+"""SGLang 0.5.23 calc_priority cost per waiting request, 1K-token prompts (18.3 ms for
+1024 waiting in benchmarks/cht/cht-bench.json)."""
+
+
+class FeatherPolicy:
+    """Feather's queue in the simulated engine."""
+
+    def __init__(self, config: FeatherConfig, block_tokens: int, name: str = "feather") -> None:
+        self.name = name
+        self.config = config
+        self.blocks_per_chunk = config.blocks_per_chunk(block_tokens)
+        self.now = 0.0
+        self.queue = config.make_queue(clock=lambda: self.now)
+        self.order_running = config.order_running
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def add(self, request: SimRequest) -> None:
+        keys = block_chunk_keys(request.keys, self.blocks_per_chunk)
+        self.queue.add(request.request_id, keys, request, arrival_s=request.spec.arrival_s)
+
+    def peek(self) -> SimRequest | None:
+        return self.queue.payload(self.queue.peek()) if self.queue.may_admit() else None
+
+    def pop(self) -> SimRequest:
+        return self.queue.payload(self.queue.pop())
+
+    def requeue(self, request: SimRequest) -> None:
+        self.queue.requeue(request.request_id)
+
+    def finish(self, request: SimRequest) -> None:
+        self.queue.finish(request.request_id)
+
+    def new_step(self, engine: Any) -> None:
+        self.now = engine.now
+        self.queue.new_step()
+
+    def record_step(self, batch_size: int, seconds: float) -> None:
+        self.queue.record_step(batch_size, seconds)
+
+
+class _SGLangPolicy:
+    """A list ordered once per step by cached prefix, admitted from the front."""
+
+    name = "sglang"
+    order_running = False
+
+    def __init__(self, match_s: float = SGLANG_MATCH_S) -> None:
+        self.waiting: deque[SimRequest] = deque()
+        self.match_s = match_s
+        self.charged_s = 0.0
+        """Modelled CPU seconds of SGLang's matching (the engine adds them to the clock)."""
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def add(self, request: SimRequest) -> None:
+        self.waiting.append(request)
+
+    def peek(self) -> SimRequest | None:
+        return self.waiting[0] if self.waiting else None
+
+    def pop(self) -> SimRequest:
+        return self.waiting.popleft()
+
+    def requeue(self, request: SimRequest) -> None:
+        self.waiting.appendleft(request)
+
+    def finish(self, request: SimRequest) -> None:
+        """Nothing to forget: the queue holds waiting requests only."""
+
+    def record_step(self, batch_size: int, seconds: float) -> None:
+        """SGLang's policies do not learn."""
+
+    def new_step(self, engine: Any) -> None:
+        self.charged_s = 0.0
+        if len(self.waiting) > 1:
+            order = self._order(engine.pool)
+            if order is not None:
+                self.waiting = deque(order)
+
+    def _order(self, pool: Any) -> list[SimRequest] | None:
+        raise NotImplementedError
+
+    def _matched(self, pool: Any) -> list[tuple[SimRequest, int]]:
+        """Cached prefix blocks of every waiting request, at SGLang's cost in all.
+
+        The engine already charges this method's own wall time; the model adds the rest
+        of what SGLang's token radix tree takes for the same queue.
+        """
+        started = time.perf_counter()
+        matched = [(r, len(pool.match(r.keys))) for r in self.waiting]
+        spent = time.perf_counter() - started
+        self.charged_s += max(0.0, self.match_s * len(self.waiting) - spent)
+        return matched
+
+
+class LpmPolicy(_SGLangPolicy):
+    """SGLang ``lpm``: longest cached prefix first, in-batch duplicates pushed back."""
+
+    name = "sglang-lpm"
+
+    def _order(self, pool: Any) -> list[SimRequest] | None:
+        if len(self.waiting) > LPM_MAX_WAITING:
+            return None
+        check_blocks = max(1, IN_BATCH_TOKENS // pool.block_tokens)
+        claimed: set[Hashable] = set()
+        keyed = []
+        for index, (request, blocks) in enumerate(self._matched(pool)):
+            pushed_back = False
+            if blocks * pool.block_tokens <= IN_BATCH_TOKENS and len(request.keys) >= check_blocks:
+                prefix = request.keys[check_blocks - 1]
+                pushed_back = prefix in claimed
+                claimed.add(prefix)
+            keyed.append((pushed_back, -blocks, index, request))
+        return [request for *_, request in sorted(keyed, key=lambda k: k[:3])]
+
+
+class DfsWeightPolicy(_SGLangPolicy):
+    """SGLang ``dfs-weight``: depth-first over cached prefixes, heaviest subtree first."""
+
+    name = "sglang-dfs-weight"
+
+    def _order(self, pool: Any) -> list[SimRequest] | None:
+        children: dict[Hashable, list[Hashable]] = {}
+        weight: dict[Hashable, int] = {}
+        at_node: dict[Hashable, list[SimRequest]] = {}
+        for request, blocks in self._matched(pool):
+            path = [None, *request.keys[:blocks]]
+            at_node.setdefault(path[-1], []).append(request)
+            for parent, node in pairwise(path):
+                if node not in weight:
+                    children.setdefault(parent, []).append(node)
+            for node in path:
+                weight[node] = weight.get(node, 0) + 1
+        # SGLang's get_dfs_priority: children by descending weight, then the node's own
+        # requests (post-order), iteratively so long prefixes cannot overflow the stack.
+        order: list[SimRequest] = []
+        stack: list[tuple[Hashable, bool]] = [(None, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                order += at_node.get(node, [])
+                continue
+            stack.append((node, True))
+            ranked = sorted(children.get(node, []), key=lambda n: weight[n])
+            stack += [(child, False) for child in ranked]
+        return order
+
+
+def make_policy(name: str, feather_options: dict[str, Any], block_tokens: int) -> Any:
+    """``fcfs``, ``sglang-lpm``, ``sglang-dfs-weight`` or ``feather-<gate>[-noorder]``."""
+    from feather_sched.sim.fcfs import FcfsPolicy
+
+    if name == "fcfs":
+        return FcfsPolicy()
+    if name == "sglang-lpm":
+        return LpmPolicy()
+    if name == "sglang-dfs-weight":
+        return DfsWeightPolicy()
+    if name.startswith("feather-"):
+        gate = name.removeprefix("feather-")
+        options = {**feather_options, "gate": gate.removesuffix("-noorder"),
+                   "order_running": not gate.endswith("-noorder")}
+        return FeatherPolicy(FeatherConfig.from_sources(options, environ={}), block_tokens,
+                             name=name)
+    raise ValueError(f"unknown scheduler {name!r}: use fcfs, sglang-lpm, sglang-dfs-weight "
+                     "or feather-<always|chunk-loss|bandit>[-noorder]")

@@ -1,0 +1,101 @@
+"""``feather sim``: the serving simulator's runs, reported like ``feather bench``.
+
+One workload, several policies, each on a fresh simulated engine with the same cost
+model; the report is vLLM's benchmark block plus the model's own figures (HBM bytes per
+output token, modelled L2 hit rate) and the ratio table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from feather_sched.bench.records import RequestRecord
+from feather_sched.bench.report import RunResult
+from feather_sched.sim.cost import CostModel, CostParams
+from feather_sched.sim.engine import EngineConfig, SimEngine, SimResult
+from feather_sched.sim.hardware import HardwareProfile
+from feather_sched.sim.model_profiles import ModelProfile
+from feather_sched.sim.policies import FeatherPolicy, make_policy
+from feather_sched.workloads import Workload
+
+KV_MEMORY_FRACTION = 0.9
+"""vLLM's default gpu_memory_utilization: what weights and KV cache may use together."""
+
+
+@dataclass
+class SimPlan:
+    workload: Workload
+    hardware: HardwareProfile
+    model: ModelProfile
+    params: CostParams = field(default_factory=CostParams)
+    schedulers: list[str] = field(default_factory=lambda: ["fcfs", "feather-chunk-loss"])
+    feather_options: dict[str, Any] = field(default_factory=dict)
+    cascade: bool = False
+    engine: EngineConfig | None = None
+    """Default: vLLM's GPU limits and a KV pool sized from the device's memory."""
+
+    def engine_config(self) -> EngineConfig:
+        if self.engine is not None:
+            return self.engine
+        block_tokens = 16
+        kv_bytes = self.hardware.memory_bytes * KV_MEMORY_FRACTION - self.model.weight_bytes
+        if kv_bytes <= 0:
+            raise ValueError(f"{self.model.name} does not fit in {self.hardware.name}")
+        blocks = int(kv_bytes // (self.model.kv_bytes_per_token * block_tokens))
+        return EngineConfig(block_tokens=block_tokens, num_blocks=blocks)
+
+
+def simulate(plan: SimPlan, name: str,
+             on_done: Callable[[RequestRecord], None] | None = None) -> RunResult:
+    """One policy's simulated run, as the benchmark report takes it."""
+    config = plan.engine_config()
+    policy = make_policy(name, plan.feather_options, config.block_tokens)
+    cost_model = CostModel(plan.hardware, plan.model, plan.params, cascade=plan.cascade)
+    result = SimEngine(policy, cost_model, config).run(plan.workload, on_done)
+    return as_run_result(result, policy, name)
+
+
+def as_run_result(result: SimResult, policy: Any, name: str) -> RunResult:
+    run = result.run_result()
+    run.name = name
+    if isinstance(policy, FeatherPolicy):
+        counts = policy.queue.counts
+        run.gate_counts = {"add": counts.add, "stop": counts.stop, "forced": counts.forced}
+    run.extra = {
+        "hbm_bytes_per_output_token": result.costs.hbm_bytes_per_output_token,
+        "modelled_l2_hit_rate": result.costs.l2_hit_rate,
+        "scheduler_cpu_s": result.scheduler_cpu_s + result.modelled_scheduler_s,
+        "preemptions": result.num_preemptions,
+    }
+    return run
+
+
+PRETRAIN_FAMILY = (
+    # (groups, prompts per group, prefix tokens, output tokens): the paper's ranges.
+    (1, 64, 4096, 50), (4, 32, 1024, 50), (8, 32, 4096, 100), (8, 64, 10240, 50),
+    (16, 16, 2048, 200), (32, 8, 8192, 50), (100, 8, 5120, 50), (64, 16, 512, 100),
+)
+
+
+def pretrain_bandit(plan: SimPlan, state_file: str, rounds: int,
+                    workload_of: Callable[[int, int, int, int, int], Workload]) -> int:
+    """Run the bandit gate over ``PRETRAIN_FAMILY`` ``rounds`` times, one table throughout.
+
+    Each run warm-starts from ``state_file`` and saves back to it, exactly as a server
+    would across restarts; returns the number of learned decisions in the table.
+    """
+    options = {**plan.feather_options, "state_file": state_file}
+    config = plan.engine_config()
+    cost_model = CostModel(plan.hardware, plan.model, plan.params, cascade=plan.cascade)
+    pulls = 0
+    for round_index in range(rounds):
+        for shape in PRETRAIN_FAMILY:
+            workload = workload_of(*shape, round_index)
+            policy = make_policy("feather-bandit", options, config.block_tokens)
+            SimEngine(policy, cost_model, config).run(workload)
+            policy.queue.gate.save(state_file)
+            pulls = sum(arm.pulls for arms in policy.queue.gate.table.values()
+                        for arm in arms.values())
+    return pulls

@@ -1,0 +1,153 @@
+"""The simulator's policies: SGLang's real rules, Feather's real queue."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from feather_sched.cli import app
+from feather_sched.sim.engine import EngineConfig
+from feather_sched.sim.hardware import HARDWARE
+from feather_sched.sim.model_profiles import MODELS
+from feather_sched.sim.policies import (
+    LPM_MAX_WAITING,
+    DfsWeightPolicy,
+    FeatherPolicy,
+    LpmPolicy,
+    make_policy,
+)
+from feather_sched.sim.runner import SimPlan, simulate
+from feather_sched.workloads import no_sharing, shared_prefix_groups
+
+
+class Req:
+    """The little of SimRequest the SGLang policies read."""
+
+    def __init__(self, name: str, keys: list) -> None:
+        self.request_id = name
+        self.keys = keys
+
+
+class Pool:
+    block_tokens = 16
+
+    def __init__(self, cached: set) -> None:
+        self.cached = cached
+
+    def match(self, keys: list) -> list:
+        n = 0
+        while n < len(keys) and keys[n] in self.cached:
+            n += 1
+        return keys[:n]
+
+
+class Engine:
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.now = 0.0
+
+
+def keys(group: str, blocks: int, tail: str) -> list:
+    return [f"{group}{i}" for i in range(blocks)] + [tail]
+
+
+def test_lpm_orders_by_cached_prefix_and_pushes_back_in_batch_duplicates() -> None:
+    policy = LpmPolicy(match_s=0.0)
+    waiting = [Req("b1", keys("b", 4, "x1")), Req("a1", keys("a", 4, "x2")),
+               Req("b2", keys("b", 4, "x3")), Req("c1", keys("c", 1, "x4"))]
+    for request in waiting:
+        policy.add(request)
+    policy.new_step(Engine(Pool({"a0", "a1", "a2", "a3"})))
+    order = [policy.pop().request_id for _ in range(4)]
+    assert order == ["a1", "b1", "c1", "b2"]
+
+
+def test_lpm_falls_back_to_fcfs_above_its_limit_and_charges_matching() -> None:
+    policy = LpmPolicy(match_s=1e-3)
+    requests = [Req(f"r{i}", keys("z" if i % 2 else "a", 2, f"t{i}"))
+                for i in range(LPM_MAX_WAITING + 1)]
+    for request in requests:
+        policy.add(request)
+    policy.new_step(Engine(Pool({"a0", "a1"})))
+    assert policy.peek() is requests[0]
+    assert policy.charged_s == 0.0
+    policy.pop()
+    policy.new_step(Engine(Pool({"a0", "a1"})))
+    assert policy.peek().keys[0] == "a0"
+    assert policy.charged_s == pytest.approx(LPM_MAX_WAITING * 1e-3, rel=0.2)
+
+
+def test_dfs_weight_visits_the_heaviest_cached_subtree_first() -> None:
+    policy = DfsWeightPolicy(match_s=0.0)
+    names = ["a1", "b1", "b2", "b3", "n1"]
+    for name in names:
+        policy.add(Req(name, keys(name[0], 2, f"tail-{name}")))
+    policy.new_step(Engine(Pool({"a0", "a1", "b0", "b1"})))
+    assert [policy.pop().request_id for _ in names] == ["b1", "b2", "b3", "a1", "n1"]
+
+
+def test_names_build_policies_and_bad_names_fail() -> None:
+    feather = make_policy("feather-bandit-noorder", {}, 16)
+    assert isinstance(feather, FeatherPolicy) and not feather.order_running
+    with pytest.raises(ValueError, match="unknown scheduler 'lifo'"):
+        make_policy("lifo", {}, 16)
+
+
+def plan_for(workload, schedulers, **engine) -> SimPlan:
+    return SimPlan(workload=workload, hardware=HARDWARE["h100-sxm"], model=MODELS["llama-3-8b"],
+                   schedulers=schedulers, engine=EngineConfig(num_blocks=40_000, **engine))
+
+
+def test_feather_reads_less_hbm_than_fcfs_on_interleaved_groups() -> None:
+    workload = shared_prefix_groups(groups=8, prompts_per_group=16, prefix_len=4096,
+                                    suffix_len=32, output_len=20, seed=1)
+    plan = plan_for(workload, [])
+    fcfs, feather = simulate(plan, "fcfs"), simulate(plan, "feather-always")
+    for run in (fcfs, feather):
+        assert all(r.success and r.output_len == 20 for r in run.records)
+    assert (feather.extra["hbm_bytes_per_output_token"]
+            < fcfs.extra["hbm_bytes_per_output_token"])
+    assert feather.extra["modelled_l2_hit_rate"] > fcfs.extra["modelled_l2_hit_rate"]
+    assert feather.gate_counts["add"] == len(workload)
+
+
+def test_gates_change_nothing_without_sharing() -> None:
+    workload = no_sharing(requests=64, prompt_len=512, output_len=16, seed=2)
+    plan = plan_for(workload, [])
+    fcfs, feather = simulate(plan, "fcfs"), simulate(plan, "feather-chunk-loss")
+    assert feather.gate_counts["stop"] == 0
+    assert feather.duration_s == pytest.approx(fcfs.duration_s, rel=0.03)
+
+
+def test_feather_sim_cli_writes_results(tmp_path) -> None:
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(app, [
+        "sim", "--groups", "4", "--prompts-per-group", "8", "--prefix-len", "1024",
+        "--output-len", "10", "--hardware", "rtx6000-ada", "--schedulers",
+        "fcfs,sglang-lpm,sglang-dfs-weight,feather-chunk-loss,feather-bandit",
+        "--json", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    runs = json.loads(out.read_text())["runs"]
+    assert len(runs) == 5 and all(r["completed"] == 32 for r in runs.values())
+    assert runs["feather-bandit"]["hbm_bytes_per_output_token"] > 0
+
+
+def test_feather_sim_cli_rejects_unknown_hardware() -> None:
+    result = CliRunner().invoke(app, ["sim", "--hardware", "tpu-v9"], env={"COLUMNS": "200"})
+    assert result.exit_code != 0 and "unknown hardware 'tpu-v9'" in result.output
+
+
+def test_pretrain_writes_a_table_the_vllm_gate_loads(tmp_path, monkeypatch) -> None:
+    from feather_sched.config import FeatherConfig
+    from feather_sched.sim import runner
+
+    monkeypatch.setattr(runner, "PRETRAIN_FAMILY", ((4, 16, 2048, 20), (8, 8, 1024, 20)))
+    out = tmp_path / "bandit.json"
+    result = CliRunner().invoke(app, ["pretrain", "--out", str(out), "--rounds", "2",
+                                      "--feather-options", '{"gate_options": {"seed": 3}}'],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    gate = FeatherConfig(gate="bandit", state_file=str(out)).make_gate()
+    assert sum(arm.pulls for arms in gate.table.values() for arm in arms.values()) > 0
