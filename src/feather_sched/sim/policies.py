@@ -25,6 +25,7 @@ from typing import Any
 from feather_sched.cht import block_chunk_keys
 from feather_sched.config import FeatherConfig
 from feather_sched.sim.engine import SimRequest
+from feather_sched.sim.fcfs import FcfsPolicy
 
 LPM_MAX_WAITING = 128
 """SGLang's WAITING_QUEUE_PREFIX_MATCH_MAX: above it LPM does no prefix matching."""
@@ -73,45 +74,23 @@ class FeatherPolicy:
         self.queue.record_step(batch_size, seconds)
 
 
-class _SGLangPolicy:
-    """A list ordered once per step by cached prefix, admitted from the front."""
+class _SGLangPolicy(FcfsPolicy):
+    """SGLang's waiting list: FCFS, reordered once per step by cached prefix."""
 
     name = "sglang"
-    order_running = False
 
     def __init__(self, match_s: float = SGLANG_MATCH_S) -> None:
-        self.waiting: deque[SimRequest] = deque()
+        super().__init__()
         self.match_s = match_s
         self.charged_s = 0.0
         """Modelled CPU seconds of SGLang's matching (the engine adds them to the clock)."""
 
-    def __len__(self) -> int:
-        return len(self.waiting)
-
-    def add(self, request: SimRequest) -> None:
-        self.waiting.append(request)
-
-    def peek(self) -> SimRequest | None:
-        return self.waiting[0] if self.waiting else None
-
-    def pop(self) -> SimRequest:
-        return self.waiting.popleft()
-
-    def requeue(self, request: SimRequest) -> None:
-        self.waiting.appendleft(request)
-
-    def finish(self, request: SimRequest) -> None:
-        """Nothing to forget: the queue holds waiting requests only."""
-
-    def record_step(self, batch_size: int, seconds: float) -> None:
-        """SGLang's policies do not learn."""
-
     def new_step(self, engine: Any) -> None:
         self.charged_s = 0.0
-        if len(self.waiting) > 1:
+        if len(self._queue) > 1:
             order = self._order(engine.pool)
             if order is not None:
-                self.waiting = deque(order)
+                self._queue = deque(order)
 
     def _order(self, pool: Any) -> list[SimRequest] | None:
         raise NotImplementedError
@@ -123,9 +102,9 @@ class _SGLangPolicy:
         of what SGLang's token radix tree takes for the same queue.
         """
         started = time.perf_counter()
-        matched = [(r, len(pool.match(r.keys))) for r in self.waiting]
+        matched = [(r, len(pool.match(r.keys))) for r in self._queue]
         spent = time.perf_counter() - started
-        self.charged_s += max(0.0, self.match_s * len(self.waiting) - spent)
+        self.charged_s += max(0.0, self.match_s * len(self._queue) - spent)
         return matched
 
 
@@ -135,7 +114,7 @@ class LpmPolicy(_SGLangPolicy):
     name = "sglang-lpm"
 
     def _order(self, pool: Any) -> list[SimRequest] | None:
-        if len(self.waiting) > LPM_MAX_WAITING:
+        if len(self._queue) > LPM_MAX_WAITING:
             return None
         check_blocks = max(1, IN_BATCH_TOKENS // pool.block_tokens)
         claimed: set[Hashable] = set()
@@ -184,8 +163,6 @@ class DfsWeightPolicy(_SGLangPolicy):
 
 def make_policy(name: str, feather_options: dict[str, Any], block_tokens: int) -> Any:
     """``fcfs``, ``sglang-lpm``, ``sglang-dfs-weight`` or ``feather-<gate>[-noorder]``."""
-    from feather_sched.sim.fcfs import FcfsPolicy
-
     if name == "fcfs":
         return FcfsPolicy()
     if name == "sglang-lpm":
