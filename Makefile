@@ -2,8 +2,8 @@
 .PHONY: run test lint
 
 run:
-	scripts/setup.sh --vllm --sglang
-	.venv/bin/feather cht-bench --json out/cht-bench.json
+	scripts/setup.sh --vllm
+	.venv/bin/feather bench --json out/bench.json --plot out/bench.png
 
 test:
 	scripts/setup.sh --vllm --sglang

@@ -355,6 +355,8 @@ def calibrate(
     out: Annotated[Path, typer.Option(help="Profile JSON for feather sim --profile.")],
     granularity: Annotated[str, typer.Option(help="layer (GPU kernels) or layer-head "
                                              "(vLLM's CPU kernel).")] = "layer",
+    weighting: Annotated[str, typer.Option(help="time (fit seconds: totals, throughput) or "
+                                           "relative (every step alike).")] = "time",
 ) -> None:
     """Fit the step-cost model to measured step times and write a simulator profile."""
     from feather_sched.sim.calibrate import fit, read_steps_csv, save_profile
@@ -364,7 +366,8 @@ def calibrate(
     try:
         hw = HARDWARE.get(hardware) or load_hardware(hardware)
         mp = MODELS.get(model) or _unknown("model", model, MODELS)
-        params, report = fit(read_steps_csv(steps_csv), hw, mp, granularity=granularity)
+        params, report = fit(read_steps_csv(steps_csv), hw, mp, granularity=granularity,
+                             weighting=weighting)
     except (ValueError, OSError) as error:
         raise typer.BadParameter(str(error)) from None
     save_profile(out, hw, mp, params)

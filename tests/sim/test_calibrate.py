@@ -72,6 +72,17 @@ def test_fit_recovers_parameters_from_a_csv_round_trip(tmp_path) -> None:
     assert params.bandwidth_efficiency == pytest.approx(TRUE.bandwidth_efficiency, rel=0.05)
 
 
+@pytest.mark.parametrize("weighting", ["time", "relative"])
+def test_both_weightings_recover_the_total_time(weighting: str) -> None:
+    steps = synthetic_steps(TRUE)
+    params, _ = fit(steps, GPU, MODEL, weighting=weighting)
+    fitted = CostModel(GPU, MODEL, params)
+    total = sum(fitted.step(batch).seconds for batch, _ in steps)
+    assert total == pytest.approx(sum(seconds for _, seconds in steps), rel=0.01)
+    with pytest.raises(ValueError, match="weighting must be one of"):
+        fit(steps, GPU, MODEL, weighting="median")
+
+
 def test_steps_without_sharing_leave_l2_unidentified() -> None:
     rng = random.Random(1)
     model = CostModel(GPU, MODEL, TRUE)

@@ -129,15 +129,23 @@ class FitReport:
     """Parameters no step informs (an all-zero feature); they keep their defaults."""
 
 
+WEIGHTINGS = ("time", "relative")
+
+
 def fit(steps: Sequence[tuple[Sequence[BatchEntry], float]], hardware: HardwareProfile,
         model: ModelProfile, *, granularity: str = "layer",
-        grid: Sequence[float] = DEFAULT_GRID) -> tuple[CostParams, FitReport]:
+        grid: Sequence[float] = DEFAULT_GRID,
+        weighting: str = "time") -> tuple[CostParams, FitReport]:
     """Fit CostParams (additive roofline) to measured steps.
 
     Each grid point fixes ``l2_usable_fraction``; the other parameters come from a
-    non-negative least-squares fit of relative error (so short and long steps weigh
-    alike). The grid point with the lowest error wins.
+    non-negative least-squares fit, and the grid point with the lowest error wins.
+    ``weighting="time"`` fits seconds, so a run's total time (hence its throughput) is
+    what comes out right, long prefill steps included; ``"relative"`` fits relative
+    error, so short and long steps weigh alike.
     """
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
     used = [(summarize(batch), t) for batch, t in steps if batch and t > 0]
     if len(used) < len(FEATURES):
         raise ValueError(f"need at least {len(FEATURES)} non-empty steps with positive "
@@ -149,8 +157,9 @@ def fit(steps: Sequence[tuple[Sequence[BatchEntry], float]], hardware: HardwareP
     for fraction in grid:
         params = replace(base, l2_usable_fraction=fraction)
         x = features(CostModel(hardware, model, params), traffic)
-        coefficients = nnls(x / times[:, None], np.ones(len(times)))
-        error = float(np.sqrt(np.mean((x @ coefficients / times - 1) ** 2)))
+        scale = times if weighting == "relative" else np.full(len(times), times.mean())
+        coefficients = nnls(x / scale[:, None], times / scale)
+        error = float(np.sqrt(np.mean(((x @ coefficients - times) / scale) ** 2)))
         scored.append((error, fraction, x, coefficients))
     _, fraction, x, coefficients = min(scored, key=lambda s: s[0])
     unidentified = tuple(n for n, column in zip(FEATURES, x.T, strict=True) if not column.any())
