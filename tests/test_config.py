@@ -8,10 +8,11 @@ from feather_sched.config import FeatherConfig, FeatherConfigError
 from feather_sched.gate import ChunkLossGate, UCBBanditGate
 
 
-def test_defaults_make_a_chunk_loss_queue() -> None:
+def test_defaults_make_a_bandit_queue() -> None:
     config = FeatherConfig.from_sources(None, environ={})
-    assert config.gate == "chunk-loss"
-    assert isinstance(config.make_queue().gate, ChunkLossGate)
+    assert config.gate == "bandit"
+    assert isinstance(config.make_queue().gate, UCBBanditGate)
+    assert isinstance(FeatherConfig(gate="chunk-loss").make_gate(), ChunkLossGate)
 
 
 def test_engine_options_override_the_environment() -> None:

@@ -171,3 +171,21 @@ def test_every_request_ends_exactly_once(ops: list[tuple[str, int]]) -> None:
         running.clear()
     assert sorted(ended) == sorted(added)
     assert len(set(ended)) == len(ended)
+
+
+def test_the_guard_forces_one_starved_request_a_step() -> None:
+    """In overload every request is old; the rest of the step still follows the tree."""
+    clock = FakeClock()
+    queue = FeatherQueue(max_wait_s=1.0, clock=clock)
+    queue.add("running", group_keys(0, 0))
+    queue.pop()
+    for i in range(3):
+        queue.add(f"stranger{i}", group_keys(9 + i, 0))
+    queue.add("sibling", group_keys(0, 1))
+    clock.now = 5.0
+    first = queue.admission()
+    assert first.forced and queue.pop() == "stranger0"
+    second = queue.admission()
+    assert not second.forced and queue.pop() == "sibling"
+    queue.new_step()
+    assert queue.admission().forced and queue.pop() == "stranger1"

@@ -156,7 +156,7 @@ def bench(
     max_concurrency: Annotated[int | None, typer.Option(help="Server mode cap.")] = None,
     schedulers: Annotated[str, typer.Option(help="fcfs, fcfs-nocache, feather-<always|"
                                             "chunk-loss|bandit>[-noorder].")]
-    = "fcfs,feather-chunk-loss",
+    = "fcfs,feather-bandit",
     feather_options: Annotated[str, typer.Option(help="JSON options for feather runs.")]
     = "{}",
     model: Annotated[str | None, typer.Option(help="Model dir (default: embedded tiny "
@@ -305,7 +305,7 @@ def sim(
     = None,
     schedulers: Annotated[str, typer.Option(help="fcfs, sglang-lpm, sglang-dfs-weight, "
                                             "feather-<gate>[-noorder].")]
-    = "fcfs,sglang-lpm,sglang-dfs-weight,feather-chunk-loss",
+    = "fcfs,sglang-lpm,sglang-dfs-weight,feather-bandit",
     feather_options: Annotated[str, typer.Option(help="JSON options for feather runs.")] = "{}",
     cascade: Annotated[bool, typer.Option(help="Model a prefix-aware (cascade) kernel.")]
     = False,

@@ -29,7 +29,7 @@ class FeatherConfigError(ValueError):
 
 @dataclass(frozen=True)
 class FeatherConfig:
-    gate: str = "chunk-loss"
+    gate: str = "bandit"
     """ADD/STOP policy: ``always`` (no gating), ``chunk-loss`` or ``bandit``."""
     gate_options: dict[str, Any] = field(default_factory=dict)
     """Keyword options of the gate (see ``feather_sched.gate``)."""

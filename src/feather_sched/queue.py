@@ -7,7 +7,9 @@ until ``new_step`` starts the next scheduling step; ``record_step`` reports an e
 step's measured time, which becomes the gate's reward.
 
 A starvation guard bounds waiting: a request that has waited longer than ``max_wait_s``
-is offered ahead of the tree's choice and admitted whatever the gate would say.
+is offered ahead of the tree's choice and admitted whatever the gate would say, one such
+request per step, so that an overloaded queue (where every request is old) still fills
+the rest of each step in the tree's order instead of degrading to FCFS.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class FeatherQueue:
         self._oldest: list[tuple[float, int, RequestId]] = []
         self._sequence = 0
         self._closed = False
+        self._forced_this_step = False
         self._admission: Admission | None = None
 
     # ---- contents ---------------------------------------------------------------------
@@ -113,8 +116,10 @@ class FeatherQueue:
 
     def pop(self) -> RequestId:
         """Admit the current candidate into the running set and return its id."""
-        request_id = self.peek()
+        admission = self._current()
+        request_id = admission.candidate.request_id
         self.tree.admit(request_id)
+        self._forced_this_step |= admission.forced
         self._changed()
         return request_id
 
@@ -157,6 +162,7 @@ class FeatherQueue:
         """Start a scheduling step: a STOP of the previous step no longer holds."""
         self.gate.end_step()
         self._closed = False
+        self._forced_this_step = False
         self._admission = None
 
     # ---- internals --------------------------------------------------------------------
@@ -196,8 +202,8 @@ class FeatherQueue:
         return Admission(candidate, decision, forced=False)
 
     def _starved(self) -> RequestId | None:
-        """The oldest waiting request if it has waited past the bound."""
-        if self.max_wait_s is None:
+        """The oldest waiting request if it has waited past the bound (one a step)."""
+        if self.max_wait_s is None or self._forced_this_step:
             return None
         heap = self._oldest
         while heap:

@@ -103,7 +103,7 @@ def load_trace(path: Path) -> Workload:
 @dataclass
 class BenchPlan:
     workload: Workload
-    schedulers: list[str] = field(default_factory=lambda: ["fcfs", "feather-chunk-loss"])
+    schedulers: list[str] = field(default_factory=lambda: ["fcfs", "feather-bandit"])
     feather_options: dict[str, Any] = field(default_factory=dict)
     model: str = str(TINY_LLAMA)
     engine_args: dict[str, Any] = field(default_factory=dict)

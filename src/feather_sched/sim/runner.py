@@ -30,7 +30,7 @@ class SimPlan:
     hardware: HardwareProfile
     model: ModelProfile
     params: CostParams = field(default_factory=CostParams)
-    schedulers: list[str] = field(default_factory=lambda: ["fcfs", "feather-chunk-loss"])
+    schedulers: list[str] = field(default_factory=lambda: ["fcfs", "feather-bandit"])
     feather_options: dict[str, Any] = field(default_factory=dict)
     cascade: bool = False
     engine: EngineConfig | None = None
