@@ -1,0 +1,419 @@
+"""Feather inside SGLang 0.5.23, driven through SGLang's real scheduling objects.
+
+``SchedulePolicy`` (Feather's subclass), ``PrefillAdder`` (Feather's subclass),
+``RadixCache.create_simulated()``, a CPU ``TokenToKVPoolAllocator``, ``ScheduleBatch`` and
+``Req`` are SGLang's own classes; each admission round below repeats the loop of
+``Scheduler._get_new_batch_prefill_raw`` (calc_priority, then ``init_next_round_input`` and
+``add_one_req`` per waiting request until a result other than CONTINUE).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from array import array
+from collections import Counter
+from contextlib import redirect_stdout
+from types import SimpleNamespace
+
+import pytest
+
+from feather_sched.bench.sglang_policy import published_server_args, sglang_available
+
+_reason = sglang_available()
+if _reason is not None:
+    pytest.skip(_reason, allow_module_level=True)
+
+import torch  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req  # noqa: E402
+from sglang.srt.managers.schedule_policy import (  # noqa: E402
+    AddReqResult,
+    PrefillAdder,
+    SchedulePolicy,
+)
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+from feather_sched.cht import RequestState  # noqa: E402
+from feather_sched.config import FeatherConfig  # noqa: E402
+from feather_sched.integrations import sglang as feather_sglang  # noqa: E402
+from feather_sched.integrations import sglang_launch  # noqa: E402
+from feather_sched.integrations.sglang import (  # noqa: E402
+    FeatherPrefillAdder,
+    FeatherSchedulePolicy,
+    FeatherSGLang,
+)
+
+CHUNK = 16
+PREFIX = 4 * CHUNK
+"""Each group's shared prefix: four whole chunks."""
+SUFFIX = CHUNK // 2
+"""Per-request tokens after the prefix: less than a chunk, so a group shares every key."""
+GROUPS = "ABCDE"
+STRICT = {"max_loss": 0, "floor_start": 0, "floor_step": 0}
+"""ChunkLossGate that stops at the first candidate that costs any shared chunk."""
+
+
+@pytest.fixture(autouse=True)
+def _server_args():
+    with published_server_args():
+        yield
+
+
+def _prompt(group: str, index: int) -> array:
+    base = (GROUPS.index(group) + 1) * 1000
+    prefix = [base + t for t in range(PREFIX)]
+    suffix = [50_000 + index * SUFFIX + t for t in range(SUFFIX)]
+    return array("q", prefix + suffix)
+
+
+def _req(group: str, index: int, max_new_tokens: int = 8) -> Req:
+    return Req(f"{group}{index}", "", _prompt(group, index),
+               SamplingParams(max_new_tokens=max_new_tokens))
+
+
+def _group(req: Req) -> str:
+    return req.rid[0]
+
+
+class Engine:
+    """The pieces of an SGLang scheduler the admission round touches, all real objects."""
+
+    def __init__(self, gate: str = "chunk-loss", gate_options: dict | None = None,
+                 feather: bool = True, pool_tokens: int = 1 << 16) -> None:
+        self.allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", None, False)
+        self.tree_cache = RadixCache.create_simulated(mock_allocator=self.allocator)
+        self.feather = None
+        if feather:
+            config = FeatherConfig(gate=gate, gate_options=gate_options or {},
+                                   chunk_tokens=CHUNK)
+            self.feather = FeatherSGLang(config)
+            self.policy = FeatherSchedulePolicy(
+                self.feather, self.tree_cache, chunked_req=lambda: None)
+            self.adder_class = self.feather.adder_class
+        else:
+            self.policy = SchedulePolicy("fcfs", self.tree_cache, False, False, False)
+            self.adder_class = PrefillAdder
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+
+    def arrive(self, *reqs: Req) -> None:
+        """What ``Scheduler._add_request_to_queue`` does, through Feather's hook."""
+        for req in reqs:
+            self._add_to_queue(req)
+
+    def _add_to_queue(self, req: Req, is_retracted: bool = False) -> None:
+        scheduler = SimpleNamespace(feather=self.feather, waiting_queue=self.waiting)
+
+        def original(scheduler, req, is_retracted=False):
+            scheduler.waiting_queue.append(req)
+
+        feather_sglang._hook_add_request_to_queue(original, scheduler, req,
+                                                  is_retracted=is_retracted)
+
+    def admission_round(self, max_requests: int | None = None) -> list[Req]:
+        """One pass of ``Scheduler._get_new_batch_prefill_raw``'s admission loop."""
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+        running_batch = ScheduleBatch(reqs=list(self.running))
+        self.policy.calc_priority(self.waiting, running_batch)
+        adder = self.adder_class(
+            1, self.tree_cache, self.allocator, running_batch, 0.5, 1 << 16, None,
+            prefill_max_requests=max_requests)
+        for req in self.waiting:
+            if adder.budget_state() == AddReqResult.OTHER:
+                break
+            req.init_next_round_input(self.tree_cache)
+            result = adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+            if result != AddReqResult.CONTINUE:
+                break
+        admitted = list(adder.can_run_list)
+        for req in admitted:
+            self.tree_cache.unlock(req.lock)  # the engine would hold it until the request ends
+        chosen = set(admitted)
+        self.waiting = [req for req in self.waiting if req not in chosen]
+        self.running += admitted
+        return admitted
+
+    def finish(self, *reqs: Req, reason=None) -> None:
+        """A batch result finished ``reqs``: Feather's process_batch_result hook sees it."""
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+        for req in reqs:
+            req.finished_reason = reason or FINISH_LENGTH(length=8)
+        batch = ScheduleBatch(reqs=list(self.running))
+        batch.launch_ts = time.monotonic() - 0.01
+        scheduler = SimpleNamespace(feather=self.feather)
+        feather_sglang._hook_process_batch_result(lambda scheduler, batch, result: None,
+                                                  scheduler, batch, None)
+        self.running = [req for req in self.running if not req.finished()]
+
+
+def _interleaved(count: int, groups: str = GROUPS) -> list[Req]:
+    return [_req(groups[i % len(groups)], i) for i in range(count)]
+
+
+# ---- (a) order ------------------------------------------------------------------------
+
+
+def test_policy_orders_the_running_group_first_then_by_arrival() -> None:
+    engine = Engine(gate="always")
+    engine.arrive(_req("C", 0))
+    assert [r.rid for r in engine.admission_round(max_requests=1)] == ["C0"]
+
+    waiting = _interleaved(20, "ABCD")
+    engine.arrive(*waiting)
+    engine.policy.calc_priority(engine.waiting, _running_batch(engine))
+
+    order = [req.rid for req in engine.waiting]
+    expected = [r.rid for r in waiting if _group(r) == "C"]
+    expected += [r.rid for r in waiting if _group(r) != "C"]
+    assert order == expected
+    queue = engine.feather.queue
+    assert order[0] == queue.peek()
+    assert [queue.tree.missing_chunks(rid) for rid in order] == [0] * 5 + [4] * 15
+
+
+def test_order_follows_the_tree_as_a_new_group_is_admitted() -> None:
+    engine = Engine(gate="always")
+    engine.arrive(*_interleaved(12, "ABC"))
+    admitted = engine.admission_round()
+    # Nothing runs: the oldest (A0) first, then its group, which now costs nothing.
+    assert [_group(r) for r in admitted] == list("AAAABBBBCCCC")
+    assert engine.feather.queue.num_running == 12
+
+
+# ---- (b) STOP -------------------------------------------------------------------------
+
+
+def test_stop_holds_back_other_groups_though_the_budget_allows_more() -> None:
+    plain = Engine(feather=False)
+    feather = Engine(gate="chunk-loss", gate_options=STRICT)
+    for engine in (plain, feather):
+        engine.arrive(_req("C", 0))
+        assert [r.rid for r in engine.admission_round(max_requests=1)] == ["C0"]
+        engine.arrive(*_interleaved(16, "ABCD"))
+
+    assert len(plain.admission_round()) == 16  # SGLang alone: the budget takes all
+    admitted = feather.admission_round()
+    assert {_group(r) for r in admitted} == {"C"} and len(admitted) == 4
+    queue = feather.feather.queue
+    assert queue.counts.stop == 1
+    assert len(queue) == 12 and queue.num_running == 5
+    assert not queue.may_admit()  # STOP holds for the rest of the step
+
+    # Next round: still only the running group is welcome, and none of it waits.
+    assert feather.admission_round() == []
+    assert len(feather.waiting) == 12
+
+
+def test_empty_batch_always_admits_so_the_next_group_starts() -> None:
+    engine = Engine(gate="chunk-loss", gate_options=STRICT)
+    engine.arrive(*_interleaved(8, "AB"))
+    assert {_group(r) for r in engine.admission_round()} == {"A"}
+    engine.finish(*engine.running)
+    assert {_group(r) for r in engine.admission_round()} == {"B"}
+
+
+# ---- (c) every request exactly once, above SGLang's 128-request LPM cap ----------------
+
+
+@pytest.mark.parametrize("gate, options", [("chunk-loss", STRICT), ("chunk-loss", None),
+                                           ("bandit", None), ("always", None)])
+def test_every_request_is_admitted_once_and_the_tree_empties(gate, options) -> None:
+    from sglang.srt.managers import schedule_policy
+
+    engine = Engine(gate=gate, gate_options=options)
+    requests = _interleaved(300)
+    engine.arrive(*requests[:200])
+    assert len(engine.waiting) > schedule_policy.WAITING_QUEUE_PREFIX_MATCH_MAX
+    admitted: list[str] = []
+    rounds = 0
+    while engine.waiting or engine.running:
+        rounds += 1
+        assert rounds < 1000, "admission stalled"
+        if rounds == 3:
+            engine.arrive(*requests[200:])
+        batch = engine.admission_round(max_requests=16)
+        admitted += [req.rid for req in batch]
+        if gate == "chunk-loss" and options is STRICT:
+            groups = {_group(r) for r in engine.running}
+            assert len(groups) <= 1, f"round {rounds} mixed groups {groups}"
+        # The oldest running requests finish after one decode step.
+        engine.finish(*engine.running[:16])
+    assert Counter(admitted) == Counter(req.rid for req in requests)
+    queue = engine.feather.queue
+    assert len(queue) == 0 and queue.num_running == 0
+    assert not engine.feather._tracked
+    assert engine.feather.stats.steps == rounds
+
+
+def test_first_round_above_the_cap_admits_one_group() -> None:
+    engine = Engine(gate="chunk-loss", gate_options=STRICT)
+    engine.arrive(*_interleaved(200))
+    batch = engine.admission_round()
+    assert len(batch) == 40 and {_group(r) for r in batch} == {"A"}
+
+
+# ---- (d) aborts and retractions -------------------------------------------------------
+
+
+def test_aborted_waiting_and_running_requests_leave_the_tree() -> None:
+    engine = Engine(gate="always")
+    engine.arrive(*_interleaved(6, "AB"))
+    engine.admission_round(max_requests=2)  # A0, A2 run
+    queue = engine.feather.queue
+    waiting_victim = next(r for r in engine.waiting if r.rid == "B3")
+    engine.waiting.remove(waiting_victim)  # Scheduler.abort_request pops it from waiting
+    running_victim = engine.running[0]
+    engine.finish(running_victim, reason=FINISH_ABORT())  # aborted while running
+    assert running_victim.rid not in queue
+    engine.admission_round(max_requests=0)  # next round reconciles
+    assert waiting_victim.rid not in queue
+    assert queue.num_running == 1 and len(queue) == 3
+
+
+def test_running_request_removed_without_a_result_is_reconciled() -> None:
+    engine = Engine(gate="always")
+    engine.arrive(*_interleaved(4, "AB"))
+    engine.admission_round(max_requests=2)
+    gone = engine.running.pop()  # left the running batch by a path no hook saw
+    gone.finished_reason = FINISH_ABORT()
+    engine.admission_round(max_requests=0)
+    assert gone.rid not in engine.feather.queue
+    assert engine.feather.queue.num_running == 1
+
+
+@pytest.mark.parametrize("through_hook", [True, False])
+def test_retracted_request_returns_to_waiting_and_is_admitted_again(through_hook) -> None:
+    engine = Engine(gate="always")
+    engine.arrive(*_interleaved(4, "AB"))
+    engine.admission_round(max_requests=2)
+    queue = engine.feather.queue
+    victim = engine.running.pop()
+    if through_hook:  # Scheduler.update_running_batch -> _add_request_to_queue(retracted)
+        engine._add_to_queue(victim, is_retracted=True)
+        assert queue.tree.state(victim.rid) is RequestState.WAITING
+    else:
+        engine.waiting.append(victim)
+    admitted = engine.admission_round(max_requests=1)
+    assert [r.rid for r in admitted] == [victim.rid]  # its group runs: it goes first
+    assert queue.tree.state(victim.rid) is RequestState.RUNNING
+    assert queue.num_running == 2 and len(queue) == 2
+
+
+def test_request_skipped_by_the_engine_is_parked_for_the_round_only() -> None:
+    engine = Engine(gate="always")
+    engine.arrive(*_interleaved(4, "AB"))
+    running_batch = _running_batch(engine)
+    engine.policy.calc_priority(engine.waiting, running_batch)
+    skipped, offered = engine.waiting[0], engine.waiting[1]
+    adder = engine.adder_class(1, engine.tree_cache, engine.allocator, running_batch, 0.5,
+                               1 << 16, None)
+    offered.init_next_round_input(engine.tree_cache)  # the loop `continue`d past `skipped`
+    assert adder.add_one_req(offered, False, None) == AddReqResult.CONTINUE
+    assert adder.can_run_list == [offered]
+    assert skipped.rid not in engine.feather.queue
+    engine.waiting.remove(offered)
+    engine.running.append(offered)
+    engine.tree_cache.unlock(offered.lock)
+    assert skipped in engine.admission_round()
+    assert engine.feather.queue.num_running == 4 and not engine.waiting
+
+
+# ---- plumbing -------------------------------------------------------------------------
+
+
+def test_step_time_feeds_the_gate() -> None:
+    engine = Engine(gate="bandit")
+    engine.arrive(*_interleaved(4, "AB"))
+    engine.admission_round()
+    running = len(engine.running)
+    engine.finish()
+    stats = engine.feather.stats
+    assert stats.steps == 1 and stats.batched_requests == running >= 2
+    assert stats.step_s >= 0.01
+
+
+def test_hooks_target_real_scheduler_methods_and_register_once() -> None:
+    import pkgutil
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    for target in feather_sglang.HOOKS:
+        owner, name = target.rsplit(".", 1)
+        assert callable(getattr(pkgutil.resolve_name(owner), name)), target
+    feather_sglang.register()
+    feather_sglang.register()
+    for target, hook in feather_sglang.HOOKS.items():
+        assert [h for _, h, _ in HookRegistry._hooks[target]].count(hook) == 1
+
+
+def _stub_scheduler(tree_cache) -> SimpleNamespace:
+    return SimpleNamespace(
+        tree_cache=tree_cache, enable_hierarchical_cache=False,
+        enable_priority_scheduling=False, schedule_low_priority_values_first=False,
+        chunked_req=None, dllm_config=None, policy="sglang's")
+
+
+def test_hooks_are_inert_unless_feather_is_selected(monkeypatch) -> None:
+    monkeypatch.delenv("FEATHER_SGLANG", raising=False)
+    scheduler = _stub_scheduler(RadixCache.create_simulated())
+    feather_sglang._hook_init_schedule_policy(lambda s: None, scheduler)
+    assert scheduler.feather is None and scheduler.policy == "sglang's"
+    adder = feather_sglang._hook_get_prefill_adder_class(lambda s: PrefillAdder, scheduler)
+    assert adder is PrefillAdder
+
+
+def test_hooks_install_feather_when_selected(monkeypatch) -> None:
+    monkeypatch.setenv("FEATHER_SGLANG", "1")
+    monkeypatch.setenv("FEATHER_SGLANG_OPTIONS", '{"gate": "bandit", "chunk_tokens": 64}')
+    scheduler = _stub_scheduler(RadixCache.create_simulated())
+    feather_sglang._hook_init_schedule_policy(lambda s: None, scheduler)
+    assert isinstance(scheduler.policy, FeatherSchedulePolicy)
+    assert scheduler.feather.config.gate == "bandit"
+    assert scheduler.feather.config.chunk_tokens == 64
+    adder = feather_sglang._hook_get_prefill_adder_class(lambda s: PrefillAdder, scheduler)
+    assert issubclass(adder, FeatherPrefillAdder) and adder.feather is scheduler.feather
+
+
+# ---- launcher -------------------------------------------------------------------------
+
+
+def test_launcher_turns_the_feather_policy_into_environment() -> None:
+    environ: dict[str, str] = {}
+    argv = sglang_launch.configure(
+        ["--model-path", "m", "--schedule-policy=feather", "--feather-options",
+         '{"gate": "always"}', "--port", "1"], environ)
+    assert argv == ["--model-path", "m", "--schedule-policy", "fcfs", "--port", "1"]
+    assert environ == {"FEATHER_SGLANG": "1", "FEATHER_SGLANG_OPTIONS": '{"gate": "always"}'}
+
+    environ = {}
+    assert sglang_launch.configure(["--schedule-policy", "lpm"], environ) == [
+        "--schedule-policy", "lpm"]
+    assert environ == {}
+
+
+def test_launcher_rejects_bad_feather_options() -> None:
+    with pytest.raises(SystemExit, match="gate"):
+        sglang_launch.configure(["--schedule-policy", "feather", "--feather-options",
+                                 '{"gate": "nope"}'], {})
+    with pytest.raises(SystemExit, match="needs --schedule-policy feather"):
+        sglang_launch.configure(["--feather-options", "{}"], {})
+
+
+def test_launcher_help_shows_feather_and_sglang_options() -> None:
+    out = io.StringIO()
+    with redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        sglang_launch.main(["--help"])
+    assert exit_info.value.code == 0
+    text = out.getvalue()
+    assert "--schedule-policy feather" in text and "--feather-options" in text
+    assert "--model-path" in text
+
+
+def _running_batch(engine: Engine):
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    return ScheduleBatch(reqs=list(engine.running))
