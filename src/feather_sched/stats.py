@@ -12,6 +12,9 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+WRITE_EVERY_STEPS = 512
+"""How often an adapter writes its stats file (and a bandit's state file); also at exit."""
+
 
 @dataclass
 class SchedulerStats:
@@ -26,6 +29,16 @@ class SchedulerStats:
     gate_add: int = 0
     gate_stop: int = 0
     gate_forced: int = 0
+
+    def record_step(self, batch_size: int, seconds: float) -> bool:
+        """Count an executed step; True when the state files are due to be written."""
+        self.steps += 1
+        self.step_s += seconds
+        self.batched_requests += batch_size
+        return self.steps % WRITE_EVERY_STEPS == 0
+
+    def copy_gate_counts(self, add: int, stop: int, forced: int) -> None:
+        self.gate_add, self.gate_stop, self.gate_forced = add, stop, forced
 
     @property
     def schedule_ms_per_call(self) -> float:

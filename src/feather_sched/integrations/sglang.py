@@ -52,7 +52,6 @@ from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, Sche
 
 from feather_sched.cht import RequestState, token_chunk_keys
 from feather_sched.config import FeatherConfig, FeatherConfigError
-from feather_sched.gate import UCBBanditGate
 from feather_sched.queue import FeatherQueue
 from feather_sched.stats import SchedulerStats
 
@@ -64,7 +63,6 @@ BASE_POLICY = "fcfs"
 """The SGLang policy the engine is configured with underneath Feather."""
 ENV_ENABLE = "FEATHER_SGLANG"
 ENV_OPTIONS = "FEATHER_SGLANG_OPTIONS"
-SAVE_STATE_EVERY_STEPS = 512
 
 WAITING = RequestState.WAITING
 RUNNING = RequestState.RUNNING
@@ -223,21 +221,11 @@ class FeatherSGLang:
 
     def record_step(self, batch_size: int, seconds: float) -> None:
         self.queue.record_step(batch_size, seconds)
-        self.stats.steps += 1
-        self.stats.step_s += seconds
-        self.stats.batched_requests += batch_size
-        if self.stats.steps % SAVE_STATE_EVERY_STEPS == 0:
+        if self.stats.record_step(batch_size, seconds):
             self.write_state()
 
     def write_state(self) -> None:
-        counts = self.queue.counts
-        self.stats.gate_add, self.stats.gate_stop = counts.add, counts.stop
-        self.stats.gate_forced = counts.forced
-        if self.config.stats_file:
-            self.stats.write(self.config.stats_file)
-        gate = self.queue.gate
-        if self.config.state_file and isinstance(gate, UCBBanditGate):
-            gate.save(self.config.state_file)
+        self.config.persist(self.stats, self.queue)
 
 
 class FeatherSchedulePolicy(SchedulePolicy):

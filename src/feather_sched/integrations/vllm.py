@@ -39,15 +39,12 @@ from vllm.v1.request import Request
 
 from feather_sched.cht import RequestState, block_chunk_keys, token_chunk_keys
 from feather_sched.config import FeatherConfig
-from feather_sched.gate import UCBBanditGate
 from feather_sched.queue import FeatherQueue
 from feather_sched.stats import SchedulerStats
 
 logger = logging.getLogger("vllm.feather_sched")
 """Under vLLM's logger, so Feather's lines appear in the engine's own log."""
 
-SAVE_STATE_EVERY_STEPS = 512
-"""How often the stats file and a bandit's state file are written (and at shutdown)."""
 
 
 class FeatherWaitingQueue(RequestQueue):
@@ -170,15 +167,11 @@ class _Instrumented:
         super().shutdown()
 
     def _on_step(self, batch_size: int, seconds: float) -> None:
-        self.stats.steps += 1
-        self.stats.step_s += seconds
-        self.stats.batched_requests += batch_size
-        if self.stats.steps % SAVE_STATE_EVERY_STEPS == 0:
+        if self.stats.record_step(batch_size, seconds):
             self._write_state()
 
     def _write_state(self) -> None:
-        if self.feather_config.stats_file:
-            self.stats.write(self.feather_config.stats_file)
+        self.feather_config.persist(self.stats)
 
     def _check_scheduling_mode(self) -> None:
         """Async scheduling needs the AsyncScheduler base, sync mode the plain one."""
@@ -277,13 +270,7 @@ class _Feather:
         super()._on_step(batch_size, seconds)
 
     def _write_state(self) -> None:
-        counts = self.feather.queue.counts
-        self.stats.gate_add, self.stats.gate_stop = counts.add, counts.stop
-        self.stats.gate_forced = counts.forced
-        gate = self.feather.queue.gate
-        if self.feather_config.state_file and isinstance(gate, UCBBanditGate):
-            gate.save(self.feather_config.state_file)
-        super()._write_state()
+        self.feather_config.persist(self.stats, self.feather.queue)
 
 
 def _for_mode(cls: type, sync_cls: type, args: tuple, kwargs: dict) -> Any:
