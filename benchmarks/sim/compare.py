@@ -1,0 +1,30 @@
+"""Predicted (simulator) vs measured (real engine) throughput, as a markdown table.
+
+    python benchmarks/sim/compare.py benchmarks/sim/validate-*-real.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def main(real_files: list[str]) -> None:
+    print("| workload | scheduler | measured tok/s | predicted tok/s | error |")
+    print("|---|---|---|---|---|")
+    errors = []
+    for real_file in real_files:
+        real = json.loads(Path(real_file).read_text())
+        sim = json.loads(Path(real_file.replace("-real", "-sim")).read_text())
+        for name, measured in real["runs"].items():
+            predicted = sim["runs"][name]["output_throughput"]
+            error = predicted / measured["output_throughput"] - 1
+            errors.append(abs(error))
+            print(f"| {real['config']['workload']} | {name} | "
+                  f"{measured['output_throughput']:.1f} | {predicted:.1f} | {error:+.1%} |")
+    print(f"\nmean absolute error {sum(errors) / len(errors):.1%}, worst {max(errors):.1%}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
