@@ -321,6 +321,7 @@ def sim(
 ) -> None:
     """Simulate Feather against vLLM's and SGLang's schedulers on GPUs we do not have."""
     from feather_sched.bench.serving import WorkloadArgs, report_runs, save_outputs
+    from feather_sched.sim.policies import make_policy
     from feather_sched.sim.runner import simulate
 
     try:
@@ -331,14 +332,12 @@ def sim(
         plan = _sim_plan(args, hardware, model, profile, schedulers, feather_options, cascade,
                          max_num_seqs, max_num_batched_tokens, charge_scheduler_time,
                          block_tokens, kv_cache_gib)
-        runners = [(name, lambda advance, name=name: simulate(plan, name, advance))
-                   for name in plan.schedulers]
-        for name in plan.schedulers:
-            from feather_sched.sim.policies import make_policy
-
-            make_policy(name, plan.feather_options, 16)
+        for name in plan.schedulers:  # fail on a bad name before any run starts
+            make_policy(name, plan.feather_options, plan.engine_config().block_tokens)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
+    runners = [(name, lambda advance, name=name: simulate(plan, name, advance))
+               for name in plan.schedulers]
     runs = report_runs(runners, plan.workload, console)
     config = {"workload": plan.workload.describe(), "hardware": plan.hardware.name,
               "model": plan.model.name, "cascade": cascade, "schedulers": plan.schedulers}
