@@ -266,6 +266,8 @@ def test_chunk_sizes_are_validated() -> None:
         token_chunk_keys(b"abc", 1)
     with pytest.raises(ValueError, match="blocks_per_chunk"):
         block_chunk_keys([b"a"], 0)
+    with pytest.raises(CHTError, match="empty prompt"):
+        token_chunk_keys(np.array([], dtype=np.int32))
 
 
 def test_block_keys_take_every_kth_chained_hash() -> None:

@@ -60,7 +60,8 @@ def token_chunk_keys(
     time with a streaming xxh3; the digest taken after chunk *i* covers chunks 0..i, so
     equal keys mean equal prefixes.  A trailing partial chunk gets no key (as an engine's
     KV block hashes cover only full blocks).  Pass a contiguous int32 numpy array for the
-    fast path; ``bytes`` are taken as int32 tokens already packed.
+    fast path; ``bytes`` are taken as int32 tokens already packed.  An empty prompt is an
+    error (a prompt shorter than one chunk is not: it shares nothing).
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
@@ -70,6 +71,8 @@ def token_chunk_keys(
         buffer = memoryview(np.ascontiguousarray(tokens, dtype=np.int32)).cast("B")
     if len(buffer) % 4:
         raise ValueError("a token buffer must hold whole int32 tokens")
+    if not len(buffer):
+        raise CHTError("empty prompt: a request needs at least one token")
     stride = chunk_tokens * 4
     full_chunks = len(buffer) // stride
     digest = xxhash.xxh3_64()
