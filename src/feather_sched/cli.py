@@ -167,6 +167,8 @@ def bench(
     base_url: Annotated[str | None, typer.Option(help="Measure this OpenAI-compatible "
                                                  "server instead.")] = None,
     label: Annotated[str, typer.Option(help="Name of the server run.")] = "server",
+    api: Annotated[str, typer.Option(help="Server API: openai (/v1/completions) or sglang "
+                                     "(native /generate, token ids).")] = "openai",
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")]
     = None,
@@ -194,7 +196,7 @@ def bench(
             feather_options=_json_option(feather_options, "--feather-options"),
             model=model or str(TINY_LLAMA), engine_args=_engine_args(engine_arg or []),
             kv_cache_gib=kv_cache_gib, base_url=base_url, label=label,
-            max_concurrency=max_concurrency, request_rate=request_rate)
+            max_concurrency=max_concurrency, request_rate=request_rate, api=api)
         if not base_url:
             from feather_sched.bench.offline import scheduler_specs
 

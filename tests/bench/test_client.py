@@ -220,3 +220,16 @@ def test_cached_tokens_come_from_usage(report: bool) -> None:
     records, _ = run(FakeServer(report_cached=report), workload(2))
     expected = 8 // 2 if report else None
     assert [r.cached_tokens for r in records] == [expected, expected]
+
+
+def test_sglang_generate_chunks_count_tokens_from_meta_info() -> None:
+    from feather_sched.bench.client import APIS, _fold_generate_chunk
+    from feather_sched.bench.records import RequestRecord
+
+    record = RequestRecord("r", prompt_len=0, group=0, submitted_s=0.0)
+    for now, count in ((0.5, 1), (0.7, 3), (0.9, 3)):
+        _fold_generate_chunk(record, {"output_ids": list(range(count)), "meta_info": {
+            "completion_tokens": count, "prompt_tokens": 5, "cached_tokens": 2}}, now)
+    assert record.token_times_s == [0.5, 0.7, 0.7]
+    assert (record.prompt_len, record.cached_tokens) == (5, 2)
+    assert APIS["sglang"][0] == "/generate"

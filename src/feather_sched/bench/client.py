@@ -73,6 +73,7 @@ async def run_against_server(
     seed: int = 0,
     timeout_s: float = 600.0,
     on_done: Callable[[RequestRecord], None] | None = None,
+    api: str = "openai",
 ) -> tuple[list[RequestRecord], float]:
     """Stream every request of ``workload`` from the server; return (records, duration_s).
 
@@ -82,7 +83,11 @@ async def run_against_server(
     ``ConnectionError`` when it cannot be reached.  A failing request never raises: its
     record has ``success=False`` and the error text.  ``timeout_s`` limits each request;
     ``on_done`` is called as each request finishes (e.g. to advance a progress bar).
+    ``api="sglang"`` uses SGLang's native ``/generate`` with ``input_ids``, which, unlike
+    its OpenAI endpoint, serves token ids when the server runs without a tokenizer.
     """
+    if api not in APIS:
+        raise ValueError(f"api must be one of {', '.join(APIS)}, got {api!r}")
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     offsets = send_offsets(workload, request_rate=request_rate, burstiness=burstiness, seed=seed)
@@ -94,12 +99,13 @@ async def run_against_server(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = model or await _first_model(session, base_url)
         slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
-        url = f"{base_url}/v1/completions"
+        path, payload_of, fold = APIS[api]
+        url = f"{base_url}{path}"
         start = time.perf_counter()
 
         async def one(spec: RequestSpec) -> RequestRecord:
             async with slots:
-                record = await _send(session, url, _payload(spec, model), spec, start)
+                record = await _send(session, url, payload_of(spec, model), spec, start, fold)
             if on_done is not None:
                 on_done(record)
             return record
@@ -143,12 +149,24 @@ def _payload(spec: RequestSpec, model: str) -> dict[str, Any]:
     }
 
 
+def _generate_payload(spec: RequestSpec, model: str) -> dict[str, Any]:
+    """The same request for SGLang's native ``/generate`` (token ids in, token ids out)."""
+    return {
+        "input_ids": spec.prompt.tolist(),
+        # ignore_eos fixes the length; SGLang refuses min_new_tokens without a tokenizer.
+        "sampling_params": {"max_new_tokens": spec.output_len, "ignore_eos": True,
+                            "temperature": 0},
+        "stream": True,
+    }
+
+
 async def _send(
     session: aiohttp.ClientSession,
     url: str,
     payload: dict[str, Any],
     spec: RequestSpec,
     start: float,
+    fold: Callable[[RequestRecord, dict[str, Any], float], None],
 ) -> RequestRecord:
     """Send one request and record its token arrivals; failures end up in the record."""
     record = RequestRecord(
@@ -157,7 +175,7 @@ async def _send(
     try:
         async with session.post(url, json=payload) as response:
             if response.status == 200:
-                await _read_stream(response.content, record, start)
+                await _read_stream(response.content, record, start, fold)
             else:
                 record.error = _squash(f"HTTP {response.status}: {await response.text()}")
     except Exception as err:  # one failed request must not end the run
@@ -166,7 +184,8 @@ async def _send(
     return record
 
 
-async def _read_stream(content: aiohttp.StreamReader, record: RequestRecord, start: float) -> None:
+async def _read_stream(content: aiohttp.StreamReader, record: RequestRecord, start: float,
+                       fold: Callable[[RequestRecord, dict[str, Any], float], None]) -> None:
     """Fold an SSE completion stream into the record; success needs at least one token."""
     async for line in _lines(content):
         if not line.startswith(b"data:"):
@@ -178,7 +197,7 @@ async def _read_stream(content: aiohttp.StreamReader, record: RequestRecord, sta
         if "error" in data:
             record.error = _squash(f"stream error: {data['error']}")
             return
-        _fold_chunk(record, data, time.perf_counter() - start)
+        fold(record, data, time.perf_counter() - start)
     record.success = bool(record.token_times_s)
     if not record.success:
         record.error = "stream ended without any output token"
@@ -207,6 +226,18 @@ def _fold_chunk(record: RequestRecord, data: dict[str, Any], now_s: float) -> No
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     if cached is not None:
         record.cached_tokens = int(cached)
+
+
+def _fold_generate_chunk(record: RequestRecord, data: dict[str, Any], now_s: float) -> None:
+    """Record one chunk of SGLang's ``/generate`` stream: its running token count."""
+    meta = data.get("meta_info") or {}
+    if meta.get("completion_tokens") is not None:
+        arrived = int(meta["completion_tokens"]) - record.output_len
+        record.token_times_s.extend([now_s] * max(arrived, 0))
+    if meta.get("prompt_tokens") is not None:
+        record.prompt_len = int(meta["prompt_tokens"])
+    if meta.get("cached_tokens") is not None:
+        record.cached_tokens = int(meta["cached_tokens"])
 
 
 def _chunk_tokens(choice: dict[str, Any], usage: dict[str, Any], seen: int) -> int:
@@ -239,3 +270,10 @@ def _describe(err: BaseException) -> str:
 def _squash(text: str) -> str:
     """Collapse whitespace to single spaces and cap the length, for one-line error texts."""
     return " ".join(text.split())[:ERROR_CHARS]
+
+
+APIS = {
+    "openai": ("/v1/completions", _payload, _fold_chunk),
+    "sglang": ("/generate", _generate_payload, _fold_generate_chunk),
+}
+"""Endpoint, request body and stream folding of each server API."""

@@ -112,6 +112,7 @@ class BenchPlan:
     label: str = "server"
     max_concurrency: int | None = None
     request_rate: float | None = None
+    api: str = "openai"
 
 
 Runner = Callable[[Callable[[RequestRecord], None]], RunResult]
@@ -182,7 +183,7 @@ def _server_run(plan: BenchPlan, advance: Callable[[RequestRecord], None]) -> Ru
 
     records, duration = asyncio.run(run_against_server(
         plan.workload, base_url=plan.base_url, max_concurrency=plan.max_concurrency,
-        on_done=advance))
+        on_done=advance, api=plan.api))
     return RunResult(name=plan.label, records=records, duration_s=duration)
 
 
