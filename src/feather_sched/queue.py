@@ -170,7 +170,8 @@ class FeatherQueue:
     def _current(self) -> Admission:
         if self._admission is not None:
             return self._admission
-        return Admission(self._candidate(self._starved()), Decision.ADD, forced=False)
+        starved = self._starved()
+        return Admission(self._candidate(starved), Decision.ADD, forced=starved is not None)
 
     def _candidate(self, starved: RequestId | None) -> Candidate:
         candidate = self.tree.candidate(starved)
