@@ -107,6 +107,18 @@ class FeatherConfig:
         return max(1, self.chunk_tokens // block_tokens)
 
 
+def feather_variant(name: str, options: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Options of a benchmark scheduler name ``feather-<gate>[-noorder]``, else None.
+
+    ``-noorder`` turns off batch ordering, to measure its share of a gain.
+    """
+    if not name.startswith("feather-"):
+        return None
+    gate = name.removeprefix("feather-")
+    return {**options, "gate": gate.removesuffix("-noorder"),
+            "order_running": not gate.endswith("-noorder")}
+
+
 def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
     """FEATHER_GATE=bandit, FEATHER_GATE_OPTIONS='{"exploration": 100}', and so on."""
     parsers = {

@@ -18,6 +18,7 @@ from typing import Any
 
 from feather_sched.bench.records import RequestRecord, StepRecord
 from feather_sched.bench.report import RunResult
+from feather_sched.config import feather_variant
 from feather_sched.stats import SchedulerStats
 from feather_sched.workloads import RequestSpec, Workload
 
@@ -50,10 +51,8 @@ def _spec(name: str, label: str, feather_options: dict[str, Any]) -> SchedulerSp
     if name in ("fcfs", "fcfs-nocache"):
         return SchedulerSpec(label, f"{INTEGRATION}.InstrumentedScheduler",
                              prefix_caching=name == "fcfs")
-    if name.startswith("feather-"):
-        gate = name.removeprefix("feather-")
-        options = {**feather_options, "gate": gate.removesuffix("-noorder"),
-                   "order_running": not gate.endswith("-noorder")}
+    options = feather_variant(name, feather_options)
+    if options is not None:
         return SchedulerSpec(label, f"{INTEGRATION}.FeatherScheduler", options)
     raise ValueError(f"unknown scheduler {name!r}: use fcfs, fcfs-nocache or "
                      "feather-<always|chunk-loss|bandit>[-noorder]")

@@ -23,7 +23,7 @@ from itertools import pairwise
 from typing import Any
 
 from feather_sched.cht import block_chunk_keys
-from feather_sched.config import FeatherConfig
+from feather_sched.config import FeatherConfig, feather_variant
 from feather_sched.sim.engine import SimRequest
 from feather_sched.sim.fcfs import FcfsPolicy
 
@@ -169,10 +169,8 @@ def make_policy(name: str, feather_options: dict[str, Any], block_tokens: int) -
         return LpmPolicy()
     if name == "sglang-dfs-weight":
         return DfsWeightPolicy()
-    if name.startswith("feather-"):
-        gate = name.removeprefix("feather-")
-        options = {**feather_options, "gate": gate.removesuffix("-noorder"),
-                   "order_running": not gate.endswith("-noorder")}
+    options = feather_variant(name, feather_options)
+    if options is not None:
         return FeatherPolicy(FeatherConfig.from_sources(options, environ={}), block_tokens,
                              name=name)
     raise ValueError(f"unknown scheduler {name!r}: use fcfs, sglang-lpm, sglang-dfs-weight "
