@@ -1,0 +1,67 @@
+"""Real inference servers for end-to-end tests: started on loopback, measured, stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from feather_sched.cli import app
+
+READY_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_serving(url: str, server: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"server exited with {server.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(2)
+    raise TimeoutError(f"no server at {url} after {timeout_s} s")
+
+
+@contextmanager
+def serving(module_args: list[str], log_path: Path, env: dict[str, str]) -> Iterator[str]:
+    """Run ``python -m <module_args> --host 127.0.0.1 --port P``; yield its URL when ready."""
+    port = free_port()
+    command = [sys.executable, "-m", *module_args, "--host", "127.0.0.1", "--port", str(port)]
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, **env}, start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_until_serving(url, server, READY_TIMEOUT_S)
+            yield url
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
+
+
+def bench_server(url: str, out: Path, label: str, *extra: str) -> dict:
+    """``feather bench --base-url`` on 2 groups x 3 short requests; returns the run's summary."""
+    result = CliRunner().invoke(app, [
+        "bench", "--base-url", url, "--groups", "2", "--prompts-per-group", "3",
+        "--prefix-len", "256", "--output-len", "5", "--label", label, "--json", str(out),
+        *extra], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text())["runs"][label]
