@@ -137,21 +137,32 @@ def _engine_args(pairs: list[str]) -> dict:
     return args
 
 
+WorkloadKind = Annotated[str, typer.Option(help="shared-prefix, long-docs, chat, no-sharing.")]
+Trace = Annotated[Path | None, typer.Option(help="Replay a JSONL or Mooncake trace.")]
+Seed = Annotated[int, typer.Option(help="Workload seed.")]
+Groups = Annotated[int, typer.Option(min=1, help="Prefix groups (docs, chats).")]
+PerGroup = Annotated[int, typer.Option(min=1, help="Requests a group.")]
+PrefixLen = Annotated[int, typer.Option(min=1, help="Shared prefix tokens.")]
+SuffixLen = Annotated[int, typer.Option(min=1, help="Unique suffix tokens.")]
+OutputLen = Annotated[int, typer.Option(min=1, help="Output tokens a request.")]
+Rate = Annotated[float | None, typer.Option(help="Poisson rate (req/s); default: all at once.")]
+JsonOut = Annotated[Path | None, typer.Option("--json", help="Write results here.")]
+PlotOut = Annotated[Path | None, typer.Option("--plot", help="Draw a chart here.")]
+
+
 @app.command()
 def bench(
-    workload: Annotated[str, typer.Option(help="shared-prefix, long-docs, chat, no-sharing.")]
-    = "shared-prefix",
-    trace: Annotated[Path | None, typer.Option(help="Replay a JSONL or Mooncake trace.")] = None,
-    groups: Annotated[int, typer.Option(min=1, help="Prefix groups (docs, chats).")] = 4,
-    prompts_per_group: Annotated[int, typer.Option(min=1, help="Requests a group.")] = 16,
-    prefix_len: Annotated[int, typer.Option(min=1, help="Shared prefix tokens.")] = 8192,
-    suffix_len: Annotated[int, typer.Option(min=1, help="Unique suffix tokens.")] = 32,
-    output_len: Annotated[int, typer.Option(min=1, help="Output tokens a request.")] = 64,
+    workload: WorkloadKind = "shared-prefix",
+    trace: Trace = None,
+    groups: Groups = 4,
+    prompts_per_group: PerGroup = 16,
+    prefix_len: PrefixLen = 8192,
+    suffix_len: SuffixLen = 32,
+    output_len: OutputLen = 64,
     jitter: Annotated[float, typer.Option(help="Relative length jitter.")] = 0.0,
     order: Annotated[str, typer.Option(help="Arrival order: shuffled or grouped.")]
     = "shuffled",
-    request_rate: Annotated[float | None, typer.Option(help="Poisson rate (req/s); "
-                                                       "default: all at once.")] = None,
+    request_rate: Rate = None,
     burstiness: Annotated[float, typer.Option(help="1 = Poisson; other: bursty.")] = 1.0,
     max_concurrency: Annotated[int | None, typer.Option(help="Server mode cap.")] = None,
     schedulers: Annotated[str, typer.Option(help="fcfs, fcfs-nocache, feather-<always|"
@@ -169,11 +180,9 @@ def bench(
     label: Annotated[str, typer.Option(help="Name of the server run.")] = "server",
     api: Annotated[str, typer.Option(help="Server API: openai (/v1/completions) or sglang "
                                      "(native /generate, token ids).")] = "openai",
-    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")]
-    = None,
-    plot_path: Annotated[Path | None, typer.Option("--plot", help="Draw a chart here.")]
-    = None,
+    seed: Seed = 0,
+    json_path: JsonOut = None,
+    plot_path: PlotOut = None,
 ) -> None:
     """Feather vs the engine's own scheduler on the real vLLM engine (or any server)."""
     from feather_sched.bench.serving import (
@@ -276,28 +285,19 @@ def _unknown(kind: str, name: str, known: dict):
                      "or give a profile file")
 
 
-WorkloadKind = Annotated[str, typer.Option(help="shared-prefix, long-docs, chat, no-sharing.")]
-Groups = Annotated[int, typer.Option(min=1, help="Prefix groups (docs, chats).")]
-PerGroup = Annotated[int, typer.Option(min=1, help="Requests a group.")]
-PrefixLen = Annotated[int, typer.Option(min=1, help="Shared prefix tokens.")]
-SuffixLen = Annotated[int, typer.Option(min=1, help="Unique suffix tokens.")]
-OutputLen = Annotated[int, typer.Option(min=1, help="Output tokens a request.")]
-Rate = Annotated[float | None, typer.Option(help="Poisson rate (req/s); default: all at once.")]
-JsonOut = Annotated[Path | None, typer.Option("--json", help="Write results here.")]
-PlotOut = Annotated[Path | None, typer.Option("--plot", help="Draw a chart here.")]
 
 
 @app.command()
 def sim(
     workload: WorkloadKind = "shared-prefix",
-    trace: Annotated[Path | None, typer.Option(help="Replay a JSONL or Mooncake trace.")] = None,
+    trace: Trace = None,
     groups: Groups = 8,
     prompts_per_group: PerGroup = 64,
     prefix_len: PrefixLen = 4096,
     suffix_len: SuffixLen = 32,
     output_len: OutputLen = 50,
     request_rate: Rate = None,
-    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    seed: Seed = 0,
     hardware: Annotated[str, typer.Option(help="rtx6000-ada, a100-80gb, h100-sxm, h200, "
                                           "or a hardware JSON.")] = "h100-sxm",
     model: Annotated[str, typer.Option(help="llama-3-8b, qwen2.5-0.5b, qwen2.5-1.5b, "
