@@ -31,11 +31,6 @@ def test_environment_parses_every_option() -> None:
     assert config.max_wait_s is None and config.order_running is False
 
 
-def test_blocks_per_chunk_rounds_to_whole_blocks() -> None:
-    config = FeatherConfig(chunk_tokens=128)
-    assert [config.blocks_per_chunk(b) for b in (16, 128, 256)] == [8, 1, 1]
-
-
 @pytest.mark.parametrize(
     ("options", "environ", "message"),
     [

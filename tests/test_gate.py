@@ -56,9 +56,10 @@ def test_no_gate_refuses_an_empty_batch_or_a_free_admission(gate) -> None:
 
 def train(gate: UCBBanditGate, throughput: dict[Decision, float], steps: int) -> None:
     """Each step asks once in one context; the step's reward depends on the answer."""
+    context = ctx(batch=8, loss=4, waiters=2)
     for _ in range(steps):
-        decision = gate.decide(ctx(batch=8, loss=4, waiters=2))
-        gate.reward(batch_size=1, seconds=1 / throughput[decision])
+        decision = gate.decide(context)
+        gate.reward([(context, decision)], batch_size=1, seconds=1 / throughput[decision])
 
 
 def test_bandit_learns_that_stopping_pays() -> None:
@@ -75,13 +76,22 @@ def test_bandit_learns_that_adding_pays() -> None:
     assert gate.greedy(ctx(batch=8, loss=4, waiters=2)) is Decision.ADD
 
 
-def test_bandit_rewards_every_decision_of_the_batch() -> None:
+def test_bandit_rewards_exactly_the_decisions_it_is_given() -> None:
     gate = UCBBanditGate(seed=0)
-    decisions = [gate.decide(ctx(batch=b, loss=3)) for b in (4, 8, 12)]
-    gate.reward(batch_size=12, seconds=0.5)
-    for batch, decision in zip((4, 8, 12), decisions, strict=True):
-        arm = gate.table[gate.context_of(ctx(batch=batch, loss=3))][decision]
+    contexts = [ctx(batch=b, loss=3) for b in (4, 8, 12)]
+    decisions = [(c, gate.decide(c)) for c in contexts]
+    gate.reward(decisions[:2], batch_size=12, seconds=0.5)
+    for context, decision in decisions[:2]:
+        arm = gate.table[gate.context_of(context)][decision]
         assert (arm.pulls, arm.total) == (1, 24.0)
+    assert all(arm.pulls == 0 for arm in gate.table[gate.context_of(contexts[2])].values())
+
+
+def test_bandit_learns_nothing_from_admissions_no_gate_may_refuse() -> None:
+    gate = UCBBanditGate(seed=0)
+    gate.reward([(ctx(batch=0, loss=3), Decision.ADD), (ctx(batch=5, loss=0), Decision.ADD)],
+                batch_size=5, seconds=0.1)
+    assert gate.table == {}
 
 
 def test_bandit_context_bins_follow_the_paper() -> None:
@@ -95,8 +105,9 @@ def test_bandit_is_deterministic_for_a_seed() -> None:
         gate = UCBBanditGate(seed=seed)
         out = []
         for step in range(60):
-            out.append(gate.decide(ctx(batch=4 + step % 3, loss=2 + step % 4)))
-            gate.reward(batch_size=4, seconds=0.01 + 0.001 * (step % 5))
+            context = ctx(batch=4 + step % 3, loss=2 + step % 4)
+            out.append(gate.decide(context))
+            gate.reward([(context, out[-1])], batch_size=4, seconds=0.01 + 0.001 * (step % 5))
         return out
 
     assert run(3) == run(3)
@@ -138,4 +149,5 @@ def test_bad_gate_options_fail_clearly(kind: str, options: dict, message: str) -
 
 def test_step_time_must_be_positive() -> None:
     with pytest.raises(ValueError, match="positive"):
-        UCBBanditGate().reward(batch_size=4, seconds=0.0)
+        UCBBanditGate().reward([(ctx(batch=4, loss=3), Decision.ADD)], batch_size=4,
+                               seconds=0.0)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from feather_sched.sim.calibrate import read_steps_csv
+from feather_sched.steplog import read_steps
 
 torch = pytest.importorskip("torch")
 
@@ -52,7 +52,7 @@ def test_run_checks_times_and_writes_calibration_steps(tmp_path: Path) -> None:
     assert max(errors) < kit.TOLERANCE
 
     decode = [m for m in report["measurements"] if m["variant"] == "decode"]
-    steps = read_steps_csv(tmp_path / "calibration.csv")
+    steps = read_steps(tmp_path / "calibration.csv")
     assert len(steps) == len(decode) == 3 + 4  # mixed, sorted, one homogeneous per group
     for (batch, seconds), m in zip(steps, decode, strict=True):
         assert len(batch) == (2 if m["batch"].startswith("homogeneous") else 2 * m["groups"])
@@ -61,7 +61,7 @@ def test_run_checks_times_and_writes_calibration_steps(tmp_path: Path) -> None:
     mixed = next(b for (b, _), m in zip(steps, decode, strict=True)
                  if m["batch"] == "mixed" and m["groups"] == 2)
     assert [e.group for e in mixed] == ["0", "1", "0", "1"]
-    assert len(read_steps_csv(tmp_path / "calibration-cascade.csv")) == 2
+    assert len(read_steps(tmp_path / "calibration-cascade.csv")) == 2
 
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["gpu"] and len(saved["measurements"][0]["seconds"]) == SWEEP.reps

@@ -1,4 +1,4 @@
-"""FeatherQueue: admission by the tree's order, STOP for the rest of a step, no starvation."""
+"""FeatherQueue: the tree's order, STOP for the rest of a pass, held requests, no starvation."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from feather_sched.cht import CHTError
 from feather_sched.gate import ChunkLossGate, Decision, GateContext
-from feather_sched.queue import FeatherQueue
+from feather_sched.queue import FeatherQueue, QueueState
 
 
 class FakeClock:
@@ -23,15 +24,14 @@ class ScriptedGate:
 
     def __init__(self) -> None:
         self.asked: list[GateContext] = []
-        self.rewards: list[tuple[int, float]] = []
         self.steps = 0
 
     def decide(self, context: GateContext) -> Decision:
         self.asked.append(context)
         return Decision.STOP if context.chunk_loss > 1 else Decision.ADD
 
-    def reward(self, batch_size: int, seconds: float) -> None:
-        self.rewards.append((batch_size, seconds))
+    def reward(self, decisions, batch_size: int, seconds: float) -> None:
+        raise AssertionError("the queue never rewards; the runtime does")
 
     def end_step(self) -> None:
         self.steps += 1
@@ -42,91 +42,153 @@ def group_keys(group: int, request: int) -> list[tuple]:
     return [(group,), (group, 0), (group, 0, request)]
 
 
-def test_stop_closes_the_queue_until_the_next_step() -> None:
+def admit_next(queue: FeatherQueue) -> str | None:
+    """Admit the queue's candidate if it says ADD; its id, else None."""
+    admission = queue.decide()
+    if admission is None or admission.decision is Decision.STOP:
+        return None
+    queue.admit(admission.request_id)
+    return admission.request_id
+
+
+def test_stop_closes_the_queue_until_the_next_pass() -> None:
     gate = ScriptedGate()
     queue = FeatherQueue(gate, max_wait_s=None)
     for rid, group in [("a0", 0), ("b0", 1), ("a1", 0)]:
         queue.add(rid, group_keys(group, int(rid[1])))
-    assert queue.may_admit() and queue.pop() == "a0"
-    assert queue.may_admit() and queue.pop() == "a1"
-    assert not queue.may_admit()
-    assert len(queue) == 1 and queue.peek() == "b0"
-    assert not queue.may_admit()
-    assert len(gate.asked) == 3
-    queue.record_step(batch_size=2, seconds=0.25)
-    assert gate.rewards == [(2, 0.25)] and gate.steps == 0
-    assert not queue.may_admit()
-    queue.finish("a0")
-    queue.finish("a1")
+    assert admit_next(queue) == "a0"
+    assert admit_next(queue) == "a1"
+    stop = queue.decide()
+    assert stop.decision is Decision.STOP and stop.request_id == "b0"
+    assert stop.context == GateContext(batch_size=2, chunk_loss=2, sharing_waiters=0,
+                                       num_waiting=1)
+    assert queue.decide().decision is Decision.STOP and len(gate.asked) == 3
+    queue.remove("a0")
+    assert queue.decide().decision is Decision.STOP  # a STOP holds for the whole pass
+    queue.remove("a1")
     queue.new_step()
-    assert gate.steps == 1
-    assert queue.may_admit() and queue.pop() == "b0"
+    assert gate.steps == 1 and admit_next(queue) == "b0"
 
 
-def test_gate_is_asked_once_per_candidate() -> None:
+def test_the_gate_is_asked_once_per_candidate() -> None:
     gate = ScriptedGate()
     queue = FeatherQueue(gate, max_wait_s=None)
     queue.add("x", [1])
-    for _ in range(5):
-        assert queue.may_admit()
-        queue.peek()
+    first = queue.decide()
+    assert all(queue.decide() is first for _ in range(5))
     assert len(gate.asked) == 1
-    assert queue.counts.add == 1
+
+
+def test_an_offered_request_is_judged_itself() -> None:
+    queue = FeatherQueue(ScriptedGate(), max_wait_s=None)
+    queue.add("a0", group_keys(0, 0))
+    queue.admit("a0")
+    queue.add("b0", group_keys(1, 0))
+    queue.add("a1", group_keys(0, 1))
+    assert queue.decide().request_id == "a1"
+    offered = queue.decide("b0")
+    assert offered.request_id == "b0" and offered.decision is Decision.STOP
+    with pytest.raises(CHTError, match="not waiting"):
+        queue.decide("a0")
+
+
+def test_held_requests_are_neither_candidates_nor_running() -> None:
+    queue = FeatherQueue(max_wait_s=None)
+    queue.add("a", group_keys(0, 0))
+    queue.add("b", group_keys(1, 0))
+    queue.admit("a")
+    queue.hold("a")
+    queue.hold("b")
+    assert queue.state("a") is QueueState.HELD and queue.state("b") is QueueState.HELD
+    assert queue.num_running == 0 and len(queue) == 0 and queue.decide() is None
+    queue.requeue("b")
+    assert queue.decide().request_id == "b"
+    queue.run("a")
+    assert queue.state("a") is QueueState.RUNNING and queue.keys("a") == group_keys(0, 0)
+    with pytest.raises(CHTError, match="already held"):
+        queue.hold("b") or queue.hold("b")
+    queue.remove("b")
+    assert "b" not in queue
+
+
+def test_unknown_and_duplicate_requests_fail_clearly() -> None:
+    queue = FeatherQueue(max_wait_s=None)
+    queue.add("r", [1])
+    with pytest.raises(CHTError, match="already in the queue"):
+        queue.add("r", [2])
+    with pytest.raises(CHTError, match="unknown request 'x'"):
+        queue.state("x")
+    with pytest.raises(CHTError, match="waiting"):
+        queue.requeue("r")
+    with pytest.raises(ValueError, match="max_wait_s"):
+        FeatherQueue(max_wait_s=-1)
 
 
 def test_starved_request_is_admitted_over_the_gate() -> None:
     clock = FakeClock()
     queue = FeatherQueue(ChunkLossGate(max_loss=0, floor_start=0), max_wait_s=5.0, clock=clock)
     queue.add("g0", group_keys(0, 0))
-    assert queue.pop() == "g0"
+    assert admit_next(queue) == "g0"
     clock.now = 1.0
     queue.add("old-stranger", group_keys(9, 0))
     for i in (1, 2):
         queue.add(f"g{i}", group_keys(0, 0))
-    assert queue.pop() == "g1"
-    assert queue.pop() == "g2"
-    assert not queue.may_admit() and queue.counts.stop == 1
+    assert admit_next(queue) == "g1"
+    assert admit_next(queue) == "g2"
+    assert queue.decide().decision is Decision.STOP
     queue.new_step()
     clock.now = 5.5
-    assert not queue.may_admit()
+    assert queue.decide().decision is Decision.STOP
     queue.new_step()
     clock.now = 6.5
-    assert queue.may_admit()
-    admission = queue.admission()
-    assert admission.forced and admission.candidate.request_id == "old-stranger"
-    assert queue.pop() == "old-stranger" and queue.counts.forced == 1
+    admission = queue.decide()
+    assert admission.forced and admission.request_id == "old-stranger"
+    assert admission.context is None  # the gate was not asked
 
 
 def test_requeued_request_keeps_its_arrival_for_the_guard() -> None:
     clock = FakeClock()
     queue = FeatherQueue(ScriptedGate(), max_wait_s=10.0, clock=clock)
     queue.add("early", [("e",)])
-    queue.pop()
+    queue.admit("early")
     clock.now = 5.0
     queue.add("late", [("l",)])
     queue.requeue("early")
     clock.now = 10.5
-    assert queue.admission().forced and queue.peek() == "early"
+    admission = queue.decide()
+    assert admission.forced and admission.request_id == "early"
 
 
-def test_payloads_follow_requests_and_vanish_with_them() -> None:
-    queue = FeatherQueue(max_wait_s=None)
-    queue.add("r", [1, 2], payload={"engine": "request"})
-    assert queue.payload("r") == {"engine": "request"}
-    queue.remove("r")
-    assert "r" not in queue
-    with pytest.raises(KeyError):
-        queue.payload("r")
-    with pytest.raises(IndexError):
-        queue.peek()
+def test_the_guard_forces_one_starved_request_a_pass() -> None:
+    """In overload every request is old; the rest of the pass still follows the tree."""
+    clock = FakeClock()
+    queue = FeatherQueue(max_wait_s=1.0, clock=clock)
+    queue.add("running", group_keys(0, 0))
+    queue.admit("running")
+    for i in range(3):
+        queue.add(f"stranger{i}", group_keys(9 + i, 0))
+    queue.add("sibling", group_keys(0, 1))
+    clock.now = 5.0
+    assert queue.decide().forced and admit_next(queue) == "stranger0"
+    assert not queue.decide().forced and admit_next(queue) == "sibling"
+    queue.new_step()
+    assert queue.decide().forced and admit_next(queue) == "stranger1"
 
 
-def test_bad_options_fail_clearly() -> None:
-    with pytest.raises(ValueError, match="max_wait_s"):
-        FeatherQueue(max_wait_s=-1)
+def test_a_forced_admission_the_engine_skips_frees_the_slot() -> None:
+    clock = FakeClock()
+    queue = FeatherQueue(max_wait_s=1.0, clock=clock)
+    for i in range(2):
+        queue.add(f"old{i}", group_keys(i, 0))
+    clock.now = 5.0
+    assert admit_next(queue) == "old0"
+    queue.hold("old0")  # the engine popped it and skipped it
+    second = queue.decide()
+    assert second.forced and second.request_id == "old1"
 
 
-operations = st.lists(st.tuples(st.sampled_from(["add", "step", "finish", "requeue", "abort"]),
+operations = st.lists(st.tuples(st.sampled_from(["add", "step", "finish", "requeue", "abort",
+                                                 "hold", "release"]),
                                 st.integers(0, 3)), max_size=80)
 
 
@@ -137,6 +199,7 @@ def test_every_request_ends_exactly_once(ops: list[tuple[str, int]]) -> None:
     clock = FakeClock()
     queue = FeatherQueue(ChunkLossGate(max_loss=0, floor_start=1), max_wait_s=3.0, clock=clock)
     running: list[str] = []
+    held: list[str] = []
     ended: list[str] = []
     added: list[str] = []
     for n, (op, arg) in enumerate(ops):
@@ -146,46 +209,34 @@ def test_every_request_ends_exactly_once(ops: list[tuple[str, int]]) -> None:
             added.append(rid)
             queue.add(rid, group_keys(arg, n))
         elif op == "step":
-            while queue.may_admit():
-                running.append(queue.pop())
-            queue.record_step(batch_size=len(running), seconds=0.1)
+            while (rid := admit_next(queue)) is not None:
+                running.append(rid)
             queue.new_step()
-        elif running and op in ("finish", "requeue"):
+        elif running and op in ("finish", "requeue", "hold"):
             rid = running.pop(arg % len(running))
             if op == "finish":
-                queue.finish(rid)
+                queue.remove(rid)
                 ended.append(rid)
-            else:
+            elif op == "requeue":
                 queue.requeue(rid)
+            else:
+                queue.hold(rid)
+                held.append(rid)
+        elif held and op == "release":
+            queue.requeue(held.pop(arg % len(held)))
         elif op == "abort" and (len(queue) or running):
-            rid = next(iter(queue), None) or running.pop()
+            rid = next(iter(queue.waiting_ids()), None) or running.pop()
             queue.remove(rid)
             ended.append(rid)
+    for rid in held:
+        queue.requeue(rid)
     while len(queue) or running:
-        while queue.may_admit():
-            running.append(queue.pop())
+        while (rid := admit_next(queue)) is not None:
+            running.append(rid)
         queue.new_step()
         for rid in running:
-            queue.finish(rid)
+            queue.remove(rid)
             ended.append(rid)
         running.clear()
     assert sorted(ended) == sorted(added)
     assert len(set(ended)) == len(ended)
-
-
-def test_the_guard_forces_one_starved_request_a_step() -> None:
-    """In overload every request is old; the rest of the step still follows the tree."""
-    clock = FakeClock()
-    queue = FeatherQueue(max_wait_s=1.0, clock=clock)
-    queue.add("running", group_keys(0, 0))
-    queue.pop()
-    for i in range(3):
-        queue.add(f"stranger{i}", group_keys(9 + i, 0))
-    queue.add("sibling", group_keys(0, 1))
-    clock.now = 5.0
-    first = queue.admission()
-    assert first.forced and queue.pop() == "stranger0"
-    second = queue.admission()
-    assert not second.forced and queue.pop() == "sibling"
-    queue.new_step()
-    assert queue.admission().forced and queue.pop() == "stranger1"

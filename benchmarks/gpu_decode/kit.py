@@ -15,7 +15,6 @@ README next to this file explains the method and the output files.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -32,6 +31,11 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+# The step-log format comes from the package's source tree, which has no dependencies
+# beyond the standard library: the GPU machine needs nothing installed but torch/Triton.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+from feather_sched import steplog
+
 TOLERANCE = 1e-2
 """Largest accepted relative error of one (request, head) output row vs float64."""
 BLOCK_T = 64
@@ -39,9 +43,6 @@ BLOCK_T = 64
 block is looked up in the table)."""
 MAX_SPLITS = 32
 """Most split-K partitions of one token range."""
-# feather_sched.sim.calibrate's format, restated: the GPU machine has only torch and Triton.
-CSV_COLUMNS = ("step", "position", "group", "shared_tokens", "context_tokens", "new_tokens",
-               "seconds")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
@@ -711,15 +712,13 @@ def step_seconds(env: Environment, m: Measurement, weights: dict[int, list[float
 
 def write_steps(path: Path, env: Environment, measurements: list[Measurement],
                 weights: dict[int, list[float]]) -> None:
-    """One step per measured batch, one row per request, in ``feather calibrate``'s format."""
-    with open(path, "w", newline="") as file:
-        writer = csv.writer(file)
-        writer.writerow(CSV_COLUMNS)
-        for step, m in enumerate(measurements):
-            seconds = repr(step_seconds(env, m, weights))
-            for position, group in enumerate(m.groups):
-                writer.writerow([step, position, group, m.config.prefix,
-                                 m.config.prefix + env.sweep.suffix, 1, seconds])
+    """One step per measured batch, one row per request: the step log ``feather calibrate``
+    reads (``feather_sched.steplog``)."""
+    context = env.sweep.suffix
+    steplog.write_steps(path, (
+        ([steplog.BatchEntry(group, m.config.prefix, m.config.prefix + context, 1)
+          for group in m.groups], step_seconds(env, m, weights))
+        for m in measurements))
 
 
 def table(measurements: list[Measurement]) -> str:

@@ -27,7 +27,7 @@ import heapq
 import itertools
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence, Set
 from dataclasses import dataclass
 from enum import Enum
 
@@ -175,6 +175,10 @@ class ChunkedHashTree:
 
     def running_ids(self) -> Iterator[RequestId]:
         return iter(self._running)
+
+    def runs_exactly(self, request_ids: Set[RequestId]) -> bool:
+        """Whether the running set is exactly ``request_ids``.  O(len(request_ids))."""
+        return self._running.keys() == request_ids
 
     # ---- lifecycle --------------------------------------------------------------------
 

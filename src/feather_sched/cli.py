@@ -11,6 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from feather_sched.schedulers import ENGINE_KINDS, SIM_KINDS, choices, parse_schedulers
+
 app = typer.Typer(
     help="Feather: prefix-aware request scheduling for vLLM and SGLang.",
     no_args_is_help=True,
@@ -165,8 +167,7 @@ def bench(
     request_rate: Rate = None,
     burstiness: Annotated[float, typer.Option(help="1 = Poisson; other: bursty.")] = 1.0,
     max_concurrency: Annotated[int | None, typer.Option(help="Server mode cap.")] = None,
-    schedulers: Annotated[str, typer.Option(help="fcfs, fcfs-nocache, feather-<always|"
-                                            "chunk-loss|bandit>[-noorder].")]
+    schedulers: Annotated[str, typer.Option(help=f"{choices(ENGINE_KINDS)}.")]
     = "fcfs,feather-bandit",
     feather_options: Annotated[str, typer.Option(help="JSON options for feather runs.")]
     = "{}",
@@ -207,9 +208,7 @@ def bench(
             kv_cache_gib=kv_cache_gib, base_url=base_url, label=label,
             max_concurrency=max_concurrency, request_rate=request_rate, api=api)
         if not base_url:
-            from feather_sched.bench.offline import scheduler_specs
-
-            scheduler_specs(plan.schedulers, plan.feather_options)
+            parse_schedulers(schedulers, ENGINE_KINDS)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     runs, _ = run_bench(plan, console)
@@ -305,8 +304,7 @@ def sim(
     profile: Annotated[Path | None, typer.Option(help="Calibrated profile from feather "
                                                  "calibrate (overrides --hardware/--model).")]
     = None,
-    schedulers: Annotated[str, typer.Option(help="fcfs, sglang-lpm, sglang-dfs-weight, "
-                                            "feather-<gate>[-noorder].")]
+    schedulers: Annotated[str, typer.Option(help=f"{choices(SIM_KINDS)}.")]
     = "fcfs,sglang-lpm,sglang-dfs-weight,feather-bandit",
     feather_options: Annotated[str, typer.Option(help="JSON options for feather runs.")] = "{}",
     cascade: Annotated[bool, typer.Option(help="Model a prefix-aware (cascade) kernel.")]
@@ -323,7 +321,6 @@ def sim(
 ) -> None:
     """Simulate Feather against vLLM's and SGLang's schedulers on GPUs we do not have."""
     from feather_sched.bench.serving import WorkloadArgs, report_runs, save_outputs
-    from feather_sched.sim.policies import make_policy
     from feather_sched.sim.runner import simulate
 
     try:
@@ -331,11 +328,10 @@ def sim(
                             prompts_per_group=prompts_per_group, prefix_len=prefix_len,
                             suffix_len=suffix_len, output_len=output_len,
                             request_rate=request_rate, seed=seed)
+        parse_schedulers(schedulers, SIM_KINDS)  # fail on a bad name before any run starts
         plan = _sim_plan(args, hardware, model, profile, schedulers, feather_options, cascade,
                          max_num_seqs, max_num_batched_tokens, charge_scheduler_time,
                          block_tokens, kv_cache_gib)
-        for name in plan.schedulers:  # fail on a bad name before any run starts
-            make_policy(name, plan.feather_options, plan.engine_config().block_tokens)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     runners = [(name, lambda advance, name=name: simulate(plan, name, advance))
@@ -360,14 +356,15 @@ def calibrate(
                                            "relative (every step alike).")] = "time",
 ) -> None:
     """Fit the step-cost model to measured step times and write a simulator profile."""
-    from feather_sched.sim.calibrate import fit, read_steps_csv, save_profile
+    from feather_sched.sim.calibrate import fit, save_profile
     from feather_sched.sim.hardware import HARDWARE, load_hardware
     from feather_sched.sim.model_profiles import MODELS
+    from feather_sched.steplog import read_steps
 
     try:
         hw = HARDWARE.get(hardware) or load_hardware(hardware)
         mp = MODELS.get(model) or _unknown("model", model, MODELS)
-        params, report = fit(read_steps_csv(steps_csv), hw, mp, granularity=granularity,
+        params, report = fit(read_steps(steps_csv), hw, mp, granularity=granularity,
                              weighting=weighting)
     except (ValueError, OSError) as error:
         raise typer.BadParameter(str(error)) from None

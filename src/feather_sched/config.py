@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from feather_sched.cht import DEFAULT_CHUNK_TOKENS
-from feather_sched.gate import GATE_KINDS, Gate, UCBBanditGate, make_gate
+from feather_sched.gate import GATE_KINDS, Gate, make_gate
 from feather_sched.queue import DEFAULT_MAX_WAIT_S, FeatherQueue
-from feather_sched.stats import SchedulerStats
 
 ENV_PREFIX = "FEATHER_"
 
@@ -89,34 +89,9 @@ class FeatherConfig:
         except ValueError as error:
             raise FeatherConfigError(f"feather gate options: {error}") from None
 
-    def make_queue(self, clock: Any = None) -> FeatherQueue:
-        extra = {} if clock is None else {"clock": clock}
-        return FeatherQueue(self.make_gate(), max_wait_s=self.max_wait_s, **extra)
+    def make_queue(self, clock: Callable[[], float] = time.monotonic) -> FeatherQueue:
+        return FeatherQueue(self.make_gate(), max_wait_s=self.max_wait_s, clock=clock)
 
-    def persist(self, stats: SchedulerStats, queue: FeatherQueue | None = None) -> None:
-        """Write the stats file and, for a bandit, its learned table (the configured ones)."""
-        if queue is not None:
-            counts = queue.counts
-            stats.copy_gate_counts(counts.add, counts.stop, counts.forced)
-            if self.state_file and isinstance(queue.gate, UCBBanditGate):
-                queue.gate.save(self.state_file)
-        if self.stats_file:
-            stats.write(self.stats_file)
-
-    def blocks_per_chunk(self, block_tokens: int) -> int:
-        return max(1, self.chunk_tokens // block_tokens)
-
-
-def feather_variant(name: str, options: Mapping[str, Any]) -> dict[str, Any] | None:
-    """Options of a benchmark scheduler name ``feather-<gate>[-noorder]``, else None.
-
-    ``-noorder`` turns off batch ordering, to measure its share of a gain.
-    """
-    if not name.startswith("feather-"):
-        return None
-    gate = name.removeprefix("feather-")
-    return {**options, "gate": gate.removesuffix("-noorder"),
-            "order_running": not gate.endswith("-noorder")}
 
 
 def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -49,12 +50,22 @@ class GateContext:
     """Waiting requests, candidate included."""
 
 
+Decisions = Sequence[tuple[GateContext, Decision]]
+"""The gate's decisions that formed one executed batch, in the order they were taken."""
+
+
 class Gate(Protocol):
-    """An ADD/STOP policy.  ``decide`` per candidate, ``reward`` once per engine step."""
+    """An ADD/STOP policy.
+
+    ``decide`` answers for one candidate; ``reward`` hands back the decisions that formed
+    an executed batch with that batch's size and measured time (the caller keys steps,
+    so a reward reaches exactly the decisions it measures); ``end_step`` closes a
+    scheduling pass.
+    """
 
     def decide(self, context: GateContext) -> Decision: ...
 
-    def reward(self, batch_size: int, seconds: float) -> None: ...
+    def reward(self, decisions: Decisions, batch_size: int, seconds: float) -> None: ...
 
     def end_step(self) -> None: ...
 
@@ -70,7 +81,7 @@ class AlwaysAddGate:
     def decide(self, context: GateContext) -> Decision:
         return Decision.ADD
 
-    def reward(self, batch_size: int, seconds: float) -> None:
+    def reward(self, decisions: Decisions, batch_size: int, seconds: float) -> None:
         """Nothing to learn."""
 
     def end_step(self) -> None:
@@ -123,7 +134,7 @@ class ChunkLossGate:
         self._stopped_now = True
         return Decision.STOP
 
-    def reward(self, batch_size: int, seconds: float) -> None:
+    def reward(self, decisions: Decisions, batch_size: int, seconds: float) -> None:
         """The heuristic does not learn."""
 
     def end_step(self) -> None:
@@ -165,7 +176,6 @@ class UCBBanditGate:
     waiters_bins: int = WAITERS_BINS
     seed: int | None = 0
     table: dict[Context, dict[Decision, _Arm]] = field(default_factory=dict)
-    _pending: list[tuple[Context, Decision]] = field(default_factory=list, init=False)
     _rng: random.Random = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -190,11 +200,8 @@ class UCBBanditGate:
     def decide(self, context: GateContext) -> Decision:
         if must_add(context):
             return Decision.ADD
-        key = self.context_of(context)
-        arms = self.table.setdefault(key, {d: _Arm() for d in Decision})
-        decision = self._choose(arms)
-        self._pending.append((key, decision))
-        return decision
+        arms = self.table.setdefault(self.context_of(context), {d: _Arm() for d in Decision})
+        return self._choose(arms)
 
     def _choose(self, arms: dict[Decision, _Arm]) -> Decision:
         untried = [d for d, arm in arms.items() if arm.pulls == 0]
@@ -208,19 +215,21 @@ class UCBBanditGate:
         best = max(scores.values())
         return self._rng.choice([d for d, s in scores.items() if s == best])
 
-    def reward(self, batch_size: int, seconds: float) -> None:
-        """Credit ``batch_size / seconds`` to every decision of the batch just run."""
+    def reward(self, decisions: Decisions, batch_size: int, seconds: float) -> None:
+        """Credit ``batch_size / seconds`` to each learned decision that formed the batch."""
         if seconds <= 0:
             raise ValueError(f"step time must be positive, got {seconds}")
         value = batch_size / seconds
-        for key, decision in self._pending:
-            arm = self.table[key][decision]
+        for context, decision in decisions:
+            if must_add(context):
+                continue
+            arms = self.table.setdefault(self.context_of(context), {d: _Arm() for d in Decision})
+            arm = arms[decision]
             arm.pulls += 1
             arm.total += value
-        self._pending.clear()
 
     def end_step(self) -> None:
-        """Decisions wait for the step's reward; nothing to do here."""
+        """Decisions wait for their batch's reward; nothing to do here."""
 
     def greedy(self, context: GateContext) -> Decision:
         """The learned best action, without exploring (for inspection and reports)."""

@@ -1,55 +1,72 @@
-"""FeatherQueue: the Chunked Hash Tree and an ADD/STOP gate behind an engine's waiting queue.
+"""FeatherQueue: which waiting request to admit next, and whether to admit it at all.
 
-This is the one object every engine adapter wraps.  An admission loop asks
-``may_admit()`` (is there a request, and does the gate say ADD?), reads ``peek()``, and
-calls ``pop()`` once the engine has room for it.  After a STOP the queue stays closed
-until ``new_step`` starts the next scheduling step; ``record_step`` reports an executed
-step's measured time, which becomes the gate's reward.
+The Chunked Hash Tree ranks waiting requests by how much of the running set's prefix they
+share; an ADD/STOP gate answers for the candidate; bounds on waiting override both.  The
+queue knows each request in one of three states:
 
-A starvation guard bounds waiting: a request that has waited longer than ``max_wait_s``
-is offered ahead of the tree's choice and admitted whatever the gate would say, one such
-request per step, so that an overloaded queue (where every request is old) still fills
-the rest of each step in the tree's order instead of degrading to FCFS.
+* WAITING: a candidate (in the tree's waiting set);
+* RUNNING: in the running set whose prefix the tree tracks;
+* HELD: known, but neither (the engine took it out of the waiting queue without running
+  it, e.g. skipped it for this pass, or parked it in a queue of its own).
+
+After a STOP the queue answers STOP until ``new_step`` starts the next scheduling pass.
+
+Starvation guard: a request that has waited longer than ``max_wait_s`` is the candidate
+ahead of the tree's choice and is admitted whatever the gate says, one such request per
+pass, so an overloaded queue (where every request is old) still fills the rest of each
+pass in the tree's order instead of degrading to FCFS.
+
+Costs: ``add`` is linear in the request's keys; ``admit``/``requeue``/``remove``/``hold``
+in its keys plus the waiting requests whose shared depth changes (see ``cht``);
+``decide`` is cached per candidate until the next change.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence, Set
 from dataclasses import dataclass
-from typing import Any
+from enum import Enum
 
-from feather_sched.cht import Candidate, ChunkedHashTree, ChunkKey, RequestState
+from feather_sched.cht import Candidate, CHTError, ChunkedHashTree, ChunkKey, RequestState
 from feather_sched.gate import AlwaysAddGate, Decision, Gate, GateContext
 
 RequestId = Hashable
 
 DEFAULT_MAX_WAIT_S = 30.0
-WAITING = RequestState.WAITING
+
+
+class QueueState(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    HELD = "held"
 
 
 @dataclass(frozen=True)
 class Admission:
-    """The queue's answer for its current candidate."""
+    """The queue's answer for one candidate."""
 
     candidate: Candidate
     decision: Decision
     forced: bool
-    """True when the starvation guard overrode the gate."""
+    """True when a waiting bound overrode the tree's order and the gate."""
+    context: GateContext | None
+    """What the gate was shown (None when it was not asked: forced, or already stopped)."""
+
+    @property
+    def request_id(self) -> RequestId:
+        return self.candidate.request_id
 
 
 @dataclass
-class GateCounts:
-    """How often the gate was asked and what it said (for reports)."""
-
-    add: int = 0
-    stop: int = 0
-    forced: int = 0
+class _Request:
+    keys: list
+    arrival_s: float
 
 
 class FeatherQueue:
-    """A waiting queue ordered by shared prefix with the running batch, gated per step."""
+    """A waiting queue ordered by shared prefix with the running set, gated per pass."""
 
     def __init__(
         self,
@@ -64,152 +81,168 @@ class FeatherQueue:
         self.gate: Gate = gate if gate is not None else AlwaysAddGate()
         self.max_wait_s = max_wait_s
         self.clock = clock
-        self.counts = GateCounts()
-        self._payloads: dict[RequestId, Any] = {}
-        self._arrivals: dict[RequestId, float] = {}
+        self._requests: dict[RequestId, _Request] = {}
         self._oldest: list[tuple[float, int, RequestId]] = []
         self._sequence = 0
         self._closed = False
-        self._forced_this_step = False
+        self._forced: RequestId | None = None
+        """The request the starvation guard admitted in this pass."""
         self._admission: Admission | None = None
+        self._asked_for: RequestId | None = None
 
     # ---- contents ---------------------------------------------------------------------
 
     def __len__(self) -> int:
-        """Waiting requests (the true count, whatever the gate says)."""
+        """Waiting requests."""
         return self.tree.num_waiting
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._payloads
-
-    def __iter__(self) -> Iterator[RequestId]:
-        """Waiting request ids in arrival order."""
-        return self.tree.waiting_ids()
+        """Whether the queue knows the request, in any state."""
+        return request_id in self._requests
 
     @property
     def num_running(self) -> int:
         return self.tree.num_running
 
-    def payload(self, request_id: RequestId) -> Any:
-        """The object stored with a request (an engine's own request, for adapters)."""
-        return self._payloads[request_id]
+    def state(self, request_id: RequestId) -> QueueState:
+        """WAITING, RUNNING or HELD; CHTError for an unknown request."""
+        if request_id not in self._requests:
+            raise CHTError(f"unknown request {request_id!r}")
+        if request_id not in self.tree:
+            return QueueState.HELD
+        waiting = self.tree.state(request_id) is RequestState.WAITING
+        return QueueState.WAITING if waiting else QueueState.RUNNING
+
+    def waiting_ids(self) -> Iterator[RequestId]:
+        """Waiting request ids in arrival order."""
+        return self.tree.waiting_ids()
+
+    def running_ids(self) -> Iterator[RequestId]:
+        return self.tree.running_ids()
+
+    def arrival_s(self, request_id: RequestId) -> float:
+        return self._requests[request_id].arrival_s
+
+    def keys(self, request_id: RequestId) -> list:
+        """The request's chunk keys."""
+        return self._requests[request_id].keys
+
+    def runs_exactly(self, request_ids: Set[RequestId]) -> bool:
+        """Whether the running set is exactly ``request_ids``.  O(len(request_ids))."""
+        return self.tree.runs_exactly(request_ids)
 
     # ---- lifecycle --------------------------------------------------------------------
 
-    def add(
-        self,
-        request_id: RequestId,
-        keys: Sequence[ChunkKey],
-        payload: Any = None,
-        arrival_s: float | None = None,
-    ) -> None:
-        """Enqueue a new request with its chunk keys; ``arrival_s`` defaults to now."""
+    def add(self, request_id: RequestId, keys: Sequence[ChunkKey],
+            arrival_s: float | None = None) -> None:
+        """Enqueue a new request as waiting; ``arrival_s`` defaults to now."""
+        if request_id in self._requests:
+            raise CHTError(f"request {request_id!r} is already in the queue")
         self.tree.add(request_id, keys)
-        self._payloads[request_id] = payload
-        self._arrivals[request_id] = self.clock() if arrival_s is None else arrival_s
+        arrival = self.clock() if arrival_s is None else arrival_s
+        self._requests[request_id] = _Request(list(keys), arrival)
         self._offer_to_guard(request_id)
         self._changed()
 
-    def peek(self) -> RequestId:
-        """The request to admit next: a starved one if any, else the tree's best."""
-        return self._current().candidate.request_id
-
-    def pop(self) -> RequestId:
-        """Admit the current candidate into the running set and return its id."""
-        admission = self._current()
-        request_id = admission.candidate.request_id
+    def admit(self, request_id: RequestId) -> None:
+        """Move a waiting request into the running set."""
+        admission = self._admission
         self.tree.admit(request_id)
-        self._forced_this_step |= admission.forced
+        if admission is not None and admission.forced and admission.request_id == request_id:
+            self._forced = request_id
         self._changed()
-        return request_id
 
     def requeue(self, request_id: RequestId) -> None:
-        """Send a running request back to waiting (preemption); its arrival time stays."""
-        self.tree.requeue(request_id)
+        """Send a running or held request back to waiting; its arrival time stays."""
+        state = self.state(request_id)
+        if state is QueueState.RUNNING:
+            self.tree.requeue(request_id)
+        elif state is QueueState.HELD:
+            self.tree.add(request_id, self._requests[request_id].keys)
+        else:
+            raise CHTError(f"cannot requeue request {request_id!r}: it is waiting")
         self._offer_to_guard(request_id)
         self._changed()
 
-    def finish(self, request_id: RequestId) -> None:
-        """Forget a running request that completed."""
-        self.tree.finish(request_id)
-        self._forget(request_id)
+    def hold(self, request_id: RequestId) -> None:
+        """Take a waiting or running request out of the tree, remembering it."""
+        if self.state(request_id) is QueueState.HELD:
+            raise CHTError(f"request {request_id!r} is already held")
+        self.tree.remove(request_id)
+        if self._forced == request_id:
+            self._forced = None  # a forced admission the engine did not run frees the slot
+        self._changed()
+
+    def run(self, request_id: RequestId) -> None:
+        """Put a held request straight into the running set (the engine runs it)."""
+        if self.state(request_id) is not QueueState.HELD:
+            raise CHTError(f"cannot run request {request_id!r}: it is not held")
+        self.tree.add(request_id, self._requests[request_id].keys)
+        self.tree.admit(request_id)
+        self._changed()
 
     def remove(self, request_id: RequestId) -> None:
-        """Forget a request in any state (abort, rejection)."""
-        self.tree.remove(request_id)
-        self._forget(request_id)
+        """Forget a request in any state (finished, aborted, rejected)."""
+        if self.state(request_id) is not QueueState.HELD:
+            self.tree.remove(request_id)
+        del self._requests[request_id]
+        self._changed()
 
     # ---- admission --------------------------------------------------------------------
 
-    def may_admit(self) -> bool:
-        """True while requests wait and the gate has not said STOP in this step."""
-        if self._closed or not self.tree.num_waiting:
-            return False
-        return self.admission().decision is Decision.ADD
+    def decide(self, offered: RequestId | None = None) -> Admission | None:
+        """The answer for ``offered`` (default: the queue's own candidate); None if none.
 
-    def admission(self) -> Admission:
-        """The gate's decision for the current candidate, asked once per candidate."""
-        if self._admission is None:
-            self._admission = self._decide()
+        The queue's candidate is a starved request if any (one a pass), else the tree's
+        best.  The gate is asked once per candidate: the answer is kept until the queue
+        changes.  After a STOP every answer is STOP until ``new_step``.
+        """
+        if self._admission is not None and self._asked_for == offered:
+            return self._admission
+        if offered is not None and self.state(offered) is not QueueState.WAITING:
+            raise CHTError(f"request {offered!r} is not waiting")
+        if not self.tree.num_waiting:
+            return None
+        starved = self._starved()
+        target = offered if offered is not None else starved
+        candidate = self.tree.candidate(target)
+        assert candidate is not None
+        self._admission = self._answer(candidate, forced=target is not None and target == starved)
+        self._asked_for = offered
         return self._admission
 
-    def record_step(self, batch_size: int, seconds: float) -> None:
-        """Report an executed step's batch size and measured time (the gate's reward)."""
-        if batch_size:
-            self.gate.reward(batch_size, seconds)
-
     def new_step(self) -> None:
-        """Start a scheduling step: a STOP of the previous step no longer holds."""
+        """Start a scheduling pass: a STOP of the previous pass no longer holds."""
         self.gate.end_step()
         self._closed = False
-        self._forced_this_step = False
+        self._forced = None
         self._admission = None
 
     # ---- internals --------------------------------------------------------------------
 
-    def _current(self) -> Admission:
-        if self._admission is not None:
-            return self._admission
-        starved = self._starved()
-        return Admission(self._candidate(starved), Decision.ADD, forced=starved is not None)
-
-    def _candidate(self, starved: RequestId | None) -> Candidate:
-        candidate = self.tree.candidate(starved)
-        if candidate is None:
-            raise IndexError("no waiting request in the FeatherQueue")
-        return candidate
-
-    def _decide(self) -> Admission:
-        starved = self._starved()
-        candidate = self._candidate(starved)
+    def _answer(self, candidate: Candidate, forced: bool) -> Admission:
         if self._closed:
-            return Admission(candidate, Decision.STOP, forced=False)
-        if starved is not None:
-            self.counts.forced += 1
-            return Admission(candidate, Decision.ADD, forced=True)
-        decision = self.gate.decide(
-            GateContext(
-                batch_size=self.tree.num_running,
-                chunk_loss=candidate.chunk_loss,
-                sharing_waiters=candidate.sharing_waiters,
-                num_waiting=self.tree.num_waiting,
-            )
+            return Admission(candidate, Decision.STOP, forced=False, context=None)
+        if forced:
+            return Admission(candidate, Decision.ADD, forced=True, context=None)
+        context = GateContext(
+            batch_size=self.tree.num_running,
+            chunk_loss=candidate.chunk_loss,
+            sharing_waiters=candidate.sharing_waiters,
+            num_waiting=self.tree.num_waiting,
         )
-        if decision is Decision.ADD:
-            self.counts.add += 1
-        else:
-            self.counts.stop += 1
-            self._closed = True
-        return Admission(candidate, decision, forced=False)
+        decision = self.gate.decide(context)
+        self._closed = decision is Decision.STOP
+        return Admission(candidate, decision, forced=False, context=context)
 
     def _starved(self) -> RequestId | None:
-        """The oldest waiting request if it has waited past the bound (one a step)."""
-        if self.max_wait_s is None or self._forced_this_step:
+        """The oldest waiting request if it has waited past the bound (one a pass)."""
+        if self.max_wait_s is None or self._forced is not None:
             return None
         heap = self._oldest
         while heap:
             arrival, _, request_id = heap[0]
-            if request_id in self._payloads and self.tree.state(request_id) is WAITING:
+            if request_id in self._requests and self.state(request_id) is QueueState.WAITING:
                 return request_id if self.clock() - arrival > self.max_wait_s else None
             heapq.heappop(heap)
         return None
@@ -217,14 +250,9 @@ class FeatherQueue:
     def _offer_to_guard(self, request_id: RequestId) -> None:
         if self.max_wait_s is not None:
             self._sequence += 1
-            entry = (self._arrivals[request_id], self._sequence, request_id)
+            entry = (self._requests[request_id].arrival_s, self._sequence, request_id)
             heapq.heappush(self._oldest, entry)
 
-    def _forget(self, request_id: RequestId) -> None:
-        del self._payloads[request_id]
-        del self._arrivals[request_id]
-        self._changed()
-
     def _changed(self) -> None:
-        """Any mutation may change the candidate; a STOP still holds for this step."""
+        """Any change may change the candidate; a STOP still holds for this pass."""
         self._admission = None

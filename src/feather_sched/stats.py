@@ -1,19 +1,46 @@
-"""Counters an engine adapter keeps about its own scheduling, written to a JSON file.
+"""What a scheduler measures about itself, and the one object that records and saves it.
 
-``feather bench`` reads them after a run (the engine may live in another process), and
-a server operator can watch the file: how long scheduling takes next to the steps it
-schedules, and what the gate decided.
+``StepMeter`` is shared by Feather and by the instrumented baselines, so both sides of
+a comparison are measured alike: time inside ``schedule()``, each executed step's batch
+size and time, admission counts, the step log, and (for a learning gate) its table.
+Its files are written every ``WRITE_EVERY_STEPS`` steps and at shutdown, each replaced
+atomically; a write that fails is logged and retried at the next interval, never raised
+into the engine.  ``feather bench`` reads the stats file after a run (the engine may
+live in another process).
 """
 
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import asdict, dataclass
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
+
+from feather_sched.files import replace_atomically
+from feather_sched.steplog import BatchEntry, StepLogWriter
 
 WRITE_EVERY_STEPS = 512
-"""How often an adapter writes its stats file (and a bandit's state file); also at exit."""
+"""How often the stats file (and a learning gate's state file) is written; also at exit."""
+
+logger = logging.getLogger("feather_sched")
+
+
+@dataclass
+class AdmissionCounts:
+    """What Feather's admission decided, counted once per outcome.
+
+    ``asked`` counts questions to the queue (one per candidate and pass, whether or not
+    the engine could then admit it); ``add``, ``forced`` and ``stop`` count what
+    happened: requests the gate admitted, requests a bound admitted over the gate, and
+    passes the gate ended early.
+    """
+
+    asked: int = 0
+    add: int = 0
+    forced: int = 0
+    stop: int = 0
 
 
 @dataclass
@@ -26,19 +53,8 @@ class SchedulerStats:
     step_s: float = 0.0
     """Time from handing steps to the workers until their output came back."""
     batched_requests: int = 0
-    gate_add: int = 0
-    gate_stop: int = 0
-    gate_forced: int = 0
-
-    def record_step(self, batch_size: int, seconds: float) -> bool:
-        """Count an executed step; True when the state files are due to be written."""
-        self.steps += 1
-        self.step_s += seconds
-        self.batched_requests += batch_size
-        return self.steps % WRITE_EVERY_STEPS == 0
-
-    def copy_gate_counts(self, add: int, stop: int, forced: int) -> None:
-        self.gate_add, self.gate_stop, self.gate_forced = add, stop, forced
+    admissions: AdmissionCounts | None = None
+    """Feather's counts; None for a scheduler without Feather."""
 
     @property
     def schedule_ms_per_call(self) -> float:
@@ -48,13 +64,77 @@ class SchedulerStats:
     def step_ms(self) -> float:
         return 1e3 * self.step_s / self.steps if self.steps else 0.0
 
-    def write(self, path: str | Path) -> None:
-        """Replace the file atomically, so a reader never sees half a file."""
-        path = Path(path)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(asdict(self)))
-        temporary.replace(path)
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
 
     @classmethod
     def read(cls, path: str | Path) -> SchedulerStats:
-        return cls(**json.loads(Path(path).read_text()))
+        data = json.loads(Path(path).read_text())
+        admissions = data.pop("admissions", None)
+        return cls(**data, admissions=AdmissionCounts(**admissions) if admissions else None)
+
+
+@dataclass
+class StepMeter:
+    """Records one scheduler's steps and writes its stats, step log and gate state."""
+
+    name: str
+    stats_file: str | None = None
+    step_log: str | None = None
+    state_file: str | None = None
+    gate: Any = None
+    """A gate with ``save(path)`` (the bandit), written to ``state_file``."""
+    admissions: AdmissionCounts | None = None
+    stats: SchedulerStats = field(init=False)
+    _log: StepLogWriter | None = field(default=None, init=False)
+    _failed: set[str] = field(default_factory=set, init=False)
+
+    def __post_init__(self) -> None:
+        self.stats = SchedulerStats(scheduler=self.name, admissions=self.admissions)
+        if self.step_log:
+            self._log = StepLogWriter(self.step_log)
+
+    def scheduled(self, seconds: float) -> None:
+        """One call of the engine's ``schedule()`` took ``seconds``."""
+        self.stats.schedule_calls += 1
+        self.stats.schedule_s += seconds
+
+    def step(self, batch_size: int, seconds: float,
+             batch: Sequence[BatchEntry] | None = None) -> None:
+        """An executed step: counted, logged when a step log is on, files saved when due."""
+        stats = self.stats
+        stats.steps += 1
+        stats.step_s += seconds
+        stats.batched_requests += batch_size
+        if self._log is not None and batch:
+            self._guarded("step log", self.step_log, lambda: self._log.append(batch, seconds))
+        if stats.steps % WRITE_EVERY_STEPS == 0:
+            self.save()
+
+    def save(self) -> None:
+        """Write the stats file and the gate's table (those configured); never raises."""
+        if self.stats_file:
+            self._guarded("stats file", self.stats_file,
+                          lambda: replace_atomically(self.stats_file, self.stats.to_json()))
+        if self.state_file and self.gate is not None:
+            self._guarded("state file", self.state_file, lambda: self.gate.save(self.state_file))
+
+    def close(self) -> None:
+        """Save once more and close the step log (at engine shutdown)."""
+        self.save()
+        if self._log is not None:
+            self._log.close()
+
+    def _guarded(self, what: str, path: str | None, write: Any) -> None:
+        """Run a write; log a failure once (and its recovery), keep the engine running."""
+        try:
+            write()
+        except OSError as error:
+            if what not in self._failed:
+                logger.error("Feather could not write its %s %s: %s (retrying every %d steps)",
+                             what, path, error, WRITE_EVERY_STEPS)
+            self._failed.add(what)
+            return
+        if what in self._failed:
+            logger.warning("Feather wrote its %s %s again", what, path)
+            self._failed.discard(what)

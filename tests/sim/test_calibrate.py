@@ -1,5 +1,5 @@
-"""Calibration: CSV round trip and validation, the NNLS solver, and recovering known
-parameters from synthetic steps."""
+"""Calibration: the NNLS solver, and recovering known parameters from a step log of
+synthetic steps."""
 
 from __future__ import annotations
 
@@ -10,24 +10,17 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from feather_sched.sim.calibrate import (
-    fit,
-    load_profile,
-    nnls,
-    read_steps_csv,
-    save_profile,
-    write_steps_csv,
-)
-from feather_sched.sim.cost import BatchEntry, CostModel, CostParams
+from feather_sched.sim.calibrate import fit, load_profile, nnls, save_profile
+from feather_sched.sim.cost import CostModel, CostParams
 from feather_sched.sim.hardware import HARDWARE
 from feather_sched.sim.model_profiles import MODELS
+from feather_sched.steplog import BatchEntry, read_steps, write_steps
 
 GPU = HARDWARE["h100-sxm"]
 MODEL = MODELS["llama-3-8b"]
 TRUE = CostParams(bandwidth_efficiency=0.7, flops_efficiency=0.5, l2_usable_fraction=0.35,
                   step_overhead_s=3e-3, request_overhead_s=5e-6, l2_bandwidth_efficiency=0.8,
                   additive=True)
-HEADER = "step,position,group,shared_tokens,context_tokens,new_tokens,seconds\n"
 
 
 def random_batch(rng: random.Random, step: int) -> list[BatchEntry]:
@@ -58,10 +51,10 @@ def synthetic_steps(params: CostParams, count: int = 200, noise: float = 0.003,
 def test_fit_recovers_parameters_from_a_csv_round_trip(tmp_path) -> None:
     steps = synthetic_steps(TRUE)
     path = tmp_path / "steps.csv"
-    write_steps_csv(path, steps)
-    assert read_steps_csv(path) == steps
+    write_steps(path, steps)
+    assert read_steps(path) == steps
 
-    params, report = fit(read_steps_csv(path), GPU, MODEL, granularity="layer")
+    params, report = fit(read_steps(path), GPU, MODEL, granularity="layer")
     assert abs(params.l2_usable_fraction - TRUE.l2_usable_fraction) <= 0.05 + 1e-9
     assert params.additive and params.reuse_granularity == "layer"
     assert report.rows == len(steps) and report.mape < 0.02 and report.r2 > 0.99
@@ -111,20 +104,3 @@ def test_profile_round_trip(tmp_path) -> None:
     assert profile == (GPU, MODEL, params)
     batch = [BatchEntry("a", 10, 20, 1)]
     assert profile.cost_model().step(batch) == CostModel(GPU, MODEL, params).step(batch)
-
-
-@pytest.mark.parametrize(("rows", "message"), [
-    ("step,position,group,shared_tokens,context_tokens,new_tokens\n0,0,a,0,1,1\n",
-     r"line 1: missing column\(s\) seconds"),
-    (HEADER + "0,0,a,0,1,1,0.1\n0,1,a,0,x,1,0.1\n", r"line 3: column 'context_tokens'"),
-    (HEADER + "0,0,a,-5,1,1,0.1\n", r"line 2: column 'shared_tokens'.*-5"),
-    (HEADER + "0,0,a,0,1,1,0.1\n0,1,a,0,1,1,0.2\n", r"line 3: column 'seconds'"),
-    (HEADER + "0,0,a,0,1,1,0.1\n0,0,a,0,1,1,0.1\n", r"line 3: column 'position'"),
-    (HEADER + "0,0,a,5,1,1,0.1\n", r"line 2: column 'shared_tokens'"),
-    (HEADER + "0,0,a,0,1\n", r"line 2: column 'new_tokens'"),
-])
-def test_malformed_csv_names_the_line(tmp_path, rows: str, message: str) -> None:
-    path = tmp_path / "bad.csv"
-    path.write_text(rows)
-    with pytest.raises(ValueError, match=message):
-        read_steps_csv(path)

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from feather_sched.prefix import order_by_group
 from feather_sched.sim.engine import EngineConfig, SimEngine, SimRequest, SimResult, SimState
 from feather_sched.sim.fcfs import FcfsPolicy
 from feather_sched.workloads import RequestSpec, Workload
@@ -30,23 +31,38 @@ class StubCost:
         return SimpleNamespace(seconds=0.001 + 0.0001 * len(batch), hbm_bytes=1500.0,
                                l2_bytes=100.0 * len(batch), weight_bytes=500.0)
 
-    def groups(self) -> list[list]:
-        return [[entry.group for entry in batch] for batch in self.batches]
+    def groups(self, engine: SimEngine) -> list[list]:
+        """Each batch's workload group labels (a request's id where it has none)."""
+        label = {r.group: r.spec.group if r.spec.group >= 0 else r.request_id
+                 for r in engine.requests}
+        return [[label[entry.group] for entry in batch] for batch in self.batches]
 
 
 class ClockedFcfs(FcfsPolicy):
-    """FCFS that notes the clock at every step and what it was told."""
+    """FCFS that notes the clock at every pass and what it was told."""
 
-    def __init__(self, order_running: bool = False) -> None:
-        super().__init__(order_running)
+    def __init__(self, engine: SimEngine) -> None:
+        super().__init__()
+        self.engine = engine
         self.clock: list[float] = []
         self.finished: list[str] = []
 
-    def new_step(self, engine: SimEngine) -> None:
-        self.clock.append(engine.now)
+    def begin_pass(self, running: Sequence[SimRequest]) -> list[SimRequest]:
+        self.clock.append(self.engine.now)
+        return super().begin_pass(running)
 
-    def finish(self, request: SimRequest) -> None:
-        self.finished.append(request.request_id)
+    def discard(self, request_id: str) -> bool:
+        self.finished.append(request_id)
+        return False
+
+
+class GroupedFcfs(FcfsPolicy):
+    """FCFS admission with the running list kept in prefix-group order."""
+
+    orders_running = True
+
+    def begin_pass(self, running: Sequence[SimRequest]) -> list[SimRequest]:
+        return order_by_group(running, lambda request: request.group)
 
 
 def spec(rid: str, group: int = -1, prefix: int = 0, suffix: int = 4, out: int = 4,
@@ -58,12 +74,18 @@ def spec(rid: str, group: int = -1, prefix: int = 0, suffix: int = 4, out: int =
     return RequestSpec(rid, np.concatenate([head, tail]), out, at, group, shared)
 
 
+def make_engine(cost: StubCost | None = None, **config: int | bool) -> SimEngine:
+    """Tiny blocks of 4 tokens; a prefix group is named by its first 8 tokens."""
+    options = {"block_tokens": 4, "num_blocks": 256, "charge_scheduler_time": False,
+               "group_tokens": 8, **config}
+    return SimEngine(cost or StubCost(), EngineConfig(**options))
+
+
 def simulate(specs: list[RequestSpec], policy: FcfsPolicy | None = None,
              cost: StubCost | None = None, **config: int | bool) -> tuple[SimResult, SimEngine]:
-    options = {"block_tokens": 4, "num_blocks": 256, "charge_scheduler_time": False, **config}
+    engine = make_engine(cost, **config)
     policy = FcfsPolicy() if policy is None else policy  # an empty queue is falsy
-    engine = SimEngine(policy, cost or StubCost(), EngineConfig(**options))
-    return engine.run(Workload("test", specs)), engine
+    return engine.run(Workload("test", specs), policy), engine
 
 
 def assert_sound(result: SimResult, engine: SimEngine, specs: list[RequestSpec]) -> None:
@@ -90,11 +112,11 @@ def test_small_pool_preempts_yet_every_request_finishes_once() -> None:
     specs = [spec(f"r{i}", group=i % 3, prefix=16, suffix=6, out=10 + 7 * (i % 5))
              for i in range(30)]
     done: Counter[str] = Counter()
-    policy, cost = ClockedFcfs(), StubCost()
-    engine = SimEngine(policy, cost, EngineConfig(block_tokens=4, num_blocks=40,
-                                                  max_num_batched_tokens=64,
-                                                  charge_scheduler_time=False))
-    result = engine.run(Workload("test", specs), on_done=lambda r: done.update([r.request_id]))
+    cost = StubCost()
+    engine = make_engine(cost, num_blocks=40, max_num_batched_tokens=64)
+    policy = ClockedFcfs(engine)
+    result = engine.run(Workload("test", specs), policy,
+                        on_done=lambda r: done.update([r.request_id]))
     assert result.num_preemptions > 0
     assert sum(r.preemptions for r in engine.requests) == result.num_preemptions
     assert_sound(result, engine, specs)
@@ -115,8 +137,9 @@ def test_small_pool_preempts_yet_every_request_finishes_once() -> None:
 
 def test_arrivals_are_honoured_and_idle_time_is_skipped() -> None:
     specs = [spec("early", out=3), spec("late", out=3, at=5.0)]
-    policy = ClockedFcfs()
-    result, engine = simulate(specs, policy)
+    engine = make_engine()
+    policy = ClockedFcfs(engine)
+    result = engine.run(Workload("test", specs), policy)
     assert_sound(result, engine, specs)
     late = result.records[1]
     assert late.submitted_s == 5.0 and late.token_times_s[0] > 5.0
@@ -146,8 +169,24 @@ def test_prefix_cache_hits_are_counted_exactly() -> None:
     assert [r.cached_tokens for r in result.records] == [0, 12, 12]  # last token recomputed
     assert result.prefix_cache_hit_rate == pytest.approx(24 / (16 + 17 + 16))
     prefills = [batch[0] for batch in cost.batches if batch[0].new_tokens > 1]
+    # each ran alone: nothing of its prompt is shared with another request of its step
     assert [(e.new_tokens, e.context_tokens, e.shared_tokens) for e in prefills] == [
-        (16, 16, 12), (5, 17, 12), (4, 16, 12)]
+        (16, 16, 0), (5, 17, 0), (4, 16, 0)]
+
+
+def test_shared_tokens_and_groups_come_from_the_batch_keys() -> None:
+    # a and b share 12 tokens (3 blocks), c shares a's first 8 only; all run together.
+    a = spec("a", group=0, prefix=12, suffix=4, out=3)
+    b = spec("b", group=0, prefix=12, suffix=5, out=3)
+    c = RequestSpec("c", np.concatenate([a.prompt[:8], np.arange(5000, 5008)]), 3, 0.0, 7, 8)
+    lone = spec("lone", suffix=12, out=3)
+    cost = StubCost()
+    result, engine = simulate([a, b, c, lone], cost=cost)
+    assert_sound(result, engine, [a, b, c, lone])
+    decode = cost.batches[-2]
+    assert [e.shared_tokens for e in decode] == [12, 12, 8, 0]
+    groups = [e.group for e in decode]
+    assert groups[0] == groups[1] == groups[2] != groups[3]  # one group: the first 8 tokens
 
 
 def test_condense_refills_holes_and_interleaves_groups() -> None:
@@ -157,34 +196,36 @@ def test_condense_refills_holes_and_interleaves_groups() -> None:
     cost = StubCost()
     result, engine = simulate(specs, cost=cost, max_num_seqs=4)
     assert_sound(result, engine, specs)
-    assert cost.groups()[2] == [1, 0, 1, 0]
-    assert not all(contiguous(groups) for groups in cost.groups())
+    assert cost.groups(engine)[2] == [1, 0, 1, 0]
+    assert not all(contiguous(groups) for groups in cost.groups(engine))
 
 
 def test_condense_moves_the_last_slot_into_the_hole() -> None:
     specs = [spec(f"r{i}", out=2 if i == 0 else 5) for i in range(4)]
     cost = StubCost()
-    simulate(specs, cost=cost)
-    assert cost.groups()[1] == ["r0", "r1", "r2", "r3"]
-    assert cost.groups()[2] == ["r3", "r1", "r2"]
+    _, engine = simulate(specs, cost=cost)
+    assert cost.groups(engine)[1] == ["r0", "r1", "r2", "r3"]
+    assert cost.groups(engine)[2] == ["r3", "r1", "r2"]
 
 
 def test_newcomers_take_the_lowest_holes_in_order() -> None:
     specs = [spec(f"r{i}", out=2 if i in (0, 2) else 5) for i in range(6)]
     cost = StubCost()
-    simulate(specs, cost=cost, max_num_seqs=4)
-    assert cost.groups()[2] == ["r4", "r1", "r5", "r3"]
+    _, engine = simulate(specs, cost=cost, max_num_seqs=4)
+    assert cost.groups(engine)[2] == ["r4", "r1", "r5", "r3"]
 
 
-def test_order_running_keeps_groups_contiguous() -> None:
+def test_a_running_order_is_the_batch_order() -> None:
     specs = [spec(f"a{i}", group=0, prefix=8, out=2 if i % 2 == 0 else 12) for i in range(4)]
     specs += [spec(f"b{i}", group=1, prefix=8, out=12) for i in range(2)]
     specs += [spec("solo", out=6)]
     cost = StubCost()
-    result, engine = simulate(specs, FcfsPolicy(order_running=True), cost, max_num_seqs=4)
+    result, engine = simulate(specs, GroupedFcfs(), cost, max_num_seqs=4)
     assert_sound(result, engine, specs)
-    assert cost.groups()[2] == [0, 0, 1, 1]
-    assert all(contiguous(groups) for groups in cost.groups())
+    assert cost.groups(engine)[3] == [0, 0, 1, 1]
+    decodes = [groups for groups, batch in zip(cost.groups(engine), cost.batches, strict=True)
+               if all(e.new_tokens == 1 for e in batch)]
+    assert all(contiguous(groups) for groups in decodes)
     assert max(s.groups for s in result.steps) == 2
 
 
@@ -192,9 +233,9 @@ def test_a_request_that_can_never_fit_is_rejected_not_hung() -> None:
     specs = [spec("ok", suffix=6, out=3), spec("huge-prompt", suffix=40, out=1),
              spec("huge-output", suffix=8, out=20), spec("ok2", suffix=6, out=3, at=1.0)]
     done: list[str] = []
-    engine = SimEngine(FcfsPolicy(), StubCost(),
-                       EngineConfig(block_tokens=4, num_blocks=6, charge_scheduler_time=False))
-    result = engine.run(Workload("test", specs), on_done=lambda r: done.append(r.request_id))
+    engine = make_engine(num_blocks=6)
+    result = engine.run(Workload("test", specs), FcfsPolicy(),
+                        on_done=lambda r: done.append(r.request_id))
     ok, prompt, output, ok2 = result.records
     assert ok.success and ok2.success and ok2.output_len == 3
     for rejected in (prompt, output):
@@ -206,7 +247,7 @@ def test_a_request_that_can_never_fit_is_rejected_not_hung() -> None:
 
 def test_a_policy_that_never_admits_raises_instead_of_looping() -> None:
     class Closed(FcfsPolicy):
-        def peek(self) -> SimRequest | None:
+        def decide(self) -> None:
             return None
 
     with pytest.raises(RuntimeError, match="no progress"):
@@ -217,8 +258,9 @@ def test_scheduler_time_is_charged_to_the_clock() -> None:
     class Slow(FcfsPolicy):
         charged_s = 0.5  # modelled seconds every step
 
-        def new_step(self, engine: SimEngine) -> None:
+        def begin_pass(self, running: Sequence[SimRequest]) -> list[SimRequest]:
             time.sleep(0.002)
+            return list(running)
 
     specs = [spec("r0", out=3)]
     free_result, _ = simulate(specs, Slow(), charge_scheduler_time=False)
@@ -250,7 +292,7 @@ def test_no_admission_in_a_step_that_preempted() -> None:
     cost = StubCost()
     result, engine = simulate(specs, cost=cost, num_blocks=5, max_num_batched_tokens=4)
     assert_sound(result, engine, specs)
-    assert cost.groups()[6:9] == [["r0", "r1"], ["r0"], ["r0", "r1"]]
+    assert cost.groups(engine)[6:9] == [["r0", "r1"], ["r0"], ["r0", "r1"]]
     r1 = cost.batches[8][1]
     assert (r1.context_tokens, r1.new_tokens) == (7, 3)  # 4 cached prompt tokens + a chunk
     assert engine.requests[1].preemptions == result.num_preemptions == 2

@@ -8,13 +8,13 @@ import pytest
 from typer.testing import CliRunner
 
 from feather_sched.cli import app
-from feather_sched.sim.engine import EngineConfig
+from feather_sched.runtime import FeatherRuntime
+from feather_sched.sim.engine import EngineConfig, SimEngine
 from feather_sched.sim.hardware import HARDWARE
 from feather_sched.sim.model_profiles import MODELS
 from feather_sched.sim.policies import (
     LPM_MAX_WAITING,
     DfsWeightPolicy,
-    FeatherPolicy,
     LpmPolicy,
     make_policy,
 )
@@ -28,6 +28,7 @@ class Req:
     def __init__(self, name: str, keys: list) -> None:
         self.request_id = name
         self.keys = keys
+        self.preemptions = 0
 
 
 class Pool:
@@ -53,46 +54,59 @@ def keys(group: str, blocks: int, tail: str) -> list:
     return [f"{group}{i}" for i in range(blocks)] + [tail]
 
 
+def admitted(policy, count: int) -> list[str]:
+    """What the policy admits, one pass, ``count`` times in a row."""
+    names = []
+    for _ in range(count):
+        answer = policy.decide()
+        request = next(r for r in policy._queue if r.request_id == answer.request_id)
+        policy.admit(request)
+        names.append(request.request_id)
+    return names
+
+
 def test_lpm_orders_by_cached_prefix_and_pushes_back_in_batch_duplicates() -> None:
-    policy = LpmPolicy(match_s=0.0)
+    policy = LpmPolicy(Engine(Pool({"a0", "a1", "a2", "a3"})), match_s=0.0)
     waiting = [Req("b1", keys("b", 4, "x1")), Req("a1", keys("a", 4, "x2")),
                Req("b2", keys("b", 4, "x3")), Req("c1", keys("c", 1, "x4"))]
     for request in waiting:
-        policy.add(request)
-    policy.new_step(Engine(Pool({"a0", "a1", "a2", "a3"})))
-    order = [policy.pop().request_id for _ in range(4)]
-    assert order == ["a1", "b1", "c1", "b2"]
+        policy.enter_waiting(request)
+    policy.begin_pass([])
+    assert admitted(policy, 4) == ["a1", "b1", "c1", "b2"]
 
 
 def test_lpm_falls_back_to_fcfs_above_its_limit_and_charges_matching() -> None:
-    policy = LpmPolicy(match_s=1e-3)
+    policy = LpmPolicy(Engine(Pool({"a0", "a1"})), match_s=1e-3)
     requests = [Req(f"r{i}", keys("z" if i % 2 else "a", 2, f"t{i}"))
                 for i in range(LPM_MAX_WAITING + 1)]
     for request in requests:
-        policy.add(request)
-    policy.new_step(Engine(Pool({"a0", "a1"})))
-    assert policy.peek() is requests[0]
+        policy.enter_waiting(request)
+    policy.begin_pass([])
+    assert policy.decide().request_id == requests[0].request_id
     assert policy.charged_s == 0.0
-    policy.pop()
-    policy.new_step(Engine(Pool({"a0", "a1"})))
-    assert policy.peek().keys[0] == "a0"
+    policy.admit(requests[0])
+    policy.begin_pass([])
+    assert policy.decide().request_id in {r.request_id for r in requests if r.keys[0] == "a0"}
     assert policy.charged_s == pytest.approx(LPM_MAX_WAITING * 1e-3, rel=0.2)
 
 
 def test_dfs_weight_visits_the_heaviest_cached_subtree_first() -> None:
-    policy = DfsWeightPolicy(match_s=0.0)
+    policy = DfsWeightPolicy(Engine(Pool({"a0", "a1", "b0", "b1"})), match_s=0.0)
     names = ["a1", "b1", "b2", "b3", "n1"]
     for name in names:
-        policy.add(Req(name, keys(name[0], 2, f"tail-{name}")))
-    policy.new_step(Engine(Pool({"a0", "a1", "b0", "b1"})))
-    assert [policy.pop().request_id for _ in names] == ["b1", "b2", "b3", "a1", "n1"]
+        policy.enter_waiting(Req(name, keys(name[0], 2, f"tail-{name}")))
+    policy.begin_pass([])
+    assert admitted(policy, len(names)) == ["b1", "b2", "b3", "a1", "n1"]
 
 
 def test_names_build_policies_and_bad_names_fail() -> None:
-    feather = make_policy("feather-bandit-noorder", {}, 16)
-    assert isinstance(feather, FeatherPolicy) and not feather.order_running
+    engine = SimEngine(None, EngineConfig())
+    feather = make_policy("feather-bandit-noorder", {}, engine)
+    assert isinstance(feather, FeatherRuntime) and not feather.orders_running
     with pytest.raises(ValueError, match="unknown scheduler 'lifo'"):
-        make_policy("lifo", {}, 16)
+        make_policy("lifo", {}, engine)
+    with pytest.raises(ValueError, match="unknown scheduler 'fcfs-nocache'"):
+        make_policy("fcfs-nocache", {}, engine)
 
 
 def plan_for(workload, schedulers, **engine) -> SimPlan:

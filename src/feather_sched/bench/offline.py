@@ -12,13 +12,13 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from feather_sched.bench.records import RequestRecord, StepRecord
 from feather_sched.bench.report import RunResult
-from feather_sched.config import feather_variant
+from feather_sched.schedulers import ENGINE_KINDS, SchedulerKind, parse_scheduler
 from feather_sched.stats import SchedulerStats
 from feather_sched.workloads import RequestSpec, Workload
 
@@ -36,9 +36,8 @@ class SchedulerSpec:
 
 
 def scheduler_specs(names: list[str], feather_options: dict[str, Any]) -> list[SchedulerSpec]:
-    """``fcfs``, ``fcfs-nocache``, or ``feather-<gate>`` (gate: always, chunk-loss, bandit);
-    ``feather-<gate>-noorder`` keeps vLLM's batch order (to measure ordering's share).
-    A name given again is run again, labelled ``name#2`` and so on (to see the noise)."""
+    """The runs of scheduler names (``schedulers.ENGINE_KINDS``).  A name given again is
+    run again, labelled ``name#2`` and so on (to see the noise)."""
     specs, seen = [], {}
     for name in names:
         seen[name] = seen.get(name, 0) + 1
@@ -48,14 +47,12 @@ def scheduler_specs(names: list[str], feather_options: dict[str, Any]) -> list[S
 
 
 def _spec(name: str, label: str, feather_options: dict[str, Any]) -> SchedulerSpec:
-    if name in ("fcfs", "fcfs-nocache"):
+    parsed = parse_scheduler(name, ENGINE_KINDS)
+    if parsed.kind is not SchedulerKind.FEATHER:
         return SchedulerSpec(label, f"{INTEGRATION}.InstrumentedScheduler",
-                             prefix_caching=name == "fcfs")
-    options = feather_variant(name, feather_options)
-    if options is not None:
-        return SchedulerSpec(label, f"{INTEGRATION}.FeatherScheduler", options)
-    raise ValueError(f"unknown scheduler {name!r}: use fcfs, fcfs-nocache or "
-                     "feather-<always|chunk-loss|bandit>[-noorder]")
+                             prefix_caching=parsed.kind is SchedulerKind.FCFS)
+    return SchedulerSpec(label, f"{INTEGRATION}.FeatherScheduler",
+                         parsed.feather_options(feather_options))
 
 
 def engine_kwargs(spec: SchedulerSpec, stats_file: Path, model: str,
@@ -99,9 +96,9 @@ def run_offline(
 
 
 def _gate_counts(stats: SchedulerStats | None, spec: SchedulerSpec) -> dict[str, int] | None:
-    if stats is None or not spec.feather:
+    if stats is None or stats.admissions is None:
         return None
-    return {"add": stats.gate_add, "stop": stats.gate_stop, "forced": stats.gate_forced}
+    return asdict(stats.admissions)
 
 
 def _drive(engine: Any, workload: Workload,

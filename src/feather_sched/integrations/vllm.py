@@ -1,23 +1,37 @@
 """Feather inside vLLM's V1 engine (pinned: vLLM 0.32.0).
 
 Load with ``--scheduler-cls feather_sched.integrations.vllm.FeatherScheduler`` (server) or
-``LLM(..., scheduler_cls=FeatherScheduler)``.  The subclass is thin: vLLM's own
-``schedule()`` runs unchanged over a waiting queue that is a ``FeatherQueue``.
-vLLM runs ``AsyncScheduler`` when async scheduling is on (its GPU default) and the plain
-``Scheduler`` when it is off (always on CPU); ``FeatherScheduler`` builds whichever
-variant the engine's mode needs (``FeatherSyncScheduler`` is the synchronous one), and the
-logic lives in mixins, so both variants share every line.
+``LLM(..., scheduler_cls=FeatherScheduler)``.  The scheduler subclass is thin: it forwards
+five calls of vLLM's own scheduler to one component, which translates vLLM's types for
+the engine-agnostic ``FeatherRuntime`` (``feather_sched.runtime``):
 
-* Order: ``peek_request``/``pop_request`` return the Chunked Hash Tree's best candidate;
-  chunk keys are the engine's own ``request.block_hashes`` (every k-th chained block
-  hash; no re-hashing), or token chunks when prefix caching is off.
-* Gate: the admission loop stops when the queue is falsy, so ``__bool__`` answers the
-  gate's ADD/STOP while ``__len__`` stays the true count (what vLLM reports).
-* Feedback: the time from handing a step to the workers until its output returns, and
-  the step's batch size, become the gate's reward.
-* Exits: a preempted or skipped request comes back through ``prepend_request(s)`` and is
-  requeued in the tree; finished, aborted and stopped requests leave through
-  ``remove_requests`` or vLLM's ``_free_request``, whichever comes first, exactly once.
+* the waiting queue is a ``FeatherWaitingQueue`` (vLLM's ``RequestQueue`` interface):
+  ``add_request``/``prepend_request(s)`` enter waiting, ``remove_request(s)`` discard,
+  its truth value is the gate's ADD/STOP (its length stays the true count), ``peek`` and
+  ``pop`` serve the runtime's candidate; a request vLLM pops and then skips (grammar not
+  ready, ``max_loras``, encoder or KV transfer, stale output) is noticed at the next
+  question, because vLLM appends every admitted request to ``running`` right after the
+  pop, and is held until vLLM hands it back;
+* ``schedule()`` is one pass: ``begin_pass`` reconciles the runtime with vLLM's
+  ``running`` list (so requests in vLLM's ``kv_holding_waiting`` queue, or a streaming
+  session between turns, are never counted as running) and puts ``running`` in Feather's
+  order; ``end_pass`` binds the decisions that took effect to the scheduler output;
+* ``update_from_output`` reports that output's step: its decisions get its reward, keyed
+  by the output itself, so under async scheduling (``schedule()`` of step N+1 before
+  ``update_from_output`` of step N) each reward reaches its own decisions;
+* ``_free_request`` (every finish and abort) discards, exactly once.
+
+Batch order: vLLM's Model Runner V2 (the GPU default) orders each step's decodes as the
+scheduler scheduled them, i.e. as ``running`` stands, so ordering ``running`` by prefix
+group orders the batch.  The V1 runner (CPU; some GPU modes) keeps a persistent batch of
+its own; Feather's worker plugin (``vllm_batch_order``) sorts it into the scheduler's
+order.  vLLM preempts from the end of ``running``: Feather's order puts the latest member
+of the smallest group there (``prefix.order_by_group``).
+
+``FeatherScheduler`` builds vLLM's ``AsyncScheduler`` variant when async scheduling is on
+(the GPU default) and ``FeatherSyncScheduler`` when it is off (always on CPU).
+``InstrumentedScheduler`` is vLLM's own scheduler with the same measurements only: the
+FCFS baseline of ``feather bench``.
 
 Options: ``--additional-config '{"feather": {"gate": "bandit", ...}}'`` or ``FEATHER_*``
 environment variables (see ``feather_sched.config``).
@@ -25,95 +39,30 @@ environment variables (see ``feather_sched.config``).
 
 from __future__ import annotations
 
-import csv
 import logging
 import time
-from collections import Counter
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.request_queue import RequestQueue
+from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from feather_sched.cht import RequestState, block_chunk_keys, token_chunk_keys
-from feather_sched.config import FeatherConfig
-from feather_sched.queue import FeatherQueue
-from feather_sched.stats import SchedulerStats
+from feather_sched.cht import block_chunk_keys, token_chunk_keys
+from feather_sched.config import FeatherConfig, FeatherConfigError
+from feather_sched.gate import Decision
+from feather_sched.prefix import SharedPrefixes, group_of, keys_per_chunk
+from feather_sched.runtime import FeatherRuntime
+from feather_sched.stats import StepMeter
+from feather_sched.steplog import BatchEntry
 
 logger = logging.getLogger("vllm.feather_sched")
 """Under vLLM's logger, so Feather's lines appear in the engine's own log."""
 
-
-
-class FeatherWaitingQueue(RequestQueue):
-    """vLLM's ``RequestQueue`` interface over a ``FeatherQueue`` of vLLM requests."""
-
-    def __init__(self, queue: FeatherQueue, config: FeatherConfig, hash_block_size: int):
-        self.queue = queue
-        self.config = config
-        self.hash_block_size = hash_block_size
-        self.blocks_per_chunk = config.blocks_per_chunk(hash_block_size)
-
-    def chunk_keys(self, request: Request) -> list:
-        """The prompt's chunk keys, from the engine's block hashes when it has them."""
-        prompt_blocks = request.num_prompt_tokens // self.hash_block_size
-        if request.block_hashes:
-            return block_chunk_keys(request.block_hashes[:prompt_blocks], self.blocks_per_chunk)
-        if request.prompt_token_ids is None:
-            return []
-        return token_chunk_keys(request.prompt_token_ids, self.config.chunk_tokens)
-
-    # ---- what vLLM's schedule() and request handling call -----------------------------
-
-    def add_request(self, request: Request) -> None:
-        self._enter_waiting(request)
-
-    def pop_request(self) -> Request:
-        return self.queue.payload(self.queue.pop())
-
-    def peek_request(self) -> Request:
-        return self.queue.payload(self.queue.peek())
-
-    def prepend_request(self, request: Request) -> None:
-        """A preempted request, or one the admission loop skipped, comes back."""
-        self._enter_waiting(request)
-
-    def prepend_requests(self, requests: Iterable[Request]) -> None:
-        for request in requests:
-            self._enter_waiting(request)
-
-    def remove_request(self, request: Request) -> None:
-        self.forget(request.request_id)
-
-    def remove_requests(self, requests: Iterable[Request]) -> None:
-        for request in requests:
-            self.forget(request.request_id)
-
-    def __bool__(self) -> bool:
-        return self.queue.may_admit()
-
-    def __len__(self) -> int:
-        return len(self.queue)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (self.queue.payload(request_id) for request_id in self.queue)
-
-    # ---- lifecycle --------------------------------------------------------------------
-
-    def forget(self, request_id: str) -> None:
-        """Drop a request from the tree if it is still there (any exit path, once)."""
-        if request_id in self.queue:
-            self.queue.remove(request_id)
-
-    def _enter_waiting(self, request: Request) -> None:
-        request_id = request.request_id
-        if request_id not in self.queue:
-            arrival = getattr(request, "arrival_time", None)
-            self.queue.add(request_id, self.chunk_keys(request), request, arrival)
-        elif self.queue.tree.state(request_id) is RequestState.RUNNING:
-            self.queue.requeue(request_id)
+MAX_STEPS_IN_FLIGHT = 64
+"""Scheduler outputs awaiting their result; more means the engine dropped some."""
 
 
 def feather_options(vllm_config: Any) -> FeatherConfig:
@@ -123,190 +72,310 @@ def feather_options(vllm_config: Any) -> FeatherConfig:
     return FeatherConfig.from_sources(options)
 
 
-class _Instrumented:
-    """Step accounting on top of a vLLM scheduler, which it leaves unchanged.
+class VllmRequests:
+    """``RequestView`` of vLLM requests: chunk keys from the engine's own block hashes."""
 
-    It measures the wall time of ``schedule()`` and of each step (from handing it to the
-    workers until its output returns) and writes them to the ``stats_file`` option.
-    ``feather bench`` runs the FCFS baseline with it, so both sides are measured alike.
+    def __init__(self, hash_block_size: int, chunk_tokens: int) -> None:
+        self.hash_block_size = hash_block_size
+        self.chunk_tokens = chunk_tokens
+        self.blocks_per_chunk = keys_per_chunk(hash_block_size, chunk_tokens)
+
+    def request_id(self, request: Request) -> str:
+        return request.request_id
+
+    def chunk_keys(self, request: Request) -> list:
+        """Every k-th prompt block hash (no re-hashing), or token chunks without hashes."""
+        if request.block_hashes:
+            return block_chunk_keys(self.prompt_hashes(request), self.blocks_per_chunk)
+        if request.prompt_token_ids is None:
+            return []
+        return token_chunk_keys(request.prompt_token_ids, self.chunk_tokens)
+
+    def prompt_tokens(self, request: Request) -> int:
+        return request.num_prompt_tokens
+
+    def arrival_s(self, request: Request) -> float | None:
+        return request.arrival_time
+
+    def prompt_hashes(self, request: Request) -> list:
+        """The block hashes of the prompt's full blocks."""
+        return request.block_hashes[: request.num_prompt_tokens // self.hash_block_size]
+
+
+class FeatherWaitingQueue(RequestQueue):
+    """vLLM's ``RequestQueue`` interface over a ``FeatherRuntime``."""
+
+    def __init__(self, runtime: FeatherRuntime[Request], scheduler: Scheduler) -> None:
+        self.runtime = runtime
+        self.scheduler = scheduler
+        self._popped: Request | None = None
+
+    # ---- what vLLM's schedule() and request handling call -----------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.runtime.enter_waiting(request)
+
+    def prepend_request(self, request: Request) -> None:
+        """A preempted request, or one the admission loop skipped, comes back."""
+        self.runtime.enter_waiting(request)
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self.runtime.enter_waiting(request)
+
+    def remove_request(self, request: Request) -> None:
+        self.runtime.discard(request.request_id)
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self.runtime.discard(request.request_id)
+
+    def __bool__(self) -> bool:
+        """The gate: True while a request waits and the answer for it is ADD."""
+        answer = self._answer()
+        return answer is not None and answer.decision is Decision.ADD
+
+    def peek_request(self) -> Request:
+        answer = self._answer()
+        if answer is None:
+            raise IndexError("peek from an empty FeatherWaitingQueue")
+        return self.runtime.request(answer.request_id)
+
+    def pop_request(self) -> Request:
+        request = self.peek_request()
+        self.runtime.admit(request)
+        self._popped = request
+        return request
+
+    def __len__(self) -> int:
+        return len(self.runtime)
+
+    def __iter__(self) -> Iterator[Request]:
+        runtime = self.runtime
+        return (runtime.request(rid) for rid in runtime.queue.waiting_ids())
+
+    # ---- internals --------------------------------------------------------------------
+
+    def begin_pass(self) -> None:
+        self._popped = None
+
+    def settle(self) -> None:
+        """Hold the last popped request if vLLM skipped it instead of running it.
+
+        vLLM appends an admitted request to ``running`` right after popping it; a skipped
+        one goes to a list of its own, handed back after the loop.
+        """
+        popped, self._popped = self._popped, None
+        if popped is None or not self.runtime.is_running(popped.request_id):
+            return
+        running = self.scheduler.running
+        if not (running and running[-1] is popped):
+            self.runtime.hold(popped.request_id)
+
+    def _answer(self):
+        self.settle()
+        return self.runtime.decide()
+
+
+class VllmMeter:
+    """A vLLM scheduler's measurements: ``schedule()`` time, step times, the step log.
+
+    The part of Feather's component the FCFS baseline runs too, so both are measured
+    alike.  A step is keyed by its ``SchedulerOutput`` (kept until its result arrives).
     """
+
+    def __init__(self, scheduler: Scheduler, config: FeatherConfig,
+                 meter: StepMeter | None = None) -> None:
+        self.scheduler = scheduler
+        self.config = config
+        self.view = requests_view(scheduler, config)
+        self.meter = meter if meter is not None else StepMeter(
+            type(scheduler).__name__, stats_file=config.stats_file, step_log=config.step_log)
+        self._in_flight: OrderedDict[int, tuple[Any, float, list[BatchEntry] | None]] = \
+            OrderedDict()
+        self._started = 0.0
+
+    def before_schedule(self) -> None:
+        self._started = time.perf_counter()
+
+    def after_schedule(self, output: Any) -> None:
+        now = time.perf_counter()
+        self.meter.scheduled(now - self._started)
+        batch = self.batch(output) if self.config.step_log else None
+        self._in_flight[id(output)] = (output, now, batch)
+        while len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
+            self._in_flight.popitem(last=False)
+
+    def step_done(self, output: Any) -> None:
+        entry = self._in_flight.pop(id(output), None)
+        if entry is None:
+            return
+        _, started, batch = entry
+        size = len(output.num_scheduled_tokens)
+        self.record_step(output, size, time.perf_counter() - started, batch)
+
+    def record_step(self, output: Any, size: int, seconds: float,
+                    batch: list[BatchEntry] | None) -> None:
+        if size:
+            self.meter.step(size, seconds, batch)
+
+    def freed(self, request: Request) -> None:
+        """Nothing to forget without Feather."""
+
+    def close(self) -> None:
+        self.meter.close()
+
+    def batch(self, output: Any) -> list[BatchEntry]:
+        """The step's batch as the step log describes it, in the runner's decode order.
+
+        Decodes first in scheduling order, then longer chunks by length (Model Runner
+        V2's ``sort_batch_req_ids``, which Feather's V1 plugin follows too).  The context
+        is ``num_computed_tokens``, which ``schedule()`` has already advanced.
+        """
+        requests = self.scheduler.requests
+        scheduled = output.num_scheduled_tokens
+        order = sorted(scheduled, key=lambda rid: (scheduled[rid] != 1, scheduled[rid]))
+        hashes = [self.view.prompt_hashes(requests[rid]) for rid in order]
+        block = self.view.hash_block_size
+        per_chunk = keys_per_chunk(block)
+        shared = SharedPrefixes(hashes)
+        return [BatchEntry(group=_hex(group_of(keys, rid, per_chunk)),
+                           shared_tokens=min(shared.shared_keys(keys) * block,
+                                             requests[rid].num_computed_tokens),
+                           context_tokens=requests[rid].num_computed_tokens,
+                           new_tokens=scheduled[rid])
+                for rid, keys in zip(order, hashes, strict=True)]
+
+
+class VllmFeather(VllmMeter):
+    """Feather's component of a vLLM scheduler: the runtime behind vLLM's calls."""
+
+    def __init__(self, scheduler: Scheduler, config: FeatherConfig) -> None:
+        if scheduler.policy is not SchedulingPolicy.FCFS:
+            raise FeatherConfigError(
+                f"Feather orders vLLM's waiting queue itself; scheduling policy "
+                f"{scheduler.policy.value!r} is not supported (use the default fcfs)")
+        self.runtime = FeatherRuntime(config, requests_view(scheduler, config),
+                                      clock=time.time, name=type(scheduler).__name__)
+        super().__init__(scheduler, config, self.runtime.meter)
+        self.queue = FeatherWaitingQueue(self.runtime, scheduler)
+        scheduler.waiting = self.queue
+        logger.info("Feather scheduler: %s; %s", config, self._order_note())
+
+    def before_schedule(self) -> None:
+        super().before_schedule()
+        self.queue.begin_pass()
+        running = self.scheduler.running
+        running[:] = self.runtime.begin_pass(running)
+
+    def after_schedule(self, output: Any) -> None:
+        self.runtime.end_pass(id(output), self.scheduler.running)
+        super().after_schedule(output)
+
+    def record_step(self, output: Any, size: int, seconds: float,
+                    batch: list[BatchEntry] | None) -> None:
+        self.runtime.end_step(id(output), size, seconds, batch)
+
+    def freed(self, request: Request) -> None:
+        self.runtime.discard(request.request_id)
+
+    def close(self) -> None:
+        self.runtime.close()
+
+    def _order_note(self) -> str:
+        if not self.config.order_running:
+            return "batch ordering off (order_running false)"
+        if self.scheduler.use_v2_model_runner:
+            return ("Model Runner V2: batch ordering by prefix group through the running "
+                    "list's order (decodes run in scheduling order)")
+        return ("V1 model runner: batch ordering by prefix group through the running list "
+                "and the feather_batch_order worker plugin (vllm.general_plugins)")
+
+
+class _Hooks:
+    """The scheduler calls Feather needs, each handed to ``self.feather``.
+
+    ``component`` is the class of ``self.feather``; ``sync_variant`` the class to build
+    instead when async scheduling is off (for the class that names it, not for subclasses,
+    which would lose their own overrides: those must match the engine's mode).
+    """
+
+    component: type[VllmMeter] = VllmMeter
+    sync_variant: type | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        sync_variant = cls.__dict__.get("sync_variant")
+        if sync_variant is not None and not vllm_config.scheduler_config.async_scheduling:
+            return sync_variant(*args, **kwargs)
+        return object.__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.feather_config = feather_options(self.vllm_config)
-        self._check_scheduling_mode()
-        self.stats = SchedulerStats(scheduler=type(self).__name__)
-        self._step_started: dict[int, tuple[float, list]] = {}
-        log = self.feather_config.step_log
-        self._step_log = StepLog(log, self.block_size) if log else None
-
-    def schedule(self, *args: Any, **kwargs: Any):
-        started = time.perf_counter()
-        output = super().schedule(*args, **kwargs)
-        now = time.perf_counter()
-        self.stats.schedule_calls += 1
-        self.stats.schedule_s += now - started
-        if output.num_scheduled_tokens:
-            batch = self._step_log.batch(self, output) if self._step_log else []
-            self._step_started[id(output)] = (now, batch)
-        return output
-
-    def update_from_output(self, scheduler_output, model_runner_output):
-        started = self._step_started.pop(id(scheduler_output), None)
-        if started is not None:
-            seconds = time.perf_counter() - started[0]
-            self._on_step(len(scheduler_output.num_scheduled_tokens), seconds)
-            if self._step_log:
-                self._step_log.write(started[1], seconds)
-        return super().update_from_output(scheduler_output, model_runner_output)
-
-    def shutdown(self) -> None:
-        self._write_state()
-        if self._step_log:
-            self._step_log.handle.close()
-        super().shutdown()
-
-    def _on_step(self, batch_size: int, seconds: float) -> None:
-        if self.stats.record_step(batch_size, seconds):
-            self._write_state()
-
-    def _write_state(self) -> None:
-        self.feather_config.persist(self.stats)
-
-    def _check_scheduling_mode(self) -> None:
-        """Async scheduling needs the AsyncScheduler base, sync mode the plain one."""
         is_async = bool(self.scheduler_config.async_scheduling)
         if is_async != isinstance(self, AsyncScheduler):
             raise ValueError(
                 f"{type(self).__name__} does not match async scheduling "
-                f"{'on' if is_async else 'off'}: use FeatherScheduler (InstrumentedScheduler) "
-                "with async scheduling, FeatherSyncScheduler (InstrumentedSyncScheduler) "
-                "without")
-
-
-class StepLog:
-    """Each step's batch composition and measured time, as ``feather calibrate`` reads them.
-
-    Rows follow ``feather_sched.sim.calibrate``: one per scheduled request, in batch
-    order (vLLM's running order; by prefix group when Feather orders the batch, as its
-    worker plugin does). A request's group is its first KV block hash; its shared tokens
-    are its leading prompt blocks that another request of the step also holds.
-    """
-
-    COLUMNS = ("step", "position", "group", "shared_tokens", "context_tokens", "new_tokens",
-               "seconds")
-
-    def __init__(self, path: str, block_size: int) -> None:
-        self.block_size = block_size
-        self.step = self._next_step(path)
-        self.handle = open(path, "a", newline="")  # noqa: SIM115 - kept for the engine's life
-        self.writer = csv.writer(self.handle)
-        if self.handle.tell() == 0:
-            self.writer.writerow(self.COLUMNS)
-
-    @staticmethod
-    def _next_step(path: str) -> int:
-        """Continue the step numbers of a log that earlier engines appended to."""
-        try:
-            with open(path, newline="") as handle:
-                steps = [int(row["step"]) for row in csv.DictReader(handle)]
-        except FileNotFoundError:
-            return 0
-        return max(steps, default=-1) + 1
-
-    def batch(self, scheduler: Any, output: Any) -> list[tuple]:
-        requests = [r for r in scheduler.running if r.request_id in output.num_scheduled_tokens]
-        if isinstance(scheduler, _Feather) and scheduler.feather_config.order_running:
-            requests.sort(key=self._group)
-        holders = Counter(h for r in requests for h in set(self._prompt_hashes(r)))
-        return [(self._group(r), self._shared_tokens(r, holders), r.num_computed_tokens +
-                 output.num_scheduled_tokens[r.request_id],
-                 output.num_scheduled_tokens[r.request_id]) for r in requests]
-
-    def write(self, batch: list[tuple], seconds: float) -> None:
-        for position, (group, shared, context, new) in enumerate(batch):
-            self.writer.writerow((self.step, position, group, min(shared, context), context,
-                                  new, f"{seconds:.9f}"))
-        self.step += 1
-        self.handle.flush()
-
-    def _prompt_hashes(self, request: Request) -> list:
-        return request.block_hashes[: request.num_prompt_tokens // self.block_size]
-
-    def _group(self, request: Request) -> str:
-        hashes = request.block_hashes
-        return hashes[0].hex()[:16] if hashes else request.request_id
-
-    def _shared_tokens(self, request: Request, holders: Counter) -> int:
-        shared = 0
-        for block_hash in self._prompt_hashes(request):
-            if holders[block_hash] < 2:
-                break
-            shared += 1
-        return shared * self.block_size
-
-
-class _Feather:
-    """Feather's ordering and ADD/STOP gate at admission (mixed into a vLLM scheduler)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        hash_block_size = kwargs.get("hash_block_size") or self.block_size
-        queue = self.feather_config.make_queue(clock=time.time)
-        self.feather = FeatherWaitingQueue(queue, self.feather_config, hash_block_size)
-        self.waiting = self.feather
-        logger.info("Feather scheduler: %s", self.feather_config)
+                f"{'on' if is_async else 'off'}: use FeatherScheduler (or "
+                "InstrumentedScheduler), which picks the variant the engine needs")
+        self.feather = self.component(self, feather_options(self.vllm_config))
 
     def schedule(self, *args: Any, **kwargs: Any):
-        self.feather.queue.new_step()
-        return super().schedule(*args, **kwargs)
+        self.feather.before_schedule()
+        output = super().schedule(*args, **kwargs)
+        self.feather.after_schedule(output)
+        return output
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
+        self.feather.step_done(scheduler_output)
+        return super().update_from_output(scheduler_output, model_runner_output)
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
-        self.feather.forget(request.request_id)
+        self.feather.freed(request)
         return super()._free_request(request, *args, **kwargs)
 
-    def _on_step(self, batch_size: int, seconds: float) -> None:
-        self.feather.queue.record_step(batch_size, seconds)
-        super()._on_step(batch_size, seconds)
-
-    def _write_state(self) -> None:
-        self.feather_config.persist(self.stats, self.feather.queue)
+    def shutdown(self) -> None:
+        self.feather.close()
+        super().shutdown()
 
 
-def _for_mode(cls: type, sync_cls: type, args: tuple, kwargs: dict) -> Any:
-    """An instance of ``cls``, or of its synchronous twin when async scheduling is off."""
-    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
-    if not vllm_config.scheduler_config.async_scheduling:
-        return sync_cls(*args, **kwargs)
-    return object.__new__(cls)
+class InstrumentedSyncScheduler(_Hooks, Scheduler):
+    """vLLM's synchronous scheduler with Feather's measurements only."""
 
 
-class InstrumentedSyncScheduler(_Instrumented, Scheduler):
-    """vLLM's synchronous scheduler with step accounting only."""
+class InstrumentedScheduler(_Hooks, AsyncScheduler):
+    """vLLM's own scheduler with Feather's measurements only: feather bench's baseline."""
+
+    sync_variant = InstrumentedSyncScheduler
 
 
-class InstrumentedScheduler(_Instrumented, AsyncScheduler):
-    """vLLM's own scheduler with step accounting only: the FCFS baseline of feather bench."""
-
-    def __new__(cls, *args: Any, **kwargs: Any):
-        if cls is InstrumentedScheduler:
-            return _for_mode(cls, InstrumentedSyncScheduler, args, kwargs)
-        return object.__new__(cls)
-
-
-class FeatherSyncScheduler(_Feather, _Instrumented, Scheduler):
+class FeatherSyncScheduler(_Hooks, Scheduler):
     """Feather in vLLM with async scheduling off (always the case on CPU)."""
 
+    component = VllmFeather
 
-class FeatherScheduler(_Feather, _Instrumented, AsyncScheduler):
+
+class FeatherScheduler(_Hooks, AsyncScheduler):
     """Feather in vLLM; builds ``FeatherSyncScheduler`` when async scheduling is off."""
 
-    def __new__(cls, *args: Any, **kwargs: Any):
-        if cls is FeatherScheduler:
-            return _for_mode(cls, FeatherSyncScheduler, args, kwargs)
-        return object.__new__(cls)
+    component = VllmFeather
+    sync_variant = FeatherSyncScheduler
+
+
+def requests_view(scheduler: Scheduler, config: FeatherConfig) -> VllmRequests:
+    """How Feather reads this scheduler's requests (block hashes of its hash block size)."""
+    hash_block_size = getattr(scheduler, "hash_block_size", None) or scheduler.block_size
+    return VllmRequests(hash_block_size, config.chunk_tokens)
 
 
 def is_feather_scheduler(scheduler_cls: type) -> bool:
-    """Whether an engine's scheduler class runs Feather (either base)."""
-    return isinstance(scheduler_cls, type) and issubclass(scheduler_cls, _Feather)
+    """Whether an engine's scheduler class runs Feather (either variant)."""
+    return isinstance(scheduler_cls, type) and issubclass(scheduler_cls, _Hooks) and \
+        issubclass(scheduler_cls.component, VllmFeather)
+
+
+def _hex(key: Any) -> str:
+    """A step-log group name: block hashes are bytes."""
+    if isinstance(key, bytes):
+        return key.hex()[:16]
+    return str(key)

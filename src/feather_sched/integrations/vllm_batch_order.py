@@ -1,17 +1,17 @@
-"""Keep vLLM's persistent batch ordered by prefix group (a vLLM general plugin).
+"""Make vLLM's V1 model runner keep the scheduler's batch order (a vLLM general plugin).
 
 The decode-attention kernel walks the batch in order, so requests of one prefix group
-placed back to back re-read their shared KV blocks while they are still in cache; vLLM
-instead fills freed batch slots with whatever request comes next, interleaving groups
-over time.  The scheduler cannot reach the worker's batch, so this module is registered as
-a ``vllm.general_plugins`` entry point (vLLM loads those in every process) and wraps the
-model runner's ``_may_reorder_batch`` hook.  It acts only when the engine runs
-``FeatherScheduler`` with ``order_running`` on; other engines are left untouched.
-
-Group key of a request: the physical id of its first KV block, which prefix caching
-shares between requests of one group.  The order is stable within a group, and requests
-stay in the decode/extend/prefill regions that attention backends with a reorder
-threshold (e.g. FlashInfer, MLA) require.
+placed back to back re-read their shared KV blocks while they are still in cache.
+``FeatherScheduler`` keeps its running list ordered by prefix group; Model Runner V2 (the
+GPU default) batches decodes in that order by itself, but the V1 runner (CPU, and GPU
+modes V2 does not support) keeps a persistent batch that fills freed slots with whatever
+request comes next, interleaving groups over time.  This module, registered as a
+``vllm.general_plugins`` entry point (vLLM loads those in every process), wraps the V1
+runner's ``_may_reorder_batch`` hook and sorts the persistent batch into the order of
+``scheduler_output.num_scheduled_tokens``, i.e. the scheduler's.  It acts only when the
+engine runs ``FeatherScheduler`` with ``order_running`` on, and never under V2 (which
+does not call the hook); requests stay in the decode/extend/prefill regions that
+attention backends with a reorder threshold (e.g. FlashInfer, MLA) require.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ def register() -> None:
 
     def _may_reorder_batch(self: Any, scheduler_output: Any) -> None:
         if _ordering_enabled(self):
-            order_by_prefix_group(self.input_batch, scheduler_output,
-                                  self.reorder_batch_threshold)
+            order_by_schedule(self.input_batch, scheduler_output, self.reorder_batch_threshold)
         original(self, scheduler_output)
 
     setattr(_may_reorder_batch, _PATCHED, True)
@@ -76,15 +75,15 @@ def batch_regions(input_batch: Any, scheduler_output: Any, threshold: int | None
     return np.where(computed == 0, 3, regions).astype(np.int32)
 
 
-def order_by_prefix_group(input_batch: Any, scheduler_output: Any,
-                          threshold: int | None) -> int:
-    """Sort the batch by (region, first KV block id), stably; returns the swaps made."""
+def order_by_schedule(input_batch: Any, scheduler_output: Any, threshold: int | None) -> int:
+    """Sort the batch by (region, place in the scheduler's order); returns the swaps made."""
     num_reqs = input_batch.num_reqs
     if num_reqs < 2:
         return 0
-    first_blocks = input_batch.block_table[0].block_table.np[:num_reqs, 0]
+    place = {rid: i for i, rid in enumerate(scheduler_output.num_scheduled_tokens)}
+    scheduled = np.array([place[rid] for rid in input_batch.req_ids[:num_reqs]])
     regions = batch_regions(input_batch, scheduler_output, threshold)
-    order = np.lexsort((np.arange(num_reqs), first_blocks, regions))
+    order = np.lexsort((scheduled, regions))
     return apply_order(input_batch, order.tolist())
 
 

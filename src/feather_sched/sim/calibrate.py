@@ -1,111 +1,33 @@
 """Fit the step-cost model's parameters to measured steps, and store the result.
 
-Measured steps travel as CSV, one row per request of a step (the GPU kernel kit and the
-vLLM engine adapter write the same format)::
-
-    step,position,group,shared_tokens,context_tokens,new_tokens,seconds
-
-``position`` is the request's place in the batch and ``seconds`` the step's measured
-time, equal on every row of the step. The fit keeps the model's structure but makes the
-roofline additive (time = a*hbm_bytes + b*l2_bytes + c*flops + d + e*requests), since
-that is linear in the unknowns; the L2 capacity enters non-linearly, so it is searched on
-a grid with a non-negative least-squares solve per grid point.
+Measured steps come as a step log (``feather_sched.steplog``: one row per request of a
+step, written by the vLLM adapter and the GPU kernel kit alike). The fit keeps the
+model's structure but makes the roofline additive (time = a*hbm_bytes + b*l2_bytes +
+c*flops + d + e*requests), since that is linear in the unknowns; the L2 capacity enters
+non-linearly, so it is searched on a grid with a non-negative least-squares solve per
+grid point.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
-from feather_sched.sim.cost import BatchEntry, CostModel, CostParams, StepTraffic, summarize
+from feather_sched.sim.cost import CostModel, CostParams, StepTraffic, summarize
 from feather_sched.sim.hardware import HardwareProfile, from_dict
 from feather_sched.sim.model_profiles import ModelProfile
+from feather_sched.steplog import BatchEntry
 
-CSV_COLUMNS = ("step", "position", "group", "shared_tokens", "context_tokens", "new_tokens",
-               "seconds")
-_INT_COLUMNS = ("step", "position", "shared_tokens", "context_tokens", "new_tokens")
 DEFAULT_GRID = tuple(round(0.05 * i, 2) for i in range(1, 21))
 """Candidate ``l2_usable_fraction`` values: 0.05, 0.10, ..., 1.0."""
 FEATURES = ("hbm_bytes", "l2_bytes", "flops", "step", "requests")
 
-Step = tuple[list[BatchEntry], float]
-"""A step's batch in execution order and its measured seconds."""
-
-
-# --- CSV -------------------------------------------------------------------------------
-
-def write_steps_csv(path: str | Path, steps: Iterable[tuple[Sequence[BatchEntry], float]]) -> None:
-    """Write steps in the measured-steps format. Groups are written with ``str()``, so
-    they read back as strings; an empty step has no rows and does not survive."""
-    with open(path, "w", newline="") as file:
-        writer = csv.writer(file)
-        writer.writerow(CSV_COLUMNS)
-        for index, (batch, seconds) in enumerate(steps):
-            for position, e in enumerate(batch):
-                writer.writerow([index, position, e.group, e.shared_tokens, e.context_tokens,
-                                 e.new_tokens, repr(float(seconds))])
-
-
-def read_steps_csv(path: str | Path) -> list[Step]:
-    """Read measured steps, ordered by step id, each batch ordered by position.
-
-    Raises ValueError naming the line and column of the first problem: a missing
-    column, an empty or non-numeric value, a negative number, a repeated position, or
-    a step whose rows disagree on ``seconds``.
-    """
-    rows: dict[int, dict[int, BatchEntry]] = {}
-    seconds: dict[int, float] = {}
-    with open(path, newline="") as file:
-        reader = csv.DictReader(file)
-        missing = [c for c in CSV_COLUMNS if c not in (reader.fieldnames or ())]
-        if missing:
-            raise ValueError(f"{path}: line 1: missing column(s) {', '.join(missing)}")
-        for row in reader:
-            where = f"{path}: line {reader.line_num}"
-            step, position, entry, measured = _parse_row(row, where)
-            if step in seconds and not math.isclose(seconds[step], measured, rel_tol=1e-9):
-                raise ValueError(f"{where}: column 'seconds': {measured!r} differs from "
-                                 f"{seconds[step]!r} on an earlier row of step {step}")
-            if position in rows.setdefault(step, {}):
-                raise ValueError(f"{where}: column 'position': {position} repeats in step {step}")
-            seconds[step] = measured
-            rows[step][position] = entry
-    return [([batch[p] for p in sorted(batch)], seconds[s]) for s, batch in sorted(rows.items())]
-
-
-def _parse_row(row: dict[str, str | None], where: str) -> tuple[int, int, BatchEntry, float]:
-    ints = {column: int(_number(row, column, where, int)) for column in _INT_COLUMNS}
-    measured = _number(row, "seconds", where, float)
-    group = row["group"]
-    if not group:
-        raise ValueError(f"{where}: column 'group': empty value")
-    try:
-        entry = BatchEntry(group, ints["shared_tokens"], ints["context_tokens"],
-                           ints["new_tokens"])
-    except ValueError as error:
-        raise ValueError(f"{where}: column 'shared_tokens': {error}") from error
-    return ints["step"], ints["position"], entry, measured
-
-
-def _number(row: dict[str, str | None], column: str, where: str, kind: type) -> float:
-    text = (row.get(column) or "").strip()
-    try:
-        value = kind(text)
-    except ValueError:
-        expected = "an integer" if kind is int else "a number"
-        raise ValueError(f"{where}: column '{column}': expected {expected}, "
-                         f"got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{where}: column '{column}': expected a finite non-negative "
-                         f"number, got {text!r}")
-    return value
 
 
 # --- fit -------------------------------------------------------------------------------

@@ -15,27 +15,9 @@ import numpy as np
 
 from feather_sched.sim.hardware import HardwareProfile
 from feather_sched.sim.model_profiles import ModelProfile
+from feather_sched.steplog import BatchEntry
 
 GRANULARITIES = ("layer", "layer-head")
-
-
-@dataclass(frozen=True)
-class BatchEntry:
-    """One request in one engine step."""
-
-    group: Hashable
-    """Prefix-group identity: requests of a group share physical prefix KV blocks."""
-    shared_tokens: int
-    """Tokens of this request's context that are its group's shared prefix."""
-    context_tokens: int
-    """KV tokens attended: already computed plus computed this step."""
-    new_tokens: int
-    """Tokens computed this step (1 for decode, a chunk for prefill)."""
-
-    def __post_init__(self) -> None:
-        if self.new_tokens < 0 or not 0 <= self.shared_tokens <= self.context_tokens:
-            raise ValueError(f"need 0 <= shared_tokens <= context_tokens and new_tokens >= 0: "
-                             f"{self}")
 
 
 @dataclass(frozen=True)

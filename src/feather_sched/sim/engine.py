@@ -6,7 +6,13 @@ request by recompute when KV blocks run out; then, if nothing was preempted, adm
 from the waiting policy while the token budget and ``max_num_seqs`` allow.  The batch is
 laid out like vLLM's *persistent batch* (new requests take the lowest free slot, then
 ``condense`` moves the last slots into the remaining holes), which is what interleaves
-prefix groups over time; a policy with ``order_running`` sorts the slots by group.
+prefix groups over time; under a policy that ``orders_running``, the batch follows the
+scheduler's running order, as Feather's worker plugin makes vLLM's V1 runner do.
+
+Every policy drives the contract of ``feather_sched.runtime`` (Feather is the real
+``FeatherRuntime``; the baselines implement the same calls), and prefix groups and
+shared tokens come from the requests' block keys (``feather_sched.prefix``), exactly as
+in the step log of a real engine.
 
 A cost model prices each step; the simulated clock advances by that price plus, when
 ``charge_scheduler_time`` is on, the wall-clock time the policy's calls took (and any
@@ -27,9 +33,12 @@ from typing import Any, Protocol
 
 from feather_sched.bench.records import RequestRecord, StepRecord
 from feather_sched.bench.report import RunResult
-from feather_sched.cht import token_chunk_keys
+from feather_sched.cht import DEFAULT_CHUNK_TOKENS, token_chunk_keys
+from feather_sched.gate import Decision
+from feather_sched.prefix import SharedPrefixes, group_of, keys_per_chunk
 from feather_sched.sim.block_pool import BlockPool, blocks_for
-from feather_sched.sim.cost import BatchEntry, StepCost
+from feather_sched.sim.cost import StepCost
+from feather_sched.steplog import BatchEntry
 from feather_sched.workloads import RequestSpec, Workload
 
 
@@ -54,7 +63,7 @@ class SimRequest:
     """Chained keys of the prompt's full KV blocks (``token_chunk_keys``)."""
     record: RequestRecord
     group: Hashable
-    """The workload group, or the request id when it shares nothing."""
+    """Its prefix group (``prefix.group_of`` its block keys)."""
     index: int
     """Position in the workload (arrival order)."""
     prompt_len: int
@@ -70,10 +79,11 @@ class SimRequest:
     """Its slot in the persistent batch (-1: none)."""
 
     @classmethod
-    def create(cls, spec: RequestSpec, index: int, block_tokens: int) -> SimRequest:
+    def create(cls, spec: RequestSpec, index: int, config: EngineConfig) -> SimRequest:
         record = RequestRecord(spec.request_id, spec.prompt.size, spec.group, spec.arrival_s)
-        group = spec.group if spec.group >= 0 else spec.request_id
-        keys = token_chunk_keys(spec.prompt, block_tokens)
+        keys = token_chunk_keys(spec.prompt, config.block_tokens)
+        per_chunk = keys_per_chunk(config.block_tokens, config.group_tokens)
+        group = group_of(keys, spec.request_id, per_chunk)
         return cls(spec, keys, record, group, index, spec.prompt.size)
 
     @property
@@ -85,35 +95,33 @@ class SimRequest:
         """Prompt plus output so far: what must be computed before the next token."""
         return self.prompt_len + self.num_output_tokens
 
-    @property
-    def group_order(self) -> tuple[bool, int]:
-        """Sort key of Feather's batch ordering: workload groups, then each loner alone."""
-        group = self.spec.group
-        return (group < 0, group if group >= 0 else self.index)
+
+class Answer(Protocol):
+    request_id: Hashable
+    decision: Decision
 
 
 class Policy(Protocol):
-    """A waiting queue as vLLM's scheduler sees it."""
+    """A scheduler as the simulated engine drives it: the contract of ``runtime``."""
 
     name: str
-    order_running: bool
-    """Keep the persistent batch sorted by prefix group (Feather's batch ordering)."""
+    orders_running: bool
+    """Whether ``begin_pass`` reorders the running list (the batch then follows it)."""
 
-    def add(self, request: SimRequest) -> None: ...
+    def enter_waiting(self, request: SimRequest) -> None: ...
 
-    def peek(self) -> SimRequest | None:
-        """The next request to admit; None stops admission for this step."""
+    def discard(self, request_id: Hashable) -> bool: ...
 
-    def pop(self) -> SimRequest:
-        """Admit the request ``peek`` returned."""
+    def begin_pass(self, running: Sequence[SimRequest]) -> list[SimRequest]: ...
 
-    def requeue(self, request: SimRequest) -> None: ...
+    def decide(self) -> Answer | None: ...
 
-    def finish(self, request: SimRequest) -> None: ...
+    def admit(self, request: SimRequest) -> None: ...
 
-    def new_step(self, engine: SimEngine) -> None: ...
+    def end_pass(self, step: Hashable, running: Sequence[SimRequest]) -> None: ...
 
-    def record_step(self, batch_size: int, seconds: float) -> None: ...
+    def end_step(self, step: Hashable, batch_size: int, seconds: float,
+                 batch: Sequence[BatchEntry] | None = None) -> None: ...
 
     def __len__(self) -> int: ...
 
@@ -139,10 +147,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     charge_scheduler_time: bool = True
     max_steps: int = 10**7
+    group_tokens: int = DEFAULT_CHUNK_TOKENS
+    """Tokens of the first chunk, whose key names a request's prefix group."""
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "num_blocks", "max_num_seqs",
-                     "max_num_batched_tokens", "max_steps"):
+                     "max_num_batched_tokens", "max_steps", "group_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -201,23 +211,32 @@ class SimResult:
 
 
 class SimEngine:
-    """Runs a workload through a policy and a cost model on a simulated clock."""
+    """Runs a workload through a policy and a cost model on a simulated clock.
 
-    def __init__(self, policy: Policy, cost_model: StepCostModel, config: EngineConfig) -> None:
-        self.policy = policy
+    ``now`` (the clock) and ``pool`` are what a policy may read: build the engine first,
+    then its policy (``policies.make_policy(name, options, engine)``).
+    """
+
+    def __init__(self, cost_model: StepCostModel, config: EngineConfig) -> None:
         self.cost_model = cost_model
         self.config = config
         self._reset([], None)
 
+    def clock(self) -> float:
+        """The simulated time, for policies that need a clock."""
+        return self.now
+
     # ---- driver -----------------------------------------------------------------------
 
     def run(
-        self, workload: Workload, on_done: Callable[[RequestRecord], None] | None = None
+        self, workload: Workload, policy: Policy,
+        on_done: Callable[[RequestRecord], None] | None = None,
     ) -> SimResult:
         """Simulate the whole workload; every request ends exactly once (or this raises).
 
         Each run starts a fresh pool and clock; the policy is used as given.
         """
+        self.policy = policy
         self._reset(workload.requests, on_done)
         for _ in range(self.config.max_steps):
             if self._ended == self._total:
@@ -240,6 +259,7 @@ class SimEngine:
         self.running: list[SimRequest] = []
         """Running requests in admission order (preemption takes the last)."""
         self.requests: list[SimRequest] = []
+        self._by_id: dict[Hashable, SimRequest] = {}
         self.steps: list[StepRecord] = []
         self.costs = CostTotals()
         self.num_preemptions = 0
@@ -253,6 +273,8 @@ class SimEngine:
         self._uncharged_s = 0.0
         self._slots: list[SimRequest | None] = []
         self._holes: list[int] = []
+        self._shared = SharedPrefixes()
+        """Key counts over the persistent batch's occupants (for shared tokens)."""
 
     def _timed(self, call: Callable[..., Any], *args: Any) -> Any:
         """Call into the policy, adding its wall-clock time to the scheduler's account."""
@@ -267,11 +289,11 @@ class SimEngine:
         """Hand every request that has arrived by now to the policy (or reject it)."""
         pending = self._pending
         while pending and pending[0].arrival_s <= self.now:
-            request = SimRequest.create(pending.popleft(), len(self.requests),
-                                        self.config.block_tokens)
+            request = SimRequest.create(pending.popleft(), len(self.requests), self.config)
             self.requests.append(request)
+            self._by_id[request.request_id] = request
             if not self._reject_if_unfit(request):
-                self._timed(self.policy.add, request)
+                self._timed(self.policy.enter_waiting, request)
 
     def _reject_if_unfit(self, request: SimRequest) -> bool:
         """Fail a request whose full sequence could never fit the pool, instead of hanging."""
@@ -301,12 +323,13 @@ class SimEngine:
     def _schedule(self) -> tuple[list[SimRequest], bool]:
         """One ``schedule()``: running requests first, then admissions; returns the batch."""
         self._step += 1
-        self._timed(self.policy.new_step, self)
+        self.running = self._timed(self.policy.begin_pass, self.running)
         budget = self.config.max_num_batched_tokens
         scheduled: list[SimRequest] = []
         preempted = self._schedule_running(scheduled, budget)
         if not preempted:
             self._admit(scheduled, budget - sum(r.scheduled_tokens for r in scheduled))
+        self._timed(self.policy.end_pass, self._step, self.running)
         modelled = _charged_s(self.policy)
         self.modelled_scheduler_s += modelled
         self._uncharged_s += modelled
@@ -338,15 +361,16 @@ class SimEngine:
         request.num_computed_tokens = 0
         request.preemptions += 1
         self.num_preemptions += 1
-        self._timed(self.policy.requeue, request)
+        self._timed(self.policy.enter_waiting, request)
 
     def _admit(self, scheduled: list[SimRequest], budget: int) -> None:
         """Admit waiting requests while budget, seats and KV blocks last."""
         pool, block_tokens = self.pool, self.config.block_tokens
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self._timed(self.policy.peek)
-            if request is None:
+            answer = self._timed(self.policy.decide)
+            if answer is None or answer.decision is Decision.STOP:
                 return
+            request = self._by_id[answer.request_id]
             num_tokens = request.num_tokens
             # As vLLM: cached blocks are skipped, but the last token is always computed.
             hits = min(len(pool.match(request.keys)), (num_tokens - 1) // block_tokens)
@@ -355,12 +379,7 @@ class SimEngine:
             if not pool.allocate(request.request_id, request.keys[:hits], cached + tokens,
                                  query_tokens=num_tokens):
                 return
-            popped = self._timed(self.policy.pop)
-            if popped is not request:
-                raise RuntimeError(
-                    f"policy {self.policy.name!r} popped {_name(popped)!r} "
-                    f"after peeking {request.request_id!r}"
-                )
+            self._timed(self.policy.admit, request)
             if request.record.cached_tokens is None:
                 request.record.cached_tokens = cached
             request.state = SimState.RUNNING
@@ -390,30 +409,30 @@ class SimEngine:
 
         As vLLM's input batch: requests not scheduled now leave their slots, newcomers
         take the lowest holes (else the end), then ``condense`` fills remaining holes
-        with the last occupied slots.
+        with the last occupied slots.  Under a policy that orders the running list, the
+        slots follow the scheduler's order instead (Feather's V1 worker plugin).
         """
-        slots, holes = self._slots, self._holes
+        slots, holes, shared = self._slots, self._holes, self._shared
         for index, request in enumerate(slots):
             if request is not None and request.step != self._step:
                 request.slot = -1
                 slots[index] = None
                 heapq.heappush(holes, index)
+                shared.remove(request.keys)
         for request in scheduled:
             if request.slot < 0:
+                shared.add(request.keys)
                 request.slot = heapq.heappop(holes) if holes else len(slots)
                 if request.slot == len(slots):
                     slots.append(request)
                 else:
                     slots[request.slot] = request
         self._condense()
-        batch = [r for r in slots if r is not None]  # condensed: every slot is occupied
-        if self.policy.order_running:
-            # Feather's batch ordering: by prefix group, stable within a group.
-            batch.sort(key=lambda r: r.group_order)
-            slots[:] = batch
-            for index, request in enumerate(batch):
+        if self.policy.orders_running:
+            slots[:] = scheduled
+            for index, request in enumerate(scheduled):
                 request.slot = index
-        return batch
+        return [r for r in slots if r is not None]  # condensed: every slot is occupied
 
     def _condense(self) -> None:
         """Move the last occupied slot into the lowest hole until no hole is left."""
@@ -444,13 +463,12 @@ class SimEngine:
         self.steps.append(StepRecord(batch_size=len(batch), groups=len({r.group for r in batch})))
         emitted = self._credit(batch)
         self.costs.add(cost, emitted)
-        self._timed(self.policy.record_step, len(batch), seconds)
+        self._timed(self.policy.end_step, self._step, len(batch), seconds, entries)
 
-    @staticmethod
-    def _entry(request: SimRequest) -> BatchEntry:
+    def _entry(self, request: SimRequest) -> BatchEntry:
         context = request.num_computed_tokens + request.scheduled_tokens
-        return BatchEntry(group=request.group,
-                          shared_tokens=min(request.spec.shared_len, context),
+        shared = self._shared.shared_keys(request.keys) * self.config.block_tokens
+        return BatchEntry(group=request.group, shared_tokens=min(shared, context),
                           context_tokens=context, new_tokens=request.scheduled_tokens)
 
     def _credit(self, batch: list[SimRequest]) -> int:
@@ -476,7 +494,7 @@ class SimEngine:
         self.pool.free(request.request_id)
         request.record.success = True
         self._end(request, SimState.FINISHED, self.now)
-        self._timed(self.policy.finish, request)
+        self._timed(self.policy.discard, request.request_id)
 
     def _end(self, request: SimRequest, state: SimState, when: float) -> None:
         """The one place a request ends; ending twice is a simulator bug."""
@@ -508,6 +526,3 @@ class SimEngine:
             num_preemptions=self.num_preemptions,
         )
 
-
-def _name(request: object) -> object:
-    return getattr(request, "request_id", request)

@@ -1,12 +1,13 @@
-"""Schedulers for the simulator: Feather (the real FeatherQueue) and SGLang's LPM and DFS-weight.
+"""Schedulers for the simulator: Feather (the real FeatherRuntime), SGLang's LPM and DFS-weight.
 
-Every policy is a waiting queue as the engine loop sees it (``peek`` returns None to stop
-admitting).  Feather runs the same ``FeatherQueue``, CHT and gates as the vLLM adapter,
-keyed by the simulated pool's block keys and clocked by simulated time.  The SGLang
-policies follow ``SchedulePolicy.calc_priority`` of SGLang 0.5.23: once per step they order
-the queue by cached prefix (LPM: longest first, falling back to FCFS above 128 waiting
-requests, in-batch de-prioritisation of requests sharing 32+ tokens with one already
-chosen; DFS-weight: depth-first over the cached-prefix tree, heaviest subtree first).
+Every policy drives the contract of ``feather_sched.runtime``.  Feather *is* the
+``FeatherRuntime`` the vLLM and SGLang adapters use, reading simulated requests through
+``SimRequests`` (chunk keys from the simulated pool's block keys) on the simulated clock.
+The SGLang policies follow ``SchedulePolicy.calc_priority`` of SGLang 0.5.23: once per
+pass they order the queue by cached prefix (LPM: longest first, falling back to FCFS above
+128 waiting requests, in-batch de-prioritisation of requests sharing 32+ tokens with one
+already chosen; DFS-weight: depth-first over the cached-prefix tree, heaviest subtree
+first).
 
 They match prefixes against the pool's block keys, which is far cheaper than SGLang's
 token radix tree; so that the simulated clock still pays what SGLang pays, each ordering
@@ -18,13 +19,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from itertools import pairwise
 from typing import Any
 
 from feather_sched.cht import block_chunk_keys
-from feather_sched.config import FeatherConfig, feather_variant
-from feather_sched.sim.engine import SimRequest
+from feather_sched.config import FeatherConfig
+from feather_sched.prefix import keys_per_chunk
+from feather_sched.runtime import FeatherRuntime
+from feather_sched.schedulers import SIM_KINDS, SchedulerKind, parse_scheduler
+from feather_sched.sim.engine import SimEngine, SimRequest
 from feather_sched.sim.fcfs import FcfsPolicy
 
 LPM_MAX_WAITING = 128
@@ -36,42 +40,23 @@ SGLANG_MATCH_S = 18e-6
 1024 waiting in benchmarks/cht/cht-bench.json)."""
 
 
-class FeatherPolicy:
-    """Feather's queue in the simulated engine."""
+class SimRequests:
+    """``RequestView`` of simulated requests for ``FeatherRuntime``: keys per chunk."""
 
-    def __init__(self, config: FeatherConfig, block_tokens: int, name: str = "feather") -> None:
-        self.name = name
-        self.config = config
-        self.blocks_per_chunk = config.blocks_per_chunk(block_tokens)
-        self.now = 0.0
-        self.queue = config.make_queue(clock=lambda: self.now)
-        self.order_running = config.order_running
+    def __init__(self, blocks_per_chunk: int) -> None:
+        self.blocks_per_chunk = blocks_per_chunk
 
-    def __len__(self) -> int:
-        return len(self.queue)
+    def request_id(self, request: SimRequest) -> Hashable:
+        return request.request_id
 
-    def add(self, request: SimRequest) -> None:
-        keys = block_chunk_keys(request.keys, self.blocks_per_chunk)
-        self.queue.add(request.request_id, keys, request, arrival_s=request.spec.arrival_s)
+    def chunk_keys(self, request: SimRequest) -> list:
+        return block_chunk_keys(request.keys, self.blocks_per_chunk)
 
-    def peek(self) -> SimRequest | None:
-        return self.queue.payload(self.queue.peek()) if self.queue.may_admit() else None
+    def prompt_tokens(self, request: SimRequest) -> int:
+        return request.prompt_len
 
-    def pop(self) -> SimRequest:
-        return self.queue.payload(self.queue.pop())
-
-    def requeue(self, request: SimRequest) -> None:
-        self.queue.requeue(request.request_id)
-
-    def finish(self, request: SimRequest) -> None:
-        self.queue.finish(request.request_id)
-
-    def new_step(self, engine: Any) -> None:
-        self.now = engine.now
-        self.queue.new_step()
-
-    def record_step(self, batch_size: int, seconds: float) -> None:
-        self.queue.record_step(batch_size, seconds)
+    def arrival_s(self, request: SimRequest) -> float:
+        return request.spec.arrival_s
 
 
 class _SGLangPolicy(FcfsPolicy):
@@ -79,18 +64,20 @@ class _SGLangPolicy(FcfsPolicy):
 
     name = "sglang"
 
-    def __init__(self, match_s: float = SGLANG_MATCH_S) -> None:
+    def __init__(self, engine: SimEngine, match_s: float = SGLANG_MATCH_S) -> None:
         super().__init__()
+        self.engine = engine
         self.match_s = match_s
         self.charged_s = 0.0
         """Modelled CPU seconds of SGLang's matching (the engine adds them to the clock)."""
 
-    def new_step(self, engine: Any) -> None:
+    def begin_pass(self, running: Sequence[SimRequest]) -> list[SimRequest]:
         self.charged_s = 0.0
         if len(self._queue) > 1:
-            order = self._order(engine.pool)
+            order = self._order(self.engine.pool)
             if order is not None:
                 self._queue = deque(order)
+        return list(running)
 
     def _order(self, pool: Any) -> list[SimRequest] | None:
         raise NotImplementedError
@@ -161,17 +148,15 @@ class DfsWeightPolicy(_SGLangPolicy):
         return order
 
 
-def make_policy(name: str, feather_options: dict[str, Any], block_tokens: int) -> Any:
-    """``fcfs``, ``sglang-lpm``, ``sglang-dfs-weight`` or ``feather-<gate>[-noorder]``."""
-    if name == "fcfs":
+def make_policy(name: str, feather_options: dict[str, Any], engine: SimEngine) -> Any:
+    """The simulated scheduler of a name (``schedulers.SIM_KINDS``) for ``engine``."""
+    parsed = parse_scheduler(name, SIM_KINDS)
+    if parsed.kind is SchedulerKind.FCFS:
         return FcfsPolicy()
-    if name == "sglang-lpm":
-        return LpmPolicy()
-    if name == "sglang-dfs-weight":
-        return DfsWeightPolicy()
-    options = feather_variant(name, feather_options)
-    if options is not None:
-        return FeatherPolicy(FeatherConfig.from_sources(options, environ={}), block_tokens,
-                             name=name)
-    raise ValueError(f"unknown scheduler {name!r}: use fcfs, sglang-lpm, sglang-dfs-weight "
-                     "or feather-<always|chunk-loss|bandit>[-noorder]")
+    if parsed.kind is SchedulerKind.SGLANG_LPM:
+        return LpmPolicy(engine)
+    if parsed.kind is SchedulerKind.SGLANG_DFS_WEIGHT:
+        return DfsWeightPolicy(engine)
+    config = FeatherConfig.from_sources(parsed.feather_options(feather_options), environ={})
+    view = SimRequests(keys_per_chunk(engine.config.block_tokens, config.chunk_tokens))
+    return FeatherRuntime(config, view, clock=engine.clock, name=name)

@@ -8,16 +8,17 @@ output token, modelled L2 hit rate) and the ratio table.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from feather_sched.bench.records import RequestRecord
 from feather_sched.bench.report import RunResult
+from feather_sched.runtime import FeatherRuntime
 from feather_sched.sim.cost import CostModel, CostParams
 from feather_sched.sim.engine import EngineConfig, SimEngine, SimResult
 from feather_sched.sim.hardware import HardwareProfile
 from feather_sched.sim.model_profiles import ModelProfile
-from feather_sched.sim.policies import FeatherPolicy, make_policy
+from feather_sched.sim.policies import make_policy
 from feather_sched.workloads import Workload
 
 KV_MEMORY_FRACTION = 0.9
@@ -50,19 +51,18 @@ class SimPlan:
 def simulate(plan: SimPlan, name: str,
              on_done: Callable[[RequestRecord], None] | None = None) -> RunResult:
     """One policy's simulated run, as the benchmark report takes it."""
-    config = plan.engine_config()
-    policy = make_policy(name, plan.feather_options, config.block_tokens)
     cost_model = CostModel(plan.hardware, plan.model, plan.params, cascade=plan.cascade)
-    result = SimEngine(policy, cost_model, config).run(plan.workload, on_done)
+    engine = SimEngine(cost_model, plan.engine_config())
+    policy = make_policy(name, plan.feather_options, engine)
+    result = engine.run(plan.workload, policy, on_done)
     return as_run_result(result, policy, name)
 
 
 def as_run_result(result: SimResult, policy: Any, name: str) -> RunResult:
     run = result.run_result()
     run.name = name
-    if isinstance(policy, FeatherPolicy):
-        counts = policy.queue.counts
-        run.gate_counts = {"add": counts.add, "stop": counts.stop, "forced": counts.forced}
+    if isinstance(policy, FeatherRuntime):
+        run.gate_counts = asdict(policy.counts)
     run.extra = {
         "hbm_bytes_per_output_token": result.costs.hbm_bytes_per_output_token,
         "modelled_l2_hit_rate": result.costs.l2_hit_rate,
@@ -87,14 +87,14 @@ def pretrain_bandit(plan: SimPlan, state_file: str, rounds: int,
     would across restarts; returns the number of learned decisions in the table.
     """
     options = {**plan.feather_options, "state_file": state_file}
-    config = plan.engine_config()
     cost_model = CostModel(plan.hardware, plan.model, plan.params, cascade=plan.cascade)
+    engine = SimEngine(cost_model, plan.engine_config())
     pulls = 0
     for round_index in range(rounds):
         for shape in PRETRAIN_FAMILY:
             workload = workload_of(*shape, round_index)
-            policy = make_policy("feather-bandit", options, config.block_tokens)
-            SimEngine(policy, cost_model, config).run(workload)
+            policy = make_policy("feather-bandit", options, engine)
+            engine.run(workload, policy)
             policy.queue.gate.save(state_file)
             pulls = sum(arm.pulls for arms in policy.queue.gate.table.values()
                         for arm in arms.values())

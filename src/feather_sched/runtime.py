@@ -1,0 +1,312 @@
+"""FeatherRuntime: the one admission contract that vLLM, SGLang and the simulator drive.
+
+Engines differ in their request types and their loops, not in what Feather needs to
+know.  The runtime holds all of Feather's state for one scheduler (options, the
+``FeatherQueue``, admission counts, the ``StepMeter`` with stats, step log and saved gate
+state) behind one contract, stated once, in the style of vLLM's ``RequestQueue``::
+
+    enter_waiting(request)        the engine holds it in the waiting queue Feather orders
+                                  (idempotent: new, preempted, skipped or resumed alike)
+    discard(request_id)           the engine let go of it: finished, aborted, rejected
+                                  (any state; True the first time, False after)
+    begin_pass(running) -> order  a scheduling pass starts: the running set becomes the
+                                  engine's; returns the running list in Feather's order
+    decide(offered=None)          the admission for the current candidate (the engine's
+                                  offered request, or the queue's own); asked once
+    admit(request)                the engine admits the request of the last ADD
+    hold(request_id)              the engine took it out of the waiting queue without
+                                  running it (skipped this pass, or parked elsewhere)
+    end_pass(step, running)       the pass formed step ``step``: the running set is
+                                  reconciled again and the decisions that took effect
+                                  are bound to ``step`` and counted
+    end_step(step, size, seconds) step ``step`` ran: its reward reaches exactly the
+                                  decisions bound to it
+
+The running set is never assumed from admissions: each ``begin_pass`` and ``end_pass``
+takes what the engine itself reports as running, so a request the engine skipped, parked
+or ran by a path Feather does not see is placed where the engine has it.  An ADD counts
+(and is rewarded) only when its request is running at the end of the pass; a STOP counts
+and is rewarded with the step it shaped.
+
+Adapters translate their engine's request type through a ``RequestView``; nothing here
+imports an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from feather_sched.config import FeatherConfig
+from feather_sched.gate import Decision, GateContext, UCBBanditGate
+from feather_sched.prefix import group_of, order_by_group
+from feather_sched.queue import Admission, QueueState
+from feather_sched.stats import AdmissionCounts, StepMeter
+from feather_sched.steplog import BatchEntry
+
+R = TypeVar("R")
+RequestId = Hashable
+
+MAX_OPEN_STEPS = 64
+"""Steps formed but not yet reported; older ones are dropped unrewarded (an engine that
+never reports a step, e.g. an empty one, cannot grow this without bound)."""
+
+logger = logging.getLogger("feather_sched")
+
+
+class RequestView(Protocol[R]):
+    """How an adapter reads its engine's request type."""
+
+    def request_id(self, request: R) -> RequestId: ...
+
+    def chunk_keys(self, request: R) -> list:
+        """The prompt's cumulative chunk keys (see ``cht``)."""
+
+    def prompt_tokens(self, request: R) -> int:
+        """Prompt length; a request whose prompt grew (a streaming session) is re-keyed."""
+
+    def arrival_s(self, request: R) -> float | None:
+        """Arrival time on the queue's clock, or None for now."""
+
+
+@dataclass
+class _Tracked(Generic[R]):
+    request: R
+    prompt_tokens: int
+
+
+@dataclass
+class _Taken:
+    """A fresh answer of this pass, and whether its request was admitted."""
+
+    admission: Admission
+    admitted: bool = False
+
+
+class FeatherRuntime(Generic[R]):
+    """Feather's admission for one scheduler, behind the contract in the module docstring."""
+
+    def __init__(self, config: FeatherConfig, view: RequestView[R], *,
+                 clock: Callable[[], float] = time.monotonic, name: str = "feather") -> None:
+        self.name = name
+        self.config = config
+        self.view = view
+        self.queue = config.make_queue(clock=clock)
+        self.counts = AdmissionCounts()
+        bandit = self.queue.gate if isinstance(self.queue.gate, UCBBanditGate) else None
+        self.meter = StepMeter(name, stats_file=config.stats_file, step_log=config.step_log,
+                               state_file=config.state_file, gate=bandit,
+                               admissions=self.counts)
+        self._tracked: dict[RequestId, _Tracked[R]] = {}
+        self._taken: list[_Taken] = []
+        self._open_steps: OrderedDict[Hashable, list[tuple[GateContext, Decision]]] = \
+            OrderedDict()
+
+    @property
+    def orders_running(self) -> bool:
+        """Whether ``begin_pass`` returns the running list in Feather's order."""
+        return self.config.order_running
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Requests waiting in Feather's queue."""
+        return len(self.queue)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._tracked
+
+    def request(self, request_id: RequestId) -> R:
+        """The engine's request object for an id Feather knows."""
+        return self._tracked[request_id].request
+
+    def enter_waiting(self, request: R) -> None:
+        """The engine holds ``request`` in the waiting queue Feather orders.
+
+        Idempotent: a new request is added, a running or held one returns to waiting
+        (preemption, a skip undone), a waiting one stays.  A request whose prompt grew
+        since Feather last saw it (a resumed streaming session) gets new chunk keys.
+        """
+        request_id = self._refresh(request)
+        if self.queue.state(request_id) is not QueueState.WAITING:
+            self.queue.requeue(request_id)
+
+    def discard(self, request_id: RequestId) -> bool:
+        """The engine let go of the request; forget it in any state.  O(its keys).
+
+        Returns True when Feather knew it, False otherwise, so every exit path of an
+        engine may call this and a request still leaves exactly once.
+        """
+        if self._tracked.pop(request_id, None) is None:
+            return False
+        self.queue.remove(request_id)
+        return True
+
+    def hold(self, request_id: RequestId) -> None:
+        """The engine took a request out of Feather's waiting queue without running it.
+
+        It is no candidate until the engine returns it (``enter_waiting``) or runs it
+        (seen at the next reconciliation); an admission of it in this pass is void.
+        """
+        if self.queue.state(request_id) is QueueState.HELD:
+            return
+        self.queue.hold(request_id)
+        for taken in self._taken:
+            if taken.admission.request_id == request_id:
+                taken.admitted = False
+
+    def is_running(self, request_id: RequestId) -> bool:
+        """Whether Feather has the request in its running set."""
+        return request_id in self.queue and self.queue.state(request_id) is QueueState.RUNNING
+
+    # ---- one scheduling pass ----------------------------------------------------------
+
+    def begin_pass(self, running: Sequence[R]) -> list[R]:
+        """Start a pass: reconcile with the engine's running list, reopen admission.
+
+        Returns ``running`` in the order Feather keeps it (``prefix.order_by_group``)
+        when ``order_running`` is on, else as given.  O(running) plus the sort.
+        """
+        self.reconcile(running)
+        self.queue.new_step()
+        self._taken.clear()
+        if not self.config.order_running:
+            return list(running)
+        return order_by_group(running, self.group)
+
+    def decide(self, offered: R | None = None) -> Admission | None:
+        """The admission for ``offered`` (default: the queue's candidate); None if none.
+
+        The answer is cached until something changes, and counted once when fresh.
+        """
+        offered_id = None
+        if offered is not None:
+            offered_id = self._refresh(offered)
+            if self.queue.state(offered_id) is not QueueState.WAITING:
+                self.queue.requeue(offered_id)
+        admission = self.queue.decide(offered_id)
+        if admission is None:
+            return None
+        if not self._taken or self._taken[-1].admission is not admission:
+            self.counts.asked += 1
+            self._taken.append(_Taken(admission))
+        return admission
+
+    def admit(self, request: R) -> None:
+        """The engine admits ``request``; it must be the subject of the last ADD."""
+        request_id = self.view.request_id(request)
+        last = self._taken[-1] if self._taken else None
+        if last is None or last.admission.request_id != request_id or \
+                last.admission.decision is not Decision.ADD or last.admitted:
+            raise RuntimeError(f"admit({request_id!r}) without an ADD decision for it")
+        self.queue.admit(request_id)
+        last.admitted = True
+
+    def end_pass(self, step: Hashable, running: Sequence[R]) -> None:
+        """The pass formed ``step``: reconcile, count and bind the decisions that held."""
+        self.reconcile(running)
+        credit: list[tuple[GateContext, Decision]] = []
+        for taken in self._taken:
+            admission = taken.admission
+            if admission.decision is Decision.STOP:
+                if admission.context is not None:
+                    self.counts.stop += 1
+                    credit.append((admission.context, Decision.STOP))
+            elif taken.admitted and self.is_running(admission.request_id):
+                if admission.forced:
+                    self.counts.forced += 1
+                else:
+                    self.counts.add += 1
+                    credit.append((admission.context, Decision.ADD))
+        self._taken.clear()
+        if credit:
+            self._open_steps[step] = credit
+            while len(self._open_steps) > MAX_OPEN_STEPS:
+                self._open_steps.popitem(last=False)
+
+    def end_step(self, step: Hashable, batch_size: int, seconds: float,
+                 batch: Sequence[BatchEntry] | None = None) -> None:
+        """Step ``step`` ran ``batch_size`` requests in ``seconds``: reward and record it."""
+        decisions = self._open_steps.pop(step, None)
+        if not batch_size:
+            return
+        if decisions and seconds > 0:
+            self.queue.gate.reward(decisions, batch_size, seconds)
+        self.meter.step(batch_size, seconds, batch)
+
+    # ---- reconciliation ---------------------------------------------------------------
+
+    def reconcile(self, running: Iterable[R], waiting: Iterable[R] | None = None) -> None:
+        """Make Feather's running set the engine's.
+
+        A request the engine runs is running (added if new, re-keyed if its prompt grew);
+        a request Feather had running that the engine no longer runs is held.  Given
+        ``waiting`` (the engine's whole waiting queue), those requests are entered and
+        any request in neither list is discarded: it left the engine by a path Feather
+        did not see.  O(running + waiting) when something changed.
+        """
+        queue, view = self.queue, self.view
+        running = list(running)
+        running_ids = {view.request_id(request) for request in running}
+        if not queue.runs_exactly(running_ids):
+            for request in running:
+                request_id = self._refresh(request)
+                state = queue.state(request_id)
+                if state is QueueState.WAITING:
+                    queue.admit(request_id)
+                elif state is QueueState.HELD:
+                    queue.run(request_id)
+            for request_id in [r for r in queue.running_ids() if r not in running_ids]:
+                self.hold(request_id)
+        if waiting is None:
+            return
+        waiting_ids = set()
+        for request in waiting:
+            request_id = view.request_id(request)
+            waiting_ids.add(request_id)
+            tracked = self._tracked.get(request_id)
+            if tracked is None or tracked.prompt_tokens != view.prompt_tokens(request) or \
+                    queue.state(request_id) is not QueueState.WAITING:
+                self.enter_waiting(request)
+        if len(self._tracked) > len(running_ids) + len(waiting_ids):
+            gone = [r for r in self._tracked if r not in running_ids and r not in waiting_ids]
+            for request_id in gone:
+                self.discard(request_id)
+
+    # ---- order ------------------------------------------------------------------------
+
+    def group(self, request: R) -> Hashable:
+        """The request's prefix group (``prefix.group_of`` over its chunk keys)."""
+        request_id = self.view.request_id(request)
+        tracked = self._tracked.get(request_id)
+        keys = self.queue.keys(request_id) if tracked is not None else \
+            self.view.chunk_keys(request)
+        return group_of(keys, request_id)
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Save the meter's files once more (engine shutdown)."""
+        self.meter.close()
+
+    # ---- internals --------------------------------------------------------------------
+
+
+    def _refresh(self, request: R) -> RequestId:
+        """Track ``request`` (new, or re-keyed when its prompt grew); returns its id."""
+        view = self.view
+        request_id = view.request_id(request)
+        tracked = self._tracked.get(request_id)
+        prompt_tokens = view.prompt_tokens(request)
+        if tracked is not None and tracked.prompt_tokens == prompt_tokens:
+            tracked.request = request
+            return request_id
+        if tracked is not None:
+            self.queue.remove(request_id)
+        self._tracked[request_id] = _Tracked(request, prompt_tokens)
+        self.queue.add(request_id, view.chunk_keys(request), view.arrival_s(request))
+        return request_id

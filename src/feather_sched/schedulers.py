@@ -1,0 +1,90 @@
+"""Scheduler names of the benchmarks and the simulator, parsed and validated in one place.
+
+* ``fcfs`` - the engine's own first-come-first-served scheduler;
+* ``fcfs-nocache`` - the same with prefix caching off (real engine only);
+* ``sglang-lpm``, ``sglang-dfs-weight`` - SGLang's cache-aware policies (simulator only);
+* ``feather-<gate>`` - Feather with gate ``always``, ``chunk-loss`` or ``bandit``;
+  ``feather-<gate>-noorder`` keeps the engine's running order (to measure ordering's share).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from feather_sched.gate import GATE_KINDS
+
+
+class SchedulerKind(Enum):
+    FCFS = "fcfs"
+    FCFS_NOCACHE = "fcfs-nocache"
+    SGLANG_LPM = "sglang-lpm"
+    SGLANG_DFS_WEIGHT = "sglang-dfs-weight"
+    FEATHER = "feather"
+
+
+ENGINE_KINDS = frozenset({SchedulerKind.FCFS, SchedulerKind.FCFS_NOCACHE, SchedulerKind.FEATHER})
+"""What ``feather bench`` runs on the real vLLM engine."""
+SIM_KINDS = frozenset({SchedulerKind.FCFS, SchedulerKind.SGLANG_LPM,
+                       SchedulerKind.SGLANG_DFS_WEIGHT, SchedulerKind.FEATHER})
+"""What ``feather sim`` models."""
+
+NOORDER = "-noorder"
+
+
+@dataclass(frozen=True)
+class SchedulerName:
+    """A parsed scheduler name."""
+
+    name: str
+    kind: SchedulerKind
+    gate: str | None = None
+    order_running: bool = True
+
+    def feather_options(self, base: Mapping[str, Any]) -> dict[str, Any]:
+        """Feather's options for this name on top of the user's (Feather names only)."""
+        if self.kind is not SchedulerKind.FEATHER:
+            raise ValueError(f"{self.name!r} is not a Feather scheduler")
+        return {**base, "gate": self.gate, "order_running": self.order_running}
+
+
+def parse_scheduler(name: str, allowed: Collection[SchedulerKind] = SIM_KINDS) -> SchedulerName:
+    """Parse one name; ValueError naming the valid choices for this context."""
+    name = name.strip()
+    kind = _kind(name)
+    if kind is None or kind not in allowed:
+        raise ValueError(f"unknown scheduler {name!r}: use {choices(allowed)}")
+    if kind is not SchedulerKind.FEATHER:
+        return SchedulerName(name, kind)
+    gate = name.removeprefix("feather-")
+    order_running = not gate.endswith(NOORDER)
+    return SchedulerName(name, kind, gate.removesuffix(NOORDER), order_running)
+
+
+def parse_schedulers(names: str, allowed: Collection[SchedulerKind] = SIM_KINDS
+                     ) -> list[SchedulerName]:
+    """Parse a comma-separated list (empty items ignored); at least one name."""
+    parsed = [parse_scheduler(n, allowed) for n in names.split(",") if n.strip()]
+    if not parsed:
+        raise ValueError(f"no scheduler given: use {choices(allowed)}")
+    return parsed
+
+
+def choices(allowed: Collection[SchedulerKind]) -> str:
+    names = [kind.value for kind in SchedulerKind if kind in allowed and
+             kind is not SchedulerKind.FEATHER]
+    if SchedulerKind.FEATHER in allowed:
+        names.append(f"feather-<{'|'.join(GATE_KINDS)}>[{NOORDER}]")
+    return ", ".join(names)
+
+
+def _kind(name: str) -> SchedulerKind | None:
+    if name.startswith("feather-"):
+        gate = name.removeprefix("feather-").removesuffix(NOORDER)
+        return SchedulerKind.FEATHER if gate in GATE_KINDS else None
+    try:
+        return SchedulerKind(name)
+    except ValueError:
+        return None

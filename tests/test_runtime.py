@@ -1,0 +1,281 @@
+"""FeatherRuntime: the contract every adapter drives, checked on a plain request type."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from feather_sched.config import FeatherConfig
+from feather_sched.gate import Decision, GateContext
+from feather_sched.queue import QueueState
+from feather_sched.runtime import FeatherRuntime
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    keys: list = field(default_factory=list)
+    arrival: float = 0.0
+
+
+class View:
+    def request_id(self, request: Req) -> str:
+        return request.rid
+
+    def chunk_keys(self, request: Req) -> list:
+        return list(request.keys)
+
+    def prompt_tokens(self, request: Req) -> int:
+        return len(request.keys)
+
+    def arrival_s(self, request: Req) -> float:
+        return request.arrival
+
+
+class RecordingGate:
+    """STOP when the candidate loses two chunks or more; remembers every reward."""
+
+    def __init__(self) -> None:
+        self.rewards: list[tuple[list, int, float]] = []
+
+    def decide(self, context: GateContext) -> Decision:
+        return Decision.STOP if context.batch_size and context.chunk_loss > 1 else Decision.ADD
+
+    def reward(self, decisions, batch_size: int, seconds: float) -> None:
+        self.rewards.append((list(decisions), batch_size, seconds))
+
+    def end_step(self) -> None:
+        pass
+
+
+def req(rid: str, group: int = 0, chunks: int = 3) -> Req:
+    return Req(rid, [(group,) + (i,) * (i > 0) for i in range(chunks - 1)] + [(group, rid)])
+
+
+def runtime(gate=None, **options) -> FeatherRuntime:
+    config = FeatherConfig.from_sources({"gate": "always", "max_wait_s": None, **options},
+                                        environ={})
+    rt = FeatherRuntime(config, View(), clock=lambda: 0.0)
+    if gate is not None:
+        rt.queue.gate = gate
+    return rt
+
+
+def admit_all(rt: FeatherRuntime, running: list[Req], limit: int = 99) -> list[Req]:
+    """An engine's admission loop: ask, then admit while ADD (up to ``limit``)."""
+    admitted = []
+    while len(admitted) < limit and (answer := rt.decide()) is not None:
+        if answer.decision is Decision.STOP:
+            break
+        request = rt.request(answer.request_id)
+        rt.admit(request)
+        running.append(request)
+        admitted.append(request)
+    return admitted
+
+
+def running_ids(rt: FeatherRuntime) -> set[str]:
+    return set(rt.queue.running_ids())
+
+
+def test_enter_waiting_is_idempotent_and_discard_is_once() -> None:
+    rt = runtime()
+    a = req("a")
+    rt.enter_waiting(a)
+    rt.enter_waiting(a)
+    assert len(rt) == 1 and "a" in rt
+    assert rt.discard("a") is True
+    assert rt.discard("a") is False and "a" not in rt and len(rt) == 0
+
+
+def test_the_running_set_is_the_engines_not_the_admissions() -> None:
+    rt = runtime(gate=RecordingGate())
+    a, b, phantom = req("a", 0), req("b", 1), req("phantom", 0)
+    for request in (a, b, phantom):
+        rt.enter_waiting(request)
+    running: list[Req] = []
+    rt.begin_pass(running)
+    admit_all(rt, running, limit=1)
+    rt.end_pass(1, running)
+    # the engine parks the running request elsewhere (a streaming session between turns)
+    running.remove(running[0])
+    rt.begin_pass(running)
+    assert running_ids(rt) == set() and rt.queue.state("a") is QueueState.HELD
+    answer = rt.decide()
+    assert answer.context.batch_size == 0 and answer.decision is Decision.ADD
+
+
+def test_an_engine_running_a_request_feather_never_admitted_is_believed() -> None:
+    rt = runtime()
+    a, b = req("a"), req("b")
+    rt.enter_waiting(a)
+    rt.begin_pass([a, b])  # b arrived by a path Feather does not see; a bypassed the gate
+    assert running_ids(rt) == {"a", "b"} and len(rt) == 0
+
+
+def test_an_add_counts_only_when_its_request_runs() -> None:
+    rt = runtime()
+    a, b = req("a", 0), req("b", 0)
+    rt.enter_waiting(a)
+    rt.enter_waiting(b)
+    running: list[Req] = []
+    rt.begin_pass(running)
+    rt.decide()  # asked, but the engine had no room: nothing admitted
+    rt.end_pass(1, running)
+    rt.end_step(1, 0, 0.1)
+    assert (rt.counts.asked, rt.counts.add) == (1, 0)
+    rt.begin_pass(running)
+    admitted = admit_all(rt, running)
+    skipped = admitted[1]
+    running.remove(skipped)
+    rt.hold(skipped.rid)  # the engine popped it, then skipped it
+    rt.end_pass(2, running)
+    assert (rt.counts.add, rt.counts.stop) == (1, 0)
+    assert rt.queue.state(skipped.rid) is QueueState.HELD
+    rt.enter_waiting(skipped)  # and prepended it back
+    assert rt.queue.state(skipped.rid) is QueueState.WAITING
+
+
+def test_rewards_reach_the_decisions_of_their_own_step() -> None:
+    """Async scheduling: pass N+1 is formed before step N reports."""
+    gate = RecordingGate()
+    rt = runtime(gate=gate)
+    rt.enter_waiting(a0 := req("a0", 0))
+    running: list[Req] = []
+    rt.begin_pass(running)
+    admit_all(rt, running)
+    rt.end_pass("step-1", running)  # an empty batch: ADD, and not a learned decision
+    for request in (req("a1", 0), req("b0", 1)):
+        rt.enter_waiting(request)
+    rt.begin_pass(running)
+    admit_all(rt, running)  # a1 ADD (no loss), then b0 STOP (loses the group's chunks)
+    rt.end_pass("step-2", running)
+    rt.end_step("step-2", 2, 0.5)
+    rt.end_step("step-1", 1, 0.25)
+    step2, step1 = gate.rewards
+    assert [d for _, d in step2[0]] == [Decision.ADD, Decision.STOP] and step2[1:] == (2, 0.5)
+    assert [d for _, d in step1[0]] == [Decision.ADD] and step1[1:] == (1, 0.25)
+    assert (rt.counts.add, rt.counts.stop, rt.counts.asked) == (2, 1, 3)
+    assert a0 in running
+
+
+def test_a_prompt_that_grew_is_rekeyed() -> None:
+    rt = runtime()
+    session = req("s", 0, chunks=2)
+    rt.enter_waiting(session)
+    rt.begin_pass([session])
+    session.keys = [*session.keys, ("s", "turn-2")]
+    rt.begin_pass([])
+    rt.enter_waiting(session)
+    assert rt.queue.keys("s") == session.keys
+
+
+def test_reconcile_with_the_waiting_queue_forgets_what_left_unseen() -> None:
+    rt = runtime()
+    a, b, c = req("a"), req("b"), req("c")
+    for request in (a, b, c):
+        rt.enter_waiting(request)
+    rt.reconcile(running=[a], waiting=[c])
+    assert "b" not in rt and running_ids(rt) == {"a"} and list(rt.queue.waiting_ids()) == ["c"]
+
+
+def test_admit_requires_an_add_for_that_request() -> None:
+    rt = runtime()
+    a, b = req("a"), req("b", 1)
+    rt.enter_waiting(a)
+    rt.enter_waiting(b)
+    rt.begin_pass([])
+    with pytest.raises(RuntimeError, match="without an ADD"):
+        rt.admit(a)
+    assert rt.decide().request_id == "a"
+    with pytest.raises(RuntimeError, match="without an ADD"):
+        rt.admit(b)
+
+
+def test_begin_pass_returns_the_running_list_grouped() -> None:
+    rt = runtime()
+    running = [req("a1", 0), req("b1", 1), req("a2", 0)]
+    assert [r.rid for r in rt.begin_pass(running)] == ["a1", "a2", "b1"]
+    rt = runtime(order_running=False)
+    assert [r.rid for r in rt.begin_pass(running)] == ["a1", "b1", "a2"]
+
+
+def test_stats_are_written_and_a_failed_write_keeps_the_runtime_alive(tmp_path, caplog) -> None:
+    stats = tmp_path / "stats.json"
+    rt = runtime(stats_file=str(stats))
+    rt.enter_waiting(a := req("a"))
+    rt.begin_pass([])
+    admit_all(rt, running := [])
+    rt.end_pass(1, running)
+    rt.end_step(1, 1, 0.5)
+    rt.close()
+    data = json.loads(stats.read_text())
+    assert data["steps"] == 1 and data["admissions"]["add"] == 1
+    rt.meter.stats_file = str(tmp_path / "missing" / "stats.json")
+    rt.close()  # logged, not raised
+    assert "could not write its stats file" in caplog.text
+    assert a in running
+
+
+events = st.lists(st.tuples(st.sampled_from(["arrive", "pass", "finish", "preempt", "park",
+                                             "resume", "abort"]), st.integers(0, 5)),
+                  max_size=120)
+
+
+@settings(max_examples=150, deadline=None)
+@given(events, st.integers(1, 4))
+def test_any_engine_history_keeps_the_picture_exact(history, seats: int) -> None:
+    """A toy engine that preempts, parks, skips and aborts; after every pass Feather's
+    running set is the engine's and every request leaves exactly once."""
+    rt = runtime(gate=RecordingGate())
+    waiting: list[Req] = []
+    running: list[Req] = []
+    parked: list[Req] = []
+    arrived, left = [], []
+    for n, (event, arg) in enumerate(history):
+        if event == "arrive":
+            request = req(f"r{n}", arg % 3)
+            arrived.append(request.rid)
+            waiting.append(request)
+            rt.enter_waiting(request)
+        elif event == "pass":
+            running[:] = rt.begin_pass(running)
+            while len(running) < seats and (answer := rt.decide()) is not None:
+                if answer.decision is Decision.STOP:
+                    break
+                request = rt.request(answer.request_id)
+                rt.admit(request)
+                waiting.remove(request)
+                if arg % 3 == 0:  # popped, then skipped for this pass
+                    rt.hold(request.rid)
+                    waiting.append(request)
+                    rt.enter_waiting(request)
+                    break
+                running.append(request)
+            rt.end_pass(n, running)
+            assert running_ids(rt) == {r.rid for r in running}
+            rt.end_step(n, len(running), 0.01)
+        elif event in ("finish", "preempt", "park") and running:
+            request = running.pop(arg % len(running))
+            if event == "finish":
+                rt.discard(request.rid)
+                left.append(request.rid)
+            elif event == "preempt":
+                waiting.insert(0, request)
+                rt.enter_waiting(request)
+            else:
+                parked.append(request)
+        elif event == "resume" and parked:
+            running.append(parked.pop(arg % len(parked)))  # the engine runs it directly
+        elif event == "abort" and waiting:
+            request = waiting.pop(arg % len(waiting))
+            rt.discard(request.rid)
+            left.append(request.rid)
+    for request in waiting + running + parked:
+        assert rt.discard(request.rid)
+        left.append(request.rid)
+    assert sorted(left) == sorted(arrived) and len(rt) == 0 and not running_ids(rt)

@@ -1,0 +1,46 @@
+"""Scheduler names: parsed once, with errors that list what is valid where."""
+
+from __future__ import annotations
+
+import pytest
+
+from feather_sched.schedulers import (
+    ENGINE_KINDS,
+    SIM_KINDS,
+    SchedulerKind,
+    parse_scheduler,
+    parse_schedulers,
+)
+
+
+def test_feather_names_carry_gate_and_order() -> None:
+    name = parse_scheduler("feather-chunk-loss-noorder")
+    assert (name.kind, name.gate, name.order_running) == (SchedulerKind.FEATHER, "chunk-loss",
+                                                          False)
+    assert name.feather_options({"max_wait_s": 5}) == {
+        "max_wait_s": 5, "gate": "chunk-loss", "order_running": False}
+    assert parse_scheduler("feather-bandit").order_running
+
+
+def test_each_context_accepts_only_what_it_can_run() -> None:
+    assert [n.kind for n in parse_schedulers("fcfs, fcfs-nocache,feather-always",
+                                             ENGINE_KINDS)] == [
+        SchedulerKind.FCFS, SchedulerKind.FCFS_NOCACHE, SchedulerKind.FEATHER]
+    with pytest.raises(ValueError, match="unknown scheduler 'sglang-lpm': use fcfs, "
+                                         "fcfs-nocache, feather-"):
+        parse_scheduler("sglang-lpm", ENGINE_KINDS)
+    with pytest.raises(ValueError, match="unknown scheduler 'fcfs-nocache'"):
+        parse_scheduler("fcfs-nocache", SIM_KINDS)
+
+
+@pytest.mark.parametrize("bad", ["feather-greedy", "feather-", "lifo", "feather-bandit-order"])
+def test_bad_names_fail(bad: str) -> None:
+    with pytest.raises(ValueError, match=f"unknown scheduler '{bad}'"):
+        parse_scheduler(bad)
+
+
+def test_an_empty_list_fails() -> None:
+    with pytest.raises(ValueError, match="no scheduler given"):
+        parse_schedulers(" , ")
+    with pytest.raises(ValueError, match="sglang-lpm"):
+        parse_scheduler("feather-feather")
