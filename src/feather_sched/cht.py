@@ -164,6 +164,10 @@ class ChunkedHashTree:
     def chunk_keys(self, request_id: RequestId) -> list:
         return self._entry(request_id).keys
 
+    def arrival_order(self, request_id: RequestId) -> int:
+        """The request's place in arrival order (ties of the best candidate go to the lower)."""
+        return self._entry(request_id).order
+
     def missing_chunks(self, request_id: RequestId) -> int:
         """Chunks of a waiting request that no running request holds."""
         entry = self._entry(request_id)

@@ -174,6 +174,10 @@ class FeatherRuntime(Generic[R]):
         self.reconcile(running)
         self.queue.new_step()
         self._taken.clear()
+        return self.order(running)
+
+    def order(self, running: Sequence[R]) -> list[R]:
+        """``running`` in Feather's order (as given when ``order_running`` is off)."""
         if not self.config.order_running:
             return list(running)
         return order_by_group(running, self.group)

@@ -3,16 +3,17 @@
 ``StepMeter`` is shared by Feather and by the instrumented baselines, so both sides of
 a comparison are measured alike: time inside ``schedule()``, each executed step's batch
 size and time, admission counts, the step log, and (for a learning gate) its table.
-Its files are written every ``WRITE_EVERY_STEPS`` steps and at shutdown, each replaced
-atomically; a write that fails is logged and retried at the next interval, never raised
-into the engine.  ``feather bench`` reads the stats file after a run (the engine may
-live in another process).
+Its files are written every ``WRITE_EVERY_STEPS`` steps or ``WRITE_EVERY_S`` seconds and
+at shutdown, each replaced atomically; a write that fails is logged and retried at the
+next interval, never raised into the engine.  ``feather bench`` reads the stats file
+after a run (the engine may live in another process).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,7 +23,10 @@ from feather_sched.files import replace_atomically
 from feather_sched.steplog import BatchEntry, StepLogWriter
 
 WRITE_EVERY_STEPS = 512
-"""How often the stats file (and a learning gate's state file) is written; also at exit."""
+WRITE_EVERY_S = 10.0
+"""The stats file (and a learning gate's state file) is written every ``WRITE_EVERY_STEPS``
+steps or ``WRITE_EVERY_S`` seconds, whichever comes first, and at shutdown (an engine
+killed without one loses at most that much)."""
 
 logger = logging.getLogger("feather_sched")
 
@@ -88,6 +92,7 @@ class StepMeter:
     stats: SchedulerStats = field(init=False)
     _log: StepLogWriter | None = field(default=None, init=False)
     _failed: set[str] = field(default_factory=set, init=False)
+    _saved_at: float = field(default_factory=time.monotonic, init=False)
 
     def __post_init__(self) -> None:
         self.stats = SchedulerStats(scheduler=self.name, admissions=self.admissions)
@@ -108,11 +113,13 @@ class StepMeter:
         stats.batched_requests += batch_size
         if self._log is not None and batch:
             self._guarded("step log", self.step_log, lambda: self._log.append(batch, seconds))
-        if stats.steps % WRITE_EVERY_STEPS == 0:
+        if stats.steps % WRITE_EVERY_STEPS == 0 or \
+                time.monotonic() - self._saved_at >= WRITE_EVERY_S:
             self.save()
 
     def save(self) -> None:
         """Write the stats file and the gate's table (those configured); never raises."""
+        self._saved_at = time.monotonic()
         if self.stats_file:
             self._guarded("stats file", self.stats_file,
                           lambda: replace_atomically(self.stats_file, self.stats.to_json()))
@@ -131,8 +138,9 @@ class StepMeter:
             write()
         except OSError as error:
             if what not in self._failed:
-                logger.error("Feather could not write its %s %s: %s (retrying every %d steps)",
-                             what, path, error, WRITE_EVERY_STEPS)
+                logger.error("Feather could not write its %s %s: %s (retrying every %d "
+                             "steps or %g s)", what, path, error, WRITE_EVERY_STEPS,
+                             WRITE_EVERY_S)
             self._failed.add(what)
             return
         if what in self._failed:

@@ -35,7 +35,6 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa:
 from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
-from feather_sched.cht import RequestState  # noqa: E402
 from feather_sched.config import FeatherConfig  # noqa: E402
 from feather_sched.integrations import sglang as feather_sglang  # noqa: E402
 from feather_sched.integrations import sglang_launch  # noqa: E402
@@ -43,7 +42,9 @@ from feather_sched.integrations.sglang import (  # noqa: E402
     FeatherPrefillAdder,
     FeatherSchedulePolicy,
     FeatherSGLang,
+    running_requests,
 )
+from feather_sched.queue import QueueState  # noqa: E402
 
 CHUNK = 16
 PREFIX = 4 * CHUNK
@@ -97,6 +98,7 @@ class Engine:
             self.adder_class = PrefillAdder
         self.waiting: list[Req] = []
         self.running: list[Req] = []
+        self.steps = 0
 
     def arrive(self, *reqs: Req) -> None:
         """What ``Scheduler._add_request_to_queue`` does, through Feather's hook."""
@@ -112,11 +114,16 @@ class Engine:
         feather_sglang._hook_add_request_to_queue(original, scheduler, req,
                                                   is_retracted=is_retracted)
 
-    def admission_round(self, max_requests: int | None = None) -> list[Req]:
-        """One pass of ``Scheduler._get_new_batch_prefill_raw``'s admission loop."""
+    def admission_round(self, max_requests: int | None = None, skip=lambda req: False
+                        ) -> list[Req]:
+        """One pass of ``Scheduler._get_new_batch_prefill_raw``'s admission loop, with its
+        ``continue`` branches (LoRA slots, pooling mode, prefetch) standing in as ``skip``,
+        inside Feather's ``get_new_batch_prefill`` hook (begin and end of the round)."""
         from sglang.srt.managers.schedule_batch import ScheduleBatch
 
         running_batch = ScheduleBatch(reqs=list(self.running))
+        if self.feather is not None:
+            self.feather.begin_round(running_requests(running_batch, chunked=None))
         self.policy.calc_priority(self.waiting, running_batch)
         adder = self.adder_class(
             1, self.tree_cache, self.allocator, running_batch, 0.5, 1 << 16, None,
@@ -124,6 +131,8 @@ class Engine:
         for req in self.waiting:
             if adder.budget_state() == AddReqResult.OTHER:
                 break
+            if skip(req):
+                continue
             req.init_next_round_input(self.tree_cache)
             result = adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
             if result != AddReqResult.CONTINUE:
@@ -134,7 +143,13 @@ class Engine:
         chosen = set(admitted)
         self.waiting = [req for req in self.waiting if req not in chosen]
         self.running += admitted
+        if self.feather is not None:
+            self.feather.end_round(list(self.running))
+            assert self.running_ids() == {r.rid for r in self.running}  # the exact picture
         return admitted
+
+    def running_ids(self) -> set[str]:
+        return set(self.feather.runtime.queue.running_ids())
 
     def finish(self, *reqs: Req, reason=None) -> None:
         """A batch result finished ``reqs``: Feather's process_batch_result hook sees it."""
@@ -142,7 +157,8 @@ class Engine:
 
         for req in reqs:
             req.finished_reason = reason or FINISH_LENGTH(length=8)
-        batch = ScheduleBatch(reqs=list(self.running))
+        self.steps += 1
+        batch = ScheduleBatch(reqs=list(self.running), forward_iter=self.steps)
         batch.launch_ts = time.monotonic() - 0.01
         scheduler = SimpleNamespace(feather=self.feather)
         feather_sglang._hook_process_batch_result(lambda scheduler, batch, result: None,
@@ -170,9 +186,9 @@ def test_policy_orders_the_running_group_first_then_by_arrival() -> None:
     expected = [r.rid for r in waiting if _group(r) == "C"]
     expected += [r.rid for r in waiting if _group(r) != "C"]
     assert order == expected
-    queue = engine.feather.queue
-    assert order[0] == queue.peek()
-    assert [queue.tree.missing_chunks(rid) for rid in order] == [0] * 5 + [4] * 15
+    runtime = engine.feather.runtime
+    assert order[0] == runtime.decide().request_id
+    assert [runtime.queue.tree.missing_chunks(rid) for rid in order] == [0] * 5 + [4] * 15
 
 
 def test_order_follows_the_tree_as_a_new_group_is_admitted() -> None:
@@ -181,7 +197,7 @@ def test_order_follows_the_tree_as_a_new_group_is_admitted() -> None:
     admitted = engine.admission_round()
     # Nothing runs: the oldest (A0) first, then its group, which now costs nothing.
     assert [_group(r) for r in admitted] == list("AAAABBBBCCCC")
-    assert engine.feather.queue.num_running == 12
+    assert engine.feather.runtime.queue.num_running == 12
 
 
 # ---- (b) STOP -------------------------------------------------------------------------
@@ -198,10 +214,9 @@ def test_stop_holds_back_other_groups_though_the_budget_allows_more() -> None:
     assert len(plain.admission_round()) == 16  # SGLang alone: the budget takes all
     admitted = feather.admission_round()
     assert {_group(r) for r in admitted} == {"C"} and len(admitted) == 4
-    queue = feather.feather.queue
-    assert queue.counts.stop == 1
-    assert len(queue) == 12 and queue.num_running == 5
-    assert not queue.may_admit()  # STOP holds for the rest of the step
+    runtime = feather.feather.runtime
+    assert runtime.counts.stop == 1 and runtime.counts.add == 1 + 4
+    assert len(runtime) == 12 and runtime.queue.num_running == 5
 
     # Next round: still only the running group is welcome, and none of it waits.
     assert feather.admission_round() == []
@@ -243,10 +258,10 @@ def test_every_request_is_admitted_once_and_the_tree_empties(gate, options) -> N
         # The oldest running requests finish after one decode step.
         engine.finish(*engine.running[:16])
     assert Counter(admitted) == Counter(req.rid for req in requests)
-    queue = engine.feather.queue
-    assert len(queue) == 0 and queue.num_running == 0
-    assert not engine.feather._tracked
-    assert engine.feather.stats.steps == rounds
+    runtime = engine.feather.runtime
+    assert len(runtime) == 0 and runtime.queue.num_running == 0
+    assert not runtime._tracked
+    assert runtime.meter.stats.steps == rounds
 
 
 def test_first_round_above_the_cap_admits_one_group() -> None:
@@ -263,7 +278,7 @@ def test_aborted_waiting_and_running_requests_leave_the_tree() -> None:
     engine = Engine(gate="always")
     engine.arrive(*_interleaved(6, "AB"))
     engine.admission_round(max_requests=2)  # A0, A2 run
-    queue = engine.feather.queue
+    queue = engine.feather.runtime.queue
     waiting_victim = next(r for r in engine.waiting if r.rid == "B3")
     engine.waiting.remove(waiting_victim)  # Scheduler.abort_request pops it from waiting
     running_victim = engine.running[0]
@@ -281,8 +296,8 @@ def test_running_request_removed_without_a_result_is_reconciled() -> None:
     gone = engine.running.pop()  # left the running batch by a path no hook saw
     gone.finished_reason = FINISH_ABORT()
     engine.admission_round(max_requests=0)
-    assert gone.rid not in engine.feather.queue
-    assert engine.feather.queue.num_running == 1
+    assert gone.rid not in engine.feather.runtime
+    assert engine.feather.runtime.queue.num_running == 1
 
 
 @pytest.mark.parametrize("through_hook", [True, False])
@@ -290,48 +305,47 @@ def test_retracted_request_returns_to_waiting_and_is_admitted_again(through_hook
     engine = Engine(gate="always")
     engine.arrive(*_interleaved(4, "AB"))
     engine.admission_round(max_requests=2)
-    queue = engine.feather.queue
+    queue = engine.feather.runtime.queue
     victim = engine.running.pop()
     if through_hook:  # Scheduler.update_running_batch -> _add_request_to_queue(retracted)
         engine._add_to_queue(victim, is_retracted=True)
-        assert queue.tree.state(victim.rid) is RequestState.WAITING
+        assert queue.state(victim.rid) is QueueState.WAITING
     else:
         engine.waiting.append(victim)
     admitted = engine.admission_round(max_requests=1)
     assert [r.rid for r in admitted] == [victim.rid]  # its group runs: it goes first
-    assert queue.tree.state(victim.rid) is RequestState.RUNNING
+    assert queue.state(victim.rid) is QueueState.RUNNING
     assert queue.num_running == 2 and len(queue) == 2
 
 
-def test_request_skipped_by_the_engine_is_parked_for_the_round_only() -> None:
-    engine = Engine(gate="always")
-    engine.arrive(*_interleaved(4, "AB"))
-    running_batch = _running_batch(engine)
-    engine.policy.calc_priority(engine.waiting, running_batch)
-    skipped, offered = engine.waiting[0], engine.waiting[1]
-    adder = engine.adder_class(1, engine.tree_cache, engine.allocator, running_batch, 0.5,
-                               1 << 16, None)
-    offered.init_next_round_input(engine.tree_cache)  # the loop `continue`d past `skipped`
-    assert adder.add_one_req(offered, False, None) == AddReqResult.CONTINUE
-    assert adder.can_run_list == [offered]
-    assert skipped.rid not in engine.feather.queue
-    engine.waiting.remove(offered)
-    engine.running.append(offered)
-    engine.tree_cache.unlock(offered.lock)
-    assert skipped in engine.admission_round()
-    assert engine.feather.queue.num_running == 4 and not engine.waiting
+def test_requests_sglang_skips_stay_waiting_and_the_offered_one_is_judged() -> None:
+    """SGLang's loop ``continue``s past requests (LoRA slots full, another pooling mode,
+    prefetch pending); Feather judges the request actually offered, and every request
+    SGLang admits is running in Feather's picture (checked after each round)."""
+    engine = Engine(gate="chunk-loss", gate_options=STRICT)
+    engine.arrive(_req("A", 100))
+    engine.admission_round()
+    engine.arrive(*_interleaved(12, "AB"))
+    lora_busy = {"A0", "A2"}  # the tree's first candidates, skipped by SGLang
+    admitted = engine.admission_round(skip=lambda req: req.rid in lora_busy)
+    assert {r.rid for r in admitted} == {"A4", "A6", "A8", "A10"}
+    runtime = engine.feather.runtime
+    assert all(runtime.queue.state(rid) is QueueState.WAITING for rid in lora_busy)
+    assert runtime.counts.stop == 1  # the first B offered ended the round
+    admitted = engine.admission_round()
+    assert {r.rid for r in admitted} == lora_busy  # no longer skipped: their group, first
 
 
 # ---- plumbing -------------------------------------------------------------------------
 
 
-def test_step_time_feeds_the_gate() -> None:
+def test_step_time_feeds_the_meter() -> None:
     engine = Engine(gate="bandit")
     engine.arrive(*_interleaved(4, "AB"))
     engine.admission_round()
     running = len(engine.running)
     engine.finish()
-    stats = engine.feather.stats
+    stats = engine.feather.runtime.meter.stats
     assert stats.steps == 1 and stats.batched_requests == running >= 2
     assert stats.step_s >= 0.01
 

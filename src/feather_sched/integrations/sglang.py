@@ -2,7 +2,7 @@
 
 SGLang has no scheduler-class flag and runs each scheduler in a process started with
 multiprocessing 'spawn', so Feather reaches it through SGLang's own plugin hooks:
-``register()`` puts four AROUND hooks into ``sglang.srt.plugins.hook_registry.HookRegistry``,
+``register()`` puts AROUND hooks into ``sglang.srt.plugins.hook_registry.HookRegistry``,
 and ``load_plugins()``, which SGLang calls first thing in every scheduler process
 (``run_scheduler_process``), applies them there.  ``register()`` runs in that process
 because ``python -m feather_sched.integrations.sglang_launch`` calls it at module level and
@@ -11,30 +11,31 @@ under the data-parallel controller).  The same ``register`` can also serve as a 
 plugin (entry point group ``sglang.srt.plugins``).
 
 The hooks are inert unless ``FEATHER_SGLANG=1`` is set in the environment (the launcher
-sets it for ``--schedule-policy feather``); then, in each scheduler:
+sets it for ``--schedule-policy feather``).  Then each scheduler gets a ``FeatherSGLang``,
+which translates SGLang's objects for the engine-agnostic ``FeatherRuntime``:
 
-* Order: ``FeatherSchedulePolicy`` (a ``SchedulePolicy`` on top of SGLang's ``fcfs``)
-  orders the waiting queue by the Chunked Hash Tree: the tree's candidate first (the
-  starved request, else the one missing the fewest chunks of the running set), then by
-  missing chunks and arrival.  After each admission the new best candidate is moved to
-  the next position of the list SGLang's admission loop is walking, so the order follows
-  the tree as the running set grows.  Chunk keys are ``token_chunk_keys(req.origin_input_ids,
-  chunk_tokens)``, computed once per request when it enters the waiting queue.
-* Gate: ``FeatherPrefillAdder`` (returned by ``Scheduler.get_prefill_adder_class``) asks
-  the ``FeatherQueue`` before each ``add_one_req``; on STOP it answers ``OTHER``, which
-  ends SGLang's admission loop for this round; requests SGLang admits are popped from
-  the tree.  A request SGLang skips (LoRA slots, pooling mode, storage prefetch) is parked
-  out of the tree for the rest of the round so the next one can be judged.
-* Feedback: each executed batch's size and its time from launch (``batch.launch_ts``) to
-  result processing go to ``FeatherQueue.record_step``; ``new_step`` starts each
-  scheduling round (each ``calc_priority``).
-* Exits: finished requests leave the tree when their batch result is processed; at the
-  start of every round the tree is reconciled with SGLang's waiting queue, running batch
-  and chunked request, which catches aborts (waiting or running), retractions and
-  priority preemptions (back to waiting: requeued) whatever path they took.
+* a round (``get_new_batch_prefill``) is one pass: ``begin_pass`` with SGLang's running
+  requests; ``FeatherSchedulePolicy.calc_priority`` reconciles the runtime with SGLang's
+  waiting queue and running batch (requests that left by a path no hook saw are
+  forgotten, retracted ones return to waiting) and sorts the waiting queue in the tree's
+  order; after each admission the tree's next candidate is moved up in the list SGLang's
+  loop is walking; ``end_pass`` when the round returns;
+* ``FeatherPrefillAdder.add_one_req`` asks the runtime about the very request SGLang
+  offers (so a request SGLang's loop skips with ``continue`` - LoRA slots, pooling mode,
+  storage prefetch - simply stays waiting), answers ``OTHER`` on STOP, which ends
+  SGLang's round, and admits what SGLang admitted;
+* a round's decisions are rewarded with the next decode step (the batch their
+  admissions shaped), keyed by SGLang's own launch counter (``batch.forward_iter``) and
+  timed from launch until its result has been processed (after the device sync), so a
+  prefill step's time is never taken for theirs, overlap or not;
+* finished requests leave with their batch result; ``update_running_batch`` keeps the
+  running decode batch in Feather's order (SGLang's decode attention walks requests in
+  batch order), through SGLang's own ``ScheduleBatch.filter_batch``.
 
-Options: ``FEATHER_*`` environment variables (see ``feather_sched.config``), or a JSON
-object in ``FEATHER_SGLANG_OPTIONS`` (the launcher's ``--feather-options``).
+Unsupported modes are refused at start-up with a warning that leaves SGLang's own
+scheduling in place (``_unsupported``).  Options: ``FEATHER_*`` environment variables
+(see ``feather_sched.config``), or a JSON object in ``FEATHER_SGLANG_OPTIONS`` (the
+launcher's ``--feather-options``).
 """
 
 from __future__ import annotations
@@ -43,17 +44,17 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 
-from feather_sched.cht import RequestState, token_chunk_keys
+from feather_sched.cht import token_chunk_keys
 from feather_sched.config import FeatherConfig, FeatherConfigError
-from feather_sched.queue import FeatherQueue
-from feather_sched.stats import SchedulerStats
+from feather_sched.gate import Decision
+from feather_sched.queue import QueueState
+from feather_sched.runtime import FeatherRuntime
 
 logger = logging.getLogger("sglang.feather_sched")
 
@@ -63,9 +64,6 @@ BASE_POLICY = "fcfs"
 """The SGLang policy the engine is configured with underneath Feather."""
 ENV_ENABLE = "FEATHER_SGLANG"
 ENV_OPTIONS = "FEATHER_SGLANG_OPTIONS"
-
-WAITING = RequestState.WAITING
-RUNNING = RequestState.RUNNING
 
 
 def feather_enabled(environ: Mapping[str, str] = os.environ) -> bool:
@@ -87,145 +85,141 @@ def feather_options(environ: Mapping[str, str] = os.environ) -> FeatherConfig:
     return FeatherConfig.from_sources(options, environ)
 
 
-@dataclass
-class _Tracked:
-    keys: list
-    arrival_s: float
-    order: int
+class SGLangRequests:
+    """``RequestView`` of SGLang's ``Req``: chunk keys from ``origin_input_ids``."""
+
+    def __init__(self, chunk_tokens: int) -> None:
+        self.chunk_tokens = chunk_tokens
+
+    def request_id(self, req: Req) -> str:
+        return req.rid
+
+    def chunk_keys(self, req: Req) -> list:
+        return token_chunk_keys(req.origin_input_ids, self.chunk_tokens)
+
+    def prompt_tokens(self, req: Req) -> int:
+        return len(req.origin_input_ids)
+
+    def arrival_s(self, req: Req) -> None:
+        return None  # now, on the runtime's clock
+
+
+def is_decode_step(batch: ScheduleBatch) -> bool:
+    """A batch that decodes the running requests (mixed chunked prefill included)."""
+    mode = batch.forward_mode
+    return mode.is_decode() or mode.is_mixed()
 
 
 class FeatherSGLang:
-    """One SGLang scheduler's ``FeatherQueue`` of ``Req`` objects, keyed by ``req.rid``.
+    """One SGLang scheduler's Feather: the runtime, SGLang's rounds and steps translated."""
 
-    Every request SGLang still holds (waiting, running, or parked for the round) has an
-    entry in ``_tracked``; after ``sync`` exactly those requests are in the tree.
-    """
-
-    def __init__(self, config: FeatherConfig | None = None, queue: FeatherQueue | None = None):
+    def __init__(self, config: FeatherConfig | None = None) -> None:
         self.config = config if config is not None else FeatherConfig()
-        self.queue = queue if queue is not None else self.config.make_queue()
-        self.stats = SchedulerStats(scheduler="FeatherSGLang")
-        self._tracked: dict[str, _Tracked] = {}
-        self._order = 0
+        self.runtime: FeatherRuntime[Req] = FeatherRuntime(
+            self.config, SGLangRequests(self.config.chunk_tokens), name="FeatherSGLang")
         self._bound: list[Req] | None = None
         self._cursor = 0
+        self._next_decode = 0
+        """The key of the next decode step: the rounds before it are rewarded with it."""
+        self._decodes: dict[int, int] = {}
+        """SGLang's launch counter of a decode batch -> its key."""
         self.adder_class: type[FeatherPrefillAdder] = type(
             "BoundFeatherPrefillAdder", (FeatherPrefillAdder,), {"feather": self}
         )
-        """``PrefillAdder`` subclass that consults this queue (what the scheduler builds)."""
+        """``PrefillAdder`` subclass that consults this runtime (what the scheduler builds)."""
 
-    # ---- requests in and out ----------------------------------------------------------
+    # ---- rounds -----------------------------------------------------------------------
 
-    def chunk_keys(self, req: Req) -> list:
-        return token_chunk_keys(req.origin_input_ids, self.config.chunk_tokens)
+    def begin_round(self, running: Iterable[Req]) -> None:
+        self.runtime.begin_pass(list(running))
+        self._bound = None
 
-    def enter_waiting(self, req: Req) -> None:
-        """A request (new, retracted, preempted or parked) is in SGLang's waiting queue."""
-        rid = req.rid
-        queue = self.queue
-        if rid not in queue:
-            tracked = self._tracked.get(rid)
-            if tracked is None:
-                self._order += 1
-                tracked = _Tracked(self.chunk_keys(req), queue.clock(), self._order)
-                self._tracked[rid] = tracked
-            queue.add(rid, tracked.keys, req, tracked.arrival_s)
-        elif queue.tree.state(rid) is RUNNING:
-            queue.requeue(rid)
-
-    def forget(self, rid: str) -> None:
-        """Drop a request in any state (finished, aborted); a no-op if unknown."""
-        if rid in self.queue:
-            self.queue.remove(rid)
-        self._tracked.pop(rid, None)
-
-    def is_waiting(self, rid: str) -> bool:
-        return rid in self.queue and self.queue.tree.state(rid) is WAITING
-
-    def sync(self, waiting: Iterable[Req], running: Iterable[Req] | None) -> None:
-        """Reconcile the tree with SGLang's queues at the start of a scheduling round.
-
-        Every waiting request is (re)entered: new ones are added, retracted or preempted
-        ones requeued, parked ones restored.  A tree request in neither ``waiting`` nor
-        ``running`` has left SGLang (finished, aborted) and is forgotten.  With
-        ``running`` None only the waiting side is reconciled.
-        """
-        waiting_ids = set()
-        for req in waiting:
-            waiting_ids.add(req.rid)
-            self.enter_waiting(req)
-        queue = self.queue
-        gone = [rid for rid in queue if rid not in waiting_ids]
-        if running is not None:
-            running_ids = {req.rid for req in running if not req.finished()}
-            gone += [
-                rid for rid in queue.tree.running_ids()
-                if rid not in running_ids and rid not in waiting_ids
-            ]
-        for rid in gone:
-            self.forget(rid)
-        for rid in [rid for rid in self._tracked if rid not in queue]:
-            del self._tracked[rid]
-
-    # ---- ordering ---------------------------------------------------------------------
-
-    def order(self, waiting: list[Req]) -> None:
-        """Sort ``waiting`` in place as the tree ranks it and remember it for this round."""
+    def order(self, waiting: list[Req], running: Iterable[Req]) -> None:
+        """Reconcile with SGLang's queues, then sort ``waiting`` in place as the tree ranks
+        it and remember it for this round."""
+        runtime = self.runtime
+        runtime.reconcile(running, waiting)
         self._bound, self._cursor = waiting, 0
-        queue = self.queue
-        if not len(queue):
+        first = runtime.decide()
+        if first is None:
             return
-        first = queue.peek()
-        tree, tracked = queue.tree, self._tracked
+        queue = runtime.queue
+        first_id = first.request_id
 
         def rank(req: Req) -> tuple[int, int, int]:
             rid = req.rid
-            if rid == first:
+            if rid == first_id:
                 return (0, 0, 0)
-            if rid not in queue or tree.state(rid) is not WAITING:
+            if queue.state(rid) is not QueueState.WAITING:
                 return (2, 0, 0)
-            return (1, tree.missing_chunks(rid), tracked[rid].order)
+            return (1, queue.tree.missing_chunks(rid), queue.tree.arrival_order(rid))
 
         waiting.sort(key=rank)
 
     def admitted(self, req: Req) -> None:
-        """SGLang admitted ``req`` (the tree's candidate): pop it, bring up the next best."""
-        queue = self.queue
-        queue.pop()
+        """SGLang admitted ``req``: the runtime admits it; the next best comes up."""
+        runtime = self.runtime
+        runtime.admit(req)
         bound = self._bound
-        if bound is None or not len(queue):
+        if bound is None:
             return
         try:
             position = bound.index(req, self._cursor)
         except ValueError:
             return
         self._cursor = position + 1
-        following = queue.payload(queue.peek())
+        following = runtime.decide()
+        if following is None:
+            return
         try:
-            found = bound.index(following, position + 1)
+            found = bound.index(runtime.request(following.request_id), position + 1)
         except ValueError:
             return
         if found != position + 1:
             bound.insert(position + 1, bound.pop(found))
 
-    def skip_to(self, req: Req) -> None:
-        """Park the candidates ahead of ``req`` that SGLang passed over in this round."""
-        queue = self.queue
-        while (candidate := queue.peek()) != req.rid:
-            queue.remove(candidate)  # _tracked keeps it; sync restores it next round
+    def end_round(self, running: Iterable[Req]) -> None:
+        self.runtime.end_pass(self._next_decode, list(running))
+        self._bound = None
 
     # ---- steps ------------------------------------------------------------------------
 
-    def new_step(self) -> None:
-        self.queue.new_step()
+    def launched(self, batch: ScheduleBatch) -> None:
+        """A batch went to the device; a decode batch takes the waiting rounds' key."""
+        if is_decode_step(batch):
+            self._decodes[batch.forward_iter] = self._next_decode
+            self._next_decode += 1
 
-    def record_step(self, batch_size: int, seconds: float) -> None:
-        self.queue.record_step(batch_size, seconds)
-        if self.stats.record_step(batch_size, seconds):
-            self.write_state()
+    def processed(self, batch: ScheduleBatch, seconds: float) -> None:
+        """A batch's result was processed: finished requests leave; the step is rewarded."""
+        for req in batch.reqs:
+            if req.finished():
+                self.runtime.discard(req.rid)
+        key: Hashable = self._decodes.pop(batch.forward_iter, ("prefill", batch.forward_iter))
+        self.runtime.end_step(key, batch.batch_size(), seconds)
 
-    def write_state(self) -> None:
-        self.config.persist(self.stats, self.queue)
+    def order_running(self, batch: ScheduleBatch) -> None:
+        """Put the running decode batch in Feather's order, if it is not already."""
+        if len(batch.reqs) < 2 or not self.config.order_running:
+            return
+        ordered = self.runtime.order(batch.reqs)
+        if all(a is b for a, b in zip(ordered, batch.reqs, strict=True)):
+            return
+        place = {id(req): i for i, req in enumerate(batch.reqs)}
+        permute_batch(batch, [place[id(req)] for req in ordered])
+
+
+def permute_batch(batch: ScheduleBatch, order: list[int]) -> None:
+    """Reorder a batch's requests and every per-request field with SGLang's own
+    ``filter_batch``.  It skips a "filter" that keeps every request, so a placeholder is
+    appended to ``reqs`` for the call; it is never indexed and does not survive it."""
+    reqs = batch.reqs
+    reqs.append(reqs[0])
+    try:
+        batch.filter_batch(keep_indices=order)
+    finally:
+        if batch.reqs is reqs:
+            reqs.pop()
 
 
 class FeatherSchedulePolicy(SchedulePolicy):
@@ -257,34 +251,21 @@ class FeatherSchedulePolicy(SchedulePolicy):
         running_batch: ScheduleBatch | None = None,
         processed_tokens: int = 0,
     ) -> None:
-        started = time.perf_counter()
         super().calc_priority(waiting_queue, running_batch, processed_tokens)
-        running = None
-        if running_batch is not None:
-            running = list(running_batch.reqs)
-            chunked = self.chunked_req()
-            if chunked is not None:
-                running.append(chunked)
-        feather = self.feather
-        feather.sync(waiting_queue, running)
-        feather.new_step()
-        feather.order(waiting_queue)
-        feather.stats.schedule_calls += 1
-        feather.stats.schedule_s += time.perf_counter() - started
+        self.feather.order(waiting_queue,
+                           running_requests(running_batch, chunked=self.chunked_req()))
 
 
 class FeatherPrefillAdder(PrefillAdder):
-    """SGLang's ``PrefillAdder`` that stops admitting when the Feather gate says STOP."""
+    """SGLang's ``PrefillAdder`` that asks Feather about each request SGLang offers."""
 
     feather: FeatherSGLang
     """Set on the per-scheduler subclass (``FeatherSGLang.adder_class``)."""
 
     def add_one_req(self, req: Req, has_chunked_req: bool, truncation_align_size: int | None):
         feather = self.feather
-        if not feather.is_waiting(req.rid):
-            return super().add_one_req(req, has_chunked_req, truncation_align_size)
-        feather.skip_to(req)
-        if not feather.queue.may_admit():
+        answer = feather.runtime.decide(req)
+        if answer is not None and answer.decision is Decision.STOP:
             return AddReqResult.OTHER
         result = super().add_one_req(req, has_chunked_req, truncation_align_size)
         if self.can_run_list and self.can_run_list[-1] is req:
@@ -295,6 +276,18 @@ class FeatherPrefillAdder(PrefillAdder):
 # ---- scheduler hooks (applied by SGLang's HookRegistry) ------------------------------
 
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+
+
+def running_requests(*batches: ScheduleBatch | None, chunked: Req | None) -> list[Req]:
+    """What SGLang runs: the requests of ``batches`` and the chunked request (between its
+    chunks it is in no batch), less finished ones (their result already let them go)."""
+    running: list[Req] = []
+    seen: set[int] = set()
+    for req in [r for b in batches if b is not None for r in b.reqs] + [chunked]:
+        if req is not None and id(req) not in seen and not req.finished():
+            seen.add(id(req))
+            running.append(req)
+    return running
 
 
 def _hook_init_schedule_policy(original: Callable, scheduler: Any, *args: Any, **kwargs: Any):
@@ -334,23 +327,51 @@ def _hook_add_request_to_queue(original: Callable, scheduler: Any, req: Any, *ar
     if feather is not None:
         waiting = scheduler.waiting_queue
         if waiting and waiting[-1] is req:
-            feather.enter_waiting(req)
+            feather.runtime.enter_waiting(req)
+    return result
+
+
+def _hook_get_new_batch_prefill(original: Callable, scheduler: Any, *args: Any,
+                                **kwargs: Any):
+    feather = getattr(scheduler, "feather", None)
+    if feather is None:
+        return original(scheduler, *args, **kwargs)
+    started = time.perf_counter()
+    running_batch = kwargs.get("running_batch", args[0] if args else None)
+    running = running_requests(running_batch, chunked=scheduler.chunked_req)
+    if not scheduler.waiting_queue:  # no round will reconcile the waiting side: do it here
+        feather.runtime.reconcile(running, waiting=[])
+    feather.begin_round(running)
+    plan = original(scheduler, *args, **kwargs)
+    feather.end_round(running_requests(plan.running_batch, plan.batch_to_run,
+                                       chunked=scheduler.chunked_req))
+    feather.runtime.meter.scheduled(time.perf_counter() - started)
+    return plan
+
+
+def _hook_update_running_batch(original: Callable, scheduler: Any, batch: Any, *args: Any,
+                               **kwargs: Any):
+    feather = getattr(scheduler, "feather", None)
+    if feather is not None:
+        feather.order_running(batch)
+    return original(scheduler, batch, *args, **kwargs)
+
+
+def _hook_run_batch(original: Callable, scheduler: Any, batch: Any, *args: Any, **kwargs: Any):
+    result = original(scheduler, batch, *args, **kwargs)
+    feather = getattr(scheduler, "feather", None)
+    if feather is not None:
+        feather.launched(batch)
     return result
 
 
 def _hook_process_batch_result(original: Callable, scheduler: Any, batch: Any, *args: Any,
                                **kwargs: Any):
-    feather = getattr(scheduler, "feather", None)
-    if feather is None:
-        return original(scheduler, batch, *args, **kwargs)
-    launched = getattr(batch, "launch_ts", None)
-    seconds = time.monotonic() - launched if launched is not None else None
     result = original(scheduler, batch, *args, **kwargs)
-    for req in batch.reqs:
-        if req.finished():
-            feather.forget(req.rid)
-    if seconds is not None and seconds > 0:
-        feather.record_step(batch.batch_size(), seconds)
+    feather = getattr(scheduler, "feather", None)
+    launched = getattr(batch, "launch_ts", None)
+    if feather is not None and launched is not None:
+        feather.processed(batch, time.monotonic() - launched)
     return result
 
 
@@ -358,6 +379,9 @@ HOOKS: dict[str, Callable] = {
     f"{_SCHEDULER}.init_schedule_policy": _hook_init_schedule_policy,
     f"{_SCHEDULER}.get_prefill_adder_class": _hook_get_prefill_adder_class,
     f"{_SCHEDULER}._add_request_to_queue": _hook_add_request_to_queue,
+    f"{_SCHEDULER}.get_new_batch_prefill": _hook_get_new_batch_prefill,
+    f"{_SCHEDULER}.update_running_batch": _hook_update_running_batch,
+    f"{_SCHEDULER}.run_batch": _hook_run_batch,
     f"{_SCHEDULER}.process_batch_result": _hook_process_batch_result,
 }
 """Hook target -> AROUND hook; each is inert on a scheduler without ``feather``."""
@@ -393,4 +417,11 @@ def _unsupported(scheduler: Any) -> str | None:
         return "diffusion LLM scheduling builds its own PrefillAdder"
     if getattr(get_parallel(), "pp_size", 1) > 1:
         return "pipeline parallelism schedules per micro-batch"
+    if getattr(scheduler, "enable_pdmux", False):
+        return "PD multiplexing runs its own split-prefill loop"
+    if getattr(scheduler, "enable_hisparse", False):
+        return "hierarchical sparse attention stages requests outside SGLang's queues"
+    if getattr(scheduler, "enable_priority_scheduling", False):
+        return ("priority scheduling orders and preempts by priority, which Feather's "
+                "prefix order would silently override")
     return None
