@@ -1,0 +1,331 @@
+"""FeatherScheduler driven directly, as vLLM's own ``tests/v1/core`` drive its schedulers.
+
+vLLM 0.32.0's real ``Scheduler`` and ``AsyncScheduler`` (as ``FeatherScheduler`` builds
+them) are constructed from a ``VllmConfig`` for the embedded model and fed fabricated
+model-runner outputs; the async variant keeps one step in flight, as vLLM's engine core
+does on GPUs.  After every ``schedule()`` Feather's running set must be vLLM's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed")
+
+import torch  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_kv_cache_block_sizes,
+)
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.request_queue import SchedulingPolicy  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from feather_sched.gate import Decision, GateContext  # noqa: E402
+from feather_sched.integrations.vllm import FeatherScheduler, FeatherSyncScheduler  # noqa: E402
+from feather_sched.models import TINY_LLAMA  # noqa: E402
+from feather_sched.queue import QueueState  # noqa: E402
+
+BLOCK = 16
+PREFIX_BLOCKS = 8
+"""A group's shared prefix: 128 tokens, one chunk."""
+STRICT = {"gate": "chunk-loss", "max_wait_s": None,
+          "gate_options": {"max_loss": 0, "max_loss_loaded": 0, "floor_start": 0,
+                           "floor_step": 0}}
+"""A gate that stops at the first candidate costing the running batch any shared chunk."""
+
+
+class RecordingGate:
+    """Adds whatever it is asked, remembers what it is rewarded with."""
+
+    def __init__(self, decision: Decision = Decision.ADD) -> None:
+        self.decision = decision
+        self.rewards: list[tuple[list, int, float]] = []
+
+    def decide(self, context: GateContext) -> Decision:
+        return Decision.ADD if context.batch_size == 0 else self.decision
+
+    def reward(self, decisions, batch_size: int, seconds: float) -> None:
+        self.rewards.append((list(decisions), batch_size, seconds))
+
+    def end_step(self) -> None:
+        pass
+
+
+class Harness:
+    """A Feather scheduler and the engine loop around it, with fabricated outputs."""
+
+    def __init__(self, *, async_scheduling: bool = False, num_blocks: int = 256,
+                 feather: dict | None = None, **engine: object) -> None:
+        args = EngineArgs(model=str(TINY_LLAMA), skip_tokenizer_init=True, load_format="dummy",
+                          block_size=BLOCK, max_model_len=2048, max_num_seqs=16,
+                          max_num_batched_tokens=512, enable_prefix_caching=True,
+                          async_scheduling=async_scheduling,
+                          additional_config={"feather": {"gate": "always", **(feather or {})}},
+                          **engine)
+        config = args.create_engine_config()
+        config.scheduler_config.async_scheduling = async_scheduling  # the CPU platform says no
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=8, head_size=64,
+                                 dtype=torch.bfloat16)
+        kv_cache = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                 kv_cache_groups=[KVCacheGroupSpec(["layers.0", "layers.1"],
+                                                                   spec)])
+        config.cache_config.num_gpu_blocks = num_blocks
+        block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache, config)
+        self.scheduler = FeatherScheduler(
+            vllm_config=config, kv_cache_config=kv_cache,
+            structured_output_manager=StructuredOutputManager(config), block_size=block_size,
+            hash_block_size=hash_block_size, log_stats=True)
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.hasher = get_request_block_hasher(hash_block_size, hash_fn)
+        self.runtime = self.scheduler.feather.runtime
+        self.in_flight: list[tuple] = []
+        self.steps = 0
+
+    def request(self, rid: str, group: int, max_tokens: int = 4, suffix: int = 5,
+                **fields: object) -> Request:
+        prefix = [1000 * (group + 1) + t for t in range(PREFIX_BLOCKS * BLOCK)]
+        tail = [50_000 + hash(rid) % 10_000 + t for t in range(suffix)]
+        params = fields.pop("sampling_params", None) or SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        return Request(request_id=rid, prompt_token_ids=prefix + tail, sampling_params=params,
+                       pooling_params=None, arrival_time=time.time(),
+                       block_hasher=self.hasher, **fields)
+
+    def add(self, *requests: Request) -> None:
+        for request in requests:
+            self.scheduler.add_request(request)
+
+    def step(self) -> object:
+        """One engine step: schedule, check the picture, hand in the (oldest) output."""
+        scheduler = self.scheduler
+        output = scheduler.schedule()
+        self.steps += 1
+        self.check()
+        self.in_flight.append((output, self.fake_output(output)))
+        if not isinstance(scheduler, AsyncScheduler) or len(self.in_flight) > 1:
+            scheduler.update_from_output(*self.in_flight.pop(0))
+        return output
+
+    def drain(self, limit: int = 500) -> None:
+        while self.scheduler.has_requests() or self.in_flight:
+            assert self.steps < limit, "the engine stalled"
+            if self.scheduler.has_requests():
+                self.step()
+            else:
+                self.scheduler.update_from_output(*self.in_flight.pop(0))
+
+    def check(self) -> None:
+        """Feather's running set is exactly vLLM's running list."""
+        assert set(self.runtime.queue.running_ids()) == \
+            {r.request_id for r in self.scheduler.running}
+
+    def fake_output(self, output) -> ModelRunnerOutput:
+        """One token for every request whose prompt (and outputs) are computed."""
+        scheduler = self.scheduler
+        ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            request = scheduler.requests[rid]
+            done = request.num_computed_tokens - request.num_output_placeholders >= \
+                request.num_tokens - int(isinstance(scheduler, AsyncScheduler))
+            sampled.append([7] if done else [])
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=sampled)
+
+    def assert_empty(self) -> None:
+        assert len(self.runtime) == 0 and not self.runtime._tracked
+        assert self.runtime.queue.num_running == 0
+
+
+@pytest.fixture(autouse=True)
+def _no_multiprocessing(monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def test_the_class_matches_the_engines_mode() -> None:
+    assert type(Harness().scheduler) is FeatherSyncScheduler
+    assert type(Harness(async_scheduling=True).scheduler) is FeatherScheduler
+
+
+def test_a_streaming_session_between_turns_is_not_running() -> None:
+    """A resumable session that ends a turn leaves ``running`` for ``kv_holding_waiting``
+    without being freed.  Counted as running, it made the empty-batch rule read a batch of
+    one: a strict gate then STOPped other groups while vLLM ran nothing (no reward, the
+    same STOP again; with max_wait_s off, forever)."""
+    harness = Harness(feather=STRICT)
+    session = harness.request("session", group=0, max_tokens=2, resumable=True)
+    harness.add(session)
+    for _ in range(3):
+        harness.step()
+    assert session.status is RequestStatus.WAITING_FOR_STREAMING_REQ
+    assert session in harness.scheduler.kv_holding_waiting and not harness.scheduler.running
+    assert harness.runtime.queue.state("session") is QueueState.HELD
+    other = harness.request("other-group", group=1)
+    harness.add(other)
+    output = harness.step()
+    assert "other-group" in output.num_scheduled_tokens
+    harness.drain()
+    # the next turn grows the prompt; the session runs again from kv_holding_waiting
+    harness.scheduler.add_request(harness.request("session", group=0, resumable=True,
+                                                  suffix=40))
+    output = harness.step()
+    assert "session" in output.num_scheduled_tokens
+    assert harness.runtime.queue.keys("session") == harness.runtime.view.chunk_keys(session)
+    harness.scheduler.finish_requests("session", RequestStatus.FINISHED_ABORTED)
+    harness.drain()
+    harness.assert_empty()
+
+
+def test_a_request_waiting_for_its_grammar_is_skipped_not_admitted() -> None:
+    """vLLM pops a request whose grammar is not compiled and prepends it back; it must
+    count neither as running nor as an admission, and must not stop its group's
+    admission for the rest of the step."""
+    harness = Harness()
+    grammar = SamplingParams(max_tokens=4, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(regex="a+"))
+    blocked = harness.request("blocked", group=0, sampling_params=grammar)
+    assert blocked.status is RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    harness.add(blocked, *(harness.request(f"g{i}", group=0) for i in range(3)))
+    output = harness.step()
+    assert set(output.num_scheduled_tokens) == {"g0", "g1", "g2"}
+    assert harness.runtime.queue.state("blocked") is QueueState.WAITING
+    assert harness.runtime.counts.add == 3
+    for _ in range(6):
+        harness.step()
+    harness.scheduler.finish_requests("blocked", RequestStatus.FINISHED_ABORTED)
+    harness.drain()
+    harness.assert_empty()
+
+
+def test_requests_beyond_max_loras_are_skipped_and_admitted_later() -> None:
+    harness = Harness(enable_lora=True, max_loras=1, max_lora_rank=8)
+    lora = [LoRARequest(f"adapter{i}", i + 1, f"/adapters/{i}") for i in range(2)]
+    first = [harness.request(f"a{i}", group=0, lora_request=lora[0]) for i in range(2)]
+    second = [harness.request(f"b{i}", group=1, lora_request=lora[1]) for i in range(2)]
+    harness.add(first[0], second[0], first[1], second[1])
+    output = harness.step()
+    assert set(output.num_scheduled_tokens) == {"a0", "a1"}  # b0, b1 skipped: max_loras
+    assert harness.runtime.counts.add == 2
+    assert all(harness.runtime.queue.state(r.request_id) is QueueState.WAITING
+               for r in second)
+    harness.drain()
+    assert harness.runtime.counts.add == 4
+    harness.assert_empty()
+
+
+def test_the_oldest_always_skipped_request_does_not_take_the_starvation_slot() -> None:
+    harness = Harness(feather={"max_wait_s": 0.0})
+    grammar = SamplingParams(max_tokens=4, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(regex="a+"))
+    harness.add(harness.request("blocked", group=0, sampling_params=grammar))
+    harness.add(*(harness.request(f"r{i}", group=i) for i in range(3)))
+    time.sleep(0.01)
+    harness.step()
+    counts = harness.runtime.counts
+    assert counts.forced == 1 and counts.add == 2  # r0 forced in blocked's place
+    harness.scheduler.finish_requests("blocked", RequestStatus.FINISHED_ABORTED)
+    harness.drain()
+    harness.assert_empty()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_and_aborts_leave_nothing_behind(async_scheduling: bool) -> None:
+    harness = Harness(async_scheduling=async_scheduling, num_blocks=40,
+                      feather={"gate": "bandit", "gate_options": {"seed": 1}})
+    requests = [harness.request(f"r{i}", group=i % 3, max_tokens=60) for i in range(9)]
+    preempted = 0
+    for n, request in enumerate(requests):
+        harness.add(request)
+        output = harness.step()
+        preempted += len(output.preempted_req_ids)
+        if n == 5:
+            harness.scheduler.finish_requests(["r1", "r4"], RequestStatus.FINISHED_ABORTED)
+    while harness.scheduler.has_requests() or harness.in_flight:
+        if not harness.scheduler.has_requests():
+            harness.scheduler.update_from_output(*harness.in_flight.pop(0))
+            continue
+        preempted += len(harness.step().preempted_req_ids)
+        assert harness.steps < 800
+    assert preempted > 0
+    harness.assert_empty()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_each_reward_reaches_the_decisions_of_its_own_step(async_scheduling: bool) -> None:
+    """The decisions bound to a scheduler output are the ones its result rewards, with
+    its own batch size, even when the next step is scheduled before it reports."""
+    harness = Harness(async_scheduling=async_scheduling)
+    gate = RecordingGate(Decision.STOP)
+    runtime = harness.runtime
+    runtime.queue.gate = gate
+    bound: dict[int, list] = {}
+    end_pass: Callable = runtime.end_pass
+
+    def spying_end_pass(step, running):
+        end_pass(step, running)
+        bound[step] = list(runtime._open_steps.get(step, []))
+
+    runtime.end_pass = spying_end_pass
+    kept, sizes = [], {}  # outputs kept alive: a step's key is its output's identity
+    for wave in range(4):
+        harness.add(*(harness.request(f"w{wave}g{g}r{i}", group=g) for g in range(2)
+                      for i in range(2)))
+        for _ in range(3):
+            kept.append(output := harness.step())
+            sizes[id(output)] = len(output.num_scheduled_tokens)
+    while harness.scheduler.has_requests():
+        kept.append(output := harness.step())
+        sizes[id(output)] = len(output.num_scheduled_tokens)
+    harness.drain()
+    assert gate.rewards, "no decision was ever rewarded"
+    rewarded = [(decisions, size) for decisions, size, _ in gate.rewards]
+    expected = [(bound[step], sizes[step]) for step in bound if bound[step] and sizes[step]]
+    assert sorted(map(repr, rewarded)) == sorted(map(repr, expected))
+    assert any(d is Decision.STOP for decisions, _ in rewarded for _, d in decisions)
+    harness.assert_empty()
+
+
+def test_priority_scheduling_is_refused_at_startup() -> None:
+    with pytest.raises(ValueError, match="scheduling policy 'priority' is not supported"):
+        Harness(scheduling_policy="priority")
+    assert SchedulingPolicy.PRIORITY.value == "priority"
+
+
+def test_running_is_kept_in_group_order_and_preemption_takes_the_smallest_group() -> None:
+    harness = Harness(num_blocks=30)
+    big = [harness.request(f"big{i}", group=0, max_tokens=80) for i in range(4)]
+    small = [harness.request(f"small{i}", group=1, max_tokens=80) for i in range(2)]
+    harness.add(big[0], small[0], big[1], big[2], small[1], big[3])
+    victims: list[str] = []
+    while harness.scheduler.has_requests():
+        output = harness.step()
+        victims += output.preempted_req_ids
+        ordered = [rid for rid in output.num_scheduled_tokens
+                   if rid not in {r.req_id for r in output.scheduled_new_reqs}]
+        groups = [rid.rstrip("0123456789") for rid in ordered]
+        runs = [g for i, g in enumerate(groups) if i == 0 or g != groups[i - 1]]
+        assert len(runs) == len(set(runs)), groups  # each group contiguous
+        assert [groups.count(g) for g in runs] == sorted((groups.count(g) for g in runs),
+                                                         reverse=True)
+        assert harness.steps < 400
+    assert victims and victims[0].startswith("small")
+    harness.assert_empty()
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
