@@ -29,7 +29,6 @@ DEFAULT_GRID = tuple(round(0.05 * i, 2) for i in range(1, 21))
 FEATURES = ("hbm_bytes", "l2_bytes", "flops", "step", "requests")
 
 
-
 # --- fit -------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
