@@ -16,31 +16,37 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-import torch  # noqa: E402
-from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+import torch
+from vllm.engine.arg_utils import EngineArgs
+from vllm.lora.request import LoRARequest
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
     resolve_kv_cache_block_sizes,
 )
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.core.sched.request_queue import SchedulingPolicy  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
 
-from feather_sched.gate import Decision, GateContext  # noqa: E402
-from feather_sched.integrations.vllm import FeatherScheduler, FeatherSyncScheduler  # noqa: E402
-from feather_sched.models import TINY_LLAMA  # noqa: E402
-from feather_sched.queue import QueueState  # noqa: E402
+from feather_sched.gate import Decision, GateContext
+from feather_sched.integrations.vllm import (
+    BATCH_ORDER_PLUGIN,
+    FeatherScheduler,
+    FeatherSyncScheduler,
+    plugin_allowed,
+)
+from feather_sched.models import TINY_LLAMA
+from feather_sched.queue import QueueState
 
 BLOCK = 16
 PREFIX_BLOCKS = 8
@@ -72,7 +78,8 @@ class Harness:
     """A Feather scheduler and the engine loop around it, with fabricated outputs."""
 
     def __init__(self, *, async_scheduling: bool = False, num_blocks: int = 256,
-                 feather: dict | None = None, **engine: object) -> None:
+                 feather: dict | None = None, v2_runner: bool = False,
+                 **engine: object) -> None:
         args = EngineArgs(model=str(TINY_LLAMA), skip_tokenizer_init=True, load_format="dummy",
                           block_size=BLOCK, max_model_len=2048, max_num_seqs=16,
                           max_num_batched_tokens=512, enable_prefix_caching=True,
@@ -88,10 +95,17 @@ class Harness:
                                                                    spec)])
         config.cache_config.num_gpu_blocks = num_blocks
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache, config)
-        self.scheduler = FeatherScheduler(
-            vllm_config=config, kv_cache_config=kv_cache,
-            structured_output_manager=StructuredOutputManager(config), block_size=block_size,
-            hash_block_size=hash_block_size, log_stats=True)
+        # V2 needs Triton to validate; the scheduler reads the choice when it is built
+        # (VllmConfig.use_v2_model_runner reads the variable until the engine caches it).
+        v2 = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if v2_runner else {}
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in v2.items():
+                patch.setenv(name, value)
+            self.scheduler = FeatherScheduler(
+                vllm_config=config, kv_cache_config=kv_cache,
+                structured_output_manager=StructuredOutputManager(config),
+                block_size=block_size, hash_block_size=hash_block_size, log_stats=True)
+        assert self.scheduler.use_v2_model_runner is v2_runner
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.hasher = get_request_block_hasher(hash_block_size, hash_fn)
@@ -163,6 +177,55 @@ def _no_multiprocessing(monkeypatch):
 def test_the_class_matches_the_engines_mode() -> None:
     assert type(Harness().scheduler) is FeatherSyncScheduler
     assert type(Harness(async_scheduling=True).scheduler) is FeatherScheduler
+
+
+def test_the_engine_log_says_how_ordering_acts(monkeypatch) -> None:
+    v1 = Harness().scheduler.feather.order_note()
+    assert v1 == (f"V1 model runner: the worker plugin {BATCH_ORDER_PLUGIN!r} sorts the "
+                  "persistent batch into the running list's order by prefix group", True)
+    v2 = Harness(v2_runner=True).scheduler.feather.order_note()
+    assert v2[0].startswith("Model Runner V2") and v2[1]
+    assert plugin_allowed(BATCH_ORDER_PLUGIN)
+    monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")
+    note, acts = Harness().scheduler.feather.order_note()
+    assert not acts and "not installed or not in VLLM_PLUGINS" in note
+
+
+def group_of(rid: str) -> str:
+    return rid.split("-")[0]
+
+
+@pytest.mark.parametrize(("async_scheduling", "v2_runner", "ordered"),
+                         [(False, True, True), (True, True, True), (False, False, True),
+                          (True, True, False)])
+def test_v2_batch_order_keeps_each_groups_decodes_together(async_scheduling: bool,
+                                                           v2_runner: bool,
+                                                           ordered: bool) -> None:
+    """vLLM's own ``sort_batch_req_ids`` (Model Runner V2's batch order) applied to every
+    scheduler output: each group's decodes are contiguous, through arrivals, finishes,
+    preemptions and aborts; without Feather's order (``order_running`` off) they are not."""
+    harness = Harness(async_scheduling=async_scheduling, v2_runner=v2_runner, num_blocks=40,
+                      feather={"order_running": ordered})
+    preempted = aborted = interleaved = 0
+    for wave in range(30):
+        if wave % 3 == 0:  # a few requests of four groups arrive, interleaved
+            harness.add(*(harness.request(f"g{(wave + i) % 4}-{wave}-{i}", group=(wave + i) % 4,
+                                          max_tokens=20 + (wave * 7 + i * 5) % 40)
+                          for i in range(6)))
+        if wave == 10:
+            victims = [r.request_id for r in harness.scheduler.running[:2]]
+            harness.scheduler.finish_requests(victims, RequestStatus.FINISHED_ABORTED)
+            aborted += len(victims)
+        output = harness.step()
+        preempted += len(output.preempted_req_ids)
+        order = sort_batch_req_ids(output.num_scheduled_tokens, {}, 1)
+        decodes = [group_of(r) for r in order if output.num_scheduled_tokens[r] == 1]
+        runs = [g for i, g in enumerate(decodes) if i == 0 or g != decodes[i - 1]]
+        interleaved += len(runs) != len(set(runs))
+    harness.drain(limit=1000)
+    assert preempted > 0 and aborted == 2
+    assert (interleaved == 0) is ordered, interleaved
+    harness.assert_empty()
 
 
 def test_a_streaming_session_between_turns_is_not_running() -> None:

@@ -260,7 +260,10 @@ class VllmFeather(VllmMeter):
         super().__init__(scheduler, config, self.runtime.meter)
         self.queue = FeatherWaitingQueue(self.runtime, scheduler)
         scheduler.waiting = self.queue
-        logger.info("Feather scheduler: %s; %s", config, self._order_note())
+        note, acts = self.order_note()
+        logger.info("Feather scheduler: %s; %s", config, note)
+        if not acts:
+            logger.warning("Feather's batch ordering cannot act: %s", note)
 
     def before_schedule(self) -> None:
         super().before_schedule()
@@ -282,14 +285,24 @@ class VllmFeather(VllmMeter):
     def close(self) -> None:
         self.runtime.close()
 
-    def _order_note(self) -> str:
+    def order_note(self) -> tuple[str, bool]:
+        """Which model runner the workers use and how batch ordering acts there; and
+        whether it can act at all."""
         if not self.config.order_running:
-            return "batch ordering off (order_running false)"
+            return "batch ordering off (order_running false)", True
+        vllm_config = self.scheduler.vllm_config
         if self.scheduler.use_v2_model_runner:
-            return ("Model Runner V2: batch ordering by prefix group through the running "
-                    "list's order (decodes run in scheduling order)")
-        return ("V1 model runner: batch ordering by prefix group through the running list "
-                "and the feather_batch_order worker plugin (vllm.general_plugins)")
+            if vllm_config.parallel_config.prefill_context_parallel_size > 1:
+                return ("Model Runner V2 with prefill context parallelism reorders each "
+                        "rank's rows itself"), False
+            return ("Model Runner V2: the running list's order by prefix group is the "
+                    "batch's decode order"), True
+        if not plugin_allowed(BATCH_ORDER_PLUGIN):
+            return (f"V1 model runner, but the worker plugin {BATCH_ORDER_PLUGIN!r} is not "
+                    "installed or not in VLLM_PLUGINS"), False
+        return ("V1 model runner: the worker plugin "
+                f"{BATCH_ORDER_PLUGIN!r} sorts the persistent batch into the running "
+                "list's order by prefix group"), True
 
 
 class _Hooks:
@@ -360,6 +373,21 @@ class FeatherScheduler(_Hooks, AsyncScheduler):
 
     component = VllmFeather
     sync_variant = FeatherSyncScheduler
+
+
+BATCH_ORDER_PLUGIN = "feather_batch_order"
+"""This package's ``vllm.general_plugins`` entry point (``vllm_batch_order.register``)."""
+
+
+def plugin_allowed(name: str) -> bool:
+    """Whether vLLM will load general plugin ``name`` in its workers (as vLLM decides)."""
+    from importlib.metadata import entry_points
+
+    import vllm.envs as envs
+
+    installed = {plugin.name for plugin in entry_points(group="vllm.general_plugins")}
+    allowed = envs.VLLM_PLUGINS
+    return name in installed and (allowed is None or name in allowed)
 
 
 def requests_view(scheduler: Scheduler, config: FeatherConfig) -> VllmRequests:
