@@ -57,6 +57,8 @@ class SchedulerStats:
     step_s: float = 0.0
     """Time from handing steps to the workers until their output came back."""
     batched_requests: int = 0
+    reordered_batches: int = 0
+    """Running batches the adapter had to put back in Feather's order (SGLang)."""
     admissions: AdmissionCounts | None = None
     """Feather's counts; None for a scheduler without Feather."""
 
@@ -100,9 +102,12 @@ class StepMeter:
             self._log = StepLogWriter(self.step_log)
 
     def scheduled(self, seconds: float) -> None:
-        """One call of the engine's ``schedule()`` took ``seconds``."""
+        """One call of the engine's ``schedule()`` took ``seconds``; files saved when due
+        (an engine that polls while idle so saves within ``WRITE_EVERY_S`` of its last step)."""
         self.stats.schedule_calls += 1
         self.stats.schedule_s += seconds
+        if time.monotonic() - self._saved_at >= WRITE_EVERY_S:
+            self.save()
 
     def step(self, batch_size: int, seconds: float,
              batch: Sequence[BatchEntry] | None = None) -> None:

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from feather_sched.bench.sglang_policy import sglang_available
+from feather_sched.steplog import read_steps
 from tests.conftest import STAND_INS
 from tests.servers import bench_server, serving
 
@@ -23,8 +24,9 @@ from feather_sched.models import TINY_LLAMA  # noqa: E402
 def test_sglang_server_runs_feather_and_answers_feather_bench(tmp_path) -> None:
     from feather_sched import stats
 
-    log, stats_file = tmp_path / "server.log", tmp_path / "stats.json"
-    options = json.dumps({"gate": "bandit", "stats_file": str(stats_file)})
+    log, stats_file, steps = tmp_path / "server.log", tmp_path / "stats.json", tmp_path / "s.csv"
+    options = json.dumps({"gate": "bandit", "stats_file": str(stats_file),
+                          "step_log": str(steps)})
     command = ["feather_sched.integrations.sglang_launch", "--model-path", str(TINY_LLAMA),
                "--device", "cpu", "--load-format", "dummy", "--skip-tokenizer-init",
                "--attention-backend", "torch_native", "--schedule-policy", "feather",
@@ -34,9 +36,22 @@ def test_sglang_server_runs_feather_and_answers_feather_bench(tmp_path) -> None:
         summary = bench_server(url, tmp_path / "sglang.json", "sglang-feather",
                                "--api", "sglang")
         assert summary["completed"] == 6 and summary["total_output_tokens"] == 30
-        time.sleep(stats.WRITE_EVERY_S + 1)  # the meter saves on its next step after this
-        bench_server(url, tmp_path / "again.json", "sglang-feather", "--api", "sglang")
+        # Arrivals over time: SGLang appends each round's admissions to the running batch,
+        # interleaving groups; Feather puts the decode batch back in group order.
+        bench_server(url, tmp_path / "again.json", "sglang-feather", "--api", "sglang",
+                     "--groups", "3", "--prompts-per-group", "4", "--request-rate", "6",
+                     "--output-len", "12")
+        time.sleep(stats.WRITE_EVERY_S + 1)  # SGLang's idle loop keeps scheduling: it saves
     assert "Feather scheduling policy" in log.read_text()
     written = stats.SchedulerStats.read(stats_file)
     assert written.steps > 0 and written.schedule_calls > 0
     assert written.admissions.asked >= written.admissions.add > 0
+    assert written.reordered_batches > 0
+    decodes = [[e.group for e in batch] for batch, _ in read_steps(steps)
+               if len(batch) > 1 and all(e.new_tokens == 1 for e in batch)]
+    assert decodes and all(contiguous(groups) for groups in decodes), decodes
+
+
+def contiguous(groups: list[str]) -> bool:
+    runs = [g for i, g in enumerate(groups) if i == 0 or g != groups[i - 1]]
+    return len(runs) == len(set(runs))

@@ -53,8 +53,10 @@ from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, Sche
 from feather_sched.cht import token_chunk_keys
 from feather_sched.config import FeatherConfig, FeatherConfigError
 from feather_sched.gate import Decision
+from feather_sched.prefix import SharedPrefixes, group_of
 from feather_sched.queue import QueueState
 from feather_sched.runtime import FeatherRuntime
+from feather_sched.steplog import BatchEntry
 
 logger = logging.getLogger("sglang.feather_sched")
 
@@ -123,6 +125,8 @@ class FeatherSGLang:
         """The key of the next decode step: the rounds before it are rewarded with it."""
         self._decodes: dict[int, int] = {}
         """SGLang's launch counter of a decode batch -> its key."""
+        self._batches: dict[int, list[BatchEntry]] = {}
+        """Launch counter -> the batch as the step log describes it (step_log on)."""
         self.adder_class: type[FeatherPrefillAdder] = type(
             "BoundFeatherPrefillAdder", (FeatherPrefillAdder,), {"feather": self}
         )
@@ -189,14 +193,36 @@ class FeatherSGLang:
         if is_decode_step(batch):
             self._decodes[batch.forward_iter] = self._next_decode
             self._next_decode += 1
+        if self.config.step_log:
+            self._batches[batch.forward_iter] = self.batch_entries(batch)
 
     def processed(self, batch: ScheduleBatch, seconds: float) -> None:
         """A batch's result was processed: finished requests leave; the step is rewarded."""
         for req in batch.reqs:
             if req.finished():
                 self.runtime.discard(req.rid)
-        key: Hashable = self._decodes.pop(batch.forward_iter, ("prefill", batch.forward_iter))
-        self.runtime.end_step(key, batch.batch_size(), seconds)
+        launch = batch.forward_iter
+        key: Hashable = self._decodes.pop(launch, ("prefill", launch))
+        self.runtime.end_step(key, batch.batch_size(), seconds, self._batches.pop(launch, None))
+
+    def batch_entries(self, batch: ScheduleBatch) -> list[BatchEntry]:
+        """The batch in its order, as the step log describes it (chunk granularity)."""
+        runtime = self.runtime
+        decoding = {id(req) for req in (batch.decoding_reqs or [])} \
+            if batch.forward_mode.is_mixed() else set()
+        keys = [runtime.queue.keys(req.rid) if req.rid in runtime else
+                runtime.view.chunk_keys(req) for req in batch.reqs]
+        shared = SharedPrefixes(keys)
+        entries = []
+        for req, req_keys in zip(batch.reqs, keys, strict=True):
+            if batch.forward_mode.is_decode() or id(req) in decoding:
+                context, new = len(req.origin_input_ids) + len(req.output_ids), 1
+            else:
+                context, new = req.extend_end, req.extend_len
+            shared_tokens = shared.shared_keys(req_keys) * self.config.chunk_tokens
+            entries.append(BatchEntry(str(group_of(req_keys, req.rid)),
+                                      min(shared_tokens, context), context, new))
+        return entries
 
     def order_running(self, batch: ScheduleBatch) -> None:
         """Put the running decode batch in Feather's order, if it is not already."""
@@ -207,6 +233,7 @@ class FeatherSGLang:
             return
         place = {id(req): i for i, req in enumerate(batch.reqs)}
         permute_batch(batch, [place[id(req)] for req in ordered])
+        self.runtime.meter.stats.reordered_batches += 1
 
 
 def permute_batch(batch: ScheduleBatch, order: list[int]) -> None:
