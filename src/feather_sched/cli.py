@@ -139,7 +139,13 @@ def _engine_args(pairs: list[str]) -> dict:
     return args
 
 
-WorkloadKind = Annotated[str, typer.Option(help="shared-prefix, long-docs, chat, no-sharing.")]
+WorkloadKind = Annotated[str, typer.Option(help="shared-prefix, minority (one group of "
+                                           "--prompts-per-group, --groups - 1 groups of "
+                                           "--minority-size), long-docs, chat, no-sharing.")]
+MinoritySize = Annotated[int, typer.Option(min=1, help="Requests of each minority group.")]
+SaveDetailed = Annotated[bool, typer.Option(help="Add per-request ttfts, itls, lengths, "
+                                            "groups to --json (vllm bench serve's "
+                                            "--save-detailed).")]
 Trace = Annotated[Path | None, typer.Option(help="Replay a JSONL or Mooncake trace.")]
 Seed = Annotated[int, typer.Option(help="Workload seed.")]
 Groups = Annotated[int, typer.Option(min=1, help="Prefix groups (docs, chats).")]
@@ -166,6 +172,7 @@ def bench(
     = "shuffled",
     request_rate: Rate = None,
     burstiness: Annotated[float, typer.Option(help="1 = Poisson; other: bursty.")] = 1.0,
+    minority_size: MinoritySize = 20,
     max_concurrency: Annotated[int | None, typer.Option(help="Server mode cap.")] = None,
     schedulers: Annotated[str, typer.Option(help=f"{choices(ENGINE_KINDS)}.")]
     = "fcfs,feather-bandit",
@@ -183,6 +190,7 @@ def bench(
                                      "(native /generate, token ids).")] = "openai",
     seed: Seed = 0,
     json_path: JsonOut = None,
+    save_detailed: SaveDetailed = False,
     plot_path: PlotOut = None,
 ) -> None:
     """Feather vs the engine's own scheduler on the real vLLM engine (or any server)."""
@@ -200,7 +208,7 @@ def bench(
             kind=workload, trace=trace, groups=groups, prompts_per_group=prompts_per_group,
             prefix_len=prefix_len, suffix_len=suffix_len, output_len=output_len,
             jitter=jitter, order=order, request_rate=request_rate, burstiness=burstiness,
-            seed=seed).build()
+            minority_size=minority_size, seed=seed).build()
         plan = BenchPlan(
             workload=built, schedulers=[s.strip() for s in schedulers.split(",") if s.strip()],
             feather_options=_json_option(feather_options, "--feather-options"),
@@ -212,7 +220,7 @@ def bench(
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     runs, _ = run_bench(plan, console)
-    save_outputs(runs, bench_config(plan), json_path, plot_path)
+    save_outputs(runs, bench_config(plan), json_path, plot_path, save_detailed)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -296,6 +304,7 @@ def sim(
     suffix_len: SuffixLen = 32,
     output_len: OutputLen = 50,
     request_rate: Rate = None,
+    minority_size: MinoritySize = 20,
     seed: Seed = 0,
     hardware: Annotated[str, typer.Option(help="rtx6000-ada, a100-80gb, h100-sxm, h200, "
                                           "or a hardware JSON.")] = "h100-sxm",
@@ -317,6 +326,7 @@ def sim(
     charge_scheduler_time: Annotated[bool, typer.Option(help="Add the scheduler's CPU time "
                                                         "to the simulated clock.")] = True,
     json_path: JsonOut = None,
+    save_detailed: SaveDetailed = False,
     plot_path: PlotOut = None,
 ) -> None:
     """Simulate Feather against vLLM's and SGLang's schedulers on GPUs we do not have."""
@@ -327,7 +337,7 @@ def sim(
         args = WorkloadArgs(kind=workload, trace=trace, groups=groups,
                             prompts_per_group=prompts_per_group, prefix_len=prefix_len,
                             suffix_len=suffix_len, output_len=output_len,
-                            request_rate=request_rate, seed=seed)
+                            request_rate=request_rate, minority_size=minority_size, seed=seed)
         parse_schedulers(schedulers, SIM_KINDS)  # fail on a bad name before any run starts
         plan = _sim_plan(args, hardware, model, profile, schedulers, feather_options, cascade,
                          max_num_seqs, max_num_batched_tokens, charge_scheduler_time,
@@ -339,7 +349,7 @@ def sim(
     runs = report_runs(runners, plan.workload, console)
     config = {"workload": plan.workload.describe(), "hardware": plan.hardware.name,
               "model": plan.model.name, "cascade": cascade, "schedulers": plan.schedulers}
-    save_outputs(runs, config, json_path, plot_path)
+    save_outputs(runs, config, json_path, plot_path, save_detailed)
 
 
 @app.command()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from feather_sched.cht import DEFAULT_CHUNK_TOKENS
+from feather_sched.fairness import DEFAULT_MAX_OVERTAKES
 from feather_sched.gate import GATE_KINDS, Gate, make_gate
 from feather_sched.queue import DEFAULT_MAX_WAIT_S, FeatherQueue
 
@@ -38,8 +39,11 @@ class FeatherConfig:
     """Chunk size; with engine block hashes, rounded to whole blocks (at least one)."""
     state_file: str | None = None
     """Bandit table to start from and to save to (warm start across restarts)."""
+    max_overtakes: int | None = DEFAULT_MAX_OVERTAKES
+    """Fairness bound: while a request waits, at most this many later arrivals are
+    admitted before it (``fairness``); None turns it off."""
     max_wait_s: float | None = DEFAULT_MAX_WAIT_S
-    """Starvation bound: a request waiting longer is admitted whatever the gate says."""
+    """Starvation backstop: a request waiting longer is admitted whatever the gate says."""
     order_running: bool = True
     """Keep the running batch ordered by prefix group."""
     stats_file: str | None = None
@@ -59,6 +63,12 @@ class FeatherConfig:
                 f"feather option 'chunk_tokens' must be a positive integer, "
                 f"got {self.chunk_tokens!r}"
             )
+        if self.max_overtakes is not None and (
+                isinstance(self.max_overtakes, bool) or not isinstance(self.max_overtakes, int)
+                or self.max_overtakes < 0):
+            raise FeatherConfigError(
+                f"feather option 'max_overtakes' must be a non-negative integer or null, "
+                f"got {self.max_overtakes!r}")
         if self.max_wait_s is not None and not self.max_wait_s >= 0:
             raise FeatherConfigError(
                 f"feather option 'max_wait_s' must be non-negative, got {self.max_wait_s!r}"
@@ -90,7 +100,8 @@ class FeatherConfig:
             raise FeatherConfigError(f"feather gate options: {error}") from None
 
     def make_queue(self, clock: Callable[[], float] = time.monotonic) -> FeatherQueue:
-        return FeatherQueue(self.make_gate(), max_wait_s=self.max_wait_s, clock=clock)
+        return FeatherQueue(self.make_gate(), max_overtakes=self.max_overtakes,
+                            max_wait_s=self.max_wait_s, clock=clock)
 
 
 
@@ -100,6 +111,7 @@ def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
         "gate": str,
         "gate_options": _json_object,
         "chunk_tokens": _integer,
+        "max_overtakes": _optional_integer,
         "state_file": str,
         "max_wait_s": _seconds,
         "order_running": _boolean,
@@ -126,6 +138,10 @@ def _json_object(raw: str) -> dict[str, Any]:
 
 def _integer(raw: str) -> int:
     return int(raw)
+
+
+def _optional_integer(raw: str) -> int | None:
+    return None if raw.lower() in ("none", "off") else int(raw)
 
 
 def _seconds(raw: str) -> float | None:

@@ -11,10 +11,14 @@ queue knows each request in one of three states:
 
 After a STOP the queue answers STOP until ``new_step`` starts the next scheduling pass.
 
-Starvation guard: a request that has waited longer than ``max_wait_s`` is the candidate
-ahead of the tree's choice and is admitted whatever the gate says, one such request per
-pass, so an overloaded queue (where every request is old) still fills the rest of each
-pass in the tree's order instead of degrading to FCFS.
+Two bounds on waiting override the tree's order and the gate (the request they name is
+the candidate, admitted whatever the gate says):
+
+* the overtaking bound (``fairness``, ``max_overtakes``): while a request waits, at most
+  that many later arrivals are admitted before it;
+* the starvation guard (``max_wait_s``), an absolute backstop: the oldest request that
+  has waited longer than this goes first, one such request per pass, so an overloaded
+  queue still fills the rest of each pass in the tree's order.
 
 Costs: ``add`` is linear in the request's keys; ``admit``/``requeue``/``remove``/``hold``
 in its keys plus the waiting requests whose shared depth changes (see ``cht``);
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from feather_sched.cht import Candidate, CHTError, ChunkedHashTree, ChunkKey, RequestState
+from feather_sched.fairness import DEFAULT_MAX_OVERTAKES, OvertakeBound
 from feather_sched.gate import AlwaysAddGate, Decision, Gate, GateContext
 
 RequestId = Hashable
@@ -72,6 +77,7 @@ class FeatherQueue:
         self,
         gate: Gate | None = None,
         *,
+        max_overtakes: int | None = DEFAULT_MAX_OVERTAKES,
         max_wait_s: float | None = DEFAULT_MAX_WAIT_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -79,6 +85,7 @@ class FeatherQueue:
             raise ValueError(f"max_wait_s must be non-negative or None, got {max_wait_s}")
         self.tree = ChunkedHashTree()
         self.gate: Gate = gate if gate is not None else AlwaysAddGate()
+        self.bound = OvertakeBound(max_overtakes) if max_overtakes is not None else None
         self.max_wait_s = max_wait_s
         self.clock = clock
         self._requests: dict[RequestId, _Request] = {}
@@ -141,6 +148,8 @@ class FeatherQueue:
         self.tree.add(request_id, keys)
         arrival = self.clock() if arrival_s is None else arrival_s
         self._requests[request_id] = _Request(list(keys), arrival)
+        if self.bound is not None:
+            self.bound.arrive(request_id)
         self._offer_to_guard(request_id)
         self._changed()
 
@@ -148,6 +157,8 @@ class FeatherQueue:
         """Move a waiting request into the running set."""
         admission = self._admission
         self.tree.admit(request_id)
+        if self.bound is not None:
+            self.bound.admit(request_id)
         if admission is not None and admission.forced and admission.request_id == request_id:
             self._forced = request_id
         self._changed()
@@ -161,14 +172,19 @@ class FeatherQueue:
             self.tree.add(request_id, self._requests[request_id].keys)
         else:
             raise CHTError(f"cannot requeue request {request_id!r}: it is waiting")
+        if self.bound is not None:
+            self.bound.requeue(request_id)
         self._offer_to_guard(request_id)
         self._changed()
 
     def hold(self, request_id: RequestId) -> None:
         """Take a waiting or running request out of the tree, remembering it."""
-        if self.state(request_id) is QueueState.HELD:
+        state = self.state(request_id)
+        if state is QueueState.HELD:
             raise CHTError(f"request {request_id!r} is already held")
         self.tree.remove(request_id)
+        if self.bound is not None:
+            self.bound.hold(request_id, was_running=state is QueueState.RUNNING)
         if self._forced == request_id:
             self._forced = None  # a forced admission the engine did not run frees the slot
         self._changed()
@@ -179,12 +195,16 @@ class FeatherQueue:
             raise CHTError(f"cannot run request {request_id!r}: it is not held")
         self.tree.add(request_id, self._requests[request_id].keys)
         self.tree.admit(request_id)
+        if self.bound is not None:
+            self.bound.admit(request_id)
         self._changed()
 
     def remove(self, request_id: RequestId) -> None:
         """Forget a request in any state (finished, aborted, rejected)."""
         if self.state(request_id) is not QueueState.HELD:
             self.tree.remove(request_id)
+        if self.bound is not None:
+            self.bound.forget(request_id)
         del self._requests[request_id]
         self._changed()
 
@@ -193,9 +213,10 @@ class FeatherQueue:
     def decide(self, offered: RequestId | None = None) -> Admission | None:
         """The answer for ``offered`` (default: the queue's own candidate); None if none.
 
-        The queue's candidate is a starved request if any (one a pass), else the tree's
-        best.  The gate is asked once per candidate: the answer is kept until the queue
-        changes.  After a STOP every answer is STOP until ``new_step``.
+        The queue's candidate is a starved request if any (one a pass), else the oldest
+        request at its overtaking bound, else the tree's best.  The gate is asked once per
+        candidate: the answer is kept until the queue changes.  After a STOP every answer
+        is STOP until ``new_step``.
         """
         if self._admission is not None and self._asked_for == offered:
             return self._admission
@@ -203,11 +224,13 @@ class FeatherQueue:
             raise CHTError(f"request {offered!r} is not waiting")
         if not self.tree.num_waiting:
             return None
-        starved = self._starved()
-        target = offered if offered is not None else starved
+        bounded = self._starved()
+        if bounded is None and self.bound is not None:
+            bounded = self.bound.due()
+        target = offered if offered is not None else bounded
         candidate = self.tree.candidate(target)
         assert candidate is not None
-        self._admission = self._answer(candidate, forced=target is not None and target == starved)
+        self._admission = self._answer(candidate, forced=target is not None and target == bounded)
         self._asked_for = offered
         return self._admission
 

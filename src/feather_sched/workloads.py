@@ -319,15 +319,48 @@ def shared_prefix_groups(
         weights = 1.0 / np.arange(1, groups + 1) ** zipf_s
         extra = rng.choice(groups, size=total - groups, p=weights / weights.sum())
         sizes = 1 + np.bincount(extra, minlength=groups)
-    members = _arrange(rng, np.repeat(np.arange(groups), sizes), order)
-    prefixes = _distinct_sequences(rng, [prefix_len] * groups, vocab_size)
+    return _prefix_groups("shared-prefix", rng, sizes, prefix_len, suffix_len, output_len,
+                          jitter, order, arrival, vocab_size)
+
+
+def minority_groups(
+    *,
+    majority: int,
+    minorities: Sequence[int],
+    prefix_len: int,
+    suffix_len: int,
+    output_len: int,
+    arrival: ArrivalSpec | None = None,
+    seed: int = 0,
+    vocab_size: int = 32000,
+) -> Workload:
+    """One large prefix group and small ones, shuffled together: where prefix-first order
+    starves the minority (group 0 is the majority, groups 1.. the minorities)."""
+    _check_positive(majority=majority, prefix_len=prefix_len, suffix_len=suffix_len,
+                    output_len=output_len)
+    if not minorities or min(minorities) <= 0:
+        raise ValueError(f"minorities must be positive group sizes, got {list(minorities)}")
+    _check_vocab(vocab_size)
+    rng = np.random.default_rng(seed)
+    sizes = np.array([majority, *minorities])
+    return _prefix_groups("minority", rng, sizes, prefix_len, suffix_len, output_len, 0.0,
+                          "shuffled", arrival, vocab_size)
+
+
+def _prefix_groups(kind: str, rng: np.random.Generator, sizes: np.ndarray, prefix_len: int,
+                   suffix_len: int, output_len: int, jitter: float, order: Order,
+                   arrival: ArrivalSpec | None, vocab_size: int) -> Workload:
+    """Group ``g`` of ``sizes[g]`` prompts: a shared prefix, then a unique suffix."""
+    total = int(sizes.sum())
+    members = _arrange(rng, np.repeat(np.arange(len(sizes)), sizes), order)
+    prefixes = _distinct_sequences(rng, [prefix_len] * len(sizes), vocab_size)
     suffixes = _distinct_sequences(rng, _jittered(rng, suffix_len, jitter, total), vocab_size)
     outputs = _jittered(rng, output_len, jitter, total)
     parts = [
         (np.concatenate([prefixes[g], suffix]), out, g, prefix_len)
         for g, suffix, out in zip(members, suffixes, outputs, strict=True)
     ]
-    return _build("shared-prefix", parts, arrival_times(total, arrival, rng))
+    return _build(kind, parts, arrival_times(total, arrival, rng))
 
 
 def long_documents(

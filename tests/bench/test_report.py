@@ -24,15 +24,18 @@ VLLM_KEYS = [
     *(f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el")
       for stat in ("mean", "median", "std", "p99")),
 ]
+GROUP_KEYS = ["worst_group_mean_ttft_ms", "worst_group_p99_ttft_ms", "ttft_by_group"]
 FEATHER_KEYS = ["mean_batch_size", "mean_groups_per_step", "prefix_cache_hit_rate",
                 "gate_add", "gate_stop", "gate_forced", "schedule_ms_per_call",
                 "engine_step_ms"]
 
 
 def record(rid: str, prompt_len: int, submitted: float, tokens: list[float],
-           finished: float | None, success: bool = True, cached: int | None = None):
-    return RequestRecord(rid, prompt_len, group=0, submitted_s=submitted, token_times_s=tokens,
-                         finished_s=finished, success=success, cached_tokens=cached)
+           finished: float | None, success: bool = True, cached: int | None = None,
+           group: int = 0):
+    return RequestRecord(rid, prompt_len, group=group, submitted_s=submitted,
+                         token_times_s=tokens, finished_s=finished, success=success,
+                         cached_tokens=cached)
 
 
 def two_requests_and_a_failure(**kwargs) -> RunResult:
@@ -46,7 +49,33 @@ def two_requests_and_a_failure(**kwargs) -> RunResult:
 
 
 def test_keys_are_vllms_then_ours_in_order() -> None:
-    assert list(summarize(two_requests_and_a_failure())) == VLLM_KEYS + FEATHER_KEYS
+    assert list(summarize(two_requests_and_a_failure())) == VLLM_KEYS + GROUP_KEYS + FEATHER_KEYS
+
+
+def test_ttft_per_group_names_the_worst_group() -> None:
+    records = [record(f"m{i}", 10, 0.0, [0.1 + 0.01 * i], 0.2) for i in range(5)]
+    records += [record("x0", 10, 0.0, [2.0], 2.1, group=1), record("x1", 10, 1.0, [1.5], 1.6,
+                                                                   group=1)]
+    s = summarize(RunResult("feather", records, duration_s=3.0))
+    groups = s["ttft_by_group"]
+    assert list(groups) == ["0", "1"]  # the largest group first
+    assert groups["1"] == {"requests": 2, "mean_ttft_ms": pytest.approx(1250.0),
+                           "p99_ttft_ms": pytest.approx(1985.0)}
+    assert groups["0"]["mean_ttft_ms"] == pytest.approx(120.0)
+    assert s["worst_group_mean_ttft_ms"] == pytest.approx(1250.0)
+    block = format_result_block(RunResult("feather", records, duration_s=3.0), s)
+    assert "Group 1 (2 req):" in block and "1250.00 / 1985.00" in block
+
+
+def test_detailed_json_holds_every_request(tmp_path) -> None:
+    run = two_requests_and_a_failure()
+    path = tmp_path / "detailed.json"
+    write_json(path, [run], {"fcfs": summarize(run)}, {}, detailed=True)
+    entry = json.loads(path.read_text())["runs"]["fcfs"]
+    assert entry["input_lens"] == [10, 20, 100] and entry["output_lens"] == [3, 3, 1]
+    assert entry["ttfts"] == pytest.approx([0.1, 0.3, 0.0])
+    assert [pytest.approx(gaps) for gaps in entry["itls"]] == [[0.1, 0.2], [0.2], []]
+    assert entry["groups"] == [0, 0, 0] and entry["request_ids"] == ["a", "b", "c"]
 
 
 def test_counts_and_throughputs_exclude_failures() -> None:

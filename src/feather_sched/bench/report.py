@@ -93,8 +93,34 @@ def summarize(run: RunResult, percentiles: Sequence[float] = (99,)) -> Summary:
     }
     for key, values in _latency_samples(ok).items():
         summary.update(_latency_stats(key, values, percentiles))
+    summary.update(_group_keys(ok))
     summary.update(_feather_keys(run, ok))
     return summary
+
+
+def group_ttfts(ok: list[RequestRecord]) -> dict[str, dict[str, float]]:
+    """TTFT mean and p99 (ms) and the request count of each workload prefix group (key
+    ``"-1"``: requests that share nothing), largest group first."""
+    by_group: dict[int, list[float]] = {}
+    for record in ok:
+        if record.ttft_s is not None:
+            by_group.setdefault(record.group, []).append(record.ttft_s * 1000)
+    ranked = sorted(by_group.items(), key=lambda item: (-len(item[1]), item[0]))
+    return {str(group): {"requests": len(values), "mean_ttft_ms": float(np.mean(values)),
+                         "p99_ttft_ms": float(np.percentile(values, 99))}
+            for group, values in ranked}
+
+
+def _group_keys(ok: list[RequestRecord]) -> Summary:
+    """Per prefix group TTFT, and the worst group's: where starvation shows."""
+    groups = group_ttfts(ok)
+    worst_mean = max(groups, key=lambda g: groups[g]["mean_ttft_ms"], default=None)
+    worst_p99 = max(groups, key=lambda g: groups[g]["p99_ttft_ms"], default=None)
+    return {
+        "worst_group_mean_ttft_ms": groups[worst_mean]["mean_ttft_ms"] if worst_mean else None,
+        "worst_group_p99_ttft_ms": groups[worst_p99]["p99_ttft_ms"] if worst_p99 else None,
+        "ttft_by_group": groups,
+    }
 
 
 def _per_second(count: int, duration_s: float) -> float | None:
@@ -188,6 +214,8 @@ def format_result_block(run: RunResult, summary: Summary) -> str:
     for key, name, title in LATENCIES:
         lines.append(_title(title, "-"))
         lines.extend(_latency_lines(key, name, summary))
+    lines.append(_title("TTFT per prefix group (mean / p99 ms)", "-"))
+    lines.extend(_group_lines(summary))
     lines.append(_title(" Feather ", "-"))
     lines.extend(_feather_lines(run, summary))
     lines.append("=" * WIDTH)
@@ -234,6 +262,26 @@ def _latency_lines(key: str, name: str, summary: Summary) -> list[str]:
         if match := pattern.fullmatch(summary_key):
             lines.append(_number(f"P{match[1]} {name} (ms):", value))
     return lines
+
+
+GROUP_LINES = 6
+"""Groups printed in the block (the largest, then the worst); the JSON has them all."""
+
+
+def _group_lines(summary: Summary) -> list[str]:
+    groups: dict = summary["ttft_by_group"]  # type: ignore[assignment]
+    shown = list(groups)[:GROUP_LINES]
+    worst = max(groups, key=lambda g: groups[g]["mean_ttft_ms"], default=None)
+    if worst is not None and worst not in shown:
+        shown[-1] = worst
+    lines = [LINE.format(f"Group {g} ({groups[g]['requests']} req):",
+                         f"{groups[g]['mean_ttft_ms']:.2f} / {groups[g]['p99_ttft_ms']:.2f}")
+             for g in shown]
+    if len(groups) > len(shown):
+        lines.append(LINE.format(f"({len(groups) - len(shown)} more groups)", ""))
+    return [*lines,
+            _number("Worst group mean TTFT (ms):", summary["worst_group_mean_ttft_ms"]),
+            _number("Worst group P99 TTFT (ms):", summary["worst_group_p99_ttft_ms"])]
 
 
 def _feather_lines(run: RunResult, summary: Summary) -> list[str]:
@@ -290,19 +338,37 @@ def write_json(
     runs: list[RunResult],
     summaries: dict[str, Summary],
     extra: dict,
+    detailed: bool = False,
 ) -> None:
     """Write ``{"runs": {name: summary}, "config": extra}`` in run order, making parents.
 
     ``summaries`` must hold exactly the runs' names, so no run is dropped or invented;
-    values JSON cannot hold (paths, enums) in ``extra`` are written as strings.
+    values JSON cannot hold (paths, enums) in ``extra`` are written as strings.  With
+    ``detailed`` each run also carries its per-request arrays (``details``).
     """
     names = [run.name for run in runs]
     if set(names) != set(summaries) or len(set(names)) != len(names):
         raise ValueError(f"runs {names} and summaries {sorted(summaries)} do not match")
-    document = {"runs": {name: summaries[name] for name in names}, "config": extra}
+    document = {"runs": {run.name: {**summaries[run.name], **(details(run) if detailed else {})}
+                         for run in runs}, "config": extra}
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=2, default=str) + "\n")
+
+
+def details(run: RunResult) -> dict[str, list]:
+    """Per-request arrays as ``vllm bench serve --save-detailed`` writes them (seconds;
+    ``itls`` one list of chunk gaps per request), plus each request's id and group."""
+    records = run.records
+    return {
+        "request_ids": [r.request_id for r in records],
+        "groups": [r.group for r in records],
+        "input_lens": [r.prompt_len for r in records],
+        "output_lens": [r.output_len for r in records],
+        "ttfts": [r.ttft_s if r.success else 0.0 for r in records],
+        "itls": [_chunk_gaps(r.token_times_s) for r in records],
+        "errors": [r.error for r in records],
+    }
 
 
 def plot(summaries: dict[str, Summary], path: str | Path) -> None:

@@ -34,12 +34,13 @@ from feather_sched.workloads import (
     load_jsonl,
     load_mooncake,
     long_documents,
+    minority_groups,
     multi_turn_chat,
     no_sharing,
     shared_prefix_groups,
 )
 
-WORKLOADS = ("shared-prefix", "long-docs", "chat", "no-sharing")
+WORKLOADS = ("shared-prefix", "minority", "long-docs", "chat", "no-sharing")
 KV_BLOCK_TOKENS = 128
 
 
@@ -58,6 +59,9 @@ class WorkloadArgs:
     order: str = "shuffled"
     request_rate: float | None = None
     burstiness: float = 1.0
+    minority_size: int = 20
+    """``minority``: requests of each small group (``groups - 1`` of them; the majority
+    has ``prompts_per_group``)."""
     seed: int = 0
 
     def build(self) -> Workload:
@@ -70,6 +74,11 @@ class WorkloadArgs:
                 groups=self.groups, prompts_per_group=self.prompts_per_group,
                 prefix_len=self.prefix_len, suffix_len=self.suffix_len, jitter=self.jitter,
                 order=self.order, **common)
+        if self.kind == "minority":
+            return minority_groups(
+                majority=self.prompts_per_group,
+                minorities=[self.minority_size] * max(1, self.groups - 1),
+                prefix_len=self.prefix_len, suffix_len=self.suffix_len, **common)
         if self.kind == "long-docs":
             return long_documents(
                 documents=self.groups, questions_per_document=self.prompts_per_group,
@@ -143,10 +152,10 @@ def report_runs(runners: list[tuple[str, Runner]], workload: Workload,
 
 
 def save_outputs(runs: list[RunResult], config: dict[str, Any], json_path: Path | None,
-                 plot_path: Path | None) -> None:
+                 plot_path: Path | None, detailed: bool = False) -> None:
     summaries = {run.name: summarize(run) for run in runs}
     if json_path:
-        write_json(json_path, runs, summaries, config)
+        write_json(json_path, runs, summaries, config, detailed=detailed)
     if plot_path:
         plot(summaries, plot_path)
 

@@ -1,0 +1,169 @@
+"""The overtaking bound: no waiting request is passed by more than K later arrivals.
+
+Prefix-first order alone starves a minority prefix while a majority keeps arriving (the
+tree never prefers it).  The bound is stated against arrival order, the FCFS order a
+user expects: *while a request waits, at most* ``limit`` *requests that arrived after it
+are admitted before it*; the request that reaches the bound is admitted next, over the
+tree's order and the gate (unless the engine itself cannot take it: then nobody is
+admitted in that pass).  A request that runs and is preempted waits under the bound
+afresh from the moment it returns.
+
+Bookkeeping: each request gets a sequence number when first seen; each admission is
+logged with its request's sequence.  A waiting request's overtakes are the logged
+admissions since it entered waiting whose sequence is later than its own.  Among requests
+waiting since they arrived, the oldest always has the most overtakes (every admission
+that passes a younger one passed it too), so only it and the requests that re-entered
+waiting (preempted ones, usually few) need checking: ``due`` costs one vectorised count
+over the log for each of them.  Admissions cost O(1) amortised; the log is trimmed to
+what waiting requests still need.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import numpy as np
+
+RequestId = Hashable
+
+DEFAULT_MAX_OVERTAKES = 32
+
+
+@dataclass
+class _Wait:
+    entered: int
+    """Log position (global) when the request entered waiting."""
+    fresh: bool
+    """Waiting since it arrived (never ran)."""
+
+
+class OvertakeBound:
+    """Counts, for every waiting request, the later arrivals admitted ahead of it."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"the overtaking limit must be non-negative, got {limit}")
+        self.limit = limit
+        self._sequence: dict[RequestId, int] = {}
+        self._arrivals = itertools.count()
+        self._waiting: dict[RequestId, _Wait] = {}
+        self._held: dict[RequestId, _Wait] = {}
+        self._fresh: list[tuple[int, RequestId]] = []
+        self._requeued: set[RequestId] = set()
+        self._log = np.zeros(1024, dtype=np.int64)
+        self._log_len = 0
+        self._log_base = 0
+        """Global position of ``_log[0]``."""
+        self._last: tuple[RequestId, _Wait] | None = None
+        """The latest admission and the waiting record it ended (to undo a skip)."""
+
+    # ---- transitions (the queue reports them) -----------------------------------------
+
+    def arrive(self, request_id: RequestId) -> None:
+        """A new request waits."""
+        self._sequence[request_id] = next(self._arrivals)
+        self._enter(request_id, _Wait(self._position, fresh=True))
+
+    def admit(self, request_id: RequestId) -> None:
+        """A waiting (or held) request runs: it passes every older waiting request."""
+        wait = self._waiting.pop(request_id, None) or self._held.pop(request_id, None)
+        self._requeued.discard(request_id)
+        self._append(self._sequence[request_id])
+        self._last = (request_id, wait) if wait is not None and self._log_len else None
+
+    def hold(self, request_id: RequestId, *, was_running: bool) -> None:
+        """The request leaves the candidates without running (or stops running unseen).
+
+        A request admitted last and now held was skipped by the engine: its admission is
+        undone and its waiting record kept for when it returns.
+        """
+        if not was_running:
+            wait = self._waiting.pop(request_id)
+            self._requeued.discard(request_id)
+            self._held[request_id] = wait
+        elif self._last is not None and self._last[0] == request_id:
+            self._log_len -= 1
+            self._held[request_id] = self._last[1]
+        self._last = None
+
+    def requeue(self, request_id: RequestId) -> None:
+        """A held or running request waits again (a skip undone keeps its old record)."""
+        wait = self._held.pop(request_id, None) or _Wait(self._position, fresh=False)
+        self._enter(request_id, wait)
+
+    def forget(self, request_id: RequestId) -> None:
+        del self._sequence[request_id]
+        self._waiting.pop(request_id, None)
+        self._held.pop(request_id, None)
+        self._requeued.discard(request_id)
+        if self._last is not None and self._last[0] == request_id:
+            self._last = None
+
+    # ---- queries ----------------------------------------------------------------------
+
+    def overtakes(self, request_id: RequestId) -> int:
+        """Later arrivals admitted since the waiting request entered waiting."""
+        wait = self._waiting[request_id]
+        start = wait.entered - self._log_base
+        window = self._log[start:self._log_len]
+        return int(np.count_nonzero(window > self._sequence[request_id]))
+
+    def due(self) -> RequestId | None:
+        """The oldest waiting request that ``limit`` later arrivals have overtaken."""
+        found: RequestId | None = None
+        oldest = self._oldest_fresh()
+        if oldest is not None and self.overtakes(oldest) >= self.limit:
+            found = oldest
+        for request_id in self._requeued:
+            if self.overtakes(request_id) >= self.limit and (
+                    found is None or self._sequence[request_id] < self._sequence[found]):
+                found = request_id
+        return found
+
+    # ---- internals --------------------------------------------------------------------
+
+    @property
+    def _position(self) -> int:
+        return self._log_base + self._log_len
+
+    def _enter(self, request_id: RequestId, wait: _Wait) -> None:
+        self._waiting[request_id] = wait
+        if wait.fresh:
+            heapq.heappush(self._fresh, (self._sequence[request_id], request_id))
+        else:
+            self._requeued.add(request_id)
+
+    def _oldest_fresh(self) -> RequestId | None:
+        heap = self._fresh
+        while heap:
+            sequence, request_id = heap[0]
+            wait = self._waiting.get(request_id)
+            if wait is not None and wait.fresh and self._sequence[request_id] == sequence:
+                return request_id
+            heapq.heappop(heap)
+        return None
+
+    def _append(self, sequence: int) -> None:
+        if self._log_len == len(self._log):
+            self._trim()
+            if self._log_len == len(self._log):
+                self._log = np.concatenate([self._log, np.zeros_like(self._log)])
+        self._log[self._log_len] = sequence
+        self._log_len += 1
+
+    def _trim(self) -> None:
+        """Drop log entries no waiting or held request can still count."""
+        entries = [w.entered for w in self._waiting.values() if not w.fresh]
+        entries += [w.entered for w in self._held.values()]
+        oldest = self._oldest_fresh()
+        if oldest is not None:
+            entries.append(self._waiting[oldest].entered)
+        keep_from = min(entries, default=self._position) - self._log_base
+        if keep_from > 0:
+            kept = self._log_len - keep_from
+            self._log[:kept] = self._log[keep_from:self._log_len]
+            self._log_len = kept
+            self._log_base += keep_from

@@ -1,0 +1,75 @@
+"""The overtaking bound in the simulator: over random workloads, every request is passed
+by at most ``max_overtakes`` later arrivals while it waits (counted from the outside)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from feather_sched.sim.engine import EngineConfig, SimEngine
+from feather_sched.sim.policies import make_policy
+from feather_sched.workloads import ArrivalSpec, Workload, shared_prefix_groups
+from tests.sim.test_engine import StubCost
+
+
+class Witness:
+    """Delegates to the policy, counting overtakes from the calls the engine makes."""
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+        self.sequence: dict[str, int] = {}
+        self.waiting_since: dict[str, int] = {}
+        self.admitted: list[int] = []
+        self.worst = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.policy, name)
+
+    def __len__(self) -> int:
+        return len(self.policy)
+
+    def enter_waiting(self, request) -> None:
+        self.sequence.setdefault(request.request_id, len(self.sequence))
+        self.waiting_since[request.request_id] = len(self.admitted)
+        self.policy.enter_waiting(request)
+
+    def admit(self, request) -> None:
+        rid = request.request_id
+        mine = self.sequence[rid]
+        passed = sum(s > mine for s in self.admitted[self.waiting_since.pop(rid):])
+        self.worst = max(self.worst, passed)
+        self.admitted.append(mine)
+        self.policy.admit(request)
+
+
+@settings(max_examples=25, deadline=None)
+@given(groups=st.integers(1, 5), per_group=st.integers(2, 12), limit=st.integers(0, 6),
+       gate=st.sampled_from(["always", "chunk-loss", "bandit"]),
+       rate=st.sampled_from([None, 50.0, 400.0]), blocks=st.integers(40, 400),
+       seed=st.integers(0, 1000))
+def test_no_request_is_overtaken_more_than_the_bound(groups, per_group, limit, gate, rate,
+                                                     blocks, seed) -> None:
+    workload: Workload = shared_prefix_groups(
+        groups=groups, prompts_per_group=per_group, prefix_len=64, suffix_len=8,
+        output_len=6, seed=seed, popularity="zipf" if seed % 2 else "uniform",
+        arrival=ArrivalSpec("poisson", rate) if rate else None)
+    assert worst_overtakes(workload, gate, limit, blocks) <= limit
+
+
+def worst_overtakes(workload: Workload, gate: str, limit: int | None, blocks: int = 100) -> int:
+    engine = SimEngine(StubCost(keep=False),
+                       EngineConfig(block_tokens=4, num_blocks=blocks, max_num_seqs=8,
+                                    max_num_batched_tokens=96, charge_scheduler_time=False,
+                                    group_tokens=16))
+    options = {"max_overtakes": limit, "max_wait_s": None, "chunk_tokens": 16}
+    witness = Witness(make_policy(f"feather-{gate}", options, engine))
+    result = engine.run(workload, witness)
+    assert all(r.success or r.error for r in result.records)
+    return witness.worst
+
+
+def test_without_the_bound_the_tree_overtakes_far_more() -> None:
+    workload = shared_prefix_groups(groups=4, prompts_per_group=10, prefix_len=64,
+                                    suffix_len=8, output_len=6, popularity="zipf", seed=3)
+    assert worst_overtakes(workload, "chunk-loss", None) > 20
+    assert worst_overtakes(workload, "chunk-loss", 2) == 2

@@ -1,0 +1,155 @@
+"""The overtaking bound: counts against a brute-force model, and the bound it guarantees."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from feather_sched.fairness import OvertakeBound
+from feather_sched.gate import ChunkLossGate, Decision
+from feather_sched.queue import FeatherQueue
+
+
+class Model:
+    """Every admission checked against every waiting request, the slow obvious way."""
+
+    def __init__(self) -> None:
+        self.sequence: dict[str, int] = {}
+        self.log: list[int] = []
+        self.entered: dict[str, int] = {}
+        self.held: dict[str, int] = {}
+
+    def arrive(self, rid: str) -> None:
+        self.sequence[rid] = len(self.sequence)
+        self.entered[rid] = len(self.log)
+
+    def overtakes(self, rid: str) -> int:
+        return sum(s > self.sequence[rid] for s in self.log[self.entered[rid]:])
+
+    def due(self, limit: int) -> str | None:
+        at_bound = [r for r in self.entered if self.overtakes(r) >= limit]
+        return min(at_bound, key=self.sequence.__getitem__, default=None)
+
+
+def test_a_minority_request_is_admitted_after_k_later_arrivals() -> None:
+    bound = OvertakeBound(limit=2)
+    for rid in ("minority", "m1", "m2", "m3"):
+        bound.arrive(rid)
+    bound.admit("m1")
+    assert bound.overtakes("minority") == 1 and bound.due() is None
+    bound.admit("m2")
+    assert bound.overtakes("minority") == 2 and bound.due() == "minority"
+    assert bound.overtakes("m3") == 0  # m1, m2 arrived before it
+
+
+def test_a_skip_undoes_its_admission_and_a_preemption_starts_afresh() -> None:
+    bound = OvertakeBound(limit=1)
+    for rid in ("old", "young", "other"):
+        bound.arrive(rid)
+    bound.admit("young")
+    assert bound.due() == "old"
+    bound.hold("young", was_running=True)  # the engine skipped it: nothing passed "old"
+    assert bound.due() is None
+    bound.requeue("young")
+    bound.admit("old")
+    bound.admit("other")
+    bound.requeue("old")  # preempted: waits under the bound afresh
+    assert bound.overtakes("old") == 0 and bound.overtakes("young") == 1  # "other" only
+
+
+operations = st.lists(st.tuples(st.sampled_from(["arrive", "admit", "skip", "preempt",
+                                                 "finish", "park", "unpark"]),
+                                st.integers(0, 50)), max_size=150)
+
+
+@settings(max_examples=200, deadline=None)
+@given(operations, st.integers(0, 4))
+def test_counts_and_the_due_request_match_the_model(ops, limit: int) -> None:
+    bound, model = OvertakeBound(limit), Model()
+    waiting: list[str] = []
+    running: list[str] = []
+    parked: list[str] = []
+    last_admitted = None
+    for n, (op, arg) in enumerate(ops):
+        if op == "arrive":
+            rid = f"r{n}"
+            bound.arrive(rid)
+            model.arrive(rid)
+            waiting.append(rid)
+        elif op == "admit" and waiting:
+            rid = waiting.pop(arg % len(waiting))
+            bound.admit(rid)
+            model.log.append(model.sequence[rid])
+            model.held[rid] = model.entered.pop(rid)
+            running.append(rid)
+            last_admitted = rid
+            continue
+        elif op == "skip" and last_admitted in running:
+            running.remove(last_admitted)
+            bound.hold(last_admitted, was_running=True)
+            model.log.pop()
+            parked.append(last_admitted)
+        elif op == "park" and waiting:
+            rid = waiting.pop(arg % len(waiting))
+            bound.hold(rid, was_running=False)
+            model.held[rid] = model.entered.pop(rid)
+            parked.append(rid)
+        elif op == "unpark" and parked:
+            rid = parked.pop(arg % len(parked))
+            bound.requeue(rid)
+            model.entered[rid] = model.held.pop(rid)
+            waiting.append(rid)
+        elif op == "preempt" and running:
+            rid = running.pop(arg % len(running))
+            bound.requeue(rid)
+            model.held.pop(rid, None)
+            model.entered[rid] = len(model.log)
+            waiting.append(rid)
+        elif op == "finish" and running:
+            rid = running.pop(arg % len(running))
+            bound.forget(rid)
+            model.held.pop(rid, None)
+        last_admitted = None
+        for rid in waiting:
+            assert bound.overtakes(rid) == model.overtakes(rid)
+        assert bound.due() == model.due(limit)
+
+
+def test_the_log_is_trimmed_to_what_waiting_requests_need() -> None:
+    bound = OvertakeBound(limit=10)
+    bound.arrive("patient")
+    for i in range(5000):
+        bound.arrive(f"r{i}")
+        bound.admit(f"r{i}")
+        bound.forget(f"r{i}")
+        if i == 2500:
+            bound.admit("patient")
+            bound.forget("patient")
+    assert len(bound._log) <= 4096  # the admissions before "patient" left were dropped
+
+
+def test_the_queue_admits_a_starving_minority_within_the_bound() -> None:
+    """A majority group keeps arriving; the tree alone would never pick the minority."""
+    queue = FeatherQueue(ChunkLossGate(max_loss=0, floor_start=0), max_overtakes=4,
+                         max_wait_s=None)
+    keys = {group: [(group,), (group, 1)] for group in ("major", "minor")}
+    queue.add("major-0", keys["major"])
+    queue.add("minor-0", keys["minor"])
+    admitted = []
+    for step in range(1, 12):
+        queue.new_step()
+        queue.add(f"major-{step}", keys["major"] + [(step,)])
+        while (answer := queue.decide()) is not None and answer.decision is Decision.ADD:
+            queue.admit(answer.request_id)
+            admitted.append(answer.request_id)
+    position = admitted.index("minor-0")
+    later = [r for r in admitted[:position] if r != "major-0"]
+    assert len(later) == 4  # exactly the bound, then the minority is forced in
+
+
+def test_no_bound_means_no_count() -> None:
+    queue = FeatherQueue(max_overtakes=None)
+    assert queue.bound is None
+    with pytest.raises(ValueError, match="non-negative"):
+        OvertakeBound(-1)
