@@ -20,6 +20,11 @@ def test_feather_names_carry_gate_and_order() -> None:
     assert name.feather_options({"max_wait_s": 5}) == {
         "max_wait_s": 5, "gate": "chunk-loss", "order_running": False}
     assert parse_scheduler("feather-bandit").order_running
+    unbounded = parse_scheduler("feather-always-noorder-unbounded")
+    assert (unbounded.gate, unbounded.order_running, unbounded.bounded) == ("always", False,
+                                                                            False)
+    assert unbounded.feather_options({})["max_overtakes"] is None
+    assert "max_overtakes" not in parse_scheduler("feather-always").feather_options({})
 
 
 def test_each_context_accepts_only_what_it_can_run() -> None:
@@ -33,7 +38,8 @@ def test_each_context_accepts_only_what_it_can_run() -> None:
         parse_scheduler("fcfs-nocache", SIM_KINDS)
 
 
-@pytest.mark.parametrize("bad", ["feather-greedy", "feather-", "lifo", "feather-bandit-order"])
+@pytest.mark.parametrize("bad", ["feather-greedy", "feather-", "lifo", "feather-bandit-order",
+                                 "feather-bandit-unbounded-noorder"])
 def test_bad_names_fail(bad: str) -> None:
     with pytest.raises(ValueError, match=f"unknown scheduler '{bad}'"):
         parse_scheduler(bad)

@@ -4,7 +4,9 @@
 * ``fcfs-nocache`` - the same with prefix caching off (real engine only);
 * ``sglang-lpm``, ``sglang-dfs-weight`` - SGLang's cache-aware policies (simulator only);
 * ``feather-<gate>`` - Feather with gate ``always``, ``chunk-loss`` or ``bandit``;
-  ``feather-<gate>-noorder`` keeps the engine's running order (to measure ordering's share).
+  ``-noorder`` keeps the engine's running order (to measure ordering's share) and
+  ``-unbounded`` turns the overtaking bound off (to measure what fairness costs), in that
+  order when both are given.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ SIM_KINDS = frozenset({SchedulerKind.FCFS, SchedulerKind.SGLANG_LPM,
 """What ``feather sim`` models."""
 
 NOORDER = "-noorder"
+UNBOUNDED = "-unbounded"
 
 
 @dataclass(frozen=True)
@@ -42,12 +45,16 @@ class SchedulerName:
     kind: SchedulerKind
     gate: str | None = None
     order_running: bool = True
+    bounded: bool = True
 
     def feather_options(self, base: Mapping[str, Any]) -> dict[str, Any]:
         """Feather's options for this name on top of the user's (Feather names only)."""
         if self.kind is not SchedulerKind.FEATHER:
             raise ValueError(f"{self.name!r} is not a Feather scheduler")
-        return {**base, "gate": self.gate, "order_running": self.order_running}
+        options = {**base, "gate": self.gate, "order_running": self.order_running}
+        if not self.bounded:
+            options["max_overtakes"] = None
+        return options
 
 
 def parse_scheduler(name: str, allowed: Collection[SchedulerKind] = SIM_KINDS) -> SchedulerName:
@@ -58,9 +65,9 @@ def parse_scheduler(name: str, allowed: Collection[SchedulerKind] = SIM_KINDS) -
         raise ValueError(f"unknown scheduler {name!r}: use {choices(allowed)}")
     if kind is not SchedulerKind.FEATHER:
         return SchedulerName(name, kind)
-    gate = name.removeprefix("feather-")
-    order_running = not gate.endswith(NOORDER)
-    return SchedulerName(name, kind, gate.removesuffix(NOORDER), order_running)
+    gate, bounded = _strip(name.removeprefix("feather-"), UNBOUNDED)
+    gate, ordered = _strip(gate, NOORDER)
+    return SchedulerName(name, kind, gate, ordered, bounded)
 
 
 def parse_schedulers(names: str, allowed: Collection[SchedulerKind] = SIM_KINDS
@@ -76,13 +83,18 @@ def choices(allowed: Collection[SchedulerKind]) -> str:
     names = [kind.value for kind in SchedulerKind if kind in allowed and
              kind is not SchedulerKind.FEATHER]
     if SchedulerKind.FEATHER in allowed:
-        names.append(f"feather-<{'|'.join(GATE_KINDS)}>[{NOORDER}]")
+        names.append(f"feather-<{'|'.join(GATE_KINDS)}>[{NOORDER}][{UNBOUNDED}]")
     return ", ".join(names)
+
+
+def _strip(text: str, suffix: str) -> tuple[str, bool]:
+    """``text`` without ``suffix``, and whether it did not end with it."""
+    return text.removesuffix(suffix), not text.endswith(suffix)
 
 
 def _kind(name: str) -> SchedulerKind | None:
     if name.startswith("feather-"):
-        gate = name.removeprefix("feather-").removesuffix(NOORDER)
+        gate = _strip(_strip(name.removeprefix("feather-"), UNBOUNDED)[0], NOORDER)[0]
         return SchedulerKind.FEATHER if gate in GATE_KINDS else None
     try:
         return SchedulerKind(name)
