@@ -119,7 +119,8 @@ def test_bandit_table_round_trips_and_warm_starts(tmp_path) -> None:
     train(gate, {Decision.ADD: 100.0, Decision.STOP: 300.0}, steps=50)
     path = tmp_path / "bandit.json"
     gate.save(path)
-    warm = make_gate("bandit", exploration=10.0, state_file=str(path))
+    warm = make_gate("bandit", exploration=10.0)
+    warm.load(path)
     assert warm.table == gate.table
     assert warm.greedy(ctx(batch=8, loss=4, waiters=2)) is Decision.STOP
 

@@ -279,3 +279,5 @@ def test_any_engine_history_keeps_the_picture_exact(history, seats: int) -> None
         assert rt.discard(request.rid)
         left.append(request.rid)
     assert sorted(left) == sorted(arrived) and len(rt) == 0 and not running_ids(rt)
+    stats = rt.meter.stats
+    assert stats.requests_entered == stats.requests_left == len(arrived)

@@ -1,38 +1,157 @@
-"""feather serve: the command it builds, and a real server measured by feather bench."""
+"""feather serve: the command it builds, and real servers probed the way users hurt them."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 
-from feather_sched.serve import SCHEDULER_CLS, vllm_server_command
-from tests.servers import bench_server, serving
+from feather_sched.serve import (
+    KV_FLAG,
+    SCHEDULER_CLS,
+    SHUTDOWN_TIMEOUT_S,
+    vllm_server_command,
+)
+from tests.servers import bench_server, free_port, serving, wait_until_serving
+
+
+def flag(command: list[str], name: str) -> str | None:
+    return command[command.index(name) + 1] if name in command else None
 
 
 def test_command_merges_feather_options_into_additional_config() -> None:
     command = vllm_server_command(None, {"gate": "bandit"},
-                                  ["--additional-config", '{"other": 1}', "--port", "9"])
-    config = json.loads(command[command.index("--additional-config") + 1])
+                                  ["--additional-config", '{"other": 1}', "--port", "9"],
+                                  environ={})
+    config = json.loads(flag(command, "--additional-config"))
     assert config == {"other": 1, "feather": {"gate": "bandit"}}
-    assert command[command.index("--scheduler-cls") + 1] == SCHEDULER_CLS
+    assert flag(command, "--scheduler-cls") == SCHEDULER_CLS
     assert command[-2:] == ["--port", "9"] and "--load-format" in command
+    assert "--skip-tokenizer-init" not in command  # the embedded model has a tokenizer
+    assert flag(command, "--shutdown-timeout") == str(SHUTDOWN_TIMEOUT_S)
 
 
-def test_bad_options_fail_before_the_server_starts() -> None:
+def test_the_kv_cache_is_the_size_asked_for() -> None:
+    assert flag(vllm_server_command(None, {}, [], kv_cache_gib=0.25, environ={}),
+                KV_FLAG) == str(2**28)
+    explicit = vllm_server_command(None, {}, [KV_FLAG, "268435456"], environ={})
+    assert explicit.count(KV_FLAG) == 1 and explicit[-2:] == [KV_FLAG, "268435456"]
+    assert flag(vllm_server_command(None, {}, [], environ={}), KV_FLAG) == str(4 * 2**30)
+    assert KV_FLAG not in vllm_server_command(None, {}, [], on_cpu=False, environ={})
+    with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE is set"):
+        vllm_server_command(None, {}, [], kv_cache_gib=1, environ={"VLLM_CPU_KVCACHE_SPACE": "4"})
+    with pytest.raises(ValueError, match="not both"):
+        vllm_server_command(None, {}, [KV_FLAG, "1"], kv_cache_gib=1, environ={})
+    kept = vllm_server_command(None, {}, ["--shutdown-timeout", "5"], environ={})
+    assert kept.count("--shutdown-timeout") == 1 and kept[-1] == "5"
+
+
+def test_bad_options_fail_before_the_server_starts(tmp_path) -> None:
     with pytest.raises(ValueError, match="feather option 'gate'"):
-        vllm_server_command(None, {"gate": "sometimes"}, [])
+        vllm_server_command(None, {"gate": "sometimes"}, [], environ={})
+    with pytest.raises(ValueError, match="FEATHER_MAX_WAIT_S='soon'"):
+        vllm_server_command(None, {}, [], environ={"FEATHER_MAX_WAIT_S": "soon"})
+    with pytest.raises(ValueError, match=r"'state_file'.*does not exist"):
+        vllm_server_command(None, {"state_file": str(tmp_path / "no" / "t.json")}, [],
+                            environ={})
     with pytest.raises(ValueError, match="sets --scheduler-cls itself"):
-        vllm_server_command(None, {}, ["--scheduler-cls", "x.Y"])
+        vllm_server_command(None, {}, ["--scheduler-cls", "x.Y"], environ={})
 
 
 def test_feather_serve_answers_feather_bench(tmp_path) -> None:
     pytest.importorskip("vllm", reason="the vllm extra is not installed")
     log = tmp_path / "server.log"
-    command = ["feather_sched.cli", "serve", "--gate", "bandit", "--enforce-eager"]
-    with serving(command, log, {"VLLM_CPU_KVCACHE_SPACE": "1"}) as url:
+    command = ["feather_sched.cli", "serve", "--gate", "bandit", "--enforce-eager",
+               "--kv-cache-gib", "1"]
+    with serving(command, log, {}) as url:
         summary = bench_server(url, tmp_path / "server.json", "feather-server",
                                "--max-concurrency", "4")
     assert summary["completed"] == 6 and summary["total_output_tokens"] == 30
     assert summary["prefix_cache_hit_rate"] > 0.3
     assert "Feather scheduler" in log.read_text()
+
+
+def post(url: str, path: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def test_a_server_no_client_or_disk_can_take_down(tmp_path) -> None:
+    """Text and chat prompts work; an out-of-vocabulary id is a 400; a state directory
+    that vanishes at run time is logged, not fatal; SIGTERM under load drains, saves
+    the bandit table and exits within the shutdown timeout."""
+    pytest.importorskip("vllm", reason="the vllm extra is not installed")
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    state, stats = state_dir / "bandit.json", state_dir / "stats.json"
+    options = json.dumps({"state_file": str(state), "stats_file": str(stats)})
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    command = [sys.executable, "-m", "feather_sched.cli", "serve", "--enforce-eager",
+               "--kv-cache-gib", "1", "--feather-options", options,
+               "--host", "127.0.0.1", "--port", str(port)]
+    env = {**os.environ, "FEATHER_SGLANG": ""}
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_serving(url, server, 240)
+        model = json.loads(urllib.request.urlopen(f"{url}/v1/models").read())["data"][0]["id"]
+        status, body = post(url, "/v1/completions", {"model": model, "prompt": "Hello there",
+                                                     "max_tokens": 4})
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+        status, body = post(url, "/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert status == 200 and body["choices"][0]["message"]["content"] is not None
+        status, body = post(url, "/v1/completions", {"model": model, "prompt": [5, 32000, 7],
+                                                     "max_tokens": 2})
+        assert status == 400 and "out of vocabulary" in json.dumps(body)
+        shutil.rmtree(state_dir)  # every write Feather makes now fails
+        for _ in range(3):
+            assert post(url, "/v1/completions", {"model": model, "prompt": "again and again",
+                                                 "max_tokens": 40})[0] == 200
+        time.sleep(11)  # past the meter's save interval
+        assert post(url, "/v1/completions", {"model": model, "prompt": "still here",
+                                             "max_tokens": 4})[0] == 200
+        state_dir.mkdir()
+        results: list[int] = []
+
+        def one(i: int) -> None:
+            results.append(post(url, "/v1/completions", {
+                "model": model, "prompt": f"load {i} " * 50, "max_tokens": 60}, timeout=120)[0])
+
+        load = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for thread in load:
+            thread.start()
+        time.sleep(2)
+        stopped = time.monotonic()
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=SHUTDOWN_TIMEOUT_S + 30)
+        drained_s = time.monotonic() - stopped
+        for thread in load:
+            thread.join(timeout=30)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    text = log_path.read_text()
+    assert "could not write its stats file" in text and "Traceback" not in text
+    assert drained_s < SHUTDOWN_TIMEOUT_S + 15, drained_s
+    assert results and all(code == 200 for code in results), results  # drained, not cut
+    assert json.loads(state.read_text())["format"] == "feather-bandit"  # saved at exit
+    assert json.loads(stats.read_text())["steps"] > 0

@@ -230,8 +230,9 @@ def serve(
                                               "tiny Llama with random weights).")] = None,
     gate: Annotated[str | None, typer.Option(help="always, chunk-loss or bandit.")] = None,
     feather_options: Annotated[str, typer.Option(help="JSON Feather options.")] = "{}",
-    kv_cache_gib: Annotated[float, typer.Option(help="CPU KV cache (sets "
-                                                "VLLM_CPU_KVCACHE_SPACE if unset).")] = 4.0,
+    kv_cache_gib: Annotated[float | None, typer.Option(help="KV cache size (becomes "
+                                                       "--kv-cache-memory-bytes; default "
+                                                       "4 on CPU).")] = None,
     dry_run: Annotated[bool, typer.Option(help="Print the command, do not run it.")] = False,
 ) -> None:
     """vLLM's OpenAI-compatible server with the Feather scheduler; other args pass through."""
@@ -244,15 +245,21 @@ def serve(
     if gate:
         options["gate"] = gate
     try:
-        command = vllm_server_command(model, options, list(ctx.args))
+        command = vllm_server_command(model, options, list(ctx.args),
+                                      kv_cache_gib=kv_cache_gib, on_cpu=_on_cpu())
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
-    env = {**os.environ}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
     if dry_run:
         console.print(shlex.join(command), highlight=False)
         return
-    os.execvpe(command[0], command, env)
+    os.execv(command[0], command)
+
+
+def _on_cpu() -> bool:
+    """Whether vLLM will run on the CPU here (its own platform detection)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _sim_plan(workload_args, hardware: str, model: str, profile: Path | None,

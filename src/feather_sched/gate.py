@@ -22,6 +22,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Protocol
 
+from feather_sched.files import replace_atomically
+
 # Paper defaults for the bandit (see the module docstring of UCBBanditGate).
 BATCH_BIN = 4
 BATCH_BINS = 16
@@ -242,33 +244,55 @@ class UCBBanditGate:
 
     # ---- warm start -------------------------------------------------------------------
 
+    @property
+    def learned_decisions(self) -> int:
+        """Rewarded decisions in the table."""
+        return sum(arm.pulls for arms in self.table.values() for arm in arms.values())
+
     def save(self, path: str | Path) -> None:
-        """Write the learned table (and the binning it was learned with) as JSON."""
+        """Write the learned table (and the binning it was learned with) as JSON, replacing
+        ``path`` atomically (a write cut short leaves the previous table)."""
         rows = [
             {"context": list(key), "action": d.value, "pulls": arm.pulls, "total": arm.total}
             for key, arms in sorted(self.table.items())
             for d, arm in arms.items()
             if arm.pulls
         ]
-        Path(path).write_text(json.dumps({"format": "feather-bandit", "version": 1,
-                                          "binning": self._binning(), "table": rows}))
+        replace_atomically(path, json.dumps({"format": "feather-bandit", "version": 1,
+                                             "binning": self._binning(), "table": rows}))
 
     def load(self, path: str | Path) -> None:
-        """Replace the table with one saved by ``save``; the binning must match."""
-        data = json.loads(Path(path).read_text())
-        if data.get("format") != "feather-bandit":
-            raise ValueError(f"{path}: not a feather bandit table")
+        """Replace the table with one saved by ``save``; the binning must match.
+
+        ValueError (or OSError) saying what is wrong with the file; the table is unchanged.
+        """
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not JSON ({error})") from None
+        if not isinstance(data, dict) or data.get("format") != "feather-bandit":
+            raise ValueError("not a feather bandit table (no \"format\": \"feather-bandit\")")
         if data.get("binning") != self._binning():
-            raise ValueError(
-                f"{path}: table was learned with binning {data.get('binning')}, "
-                f"this gate uses {self._binning()}"
-            )
+            raise ValueError(f"table was learned with binning {data.get('binning')}, "
+                             f"this gate uses {self._binning()}")
+        rows = data.get("table")
+        if not isinstance(rows, list):
+            raise ValueError("its \"table\" is missing or not a list")
+        self.table = self._table_of(rows)
+
+    def _table_of(self, rows: list) -> dict[Context, dict[Decision, _Arm]]:
         table: dict[Context, dict[Decision, _Arm]] = {}
-        for row in data["table"]:
-            key = tuple(row["context"])
-            arms = table.setdefault(key, {d: _Arm() for d in Decision})
-            arms[Decision(row["action"])] = _Arm(int(row["pulls"]), float(row["total"]))
-        self.table = table
+        for index, row in enumerate(rows):
+            try:
+                key = tuple(int(x) for x in row["context"])
+                arm = _Arm(int(row["pulls"]), float(row["total"]))
+                decision = Decision(row["action"])
+            except (KeyError, TypeError, ValueError) as error:
+                raise ValueError(f"row {index} of its table is malformed ({error!r})") from None
+            if len(key) != 3 or arm.pulls < 0:
+                raise ValueError(f"row {index} of its table is malformed")
+            table.setdefault(key, {d: _Arm() for d in Decision})[decision] = arm
+        return table
 
     def _binning(self) -> dict[str, int]:
         return {
@@ -284,10 +308,7 @@ GATE_KINDS = ("always", "chunk-loss", "bandit")
 
 
 def make_gate(kind: str, **options: float | int | str | None) -> Gate:
-    """Build a gate by name (``always``, ``chunk-loss``, ``bandit``) from keyword options.
-
-    A bandit given ``state_file`` loads it when it exists (warm start).
-    """
+    """Build a gate by name (``always``, ``chunk-loss``, ``bandit``) from keyword options."""
     if kind == "always":
         if options:
             raise ValueError(f"gate 'always' takes no options, got {sorted(options)}")
@@ -295,11 +316,7 @@ def make_gate(kind: str, **options: float | int | str | None) -> Gate:
     if kind == "chunk-loss":
         return _build(ChunkLossGate, kind, options)
     if kind == "bandit":
-        state_file = options.pop("state_file", None)
-        gate = _build(UCBBanditGate, kind, options)
-        if state_file and Path(str(state_file)).exists():
-            gate.load(str(state_file))
-        return gate
+        return _build(UCBBanditGate, kind, options)
     raise ValueError(f"unknown gate kind {kind!r}; choose one of {', '.join(GATE_KINDS)}")
 
 

@@ -144,6 +144,7 @@ class FeatherRuntime(Generic[R]):
         if self._tracked.pop(request_id, None) is None:
             return False
         self.queue.remove(request_id)
+        self.meter.stats.requests_left += 1
         return True
 
     def hold(self, request_id: RequestId) -> None:
@@ -227,8 +228,11 @@ class FeatherRuntime(Generic[R]):
                     self.counts.add += 1
                     credit.append((admission.context, Decision.ADD))
         self._taken.clear()
+        stats = self.meter.stats
+        stats.waiting, stats.running = len(self.queue), self.queue.num_running
         if credit:
-            self._open_steps[step] = credit
+            self._open_steps.setdefault(step, []).extend(credit)
+            self._open_steps.move_to_end(step)
             while len(self._open_steps) > MAX_OPEN_STEPS:
                 self._open_steps.popitem(last=False)
 
@@ -311,6 +315,8 @@ class FeatherRuntime(Generic[R]):
             return request_id
         if tracked is not None:
             self.queue.remove(request_id)
+        else:
+            self.meter.stats.requests_entered += 1
         self._tracked[request_id] = _Tracked(request, prompt_tokens)
         self.queue.add(request_id, view.chunk_keys(request), view.arrival_s(request))
         return request_id

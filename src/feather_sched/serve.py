@@ -1,26 +1,50 @@
-"""The command line of vLLM's OpenAI-compatible server with Feather as its scheduler."""
+"""The command line of vLLM's OpenAI-compatible server with Feather as its scheduler.
+
+What ``feather serve`` adds to the user's vLLM arguments, and why:
+
+* ``--scheduler-cls`` and ``--additional-config '{"feather": ...}'`` (merged with the
+  user's own additional config); Feather's options, ``FEATHER_*`` variables included,
+  are validated here, before the engine spends half a minute starting;
+* the embedded model by default (random weights, its own tokenizer, so vLLM checks
+  token ids against the vocabulary and text prompts work);
+* an exact KV cache size: ``--kv-cache-gib`` becomes ``--kv-cache-memory-bytes``, an
+  explicit ``--kv-cache-memory-bytes`` is passed through as given, and on a CPU without
+  either, 4 GiB.  vLLM's legacy ``VLLM_CPU_KVCACHE_SPACE`` overrides both on CPU, so it
+  is refused beside them;
+* ``--shutdown-timeout`` (default ``SHUTDOWN_TIMEOUT_S``): on SIGTERM vLLM stops taking
+  requests, lets running ones finish for up to that long, then the engine shuts down,
+  Feather saves its files, and the server exits; vLLM's own default (0) kills the engine
+  at once, skipping the save, and leaves the HTTP server waiting on open streams.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Mapping
 
 from feather_sched.config import FeatherConfig
 from feather_sched.models import TINY_LLAMA
 
 SCHEDULER_CLS = "feather_sched.integrations.vllm.FeatherScheduler"
-EMBEDDED_MODEL_ARGS = ["--load-format", "dummy", "--skip-tokenizer-init",
-                       "--max-model-len", "16384"]
-"""The embedded model is a config.json only: random weights and token-id prompts."""
+EMBEDDED_MODEL_ARGS = ["--load-format", "dummy", "--max-model-len", "16384"]
+"""The embedded model is a config.json and a tokenizer: random weights."""
+CPU_KV_CACHE_GIB = 4.0
+SHUTDOWN_TIMEOUT_S = 20
+KV_FLAG = "--kv-cache-memory-bytes"
+LEGACY_KV_VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
 
 
-def vllm_server_command(model: str | None, feather: dict, passthrough: list[str]) -> list[str]:
+def vllm_server_command(model: str | None, feather: dict, passthrough: list[str], *,
+                        kv_cache_gib: float | None = None, on_cpu: bool = True,
+                        environ: Mapping[str, str] = os.environ) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server`` with Feather's scheduler and options.
 
-    Feather options are validated here, so a typo fails before the server starts; a
-    ``--additional-config`` among the pass-through arguments is merged, not replaced.
+    ValueError for a bad Feather option or contradictory arguments, so a mistake fails
+    before the server starts.
     """
-    FeatherConfig.from_sources(feather, environ={})
+    FeatherConfig.from_sources(feather, environ=environ)
     passthrough = list(passthrough)
     if _take(passthrough, "--scheduler-cls") is not None:
         raise ValueError("feather serve sets --scheduler-cls itself; leave it out")
@@ -32,9 +56,35 @@ def vllm_server_command(model: str | None, feather: dict, passthrough: list[str]
                "--additional-config", json.dumps(additional)]
     if model is None:
         command += EMBEDDED_MODEL_ARGS
+    command += _kv_cache_args(passthrough, kv_cache_gib, on_cpu, environ)
+    if not _given(passthrough, "--shutdown-timeout"):
+        command += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     if "--enable-prompt-tokens-details" not in passthrough:
         command.append("--enable-prompt-tokens-details")  # cached tokens, for feather bench
     return command + passthrough
+
+
+def _kv_cache_args(passthrough: list[str], kv_cache_gib: float | None, on_cpu: bool,
+                   environ: Mapping[str, str]) -> list[str]:
+    explicit = _given(passthrough, KV_FLAG)
+    if explicit and kv_cache_gib is not None:
+        raise ValueError(f"give --kv-cache-gib or {KV_FLAG}, not both")
+    if environ.get(LEGACY_KV_VARIABLE) and (explicit or kv_cache_gib is not None):
+        raise ValueError(f"{LEGACY_KV_VARIABLE} is set: on CPU vLLM takes it over "
+                         f"--kv-cache-gib and {KV_FLAG}; unset it or leave those out")
+    if explicit or environ.get(LEGACY_KV_VARIABLE):
+        return []
+    if kv_cache_gib is None:
+        if not on_cpu:
+            return []  # a GPU sizes its cache from --gpu-memory-utilization
+        kv_cache_gib = CPU_KV_CACHE_GIB
+    if not kv_cache_gib > 0:
+        raise ValueError(f"--kv-cache-gib must be positive, got {kv_cache_gib}")
+    return [KV_FLAG, str(int(kv_cache_gib * 2**30))]
+
+
+def _given(args: list[str], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in args)
 
 
 def _take(args: list[str], flag: str) -> str | None:

@@ -59,6 +59,12 @@ class SchedulerStats:
     batched_requests: int = 0
     reordered_batches: int = 0
     """Running batches the adapter had to put back in Feather's order (SGLang)."""
+    requests_entered: int = 0
+    requests_left: int = 0
+    """Requests Feather started tracking, and discarded (each exactly once)."""
+    waiting: int = 0
+    running: int = 0
+    """Feather's waiting and running requests at the last scheduling pass."""
     admissions: AdmissionCounts | None = None
     """Feather's counts; None for a scheduler without Feather."""
 
