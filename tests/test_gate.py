@@ -152,3 +152,37 @@ def test_step_time_must_be_positive() -> None:
     with pytest.raises(ValueError, match="positive"):
         UCBBanditGate().reward([(ctx(batch=4, loss=3), Decision.ADD)], batch_size=4,
                                seconds=0.0)
+
+
+def test_a_table_write_cut_short_leaves_the_previous_table(tmp_path) -> None:
+    """A file-size limit (standing in for a full disk) stops the write half-way."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "bandit.json"
+    small = UCBBanditGate(seed=0)
+    train(small, {Decision.ADD: 100.0, Decision.STOP: 300.0}, steps=20)
+    small.save(path)
+    before = path.read_text()
+    script = f"""
+import resource, signal
+from feather_sched.gate import Decision, GateContext, UCBBanditGate
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+gate = UCBBanditGate(seed=0)
+for batch in range(60):
+    for loss in range(1, 6):
+        context = GateContext(batch_size=batch, chunk_loss=loss, sharing_waiters=batch,
+                              num_waiting=10)
+        gate.reward([(context, Decision.ADD)], batch_size=4, seconds=0.1)
+resource.setrlimit(resource.RLIMIT_FSIZE, ({len(before) + 200}, {len(before) + 200}))
+try:
+    gate.save({str(path)!r})
+except OSError as error:
+    print("failed", error.errno)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.startswith("failed"), done.stdout + done.stderr
+    assert path.read_text() == before
+    assert not list(tmp_path.glob(".*.tmp"))
+    UCBBanditGate().load(path)

@@ -309,25 +309,35 @@ def test_the_oldest_always_skipped_request_does_not_take_the_starvation_slot() -
     harness.assert_empty()
 
 
+def admissions(output) -> int:
+    """Requests a step took from waiting: new ones and preempted ones resumed."""
+    return len(output.scheduled_new_reqs) + len(output.scheduled_cached_reqs.resumed_req_ids)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_preemption_and_aborts_leave_nothing_behind(async_scheduling: bool) -> None:
     harness = Harness(async_scheduling=async_scheduling, num_blocks=40,
                       feather={"gate": "bandit", "gate_options": {"seed": 1}})
     requests = [harness.request(f"r{i}", group=i % 3, max_tokens=60) for i in range(9)]
-    preempted = 0
+    preempted = admitted = 0
     for n, request in enumerate(requests):
         harness.add(request)
         output = harness.step()
         preempted += len(output.preempted_req_ids)
+        admitted += admissions(output)
         if n == 5:
             harness.scheduler.finish_requests(["r1", "r4"], RequestStatus.FINISHED_ABORTED)
     while harness.scheduler.has_requests() or harness.in_flight:
         if not harness.scheduler.has_requests():
             harness.scheduler.update_from_output(*harness.in_flight.pop(0))
             continue
-        preempted += len(harness.step().preempted_req_ids)
+        output = harness.step()
+        preempted += len(output.preempted_req_ids)
+        admitted += admissions(output)
         assert harness.steps < 800
     assert preempted > 0
+    counts = harness.runtime.counts  # what happened, not how often the gate was asked
+    assert counts.add + counts.forced == admitted < counts.asked
     harness.assert_empty()
 
 
