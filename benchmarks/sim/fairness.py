@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from feather_sched.bench.report import group_ttfts, summarize
+from feather_sched.bench.report import group_ttfts, summarize, worst_group_ratios
 from feather_sched.sim.hardware import HARDWARE
 from feather_sched.sim.model_profiles import MODELS
 from feather_sched.sim.runner import SimPlan, simulate
@@ -68,9 +68,7 @@ def markdown(rows: list[dict]) -> str:
         groups = row["groups"]
         if row["scheduler"] == "fcfs":
             fcfs[shape] = groups
-        base = fcfs[shape]
-        mean_ratio = max(g["mean_ttft_ms"] / base[k]["mean_ttft_ms"] for k, g in groups.items())
-        p99_ratio = max(g["p99_ttft_ms"] / base[k]["p99_ttft_ms"] for k, g in groups.items())
+        mean_ratio, p99_ratio = worst_group_ratios(groups, fcfs[shape])
         minority = [g for k, g in groups.items() if k != "0"]
         worst = max(minority, key=lambda g: g["mean_ttft_ms"])
         verdict = "" if max(mean_ratio, p99_ratio) <= TARGET else " over"

@@ -111,6 +111,14 @@ def group_ttfts(ok: list[RequestRecord]) -> dict[str, dict[str, float]]:
             for group, values in ranked}
 
 
+def worst_group_ratios(groups: dict[str, dict], baseline: dict[str, dict]) -> tuple[float, float]:
+    """The largest ratio over groups of a run's TTFT to the same group's in ``baseline``
+    (``ttft_by_group`` of both), for the mean and for p99."""
+    mean = max(g["mean_ttft_ms"] / baseline[k]["mean_ttft_ms"] for k, g in groups.items())
+    p99 = max(g["p99_ttft_ms"] / baseline[k]["p99_ttft_ms"] for k, g in groups.items())
+    return mean, p99
+
+
 def _group_keys(ok: list[RequestRecord]) -> Summary:
     """Per prefix group TTFT, and the worst group's: where starvation shows."""
     groups = group_ttfts(ok)
