@@ -149,7 +149,34 @@ def test_the_queue_admits_a_starving_minority_within_the_bound() -> None:
 
 
 def test_no_bound_means_no_count() -> None:
-    queue = FeatherQueue(max_overtakes=None)
+    queue = FeatherQueue(max_overtakes=None, max_stops=None)
     assert queue.bound is None
     with pytest.raises(ValueError, match="non-negative"):
         OvertakeBound(-1)
+    with pytest.raises(ValueError, match="stop limit must be non-negative"):
+        OvertakeBound(None, -1)
+
+
+def test_the_gate_holds_a_waiting_request_back_at_most_s_times() -> None:
+    bound = OvertakeBound(limit=None, stop_limit=2)
+    bound.arrive("old")
+    bound.stopped()
+    bound.arrive("new")
+    assert bound.due() is None
+    bound.stopped()
+    assert (bound.stops("old"), bound.stops("new")) == (2, 1) and bound.due() == "old"
+
+
+def test_the_queue_admits_a_request_the_gate_keeps_stopping_for() -> None:
+    """A strict gate stops for the other group every pass; after two STOPs it goes in."""
+    queue = FeatherQueue(ChunkLossGate(max_loss=0, floor_start=0, floor_step=0),
+                         max_overtakes=None, max_stops=2, max_wait_s=None)
+    queue.add("a", [("a",), ("a", 1)])
+    queue.admit(queue.decide().request_id)
+    queue.add("b", [("b",), ("b", 1)])
+    for _ in range(2):
+        queue.new_step()
+        assert queue.decide().decision is Decision.STOP
+    queue.new_step()
+    forced = queue.decide()
+    assert forced.forced and forced.request_id == "b" and forced.decision is Decision.ADD

@@ -25,6 +25,7 @@ def test_feather_names_carry_gate_and_order() -> None:
                                                                             False)
     assert unbounded.feather_options({})["max_overtakes"] is None
     assert "max_overtakes" not in parse_scheduler("feather-always").feather_options({})
+    assert unbounded.feather_options({})["max_stops"] is None
 
 
 def test_each_context_accepts_only_what_it_can_run() -> None:

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/sim/fairness.py
 
 A large majority group and one or more small groups arrive shuffled, as a Poisson stream
-at 1.5x FCFS's offline request rate (the queue grows: the scheduler decides who waits).
+at 3x FCFS's offline request rate (the queue grows: the scheduler decides who waits).
 Llama-3-8B on RTX 6000 Ada and H100 SXM. For every scheduler and group: mean and p99
 TTFT, and their ratio to the same group under FCFS (the target: at most 1.25x for
 Feather, whose overtaking bound is on by default; "unbounded" turns it off, to show the
@@ -31,7 +31,7 @@ SHAPES = (
     (400, (10, 10, 10), 1024, 64, 64),
     (200, (5, 5, 5, 5), 10240, 32, 50),
 )
-LOAD = 1.5
+LOAD = 3.0
 TARGET = 1.25
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from feather_sched.cht import DEFAULT_CHUNK_TOKENS
-from feather_sched.fairness import DEFAULT_MAX_OVERTAKES
+from feather_sched.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS
 from feather_sched.gate import GATE_KINDS, Gate, UCBBanditGate, make_gate
 from feather_sched.queue import DEFAULT_MAX_WAIT_S, FeatherQueue
 
@@ -51,6 +51,9 @@ class FeatherConfig:
     max_overtakes: int | None = DEFAULT_MAX_OVERTAKES
     """Fairness bound: while a request waits, at most this many later arrivals are
     admitted before it (``fairness``); None (or "off") turns it off."""
+    max_stops: int | None = DEFAULT_MAX_STOPS
+    """Fairness bound: while a request waits, the gate ends at most this many scheduling
+    passes early; None (or "off") turns it off."""
     max_wait_s: float | None = DEFAULT_MAX_WAIT_S
     """Starvation backstop: a request waiting longer is admitted whatever the gate says;
     None (or "off") turns it off."""
@@ -113,7 +116,7 @@ class FeatherConfig:
 
     def make_queue(self, clock: Callable[[], float] = time.monotonic) -> FeatherQueue:
         return FeatherQueue(self.make_gate(), max_overtakes=self.max_overtakes,
-                            max_wait_s=self.max_wait_s, clock=clock)
+                            max_stops=self.max_stops, max_wait_s=self.max_wait_s, clock=clock)
 
 
 def check_writable(option: str, path: str) -> None:
@@ -207,6 +210,7 @@ VALIDATORS: dict[str, Callable[[Any], Any]] = {
     "chunk_tokens": _positive_integer,
     "state_file": _optional_path,
     "max_overtakes": _optional_count,
+    "max_stops": _optional_count,
     "max_wait_s": _optional_seconds,
     "order_running": _boolean,
     "stats_file": _optional_path,

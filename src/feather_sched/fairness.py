@@ -1,21 +1,23 @@
-"""The overtaking bound: no waiting request is passed by more than K later arrivals.
+"""The fairness bound: no waiting request is passed by more than K later arrivals, nor
+held back by more than S of the gate's STOPs.
 
 Prefix-first order alone starves a minority prefix while a majority keeps arriving (the
-tree never prefers it).  The bound is stated against arrival order, the FCFS order a
-user expects: *while a request waits, at most* ``limit`` *requests that arrived after it
-are admitted before it*; the request that reaches the bound is admitted next, over the
-tree's order and the gate (unless the engine itself cannot take it: then nobody is
-admitted in that pass).  A request that runs and is preempted waits under the bound
-afresh from the moment it returns.
+tree never prefers it), and a gate that keeps stopping delays everyone waiting.  The
+bound is stated against arrival order, the FCFS order a user expects: *while a request
+waits, at most* ``limit`` *requests that arrived after it are admitted before it, and the
+gate ends at most* ``stop_limit`` *scheduling passes early*; the request that reaches
+either bound is admitted next, over the tree's order and the gate (unless the engine
+itself cannot take it: then nobody is admitted in that pass).  A request that runs and is
+preempted waits under the bound afresh from the moment it returns.
 
 Bookkeeping: each request gets a sequence number when first seen; each admission is
-logged with its request's sequence.  A waiting request's overtakes are the logged
-admissions since it entered waiting whose sequence is later than its own.  Among requests
-waiting since they arrived, the oldest always has the most overtakes (every admission
-that passes a younger one passed it too), so only it and the requests that re-entered
-waiting (preempted ones, usually few) need checking: ``due`` costs one vectorised count
-over the log for each of them.  Admissions cost O(1) amortised; the log is trimmed to
-what waiting requests still need.
+logged with its request's sequence, and STOPs are counted.  A waiting request's overtakes
+are the logged admissions since it entered waiting whose sequence is later than its own;
+its stops, the STOPs since it entered.  Among requests waiting since they arrived, the
+oldest always has the most of both (every admission that passes a younger one passed it
+too), so only it and the requests that re-entered waiting (preempted ones, usually few)
+need checking: ``due`` costs one vectorised count over the log for each of them.
+Admissions cost O(1) amortised; the log is trimmed to what waiting requests still need.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 RequestId = Hashable
 
 DEFAULT_MAX_OVERTAKES = 32
+DEFAULT_MAX_STOPS = 4
 
 
 @dataclass
@@ -38,15 +41,20 @@ class _Wait:
     """Log position (global) when the request entered waiting."""
     fresh: bool
     """Waiting since it arrived (never ran)."""
+    stops: int
+    """The STOP count when it entered waiting."""
 
 
 class OvertakeBound:
     """Counts, for every waiting request, the later arrivals admitted ahead of it."""
 
-    def __init__(self, limit: int) -> None:
-        if limit < 0:
-            raise ValueError(f"the overtaking limit must be non-negative, got {limit}")
+    def __init__(self, limit: int | None, stop_limit: int | None = None) -> None:
+        for name, value in (("overtaking", limit), ("stop", stop_limit)):
+            if value is not None and value < 0:
+                raise ValueError(f"the {name} limit must be non-negative, got {value}")
         self.limit = limit
+        self.stop_limit = stop_limit
+        self._stops = 0
         self._sequence: dict[RequestId, int] = {}
         self._arrivals = itertools.count()
         self._waiting: dict[RequestId, _Wait] = {}
@@ -65,7 +73,7 @@ class OvertakeBound:
     def arrive(self, request_id: RequestId) -> None:
         """A new request waits."""
         self._sequence[request_id] = next(self._arrivals)
-        self._enter(request_id, _Wait(self._position, fresh=True))
+        self._enter(request_id, _Wait(self._position, fresh=True, stops=self._stops))
 
     def admit(self, request_id: RequestId) -> None:
         """A waiting (or held) request runs: it passes every older waiting request."""
@@ -91,8 +99,13 @@ class OvertakeBound:
 
     def requeue(self, request_id: RequestId) -> None:
         """A held or running request waits again (a skip undone keeps its old record)."""
-        wait = self._held.pop(request_id, None) or _Wait(self._position, fresh=False)
+        wait = self._held.pop(request_id, None) or _Wait(self._position, fresh=False,
+                                                         stops=self._stops)
         self._enter(request_id, wait)
+
+    def stopped(self) -> None:
+        """The gate ended a pass early: every waiting request was held back once more."""
+        self._stops += 1
 
     def forget(self, request_id: RequestId) -> None:
         del self._sequence[request_id]
@@ -111,17 +124,26 @@ class OvertakeBound:
         window = self._log[start:self._log_len]
         return int(np.count_nonzero(window > self._sequence[request_id]))
 
+    def stops(self, request_id: RequestId) -> int:
+        """STOPs since the waiting request entered waiting."""
+        return self._stops - self._waiting[request_id].stops
+
     def due(self) -> RequestId | None:
-        """The oldest waiting request that ``limit`` later arrivals have overtaken."""
+        """The oldest waiting request at either bound."""
         found: RequestId | None = None
         oldest = self._oldest_fresh()
-        if oldest is not None and self.overtakes(oldest) >= self.limit:
+        if oldest is not None and self._at_bound(oldest):
             found = oldest
         for request_id in self._requeued:
-            if self.overtakes(request_id) >= self.limit and (
+            if self._at_bound(request_id) and (
                     found is None or self._sequence[request_id] < self._sequence[found]):
                 found = request_id
         return found
+
+    def _at_bound(self, request_id: RequestId) -> bool:
+        if self.stop_limit is not None and self.stops(request_id) >= self.stop_limit:
+            return True
+        return self.limit is not None and self.overtakes(request_id) >= self.limit
 
     # ---- internals --------------------------------------------------------------------
 

@@ -14,8 +14,9 @@ After a STOP the queue answers STOP until ``new_step`` starts the next schedulin
 Two bounds on waiting override the tree's order and the gate (the request they name is
 the candidate, admitted whatever the gate says):
 
-* the overtaking bound (``fairness``, ``max_overtakes``): while a request waits, at most
-  that many later arrivals are admitted before it;
+* the fairness bound (``fairness``, ``max_overtakes`` and ``max_stops``): while a request
+  waits, at most that many later arrivals are admitted before it, and the gate ends at
+  most that many passes early;
 * the starvation guard (``max_wait_s``), an absolute backstop: the oldest request that
   has waited longer than this goes first, one such request per pass, so an overloaded
   queue still fills the rest of each pass in the tree's order.
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from feather_sched.cht import Candidate, CHTError, ChunkedHashTree, ChunkKey, RequestState
-from feather_sched.fairness import DEFAULT_MAX_OVERTAKES, OvertakeBound
+from feather_sched.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS, OvertakeBound
 from feather_sched.gate import AlwaysAddGate, Decision, Gate, GateContext
 
 RequestId = Hashable
@@ -78,6 +79,7 @@ class FeatherQueue:
         gate: Gate | None = None,
         *,
         max_overtakes: int | None = DEFAULT_MAX_OVERTAKES,
+        max_stops: int | None = DEFAULT_MAX_STOPS,
         max_wait_s: float | None = DEFAULT_MAX_WAIT_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -85,7 +87,9 @@ class FeatherQueue:
             raise ValueError(f"max_wait_s must be non-negative or None, got {max_wait_s}")
         self.tree = ChunkedHashTree()
         self.gate: Gate = gate if gate is not None else AlwaysAddGate()
-        self.bound = OvertakeBound(max_overtakes) if max_overtakes is not None else None
+        self.bound = None
+        if max_overtakes is not None or max_stops is not None:
+            self.bound = OvertakeBound(max_overtakes, max_stops)
         self.max_wait_s = max_wait_s
         self.clock = clock
         self._requests: dict[RequestId, _Request] = {}
@@ -256,6 +260,8 @@ class FeatherQueue:
         )
         decision = self.gate.decide(context)
         self._closed = decision is Decision.STOP
+        if self._closed and self.bound is not None:
+            self.bound.stopped()
         return Admission(candidate, decision, forced=False, context=context)
 
     def _starved(self) -> RequestId | None:

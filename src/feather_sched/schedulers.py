@@ -5,7 +5,7 @@
 * ``sglang-lpm``, ``sglang-dfs-weight`` - SGLang's cache-aware policies (simulator only);
 * ``feather-<gate>`` - Feather with gate ``always``, ``chunk-loss`` or ``bandit``;
   ``-noorder`` keeps the engine's running order (to measure ordering's share) and
-  ``-unbounded`` turns the overtaking bound off (to measure what fairness costs), in that
+  ``-unbounded`` turns the fairness bound off (to measure what fairness costs), in that
   order when both are given.
 """
 
@@ -53,7 +53,7 @@ class SchedulerName:
             raise ValueError(f"{self.name!r} is not a Feather scheduler")
         options = {**base, "gate": self.gate, "order_running": self.order_running}
         if not self.bounded:
-            options["max_overtakes"] = None
+            options.update(max_overtakes=None, max_stops=None)
         return options
 
 

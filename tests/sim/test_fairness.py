@@ -1,11 +1,13 @@
-"""The overtaking bound in the simulator: over random workloads, every request is passed
-by at most ``max_overtakes`` later arrivals while it waits (counted from the outside)."""
+"""The fairness bound in the simulator: over random workloads, every request is passed by
+at most ``max_overtakes`` later arrivals, and sits through at most ``max_stops`` of the
+gate's STOPs, while it waits (counted from the outside)."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from feather_sched.gate import Decision
 from feather_sched.sim.engine import EngineConfig, SimEngine
 from feather_sched.sim.policies import make_policy
 from feather_sched.workloads import ArrivalSpec, Workload, shared_prefix_groups
@@ -20,7 +22,10 @@ class Witness:
         self.sequence: dict[str, int] = {}
         self.waiting_since: dict[str, int] = {}
         self.admitted: list[int] = []
+        self.stops = 0
+        self.stops_at_entry: dict[str, int] = {}
         self.worst = 0
+        self.worst_stops = 0
 
     def __getattr__(self, name: str):
         return getattr(self.policy, name)
@@ -31,13 +36,21 @@ class Witness:
     def enter_waiting(self, request) -> None:
         self.sequence.setdefault(request.request_id, len(self.sequence))
         self.waiting_since[request.request_id] = len(self.admitted)
+        self.stops_at_entry[request.request_id] = self.stops
         self.policy.enter_waiting(request)
+
+    def decide(self):
+        answer = self.policy.decide()
+        if answer is not None and answer.decision is Decision.STOP and answer.context:
+            self.stops += 1
+        return answer
 
     def admit(self, request) -> None:
         rid = request.request_id
         mine = self.sequence[rid]
         passed = sum(s > mine for s in self.admitted[self.waiting_since.pop(rid):])
         self.worst = max(self.worst, passed)
+        self.worst_stops = max(self.worst_stops, self.stops - self.stops_at_entry.pop(rid))
         self.admitted.append(mine)
         self.policy.admit(request)
 
@@ -53,23 +66,27 @@ def test_no_request_is_overtaken_more_than_the_bound(groups, per_group, limit, g
         groups=groups, prompts_per_group=per_group, prefix_len=64, suffix_len=8,
         output_len=6, seed=seed, popularity="zipf" if seed % 2 else "uniform",
         arrival=ArrivalSpec("poisson", rate) if rate else None)
-    assert worst_overtakes(workload, gate, limit, blocks) <= limit
+    overtakes, stops = worst_case(workload, gate, limit, blocks)
+    assert overtakes <= limit and stops <= limit
 
 
-def worst_overtakes(workload: Workload, gate: str, limit: int | None, blocks: int = 100) -> int:
+def worst_case(workload: Workload, gate: str, limit: int | None,
+               blocks: int = 100) -> tuple[int, int]:
+    """The most overtakes, and the most STOPs, a request sat through before admission."""
     engine = SimEngine(StubCost(keep=False),
                        EngineConfig(block_tokens=4, num_blocks=blocks, max_num_seqs=8,
                                     max_num_batched_tokens=96, charge_scheduler_time=False,
                                     group_tokens=16))
-    options = {"max_overtakes": limit, "max_wait_s": None, "chunk_tokens": 16}
+    options = {"max_overtakes": limit, "max_stops": limit, "max_wait_s": None,
+               "chunk_tokens": 16}
     witness = Witness(make_policy(f"feather-{gate}", options, engine))
     result = engine.run(workload, witness)
     assert all(r.success or r.error for r in result.records)
-    return witness.worst
+    return witness.worst, witness.worst_stops
 
 
 def test_without_the_bound_the_tree_overtakes_far_more() -> None:
     workload = shared_prefix_groups(groups=4, prompts_per_group=10, prefix_len=64,
                                     suffix_len=8, output_len=6, popularity="zipf", seed=3)
-    assert worst_overtakes(workload, "chunk-loss", None) > 20
-    assert worst_overtakes(workload, "chunk-loss", 2) == 2
+    assert worst_case(workload, "chunk-loss", None)[0] > 20
+    assert worst_case(workload, "chunk-loss", 2)[0] == 2
