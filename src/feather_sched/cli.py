@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from feather_sched.bench.report import Percentiles
 from feather_sched.schedulers import ENGINE_KINDS, SIM_KINDS, choices, parse_schedulers
 
 app = typer.Typer(
@@ -143,6 +144,10 @@ WorkloadKind = Annotated[str, typer.Option(help="shared-prefix, minority (one gr
                                            "--prompts-per-group, --groups - 1 groups of "
                                            "--minority-size), long-docs, chat, no-sharing.")]
 MinoritySize = Annotated[int, typer.Option(min=1, help="Requests of each minority group.")]
+PercentileMetrics = Annotated[str, typer.Option(help="Latencies that get percentiles "
+                                                "(vllm bench serve's flag): ttft, tpot, "
+                                                "itl, e2el.")]
+MetricPercentiles = Annotated[str, typer.Option(help="Which percentiles, e.g. 50,90,99.")]
 SaveDetailed = Annotated[bool, typer.Option(help="Add per-request ttfts, itls, lengths, "
                                             "groups to --json (vllm bench serve's "
                                             "--save-detailed).")]
@@ -191,6 +196,8 @@ def bench(
     seed: Seed = 0,
     json_path: JsonOut = None,
     save_detailed: SaveDetailed = False,
+    percentile_metrics: PercentileMetrics = "ttft,tpot,itl",
+    metric_percentiles: MetricPercentiles = "99",
     plot_path: PlotOut = None,
 ) -> None:
     """Feather vs the engine's own scheduler on the real vLLM engine (or any server)."""
@@ -214,13 +221,15 @@ def bench(
             feather_options=_json_option(feather_options, "--feather-options"),
             model=model or str(TINY_LLAMA), engine_args=_engine_args(engine_arg or []),
             kv_cache_gib=kv_cache_gib, base_url=base_url, label=label,
-            max_concurrency=max_concurrency, request_rate=request_rate, api=api)
+            max_concurrency=max_concurrency, request_rate=request_rate, api=api,
+            percentiles=Percentiles.parse(percentile_metrics, metric_percentiles))
         if not base_url:
             parse_schedulers(schedulers, ENGINE_KINDS)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     runs, _ = run_bench(plan, console)
-    save_outputs(runs, bench_config(plan), json_path, plot_path, save_detailed)
+    save_outputs(runs, bench_config(plan), json_path, plot_path, save_detailed,
+                 plan.percentiles)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -334,6 +343,8 @@ def sim(
                                                         "to the simulated clock.")] = True,
     json_path: JsonOut = None,
     save_detailed: SaveDetailed = False,
+    percentile_metrics: PercentileMetrics = "ttft,tpot,itl",
+    metric_percentiles: MetricPercentiles = "99",
     plot_path: PlotOut = None,
 ) -> None:
     """Simulate Feather against vLLM's and SGLang's schedulers on GPUs we do not have."""
@@ -346,6 +357,7 @@ def sim(
                             suffix_len=suffix_len, output_len=output_len,
                             request_rate=request_rate, minority_size=minority_size, seed=seed)
         parse_schedulers(schedulers, SIM_KINDS)  # fail on a bad name before any run starts
+        percentiles = Percentiles.parse(percentile_metrics, metric_percentiles)
         plan = _sim_plan(args, hardware, model, profile, schedulers, feather_options, cascade,
                          max_num_seqs, max_num_batched_tokens, charge_scheduler_time,
                          block_tokens, kv_cache_gib)
@@ -353,10 +365,10 @@ def sim(
         raise typer.BadParameter(str(error)) from None
     runners = [(name, lambda advance, name=name: simulate(plan, name, advance))
                for name in plan.schedulers]
-    runs = report_runs(runners, plan.workload, console)
+    runs = report_runs(runners, plan.workload, console, percentiles)
     config = {"workload": plan.workload.describe(), "hardware": plan.hardware.name,
               "model": plan.model.name, "cascade": cascade, "schedulers": plan.schedulers}
-    save_outputs(runs, config, json_path, plot_path, save_detailed)
+    save_outputs(runs, config, json_path, plot_path, save_detailed, percentiles)
 
 
 @app.command()

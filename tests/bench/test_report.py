@@ -10,6 +10,7 @@ from rich.console import Console
 
 from feather_sched.bench.records import RequestRecord, StepRecord
 from feather_sched.bench.report import (
+    Percentiles,
     RunResult,
     format_ratio_table,
     format_result_block,
@@ -21,8 +22,9 @@ from feather_sched.bench.report import (
 VLLM_KEYS = [
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
     "request_throughput", "output_throughput", "total_token_throughput",
-    *(f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el")
+    *(f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl")
       for stat in ("mean", "median", "std", "p99")),
+    "mean_e2el_ms", "median_e2el_ms", "std_e2el_ms",
 ]
 GROUP_KEYS = ["worst_group_mean_ttft_ms", "worst_group_p99_ttft_ms", "ttft_by_group"]
 FEATHER_KEYS = ["mean_batch_size", "mean_groups_per_step", "prefix_cache_hit_rate",
@@ -99,13 +101,21 @@ def test_counts_and_throughputs_exclude_failures() -> None:
     ("e2el", 450.0, 450.0, 50.0, 499.0),
 ])
 def test_latencies_match_hand_computation(metric, mean, median, std, p99) -> None:
-    s = summarize(two_requests_and_a_failure())
+    s = summarize(two_requests_and_a_failure(), Percentiles.parse("ttft,tpot,itl,e2el", "99"))
     got = [s[f"{stat}_{metric}_ms"] for stat in ("mean", "median", "std", "p99")]
     assert got == pytest.approx([mean, median, std, p99])
 
 
+def test_bad_percentile_flags_fail_clearly() -> None:
+    with pytest.raises(ValueError, match="unknown \\['ttlt'\\]"):
+        Percentiles.parse("ttft,ttlt", "99")
+    with pytest.raises(ValueError, match="in \\(0, 100\\)"):
+        Percentiles.parse("ttft", "100")
+
+
 def test_percentiles_are_named_as_vllm_names_them() -> None:
-    s = summarize(two_requests_and_a_failure(), percentiles=(50, 99.9))
+    s = summarize(two_requests_and_a_failure(),
+                  Percentiles.parse("ttft,tpot,itl,e2el", "50,99.9"))
     assert s["p50_ttft_ms"] == pytest.approx(200.0)
     assert "p99.9_e2el_ms" in s and "p99_e2el_ms" not in s
 
@@ -147,7 +157,7 @@ def test_runs_without_successes_do_not_crash(duration: float) -> None:
     run = RunResult("x", [record("a", 7, 0.0, [], None, success=False)], duration_s=duration)
     s = summarize(run)
     assert (s["completed"], s["failed"], s["total_input_tokens"]) == (0, 1, 0)
-    assert s["mean_ttft_ms"] == 0.0 and s["p99_e2el_ms"] == 0.0
+    assert s["mean_ttft_ms"] == 0.0 and s["p99_itl_ms"] == 0.0
     assert s["request_throughput"] == (0.0 if duration else None)
     assert "n/a" in format_result_block(run, s)
 
@@ -165,7 +175,7 @@ def test_result_block_prints_vllms_lines() -> None:
         "{:<40} {:<10.2f}".format("Output token throughput (tok/s):", 3.0),
         "{s:{c}^{n}}".format(s="Time per Output Token (excl. 1st token)", n=50, c="-"),
         "{:<40} {:<10.2f}".format("Mean TTFT (ms):", 200.0),
-        "{:<40} {:<10.2f}".format("P99 E2EL (ms):", 499.0),
+        "{:<40} {:<10.2f}".format("P99 TTFT (ms):", 298.0),
         "{:<40} {:<10}".format("Scheduler:", "fcfs"),
         "{:<40} {:<10.2f}".format("Prefix-cache hit rate (%):", 40.0),
         "{:<40} {:<10}".format("Gate ADD / STOP / forced:", "7 / 2 / 1"),

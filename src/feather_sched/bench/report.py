@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import groupby, pairwise
 from pathlib import Path
@@ -40,6 +40,31 @@ LATENCIES = (
 """vLLM's latency metrics: summary key stem, printed name, section title."""
 
 GATE_KEYS = ("add", "stop", "forced")
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    """Which latencies get percentiles, and which: ``vllm bench serve``'s
+    ``--percentile-metrics`` (default ttft,tpot,itl) and ``--metric-percentiles`` (99)."""
+
+    metrics: tuple[str, ...] = ("ttft", "tpot", "itl")
+    values: tuple[float, ...] = (99.0,)
+
+    @classmethod
+    def parse(cls, metrics: str, values: str) -> Percentiles:
+        """From vLLM's comma-separated flags; ValueError naming what is wrong."""
+        names = tuple(m.strip() for m in metrics.split(",") if m.strip())
+        known = [key for key, _, _ in LATENCIES]
+        unknown = [m for m in names if m not in known]
+        if unknown:
+            raise ValueError(f"--percentile-metrics: unknown {unknown}; choose from {known}")
+        try:
+            numbers = tuple(float(v) for v in values.split(",") if v.strip())
+        except ValueError:
+            raise ValueError(f"--metric-percentiles: not numbers: {values!r}") from None
+        if not numbers or not all(0 < p < 100 for p in numbers):
+            raise ValueError(f"--metric-percentiles: need values in (0, 100), got {values!r}")
+        return cls(names, numbers)
 
 RATIO_COLUMNS = (
     ("request_throughput", "Req/s"),
@@ -76,7 +101,11 @@ class RunResult:
 # ---- summary ----------------------------------------------------------------------------
 
 
-def summarize(run: RunResult, percentiles: Sequence[float] = (99,)) -> Summary:
+VLLM_PERCENTILES = Percentiles()
+"""vLLM's defaults."""
+
+
+def summarize(run: RunResult, percentiles: Percentiles = VLLM_PERCENTILES) -> Summary:
     """vLLM's ``bench serve`` result keys for ``run``, then Feather's own keys."""
     ok = [r for r in run.records if r.success]
     input_tokens = sum(r.prompt_len for r in ok)
@@ -92,7 +121,8 @@ def summarize(run: RunResult, percentiles: Sequence[float] = (99,)) -> Summary:
         "total_token_throughput": _per_second(input_tokens + output_tokens, run.duration_s),
     }
     for key, values in _latency_samples(ok).items():
-        summary.update(_latency_stats(key, values, percentiles))
+        wanted = percentiles.values if key in percentiles.metrics else ()
+        summary.update(_latency_stats(key, values, wanted))
     summary.update(_group_keys(ok))
     summary.update(_feather_keys(run, ok))
     return summary

@@ -20,6 +20,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 
 from feather_sched.bench.records import RequestRecord
 from feather_sched.bench.report import (
+    VLLM_PERCENTILES,
+    Percentiles,
     RunResult,
     format_ratio_table,
     format_result_block,
@@ -122,6 +124,7 @@ class BenchPlan:
     max_concurrency: int | None = None
     request_rate: float | None = None
     api: str = "openai"
+    percentiles: Percentiles = field(default_factory=Percentiles)
 
 
 Runner = Callable[[Callable[[RequestRecord], None]], RunResult]
@@ -130,30 +133,31 @@ Runner = Callable[[Callable[[RequestRecord], None]], RunResult]
 
 def run_bench(plan: BenchPlan, console: Console) -> tuple[list[RunResult], dict[str, dict]]:
     """Run every scheduler (or the server once), print each result and the ratios."""
-    runs = report_runs(_runners(plan), plan.workload, console)
+    runs = report_runs(_runners(plan), plan.workload, console, plan.percentiles)
     for run in runs:
         run.request_rate, run.max_concurrency = plan.request_rate, plan.max_concurrency
-    return runs, {run.name: summarize(run) for run in runs}
+    return runs, {run.name: summarize(run, plan.percentiles) for run in runs}
 
 
-def report_runs(runners: list[tuple[str, Runner]], workload: Workload,
-                console: Console) -> list[RunResult]:
+def report_runs(runners: list[tuple[str, Runner]], workload: Workload, console: Console,
+                percentiles: Percentiles = VLLM_PERCENTILES) -> list[RunResult]:
     """Each run under a progress bar, its vLLM-style block, then the ratio table."""
     runs = []
     for name, runner in runners:
         with _progress(console, f"{name}: {workload.describe()}", len(workload)) as advance:
             run = runner(advance)
         runs.append(run)
-        console.print(format_result_block(run, summarize(run)), highlight=False)
+        console.print(format_result_block(run, summarize(run, percentiles)), highlight=False)
     if len(runs) > 1:
-        summaries = {run.name: summarize(run) for run in runs}
+        summaries = {run.name: summarize(run, percentiles) for run in runs}
         console.print(format_ratio_table(summaries, baseline=runs[0].name))
     return runs
 
 
 def save_outputs(runs: list[RunResult], config: dict[str, Any], json_path: Path | None,
-                 plot_path: Path | None, detailed: bool = False) -> None:
-    summaries = {run.name: summarize(run) for run in runs}
+                 plot_path: Path | None, detailed: bool = False,
+                 percentiles: Percentiles = VLLM_PERCENTILES) -> None:
+    summaries = {run.name: summarize(run, percentiles) for run in runs}
     if json_path:
         write_json(json_path, runs, summaries, config, detailed=detailed)
     if plot_path:
