@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -72,12 +73,20 @@ def test_feather_serve_answers_feather_bench(tmp_path) -> None:
     log = tmp_path / "server.log"
     command = ["feather_sched.cli", "serve", "--gate", "bandit", "--enforce-eager",
                "--kv-cache-gib", "1"]
-    with serving(command, log, {}) as url:
+    with serving(command, log, {"PROMETHEUS_MULTIPROC_DIR": ""}) as url:
         summary = bench_server(url, tmp_path / "server.json", "feather-server",
                                "--max-concurrency", "4")
+        metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     assert summary["completed"] == 6 and summary["total_output_tokens"] == 30
     assert summary["prefix_cache_hit_rate"] > 0.3
     assert "Feather scheduler" in log.read_text()
+    # Feather's metrics come from the engine-core process, on vLLM's own endpoint
+    assert "# HELP feather:gate_decisions_total" in metrics
+    admitted = re.findall(r'^feather:gate_decisions_total\{decision="add",.*\} ([0-9.]+)$',
+                          metrics, re.M)
+    assert admitted and float(admitted[0]) >= 1
+    assert "feather:admission_deferral_seconds_bucket" in metrics
+    assert "vllm:num_requests_running" in metrics
 
 
 def post(url: str, path: str, body: dict, timeout: float = 60) -> tuple[int, dict]:

@@ -261,6 +261,12 @@ def serve(
     if dry_run:
         console.print(shlex.join(command), highlight=False)
         return
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # Feather's metrics live in the engine-core process: vLLM's /metrics collects them
+        # from this directory (prometheus multiprocess mode; see feather_sched.metrics).
+        import tempfile
+
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="feather-metrics-")
     os.execv(command[0], command)
 
 

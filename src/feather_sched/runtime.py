@@ -41,6 +41,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from feather_sched import metrics
 from feather_sched.config import FeatherConfig
 from feather_sched.gate import Decision, GateContext, UCBBanditGate
 from feather_sched.prefix import group_of, order_by_group
@@ -95,12 +96,14 @@ class FeatherRuntime(Generic[R]):
         self.name = name
         self.config = config
         self.view = view
+        self.clock = clock
         self.queue = config.make_queue(clock=clock)
         self.counts = AdmissionCounts()
         bandit = self.queue.gate if isinstance(self.queue.gate, UCBBanditGate) else None
         self.meter = StepMeter(name, stats_file=config.stats_file, step_log=config.step_log,
                                state_file=config.state_file, gate=bandit,
-                               admissions=self.counts)
+                               admissions=self.counts,
+                               sink=metrics.PrometheusSink(name) if metrics.enabled() else None)
         self._tracked: dict[RequestId, _Tracked[R]] = {}
         self._taken: list[_Taken] = []
         self._open_steps: OrderedDict[Hashable, list[tuple[GateContext, Decision]]] = \
@@ -215,21 +218,31 @@ class FeatherRuntime(Generic[R]):
         """The pass formed ``step``: reconcile, count and bind the decisions that held."""
         self.reconcile(running)
         credit: list[tuple[GateContext, Decision]] = []
+        admitted: list[RequestId] = []
         for taken in self._taken:
             admission = taken.admission
             if admission.decision is Decision.STOP:
                 if admission.context is not None:
-                    self.counts.stop += 1
                     credit.append((admission.context, Decision.STOP))
             elif taken.admitted and self.is_running(admission.request_id):
-                if admission.forced:
-                    self.counts.forced += 1
-                else:
-                    self.counts.add += 1
+                admitted.append(admission.request_id)
+                if not admission.forced:
                     credit.append((admission.context, Decision.ADD))
-        self._taken.clear()
+        stops = sum(1 for _, decision in credit if decision is Decision.STOP)
+        forced = len(admitted) - (len(credit) - stops)
+        counts = self.counts
+        counts.stop, counts.forced, counts.add = (counts.stop + stops, counts.forced + forced,
+                                                  counts.add + len(admitted) - forced)
         stats = self.meter.stats
         stats.waiting, stats.running = len(self.queue), self.queue.num_running
+        if self.meter.sink is not None:
+            now = self.clock()
+            self.meter.sink.pass_ended(
+                asked=len(self._taken), add=len(admitted) - forced, stop=stops, forced=forced,
+                deferrals=[now - self.queue.arrival_s(r) for r in admitted],
+                groups=len({self.group(r) for r in running}), waiting=stats.waiting,
+                running=stats.running)
+        self._taken.clear()
         if credit:
             self._open_steps.setdefault(step, []).extend(credit)
             self._open_steps.move_to_end(step)

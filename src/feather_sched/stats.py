@@ -97,6 +97,8 @@ class StepMeter:
     gate: Any = None
     """A gate with ``save(path)`` (the bandit), written to ``state_file``."""
     admissions: AdmissionCounts | None = None
+    sink: Any = None
+    """A ``metrics.PrometheusSink`` the measurements also go to, if any."""
     stats: SchedulerStats = field(init=False)
     _log: StepLogWriter | None = field(default=None, init=False)
     _failed: set[str] = field(default_factory=set, init=False)
@@ -112,6 +114,8 @@ class StepMeter:
         (an engine that polls while idle so saves within ``WRITE_EVERY_S`` of its last step)."""
         self.stats.schedule_calls += 1
         self.stats.schedule_s += seconds
+        if self.sink is not None:
+            self.sink.scheduled(seconds)
         if time.monotonic() - self._saved_at >= WRITE_EVERY_S:
             self.save()
 

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -30,7 +31,7 @@ def test_sglang_server_runs_feather_and_answers_feather_bench(tmp_path) -> None:
     command = ["feather_sched.integrations.sglang_launch", "--model-path", str(TINY_LLAMA),
                "--device", "cpu", "--load-format", "dummy", "--skip-tokenizer-init",
                "--attention-backend", "torch_native", "--schedule-policy", "feather",
-               "--feather-options", options]
+               "--feather-options", options, "--enable-metrics"]
     env = {"PYTHONPATH": os.pathsep.join([str(STAND_INS), *sys.path])}
     with serving(command, log, env) as url:
         summary = bench_server(url, tmp_path / "sglang.json", "sglang-feather",
@@ -42,11 +43,15 @@ def test_sglang_server_runs_feather_and_answers_feather_bench(tmp_path) -> None:
                      "--groups", "3", "--prompts-per-group", "4", "--request-rate", "6",
                      "--output-len", "12")
         time.sleep(stats.WRITE_EVERY_S + 1)  # SGLang's idle loop keeps scheduling: it saves
+        metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     assert "Feather scheduling policy" in log.read_text()
     written = stats.SchedulerStats.read(stats_file)
     assert written.steps > 0 and written.schedule_calls > 0
     assert written.admissions.asked >= written.admissions.add > 0
     assert written.reordered_batches > 0
+    # Feather's metrics from the scheduler process, on SGLang's own /metrics
+    assert "# HELP feather:gate_decisions_total" in metrics
+    assert 'feather:gate_decisions_total{decision="add",scheduler="FeatherSGLang"}' in metrics
     decodes = [[e.group for e in batch] for batch, _ in read_steps(steps)
                if len(batch) > 1 and all(e.new_tokens == 1 for e in batch)]
     assert decodes and all(contiguous(groups) for groups in decodes), decodes

@@ -1,0 +1,106 @@
+"""Feather's Prometheus metrics, served on the engine's own ``/metrics`` endpoint.
+
+The scheduler runs in vLLM's engine-core process (in SGLang, the scheduler process),
+while ``/metrics`` is served by the API server process.  prometheus_client's multiprocess
+mode carries samples between them: with ``PROMETHEUS_MULTIPROC_DIR`` set, every process
+writes its metrics to files in that directory and the server's registry collects them
+all.  vLLM's server reads that directory whenever the variable is set (its own
+multi-server mode sets it; ``feather serve`` sets it for a single server too), and SGLang
+sets it whenever ``--enable-metrics`` is on.  Feather records metrics only in that mode
+(elsewhere nobody could scrape them); names follow vLLM's style under ``feather:``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Gauge, Histogram
+
+ENV_MULTIPROC = "PROMETHEUS_MULTIPROC_DIR"
+GROUP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
+DEFERRAL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
+SCHEDULE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+
+
+
+def enabled() -> bool:
+    """Whether this process's metrics can reach a ``/metrics`` endpoint."""
+    return bool(os.environ.get(ENV_MULTIPROC))
+
+
+@dataclass(frozen=True)
+class _Metrics:
+    decisions: Counter
+    questions: Counter
+    deferral: Histogram
+    groups: Histogram
+    homogeneous: Counter
+    waiting: Gauge
+    running: Gauge
+    schedule: Histogram
+
+
+@functools.cache
+def _registered() -> _Metrics:
+    """The metric objects, created once per process (prometheus refuses duplicates)."""
+    labels = ["scheduler"]
+    return _Metrics(
+        decisions=Counter("feather:gate_decisions", "Admissions by outcome: add (the gate "
+                          "admitted), stop (the gate ended a pass early), forced (a fairness "
+                          "bound admitted over the gate).", [*labels, "decision"]),
+        questions=Counter("feather:gate_questions", "Candidates the gate was asked about "
+                          "(admitted or not).", labels),
+        deferral=Histogram("feather:admission_deferral_seconds", "Time from a request's "
+                           "arrival to its admission.", labels, buckets=DEFERRAL_BUCKETS),
+        groups=Histogram("feather:prefix_groups_per_step", "Prefix groups in the running "
+                         "batch at each scheduling pass.", labels, buckets=GROUP_BUCKETS),
+        homogeneous=Counter("feather:homogeneous_steps", "Scheduling passes whose running "
+                            "batch is one prefix group.", labels),
+        waiting=Gauge("feather:num_requests_waiting", "Requests in Feather's waiting queue.",
+                      labels, multiprocess_mode="livesum"),
+        running=Gauge("feather:num_requests_running", "Requests in Feather's running set.",
+                      labels, multiprocess_mode="livesum"),
+        schedule=Histogram("feather:schedule_seconds", "Wall time of one scheduling call "
+                           "(the engine's own work included).", labels,
+                           buckets=SCHEDULE_BUCKETS),
+    )
+
+
+class PrometheusSink:
+    """One scheduler's metrics (label ``scheduler``)."""
+
+    def __init__(self, scheduler: str) -> None:
+        metrics = _registered()
+        self._decisions = {d: metrics.decisions.labels(scheduler, d)
+                           for d in ("add", "stop", "forced")}
+        self._questions = metrics.questions.labels(scheduler)
+        self._deferral = metrics.deferral.labels(scheduler)
+        self._groups = metrics.groups.labels(scheduler)
+        self._homogeneous = metrics.homogeneous.labels(scheduler)
+        self._waiting = metrics.waiting.labels(scheduler)
+        self._running = metrics.running.labels(scheduler)
+        self._schedule = metrics.schedule.labels(scheduler)
+
+    def pass_ended(self, *, asked: int, add: int, stop: int, forced: int,
+                   deferrals: Iterable[float], groups: int, waiting: int,
+                   running: int) -> None:
+        """One scheduling pass: its decisions, its admissions' waits, the batch it left."""
+        for decision, count in (("add", add), ("stop", stop), ("forced", forced)):
+            if count:
+                self._decisions[decision].inc(count)
+        if asked:
+            self._questions.inc(asked)
+        for seconds in deferrals:
+            self._deferral.observe(max(0.0, seconds))
+        if groups:
+            self._groups.observe(groups)
+            if groups == 1:
+                self._homogeneous.inc()
+        self._waiting.set(waiting)
+        self._running.set(running)
+
+    def scheduled(self, seconds: float) -> None:
+        self._schedule.observe(seconds)
