@@ -1,12 +1,8 @@
-"""Test-wide set-up: import stand-ins for engine dependencies that cannot load here."""
+"""Test-wide set-up: SGLang's scheduler code imports on this CPU machine as in the product
+(``feather_sched.stand_ins``)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from feather_sched.stand_ins import prepare_sglang_import
 
-STAND_INS = Path(__file__).parent / "stand_ins"
-
-if importlib.util.find_spec("torchvision") is None:
-    sys.path.insert(0, str(STAND_INS))
+prepare_sglang_import()

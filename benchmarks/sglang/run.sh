@@ -9,7 +9,7 @@ out=benchmarks/sglang
 port=30187
 workload=(--groups 4 --prompts-per-group 16 --prefix-len 4096 --output-len 32 --seed 0)
 for policy in fcfs lpm dfs-weight feather; do
-    PYTHONPATH=tests/stand_ins .venv/bin/python -m feather_sched.integrations.sglang_launch \
+    .venv/bin/python -m feather_sched.integrations.sglang_launch \
         --model-path src/feather_sched/models/tiny-llama --device cpu --load-format dummy \
         --skip-tokenizer-init --attention-backend torch_native --host 127.0.0.1 \
         --port $port --schedule-policy $policy > "$out/server-$policy.log" 2>&1 &

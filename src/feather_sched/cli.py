@@ -52,12 +52,12 @@ def cht_bench(
 ) -> None:
     """Cost of finding shared prefixes: the CHT against radix-tree LPM scheduling."""
     from feather_sched.bench.cht_bench import Scenario, result_rows, run_bench
-    from feather_sched.bench.sglang_policy import sglang_available
+    from feather_sched.bench.sglang_policy import sglang_installed
 
     names = [s.strip() for s in structures.split(",") if s.strip()]
-    missing_sglang = sglang_available()
-    if missing_sglang and any(n.startswith("sglang-") for n in names):
-        console.print(f"[yellow]skipping sglang-*: {missing_sglang}[/]")
+    if not sglang_installed() and any(n.startswith("sglang-") for n in names):
+        console.print("[yellow]skipping sglang-*: SGLang is not installed "
+                      "(scripts/setup.sh --sglang installs its scheduler code)[/]")
         names = [n for n in names if not n.startswith("sglang-")]
     scenarios = [
         Scenario(w, p, g)

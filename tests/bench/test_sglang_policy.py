@@ -7,13 +7,12 @@ import pytest
 
 from feather_sched.bench.sglang_policy import (
     PolicyTiming,
-    sglang_available,
+    sglang_installed,
     time_sglang_policy,
 )
 
-_reason = sglang_available()
-if _reason is not None:
-    pytest.skip(_reason, allow_module_level=True)
+if not sglang_installed():
+    pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)", allow_module_level=True)
 
 PREFIX, SUFFIX, GROUPS, CACHED_GROUP = 256, 16, 4, 2
 

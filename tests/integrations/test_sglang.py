@@ -18,33 +18,32 @@ from types import SimpleNamespace
 
 import pytest
 
-from feather_sched.bench.sglang_policy import published_server_args, sglang_available
+from feather_sched.bench.sglang_policy import published_server_args, sglang_installed
 
-_reason = sglang_available()
-if _reason is not None:
-    pytest.skip(_reason, allow_module_level=True)
+if not sglang_installed():
+    pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)", allow_module_level=True)
 
-import torch  # noqa: E402
-from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req  # noqa: E402
-from sglang.srt.managers.schedule_policy import (  # noqa: E402
+import torch
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
+from sglang.srt.managers.schedule_policy import (
     AddReqResult,
     PrefillAdder,
     SchedulePolicy,
 )
-from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
-from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
-from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.sampling.sampling_params import SamplingParams
 
-from feather_sched.config import FeatherConfig  # noqa: E402
-from feather_sched.integrations import sglang as feather_sglang  # noqa: E402
-from feather_sched.integrations import sglang_launch  # noqa: E402
-from feather_sched.integrations.sglang import (  # noqa: E402
+from feather_sched.config import FeatherConfig
+from feather_sched.integrations import sglang as feather_sglang
+from feather_sched.integrations import sglang_launch
+from feather_sched.integrations.sglang import (
     FeatherPrefillAdder,
     FeatherSchedulePolicy,
     FeatherSGLang,
     running_requests,
 )
-from feather_sched.queue import QueueState  # noqa: E402
+from feather_sched.queue import QueueState
 
 CHUNK = 16
 PREFIX = 4 * CHUNK
@@ -87,8 +86,10 @@ class Engine:
         self.tree_cache = RadixCache.create_simulated(mock_allocator=self.allocator)
         self.feather = None
         if feather:
+            strict = gate_options is STRICT  # to see STOP alone: no fairness bound
+            bounds = {"max_overtakes": None, "max_stops": None} if strict else {}
             config = FeatherConfig(gate=gate, gate_options=gate_options or {},
-                                   chunk_tokens=CHUNK)
+                                   chunk_tokens=CHUNK, **bounds)
             self.feather = FeatherSGLang(config)
             self.policy = FeatherSchedulePolicy(
                 self.feather, self.tree_cache, chunked_req=lambda: None)

@@ -13,6 +13,7 @@ SGLang is imported lazily, so this module imports without it.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import statistics
 import sys
 import time
@@ -23,6 +24,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+
+from feather_sched.stand_ins import prepare_sglang_import
 
 POLICIES = ("lpm", "dfs-weight")
 """The cache-aware SGLang policies this module times."""
@@ -39,14 +42,10 @@ class PolicyTiming:
     decision_ms: float
 
 
-def sglang_available() -> str | None:
-    """None when SGLang's scheduler imports here, else a one-line reason why not."""
-    try:
-        _import_sglang()
-    except Exception as error:  # any import-time failure means "not usable here"
-        first_line = (str(error).splitlines() or [""])[0]
-        return f"sglang scheduler not importable: {type(error).__name__}: {first_line}"
-    return None
+def sglang_installed() -> bool:
+    """Whether SGLang is installed; an installed SGLang that does not import is an error
+    its callers see, never a silent skip."""
+    return importlib.util.find_spec("sglang") is not None
 
 
 @contextmanager
@@ -110,6 +109,7 @@ def time_sglang_policy(
 
 def _import_sglang() -> SimpleNamespace:
     """SGLang's scheduler pieces this module uses, imported on first need."""
+    prepare_sglang_import()
     from sglang.srt.managers import schedule_policy
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams

@@ -47,16 +47,23 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
-
 from feather_sched.cht import token_chunk_keys
 from feather_sched.config import FeatherConfig, FeatherConfigError
 from feather_sched.gate import Decision
 from feather_sched.prefix import SharedPrefixes, group_of
 from feather_sched.queue import QueueState
 from feather_sched.runtime import FeatherRuntime
+from feather_sched.stand_ins import prepare_sglang_import
 from feather_sched.steplog import BatchEntry
+
+prepare_sglang_import()  # before the first SGLang import (see feather_sched.stand_ins)
+
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
+from sglang.srt.managers.schedule_policy import (  # noqa: E402
+    AddReqResult,
+    PrefillAdder,
+    SchedulePolicy,
+)
 
 logger = logging.getLogger("sglang.feather_sched")
 

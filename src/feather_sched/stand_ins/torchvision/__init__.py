@@ -1,4 +1,4 @@
-"""Import-only stand-in for torchvision (see tests/stand_ins/README.md).
+"""Import-only stand-in for torchvision (see feather_sched/stand_ins/README.md).
 
 Every ``torchvision.*`` submodule imports as an empty module whose attributes raise
 when used.
