@@ -378,6 +378,29 @@ def sim(
 
 
 @app.command()
+def report(
+    results: Annotated[list[Path], typer.Argument(help="--json files of feather bench or "
+                                                   "feather sim.")],
+    plot_path: Annotated[Path, typer.Option("--plot", help="PNG to draw.")] = Path("report.png"),
+    markdown_path: Annotated[Path | None, typer.Option("--markdown", help="Also write the "
+                                                       "table here.")] = None,
+) -> None:
+    """Throughput, TTFT and TPOT per scheduler and per prefix group from saved results."""
+    from feather_sched.bench.report import load_runs, report_markdown, report_plot
+
+    try:
+        runs = load_runs(results)
+    except (OSError, ValueError) as error:
+        raise typer.BadParameter(str(error)) from None
+    table = report_markdown(runs)
+    report_plot(runs, plot_path)
+    if markdown_path is not None:
+        markdown_path.write_text(table)
+    console.print(table, highlight=False, markup=False)
+    console.print(f"wrote {plot_path}")
+
+
+@app.command()
 def calibrate(
     steps_csv: Annotated[Path, typer.Argument(help="Measured steps: step,position,group,"
                                               "shared_tokens,context_tokens,new_tokens,"

@@ -249,3 +249,27 @@ def test_scheduler_accounting_is_reported_per_step() -> None:
     assert summary["schedule_ms_per_call"] == pytest.approx(0.5)
     assert summary["engine_step_ms"] == pytest.approx(250.0)
     assert "Scheduler time per step (ms):" in format_result_block(run, summary)
+
+
+def test_feather_report_draws_saved_results(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from feather_sched.cli import app
+
+    paths = []
+    for label in ("one", "two"):
+        run = two_requests_and_a_failure()
+        path = tmp_path / f"{label}.json"
+        write_json(path, [run, faster_run()], {"fcfs": summarize(run),
+                                               "feather": summarize(faster_run())}, {})
+        paths.append(str(path))
+    png, table = tmp_path / "report.png", tmp_path / "report.md"
+    result = CliRunner().invoke(app, ["report", *paths, "--plot", str(png), "--markdown",
+                                      str(table)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes().startswith(b"\x89PNG")
+    text = table.read_text()
+    assert "| one:fcfs | 3.0 | 200.0 |" in text and "| two:feather | 0 | 2 |" in text
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    assert CliRunner().invoke(app, ["report", str(bad)]).exit_code != 0

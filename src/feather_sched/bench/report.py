@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby, pairwise
 from pathlib import Path
@@ -451,3 +451,66 @@ def _grouped_bars(ax, names: list[str], summaries: dict[str, Summary],
 
 def _or_nan(value: float | int | None) -> float:
     return math.nan if value is None else float(value)
+
+
+# ---- saved results: feather report ---------------------------------------------------
+
+
+def load_runs(paths: Sequence[str | Path]) -> dict[str, Summary]:
+    """Every run of ``--json`` result files, labelled ``file:run`` when several files."""
+    runs: dict[str, Summary] = {}
+    for path in paths:
+        document = json.loads(Path(path).read_text())
+        if not isinstance(document, dict) or not isinstance(document.get("runs"), dict):
+            raise ValueError(f"{path}: not a feather bench or feather sim --json file")
+        for name, summary in document["runs"].items():
+            runs[f"{Path(path).stem}:{name}" if len(paths) > 1 else name] = summary
+    return runs
+
+
+def report_markdown(runs: dict[str, Summary]) -> str:
+    """Per run: throughput, TTFT and TPOT; then TTFT per prefix group."""
+    lines = ["| run | out tok/s | mean TTFT ms | p99 TTFT ms | mean TPOT ms | worst group "
+             "mean / p99 TTFT ms |", "|---|---|---|---|---|---|"]
+    for name, s in runs.items():
+        lines.append(f"| {name} | {_fmt(s.get('output_throughput'))} | "
+                     f"{_fmt(s.get('mean_ttft_ms'))} | {_fmt(s.get('p99_ttft_ms'))} | "
+                     f"{_fmt(s.get('mean_tpot_ms'))} | {_fmt(s.get('worst_group_mean_ttft_ms'))}"
+                     f" / {_fmt(s.get('worst_group_p99_ttft_ms'))} |")
+    lines += ["", "| run | group | requests | mean TTFT ms | p99 TTFT ms |",
+              "|---|---|---|---|---|"]
+    for name, s in runs.items():
+        for group, g in (s.get("ttft_by_group") or {}).items():
+            lines.append(f"| {name} | {group} | {g['requests']} | {g['mean_ttft_ms']:.1f} | "
+                         f"{g['p99_ttft_ms']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def report_plot(runs: dict[str, Summary], path: str | Path) -> None:
+    """Throughput, TTFT, TPOT per run, and mean TTFT per prefix group, in one figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(16, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    throughput, latency, groups = fig.subplots(1, 3)
+    names = list(runs)
+    _grouped_bars(throughput, names, runs, {"Output tok/s": "output_throughput"},
+                  ylabel="tokens / s", title="Throughput")
+    _grouped_bars(latency, names, runs, {"Mean TTFT": "mean_ttft_ms", "P99 TTFT": "p99_ttft_ms",
+                                         "Mean TPOT": "mean_tpot_ms"},
+                  ylabel="ms", title="Latency")
+    by_group = {name: {f"group {g}": v["mean_ttft_ms"]
+                       for g, v in (s.get("ttft_by_group") or {}).items()}
+                for name, s in runs.items()}
+    series = {label: label for label in dict.fromkeys(k for v in by_group.values() for k in v)}
+    if series:
+        _grouped_bars(groups, names, by_group, series, ylabel="ms",
+                      title="Mean TTFT per prefix group")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+
+
+def _fmt(value: float | int | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
