@@ -148,6 +148,8 @@ class FeatherRuntime(Generic[R]):
             return False
         self.queue.remove(request_id)
         self.meter.stats.requests_left += 1
+        if not self._tracked:
+            self.meter.save()  # drained: a run's end is on file even if shutdown is cut short
         return True
 
     def hold(self, request_id: RequestId) -> None:

@@ -218,6 +218,8 @@ class VllmMeter:
                     batch: list[BatchEntry] | None) -> None:
         if size:
             self.meter.step(size, seconds, batch)
+        if not self.scheduler.has_unfinished_requests():
+            self.meter.save()  # drained: a run's end is on file even if shutdown is cut short
 
     def freed(self, request: Request) -> None:
         """Nothing to forget without Feather."""
