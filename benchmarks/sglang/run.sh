@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Feather vs SGLang's own policies on the real SGLang 0.5.23 server (CPU, embedded 2-layer
 # model, random weights, torch-native attention), one server per policy, measured by the
-# same client (`feather bench --api sglang`). PYTHONPATH carries the test-only torchvision
-# stand-in that SGLang needs to import on this CPU machine (never called).
+# same client (`feather bench --api sglang`). The launcher puts the import-only torchvision
+# stand-in that SGLang needs on this CPU machine on the path itself (never called).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=benchmarks/sglang

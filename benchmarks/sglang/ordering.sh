@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# What ordering SGLang's running decode batch by prefix group changes on this CPU: the
+# real SGLang 0.5.23 server with Feather (gate "always", so admission is the same) with
+# order_running on and off, two rounds each, arrivals over time (SGLang appends each
+# round's admissions to the running batch, interleaving groups; Feather puts it back in
+# group order before every decode step). Same client for all: feather bench --api sglang.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=benchmarks/sglang
+port=30188
+workload=(--groups 4 --prompts-per-group 8 --prefix-len 4096 --output-len 48
+          --request-rate 2 --seed 0)
+for run in ordered-1 unordered-1 ordered-2 unordered-2; do
+    order=$([[ $run == ordered-* ]] && echo true || echo false)
+    options="{\"gate\": \"always\", \"order_running\": $order, \"stats_file\": \"$PWD/$out/ordering-$run.stats.json\"}"
+    .venv/bin/python -m feather_sched.integrations.sglang_launch \
+        --model-path src/feather_sched/models/tiny-llama --device cpu --load-format dummy \
+        --skip-tokenizer-init --attention-backend torch_native --host 127.0.0.1 \
+        --port $port --schedule-policy feather --feather-options "$options" \
+        > "$out/ordering-$run.log" 2>&1 &
+    server=$!
+    for _ in $(seq 1 60); do
+        curl -sf -m 2 "http://127.0.0.1:$port/v1/models" > /dev/null && break
+        sleep 3
+    done
+    .venv/bin/feather bench --base-url "http://127.0.0.1:$port" --api sglang "${workload[@]}" \
+        --label "$run" --json "$out/ordering-$run.json" | tee "$out/ordering-$run.txt"
+    sleep 12  # the idle scheduler saves its stats file within 10 s
+    kill "$server"; wait "$server" || true
+done
+.venv/bin/python - <<'PY'
+import json, statistics
+runs = {r: json.load(open(f"benchmarks/sglang/ordering-{r}.json"))["runs"][r]
+        for r in ("ordered-1", "unordered-1", "ordered-2", "unordered-2")}
+stats = {r: json.load(open(f"benchmarks/sglang/ordering-{r}.stats.json")) for r in runs}
+print("| run | output tok/s | mean TPOT ms | median ITL ms | batches reordered |")
+print("|---|---|---|---|---|")
+for name, s in runs.items():
+    print(f"| {name} | {s['output_throughput']:.1f} | {s['mean_tpot_ms']:.1f} | "
+          f"{s['median_itl_ms']:.1f} | {stats[name]['reordered_batches']} |")
+for kind in ("ordered", "unordered"):
+    tpot = [runs[f"{kind}-{i}"]["mean_tpot_ms"] for i in (1, 2)]
+    print(f"{kind}: median mean TPOT {statistics.median(tpot):.1f} ms "
+          f"(runs {min(tpot):.1f}-{max(tpot):.1f})")
+PY
