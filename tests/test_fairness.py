@@ -43,6 +43,17 @@ def test_a_minority_request_is_admitted_after_k_later_arrivals() -> None:
     assert bound.overtakes("m3") == 0  # m1, m2 arrived before it
 
 
+def test_requests_that_arrive_together_never_overtake_each_other() -> None:
+    bound = OvertakeBound(limit=1)
+    for rid in ("a", "b", "c"):
+        bound.arrive(rid, arrival_s=1.0)
+    bound.arrive("late", arrival_s=2.0)
+    bound.admit("c")
+    assert bound.due() is None  # "a" and "b" arrived with "c", not before it
+    bound.admit("late")
+    assert bound.due() == "a"
+
+
 def test_a_skip_undoes_its_admission_and_a_preemption_starts_afresh() -> None:
     bound = OvertakeBound(limit=1)
     for rid in ("old", "young", "other"):

@@ -10,7 +10,8 @@ either bound is admitted next, over the tree's order and the gate (unless the en
 itself cannot take it: then nobody is admitted in that pass).  A request that runs and is
 preempted waits under the bound afresh from the moment it returns.
 
-Bookkeeping: each request gets a sequence number when first seen; each admission is
+Bookkeeping: each request gets a sequence number when first seen (requests that arrive at
+the same moment share one: none arrived after another); each admission is
 logged with its request's sequence, and STOPs are counted.  A waiting request's overtakes
 are the logged admissions since it entered waiting whose sequence is later than its own;
 its stops, the STOPs since it entered.  Among requests waiting since they arrived, the
@@ -57,6 +58,8 @@ class OvertakeBound:
         self._stops = 0
         self._sequence: dict[RequestId, int] = {}
         self._arrivals = itertools.count()
+        self._last_arrival: float | None = None
+        self._last_sequence = -1
         self._waiting: dict[RequestId, _Wait] = {}
         self._held: dict[RequestId, _Wait] = {}
         self._fresh: list[tuple[int, RequestId]] = []
@@ -70,9 +73,14 @@ class OvertakeBound:
 
     # ---- transitions (the queue reports them) -----------------------------------------
 
-    def arrive(self, request_id: RequestId) -> None:
-        """A new request waits."""
-        self._sequence[request_id] = next(self._arrivals)
+    def arrive(self, request_id: RequestId, arrival_s: float | None = None) -> None:
+        """A new request waits.  Requests given the same ``arrival_s`` arrived together:
+        none of them counts as arriving after another (default: each one after the last).
+        """
+        if arrival_s is None or arrival_s != self._last_arrival:
+            self._last_sequence = next(self._arrivals)
+        self._last_arrival = arrival_s
+        self._sequence[request_id] = self._last_sequence
         self._enter(request_id, _Wait(self._position, fresh=True, stops=self._stops))
 
     def admit(self, request_id: RequestId) -> None:

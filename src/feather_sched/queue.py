@@ -153,7 +153,7 @@ class FeatherQueue:
         arrival = self.clock() if arrival_s is None else arrival_s
         self._requests[request_id] = _Request(list(keys), arrival)
         if self.bound is not None:
-            self.bound.arrive(request_id)
+            self.bound.arrive(request_id, arrival)
         self._offer_to_guard(request_id)
         self._changed()
 
@@ -237,6 +237,20 @@ class FeatherQueue:
         self._admission = self._answer(candidate, forced=target is not None and target == bounded)
         self._asked_for = offered
         return self._admission
+
+    def candidate(self) -> RequestId | None:
+        """The request ``decide()`` would judge next (bounds first, then the tree's best),
+        without asking the gate; None when nothing waits."""
+        if self._admission is not None and self._asked_for is None:
+            return self._admission.request_id
+        if not self.tree.num_waiting:
+            return None
+        bounded = self._starved()
+        if bounded is None and self.bound is not None:
+            bounded = self.bound.due()
+        candidate = self.tree.candidate(bounded)
+        assert candidate is not None
+        return candidate.request_id
 
     def new_step(self) -> None:
         """Start a scheduling pass: a STOP of the previous pass no longer holds."""

@@ -55,6 +55,9 @@ RequestId = Hashable
 MAX_OPEN_STEPS = 64
 """Steps formed but not yet reported; older ones are dropped unrewarded (an engine that
 never reports a step, e.g. an empty one, cannot grow this without bound)."""
+MAX_STEP_DECISIONS = 4096
+"""Decisions kept for one step; several passes may wait for one step (an engine that
+never decodes, e.g. prefill-only serving, must not grow a list without bound)."""
 
 logger = logging.getLogger("feather_sched")
 
@@ -206,6 +209,12 @@ class FeatherRuntime(Generic[R]):
             self._taken.append(_Taken(admission))
         return admission
 
+    def candidate(self) -> R | None:
+        """The request ``decide()`` would judge next, without asking the gate (for an
+        engine that orders its own list by it); None when nothing waits."""
+        request_id = self.queue.candidate()
+        return None if request_id is None else self.request(request_id)
+
     def admit(self, request: R) -> None:
         """The engine admits ``request``; it must be the subject of the last ADD."""
         request_id = self.view.request_id(request)
@@ -246,7 +255,9 @@ class FeatherRuntime(Generic[R]):
                 running=stats.running)
         self._taken.clear()
         if credit:
-            self._open_steps.setdefault(step, []).extend(credit)
+            decisions = self._open_steps.setdefault(step, [])
+            decisions.extend(credit)
+            del decisions[:-MAX_STEP_DECISIONS]
             self._open_steps.move_to_end(step)
             while len(self._open_steps) > MAX_OPEN_STEPS:
                 self._open_steps.popitem(last=False)

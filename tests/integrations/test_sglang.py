@@ -381,6 +381,26 @@ def test_hooks_are_inert_unless_feather_is_selected(monkeypatch) -> None:
     assert adder is PrefillAdder
 
 
+def test_tensor_parallel_schedulers_are_left_to_sglang(monkeypatch, caplog) -> None:
+    """Every TP rank runs a scheduler that must admit the same requests; Feather's
+    decisions (its clock, its gate) are per process, so it stays off there."""
+    monkeypatch.setenv("FEATHER_SGLANG", "1")
+    scheduler = _stub_scheduler(RadixCache.create_simulated())
+    scheduler.tp_size = 2
+    feather_sglang._hook_init_schedule_policy(lambda s: None, scheduler)
+    assert scheduler.feather is None and scheduler.policy == "sglang's"
+    assert "tensor parallelism" in caplog.text
+
+
+def test_the_tree_orders_the_list_without_asking_the_gate() -> None:
+    engine = Engine(gate="bandit")
+    engine.arrive(*_interleaved(8, "AB"))
+    engine.admission_round(max_requests=3)
+    counts = engine.feather.runtime.counts
+    # once per offer: three admitted, the fourth refused by SGLang's own request cap
+    assert (counts.asked, counts.add) == (4, 3)
+
+
 def test_hooks_install_feather_when_selected(monkeypatch) -> None:
     monkeypatch.setenv("FEATHER_SGLANG", "1")
     monkeypatch.setenv("FEATHER_SGLANG_OPTIONS", '{"gate": "bandit", "chunk_tokens": 64}')

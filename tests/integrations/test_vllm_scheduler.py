@@ -402,3 +402,18 @@ def test_running_is_kept_in_group_order_and_preemption_takes_the_smallest_group(
     assert victims and victims[0].startswith("small")
     harness.assert_empty()
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+
+def test_the_gate_is_not_asked_while_vllm_has_no_seat_left() -> None:
+    """vLLM asks the waiting queue before its own max_num_seqs check: a gate answer then
+    could not shape the step, so it is neither asked, counted nor rewarded."""
+    harness = Harness(max_num_seqs=2)
+    harness.add(*(harness.request(f"r{i}", group=i % 2, max_tokens=30) for i in range(6)))
+    harness.step()
+    asked = harness.runtime.counts.asked
+    assert len(harness.scheduler.running) == 2
+    for _ in range(5):
+        harness.step()
+    assert harness.runtime.counts.asked == asked
+    harness.drain()
+    harness.assert_empty()

@@ -104,6 +104,8 @@ class SGLangRequests:
         return req.rid
 
     def chunk_keys(self, req: Req) -> list:
+        if not len(req.origin_input_ids):
+            return []  # an empty prompt shares nothing (SGLang decides what to do with it)
         return token_chunk_keys(req.origin_input_ids, self.chunk_tokens)
 
     def prompt_tokens(self, req: Req) -> int:
@@ -151,11 +153,11 @@ class FeatherSGLang:
         runtime = self.runtime
         runtime.reconcile(running, waiting)
         self._bound, self._cursor = waiting, 0
-        first = runtime.decide()
+        first = runtime.candidate()
         if first is None:
             return
         queue = runtime.queue
-        first_id = first.request_id
+        first_id = first.rid
 
         def rank(req: Req) -> tuple[int, int, int]:
             rid = req.rid
@@ -179,11 +181,11 @@ class FeatherSGLang:
         except ValueError:
             return
         self._cursor = position + 1
-        following = runtime.decide()
+        following = runtime.candidate()
         if following is None:
             return
         try:
-            found = bound.index(runtime.request(following.request_id), position + 1)
+            found = bound.index(following, position + 1)
         except ValueError:
             return
         if found != position + 1:
@@ -451,6 +453,9 @@ def _unsupported(scheduler: Any) -> str | None:
         return "diffusion LLM scheduling builds its own PrefillAdder"
     if getattr(get_parallel(), "pp_size", 1) > 1:
         return "pipeline parallelism schedules per micro-batch"
+    if getattr(scheduler, "tp_size", 1) > 1:
+        return ("tensor parallelism runs one scheduler per rank, and every rank must admit "
+                "the same requests; Feather decides per process (its clock, its gate)")
     if getattr(scheduler, "enable_pdmux", False):
         return "PD multiplexing runs its own split-prefill loop"
     if getattr(scheduler, "enable_hisparse", False):

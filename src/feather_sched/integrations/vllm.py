@@ -131,7 +131,16 @@ class FeatherWaitingQueue(RequestQueue):
             self.runtime.discard(request.request_id)
 
     def __bool__(self) -> bool:
-        """The gate: True while a request waits and the answer for it is ADD."""
+        """The gate: True while a request waits and the answer for it is ADD.
+
+        When vLLM has no seat left it asks this first and then stops on its own check:
+        the gate is not asked then, since its answer could not shape the step.
+        """
+        scheduler = self.scheduler
+        seats = scheduler.max_num_active_reqs - scheduler.num_waiting_for_streaming_input
+        if len(scheduler.running) >= seats:
+            self.settle()
+            return len(self.runtime) > 0
         answer = self._answer()
         return answer is not None and answer.decision is Decision.ADD
 
