@@ -80,8 +80,9 @@ class Harness:
     def __init__(self, *, async_scheduling: bool = False, num_blocks: int = 256,
                  feather: dict | None = None, v2_runner: bool = False,
                  **engine: object) -> None:
+        engine = {"max_num_seqs": 16, **engine}
         args = EngineArgs(model=str(TINY_LLAMA), skip_tokenizer_init=True, load_format="dummy",
-                          block_size=BLOCK, max_model_len=2048, max_num_seqs=16,
+                          block_size=BLOCK, max_model_len=2048,
                           max_num_batched_tokens=512, enable_prefix_caching=True,
                           async_scheduling=async_scheduling,
                           additional_config={"feather": {"gate": "always", **(feather or {})}},
