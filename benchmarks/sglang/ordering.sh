@@ -6,6 +6,7 @@
 # group order before every decode step). Same client for all: feather bench --api sglang.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source benchmarks/sglang/server.sh
 out=benchmarks/sglang
 port=30188
 workload=(--groups 4 --prompts-per-group 8 --prefix-len 4096 --output-len 48
@@ -13,16 +14,8 @@ workload=(--groups 4 --prompts-per-group 8 --prefix-len 4096 --output-len 48
 for run in ordered-1 unordered-1 ordered-2 unordered-2; do
     order=$([[ $run == ordered-* ]] && echo true || echo false)
     options="{\"gate\": \"always\", \"order_running\": $order, \"stats_file\": \"$PWD/$out/ordering-$run.stats.json\"}"
-    .venv/bin/python -m feather_sched.integrations.sglang_launch \
-        --model-path src/feather_sched/models/tiny-llama --device cpu --load-format dummy \
-        --skip-tokenizer-init --attention-backend torch_native --host 127.0.0.1 \
-        --port $port --schedule-policy feather --feather-options "$options" \
-        > "$out/ordering-$run.log" 2>&1 &
-    server=$!
-    for _ in $(seq 1 60); do
-        curl -sf -m 2 "http://127.0.0.1:$port/v1/models" > /dev/null && break
-        sleep 3
-    done
+    start_sglang $port "$out/ordering-$run.log" --schedule-policy feather \
+        --feather-options "$options"
     .venv/bin/feather bench --base-url "http://127.0.0.1:$port" --api sglang "${workload[@]}" \
         --label "$run" --json "$out/ordering-$run.json" | tee "$out/ordering-$run.txt"
     sleep 12  # the idle scheduler saves its stats file within 10 s

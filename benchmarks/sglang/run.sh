@@ -5,19 +5,12 @@
 # stand-in that SGLang needs on this CPU machine on the path itself (never called).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source benchmarks/sglang/server.sh
 out=benchmarks/sglang
 port=30187
 workload=(--groups 4 --prompts-per-group 16 --prefix-len 4096 --output-len 32 --seed 0)
 for policy in fcfs lpm dfs-weight feather; do
-    .venv/bin/python -m feather_sched.integrations.sglang_launch \
-        --model-path src/feather_sched/models/tiny-llama --device cpu --load-format dummy \
-        --skip-tokenizer-init --attention-backend torch_native --host 127.0.0.1 \
-        --port $port --schedule-policy $policy > "$out/server-$policy.log" 2>&1 &
-    server=$!
-    for _ in $(seq 1 60); do
-        curl -sf -m 2 "http://127.0.0.1:$port/v1/models" > /dev/null && break
-        sleep 3
-    done
+    start_sglang $port "$out/server-$policy.log" --schedule-policy $policy
     .venv/bin/feather bench --base-url "http://127.0.0.1:$port" --api sglang "${workload[@]}" \
         --label "sglang-$policy" --json "$out/$policy.json" | tee "$out/$policy.txt"
     kill "$server"; wait "$server" || true
