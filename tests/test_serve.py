@@ -159,7 +159,14 @@ def test_a_server_no_client_or_disk_can_take_down(tmp_path) -> None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
     text = log_path.read_text()
-    assert "could not write its stats file" in text and "Traceback" not in text
+    assert "could not write its stats file" in text
+    # vLLM 0.32's API server logs EngineDeadError from its output handler once the engine
+    # core has drained and exited; that is its own shutdown. Nothing may fail before it, and
+    # no traceback anywhere may pass through Feather.
+    serving, teardown, _ = text.partition("starting resource teardown")
+    assert teardown and "Traceback" not in serving
+    frames = [line for line in text.splitlines() if 'File "' in line]
+    assert not [line for line in frames if "feather_sched" in line], frames
     assert drained_s < SHUTDOWN_TIMEOUT_S + 15, drained_s
     assert results and all(code == 200 for code in results), results  # drained, not cut
     assert json.loads(state.read_text())["format"] == "feather-bandit"  # saved at exit

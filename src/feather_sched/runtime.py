@@ -46,7 +46,7 @@ from feather_sched.config import FeatherConfig
 from feather_sched.gate import Decision, GateContext, UCBBanditGate
 from feather_sched.prefix import group_of, order_by_group
 from feather_sched.queue import Admission, QueueState
-from feather_sched.stats import AdmissionCounts, StepMeter
+from feather_sched.stats import AdmissionCounts, SchedulerStats, StepMeter
 from feather_sched.steplog import BatchEntry
 
 R = TypeVar("R")
@@ -151,6 +151,7 @@ class FeatherRuntime(Generic[R]):
             return False
         self.queue.remove(request_id)
         self.meter.stats.requests_left += 1
+        self._count_states()
         if not self._tracked:
             self.meter.save()  # drained: a run's end is on file even if shutdown is cut short
         return True
@@ -244,8 +245,7 @@ class FeatherRuntime(Generic[R]):
         counts = self.counts
         counts.stop, counts.forced, counts.add = (counts.stop + stops, counts.forced + forced,
                                                   counts.add + len(admitted) - forced)
-        stats = self.meter.stats
-        stats.waiting, stats.running = len(self.queue), self.queue.num_running
+        stats = self._count_states()
         if self.meter.sink is not None:
             now = self.clock()
             self.meter.sink.pass_ended(
@@ -261,6 +261,12 @@ class FeatherRuntime(Generic[R]):
             self._open_steps.move_to_end(step)
             while len(self._open_steps) > MAX_OPEN_STEPS:
                 self._open_steps.popitem(last=False)
+
+    def _count_states(self) -> SchedulerStats:
+        """Bring the waiting and running counts in the stats up to date; O(1)."""
+        stats = self.meter.stats
+        stats.waiting, stats.running = len(self.queue), self.queue.num_running
+        return stats
 
     def end_step(self, step: Hashable, batch_size: int, seconds: float,
                  batch: Sequence[BatchEntry] | None = None) -> None:

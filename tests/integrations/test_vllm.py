@@ -110,7 +110,7 @@ def test_greedy_outputs_equal_the_default_schedulers(default_outputs) -> None:
 
 
 def test_stop_holds_other_groups_back_until_the_batch_drains() -> None:
-    strict = {"gate": "chunk-loss", "max_wait_s": None,
+    strict = {"gate": "chunk-loss", "max_wait_s": None, "max_stops": None,
               "gate_options": {"max_loss": 0, "max_loss_loaded": 0, "floor_start": 0,
                                "floor_step": 0}}
     groups_seen = {}
@@ -149,7 +149,7 @@ def test_every_request_ends_once_with_aborts_and_preemption() -> None:
 
 
 def test_bad_feather_options_fail_at_startup() -> None:
-    with pytest.raises(Exception, match="feather option 'gate' must be one of"):
+    with pytest.raises(Exception, match="feather option 'gate': must be one of"):
         make_llm(FeatherScheduler, {"gate": "greedy"})
 
 

@@ -61,6 +61,21 @@ from feather_sched.steplog import BatchEntry
 logger = logging.getLogger("vllm.feather_sched")
 """Under vLLM's logger, so Feather's lines appear in the engine's own log."""
 
+
+def _core_logs_through_vllm() -> None:
+    """Send the core's log lines (state file loaded, a write that failed) to vLLM's
+    handlers too, unless the application configured the ``feather_sched`` logger itself
+    (vLLM configures only its own logger, so INFO lines of the core were lost)."""
+    core = logging.getLogger("feather_sched")
+    if core.handlers:
+        return
+    for handler in logging.getLogger("vllm").handlers:
+        core.addHandler(handler)
+    core.setLevel(logging.INFO)
+
+
+_core_logs_through_vllm()
+
 MAX_STEPS_IN_FLIGHT = 64
 """Scheduler outputs awaiting their result; more means the engine dropped some."""
 
