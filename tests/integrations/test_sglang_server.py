@@ -22,7 +22,9 @@ def test_sglang_server_runs_feather_and_answers_feather_bench(tmp_path) -> None:
     from feather_sched import stats
 
     log, stats_file, steps = tmp_path / "server.log", tmp_path / "stats.json", tmp_path / "s.csv"
-    options = json.dumps({"gate": "bandit", "stats_file": str(stats_file),
+    # gate "always": no STOP holds a group back, so rounds admit mixed groups and the
+    # reordering below has batches to act on (the gate's path: tests/integrations/test_sglang)
+    options = json.dumps({"gate": "always", "stats_file": str(stats_file),
                           "step_log": str(steps)})
     command = ["feather_sched.integrations.sglang_launch", "--model-path", str(TINY_LLAMA),
                "--device", "cpu", "--load-format", "dummy", "--skip-tokenizer-init",
@@ -36,8 +38,8 @@ def test_sglang_server_runs_feather_and_answers_feather_bench(tmp_path) -> None:
         # Arrivals over time: SGLang appends each round's admissions to the running batch,
         # interleaving groups; Feather puts the decode batch back in group order.
         bench_server(url, tmp_path / "again.json", "sglang-feather", "--api", "sglang",
-                     "--groups", "3", "--prompts-per-group", "4", "--request-rate", "6",
-                     "--output-len", "12")
+                     "--groups", "3", "--prompts-per-group", "5", "--request-rate", "6",
+                     "--output-len", "24")
         time.sleep(stats.WRITE_EVERY_S + 1)  # SGLang's idle loop keeps scheduling: it saves
         metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     assert "Feather scheduling policy" in log.read_text()
