@@ -38,8 +38,8 @@ def test_sglang_server_runs_feather_and_answers_feather_bench(tmp_path) -> None:
         # Arrivals over time: SGLang appends each round's admissions to the running batch,
         # interleaving groups; Feather puts the decode batch back in group order.
         bench_server(url, tmp_path / "again.json", "sglang-feather", "--api", "sglang",
-                     "--groups", "3", "--prompts-per-group", "5", "--request-rate", "6",
-                     "--output-len", "24")
+                     "--groups", "3", "--prompts-per-group", "5", "--request-rate", "20",
+                     "--output-len", "32")
         time.sleep(stats.WRITE_EVERY_S + 1)  # SGLang's idle loop keeps scheduling: it saves
         metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     assert "Feather scheduling policy" in log.read_text()
