@@ -79,7 +79,7 @@ class FeatherConfig:
             path = getattr(self, name)
             if path is not None:
                 check_writable(name, path)
-        self.make_gate()
+        self.make_gate(announce=False)  # the gate options and state file, checked once
 
     @classmethod
     def from_sources(
@@ -96,8 +96,9 @@ class FeatherConfig:
             raise FeatherConfigError(f"unknown feather option(s) {unknown}; known: {names}")
         return cls(**values)
 
-    def make_gate(self) -> Gate:
-        """The configured gate; a bandit warm-starts from ``state_file`` when it exists."""
+    def make_gate(self, *, announce: bool = True) -> Gate:
+        """The configured gate; a bandit warm-starts from ``state_file`` when it exists
+        (logged when ``announce``: once per gate put to use, not per validation)."""
         options = dict(self.gate_options)
         try:
             gate = make_gate(self.gate, **options)
@@ -110,8 +111,9 @@ class FeatherConfig:
             except (OSError, ValueError) as error:
                 raise FeatherConfigError(
                     f"feather option 'state_file' ({self.state_file}): {error}") from None
-            logger.info("Feather: bandit table loaded from %s (%d learned decisions)",
-                        self.state_file, gate.learned_decisions)
+            if announce:
+                logger.info("Feather: bandit table loaded from %s (%d learned decisions)",
+                            self.state_file, gate.learned_decisions)
         return gate
 
     def make_queue(self, clock: Callable[[], float] = time.monotonic) -> FeatherQueue:
