@@ -199,9 +199,8 @@ class FeatherRuntime(Generic[R]):
         """
         offered_id = None
         if offered is not None:
-            offered_id = self._refresh(offered)
-            if self.queue.state(offered_id) is not QueueState.WAITING:
-                self.queue.requeue(offered_id)
+            self.enter_waiting(offered)
+            offered_id = self.view.request_id(offered)
         admission = self.queue.decide(offered_id)
         if admission is None:
             return None
@@ -261,12 +260,6 @@ class FeatherRuntime(Generic[R]):
             self._open_steps.move_to_end(step)
             while len(self._open_steps) > MAX_OPEN_STEPS:
                 self._open_steps.popitem(last=False)
-
-    def _count_states(self) -> SchedulerStats:
-        """Bring the waiting and running counts in the stats up to date; O(1)."""
-        stats = self.meter.stats
-        stats.waiting, stats.running = len(self.queue), self.queue.num_running
-        return stats
 
     def end_step(self, step: Hashable, batch_size: int, seconds: float,
                  batch: Sequence[BatchEntry] | None = None) -> None:
@@ -335,6 +328,11 @@ class FeatherRuntime(Generic[R]):
 
     # ---- internals --------------------------------------------------------------------
 
+    def _count_states(self) -> SchedulerStats:
+        """Bring the waiting and running counts in the stats up to date; O(1)."""
+        stats = self.meter.stats
+        stats.waiting, stats.running = len(self.queue), self.queue.num_running
+        return stats
 
     def _refresh(self, request: R) -> RequestId:
         """Track ``request`` (new, or re-keyed when its prompt grew); returns its id."""
