@@ -61,7 +61,9 @@ def test_stop_closes_the_queue_until_the_next_pass() -> None:
     stop = queue.decide()
     assert stop.decision is Decision.STOP and stop.request_id == "b0"
     assert stop.context == GateContext(batch_size=2, chunk_loss=2, sharing_waiters=0,
-                                       num_waiting=1)
+                                       num_waiting=1, candidate_group=(1,),
+                                       candidate_tokens=3 * queue.chunk_tokens,
+                                       candidate_prefix_tokens=0, stops_left=4)
     assert queue.decide().decision is Decision.STOP and len(gate.asked) == 3
     queue.remove("a0")
     assert queue.decide().decision is Decision.STOP  # a STOP holds for the whole pass

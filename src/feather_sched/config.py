@@ -41,7 +41,7 @@ class FeatherConfigError(ValueError):
 @dataclass(frozen=True)
 class FeatherConfig:
     gate: str = "bandit"
-    """ADD/STOP policy: ``always`` (no gating), ``chunk-loss`` or ``bandit``."""
+    """ADD/STOP policy: ``always`` (no gating), ``chunk-loss``, ``bandit`` or ``model``."""
     gate_options: dict[str, Any] = field(default_factory=dict)
     """Keyword options of the gate (see ``feather_sched.gate``)."""
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
@@ -100,6 +100,8 @@ class FeatherConfig:
         """The configured gate; a bandit warm-starts from ``state_file`` when it exists
         (logged when ``announce``: once per gate put to use, not per validation)."""
         options = dict(self.gate_options)
+        if self.gate == "model":
+            options.setdefault("ordered", self.order_running)
         try:
             gate = make_gate(self.gate, **options)
         except ValueError as error:
@@ -118,7 +120,8 @@ class FeatherConfig:
 
     def make_queue(self, clock: Callable[[], float] = time.monotonic) -> FeatherQueue:
         return FeatherQueue(self.make_gate(), max_overtakes=self.max_overtakes,
-                            max_stops=self.max_stops, max_wait_s=self.max_wait_s, clock=clock)
+                            max_stops=self.max_stops, max_wait_s=self.max_wait_s,
+                            chunk_tokens=self.chunk_tokens, clock=clock)
 
 
 def check_writable(option: str, path: str) -> None:

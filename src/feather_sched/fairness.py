@@ -136,6 +136,19 @@ class OvertakeBound:
         """STOPs since the waiting request entered waiting."""
         return self._stops - self._waiting[request_id].stops
 
+    def stops_left(self) -> int | None:
+        """STOPs the gate may still take before some waiting request is due (None: no
+        stop limit, or nothing waits).  O(requeued requests)."""
+        if self.stop_limit is None:
+            return None
+        waiting = list(self._requeued)
+        oldest = self._oldest_fresh()
+        if oldest is not None:
+            waiting.append(oldest)
+        if not waiting:
+            return None
+        return max(0, self.stop_limit - max(self.stops(r) for r in waiting))
+
     def due(self) -> RequestId | None:
         """The oldest waiting request at either bound."""
         found: RequestId | None = None

@@ -1,7 +1,7 @@
 """ADD/STOP gates: whether to admit the tree's best waiting request into this step's batch.
 
 STOP ends admission for the current step so the running batch stays prefix-homogeneous;
-running requests are never evicted.  Three policies:
+running requests are never evicted.  Four policies:
 
 * ``AlwaysAddGate`` - what vLLM and SGLang do today: fill the batch while resources last.
 * ``ChunkLossGate`` - the hand-tuned gate of the authors' vLLM pull request: admit while
@@ -9,6 +9,8 @@ running requests are never evicted.  Three policies:
   batch is below a floor that rises the longer the gate keeps holding requests back.
 * ``UCBBanditGate`` - the paper's tabular contextual bandit with UCB1 exploration,
   rewarded with each step's throughput; its table can be saved and loaded (warm start).
+* ``ModelGate`` (``model_gate``) - compares the throughput a step-time model fitted
+  online predicts with and without the candidate.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Protocol
 
 from feather_sched.files import replace_atomically
+from feather_sched.steplog import BatchEntry
 
 # Paper defaults for the bandit (see the module docstring of UCBBanditGate).
 BATCH_BIN = 4
@@ -50,6 +53,15 @@ class GateContext:
     """Other waiting requests that share the batch's prefix once the candidate joins."""
     num_waiting: int
     """Waiting requests, candidate included."""
+    candidate_group: Hashable = None
+    """The candidate's prefix group (``prefix.group_of``)."""
+    candidate_tokens: int = 0
+    """The candidate's prompt tokens."""
+    candidate_prefix_tokens: int = 0
+    """Tokens of its prompt that another request, running or waiting, also holds."""
+    stops_left: int | None = None
+    """STOPs the fairness bound allows before a waiting request is admitted over the
+    gate (``fairness.OvertakeBound.stops_left``); None without a stop limit."""
 
 
 Decisions = Sequence[tuple[GateContext, Decision]]
@@ -61,13 +73,16 @@ class Gate(Protocol):
 
     ``decide`` answers for one candidate; ``reward`` hands back the decisions that formed
     an executed batch with that batch's size and measured time (the caller keys steps,
-    so a reward reaches exactly the decisions it measures); ``end_step`` closes a
+    so a reward reaches exactly the decisions it measures); ``observe`` shows every
+    executed step's batch, in execution order, with its time; ``end_step`` closes a
     scheduling pass.
     """
 
     def decide(self, context: GateContext) -> Decision: ...
 
     def reward(self, decisions: Decisions, batch_size: int, seconds: float) -> None: ...
+
+    def observe(self, batch: Sequence[BatchEntry], seconds: float) -> None: ...
 
     def end_step(self) -> None: ...
 
@@ -77,7 +92,14 @@ def must_add(context: GateContext) -> bool:
     return context.batch_size == 0 or context.chunk_loss <= 0
 
 
-class AlwaysAddGate:
+class _Unobservant:
+    """A gate that learns nothing from the batches it is shown."""
+
+    def observe(self, batch: Sequence[BatchEntry], seconds: float) -> None:
+        """Batch composition is not part of this gate's decision."""
+
+
+class AlwaysAddGate(_Unobservant):
     """Admit whenever the engine has room: today's engines' behaviour."""
 
     def decide(self, context: GateContext) -> Decision:
@@ -91,7 +113,7 @@ class AlwaysAddGate:
 
 
 @dataclass
-class ChunkLossGate:
+class ChunkLossGate(_Unobservant):
     """The upstream pull request's heuristic gate.
 
     ADD when the candidate loses at most ``max_loss`` chunks of shared prefix
@@ -158,7 +180,7 @@ class _Arm:
 
 
 @dataclass
-class UCBBanditGate:
+class UCBBanditGate(_Unobservant):
     """The paper's contextual bandit: one UCB1 learner per discretised context.
 
     Context = (batch size // ``batch_bin`` capped at ``batch_bins - 1``, chunk loss
@@ -304,11 +326,12 @@ class UCBBanditGate:
         }
 
 
-GATE_KINDS = ("always", "chunk-loss", "bandit")
+GATE_KINDS = ("always", "chunk-loss", "bandit", "model")
 
 
-def make_gate(kind: str, **options: float | int | str | None) -> Gate:
-    """Build a gate by name (``always``, ``chunk-loss``, ``bandit``) from keyword options."""
+def make_gate(kind: str, **options: object) -> Gate:
+    """Build a gate by name (``always``, ``chunk-loss``, ``bandit``, ``model``) from
+    keyword options."""
     if kind == "always":
         if options:
             raise ValueError(f"gate 'always' takes no options, got {sorted(options)}")
@@ -317,10 +340,14 @@ def make_gate(kind: str, **options: float | int | str | None) -> Gate:
         return _build(ChunkLossGate, kind, options)
     if kind == "bandit":
         return _build(UCBBanditGate, kind, options)
+    if kind == "model":
+        from feather_sched.model_gate import ModelGate  # it builds on this module
+
+        return _build(ModelGate.with_prior, kind, options)
     raise ValueError(f"unknown gate kind {kind!r}; choose one of {', '.join(GATE_KINDS)}")
 
 
-def _build(cls: type, kind: str, options: dict) -> Gate:
+def _build(cls: Callable[..., Gate], kind: str, options: dict) -> Gate:
     try:
         return cls(**options)
     except TypeError as error:

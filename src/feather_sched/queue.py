@@ -34,9 +34,17 @@ from collections.abc import Callable, Hashable, Iterator, Sequence, Set
 from dataclasses import dataclass
 from enum import Enum
 
-from feather_sched.cht import Candidate, CHTError, ChunkedHashTree, ChunkKey, RequestState
+from feather_sched.cht import (
+    DEFAULT_CHUNK_TOKENS,
+    Candidate,
+    CHTError,
+    ChunkedHashTree,
+    ChunkKey,
+    RequestState,
+)
 from feather_sched.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS, OvertakeBound
 from feather_sched.gate import AlwaysAddGate, Decision, Gate, GateContext
+from feather_sched.prefix import group_of
 
 RequestId = Hashable
 
@@ -69,6 +77,7 @@ class Admission:
 class _Request:
     keys: list
     arrival_s: float
+    tokens: int
 
 
 class FeatherQueue:
@@ -81,6 +90,7 @@ class FeatherQueue:
         max_overtakes: int | None = DEFAULT_MAX_OVERTAKES,
         max_stops: int | None = DEFAULT_MAX_STOPS,
         max_wait_s: float | None = DEFAULT_MAX_WAIT_S,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_wait_s is not None and max_wait_s < 0:
@@ -91,6 +101,8 @@ class FeatherQueue:
         if max_overtakes is not None or max_stops is not None:
             self.bound = OvertakeBound(max_overtakes, max_stops)
         self.max_wait_s = max_wait_s
+        self.chunk_tokens = chunk_tokens
+        """Tokens a chunk key stands for (what the gate is told in tokens)."""
         self.clock = clock
         self._requests: dict[RequestId, _Request] = {}
         self._oldest: list[tuple[float, int, RequestId]] = []
@@ -145,13 +157,15 @@ class FeatherQueue:
     # ---- lifecycle --------------------------------------------------------------------
 
     def add(self, request_id: RequestId, keys: Sequence[ChunkKey],
-            arrival_s: float | None = None) -> None:
-        """Enqueue a new request as waiting; ``arrival_s`` defaults to now."""
+            arrival_s: float | None = None, tokens: int | None = None) -> None:
+        """Enqueue a new request as waiting; ``arrival_s`` defaults to now, its prompt
+        ``tokens`` to its chunks' worth."""
         if request_id in self._requests:
             raise CHTError(f"request {request_id!r} is already in the queue")
         self.tree.add(request_id, keys)
         arrival = self.clock() if arrival_s is None else arrival_s
-        self._requests[request_id] = _Request(list(keys), arrival)
+        length = len(keys) * self.chunk_tokens if tokens is None else tokens
+        self._requests[request_id] = _Request(list(keys), arrival, length)
         if self.bound is not None:
             self.bound.arrive(request_id, arrival)
         self._offer_to_guard(request_id)
@@ -266,11 +280,17 @@ class FeatherQueue:
             return Admission(candidate, Decision.STOP, forced=False, context=None)
         if forced:
             return Admission(candidate, Decision.ADD, forced=True, context=None)
+        request_id = candidate.request_id
+        request = self._requests[request_id]
         context = GateContext(
             batch_size=self.tree.num_running,
             chunk_loss=candidate.chunk_loss,
             sharing_waiters=candidate.sharing_waiters,
             num_waiting=self.tree.num_waiting,
+            candidate_group=group_of(request.keys, request_id),
+            candidate_tokens=request.tokens,
+            candidate_prefix_tokens=candidate.held_chunks * self.chunk_tokens,
+            stops_left=None if self.bound is None else self.bound.stops_left(),
         )
         decision = self.gate.decide(context)
         self._closed = decision is Decision.STOP

@@ -113,6 +113,11 @@ class FeatherRuntime(Generic[R]):
             OrderedDict()
 
     @property
+    def wants_batches(self) -> bool:
+        """Whether ``end_step`` should be given each step's batch (step log, model gate)."""
+        return self.config.step_log is not None or self.config.gate == "model"
+
+    @property
     def orders_running(self) -> bool:
         """Whether ``begin_pass`` returns the running list in Feather's order."""
         return self.config.order_running
@@ -267,6 +272,8 @@ class FeatherRuntime(Generic[R]):
         decisions = self._open_steps.pop(step, None)
         if not batch_size:
             return
+        if batch is not None:
+            self.queue.gate.observe(batch, seconds)
         if decisions and seconds > 0:
             self.queue.gate.reward(decisions, batch_size, seconds)
         self.meter.step(batch_size, seconds, batch)
@@ -348,5 +355,6 @@ class FeatherRuntime(Generic[R]):
         else:
             self.meter.stats.requests_entered += 1
         self._tracked[request_id] = _Tracked(request, prompt_tokens)
-        self.queue.add(request_id, view.chunk_keys(request), view.arrival_s(request))
+        self.queue.add(request_id, view.chunk_keys(request), view.arrival_s(request),
+                       prompt_tokens)
         return request_id

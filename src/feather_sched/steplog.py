@@ -52,11 +52,13 @@ Step = tuple[list[BatchEntry], float]
 
 
 def format_step(step: int, batch: Sequence[BatchEntry], seconds: float) -> str:
-    """A step's rows as CSV text (groups written with ``str()``)."""
+    """A step's rows as CSV text (groups written with ``str()``, bytes such as an engine's
+    block hashes as their first 16 hex digits)."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     for position, entry in enumerate(batch):
-        writer.writerow((step, position, entry.group, entry.shared_tokens,
+        group = entry.group.hex()[:16] if isinstance(entry.group, bytes) else entry.group
+        writer.writerow((step, position, group, entry.shared_tokens,
                          entry.context_tokens, entry.new_tokens, repr(float(seconds))))
     return buffer.getvalue()
 

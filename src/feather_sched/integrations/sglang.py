@@ -135,7 +135,7 @@ class FeatherSGLang:
         self._decodes: dict[int, int] = {}
         """SGLang's launch counter of a decode batch -> its key."""
         self._batches: dict[int, list[BatchEntry]] = {}
-        """Launch counter -> the batch as the step log describes it (step_log on)."""
+        """Launch counter -> the batch as the step log describes it (step log or model gate)."""
         self.adder_class: type[FeatherPrefillAdder] = type(
             "BoundFeatherPrefillAdder", (FeatherPrefillAdder,), {"feather": self}
         )
@@ -202,7 +202,7 @@ class FeatherSGLang:
         if is_decode_step(batch):
             self._decodes[batch.forward_iter] = self._next_decode
             self._next_decode += 1
-        if self.config.step_log:
+        if self.runtime.wants_batches:
             self._batches[batch.forward_iter] = self.batch_entries(batch)
 
     def processed(self, batch: ScheduleBatch, seconds: float) -> None:
@@ -229,7 +229,7 @@ class FeatherSGLang:
             else:
                 context, new = req.extend_end, req.extend_len
             shared_tokens = shared.shared_keys(req_keys) * self.config.chunk_tokens
-            entries.append(BatchEntry(str(group_of(req_keys, req.rid)),
+            entries.append(BatchEntry(group_of(req_keys, req.rid),
                                       min(shared_tokens, context), context, new))
         return entries
 

@@ -219,13 +219,18 @@ class VllmMeter:
             OrderedDict()
         self._started = 0.0
 
+    @property
+    def wants_batches(self) -> bool:
+        """Whether each step's batch is described (for the step log)."""
+        return self.config.step_log is not None
+
     def before_schedule(self) -> None:
         self._started = time.perf_counter()
 
     def after_schedule(self, output: Any) -> None:
         now = time.perf_counter()
         self.meter.scheduled(now - self._started)
-        batch = self.batch(output) if self.config.step_log else None
+        batch = self.batch(output) if self.wants_batches else None
         self._in_flight[id(output)] = (output, now, batch)
         while len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
             self._in_flight.popitem(last=False)
@@ -263,9 +268,9 @@ class VllmMeter:
         order = sorted(scheduled, key=lambda rid: (scheduled[rid] != 1, scheduled[rid]))
         hashes = [self.view.prompt_hashes(requests[rid]) for rid in order]
         block = self.view.hash_block_size
-        per_chunk = keys_per_chunk(block)
+        per_chunk = self.view.blocks_per_chunk
         shared = SharedPrefixes(hashes)
-        return [BatchEntry(group=_hex(group_of(keys, rid, per_chunk)),
+        return [BatchEntry(group=group_of(keys, rid, per_chunk),
                            shared_tokens=min(shared.shared_keys(keys) * block,
                                              requests[rid].num_computed_tokens),
                            context_tokens=requests[rid].num_computed_tokens,
@@ -300,6 +305,10 @@ class VllmFeather(VllmMeter):
     def after_schedule(self, output: Any) -> None:
         self.runtime.end_pass(id(output), self.scheduler.running)
         super().after_schedule(output)
+
+    @property
+    def wants_batches(self) -> bool:
+        return self.runtime.wants_batches
 
     def record_step(self, output: Any, size: int, seconds: float,
                     batch: list[BatchEntry] | None) -> None:
@@ -427,9 +436,3 @@ def is_feather_scheduler(scheduler_cls: type) -> bool:
     return isinstance(scheduler_cls, type) and issubclass(scheduler_cls, _Hooks) and \
         issubclass(scheduler_cls.component, VllmFeather)
 
-
-def _hex(key: Any) -> str:
-    """A step-log group name: block hashes are bytes."""
-    if isinstance(key, bytes):
-        return key.hex()[:16]
-    return str(key)

@@ -28,6 +28,8 @@ from feather_sched.config import FeatherConfig
 from feather_sched.prefix import keys_per_chunk
 from feather_sched.runtime import FeatherRuntime
 from feather_sched.schedulers import SIM_KINDS, SchedulerKind, parse_scheduler
+from feather_sched.step_model import StepPrior
+from feather_sched.sim.cost import CostModel
 from feather_sched.sim.engine import SimEngine, SimRequest
 from feather_sched.sim.fcfs import FcfsPolicy
 
@@ -157,6 +159,12 @@ def make_policy(name: str, feather_options: dict[str, Any], engine: SimEngine) -
         return LpmPolicy(engine)
     if parsed.kind is SchedulerKind.SGLANG_DFS_WEIGHT:
         return DfsWeightPolicy(engine)
-    config = FeatherConfig.from_sources(parsed.feather_options(feather_options), environ={})
+    options = parsed.feather_options(feather_options)
+    if parsed.gate == "model" and isinstance(engine.cost_model, CostModel):
+        # The profile of the simulated GPU is the prior a user would give for theirs.
+        gate_options = dict(options.get("gate_options") or {})
+        gate_options.setdefault("prior", StepPrior.of(engine.cost_model))
+        options["gate_options"] = gate_options
+    config = FeatherConfig.from_sources(options, environ={})
     view = SimRequests(keys_per_chunk(engine.config.block_tokens, config.chunk_tokens))
     return FeatherRuntime(config, view, clock=engine.clock, name=name)

@@ -1,0 +1,142 @@
+"""ModelGate: ADD or STOP by what a step-time model, fitted online, says the candidate costs.
+
+A candidate that gives up shared prefix (the only kind any gate judges, ``gate.must_add``)
+brings its group: up to ``lookahead`` waiters that share its prefix follow it, since the
+tree ranks them first once it runs.  The gate prices them two ways, as extra seconds per
+request per step on top of the current batch (the last executed step as a decode step,
+plus what this pass admitted):
+
+* **now**: placed where the engine will put them: beside their group when Feather orders
+  the batch, spread over it otherwise (a persistent batch gives newcomers the holes that
+  finished requests leave), so they may split other groups' runs of shared prefix;
+* **homogeneous**: the same requests as one contiguous run, the batch a STOP works toward.
+
+ADD when *now* costs at most ``1 + margin`` times *homogeneous*; otherwise STOP, the
+requests wait for a batch in which their group runs together.  Running the requests costs
+their own prefix and private KV either way; what a STOP can save is the split runs (and
+the prefix they would re-read alone while their siblings have not been admitted).
+
+The step-time model (``step_model.OnlineStepModel``) learns from every executed step's
+batch and measured time and starts from a prior (a hardware profile's roofline), so the
+gate decides from the first step; without a prior, it admits until a dozen steps have
+been measured.  Costs: three batch summaries per judged candidate, O(batch) each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from feather_sched.gate import Decision, Decisions, GateContext, must_add
+from feather_sched.step_model import OnlineStepModel, StepPrior
+from feather_sched.steplog import BatchEntry
+
+DEFAULT_PRIOR = "none"
+DEFAULT_LOOKAHEAD = 16
+DEFAULT_MARGIN = 0.05
+
+
+class ModelGate:
+    """ADD/STOP by predicted per-request step cost, now vs in a homogeneous batch."""
+
+    def __init__(self, model: OnlineStepModel, *, ordered: bool = True,
+                 lookahead: int = DEFAULT_LOOKAHEAD, margin: float = DEFAULT_MARGIN) -> None:
+        if lookahead < 0 or margin < 0:
+            raise ValueError("lookahead and margin must be non-negative")
+        self.model = model
+        self.ordered = ordered
+        self.lookahead = lookahead
+        self.margin = margin
+        self._batch: list[BatchEntry] = []
+        """The last executed step as a decode step, plus this pass's admissions."""
+        self._groups: set = set()
+        """The groups in ``_batch``."""
+
+        self._base_s: float | None = None
+
+    @classmethod
+    def with_prior(cls, prior: StepPrior | str | None = DEFAULT_PRIOR, *,
+                   ordered: bool = True, lookahead: int = DEFAULT_LOOKAHEAD,
+                   margin: float = DEFAULT_MARGIN, prior_steps: float = 8.0,
+                   forgetting: float = 0.995) -> ModelGate:
+        """The gate from options: ``prior`` is a ``StepPrior``, None, or a name
+        (``StepPrior.named``: ``none``, ``<hardware>/<model>``, a calibrated profile)."""
+        if isinstance(prior, str):
+            prior = StepPrior.named(prior)
+        model = OnlineStepModel(prior, prior_steps=prior_steps, forgetting=forgetting)
+        return cls(model, ordered=ordered, lookahead=lookahead, margin=margin)
+
+    def decide(self, context: GateContext) -> Decision:
+        if self._joins_batch(context) or not self.model.ready or self._last_stop(context):
+            self._join(context, 1)
+            return Decision.ADD
+        group = self._group_entries(context, 1 + min(context.sharing_waiters, self.lookahead))
+        now = self._extra_s(self._place(group)) / len(group)
+        homogeneous = self._extra_s(self._beside_group(group)) / len(group)
+        if now <= (1 + self.margin) * homogeneous:
+            self._join(context, 1)
+            return Decision.ADD
+        return Decision.STOP
+
+    def _joins_batch(self, context: GateContext) -> bool:
+        """Admissions this gate does not judge: into an empty batch, or of a group the
+        batch already runs (it splits nothing the batch does not split already)."""
+        return must_add(context) if not context.candidate_tokens else \
+            context.batch_size == 0 or not self._batch or context.candidate_group in self._groups
+
+    @staticmethod
+    def _last_stop(context: GateContext) -> bool:
+        """Whether a STOP would bring a waiting request to the fairness bound, which then
+        admits in arrival order; the gate leaves that STOP untaken."""
+        return context.stops_left is not None and context.stops_left <= 1
+
+    def reward(self, decisions: Decisions, batch_size: int, seconds: float) -> None:
+        """Learning comes from ``observe``: every step, whatever decisions formed it."""
+
+    def observe(self, batch: Sequence[BatchEntry], seconds: float) -> None:
+        self.model.observe(batch, seconds)
+        self._batch = [replace(entry, new_tokens=1) for entry in batch]
+        self._groups = {entry.group for entry in batch}
+        self._base_s = None
+
+    def end_step(self) -> None:
+        """A new pass starts from the last executed batch (``observe``)."""
+
+    # ---- prediction -------------------------------------------------------------------
+
+    def _extra_s(self, batch: list[BatchEntry]) -> float:
+        if self._base_s is None:
+            self._base_s = self.model.predict(self._batch)
+        return max(self.model.predict(batch) - self._base_s, 0.0)
+
+    def _group_entries(self, context: GateContext, count: int) -> list[BatchEntry]:
+        """The candidate and the siblings that would follow it, as decode entries."""
+        shares = context.candidate_group in self._groups or count > 1
+        shared = min(context.candidate_prefix_tokens, context.candidate_tokens) if shares else 0
+        entry = BatchEntry(group=context.candidate_group, shared_tokens=shared,
+                           context_tokens=context.candidate_tokens, new_tokens=1)
+        return [entry] * count
+
+    def _place(self, group: list[BatchEntry]) -> list[BatchEntry]:
+        """The batch with ``group`` where the engine puts it."""
+        if self.ordered:
+            return self._beside_group(group)
+        middle = len(self._batch) // 2
+        return self._batch[:middle] + group + self._batch[middle:]
+
+    def _beside_group(self, group: list[BatchEntry]) -> list[BatchEntry]:
+        """The batch with ``group`` right after the last member of its group (else last)."""
+        batch = self._batch
+        key = group[0].group
+        at = next((i + 1 for i in range(len(batch) - 1, -1, -1) if batch[i].group == key),
+                  len(batch))
+        return batch[:at] + group + batch[at:]
+
+    def _join(self, context: GateContext, count: int) -> None:
+        """An ADD: the candidate is part of this pass's batch from now on."""
+        if context.candidate_tokens:
+            group = self._group_entries(context, count)
+            self._batch = self._place(group)
+            self._groups.add(context.candidate_group)
+            self._base_s = None
+
