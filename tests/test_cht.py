@@ -274,3 +274,14 @@ def test_block_keys_take_every_kth_chained_hash() -> None:
     hashes = [f"h{i}".encode() for i in range(10)]
     assert block_chunk_keys(hashes, 1) == hashes
     assert block_chunk_keys(hashes, 4) == [b"h3", b"h7"]
+
+
+def test_candidate_knows_the_prefix_its_group_shares_with_any_request() -> None:
+    tree = ChunkedHashTree()
+    tree.add("a", ["g", "g1", "a2"])
+    tree.add("b", ["g", "g1", "b2"])
+    tree.add("c", ["h", "c1"])
+    assert tree.candidate("a").held_chunks == 2  # with a waiting sibling
+    tree.admit("b")
+    assert tree.candidate("a").held_chunks == 2  # with a running one
+    assert tree.candidate("c").held_chunks == 0

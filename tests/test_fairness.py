@@ -191,3 +191,18 @@ def test_the_queue_admits_a_request_the_gate_keeps_stopping_for() -> None:
     queue.new_step()
     forced = queue.decide()
     assert forced.forced and forced.request_id == "b" and forced.decision is Decision.ADD
+
+
+def test_stops_left_counts_down_to_the_oldest_waiters_bound() -> None:
+    bound = OvertakeBound(limit=None, stop_limit=3)
+    assert bound.stops_left() is None  # nothing waits
+    bound.arrive("a", 0.0)
+    bound.stopped()
+    bound.arrive("b", 1.0)
+    assert bound.stops_left() == 2
+    bound.stopped()
+    bound.stopped()
+    assert bound.stops_left() == 0 and bound.due() == "a"
+    bound.admit("a")
+    assert bound.stops_left() == 1
+    assert OvertakeBound(limit=4).stops_left() is None

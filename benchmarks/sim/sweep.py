@@ -6,7 +6,8 @@ Llama-3-8B on RTX 6000 Ada and H100 SXM; shared prefixes of 1K, 5K and 10K token
 and 100 groups, 800 requests, decode lengths 50 and 200; offline (all at once) and Poisson
 arrivals at 1.5x FCFS's offline request rate (an overloaded server, where the scheduler
 decides the throughput; below capacity every scheduler serves the arrival rate); plus no
-sharing. Feather runs with its defaults (the overtaking bound on); "unbounded" runs
+sharing. Feather runs with its defaults (the overtaking bound on), with each gate (``model``
+starts from the simulated GPU's profile, as a user would give theirs); "unbounded" runs
 turn the bound off, to show the share of the gain the bound keeps. Writes sweep.json and
 sweep.md beside this file.
 """
@@ -26,8 +27,8 @@ from feather_sched.workloads import ArrivalSpec, no_sharing, shared_prefix_group
 
 HERE = Path(__file__).parent
 SCHEDULERS = ("fcfs", "sglang-lpm", "sglang-dfs-weight", "feather-always",
-              "feather-chunk-loss", "feather-bandit", "feather-always-unbounded",
-              "feather-bandit-unbounded")
+              "feather-chunk-loss", "feather-bandit", "feather-model",
+              "feather-always-unbounded", "feather-bandit-unbounded")
 
 REQUESTS = 800
 POISSON_LOAD = 1.5
@@ -72,12 +73,19 @@ def kept(by_name: dict[str, dict], name: str) -> str:
     return f"{100 * bounded / unbounded:.0f}%" if unbounded > 0.05 * base else "-"
 
 
+def model_over_fixed(by_name: dict[str, dict]) -> float:
+    """The model gate's throughput over the better of always-add and chunk-loss."""
+    best = max(by_name[n]["output_throughput"] for n in ("feather-always", "feather-chunk-loss"))
+    return by_name["feather-model"]["output_throughput"] / best
+
+
 def markdown(rows: list[dict]) -> str:
     """One line per cell: output throughput of each scheduler as a ratio to FCFS, and the
     share of the gain the overtaking bound keeps."""
     header = ("| hardware | groups | prefix | output | mode | FCFS tok/s | "
-              + " | ".join(SCHEDULERS[1:]) + " | gain kept (always) | gain kept (bandit) |")
-    lines = [header, "|" + "---|" * (8 + len(SCHEDULERS) - 1)]
+              + " | ".join(SCHEDULERS[1:])
+              + " | gain kept (always) | gain kept (bandit) | model / best fixed gate |")
+    lines = [header, "|" + "---|" * (9 + len(SCHEDULERS) - 1)]
     cells: dict[tuple, dict[str, dict]] = {}
     for row in rows:
         key = tuple(row[k] for k in ("hardware", "groups", "prefix", "output", "mode"))
@@ -85,7 +93,8 @@ def markdown(rows: list[dict]) -> str:
     for key, by_name in cells.items():
         base = by_name["fcfs"]["output_throughput"]
         ratios = [f"{by_name[n]['output_throughput'] / base:.2f}x" for n in SCHEDULERS[1:]]
-        ratios += [kept(by_name, "feather-always"), kept(by_name, "feather-bandit")]
+        ratios += [kept(by_name, "feather-always"), kept(by_name, "feather-bandit"),
+                   f"{model_over_fixed(by_name):.3f}"]
         groups = "none" if key[1] == 0 else key[1]
         lines.append(f"| {key[0]} | {groups} | {key[2]} | {key[3]} | {key[4]} | {base:,.0f} | "
                      + " | ".join(ratios) + " |")

@@ -7,12 +7,15 @@ request per step on top of the current batch (the last executed step as a decode
 plus what this pass admitted):
 
 * **now**: placed where the engine will put them: beside their group when Feather orders
-  the batch, spread over it otherwise (a persistent batch gives newcomers the holes that
-  finished requests leave), so they may split other groups' runs of shared prefix;
+  the batch, spread evenly over it otherwise (a persistent batch gives newcomers the holes
+  that finished requests leave, so over their lives a mixed batch interleaves), where they
+  split other groups' runs of shared prefix and their own;
 * **homogeneous**: the same requests as one contiguous run, the batch a STOP works toward.
 
-ADD when *now* costs at most ``1 + margin`` times *homogeneous*; otherwise STOP, the
-requests wait for a batch in which their group runs together.  Running the requests costs
+ADD when *now* costs at most ``1 + margin`` times *homogeneous*, or at most what a request
+of the current batch costs on average (then the batch is too small to carry its fixed
+cost, weights and launches, and deferring would leave the device under-used); otherwise
+STOP: the requests wait for a batch in which their group runs together.  Running the requests costs
 their own prefix and private KV either way; what a STOP can save is the split runs (and
 the prefix they would re-read alone while their siblings have not been admitted).
 
@@ -73,7 +76,8 @@ class ModelGate:
         group = self._group_entries(context, 1 + min(context.sharing_waiters, self.lookahead))
         now = self._extra_s(self._place(group)) / len(group)
         homogeneous = self._extra_s(self._beside_group(group)) / len(group)
-        if now <= (1 + self.margin) * homogeneous:
+        average = self._base_s / len(self._batch)
+        if now <= (1 + self.margin) * homogeneous or now <= average:
             self._join(context, 1)
             return Decision.ADD
         return Decision.STOP
@@ -121,8 +125,7 @@ class ModelGate:
         """The batch with ``group`` where the engine puts it."""
         if self.ordered:
             return self._beside_group(group)
-        middle = len(self._batch) // 2
-        return self._batch[:middle] + group + self._batch[middle:]
+        return _spread(self._batch, group)
 
     def _beside_group(self, group: list[BatchEntry]) -> list[BatchEntry]:
         """The batch with ``group`` right after the last member of its group (else last)."""
@@ -140,3 +143,12 @@ class ModelGate:
             self._groups.add(context.candidate_group)
             self._base_s = None
 
+
+def _spread(batch: list[BatchEntry], group: list[BatchEntry]) -> list[BatchEntry]:
+    """``group`` inserted at evenly spaced places of ``batch`` (holes of a persistent
+    batch, where newcomers land)."""
+    placed = list(batch)
+    step = (len(batch) + 1) / (len(group) + 1)
+    for index, entry in enumerate(group):
+        placed.insert(round(step * (index + 1)) + index, entry)
+    return placed

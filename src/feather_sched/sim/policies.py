@@ -28,10 +28,10 @@ from feather_sched.config import FeatherConfig
 from feather_sched.prefix import keys_per_chunk
 from feather_sched.runtime import FeatherRuntime
 from feather_sched.schedulers import SIM_KINDS, SchedulerKind, parse_scheduler
-from feather_sched.step_model import StepPrior
 from feather_sched.sim.cost import CostModel
 from feather_sched.sim.engine import SimEngine, SimRequest
 from feather_sched.sim.fcfs import FcfsPolicy
+from feather_sched.step_model import StepPrior
 
 LPM_MAX_WAITING = 128
 """SGLang's WAITING_QUEUE_PREFIX_MATCH_MAX: above it LPM does no prefix matching."""

@@ -1,0 +1,102 @@
+"""The online step-time model: its prior is the simulator's roofline, and it learns the
+truth from measured steps, L2 capacity included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from feather_sched.sim.calibrate import save_profile
+from feather_sched.sim.cost import CostModel, CostParams
+from feather_sched.sim.hardware import HARDWARE
+from feather_sched.sim.model_profiles import MODELS
+from feather_sched.step_model import CAPACITY_GRID, OnlineStepModel, StepPrior
+from feather_sched.steplog import BatchEntry
+
+HARDWARE_H100 = HARDWARE["h100-sxm"]
+LLAMA = MODELS["llama-3-8b"]
+
+
+def batch(rng: np.random.Generator) -> list[BatchEntry]:
+    """A decode step of a few groups in random order, with a prefill chunk at times."""
+    groups = int(rng.integers(1, 5))
+    prefix = int(rng.choice([512, 2048, 8192]))
+    entries = [BatchEntry(group=int(rng.integers(groups)), shared_tokens=prefix,
+                          context_tokens=prefix + int(rng.integers(1, 400)), new_tokens=1)
+               for _ in range(int(rng.integers(2, 64)))]
+    if rng.random() < 0.3:
+        entries.append(BatchEntry(group="solo", shared_tokens=0, context_tokens=2048,
+                                  new_tokens=2048))
+    return entries
+
+
+def additive(params: CostParams | None = None, hardware=HARDWARE_H100) -> CostModel:
+    """The simulator's cost model in the additive form the step model is linear in."""
+    params = params or CostParams()
+    return CostModel(hardware, LLAMA, CostParams(**{**params.__dict__, "additive": True}))
+
+
+def test_the_prior_is_the_additive_roofline() -> None:
+    truth = additive()
+    model = OnlineStepModel(StepPrior.of(truth))
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        entries = batch(rng)
+        assert model.predict(entries) == pytest.approx(truth.step(entries).seconds, rel=1e-9)
+
+
+def test_it_learns_another_machine_from_its_steps() -> None:
+    """Started from the H100's roofline, it converges on a slower GPU with a smaller L2."""
+    truth = additive(CostParams(bandwidth_efficiency=0.5, l2_usable_fraction=0.25,
+                                step_overhead_s=5e-3), HARDWARE["rtx6000-ada"])
+    model = OnlineStepModel(StepPrior.of(additive()), forgetting=1.0)
+    rng = np.random.default_rng(1)
+    steps = [batch(rng) for _ in range(300)]
+    held_out = [batch(rng) for _ in range(50)]
+
+    def error() -> float:
+        return float(np.mean([abs(model.predict(b) / truth.step(b).seconds - 1)
+                              for b in held_out]))
+
+    before = error()
+    for entries in steps:
+        model.observe(entries, truth.step(entries).seconds)
+    model.refit()
+    assert before > 0.3, before
+    assert error() < 0.03
+    lower = max(c for c in CAPACITY_GRID if c <= truth.capacity_tokens)
+    assert lower <= model.capacity_tokens <= 2 * lower  # the grid points around the truth
+
+
+def test_without_a_prior_it_is_not_ready_until_it_has_measured_steps() -> None:
+    truth = additive()
+    model = OnlineStepModel(None)
+    rng = np.random.default_rng(2)
+    assert not model.ready
+    for _ in range(16):
+        entries = batch(rng)
+        model.observe(entries, truth.step(entries).seconds)
+    assert model.ready
+
+
+def test_unmeasured_and_empty_steps_teach_nothing() -> None:
+    model = OnlineStepModel(None)
+    model.observe([], 0.1)
+    model.observe([BatchEntry("g", 0, 10, 1)], 0.0)
+    assert model.steps == 0
+    assert model.predict([]) == 0.0
+
+
+def test_priors_by_name_and_from_a_calibrated_profile(tmp_path) -> None:
+    assert StepPrior.named("none") is None
+    assert StepPrior.named("h100-sxm/llama-3-8b") == StepPrior.of(CostModel(HARDWARE_H100,
+                                                                            LLAMA))
+    path = tmp_path / "profile.json"
+    save_profile(path, HARDWARE_H100, LLAMA, CostParams(bandwidth_efficiency=0.5))
+    assert StepPrior.named(str(path)).coefficients[2] == pytest.approx(
+        LLAMA.kv_bytes_per_token / (HARDWARE_H100.hbm_bytes_per_s * 0.5))
+    with pytest.raises(ValueError, match=r"unknown prior 'h100/llama'.*feather calibrate"):
+        StepPrior.named("h100/llama")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a calibrated profile"):
+        StepPrior.named(str(tmp_path / "bad.json"))
