@@ -42,7 +42,9 @@ def test_a_new_group_that_would_split_the_batch_waits_when_order_is_the_engines(
 
 
 def test_the_same_group_joins_a_batch_feather_orders() -> None:
-    assert gate(ordered=True).decide(candidate(waiters=7)) is Decision.ADD
+    ordered = gate(ordered=True)
+    assert ordered.decide(candidate(waiters=7)) is Decision.ADD
+    assert ordered.model.steps == 0  # nothing to predict, nothing learned
 
 
 def test_what_the_gate_does_not_judge() -> None:

@@ -12,6 +12,9 @@ plus what this pass admitted):
   split other groups' runs of shared prefix and their own;
 * **homogeneous**: the same requests as one contiguous run, the batch a STOP works toward.
 
+When Feather orders the batch the two are the same placement: the gate admits without
+predicting or learning anything, and costs nothing.
+
 ADD when *now* costs at most ``1 + margin`` times *homogeneous*, or at most what a request
 of the current batch costs on average (then the batch is too small to carry its fixed
 cost, weights and launches, and deferring would leave the device under-used); otherwise
@@ -70,6 +73,8 @@ class ModelGate:
         return cls(model, ordered=ordered, lookahead=lookahead, margin=margin)
 
     def decide(self, context: GateContext) -> Decision:
+        if self.ordered:
+            return Decision.ADD
         if self._joins_batch(context) or not self.model.ready or self._last_stop(context):
             self._join(context, 1)
             return Decision.ADD
@@ -98,8 +103,11 @@ class ModelGate:
         """Learning comes from ``observe``: every step, whatever decisions formed it."""
 
     def observe(self, batch: Sequence[BatchEntry], seconds: float) -> None:
+        if self.ordered:
+            return  # nothing to predict (see ``decide``)
         self.model.observe(batch, seconds)
-        self._batch = [replace(entry, new_tokens=1) for entry in batch]
+        self._batch = [entry if entry.new_tokens == 1 else replace(entry, new_tokens=1)
+                       for entry in batch]
         self._groups = {entry.group for entry in batch}
         self._base_s = None
 
@@ -122,9 +130,7 @@ class ModelGate:
         return [entry] * count
 
     def _place(self, group: list[BatchEntry]) -> list[BatchEntry]:
-        """The batch with ``group`` where the engine puts it."""
-        if self.ordered:
-            return self._beside_group(group)
+        """The batch with ``group`` where the engine puts it (the engine's own order)."""
         return _spread(self._batch, group)
 
     def _beside_group(self, group: list[BatchEntry]) -> list[BatchEntry]:

@@ -114,8 +114,11 @@ class FeatherRuntime(Generic[R]):
 
     @property
     def wants_batches(self) -> bool:
-        """Whether ``end_step`` should be given each step's batch (step log, model gate)."""
-        return self.config.step_log is not None or self.config.gate == "model"
+        """Whether ``end_step`` should be given each step's batch: for the step log, or for
+        the model gate where it predicts (ordering off)."""
+        config = self.config
+        return config.step_log is not None or (config.gate == "model" and
+                                               not config.order_running)
 
     @property
     def orders_running(self) -> bool:

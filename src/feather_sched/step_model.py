@@ -130,8 +130,7 @@ class OnlineStepModel:
         """Learn from one measured step (ignored when empty or not timed)."""
         if not batch or not seconds > 0:
             return
-        traffic = summarize(batch)
-        rows = np.stack([self._features(traffic, c) for c in CAPACITY_GRID])
+        rows = self._grid_features(summarize(batch))
         weight = 1.0 / seconds ** 2  # relative error: small and large steps count alike
         decay = self.forgetting
         self._gram *= decay
@@ -176,6 +175,19 @@ class OnlineStepModel:
     def _prior_capacity(self) -> int:
         capacity = self.prior.capacity_tokens if self.prior else 0.0
         return min(CAPACITY_GRID, key=lambda c: abs(c - capacity))
+
+    @staticmethod
+    def _grid_features(traffic: StepTraffic) -> np.ndarray:
+        """The features at every capacity of the grid, one row each."""
+        reuse, distance = traffic.reuse_tokens, traffic.reuse_distance
+        grid = np.array(CAPACITY_GRID)[:, None]
+        l2 = (((distance <= grid) & (reuse <= grid)) * reuse).sum(axis=1).astype(float)
+        rows = np.empty((len(CAPACITY_GRID), len(FEATURES)))
+        rows[:] = (1.0, traffic.requests, traffic.context_tokens, 0.0, traffic.new_tokens,
+                   traffic.attention_tokens)
+        rows[:, 2] -= l2
+        rows[:, 3] = l2
+        return rows
 
     @staticmethod
     def _features(traffic: StepTraffic, capacity: float) -> np.ndarray:
