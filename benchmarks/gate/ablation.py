@@ -79,12 +79,10 @@ def pretrained_table(hardware: str) -> Path:
     return path
 
 
-def scheduler(gate: str, ordered: bool, bounded: bool) -> tuple[str, dict]:
-    """The scheduler name and options of one ablation column."""
-    kind = gate.removesuffix("-pretrained")
-    name = f"feather-{kind}" + ("" if ordered else "-noorder") + ("" if bounded else
-                                                                  "-unbounded")
-    return name, {}
+def scheduler(gate: str, ordered: bool, bounded: bool) -> str:
+    """The scheduler name of one ablation column."""
+    return (f"feather-{gate.removesuffix('-pretrained')}" + ("" if ordered else "-noorder")
+            + ("" if bounded else "-unbounded"))
 
 
 def run(hardware: str, workload, engine: EngineConfig | None, name: str,
@@ -128,16 +126,16 @@ def cell_rows(label: str, hardware: str, workload, engine) -> list[dict]:
     for bounded in (True, False):
         for ordered in (True, False):
             for gate in GATES:
-                name, options = scheduler(gate, ordered, bounded)
+                name = scheduler(gate, ordered, bounded)
                 if gate == "bandit-pretrained":
                     with tempfile.TemporaryDirectory() as tmp:
                         state = Path(tmp) / "table.json"  # a run saves back to its table
                         shutil.copy(table, state)
                         record(gate, ordered, bounded, name, {"state_file": str(state)})
                 else:
-                    record(gate, ordered, bounded, name, options)
-            name, _ = scheduler("model", ordered, bounded)
-            record("model-cold", ordered, bounded, name, {"gate_options": {"prior": "none"}})
+                    record(gate, ordered, bounded, name, {})
+            record("model-cold", ordered, bounded, scheduler("model", ordered, bounded),
+                   {"gate_options": {"prior": "none"}})
     return rows
 
 
