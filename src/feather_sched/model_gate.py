@@ -1,15 +1,17 @@
 """ModelGate: ADD or STOP by what a step-time model, fitted online, says the candidate costs.
 
-A candidate that gives up shared prefix (the only kind any gate judges, ``gate.must_add``)
-brings its group: up to ``lookahead`` waiters that share its prefix follow it, since the
-tree ranks them first once it runs.  The gate prices them two ways, as extra seconds per
+A candidate of a group the batch does not run brings its group: up to ``lookahead``
+waiters that share its prefix follow it, since the tree ranks them first once it runs.
+(The cap is measured, not derived: crediting every waiter makes a mixed batch look cheap
+at the moment of the decision, and churn interleaves it later; with 16 the gate keeps the
+ablation's ordering-off cell homogeneous, 1.38x always-add, and costs 5-13% on short
+bursts, ``benchmarks/gate``.)  The gate prices them two ways, as extra seconds per
 request per step on top of the current batch (the last executed step as a decode step,
 plus what this pass admitted):
 
-* **now**: placed where the engine will put them: beside their group when Feather orders
-  the batch, spread evenly over it otherwise (a persistent batch gives newcomers the holes
-  that finished requests leave, so over their lives a mixed batch interleaves), where they
-  split other groups' runs of shared prefix and their own;
+* **now**: spread evenly over the batch in the engine's own order (a persistent batch
+  gives newcomers the holes finished requests leave, so over their lives a mixed batch
+  interleaves), where they split other groups' runs of shared prefix and their own;
 * **homogeneous**: the same requests as one contiguous run, the batch a STOP works toward.
 
 When Feather orders the batch the two are the same placement: the gate admits without
@@ -18,14 +20,16 @@ predicting or learning anything, and costs nothing.
 ADD when *now* costs at most ``1 + margin`` times *homogeneous*, or at most what a request
 of the current batch costs on average (then the batch is too small to carry its fixed
 cost, weights and launches, and deferring would leave the device under-used); otherwise
-STOP: the requests wait for a batch in which their group runs together.  Running the requests costs
-their own prefix and private KV either way; what a STOP can save is the split runs (and
-the prefix they would re-read alone while their siblings have not been admitted).
+STOP: the requests wait for a batch in which their group runs together.  Running them
+costs their own prefix and private KV either way; what a STOP can save is the split runs.
+It never refuses an empty batch, and leaves untaken the STOP that would bring a waiting
+request to the fairness bound (the bound then admits in arrival order).
 
 The step-time model (``step_model.OnlineStepModel``) learns from every executed step's
 batch and measured time and starts from a prior (a hardware profile's roofline), so the
 gate decides from the first step; without a prior, it admits until a dozen steps have
-been measured.  Costs: three batch summaries per judged candidate, O(batch) each.
+been measured.  Costs: two batch summaries per judged candidate, O(batch) each, and
+``OnlineStepModel.observe`` per step (0.2 ms at 256 requests).
 """
 
 from __future__ import annotations
@@ -57,8 +61,8 @@ class ModelGate:
         """The last executed step as a decode step, plus this pass's admissions."""
         self._groups: set = set()
         """The groups in ``_batch``."""
-
         self._base_s: float | None = None
+        """Predicted seconds of ``_batch`` (None: not predicted since it changed)."""
 
     @classmethod
     def with_prior(cls, prior: StepPrior | str | None = DEFAULT_PRIOR, *,
@@ -76,14 +80,14 @@ class ModelGate:
         if self.ordered:
             return Decision.ADD
         if self._joins_batch(context) or not self.model.ready or self._last_stop(context):
-            self._join(context, 1)
+            self._join(context)
             return Decision.ADD
         group = self._group_entries(context, 1 + min(context.sharing_waiters, self.lookahead))
-        now = self._extra_s(self._place(group)) / len(group)
+        now = self._extra_s(_spread(self._batch, group)) / len(group)
         homogeneous = self._extra_s(self._beside_group(group)) / len(group)
         average = self._base_s / len(self._batch)
         if now <= (1 + self.margin) * homogeneous or now <= average:
-            self._join(context, 1)
+            self._join(context)
             return Decision.ADD
         return Decision.STOP
 
@@ -129,10 +133,6 @@ class ModelGate:
                            context_tokens=context.candidate_tokens, new_tokens=1)
         return [entry] * count
 
-    def _place(self, group: list[BatchEntry]) -> list[BatchEntry]:
-        """The batch with ``group`` where the engine puts it (the engine's own order)."""
-        return _spread(self._batch, group)
-
     def _beside_group(self, group: list[BatchEntry]) -> list[BatchEntry]:
         """The batch with ``group`` right after the last member of its group (else last)."""
         batch = self._batch
@@ -141,11 +141,10 @@ class ModelGate:
                   len(batch))
         return batch[:at] + group + batch[at:]
 
-    def _join(self, context: GateContext, count: int) -> None:
+    def _join(self, context: GateContext) -> None:
         """An ADD: the candidate is part of this pass's batch from now on."""
         if context.candidate_tokens:
-            group = self._group_entries(context, count)
-            self._batch = self._place(group)
+            self._batch = _spread(self._batch, self._group_entries(context, 1))
             self._groups.add(context.candidate_group)
             self._base_s = None
 
