@@ -24,6 +24,7 @@ throughput.  The run yields the same ``RequestRecord`` and
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -236,18 +237,54 @@ class SimEngine:
 
         Each run starts a fresh pool and clock; the policy is used as given.
         """
+        self.start(policy, workload.requests, on_done)
+        while not self.done:
+            self.step()
+        return self.result()
+
+    def start(
+        self, policy: Policy, specs: Sequence[RequestSpec] = (),
+        on_done: Callable[[RequestRecord], None] | None = None,
+    ) -> None:
+        """Begin a run driven step by step (``run`` is ``start``, ``step`` until ``done``,
+        ``result``): a fresh pool and clock, ``specs`` (in arrival order) to come, and
+        ``on_done`` called once for each request as it ends."""
         self.policy = policy
-        self._reset(workload.requests, on_done)
-        for _ in range(self.config.max_steps):
-            if self._ended == self._total:
-                return self._result()
-            self._arrive()
-            batch, preempted = self._schedule()
-            if batch:
-                self._execute(batch)
-            elif not (preempted or self.running):
-                self._wait_for_arrival()
-        raise RuntimeError(f"simulation did not finish within {self.config.max_steps} steps")
+        self._reset(specs, on_done)
+
+    def add(self, spec: RequestSpec) -> None:
+        """A request to come at its ``arrival_s``, no earlier than those already added."""
+        pending = self._pending
+        if pending and spec.arrival_s < pending[-1].arrival_s:
+            raise ValueError(f"request {spec.request_id!r} arrives before one already added")
+        pending.append(spec)
+        self._total += 1
+
+    @property
+    def done(self) -> bool:
+        """Every request added so far has ended."""
+        return self._ended == self._total
+
+    def next_event_s(self) -> float:
+        """When this engine next acts: now while it holds requests, else at its next
+        arrival (inf when it has none).  O(1)."""
+        if self.running or len(self.policy):
+            return self.now
+        if self._pending:
+            return max(self.now, self._pending[0].arrival_s)
+        return math.inf
+
+    def step(self) -> None:
+        """One ``schedule()`` and its step; with nothing to run, jump to the next arrival."""
+        if self._step >= self.config.max_steps:
+            raise RuntimeError(
+                f"simulation did not finish within {self.config.max_steps} steps")
+        self._arrive()
+        batch, preempted = self._schedule()
+        if batch:
+            self._execute(batch)
+        elif not (preempted or self.running):
+            self._wait_for_arrival()
 
     def _reset(
         self, specs: Sequence[RequestSpec], on_done: Callable[[RequestRecord], None] | None
@@ -508,7 +545,8 @@ class SimEngine:
 
     # ---- result -----------------------------------------------------------------------
 
-    def _result(self) -> SimResult:
+    def result(self) -> SimResult:
+        """The run's records and totals; raises while a request has not ended."""
         unended = [r.request_id for r in self.requests
                    if r.state not in (SimState.FINISHED, SimState.REJECTED)]
         if unended or self._pending or self.running:

@@ -1,0 +1,284 @@
+"""Routing requests over engine replicas by prefix: ``FeatherRouter`` and the shared core.
+
+Engine-agnostic (imports no engine and no Ray): a replica is any hashable name, a request
+is an id and its cumulative chunk keys (``cht.token_chunk_keys`` over its token ids,
+computed once per request at the router).  Keys are cumulative, so a replica holding
+key *i* of a prompt holds its whole prefix through chunk *i*, and the longest share of a
+prompt any replica holds is a binary search over dict look-ups (``PrefixIndex``).
+
+``Router`` keeps what every router needs and guarantees: each replica's load (requests
+routed to it and not finished), and that every request routed is finished or returned
+(by ``remove_replica``, for the caller to resend) exactly once.  The baselines (round
+robin, power of two, Ray's and SGLang's prefix rules) live in ``feather_sched.routers``.
+"""
+
+from __future__ import annotations
+
+import random
+from bisect import bisect_left
+from collections.abc import Hashable, Iterable, Sequence
+
+from feather_sched.cht import DEFAULT_CHUNK_TOKENS, token_chunk_keys
+
+Replica = Hashable
+RequestId = Hashable
+ChunkKey = Hashable
+
+
+class RouterError(ValueError):
+    """A call that does not fit the router's state; the router is left unchanged."""
+
+
+class PrefixIndex:
+    """Which replicas hold each chunk key, with a count per replica.
+
+    ``add`` counts a request's keys on a replica and ``release`` uncounts them; a key
+    whose counts all reach zero is kept (its replica has served that prefix and likely
+    still caches it) in a first-in-first-out list of at most ``max_idle_keys`` keys,
+    released deepest key first so that what is kept stays prefix-closed.  With
+    ``max_idle_keys=None`` nothing is forgotten (a history of everything routed, as Ray's
+    and SGLang's trees without eviction).  ``add``/``release`` cost O(keys);
+    ``match`` O(log keys); ``drop`` O(keys in the index).
+    """
+
+    def __init__(self, max_idle_keys: int | None = None) -> None:
+        if max_idle_keys is not None and max_idle_keys < 0:
+            raise ValueError(f"max_idle_keys must be >= 0, got {max_idle_keys}")
+        self.max_idle_keys = max_idle_keys
+        self._owners: dict[ChunkKey, dict[Replica, int]] = {}
+        self._idle: dict[ChunkKey, None] = {}
+        self.sizes: dict[Replica, int] = {}
+        """Keys each replica has an entry for (its tree size, for smallest-tree rules)."""
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def match(self, keys: Sequence[ChunkKey]) -> tuple[int, dict[Replica, int]]:
+        """The longest run of leading ``keys`` some replica holds, and the holders of the
+        deepest one with their counts (empty when nothing matches).  Do not mutate."""
+        owners = self._owners
+        if not keys or keys[0] not in owners:
+            return 0, {}
+        depth = len(keys) if keys[-1] in owners else bisect_left(
+            keys, True, key=lambda k: k not in owners)
+        return depth, owners[keys[depth - 1]]
+
+    def add(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
+        owners, idle, sizes = self._owners, self._idle, self.sizes
+        for key in keys:
+            holders = owners.get(key)
+            if holders is None:
+                owners[key] = {replica: 1}
+                sizes[replica] = sizes.get(replica, 0) + 1
+                continue
+            count = holders.get(replica)
+            if count is None:
+                sizes[replica] = sizes.get(replica, 0) + 1
+                count = 0
+            if not count:  # the key may have been idle everywhere
+                idle.pop(key, None)
+            holders[replica] = count + 1
+
+    def release(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
+        """Uncount keys ``add`` counted on ``replica``; keys left at zero everywhere idle."""
+        owners, idle = self._owners, self._idle
+        for key in reversed(keys):
+            holders = owners[key]
+            left = holders[replica] - 1
+            holders[replica] = left
+            if not left and not any(holders.values()):
+                idle[key] = None
+        self._evict()
+
+    def drop(self, replica: Replica) -> None:
+        """Forget a replica everywhere (a dead one)."""
+        self.sizes.pop(replica, None)
+        for key in list(self._owners):
+            holders = self._owners[key]
+            if holders.pop(replica, None) is None:
+                continue
+            if not holders:
+                del self._owners[key]
+                self._idle.pop(key, None)
+            elif not any(holders.values()):
+                self._idle[key] = None
+        self._evict()
+
+    def _evict(self) -> None:
+        limit, idle, sizes = self.max_idle_keys, self._idle, self.sizes
+        if limit is None:
+            return
+        while len(idle) > limit:
+            key = next(iter(idle))
+            del idle[key]
+            for replica in self._owners.pop(key):
+                sizes[replica] -= 1
+
+
+class Router:
+    """Replicas, their loads, and each routed request until it finishes or is returned.
+
+    Subclasses choose the replica (``_choose``) and may watch requests come and go
+    (``_routed``, ``_finished``, ``_removed``).  Loads count requests routed and not
+    finished; ``route`` and ``finished`` add O(keys) bookkeeping to the rule's own cost.
+    """
+
+    name = "router"
+
+    def __init__(self, replicas: Iterable[Replica] = (), *, seed: int = 0,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+        self.chunk_tokens = chunk_tokens
+        self._rng = random.Random(seed)
+        self._load: dict[Replica, int] = {}
+        self._replicas: list[Replica] = []
+        self._requests: dict[RequestId, tuple[Replica, Sequence[ChunkKey]]] = {}
+        self._on_replica: dict[Replica, dict[RequestId, None]] = {}
+        for replica in replicas:
+            self.add_replica(replica)
+
+    @property
+    def replicas(self) -> list[Replica]:
+        """Live replicas, in the order they were added."""
+        return list(self._replicas)
+
+    def load(self, replica: Replica) -> int:
+        """Requests routed to ``replica`` and not finished."""
+        return self._load[replica]
+
+    def __len__(self) -> int:
+        """Requests routed and neither finished nor returned."""
+        return len(self._requests)
+
+    def route(self, request_id: RequestId, chunk_keys: Sequence[ChunkKey]) -> Replica:
+        """The replica to serve a new request; it counts there until ``finished``."""
+        if request_id in self._requests:
+            raise RouterError(f"request {request_id!r} is already routed")
+        if not self._replicas:
+            raise RouterError("no live replica to route to")
+        replica = self._choose(chunk_keys)
+        self._requests[request_id] = (replica, chunk_keys)
+        self._on_replica[replica][request_id] = None
+        self._load[replica] += 1
+        self._routed(replica, chunk_keys)
+        return replica
+
+    def route_tokens(self, request_id: RequestId, tokens: Sequence[int]) -> Replica:
+        """``route`` with the chunk keys of a prompt's token ids (int32 numpy is fastest)."""
+        return self.route(request_id, token_chunk_keys(tokens, self.chunk_tokens))
+
+    def finished(self, request_id: RequestId) -> Replica:
+        """A routed request ended (any way); returns its replica.  Once per request."""
+        try:
+            replica, keys = self._requests.pop(request_id)
+        except KeyError:
+            raise RouterError(f"request {request_id!r} is not routed (finished, returned "
+                              "or never routed)") from None
+        del self._on_replica[replica][request_id]
+        self._load[replica] -= 1
+        self._finished(replica, keys)
+        return replica
+
+    def add_replica(self, replica: Replica) -> None:
+        if replica in self._load:
+            raise RouterError(f"replica {replica!r} is already live")
+        self._load[replica] = 0
+        self._on_replica[replica] = {}
+        self._replicas.append(replica)
+
+    def remove_replica(self, replica: Replica) -> list[RequestId]:
+        """A dead replica: never chosen again, its state dropped; returns the requests
+        routed to it and not finished, in routing order, for the caller to resend."""
+        if replica not in self._load:
+            raise RouterError(f"replica {replica!r} is not live")
+        del self._load[replica]
+        self._replicas.remove(replica)
+        orphans = list(self._on_replica.pop(replica))
+        for request_id in orphans:
+            del self._requests[request_id]
+        self._removed(replica)
+        return orphans
+
+    # ---- for the rules ----------------------------------------------------------------
+
+    def _choose(self, keys: Sequence[ChunkKey]) -> Replica:
+        raise NotImplementedError
+
+    def _routed(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
+        """A request was routed to ``replica``."""
+
+    def _finished(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
+        """A request routed to ``replica`` finished."""
+
+    def _removed(self, replica: Replica) -> None:
+        """``replica`` died."""
+
+    def _least_loaded(self, replicas: Iterable[Replica]) -> Replica:
+        """The least loaded of ``replicas`` (ties: the first)."""
+        return min(replicas, key=self._load.__getitem__)
+
+    def _two_choices(self) -> Replica:
+        """Power of two choices: the less loaded of two distinct random replicas."""
+        replicas = self._replicas
+        if len(replicas) == 1:
+            return replicas[0]
+        first, second = self._rng.sample(replicas, 2)
+        return second if self._load[second] < self._load[first] else first
+
+
+class FeatherRouter(Router):
+    """Keeps each prefix group on as few replicas as load allows.
+
+    A request goes to a replica that holds the longest share of its prefix, counting the
+    requests each replica serves and has queued (and, up to ``max_idle_keys``, prefixes
+    it served before and likely still caches).  Among those holders, the one holding
+    most requests of that prefix, so a group stays together and Feather's homogeneous
+    batches form there; but only while that replica is within the imbalance bound: its
+    load exceeds neither the least loaded replica's load plus ``balance_abs`` nor that
+    load times ``balance_rel`` (over the bound means past both, as SGLang's rule).  When
+    every holder is past the bound the request goes to the less loaded of two random
+    replicas, which then holds the group too: a group one replica cannot keep up with
+    spreads to as many replicas as it needs.  A prefix nobody holds (a new group) goes to
+    the least loaded replica.
+
+    Defaults: ``balance_abs=32`` and ``balance_rel=1.1`` are SGLang's; a bound in
+    requests, not tokens, because requests are what the router sees.  Cost per request:
+    O(keys) dict updates plus O(log keys) look-ups and O(replicas) for the least load
+    (``benchmarks/replicas/router_overhead.py``).
+    """
+
+    name = "feather"
+
+    def __init__(self, replicas: Iterable[Replica] = (), *, seed: int = 0,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, balance_abs: int = 32,
+                 balance_rel: float = 1.1, max_idle_keys: int | None = 1 << 20) -> None:
+        if balance_abs < 0 or balance_rel < 1:
+            raise ValueError(f"need balance_abs >= 0 and balance_rel >= 1, got "
+                             f"{balance_abs} and {balance_rel}")
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.index = PrefixIndex(max_idle_keys)
+        """Requests each replica serves or has queued, by chunk key."""
+        super().__init__(replicas, seed=seed, chunk_tokens=chunk_tokens)
+
+    def _choose(self, keys: Sequence[ChunkKey]) -> Replica:
+        _, holders = self.index.match(keys)
+        if not holders:
+            return self._least_loaded(self._replicas)
+        load = self._load
+        floor = min(load.values())
+        bound = max(floor + self.balance_abs, floor * self.balance_rel)
+        fit = [(count, -load[r], r) for r, count in holders.items() if load[r] <= bound]
+        return max(fit, key=_first_two)[2] if fit else self._two_choices()
+
+    def _routed(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
+        self.index.add(replica, keys)
+
+    def _finished(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
+        self.index.release(replica, keys)
+
+    def _removed(self, replica: Replica) -> None:
+        self.index.drop(replica)
+
+
+def _first_two(item: tuple) -> tuple:
+    return item[:2]

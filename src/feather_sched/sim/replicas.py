@@ -1,0 +1,141 @@
+"""Several simulated engines behind a router, on one simulated clock.
+
+Each replica is a ``SimEngine`` with its own policy, stepping independently; the driver
+always advances the replica whose next event is earliest, and routes each arrival at its
+arrival time, after every step that starts before it.  The router sees a request finish
+at the simulated time it finished (finishes wait in a heap until the clock passes them),
+so its view of load is what a real router would have: requests routed and not finished.
+Chunk keys are computed once per request for the router (``cht.token_chunk_keys`` at the
+router's ``chunk_tokens``), as a real router would from token ids; the router's own CPU
+time is not charged to the clock (``benchmarks/replicas/router_overhead.py`` measures it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from feather_sched.bench.records import RequestRecord
+from feather_sched.bench.report import RunResult, Summary, summarize
+from feather_sched.cht import token_chunk_keys
+from feather_sched.router import Router
+from feather_sched.sim.cost import CostModel
+from feather_sched.sim.engine import Policy, SimEngine, SimResult
+from feather_sched.sim.policies import make_policy
+from feather_sched.sim.runner import SimPlan
+from feather_sched.workloads import Workload
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """What one replica did in a run."""
+
+    replica: Hashable
+    requests: int
+    groups: int
+    """Distinct workload prefix groups among its requests (requests sharing nothing,
+    group -1, not counted)."""
+    busy_s: float
+    """Seconds its steps took by the cost model (its busy time)."""
+    preemptions: int
+
+
+@dataclass
+class ReplicaResult:
+    """One run over replicas: all requests as one benchmark run, and each replica's share."""
+
+    run: RunResult
+    replicas: list[ReplicaStats]
+
+    @property
+    def imbalance(self) -> float:
+        """Max over mean of the replicas' busy time (1.0: perfectly even)."""
+        busy = [r.busy_s for r in self.replicas]
+        mean = sum(busy) / len(busy)
+        return max(busy) / mean if mean else 1.0
+
+    def summary(self) -> Summary:
+        """The benchmark summary of all requests, plus the imbalance and per replica the
+        groups and requests it served (lists in replica order)."""
+        return {**summarize(self.run), "replica_imbalance": self.imbalance,
+                "groups_per_replica": [r.groups for r in self.replicas],  # type: ignore[dict-item]
+                "requests_per_replica": [r.requests for r in self.replicas]}  # type: ignore[dict-item]
+
+
+def run_replicas(workload: Workload, router: Router,
+                 engines: dict[Hashable, tuple[SimEngine, Policy]], name: str) -> ReplicaResult:
+    """Serve ``workload`` with ``engines`` (replica -> engine and its policy) behind
+    ``router``, whose replicas must be exactly the engines'.  Every request is routed
+    once and ends once (or this raises)."""
+    if set(router.replicas) != set(engines):
+        raise ValueError(f"router replicas {router.replicas} are not the engines' "
+                         f"{list(engines)}")
+    finishes: list[tuple[float, int, Hashable]] = []
+    order = itertools.count()
+
+    def on_done(record: RequestRecord) -> None:
+        heapq.heappush(finishes, (record.finished_s or 0.0, next(order), record.request_id))
+
+    for engine, policy in engines.values():
+        engine.start(policy, on_done=on_done)
+    steppers = [engine for engine, _ in engines.values()]
+    for spec in workload.requests:
+        _advance(steppers, spec.arrival_s)
+        _deliver(router, finishes, spec.arrival_s)
+        replica = router.route(spec.request_id, token_chunk_keys(spec.prompt,
+                                                                router.chunk_tokens))
+        engines[replica][0].add(spec)
+    _advance(steppers, math.inf)
+    _deliver(router, finishes, math.inf)
+    if len(router):
+        raise RuntimeError(f"{len(router)} requests routed and never finished")
+    return _result(workload, {r: engine.result() for r, (engine, _) in engines.items()}, name)
+
+
+def _advance(engines: Sequence[SimEngine], until: float) -> None:
+    """Step the earliest engine while its next event comes before ``until``."""
+    while True:
+        engine = min(engines, key=SimEngine.next_event_s)
+        if engine.next_event_s() >= until:  # inf >= inf: nothing left to do
+            return
+        engine.step()
+
+
+def _deliver(router: Router, finishes: list[tuple[float, int, Hashable]], until: float) -> None:
+    """Tell the router of every request that finished by ``until``."""
+    while finishes and finishes[0][0] <= until:
+        router.finished(heapq.heappop(finishes)[2])
+
+
+def _result(workload: Workload, results: dict[Hashable, SimResult], name: str) -> ReplicaResult:
+    records: dict[str, RequestRecord] = {}
+    stats = []
+    for replica, result in results.items():
+        records.update((r.request_id, r) for r in result.records)
+        stats.append(ReplicaStats(
+            replica=replica, requests=len(result.records),
+            groups=len({r.group for r in result.records} - {-1}),
+            busy_s=result.costs.model_seconds, preemptions=result.num_preemptions))
+    ordered = [records[spec.request_id] for spec in workload.requests]
+    run = RunResult(name=name, records=ordered,
+                    duration_s=max((r.finished_s or 0.0 for r in ordered), default=0.0),
+                    steps=[step for result in results.values() for step in result.steps],
+                    extra={"preemptions": sum(s.preemptions for s in stats)})
+    return ReplicaResult(run, stats)
+
+
+def simulate_replicas(plan: SimPlan, router: Router, scheduler: str,
+                      name: str | None = None) -> ReplicaResult:
+    """``plan``'s workload on one engine per router replica, each engine as ``plan``
+    configures one (hardware, model, limits, Feather options) and running ``scheduler``
+    (a ``make_policy`` name)."""
+    engines = {}
+    for replica in router.replicas:
+        cost = CostModel(plan.hardware, plan.model, plan.params, cascade=plan.cascade)
+        engine = SimEngine(cost, plan.engine_config())
+        engines[replica] = (engine, make_policy(scheduler, plan.feather_options, engine))
+    return run_replicas(plan.workload, router, engines,
+                        name or f"{router.name}+{scheduler}")
