@@ -57,10 +57,10 @@ def run(hardware: str, load: Workload, router: str, scheduler: str) -> dict:
     return {"router": router, "scheduler": scheduler, **{k: summary[k] for k in KEYS}}
 
 
-def cell(hardware: str, groups: int | None) -> dict:
-    """The baseline's capacity (all requests at once), then every pair at 1.5x it."""
+def cell(hardware: str, groups: int | None, load: float = LOAD) -> dict:
+    """The baseline's capacity (all requests at once), then every pair at ``load`` x it."""
     capacity = run(hardware, workload(groups, None), *BASELINE)["request_throughput"]
-    rate = LOAD * capacity
+    rate = load * capacity
     arrivals = workload(groups, rate)
     rows = [run(hardware, arrivals, router, scheduler)
             for router in ROUTERS for scheduler in SCHEDULERS]
@@ -111,6 +111,9 @@ def markdown(cells: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="H100 and 64 groups only")
+    parser.add_argument("--load", type=float, default=LOAD,
+                        help="arrival rate / power-of-two + FCFS's capacity; other than "
+                             f"{LOAD}, writes sim-load-<load>.json/md")
     args = parser.parse_args()
     hardware = ("h100-sxm",) if args.quick else ("h100-sxm", "h200")
     group_counts: tuple[int | None, ...] = (64,) if args.quick else (8, 64, 400, None)
@@ -118,14 +121,16 @@ def main() -> None:
     cells = []
     for hw in hardware:
         for groups in group_counts:
-            cells.append(cell(hw, groups))
+            cells.append(cell(hw, groups, args.load))
             print(f"{hw} {groups or 'no'} groups: {time.perf_counter() - started:.0f} s",
                   flush=True)
     config = {"replicas": REPLICAS, "requests": REQUESTS, "prefix": PREFIX, "suffix": SUFFIX,
-              "output": OUTPUT, "load": LOAD, "zipf_s": 1.1, "model": "llama-3-8b",
+              "output": OUTPUT, "load": args.load, "zipf_s": 1.1, "model": "llama-3-8b",
               "wall_s": time.perf_counter() - started}
-    (HERE / "sim.json").write_text(json.dumps({"config": config, "cells": cells}, indent=1))
-    (HERE / "sim.md").write_text(markdown(cells))
+    stem = "sim" if args.load == LOAD else f"sim-load-{args.load:g}"
+    (HERE / f"{stem}.json").write_text(json.dumps({"config": config, "cells": cells},
+                                                  indent=1))
+    (HERE / f"{stem}.md").write_text(markdown(cells))
     print(markdown(cells))
 
 
