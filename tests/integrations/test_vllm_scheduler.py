@@ -45,6 +45,7 @@ from feather_sched.integrations.vllm import (
     FeatherSyncScheduler,
     plugin_allowed,
 )
+from feather_sched.model_gate import ModelGate
 from feather_sched.models import TINY_LLAMA
 from feather_sched.queue import QueueState
 
@@ -418,3 +419,43 @@ def test_the_gate_is_not_asked_while_vllm_has_no_seat_left() -> None:
     assert harness.runtime.counts.asked == asked
     harness.drain()
     harness.assert_empty()
+
+
+def test_the_model_gate_learns_from_vllms_own_steps_when_ordering_is_off() -> None:
+    """With ordering off, every executed step reaches the model gate as its batch, with
+    the same group keys the queue gives candidates; with ordering on the gate admits
+    without learning, and vLLM's steps are not described for it."""
+    harness = Harness(feather={"gate": "model", "order_running": False})
+    gate = harness.runtime.queue.gate
+    assert isinstance(gate, ModelGate) and not gate.ordered
+    judged, seen = set(), set()
+    decide, observe = gate.decide, gate.observe
+
+    def recording_decide(context):
+        judged.add(context.candidate_group)
+        return decide(context)
+
+    def recording_observe(batch, seconds):
+        seen.update(entry.group for entry in batch)
+        observe(batch, seconds)
+
+    gate.decide, gate.observe = recording_decide, recording_observe
+    schedule, executed = harness.scheduler.schedule, []
+
+    def counting_schedule():
+        output = schedule()
+        executed.extend([output] if output.num_scheduled_tokens else [])
+        return output
+
+    harness.scheduler.schedule = counting_schedule
+    harness.add(*(harness.request(f"g{g}r{i}", group=g, max_tokens=8) for g in range(3)
+                  for i in range(3)))
+    harness.drain()
+    assert gate.model.steps == len(executed) > 0
+    assert len(judged) == 3 and judged == seen
+    harness.assert_empty()
+    ordered = Harness(feather={"gate": "model"})
+    assert not ordered.runtime.wants_batches
+    ordered.add(*(ordered.request(f"r{i}", group=i) for i in range(3)))
+    ordered.drain()
+    assert ordered.runtime.queue.gate.model.steps == 0
