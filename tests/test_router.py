@@ -174,3 +174,14 @@ def test_every_request_is_finished_or_returned_exactly_once(name: str, ops: list
         router.finished(rid)
         ended.add(rid)
     assert len(ended) == count and len(router) == 0
+
+
+def test_the_core_moves_a_request_sent_past_its_first_choice() -> None:
+    """What Ray Serve's ``on_request_routed`` relies on when its fallback rank took the
+    request (``integrations.ray_serve``)."""
+    router = FeatherRouter(["r0", "r1"])
+    assert router.route(7, [1, 2]) == "r0" and 7 in router
+    router.move(7, "r1")
+    assert router.replica_of(7) == "r1" and (router.load("r0"), router.load("r1")) == (0, 1)
+    assert router.route(8, [1, 2]) == "r1"  # the group moved with it
+    assert router.finished(7) == "r1" and 7 not in router

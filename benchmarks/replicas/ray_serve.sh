@@ -1,37 +1,44 @@
 #!/usr/bin/env bash
-# Two vLLM replicas (embedded model, Feather scheduler, 1 CPU and 1 GiB KV each) on Ray
-# Serve behind one endpoint, under each request router in turn: Ray's
+# Two vLLM replicas (embedded model, Feather scheduler, 1 CPU each) on Ray Serve behind
+# one endpoint, under each request router in turn: Ray's
 # PowerOfTwoChoicesRequestRouter (Serve's default), Ray's PrefixCacheAffinityRouter and
 # FeatherRequestRouter. The same multi-group workload goes through each (feather bench
 # against the endpoint); prints vLLM's benchmark block per router and a table, and writes
-# ray_serve-<router>.json and ray_serve.md here. Needs scripts/setup.sh --vllm --ray.
-#   N_GROUPS=8 PER_GROUP=8 PREFIX=2048 OUTPUT=32 RATE=4 benchmarks/replicas/ray_serve.sh
+# ray_serve[-TAG]-<router>.json and ray_serve[-TAG].md here (RATE= empty: all at once).
+# Needs scripts/setup.sh --vllm --ray.
+# Each replica's KV cache (KV_GIB, default 1/16 GiB = 16K tokens) holds half the groups'
+# prefixes: a router that keeps groups together avoids recomputing evicted prefixes.
+#   N_GROUPS=8 PER_GROUP=8 PREFIX=2048 OUTPUT=32 RATE=4 KV_GIB=0.0625 \
+#       benchmarks/replicas/ray_serve.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=benchmarks/replicas
+name=$out/ray_serve${TAG:+-$TAG}
 port=${PORT:-8731}
 url=http://127.0.0.1:$port
 routers=${ROUTERS:-power-of-two prefix-affinity feather}
 workload=(--groups "${N_GROUPS:-8}" --prompts-per-group "${PER_GROUP:-8}"
           --prefix-len "${PREFIX:-2048}" --suffix-len 32 --output-len "${OUTPUT:-32}"
-          --request-rate "${RATE:-4}" --seed 0)
+          --seed 0)
+rate=${RATE-4}
+[ -n "$rate" ] && workload+=(--request-rate "$rate")
 results=()
 for router in $routers; do
-    log=$out/ray_serve-$router.log
-    .venv/bin/feather serve --replicas 2 --router "$router" --kv-cache-gib 1 \
-        --enforce-eager --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
+    log=${TMPDIR:-/tmp}/feather-ray_serve-$router.log
+    .venv/bin/feather serve --replicas 2 --router "$router" --kv-cache-gib "${KV_GIB:-0.0625}" \
+        --max-model-len 4096 --enforce-eager --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
     server=$!
     trap 'kill $server 2>/dev/null || true' EXIT
-    for _ in $(seq 300); do
-        curl -sf "$url/v1/models" >/dev/null && break
+    for _ in $(seq 300); do  # every replica up: feather serve prints this after serve.run
+        grep -q "replicas at http" "$log" && break
         kill -0 $server 2>/dev/null || { echo "server for $router died, see $log" >&2; exit 1; }
         sleep 2
     done
     .venv/bin/feather bench --base-url "$url" --label "ray-$router" "${workload[@]}" \
-        --json "$out/ray_serve-$router.json"
+        --json "$name-$router.json"
     kill -TERM $server
     wait $server || true
     trap - EXIT
-    results+=("$out/ray_serve-$router.json")
+    results+=("$name-$router.json")
 done
-.venv/bin/feather report "${results[@]}" --plot "$out/ray_serve.png" --markdown "$out/ray_serve.md"
+.venv/bin/feather report "${results[@]}" --plot "$name.png" --markdown "$name.md"

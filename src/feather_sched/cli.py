@@ -243,23 +243,48 @@ def serve(
                                                        "--kv-cache-memory-bytes; default "
                                                        "4 on CPU).")] = None,
     dry_run: Annotated[bool, typer.Option(help="Print the command, do not run it.")] = False,
+    replicas: Annotated[int, typer.Option(min=1, help="Engine replicas; more than 1 serves "
+                                          "them on Ray Serve behind one endpoint.")] = 1,
+    address: Annotated[str | None, typer.Option(help="Ray cluster to join (implies Ray "
+                                                "Serve; default: start a local one).")]
+    = None,
+    router: Annotated[str, typer.Option(help="Ray Serve request router: feather, "
+                                        "power-of-two or prefix-affinity.")] = "feather",
+    router_options: Annotated[str, typer.Option(help="JSON options of the router, e.g. "
+                                                '{"balance_abs": 8}.')] = "{}",
+    cpus_per_replica: Annotated[float, typer.Option(help="Ray CPUs (and OpenMP threads) "
+                                                    "of each replica.")] = 1.0,
 ) -> None:
-    """vLLM's OpenAI-compatible server with the Feather scheduler; other args pass through."""
+    """vLLM's OpenAI-compatible server with the Feather scheduler; other args pass through.
+
+    With --replicas N > 1 (or --address), N engines on Ray Serve behind one endpoint,
+    routed by prefix with FeatherRequestRouter; engine arguments apply to every replica,
+    and of vLLM's server arguments --host and --port.
+    """
     import os
     import shlex
 
-    from feather_sched.serve import vllm_server_command
+    from feather_sched.serve import SERVER_MODULE, serve_replicas, vllm_server_args
 
     options = _json_option(feather_options, "--feather-options")
     if gate:
         options["gate"] = gate
     try:
-        command = vllm_server_command(model, options, list(ctx.args),
-                                      kv_cache_gib=kv_cache_gib, on_cpu=_on_cpu())
+        argv = vllm_server_args(model, options, list(ctx.args), kv_cache_gib=kv_cache_gib,
+                                on_cpu=_on_cpu())
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
+    command = [sys.executable, "-m", SERVER_MODULE, *argv]
     if dry_run:
         console.print(shlex.join(command), highlight=False)
+        return
+    if replicas > 1 or address is not None:
+        try:
+            serve_replicas(argv, replicas=replicas, address=address, router=router,
+                           router_options=_json_option(router_options, "--router-options"),
+                           cpus_per_replica=cpus_per_replica)
+        except ValueError as error:
+            raise typer.BadParameter(str(error)) from None
         return
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Feather's metrics live in the engine-core process: vLLM's /metrics collects them

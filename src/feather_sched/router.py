@@ -149,6 +149,17 @@ class Router:
         """Requests routed and neither finished nor returned."""
         return len(self._requests)
 
+    def __contains__(self, request_id: RequestId) -> bool:
+        """Whether ``request_id`` is routed and neither finished nor returned."""
+        return request_id in self._requests
+
+    def replica_of(self, request_id: RequestId) -> Replica:
+        """The replica a routed request counts on."""
+        try:
+            return self._requests[request_id][0]
+        except KeyError:
+            raise RouterError(f"request {request_id!r} is not routed") from None
+
     def route(self, request_id: RequestId, chunk_keys: Sequence[ChunkKey]) -> Replica:
         """The replica to serve a new request; it counts there until ``finished``."""
         if request_id in self._requests:
@@ -156,11 +167,19 @@ class Router:
         if not self._replicas:
             raise RouterError("no live replica to route to")
         replica = self._choose(chunk_keys)
-        self._requests[request_id] = (replica, chunk_keys)
-        self._on_replica[replica][request_id] = None
-        self._load[replica] += 1
-        self._routed(replica, chunk_keys)
+        self._assign(request_id, chunk_keys, replica)
         return replica
+
+    def move(self, request_id: RequestId, replica: Replica) -> None:
+        """A routed request went to another live ``replica`` than the one ``route`` chose
+        (a caller's fallback, e.g. the first choice was full): it counts there now."""
+        if replica not in self._load:
+            raise RouterError(f"replica {replica!r} is not live")
+        if request_id not in self._requests:
+            raise RouterError(f"request {request_id!r} is not routed")
+        keys = self._requests[request_id][1]
+        self.finished(request_id)
+        self._assign(request_id, keys, replica)
 
     def route_tokens(self, request_id: RequestId, tokens: Sequence[int]) -> Replica:
         """``route`` with the chunk keys of a prompt's token ids (int32 numpy is fastest)."""
@@ -197,6 +216,13 @@ class Router:
             del self._requests[request_id]
         self._removed(replica)
         return orphans
+
+    def _assign(self, request_id: RequestId, keys: Sequence[ChunkKey],
+                replica: Replica) -> None:
+        self._requests[request_id] = (replica, keys)
+        self._on_replica[replica][request_id] = None
+        self._load[replica] += 1
+        self._routed(replica, keys)
 
     # ---- for the rules ----------------------------------------------------------------
 

@@ -15,19 +15,27 @@ What ``feather serve`` adds to the user's vLLM arguments, and why:
   requests, lets running ones finish for up to that long, then the engine shuts down,
   Feather saves its files, and the server exits; vLLM's own default (0) kills the engine
   at once, skipping the save, and leaves the HTTP server waiting on open streams.
+
+``serve_replicas`` (``feather serve --replicas N``) runs the same engine arguments as N
+replicas on Ray Serve behind one OpenAI endpoint routed by ``FeatherRequestRouter``
+(``feather_sched.integrations.ray_serve_app``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 from collections.abc import Mapping
+from typing import Any
 
 from feather_sched.config import FeatherConfig
 from feather_sched.models import TINY_LLAMA
 
 SCHEDULER_CLS = "feather_sched.integrations.vllm.FeatherScheduler"
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 EMBEDDED_MODEL_ARGS = ["--load-format", "dummy", "--max-model-len", "16384"]
 """The embedded model is a config.json and a tokenizer: random weights."""
 CPU_KV_CACHE_GIB = 4.0
@@ -39,7 +47,16 @@ LEGACY_KV_VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
 def vllm_server_command(model: str | None, feather: dict, passthrough: list[str], *,
                         kv_cache_gib: float | None = None, on_cpu: bool = True,
                         environ: Mapping[str, str] = os.environ) -> list[str]:
-    """``python -m vllm.entrypoints.openai.api_server`` with Feather's scheduler and options.
+    """``python -m vllm.entrypoints.openai.api_server`` with ``vllm_server_args``."""
+    return [sys.executable, "-m", SERVER_MODULE,
+            *vllm_server_args(model, feather, passthrough, kv_cache_gib=kv_cache_gib,
+                              on_cpu=on_cpu, environ=environ)]
+
+
+def vllm_server_args(model: str | None, feather: dict, passthrough: list[str], *,
+                     kv_cache_gib: float | None = None, on_cpu: bool = True,
+                     environ: Mapping[str, str] = os.environ) -> list[str]:
+    """``vllm serve``'s arguments with Feather's scheduler and options (see above).
 
     ValueError for a bad Feather option or contradictory arguments, so a mistake fails
     before the server starts.
@@ -50,8 +67,7 @@ def vllm_server_command(model: str | None, feather: dict, passthrough: list[str]
         raise ValueError("feather serve sets --scheduler-cls itself; leave it out")
     additional = json.loads(_take(passthrough, "--additional-config") or "{}")
     additional["feather"] = {**additional.get("feather", {}), **feather}
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", model or str(TINY_LLAMA),
+    command = ["--model", model or str(TINY_LLAMA),
                "--scheduler-cls", SCHEDULER_CLS,
                "--additional-config", json.dumps(additional)]
     if model is None:
@@ -98,3 +114,41 @@ def _take(args: list[str], flag: str) -> str | None:
             del args[i]
             return arg.split("=", 1)[1]
     return None
+
+
+def serve_replicas(argv: list[str], *, replicas: int, address: str | None = None,
+                   router: str = "feather", router_options: dict[str, Any] | None = None,
+                   cpus_per_replica: float = 1.0) -> None:
+    """Serve ``replicas`` engines built from ``argv`` (``vllm_server_args``) on Ray Serve
+    until SIGINT or SIGTERM.
+
+    Starts a local Ray cluster (``address=None``, Ray's default) or joins ``address``; the
+    endpoint listens on ``argv``'s ``--host`` (default all interfaces) and ``--port``
+    (default 8000).  ValueError for a bad argument, before Ray starts.
+    """
+    import ray
+    from ray import serve
+
+    from feather_sched.integrations.ray_serve_app import build_app, parse_vllm_args
+
+    args = parse_vllm_args(argv)
+    app = build_app(argv, replicas=replicas, router=router, router_options=router_options,
+                    cpus_per_replica=cpus_per_replica)
+    ray.init(address=address)
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # after Ray's own, which exits at once
+    try:
+        serve.start(http_options={"host": args.host or "0.0.0.0", "port": args.port})
+        serve.run(app, name="feather", route_prefix="/")
+        print(f"feather serve: {replicas} replicas at http://{args.host or '0.0.0.0'}:"
+              f"{args.port}/v1", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _raise_interrupt(*_: object) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,307 @@
+"""Feather across vLLM replicas on Ray Serve: the two deployments and the application.
+
+* ``VLLMReplica``: one vLLM ``AsyncLLM`` engine (its arguments are ``vllm serve``'s, so
+  ``feather serve``'s Feather scheduler and options come with them); ``generate`` streams
+  a completion's deltas.
+* ``OpenAIIngress``: ``/v1/models`` and ``/v1/completions`` (streamed or not, text or
+  token-id prompts).  It tokenizes text once, calls the replicas through a handle whose
+  request router is ``FeatherRequestRouter`` (or any other, for comparisons), and resends
+  a request whose replica died before any of its output reached the client.  It answers
+  as soon as it runs: requests sent before the replicas are up wait in the router.
+
+Why not Ray Serve LLM (``ray.serve.llm``): Ray 2.60's ``ray[llm]`` pins ``vllm==0.29.0``
+(this project pins 0.32.0) and ``ray.serve.llm`` does not import with ``ray[serve]`` alone
+(it needs ``pyarrow``); the two deployments here are what it would provide for this use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+
+from feather_sched.integrations.ray_serve import ROUTER_CLASS
+
+ROUTERS = {
+    "feather": ROUTER_CLASS,
+    "power-of-two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
+    "prefix-affinity": "ray.llm._internal.serve.routing_policies.prefix_aware."
+                       "prefix_aware_router.PrefixCacheAffinityRouter",
+}
+"""Request routers by name: Feather's and Ray's own two (Serve's default is power-of-two;
+``ray.serve.llm.request_router.PrefixCacheAffinityRouter`` is an empty subclass of the one
+named here, but its module needs ``pyarrow``)."""
+REPLICA_HEADER = "x-feather-replica"
+"""Response header naming the replica (its Ray actor name) that served the completion."""
+MAX_ONGOING_REQUESTS = 1024
+"""Per replica: high, so the router (not Serve's cap) decides; vLLM queues the rest."""
+ATTEMPTS = 3
+"""Sends per request when replicas die before answering."""
+
+
+@dataclass
+class Completion:
+    """One completion, as the ingress sends it to a replica (and routers read it)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt: str
+    """Text for text-matching routers: the request's own, else its token ids written out."""
+    sampling: dict[str, Any]
+    """``vllm.SamplingParams`` arguments."""
+
+
+# Helpers first: serve.ingress pickles the ingress class where it is defined.
+def _choice(chunk: dict[str, Any], with_ids: bool) -> dict[str, Any]:
+    choice = {"index": 0, "text": chunk["text"], "logprobs": None,
+              "finish_reason": chunk["finish_reason"]}
+    return {**choice, "token_ids": chunk["token_ids"]} if with_ids else choice
+
+
+def _usage(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    prompt = chunks[0]["prompt_tokens"]
+    completion = sum(len(c["token_ids"]) for c in chunks)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": chunks[0]["cached_tokens"]}}
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    kind = "NotFoundError" if status == 404 else "BadRequestError"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}},
+                        status_code=status)
+
+
+def parse_vllm_args(argv: list[str]) -> Any:
+    """``vllm serve``'s arguments parsed by vLLM's own parser (ValueError on a bad one)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        raise ValueError(f"bad vLLM arguments {argv}: exit {exit_.code}") from None
+    if args.model_tag:
+        args.model = args.model_tag
+    return args
+
+
+@serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS)
+class VLLMReplica:
+    """A vLLM engine built from ``vllm serve`` arguments (engine arguments only are used),
+    its processes started with ``env`` added to the environment."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        os.environ.update(env)  # before vLLM spawns its engine process, which inherits it
+        args = AsyncEngineArgs.from_cli_args(parse_vllm_args(argv))
+        self.engine = AsyncLLM.from_engine_args(args)
+        self.name = serve.get_replica_context().replica_id.to_full_id_str()
+
+    async def generate(self, call: Completion) -> AsyncIterator[dict[str, Any]]:
+        """Deltas of one completion: text, token ids, finish reason, prompt and cached
+        token counts, and this replica's name.  A bad request raises ValueError."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        try:
+            params = SamplingParams(**call.sampling, output_kind=RequestOutputKind.DELTA)
+            prompt = TokensPrompt(prompt_token_ids=call.prompt_token_ids)
+            async for output in self.engine.generate(prompt, params, call.request_id):
+                choice = output.outputs[0]
+                yield {"replica": self.name, "text": choice.text,
+                       "token_ids": list(choice.token_ids),
+                       "finish_reason": choice.finish_reason,
+                       "prompt_tokens": len(output.prompt_token_ids or ()),
+                       "cached_tokens": output.num_cached_tokens or 0}
+        except VLLMClientError as error:
+            raise ValueError(str(error)) from None
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+
+class CompletionRequest(BaseModel):
+    """The OpenAI completion fields served (one prompt, one choice)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | list[int]
+    max_tokens: int = 16
+    min_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, bool] | None = None
+    return_token_ids: bool = False
+    """vLLM's extension: each choice carries its ``token_ids``."""
+    user: str | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        fields = set(self.model_fields_set) - {"model", "prompt", "n", "stream",
+                                               "stream_options", "return_token_ids", "user"}
+        return {"max_tokens": self.max_tokens,
+                **self.model_dump(include=fields, exclude_none=True)}
+
+
+api = FastAPI(title="feather serve --replicas")
+
+
+@api.exception_handler(RequestValidationError)
+async def _bad_request(_: Request, error: RequestValidationError) -> JSONResponse:
+    return _error(400, str(error.errors()))
+
+
+@serve.deployment(max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
+@serve.ingress(api)
+class OpenAIIngress:
+    """The OpenAI-compatible front of the replicas (see the module docstring)."""
+
+    def __init__(self, replicas: DeploymentHandle, model_name: str, tokenizer: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.replicas = replicas.options(stream=True, method_name="generate")
+        self.model_name = model_name
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                            "created": int(time.time()),
+                                            "owned_by": "feather-sched"}]}
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest) -> Any:
+        if body.model is not None and body.model != self.model_name:
+            return _error(404, f"The model `{body.model}` does not exist.")
+        if body.n != 1:
+            return _error(400, "only n=1 is served")
+        if isinstance(body.prompt, str):
+            ids, text = self.tokenizer.encode(body.prompt), body.prompt
+        else:
+            ids, text = body.prompt, " ".join(map(str, body.prompt))
+        completion_id = f"cmpl-{uuid.uuid4().hex}"
+        call = Completion(completion_id, ids, text, body.sampling())
+        head = {"id": completion_id, "object": "text_completion",
+                "created": int(time.time()), "model": self.model_name}
+        with_ids = body.return_token_ids
+        try:
+            if not body.stream:
+                return self._whole(await self._complete(call), head, with_ids)
+            first, rest = await self._open(call)
+        except ValueError as error:  # the engine refused the request
+            return _error(400, str(error).splitlines()[-1])
+        usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(self._sse(first, rest, head, usage, with_ids),
+                                 media_type="text/event-stream",
+                                 headers={REPLICA_HEADER: first["replica"]})
+
+    async def _complete(self, call: Completion) -> list[dict[str, Any]]:
+        """Every delta of a completion, resent from scratch if its replica dies."""
+        for attempt in range(ATTEMPTS - 1):
+            with contextlib.suppress(RayActorError):
+                return [chunk async for chunk in self._send(call, attempt)]
+        return [chunk async for chunk in self._send(call, ATTEMPTS - 1)]
+
+    async def _open(self, call: Completion) -> tuple[dict[str, Any], Any]:
+        """The first delta and the stream of the rest; resent while nothing came back."""
+        for attempt in range(ATTEMPTS - 1):
+            stream = self._send(call, attempt)
+            with contextlib.suppress(RayActorError):
+                return await anext(stream), stream
+        stream = self._send(call, ATTEMPTS - 1)
+        return await anext(stream), stream
+
+    def _send(self, call: Completion, attempt: int) -> Any:
+        request_id = call.request_id if not attempt else f"{call.request_id}-{attempt}"
+        return self.replicas.remote(Completion(request_id, call.prompt_token_ids,
+                                               call.prompt, call.sampling))
+
+    def _whole(self, chunks: list[dict[str, Any]], head: dict[str, Any],
+               with_ids: bool) -> JSONResponse:
+        whole = {"text": "".join(c["text"] for c in chunks),
+                 "token_ids": [t for c in chunks for t in c["token_ids"]],
+                 "finish_reason": chunks[-1]["finish_reason"]}
+        body = {**head, "choices": [_choice(whole, with_ids)], "usage": _usage(chunks)}
+        return JSONResponse(body, headers={REPLICA_HEADER: chunks[-1]["replica"]})
+
+    async def _sse(self, first: dict[str, Any], rest: Any, head: dict[str, Any],
+                   usage: bool, with_ids: bool) -> AsyncIterator[str]:
+        seen = [first]
+        try:
+            yield _event({**head, "choices": [_choice(first, with_ids)]})
+            async for chunk in rest:
+                seen.append(chunk)
+                yield _event({**head, "choices": [_choice(chunk, with_ids)]})
+            if usage:
+                yield _event({**head, "choices": [], "usage": _usage(seen)})
+        except RayActorError as error:  # output already went out: too late to resend
+            yield _event({"error": {"message": f"replica died: {error}", "code": 500}})
+        except (GeneratorExit, asyncio.CancelledError):
+            rest.cancel()  # the client left: abort on the replica
+            raise
+        yield "data: [DONE]\n\n"
+
+
+def build_app(argv: list[str], *, replicas: int, router: str = "feather",
+              router_options: dict[str, Any] | None = None,
+              cpus_per_replica: float = 1.0,
+              env: dict[str, str] | None = None) -> serve.Application:
+    """The application: ``replicas`` ``VLLMReplica``s built from ``argv`` (``vllm serve``
+    arguments) behind one ``OpenAIIngress`` routing with ``router`` (a ``ROUTERS`` name).
+
+    ``router_options`` go to the router's ``initialize_state`` (Feather's: the tokenizer is
+    filled in); ``cpus_per_replica`` is each replica's Ray CPU reservation and its OpenMP
+    thread count (vLLM's own core binding is off: replicas share a node); ``env`` is added
+    to the replicas' environment.  ValueError on a bad argument, before anything starts.
+    """
+    if router not in ROUTERS:
+        raise ValueError(f"unknown router {router!r}: use {', '.join(ROUTERS)}")
+    if replicas < 1 or not cpus_per_replica > 0:
+        raise ValueError(f"need replicas >= 1 and cpus_per_replica > 0, got {replicas} and "
+                         f"{cpus_per_replica}")
+    args = parse_vllm_args(argv)
+    model_name = (args.served_model_name or [args.model])[0]
+    tokenizer = args.tokenizer or args.model
+    options = dict(router_options or {})
+    if router == "feather":
+        options.setdefault("tokenizer", tokenizer)
+    threads = str(max(1, int(cpus_per_replica)))
+    replica_env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": threads,
+                   "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
+    replica = VLLMReplica.options(
+        num_replicas=replicas,
+        ray_actor_options={"num_cpus": cpus_per_replica},
+        request_router_config=RequestRouterConfig(request_router_class=ROUTERS[router],
+                                                  request_router_kwargs=options),
+    ).bind(argv, replica_env)
+    return OpenAIIngress.bind(replica, model_name, tokenizer)

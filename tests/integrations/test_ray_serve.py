@@ -1,0 +1,160 @@
+"""Feather across two real vLLM replicas on real Ray Serve (CPU, embedded model, no mocks).
+
+One Ray cluster for the module: two ``VLLMReplica``s (Feather scheduler, 1 GiB KV cache,
+one CPU each) behind ``OpenAIIngress`` routing with ``FeatherRequestRouter`` at a tight
+load bound (``balance_abs=2``), so that a hot group spreads with a few requests.  Greedy
+outputs are compared with one in-process engine of the same model.  Ray is imported
+unconditionally: a broken or missing Ray install fails this module.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import ray
+from ray import serve
+
+from feather_sched.integrations.ray_serve_app import REPLICA_HEADER, build_app
+from feather_sched.models import TINY_LLAMA
+from feather_sched.serve import vllm_server_args
+from tests.servers import free_port
+
+vllm = pytest.importorskip("vllm", reason="the vllm extra is not installed")
+
+Key = tuple[str, int]
+PREFIX, SUFFIX = 256, 16  # two 128-token chunks shared by a group, then its own tokens
+KV_GIB = 1
+
+
+def prompts(group: int, count: int) -> list[list[int]]:
+    """``count`` prompts of one prefix group (seeded by the group number)."""
+    rng = np.random.default_rng(group)
+    prefix = rng.integers(1, 32000, PREFIX).tolist()
+    return [prefix + rng.integers(1, 32000, SUFFIX).tolist() for _ in range(count)]
+
+
+GROUPS = {name: prompts(g, 6) for g, name in enumerate(["a", "b", "c", "hot", "k1", "k2"])}
+LENGTHS = {"a": 8, "b": 8, "c": 8, "hot": 32, "k1": 512, "k2": 512}
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[Key, list[int]]:
+    """Greedy output token ids of every prompt from one in-process engine (vLLM's own
+    scheduler)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=str(TINY_LLAMA), load_format="dummy", skip_tokenizer_init=True,
+              enforce_eager=True, max_model_len=16384, kv_cache_memory_bytes=KV_GIB * 2**30)
+    keys = [(name, i) for name, group in GROUPS.items() for i in range(len(group))]
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=GROUPS[name][i]) for name, i in keys],
+        [SamplingParams(max_tokens=LENGTHS[name], temperature=0, ignore_eos=True)
+         for name, _ in keys])
+    del llm
+    return {key: list(out.outputs[0].token_ids) for key, out in zip(keys, outputs, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def url(expected) -> Iterator[str]:
+    """Ray (2 CPUs) with the app of two replicas, started after ``expected`` (whose engine
+    is gone by then); torn down after the module."""
+    argv = vllm_server_args(None, {"gate": "bandit"}, ["--enforce-eager"], kv_cache_gib=KV_GIB,
+                            environ={})
+    app = build_app(argv, replicas=2, router_options={"balance_abs": 2, "balance_rel": 1.0})
+    port = free_port()
+    started = time.monotonic()
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(app, name="feather", route_prefix="/")
+        print(f"two replicas serving after {time.monotonic() - started:.0f} s")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def complete(url: str, prompt: list[int] | str, max_tokens: int,
+             **extra) -> tuple[int, dict, str | None]:
+    """POST a greedy completion; (status, body, serving replica)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, json.loads(response.read()), response.headers[REPLICA_HEADER]
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}"), None
+
+
+def run(url: str, expected: dict[Key, list[int]], keys: list[Key],
+        concurrency: int) -> dict[Key, str]:
+    """Complete every (group, index) prompt; assert each equals the single engine's
+    output; return the replica that served each."""
+    def one(key: tuple[str, int]) -> tuple[int, dict, str | None]:
+        return complete(url, GROUPS[key[0]][key[1]], LENGTHS[key[0]])
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, keys))
+    for key, (status, body, _) in zip(keys, results, strict=True):
+        assert status == 200, (key, body)
+        assert body["choices"][0]["token_ids"] == expected[key], key
+    return {key: replica for key, (_, _, replica) in zip(keys, results, strict=True)}
+
+
+def test_a_group_stays_on_one_replica_while_load_allows(url, expected) -> None:
+    keys = [(name, i) for i in range(4) for name in ("a", "b", "c")]  # interleaved groups
+    served = run(url, expected, keys, concurrency=2)  # 2 in flight: always within the bound
+    for name in ("a", "b", "c"):
+        assert len({served[name, i] for i in range(4)}) == 1, served
+
+
+def test_a_hot_group_spreads_to_the_second_replica(url, expected) -> None:
+    served = run(url, expected, [("hot", i) for i in range(6)], concurrency=6)
+    assert len(set(served.values())) == 2, served
+
+
+def test_a_killed_replica_loses_no_request_and_gets_none_after(url, expected) -> None:
+    _, _, home = complete(url, GROUPS["k1"][0], 1)  # k1 now lives on `home`
+    first = [("k1", 1), ("k2", 1), ("k1", 2), ("k2", 2), ("k1", 3), ("k2", 3)]
+    with ThreadPoolExecutor(len(first)) as pool:
+        batch = pool.submit(run, url, expected, first, len(first))
+        time.sleep(1.5)  # all six are running (for about 7 s), three on `home`
+        ray.kill(ray.get_actor(home, namespace="serve"), no_restart=True)
+        after = run(url, expected, [("k1", 4), ("k2", 4), ("k1", 5), ("k2", 5)], 4)
+        served = batch.result()
+    assert home not in after.values(), after
+    assert all(served[key] != home for key in first), served  # resent, and completed
+
+
+def test_the_endpoint_speaks_openai(url) -> None:
+    models = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=30).read())
+    assert models["data"][0]["id"] == str(TINY_LLAMA)
+    status, body, _ = complete(url, "Hello there, a text prompt", 4)
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+    assert body["usage"]["prompt_tokens"] > 4 and isinstance(body["choices"][0]["text"], str)
+    status, body, _ = complete(url, [5, 32000, 7], 2)
+    assert status == 400 and "vocab" in json.dumps(body)
+    status, _, _ = complete(url, [5, 6], 2, model="another-model")
+    assert status == 404
+    body = {"prompt": GROUPS["a"][0], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.headers[REPLICA_HEADER]
+        events = [line.removeprefix(b"data: ") for line in response.read().splitlines()
+                  if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
