@@ -236,7 +236,8 @@ def test_empty_batch_always_admits_so_the_next_group_starts() -> None:
 
 
 @pytest.mark.parametrize("gate, options", [("chunk-loss", STRICT), ("chunk-loss", None),
-                                           ("bandit", None), ("always", None)])
+                                           ("bandit", None), ("always", None),
+                                           ("model", {"prior": "h100-sxm/llama-3-8b"})])
 def test_every_request_is_admitted_once_and_the_tree_empties(gate, options) -> None:
     from sglang.srt.managers import schedule_policy
 
