@@ -276,12 +276,12 @@ def test_block_keys_take_every_kth_chained_hash() -> None:
     assert block_chunk_keys(hashes, 4) == [b"h3", b"h7"]
 
 
-def test_candidate_knows_the_prefix_its_group_shares_with_any_request() -> None:
+def test_held_chunks_is_the_prefix_a_group_shares_with_any_request() -> None:
     tree = ChunkedHashTree()
     tree.add("a", ["g", "g1", "a2"])
     tree.add("b", ["g", "g1", "b2"])
     tree.add("c", ["h", "c1"])
-    assert tree.candidate("a").held_chunks == 2  # with a waiting sibling
+    assert tree.held_chunks("a") == 2  # with a waiting sibling
     tree.admit("b")
-    assert tree.candidate("a").held_chunks == 2  # with a running one
-    assert tree.candidate("c").held_chunks == 0
+    assert tree.held_chunks("a") == 2  # with a running one
+    assert tree.held_chunks("c") == 0

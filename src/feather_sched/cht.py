@@ -106,9 +106,6 @@ class Candidate:
     """Chunks shared by all running requests once the candidate joins them."""
     sharing_waiters: int
     """Other waiting requests that also hold the prefix of ``shared_after`` chunks."""
-    held_chunks: int = 0
-    """Leading chunks some other request, running or waiting, also holds (its group's
-    shared prefix)."""
 
     @property
     def chunk_loss(self) -> int:
@@ -265,8 +262,18 @@ class ChunkedHashTree:
             shared_before=before,
             shared_after=after,
             sharing_waiters=self._waiters_sharing(entry, after) - 1,
-            held_chunks=self._held_by_others(entry),
         )
+
+    def held_chunks(self, request_id: RequestId) -> int:
+        """Leading chunks of a waiting request that another request, running or waiting,
+        also holds (its group's shared prefix).  O(log keys); asked only by gates that
+        are shown it, not on every ``candidate``."""
+        entry = self._entry(request_id)
+        if entry.state is not RequestState.WAITING:
+            raise CHTError(f"request {request_id!r} is not waiting")
+        running, waiting = self._running_refs, self._waiting_refs
+        return bisect_left(entry.keys, True,
+                           key=lambda k: running.get(k, 0) + waiting.get(k, 0) < 2)
 
     def shared_prefix_chunks(self) -> int | None:
         """Chunks shared by every running request; None when nothing runs."""
@@ -315,12 +322,6 @@ class ChunkedHashTree:
         count = len(self._running)
         keys = entry.keys
         return bisect_left(keys, True, key=lambda k: refs.get(k, 0) != count)
-
-    def _held_by_others(self, entry: _Entry) -> int:
-        """Leading keys of a waiting ``entry`` that another request also holds."""
-        running, waiting = self._running_refs, self._waiting_refs
-        return bisect_left(entry.keys, True,
-                           key=lambda k: running.get(k, 0) + waiting.get(k, 0) < 2)
 
     def _waiters_sharing(self, entry: _Entry, chunks: int) -> int:
         """Waiting requests (``entry`` included if waiting) holding its first ``chunks``."""

@@ -289,7 +289,7 @@ class FeatherQueue:
             num_waiting=self.tree.num_waiting,
             candidate_group=group_of(request.keys, request_id),
             candidate_tokens=request.tokens,
-            candidate_prefix_tokens=candidate.held_chunks * self.chunk_tokens,
+            candidate_prefix_tokens=self.tree.held_chunks(request_id) * self.chunk_tokens,
             stops_left=None if self.bound is None else self.bound.stops_left(),
         )
         decision = self.gate.decide(context)
