@@ -22,6 +22,8 @@ class FakeClock:
 class ScriptedGate:
     """Says STOP when the candidate loses more than one chunk; records every question."""
 
+    observes = False  # learns nothing from batches
+
     def __init__(self) -> None:
         self.asked: list[GateContext] = []
         self.steps = 0

@@ -39,6 +39,8 @@ class View:
 class RecordingGate:
     """STOP when the candidate loses two chunks or more; remembers every reward."""
 
+    observes = False  # learns nothing from batches
+
     def __init__(self) -> None:
         self.rewards: list[tuple[list, int, float]] = []
 

@@ -74,9 +74,12 @@ class Gate(Protocol):
     ``decide`` answers for one candidate; ``reward`` hands back the decisions that formed
     an executed batch with that batch's size and measured time (the caller keys steps,
     so a reward reaches exactly the decisions it measures); ``observe`` shows every
-    executed step's batch, in execution order, with its time; ``end_step`` closes a
-    scheduling pass.
+    executed step's batch, in execution order, with its time, to a gate whose
+    ``observes`` is true (engines describe their batches only for such gates, or for the
+    step log); ``end_step`` closes a scheduling pass.
     """
+
+    observes: bool
 
     def decide(self, context: GateContext) -> Decision: ...
 
@@ -94,6 +97,8 @@ def must_add(context: GateContext) -> bool:
 
 class _Unobservant:
     """A gate that learns nothing from the batches it is shown."""
+
+    observes = False
 
     def observe(self, batch: Sequence[BatchEntry], seconds: float) -> None:
         """Batch composition is not part of this gate's decision."""

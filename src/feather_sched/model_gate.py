@@ -103,11 +103,16 @@ class ModelGate:
         admits in arrival order; the gate leaves that STOP untaken."""
         return context.stops_left is not None and context.stops_left <= 1
 
+    @property
+    def observes(self) -> bool:
+        """Whether it learns from executed steps: only when it predicts (ordering off)."""
+        return not self.ordered
+
     def reward(self, decisions: Decisions, batch_size: int, seconds: float) -> None:
         """Learning comes from ``observe``: every step, whatever decisions formed it."""
 
     def observe(self, batch: Sequence[BatchEntry], seconds: float) -> None:
-        if self.ordered:
+        if not self.observes:
             return  # nothing to predict (see ``decide``)
         self.model.observe(batch, seconds)
         self._batch = [entry if entry.new_tokens == 1 else replace(entry, new_tokens=1)

@@ -114,11 +114,9 @@ class FeatherRuntime(Generic[R]):
 
     @property
     def wants_batches(self) -> bool:
-        """Whether ``end_step`` should be given each step's batch: for the step log, or for
-        the model gate where it predicts (ordering off)."""
-        config = self.config
-        return config.step_log is not None or (config.gate == "model" and
-                                               not config.order_running)
+        """Whether ``end_step`` should be given each step's batch: for the step log, or
+        for a gate that learns from batches (``Gate.observes``)."""
+        return self.config.step_log is not None or self.queue.gate.observes
 
     @property
     def orders_running(self) -> bool:

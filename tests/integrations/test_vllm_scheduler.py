@@ -61,6 +61,8 @@ STRICT = {"gate": "chunk-loss", "max_wait_s": None,
 class RecordingGate:
     """Adds whatever it is asked, remembers what it is rewarded with."""
 
+    observes = False  # learns nothing from batches
+
     def __init__(self, decision: Decision = Decision.ADD) -> None:
         self.decision = decision
         self.rewards: list[tuple[list, int, float]] = []
