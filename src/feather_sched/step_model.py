@@ -124,13 +124,13 @@ class OnlineStepModel:
         traffic = summarize(batch)
         if not traffic.requests:
             return 0.0
-        return float(self.coefficients @ self._features(traffic, self.capacity_tokens))
+        return float(self.coefficients @ _features(traffic, (self.capacity_tokens,))[0])
 
     def observe(self, batch: Sequence[BatchEntry], seconds: float) -> None:
         """Learn from one measured step (ignored when empty or not timed)."""
         if not batch or not seconds > 0:
             return
-        rows = self._grid_features(summarize(batch))
+        rows = _features(summarize(batch), CAPACITY_GRID)
         weight = 1.0 / seconds ** 2  # relative error: small and large steps count alike
         decay = self.forgetting
         self._gram *= decay
@@ -148,9 +148,10 @@ class OnlineStepModel:
         """Solve for the coefficients at every capacity; keep the best explanation."""
         self._unfitted = 0
         best = None
+        preferred = self._prior_capacity()
         for index, capacity in enumerate(CAPACITY_GRID):
             theta, error = self._solve(index)
-            if self.prior is not None and capacity == self._prior_capacity():
+            if capacity == preferred:
                 error *= 0.99  # where steps cannot tell capacities apart, keep the prior's
             if best is None or error < best[0]:
                 best = (error, theta, capacity)
@@ -172,27 +173,22 @@ class OnlineStepModel:
         error = self._square - 2 * theta @ moment + theta @ gram @ theta
         return theta, float(error)
 
-    def _prior_capacity(self) -> int:
-        capacity = self.prior.capacity_tokens if self.prior else 0.0
-        return min(CAPACITY_GRID, key=lambda c: abs(c - capacity))
+    def _prior_capacity(self) -> int | None:
+        """The grid capacity nearest the prior's (None without a prior)."""
+        if self.prior is None:
+            return None
+        return min(CAPACITY_GRID, key=lambda c: abs(c - self.prior.capacity_tokens))
 
-    @staticmethod
-    def _grid_features(traffic: StepTraffic) -> np.ndarray:
-        """The features at every capacity of the grid, one row each."""
-        reuse, distance = traffic.reuse_tokens, traffic.reuse_distance
-        grid = np.array(CAPACITY_GRID)[:, None]
-        l2 = (((distance <= grid) & (reuse <= grid)) * reuse).sum(axis=1).astype(float)
-        rows = np.empty((len(CAPACITY_GRID), len(FEATURES)))
-        rows[:] = (1.0, traffic.requests, traffic.context_tokens, 0.0, traffic.new_tokens,
-                   traffic.attention_tokens)
-        rows[:, 2] -= l2
-        rows[:, 3] = l2
-        return rows
 
-    @staticmethod
-    def _features(traffic: StepTraffic, capacity: float) -> np.ndarray:
-        reuse, distance = traffic.reuse_tokens, traffic.reuse_distance
-        l2 = int(reuse[(distance <= capacity) & (reuse <= capacity)].sum()) if reuse.size \
-            else 0
-        return np.array([1.0, traffic.requests, traffic.context_tokens - l2, l2,
-                         traffic.new_tokens, traffic.attention_tokens], dtype=float)
+def _features(traffic: StepTraffic, capacities: Sequence[float]) -> np.ndarray:
+    """The features of a step at each L2 capacity, one row each: a re-read hits L2 when
+    both its reuse distance and the prefix fit (``sim.cost.CostModel.l2_tokens``)."""
+    reuse, distance = traffic.reuse_tokens, traffic.reuse_distance
+    limits = np.asarray(capacities, dtype=float)[:, None]
+    l2 = (((distance <= limits) & (reuse <= limits)) * reuse).sum(axis=1).astype(float)
+    rows = np.empty((len(capacities), len(FEATURES)))
+    rows[:] = (1.0, traffic.requests, traffic.context_tokens, 0.0, traffic.new_tokens,
+               traffic.attention_tokens)
+    rows[:, 2] -= l2
+    rows[:, 3] = l2
+    return rows
