@@ -31,6 +31,16 @@ def test_a_group_follows_its_replica_and_a_new_group_goes_to_the_least_loaded() 
     assert other != first and router.load(other) == 1
 
 
+def test_new_groups_go_to_the_replicas_holding_fewest_prefixes_first() -> None:
+    router = FeatherRouter(range(3))
+    homes = [router.route(f"g{g}", group(g, 0)) for g in range(3)]
+    assert sorted(homes) == [0, 1, 2]
+    for g in range(3):
+        router.finished(f"g{g}")  # every load 0 again; the prefixes stay warm
+    router.route("long", group(3, 0, depth=40))  # replica 0 now holds many more keys
+    assert router.route("next", group(4, 0)) == 1  # not 0, although all loads tie
+
+
 def test_the_longest_share_wins() -> None:
     router = FeatherRouter(range(2), balance_abs=0, balance_rel=1.0)
     assert router.route("short", [1, 2]) == 0
@@ -38,16 +48,18 @@ def test_the_longest_share_wins() -> None:
     assert router.route("deep", [1, 2, 3, 5]) == 1  # holds 3 chunks, replica 0 only 2
 
 
-def test_a_hot_group_spreads_to_a_second_replica_and_stays_there() -> None:
+def test_a_hot_group_spreads_to_a_second_replica_and_balances_over_its_holders() -> None:
     router = FeatherRouter(range(4), balance_abs=2, balance_rel=1.0)
     home = router.route("r0", group(0, 0))
     assert [router.route(f"r{i}", group(0, i)) for i in (1, 2)] == [home, home]
     spill = router.route("r3", group(0, 3))  # home holds 3 > 0 + 2
     assert spill != home
     assert router.route("r4", group(0, 4)) == spill  # the new holder, not a third replica
+    router.finished("r4")
+    assert router.route("r5", group(0, 5)) == spill  # within the bound, less loaded (1 < 3)
     router.finished("r0")
-    router.finished("r3")
-    assert router.route("r5", group(0, 5)) == home  # within the bound again, holds most
+    router.finished("r1")
+    assert router.route("r6", group(0, 6)) == home  # now the less loaded holder (1 < 2)
 
 
 def test_finishing_releases_the_load_and_keeps_the_prefix_warm() -> None:
@@ -133,30 +145,37 @@ def test_token_routing_uses_chunk_keys_of_the_prompt() -> None:
     assert router.route("b", token_chunk_keys(prompt[:8], 4)) == replica
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["route", "finish", "remove", "add"]),
+OPS = st.lists(st.tuples(st.sampled_from(["route", "finish", "move", "remove", "add"]),
                          st.integers(0, 7), st.integers(0, 40)), max_size=120)
 
 
 @settings(max_examples=60, deadline=None)
 @given(name=st.sampled_from(sorted(ROUTERS)), ops=OPS)
 def test_every_request_is_finished_or_returned_exactly_once(name: str, ops: list) -> None:
-    """Random routes, finishes, deaths and new replicas: loads always equal what is in
-    flight on each replica, and every request ends exactly once."""
+    """Random routes, finishes, moves, deaths and new replicas: loads always equal what
+    is in flight on each replica, every request ends exactly once, and FeatherRouter's
+    index counts on each replica exactly the keys of the requests in flight there."""
     router = make_router(name, range(3), balance_abs=1) if name == "feather" else \
         make_router(name, range(3))
     where: dict[str, int] = {}
+    keys: dict[str, list] = {}
     ended: set[str] = set()
     count, next_replica = 0, 3
     for op, a, b in ops:
         if op == "route" and router.replicas:
             rid = f"q{count}"
             count += 1
-            where[rid] = router.route(rid, group(a % 3, b, depth=a))
+            keys[rid] = group(a % 3, b, depth=a)
+            where[rid] = router.route(rid, keys[rid])
             assert where[rid] in router.replicas
         elif op == "finish" and where:
             rid = sorted(where)[b % len(where)]
             assert router.finished(rid) == where.pop(rid)
             ended.add(rid)
+        elif op == "move" and where:
+            rid = sorted(where)[b % len(where)]
+            where[rid] = router.replicas[a % len(router.replicas)]
+            router.move(rid, where[rid])
         elif op == "remove" and router.replicas:
             dead = router.replicas[a % len(router.replicas)]
             returned = router.remove_replica(dead)
@@ -170,10 +189,28 @@ def test_every_request_is_finished_or_returned_exactly_once(name: str, ops: list
         assert len(router) == len(where)
         for replica in router.replicas:
             assert router.load(replica) == sum(at == replica for at in where.values())
+        if isinstance(router, FeatherRouter):
+            assert_index_counts(router, where, keys)
     for rid in list(where):
         router.finished(rid)
         ended.add(rid)
     assert len(ended) == count and len(router) == 0
+
+
+def assert_index_counts(router: FeatherRouter, where: dict, keys: dict) -> None:
+    """Every key's count on each replica is the number of requests in flight there that
+    have it; every replica's size is the number of keys it has an entry for."""
+    counted: dict = {}
+    for rid, replica in where.items():
+        for key in keys[rid]:
+            counted[key, replica] = counted.get((key, replica), 0) + 1
+    owners = router.index._owners
+    for key, holders in owners.items():
+        for replica, count in holders.items():
+            assert count == counted.pop((key, replica), 0)
+    assert not counted
+    for replica in router.replicas:
+        assert router.index.sizes.get(replica, 0) == sum(replica in h for h in owners.values())
 
 
 def test_the_core_moves_a_request_sent_past_its_first_choice() -> None:
@@ -183,5 +220,6 @@ def test_the_core_moves_a_request_sent_past_its_first_choice() -> None:
     assert router.route(7, [1, 2]) == "r0" and 7 in router
     router.move(7, "r1")
     assert router.replica_of(7) == "r1" and (router.load("r0"), router.load("r1")) == (0, 1)
+    assert router.index.match([1, 2]) == (2, {"r1": 1})  # r0 never served it
     assert router.route(8, [1, 2]) == "r1"  # the group moved with it
     assert router.finished(7) == "r1" and 7 not in router

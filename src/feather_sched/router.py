@@ -63,6 +63,13 @@ class PrefixIndex:
             keys, True, key=lambda k: k not in owners)
         return depth, owners[keys[depth - 1]]
 
+    def fewest_keys(self, replicas: Sequence[Replica]) -> list[Replica]:
+        """Those of ``replicas`` with entries for the fewest keys (the smallest trees), in
+        their order.  O(replicas)."""
+        sizes = self.sizes
+        fewest = min(sizes.get(r, 0) for r in replicas)
+        return [r for r in replicas if sizes.get(r, 0) == fewest]
+
     def add(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
         owners, idle, sizes = self._owners, self._idle, self.sizes
         for key in keys:
@@ -87,6 +94,26 @@ class PrefixIndex:
             left = holders[replica] - 1
             holders[replica] = left
             if not left and not any(holders.values()):
+                idle[key] = None
+        self._evict()
+
+    def withdraw(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
+        """Uncount keys ``add`` counted on ``replica`` for a request that never ran there:
+        a key left at zero on it is forgotten for it, not kept idle (it does not cache
+        what it never served; an older idle entry of that key goes too)."""
+        owners, idle, sizes = self._owners, self._idle, self.sizes
+        for key in reversed(keys):
+            holders = owners[key]
+            left = holders[replica] - 1
+            if left:
+                holders[replica] = left
+                continue
+            del holders[replica]
+            sizes[replica] -= 1
+            if not holders:
+                del owners[key]
+                idle.pop(key, None)
+            elif not any(holders.values()):
                 idle[key] = None
         self._evict()
 
@@ -177,8 +204,10 @@ class Router:
             raise RouterError(f"replica {replica!r} is not live")
         if request_id not in self._requests:
             raise RouterError(f"request {request_id!r} is not routed")
-        keys = self._requests[request_id][1]
-        self.finished(request_id)
+        first, keys = self._requests.pop(request_id)
+        del self._on_replica[first][request_id]
+        self._load[first] -= 1
+        self._withdrawn(first, keys)
         self._assign(request_id, keys, replica)
 
     def route_tokens(self, request_id: RequestId, tokens: Sequence[int]) -> Replica:
@@ -235,6 +264,9 @@ class Router:
     def _finished(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
         """A request routed to ``replica`` finished."""
 
+    def _withdrawn(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
+        """A request routed to ``replica`` was moved elsewhere before it ran there."""
+
     def _removed(self, replica: Replica) -> None:
         """``replica`` died."""
 
@@ -252,23 +284,26 @@ class Router:
 
 
 class FeatherRouter(Router):
-    """Keeps each prefix group on as few replicas as load allows.
+    """Keeps each prefix group on as few replicas as load allows, and load even.
 
     A request goes to a replica that holds the longest share of its prefix, counting the
     requests each replica serves and has queued (and, up to ``max_idle_keys``, prefixes
-    it served before and likely still caches).  Among those holders, the one holding
-    most requests of that prefix, so a group stays together and Feather's homogeneous
-    batches form there; but only while that replica is within the imbalance bound: its
-    load exceeds neither the least loaded replica's load plus ``balance_abs`` nor that
-    load times ``balance_rel`` (over the bound means past both, as SGLang's rule).  When
-    every holder is past the bound the request goes to the less loaded of two random
-    replicas, which then holds the group too: a group one replica cannot keep up with
-    spreads to as many replicas as it needs.  A prefix nobody holds (a new group) goes to
-    the least loaded replica.
+    it served before and likely still caches): the least loaded of those holders that is
+    within the imbalance bound, i.e. whose load exceeds neither the least loaded replica's
+    load plus ``balance_abs`` nor that load times ``balance_rel`` (over the bound means
+    past both, as SGLang's rule).  A holder past the bound is passed over, not the whole
+    rule (Ray's and SGLang's routers drop prefix matching for every request while any two
+    replicas are imbalanced, which scatters every group at once).  When every holder is
+    past the bound the request goes to the less loaded of two random replicas, which then
+    holds the group too: a group one replica cannot keep up with spreads to as many
+    replicas as it needs, and its requests are balanced over them.  A prefix nobody holds
+    (a new group) goes to the least loaded of the replicas holding the fewest prefix keys,
+    so groups spread evenly before load tells them apart (with Zipf popularity the hot
+    groups come first and land on different replicas).
 
     Defaults: ``balance_abs=32`` and ``balance_rel=1.1`` are SGLang's; a bound in
     requests, not tokens, because requests are what the router sees.  Cost per request:
-    O(keys) dict updates plus O(log keys) look-ups and O(replicas) for the least load
+    O(keys) dict updates plus O(log keys) look-ups and O(replicas) for the loads
     (``benchmarks/replicas/router_overhead.py``).
     """
 
@@ -289,12 +324,12 @@ class FeatherRouter(Router):
     def _choose(self, keys: Sequence[ChunkKey]) -> Replica:
         _, holders = self.index.match(keys)
         if not holders:
-            return self._least_loaded(self._replicas)
+            return self._least_loaded(self.index.fewest_keys(self._replicas))
         load = self._load
         floor = min(load.values())
         bound = max(floor + self.balance_abs, floor * self.balance_rel)
-        fit = [(count, -load[r], r) for r, count in holders.items() if load[r] <= bound]
-        return max(fit, key=_first_two)[2] if fit else self._two_choices()
+        fit = [r for r in holders if load[r] <= bound]
+        return self._least_loaded(fit) if fit else self._two_choices()
 
     def _routed(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
         self.index.add(replica, keys)
@@ -302,9 +337,8 @@ class FeatherRouter(Router):
     def _finished(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
         self.index.release(replica, keys)
 
+    def _withdrawn(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
+        self.index.withdraw(replica, keys)
+
     def _removed(self, replica: Replica) -> None:
         self.index.drop(replica)
-
-
-def _first_two(item: tuple) -> tuple:
-    return item[:2]

@@ -68,11 +68,6 @@ class _HistoryRouter(Router):
         depth, holders = self.history.match(keys)
         return (depth / len(keys) if keys else 0.0), holders
 
-    def _smallest_trees(self) -> list[Replica]:
-        sizes = self.history.sizes
-        smallest = min(sizes.get(r, 0) for r in self._replicas)
-        return [r for r in self._replicas if sizes.get(r, 0) == smallest]
-
     def _spread(self) -> int:
         loads = self._load.values()
         return max(loads) - min(loads)
@@ -95,7 +90,7 @@ class PrefixAffinityRouter(_HistoryRouter):
         rate, holders = self._match(keys)
         if rate >= self.match_rate_threshold:
             return self._least_loaded(holders)
-        return self._least_loaded(self._smallest_trees())
+        return self._least_loaded(self.history.fewest_keys(self._replicas))
 
 
 class CacheAwareRouter(_HistoryRouter):
@@ -117,7 +112,7 @@ class CacheAwareRouter(_HistoryRouter):
         rate, holders = self._match(keys)
         if rate > self.cache_threshold:
             return self._least_loaded(holders)
-        return self._least_loaded(self._smallest_trees())
+        return self._least_loaded(self.history.fewest_keys(self._replicas))
 
 
 ROUTERS: dict[str, type[Router]] = {cls.name: cls for cls in (

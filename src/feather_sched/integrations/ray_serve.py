@@ -28,7 +28,7 @@ exactly-once contract is kept as follows.
 Prompts: the first argument (or keyword value) of the call with ``prompt_token_ids`` (an
 attribute or a key) or a ``prompt`` that is a list of token ids; a text ``prompt`` is
 tokenized with ``tokenizer`` (loaded once, with ``transformers.AutoTokenizer``).  A call
-with no prompt is routed with no keys (to the least loaded replica).  Cost per request:
+with no prompt is routed with no keys, as a new prefix.  Cost per request:
 ``token_chunk_keys`` over its prompt once, plus ``FeatherRouter``'s O(keys) bookkeeping
 (``benchmarks/replicas/router_overhead.py``); O(1) per completion.
 
