@@ -1,22 +1,33 @@
 """Feather across replicas in the simulator: 8 engines behind each router, FCFS or Feather.
 
-    .venv/bin/python benchmarks/replicas/sim.py [--quick]
+    .venv/bin/python benchmarks/replicas/sim.py [--quick] [--seeds N] [--loads 1.5,3]
+        [--prefix T] [--jobs J] [--out STEM]
 
 Llama-3-8B on 8 replicas of H100 SXM and of H200 (datasheet profiles); 8, 64 and 400
-prefix groups of 10K-token prefixes (32 unique tokens each, 100 output tokens) with Zipf
-popularity (s = 1.1), 2,400 requests per cell; plus a no-sharing cell (1K-token unique
-prompts).  Poisson arrivals at 1.5x the request rate power-of-two + FCFS reaches with
-every request sent at once (its capacity on that workload), so the system is overloaded
-and the routing and scheduling decide the throughput.  Routers: round-robin,
-power-of-two, prefix-affinity (Ray Serve's rule), sglang-cache-aware, feather; replicas
-run FCFS or Feather (bandit gate, defaults).  Writes sim.json and sim.md beside this file.
+prefix groups of 10K-token prefixes (``--prefix``; 32 unique tokens each, 100 output
+tokens) with Zipf popularity (s = 1.1), 2,400 requests per cell; plus a no-sharing cell
+(1K-token unique prompts).  Poisson arrivals at ``load`` x the request rate
+power-of-two + FCFS reaches with every request sent at once (its capacity on that
+workload): 1.5x is about the capacity of the cache-aware routers, so it shows their
+latency and caps their throughput near the arrival rate; 3x overloads every pair, so
+throughput shows each pair's capacity.
+Routers: round-robin, power-of-two, prefix-affinity (Ray Serve's rule),
+sglang-cache-aware, feather; replicas run FCFS or Feather (bandit gate, defaults).
+
+Each cell runs with ``--seeds`` workload seeds (arrivals, popularity and the routers'
+random choices); the simulator charges each scheduler's own Python time to its clock, so
+runs differ a little with the machine's load too.  sim.md gives per pair the median
+ratio to power-of-two + FCFS over the seeds with its range; sim.json every run's figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
+from itertools import product
 from pathlib import Path
 
 from feather_sched.routers import ROUTERS, make_router
@@ -32,106 +43,145 @@ REQUESTS = 2400
 PREFIX = 10240
 SUFFIX = 32
 OUTPUT = 100
-LOAD = 1.5
+LOADS = (1.5, 3.0)
 SCHEDULERS = ("fcfs", "feather-bandit")
 BASELINE = ("power-of-two", "fcfs")
+OURS = ("feather", "feather-bandit")
+AFFINITY = ("prefix-affinity", "fcfs")
 KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "p99_ttft_ms",
         "replica_imbalance", "prefix_cache_hit_rate", "mean_groups_per_step",
         "groups_per_replica", "preemptions")
 
 
-def workload(groups: int | None, rate: float | None) -> Workload:
+def workload(groups: int, prefix: int, rate: float | None, seed: int) -> Workload:
+    """``groups`` 0: no sharing.  ``rate`` None: every request at once."""
     arrival = None if rate is None else ArrivalSpec(kind="poisson", rate=rate)
-    if groups is None:
+    if not groups:
         return no_sharing(requests=REQUESTS, prompt_len=1024 + SUFFIX, output_len=OUTPUT,
-                          arrival=arrival, seed=0)
+                          arrival=arrival, seed=seed)
     return shared_prefix_groups(groups=groups, prompts_per_group=REQUESTS // groups,
-                                prefix_len=PREFIX, suffix_len=SUFFIX, output_len=OUTPUT,
-                                popularity="zipf", arrival=arrival, seed=0)
+                                prefix_len=prefix, suffix_len=SUFFIX, output_len=OUTPUT,
+                                popularity="zipf", arrival=arrival, seed=seed)
 
 
-def run(hardware: str, load: Workload, router: str, scheduler: str) -> dict:
-    plan = SimPlan(workload=load, hardware=HARDWARE[hardware], model=MODELS["llama-3-8b"])
-    result = simulate_replicas(plan, make_router(router, range(REPLICAS), seed=0), scheduler)
+def run(hardware: str, groups: int, prefix: int, rate: float | None, seed: int, router: str,
+        scheduler: str) -> dict:
+    plan = SimPlan(workload=workload(groups, prefix, rate, seed), hardware=HARDWARE[hardware],
+                   model=MODELS["llama-3-8b"])
+    result = simulate_replicas(plan, make_router(router, range(REPLICAS), seed=seed),
+                               scheduler)
     summary = result.summary()
-    return {"router": router, "scheduler": scheduler, **{k: summary[k] for k in KEYS}}
+    return {"hardware": hardware, "groups": groups, "seed": seed, "router": router,
+            "scheduler": scheduler, **{k: summary[k] for k in KEYS}}
 
 
-def cell(hardware: str, groups: int | None, load: float = LOAD) -> dict:
-    """The baseline's capacity (all requests at once), then every pair at ``load`` x it."""
-    capacity = run(hardware, workload(groups, None), *BASELINE)["request_throughput"]
-    rate = load * capacity
-    arrivals = workload(groups, rate)
-    rows = [run(hardware, arrivals, router, scheduler)
-            for router in ROUTERS for scheduler in SCHEDULERS]
-    return {"hardware": hardware, "groups": groups or 0, "capacity_req_s": capacity,
-            "rate_req_s": rate, "runs": rows}
+def _run(args: tuple) -> dict:
+    return run(*args)
 
 
-def ratios(cell_: dict) -> dict[tuple[str, str], float]:
-    by_pair = {(r["router"], r["scheduler"]): r for r in cell_["runs"]}
-    base = by_pair[BASELINE]["output_throughput"]
-    return {pair: r["output_throughput"] / base for pair, r in by_pair.items()}
+def measure(hardware: tuple[str, ...], group_counts: tuple[int, ...], prefix: int,
+            loads: tuple[float, ...], seeds: int, jobs: int) -> list[dict]:
+    """Every cell (hardware, groups, load, seed): the baseline's capacity, then every
+    pair at ``load`` x it.  Cells in parallel over ``jobs`` processes."""
+    cells = list(product(hardware, group_counts, range(seeds)))
+    with ProcessPoolExecutor(jobs) as pool:
+        baselines = pool.map(_run, [(*cell[:2], prefix, None, cell[2], *BASELINE)
+                                    for cell in cells])
+        capacity = {cell: r["request_throughput"]
+                    for cell, r in zip(cells, baselines, strict=True)}
+        tasks = [(hw, groups, prefix, load * capacity[hw, groups, seed], seed, router,
+                  scheduler) for (hw, groups, seed), load, router, scheduler
+                 in product(cells, loads, ROUTERS, SCHEDULERS)]
+        runs = list(pool.map(_run, tasks))
+    for task, row in zip(tasks, runs, strict=True):
+        hw, groups, _, rate, seed = task[:5]
+        row["capacity_req_s"] = capacity[hw, groups, seed]
+        row["rate_req_s"] = rate
+        row["load"] = round(rate / capacity[hw, groups, seed], 6)
+    return runs
 
 
-def markdown(cells: list[dict]) -> str:
-    """Per cell, each router and scheduler: output throughput over power-of-two + FCFS,
-    p99 TTFT, replica imbalance and groups per replica; then the issue's targets."""
-    lines = ["| hardware | groups | rate req/s | router | scheduler | tok/s | x p2+FCFS | "
-             "mean / p99 TTFT ms | imbalance | groups per replica |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for c in cells:
-        ratio = ratios(c)
-        for r in c["runs"]:
-            pair = (r["router"], r["scheduler"])
+def by_cell(runs: list[dict]) -> dict[tuple, dict[int, dict[tuple[str, str], dict]]]:
+    """(hardware, groups, load) -> seed -> (router, scheduler) -> run."""
+    cells: dict = {}
+    for r in runs:
+        cell = cells.setdefault((r["hardware"], r["groups"], r["load"]), {})
+        cell.setdefault(r["seed"], {})[r["router"], r["scheduler"]] = r
+    return cells
+
+
+def spread(values: list[float], fmt: str = "{:.2f}") -> str:
+    """Median and range, e.g. ``1.12 (1.05-1.20)``; the value alone for one seed."""
+    median = fmt.format(statistics.median(values))
+    if len(values) == 1:
+        return median
+    return f"{median} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def markdown(runs: list[dict]) -> str:
+    """Per cell and pair: output throughput over power-of-two + FCFS (median and range over
+    seeds), TTFT, imbalance; then the issue's targets for Feather + Feather."""
+    seeds = len({r["seed"] for r in runs})
+    lines = [f"Medians over {seeds} seeds (range in brackets).", "",
+             "| hardware | groups | load | router | scheduler | tok/s | x p2+FCFS | "
+             "mean TTFT ms | p99 TTFT ms | imbalance | prefix hits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    cells = by_cell(runs)
+    for (hw, groups, load), by_seed in cells.items():
+        for pair in next(iter(by_seed.values())):
+            rows = [by_seed[s][pair] for s in by_seed]
+            ratio = [by_seed[s][pair]["output_throughput"] /
+                     by_seed[s][BASELINE]["output_throughput"] for s in by_seed]
             lines.append(
-                f"| {c['hardware']} | {c['groups'] or 'none'} | {c['rate_req_s']:.1f} | "
-                f"{pair[0]} | {pair[1]} | {r['output_throughput']:,.0f} | {ratio[pair]:.2f}x | "
-                f"{r['mean_ttft_ms']:,.0f} / {r['p99_ttft_ms']:,.0f} | "
-                f"{r['replica_imbalance']:.2f} | {r['groups_per_replica']} |")
+                f"| {hw} | {groups or 'none'} | {load:g}x | {pair[0]} | {pair[1]} | "
+                f"{spread([r['output_throughput'] for r in rows], '{:,.0f}')} | "
+                f"{spread(ratio)}x | {spread([r['mean_ttft_ms'] for r in rows], '{:,.0f}')} | "
+                f"{spread([r['p99_ttft_ms'] for r in rows], '{:,.0f}')} | "
+                f"{spread([r['replica_imbalance'] for r in rows])} | "
+                f"{spread([r['prefix_cache_hit_rate'] for r in rows])} |")
     lines += ["", "Targets (feather + feather-bandit): >= 1.5x power-of-two + FCFS, >= 1.15x "
               "prefix-affinity + FCFS, imbalance <= 1.3, p99 TTFT <= prefix-affinity + FCFS's; "
-              "no loss without sharing.", "",
-              "| hardware | groups | x p2+FCFS | x prefix-affinity+FCFS | imbalance | "
-              "p99 TTFT / prefix-affinity+FCFS's |", "|---|---|---|---|---|---|"]
-    for c in cells:
-        ratio = ratios(c)
-        by_pair = {(r["router"], r["scheduler"]): r for r in c["runs"]}
-        ours, affinity = by_pair[("feather", "feather-bandit")], by_pair[("prefix-affinity",
-                                                                          "fcfs")]
+              "no loss without sharing.  Ratios per seed, then median (range).", "",
+              "| hardware | groups | load | x p2+FCFS | x prefix-affinity+FCFS | imbalance | "
+              "p99 TTFT / prefix-affinity+FCFS's |", "|---|---|---|---|---|---|---|"]
+    for (hw, groups, load), by_seed in cells.items():
+        pairs = list(by_seed.values())
+
+        def per_seed(key: str, over: tuple[str, str], pairs: list = pairs) -> list[float]:
+            return [p[OURS][key] / p[over][key] for p in pairs]
+
         lines.append(
-            f"| {c['hardware']} | {c['groups'] or 'none'} | "
-            f"{ratio[('feather', 'feather-bandit')]:.2f}x | "
-            f"{ratio[('feather', 'feather-bandit')] / ratio[('prefix-affinity', 'fcfs')]:.2f}x"
-            f" | {ours['replica_imbalance']:.2f} | "
-            f"{ours['p99_ttft_ms'] / affinity['p99_ttft_ms']:.2f} |")
+            f"| {hw} | {groups or 'none'} | {load:g}x | "
+            f"{spread(per_seed('output_throughput', BASELINE))}x | "
+            f"{spread(per_seed('output_throughput', AFFINITY))}x | "
+            f"{spread([p[OURS]['replica_imbalance'] for p in pairs])} | "
+            f"{spread(per_seed('p99_ttft_ms', AFFINITY))} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="H100 and 64 groups only")
-    parser.add_argument("--load", type=float, default=LOAD,
-                        help="arrival rate / power-of-two + FCFS's capacity; other than "
-                             f"{LOAD}, writes sim-load-<load>.json/md")
+    parser.add_argument("--seeds", type=int, default=3, help="workload seeds per cell")
+    parser.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS),
+                        help="arrival rates as multiples of power-of-two + FCFS's capacity")
+    parser.add_argument("--prefix", type=int, default=PREFIX, help="prefix tokens per group")
+    parser.add_argument("--jobs", type=int, default=2, help="processes")
+    parser.add_argument("--out", default="sim", help="stem of the .json and .md written here")
     args = parser.parse_args()
     hardware = ("h100-sxm",) if args.quick else ("h100-sxm", "h200")
-    group_counts: tuple[int | None, ...] = (64,) if args.quick else (8, 64, 400, None)
+    group_counts = (64,) if args.quick else (8, 64, 400, 0)
+    loads = tuple(float(x) for x in args.loads.split(","))
     started = time.perf_counter()
-    cells = []
-    for hw in hardware:
-        for groups in group_counts:
-            cells.append(cell(hw, groups, args.load))
-            print(f"{hw} {groups or 'no'} groups: {time.perf_counter() - started:.0f} s",
-                  flush=True)
-    config = {"replicas": REPLICAS, "requests": REQUESTS, "prefix": PREFIX, "suffix": SUFFIX,
-              "output": OUTPUT, "load": args.load, "zipf_s": 1.1, "model": "llama-3-8b",
-              "wall_s": time.perf_counter() - started}
-    stem = "sim" if args.load == LOAD else f"sim-load-{args.load:g}"
-    (HERE / f"{stem}.json").write_text(json.dumps({"config": config, "cells": cells},
-                                                  indent=1))
-    (HERE / f"{stem}.md").write_text(markdown(cells))
-    print(markdown(cells))
+    runs = measure(hardware, group_counts, args.prefix, loads, args.seeds, args.jobs)
+    config = {"replicas": REPLICAS, "requests": REQUESTS, "prefix": args.prefix, "suffix": SUFFIX,
+              "output": OUTPUT, "loads": loads, "seeds": args.seeds, "zipf_s": 1.1,
+              "model": "llama-3-8b", "wall_s": time.perf_counter() - started}
+    (HERE / f"{args.out}.json").write_text(json.dumps({"config": config, "runs": runs},
+                                                      indent=1))
+    (HERE / f"{args.out}.md").write_text(markdown(runs))
+    print(markdown(runs))
+    print(f"{time.perf_counter() - started:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
