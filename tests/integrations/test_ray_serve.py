@@ -82,18 +82,37 @@ def url(expected) -> Iterator[str]:
         ray.shutdown()
 
 
-def complete(url: str, prompt: list[int] | str, max_tokens: int,
-             **extra) -> tuple[int, dict, str | None]:
-    """POST a greedy completion; (status, body, serving replica)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, **extra}
-    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+def post(url: str, path: str, body: dict) -> tuple[int, dict, str | None]:
+    """POST a JSON body; (status, body, serving replica)."""
+    request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
             return response.status, json.loads(response.read()), response.headers[REPLICA_HEADER]
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read() or b"{}"), None
+
+
+def complete(url: str, prompt: list[int] | str, max_tokens: int,
+             **extra) -> tuple[int, dict, str | None]:
+    """POST a greedy completion; (status, body, serving replica)."""
+    return post(url, "/v1/completions", {
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True, **extra})
+
+
+def stream(url: str, path: str, body: dict) -> list[dict]:
+    """POST a streamed request; its chunks, after checking the replica header and the
+    closing [DONE]."""
+    data = json.dumps({**body, "stream": True}).encode()
+    request = urllib.request.Request(f"{url}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.headers[REPLICA_HEADER]
+        events = [line.removeprefix(b"data: ") for line in response.read().splitlines()
+                  if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    return [json.loads(event) for event in events[:-1]]
 
 
 def run(url: str, expected: dict[Key, list[int]], keys: list[Key],
@@ -146,15 +165,38 @@ def test_the_endpoint_speaks_openai(url) -> None:
     assert status == 400 and "vocab" in json.dumps(body)
     status, _, _ = complete(url, [5, 6], 2, model="another-model")
     assert status == 404
-    body = {"prompt": GROUPS["a"][0], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        assert response.headers[REPLICA_HEADER]
-        events = [line.removeprefix(b"data: ") for line in response.read().splitlines()
-                  if line.startswith(b"data: ")]
-    assert events[-1] == b"[DONE]"
-    chunks = [json.loads(event) for event in events[:-1]]
+    chunks = stream(url, "/v1/completions", {
+        "prompt": GROUPS["a"][0], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+        "stream_options": {"include_usage": True}})
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_completions_render_the_chat_template_and_stream(url) -> None:
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                             {"type": "text", "text": "there"}]}]
+    chat = {"messages": messages, "max_completion_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    status, body, replica = post(url, "/v1/chat/completions", chat)
+    assert status == 200 and replica and body["object"] == "chat.completion", body
+    message = body["choices"][0]["message"]
+    assert message["role"] == "assistant" and body["usage"]["completion_tokens"] == 6
+    rendered = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hello there"}]
+    ids = AutoTokenizer.from_pretrained(str(TINY_LLAMA)).apply_chat_template(
+        rendered, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    _, plain, _ = complete(url, ids, 6)
+    assert message["content"] == plain["choices"][0]["text"]  # the same prompt, greedy
+    chunks = stream(url, "/v1/chat/completions", chat)
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
+    assert "".join(d["content"] for d in deltas) == message["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]
+    assert post(url, "/v1/chat/completions", {"messages": image})[0] == 400
+    assert post(url, "/v1/chat/completions", {"messages": []})[0] == 400

@@ -3,11 +3,13 @@
 * ``VLLMReplica``: one vLLM ``AsyncLLM`` engine (its arguments are ``vllm serve``'s, so
   ``feather serve``'s Feather scheduler and options come with them); ``generate`` streams
   a completion's deltas.
-* ``OpenAIIngress``: ``/v1/models`` and ``/v1/completions`` (streamed or not, text or
-  token-id prompts).  It tokenizes text once, calls the replicas through a handle whose
-  request router is ``FeatherRequestRouter`` (or any other, for comparisons), and resends
-  a request whose replica died before any of its output reached the client.  It answers
-  as soon as it runs: requests sent before the replicas are up wait in the router.
+* ``OpenAIIngress``: ``/v1/models``, ``/v1/completions`` (streamed or not, text or
+  token-id prompts) and ``/v1/chat/completions`` (streamed or not; text messages rendered
+  with the model's chat template).  It tokenizes text once, calls the replicas through a
+  handle whose request router is ``FeatherRequestRouter`` (or any other, for
+  comparisons), and resends a request whose replica died before any of its output
+  reached the client.  It answers as soon as it runs: requests sent before the replicas
+  are up wait in the router.
 
 Why not Ray Serve LLM (``ray.serve.llm``): Ray 2.60's ``ray[llm]`` pins ``vllm==0.29.0``
 (this project pins 0.32.0) and ``ray.serve.llm`` does not import with ``ray[serve]`` alone
@@ -22,14 +24,14 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
@@ -66,11 +68,40 @@ class Completion:
     """``vllm.SamplingParams`` arguments."""
 
 
+Choice = dict[str, Any]
+WholeChoice = Callable[[dict[str, Any]], Choice]
+"""The choice of a whole completion, from its merged deltas (``_merged``)."""
+DeltaChoice = Callable[[dict[str, Any], bool], Choice]
+"""The choice of one streamed delta, told whether it is the first."""
+
+
 # Helpers first: serve.ingress pickles the ingress class where it is defined.
 def _choice(chunk: dict[str, Any], with_ids: bool) -> dict[str, Any]:
+    """A completion choice: of the whole completion or of one streamed delta."""
     choice = {"index": 0, "text": chunk["text"], "logprobs": None,
               "finish_reason": chunk["finish_reason"]}
     return {**choice, "token_ids": chunk["token_ids"]} if with_ids else choice
+
+
+def _message(whole: dict[str, Any]) -> dict[str, Any]:
+    """A chat completion choice of the whole completion."""
+    return {"index": 0, "message": {"role": "assistant", "content": whole["text"]},
+            "logprobs": None, "finish_reason": whole["finish_reason"]}
+
+
+def _delta(chunk: dict[str, Any], first: bool) -> dict[str, Any]:
+    """A chat completion choice of one streamed delta (the first names the role)."""
+    delta = {"role": "assistant", "content": chunk["text"]} if first else \
+        {"content": chunk["text"]}
+    return {"index": 0, "delta": delta, "logprobs": None,
+            "finish_reason": chunk["finish_reason"]}
+
+
+def _merged(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A completion's deltas as one: its text, token ids and finish reason."""
+    return {"text": "".join(c["text"] for c in chunks),
+            "token_ids": [t for c in chunks for t in c["token_ids"]],
+            "finish_reason": chunks[-1]["finish_reason"]}
 
 
 def _usage(chunks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -144,14 +175,15 @@ class VLLMReplica:
         await self.engine.check_health()
 
 
-class CompletionRequest(BaseModel):
-    """The OpenAI completion fields served (one prompt, one choice)."""
+class _GenerationRequest(BaseModel):
+    """The OpenAI fields both endpoints serve (one choice); the rest are sampling
+    parameters, passed to ``vllm.SamplingParams`` when given."""
 
     model_config = ConfigDict(extra="forbid")
+    _NOT_SAMPLING: ClassVar[frozenset[str]] = frozenset(
+        {"model", "n", "stream", "stream_options", "user"})
 
     model: str | None = None
-    prompt: str | list[int]
-    max_tokens: int = 16
     min_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -162,15 +194,62 @@ class CompletionRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: dict[str, bool] | None = None
-    return_token_ids: bool = False
-    """vLLM's extension: each choice carries its ``token_ids``."""
     user: str | None = None
 
-    def sampling(self) -> dict[str, Any]:
-        fields = set(self.model_fields_set) - {"model", "prompt", "n", "stream",
-                                               "stream_options", "return_token_ids", "user"}
+    def sampling(self, own: frozenset[str]) -> dict[str, Any]:
+        """The sampling parameters given, less this request's own non-sampling ``own``."""
+        fields = set(self.model_fields_set) - self._NOT_SAMPLING - own
+        return self.model_dump(include=fields, exclude_none=True)
+
+
+class CompletionRequest(_GenerationRequest):
+    """The OpenAI completion fields served (one prompt, one choice)."""
+
+    prompt: str | list[int]
+    max_tokens: int = 16
+    return_token_ids: bool = False
+    """vLLM's extension: each choice carries its ``token_ids``."""
+
+    def sampling_params(self) -> dict[str, Any]:
         return {"max_tokens": self.max_tokens,
-                **self.model_dump(include=fields, exclude_none=True)}
+                **self.sampling(frozenset({"prompt", "return_token_ids"}))}
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A chat message with text content (a string or text parts)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: str
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def for_template(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else \
+            "".join(part.text for part in self.content)
+        return {"role": self.role, "content": content}
+
+
+class ChatRequest(_GenerationRequest):
+    """The OpenAI chat completion fields served (text messages, one choice).  Without
+    ``max_completion_tokens`` or ``max_tokens`` a completion may run to the model's
+    length limit, as vLLM's own server."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+    def sampling_params(self) -> dict[str, Any]:
+        limit = self.max_completion_tokens or self.max_tokens
+        return {"max_tokens": limit, **self.sampling(
+            frozenset({"messages", "max_tokens", "max_completion_tokens"}))}
 
 
 api = FastAPI(title="feather serve --replicas")
@@ -201,27 +280,52 @@ class OpenAIIngress:
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest) -> Any:
-        if body.model is not None and body.model != self.model_name:
-            return _error(404, f"The model `{body.model}` does not exist.")
-        if body.n != 1:
-            return _error(400, "only n=1 is served")
         if isinstance(body.prompt, str):
             ids, text = self.tokenizer.encode(body.prompt), body.prompt
         else:
             ids, text = body.prompt, " ".join(map(str, body.prompt))
-        completion_id = f"cmpl-{uuid.uuid4().hex}"
-        call = Completion(completion_id, ids, text, body.sampling())
-        head = {"id": completion_id, "object": "text_completion",
-                "created": int(time.time()), "model": self.model_name}
         with_ids = body.return_token_ids
+        return await self._serve(
+            body, Completion(f"cmpl-{uuid.uuid4().hex}", ids, text, body.sampling_params()),
+            ("text_completion", "text_completion"),
+            whole=lambda merged: _choice(merged, with_ids),
+            delta=lambda chunk, _: _choice(chunk, with_ids))
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatRequest) -> Any:
+        text = self.tokenizer.apply_chat_template(
+            [message.for_template() for message in body.messages],
+            add_generation_prompt=True, tokenize=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)  # as tokenize=True
+        return await self._serve(
+            body, Completion(f"chatcmpl-{uuid.uuid4().hex}", ids, text,
+                             body.sampling_params()),
+            ("chat.completion", "chat.completion.chunk"), whole=_message, delta=_delta)
+
+    async def _serve(self, body: _GenerationRequest, call: Completion,
+                     objects: tuple[str, str], whole: WholeChoice,
+                     delta: DeltaChoice) -> Any:
+        """Answer ``call`` as a whole JSON body or an event stream.  ``objects``: the
+        object names of the whole body and of a stream chunk; ``whole(merged deltas)`` and
+        ``delta(chunk, first)`` make their choices."""
+        if body.model is not None and body.model != self.model_name:
+            return _error(404, f"The model `{body.model}` does not exist.")
+        if body.n != 1:
+            return _error(400, "only n=1 is served")
+        head = {"id": call.request_id, "created": int(time.time()), "model": self.model_name}
         try:
             if not body.stream:
-                return self._whole(await self._complete(call), head, with_ids)
+                chunks = await self._complete(call)
+                return JSONResponse({**head, "object": objects[0],
+                                     "choices": [whole(_merged(chunks))],
+                                     "usage": _usage(chunks)},
+                                    headers={REPLICA_HEADER: chunks[-1]["replica"]})
             first, rest = await self._open(call)
         except ValueError as error:  # the engine refused the request
             return _error(400, str(error).splitlines()[-1])
         usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(self._sse(first, rest, head, usage, with_ids),
+        return StreamingResponse(self._sse(first, rest, {**head, "object": objects[1]}, usage,
+                                           delta),
                                  media_type="text/event-stream",
                                  headers={REPLICA_HEADER: first["replica"]})
 
@@ -246,22 +350,14 @@ class OpenAIIngress:
         return self.replicas.remote(Completion(request_id, call.prompt_token_ids,
                                                call.prompt, call.sampling))
 
-    def _whole(self, chunks: list[dict[str, Any]], head: dict[str, Any],
-               with_ids: bool) -> JSONResponse:
-        whole = {"text": "".join(c["text"] for c in chunks),
-                 "token_ids": [t for c in chunks for t in c["token_ids"]],
-                 "finish_reason": chunks[-1]["finish_reason"]}
-        body = {**head, "choices": [_choice(whole, with_ids)], "usage": _usage(chunks)}
-        return JSONResponse(body, headers={REPLICA_HEADER: chunks[-1]["replica"]})
-
     async def _sse(self, first: dict[str, Any], rest: Any, head: dict[str, Any],
-                   usage: bool, with_ids: bool) -> AsyncIterator[str]:
+                   usage: bool, delta: DeltaChoice) -> AsyncIterator[str]:
         seen = [first]
         try:
-            yield _event({**head, "choices": [_choice(first, with_ids)]})
+            yield _event({**head, "choices": [delta(first, True)]})
             async for chunk in rest:
                 seen.append(chunk)
-                yield _event({**head, "choices": [_choice(chunk, with_ids)]})
+                yield _event({**head, "choices": [delta(chunk, False)]})
             if usage:
                 yield _event({**head, "choices": [], "usage": _usage(seen)})
         except RayActorError as error:  # output already went out: too late to resend
