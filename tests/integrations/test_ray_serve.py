@@ -21,7 +21,11 @@ import pytest
 import ray
 from ray import serve
 
-from feather_sched.integrations.ray_serve_app import REPLICA_HEADER, build_app
+from feather_sched.integrations.ray_serve_app import (
+    REPLICA_HEADER,
+    build_app,
+    unserved_server_flags,
+)
 from feather_sched.models import TINY_LLAMA
 from feather_sched.serve import vllm_server_args
 from tests.servers import free_port
@@ -31,6 +35,8 @@ vllm = pytest.importorskip("vllm", reason="the vllm extra is not installed")
 Key = tuple[str, int]
 PREFIX, SUFFIX = 256, 16  # two 128-token chunks shared by a group, then its own tokens
 KV_GIB = 1
+API_KEY = "feather-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
 
 
 def prompts(group: int, count: int) -> list[list[int]]:
@@ -62,12 +68,20 @@ def expected() -> dict[Key, list[int]]:
     return {key: list(out.outputs[0].token_ids) for key, out in zip(keys, outputs, strict=True)}
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant] {% endif %}")
+"""Given with ``--chat-template``, in place of the model's own."""
+
+
 @pytest.fixture(scope="module")
-def url(expected) -> Iterator[str]:
-    """Ray (2 CPUs) with the app of two replicas, started after ``expected`` (whose engine
-    is gone by then); torn down after the module."""
-    argv = vllm_server_args(None, {"gate": "bandit"}, ["--enforce-eager"], kv_cache_gib=KV_GIB,
-                            environ={})
+def url(expected, tmp_path_factory) -> Iterator[str]:
+    """Ray (2 CPUs) with the app of two replicas (an API key, a chat template file),
+    started after ``expected`` (whose engine is gone by then); torn down after the module."""
+    template = tmp_path_factory.mktemp("chat") / "template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    argv = vllm_server_args(None, {"gate": "bandit"}, [
+        "--enforce-eager", "--api-key", API_KEY, "--chat-template", str(template)],
+        kv_cache_gib=KV_GIB, environ={})
     app = build_app(argv, replicas=2, router_options={"balance_abs": 2, "balance_rel": 1.0})
     port = free_port()
     started = time.monotonic()
@@ -82,10 +96,11 @@ def url(expected) -> Iterator[str]:
         ray.shutdown()
 
 
-def post(url: str, path: str, body: dict) -> tuple[int, dict, str | None]:
-    """POST a JSON body; (status, body, serving replica)."""
+def post(url: str, path: str, body: dict,
+         headers: dict[str, str] = AUTH) -> tuple[int, dict, str | None]:
+    """POST a JSON body (with the API key); (status, body, serving replica)."""
     request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
             return response.status, json.loads(response.read()), response.headers[REPLICA_HEADER]
@@ -105,8 +120,7 @@ def stream(url: str, path: str, body: dict) -> list[dict]:
     """POST a streamed request; its chunks, after checking the replica header and the
     closing [DONE]."""
     data = json.dumps({**body, "stream": True}).encode()
-    request = urllib.request.Request(f"{url}{path}", data=data,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(f"{url}{path}", data=data, headers=AUTH)
     with urllib.request.urlopen(request, timeout=120) as response:
         assert response.headers[REPLICA_HEADER]
         events = [line.removeprefix(b"data: ") for line in response.read().splitlines()
@@ -156,7 +170,8 @@ def test_a_killed_replica_loses_no_request_and_gets_none_after(url, expected) ->
 
 
 def test_the_endpoint_speaks_openai(url) -> None:
-    models = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=30).read())
+    models = json.loads(urllib.request.urlopen(
+        urllib.request.Request(f"{url}/v1/models", headers=AUTH), timeout=30).read())
     assert models["data"][0]["id"] == str(TINY_LLAMA)
     status, body, _ = complete(url, "Hello there, a text prompt", 4)
     assert status == 200 and body["usage"]["completion_tokens"] == 4
@@ -172,7 +187,7 @@ def test_the_endpoint_speaks_openai(url) -> None:
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
-def test_chat_completions_render_the_chat_template_and_stream(url) -> None:
+def test_chat_completions_render_the_given_chat_template_and_stream(url) -> None:
     from transformers import AutoTokenizer
 
     messages = [{"role": "system", "content": "Be brief."},
@@ -187,7 +202,8 @@ def test_chat_completions_render_the_chat_template_and_stream(url) -> None:
     rendered = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Hello there"}]
     ids = AutoTokenizer.from_pretrained(str(TINY_LLAMA)).apply_chat_template(
-        rendered, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        rendered, chat_template=CHAT_TEMPLATE, add_generation_prompt=True, tokenize=True,
+        return_dict=True)["input_ids"]  # --chat-template's, not the model's
     assert body["usage"]["prompt_tokens"] == len(ids)
     _, plain, _ = complete(url, ids, 6)
     assert message["content"] == plain["choices"][0]["text"]  # the same prompt, greedy
@@ -200,3 +216,30 @@ def test_chat_completions_render_the_chat_template_and_stream(url) -> None:
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]
     assert post(url, "/v1/chat/completions", {"messages": image})[0] == 400
     assert post(url, "/v1/chat/completions", {"messages": []})[0] == 400
+
+
+def test_the_api_key_guards_every_endpoint(url) -> None:
+    completion = {"prompt": [5, 6], "max_tokens": 1}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    wrong = {**AUTH, "Authorization": "Bearer not-the-key"}
+    for headers in ({"Content-Type": "application/json"}, wrong):
+        assert post(url, "/v1/completions", completion, headers) == (
+            401, {"error": "Unauthorized"}, None)
+        assert post(url, "/v1/chat/completions", chat, headers)[0] == 401
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models", headers=headers),
+                                   timeout=30)
+        assert refused.value.code == 401
+    assert post(url, "/v1/completions", completion)[0] == 200
+
+
+def test_server_options_the_endpoint_would_drop_are_refused_before_anything_starts(
+        tmp_path) -> None:
+    argv = vllm_server_args(None, {}, [], kv_cache_gib=KV_GIB, environ={})
+    assert unserved_server_flags([*argv, "--port", "9000", "--api-key", "k"]) == []
+    dropped = [*argv, "--ssl-keyfile", "key.pem", "--root-path", "/x"]
+    assert sorted(unserved_server_flags(dropped)) == ["--root-path", "--ssl-keyfile"]
+    with pytest.raises(ValueError, match="does not apply --ssl-keyfile"):
+        build_app([*argv, "--ssl-keyfile", "key.pem"], replicas=2)
+    with pytest.raises(ValueError, match="--chat-template"):
+        build_app([*argv, "--chat-template", str(tmp_path / "missing.jinja")], replicas=2)

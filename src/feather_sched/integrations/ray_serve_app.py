@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -122,19 +123,41 @@ def _error(status: int, message: str) -> JSONResponse:
                         status_code=status)
 
 
-def parse_vllm_args(argv: list[str]) -> Any:
-    """``vllm serve``'s arguments parsed by vLLM's own parser (ValueError on a bad one)."""
+def _vllm_parser() -> Any:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = make_arg_parser(FlexibleArgumentParser())
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+def parse_vllm_args(argv: list[str]) -> Any:
+    """``vllm serve``'s arguments parsed by vLLM's own parser (ValueError on a bad one)."""
     try:
-        args = parser.parse_args(argv)
+        args = _vllm_parser().parse_args(argv)
     except SystemExit as exit_:
         raise ValueError(f"bad vLLM arguments {argv}: exit {exit_.code}") from None
     if args.model_tag:
         args.model = args.model_tag
     return args
+
+
+SERVED_SERVER_FLAGS = frozenset({"host", "port", "api_key", "chat_template",
+                                 "enable_prompt_tokens_details", "model_tag", "config"})
+"""``vllm serve`` options beyond the engine's that the replicas' endpoint applies (the
+ingress always reports cached prompt tokens)."""
+
+
+def unserved_server_flags(argv: list[str]) -> list[str]:
+    """The ``vllm serve`` server options (not engine arguments) that ``argv`` sets to other
+    than their defaults and the replicas' endpoint does not apply, as ``--flags``."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    parser = _vllm_parser()
+    args = vars(parse_vllm_args(argv))
+    engine = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    return [f"--{name.replace('_', '-')}" for name, value in args.items()
+            if name not in engine and name not in SERVED_SERVER_FLAGS
+            and value != parser.get_default(name)]
 
 
 @serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS)
@@ -265,21 +288,36 @@ async def _bad_request(_: Request, error: RequestValidationError) -> JSONRespons
 class OpenAIIngress:
     """The OpenAI-compatible front of the replicas (see the module docstring)."""
 
-    def __init__(self, replicas: DeploymentHandle, model_name: str, tokenizer: str) -> None:
+    def __init__(self, replicas: DeploymentHandle, model_name: str, tokenizer: str,
+                 api_keys: list[str], chat_template: str | None) -> None:
         from transformers import AutoTokenizer
+        from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
         self.replicas = replicas.options(stream=True, method_name="generate")
         self.model_name = model_name
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.chat_template = chat_template
+        # vLLM's own check of "Authorization: Bearer <key>" (hashed, constant time)
+        self.auth = AuthenticationMiddleware(None, api_keys) if api_keys else None
+
+    def _unauthorized(self, request: Request) -> JSONResponse | None:
+        """vLLM's answer to a request without a valid API key, when keys are set."""
+        if self.auth is None or self.auth.verify_token(request.headers):
+            return None
+        return JSONResponse({"error": "Unauthorized"}, status_code=401)
 
     @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
+    async def models(self, request: Request) -> Any:
+        if (refused := self._unauthorized(request)) is not None:
+            return refused
         return {"object": "list", "data": [{"id": self.model_name, "object": "model",
                                             "created": int(time.time()),
                                             "owned_by": "feather-sched"}]}
 
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest) -> Any:
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        if (refused := self._unauthorized(request)) is not None:
+            return refused
         if isinstance(body.prompt, str):
             ids, text = self.tokenizer.encode(body.prompt), body.prompt
         else:
@@ -292,10 +330,12 @@ class OpenAIIngress:
             delta=lambda chunk, _: _choice(chunk, with_ids))
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatRequest) -> Any:
+    async def chat_completions(self, body: ChatRequest, request: Request) -> Any:
+        if (refused := self._unauthorized(request)) is not None:
+            return refused
         text = self.tokenizer.apply_chat_template(
             [message.for_template() for message in body.messages],
-            add_generation_prompt=True, tokenize=False)
+            chat_template=self.chat_template, add_generation_prompt=True, tokenize=False)
         ids = self.tokenizer.encode(text, add_special_tokens=False)  # as tokenize=True
         return await self._serve(
             body, Completion(f"chatcmpl-{uuid.uuid4().hex}", ids, text,
@@ -378,14 +418,29 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
     ``router_options`` go to the router's ``initialize_state`` (Feather's: the tokenizer is
     filled in); ``cpus_per_replica`` is each replica's Ray CPU reservation and its OpenMP
     thread count (vLLM's own core binding is off: replicas share a node); ``env`` is added
-    to the replicas' environment.  ValueError on a bad argument, before anything starts.
+    to the replicas' environment.  Of ``argv``'s server options, ``--api-key`` (else
+    ``VLLM_API_KEY``) guards the endpoints as vLLM's server does and ``--chat-template``
+    replaces the model's; any other (``unserved_server_flags``) is a ValueError rather
+    than silently dropped.  ValueError on a bad argument, before anything starts.
     """
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}: use {', '.join(ROUTERS)}")
+    if unserved := unserved_server_flags(argv):
+        raise ValueError(f"feather serve --replicas does not apply {', '.join(unserved)}: "
+                         "of vLLM's server options its endpoint applies --host, --port, "
+                         "--api-key and --chat-template (and every engine argument)")
     if replicas < 1 or not cpus_per_replica > 0:
         raise ValueError(f"need replicas >= 1 and cpus_per_replica > 0, got {replicas} and "
                          f"{cpus_per_replica}")
+    from vllm.exceptions import VLLMClientError
+    from vllm.renderers.chat_utils import load_chat_template
+
     args = parse_vllm_args(argv)
+    api_keys = [key for key in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if key]
+    try:
+        chat_template = load_chat_template(args.chat_template)
+    except (OSError, VLLMClientError) as error:
+        raise ValueError(f"--chat-template: {error}") from None
     model_name = (args.served_model_name or [args.model])[0]
     tokenizer = args.tokenizer or args.model
     options = dict(router_options or {})
@@ -400,4 +455,4 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[router],
                                                   request_router_kwargs=options),
     ).bind(argv, replica_env)
-    return OpenAIIngress.bind(replica, model_name, tokenizer)
+    return OpenAIIngress.bind(replica, model_name, tokenizer, api_keys, chat_template)
