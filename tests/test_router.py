@@ -41,6 +41,19 @@ def test_new_groups_go_to_the_replicas_holding_fewest_prefixes_first() -> None:
     assert router.route("next", group(4, 0)) == 1  # not 0, although all loads tie
 
 
+def test_new_groups_respect_the_bound_and_keyless_prompts_go_to_the_least_loaded() -> None:
+    router = FeatherRouter(range(2), balance_abs=2, balance_rel=1.0)
+    for g in range(9):  # served and finished: 5 groups' keys on replica 0, 4 on replica 1
+        router.route(f"w{g}", group(g, 0))
+        router.finished(f"w{g}")
+    assert [router.route(f"k{i}", []) for i in range(4)] == [0, 1, 0, 1]  # by load only
+    for i in range(4):
+        router.finished(f"k{i}")
+    router.add_replica(2)  # scale-up: the new replica holds the fewest keys
+    homes = [router.route(f"n{g}", group(10 + g, 0)) for g in range(4)]
+    assert homes == [2, 2, 2, 1]  # the fourth would put replica 2 past 0 + 2 requests
+
+
 def test_the_longest_share_wins() -> None:
     router = FeatherRouter(range(2), balance_abs=0, balance_rel=1.0)
     assert router.route("short", [1, 2]) == 0
@@ -145,7 +158,7 @@ def test_token_routing_uses_chunk_keys_of_the_prompt() -> None:
     assert router.route("b", token_chunk_keys(prompt[:8], 4)) == replica
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["route", "finish", "move", "remove", "add"]),
+OPS = st.lists(st.tuples(st.sampled_from(["route", "finish", "withdraw", "move", "remove", "add"]),
                          st.integers(0, 7), st.integers(0, 40)), max_size=120)
 
 
@@ -171,6 +184,10 @@ def test_every_request_is_finished_or_returned_exactly_once(name: str, ops: list
         elif op == "finish" and where:
             rid = sorted(where)[b % len(where)]
             assert router.finished(rid) == where.pop(rid)
+            ended.add(rid)
+        elif op == "withdraw" and where:
+            rid = sorted(where)[b % len(where)]
+            assert router.withdraw(rid) == where.pop(rid)
             ended.add(rid)
         elif op == "move" and where:
             rid = sorted(where)[b % len(where)]
@@ -211,6 +228,18 @@ def assert_index_counts(router: FeatherRouter, where: dict, keys: dict) -> None:
     assert not counted
     for replica in router.replicas:
         assert router.index.sizes.get(replica, 0) == sum(replica in h for h in owners.values())
+
+
+def test_a_withdrawn_request_leaves_what_its_replica_served_before() -> None:
+    router = FeatherRouter(["r", "s"])
+    router.route("c", [1, 2])
+    router.finished("c")  # r served keys 1 and 2: both idle there
+    router.route("b", [1, 3])  # goes to r, which holds key 1
+    assert router.withdraw("b") == "r" and "b" not in router
+    assert router.index.match([1, 2]) == (2, {"r": 0})  # still r's, as before b
+    assert router.index.match([1, 3]) == (1, {"r": 0})  # key 3: never served there
+    with pytest.raises(RouterError):
+        router.finished("b")
 
 
 def test_the_core_moves_a_request_sent_past_its_first_choice() -> None:

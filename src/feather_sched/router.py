@@ -70,21 +70,29 @@ class PrefixIndex:
         fewest = min(sizes.get(r, 0) for r in replicas)
         return [r for r in replicas if sizes.get(r, 0) == fewest]
 
-    def add(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
+    def add(self, replica: Replica, keys: Sequence[ChunkKey]) -> int:
+        """Count a request's keys on ``replica``; returns how many leading keys it had an
+        entry for already (what ``withdraw`` must keep)."""
         owners, idle, sizes = self._owners, self._idle, self.sizes
+        known, leading = 0, True
         for key in keys:
             holders = owners.get(key)
             if holders is None:
                 owners[key] = {replica: 1}
                 sizes[replica] = sizes.get(replica, 0) + 1
+                leading = False
                 continue
             count = holders.get(replica)
             if count is None:
                 sizes[replica] = sizes.get(replica, 0) + 1
                 count = 0
+                leading = False
+            elif leading:
+                known += 1
             if not count:  # the key may have been idle everywhere
                 idle.pop(key, None)
             holders[replica] = count + 1
+        return known
 
     def release(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
         """Uncount keys ``add`` counted on ``replica``; keys left at zero everywhere idle."""
@@ -97,16 +105,20 @@ class PrefixIndex:
                 idle[key] = None
         self._evict()
 
-    def withdraw(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
-        """Uncount keys ``add`` counted on ``replica`` for a request that never ran there:
-        a key left at zero on it is forgotten for it, not kept idle (it does not cache
-        what it never served; an older idle entry of that key goes too)."""
+    def withdraw(self, replica: Replica, keys: Sequence[ChunkKey], known: int) -> None:
+        """Uncount keys ``add`` counted on ``replica`` (and returned ``known`` for) for a
+        request that never ran there: a key that ``add`` gave the replica its entry for
+        and that no other request counts is forgotten for it, not kept idle (it does not
+        cache what it never served); the ``known`` leading keys are released as usual."""
         owners, idle, sizes = self._owners, self._idle, self.sizes
-        for key in reversed(keys):
+        for depth in range(len(keys) - 1, -1, -1):
+            key = keys[depth]
             holders = owners[key]
             left = holders[replica] - 1
-            if left:
+            if left or depth < known:
                 holders[replica] = left
+                if not left and not any(holders.values()):
+                    idle[key] = None
                 continue
             del holders[replica]
             sizes[replica] -= 1
@@ -158,7 +170,8 @@ class Router:
         self._rng = random.Random(seed)
         self._load: dict[Replica, int] = {}
         self._replicas: list[Replica] = []
-        self._requests: dict[RequestId, tuple[Replica, Sequence[ChunkKey]]] = {}
+        self._requests: dict[RequestId, tuple[Replica, Sequence[ChunkKey], object]] = {}
+        """Each routed request: its replica, chunk keys and what ``_routed`` returned."""
         self._on_replica: dict[Replica, dict[RequestId, None]] = {}
         for replica in replicas:
             self.add_replica(replica)
@@ -204,10 +217,8 @@ class Router:
             raise RouterError(f"replica {replica!r} is not live")
         if request_id not in self._requests:
             raise RouterError(f"request {request_id!r} is not routed")
-        first, keys = self._requests.pop(request_id)
-        del self._on_replica[first][request_id]
-        self._load[first] -= 1
-        self._withdrawn(first, keys)
+        keys = self._requests[request_id][1]
+        self.withdraw(request_id)
         self._assign(request_id, keys, replica)
 
     def route_tokens(self, request_id: RequestId, tokens: Sequence[int]) -> Replica:
@@ -215,16 +226,29 @@ class Router:
         return self.route(request_id, token_chunk_keys(tokens, self.chunk_tokens))
 
     def finished(self, request_id: RequestId) -> Replica:
-        """A routed request ended (any way); returns its replica.  Once per request."""
+        """A routed request ended (any way) after its replica took it; returns the
+        replica.  Once per request (or ``withdraw``)."""
+        replica, keys, _ = self._end(request_id)
+        self._finished(replica, keys)
+        return replica
+
+    def withdraw(self, request_id: RequestId) -> Replica:
+        """A routed request ended before its replica took it (refused, or cancelled
+        before it was sent): as ``finished``, but the replica is not taken to have served
+        its prefix.  Returns the replica.  Once per request (or ``finished``)."""
+        replica, keys, memo = self._end(request_id)
+        self._withdrawn(replica, keys, memo)
+        return replica
+
+    def _end(self, request_id: RequestId) -> tuple[Replica, Sequence[ChunkKey], object]:
         try:
-            replica, keys = self._requests.pop(request_id)
+            ended = self._requests.pop(request_id)
         except KeyError:
             raise RouterError(f"request {request_id!r} is not routed (finished, returned "
                               "or never routed)") from None
-        del self._on_replica[replica][request_id]
-        self._load[replica] -= 1
-        self._finished(replica, keys)
-        return replica
+        del self._on_replica[ended[0]][request_id]
+        self._load[ended[0]] -= 1
+        return ended
 
     def add_replica(self, replica: Replica) -> None:
         if replica in self._load:
@@ -248,24 +272,25 @@ class Router:
 
     def _assign(self, request_id: RequestId, keys: Sequence[ChunkKey],
                 replica: Replica) -> None:
-        self._requests[request_id] = (replica, keys)
         self._on_replica[replica][request_id] = None
         self._load[replica] += 1
-        self._routed(replica, keys)
+        self._requests[request_id] = (replica, keys, self._routed(replica, keys))
 
     # ---- for the rules ----------------------------------------------------------------
 
     def _choose(self, keys: Sequence[ChunkKey]) -> Replica:
         raise NotImplementedError
 
-    def _routed(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
-        """A request was routed to ``replica``."""
+    def _routed(self, replica: Replica, keys: Sequence[ChunkKey]) -> object:
+        """A request was routed to ``replica``; what it returns is handed back to
+        ``_withdrawn`` if the request is withdrawn."""
+        return None
 
     def _finished(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
         """A request routed to ``replica`` finished."""
 
-    def _withdrawn(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
-        """A request routed to ``replica`` was moved elsewhere before it ran there."""
+    def _withdrawn(self, replica: Replica, keys: Sequence[ChunkKey], memo: object) -> None:
+        """A request routed to ``replica`` ended or moved before it ran there."""
 
     def _removed(self, replica: Replica) -> None:
         """``replica`` died."""
@@ -297,9 +322,10 @@ class FeatherRouter(Router):
     past the bound the request goes to the less loaded of two random replicas, which then
     holds the group too: a group one replica cannot keep up with spreads to as many
     replicas as it needs, and its requests are balanced over them.  A prefix nobody holds
-    (a new group) goes to the least loaded of the replicas holding the fewest prefix keys,
-    so groups spread evenly before load tells them apart (with Zipf popularity the hot
-    groups come first and land on different replicas).
+    (a new group) goes to the least loaded of the replicas within the bound that hold the
+    fewest prefix keys, so groups spread evenly before load tells them apart (with Zipf
+    popularity the hot groups come first and land on different replicas); a prompt too
+    short for a chunk key, to the least loaded replica.
 
     Defaults: ``balance_abs=32`` and ``balance_rel=1.1`` are SGLang's; a bound in
     requests, not tokens, because requests are what the router sees.  Cost per request:
@@ -322,23 +348,26 @@ class FeatherRouter(Router):
         super().__init__(replicas, seed=seed, chunk_tokens=chunk_tokens)
 
     def _choose(self, keys: Sequence[ChunkKey]) -> Replica:
+        if not keys:  # nothing to share (a prompt shorter than a chunk)
+            return self._least_loaded(self._replicas)
         _, holders = self.index.match(keys)
-        if not holders:
-            return self._least_loaded(self.index.fewest_keys(self._replicas))
         load = self._load
         floor = min(load.values())
         bound = max(floor + self.balance_abs, floor * self.balance_rel)
+        if not holders:
+            within = [r for r in self._replicas if load[r] <= bound]
+            return self._least_loaded(self.index.fewest_keys(within))
         fit = [r for r in holders if load[r] <= bound]
         return self._least_loaded(fit) if fit else self._two_choices()
 
-    def _routed(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
-        self.index.add(replica, keys)
+    def _routed(self, replica: Replica, keys: Sequence[ChunkKey]) -> int:
+        return self.index.add(replica, keys)
 
     def _finished(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
         self.index.release(replica, keys)
 
-    def _withdrawn(self, replica: Replica, keys: Sequence[ChunkKey]) -> None:
-        self.index.withdraw(replica, keys)
+    def _withdrawn(self, replica: Replica, keys: Sequence[ChunkKey], memo: object) -> None:
+        self.index.withdraw(replica, keys, memo)  # type: ignore[arg-type]
 
     def _removed(self, replica: Replica) -> None:
         self.index.drop(replica)

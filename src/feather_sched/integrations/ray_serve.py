@@ -15,7 +15,8 @@ exactly-once contract is kept as follows.
   ``on_request_routed`` moves it there in the core.
 * **Finished once.**  An accepted request finishes in the core when its ``ReplicaResult``
   completes (any way: done, failed, cancelled), through a callback on that very result.
-  A reservation that is never accepted is released when Ray cancels its pending request,
+  A reservation that is never accepted is withdrawn (``Router.withdraw``: its replica is
+  not taken to cache its prefix) when Ray cancels its pending request,
   or when its send attempt completes without acceptance (rejected by a full replica,
   cancelled during the rejection round trip, failed); a retry routes it again.
 * **Dead replicas.**  ``on_replica_actor_died`` and ``update_replicas`` keep the core's
@@ -111,7 +112,7 @@ class FeatherRequestRouter(RequestRouter):
         key = reservation.key
         if self.core.replica_of(key) != replica_id:
             if replica_id not in self._replica_id_set:
-                self.core.finished(key)
+                self.core.withdraw(key)
                 return
             self.core.move(key, replica_id)
         loop = self._event_loop
@@ -126,7 +127,7 @@ class FeatherRequestRouter(RequestRouter):
             if (reservation.sent_to == replica_id
                     and reservation.watched is reservation.request.future):
                 self._unreserve(handle)
-                self._finish(reservation.key)
+                self._withdraw(reservation.key)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -161,7 +162,7 @@ class FeatherRequestRouter(RequestRouter):
             return
         if future.cancelled():  # abandoned before any send
             self._unreserve(handle)
-            self._finish(reservation.key)
+            self._withdraw(reservation.key)
         elif future.exception() is None:
             reservation.sent_to = future.result().replica_id
 
@@ -178,6 +179,11 @@ class FeatherRequestRouter(RequestRouter):
     def _finish(self, key: int) -> None:
         if key in self.core:  # not returned by remove_replica meanwhile
             self.core.finished(key)
+
+    def _withdraw(self, key: int) -> None:
+        """Release a reservation no replica accepted (no prefix served anywhere)."""
+        if key in self.core:
+            self.core.withdraw(key)
 
     def _sync_replicas(self) -> None:
         live = self._replica_id_set
