@@ -68,7 +68,9 @@ def expected() -> dict[Key, list[int]]:
     return {key: list(out.outputs[0].token_ids) for key, out in zip(keys, outputs, strict=True)}
 
 
-CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'forbidden' %}"
+                 "{{ raise_exception('no forbidden role') }}{% endif %}"
+                 "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}[assistant] {% endif %}")
 """Given with ``--chat-template``, in place of the model's own."""
 
@@ -216,6 +218,10 @@ def test_chat_completions_render_the_given_chat_template_and_stream(url) -> None
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]
     assert post(url, "/v1/chat/completions", {"messages": image})[0] == 400
     assert post(url, "/v1/chat/completions", {"messages": []})[0] == 400
+    status, refused, _ = post(url, "/v1/chat/completions", {
+        "messages": [{"role": "forbidden", "content": "x"}]})
+    assert status == 400 and "no forbidden role" in json.dumps(refused)
+    assert post(url, "/v1/chat/completions", {**chat, "max_completion_tokens": 0})[0] == 400
 
 
 def test_the_api_key_guards_every_endpoint(url) -> None:
@@ -225,6 +231,7 @@ def test_the_api_key_guards_every_endpoint(url) -> None:
     for headers in ({"Content-Type": "application/json"}, wrong):
         assert post(url, "/v1/completions", completion, headers) == (
             401, {"error": "Unauthorized"}, None)
+        assert post(url, "/v1/completions", {"bad": 1}, headers)[0] == 401  # key first
         assert post(url, "/v1/chat/completions", chat, headers)[0] == 401
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(urllib.request.Request(f"{url}/v1/models", headers=headers),
@@ -236,9 +243,12 @@ def test_the_api_key_guards_every_endpoint(url) -> None:
 def test_server_options_the_endpoint_would_drop_are_refused_before_anything_starts(
         tmp_path) -> None:
     argv = vllm_server_args(None, {}, [], kv_cache_gib=KV_GIB, environ={})
-    assert unserved_server_flags([*argv, "--port", "9000", "--api-key", "k"]) == []
-    dropped = [*argv, "--ssl-keyfile", "key.pem", "--root-path", "/x"]
-    assert sorted(unserved_server_flags(dropped)) == ["--root-path", "--ssl-keyfile"]
+    assert unserved_server_flags([*argv, "--port", "9000", "--api-key", "k"]) == ([], [])
+    dropped = [*argv, "--ssl-keyfile", "key.pem", "--root-path", "/x", "--max-log-len", "9"]
+    refused, ignored = unserved_server_flags(dropped)
+    assert sorted(refused) == ["--root-path", "--ssl-keyfile"] and ignored == ["--max-log-len"]
+    with pytest.raises(ValueError, match="--tokenizer-mode 'mistral'"):
+        build_app([*argv, "--tokenizer-mode", "mistral"], replicas=2)
     with pytest.raises(ValueError, match="does not apply --ssl-keyfile"):
         build_app([*argv, "--ssl-keyfile", "key.pem"], replicas=2)
     with pytest.raises(ValueError, match="--chat-template"):

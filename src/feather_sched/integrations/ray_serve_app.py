@@ -22,17 +22,18 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from jinja2 import TemplateError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
@@ -49,6 +50,7 @@ ROUTERS = {
 """Request routers by name: Feather's and Ray's own two (Serve's default is power-of-two;
 ``ray.serve.llm.request_router.PrefixCacheAffinityRouter`` is an empty subclass of the one
 named here, but its module needs ``pyarrow``)."""
+logger = logging.getLogger(__name__)
 REPLICA_HEADER = "x-feather-replica"
 """Response header naming the replica (its Ray actor name) that served the completion."""
 MAX_ONGOING_REQUESTS = 1024
@@ -69,6 +71,7 @@ class Completion:
     """``vllm.SamplingParams`` arguments."""
 
 
+Request_ = TypeVar("Request_", bound="_GenerationRequest")
 Choice = dict[str, Any]
 WholeChoice = Callable[[dict[str, Any]], Choice]
 """The choice of a whole completion, from its merged deltas (``_merged``)."""
@@ -145,19 +148,34 @@ SERVED_SERVER_FLAGS = frozenset({"host", "port", "api_key", "chat_template",
                                  "enable_prompt_tokens_details", "model_tag", "config"})
 """``vllm serve`` options beyond the engine's that the replicas' endpoint applies (the
 ingress always reports cached prompt tokens)."""
+LOGGING_SERVER_FLAGS = frozenset({
+    "uvicorn_log_level", "disable_uvicorn_access_log", "disable_access_log_for_endpoints",
+    "max_log_len", "enable_log_outputs", "enable_log_deltas", "log_error_stack",
+    "disable_fastapi_docs"})
+"""``vllm serve`` options about its own logs and docs: ignored with a warning."""
+TOKENIZER_MODES = ("auto", "hf", "slow")
+"""``--tokenizer-mode`` values the ingress's Hugging Face tokenizer can follow."""
 
 
-def unserved_server_flags(argv: list[str]) -> list[str]:
+def unserved_server_flags(argv: list[str]) -> tuple[list[str], list[str]]:
     """The ``vllm serve`` server options (not engine arguments) that ``argv`` sets to other
-    than their defaults and the replicas' endpoint does not apply, as ``--flags``."""
+    than their defaults and the replicas' endpoint does not apply, as ``--flags``: those
+    that change what is served (refused), and those about logs and docs (ignored)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     parser = _vllm_parser()
     args = vars(parse_vllm_args(argv))
     engine = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
-    return [f"--{name.replace('_', '-')}" for name, value in args.items()
-            if name not in engine and name not in SERVED_SERVER_FLAGS
-            and value != parser.get_default(name)]
+    unserved = [name for name, value in args.items()
+                if name not in engine and name not in SERVED_SERVER_FLAGS
+                and value != parser.get_default(name)]
+    refused = [name for name in unserved if name not in LOGGING_SERVER_FLAGS]
+    ignored = [name for name in unserved if name in LOGGING_SERVER_FLAGS]
+    return _flags(refused), _flags(ignored)
+
+
+def _flags(names: list[str]) -> list[str]:
+    return [f"--{name.replace('_', '-')}" for name in names]
 
 
 @serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS)
@@ -173,6 +191,10 @@ class VLLMReplica:
         args = AsyncEngineArgs.from_cli_args(parse_vllm_args(argv))
         self.engine = AsyncLLM.from_engine_args(args)
         self.name = serve.get_replica_context().replica_id.to_full_id_str()
+        self.defaults = {"max_tokens": None,
+                         **self.engine.model_config.get_diff_sampling_param()}
+        """What vLLM's server applies where a request is silent: the model's generation
+        config (``--generation-config``), else no token limit below the model's length."""
 
     async def generate(self, call: Completion) -> AsyncIterator[dict[str, Any]]:
         """Deltas of one completion: text, token ids, finish reason, prompt and cached
@@ -182,7 +204,8 @@ class VLLMReplica:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         try:
-            params = SamplingParams(**call.sampling, output_kind=RequestOutputKind.DELTA)
+            params = SamplingParams(**{**self.defaults, **call.sampling},
+                                    output_kind=RequestOutputKind.DELTA)
             prompt = TokensPrompt(prompt_token_ids=call.prompt_token_ids)
             async for output in self.engine.generate(prompt, params, call.request_id):
                 choice = output.outputs[0]
@@ -263,24 +286,20 @@ class ChatMessage(BaseModel):
 class ChatRequest(_GenerationRequest):
     """The OpenAI chat completion fields served (text messages, one choice).  Without
     ``max_completion_tokens`` or ``max_tokens`` a completion may run to the model's
-    length limit, as vLLM's own server."""
+    length limit (or its generation config's), as with vLLM's own server."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
 
     def sampling_params(self) -> dict[str, Any]:
-        limit = self.max_completion_tokens or self.max_tokens
-        return {"max_tokens": limit, **self.sampling(
-            frozenset({"messages", "max_tokens", "max_completion_tokens"}))}
+        limit = self.max_tokens if self.max_completion_tokens is None else \
+            self.max_completion_tokens
+        given = self.sampling(frozenset({"messages", "max_tokens", "max_completion_tokens"}))
+        return given if limit is None else {"max_tokens": limit, **given}
 
 
 api = FastAPI(title="feather serve --replicas")
-
-
-@api.exception_handler(RequestValidationError)
-async def _bad_request(_: Request, error: RequestValidationError) -> JSONResponse:
-    return _error(400, str(error.errors()))
 
 
 @serve.deployment(max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
@@ -289,13 +308,14 @@ class OpenAIIngress:
     """The OpenAI-compatible front of the replicas (see the module docstring)."""
 
     def __init__(self, replicas: DeploymentHandle, model_name: str, tokenizer: str,
-                 api_keys: list[str], chat_template: str | None) -> None:
+                 tokenizer_options: dict[str, Any], api_keys: list[str],
+                 chat_template: str | None) -> None:
         from transformers import AutoTokenizer
         from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
         self.replicas = replicas.options(stream=True, method_name="generate")
         self.model_name = model_name
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer, **tokenizer_options)
         self.chat_template = chat_template
         # vLLM's own check of "Authorization: Bearer <key>" (hashed, constant time)
         self.auth = AuthenticationMiddleware(None, api_keys) if api_keys else None
@@ -306,6 +326,16 @@ class OpenAIIngress:
             return None
         return JSONResponse({"error": "Unauthorized"}, status_code=401)
 
+    async def _admit(self, request: Request, model: type[Request_]) -> Request_ | JSONResponse:
+        """The request's body as ``model`` once its API key is checked (before the body,
+        as vLLM's server does), else the error to answer."""
+        if (refused := self._unauthorized(request)) is not None:
+            return refused
+        try:
+            return model.model_validate_json(await request.body())
+        except ValidationError as error:
+            return _error(400, str(error.errors(include_url=False)))
+
     @api.get("/v1/models")
     async def models(self, request: Request) -> Any:
         if (refused := self._unauthorized(request)) is not None:
@@ -315,9 +345,10 @@ class OpenAIIngress:
                                             "owned_by": "feather-sched"}]}
 
     @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        if (refused := self._unauthorized(request)) is not None:
-            return refused
+    async def completions(self, request: Request) -> Any:
+        body = await self._admit(request, CompletionRequest)
+        if isinstance(body, JSONResponse):
+            return body
         if isinstance(body.prompt, str):
             ids, text = self.tokenizer.encode(body.prompt), body.prompt
         else:
@@ -330,12 +361,16 @@ class OpenAIIngress:
             delta=lambda chunk, _: _choice(chunk, with_ids))
 
     @api.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatRequest, request: Request) -> Any:
-        if (refused := self._unauthorized(request)) is not None:
-            return refused
-        text = self.tokenizer.apply_chat_template(
-            [message.for_template() for message in body.messages],
-            chat_template=self.chat_template, add_generation_prompt=True, tokenize=False)
+    async def chat_completions(self, request: Request) -> Any:
+        body = await self._admit(request, ChatRequest)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [message.for_template() for message in body.messages],
+                chat_template=self.chat_template, add_generation_prompt=True, tokenize=False)
+        except (ValueError, TemplateError) as error:  # no template; the template refused
+            return _error(400, f"chat template: {error}")
         ids = self.tokenizer.encode(text, add_special_tokens=False)  # as tokenize=True
         return await self._serve(
             body, Completion(f"chatcmpl-{uuid.uuid4().hex}", ids, text,
@@ -425,10 +460,14 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
     """
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}: use {', '.join(ROUTERS)}")
-    if unserved := unserved_server_flags(argv):
-        raise ValueError(f"feather serve --replicas does not apply {', '.join(unserved)}: "
+    refused, ignored = unserved_server_flags(argv)
+    if refused:
+        raise ValueError(f"feather serve --replicas does not apply {', '.join(refused)}: "
                          "of vLLM's server options its endpoint applies --host, --port, "
                          "--api-key and --chat-template (and every engine argument)")
+    if ignored:
+        logger.warning("feather serve --replicas ignores %s (the server's own logs and "
+                       "docs)", ", ".join(ignored))
     if replicas < 1 or not cpus_per_replica > 0:
         raise ValueError(f"need replicas >= 1 and cpus_per_replica > 0, got {replicas} and "
                          f"{cpus_per_replica}")
@@ -441,8 +480,15 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
         chat_template = load_chat_template(args.chat_template)
     except (OSError, VLLMClientError) as error:
         raise ValueError(f"--chat-template: {error}") from None
+    if args.tokenizer_mode not in TOKENIZER_MODES:
+        raise ValueError(f"feather serve --replicas tokenizes with Hugging Face: "
+                         f"--tokenizer-mode {args.tokenizer_mode!r} is not served (use "
+                         f"{', '.join(TOKENIZER_MODES)})")
     model_name = (args.served_model_name or [args.model])[0]
     tokenizer = args.tokenizer or args.model
+    tokenizer_options = {"revision": args.tokenizer_revision or args.revision,
+                         "trust_remote_code": args.trust_remote_code,
+                         "use_fast": args.tokenizer_mode != "slow"}
     options = dict(router_options or {})
     if router == "feather":
         options.setdefault("tokenizer", tokenizer)
@@ -455,4 +501,5 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[router],
                                                   request_router_kwargs=options),
     ).bind(argv, replica_env)
-    return OpenAIIngress.bind(replica, model_name, tokenizer, api_keys, chat_template)
+    return OpenAIIngress.bind(replica, model_name, tokenizer, tokenizer_options, api_keys,
+                              chat_template)
