@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 from bisect import bisect_left
 from collections.abc import Hashable, Iterable, Sequence
+from typing import cast
 
 from feather_sched.cht import DEFAULT_CHUNK_TOKENS, token_chunk_keys
 
@@ -367,7 +368,7 @@ class FeatherRouter(Router):
         self.index.release(replica, keys)
 
     def _withdrawn(self, replica: Replica, keys: Sequence[ChunkKey], memo: object) -> None:
-        self.index.withdraw(replica, keys, memo)  # type: ignore[arg-type]
+        self.index.withdraw(replica, keys, cast(int, memo))  # what _routed returned
 
     def _removed(self, replica: Replica) -> None:
         self.index.drop(replica)
