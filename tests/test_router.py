@@ -93,6 +93,15 @@ def test_idle_prefixes_are_forgotten_deepest_first_past_the_limit() -> None:
     assert len(index) == 2 and index.sizes == {"r": 2}
 
 
+def test_a_dead_replicas_keys_turn_idle_deepest_first() -> None:
+    index = PrefixIndex(max_idle_keys=2)
+    index.add("a", [1, 2, 3])
+    index.add("b", [1, 2, 3])
+    index.release("a", [1, 2, 3])  # still counted by b: not idle yet
+    index.drop("b")
+    assert index.match([1, 2, 3]) == (2, {"a": 0})  # key 3 forgotten, the prefix kept
+
+
 def test_a_dead_replica_is_never_chosen_and_its_requests_come_back_once() -> None:
     router = FeatherRouter(range(3), seed=1)
     routed = {f"q{i}": router.route(f"q{i}", group(i % 2, i)) for i in range(12)}

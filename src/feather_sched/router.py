@@ -131,17 +131,20 @@ class PrefixIndex:
         self._evict()
 
     def drop(self, replica: Replica) -> None:
-        """Forget a replica everywhere (a dead one)."""
+        """Forget a replica everywhere (a dead one).  Keys it alone counted turn idle,
+        deepest first (keys enter the index shallowest first), as ``release`` leaves them."""
         self.sizes.pop(replica, None)
+        idle, newly_idle = self._idle, []
         for key in list(self._owners):
             holders = self._owners[key]
             if holders.pop(replica, None) is None:
                 continue
             if not holders:
                 del self._owners[key]
-                self._idle.pop(key, None)
-            elif not any(holders.values()):
-                self._idle[key] = None
+                idle.pop(key, None)
+            elif key not in idle and not any(holders.values()):
+                newly_idle.append(key)
+        idle.update(dict.fromkeys(reversed(newly_idle)))
         self._evict()
 
     def _evict(self) -> None:
