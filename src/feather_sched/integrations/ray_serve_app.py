@@ -71,7 +71,7 @@ class Completion:
     """``vllm.SamplingParams`` arguments."""
 
 
-Request_ = TypeVar("Request_", bound="_GenerationRequest")
+RequestModel = TypeVar("RequestModel", bound="_GenerationRequest")
 Choice = dict[str, Any]
 WholeChoice = Callable[[dict[str, Any]], Choice]
 """The choice of a whole completion, from its merged deltas (``_merged``)."""
@@ -326,7 +326,7 @@ class OpenAIIngress:
             return None
         return JSONResponse({"error": "Unauthorized"}, status_code=401)
 
-    async def _admit(self, request: Request, model: type[Request_]) -> Request_ | JSONResponse:
+    async def _admit(self, request: Request, model: type[RequestModel]) -> RequestModel | JSONResponse:
         """The request's body as ``model`` once its API key is checked (before the body,
         as vLLM's server does), else the error to answer."""
         if (refused := self._unauthorized(request)) is not None:
