@@ -326,7 +326,8 @@ class OpenAIIngress:
             return None
         return JSONResponse({"error": "Unauthorized"}, status_code=401)
 
-    async def _admit(self, request: Request, model: type[RequestModel]) -> RequestModel | JSONResponse:
+    async def _admit(self, request: Request,
+                     model: type[RequestModel]) -> RequestModel | JSONResponse:
         """The request's body as ``model`` once its API key is checked (before the body,
         as vLLM's server does), else the error to answer."""
         if (refused := self._unauthorized(request)) is not None:
