@@ -112,14 +112,11 @@ class PrefixIndex:
         and that no other request counts is forgotten for it, not kept idle (it does not
         cache what it never served); the ``known`` leading keys are released as usual."""
         owners, idle, sizes = self._owners, self._idle, self.sizes
-        for depth in range(len(keys) - 1, -1, -1):
-            key = keys[depth]
+        for key in reversed(keys[known:]):  # deepest first, as release
             holders = owners[key]
             left = holders[replica] - 1
-            if left or depth < known:
+            if left:
                 holders[replica] = left
-                if not left and not any(holders.values()):
-                    idle[key] = None
                 continue
             del holders[replica]
             sizes[replica] -= 1
@@ -128,7 +125,7 @@ class PrefixIndex:
                 idle.pop(key, None)
             elif not any(holders.values()):
                 idle[key] = None
-        self._evict()
+        self.release(replica, keys[:known])
 
     def drop(self, replica: Replica) -> None:
         """Forget a replica everywhere (a dead one).  Keys it alone counted turn idle,
