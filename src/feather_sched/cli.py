@@ -259,12 +259,13 @@ def serve(
 
     With --replicas N > 1 (or --address), N engines on Ray Serve behind one endpoint,
     routed by prefix with FeatherRequestRouter; engine arguments apply to every replica,
-    and of vLLM's server arguments --host and --port.
+    and of vLLM's server arguments --host, --port, --api-key and --chat-template (others
+    are refused).
     """
     import os
     import shlex
 
-    from feather_sched.serve import SERVER_MODULE, serve_replicas, vllm_server_args
+    from feather_sched.serve import serve_replicas, server_command, vllm_server_args
 
     options = _json_option(feather_options, "--feather-options")
     if gate:
@@ -274,7 +275,7 @@ def serve(
                                 on_cpu=_on_cpu())
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
-    command = [sys.executable, "-m", SERVER_MODULE, *argv]
+    command = server_command(argv)
     if dry_run:
         console.print(shlex.join(command), highlight=False)
         return

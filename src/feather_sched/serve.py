@@ -48,9 +48,14 @@ def vllm_server_command(model: str | None, feather: dict, passthrough: list[str]
                         kv_cache_gib: float | None = None, on_cpu: bool = True,
                         environ: Mapping[str, str] = os.environ) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server`` with ``vllm_server_args``."""
-    return [sys.executable, "-m", SERVER_MODULE,
-            *vllm_server_args(model, feather, passthrough, kv_cache_gib=kv_cache_gib,
-                              on_cpu=on_cpu, environ=environ)]
+    return server_command(vllm_server_args(model, feather, passthrough,
+                                           kv_cache_gib=kv_cache_gib, on_cpu=on_cpu,
+                                           environ=environ))
+
+
+def server_command(argv: list[str]) -> list[str]:
+    """``python -m vllm.entrypoints.openai.api_server`` with ``argv``."""
+    return [sys.executable, "-m", SERVER_MODULE, *argv]
 
 
 def vllm_server_args(model: str | None, feather: dict, passthrough: list[str], *,
