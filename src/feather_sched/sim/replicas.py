@@ -5,7 +5,7 @@ always advances the replica whose next event is earliest, and routes each arriva
 arrival time, after every step that starts before it.  The router sees a request finish
 at the simulated time it finished (finishes wait in a heap until the clock passes them),
 so its view of load is what a real router would have: requests routed and not finished.
-Chunk keys are computed once per request for the router (``cht.token_chunk_keys`` at the
+Chunk keys are computed once per request for the router (``Router.route_tokens``, at the
 router's ``chunk_tokens``), as a real router would from token ids; the router's own CPU
 time is not charged to the clock (``benchmarks/replicas/router_overhead.py`` measures it).
 """
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from feather_sched.bench.records import RequestRecord
 from feather_sched.bench.report import RunResult, Summary, summarize
-from feather_sched.cht import token_chunk_keys
 from feather_sched.router import Router
 from feather_sched.sim.cost import CostModel
 from feather_sched.sim.engine import Policy, SimEngine, SimResult
@@ -85,8 +84,7 @@ def run_replicas(workload: Workload, router: Router,
     for spec in workload.requests:
         _advance(steppers, spec.arrival_s)
         _deliver(router, finishes, spec.arrival_s)
-        replica = router.route(spec.request_id, token_chunk_keys(spec.prompt,
-                                                                router.chunk_tokens))
+        replica = router.route_tokens(spec.request_id, spec.prompt)
         engines[replica][0].add(spec)
     _advance(steppers, math.inf)
     _deliver(router, finishes, math.inf)
