@@ -2,9 +2,12 @@
 off, under the fairness bound (Feather's default) and without it; plus how fast the
 learning gates learn (the first 100 steps, cold vs warm).
 
-    .venv/bin/python benchmarks/gate/ablation.py
+    .venv/bin/python benchmarks/gate/ablation.py [--seeds N] [--jobs J]
 
-Llama-3-8B in the simulator.  Cells: the issue's ordering-off cell (8 groups x 100, 10K
+Llama-3-8B in the simulator, ``--seeds`` workload seeds per cell (arrivals, group sizes,
+prompts; default 5): the seed moves the ordering-off cell's model / always-add between
+about 1.1x and 1.4x, so the tables give the median and the range of per-seed ratios.
+Cells: the issue's ordering-off cell (8 groups x 100, 10K
 prefixes at 100 req/s on RTX 6000 Ada, whose L2 holds a 10K prefix per layer); a large
 batch of one group with singletons of new long-prefix groups arriving; many long-prefix
 groups under KV-pool pressure (a pool of 16 prefixes for 32 groups); two of the sweep's
@@ -15,10 +18,13 @@ GPU's profile, "model (cold)" from nothing.  Writes ablation.json and ablation.m
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
+import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from feather_sched.bench.report import summarize
@@ -41,25 +47,33 @@ def poisson(rate: float) -> ArrivalSpec:
     return ArrivalSpec(kind="poisson", rate=rate)
 
 
-def groups(n: int, per: int, prefix: int, output: int, rate: float | None):
+def groups(n: int, per: int, prefix: int, output: int, rate: float | None, seed: int = 0):
     return shared_prefix_groups(groups=n, prompts_per_group=per, prefix_len=prefix,
                                 suffix_len=20, output_len=output,
-                                arrival=None if rate is None else poisson(rate), seed=0)
+                                arrival=None if rate is None else poisson(rate), seed=seed)
 
 
-CELLS = {
-    "ordering-off cell (8x100, 10K, 100/s)": ("rtx6000-ada", groups(8, 100, 10240, 50, 100),
-                                              None),
+def singletons(seed: int):
+    return minority_groups(majority=400, minorities=[1] * 40, prefix_len=10240,
+                           suffix_len=20, output_len=100, arrival=poisson(60), seed=seed)
+
+
+CELLS = {  # label -> (GPU, workload of a seed, engine limits; None: the GPU's defaults)
+    "ordering-off cell (8x100, 10K, 100/s)": (
+        "rtx6000-ada", lambda seed: groups(8, 100, 10240, 50, 100, seed), None),
     "singletons into one large group (400 + 40x1, 10K, 60/s)": (
-        "rtx6000-ada", minority_groups(majority=400, minorities=[1] * 40, prefix_len=10240,
-                                       suffix_len=20, output_len=100, arrival=poisson(60),
-                                       seed=0), None),
+        "rtx6000-ada", singletons, None),
     "KV-pool pressure (32x16, 16K, pool of 256K tokens, 40/s)": (
-        "h100-sxm", groups(32, 16, 16384, 100, 40), EngineConfig(num_blocks=16384)),
-    "sweep: 8x100, 5K, offline": ("h100-sxm", groups(8, 100, 5120, 50, None), None),
-    "sweep: 100x8, 1K, offline": ("rtx6000-ada", groups(100, 8, 1024, 50, None), None),
-    "small burst (4x40, 10K, 100/s)": ("rtx6000-ada", groups(4, 40, 10240, 50, 100), None),
-    "small burst (16x50, 10K, 100/s)": ("rtx6000-ada", groups(16, 50, 10240, 50, 100), None),
+        "h100-sxm", lambda seed: groups(32, 16, 16384, 100, 40, seed),
+        EngineConfig(num_blocks=16384)),
+    "sweep: 8x100, 5K, offline": (
+        "h100-sxm", lambda seed: groups(8, 100, 5120, 50, None, seed), None),
+    "sweep: 100x8, 1K, offline": (
+        "rtx6000-ada", lambda seed: groups(100, 8, 1024, 50, None, seed), None),
+    "small burst (4x40, 10K, 100/s)": (
+        "rtx6000-ada", lambda seed: groups(4, 40, 10240, 50, 100, seed), None),
+    "small burst (16x50, 10K, 100/s)": (
+        "rtx6000-ada", lambda seed: groups(16, 50, 10240, 50, 100, seed), None),
 }
 
 
@@ -107,14 +121,17 @@ def run(hardware: str, workload, engine: EngineConfig | None, name: str,
     return summarize(result), early
 
 
-def cell_rows(label: str, hardware: str, workload, engine) -> list[dict]:
+def cell_rows(label: str, seed: int) -> list[dict]:
+    """Every column of one cell for one workload seed."""
+    hardware, workload_of, engine = CELLS[label]
+    workload = workload_of(seed)
     rows = []
     table = pretrained_table(hardware)
 
     def record(column: str, ordered: bool | None, bounded: bool | None, name: str,
                options: dict) -> None:
         summary, early = run(hardware, workload, engine, name, options)
-        rows.append({"cell": label, "hardware": hardware, "column": column,
+        rows.append({"cell": label, "seed": seed, "hardware": hardware, "column": column,
                      "ordered": ordered, "bounded": bounded, "scheduler": name,
                      "options": {k: str(v) for k, v in options.items()},
                      "first_steps_requests_per_s": early,
@@ -139,43 +156,74 @@ def cell_rows(label: str, hardware: str, workload, engine) -> list[dict]:
     return rows
 
 
+def spread(values: list[float], fmt: str = "{:.2f}") -> str:
+    """Median and range, e.g. ``1.19 (1.09-1.43)``; the value alone for one seed."""
+    median = fmt.format(statistics.median(values))
+    if len(values) == 1:
+        return median
+    return f"{median} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def ratios(tput: dict[tuple, float], column: str, setting: tuple[bool, bool],
+           over: str | None = None) -> list[float]:
+    """Per seed, ``column``'s throughput over ``over``'s in ``setting`` (bounded, ordered);
+    ``over`` None: over FCFS.  ``tput`` maps (seed, column, bounded, ordered) to tok/s."""
+    below = (over, *setting) if over else ("fcfs", None, None)
+    seeds = sorted({key[0] for key in tput})
+    return [tput[(seed, column, *setting)] / tput[(seed, *below)] for seed in seeds]
+
+
 def markdown(rows: list[dict]) -> str:
+    """Per cell: each column's throughput over FCFS's, and the model gate's over always-add
+    and chunk-loss, as medians (and ranges) of per-seed ratios."""
     columns = (*GATES, "model-cold")
-    lines = []
+    seeds = sorted({r["seed"] for r in rows})
+    lines = [f"Medians over {len(seeds)} workload seeds (range in brackets).", ""]
     for label in dict.fromkeys(r["cell"] for r in rows):
         cell = [r for r in rows if r["cell"] == label]
-        fcfs = next(r for r in cell if r["column"] == "fcfs")["output_throughput"]
-        lines += [f"### {label} ({cell[0]['hardware']}; FCFS {fcfs:,.0f} tok/s)", "",
+        tput = {(r["seed"], r["column"], r["bounded"], r["ordered"]): r["output_throughput"]
+                for r in cell}
+        fcfs = [tput[seed, "fcfs", None, None] for seed in seeds]
+        lines += [f"### {label} ({cell[0]['hardware']}; FCFS "
+                  f"{spread(fcfs, '{:,.0f}')} tok/s)", "",
                   "| bound | ordering | " + " | ".join(columns)
                   + " | model / always | model / chunk-loss |",
                   "|---|---|" + "---|" * (len(columns) + 2)]
         for bounded in (True, False):
             for ordered in (True, False):
-                by = {r["column"]: r["output_throughput"] for r in cell
-                      if r["bounded"] is bounded and r["ordered"] is ordered}
-                ratios = [f"{by[c] / fcfs:.2f}x" for c in columns]
+                setting = (bounded, ordered)
+                over_fcfs = [statistics.median(ratios(tput, c, setting)) for c in columns]
                 lines.append(f"| {'on' if bounded else 'off'} | {'on' if ordered else 'off'} | "
-                             + " | ".join(ratios)
-                             + f" | {by['model'] / by['always']:.3f} | "
-                             f"{by['model'] / by['chunk-loss']:.3f} |")
+                             + " | ".join(f"{r:.2f}x" for r in over_fcfs)
+                             + f" | {spread(ratios(tput, 'model', setting, 'always'), '{:.3f}')}"
+                             f" | {spread(ratios(tput, 'model', setting, 'chunk-loss'), '{:.3f}')}"
+                             " |")
+        early = {column: [r["first_steps_requests_per_s"] for r in cell
+                          if r["column"] == column and r["bounded"] is False
+                          and r["ordered"] is False]
+                 for column in ("bandit", "bandit-pretrained", "model", "model-cold")}
         lines += ["", "First 100 steps, scheduled requests/s (bound off, ordering off): "
-                  + ", ".join(f"{r['column']} {r['first_steps_requests_per_s']:,.0f}"
-                              for r in cell if r["bounded"] is False and r["ordered"] is False
-                              and r["column"] in ("bandit", "bandit-pretrained", "model",
-                                                  "model-cold")), ""]
+                  + ", ".join(f"{column} {spread(values, '{:,.0f}')}"
+                              for column, values in early.items()), ""]
     return "\n".join(lines)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=5, help="workload seeds per cell")
+    parser.add_argument("--jobs", type=int, default=2, help="processes")
+    args = parser.parse_args()
     started = time.perf_counter()
-    rows = []
-    for label, (hardware, workload, engine) in CELLS.items():
-        rows += cell_rows(label, hardware, workload, engine)
-        print(f"{label}: {time.perf_counter() - started:.0f} s", flush=True)
+    for hardware in dict.fromkeys(hardware for hardware, _, _ in CELLS.values()):
+        pretrained_table(hardware)  # once, before the processes read it
+    tasks = [(label, seed) for label in CELLS for seed in range(args.seeds)]
+    with ProcessPoolExecutor(args.jobs) as pool:
+        rows = [row for cell in pool.map(cell_rows, *zip(*tasks, strict=True)) for row in cell]
     (HERE / "ablation.json").write_text(json.dumps(rows, indent=1))
     text = markdown(rows)
     (HERE / "ablation.md").write_text(text + "\n")
     print(text)
+    print(f"{time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

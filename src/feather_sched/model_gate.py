@@ -4,10 +4,10 @@ A candidate of a group the batch does not run brings its group: up to ``lookahea
 waiters that share its prefix follow it, since the tree ranks them first once it runs.
 (The cap is measured, not derived: crediting every waiter makes a mixed batch look cheap
 at the moment of the decision, and churn interleaves it later; with 16 the gate keeps the
-ablation's ordering-off cell homogeneous, 1.38x always-add, and costs 5-13% on short
-bursts, ``benchmarks/gate``.)  The gate prices them two ways, as extra seconds per
-request per step on top of the current batch (the last executed step as a decode step,
-plus what this pass admitted):
+ablation's ordering-off cell homogeneous, 1.37x always-add (median of 5 seeds), and costs
+up to 13% on short bursts, ``benchmarks/gate``.)  The gate prices them two ways, as extra
+seconds per request per step on top of the current batch (the last executed step as a
+decode step, plus what this pass admitted):
 
 * **now**: spread evenly over the batch in the engine's own order (a persistent batch
   gives newcomers the holes finished requests leave, so over their lives a mixed batch
