@@ -17,7 +17,9 @@ sglang-cache-aware, feather; replicas run FCFS or Feather (bandit gate, defaults
 Each cell runs with ``--seeds`` workload seeds (arrivals, popularity and the routers'
 random choices); the simulator charges each scheduler's own Python time to its clock, so
 runs differ a little with the machine's load too.  sim.md gives per pair the median
-ratio to power-of-two + FCFS over the seeds with its range; sim.json every run's figures.
+ratio to power-of-two + FCFS over the seeds with its range, and the prompt tokens
+computed over the floor no router can go below (each group's prefix once); sim.json every
+run's figures.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from concurrent.futures import ProcessPoolExecutor
 from itertools import product
 from pathlib import Path
 
+from feather_sched.bench.records import RequestRecord
 from feather_sched.routers import ROUTERS, make_router
 from feather_sched.sim.hardware import HARDWARE
 from feather_sched.sim.model_profiles import MODELS
@@ -65,14 +68,27 @@ def workload(groups: int, prefix: int, rate: float | None, seed: int) -> Workloa
 
 
 def run(hardware: str, groups: int, prefix: int, rate: float | None, seed: int, router: str,
-        scheduler: str) -> dict:
+        scheduler: str, **router_options: float) -> dict:
+    """One pair on one workload; ``router_options`` go to the router (its thresholds)."""
     plan = SimPlan(workload=workload(groups, prefix, rate, seed), hardware=HARDWARE[hardware],
                    model=MODELS["llama-3-8b"])
-    result = simulate_replicas(plan, make_router(router, range(REPLICAS), seed=seed),
-                               scheduler)
+    result = simulate_replicas(
+        plan, make_router(router, range(REPLICAS), seed=seed, **router_options), scheduler)
     summary = result.summary()
     return {"hardware": hardware, "groups": groups, "seed": seed, "router": router,
-            "scheduler": scheduler, **{k: summary[k] for k in KEYS}}
+            "scheduler": scheduler, **router_options, **{k: summary[k] for k in KEYS},
+            "prefill_over_floor": prefill_over_floor(result.run.records, prefix)}
+
+
+def prefill_over_floor(records: list[RequestRecord], prefix: int) -> float:
+    """Prompt tokens the replicas computed over the fewest any router could leave them:
+    every group's prefix once, every request's own tokens.  1.0 is the floor; what is
+    above it is prefill a better router (or a bigger KV pool) could still save."""
+    computed = sum(r.prompt_len - (r.cached_tokens or 0) for r in records)
+    sharing = [r for r in records if r.group != -1]
+    floor = (sum(r.prompt_len for r in records)
+             - (len(sharing) - len({r.group for r in sharing})) * prefix)
+    return computed / floor
 
 
 def _run(args: tuple) -> dict:
@@ -143,7 +159,8 @@ def markdown(runs: list[dict]) -> str:
               "prefix-affinity + FCFS, imbalance <= 1.3, p99 TTFT <= prefix-affinity + FCFS's; "
               "no loss without sharing.  Ratios per seed, then median (range).", "",
               "| hardware | groups | load | x p2+FCFS | x prefix-affinity+FCFS | imbalance | "
-              "p99 TTFT / prefix-affinity+FCFS's |", "|---|---|---|---|---|---|---|"]
+              "p99 TTFT / prefix-affinity+FCFS's | prefill / floor: ours | "
+              "prefill / floor: prefix-affinity+FCFS |", "|---|---|---|---|---|---|---|---|---|"]
     for (hw, groups, load), by_seed in cells.items():
         pairs = list(by_seed.values())
 
@@ -155,7 +172,9 @@ def markdown(runs: list[dict]) -> str:
             f"{spread(per_seed('output_throughput', BASELINE))}x | "
             f"{spread(per_seed('output_throughput', AFFINITY))}x | "
             f"{spread([p[OURS]['replica_imbalance'] for p in pairs])} | "
-            f"{spread(per_seed('p99_ttft_ms', AFFINITY))} |")
+            f"{spread(per_seed('p99_ttft_ms', AFFINITY))} | "
+            f"{spread([p[OURS]['prefill_over_floor'] for p in pairs])} | "
+            f"{spread([p[AFFINITY]['prefill_over_floor'] for p in pairs])} |")
     return "\n".join(lines) + "\n"
 
 
