@@ -328,8 +328,15 @@ class FeatherRouter(Router):
     popularity the hot groups come first and land on different replicas); a prompt too
     short for a chunk key, to the least loaded replica.
 
-    Defaults: ``balance_abs=32`` and ``balance_rel=1.1`` are SGLang's; a bound in
-    requests, not tokens, because requests are what the router sees.  Cost per request:
+    Defaults: ``balance_abs=32`` is SGLang's, ``balance_rel=1.5`` is not.  With SGLang's
+    1.1 the bound stays 32 requests over the least loaded replica up to 320 queued; where
+    queues are long that passes holders over on queue-length noise and spreads each group
+    over more replicas than its load needs, costing prefill and homogeneous batches.  With
+    1.5 the bound grows with the queues past 64: in the simulator at 3x load with 64
+    groups of 5K-token prefixes, Feather's pair reads 1.19x (H200) and 1.38x (H100) Ray's
+    rule, against 0.95x and 1.27x with 1.1; 2 and 3 lose up to 15% with 10K-token
+    prefixes (``benchmarks/replicas/balance.md``).  A bound in requests, not tokens,
+    because requests are what the router sees.  Cost per request:
     O(keys) dict updates plus O(log keys) look-ups and O(replicas) for the loads
     (``benchmarks/replicas/router_overhead.py``).
     """
@@ -338,7 +345,7 @@ class FeatherRouter(Router):
 
     def __init__(self, replicas: Iterable[Replica] = (), *, seed: int = 0,
                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS, balance_abs: int = 32,
-                 balance_rel: float = 1.1, max_idle_keys: int | None = 1 << 20) -> None:
+                 balance_rel: float = 1.5, max_idle_keys: int | None = 1 << 20) -> None:
         if balance_abs < 0 or balance_rel < 1:
             raise ValueError(f"need balance_abs >= 0 and balance_rel >= 1, got "
                              f"{balance_abs} and {balance_rel}")
