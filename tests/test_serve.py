@@ -15,7 +15,9 @@ import urllib.error
 import urllib.request
 
 import pytest
+from typer.testing import CliRunner
 
+from feather_sched.cli import app
 from feather_sched.serve import (
     KV_FLAG,
     SCHEDULER_CLS,
@@ -66,6 +68,12 @@ def test_bad_options_fail_before_the_server_starts(tmp_path) -> None:
                             environ={})
     with pytest.raises(ValueError, match="sets --scheduler-cls itself"):
         vllm_server_command(None, {}, ["--scheduler-cls", "x.Y"], environ={})
+
+
+def test_a_metrics_port_without_replicas_is_refused() -> None:
+    result = CliRunner().invoke(app, ["serve", "--metrics-port", "9000", "--dry-run"],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "--metrics-port is for --replicas" in result.output
 
 
 def test_feather_serve_answers_feather_bench(tmp_path) -> None:

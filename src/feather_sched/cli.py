@@ -254,6 +254,10 @@ def serve(
                                                 '{"balance_abs": 8}.')] = "{}",
     cpus_per_replica: Annotated[float, typer.Option(help="Ray CPUs (and OpenMP threads) "
                                                     "of each replica.")] = 1.0,
+    metrics_port: Annotated[int | None, typer.Option(help="Where the local Ray cluster "
+                                                     "exports the replicas' metrics for "
+                                                     "Prometheus (default: Ray picks).")]
+    = None,
 ) -> None:
     """vLLM's OpenAI-compatible server with the Feather scheduler; other args pass through.
 
@@ -267,6 +271,9 @@ def serve(
 
     from feather_sched.serve import serve_replicas, server_command, vllm_server_args
 
+    if metrics_port is not None and replicas == 1 and address is None:
+        raise typer.BadParameter("--metrics-port is for --replicas N > 1 (or --address): one "
+                                 "engine serves its metrics at its own /metrics")
     options = _json_option(feather_options, "--feather-options")
     if gate:
         options["gate"] = gate
@@ -283,7 +290,7 @@ def serve(
         try:
             serve_replicas(argv, replicas=replicas, address=address, router=router,
                            router_options=_json_option(router_options, "--router-options"),
-                           cpus_per_replica=cpus_per_replica)
+                           cpus_per_replica=cpus_per_replica, metrics_port=metrics_port)
         except ValueError as error:
             raise typer.BadParameter(str(error)) from None
         return

@@ -123,29 +123,40 @@ def _take(args: list[str], flag: str) -> str | None:
 
 def serve_replicas(argv: list[str], *, replicas: int, address: str | None = None,
                    router: str = "feather", router_options: dict[str, Any] | None = None,
-                   cpus_per_replica: float = 1.0) -> None:
+                   cpus_per_replica: float = 1.0, metrics_port: int | None = None) -> None:
     """Serve ``replicas`` engines built from ``argv`` (``vllm_server_args``) on Ray Serve
     until SIGINT or SIGTERM.
 
     Starts a local Ray cluster (``address=None``, Ray's default) or joins ``address``; the
     endpoint listens on ``argv``'s ``--host`` (default all interfaces) and ``--port``
-    (default 8000).  ValueError for a bad argument, before Ray starts.
+    (default 8000).  The local cluster exports the replicas' vLLM metrics for Prometheus
+    at ``metrics_port`` (default: a port Ray picks); a cluster joined exports them where
+    it was started to (``ray start --metrics-export-port``).  ValueError for a bad
+    argument, before Ray starts.
     """
     import ray
     from ray import serve
 
     from feather_sched.integrations.ray_serve_app import build_app, parse_vllm_args
 
+    if address is not None and metrics_port is not None:
+        raise ValueError("a metrics port is the local cluster's: a cluster joined with "
+                         "--address exports metrics where `ray start --metrics-export-port` "
+                         "said")
     args = parse_vllm_args(argv)
     app = build_app(argv, replicas=replicas, router=router, router_options=router_options,
                     cpus_per_replica=cpus_per_replica)
-    ray.init(address=address)
+    ray.init(address=address, _metrics_export_port=metrics_port)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # after Ray's own, which exits at once
     try:
         serve.start(http_options={"host": args.host or "0.0.0.0", "port": args.port})
         serve.run(app, name="feather", route_prefix="/")
         print(f"feather serve: {replicas} replicas at http://{args.host or '0.0.0.0'}:"
               f"{args.port}/v1", flush=True)
+        if address is None:
+            node = ray.nodes()[0]  # the local cluster's only node
+            print(f"feather serve: replica metrics at http://{node['NodeManagerAddress']}:"
+                  f"{node['MetricsExportPort']}/metrics", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from feather_sched.integrations.ray_serve_app import (
@@ -27,7 +28,7 @@ from feather_sched.integrations.ray_serve_app import (
     unserved_server_flags,
 )
 from feather_sched.models import TINY_LLAMA
-from feather_sched.serve import vllm_server_args
+from feather_sched.serve import serve_replicas, vllm_server_args
 from tests.servers import free_port
 
 vllm = pytest.importorskip("vllm", reason="the vllm extra is not installed")
@@ -76,7 +77,13 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'forbidden' %}"
 
 
 @pytest.fixture(scope="module")
-def url(expected, tmp_path_factory) -> Iterator[str]:
+def metrics_port() -> int:
+    """Where the module's Ray cluster exports metrics for Prometheus."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def url(expected, tmp_path_factory, metrics_port) -> Iterator[str]:
     """Ray (2 CPUs) with the app of two replicas (an API key, a chat template file),
     started after ``expected`` (whose engine is gone by then); torn down after the module."""
     template = tmp_path_factory.mktemp("chat") / "template.jinja"
@@ -87,7 +94,7 @@ def url(expected, tmp_path_factory) -> Iterator[str]:
     app = build_app(argv, replicas=2, router_options={"balance_abs": 2, "balance_rel": 1.0})
     port = free_port()
     started = time.monotonic()
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_port)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app, name="feather", route_prefix="/")
@@ -189,6 +196,32 @@ def test_the_endpoint_speaks_openai(url) -> None:
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
+def vllm_metrics(port: int) -> tuple[float, set[str]]:
+    """From Ray's Prometheus export: vLLM's successful requests summed over replicas, and
+    the replicas that export vLLM metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = [sample for family in text_string_to_metric_families(text)
+               if family.name.startswith("ray_vllm_") for sample in family.samples]
+    succeeded = sum(s.value for s in samples if s.name == "ray_vllm_request_success_total")
+    return succeeded, {s.labels["ReplicaId"] for s in samples if s.labels.get("ReplicaId")}
+
+
+def test_each_replica_exports_vllm_metrics_through_ray(url, metrics_port) -> None:
+    """Ray reports metrics every few seconds: poll until the completions show."""
+    before, _ = vllm_metrics(metrics_port)
+    for i in range(4):
+        assert complete(url, GROUPS["a"][i], 2)[0] == 200
+    deadline = time.monotonic() + 60
+    while True:
+        succeeded, replicas = vllm_metrics(metrics_port)
+        if (succeeded >= before + 4 and len(replicas) >= 2) or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert succeeded >= before + 4
+    assert len(replicas) >= 2  # both replicas' engines (a restarted one's too)
+
+
 def test_chat_completions_render_the_given_chat_template_and_stream(url) -> None:
     from transformers import AutoTokenizer
 
@@ -253,3 +286,5 @@ def test_server_options_the_endpoint_would_drop_are_refused_before_anything_star
         build_app([*argv, "--ssl-keyfile", "key.pem"], replicas=2)
     with pytest.raises(ValueError, match="--chat-template"):
         build_app([*argv, "--chat-template", str(tmp_path / "missing.jinja")], replicas=2)
+    with pytest.raises(ValueError, match="metrics port is the local cluster's"):
+        serve_replicas(argv, replicas=2, address="auto", metrics_port=9000)

@@ -2,7 +2,10 @@
 
 * ``VLLMReplica``: one vLLM ``AsyncLLM`` engine (its arguments are ``vllm serve``'s, so
   ``feather serve``'s Feather scheduler and options come with them); ``generate`` streams
-  a completion's deltas.
+  a completion's deltas.  Its ``vllm:`` metrics go through Ray's metrics (vLLM's
+  ``RayPrometheusStatLogger``, as Ray Serve LLM does), which every Ray node exports in
+  Prometheus form at its metrics export port, as ``ray_vllm_...`` with the Serve
+  replica's ``ReplicaId`` label; ``--disable-log-stats`` turns them off.
 * ``OpenAIIngress``: ``/v1/models``, ``/v1/completions`` (streamed or not, text or
   token-id prompts) and ``/v1/chat/completions`` (streamed or not; text messages rendered
   with the model's chat template).  It tokenizes text once, calls the replicas through a
@@ -186,10 +189,12 @@ class VLLMReplica:
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         os.environ.update(env)  # before vLLM spawns its engine process, which inherits it
         args = AsyncEngineArgs.from_cli_args(parse_vllm_args(argv))
-        self.engine = AsyncLLM.from_engine_args(args)
+        loggers = None if args.disable_log_stats else [RayPrometheusStatLogger]
+        self.engine = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
         self.name = serve.get_replica_context().replica_id.to_full_id_str()
         self.defaults = {"max_tokens": None,
                          **self.engine.model_config.get_diff_sampling_param()}
