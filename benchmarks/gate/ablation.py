@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from feather_sched.bench.report import summarize
+from feather_sched.bench.report import median_and_range, summarize
 from feather_sched.bench.serving import WorkloadArgs
 from feather_sched.sim.cost import CostModel
 from feather_sched.sim.engine import EngineConfig, SimEngine
@@ -156,14 +156,6 @@ def cell_rows(label: str, seed: int) -> list[dict]:
     return rows
 
 
-def spread(values: list[float], fmt: str = "{:.2f}") -> str:
-    """Median and range, e.g. ``1.19 (1.09-1.43)``; the value alone for one seed."""
-    median = fmt.format(statistics.median(values))
-    if len(values) == 1:
-        return median
-    return f"{median} ({fmt.format(min(values))}-{fmt.format(max(values))})"
-
-
 def ratios(tput: dict[tuple, float], column: str, setting: tuple[bool, bool],
            over: str | None = None) -> list[float]:
     """Per seed, ``column``'s throughput over ``over``'s in ``setting`` (bounded, ordered);
@@ -185,7 +177,7 @@ def markdown(rows: list[dict]) -> str:
                 for r in cell}
         fcfs = [tput[seed, "fcfs", None, None] for seed in seeds]
         lines += [f"### {label} ({cell[0]['hardware']}; FCFS "
-                  f"{spread(fcfs, '{:,.0f}')} tok/s)", "",
+                  f"{median_and_range(fcfs, '{:,.0f}')} tok/s)", "",
                   "| bound | ordering | " + " | ".join(columns)
                   + " | model / always | model / chunk-loss |",
                   "|---|---|" + "---|" * (len(columns) + 2)]
@@ -193,17 +185,17 @@ def markdown(rows: list[dict]) -> str:
             for ordered in (True, False):
                 setting = (bounded, ordered)
                 over_fcfs = [statistics.median(ratios(tput, c, setting)) for c in columns]
+                model_over = [median_and_range(ratios(tput, "model", setting, over), "{:.3f}")
+                              for over in ("always", "chunk-loss")]
                 lines.append(f"| {'on' if bounded else 'off'} | {'on' if ordered else 'off'} | "
-                             + " | ".join(f"{r:.2f}x" for r in over_fcfs)
-                             + f" | {spread(ratios(tput, 'model', setting, 'always'), '{:.3f}')}"
-                             f" | {spread(ratios(tput, 'model', setting, 'chunk-loss'), '{:.3f}')}"
-                             " |")
+                             + " | ".join([*(f"{r:.2f}x" for r in over_fcfs), *model_over])
+                             + " |")
         early = {column: [r["first_steps_requests_per_s"] for r in cell
                           if r["column"] == column and r["bounded"] is False
                           and r["ordered"] is False]
                  for column in ("bandit", "bandit-pretrained", "model", "model-cold")}
         lines += ["", "First 100 steps, scheduled requests/s (bound off, ordering off): "
-                  + ", ".join(f"{column} {spread(values, '{:,.0f}')}"
+                  + ", ".join(f"{column} {median_and_range(values, '{:,.0f}')}"
                               for column, values in early.items()), ""]
     return "\n".join(lines)
 

@@ -21,7 +21,9 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from itertools import product
 
-from sim import AFFINITY, BASELINE, HERE, LOADS, OURS, run, spread
+from sim import AFFINITY, BASELINE, HERE, LOADS, OURS, run
+
+from feather_sched.bench.report import median_and_range
 
 BOUNDS = (1.1, 1.5, 2.0, 3.0)
 CELLS = (("h200", 64, 5120), ("h100-sxm", 64, 5120), ("h200", 64, 10240),
@@ -67,7 +69,7 @@ def markdown(runs: list[dict]) -> str:
         ray = [keyed[hw, groups, prefix, load, AFFINITY[0], None, s] for s in seeds]
 
         def ratio(key: str, ours: list = ours, ray: list = ray) -> str:
-            return spread([a[key] / b[key] for a, b in zip(ours, ray, strict=True)])
+            return median_and_range([a[key] / b[key] for a, b in zip(ours, ray, strict=True)])
 
         lines.append(
             f"| {hw} | {groups} | {prefix} | {load:g}x | {bound:g} | "

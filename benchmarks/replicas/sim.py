@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from itertools import product
 from pathlib import Path
 
 from feather_sched.bench.records import RequestRecord
+from feather_sched.bench.report import median_and_range
 from feather_sched.routers import ROUTERS, make_router
 from feather_sched.sim.hardware import HARDWARE
 from feather_sched.sim.model_profiles import MODELS
@@ -126,14 +126,6 @@ def by_cell(runs: list[dict]) -> dict[tuple, dict[int, dict[tuple[str, str], dic
     return cells
 
 
-def spread(values: list[float], fmt: str = "{:.2f}") -> str:
-    """Median and range, e.g. ``1.12 (1.05-1.20)``; the value alone for one seed."""
-    median = fmt.format(statistics.median(values))
-    if len(values) == 1:
-        return median
-    return f"{median} ({fmt.format(min(values))}-{fmt.format(max(values))})"
-
-
 def markdown(runs: list[dict]) -> str:
     """Per cell and pair: output throughput over power-of-two + FCFS (median and range over
     seeds), TTFT, imbalance; then the issue's targets for Feather + Feather."""
@@ -150,11 +142,12 @@ def markdown(runs: list[dict]) -> str:
                      by_seed[s][BASELINE]["output_throughput"] for s in by_seed]
             lines.append(
                 f"| {hw} | {groups or 'none'} | {load:g}x | {pair[0]} | {pair[1]} | "
-                f"{spread([r['output_throughput'] for r in rows], '{:,.0f}')} | "
-                f"{spread(ratio)}x | {spread([r['mean_ttft_ms'] for r in rows], '{:,.0f}')} | "
-                f"{spread([r['p99_ttft_ms'] for r in rows], '{:,.0f}')} | "
-                f"{spread([r['replica_imbalance'] for r in rows])} | "
-                f"{spread([r['prefix_cache_hit_rate'] for r in rows])} |")
+                f"{median_and_range([r['output_throughput'] for r in rows], '{:,.0f}')} | "
+                f"{median_and_range(ratio)}x | "
+                f"{median_and_range([r['mean_ttft_ms'] for r in rows], '{:,.0f}')} | "
+                f"{median_and_range([r['p99_ttft_ms'] for r in rows], '{:,.0f}')} | "
+                f"{median_and_range([r['replica_imbalance'] for r in rows])} | "
+                f"{median_and_range([r['prefix_cache_hit_rate'] for r in rows])} |")
     lines += ["", "Targets (feather + feather-bandit): >= 1.5x power-of-two + FCFS, >= 1.15x "
               "prefix-affinity + FCFS, imbalance <= 1.3, p99 TTFT <= prefix-affinity + FCFS's; "
               "no loss without sharing.  Ratios per seed, then median (range).", "",
@@ -169,12 +162,12 @@ def markdown(runs: list[dict]) -> str:
 
         lines.append(
             f"| {hw} | {groups or 'none'} | {load:g}x | "
-            f"{spread(per_seed('output_throughput', BASELINE))}x | "
-            f"{spread(per_seed('output_throughput', AFFINITY))}x | "
-            f"{spread([p[OURS]['replica_imbalance'] for p in pairs])} | "
-            f"{spread(per_seed('p99_ttft_ms', AFFINITY))} | "
-            f"{spread([p[OURS]['prefill_over_floor'] for p in pairs])} | "
-            f"{spread([p[AFFINITY]['prefill_over_floor'] for p in pairs])} |")
+            f"{median_and_range(per_seed('output_throughput', BASELINE))}x | "
+            f"{median_and_range(per_seed('output_throughput', AFFINITY))}x | "
+            f"{median_and_range([p[OURS]['replica_imbalance'] for p in pairs])} | "
+            f"{median_and_range(per_seed('p99_ttft_ms', AFFINITY))} | "
+            f"{median_and_range([p[OURS]['prefill_over_floor'] for p in pairs])} | "
+            f"{median_and_range([p[AFFINITY]['prefill_over_floor'] for p in pairs])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -14,6 +14,7 @@ from feather_sched.bench.report import (
     RunResult,
     format_ratio_table,
     format_result_block,
+    median_and_range,
     plot,
     summarize,
     write_json,
@@ -273,3 +274,9 @@ def test_feather_report_draws_saved_results(tmp_path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("[]")
     assert CliRunner().invoke(app, ["report", str(bad)]).exit_code != 0
+
+
+def test_median_and_range_of_repeated_runs() -> None:
+    assert median_and_range([1.2, 1.05, 1.12]) == "1.12 (1.05-1.20)"
+    assert median_and_range([2400.0, 2000.0], "{:,.0f}") == "2,200 (2,000-2,400)"
+    assert median_and_range([0.5]) == "0.50"  # one run: no range

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby, pairwise
@@ -126,6 +127,15 @@ def summarize(run: RunResult, percentiles: Percentiles = VLLM_PERCENTILES) -> Su
     summary.update(_group_keys(ok))
     summary.update(_feather_keys(run, ok))
     return summary
+
+
+def median_and_range(values: Sequence[float], fmt: str = "{:.2f}") -> str:
+    """Median and range of repeated runs' figures, e.g. ``1.12 (1.05-1.20)``; the value
+    alone for one run.  ``fmt`` formats each number."""
+    median = fmt.format(statistics.median(values))
+    if len(values) == 1:
+        return median
+    return f"{median} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
 def group_ttfts(ok: list[RequestRecord]) -> dict[str, dict[str, float]]:
