@@ -196,30 +196,55 @@ def test_the_endpoint_speaks_openai(url) -> None:
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
-def vllm_metrics(port: int) -> tuple[float, set[str]]:
-    """From Ray's Prometheus export: vLLM's successful requests summed over replicas, and
-    the replicas that export vLLM metrics."""
+def exported(port: int) -> dict[str, tuple[float, set[str]]]:
+    """From Ray's Prometheus export, per sample name: its values summed over replicas, and
+    the replicas that export it (vLLM's ``ReplicaId`` label, Serve's ``replica``)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
-    samples = [sample for family in text_string_to_metric_families(text)
-               if family.name.startswith("ray_vllm_") for sample in family.samples]
-    succeeded = sum(s.value for s in samples if s.name == "ray_vllm_request_success_total")
-    return succeeded, {s.labels["ReplicaId"] for s in samples if s.labels.get("ReplicaId")}
+    found: dict[str, tuple[float, set[str]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            total, replicas = found.get(sample.name, (0.0, set()))
+            replica = sample.labels.get("ReplicaId") or sample.labels.get("replica")
+            found[sample.name] = (total + sample.value, replicas | ({replica} - {None, ""}))
+    return found
 
 
-def test_each_replica_exports_vllm_metrics_through_ray(url, metrics_port) -> None:
-    """Ray reports metrics every few seconds: poll until the completions show."""
-    before, _ = vllm_metrics(metrics_port)
-    for i in range(4):
-        assert complete(url, GROUPS["a"][i], 2)[0] == 200
+SUCCEEDED = "ray_vllm_request_success_total"
+"""vLLM's successful requests (its stat logger through Ray)."""
+ADMITTED = "ray_feather_admission_deferral_seconds_count"
+"""Requests Feather's schedulers admitted (relayed from the engine processes)."""
+
+
+def test_each_replica_exports_vllm_and_feather_metrics_through_ray(url, metrics_port) -> None:
+    """Ray reports metrics every few seconds: poll until the completions show.  vLLM's
+    come from every replica; Feather's from every replica that has scheduled."""
+    def counts() -> tuple[float, float, int, int]:
+        found = exported(metrics_port)
+        succeeded, vllm = found.get(SUCCEEDED, (0.0, set()))
+        admitted, feather = found.get(ADMITTED, (0.0, set()))
+        return succeeded, admitted, len(vllm), len(feather)
+
+    before = counts()
+    served = set()
+    for group in ("a", "b", "c"):
+        for prompt in GROUPS[group][:2]:
+            status, _, replica = complete(url, prompt, 2)
+            assert status == 200
+            served.add(replica)
     deadline = time.monotonic() + 60
     while True:
-        succeeded, replicas = vllm_metrics(metrics_port)
-        if (succeeded >= before + 4 and len(replicas) >= 2) or time.monotonic() > deadline:
+        succeeded, admitted, vllm, feather = counts()
+        if (succeeded >= before[0] + 6 and admitted >= before[1] + 6 and vllm >= 2
+                and feather >= len(served)) or time.monotonic() > deadline:
             break
         time.sleep(2)
-    assert succeeded >= before + 4
-    assert len(replicas) >= 2  # both replicas' engines (a restarted one's too)
+    assert succeeded >= before[0] + 6 and admitted >= before[1] + 6
+    assert vllm >= 2  # both replicas' engines (a restarted one's too)
+    assert feather >= len(served)
+    found = exported(metrics_port)
+    assert found["ray_feather_gate_questions_total"][0] > 0
+    assert "ray_feather_num_requests_running" in found
 
 
 def test_chat_completions_render_the_given_chat_template_and_stream(url) -> None:

@@ -5,7 +5,9 @@
   a completion's deltas.  Its ``vllm:`` metrics go through Ray's metrics (vLLM's
   ``RayPrometheusStatLogger``, as Ray Serve LLM does), which every Ray node exports in
   Prometheus form at its metrics export port, as ``ray_vllm_...`` with the Serve
-  replica's ``ReplicaId`` label; ``--disable-log-stats`` turns them off.
+  replica's ``ReplicaId`` label; its ``feather:`` metrics, written by the engine
+  process, are relayed there too (``ray_metrics``: ``ray_feather_...``, with Serve's
+  ``replica`` label); ``--disable-log-stats`` turns both off.
 * ``OpenAIIngress``: ``/v1/models``, ``/v1/completions`` (streamed or not, text or
   token-id prompts) and ``/v1/chat/completions`` (streamed or not; text messages rendered
   with the model's chat template).  It tokenizes text once, calls the replicas through a
@@ -27,6 +29,8 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -42,6 +46,8 @@ from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
+from feather_sched import metrics
+from feather_sched.integrations.ray_metrics import MetricsRelay
 from feather_sched.integrations.ray_serve import ROUTER_CLASS
 
 ROUTERS = {
@@ -193,13 +199,30 @@ class VLLMReplica:
 
         os.environ.update(env)  # before vLLM spawns its engine process, which inherits it
         args = AsyncEngineArgs.from_cli_args(parse_vllm_args(argv))
+        self.relay = None if args.disable_log_stats else self._relay_feather_metrics()
         loggers = None if args.disable_log_stats else [RayPrometheusStatLogger]
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
+        if self.relay is not None:
+            self.relay.start()
         self.name = serve.get_replica_context().replica_id.to_full_id_str()
         self.defaults = {"max_tokens": None,
                          **self.engine.model_config.get_diff_sampling_param()}
         """What vLLM's server applies where a request is silent: the model's generation
         config (``--generation-config``), else no token limit below the model's length."""
+
+    @staticmethod
+    def _relay_feather_metrics() -> MetricsRelay:
+        """A directory of this replica's own for the engine process's Feather metrics
+        (``feather_sched.metrics``), and the relay that carries them to Ray's."""
+        directory = tempfile.mkdtemp(prefix="feather-replica-metrics-")
+        os.environ[metrics.ENV_MULTIPROC] = directory
+        return MetricsRelay(directory)
+
+    def __del__(self) -> None:
+        """Serve's shutdown of the replica: the last metrics out, the directory removed."""
+        if getattr(self, "relay", None) is not None:
+            self.relay.stop()
+            shutil.rmtree(self.relay.directory, ignore_errors=True)
 
     async def generate(self, call: Completion) -> AsyncIterator[dict[str, Any]]:
         """Deltas of one completion: text, token ids, finish reason, prompt and cached
