@@ -5,7 +5,10 @@
 # every run, so no prior) vs chunk-loss, two rounds each.
 # (a) offline with at most 32 running, so admission decides more than once;
 # (b) Poisson arrivals at 8 req/s (twice what this engine serves), no seat limit, so
-#     always-add's batch holds most groups at once, interleaved.
+#     always-add's batch holds most groups at once, interleaved;
+# (c) churn: 16 groups x 8, output lengths 6-121 (jitter 0.9), 8 req/s, at most 32
+#     running, so finished requests' slots are refilled by other groups while the rest
+#     run: the room any gate has here is what batch ordering recovers (the third column).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=benchmarks/vllm
@@ -18,3 +21,8 @@ round=feather-always-noorder-unbounded,feather-model-noorder-unbounded,feather-c
 "${bench[@]}" --request-rate 8 --schedulers $round,$round \
     --json $out/gate-rate-8.json | tee $out/gate-rate-8.txt
 .venv/bin/python $out/medians.py $out/gate-rate-8.json | tee $out/gate-rate-8.md
+churn=feather-always-noorder-unbounded,feather-model-noorder-unbounded,feather-always-unbounded
+.venv/bin/feather bench --groups 16 --prompts-per-group 8 --prefix-len 8192 --output-len 64 \
+    --jitter 0.9 --request-rate 8 --seed 0 --engine-arg max_num_seqs=32 \
+    --schedulers $churn,$churn --json $out/gate-churn.json | tee $out/gate-churn.txt
+.venv/bin/python $out/medians.py $out/gate-churn.json | tee $out/gate-churn.md
