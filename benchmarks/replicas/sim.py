@@ -1,9 +1,11 @@
 """Feather across replicas in the simulator: 8 engines behind each router, FCFS or Feather.
 
     .venv/bin/python benchmarks/replicas/sim.py [--quick] [--seeds N] [--loads 1.5,3]
-        [--prefix T] [--jobs J] [--out STEM]
+        [--prefix T] [--hardware h100-sxm,h200] [--jobs J] [--out STEM]
 
-Llama-3-8B on 8 replicas of H100 SXM and of H200 (datasheet profiles); 8, 64 and 400
+Llama-3-8B on 8 replicas of H100 SXM and of H200 (datasheet profiles; ``--hardware``
+takes profile names or the profiles ``feather calibrate`` writes, e.g. from the GPU
+kit's measurements on a real H200); 8, 64 and 400
 prefix groups of 10K-token prefixes (``--prefix``; 32 unique tokens each, 100 output
 tokens) with Zipf popularity (s = 1.1), 2,400 requests per cell; plus a no-sharing cell
 (1K-token unique prompts).  Poisson arrivals at ``load`` x the request rate
@@ -34,6 +36,8 @@ from pathlib import Path
 from feather_sched.bench.records import RequestRecord
 from feather_sched.bench.report import median_and_range
 from feather_sched.routers import ROUTERS, make_router
+from feather_sched.sim.calibrate import load_profile
+from feather_sched.sim.cost import CostParams
 from feather_sched.sim.hardware import HARDWARE
 from feather_sched.sim.model_profiles import MODELS
 from feather_sched.sim.replicas import simulate_replicas
@@ -70,14 +74,28 @@ def workload(groups: int, prefix: int, rate: float | None, seed: int) -> Workloa
 def run(hardware: str, groups: int, prefix: int, rate: float | None, seed: int, router: str,
         scheduler: str, **router_options: float) -> dict:
     """One pair on one workload; ``router_options`` go to the router (its thresholds)."""
-    plan = SimPlan(workload=workload(groups, prefix, rate, seed), hardware=HARDWARE[hardware],
-                   model=MODELS["llama-3-8b"])
+    plan = plan_on(hardware, workload(groups, prefix, rate, seed))
     result = simulate_replicas(
         plan, make_router(router, range(REPLICAS), seed=seed, **router_options), scheduler)
     summary = result.summary()
     return {"hardware": hardware, "groups": groups, "seed": seed, "router": router,
             "scheduler": scheduler, **router_options, **{k: summary[k] for k in KEYS},
             "prefill_over_floor": prefill_over_floor(result.run.records, prefix)}
+
+
+def plan_on(hardware: str, load: Workload) -> SimPlan:
+    """Llama-3-8B serving ``load`` on ``hardware``: a profile name (datasheet figures,
+    default cost parameters) or the path of a profile ``feather calibrate`` wrote (its
+    hardware and fitted parameters)."""
+    if hardware in HARDWARE:
+        return SimPlan(workload=load, hardware=HARDWARE[hardware], model=MODELS["llama-3-8b"],
+                       params=CostParams())
+    if not Path(hardware).is_file():
+        raise ValueError(f"hardware {hardware!r}: neither one of {', '.join(HARDWARE)} nor a "
+                         "profile file")
+    calibrated = load_profile(hardware)
+    return SimPlan(workload=load, hardware=calibrated.hardware, model=MODELS["llama-3-8b"],
+                   params=calibrated.params)
 
 
 def prefill_over_floor(records: list[RequestRecord], prefix: int) -> float:
@@ -178,10 +196,14 @@ def main() -> None:
     parser.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS),
                         help="arrival rates as multiples of power-of-two + FCFS's capacity")
     parser.add_argument("--prefix", type=int, default=PREFIX, help="prefix tokens per group")
+    parser.add_argument("--hardware", default="h100-sxm,h200",
+                        help="profile names or calibrated profile files, comma-separated")
     parser.add_argument("--jobs", type=int, default=2, help="processes")
     parser.add_argument("--out", default="sim", help="stem of the .json and .md written here")
     args = parser.parse_args()
-    hardware = ("h100-sxm",) if args.quick else ("h100-sxm", "h200")
+    hardware = ("h100-sxm",) if args.quick else tuple(args.hardware.split(","))
+    for name in hardware:
+        plan_on(name, workload(0, args.prefix, None, 0))  # a bad name fails before any run
     group_counts = (64,) if args.quick else (8, 64, 400, 0)
     loads = tuple(float(x) for x in args.loads.split(","))
     started = time.perf_counter()
