@@ -30,11 +30,31 @@ def gate(ordered: bool, **options) -> ModelGate:
 
 
 def candidate(group: str = "b", waiters: int = 0, batch: int = 64,
-              stops_left: int | None = None) -> GateContext:
+              stops_left: int | None = None, free_seats: int | None = None) -> GateContext:
     return GateContext(batch_size=batch, chunk_loss=80, sharing_waiters=waiters,
                        num_waiting=waiters + 1, candidate_group=group,
                        candidate_tokens=PREFIX + 20, candidate_prefix_tokens=PREFIX,
-                       stops_left=stops_left)
+                       group_waiters=waiters, free_seats=free_seats, stops_left=stops_left)
+
+
+def test_a_stop_that_would_only_leave_seats_empty_is_not_taken() -> None:
+    """While the running group still grows, a STOP keeps its seats; once it has stopped
+    growing (no prefill in the last two steps), a group that fits whole is admitted."""
+    unordered = gate(ordered=False)
+    growing = [BatchEntry("a", PREFIX, PREFIX + 20, 1)] * 63 + [BatchEntry("a", PREFIX,
+                                                                           PREFIX + 20, 20)]
+    decoding = [BatchEntry("a", PREFIX, PREFIX + 21, 1)] * 64
+    unordered.observe(growing, 0.05)
+    assert unordered.decide(candidate(waiters=7, free_seats=192)) is Decision.STOP
+    unordered.observe(decoding, 0.05)
+    assert unordered.decide(candidate(waiters=7, free_seats=192)) is Decision.STOP  # 1 step
+    unordered.observe(decoding, 0.05)
+    assert unordered.decide(candidate(waiters=7, free_seats=7)) is Decision.STOP  # 8 > 7
+    assert unordered.decide(candidate(waiters=7)) is Decision.STOP  # seats unknown
+    assert unordered.decide(candidate(waiters=7, free_seats=8)) is Decision.ADD
+    assert ModelGate.with_prior(prior(), ordered=False, window=0).window == 0
+    with pytest.raises(ValueError, match="window"):
+        ModelGate.with_prior(prior(), ordered=False, window=-1)
 
 
 def test_a_new_group_that_would_split_the_batch_waits_when_order_is_the_engines() -> None:

@@ -74,6 +74,21 @@ def test_stop_closes_the_queue_until_the_next_pass() -> None:
     assert gate.steps == 1 and admit_next(queue) == "b0"
 
 
+def test_the_gate_is_told_the_candidates_group_and_the_seats_left() -> None:
+    gate = ScriptedGate()
+    queue = FeatherQueue(gate, max_wait_s=None)
+    for rid, group in [("a0", 0), ("b0", 1), ("b1", 1), ("b2", 1), ("c0", 2)]:
+        queue.add(rid, group_keys(group, int(rid[1])))
+    assert admit_next(queue) is not None  # into the empty batch: the gate is not asked
+    context = queue.decide().context
+    assert context.sharing_waiters == 3  # every other waiter: the batch shares nothing
+    assert context.group_waiters == (2 if context.candidate_group == (1,) else 0)
+    assert context.free_seats is None  # no cap known
+    queue.new_step()
+    queue.seats = 4
+    assert queue.decide().context.free_seats == 3
+
+
 def test_the_gate_is_asked_once_per_candidate() -> None:
     gate = ScriptedGate()
     queue = FeatherQueue(gate, max_wait_s=None)

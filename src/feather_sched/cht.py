@@ -275,6 +275,12 @@ class ChunkedHashTree:
         return bisect_left(entry.keys, True,
                            key=lambda k: running.get(k, 0) + waiting.get(k, 0) < 2)
 
+    def group_waiters(self, request_id: RequestId) -> int:
+        """Other waiting requests of the request's prefix group (those holding its first
+        chunk).  O(1)."""
+        keys = self._entry(request_id).keys
+        return max(self._waiting_refs.get(keys[0], 0) - 1, 0) if keys else 0
+
     def shared_prefix_chunks(self) -> int | None:
         """Chunks shared by every running request; None when nothing runs."""
         if not self._running:

@@ -59,6 +59,12 @@ class GateContext:
     """The candidate's prompt tokens."""
     candidate_prefix_tokens: int = 0
     """Tokens of its prompt that another request, running or waiting, also holds."""
+    group_waiters: int = 0
+    """Other waiting requests of the candidate's prefix group (``sharing_waiters`` counts
+    those sharing the batch's prefix once it joins: every waiter, for a new group)."""
+    free_seats: int | None = None
+    """Requests the engine could still run beside the batch (its cap on running requests
+    less those running); None where the adapter does not know the cap."""
     stops_left: int | None = None
     """STOPs the fairness bound allows before a waiting request is admitted over the
     gate (``fairness.OvertakeBound.stops_left``); None without a stop limit."""

@@ -104,6 +104,9 @@ class FeatherQueue:
         self.chunk_tokens = chunk_tokens
         """Tokens a chunk key stands for (what the gate is told in tokens)."""
         self.clock = clock
+        self.seats: int | None = None
+        """The engine's cap on running requests, where its adapter knows it (the gate is
+        told the seats left free)."""
         self._requests: dict[RequestId, _Request] = {}
         self._oldest: list[tuple[float, int, RequestId]] = []
         self._sequence = 0
@@ -290,6 +293,8 @@ class FeatherQueue:
             candidate_group=group_of(request.keys, request_id),
             candidate_tokens=request.tokens,
             candidate_prefix_tokens=self.tree.held_chunks(request_id) * self.chunk_tokens,
+            group_waiters=self.tree.group_waiters(request_id),
+            free_seats=None if self.seats is None else max(self.seats - self.num_running, 0),
             stops_left=None if self.bound is None else self.bound.stops_left(),
         )
         decision = self.gate.decide(context)

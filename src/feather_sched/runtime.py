@@ -95,12 +95,15 @@ class FeatherRuntime(Generic[R]):
     """Feather's admission for one scheduler, behind the contract in the module docstring."""
 
     def __init__(self, config: FeatherConfig, view: RequestView[R], *,
-                 clock: Callable[[], float] = time.monotonic, name: str = "feather") -> None:
+                 clock: Callable[[], float] = time.monotonic, name: str = "feather",
+                 seats: int | None = None) -> None:
+        """``seats``: the engine's cap on running requests, where the adapter knows it."""
         self.name = name
         self.config = config
         self.view = view
         self.clock = clock
         self.queue = config.make_queue(clock=clock)
+        self.queue.seats = seats
         self.counts = AdmissionCounts()
         bandit = self.queue.gate if isinstance(self.queue.gate, UCBBanditGate) else None
         self.meter = StepMeter(name, stats_file=config.stats_file, step_log=config.step_log,

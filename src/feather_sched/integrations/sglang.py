@@ -124,10 +124,13 @@ def is_decode_step(batch: ScheduleBatch) -> bool:
 class FeatherSGLang:
     """One SGLang scheduler's Feather: the runtime, SGLang's rounds and steps translated."""
 
-    def __init__(self, config: FeatherConfig | None = None) -> None:
+    def __init__(self, config: FeatherConfig | None = None, *,
+                 seats: int | None = None) -> None:
+        """``seats``: SGLang's ``max_running_requests``, where known."""
         self.config = config if config is not None else FeatherConfig()
         self.runtime: FeatherRuntime[Req] = FeatherRuntime(
-            self.config, SGLangRequests(self.config.chunk_tokens), name="FeatherSGLang")
+            self.config, SGLangRequests(self.config.chunk_tokens), name="FeatherSGLang",
+            seats=seats)
         self._bound: list[Req] | None = None
         self._cursor = 0
         self._next_decode = 0
@@ -335,7 +338,8 @@ def _hook_init_schedule_policy(original: Callable, scheduler: Any, *args: Any, *
     if reason:
         logger.warning("Feather is off in this scheduler: %s", reason)
         return result
-    feather = FeatherSGLang(feather_options())
+    feather = FeatherSGLang(feather_options(),
+                            seats=getattr(scheduler, "max_running_requests", None))
     scheduler.feather = feather
     scheduler.policy = FeatherSchedulePolicy(
         feather,

@@ -287,7 +287,8 @@ class VllmFeather(VllmMeter):
                 f"Feather orders vLLM's waiting queue itself; scheduling policy "
                 f"{scheduler.policy.value!r} is not supported (use the default fcfs)")
         self.runtime = FeatherRuntime(config, requests_view(scheduler, config),
-                                      clock=time.time, name=type(scheduler).__name__)
+                                      clock=time.time, name=type(scheduler).__name__,
+                                      seats=scheduler.max_num_active_reqs)
         super().__init__(scheduler, config, self.runtime.meter)
         self.queue = FeatherWaitingQueue(self.runtime, scheduler)
         scheduler.waiting = self.queue

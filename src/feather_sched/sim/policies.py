@@ -167,4 +167,5 @@ def make_policy(name: str, feather_options: dict[str, Any], engine: SimEngine) -
         options["gate_options"] = gate_options
     config = FeatherConfig.from_sources(options, environ={})
     view = SimRequests(keys_per_chunk(engine.config.block_tokens, config.chunk_tokens))
-    return FeatherRuntime(config, view, clock=engine.clock, name=name)
+    return FeatherRuntime(config, view, clock=engine.clock, name=name,
+                          seats=engine.config.max_num_seqs)
