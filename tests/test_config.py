@@ -9,12 +9,15 @@ import pytest
 
 from feather_sched.config import FeatherConfig, FeatherConfigError
 from feather_sched.gate import ChunkLossGate, Decision, GateContext, UCBBanditGate
+from feather_sched.model_gate import ModelGate
 
 
-def test_defaults_make_a_bandit_queue() -> None:
+def test_defaults_make_a_model_gate_queue() -> None:
     config = FeatherConfig.from_sources(None, environ={})
-    assert config.gate == "bandit" and config.max_overtakes == 32
-    assert isinstance(config.make_queue().gate, UCBBanditGate)
+    assert config.gate == "model" and config.max_overtakes == 32
+    gate = config.make_queue().gate
+    assert isinstance(gate, ModelGate) and gate.ordered and not gate.observes
+    assert isinstance(FeatherConfig(gate="bandit").make_gate(), UCBBanditGate)
     assert isinstance(FeatherConfig(gate="chunk-loss").make_gate(), ChunkLossGate)
 
 
@@ -103,7 +106,7 @@ def test_a_bad_state_file_names_the_option_and_the_path(tmp_path, content, messa
         content = json.dumps(data)
     path.write_text(content)
     with pytest.raises(FeatherConfigError, match=rf"'state_file' \({path}\): .*{message}"):
-        FeatherConfig.from_sources({"state_file": str(path)}, environ={})
+        FeatherConfig.from_sources({"gate": "bandit", "state_file": str(path)}, environ={})
 
 
 def test_a_saved_table_is_loaded_and_the_load_is_logged(tmp_path, caplog) -> None:
@@ -113,6 +116,7 @@ def test_a_saved_table_is_loaded_and_the_load_is_logged(tmp_path, caplog) -> Non
     gate.reward([(context, Decision.STOP)], batch_size=5, seconds=0.5)
     gate.save(path)
     with caplog.at_level("INFO", logger="feather_sched"):
-        loaded = FeatherConfig.from_sources({"state_file": str(path)}, environ={}).make_gate()
+        loaded = FeatherConfig.from_sources({"gate": "bandit", "state_file": str(path)},
+                                            environ={}).make_gate()
     assert loaded.table == gate.table
     assert caplog.text.count(f"bandit table loaded from {path} (1 learned decisions)") == 1

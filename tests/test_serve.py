@@ -64,7 +64,8 @@ def test_bad_options_fail_before_the_server_starts(tmp_path) -> None:
     with pytest.raises(ValueError, match="FEATHER_MAX_WAIT_S='soon'"):
         vllm_server_command(None, {}, [], environ={"FEATHER_MAX_WAIT_S": "soon"})
     with pytest.raises(ValueError, match=r"'state_file'.*does not exist"):
-        vllm_server_command(None, {"state_file": str(tmp_path / "no" / "t.json")}, [],
+        vllm_server_command(None, {"gate": "bandit",
+                                   "state_file": str(tmp_path / "no" / "t.json")}, [],
                             environ={})
     with pytest.raises(ValueError, match="sets --scheduler-cls itself"):
         vllm_server_command(None, {}, ["--scheduler-cls", "x.Y"], environ={})
@@ -115,7 +116,8 @@ def test_a_server_no_client_or_disk_can_take_down(tmp_path) -> None:
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     state, stats = state_dir / "bandit.json", state_dir / "stats.json"
-    options = json.dumps({"state_file": str(state), "stats_file": str(stats)})
+    options = json.dumps({"gate": "bandit", "state_file": str(state),
+                          "stats_file": str(stats)})
     port = free_port()
     log_path = tmp_path / "server.log"
     command = [sys.executable, "-m", "feather_sched.cli", "serve", "--enforce-eager",
