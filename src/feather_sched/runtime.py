@@ -44,6 +44,7 @@ from typing import Generic, Protocol, TypeVar
 from feather_sched import metrics
 from feather_sched.config import FeatherConfig
 from feather_sched.gate import Decision, GateContext, UCBBanditGate
+from feather_sched.model_gate import ModelGate
 from feather_sched.prefix import group_of, order_by_group
 from feather_sched.queue import Admission, QueueState
 from feather_sched.stats import AdmissionCounts, SchedulerStats, StepMeter
@@ -125,6 +126,13 @@ class FeatherRuntime(Generic[R]):
     def orders_running(self) -> bool:
         """Whether ``begin_pass`` returns the running list in Feather's order."""
         return self.config.order_running
+
+    def engine_keeps_its_order(self) -> None:
+        """The adapter found that batch ordering cannot act in this engine: a gate that
+        prices where a newcomer lands (``ModelGate``) prices the engine's own order."""
+        gate = self.queue.gate
+        if isinstance(gate, ModelGate):
+            gate.ordered = False
 
     # ---- requests ---------------------------------------------------------------------
 

@@ -191,8 +191,14 @@ def test_the_engine_log_says_how_ordering_acts(monkeypatch) -> None:
     assert v2[0].startswith("Model Runner V2") and v2[1]
     assert plugin_allowed(BATCH_ORDER_PLUGIN)
     monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")
-    note, acts = Harness().scheduler.feather.order_note()
+    unordered = Harness(feather={"gate": "model"}).scheduler.feather
+    note, acts = unordered.order_note()
     assert not acts and "not installed or not in VLLM_PLUGINS" in note
+    # the model gate then prices the engine's own order, and learns from its steps
+    gate = unordered.runtime.queue.gate
+    assert isinstance(gate, ModelGate) and not gate.ordered and unordered.runtime.wants_batches
+    monkeypatch.delenv("VLLM_PLUGINS")
+    assert Harness(feather={"gate": "model"}).scheduler.feather.runtime.queue.gate.ordered
 
 
 def group_of(rid: str) -> str:

@@ -296,6 +296,7 @@ class VllmFeather(VllmMeter):
         logger.info("Feather scheduler: %s; %s", config, note)
         if not acts:
             logger.warning("Feather's batch ordering cannot act: %s", note)
+            self.runtime.engine_keeps_its_order()
 
     def before_schedule(self) -> None:
         super().before_schedule()
