@@ -33,8 +33,7 @@ from concurrent.futures import ProcessPoolExecutor
 from itertools import product
 from pathlib import Path
 
-from feather_sched.bench.records import RequestRecord
-from feather_sched.bench.report import median_and_range
+from feather_sched.bench.report import median_and_range, prefill_over_floor
 from feather_sched.routers import ROUTERS, make_router
 from feather_sched.sim.calibrate import load_profile
 from feather_sched.sim.cost import CostParams
@@ -96,17 +95,6 @@ def plan_on(hardware: str, load: Workload) -> SimPlan:
     calibrated = load_profile(hardware)
     return SimPlan(workload=load, hardware=calibrated.hardware, model=MODELS["llama-3-8b"],
                    params=calibrated.params)
-
-
-def prefill_over_floor(records: list[RequestRecord], prefix: int) -> float:
-    """Prompt tokens the replicas computed over the fewest any router could leave them:
-    every group's prefix once, every request's own tokens.  1.0 is the floor; what is
-    above it is prefill a better router (or a bigger KV pool) could still save."""
-    computed = sum(r.prompt_len - (r.cached_tokens or 0) for r in records)
-    sharing = [r for r in records if r.group != -1]
-    floor = (sum(r.prompt_len for r in records)
-             - (len(sharing) - len({r.group for r in sharing})) * prefix)
-    return computed / floor
 
 
 def _run(args: tuple) -> dict:

@@ -16,6 +16,7 @@ from feather_sched.bench.report import (
     format_result_block,
     median_and_range,
     plot,
+    prefill_over_floor,
     summarize,
     write_json,
 )
@@ -280,3 +281,14 @@ def test_median_and_range_of_repeated_runs() -> None:
     assert median_and_range([1.2, 1.05, 1.12]) == "1.12 (1.05-1.20)"
     assert median_and_range([2400.0, 2000.0], "{:,.0f}") == "2,200 (2,000-2,400)"
     assert median_and_range([0.5]) == "0.50"  # one run: no range
+
+
+def test_prefill_over_the_floor_counts_each_groups_prefix_once() -> None:
+    def record(group: int, cached: int) -> RequestRecord:
+        return RequestRecord(f"r{group}-{cached}", 110, group, 0.0, cached_tokens=cached)
+
+    # two groups of two with a 100-token prefix, and one request that shares nothing
+    floor = [record(0, 0), record(0, 100), record(1, 0), record(1, 100), record(-1, 0)]
+    assert prefill_over_floor(floor, 100) == 1.0  # 110 + 10 + 110 + 10 + 110
+    recomputed = [record(0, 0), record(0, 0), record(1, 0), record(1, 100), record(-1, 0)]
+    assert prefill_over_floor(recomputed, 100) == pytest.approx(450 / 350)

@@ -138,6 +138,18 @@ def median_and_range(values: Sequence[float], fmt: str = "{:.2f}") -> str:
     return f"{median} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
+def prefill_over_floor(records: Sequence[RequestRecord], prefix: int) -> float:
+    """Prompt tokens an engine (or a set of replicas) computed over the fewest it could:
+    every group's ``prefix`` tokens once, every request's own tokens.  1.0 is the floor;
+    what is above it is prefill that scheduling, routing or a bigger KV pool could still
+    save.  O(records)."""
+    computed = sum(r.prompt_len - (r.cached_tokens or 0) for r in records)
+    sharing = [r for r in records if r.group != -1]
+    floor = (sum(r.prompt_len for r in records)
+             - (len(sharing) - len({r.group for r in sharing})) * prefix)
+    return computed / floor
+
+
 def group_ttfts(ok: list[RequestRecord]) -> dict[str, dict[str, float]]:
     """TTFT mean and p99 (ms) and the request count of each workload prefix group (key
     ``"-1"``: requests that share nothing), largest group first."""
