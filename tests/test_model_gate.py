@@ -52,6 +52,8 @@ def test_a_stop_that_would_only_leave_seats_empty_is_not_taken() -> None:
     assert unordered.decide(candidate(waiters=7, free_seats=7)) is Decision.STOP  # 8 > 7
     assert unordered.decide(candidate(waiters=7)) is Decision.STOP  # seats unknown
     assert unordered.decide(candidate(waiters=7, free_seats=8)) is Decision.ADD
+    # the group admitted now grows: the next new group of this pass is priced as usual
+    assert unordered.decide(candidate("c", waiters=7, free_seats=100)) is Decision.STOP
     assert ModelGate.with_prior(prior(), ordered=False, window=0).window == 0
     with pytest.raises(ValueError, match="window"):
         ModelGate.with_prior(prior(), ordered=False, window=-1)

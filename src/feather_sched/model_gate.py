@@ -4,10 +4,9 @@ A candidate of a group the batch does not run brings its group: up to ``lookahea
 waiters that share its prefix follow it, since the tree ranks them first once it runs.
 (The cap is measured, not derived: crediting every waiter makes a mixed batch look cheap
 at the moment of the decision, and churn interleaves it later; with 16 the gate keeps the
-ablation's ordering-off cell homogeneous, 1.37x always-add (median of 5 seeds), and costs
-up to 13% on short bursts, ``benchmarks/gate``.)  The gate prices them two ways, as extra
-seconds per request per step on top of the current batch (the last executed step as a
-decode step, plus what this pass admitted):
+ablation's ordering-off cell homogeneous, ``benchmarks/gate``.)  The gate prices them two
+ways, as extra seconds per request per step on top of the current batch (the last
+executed step as a decode step, plus what this pass admitted):
 
 * **now**: spread evenly over the batch in the engine's own order (a persistent batch
   gives newcomers the holes finished requests leave, so over their lives a mixed batch
@@ -24,19 +23,20 @@ STOP: the requests wait for a batch in which their group runs together.  Running
 costs their own prefix and private KV either way; what a STOP can save is the split runs.
 
 A STOP keeps seats for the running groups' next requests, so it pays only while those
-come: when no request of the running groups began its prefill in the last ``window``
-executed steps and the candidate's whole waiting group fits in the seats left free, the
-gate ADDs (the seats a STOP keeps would stay empty; a group that does not fit yet waits
-until it does, so it is admitted whole, not in pieces as seats free up).  Without this,
-the gate lost 10% to always-add on short bursts, where the running group is complete
-after a second and a STOP only drains the batch (``benchmarks/gate``).  Where the adapter
-does not know the engine's seats, this rule is off.
+come: when no request of the running groups was in prefill in the last ``window``
+executed steps (nor admitted in this pass) and the candidate's whole waiting group fits
+in the seats left free, the gate ADDs (the seats a STOP keeps would stay empty; a group
+that does not fit yet waits until it does, so it is admitted whole, not in pieces as
+seats free up).  Without this, the gate lost 10% to always-add on short bursts, where
+the running group is complete after a second and a STOP only drains the batch
+(``benchmarks/gate``).  Where the adapter does not know the engine's seats, this rule is
+off.
 
 It never refuses an empty batch, and leaves untaken the STOP that would bring a waiting
 request to the fairness bound (the bound then admits in arrival order).
 
-The step-time model (``step_model.OnlineStepModel``) learns from every executed step's
-batch and measured time and starts from a prior (a hardware profile's roofline), so the
+The step-time model (``step_model.OnlineStepModel``) learns from executed steps' batches
+and measured times (``observe``) and starts from a prior (a hardware profile's roofline), so the
 gate decides from the first step; without a prior, it admits until a dozen steps have
 been measured.  Costs: two batch summaries per judged candidate, O(batch) each, and per
 step O(batch), plus ``OnlineStepModel.observe`` (0.2 ms at 256 requests) on the steps it
@@ -186,10 +186,12 @@ class ModelGate:
         return batch[:at] + group + batch[at:]
 
     def _join(self, context: GateContext) -> None:
-        """An ADD: the candidate is part of this pass's batch from now on."""
+        """An ADD: the candidate is part of this pass's batch from now on (its group
+        grows now)."""
         if context.candidate_tokens:
             self._batch = _spread(self._batch, self._group_entries(context, 1))
             self._groups.add(context.candidate_group)
+            self._prefilled_at[context.candidate_group] = self._steps + 1
             self._base_s = None
 
 
