@@ -81,7 +81,8 @@ class ModelGate:
         self._steps = 0
         """Executed steps observed."""
         self._prefilled_at: dict = {}
-        """Per group, the last observed step in which one of its requests was in prefill."""
+        """Per group of ``_groups``, the last observed step in which one of its requests was
+        in prefill (or the next, for a group this pass admitted)."""
 
     @classmethod
     def with_prior(cls, prior: StepPrior | str | None = DEFAULT_PRIOR, *,
@@ -147,16 +148,15 @@ class ModelGate:
         if not self.observes:
             return  # nothing to predict (see ``decide``)
         self._steps += 1
-        changed = len(batch) != len(self._batch)
-        for entry in batch:
-            if entry.new_tokens > 1:
-                self._prefilled_at[entry.group] = self._steps
-                changed = True
-        if changed or self._steps % LEARN_EVERY == 0:
+        prefilled = {entry.group for entry in batch if entry.new_tokens > 1}
+        if prefilled or len(batch) != len(self._batch) or self._steps % LEARN_EVERY == 0:
             self.model.observe(batch, seconds)
         self._batch = [entry if entry.new_tokens == 1 else replace(entry, new_tokens=1)
                        for entry in batch]
         self._groups = {entry.group for entry in batch}
+        self._prefilled_at = {group: at for group, at in self._prefilled_at.items()
+                              if group in self._groups}  # only the batch's groups are asked
+        self._prefilled_at.update(dict.fromkeys(prefilled, self._steps))
         self._base_s = None
 
     def end_step(self) -> None:
