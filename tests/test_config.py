@@ -10,6 +10,7 @@ import pytest
 from feather_sched.config import FeatherConfig, FeatherConfigError
 from feather_sched.gate import ChunkLossGate, Decision, GateContext, UCBBanditGate
 from feather_sched.model_gate import ModelGate
+from feather_sched.step_model import EngineShape, StepPrior
 
 
 def test_defaults_make_a_model_gate_queue() -> None:
@@ -19,6 +20,22 @@ def test_defaults_make_a_model_gate_queue() -> None:
     assert isinstance(gate, ModelGate) and gate.ordered and not gate.observes
     assert isinstance(FeatherConfig(gate="bandit").make_gate(), UCBBanditGate)
     assert isinstance(FeatherConfig(gate="chunk-loss").make_gate(), ChunkLossGate)
+
+
+def test_the_model_gate_starts_from_the_engines_profile_unless_told_otherwise(caplog) -> None:
+    h200 = EngineShape("NVIDIA H200", {"model_type": "llama", "hidden_size": 1024,
+                                       "intermediate_size": 2048, "num_attention_heads": 8,
+                                       "num_hidden_layers": 4, "vocab_size": 1000})
+    expected, _ = StepPrior.for_engine(h200)
+    with caplog.at_level("INFO", logger="feather_sched"):
+        warm = FeatherConfig().make_queue(engine=h200).gate
+    assert warm.model.prior == expected and warm.model.ready
+    assert "model gate starts from the h200 profile" in caplog.text
+    assert FeatherConfig().make_gate().model.prior is None  # no engine described
+    told = FeatherConfig(gate_options={"prior": "none"}).make_gate(engine=h200)
+    assert told.model.prior is None and not told.model.ready
+    named = FeatherConfig(gate_options={"prior": "h100-sxm/llama-3-8b"}).make_gate(engine=h200)
+    assert named.model.prior == StepPrior.named("h100-sxm/llama-3-8b")
 
 
 def test_engine_options_override_the_environment() -> None:

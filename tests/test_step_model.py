@@ -9,8 +9,8 @@ import pytest
 from feather_sched.sim.calibrate import save_profile
 from feather_sched.sim.cost import CostModel, CostParams
 from feather_sched.sim.hardware import HARDWARE
-from feather_sched.sim.model_profiles import MODELS
-from feather_sched.step_model import CAPACITY_GRID, OnlineStepModel, StepPrior
+from feather_sched.sim.model_profiles import MODELS, ModelProfile
+from feather_sched.step_model import CAPACITY_GRID, EngineShape, OnlineStepModel, StepPrior
 from feather_sched.steplog import BatchEntry
 
 HARDWARE_H100 = HARDWARE["h100-sxm"]
@@ -89,6 +89,7 @@ def test_unmeasured_and_empty_steps_teach_nothing() -> None:
 
 def test_priors_by_name_and_from_a_calibrated_profile(tmp_path) -> None:
     assert StepPrior.named("none") is None
+    assert StepPrior.named("auto") is None  # the engine's profile comes from for_engine
     assert StepPrior.named("h100-sxm/llama-3-8b") == StepPrior.of(CostModel(HARDWARE_H100,
                                                                             LLAMA))
     path = tmp_path / "profile.json"
@@ -100,3 +101,46 @@ def test_priors_by_name_and_from_a_calibrated_profile(tmp_path) -> None:
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a calibrated profile"):
         StepPrior.named(str(tmp_path / "bad.json"))
+
+
+LLAMA_3_8B_CONFIG = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "num_hidden_layers": 32, "vocab_size": 128256}
+"""meta-llama/Meta-Llama-3-8B's config.json, as an engine reports it."""
+
+
+def test_the_engine_prior_is_its_gpus_profile_for_its_model() -> None:
+    prior, note = StepPrior.for_engine(EngineShape("NVIDIA H100 80GB HBM3", LLAMA_3_8B_CONFIG))
+    model = ModelProfile.of_engine(LLAMA_3_8B_CONFIG)
+    assert prior == StepPrior.of(CostModel(HARDWARE_H100, model))
+    assert "h100-sxm" in note
+    # the weights read per step: the config's 8.03e9 parameters at the profile's bandwidth
+    assert prior.coefficients[0] == pytest.approx(StepPrior.of(CostModel(
+        HARDWARE_H100, LLAMA)).coefficients[0], rel=0.001)
+
+
+def test_each_tensor_parallel_rank_reads_its_share() -> None:
+    whole, _ = StepPrior.for_engine(EngineShape("NVIDIA H200", LLAMA_3_8B_CONFIG))
+    rank, _ = StepPrior.for_engine(EngineShape("NVIDIA H200", LLAMA_3_8B_CONFIG,
+                                               tensor_parallel=2))
+    launches = CostParams().step_overhead_s
+    assert rank.coefficients[0] - launches == pytest.approx(  # the weights read
+        (whole.coefficients[0] - launches) / 2)
+    assert rank.coefficients[2] == pytest.approx(whole.coefficients[2] / 2)  # 4 KV heads
+    fp32, _ = StepPrior.for_engine(EngineShape("NVIDIA H200", LLAMA_3_8B_CONFIG,
+                                               dtype_bytes=4))
+    assert fp32.coefficients[2] == pytest.approx(2 * whole.coefficients[2])
+
+
+@pytest.mark.parametrize(("shape", "reason"), [
+    (EngineShape("cpu", LLAMA_3_8B_CONFIG), "no built-in profile for device 'cpu'"),
+    (EngineShape("NVIDIA H100 PCIe", LLAMA_3_8B_CONFIG), "no built-in profile"),
+    (EngineShape(None, LLAMA_3_8B_CONFIG), "no built-in profile for device None"),
+    (EngineShape("NVIDIA H200", {**LLAMA_3_8B_CONFIG, "num_local_experts": 8}),
+     "not a dense"),
+    (EngineShape("NVIDIA H200", {"model_type": "llama"}), "not a dense"),
+    (EngineShape("NVIDIA H200", LLAMA_3_8B_CONFIG, pipeline_parallel=2), "pipeline"),
+])
+def test_engines_without_a_profile_get_no_prior(shape: EngineShape, reason: str) -> None:
+    prior, note = StepPrior.for_engine(shape)
+    assert prior is None and reason in note

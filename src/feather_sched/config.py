@@ -25,6 +25,7 @@ from feather_sched.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS
 from feather_sched.gate import GATE_KINDS, Gate, UCBBanditGate, make_gate
 from feather_sched.queue import DEFAULT_MAX_WAIT_S, FeatherQueue
+from feather_sched.step_model import AUTO, EngineShape, StepPrior
 
 ENV_PREFIX = "FEATHER_"
 OFF = ("off", "none", "null")
@@ -98,12 +99,17 @@ class FeatherConfig:
             raise FeatherConfigError(f"unknown feather option(s) {unknown}; known: {names}")
         return cls(**values)
 
-    def make_gate(self, *, announce: bool = True) -> Gate:
-        """The configured gate; a bandit warm-starts from ``state_file`` when it exists
+    def make_gate(self, *, announce: bool = True, engine: EngineShape | None = None) -> Gate:
+        """The configured gate; a bandit warm-starts from ``state_file`` when it exists, a
+        model gate with prior ``auto`` from ``engine``'s profile, where there is one
         (logged when ``announce``: once per gate put to use, not per validation)."""
         options = dict(self.gate_options)
         if self.gate == "model":
             options.setdefault("ordered", self.order_running)
+            if options.get("prior", AUTO) == AUTO and engine is not None:
+                options["prior"], note = StepPrior.for_engine(engine)
+                if announce:
+                    logger.info("Feather: model gate %s", note)
         try:
             gate = make_gate(self.gate, **options)
         except ValueError as error:
@@ -120,8 +126,10 @@ class FeatherConfig:
                             self.state_file, gate.learned_decisions)
         return gate
 
-    def make_queue(self, clock: Callable[[], float] = time.monotonic) -> FeatherQueue:
-        return FeatherQueue(self.make_gate(), max_overtakes=self.max_overtakes,
+    def make_queue(self, clock: Callable[[], float] = time.monotonic,
+                   engine: EngineShape | None = None) -> FeatherQueue:
+        """The queue with the configured gate and bounds (``engine``: see ``make_gate``)."""
+        return FeatherQueue(self.make_gate(engine=engine), max_overtakes=self.max_overtakes,
                             max_stops=self.max_stops, max_wait_s=self.max_wait_s,
                             chunk_tokens=self.chunk_tokens, clock=clock)
 

@@ -36,11 +36,15 @@ It never refuses an empty batch, and leaves untaken the STOP that would bring a 
 request to the fairness bound (the bound then admits in arrival order).
 
 The step-time model (``step_model.OnlineStepModel``) learns from executed steps' batches
-and measured times (``observe``) and starts from a prior (a hardware profile's roofline), so the
-gate decides from the first step; without a prior, it admits until a dozen steps have
-been measured.  Costs: two batch summaries per judged candidate, O(batch) each, and per
-step O(batch), plus ``OnlineStepModel.observe`` (0.2 ms at 256 requests) on the steps it
-learns from (``observe``).
+and measured times (``observe``) and starts from a prior (a hardware profile's roofline),
+so the gate decides from the first step.  By default the prior is the built-in profile of
+the engine's GPU for the engine's model (``StepPrior.for_engine``, from what the adapter
+reports); on a device without a profile it starts cold and admits until a dozen steps
+have been measured.
+
+Costs: two batch summaries per judged candidate, O(batch) each, and per step O(batch),
+plus ``OnlineStepModel.observe`` (0.2 ms at 256 requests) on the steps it learns from
+(``observe``).
 """
 
 from __future__ import annotations
@@ -49,10 +53,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from feather_sched.gate import Decision, Decisions, GateContext, must_add
-from feather_sched.step_model import OnlineStepModel, StepPrior
+from feather_sched.step_model import AUTO, OnlineStepModel, StepPrior
 from feather_sched.steplog import BatchEntry
 
-DEFAULT_PRIOR = "none"
+DEFAULT_PRIOR = AUTO
 DEFAULT_LOOKAHEAD = 16
 DEFAULT_MARGIN = 0.05
 DEFAULT_WINDOW = 2
@@ -90,7 +94,8 @@ class ModelGate:
                    margin: float = DEFAULT_MARGIN, window: int = DEFAULT_WINDOW,
                    prior_steps: float = 8.0, forgetting: float = 0.995) -> ModelGate:
         """The gate from options: ``prior`` is a ``StepPrior``, None, or a name
-        (``StepPrior.named``: ``none``, ``<hardware>/<model>``, a calibrated profile)."""
+        (``StepPrior.named``: ``auto``, the engine's profile where the runtime knows the
+        engine, else none; ``none``; ``<hardware>/<model>``; a calibrated profile)."""
         if isinstance(prior, str):
             prior = StepPrior.named(prior)
         model = OnlineStepModel(prior, prior_steps=prior_steps, forgetting=forgetting)

@@ -48,6 +48,7 @@ from feather_sched.model_gate import ModelGate
 from feather_sched.prefix import group_of, order_by_group
 from feather_sched.queue import Admission, QueueState
 from feather_sched.stats import AdmissionCounts, SchedulerStats, StepMeter
+from feather_sched.step_model import EngineShape
 from feather_sched.steplog import BatchEntry
 
 R = TypeVar("R")
@@ -97,13 +98,14 @@ class FeatherRuntime(Generic[R]):
 
     def __init__(self, config: FeatherConfig, view: RequestView[R], *,
                  clock: Callable[[], float] = time.monotonic, name: str = "feather",
-                 seats: int | None = None) -> None:
-        """``seats``: the engine's cap on running requests, where the adapter knows it."""
+                 seats: int | None = None, engine: EngineShape | None = None) -> None:
+        """``seats``: the engine's cap on running requests, where the adapter knows it;
+        ``engine``: its device and model, for the model gate's prior."""
         self.name = name
         self.config = config
         self.view = view
         self.clock = clock
-        self.queue = config.make_queue(clock=clock)
+        self.queue = config.make_queue(clock=clock, engine=engine)
         self.queue.seats = seats
         self.counts = AdmissionCounts()
         bandit = self.queue.gate if isinstance(self.queue.gate, UCBBanditGate) else None

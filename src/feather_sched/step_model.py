@@ -22,9 +22,10 @@ Costs: ``observe`` O(batch + grid); ``predict`` O(batch); a refit (every
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +34,8 @@ from feather_sched.steplog import BatchEntry
 
 FEATURES = ("step", "requests", "hbm_kv_tokens", "l2_kv_tokens", "new_tokens",
             "attention_tokens")
+AUTO = "auto"
+"""The prior option that asks for the engine's own profile (``StepPrior.for_engine``)."""
 CAPACITY_GRID = (0, *(2 ** i for i in range(6, 23)))
 """L2 capacities tried, in KV tokens: none, then 64 .. 4M tokens."""
 
@@ -65,14 +68,16 @@ class StepPrior:
 
     @classmethod
     def named(cls, name: str) -> StepPrior | None:
-        """A prior by name: ``none``; ``<hardware>/<model>`` from the profiles this package
-        ships (e.g. ``h100-sxm/llama-3-8b``); or the path of a ``feather calibrate``
-        profile.  ValueError naming the choices when nothing matches."""
+        """A prior by name: ``none``; ``auto`` (none here: the engine's profile is found by
+        ``for_engine``, where an adapter describes the engine); ``<hardware>/<model>`` from
+        the profiles this package ships (e.g. ``h100-sxm/llama-3-8b``); or the path of a
+        ``feather calibrate`` profile.  ValueError naming the choices when nothing
+        matches."""
         from feather_sched.sim.calibrate import load_profile
         from feather_sched.sim.hardware import HARDWARE
         from feather_sched.sim.model_profiles import MODELS
 
-        if name == "none":
+        if name in ("none", AUTO):
             return None
         hardware, _, model = name.partition("/")
         if hardware in HARDWARE and model in MODELS:
@@ -84,9 +89,43 @@ class StepPrior:
                 raise ValueError(f"prior {name!r} is not a calibrated profile: {error}") \
                     from None
             return cls.of(CostModel(profile.hardware, profile.model, profile.params))
-        raise ValueError(f"unknown prior {name!r}: use none, <hardware>/<model> with "
+        raise ValueError(f"unknown prior {name!r}: use none, auto, <hardware>/<model> with "
                          f"hardware in {sorted(HARDWARE)} and model in {sorted(MODELS)}, "
                          f"or a profile written by feather calibrate")
+
+    @classmethod
+    def for_engine(cls, engine: EngineShape) -> tuple[StepPrior | None, str]:
+        """The prior of the engine's device and model, from the built-in hardware profiles,
+        and how a gate starts from it, for the log (without one it starts cold)."""
+        from feather_sched.sim.hardware import device_profile
+        from feather_sched.sim.model_profiles import ModelProfile
+
+        hardware = device_profile(engine.device_name)
+        if hardware is None:
+            return None, f"starts cold: no built-in profile for device {engine.device_name!r}"
+        if engine.pipeline_parallel > 1:
+            return None, "starts cold: no prior under pipeline parallelism"
+        model = ModelProfile.of_engine(engine.model_config, dtype_bytes=engine.dtype_bytes,
+                                       tensor_parallel=engine.tensor_parallel)
+        if model is None:
+            return None, "starts cold: the model is not a dense Llama-style transformer"
+        return cls.of(CostModel(hardware, model)), (
+            f"starts from the {hardware.name} profile ({model.layers} layers, "
+            f"{model.kv_heads} KV heads x {model.head_dim} per rank)")
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What an adapter knows of the engine's device and model, for ``StepPrior.for_engine``."""
+
+    device_name: str | None
+    """As the driver reports it (NVML, ``torch.cuda.get_device_name``); None if unknown."""
+    model_config: Mapping[str, Any]
+    """The model's Hugging Face config fields (its text model's, for a multimodal one)."""
+    dtype_bytes: int = 2
+    """Bytes per weight and KV element as the engine runs the model."""
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
 
 
 class OnlineStepModel:

@@ -24,6 +24,7 @@ if not sglang_installed():
     pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)", allow_module_level=True)
 
 import torch
+from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
 from sglang.srt.managers.schedule_policy import (
     AddReqResult,
@@ -43,7 +44,10 @@ from feather_sched.integrations.sglang import (
     FeatherSGLang,
     running_requests,
 )
+from feather_sched.model_gate import ModelGate
+from feather_sched.models import TINY_LLAMA
 from feather_sched.queue import QueueState
+from feather_sched.step_model import StepPrior
 
 CHUNK = 16
 PREFIX = 4 * CHUNK
@@ -414,6 +418,22 @@ def test_hooks_install_feather_when_selected(monkeypatch) -> None:
     adder = feather_sglang._hook_get_prefill_adder_class(lambda s: PrefillAdder, scheduler)
     assert issubclass(adder, FeatherPrefillAdder) and adder.feather is scheduler.feather
 
+
+def test_the_model_gate_gets_sglangs_model_for_its_prior(monkeypatch) -> None:
+    """The hook describes SGLang's model config (and device, where SGLang names one) to
+    the runtime; this CPU has no built-in profile, so the model gate starts cold."""
+    monkeypatch.setenv("FEATHER_SGLANG", "1")
+    monkeypatch.setenv("FEATHER_SGLANG_OPTIONS", '{"order_running": false}')
+    scheduler = _stub_scheduler(RadixCache.create_simulated())
+    scheduler.model_config = ModelConfig(str(TINY_LLAMA))
+    shape = feather_sglang.engine_shape(scheduler)
+    assert shape.device_name is None and shape.dtype_bytes == 2
+    assert shape.model_config["num_hidden_layers"] == 2
+    assert StepPrior.for_engine(shape)[0] is None
+    feather_sglang._hook_init_schedule_policy(lambda s: None, scheduler)
+    gate = scheduler.feather.runtime.queue.gate
+    assert isinstance(gate, ModelGate) and gate.model.prior is None and not gate.ordered
+    assert feather_sglang.engine_shape(_stub_scheduler(None)) is None
 
 # ---- launcher -------------------------------------------------------------------------
 

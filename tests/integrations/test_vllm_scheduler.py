@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -19,6 +20,7 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed")
 import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.lora.request import LoRARequest
+from vllm.platforms import current_platform
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import (
@@ -43,11 +45,13 @@ from feather_sched.integrations.vllm import (
     BATCH_ORDER_PLUGIN,
     FeatherScheduler,
     FeatherSyncScheduler,
+    engine_shape,
     plugin_allowed,
 )
 from feather_sched.model_gate import ModelGate
 from feather_sched.models import TINY_LLAMA
 from feather_sched.queue import QueueState
+from feather_sched.step_model import StepPrior
 
 BLOCK = 16
 PREFIX_BLOCKS = 8
@@ -199,6 +203,32 @@ def test_the_engine_log_says_how_ordering_acts(monkeypatch) -> None:
     assert isinstance(gate, ModelGate) and not gate.ordered and unordered.runtime.wants_batches
     monkeypatch.delenv("VLLM_PLUGINS")
     assert Harness(feather={"gate": "model"}).scheduler.feather.runtime.queue.gate.ordered
+
+
+def test_the_model_gate_starts_from_the_profile_of_vllms_device_and_model(monkeypatch) -> None:
+    """The adapter describes vLLM's device (as its platform names it) and model config; on
+    this CPU no profile exists, so the gate starts cold; on a GPU with a built-in profile
+    it starts from that profile for this model."""
+    feather = {"gate": "model", "order_running": False}
+    cpu = Harness(feather=feather)
+    shape = engine_shape(cpu.scheduler.vllm_config)
+    assert shape.device_name == "cpu" and shape.dtype_bytes == 2
+    assert (shape.model_config["num_hidden_layers"], shape.tensor_parallel) == (2, 1)
+    assert cpu.runtime.queue.gate.model.prior is None
+    monkeypatch.setattr(current_platform, "get_device_name", lambda device_id=0: "NVIDIA H200")
+    gate = Harness(feather=feather).runtime.queue.gate
+    expected, _ = StepPrior.for_engine(replace(shape, device_name="NVIDIA H200"))
+    assert expected is not None and gate.model.prior == expected and gate.model.ready
+
+    def no_nvml(device_id=0):
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.setattr(current_platform, "get_device_name", no_nvml)
+    harness = Harness(feather=feather)  # no name, no prior: it starts all the same
+    assert harness.runtime.queue.gate.model.prior is None
+    harness.add(*(harness.request(f"r{i}", group=i) for i in range(3)))
+    harness.drain()
+    harness.assert_empty()
 
 
 def group_of(rid: str) -> str:

@@ -54,6 +54,7 @@ from feather_sched.prefix import SharedPrefixes, group_of
 from feather_sched.queue import QueueState
 from feather_sched.runtime import FeatherRuntime
 from feather_sched.stand_ins import prepare_sglang_import
+from feather_sched.step_model import EngineShape
 from feather_sched.steplog import BatchEntry
 
 prepare_sglang_import()  # before the first SGLang import (see feather_sched.stand_ins)
@@ -125,12 +126,13 @@ class FeatherSGLang:
     """One SGLang scheduler's Feather: the runtime, SGLang's rounds and steps translated."""
 
     def __init__(self, config: FeatherConfig | None = None, *,
-                 seats: int | None = None) -> None:
-        """``seats``: SGLang's ``max_running_requests``, where known."""
+                 seats: int | None = None, engine: EngineShape | None = None) -> None:
+        """``seats``: SGLang's ``max_running_requests``; ``engine``: its device and model
+        (``engine_shape``); each where known."""
         self.config = config if config is not None else FeatherConfig()
         self.runtime: FeatherRuntime[Req] = FeatherRuntime(
             self.config, SGLangRequests(self.config.chunk_tokens), name="FeatherSGLang",
-            seats=seats)
+            seats=seats, engine=engine)
         self._bound: list[Req] | None = None
         self._cursor = 0
         self._next_decode = 0
@@ -329,6 +331,25 @@ def running_requests(*batches: ScheduleBatch | None, chunked: Req | None) -> lis
     return running
 
 
+def engine_shape(scheduler: Any) -> EngineShape | None:
+    """The scheduler's device and model in Feather's terms (the model gate's prior);
+    None where it has no model config.  Feather runs only without tensor or pipeline
+    parallelism here (``_unsupported``), so the shape is the whole model's."""
+    model = getattr(scheduler, "model_config", None)
+    if model is None:
+        return None
+    from sglang.srt.runtime_context import get_device
+    from sglang.srt.utils.common import get_device_name
+
+    try:
+        device = get_device_name(get_device().gpu_id or 0)
+    except Exception as error:  # the name only picks a prior: never fatal
+        logger.info("Feather: no device name from SGLang (%s)", error)
+        device = None
+    return EngineShape(device_name=device, model_config=model.hf_text_config.to_dict(),
+                       dtype_bytes=model.dtype.itemsize)
+
+
 def _hook_init_schedule_policy(original: Callable, scheduler: Any, *args: Any, **kwargs: Any):
     result = original(scheduler, *args, **kwargs)
     scheduler.feather = None
@@ -339,7 +360,8 @@ def _hook_init_schedule_policy(original: Callable, scheduler: Any, *args: Any, *
         logger.warning("Feather is off in this scheduler: %s", reason)
         return result
     feather = FeatherSGLang(feather_options(),
-                            seats=getattr(scheduler, "max_running_requests", None))
+                            seats=getattr(scheduler, "max_running_requests", None),
+                            engine=engine_shape(scheduler))
     scheduler.feather = feather
     scheduler.policy = FeatherSchedulePolicy(
         feather,

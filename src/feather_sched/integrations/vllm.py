@@ -45,6 +45,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from vllm.platforms import current_platform
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -56,6 +57,7 @@ from feather_sched.gate import Decision
 from feather_sched.prefix import SharedPrefixes, group_of, keys_per_chunk
 from feather_sched.runtime import FeatherRuntime
 from feather_sched.stats import StepMeter
+from feather_sched.step_model import EngineShape
 from feather_sched.steplog import BatchEntry
 
 logger = logging.getLogger("vllm.feather_sched")
@@ -278,6 +280,21 @@ class VllmMeter:
                 for rid, keys in zip(order, hashes, strict=True)]
 
 
+def engine_shape(vllm_config: Any) -> EngineShape:
+    """The engine's device and model in Feather's terms (the model gate's prior)."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    try:
+        device = current_platform.get_device_name()
+    except Exception as error:  # the name only picks a prior: never fatal
+        logger.info("Feather: no device name from vLLM's platform (%s)", error)
+        device = None
+    return EngineShape(device_name=device, model_config=model.hf_text_config.to_dict(),
+                       dtype_bytes=model.dtype.itemsize,
+                       tensor_parallel=parallel.tensor_parallel_size,
+                       pipeline_parallel=parallel.pipeline_parallel_size)
+
+
 class VllmFeather(VllmMeter):
     """Feather's component of a vLLM scheduler: the runtime behind vLLM's calls."""
 
@@ -288,7 +305,8 @@ class VllmFeather(VllmMeter):
                 f"{scheduler.policy.value!r} is not supported (use the default fcfs)")
         self.runtime = FeatherRuntime(config, requests_view(scheduler, config),
                                       clock=time.time, name=type(scheduler).__name__,
-                                      seats=scheduler.max_num_active_reqs)
+                                      seats=scheduler.max_num_active_reqs,
+                                      engine=engine_shape(scheduler.vllm_config))
         super().__init__(scheduler, config, self.runtime.meter)
         self.queue = FeatherWaitingQueue(self.runtime, scheduler)
         scheduler.waiting = self.queue

@@ -92,6 +92,26 @@ HARDWARE: dict[str, HardwareProfile] = {
     ),
 }
 
+DEVICE_NAMES = (
+    # (what the driver's name contains, the profile): NVML and torch.cuda name the parts
+    # "NVIDIA H200", "NVIDIA H100 80GB HBM3" (the SXM part; the PCIe and NVL parts have
+    # other bandwidths), "NVIDIA A100-SXM4-80GB", "NVIDIA RTX 6000 Ada Generation".
+    ("H200", "h200"),
+    ("H100 80GB HBM3", "h100-sxm"),
+    ("A100-SXM4-80GB", "a100-80gb"),
+    ("RTX 6000 Ada", "rtx6000-ada"),
+)
+
+
+def device_profile(device_name: str | None) -> HardwareProfile | None:
+    """The built-in profile of a device by the name its driver reports; None for a
+    device without one (a CPU, another GPU, a variant with other bandwidths)."""
+    for part, key in DEVICE_NAMES:
+        if device_name and part in device_name:
+            return HARDWARE[key]
+    return None
+
+
 T = TypeVar("T")
 
 

@@ -8,12 +8,15 @@ is counted from the project's own config by :func:`llama_parameter_count`.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from feather_sched.models import TINY_LLAMA
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+"""Config fields of mixture-of-experts models, whose step reads only the routed experts."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,24 @@ class ModelProfile:
             params=llama_parameter_count(config),
             dtype_bytes=DTYPE_BYTES[config.get("torch_dtype", "bfloat16")],
         )
+
+    @classmethod
+    def of_engine(cls, config: Mapping[str, Any], *, dtype_bytes: int = 2,
+                  tensor_parallel: int = 1) -> ModelProfile | None:
+        """What one of ``tensor_parallel`` ranks reads per step, for a dense Llama-style
+        model an engine serves (its Hugging Face config); None for a model this geometry
+        does not describe (mixture of experts, missing fields)."""
+        if any(key in config for key in MOE_KEYS) or tensor_parallel < 1:
+            return None
+        try:
+            whole = cls.from_hf_config(str(config.get("model_type", "model")), dict(config))
+        except (KeyError, TypeError, ZeroDivisionError):
+            return None
+        return cls(name=whole.name, layers=whole.layers,
+                   heads=max(whole.heads // tensor_parallel, 1),
+                   kv_heads=max(whole.kv_heads // tensor_parallel, 1),
+                   head_dim=whole.head_dim, params=whole.params / tensor_parallel,
+                   dtype_bytes=dtype_bytes)
 
 
 def llama_parameter_count(config: dict[str, Any]) -> int:
