@@ -8,7 +8,8 @@
 #     always-add's batch holds most groups at once, interleaved;
 # (c) churn: 16 groups x 8, output lengths 6-121 (jitter 0.9), 8 req/s, at most 32
 #     running, so finished requests' slots are refilled by other groups while the rest
-#     run: the room any gate has here is what batch ordering recovers (the third column).
+#     run: the room any gate has here is what batch ordering recovers (the third column);
+# (d) the same churn with 16K-token prefixes, whose slices no longer share this CPU's L3.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=benchmarks/vllm
@@ -26,3 +27,7 @@ churn=feather-always-noorder-unbounded,feather-model-noorder-unbounded,feather-a
     --jitter 0.9 --request-rate 8 --seed 0 --engine-arg max_num_seqs=32 \
     --schedulers $churn,$churn --json $out/gate-churn.json | tee $out/gate-churn.txt
 .venv/bin/python $out/medians.py $out/gate-churn.json | tee $out/gate-churn.md
+.venv/bin/feather bench --groups 16 --prompts-per-group 8 --prefix-len 16384 --output-len 64 \
+    --jitter 0.9 --request-rate 8 --seed 0 --engine-arg max_num_seqs=32 \
+    --schedulers $churn,$churn --json $out/gate-churn-16k.json | tee $out/gate-churn-16k.txt
+.venv/bin/python $out/medians.py $out/gate-churn-16k.json | tee $out/gate-churn-16k.md
