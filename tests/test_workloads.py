@@ -19,6 +19,7 @@ from feather_sched.workloads import (
     load_jsonl,
     load_mooncake,
     long_documents,
+    minority_groups,
     multi_turn_chat,
     no_sharing,
     save_jsonl,
@@ -125,6 +126,16 @@ def test_shared_prefix_groups_no_jitter_gives_exact_lengths() -> None:
     assert {r.prompt.size for r in w} == {13}
     assert {r.output_len for r in w} == {7}
 
+
+def test_minority_groups_can_have_longer_prefixes_than_the_majority() -> None:
+    kw = dict(majority=6, minorities=[1, 2], prefix_len=8, suffix_len=3, output_len=2)
+    same = minority_groups(**kw)
+    assert same.requests == minority_groups(**kw, minority_prefix_len=8).requests
+    longer = minority_groups(**kw, minority_prefix_len=20)
+    sizes = {r.group: (r.prompt.size, r.shared_len) for r in longer}
+    assert sizes == {0: (11, 8), 1: (23, 20), 2: (23, 20)}
+    with pytest.raises(ValueError, match="minority_prefix_len"):
+        minority_groups(**kw, minority_prefix_len=0)
 
 def test_grouped_and_shuffled_order() -> None:
     kw = dict(groups=6, prompts_per_group=8, prefix_len=4, suffix_len=4, output_len=4)

@@ -7,11 +7,12 @@ learning gates learn (the first 100 steps, cold vs warm).
 Llama-3-8B in the simulator, ``--seeds`` workload seeds per cell (arrivals, group sizes,
 prompts; default 5): the seed moves the ordering-off cell's model / always-add between
 about 1.1x and 1.4x, so the tables give the median and the range of per-seed ratios.
-Cells: the issue's ordering-off cell (8 groups x 100, 10K
-prefixes at 100 req/s on RTX 6000 Ada, whose L2 holds a 10K prefix per layer); a large
-batch of one group with singletons of new long-prefix groups arriving; many long-prefix
-groups under KV-pool pressure (a pool of 16 prefixes for 32 groups); two of the sweep's
-shapes; and two small bursts (4 x 40, 16 x 50).  "bandit (pretrained)" starts from a table
+Cells: the issue's ordering-off cell (8 groups x 100, 10K prefixes at 100 req/s on RTX
+6000 Ada, whose L2 holds a 10K prefix per layer); a large batch of one group with
+singletons of new long-prefix groups arriving, with 10K-token prompts and with 16K-token
+ones (longer than the L2 holds beside the group's prefix); many long-prefix groups under
+KV-pool pressure (a pool of 16 prefixes for 32 groups); two of the sweep's shapes; and
+two small bursts (4 x 40, 16 x 50).  "bandit (pretrained)" starts from a table
 ``feather pretrain`` wrote for the cell's GPU (kept in tables/); "model" starts from the
 GPU's profile, "model (cold)" from nothing.  Writes ablation.json and ablation.md here.
 """
@@ -53,9 +54,11 @@ def groups(n: int, per: int, prefix: int, output: int, rate: float | None, seed:
                                 arrival=None if rate is None else poisson(rate), seed=seed)
 
 
-def singletons(seed: int):
+def singletons(seed: int, tokens: int = 10240):
+    """400 requests of one 10K-prefix group and 40 singletons of ``tokens``-token prompts."""
     return minority_groups(majority=400, minorities=[1] * 40, prefix_len=10240,
-                           suffix_len=20, output_len=100, arrival=poisson(60), seed=seed)
+                           minority_prefix_len=tokens, suffix_len=20, output_len=100,
+                           arrival=poisson(60), seed=seed)
 
 
 CELLS = {  # label -> (GPU, workload of a seed, engine limits; None: the GPU's defaults)
@@ -63,6 +66,8 @@ CELLS = {  # label -> (GPU, workload of a seed, engine limits; None: the GPU's d
         "rtx6000-ada", lambda seed: groups(8, 100, 10240, 50, 100, seed), None),
     "singletons into one large group (400 + 40x1, 10K, 60/s)": (
         "rtx6000-ada", singletons, None),
+    "16K-token singletons into one large group (400 + 40x1, 10K, 60/s)": (
+        "rtx6000-ada", lambda seed: singletons(seed, 16384), None),
     "KV-pool pressure (32x16, 16K, pool of 256K tokens, 40/s)": (
         "h100-sxm", lambda seed: groups(32, 16, 16384, 100, 40, seed),
         EngineConfig(num_blocks=16384)),
@@ -118,9 +123,9 @@ def run(hardware: str, workload, engine: EngineConfig | None, name: str,
     policy.end_step = counted
     result = as_run_result(sim.run(workload, policy), policy, name)
     early = sum(b for b, _ in first) / sum(s for _, s in first)
-    prefix = max(request.shared_len for request in workload.requests)
+    prefixes = {request.group: request.shared_len for request in workload.requests}
     return {**summarize(result),
-            "prefill_over_floor": prefill_over_floor(result.records, prefix)}, early
+            "prefill_over_floor": prefill_over_floor(result.records, prefixes)}, early
 
 
 def cell_rows(label: str, seed: int) -> list[dict]:

@@ -333,31 +333,38 @@ def minority_groups(
     arrival: ArrivalSpec | None = None,
     seed: int = 0,
     vocab_size: int = 32000,
+    minority_prefix_len: int | None = None,
 ) -> Workload:
     """One large prefix group and small ones, shuffled together: where prefix-first order
-    starves the minority (group 0 is the majority, groups 1.. the minorities)."""
+    starves the minority (group 0 is the majority, groups 1.. the minorities, whose
+    prefixes are ``minority_prefix_len`` long; default ``prefix_len``)."""
+    minority_prefix_len = prefix_len if minority_prefix_len is None else minority_prefix_len
     _check_positive(majority=majority, prefix_len=prefix_len, suffix_len=suffix_len,
-                    output_len=output_len)
+                    output_len=output_len, minority_prefix_len=minority_prefix_len)
     if not minorities or min(minorities) <= 0:
         raise ValueError(f"minorities must be positive group sizes, got {list(minorities)}")
     _check_vocab(vocab_size)
     rng = np.random.default_rng(seed)
     sizes = np.array([majority, *minorities])
-    return _prefix_groups("minority", rng, sizes, prefix_len, suffix_len, output_len, 0.0,
+    prefix_lens = [prefix_len] + [minority_prefix_len] * len(minorities)
+    return _prefix_groups("minority", rng, sizes, prefix_lens, suffix_len, output_len, 0.0,
                           "shuffled", arrival, vocab_size)
 
 
-def _prefix_groups(kind: str, rng: np.random.Generator, sizes: np.ndarray, prefix_len: int,
-                   suffix_len: int, output_len: int, jitter: float, order: Order,
-                   arrival: ArrivalSpec | None, vocab_size: int) -> Workload:
-    """Group ``g`` of ``sizes[g]`` prompts: a shared prefix, then a unique suffix."""
+def _prefix_groups(kind: str, rng: np.random.Generator, sizes: np.ndarray,
+                   prefix_len: int | Sequence[int], suffix_len: int, output_len: int,
+                   jitter: float, order: Order, arrival: ArrivalSpec | None,
+                   vocab_size: int) -> Workload:
+    """Group ``g`` of ``sizes[g]`` prompts: a shared prefix (``prefix_len``, or its
+    ``g``-th entry), then a unique suffix."""
     total = int(sizes.sum())
     members = _arrange(rng, np.repeat(np.arange(len(sizes)), sizes), order)
-    prefixes = _distinct_sequences(rng, [prefix_len] * len(sizes), vocab_size)
+    lengths = [prefix_len] * len(sizes) if isinstance(prefix_len, int) else list(prefix_len)
+    prefixes = _distinct_sequences(rng, lengths, vocab_size)
     suffixes = _distinct_sequences(rng, _jittered(rng, suffix_len, jitter, total), vocab_size)
     outputs = _jittered(rng, output_len, jitter, total)
     parts = [
-        (np.concatenate([prefixes[g], suffix]), out, g, prefix_len)
+        (np.concatenate([prefixes[g], suffix]), out, g, lengths[g])
         for g, suffix, out in zip(members, suffixes, outputs, strict=True)
     ]
     return _build(kind, parts, arrival_times(total, arrival, rng))

@@ -292,3 +292,7 @@ def test_prefill_over_the_floor_counts_each_groups_prefix_once() -> None:
     assert prefill_over_floor(floor, 100) == 1.0  # 110 + 10 + 110 + 10 + 110
     recomputed = [record(0, 0), record(0, 0), record(1, 0), record(1, 100), record(-1, 0)]
     assert prefill_over_floor(recomputed, 100) == pytest.approx(450 / 350)
+    # prefixes by group: group 1 shares 60 tokens, so its second request computes 50
+    shorter = [record(0, 0), record(0, 100), record(1, 0), record(1, 60), record(-1, 0)]
+    assert prefill_over_floor(shorter, {0: 100, 1: 60}) == 1.0  # 550 - 100 - 60
+    assert prefill_over_floor(shorter, 100) == pytest.approx(390 / 350)

@@ -15,7 +15,8 @@ import json
 import math
 import re
 import statistics
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby, pairwise
 from pathlib import Path
@@ -138,16 +139,17 @@ def median_and_range(values: Sequence[float], fmt: str = "{:.2f}") -> str:
     return f"{median} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
-def prefill_over_floor(records: Sequence[RequestRecord], prefix: int) -> float:
+def prefill_over_floor(records: Sequence[RequestRecord],
+                       prefix: int | Mapping[int, int]) -> float:
     """Prompt tokens an engine (or a set of replicas) computed over the fewest it could:
-    every group's ``prefix`` tokens once, every request's own tokens.  1.0 is the floor;
-    what is above it is prefill that scheduling, routing or a bigger KV pool could still
-    save.  O(records)."""
+    every group's prefix once (``prefix`` tokens for every group, or a group's entry),
+    every request's own tokens.  1.0 is the floor; what is above it is prefill that
+    scheduling, routing or a bigger KV pool could still save.  O(records)."""
     computed = sum(r.prompt_len - (r.cached_tokens or 0) for r in records)
-    sharing = [r for r in records if r.group != -1]
-    floor = (sum(r.prompt_len for r in records)
-             - (len(sharing) - len({r.group for r in sharing})) * prefix)
-    return computed / floor
+    members = Counter(r.group for r in records if r.group != -1)
+    shared = sum((count - 1) * (prefix[group] if isinstance(prefix, Mapping) else prefix)
+                 for group, count in members.items())
+    return computed / (sum(r.prompt_len for r in records) - shared)
 
 
 def group_ttfts(ok: list[RequestRecord]) -> dict[str, dict[str, float]]:
