@@ -31,6 +31,7 @@ def test_the_model_gate_starts_from_the_engines_profile_unless_told_otherwise(ca
         warm = FeatherConfig().make_queue(engine=h200).gate
     assert warm.model.prior == expected and warm.model.ready
     assert "model gate starts from the h200 profile" in caplog.text
+    assert "it predicts only where batch ordering cannot act" in caplog.text
     assert FeatherConfig().make_gate().model.prior is None  # no engine described
     told = FeatherConfig(gate_options={"prior": "none"}).make_gate(engine=h200)
     assert told.model.prior is None and not told.model.ready

@@ -109,7 +109,8 @@ class FeatherConfig:
             if options.get("prior", AUTO) == AUTO and engine is not None:
                 options["prior"], note = StepPrior.for_engine(engine)
                 if announce:
-                    logger.info("Feather: model gate %s", note)
+                    logger.info("Feather: model gate %s%s", note, "; it predicts only where "
+                                "batch ordering cannot act" if options["ordered"] else "")
         try:
             gate = make_gate(self.gate, **options)
         except ValueError as error:
