@@ -319,8 +319,8 @@ def shared_prefix_groups(
         weights = 1.0 / np.arange(1, groups + 1) ** zipf_s
         extra = rng.choice(groups, size=total - groups, p=weights / weights.sum())
         sizes = 1 + np.bincount(extra, minlength=groups)
-    return _prefix_groups("shared-prefix", rng, sizes, prefix_len, suffix_len, output_len,
-                          jitter, order, arrival, vocab_size)
+    return _prefix_groups("shared-prefix", rng, sizes, [prefix_len] * groups, suffix_len,
+                          output_len, jitter, order, arrival, vocab_size)
 
 
 def minority_groups(
@@ -352,19 +352,18 @@ def minority_groups(
 
 
 def _prefix_groups(kind: str, rng: np.random.Generator, sizes: np.ndarray,
-                   prefix_len: int | Sequence[int], suffix_len: int, output_len: int,
+                   prefix_lens: Sequence[int], suffix_len: int, output_len: int,
                    jitter: float, order: Order, arrival: ArrivalSpec | None,
                    vocab_size: int) -> Workload:
-    """Group ``g`` of ``sizes[g]`` prompts: a shared prefix (``prefix_len``, or its
-    ``g``-th entry), then a unique suffix."""
+    """Group ``g`` of ``sizes[g]`` prompts: a shared prefix of ``prefix_lens[g]`` tokens,
+    then a unique suffix."""
     total = int(sizes.sum())
     members = _arrange(rng, np.repeat(np.arange(len(sizes)), sizes), order)
-    lengths = [prefix_len] * len(sizes) if isinstance(prefix_len, int) else list(prefix_len)
-    prefixes = _distinct_sequences(rng, lengths, vocab_size)
+    prefixes = _distinct_sequences(rng, prefix_lens, vocab_size)
     suffixes = _distinct_sequences(rng, _jittered(rng, suffix_len, jitter, total), vocab_size)
     outputs = _jittered(rng, output_len, jitter, total)
     parts = [
-        (np.concatenate([prefixes[g], suffix]), out, g, lengths[g])
+        (np.concatenate([prefixes[g], suffix]), out, g, prefix_lens[g])
         for g, suffix, out in zip(members, suffixes, outputs, strict=True)
     ]
     return _build(kind, parts, arrival_times(total, arrival, rng))
