@@ -123,9 +123,8 @@ def run(hardware: str, workload, engine: EngineConfig | None, name: str,
     policy.end_step = counted
     result = as_run_result(sim.run(workload, policy), policy, name)
     early = sum(b for b, _ in first) / sum(s for _, s in first)
-    prefixes = {request.group: request.shared_len for request in workload.requests}
     return {**summarize(result),
-            "prefill_over_floor": prefill_over_floor(result.records, prefixes)}, early
+            "prefill_over_floor": prefill_over_floor(result.records, workload)}, early
 
 
 def cell_rows(label: str, seed: int) -> list[dict]:

@@ -79,7 +79,7 @@ def run(hardware: str, groups: int, prefix: int, rate: float | None, seed: int, 
     summary = result.summary()
     return {"hardware": hardware, "groups": groups, "seed": seed, "router": router,
             "scheduler": scheduler, **router_options, **{k: summary[k] for k in KEYS},
-            "prefill_over_floor": prefill_over_floor(result.run.records, prefix)}
+            "prefill_over_floor": prefill_over_floor(result.run.records, plan.workload)}
 
 
 def plan_on(hardware: str, load: Workload) -> SimPlan:

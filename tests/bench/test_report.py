@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 from rich.console import Console
 
@@ -20,6 +21,7 @@ from feather_sched.bench.report import (
     summarize,
     write_json,
 )
+from feather_sched.workloads import RequestSpec, Workload
 
 VLLM_KEYS = [
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
@@ -287,12 +289,18 @@ def test_prefill_over_the_floor_counts_each_groups_prefix_once() -> None:
     def record(group: int, cached: int) -> RequestRecord:
         return RequestRecord(f"r{group}-{cached}", 110, group, 0.0, cached_tokens=cached)
 
+    def workload(prefixes: dict[int, int]) -> Workload:
+        """A request of each group, with its shared prefix (only those fields count)."""
+        return Workload("w", [RequestSpec(f"g{group}", np.ones(110, np.int32), 1, 0.0,
+                                          group, shared) for group, shared in prefixes.items()])
+
     # two groups of two with a 100-token prefix, and one request that shares nothing
+    even = workload({0: 100, 1: 100, -1: 0})
     floor = [record(0, 0), record(0, 100), record(1, 0), record(1, 100), record(-1, 0)]
-    assert prefill_over_floor(floor, 100) == 1.0  # 110 + 10 + 110 + 10 + 110
+    assert prefill_over_floor(floor, even) == 1.0  # 110 + 10 + 110 + 10 + 110
     recomputed = [record(0, 0), record(0, 0), record(1, 0), record(1, 100), record(-1, 0)]
-    assert prefill_over_floor(recomputed, 100) == pytest.approx(450 / 350)
+    assert prefill_over_floor(recomputed, even) == pytest.approx(450 / 350)
     # prefixes by group: group 1 shares 60 tokens, so its second request computes 50
     shorter = [record(0, 0), record(0, 100), record(1, 0), record(1, 60), record(-1, 0)]
-    assert prefill_over_floor(shorter, {0: 100, 1: 60}) == 1.0  # 550 - 100 - 60
-    assert prefill_over_floor(shorter, 100) == pytest.approx(390 / 350)
+    assert prefill_over_floor(shorter, workload({0: 100, 1: 60, -1: 0})) == 1.0  # 550-100-60
+    assert prefill_over_floor(shorter, even) == pytest.approx(390 / 350)

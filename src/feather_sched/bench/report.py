@@ -16,7 +16,7 @@ import math
 import re
 import statistics
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby, pairwise
 from pathlib import Path
@@ -26,6 +26,7 @@ from rich.table import Table
 
 from feather_sched.bench.records import RequestRecord, StepRecord
 from feather_sched.stats import SchedulerStats
+from feather_sched.workloads import Workload
 
 Summary = dict[str, float | int | None]
 
@@ -139,16 +140,15 @@ def median_and_range(values: Sequence[float], fmt: str = "{:.2f}") -> str:
     return f"{median} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
-def prefill_over_floor(records: Sequence[RequestRecord],
-                       prefix: int | Mapping[int, int]) -> float:
-    """Prompt tokens an engine (or a set of replicas) computed over the fewest it could:
-    every group's prefix once (``prefix`` tokens for every group, or a group's entry),
-    every request's own tokens.  1.0 is the floor; what is above it is prefill that
-    scheduling, routing or a bigger KV pool could still save.  O(records)."""
+def prefill_over_floor(records: Sequence[RequestRecord], workload: Workload) -> float:
+    """Prompt tokens an engine (or a set of replicas) computed for ``workload`` over the
+    fewest it could: every group's shared prefix once (as the workload built it), every
+    request's own tokens.  1.0 is the floor; what is above it is prefill that scheduling,
+    routing or a bigger KV pool could still save.  O(records + requests)."""
+    prefix = {spec.group: spec.shared_len for spec in workload.requests}
     computed = sum(r.prompt_len - (r.cached_tokens or 0) for r in records)
     members = Counter(r.group for r in records if r.group != -1)
-    shared = sum((count - 1) * (prefix[group] if isinstance(prefix, Mapping) else prefix)
-                 for group, count in members.items())
+    shared = sum((count - 1) * prefix[group] for group, count in members.items())
     return computed / (sum(r.prompt_len for r in records) - shared)
 
 
