@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from feather_sched.config import FeatherConfig
+from feather_sched.costmodel.cost import CostModel
+from feather_sched.costmodel.hardware import HARDWARE
+from feather_sched.costmodel.model_profiles import MODELS
 from feather_sched.gate import Decision, GateContext, make_gate
 from feather_sched.model_gate import ModelGate
-from feather_sched.sim.cost import CostModel
-from feather_sched.sim.hardware import HARDWARE
-from feather_sched.sim.model_profiles import MODELS
 from feather_sched.step_model import StepPrior
 from feather_sched.steplog import BatchEntry
 

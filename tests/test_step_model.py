@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from feather_sched.sim.calibrate import save_profile
-from feather_sched.sim.cost import CostModel, CostParams
-from feather_sched.sim.hardware import HARDWARE
-from feather_sched.sim.model_profiles import MODELS, ModelProfile
+from feather_sched.costmodel.calibrate import save_profile
+from feather_sched.costmodel.cost import CostModel, CostParams
+from feather_sched.costmodel.hardware import HARDWARE
+from feather_sched.costmodel.model_profiles import MODELS, ModelProfile
 from feather_sched.step_model import CAPACITY_GRID, EngineShape, OnlineStepModel, StepPrior
 from feather_sched.steplog import BatchEntry
 

@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 
 from feather_sched.bench.report import median_and_range, summarize
-from feather_sched.sim.calibrate import load_profile
-from feather_sched.sim.cost import CostModel
+from feather_sched.costmodel.calibrate import load_profile
+from feather_sched.costmodel.cost import CostModel
 from feather_sched.sim.engine import EngineConfig, SimEngine
 from feather_sched.sim.policies import make_policy
 from feather_sched.sim.runner import SimPlan, as_run_result

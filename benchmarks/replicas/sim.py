@@ -34,11 +34,11 @@ from itertools import product
 from pathlib import Path
 
 from feather_sched.bench.report import median_and_range, prefill_over_floor
+from feather_sched.costmodel.calibrate import load_profile
+from feather_sched.costmodel.cost import CostParams
+from feather_sched.costmodel.hardware import HARDWARE
+from feather_sched.costmodel.model_profiles import MODELS
 from feather_sched.routers import ROUTERS, make_router
-from feather_sched.sim.calibrate import load_profile
-from feather_sched.sim.cost import CostParams
-from feather_sched.sim.hardware import HARDWARE
-from feather_sched.sim.model_profiles import MODELS
 from feather_sched.sim.replicas import simulate_replicas
 from feather_sched.sim.runner import SimPlan
 from feather_sched.workloads import ArrivalSpec, Workload, no_sharing, shared_prefix_groups

@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 
 from feather_sched.bench.report import group_ttfts, summarize, worst_group_ratios
-from feather_sched.sim.hardware import HARDWARE
-from feather_sched.sim.model_profiles import MODELS
+from feather_sched.costmodel.hardware import HARDWARE
+from feather_sched.costmodel.model_profiles import MODELS
 from feather_sched.sim.runner import SimPlan, simulate
 from feather_sched.workloads import ArrivalSpec, minority_groups
 

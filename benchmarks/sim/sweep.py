@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from feather_sched.bench.report import summarize
-from feather_sched.sim.hardware import HARDWARE
-from feather_sched.sim.model_profiles import MODELS
+from feather_sched.costmodel.hardware import HARDWARE
+from feather_sched.costmodel.model_profiles import MODELS
 from feather_sched.sim.runner import SimPlan, simulate
 from feather_sched.workloads import ArrivalSpec, no_sharing, shared_prefix_groups
 

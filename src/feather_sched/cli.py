@@ -314,11 +314,11 @@ def _sim_plan(workload_args, hardware: str, model: str, profile: Path | None,
               schedulers: str, feather_options: str, cascade: bool, max_num_seqs: int,
               max_num_batched_tokens: int, charge_scheduler_time: bool,
               block_tokens: int = 16, kv_cache_gib: float | None = None):
-    from feather_sched.sim.calibrate import load_profile
-    from feather_sched.sim.cost import CostParams
+    from feather_sched.costmodel.calibrate import load_profile
+    from feather_sched.costmodel.cost import CostParams
+    from feather_sched.costmodel.hardware import HARDWARE, load_hardware
+    from feather_sched.costmodel.model_profiles import MODELS
     from feather_sched.sim.engine import EngineConfig
-    from feather_sched.sim.hardware import HARDWARE, load_hardware
-    from feather_sched.sim.model_profiles import MODELS
     from feather_sched.sim.runner import SimPlan
 
     if profile is not None:
@@ -447,9 +447,9 @@ def calibrate(
                                            "relative (every step alike).")] = "time",
 ) -> None:
     """Fit the step-cost model to measured step times and write a simulator profile."""
-    from feather_sched.sim.calibrate import fit, save_profile
-    from feather_sched.sim.hardware import HARDWARE, load_hardware
-    from feather_sched.sim.model_profiles import MODELS
+    from feather_sched.costmodel.calibrate import fit, save_profile
+    from feather_sched.costmodel.hardware import HARDWARE, load_hardware
+    from feather_sched.costmodel.model_profiles import MODELS
     from feather_sched.steplog import read_steps
 
     try:

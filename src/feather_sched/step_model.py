@@ -1,8 +1,8 @@
 """A step-time model fitted online from the engine's own steps.
 
-The simulator's cost model (``sim.cost``), made linear and learned while serving: a step's
+The step-cost model (``costmodel.cost``), made linear and learned while serving: a step's
 time is ``theta . features`` over six features of its batch, in execution order
-(``sim.cost.summarize``)::
+(``costmodel.cost.summarize``)::
 
     1, requests, KV tokens read from HBM, KV tokens re-read from L2, new tokens,
     attention tokens (new x context)
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from feather_sched.sim.cost import CostModel, StepTraffic, summarize
+from feather_sched.costmodel.cost import CostModel, StepTraffic, summarize
 from feather_sched.steplog import BatchEntry
 
 FEATURES = ("step", "requests", "hbm_kv_tokens", "l2_kv_tokens", "new_tokens",
@@ -73,9 +73,9 @@ class StepPrior:
         the profiles this package ships (e.g. ``h100-sxm/llama-3-8b``); or the path of a
         ``feather calibrate`` profile.  ValueError naming the choices when nothing
         matches."""
-        from feather_sched.sim.calibrate import load_profile
-        from feather_sched.sim.hardware import HARDWARE
-        from feather_sched.sim.model_profiles import MODELS
+        from feather_sched.costmodel.calibrate import load_profile
+        from feather_sched.costmodel.hardware import HARDWARE
+        from feather_sched.costmodel.model_profiles import MODELS
 
         if name in ("none", AUTO):
             return None
@@ -97,8 +97,8 @@ class StepPrior:
     def for_engine(cls, engine: EngineShape) -> tuple[StepPrior | None, str]:
         """The prior of the engine's device and model, from the built-in hardware profiles,
         and how a gate starts from it, for the log (without one it starts cold)."""
-        from feather_sched.sim.hardware import device_profile
-        from feather_sched.sim.model_profiles import ModelProfile
+        from feather_sched.costmodel.hardware import device_profile
+        from feather_sched.costmodel.model_profiles import ModelProfile
 
         hardware = device_profile(engine.device_name)
         if hardware is None:
@@ -221,7 +221,7 @@ class OnlineStepModel:
 
 def _features(traffic: StepTraffic, capacities: Sequence[float]) -> np.ndarray:
     """The features of a step at each L2 capacity, one row each: a re-read hits L2 when
-    both its reuse distance and the prefix fit (``sim.cost.CostModel.l2_tokens``)."""
+    both its reuse distance and the prefix fit (``costmodel.cost.CostModel.l2_tokens``)."""
     reuse, distance = traffic.reuse_tokens, traffic.reuse_distance
     limits = np.asarray(capacities, dtype=float)[:, None]
     l2 = (((distance <= limits) & (reuse <= limits)) * reuse).sum(axis=1).astype(float)

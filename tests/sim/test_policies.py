@@ -9,10 +9,10 @@ from typer.testing import CliRunner
 
 from feather_sched.bench.report import summarize
 from feather_sched.cli import app
+from feather_sched.costmodel.hardware import HARDWARE
+from feather_sched.costmodel.model_profiles import MODELS
 from feather_sched.runtime import FeatherRuntime
 from feather_sched.sim.engine import EngineConfig, SimEngine
-from feather_sched.sim.hardware import HARDWARE
-from feather_sched.sim.model_profiles import MODELS
 from feather_sched.sim.policies import (
     LPM_MAX_WAITING,
     DfsWeightPolicy,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from feather_sched.costmodel.cost import CostModel
+from feather_sched.costmodel.hardware import HARDWARE
+from feather_sched.costmodel.model_profiles import MODELS
 from feather_sched.router import FeatherRouter
 from feather_sched.routers import make_router
-from feather_sched.sim.cost import CostModel
 from feather_sched.sim.engine import EngineConfig, SimEngine
 from feather_sched.sim.fcfs import FcfsPolicy
-from feather_sched.sim.hardware import HARDWARE
-from feather_sched.sim.model_profiles import MODELS
 from feather_sched.sim.policies import make_policy
 from feather_sched.sim.replicas import run_replicas, simulate_replicas
 from feather_sched.sim.runner import SimPlan

@@ -1,1 +1,2 @@
-"""Serving simulator: hardware and model profiles, a step-cost model and its calibration."""
+"""Serving simulator: engine, block pool, policies and replicas, costed by
+``feather_sched.costmodel``."""

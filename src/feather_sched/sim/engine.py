@@ -35,10 +35,10 @@ from typing import Any, Protocol
 from feather_sched.bench.records import RequestRecord, StepRecord
 from feather_sched.bench.report import RunResult
 from feather_sched.cht import DEFAULT_CHUNK_TOKENS, token_chunk_keys
+from feather_sched.costmodel.cost import StepCost
 from feather_sched.gate import Decision
 from feather_sched.prefix import SharedPrefixes, group_of, keys_per_chunk
 from feather_sched.sim.block_pool import BlockPool, blocks_for
-from feather_sched.sim.cost import StepCost
 from feather_sched.steplog import BatchEntry
 from feather_sched.workloads import RequestSpec, Workload
 

@@ -25,10 +25,10 @@ from typing import Any
 
 from feather_sched.cht import block_chunk_keys
 from feather_sched.config import FeatherConfig
+from feather_sched.costmodel.cost import CostModel
 from feather_sched.prefix import keys_per_chunk
 from feather_sched.runtime import FeatherRuntime
 from feather_sched.schedulers import SIM_KINDS, SchedulerKind, parse_scheduler
-from feather_sched.sim.cost import CostModel
 from feather_sched.sim.engine import SimEngine, SimRequest
 from feather_sched.sim.fcfs import FcfsPolicy
 from feather_sched.step_model import StepPrior

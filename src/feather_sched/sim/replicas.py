@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from feather_sched.bench.records import RequestRecord
 from feather_sched.bench.report import RunResult, Summary, summarize
+from feather_sched.costmodel.cost import CostModel
 from feather_sched.router import Router
-from feather_sched.sim.cost import CostModel
 from feather_sched.sim.engine import Policy, SimEngine, SimResult
 from feather_sched.sim.policies import make_policy
 from feather_sched.sim.runner import SimPlan

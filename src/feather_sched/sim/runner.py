@@ -13,11 +13,11 @@ from typing import Any
 
 from feather_sched.bench.records import RequestRecord
 from feather_sched.bench.report import RunResult
+from feather_sched.costmodel.cost import CostModel, CostParams
+from feather_sched.costmodel.hardware import HardwareProfile
+from feather_sched.costmodel.model_profiles import ModelProfile
 from feather_sched.runtime import FeatherRuntime
-from feather_sched.sim.cost import CostModel, CostParams
 from feather_sched.sim.engine import EngineConfig, SimEngine, SimResult
-from feather_sched.sim.hardware import HardwareProfile
-from feather_sched.sim.model_profiles import ModelProfile
 from feather_sched.sim.policies import make_policy
 from feather_sched.workloads import Workload
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from feather_sched.sim.hardware import HardwareProfile
-from feather_sched.sim.model_profiles import ModelProfile
+from feather_sched.costmodel.hardware import HardwareProfile
+from feather_sched.costmodel.model_profiles import ModelProfile
 from feather_sched.steplog import BatchEntry
 
 GRANULARITIES = ("layer", "layer-head")

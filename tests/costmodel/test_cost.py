@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from feather_sched.sim.cost import BatchEntry, CostModel, CostParams, summarize
-from feather_sched.sim.hardware import HARDWARE, HardwareProfile, load_hardware, save_hardware
-from feather_sched.sim.model_profiles import MODELS, ModelProfile, llama_parameter_count
+from feather_sched.costmodel.cost import BatchEntry, CostModel, CostParams, summarize
+from feather_sched.costmodel.hardware import HARDWARE, HardwareProfile, load_hardware, save_hardware
+from feather_sched.costmodel.model_profiles import MODELS, ModelProfile, llama_parameter_count
 
 # 2 layers x 2 KV heads x head dim 4 x 1 byte: K+V = 32 B/token, 16 B per layer, 8 B per
 # (layer, KV head). Weights: 100 B.

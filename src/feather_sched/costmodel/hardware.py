@@ -2,7 +2,7 @@
 
 The built-in profiles come from vendor datasheets (dense, no-sparsity tensor throughput).
 On-chip (L2) bandwidth is not on any datasheet: those values are estimates, marked as
-such, and a calibrated profile (``feather_sched.sim.calibrate``) should replace them.
+such, and a calibrated profile (``feather_sched.costmodel.calibrate``) should replace them.
 """
 
 from __future__ import annotations

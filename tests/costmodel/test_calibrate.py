@@ -10,10 +10,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from feather_sched.sim.calibrate import fit, load_profile, nnls, save_profile
-from feather_sched.sim.cost import CostModel, CostParams
-from feather_sched.sim.hardware import HARDWARE
-from feather_sched.sim.model_profiles import MODELS
+from feather_sched.costmodel.calibrate import fit, load_profile, nnls, save_profile
+from feather_sched.costmodel.cost import CostModel, CostParams
+from feather_sched.costmodel.hardware import HARDWARE
+from feather_sched.costmodel.model_profiles import MODELS
 from feather_sched.steplog import BatchEntry, read_steps, write_steps
 
 GPU = HARDWARE["h100-sxm"]

@@ -19,9 +19,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from feather_sched.sim.cost import CostModel, CostParams, StepTraffic, summarize
-from feather_sched.sim.hardware import HardwareProfile, from_dict
-from feather_sched.sim.model_profiles import ModelProfile
+from feather_sched.costmodel.cost import CostModel, CostParams, StepTraffic, summarize
+from feather_sched.costmodel.hardware import HardwareProfile, from_dict
+from feather_sched.costmodel.model_profiles import ModelProfile
 from feather_sched.steplog import BatchEntry
 
 DEFAULT_GRID = tuple(round(0.05 * i, 2) for i in range(1, 21))
@@ -169,7 +169,7 @@ def _lawson_hanson(a: np.ndarray, b: np.ndarray, max_iterations: int) -> np.ndar
 # --- profiles --------------------------------------------------------------------------
 
 class Profile(NamedTuple):
-    """What the simulator needs to cost steps: hardware, model and fitted parameters."""
+    """What costing a step needs: hardware, model and fitted parameters."""
 
     hardware: HardwareProfile
     model: ModelProfile
