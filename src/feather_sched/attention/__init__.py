@@ -1,0 +1,9 @@
+"""Shared-prefix decode attention: each prefix group's KV read once per step.
+
+Engine-agnostic: ``groups`` finds the decode rows of a step that share leading KV blocks
+and plans the step (one segment per group's prefix, one per row's suffix, and the
+shortened block-table rows the engine's own kernel attends instead); ``partials`` merges
+partial attentions exactly by log-sum-exp and holds the float64 reference; the kernels
+(``cpu_kernel`` for vLLM's CPU cache layout, ``triton_kernels`` for paged GPU caches)
+compute the segments. Engine adapters (``integrations.vllm_attention``) only translate.
+"""

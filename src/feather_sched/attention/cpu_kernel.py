@@ -1,0 +1,152 @@
+"""The CPU segment-attention kernel: built once per machine with the host's compiler.
+
+``cpu_prefix_kernel.cpp`` attends "segments" (a prefix group's decode queries over the
+group's shared KV blocks, or one request's suffix) straight from vLLM's CPU KV cache and
+returns fp32 partials with their log-sum-exp. It is compiled on first use with
+``c++ -O3 -march=native -fopenmp`` (vLLM's CPU build already needs a C++ compiler at run
+time, for torch.compile) into a per-user cache keyed by the source, the flags, the
+compiler and this CPU's feature flags, so a machine with another processor builds its
+own. The library is written under a temporary name and renamed into place, so concurrent
+engine processes never load half a file. Loading fails with ``KernelUnavailable`` (the
+reason in its message) where there is no compiler or no AVX-512.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_prefix_kernel.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+CACHE_ENV = "FEATHER_KERNEL_CACHE"
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""The cache dtypes the kernel reads (fp8 caches are not read)."""
+BUILD_TIMEOUT_S = 300
+
+_I64, _I32, _VOID = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built or loaded on this machine (the message says why)."""
+
+
+@cache
+def load() -> ctypes.CDLL:
+    """The built kernel library (built on the first call in a fresh cache, ~10 s)."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise KernelUnavailable("no C++ compiler (c++ or g++) on PATH")
+    if "avx512f" not in _cpu_flags():
+        raise KernelUnavailable("this CPU has no AVX-512F")
+    library = _cache_dir() / f"feather_prefix_{_build_key(compiler)}.so"
+    if not library.exists():
+        _build(compiler, library)
+    lib = ctypes.CDLL(str(library))
+    lib.feather_segment_attention.restype = _I32
+    lib.feather_segment_attention.argtypes = [
+        _I32, _VOID, _VOID, _I64, _I32, _I32, _I32, _I32, ctypes.c_float, _I32,
+        _VOID, _VOID, _VOID, _VOID, _VOID, _VOID, _VOID, _I32]
+    return lib
+
+
+def segment_attention(kv_cache: torch.Tensor, query: torch.Tensor, scale: float,
+                      token_offsets: torch.Tensor, tokens: torch.Tensor,
+                      block_offsets: torch.Tensor, blocks: torch.Tensor,
+                      lengths: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Attend each segment over its KV blocks; write fp32 partials and natural-log LSE.
+
+    ``kv_cache``: one layer's vLLM CPU cache ``[num_blocks, kv_heads, block_size,
+    2 * head_dim]`` in the "vec" layout; ``query``: ``[num_tokens, q_heads, head_dim]``
+    of the cache's dtype, rows contiguous. Segment ``s`` is attended by query tokens
+    ``tokens[token_offsets[s]:token_offsets[s+1]]`` (int64) over blocks
+    ``blocks[block_offsets[s]:block_offsets[s+1]]`` (int32), its first ``lengths[s]``
+    tokens (int32); its rows of ``out`` (``[len(tokens), q_heads, head_dim]`` fp32) and
+    ``lse`` (``[len(tokens), q_heads]`` fp32) are ``token_offsets[s]`` onwards. A segment of
+    no tokens gives LSE -inf and a zero output. Cost: one pass over each segment's KV
+    per KV head, parallel over (segment, KV head) on torch's intra-op threads.
+    """
+    _, kv_heads, block_size, double_dim = kv_cache.shape
+    head_dim = double_dim // 2
+    q_heads = query.shape[1]
+    _check(kv_cache, query, out, lse, tokens, token_offsets, block_offsets, blocks, lengths,
+           head_dim)
+    status = load().feather_segment_attention(
+        DTYPE_CODES[kv_cache.dtype], kv_cache.data_ptr(), query.data_ptr(), query.stride(0),
+        kv_heads, block_size, head_dim, q_heads // kv_heads, scale, len(lengths),
+        token_offsets.data_ptr(), tokens.data_ptr(), block_offsets.data_ptr(),
+        blocks.data_ptr(), lengths.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"segment attention failed with status {status}")
+
+
+def _check(kv_cache: torch.Tensor, query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+           tokens: torch.Tensor, token_offsets: torch.Tensor, block_offsets: torch.Tensor,
+           blocks: torch.Tensor, lengths: torch.Tensor, head_dim: int) -> None:
+    """The layout the kernel assumes; a violation is a bug in the caller, so it raises."""
+    if kv_cache.dtype not in DTYPE_CODES or query.dtype != kv_cache.dtype:
+        raise TypeError(f"cache {kv_cache.dtype} / query {query.dtype}: the kernel reads "
+                        "fp32, bf16 or fp16 caches and a query of the same dtype")
+    if not kv_cache.is_contiguous() or query.stride(1) != head_dim or query.stride(2) != 1:
+        raise ValueError("the cache must be contiguous and each query token's heads packed")
+    if head_dim % 16 or query.shape[2] != head_dim or query.shape[1] % kv_cache.shape[1]:
+        raise ValueError(f"head_dim {head_dim} (a multiple of 16) and query {query.shape}")
+    expected = ((tokens, torch.int64), (token_offsets, torch.int64),
+                (block_offsets, torch.int64), (blocks, torch.int32), (lengths, torch.int32),
+                (out, torch.float32), (lse, torch.float32))
+    for tensor, dtype in expected:
+        if tensor.dtype != dtype or not tensor.is_contiguous():
+            raise TypeError(f"expected a contiguous {dtype} tensor, got {tensor.dtype}")
+    if out.shape != (len(tokens), *query.shape[1:]) or lse.shape != out.shape[:2]:
+        raise ValueError(f"out {tuple(out.shape)} / lse {tuple(lse.shape)} for "
+                         f"{len(tokens)} rows of {tuple(query.shape[1:])}")
+    if len(token_offsets) != len(lengths) + 1 or len(block_offsets) != len(lengths) + 1:
+        raise ValueError("token_offsets and block_offsets need one entry per segment, plus one")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build_key(compiler: str) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_text(), " ".join(FLAGS), version, " ".join(sorted(_cpu_flags()))):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "feather_sched" / "kernels"
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _build(compiler: str, library: Path) -> None:
+    """Compile to a temporary name, then rename into place (atomic for readers)."""
+    temporary = library.with_name(f".{library.name}.{os.getpid()}.tmp")
+    try:
+        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(temporary)],
+                                capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if result.returncode != 0:
+            raise KernelUnavailable(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(temporary, library)
+    except subprocess.TimeoutExpired:
+        raise KernelUnavailable(f"{compiler} took over {BUILD_TIMEOUT_S} s") from None
+    finally:
+        temporary.unlink(missing_ok=True)

@@ -1,0 +1,374 @@
+// Segment attention over vLLM's CPU KV cache ("vec" layout), with log-sum-exp.
+//
+// One call attends a list of segments. A segment is a token range of KV blocks attended by
+// one or more query rows: a prefix group (all of the group's decode queries over the
+// group's shared prefix blocks) or one request's suffix. Every (segment, KV head) is one
+// work item; it reads each KV block once for all of the segment's query rows, which is
+// the point: a prefix group's KV is read once per step instead of once per request.
+//
+// Layout read (vLLM 0.32 CPU_ATTN, isa "vec"): the layer cache is
+// [num_blocks, kv_heads, block_size, 2 * head_dim]; within one (block, head) the first
+// block_size * head_dim elements are K stored column-major ([head_dim][block_size]) and
+// the next block_size * head_dim are V stored row-major ([block_size][head_dim]).
+//
+// Outputs are fp32 partials normalised over the segment's tokens plus their natural-log
+// LSE (-inf, with a zero output, for a segment of no tokens), ready for an exact merge.
+// Numerics: scores and accumulators in fp32 from the cache's own values (bf16 and fp16
+// are widened exactly), as vLLM's vec kernel does; no value is rounded below fp32.
+//
+// Built at run time with the host's compiler (-march=native); needs AVX-512F.
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#ifndef __AVX512F__
+#error "feather's CPU prefix kernel needs AVX-512F"
+#endif
+
+namespace {
+
+enum DType : int32_t { F32 = 0, BF16 = 1, F16 = 2 };
+
+constexpr int kTokenTile = 16;  // tokens per QK vector (one zmm of fp32 scores)
+constexpr int kRowTile = 16;    // query rows whose scores one QK pass computes
+constexpr int kPvRows = 6;      // query rows one PV pass accumulates (6 x 4 zmm)
+constexpr int kPvVecs = 4;      // head_dim columns per PV pass, in zmm (64 floats)
+
+template <int DT>
+inline __m512 load16(const void* base, int64_t offset) {
+  if constexpr (DT == F32) {
+    return _mm512_loadu_ps(static_cast<const float*>(base) + offset);
+  } else if constexpr (DT == BF16) {
+    __m256i raw = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + offset));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else {
+    __m256i raw = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + offset));
+    return _mm512_cvtph_ps(raw);
+  }
+}
+
+template <int DT>
+inline __m512 load16_masked(const void* base, int64_t offset, __mmask16 mask) {
+  if constexpr (DT == F32) {
+    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(base) + offset);
+  } else {
+    __m256i raw = _mm256_maskz_loadu_epi16(
+        mask, static_cast<const uint16_t*>(base) + offset);
+    if constexpr (DT == BF16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    } else {
+      return _mm512_cvtph_ps(raw);
+    }
+  }
+}
+
+template <int DT>
+inline float load1(const void* base, int64_t offset) {
+  if constexpr (DT == F32) {
+    return static_cast<const float*>(base)[offset];
+  } else {
+    uint16_t raw = static_cast<const uint16_t*>(base)[offset];
+    if constexpr (DT == BF16) {
+      uint32_t bits = static_cast<uint32_t>(raw) << 16;
+      float value;
+      std::memcpy(&value, &bits, sizeof value);
+      return value;
+    } else {
+      return _cvtsh_ss(raw);
+    }
+  }
+}
+
+// exp(x) for x <= 0 (scores minus their running max): Cody-Waite reduction and a
+// degree-6 polynomial, within 2 ulp; underflows to 0 below -87.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
+  const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+}
+
+struct Geometry {
+  int32_t kv_heads, block_size, head_dim, gqa;
+  int64_t q_token_stride;  // elements between query tokens
+  float scale;
+};
+
+// Per-row softmax state of one work item, plus scratch, reused across calls.
+struct Scratch {
+  std::vector<float> q, acc, max, sum, scores;
+
+  void reset(int rows, int head_dim, int block_size) {
+    q.resize(static_cast<size_t>(rows) * head_dim);
+    acc.assign(static_cast<size_t>(rows) * head_dim, 0.0f);
+    max.assign(rows, -std::numeric_limits<float>::infinity());
+    sum.assign(rows, 0.0f);
+    scores.resize(static_cast<size_t>(kRowTile) * block_size);
+  }
+};
+
+// scores[r][t] = scale * q[r] . K[t] for the tile's rows and the block's first n tokens.
+// Meanwhile it prefetches ``prefetch_bytes`` from ``prefetch`` into L2, spread evenly over
+// the (token tile, head_dim) steps: the next block's K and V, which a random block order would
+// otherwise leave to DRAM latency (the K loads stride by block_size, which the hardware
+// prefetcher follows only within a block).
+template <int DT, int NR>
+void tile_scores(const float* q, int head_dim, const void* cache, int64_t k_base,
+                 int block_size, int n, float scale, float* scores, const char* prefetch,
+                 int64_t prefetch_bytes) {
+  const int64_t steps = static_cast<int64_t>((n + kTokenTile - 1) / kTokenTile) * head_dim;
+  const int64_t stride = 64 * ((prefetch_bytes / 64 + steps - 1) / steps);
+  int64_t line = 0;
+  for (int t0 = 0; t0 < n; t0 += kTokenTile) {
+    const int left = n - t0;
+    const __mmask16 mask = left >= kTokenTile ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    __m512 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int d = 0; d < head_dim; ++d) {
+      const __m512 k = load16_masked<DT>(cache, k_base + static_cast<int64_t>(d) * block_size + t0,
+                                         mask);
+      for (int r = 0; r < NR; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * head_dim + d]), k, acc[r]);
+      }
+      for (const int64_t end = line + stride; line < end && line < prefetch_bytes; line += 64) {
+        _mm_prefetch(prefetch + line, _MM_HINT_T1);
+      }
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int r = 0; r < NR; ++r) {
+      _mm512_storeu_ps(scores + r * block_size + t0, _mm512_mul_ps(acc[r], s));
+    }
+  }
+}
+
+template <int DT>
+void scores_dispatch(int rows, const float* q, int head_dim, const void* cache, int64_t k_base,
+                     int block_size, int n, float scale, float* scores, const char* prefetch,
+                     int64_t prefetch_bytes) {
+  switch (rows) {
+#define FEATHER_ROWS(R)                                                                 \
+  case R:                                                                               \
+    return tile_scores<DT, R>(q, head_dim, cache, k_base, block_size, n, scale, scores, \
+                              prefetch, prefetch_bytes);
+    FEATHER_ROWS(1) FEATHER_ROWS(2) FEATHER_ROWS(3) FEATHER_ROWS(4) FEATHER_ROWS(5)
+    FEATHER_ROWS(6) FEATHER_ROWS(7) FEATHER_ROWS(8) FEATHER_ROWS(9) FEATHER_ROWS(10)
+    FEATHER_ROWS(11) FEATHER_ROWS(12) FEATHER_ROWS(13) FEATHER_ROWS(14) FEATHER_ROWS(15)
+    FEATHER_ROWS(16)
+#undef FEATHER_ROWS
+  }
+}
+
+// Online softmax over one block: scores become probabilities against the updated running
+// max; the running sum and the accumulated output are rescaled to that max.
+void softmax_block(int rows, int n, int block_size, int head_dim, float* scores, float* max,
+                   float* sum, float* acc) {
+  for (int r = 0; r < rows; ++r) {
+    float* s = scores + r * block_size;
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int t0 = 0; t0 < n; t0 += kTokenTile) {
+      const int left = n - t0;
+      const __mmask16 mask = left >= kTokenTile ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      vmax = _mm512_mask_max_ps(vmax, mask, vmax, _mm512_maskz_loadu_ps(mask, s + t0));
+    }
+    const float block_max = _mm512_reduce_max_ps(vmax);
+    const float new_max = block_max > max[r] ? block_max : max[r];
+    const float alpha = std::exp(max[r] - new_max);  // 0 when max[r] is -inf
+    const __m512 shift = _mm512_set1_ps(new_max);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int t0 = 0; t0 < n; t0 += kTokenTile) {
+      const int left = n - t0;
+      const __mmask16 mask = left >= kTokenTile ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      const __m512 p = _mm512_maskz_mov_ps(
+          mask, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t0), shift)));
+      _mm512_mask_storeu_ps(s + t0, mask, p);
+      vsum = _mm512_add_ps(vsum, p);
+    }
+    sum[r] = sum[r] * alpha + _mm512_reduce_add_ps(vsum);
+    max[r] = new_max;
+    if (alpha != 1.0f) {
+      float* a = acc + r * head_dim;
+      const __m512 va = _mm512_set1_ps(alpha);
+      for (int d = 0; d < head_dim; d += 16) {
+        _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), va));
+      }
+    }
+  }
+}
+
+// acc[r][cols] += sum_t p[r][t] * V[t][cols] for NR rows and NV zmm of columns.
+template <int DT, int NR, int NV>
+void tile_values(const float* probs, int block_size, const void* cache, int64_t v_base,
+                 int head_dim, int n, int col0, float* acc) {
+  __m512 a[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NV; ++j) a[r][j] = _mm512_loadu_ps(acc + r * head_dim + col0 + 16 * j);
+  for (int t = 0; t < n; ++t) {
+    __m512 v[NV];
+    for (int j = 0; j < NV; ++j) {
+      v[j] = load16<DT>(cache, v_base + static_cast<int64_t>(t) * head_dim + col0 + 16 * j);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512 p = _mm512_set1_ps(probs[r * block_size + t]);
+      for (int j = 0; j < NV; ++j) a[r][j] = _mm512_fmadd_ps(p, v[j], a[r][j]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + r * head_dim + col0 + 16 * j, a[r][j]);
+}
+
+template <int DT, int NV>
+void values_rows(int rows, const float* probs, int block_size, const void* cache, int64_t v_base,
+                 int head_dim, int n, int col0, float* acc) {
+  switch (rows) {
+#define FEATHER_PV(R) \
+  case R:             \
+    return tile_values<DT, R, NV>(probs, block_size, cache, v_base, head_dim, n, col0, acc);
+    FEATHER_PV(1) FEATHER_PV(2) FEATHER_PV(3) FEATHER_PV(4) FEATHER_PV(5) FEATHER_PV(6)
+#undef FEATHER_PV
+  }
+}
+
+template <int DT>
+void tile_values_all(int rows, const float* probs, int block_size, const void* cache,
+                     int64_t v_base, int head_dim, int n, float* acc) {
+  for (int r0 = 0; r0 < rows; r0 += kPvRows) {
+    const int nr = rows - r0 < kPvRows ? rows - r0 : kPvRows;
+    const float* p = probs + r0 * block_size;
+    float* a = acc + r0 * head_dim;
+    for (int col0 = 0; col0 < head_dim; col0 += 16 * kPvVecs) {
+      const int nv = (head_dim - col0) / 16 < kPvVecs ? (head_dim - col0) / 16 : kPvVecs;
+      switch (nv) {
+        case 1: values_rows<DT, 1>(nr, p, block_size, cache, v_base, head_dim, n, col0, a); break;
+        case 2: values_rows<DT, 2>(nr, p, block_size, cache, v_base, head_dim, n, col0, a); break;
+        case 3: values_rows<DT, 3>(nr, p, block_size, cache, v_base, head_dim, n, col0, a); break;
+        default: values_rows<DT, 4>(nr, p, block_size, cache, v_base, head_dim, n, col0, a);
+      }
+    }
+  }
+}
+
+// One work item: every query row of one segment, one KV head, over the segment's blocks.
+template <int DT>
+void attend_segment(const Geometry& g, const void* cache, const void* query,
+                    const int64_t* tokens, int num_tokens, const int32_t* blocks, int32_t length,
+                    int kv_head, int64_t out_row0, float* out, float* lse, Scratch& w) {
+  const int rows = num_tokens * g.gqa;
+  const int D = g.head_dim;
+  w.reset(rows, D, g.block_size);
+  for (int r = 0; r < rows; ++r) {
+    const int64_t q_off = tokens[r / g.gqa] * g.q_token_stride +
+                          static_cast<int64_t>(kv_head * g.gqa + r % g.gqa) * D;
+    for (int d = 0; d < D; ++d) w.q[r * D + d] = load1<DT>(query, q_off + d);
+  }
+  const int64_t block_elems = static_cast<int64_t>(g.block_size) * D;
+  const int64_t element_size = DT == F32 ? 4 : 2;
+  for (int b = 0; b * g.block_size < length; ++b) {
+    const int n = length - b * g.block_size < g.block_size ? length - b * g.block_size
+                                                           : g.block_size;
+    const int64_t k_base = (static_cast<int64_t>(blocks[b]) * g.kv_heads + kv_head) * 2 *
+                           block_elems;
+    const bool last = (b + 1) * g.block_size >= length;
+    const char* next = last ? nullptr
+                            : static_cast<const char*>(cache) +
+                                  (static_cast<int64_t>(blocks[b + 1]) * g.kv_heads + kv_head) *
+                                      2 * block_elems * element_size;
+    for (int r0 = 0; r0 < rows; r0 += kRowTile) {
+      const int nr = rows - r0 < kRowTile ? rows - r0 : kRowTile;
+      scores_dispatch<DT>(nr, w.q.data() + r0 * D, D, cache, k_base, g.block_size, n, g.scale,
+                          w.scores.data(), next, r0 == 0 && next ? 2 * block_elems * element_size
+                                                                 : 0);
+      softmax_block(nr, n, g.block_size, D, w.scores.data(), w.max.data() + r0,
+                    w.sum.data() + r0, w.acc.data() + r0 * D);
+      tile_values_all<DT>(nr, w.scores.data(), g.block_size, cache, k_base + block_elems, D, n,
+                          w.acc.data() + r0 * D);
+    }
+  }
+  const int q_heads = g.kv_heads * g.gqa;
+  for (int r = 0; r < rows; ++r) {
+    const int64_t row = out_row0 + r / g.gqa;
+    const int head = kv_head * g.gqa + r % g.gqa;
+    float* o = out + (row * q_heads + head) * D;
+    const bool seen = w.sum[r] > 0.0f;
+    const float inv = seen ? 1.0f / w.sum[r] : 0.0f;
+    for (int d = 0; d < D; ++d) o[d] = w.acc[r * D + d] * inv;
+    lse[row * q_heads + head] = seen ? w.max[r] + std::log(w.sum[r])
+                                     : -std::numeric_limits<float>::infinity();
+  }
+}
+
+template <int DT>
+void attend_all(const Geometry& g, const void* cache, const void* query, int32_t num_segments,
+                const int64_t* token_offsets, const int64_t* tokens,
+                const int64_t* block_offsets, const int32_t* blocks, const int32_t* lengths,
+                float* out, float* lse, int32_t threads) {
+  const int64_t items = static_cast<int64_t>(num_segments) * g.kv_heads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t seg = item / g.kv_heads;
+      const int kv_head = static_cast<int>(item % g.kv_heads);
+      attend_segment<DT>(g, cache, query, tokens + token_offsets[seg],
+                         static_cast<int>(token_offsets[seg + 1] - token_offsets[seg]),
+                         blocks + block_offsets[seg], lengths[seg], kv_head, token_offsets[seg],
+                         out, lse, scratch);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Attend every segment; see the file comment. Segment s has query tokens
+// tokens[token_offsets[s] : token_offsets[s+1]] (indices into the query's first dim), KV
+// blocks blocks[block_offsets[s] : ...] and lengths[s] tokens (at most its blocks hold);
+// its outputs go to rows token_offsets[s] ... of out ([rows, q_heads, head_dim] fp32) and
+// lse ([rows, q_heads] fp32). Returns 0, or -1 for an unknown dtype.
+int32_t feather_segment_attention(int32_t dtype, const void* cache, const void* query,
+                                  int64_t q_token_stride, int32_t kv_heads, int32_t block_size,
+                                  int32_t head_dim, int32_t gqa, float scale,
+                                  int32_t num_segments, const int64_t* token_offsets,
+                                  const int64_t* tokens, const int64_t* block_offsets,
+                                  const int32_t* blocks, const int32_t* lengths, float* out,
+                                  float* lse, int32_t threads) {
+  const Geometry g{kv_heads, block_size, head_dim, gqa, q_token_stride, scale};
+  switch (dtype) {
+    case F32:
+      attend_all<F32>(g, cache, query, num_segments, token_offsets, tokens, block_offsets,
+                      blocks, lengths, out, lse, threads);
+      return 0;
+    case BF16:
+      attend_all<BF16>(g, cache, query, num_segments, token_offsets, tokens, block_offsets,
+                       blocks, lengths, out, lse, threads);
+      return 0;
+    case F16:
+      attend_all<F16>(g, cache, query, num_segments, token_offsets, tokens, block_offsets,
+                      blocks, lengths, out, lse, threads);
+      return 0;
+    default:
+      return -1;
+  }
+}
+}

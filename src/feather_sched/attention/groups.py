@@ -1,0 +1,215 @@
+"""Find each step's prefix groups in a block table, and plan the step around them.
+
+A group is a set of decode rows (one query token each) whose block-table rows start with
+the same physical block ids. Sharing is read from the block ids themselves, compared row
+by row, never from reference counts (a block freed late can look shared: vLLM #55227).
+Only full blocks strictly below the block of the token written this step count, so no
+block a group shares is written while it is read. Rows are grouped in any order: they
+are sorted by their block ids, so rows sharing a prefix become adjacent, and the sorted
+runs are split where that saves the most prefix reads (a run sharing a short system
+prompt whose subsets share long documents is split into the documents' groups).
+
+``plan_step`` turns the groups into work: one segment per group (its queries over the
+shared prefix) and one per grouped row (its query over its own suffix), plus the
+engine's block table and sequence lengths with every grouped row shortened to its
+suffix, so the engine's kernel still runs the whole batch once, cheaply, and the rows no
+group takes (prefill chunks, speculative rows, singletons, short prefixes) exactly as
+before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MIN_SHARED_TOKENS = 256
+"""Shortest prefix worth a group: below it, the extra suffix pass and merge cost more than
+the prefix reads they save (cascade kernels lose below ~256-512 shared tokens)."""
+MIN_ROWS = 2
+"""Smallest group: a singleton reads its prefix once anyway."""
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Grouped decode rows: ``rows[offsets[g]:offsets[g+1]]`` share ``shared[g]`` blocks."""
+
+    rows: np.ndarray
+    """int64 batch rows, group by group."""
+    offsets: np.ndarray
+    """int64 [groups + 1]."""
+    shared: np.ndarray
+    """int64 [groups]: leading blocks each group's rows share."""
+
+    def __len__(self) -> int:
+        return len(self.shared)
+
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def row_shared(self) -> np.ndarray:
+        """Shared blocks of each row in ``rows``."""
+        return np.repeat(self.shared, self.sizes())
+
+
+def min_blocks(block_size: int) -> int:
+    """Fewest shared blocks worth a group at this block size."""
+    return max(1, -(-MIN_SHARED_TOKENS // block_size))
+
+
+def find_groups(block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
+                block_size: int, min_shared_blocks: int, min_rows: int = MIN_ROWS) -> Groups:
+    """The decode rows sharing at least ``min_shared_blocks`` leading blocks, grouped.
+
+    ``block_table`` ``[rows, width]`` (int), ``seq_lens`` (tokens including this step's)
+    and ``query_lens`` (this step's new tokens) per batch row. Cost: a lexicographic sort
+    of the candidate rows over their full-block columns, O(rows x width log rows), and a
+    split of the sorted runs, O(rows^2) at worst.
+    """
+    decode = np.flatnonzero(query_lens == 1)
+    full = (seq_lens[decode].astype(np.int64) - 1) // block_size
+    keep = full >= min_shared_blocks
+    candidates, full = decode[keep], full[keep]
+    if len(candidates) < min_rows:
+        return _no_groups()
+    width = int(full.max())
+    keys = block_table[candidates, :width].astype(np.int64)
+    beyond = np.arange(width) >= full[:, None]
+    keys[beyond] = np.broadcast_to(-1 - candidates[:, None], keys.shape)[beyond]
+    order = np.lexsort(keys.T[::-1])
+    keys, rows = keys[order], candidates[order]
+    common = (keys[1:] == keys[:-1]).cumprod(axis=1).sum(axis=1)
+    spans = _best_spans(common, min_shared_blocks, min_rows)
+    if not spans:
+        return _no_groups()
+    members = [rows[lo:hi + 1] for lo, hi, _ in spans]
+    return Groups(np.concatenate(members), np.cumsum([0] + [len(m) for m in members]),
+                  np.array([shared for _, _, shared in spans], dtype=np.int64))
+
+
+def _no_groups() -> Groups:
+    empty = np.zeros(0, dtype=np.int64)
+    return Groups(empty, np.zeros(1, dtype=np.int64), empty)
+
+
+def _best_spans(common: np.ndarray, min_shared: int, min_rows: int) -> list[tuple[int, int, int]]:
+    """Spans (lo, hi, shared) of sorted rows to group, saving the most prefix reads.
+
+    ``common[i]``: blocks rows i and i+1 share. A span shares the minimum of its
+    ``common``; grouping it saves (rows - 1) x shared block reads; splitting it at that
+    minimum may save more (each side shares more). Post-order over the split tree with
+    an explicit stack (a batch can be deeper than Python's recursion limit).
+    """
+    best: dict[tuple[int, int], tuple[int, list[tuple[int, int, int]]]] = {}
+    stack = [(0, len(common), False)]
+    while stack:
+        lo, hi, ready = stack.pop()
+        if hi - lo + 1 < min_rows:
+            best[lo, hi] = (0, [])
+            continue
+        cut = lo + int(np.argmin(common[lo:hi]))
+        if not ready:
+            stack += [(lo, hi, True), (lo, cut, False), (cut + 1, hi, False)]
+            continue
+        shared = int(common[cut])
+        (left, left_spans), (right, right_spans) = best.pop((lo, cut)), best.pop((cut + 1, hi))
+        whole = (hi - lo) * shared if shared >= min_shared else 0
+        if whole > 0 and whole >= left + right:
+            best[lo, hi] = (whole, [(lo, hi, shared)])
+        else:
+            best[lo, hi] = (left + right, left_spans + right_spans)
+    return best[0, len(common)][1]
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Token ranges of KV blocks, each attended by some query tokens (the kernels' input).
+
+    Segment ``s``: query tokens ``tokens[token_offsets[s]:token_offsets[s+1]]`` over the
+    first ``lengths[s]`` tokens of blocks ``blocks[block_offsets[s]:block_offsets[s+1]]``;
+    its outputs are rows ``token_offsets[s]...`` of the partials.
+    """
+
+    token_offsets: torch.Tensor
+    tokens: torch.Tensor
+    block_offsets: torch.Tensor
+    blocks: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's shared-prefix work.
+
+    ``segments`` holds every group's prefix segment, then every grouped row's suffix
+    segment, in ``groups.rows`` order both times: partial rows ``[:n]`` are the prefix
+    parts and ``[n:]`` the suffix parts of query tokens ``tokens`` (n = len(tokens)).
+    ``block_table``/``seq_lens`` are the engine's, with grouped rows shortened to their
+    suffix.
+    """
+
+    groups: Groups
+    segments: Segments
+    tokens: torch.Tensor
+    """int64 query token of each grouped row."""
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def plan_step(block_table: torch.Tensor, seq_lens: torch.Tensor,
+              query_start_loc: torch.Tensor, num_reqs: int, block_size: int,
+              min_shared_blocks: int) -> StepPlan | None:
+    """The step's plan, or None when no rows group (the engine then runs unchanged).
+
+    CPU tensors in vLLM's shapes: ``block_table`` ``[>= num_reqs, width]`` int32,
+    ``seq_lens`` ``[num_reqs]``, ``query_start_loc`` ``[num_reqs + 1]``; none is modified.
+    """
+    starts = query_start_loc[:num_reqs + 1].numpy()
+    table = block_table[:num_reqs].numpy()
+    lens = seq_lens[:num_reqs].numpy()
+    groups = find_groups(table, lens, np.diff(starts), block_size, min_shared_blocks)
+    if not len(groups):
+        return None
+    shared = groups.row_shared()
+    tokens = starts[groups.rows].astype(np.int64)
+    suffix_lens = lens[groups.rows].astype(np.int64) - shared * block_size
+    used = -(-lens[groups.rows].astype(np.int64) // block_size)
+    prefix_blocks = [table[groups.rows[first], :n]
+                     for first, n in zip(groups.offsets[:-1], groups.shared, strict=True)]
+    suffix_blocks = [table[row, n:end] for row, n, end in zip(groups.rows, shared, used,
+                                                               strict=True)]
+    segments = _segments(
+        token_offsets=np.concatenate([groups.offsets, len(tokens) + 1 + np.arange(len(tokens))]),
+        tokens=np.concatenate([tokens, tokens]),
+        blocks=prefix_blocks + suffix_blocks,
+        lengths=np.concatenate([groups.shared * block_size, suffix_lens]))
+    shifted_table, shifted_lens = _shift_rows(table, lens, groups.rows, shared, block_size)
+    return StepPlan(groups, segments, torch.from_numpy(tokens),
+                    torch.from_numpy(shifted_table), torch.from_numpy(shifted_lens))
+
+
+def _segments(token_offsets: np.ndarray, tokens: np.ndarray, blocks: list[np.ndarray],
+              lengths: np.ndarray) -> Segments:
+    block_offsets = np.cumsum([0] + [len(b) for b in blocks])
+    return Segments(
+        token_offsets=torch.from_numpy(token_offsets.astype(np.int64)),
+        tokens=torch.from_numpy(tokens.astype(np.int64)),
+        block_offsets=torch.from_numpy(block_offsets.astype(np.int64)),
+        blocks=torch.from_numpy(np.concatenate(blocks).astype(np.int32)),
+        lengths=torch.from_numpy(lengths.astype(np.int32)))
+
+
+def _shift_rows(table: np.ndarray, lens: np.ndarray, rows: np.ndarray, shared: np.ndarray,
+                block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Copies of the table and lengths with each grouped row starting at its suffix."""
+    table, lens = table.copy(), lens.copy()
+    width = table.shape[1]
+    for row, n in zip(rows, shared, strict=True):
+        table[row, :width - n] = table[row, n:]
+    lens[rows] -= (shared * block_size).astype(lens.dtype)
+    return table, lens

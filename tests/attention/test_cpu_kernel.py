@@ -1,0 +1,122 @@
+"""The CPU segment kernel against the float64 reference, on caches in the "vec" layout.
+
+The layout is built here by hand (K column-major, V row-major within each (block, KV
+head)); ``tests/integrations/test_vllm_attention.py`` checks that it is the layout vLLM's
+own kernel reads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from feather_sched.attention import cpu_kernel
+from feather_sched.attention.partials import reference_attention
+
+
+def vec_cache(keys: torch.Tensor, values: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[blocks, kv_heads, block_size, 2 * head_dim] from token-major K/V (padded)."""
+    tokens, heads, dim = keys.shape
+    blocks = -(-tokens // block_size)
+    pad = blocks * block_size - tokens
+    k = torch.cat([keys, keys.new_zeros(pad, heads, dim)]).view(blocks, block_size, heads, dim)
+    v = torch.cat([values, values.new_zeros(pad, heads, dim)]).view(blocks, block_size, heads,
+                                                                     dim)
+    k_part = k.permute(0, 2, 3, 1).reshape(blocks, heads, -1)  # [head_dim][block_size]
+    v_part = v.permute(0, 2, 1, 3).reshape(blocks, heads, -1)  # [block_size][head_dim]
+    return torch.cat([k_part, v_part], -1).view(blocks, heads, block_size, 2 * dim).contiguous()
+
+
+def run_segments(cache, query, segments, scale):
+    """segments: (query tokens, block ids, length); returns out, lse per listed token."""
+    tokens = [t for seg in segments for t in seg[0]]
+    token_offsets = torch.tensor([0] + [len(s[0]) for s in segments]).cumsum(0)
+    block_offsets = torch.tensor([0] + [len(s[1]) for s in segments]).cumsum(0)
+    out = torch.full((len(tokens), *query.shape[1:]), torch.nan)
+    lse = torch.full((len(tokens), query.shape[1]), torch.nan)
+    cpu_kernel.segment_attention(
+        cache, query, scale, token_offsets, torch.tensor(tokens, dtype=torch.int64),
+        block_offsets, torch.tensor([b for s in segments for b in s[1]], dtype=torch.int32),
+        torch.tensor([s[2] for s in segments], dtype=torch.int32), out, lse)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 128),
+                                                                (6, 2, 80)])
+def test_segments_match_the_reference(dtype, q_heads, kv_heads, head_dim):
+    torch.manual_seed(1)
+    block_size, blocks = 32, 12
+    keys = (torch.randn(blocks * block_size, kv_heads, head_dim) * 2).to(dtype)
+    values = torch.randn(blocks * block_size, kv_heads, head_dim).to(dtype)
+    cache = vec_cache(keys, values, block_size)
+    # A strided query, as vLLM slices it from the fused qkv projection.
+    qkv = (torch.randn(20, q_heads + 2 * kv_heads, head_dim) * 2).to(dtype)
+    query = qkv[:, :q_heads]
+    scale = head_dim ** -0.5
+    order = torch.randperm(blocks).tolist()  # blocks scattered over the cache
+    segments = [
+        ([0, 3, 5, 7, 2, 11, 13, 17, 18, 19, 4, 6, 8, 9, 10, 12, 14], order[:5], 5 * 32),
+        ([1], order[5:8], 70),  # ends mid-block
+        ([15, 16], order[8:9], 7),
+        ([14], order[9:9], 0),  # no tokens
+        ([9, 10, 11], order[9:12], 96),
+    ]
+    out, lse = run_segments(cache, query, segments, scale)
+    row = 0
+    for seg_tokens, seg_blocks, length in segments:
+        index = torch.tensor([b * block_size + t for b in seg_blocks
+                              for t in range(block_size)], dtype=torch.long)[:length]
+        for token in seg_tokens:
+            expected, expected_lse = reference_attention(query[token], keys[index],
+                                                         values[index], scale)
+            if length:
+                error = (out[row].double() - expected).norm(dim=-1) / expected.norm(dim=-1)
+                assert error.max() < 1e-5, (row, error.max())
+            assert torch.allclose(lse[row].double(), expected_lse, atol=1e-5, rtol=1e-6)
+            assert torch.equal(out[row] == 0, expected == 0)
+            row += 1
+
+
+def test_a_segment_without_tokens_gives_zero_and_minus_infinity():
+    cache = vec_cache(torch.randn(32, 1, 32), torch.randn(32, 1, 32), 32)
+    out, lse = run_segments(cache, torch.randn(1, 1, 32), [([0], [0], 0)], 0.1)
+    assert not out.any() and torch.isinf(lse).all() and (lse < 0).all()
+
+
+def test_bad_layouts_raise_before_the_kernel_runs():
+    cache = vec_cache(torch.randn(32, 2, 32), torch.randn(32, 2, 32), 32)
+    args = (torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([0, 1]),
+            torch.tensor([0], dtype=torch.int32), torch.tensor([32], dtype=torch.int32))
+    with pytest.raises(TypeError, match="dtype"):
+        cpu_kernel.segment_attention(cache, torch.randn(1, 2, 32).bfloat16(), 0.1, *args,
+                                     torch.empty(1, 2, 32), torch.empty(1, 2))
+    with pytest.raises(TypeError, match="int64"):
+        cpu_kernel.segment_attention(cache, torch.randn(1, 2, 32), 0.1, args[0].int(),
+                                     *args[1:], torch.empty(1, 2, 32), torch.empty(1, 2))
+    with pytest.raises(ValueError, match="out"):
+        cpu_kernel.segment_attention(cache, torch.randn(1, 2, 32), 0.1, *args,
+                                     torch.empty(2, 2, 32), torch.empty(2, 2))
+
+
+def test_the_library_is_built_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv(cpu_kernel.CACHE_ENV, str(tmp_path))
+    cpu_kernel.load.cache_clear()
+    try:
+        cpu_kernel.load()
+        built = list(tmp_path.iterdir())
+        assert len(built) == 1 and built[0].suffix == ".so"  # no temporary left behind
+    finally:
+        cpu_kernel.load.cache_clear()
+
+
+def test_a_failing_compiler_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv(cpu_kernel.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    cpu_kernel.load.cache_clear()
+    try:
+        with pytest.raises(cpu_kernel.KernelUnavailable, match="false failed"):
+            cpu_kernel.load()
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        cpu_kernel.load.cache_clear()

@@ -1,0 +1,145 @@
+"""Finding prefix groups in a block table, and the step plan built on them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from feather_sched.attention.groups import find_groups, min_blocks, plan_step
+
+BS = 16
+
+
+def table(rows: list[list[int]], width: int = 12) -> np.ndarray:
+    out = np.full((len(rows), width), 999, dtype=np.int32)  # stale ids past each row's end
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+def lens_for(rows: list[list[int]], last_fill: int = 5) -> np.ndarray:
+    """Sequence lengths whose last block holds ``last_fill`` tokens (this step's included)."""
+    return np.array([(len(r) - 1) * BS + last_fill for r in rows], dtype=np.int32)
+
+
+def as_sets(groups) -> list[tuple[frozenset, int]]:
+    return sorted((frozenset(groups.rows[lo:hi].tolist()), int(n)) for lo, hi, n in
+                  zip(groups.offsets[:-1], groups.offsets[1:], groups.shared, strict=True))
+
+
+def test_rows_sharing_leading_blocks_group_in_any_order():
+    rows = [[1, 2, 3, 40], [7, 8, 50], [1, 2, 3, 41], [7, 8, 51], [1, 2, 3, 42]]
+    groups = find_groups(table(rows), lens_for(rows), np.ones(5, int), BS, 2)
+    assert as_sets(groups) == [(frozenset({0, 2, 4}), 3), (frozenset({1, 3}), 2)]
+
+
+def test_only_full_blocks_below_the_written_token_are_shared():
+    # Both rows end in block 3 (identical ids); it holds this step's token, so it is out.
+    rows = [[1, 2, 3], [1, 2, 3]]
+    groups = find_groups(table(rows), lens_for(rows), np.ones(2, int), BS, 1)
+    assert as_sets(groups) == [(frozenset({0, 1}), 2)]
+    # A token that starts a new block: the previous block is full and shared.
+    full = np.array([3 * BS + 1, 3 * BS + 1], dtype=np.int32)
+    wide = table([[1, 2, 3, 60], [1, 2, 3, 61]])
+    assert as_sets(find_groups(wide, full, np.ones(2, int), BS, 1)) == [(frozenset({0, 1}), 3)]
+
+
+def test_stale_ids_past_a_rows_length_never_count():
+    # Identical rows in the table, but row 1 has only 2 blocks of context.
+    rows = table([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]])
+    lens = np.array([4 * BS + 3, 1 * BS + 3], dtype=np.int32)
+    assert as_sets(find_groups(rows, lens, np.ones(2, int), BS, 1)) == [(frozenset({0, 1}), 1)]
+
+
+def test_prefill_rows_singletons_and_short_prefixes_stay_out():
+    rows = [[1, 2, 3, 9], [1, 2, 3, 10], [1, 2, 3, 11], [5, 6, 12], [7, 8, 13], [7, 14]]
+    query_lens = np.array([1, 1, 40, 1, 1, 1])  # row 2 is a prefill chunk
+    groups = find_groups(table(rows), lens_for(rows), query_lens, BS, 2)
+    assert as_sets(groups) == [(frozenset({0, 1}), 3)]  # 7,* share 1 block < 2
+
+
+def test_a_run_splits_into_its_longer_shared_subgroups():
+    # All share a 2-block system prompt; two documents of 6 more blocks each.
+    doc_a, doc_b = [1, 2, 10, 11, 12, 13, 14, 15], [1, 2, 20, 21, 22, 23, 24, 25]
+    rows = [[*doc_a, 30 + i] for i in range(3)] + [[*doc_b, 40 + i] for i in range(3)]
+    groups = find_groups(table(rows), lens_for(rows), np.ones(6, int), BS, 2)
+    assert as_sets(groups) == [(frozenset({0, 1, 2}), 8), (frozenset({3, 4, 5}), 8)]
+
+
+def test_a_run_stays_whole_when_its_common_prefix_saves_more():
+    # 5 rows share 8 blocks; two of them share 1 block more.
+    base = list(range(1, 9))
+    rows = [[*base, 50, 60 + i] for i in range(2)] + [[*base, 70 + i] for i in range(3)]
+    groups = find_groups(table(rows), lens_for(rows), np.ones(5, int), BS, 2)
+    assert as_sets(groups) == [(frozenset(range(5)), 8)]
+
+
+def test_deep_batches_do_not_hit_the_recursion_limit():
+    # Each row shares one block more with the next: the split tree is a chain.
+    rows = [[*list(range(1, 3 + i)), 5000 + i] for i in range(1500)]
+    width = max(map(len, rows))
+    groups = find_groups(table(rows, width), lens_for(rows), np.ones(1500, int), BS, 1)
+    assert len(groups) >= 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6), st.integers(1, 40)),
+                min_size=1, max_size=24))
+def test_every_group_truly_shares_its_blocks(spec):
+    prefixes = [[100 * p + j for j in range(1, 9)] for p in range(4)]
+    rows = [[*prefixes[p][:k], 1000 + i] for i, (p, k, _) in enumerate(spec)]
+    lens = np.array([len(r) * BS - BS + fill for r, (_, _, fill) in
+                     zip(rows, spec, strict=True)], dtype=np.int32)
+    lens = np.minimum(lens, np.array([len(r) * BS for r in rows]))
+    bt = table(rows)
+    groups = find_groups(bt, lens, np.ones(len(rows), int), BS, 1)
+    seen = groups.rows.tolist()
+    assert len(seen) == len(set(seen))
+    for lo, hi, n in zip(groups.offsets[:-1], groups.offsets[1:], groups.shared, strict=True):
+        members = groups.rows[lo:hi]
+        assert hi - lo >= 2 and n >= 1
+        assert (bt[members, :n] == bt[members[0], :n]).all()
+        assert ((lens[members] - 1) // BS >= n).all()
+
+
+def test_min_blocks_rounds_up_to_whole_blocks():
+    assert min_blocks(128) == 2 and min_blocks(16) == 16 and min_blocks(512) == 1
+
+
+def test_plan_shortens_grouped_rows_and_leaves_the_rest():
+    rows = [[1, 2, 3, 40], [1, 2, 3, 41], [9, 10, 50]]
+    bt = torch.from_numpy(table(rows))
+    lens = torch.from_numpy(lens_for(rows))
+    starts = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    before = bt.clone()
+    plan = plan_step(bt, lens, starts, 3, BS, 2)
+    assert torch.equal(bt, before)  # the engine's tensors are not touched
+    assert plan.tokens.tolist() == [0, 1] or plan.tokens.tolist() == [1, 0]
+    assert plan.seq_lens.tolist() == [lens[0] - 3 * BS, lens[1] - 3 * BS, lens[2]]
+    assert plan.block_table[0, :1].tolist() == [40] and plan.block_table[1, :1].tolist() == [41]
+    assert torch.equal(plan.block_table[2], bt[2])
+    seg = plan.segments
+    assert seg.lengths.tolist() == [3 * BS, 5, 5]
+    assert seg.token_offsets.tolist() == [0, 2, 3, 4]
+    assert seg.blocks[:3].tolist() == [1, 2, 3]
+    assert sorted(seg.blocks[3:].tolist()) == [40, 41]
+
+
+def test_plan_is_none_without_groups():
+    rows = [[1, 2, 3], [4, 5, 6]]
+    plan = plan_step(torch.from_numpy(table(rows)), torch.from_numpy(lens_for(rows)),
+                     torch.tensor([0, 1, 2], dtype=torch.int32), 2, BS, 1)
+    assert plan is None
+
+
+@pytest.mark.parametrize("padding", [0, 3])
+def test_plan_reads_only_the_live_rows(padding):
+    rows = [[1, 2, 3, 40], [1, 2, 3, 41]] + [[1, 2, 3, 99]] * padding
+    bt = torch.from_numpy(table(rows))
+    lens = torch.from_numpy(lens_for(rows))
+    starts = torch.arange(len(rows) + 1, dtype=torch.int32)
+    plan = plan_step(bt, lens, starts, 2, BS, 2)
+    assert sorted(plan.groups.rows.tolist()) == [0, 1] and len(plan.seq_lens) == 2
