@@ -1,0 +1,328 @@
+"""Paged decode attention over per-segment token ranges, in Triton: the GPU kernels of
+shared-prefix (cascade) decode.
+
+A *segment* is a set of query rows that attend one token range of one block-table row.
+Shared-prefix decode runs two launches: one segment per prefix group (its members are the
+group's batch rows, the range is the group's prefix), so each prefix KV tile is loaded once
+per tile of up to 64 query rows instead of once per request; and one segment per row for
+the rest of its context. Each launch writes fp32 partial outputs normalised over their own
+tokens plus their natural-log log-sum-exp (vLLM's ``merge_attn_states`` convention), and
+``merge_partials`` combines them exactly.
+
+The KV cache is vLLM's per-layer GPU view: ``key_cache`` and ``value_cache`` each
+``[num_blocks, block_size, kv_heads, head_dim]`` with any strides. Only torch is imported
+here; Triton is imported on the first launch, so importing this module never needs it.
+With ``TRITON_INTERPRET=1`` set before Triton is first imported, the kernels run in
+Triton's CPU interpreter, whose bf16 multiplication is wrong, so there the dot products
+run in fp32.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+from torch import Tensor
+
+MAX_SPLITS = 32
+"""Most split-K partitions of one segment's token range."""
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class TableSegments:
+    """Query rows attending one token range of one block-table row each: int32 tensors on
+    the query's device.
+
+    Grouped prefix: one segment per group, ``members`` its batch rows, ``starts`` 0,
+    ``lengths`` its prefix tokens. Per-row suffix: one segment per row, ``members`` that
+    row alone, ``starts`` the row's first suffix token, ``lengths`` its suffix tokens.
+    """
+
+    table_rows: Tensor
+    """[n]: the block-table row each segment reads."""
+    starts: Tensor
+    """[n]: position of the first attended token in that row (block column
+    ``start // block_size``, slot ``start % block_size``; need not be block-aligned)."""
+    lengths: Tensor
+    """[n]: tokens attended from ``starts`` on; 0 gives LSE -inf and a zero output."""
+    members: Tensor
+    """[n, k]: the query rows (also the output rows) attending each segment, -1 padding
+    segments with fewer than k. A row may be a member of at most one segment per launch."""
+
+    def __len__(self) -> int:
+        return self.table_rows.shape[0]
+
+
+def split_count(segments: TableSegments, query: Tensor, kv_heads: int, max_length: int,
+                num_sms: int) -> int:
+    """Token splits per segment giving about two programs per SM (flash-decoding's split-K):
+    1 when the grid already fills the GPU, at most ``MAX_SPLITS``, and at least one tile of
+    tokens (64; 32 above head_dim 128) of ``max_length`` (the longest segment) per split.
+    Host arithmetic only."""
+    head_dim = query.shape[2]
+    programs = len(segments) * kv_heads * _row_tiles(segments, query.shape[1] // kv_heads,
+                                                     head_dim)[1]
+    by_length = _cdiv(max_length, _tile_limits(head_dim)[1])
+    return max(1, min(MAX_SPLITS, _cdiv(2 * num_sms, programs), by_length))
+
+
+def attend_segments(query: Tensor, key_cache: Tensor, value_cache: Tensor,
+                    block_table: Tensor, segments: TableSegments, scale: float, parts: Tensor,
+                    lse: Tensor) -> None:
+    """Write ``parts[i, row]`` (fp32, ``[splits, rows, q_heads, head_dim]``) and ``lse[i, row]``
+    (fp32, ``[splits, rows, q_heads]``) for every member row: split ``i`` of its segment's
+    range, normalised over that split's tokens. A split with no tokens gets LSE -inf and a
+    zero output; rows in no segment are not written. Merge with ``merge_partials``.
+
+    query ``[num_tokens, q_heads, head_dim]`` (bf16, fp16 or fp32, any strides), caches
+    of its dtype ``[num_blocks, block_size, kv_heads, head_dim]`` (any strides), block_table
+    ``[rows, cols]`` int32. ``splits = parts.shape[0]``; ``parts`` and ``lse`` contiguous.
+    At most 65535 segments per launch (a CUDA grid dimension).
+
+    Cost: one program per (KV head, tile of up to 64 query rows of a segment, split); each
+    reads its tokens' K and V once, so HBM traffic is about the sum over segments of
+    length x row tiles x K and V per token, plus the outputs."""
+    _check(query, key_cache, value_cache, block_table, segments, parts, lse)
+    _launch_attend(query, key_cache, value_cache, block_table, segments, scale, parts, lse,
+                   by_member_slot=False)
+
+
+def segment_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor,
+                      block_table: Tensor, segments: TableSegments, scale: float, out: Tensor,
+                      lse: Tensor, splits: int = 1) -> None:
+    """Write every member row's partial ``out`` (fp32 ``[rows, q_heads, head_dim]``) and
+    ``lse`` (fp32 ``[rows, q_heads]``, natural log) over its segment's whole range: LSE
+    -inf and a zero output where the range is empty; rows in no segment are not written.
+
+    Inputs as for ``attend_segments``; ``splits`` from ``split_count``. With one split the
+    kernel writes ``out`` and ``lse`` directly; with more, it writes the splits of each
+    member slot to a scratch (fp32, splits x segments x k x q_heads x (head_dim + 1), k =
+    ``members.shape[1]``) and a merge kernel combines them into the member rows."""
+    if splits == 1:
+        attend_segments(query, key_cache, value_cache, block_table, segments, scale,
+                        out[None], lse[None])
+        return
+    slots = segments.members.numel()
+    scratch = out.new_empty(splits, slots, *out.shape[1:])
+    scratch_lse = lse.new_empty(splits, slots, lse.shape[1])
+    _check(query, key_cache, value_cache, block_table, segments, scratch, scratch_lse)
+    _launch_attend(query, key_cache, value_cache, block_table, segments, scale, scratch,
+                   scratch_lse, by_member_slot=True)
+    merge_partials(scratch, scratch_lse, out, lse, rows=segments.members.flatten())
+
+
+def merge_partials(parts: Tensor, lse: Tensor, out: Tensor, out_lse: Tensor | None = None,
+                   rows: Tensor | None = None) -> None:
+    """``out[rows[i]] = sum_p exp(lse[p, i] - L) parts[p, i]`` with ``L = logsumexp_p
+    lse[p, i]``, per head, in fp32, cast to ``out``'s dtype once; ``out_lse[rows[i]] = L``.
+
+    parts ``[num_parts, n, heads, head_dim]`` and lse ``[num_parts, n, heads]`` fp32
+    contiguous; out ``[rows, heads, head_dim]`` any float dtype and strides; out_lse fp32
+    contiguous. ``rows`` (int32 ``[n]``, -1 skipped) defaults to ``0..n-1``. Parts with LSE
+    -inf are not read (they may hold anything); a row whose parts are all -inf gets 0 and
+    LSE -inf. Cost: one program per parts row (all heads), reading each live part once."""
+    num_parts, n, heads, head_dim = parts.shape
+    if parts.dtype != torch.float32 or lse.dtype != torch.float32:
+        raise TypeError("parts and lse must be fp32")
+    if rows is not None and (rows.dtype != torch.int32 or rows.shape != (n,)):
+        raise TypeError(f"rows: int32 [{n}]")
+    if not (parts.is_contiguous() and lse.is_contiguous()) or lse.shape != parts.shape[:3]:
+        raise ValueError(f"parts {tuple(parts.shape)} / lse {tuple(lse.shape)}: contiguous, "
+                         "lse one per parts row and head")
+    if out_lse is not None and not (out_lse.is_contiguous() and out_lse.dtype == torch.float32):
+        raise ValueError("out_lse must be a contiguous fp32 tensor")
+    merge = _kernels()[1]
+    merge[(n,)](
+        parts, lse, out, *out.stride(), out_lse if out_lse is not None else lse,
+        rows if rows is not None else lse, num_parts, n, HEADS=heads,
+        HEADS_POW2=_pow2(heads), HEAD_DIM=head_dim, HAS_ROWS=rows is not None,
+        HAS_LSE=out_lse is not None, num_warps=4)
+
+
+def _launch_attend(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
+                   segments: TableSegments, scale: float, parts: Tensor, lse: Tensor,
+                   by_member_slot: bool) -> None:
+    """Launch the attend kernel; its parts rows are query rows, or member slots
+    ``segment x k + j`` when ``by_member_slot``."""
+    kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    gqa = query.shape[1] // kv_heads
+    block_q, tiles = _row_tiles(segments, gqa, head_dim)
+    splits = parts.shape[0]
+    attend, _, dot_dtypes = _kernels()
+    attend[(kv_heads, tiles * splits, len(segments))](
+        query, *query.stride(), key_cache, *key_cache.stride(), value_cache,
+        *value_cache.stride(), block_table, *block_table.stride(), segments.table_rows,
+        segments.starts, segments.lengths, segments.members, segments.members.shape[1],
+        tiles, splits, parts.shape[1], parts, lse, scale, KV_HEADS=kv_heads, GQA=gqa,
+        HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1], BLOCK_Q=block_q,
+        BLOCK_T=_tile_limits(head_dim)[1], DOT=dot_dtypes[query.dtype],
+        PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32: no TF32 rounding
+        BY_MEMBER_SLOT=by_member_slot, num_warps=4, num_stages=2)
+
+
+def _check(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
+           segments: TableSegments, parts: Tensor, lse: Tensor) -> None:
+    """The shapes and dtypes the kernel assumes; a violation is a caller's bug, so it raises."""
+    head_dim = query.shape[2]
+    if query.dtype not in _DTYPES or {key_cache.dtype, value_cache.dtype} != {query.dtype}:
+        raise TypeError(f"query {query.dtype}, caches {key_cache.dtype}/{value_cache.dtype}: "
+                        "one of bf16, fp16, fp32 for all three")
+    if (key_cache.shape != value_cache.shape or key_cache.shape[3] != head_dim
+            or query.shape[1] % key_cache.shape[2] or head_dim < 16 or head_dim & head_dim - 1):
+        raise ValueError(f"query {tuple(query.shape)}, caches {tuple(key_cache.shape)}: "
+                         "head_dim a power of two >= 16, q_heads a multiple of kv_heads")
+    int32 = (block_table, segments.table_rows, segments.starts, segments.lengths,
+             segments.members)
+    if any(t.dtype != torch.int32 for t in int32) or segments.members.ndim != 2:
+        raise TypeError("block_table and segments: int32; members [segments, k]")
+    if (not segments.members.is_contiguous() or len(segments.members) != len(segments)
+            or len(segments) > 65535):
+        raise ValueError("members: contiguous, one row per segment; at most 65535 segments")
+    if parts.dtype != torch.float32 or lse.dtype != torch.float32:
+        raise TypeError("parts and lse must be fp32")
+    if (not (parts.is_contiguous() and lse.is_contiguous())
+            or parts.shape[2:] != query.shape[1:] or lse.shape != parts.shape[:3]):
+        raise ValueError(f"parts {tuple(parts.shape)} / lse {tuple(lse.shape)}: contiguous "
+                         f"[splits, rows, {query.shape[1]}, {head_dim}] and [splits, rows, "
+                         f"{query.shape[1]}]")
+
+
+def _tile_limits(head_dim: int) -> tuple[int, int]:
+    """(most query rows, tokens) per program tile: 64 and 64 up to head_dim 128, halved for
+    wider heads so the fp32 accumulator stays in registers."""
+    size = 64 if head_dim <= 128 else 32
+    return size, size
+
+
+def _row_tiles(segments: TableSegments, gqa: int, head_dim: int) -> tuple[int, int]:
+    """(query rows per program, at least 16 for ``tl.dot``; row tiles per segment)."""
+    rows = segments.members.shape[1] * gqa
+    block_q = max(16, min(_tile_limits(head_dim)[0], _pow2(rows)))
+    return block_q, _cdiv(rows, block_q)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@cache
+def _kernels() -> tuple[Any, Any, dict[torch.dtype, Any]]:
+    """(attend, merge, dot dtype per input dtype), defined on first use."""
+    import triton
+    import triton.language as tl
+
+    # Sizes that vary per call are not specialised on: one compile serves every batch.
+    @triton.jit(do_not_specialize=["table_stride_row", "per_segment", "tiles", "splits",
+                                   "num_rows"])
+    def attend(q_ptr, q_stride_row, q_stride_head, q_stride_dim,
+               k_ptr, k_stride_block, k_stride_slot, k_stride_head, k_stride_dim,
+               v_ptr, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
+               table_ptr, table_stride_row, table_stride_col,
+               seg_rows_ptr, seg_starts_ptr, seg_lengths_ptr, members_ptr, per_segment,
+               tiles, splits, num_rows, parts_ptr, lse_ptr, scale,
+               KV_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
+               DOT: tl.constexpr, PRECISION: tl.constexpr, BY_MEMBER_SLOT: tl.constexpr):
+        # One program: one KV head x one tile of a segment's query rows x one token split.
+        # Program order puts KV heads first, then splits, then segments, so adjacent
+        # segments run at the same time.
+        kv_head = tl.program_id(0)
+        tile = tl.program_id(1) % tiles
+        split = tl.program_id(1) // tiles
+        seg = tl.program_id(2)
+        r = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        member = seg * per_segment + r // GQA
+        row = tl.load(members_ptr + member, mask=r // GQA < per_segment, other=-1)
+        valid = row >= 0
+        row = tl.where(valid, row, 0).to(tl.int64)
+        head = kv_head * GQA + r % GQA
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + row[:, None] * q_stride_row + head[:, None] * q_stride_head
+                    + d[None, :] * q_stride_dim, mask=valid[:, None], other=0.0).to(DOT)
+        # This split's share of the range, in whole BLOCK_T steps; none for a padding tile.
+        length = tl.load(seg_lengths_ptr + seg)
+        per_split = tl.cdiv(tl.cdiv(length, splits), BLOCK_T) * BLOCK_T
+        start = split * per_split
+        end = tl.minimum(start + per_split, length)
+        end = tl.where(tl.max(valid.to(tl.int32), 0) > 0, end, start)
+        table = table_ptr + tl.load(seg_rows_ptr + seg).to(tl.int64) * table_stride_row
+        first = tl.load(seg_starts_ptr + seg)
+        m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q], tl.float32)
+        acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
+        for t0 in range(start, end, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            live = t < end
+            position = first + t
+            block = tl.load(table + (position // BLOCK_SIZE) * table_stride_col, mask=live,
+                            other=0).to(tl.int64)
+            slot = position % BLOCK_SIZE
+            k = tl.load(k_ptr + block[:, None] * k_stride_block + slot[:, None] * k_stride_slot
+                        + kv_head * k_stride_head + d[None, :] * k_stride_dim,
+                        mask=live[:, None], other=0.0).to(DOT)
+            v = tl.load(v_ptr + block[:, None] * v_stride_block + slot[:, None] * v_stride_slot
+                        + kv_head * v_stride_head + d[None, :] * v_stride_dim,
+                        mask=live[:, None], other=0.0).to(DOT)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(live[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
+            m_i = m_new
+        seen = l_i > 0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        out_row = member.to(tl.int64) if BY_MEMBER_SLOT else row
+        index = (split.to(tl.int64) * num_rows + out_row) * (KV_HEADS * GQA) + head
+        tl.store(parts_ptr + index[:, None] * HEAD_DIM + d[None, :], out, mask=valid[:, None])
+        tl.store(lse_ptr + index, lse, mask=valid)
+
+    @triton.jit(do_not_specialize=["num_parts", "num_rows"])
+    def merge(parts_ptr, lse_ptr, out_ptr, out_stride_row, out_stride_head, out_stride_dim,
+              out_lse_ptr, rows_ptr, num_parts, num_rows, HEADS: tl.constexpr,
+              HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_ROWS: tl.constexpr,
+              HAS_LSE: tl.constexpr):
+        # One program per parts row, all heads: the largest LSE first, then the weighted sum.
+        i = tl.program_id(0).to(tl.int64)
+        row = tl.load(rows_ptr + i).to(tl.int64) if HAS_ROWS else i
+        h = tl.arange(0, HEADS_POW2)
+        d = tl.arange(0, HEAD_DIM)
+        keep = (h < HEADS) & (h * 0 + row >= 0)  # vector masks: the interpreter rejects scalars
+        top = tl.full([HEADS_POW2], float("-inf"), tl.float32)
+        for p in range(num_parts):
+            lse = tl.load(lse_ptr + (p * num_rows + i) * HEADS + h, mask=keep,
+                          other=float("-inf"))
+            top = tl.maximum(top, lse)
+        top = tl.where(top > float("-inf"), top, 0.0)  # a row of empty parts: weights 0
+        total = tl.zeros([HEADS_POW2], tl.float32)
+        acc = tl.zeros([HEADS_POW2, HEAD_DIM], tl.float32)
+        for p in range(num_parts):
+            index = (p * num_rows + i) * HEADS + h
+            lse = tl.load(lse_ptr + index, mask=keep, other=float("-inf"))
+            weight = tl.exp(lse - top)
+            o = tl.load(parts_ptr + index[:, None] * HEAD_DIM + d[None, :],
+                        mask=(lse > float("-inf"))[:, None], other=0.0)
+            total += weight
+            acc += weight[:, None] * o
+        seen = total > 0
+        out = acc / tl.where(seen, total, 1.0)[:, None]
+        tl.store(out_ptr + row * out_stride_row + h[:, None] * out_stride_head
+                 + d[None, :] * out_stride_dim, out, mask=keep[:, None])
+        if HAS_LSE:
+            merged_lse = tl.where(seen, top + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+            tl.store(out_lse_ptr + row * HEADS + h, merged_lse, mask=keep)
+
+    # The interpreter multiplies bf16 wrongly: there every dot runs in fp32.
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    dot = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+    return attend, merge, ({t: tl.float32 for t in dot} if interpreted else dot)
