@@ -31,6 +31,8 @@ def load_kit():
 
 kit = load_kit()
 SWEEP = kit.Sweep(prefixes=(64,), groups=(1, 2), per_group=(2,), warmup=0, reps=2)
+STUDIES = [kit.Study(kit.ORDERS, kit.TINY, SWEEP), kit.Study(kit.SHARED_PREFIX, kit.TINY, SWEEP),
+           kit.Study(kit.SHARED_PREFIX, kit.TINY_MHA, SWEEP)]
 
 
 def setup(config, device: str = "cpu"):
@@ -46,12 +48,16 @@ def setup(config, device: str = "cpu"):
 
 
 def test_run_checks_times_and_writes_calibration_steps(tmp_path: Path) -> None:
-    report = kit.run("cpu", tmp_path, tiny=True, seed=7, sweep=SWEEP, log=lambda _: None)
-    errors = [e for config in report["max_relative_error"].values() for e in config.values()]
+    report = kit.run("cpu", tmp_path, chosen=STUDIES, seed=7, log=lambda _: None)
+    orders, *shared = report["studies"]
+    errors = [e for config in orders["max_relative_error"].values() for e in config.values()]
     assert len(errors) == 2 * (3 + 4)  # (decode, cascade) x (orders of G=1, of G=2)
     assert max(errors) < kit.TOLERANCE
+    for study in shared:  # (decode, cascade) on the sorted batch of G=1 and of G=2
+        assert [len(config) for config in study["max_relative_error"].values()] == [2, 2]
 
-    decode = [m for m in report["measurements"] if m["variant"] == "decode"]
+    decode = [m for m in report["measurements"]
+              if m["variant"] == "decode" and m["study"] == kit.ORDERS]
     steps = read_steps(tmp_path / "calibration.csv")
     assert len(steps) == len(decode) == 3 + 4  # mixed, sorted, one homogeneous per group
     for (batch, seconds), m in zip(steps, decode, strict=True):
@@ -65,7 +71,11 @@ def test_run_checks_times_and_writes_calibration_steps(tmp_path: Path) -> None:
 
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["gpu"] and len(saved["measurements"][0]["seconds"]) == SWEEP.reps
-    assert "mixed/homogeneous" in (tmp_path / "table.md").read_text()
+    shared_rows = [m for m in saved["measurements"] if m["study"] == kit.SHARED_PREFIX]
+    assert {(m["geometry"], m["batch"], m["variant"]) for m in shared_rows} == {
+        (g, "sorted", v) for g in ("tiny", "tiny-mha") for v in ("decode", "cascade")}
+    table = (tmp_path / "table.md").read_text()
+    assert "mixed/homogeneous" in table and "| tiny-mha | 64 | 2 | 2 |" in table
 
 
 @pytest.mark.parametrize("variant", ["decode", "cascade"])
@@ -102,8 +112,9 @@ for config, variants in (((128, 2, 2), kit.VARIANTS), ((128, 1, 33), ["cascade"]
     triton, batch = env.backends[0], batches["mixed"]
     assert triton.name == "triton"
     triton.sms = 64  # as many programs wanted as on a GPU: split-K everywhere
-    assert triton.splits(batch.decode) > 1 and triton.splits(batch.prefix) > 1
-    assert config[2] < 33 or triton._tiles(batch.prefix)[1] == 2  # 66 rows, tiles of 64
+    assert triton.splits(batch, batch.decode) > 1 and triton.splits(batch, batch.prefix) > 1
+    tiles = kit.triton_kernels._row_tiles(batch.prefix, kit.TINY.gqa, kit.TINY.head_dim)[1]
+    assert config[2] < 33 or tiles == 2  # 66 rows, tiles of 64
     for variant in variants:
         kit.check(variant, kit.plan(triton, batch, variant), pool, expected[batch.rows])
 """

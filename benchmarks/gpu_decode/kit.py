@@ -1,12 +1,14 @@
-"""Decode-attention kit: how much does batch order cost a paged decode kernel on a real GPU?
+"""Decode-attention kit: what do batch order and shared-prefix attention cost on a real GPU?
 
-One decode step's attention over a paged bf16 KV pool (Llama-3-8B per-layer geometry),
-for batches of G prefix groups x M requests whose prefix blocks are shared physical blocks,
-in three orders (``mixed``: groups interleaved round-robin; ``sorted``: group by group;
-``homogeneous``: each group its own batch) plus a cascade kernel (each group's prefix
-attended once for all its requests, merged with the per-request suffix by log-sum-exp).
-Every variant is checked against a float64 reference before it is timed, and the timings
-are written as a calibration CSV for ``feather calibrate``.
+One decode step's attention over a paged bf16 KV pool, for batches of G prefix groups x M
+requests whose prefix blocks are shared physical blocks. Two studies: ``orders`` times
+per-request paged decode in three orders (``mixed``: groups interleaved round-robin;
+``sorted``: group by group; ``homogeneous``: each group its own batch) on Llama-3-8B's
+geometry and writes a calibration CSV for ``feather calibrate``; ``shared-prefix`` times
+the shared-prefix (cascade) kernel (each group's prefix attended once for all its
+requests, merged with each request's suffix by log-sum-exp) against per-request decode of
+the sorted batch, for GQA (Llama-3-8B) and MHA (Llama-2-7B) geometries. Every variant is
+checked against a float64 reference before it is timed.
 
 Needs only PyTorch (and Triton on CUDA). ``python kit.py --help`` for options; the
 README next to this file explains the method and the output files.
@@ -24,30 +26,25 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
-from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-# The step-log format comes from the package's source tree, which has no dependencies
-# beyond the standard library: the GPU machine needs nothing installed but torch/Triton.
+# The step-log format and the Triton kernels come from the package's source tree, modules
+# that need nothing beyond the standard library, torch and Triton: the GPU machine needs
+# nothing else installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from feather_sched import steplog
+from feather_sched.attention import triton_kernels
+from feather_sched.attention.triton_kernels import TableSegments
 
 TOLERANCE = 1e-2
 """Largest accepted relative error of one (request, head) output row vs float64."""
-BLOCK_T = 64
-"""Tokens per inner-loop iteration of the Triton kernel (any block size: each token's
-block is looked up in the table)."""
-MAX_SPLITS = 32
-"""Most split-K partitions of one token range."""
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+ORDERS, SHARED_PREFIX = "orders", "shared-prefix"
+"""The two studies: see the module docstring."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -88,8 +85,12 @@ class Geometry:
 
 LLAMA3_8B = Geometry("llama-3-8b", q_heads=32, kv_heads=8, head_dim=128, block_size=16,
                      hidden=4096, intermediate=14336, layers=32)
+LLAMA2_7B = Geometry("llama-2-7b", q_heads=32, kv_heads=32, head_dim=128, block_size=16,
+                     hidden=4096, intermediate=11008, layers=32)
+"""MHA (one query head per KV head): 4x Llama-3-8B's KV bytes per token."""
 TINY = Geometry("tiny", q_heads=4, kv_heads=2, head_dim=16, block_size=16, hidden=64,
                 intermediate=128, layers=2)
+TINY_MHA = replace(TINY, name="tiny-mha", kv_heads=4)
 
 
 class Config(NamedTuple):
@@ -116,9 +117,32 @@ class Sweep:
                 for m in self.per_group]
 
 
+class Study(NamedTuple):
+    """One sweep on one geometry: ``kind`` ORDERS (every batch order, calibration steps)
+    or SHARED_PREFIX (the sorted batch only)."""
+
+    kind: str
+    geometry: Geometry
+    sweep: Sweep
+
+
 FULL = Sweep((1024, 4096, 10240), (1, 2, 4, 8, 16), (8, 32, 100))
+FULL_SHARED = Sweep((2048, 8192, 32768), (1, 4, 16), (16, 64))
 QUICK = Sweep((1024, 10240), (1, 4), (32,), reps=20)
+QUICK_SHARED = Sweep((8192, 32768), (1, 16), (64,), reps=20)
 CPU = Sweep((64,), (1, 2), (2,), warmup=1, reps=5)
+
+
+def studies(device: str, *, quick: bool = False, tiny: bool = False,
+            reps: int | None = None) -> list[Study]:
+    """The orders study on the GQA geometry, then the shared-prefix study on GQA and MHA."""
+    gqa, mha = (TINY, TINY_MHA) if tiny else (LLAMA3_8B, LLAMA2_7B)
+    orders, shared = ((CPU, CPU) if device == "cpu" else (QUICK, QUICK_SHARED) if quick
+                      else (FULL, FULL_SHARED))
+    if reps:
+        orders, shared = replace(orders, reps=reps), replace(shared, reps=reps)
+    return [Study(ORDERS, gqa, orders), Study(SHARED_PREFIX, gqa, shared),
+            Study(SHARED_PREFIX, mha, shared)]
 
 
 def blocks_needed(config: Config, suffix: int, geometry: Geometry) -> int:
@@ -131,24 +155,6 @@ def blocks_needed(config: Config, suffix: int, geometry: Geometry) -> int:
 
 
 # --- batches -----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Segments:
-    """Query rows attending one token range of block-table rows: one segment per request
-    for plain decode and cascade suffixes, one per group for cascade prefixes."""
-
-    rows: Tensor
-    """[n] int32: the block-table row each segment reads."""
-    col0: int
-    """First block-table column read."""
-    length: int
-    """Tokens attended."""
-    members: Tensor
-    """[n, k] int32: batch positions whose queries attend the segment."""
-
-    def __len__(self) -> int:
-        return self.rows.shape[0]
-
 
 @dataclass
 class Population:
@@ -166,7 +172,8 @@ class Population:
 
 @dataclass
 class Batch:
-    """One decode batch in engine form: a block table and its per-variant segments."""
+    """One decode batch in engine form: a block table and its per-variant segments (one
+    per request for decode and cascade suffixes, one per group for cascade prefixes)."""
 
     name: str
     rows: Tensor
@@ -175,9 +182,9 @@ class Batch:
     block_table: Tensor
     """[R, blocks] int32; prefix columns point at the group's shared blocks."""
     q: Tensor
-    decode: Segments
-    prefix: Segments
-    suffix: Segments
+    decode: TableSegments
+    prefix: TableSegments
+    suffix: TableSegments
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -194,9 +201,12 @@ def make_population(config: Config, suffix: int, geometry: Geometry, pool_blocks
                       blocks[g * prefix_cols:].view(g * m, -1).to(device), q.to(device))
 
 
-def orders(config: Config) -> dict[str, Tensor]:
-    """Population indices per batch: mixed, sorted, and one homogeneous batch per group."""
+def orders(config: Config, kind: str = ORDERS) -> dict[str, Tensor]:
+    """Population indices per batch: mixed, sorted, and one homogeneous batch per group
+    (SHARED_PREFIX: sorted only)."""
     grid = torch.arange(config.groups * config.per_group).view(config.groups, -1)
+    if kind == SHARED_PREFIX:
+        return {"sorted": grid.flatten()}
     named = {"mixed": grid.t().flatten(), "sorted": grid.flatten()}
     named.update({f"homogeneous/{g}": grid[g] for g in range(config.groups)})
     return named
@@ -212,14 +222,19 @@ def make_batch(population: Population, rows: Tensor, name: str) -> Batch:
     members = torch.stack([torch.tensor([i for i, g in enumerate(groups) if g == group])
                            for group in first_seen]).int().to(device)
     every = torch.arange(len(groups), dtype=torch.int32, device=device)
-    shared, prefix_cols = population.config.prefix, population.prefix_blocks.shape[1]
-    context = shared + population.suffix
+    shared = population.config.prefix
     return Batch(
         name, rows, groups, table.contiguous(), population.q[rows],
-        decode=Segments(every, 0, context, every[:, None]),
-        prefix=Segments(members[:, 0].contiguous(), 0, shared, members),
-        suffix=Segments(every, prefix_cols, population.suffix, every[:, None]),
+        decode=same_range(every, 0, shared + population.suffix, every[:, None]),
+        prefix=same_range(members[:, 0].contiguous(), 0, shared, members),
+        suffix=same_range(every, shared, population.suffix, every[:, None]),
     )
+
+
+def same_range(table_rows: Tensor, start: int, length: int, members: Tensor) -> TableSegments:
+    """Segments that all read tokens ``start .. start + length - 1`` of their table rows."""
+    return TableSegments(table_rows, torch.full_like(table_rows, start),
+                         torch.full_like(table_rows, length), members)
 
 
 def gather(pool: Tensor, tables: Tensor, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -282,9 +297,9 @@ class Workspace:
 class Backend(Protocol):
     name: str
 
-    def splits(self, segments: Segments) -> int: ...
+    def splits(self, batch: Batch, segments: TableSegments) -> int: ...
 
-    def attend(self, pool: Tensor, batch: Batch, segments: Segments, ws: Workspace,
+    def attend(self, pool: Tensor, batch: Batch, segments: TableSegments, ws: Workspace,
                part0: int, splits: int) -> None:
         """Write parts[part0 : part0 + splits] and their lse for every member row."""
 
@@ -292,8 +307,21 @@ class Backend(Protocol):
         """out = the log-sum-exp weighted combination of all parts."""
 
 
+def gather_range(pool: Tensor, block_table: Tensor, segments: TableSegments, part: slice,
+                 length: int) -> tuple[Tensor, Tensor]:
+    """K and V (fp32) of tokens ``start .. start + length - 1`` of each segment in ``part``,
+    looked up through the block table: [n, length, kv_heads, head_dim] each."""
+    block_size = pool.shape[2]
+    positions = segments.starts[part, None].long() + torch.arange(length, device=pool.device)
+    columns = (positions // block_size).clamp(max=block_table.shape[1] - 1)
+    blocks = block_table[segments.table_rows[part, None].long(), columns].long()
+    kv = pool[blocks, :, positions % block_size].float()  # [n, length, 2, kv_heads, dim]
+    return kv[:, :, 0], kv[:, :, 1]
+
+
 class TorchBackend:
-    """Gather blocks and attend in fp32: the CPU path and a second check on CUDA."""
+    """Gather tokens and attend in fp32: the CPU path and a second check on CUDA. Segments
+    must attend at least one token and have no -1 padding (the kit's never do)."""
 
     name = "torch"
 
@@ -301,23 +329,25 @@ class TorchBackend:
         self.geometry = geometry
         self.budget = budget_bytes
 
-    def splits(self, segments: Segments) -> int:
+    def splits(self, batch: Batch, segments: TableSegments) -> int:
         return 1
 
-    def attend(self, pool: Tensor, batch: Batch, segments: Segments, ws: Workspace,
+    def attend(self, pool: Tensor, batch: Batch, segments: TableSegments, ws: Workspace,
                part0: int, splits: int) -> None:
         g = self.geometry
-        per_segment = segments.members.shape[1]
-        # Bytes per segment: gathered K/V (bf16 + fp32 copies) and scores + probabilities.
-        per_token = g.kv_heads * g.head_dim * 2 * 6 + per_segment * g.q_heads * 4 * 2
-        chunk = max(1, int(self.budget // (segments.length * per_token)))
+        length = int(segments.lengths.max())
+        # Bytes per segment token: gathered K/V (bf16 + fp32 copies) and scores + probabilities.
+        per_token = (g.kv_heads * g.head_dim * 2 * 6
+                     + segments.members.shape[1] * g.q_heads * 4 * 2)
+        chunk = max(1, int(self.budget // (length * per_token)))
         for start in range(0, len(segments), chunk):
-            members = segments.members[start:start + chunk].long()
-            tables = batch.block_table[segments.rows[start:start + chunk].long(),
-                                       segments.col0:]
-            k, v = gather(pool, tables, segments.length, torch.float32)
+            part = slice(start, start + chunk)
+            k, v = gather_range(pool, batch.block_table, segments, part, length)
+            members = segments.members[part].long()
             q = batch.q[members].float().view(*members.shape, g.kv_heads, g.gqa, g.head_dim)
             scores = torch.einsum("cnhgd,clhd->cnhgl", q, k) * g.head_dim ** -0.5
+            beyond = torch.arange(length, device=pool.device) >= segments.lengths[part, None]
+            scores = scores.masked_fill(beyond[:, None, None, None, :], -math.inf)
             lse = torch.logsumexp(scores, -1)
             out = torch.einsum("cnhgl,clhd->cnhgd", torch.exp(scores - lse[..., None]), v)
             rows = members.flatten()
@@ -329,140 +359,35 @@ class TorchBackend:
         ws.out.copy_((weights[..., None] * ws.parts).sum(0) / weights.sum(0)[..., None])
 
 
-@cache
-def _triton_kernels() -> tuple[Any, Any, Any]:
-    """Compile-on-first-use Triton kernels (imported lazily: CPU runs need no Triton).
-    With TRITON_INTERPRET=1 set before this runs, they run in Triton's CPU interpreter."""
-    import triton
-    import triton.language as tl
-
-    # Sizes vary per call; specialising on them would compile a kernel per configuration.
-    @triton.jit(do_not_specialize=["table_stride", "per_segment", "col0", "length",
-                                   "tokens_per_split", "part0", "num_rows"])
-    def attend(q_ptr, kv_ptr, table_ptr, table_stride, rows_ptr, members_ptr, per_segment,
-               col0, length, tokens_per_split, part0, num_rows, parts_ptr, lse_ptr, scale,
-               KV_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
-               TILES: tl.constexpr, DOT: tl.constexpr):
-        # One program: one KV head x one tile of a segment's query rows x one token split.
-        kv_head = tl.program_id(0)
-        tile = tl.program_id(1) % TILES
-        split = tl.program_id(1) // TILES
-        seg = tl.program_id(2)
-        r = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
-        valid = r // GQA < per_segment
-        req = tl.load(members_ptr + seg * per_segment + r // GQA, mask=valid, other=0)
-        req = req.to(tl.int64)
-        head = kv_head * GQA + r % GQA
-        d = tl.arange(0, HEAD_DIM)
-        q_rows = req * (KV_HEADS * GQA * HEAD_DIM) + head * HEAD_DIM
-        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-        q = q.to(DOT)
-        table = table_ptr + tl.load(rows_ptr + seg).to(tl.int64) * table_stride + col0
-        start = split * tokens_per_split
-        end = tl.minimum(start + tokens_per_split, length)
-        m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_Q], tl.float32)
-        acc = tl.zeros([BLOCK_Q, HEAD_DIM], tl.float32)
-        for t0 in range(start, end, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            live = t < end
-            block = tl.load(table + t // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
-            kv_rows = (block * (2 * BLOCK_SIZE * KV_HEADS * HEAD_DIM)
-                       + (t % BLOCK_SIZE) * (KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM)
-            offsets = kv_rows[:, None] + d[None, :]
-            k = tl.load(kv_ptr + offsets, mask=live[:, None], other=0.0).to(DOT)
-            v = tl.load(kv_ptr + BLOCK_SIZE * KV_HEADS * HEAD_DIM + offsets,
-                        mask=live[:, None], other=0.0).to(DOT)
-            s = tl.dot(q, tl.trans(k)) * scale
-            s = tl.where(live[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v)
-            m_i = m_new
-        seen = l_i > 0
-        out = acc / tl.where(seen, l_i, 1.0)[:, None]
-        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-        slot = (part0 + split).to(tl.int64) * num_rows + req
-        out_rows = slot * (KV_HEADS * GQA * HEAD_DIM) + head * HEAD_DIM
-        tl.store(parts_ptr + out_rows[:, None] + d[None, :], out, mask=valid[:, None])
-        tl.store(lse_ptr + slot * (KV_HEADS * GQA) + head, lse, mask=valid)
-
-    @triton.jit(do_not_specialize=["num_parts", "row_count"])
-    def merge(parts_ptr, lse_ptr, out_ptr, num_parts, row_count, HEAD_DIM: tl.constexpr,
-              PARTS: tl.constexpr):
-        # One program per (request, query head) row: combine its parts by log-sum-exp.
-        row = tl.program_id(0).to(tl.int64)
-        p = tl.arange(0, PARTS)
-        live = p < num_parts
-        slots = p.to(tl.int64) * row_count + row
-        lse = tl.load(lse_ptr + slots, mask=live, other=float("-inf"))
-        weight = tl.exp(lse - tl.max(lse, 0))
-        d = tl.arange(0, HEAD_DIM)
-        o = tl.load(parts_ptr + slots[:, None] * HEAD_DIM + d[None, :], mask=live[:, None],
-                    other=0.0)
-        tl.store(out_ptr + row * HEAD_DIM + d, tl.sum(weight[:, None] * o, 0) / tl.sum(weight, 0))
-
-    # Triton's CPU interpreter multiplies bf16 wrongly, so there the dots run in fp32.
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return attend, merge, tl.float32 if interpreted else tl.bfloat16
-
-
-def _split(length: int, splits: int) -> tuple[int, int]:
-    """(tokens per split, a multiple of BLOCK_T; splits then needed, none of them empty)."""
-    per_split = _cdiv(_cdiv(length, splits), BLOCK_T) * BLOCK_T
-    return per_split, _cdiv(length, per_split)
-
-
 class TritonBackend:
-    """Paged flash-decoding in Triton: GQA query rows per program, split-K when the grid
-    would not fill the GPU, fp32 online softmax; partials merged by a second kernel."""
+    """The package's Triton kernels (``feather_sched.attention.triton_kernels``): paged
+    flash-decoding over each segment's range, query rows of a segment together, split-K
+    when the grid would not fill the GPU; partials merged by a second kernel."""
 
     name = "triton"
 
     def __init__(self, geometry: Geometry, sms: int):
         self.geometry = geometry
         self.sms = sms
-        self.attend_kernel, self.merge_kernel, self.dot_dtype = _triton_kernels()
 
-    def _tiles(self, segments: Segments) -> tuple[int, int]:
-        """(query rows per program, programs per segment and KV head)."""
-        rows = segments.members.shape[1] * self.geometry.gqa
-        block_q = max(16, min(64, _pow2(rows)))
-        return block_q, _cdiv(rows, block_q)
+    def splits(self, batch: Batch, segments: TableSegments) -> int:
+        return triton_kernels.split_count(segments, batch.q, self.geometry.kv_heads,
+                                          int(segments.lengths.max()), self.sms)
 
-    def splits(self, segments: Segments) -> int:
-        """Enough splits for about two programs per SM (flash-decoding's split-K)."""
-        programs = len(segments) * self.geometry.kv_heads * self._tiles(segments)[1]
-        return _split(segments.length, min(MAX_SPLITS, _cdiv(2 * self.sms, programs)))[1]
-
-    def attend(self, pool: Tensor, batch: Batch, segments: Segments, ws: Workspace,
+    def attend(self, pool: Tensor, batch: Batch, segments: TableSegments, ws: Workspace,
                part0: int, splits: int) -> None:
-        g = self.geometry
-        assert pool.is_contiguous() and batch.q.is_contiguous() and ws.parts.is_contiguous()
-        block_q, tiles = self._tiles(segments)
-        per_split, _ = _split(segments.length, splits)
-        grid = (g.kv_heads, tiles * splits, len(segments))
-        self.attend_kernel[grid](
-            batch.q, pool, batch.block_table, batch.block_table.stride(0), segments.rows,
-            segments.members, segments.members.shape[1], segments.col0, segments.length,
-            per_split, part0, len(batch), ws.parts, ws.lse, g.head_dim ** -0.5,
-            KV_HEADS=g.kv_heads, GQA=g.gqa, HEAD_DIM=g.head_dim, BLOCK_SIZE=g.block_size,
-            BLOCK_Q=block_q, BLOCK_T=BLOCK_T, TILES=tiles, DOT=self.dot_dtype, num_warps=4,
-            num_stages=2)
+        window = slice(part0, part0 + splits)
+        triton_kernels.attend_segments(batch.q, pool[:, 0], pool[:, 1], batch.block_table,
+                                       segments, self.geometry.head_dim ** -0.5,
+                                       ws.parts[window], ws.lse[window])
 
     def merge(self, ws: Workspace) -> None:
-        rows = ws.out.shape[0] * ws.out.shape[1]
-        self.merge_kernel[(rows,)](ws.parts, ws.lse, ws.out, ws.parts.shape[0], rows,
-                                   HEAD_DIM=self.geometry.head_dim,
-                                   PARTS=max(2, _pow2(ws.parts.shape[0])), num_warps=2)
+        triton_kernels.merge_partials(ws.parts, ws.lse, ws.out)
 
 
 # --- variants and checks ---------------------------------------------------------------------
 
-VARIANTS: dict[str, Callable[[Batch], list[Segments]]] = {
+VARIANTS: dict[str, Callable[[Batch], list[TableSegments]]] = {
     "decode": lambda batch: [batch.decode],
     "cascade": lambda batch: [batch.prefix, batch.suffix],
 }
@@ -480,7 +405,7 @@ class Plan:
 
 def plan(backend: Backend, batch: Batch, variant: str) -> Plan:
     """Choose splits and allocate outputs up front, so the timed call only launches work."""
-    jobs = [(s, backend.splits(s)) for s in VARIANTS[variant](batch)]
+    jobs = [(s, backend.splits(batch, s)) for s in VARIANTS[variant](batch)]
     ws = Workspace.empty(sum(splits for _, splits in jobs), batch)
     firsts = [sum(splits for _, splits in jobs[:i]) for i in range(len(jobs))]
 
@@ -577,11 +502,14 @@ def time_weights(geometry: Geometry, sizes: set[int], timer: Timer, sweep: Sweep
 class Measurement:
     """One timed batch: a variant on one order of one configuration, one layer."""
 
+    study: Study
     config: Config
     batch: str
     variant: str
     groups: list[int]
     seconds: list[float]
+    step_seconds: float | None = None
+    """Composed whole-step time (ORDERS studies only): see ``compose_steps``."""
 
     @property
     def median(self) -> float:
@@ -603,19 +531,22 @@ class Environment:
     pools: list[Tensor] = field(default_factory=list)
 
 
+def device_info(device: str) -> tuple[str, int, int]:
+    """(name, L2 bytes, SMs) of ``device``; a CPU has no L2 to evict and 4 "SMs"."""
+    if device == "cpu":
+        return platform.processor() or platform.machine() or "cpu", 0, 4
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible to PyTorch")
+    props = torch.cuda.get_device_properties(0)
+    l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
+    return torch.cuda.get_device_name(), l2, props.multi_processor_count
+
+
 def make_environment(device: str, geometry: Geometry, sweep: Sweep) -> Environment:
     """Backends, L2 size and device name for ``device``; Triton only where it can run."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device visible to PyTorch")
-        props = torch.cuda.get_device_properties(0)
-        l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
-        sms, name = props.multi_processor_count, torch.cuda.get_device_name()
-    else:
-        l2, sms, name = 0, 4, platform.processor() or platform.machine() or "cpu"
+    name, l2, sms = device_info(device)
     backends: list[Backend] = [TorchBackend(geometry)]
-    if device == "cuda" or interpret:
+    if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         backends.insert(0, TritonBackend(geometry, sms))
     return Environment(device, geometry, sweep, backends, Timer(device, 2 * l2), l2, name)
 
@@ -641,143 +572,182 @@ def allocate_pools(env: Environment, configs: list[Config]) -> None:
                  for _ in range(env.sweep.pools)]
 
 
-def measure_config(env: Environment, config: Config) -> tuple[list[Measurement],
-                                                              dict[str, float]]:
-    """Check every backend x variant on every order, then time the first backend's
-    decode on each order and its cascade on the mixed order."""
+def measure_config(env: Environment, study: Study, config: Config) -> tuple[
+        list[Measurement], dict[str, float]]:
+    """Check every backend x variant on every order of the study, then time the first
+    backend's decode on each order and its cascade on the sorted order."""
     pool0, timed = env.pools[0], env.backends[0]
     population = make_population(config, env.sweep.suffix, env.geometry,
                                  pool0.shape[0], env.device)
     expected = reference(pool0, population, env.geometry)
-    batches = [make_batch(population, rows, name) for name, rows in orders(config).items()]
+    batches = {name: make_batch(population, rows, name)
+               for name, rows in orders(config, study.kind).items()}
     errors, plans = {}, {}
     for backend in env.backends:
-        for batch in batches:
+        for batch in batches.values():
             for variant in VARIANTS:
                 label = f"{backend.name}/{variant} on {batch.name}"
                 plans[label] = plan(backend, batch, variant)
                 errors[label] = check(label, plans[label], pool0, expected[batch.rows])
-    timed_batches = [(b, "decode") for b in batches] + [(batches[0], "cascade")]
-    measurements = [_measure(env, config, plans[f"{timed.name}/{variant} on {b.name}"], b,
-                             variant) for b, variant in timed_batches]
+    timed_batches = [(b, "decode") for b in batches.values()] + [(batches["sorted"], "cascade")]
+    measurements = [_measure(env, study, config, plans[f"{timed.name}/{variant} on {b.name}"],
+                             b, variant) for b, variant in timed_batches]
     return measurements, errors
 
 
-def _measure(env: Environment, config: Config, plan_: Plan, batch: Batch,
+def _measure(env: Environment, study: Study, config: Config, plan_: Plan, batch: Batch,
              variant: str) -> Measurement:
     def rotate(i: int) -> None:
         plan_.run(env.pools[i % len(env.pools)])
 
     seconds = env.timer.measure(rotate, env.sweep.warmup, env.sweep.reps)
-    return Measurement(config, batch.name, variant, batch.groups, seconds)
+    return Measurement(study, config, batch.name, variant, batch.groups, seconds)
 
 
-def run(device: str = "cpu", out_dir: str | Path = DEFAULT_OUT, *, quick: bool = False,
-        tiny: bool = False, seed: int | None = None, sweep: Sweep | None = None,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Check and time the whole sweep, write the CSVs, JSON and table into ``out_dir``;
-    return the JSON report. Raises CheckError on the first mismatching variant."""
-    geometry = TINY if tiny else LLAMA3_8B
-    sweep = sweep or (CPU if device == "cpu" else QUICK if quick else FULL)
-    seed = time.time_ns() % 2**31 if seed is None else seed
-    torch.manual_seed(seed)
-    env = make_environment(device, geometry, sweep)
-    configs = [c for c in sweep.configs() if fits(env, c)]
-    skipped = [c for c in sweep.configs() if c not in configs]
+def run_study(device: str, study: Study, log: Callable[[str], None]) -> tuple[
+        list[Measurement], dict[str, Any]]:
+    """Check and time one study's configurations (ORDERS: also the weight matmuls, composed
+    into step times); return its measurements and its part of the JSON report."""
+    env = make_environment(device, study.geometry, study.sweep)
+    sweep_configs = study.sweep.configs()
+    configs = [c for c in sweep_configs if fits(env, c)]
     allocate_pools(env, configs)
-    log(f"{env.name}: {len(configs)} configurations ({len(skipped)} over the memory cap), "
-        f"backends {[b.name for b in env.backends]}, seed {seed}")
-    weights = time_weights(geometry, {c.groups * c.per_group for c in configs}
-                           | {c.per_group for c in configs}, env.timer, sweep, device)
+    log(f"{study.kind} on {study.geometry.name}: {len(configs)} configurations "
+        f"({len(sweep_configs) - len(configs)} over the memory cap), backends "
+        f"{[b.name for b in env.backends]}")
     measurements, errors = [], {}
     for config in configs:
-        done, config_errors = measure_config(env, config)
+        done, config_errors = measure_config(env, study, config)
         measurements += done
         errors[str(tuple(config))] = config_errors
         log(f"  P={config.prefix} G={config.groups} M={config.per_group}: checked "
             f"{len(config_errors)} (max error {max(config_errors.values()):.2g}), timed")
-    report = _report(env, seed, skipped, weights, measurements, errors)
-    _write(Path(out_dir), env, measurements, weights, report, log)
+    weights = compose_steps(env, measurements) if study.kind == ORDERS else {}
+    return measurements, {
+        "kind": study.kind, "geometry": asdict(study.geometry), "sweep": asdict(study.sweep),
+        "backends": [b.name for b in env.backends], "pool_blocks": env.pools[0].shape[0],
+        "skipped": [list(c) for c in sweep_configs if c not in configs],
+        "weights_one_layer": {str(n): {"median": statistics.median(s), "seconds": s}
+                              for n, s in weights.items()},
+        "max_relative_error": errors,
+    }
+
+
+def compose_steps(env: Environment, measurements: list[Measurement]) -> dict[int, list[float]]:
+    """Time one layer's weight matmuls at each batch size measured and set every
+    measurement's composed step time: layers x (its attention, one layer) + layers x
+    (weight matmuls of one layer at its batch size). Returns the weight timings."""
+    layers = env.geometry.layers
+    weights = time_weights(env.geometry, {len(m.groups) for m in measurements}, env.timer,
+                           env.sweep, env.device)
+    for m in measurements:
+        m.step_seconds = layers * m.median + layers * statistics.median(weights[len(m.groups)])
+    return weights
+
+
+def run(device: str = "cpu", out_dir: str | Path = DEFAULT_OUT, *,
+        chosen: list[Study] | None = None, seed: int | None = None,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Check and time every study (default: ``studies(device)``), write the CSVs, JSON and
+    tables into ``out_dir``; return the JSON report. Raises CheckError on the first
+    mismatching variant."""
+    seed = time.time_ns() % 2**31 if seed is None else seed
+    torch.manual_seed(seed)
+    log(f"{device}, seed {seed}")
+    measurements, parts = [], []
+    for study in chosen or studies(device):
+        done, part = run_study(device, study, log)
+        measurements += done
+        parts.append(part)
+    name, l2, _ = device_info(device)
+    timed = parts[0]["backends"][0]
+    report = {
+        "gpu": name, "device": device, "torch": torch.__version__,
+        "triton": _triton_version() if timed == "triton" else None, "timed_backend": timed,
+        "seed": seed, "l2_bytes": l2,
+        "composition": "step seconds (orders studies) = layers x attention (one layer, "
+                       "measured) + layers x weight matmuls (one layer, measured at the "
+                       "batch size)",
+        "studies": parts,
+        "measurements": [_measurement_json(m) for m in measurements],
+    }
+    _write(Path(out_dir), measurements, report, log)
     return report
 
 
 # --- outputs --------------------------------------------------------------------------------
 
-def step_seconds(env: Environment, m: Measurement, weights: dict[int, list[float]]) -> float:
-    """Composed whole-step time: layers x (this attention, one layer) + layers x (weight
-    matmuls of one layer at this batch size)."""
-    layers = env.geometry.layers
-    return layers * m.median + layers * statistics.median(weights[len(m.groups)])
-
-
-def write_steps(path: Path, env: Environment, measurements: list[Measurement],
-                weights: dict[int, list[float]]) -> None:
+def write_steps(path: Path, measurements: list[Measurement]) -> None:
     """One step per measured batch, one row per request: the step log ``feather calibrate``
     reads (``feather_sched.steplog``)."""
-    context = env.sweep.suffix
     steplog.write_steps(path, (
-        ([steplog.BatchEntry(group, m.config.prefix, m.config.prefix + context, 1)
-          for group in m.groups], step_seconds(env, m, weights))
+        ([steplog.BatchEntry(group, m.config.prefix, m.config.prefix + m.study.sweep.suffix, 1)
+          for group in m.groups], m.step_seconds)
         for m in measurements))
 
 
-def table(measurements: list[Measurement]) -> str:
-    """Markdown: per-token attention time (one layer) per order and variant, and ratios."""
-    lines = ["| P | G | M | mixed us/tok | sorted us/tok | homogeneous us/tok | cascade us/tok "
-             "| mixed/homogeneous | mixed/sorted |", "|" + "---|" * 9]
-    for config, ms in _by_config(measurements):
+def orders_table(measurements: list[Measurement]) -> str:
+    """Markdown: per-token attention time (one layer) per order and the shared-prefix
+    (cascade) kernel, and the order ratios."""
+    lines = ["| model | P | G | M | mixed us/tok | sorted us/tok | homogeneous us/tok "
+             "| cascade us/tok | mixed/homogeneous | mixed/sorted |", "|" + "---|" * 10]
+    for (geometry, config), ms in _by_config(measurements, ORDERS):
         tokens = config.groups * config.per_group
         t = {"mixed": 0.0, "sorted": 0.0, "homogeneous": 0.0, "cascade": 0.0}
         for m in ms:
             t["cascade" if m.variant == "cascade" else m.batch.split("/")[0]] += m.median
         per_token = " | ".join(f"{1e6 * t[k] / tokens:.3f}" for k in t)
-        lines.append(f"| {config.prefix} | {config.groups} | {config.per_group} | {per_token} "
-                     f"| {t['mixed'] / t['homogeneous']:.2f} | {t['mixed'] / t['sorted']:.2f} |")
+        lines.append(f"| {geometry} | {config.prefix} | {config.groups} | {config.per_group} "
+                     f"| {per_token} | {t['mixed'] / t['homogeneous']:.2f} "
+                     f"| {t['mixed'] / t['sorted']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
-def _by_config(measurements: list[Measurement]) -> Iterator[tuple[Config, list[Measurement]]]:
-    for config in dict.fromkeys(m.config for m in measurements):
-        yield config, [m for m in measurements if m.config == config]
+def shared_prefix_table(measurements: list[Measurement]) -> str:
+    """Markdown: per-token attention time (one layer) of per-request paged decode of the
+    sorted batch and of the shared-prefix kernel (prefix pass, suffix pass and merge);
+    their ratio is the shared-prefix kernel's speed-up."""
+    lines = ["| model | P | G | M | per-request us/tok | shared-prefix us/tok "
+             "| per-request/shared-prefix |", "|" + "---|" * 7]
+    for (geometry, config), ms in _by_config(measurements, SHARED_PREFIX):
+        tokens = config.groups * config.per_group
+        t = {m.variant: m.median for m in ms}
+        lines.append(f"| {geometry} | {config.prefix} | {config.groups} | {config.per_group} "
+                     f"| {1e6 * t['decode'] / tokens:.3f} | {1e6 * t['cascade'] / tokens:.3f} "
+                     f"| {t['decode'] / t['cascade']:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
-def _report(env: Environment, seed: int, skipped: list[Config],
-            weights: dict[int, list[float]], measurements: list[Measurement],
-            errors: dict[str, dict[str, float]]) -> dict[str, Any]:
-    triton_version = None
-    if any(b.name == "triton" for b in env.backends):
-        import triton
-        triton_version = triton.__version__
-    return {
-        "gpu": env.name, "device": env.device, "torch": torch.__version__,
-        "triton": triton_version, "timed_backend": env.backends[0].name, "seed": seed,
-        "geometry": asdict(env.geometry), "sweep": asdict(env.sweep),
-        "l2_bytes": env.l2_bytes, "pool_blocks": env.pools[0].shape[0],
-        "composition": f"step seconds = {env.geometry.layers} layers x attention (one layer, "
-                       f"measured) + {env.geometry.layers} layers x weight matmuls (one "
-                       "layer, measured at the batch size)",
-        "skipped": [list(c) for c in skipped],
-        "weights_one_layer": {str(n): {"median": statistics.median(s), "seconds": s}
-                              for n, s in weights.items()},
-        "max_relative_error": errors,
-        "measurements": [{"prefix": m.config.prefix, "groups": m.config.groups,
-                          "per_group": m.config.per_group, "batch": m.batch,
-                          "variant": m.variant, "median": m.median,
-                          "step_seconds": step_seconds(env, m, weights), "seconds": m.seconds}
-                         for m in measurements],
-    }
+def _by_config(measurements: list[Measurement], kind: str) -> Iterator[
+        tuple[tuple[str, Config], list[Measurement]]]:
+    ours = [m for m in measurements if m.study.kind == kind]
+    for key in dict.fromkeys((m.study.geometry.name, m.config) for m in ours):
+        yield key, [m for m in ours if (m.study.geometry.name, m.config) == key]
 
 
-def _write(out: Path, env: Environment, measurements: list[Measurement],
-           weights: dict[int, list[float]], report: dict[str, Any],
+def _triton_version() -> str:
+    import triton
+    return triton.__version__
+
+
+def _measurement_json(m: Measurement) -> dict[str, Any]:
+    return {"study": m.study.kind, "geometry": m.study.geometry.name, "prefix": m.config.prefix,
+            "groups": m.config.groups, "per_group": m.config.per_group, "batch": m.batch,
+            "variant": m.variant, "median": m.median, "step_seconds": m.step_seconds,
+            "seconds": m.seconds}
+
+
+def _write(out: Path, measurements: list[Measurement], report: dict[str, Any],
            log: Callable[[str], None]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    decode = [m for m in measurements if m.variant == "decode"]
-    write_steps(out / "calibration.csv", env, decode, weights)
-    write_steps(out / "calibration-cascade.csv", env,
-                [m for m in measurements if m.variant == "cascade"], weights)
+    calibrated = [m for m in measurements if m.study.kind == ORDERS]
+    decode = [m for m in calibrated if m.variant == "decode"]
+    write_steps(out / "calibration.csv", decode)
+    write_steps(out / "calibration-cascade.csv",
+                [m for m in calibrated if m.variant == "cascade"])
     (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
-    text = table(measurements)
+    text = (f"Batch orders\n\n{orders_table(measurements)}\nShared-prefix kernel vs "
+            f"per-request decode (sorted batch)\n\n{shared_prefix_table(measurements)}")
     (out / "table.md").write_text(text)
     log(text + f"wrote {out}/calibration.csv ({len(decode)} steps), calibration-cascade.csv, "
         "results.json, table.md")
@@ -789,16 +759,17 @@ def main(argv: list[str] | None = None) -> None:
                         default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="a small subset of the sweep")
     parser.add_argument("--tiny", action="store_true",
-                        help="tiny head geometry (4 query, 2 KV heads of 16) for CPU checks")
+                        help="tiny head geometries (16-dim heads) for CPU checks")
+    parser.add_argument("--only", choices=(ORDERS, SHARED_PREFIX),
+                        help="run one study (default: both)")
     parser.add_argument("--seed", type=int, help="random seed (default: from the clock)")
     parser.add_argument("--reps", type=int, help="timed repetitions per batch")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
     args = parser.parse_args(argv)
-    sweep = CPU if args.device == "cpu" else QUICK if args.quick else FULL
-    if args.reps:
-        sweep = replace(sweep, reps=args.reps)
+    chosen = [s for s in studies(args.device, quick=args.quick, tiny=args.tiny, reps=args.reps)
+              if args.only in (None, s.kind)]
     try:
-        run(args.device, args.out, tiny=args.tiny, seed=args.seed, sweep=sweep)
+        run(args.device, args.out, chosen=chosen, seed=args.seed)
     except CheckError as error:
         sys.exit(f"correctness check failed: {error}")
 
