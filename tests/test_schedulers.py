@@ -51,3 +51,21 @@ def test_an_empty_list_fails() -> None:
         parse_schedulers(" , ")
     with pytest.raises(ValueError, match="sglang-lpm"):
         parse_scheduler("feather-feather")
+
+
+def test_any_name_may_turn_shared_prefix_attention_on_or_off() -> None:
+    assert parse_scheduler("fcfs").shared_prefix is None
+    shared = parse_scheduler("fcfs-shared", ENGINE_KINDS)
+    assert (shared.kind, shared.shared_prefix) == (SchedulerKind.FCFS, True)
+    assert shared.attention_options() == {"shared_prefix_attention": "on"}
+    plain = parse_scheduler("feather-model-noorder-noshared")
+    assert (plain.gate, plain.order_running, plain.shared_prefix) == ("model", False, False)
+    assert plain.feather_options({})["shared_prefix_attention"] == "off"
+    assert "shared_prefix_attention" not in parse_scheduler("feather-model").feather_options({})
+
+
+@pytest.mark.parametrize("bad", ["fcfs-shared-noshared", "feather-model-shared-noorder",
+                                 "feather-shared"])
+def test_the_attention_suffix_comes_last_and_once(bad: str) -> None:
+    with pytest.raises(ValueError, match=f"unknown scheduler '{bad}'"):
+        parse_scheduler(bad)

@@ -66,6 +66,10 @@ class FeatherConfig:
     """Where the adapter writes its ``SchedulerStats`` (periodically and at shutdown)."""
     step_log: str | None = None
     """CSV to append each step's batch composition and time to (for ``feather calibrate``)."""
+    shared_prefix_attention: str = "auto"
+    """Shared-prefix decode attention (each prefix group's KV read once per step):
+    ``auto`` (on with Feather's scheduler where it can act), ``on`` (also under the
+    engine's own scheduler) or ``off``."""
 
     def __post_init__(self) -> None:
         for option in fields(self):
@@ -202,6 +206,18 @@ def _boolean(value: Any) -> bool:
     raise ValueError(f"must be true or false (or one of {', '.join(TRUE + FALSE)})")
 
 
+SHARED_PREFIX_MODES = ("auto", "on", "off")
+
+
+def _shared_prefix_mode(value: Any) -> str:
+    word = value.strip().lower() if isinstance(value, str) else value
+    if word in SHARED_PREFIX_MODES:
+        return word
+    if isinstance(value, bool) or word in TRUE + FALSE:
+        return "on" if value is True or word in TRUE else "off"
+    raise ValueError(f"must be one of {', '.join(SHARED_PREFIX_MODES)} (or a boolean)")
+
+
 def _optional_path(value: Any) -> str | None:
     if value is None:
         return None
@@ -231,6 +247,7 @@ VALIDATORS: dict[str, Callable[[Any], Any]] = {
     "order_running": _boolean,
     "stats_file": _optional_path,
     "step_log": _optional_path,
+    "shared_prefix_attention": _shared_prefix_mode,
 }
 """Each option's validator: the checked value, or ValueError saying what it must be."""
 

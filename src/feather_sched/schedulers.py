@@ -3,10 +3,15 @@
 * ``fcfs`` - the engine's own first-come-first-served scheduler;
 * ``fcfs-nocache`` - the same with prefix caching off (real engine only);
 * ``sglang-lpm``, ``sglang-dfs-weight`` - SGLang's cache-aware policies (simulator only);
-* ``feather-<gate>`` - Feather with gate ``always``, ``chunk-loss`` or ``bandit``;
-  ``-noorder`` keeps the engine's running order (to measure ordering's share) and
-  ``-unbounded`` turns the fairness bound off (to measure what fairness costs), in that
-  order when both are given.
+* ``feather-<gate>`` - Feather with gate ``always``, ``chunk-loss``, ``bandit`` or
+  ``model``; ``-noorder`` keeps the engine's running order (to measure ordering's share)
+  and ``-unbounded`` turns the fairness bound off (to measure what fairness costs), in
+  that order when both are given.
+
+Any name may end in ``-shared`` or ``-noshared``: shared-prefix decode attention on or
+off for that run. Without either, each context's default holds: on the real engine,
+``auto`` (on with Feather's scheduler, off with the engine's own); in the simulator, its
+``--cascade`` flag.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ SIM_KINDS = frozenset({SchedulerKind.FCFS, SchedulerKind.SGLANG_LPM,
 
 NOORDER = "-noorder"
 UNBOUNDED = "-unbounded"
+SHARED, NOSHARED = "-shared", "-noshared"
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,8 @@ class SchedulerName:
     gate: str | None = None
     order_running: bool = True
     bounded: bool = True
+    shared_prefix: bool | None = None
+    """Shared-prefix attention on or off; None: the context's default."""
 
     def feather_options(self, base: Mapping[str, Any]) -> dict[str, Any]:
         """Feather's options for this name on top of the user's (Feather names only)."""
@@ -54,20 +62,27 @@ class SchedulerName:
         options = {**base, "gate": self.gate, "order_running": self.order_running}
         if not self.bounded:
             options.update(max_overtakes=None, max_stops=None)
-        return options
+        return options | self.attention_options()
+
+    def attention_options(self) -> dict[str, Any]:
+        """The engine's ``shared_prefix_attention`` option this name asks for, if any."""
+        if self.shared_prefix is None:
+            return {}
+        return {"shared_prefix_attention": "on" if self.shared_prefix else "off"}
 
 
 def parse_scheduler(name: str, allowed: Collection[SchedulerKind] = SIM_KINDS) -> SchedulerName:
     """Parse one name; ValueError naming the valid choices for this context."""
     name = name.strip()
-    kind = _kind(name)
+    base, shared = _attention(name)
+    kind = _kind(base)
     if kind is None or kind not in allowed:
         raise ValueError(f"unknown scheduler {name!r}: use {choices(allowed)}")
     if kind is not SchedulerKind.FEATHER:
-        return SchedulerName(name, kind)
-    gate, bounded = _strip(name.removeprefix("feather-"), UNBOUNDED)
+        return SchedulerName(name, kind, shared_prefix=shared)
+    gate, bounded = _strip(base.removeprefix("feather-"), UNBOUNDED)
     gate, ordered = _strip(gate, NOORDER)
-    return SchedulerName(name, kind, gate, ordered, bounded)
+    return SchedulerName(name, kind, gate, ordered, bounded, shared)
 
 
 def parse_schedulers(names: str, allowed: Collection[SchedulerKind] = SIM_KINDS
@@ -84,7 +99,7 @@ def choices(allowed: Collection[SchedulerKind]) -> str:
              kind is not SchedulerKind.FEATHER]
     if SchedulerKind.FEATHER in allowed:
         names.append(f"feather-<{'|'.join(GATE_KINDS)}>[{NOORDER}][{UNBOUNDED}]")
-    return ", ".join(names)
+    return ", ".join(names) + f", each optionally ending in {SHARED} or {NOSHARED}"
 
 
 def _strip(text: str, suffix: str) -> tuple[str, bool]:
@@ -92,8 +107,16 @@ def _strip(text: str, suffix: str) -> tuple[str, bool]:
     return text.removesuffix(suffix), not text.endswith(suffix)
 
 
+def _attention(name: str) -> tuple[str, bool | None]:
+    """The name without its shared-prefix suffix, and what that suffix asks for."""
+    for suffix, value in ((NOSHARED, False), (SHARED, True)):
+        if name.endswith(suffix):
+            return name.removesuffix(suffix), value
+    return name, None
+
+
 def _kind(name: str) -> SchedulerKind | None:
-    if name.startswith("feather-"):
+    if name.startswith(SchedulerKind.FEATHER.value):
         gate = _strip(_strip(name.removeprefix("feather-"), UNBOUNDED)[0], NOORDER)[0]
         return SchedulerKind.FEATHER if gate in GATE_KINDS else None
     try:

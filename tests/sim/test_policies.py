@@ -168,6 +168,21 @@ def test_pretrain_writes_a_table_the_vllm_gate_loads(tmp_path, monkeypatch) -> N
     assert sum(arm.pulls for arms in gate.table.values() for arm in arms.values()) > 0
 
 
+def test_a_shared_suffix_runs_that_scheduler_with_the_cascade_kernel() -> None:
+    workload = shared_prefix_groups(groups=4, prompts_per_group=16, prefix_len=4096,
+                                    suffix_len=32, output_len=20, seed=1)
+    plan = plan_for(workload, [])
+    assert not plan.cost_model("fcfs").cascade and plan.cost_model("fcfs-shared").cascade
+    plain, shared = simulate(plan, "fcfs"), simulate(plan, "fcfs-shared")
+    assert shared.name == "fcfs-shared"
+    assert (shared.extra["hbm_bytes_per_output_token"]
+            < plain.extra["hbm_bytes_per_output_token"])
+    cascading = SimPlan(workload=workload, hardware=plan.hardware, model=plan.model,
+                        cascade=True)
+    assert cascading.cost_model("feather-model").cascade
+    assert not cascading.cost_model("feather-model-noshared").cascade
+
+
 def test_the_model_gate_keeps_an_unordered_batch_homogeneous_where_that_pays() -> None:
     """The paper's setting (ordering off, no bound) on the RTX 6000 Ada, whose L2 holds a
     10K prefix per layer: the model gate STOPs new groups out of a batch whose prefix

@@ -47,9 +47,12 @@ def scheduler_specs(names: list[str], feather_options: dict[str, Any]) -> list[S
 
 
 def _spec(name: str, label: str, feather_options: dict[str, Any]) -> SchedulerSpec:
+    """vLLM's own scheduler runs vLLM's own attention unless the name ends in -shared."""
     parsed = parse_scheduler(name, ENGINE_KINDS)
     if parsed.kind is not SchedulerKind.FEATHER:
+        attention = "on" if parsed.shared_prefix else "off"
         return SchedulerSpec(label, f"{INTEGRATION}.InstrumentedScheduler",
+                             {"shared_prefix_attention": attention},
                              prefix_caching=parsed.kind is SchedulerKind.FCFS)
     return SchedulerSpec(label, f"{INTEGRATION}.FeatherScheduler",
                          parsed.feather_options(feather_options))

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from feather_sched.bench.records import RequestRecord
 from feather_sched.bench.report import RunResult, Summary, summarize
-from feather_sched.costmodel.cost import CostModel
 from feather_sched.router import Router
 from feather_sched.sim.engine import Policy, SimEngine, SimResult
 from feather_sched.sim.policies import make_policy
@@ -132,8 +131,7 @@ def simulate_replicas(plan: SimPlan, router: Router, scheduler: str,
     (a ``make_policy`` name)."""
     engines = {}
     for replica in router.replicas:
-        cost = CostModel(plan.hardware, plan.model, plan.params, cascade=plan.cascade)
-        engine = SimEngine(cost, plan.engine_config())
+        engine = SimEngine(plan.cost_model(scheduler), plan.engine_config())
         engines[replica] = (engine, make_policy(scheduler, plan.feather_options, engine))
     return run_replicas(plan.workload, router, engines,
                         name or f"{router.name}+{scheduler}")

@@ -17,6 +17,7 @@ from feather_sched.costmodel.cost import CostModel, CostParams
 from feather_sched.costmodel.hardware import HardwareProfile
 from feather_sched.costmodel.model_profiles import ModelProfile
 from feather_sched.runtime import FeatherRuntime
+from feather_sched.schedulers import SIM_KINDS, parse_scheduler
 from feather_sched.sim.engine import EngineConfig, SimEngine, SimResult
 from feather_sched.sim.policies import make_policy
 from feather_sched.workloads import Workload
@@ -37,6 +38,13 @@ class SimPlan:
     engine: EngineConfig | None = None
     """Default: vLLM's GPU limits and a KV pool sized from the device's memory."""
 
+    def cost_model(self, scheduler: str) -> CostModel:
+        """The step-cost model of one scheduler's run: a cascade kernel where its name ends
+        in ``-shared``, none for ``-noshared``, else as ``cascade`` says."""
+        shared = parse_scheduler(scheduler, SIM_KINDS).shared_prefix
+        cascade = self.cascade if shared is None else shared
+        return CostModel(self.hardware, self.model, self.params, cascade=cascade)
+
     def engine_config(self) -> EngineConfig:
         if self.engine is not None:
             return self.engine
@@ -51,8 +59,7 @@ class SimPlan:
 def simulate(plan: SimPlan, name: str,
              on_done: Callable[[RequestRecord], None] | None = None) -> RunResult:
     """One policy's simulated run, as the benchmark report takes it."""
-    cost_model = CostModel(plan.hardware, plan.model, plan.params, cascade=plan.cascade)
-    engine = SimEngine(cost_model, plan.engine_config())
+    engine = SimEngine(plan.cost_model(name), plan.engine_config())
     policy = make_policy(name, plan.feather_options, engine)
     result = engine.run(plan.workload, policy, on_done)
     return as_run_result(result, policy, name)
@@ -87,8 +94,7 @@ def pretrain_bandit(plan: SimPlan, state_file: str, rounds: int,
     would across restarts; returns the number of learned decisions in the table.
     """
     options = {**plan.feather_options, "state_file": state_file}
-    cost_model = CostModel(plan.hardware, plan.model, plan.params, cascade=plan.cascade)
-    engine = SimEngine(cost_model, plan.engine_config())
+    engine = SimEngine(plan.cost_model("feather-bandit"), plan.engine_config())
     pulls = 0
     for round_index in range(rounds):
         for shape in PRETRAIN_FAMILY:

@@ -1,0 +1,199 @@
+"""Shared-prefix attention inside the real vLLM CPU engine (in-process, tiny random model)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+vllm = pytest.importorskip("vllm", reason="the vllm extra is not installed")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl  # noqa: E402
+
+from feather_sched.attention.partials import reference_attention  # noqa: E402
+from feather_sched.integrations import vllm_attention  # noqa: E402
+from feather_sched.integrations.vllm_attention import (  # noqa: E402
+    SharedPrefixCPUImpl,
+    SharedPrefixMetadata,
+)
+from feather_sched.models import TINY_LLAMA  # noqa: E402
+
+BLOCK = 128
+FEATHER = "feather_sched.integrations.vllm.FeatherScheduler"
+
+
+def make_llm(dtype: str, feather: dict | None = None, scheduler: str | None = FEATHER,
+             kv_blocks: int = 256, batched_tokens: int = 4096) -> LLM:
+    """The tiny model with its dummy weights scaled up: vLLM draws them from +-1e-3, which
+    leaves attention near uniform; +-0.3 gives scores of order 1 and peaked softmaxes."""
+    extra = {"scheduler_cls": scheduler} if scheduler else {}
+    if feather is not None:
+        extra["additional_config"] = {"feather": feather}
+    bytes_per_token = 2 * 8 * 64 * 2 * (4 if dtype == "float32" else 2)
+    llm = LLM(model=str(TINY_LLAMA), load_format="dummy", skip_tokenizer_init=True,
+              enforce_eager=True, seed=0, max_model_len=2048, block_size=BLOCK, dtype=dtype,
+              kv_cache_memory_bytes=kv_blocks * BLOCK * bytes_per_token,
+              max_num_batched_tokens=batched_tokens, **extra)
+    llm.apply_model(lambda model: [p.data.mul_(300) for p in model.parameters()])
+    return llm
+
+
+def mixed_prompts(seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Three prefix groups (prefixes ending mid-block), singletons, varied suffixes and
+    output lengths, interleaved."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(1, 32000, n * BLOCK + 37).tolist() for n in (5, 3, 8)]
+    prompts = [prefixes[i % 3] + rng.integers(1, 32000, int(rng.integers(3, 300))).tolist()
+               for i in range(21)]
+    prompts[5:5] = [rng.integers(1, 32000, 900).tolist() for _ in range(3)]
+    return prompts, [int(rng.integers(8, 160)) for _ in prompts]
+
+
+def generate(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                           use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture
+def grouped_rows(monkeypatch):
+    """Counts the rows the shared-prefix path computed, over every layer and step."""
+    counted = []
+    original = SharedPrefixCPUImpl._attend_groups
+
+    def counting(self, plan, *args):
+        counted.append(len(plan.tokens))
+        return original(self, plan, *args)
+
+    monkeypatch.setattr(SharedPrefixCPUImpl, "_attend_groups", counting)
+    return counted
+
+
+@pytest.fixture(scope="module")
+def stock_fp32_outputs():
+    prompts, lengths = mixed_prompts()
+    llm = make_llm("float32", scheduler=None, kv_blocks=30, batched_tokens=512)
+    outputs = generate(llm, prompts, lengths)
+    del llm
+    return prompts, lengths, outputs
+
+
+def test_fp32_greedy_outputs_equal_vllms_own_scheduler_and_kernel(stock_fp32_outputs,
+                                                                   grouped_rows, monkeypatch):
+    # 30 blocks of KV for ~45 blocks of prompts: preemptions; 512 batched tokens: prompts
+    # prefill in chunks beside decoding rows.
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempted = []
+    original = Scheduler._preempt_request
+
+    def counting(self, request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return original(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", counting)
+    prompts, lengths, expected = stock_fp32_outputs
+    llm = make_llm("float32", {"gate": "always"}, kv_blocks=30, batched_tokens=512)
+    assert generate(llm, prompts, lengths) == expected
+    assert preempted
+    assert sum(grouped_rows) > 100
+
+
+def test_an_engine_with_the_option_off_runs_vllms_path(stock_fp32_outputs, grouped_rows):
+    prompts, lengths, expected = stock_fp32_outputs
+    llm = make_llm("float32", {"shared_prefix_attention": "off"}, kv_blocks=40,
+                   batched_tokens=512)
+    assert generate(llm, prompts[:6], lengths[:6]) == expected[:6]
+    assert grouped_rows == []
+
+
+def test_auto_stays_off_under_vllms_scheduler_and_on_turns_it_on(grouped_rows):
+    prompts, lengths = mixed_prompts(1)
+    generate(make_llm("bfloat16", scheduler=None), prompts[:9], lengths[:9])
+    assert grouped_rows == []
+    generate(make_llm("bfloat16", {"shared_prefix_attention": "on"}, scheduler=None),
+             prompts[:9], lengths[:9])
+    assert sum(grouped_rows) > 0
+
+
+def vec_tokens(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int):
+    """K and V of a block-table row's first ``length`` tokens, [tokens, kv_heads, dim]."""
+    num_blocks, heads, block_size, double = kv_cache.shape
+    dim = double // 2
+    kc, vc = kv_cache.view(num_blocks, heads, 2 * block_size, dim).chunk(2, dim=2)
+    n = -(-length // block_size)
+    index = blocks[:n].long()
+    keys = kc[index].reshape(n, heads, dim, block_size).permute(0, 3, 1, 2)
+    values = vc[index]  # [n, heads, block_size, dim]
+    return (keys.reshape(-1, heads, dim)[:length],
+            values.permute(0, 2, 1, 3).reshape(-1, heads, dim)[:length])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_layer_matches_vllms_kernel_and_the_float64_reference(dtype, monkeypatch):
+    """Every grouped row of every layer and step, against vLLM's kernel run on the same
+    inputs with the unmodified metadata, and both against float64 attention."""
+    worst = {"vs_kernel": 0.0, "ours": 0.0, "kernel": 0.0, "rows": 0}
+    original = SharedPrefixCPUImpl.forward
+
+    def checking(self, layer, query, key, value, kv_cache, metadata, output, **rest):
+        result = original(self, layer, query, key, value, kv_cache, metadata, output, **rest)
+        if isinstance(metadata, SharedPrefixMetadata):
+            stock = torch.empty_like(output)
+            CPUAttentionBackendImpl.forward(self, layer, query, key, value, kv_cache,
+                                            metadata.original, stock)
+            compare(self, query, kv_cache, metadata, output, stock)
+        return result
+
+    def compare(impl, query, kv_cache, metadata, ours, stock):
+        plan = metadata.plan
+        for row, token in zip(plan.groups.rows, plan.tokens.tolist(), strict=True):
+            keys, values = vec_tokens(kv_cache, metadata.original.block_table[row],
+                                      int(metadata.original.seq_lens[row]))
+            expected, _ = reference_attention(query[token], keys, values, impl.scale)
+            scale = expected.abs().max()
+            for name, error in (("vs_kernel", ours[token].double() - stock[token].double()),
+                                ("ours", ours[token].double() - expected),
+                                ("kernel", stock[token].double() - expected)):
+                worst[name] = max(worst[name], float(error.abs().max() / scale))
+            worst["rows"] += 1
+
+    monkeypatch.setattr(SharedPrefixCPUImpl, "forward", checking)
+    prompts, _ = mixed_prompts(2)
+    generate(make_llm(dtype, {"gate": "always"}, batched_tokens=1024), prompts[:15],
+             [8] * 15)
+    assert worst["rows"] > 100
+    if dtype == "float32":  # errors relative to each row's largest output
+        assert worst["vs_kernel"] < 1e-5, worst
+    # Exact fp32 partials rounded once: no worse than vLLM's own kernel against float64.
+    assert worst["ours"] <= worst["kernel"] * 1.05, worst
+
+
+def test_layers_the_kernel_cannot_serve_say_why():
+    impl = object.__new__(SharedPrefixCPUImpl)
+    impl.attn_type, impl.sliding_window, impl.alibi_slopes = "decoder", 4096, None
+    impl.logits_soft_cap, impl.sinks, impl.is_fp8_kv_cache = 0, None, False
+    layer = type("Layer", (), {"isa": "vec"})()
+    query, cache = torch.zeros(2, 4, 64), torch.zeros(3, 4, 32, 128)
+    assert impl._layer_problem(layer, query, cache) == "a sliding window"
+    impl.sliding_window = -1
+    assert impl._layer_problem(layer, query, cache) is None
+    layer.isa = "amx"
+    assert impl._layer_problem(layer, query, cache) == "KV layout 'amx'"
+
+
+def test_the_plugin_points_vllms_cpu_backend_at_feathers():
+    code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
+            "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E; "
+            "print(E.CPU_ATTN.get_path())")
+    path = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip().splitlines()[-1]
+    assert path == f"{vllm_attention.__name__}.SharedPrefixCPUBackend"
