@@ -17,6 +17,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl  # noqa: E402
 
+from feather_sched.attention import cpu_kernel  # noqa: E402
 from feather_sched.attention.partials import reference_attention  # noqa: E402
 from feather_sched.integrations import vllm_attention  # noqa: E402
 from feather_sched.integrations.vllm_attention import (  # noqa: E402
@@ -67,13 +68,13 @@ def generate(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> list[lis
 def grouped_rows(monkeypatch):
     """Counts the rows the shared-prefix path computed, over every layer and step."""
     counted = []
-    original = SharedPrefixCPUImpl._attend_groups
+    original = cpu_kernel.attend_groups
 
-    def counting(self, plan, *args):
+    def counting(plan, *args):
         counted.append(len(plan.tokens))
-        return original(self, plan, *args)
+        return original(plan, *args)
 
-    monkeypatch.setattr(SharedPrefixCPUImpl, "_attend_groups", counting)
+    monkeypatch.setattr(cpu_kernel, "attend_groups", counting)
     return counted
 
 

@@ -23,6 +23,9 @@ from pathlib import Path
 
 import torch
 
+from feather_sched.attention.groups import StepPlan
+from feather_sched.attention.partials import merge_partials
+
 SOURCE = Path(__file__).with_name("cpu_prefix_kernel.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 CACHE_ENV = "FEATHER_KERNEL_CACHE"
@@ -85,6 +88,25 @@ def segment_attention(kv_cache: torch.Tensor, query: torch.Tensor, scale: float,
         torch.get_num_threads())
     if status != 0:
         raise ValueError(f"segment attention failed with status {status}")
+
+
+def attend_groups(plan: StepPlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+                  output: torch.Tensor) -> None:
+    """Overwrite the grouped rows of ``output`` (``[tokens, q_heads, head_dim]``) with their
+    attention: each group's prefix once for all its queries, each row's suffix, merged.
+
+    One kernel call for all of the plan's segments, one fp32 merge; the other rows of
+    ``output`` are left as the engine's kernel wrote them.
+    """
+    segments = plan.segments
+    heads, head_dim = query.shape[1:]
+    partials = torch.empty(segments.rows, heads, head_dim)
+    lse = torch.empty(segments.rows, heads)
+    segment_attention(kv_cache, query, scale, segments.token_offsets, segments.tokens,
+                      segments.block_offsets, segments.blocks, segments.lengths, partials, lse)
+    rows = len(plan.tokens)
+    merged = merge_partials(partials[:rows], lse[:rows], partials[rows:], lse[rows:])
+    output[plan.tokens] = merged.to(output.dtype)
 
 
 def _check(kv_cache: torch.Tensor, query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

@@ -10,11 +10,11 @@ runs are split where that saves the most prefix reads (a run sharing a short sys
 prompt whose subsets share long documents is split into the documents' groups).
 
 ``plan_step`` turns the groups into work: one segment per group (its queries over the
-shared prefix) and one per grouped row (its query over its own suffix), plus the
-engine's block table and sequence lengths with every grouped row shortened to its
-suffix, so the engine's kernel still runs the whole batch once, cheaply, and the rows no
-group takes (prefill chunks, speculative rows, singletons, short prefixes) exactly as
-before.
+shared prefix) and one per grouped row (its query over its own suffix), plus the engine's
+sequence lengths with every grouped row cut to one token, so the engine's kernel still
+runs the whole batch in one call, spending next to nothing on the grouped rows (whose
+outputs the segments replace), and serves the rows no group takes (prefill chunks,
+speculative rows, singletons, short prefixes) exactly as before.
 """
 
 from __future__ import annotations
@@ -98,28 +98,35 @@ def _best_spans(common: np.ndarray, min_shared: int, min_rows: int) -> list[tupl
 
     ``common[i]``: blocks rows i and i+1 share. A span shares the minimum of its
     ``common``; grouping it saves (rows - 1) x shared block reads; splitting it at that
-    minimum may save more (each side shares more). Post-order over the split tree with
-    an explicit stack (a batch can be deeper than Python's recursion limit).
+    minimum may save more (each side shares more). A span whose rows all share the same
+    blocks is settled at once (the usual case: one group's rows). Post-order over the
+    split tree with an explicit stack (a batch can be deeper than Python's recursion
+    limit).
     """
+    values = common.tolist()
     best: dict[tuple[int, int], tuple[int, list[tuple[int, int, int]]]] = {}
-    stack = [(0, len(common), False)]
+    stack = [(0, len(values), False)]
     while stack:
         lo, hi, ready = stack.pop()
+        span = values[lo:hi]
         if hi - lo + 1 < min_rows:
             best[lo, hi] = (0, [])
             continue
-        cut = lo + int(np.argmin(common[lo:hi]))
+        shared = min(span)
+        whole = (hi - lo) * shared if shared >= min_shared else 0
+        if not ready and shared == max(span):  # no split shares more
+            best[lo, hi] = (whole, [(lo, hi, shared)] if whole else [])
+            continue
+        cut = lo + span.index(shared)
         if not ready:
             stack += [(lo, hi, True), (lo, cut, False), (cut + 1, hi, False)]
             continue
-        shared = int(common[cut])
         (left, left_spans), (right, right_spans) = best.pop((lo, cut)), best.pop((cut + 1, hi))
-        whole = (hi - lo) * shared if shared >= min_shared else 0
         if whole > 0 and whole >= left + right:
             best[lo, hi] = (whole, [(lo, hi, shared)])
         else:
             best[lo, hi] = (left + right, left_spans + right_spans)
-    return best[0, len(common)][1]
+    return best[0, len(values)][1]
 
 
 @dataclass(frozen=True)
@@ -149,16 +156,15 @@ class StepPlan:
     ``segments`` holds every group's prefix segment, then every grouped row's suffix
     segment, in ``groups.rows`` order both times: partial rows ``[:n]`` are the prefix
     parts and ``[n:]`` the suffix parts of query tokens ``tokens`` (n = len(tokens)).
-    ``block_table``/``seq_lens`` are the engine's, with grouped rows shortened to their
-    suffix.
     """
 
     groups: Groups
     segments: Segments
     tokens: torch.Tensor
     """int64 query token of each grouped row."""
-    block_table: torch.Tensor
     seq_lens: torch.Tensor
+    """The engine's sequence lengths with each grouped row cut to 1 token: its kernel then
+    attends the row's first (full, shared) block's first token, a throwaway output."""
 
 
 def plan_step(block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -188,9 +194,9 @@ def plan_step(block_table: torch.Tensor, seq_lens: torch.Tensor,
         tokens=np.concatenate([tokens, tokens]),
         blocks=prefix_blocks + suffix_blocks,
         lengths=np.concatenate([groups.shared * block_size, suffix_lens]))
-    shifted_table, shifted_lens = _shift_rows(table, lens, groups.rows, shared, block_size)
-    return StepPlan(groups, segments, torch.from_numpy(tokens),
-                    torch.from_numpy(shifted_table), torch.from_numpy(shifted_lens))
+    cut = lens.copy()
+    cut[groups.rows] = 1
+    return StepPlan(groups, segments, torch.from_numpy(tokens), torch.from_numpy(cut))
 
 
 def _segments(token_offsets: np.ndarray, tokens: np.ndarray, blocks: list[np.ndarray],
@@ -202,14 +208,3 @@ def _segments(token_offsets: np.ndarray, tokens: np.ndarray, blocks: list[np.nda
         block_offsets=torch.from_numpy(block_offsets.astype(np.int64)),
         blocks=torch.from_numpy(np.concatenate(blocks).astype(np.int32)),
         lengths=torch.from_numpy(lengths.astype(np.int32)))
-
-
-def _shift_rows(table: np.ndarray, lens: np.ndarray, rows: np.ndarray, shared: np.ndarray,
-                block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Copies of the table and lengths with each grouped row starting at its suffix."""
-    table, lens = table.copy(), lens.copy()
-    width = table.shape[1]
-    for row, n in zip(rows, shared, strict=True):
-        table[row, :width - n] = table[row, n:]
-    lens[rows] -= (shared * block_size).astype(lens.dtype)
-    return table, lens

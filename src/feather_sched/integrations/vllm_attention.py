@@ -5,10 +5,10 @@ the model is built) points vLLM's ``CPU_ATTN`` backend at ``SharedPrefixCPUBacke
 subclass that behaves exactly as vLLM's own unless Feather's option
 ``shared_prefix_attention`` turns it on (``auto``, the default: with ``FeatherScheduler``).
 Where on, each step's builder finds the decode rows that share leading KV blocks
-(``feather_sched.attention.groups``) and hands vLLM's kernel the batch with those rows
-shortened to their suffix; each layer's forward then runs vLLM's kernel once as usual
-and replaces the grouped rows' outputs with the exact merge of each group's prefix,
-attended once for all its queries, and each row's suffix (``attention.cpu_kernel``).
+(``feather_sched.attention.groups``) and hands vLLM's kernel the batch with those rows cut
+to one token; each layer's forward then runs vLLM's kernel once as usual and replaces the
+grouped rows' outputs with the exact merge of each group's prefix, attended once for all
+its queries, and each row's suffix (``attention.cpu_kernel``).
 
 Where it cannot act, vLLM's path runs unchanged and the engine log says why, once: the
 option is off, the KV cache is not in the "vec" layout the kernel reads (AMX, NEON and
@@ -35,7 +35,6 @@ from vllm.v1.kv_cache_interface import CrossAttentionSpec, EncoderOnlyAttentionS
 
 from feather_sched.attention import cpu_kernel
 from feather_sched.attention.groups import StepPlan, min_blocks, plan_step
-from feather_sched.attention.partials import merge_partials
 from feather_sched.config import FeatherConfig
 
 logger = logging.getLogger("vllm.feather_sched")
@@ -75,8 +74,8 @@ def decide(vllm_config: Any) -> str | None:
 
 @dataclass
 class SharedPrefixMetadata(CPUAttentionMetadata):
-    """vLLM's CPU metadata for the batch with grouped rows shortened to their suffix, the
-    step's plan, and the unmodified metadata for layers that cannot act."""
+    """vLLM's CPU metadata for the batch with grouped rows cut to one token, the step's
+    plan, and the unmodified metadata for layers that cannot act."""
 
     plan: StepPlan | None = None
     original: CPUAttentionMetadata | None = None
@@ -113,9 +112,8 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         plan = self._plan(common_attn_metadata)
         if plan is None:
             return original
-        shortened = replace(common_attn_metadata, block_table_tensor=plan.block_table,
-                            seq_lens=plan.seq_lens)
-        metadata = super().build(common_prefix_len, shortened, fast_build)
+        cut = replace(common_attn_metadata, seq_lens=plan.seq_lens)
+        metadata = super().build(common_prefix_len, cut, fast_build)
         values = {f.name: getattr(metadata, f.name) for f in fields(CPUAttentionMetadata)}
         return SharedPrefixMetadata(**values, plan=plan, original=original)
 
@@ -145,21 +143,8 @@ class SharedPrefixCPUImpl(CPUAttentionBackendImpl):
                                    output, output_scale, output_block_scale)
         super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                         output_scale, output_block_scale)
-        self._attend_groups(attn_metadata.plan, query, kv_cache, output)
+        cpu_kernel.attend_groups(attn_metadata.plan, query, kv_cache, self.scale, output)
         return output
-
-    def _attend_groups(self, plan: StepPlan, query: torch.Tensor, kv_cache: torch.Tensor,
-                       output: torch.Tensor) -> None:
-        segments = plan.segments
-        heads, head_dim = query.shape[1:]
-        partials = torch.empty(segments.rows, heads, head_dim)
-        lse = torch.empty(segments.rows, heads)
-        cpu_kernel.segment_attention(kv_cache, query, self.scale, segments.token_offsets,
-                                     segments.tokens, segments.block_offsets, segments.blocks,
-                                     segments.lengths, partials, lse)
-        rows = len(plan.tokens)
-        merged = merge_partials(partials[:rows], lse[:rows], partials[rows:], lse[rows:])
-        output[plan.tokens] = merged.to(output.dtype)
 
     def _acts(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         if self.acts is None:
