@@ -1,10 +1,12 @@
 """Median and spread of repeated runs in a ``feather bench --json`` file.
 
     .venv/bin/python benchmarks/vllm/medians.py RESULT.json [--metric output_throughput]
+        [--base NAME]
 
 ``feather bench`` labels a scheduler given again ``name#2``, ``name#3``; runs of one name
 form its sample, and round k (the k-th run of every name) gives each scheduler a ratio to
-the first scheduler's run in that round, so a ratio compares runs made minutes apart.
+the base scheduler's run in that round (the first scheduler unless ``--base`` names
+another), so a ratio compares runs made minutes apart.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ def rounds(runs: dict[str, dict]) -> dict[str, list[dict]]:
     return by_name
 
 
-def table(path: Path, metric: str) -> str:
+def table(path: Path, metric: str, base_name: str | None = None) -> str:
     by_name = rounds(json.loads(path.read_text())["runs"])
-    base_name = next(iter(by_name))
+    base_name = base_name or next(iter(by_name))
+    if base_name not in by_name:
+        raise SystemExit(f"no scheduler {base_name!r} in {path}: {', '.join(by_name)}")
     lines = [f"| scheduler | runs | median {metric} | min - max | median ratio to {base_name} "
              "(per round) | ratio min - max |", "|---|---|---|---|---|---|"]
     for name, runs in by_name.items():
@@ -42,8 +46,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("result", type=Path)
     parser.add_argument("--metric", default="output_throughput")
+    parser.add_argument("--base", help="scheduler the ratios are to (default: the first)")
     args = parser.parse_args()
-    print(table(args.result, args.metric))
+    print(table(args.result, args.metric, args.base))
 
 
 if __name__ == "__main__":

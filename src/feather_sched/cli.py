@@ -180,7 +180,7 @@ def bench(
     minority_size: MinoritySize = 20,
     max_concurrency: Annotated[int | None, typer.Option(help="Server mode cap.")] = None,
     schedulers: Annotated[str, typer.Option(help=f"{choices(ENGINE_KINDS)}.")]
-    = "fcfs,feather-bandit",
+    = "fcfs,fcfs-shared,feather-model",
     feather_options: Annotated[str, typer.Option(help="JSON options for feather runs.")]
     = "{}",
     model: Annotated[str | None, typer.Option(help="Model dir (default: embedded tiny "
@@ -445,6 +445,9 @@ def calibrate(
                                              "(vLLM's CPU kernel).")] = "layer",
     weighting: Annotated[str, typer.Option(help="time (fit seconds: totals, throughput) or "
                                            "relative (every step alike).")] = "time",
+    cascade: Annotated[bool, typer.Option(help="The steps ran shared-prefix attention: each "
+                                          "group's prefix is read once per step (simulate "
+                                          "the profile with --cascade).")] = False,
 ) -> None:
     """Fit the step-cost model to measured step times and write a simulator profile."""
     from feather_sched.costmodel.calibrate import fit, save_profile
@@ -456,7 +459,7 @@ def calibrate(
         hw = HARDWARE.get(hardware) or load_hardware(hardware)
         mp = MODELS.get(model) or _unknown("model", model, MODELS)
         params, report = fit(read_steps(steps_csv), hw, mp, granularity=granularity,
-                             weighting=weighting)
+                             weighting=weighting, cascade=cascade)
     except (ValueError, OSError) as error:
         raise typer.BadParameter(str(error)) from None
     save_profile(out, hw, mp, params)

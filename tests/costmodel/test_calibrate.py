@@ -38,9 +38,9 @@ def random_batch(rng: random.Random, step: int) -> list[BatchEntry]:
 
 
 def synthetic_steps(params: CostParams, count: int = 200, noise: float = 0.003,
-                    ) -> list[tuple[list[BatchEntry], float]]:
+                    cascade: bool = False) -> list[tuple[list[BatchEntry], float]]:
     rng = random.Random(7)
-    model = CostModel(GPU, MODEL, params)
+    model = CostModel(GPU, MODEL, params, cascade=cascade)
     steps = []
     for step in range(count):
         batch = random_batch(rng, step)
@@ -74,6 +74,16 @@ def test_both_weightings_recover_the_total_time(weighting: str) -> None:
     assert total == pytest.approx(sum(seconds for _, seconds in steps), rel=0.01)
     with pytest.raises(ValueError, match="weighting must be one of"):
         fit(steps, GPU, MODEL, weighting="median")
+
+
+def test_steps_of_a_cascade_kernel_fit_only_as_a_cascade() -> None:
+    steps = synthetic_steps(TRUE, cascade=True)
+    params, report = fit(steps, GPU, MODEL, cascade=True)
+    assert report.mape < 0.02
+    assert params.bandwidth_efficiency == pytest.approx(TRUE.bandwidth_efficiency, rel=0.1)
+    assert "l2_bytes" in report.unidentified  # a cascade re-reads nothing from L2
+    _, as_plain = fit(steps, GPU, MODEL)
+    assert as_plain.mape > report.mape
 
 
 def test_steps_without_sharing_leave_l2_unidentified() -> None:

@@ -56,14 +56,16 @@ WEIGHTINGS = ("time", "relative")
 def fit(steps: Sequence[tuple[Sequence[BatchEntry], float]], hardware: HardwareProfile,
         model: ModelProfile, *, granularity: str = "layer",
         grid: Sequence[float] = DEFAULT_GRID,
-        weighting: str = "time") -> tuple[CostParams, FitReport]:
+        weighting: str = "time", cascade: bool = False) -> tuple[CostParams, FitReport]:
     """Fit CostParams (additive roofline) to measured steps.
 
     Each grid point fixes ``l2_usable_fraction``; the other parameters come from a
     non-negative least-squares fit, and the grid point with the lowest error wins.
     ``weighting="time"`` fits seconds, so a run's total time (hence its throughput) is
     what comes out right, long prefill steps included; ``"relative"`` fits relative
-    error, so short and long steps weigh alike.
+    error, so short and long steps weigh alike. ``cascade``: the steps ran a shared-prefix
+    kernel, so each group's prefix counts once per step (use the profile with
+    ``CostModel(..., cascade=True)`` too).
     """
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
@@ -77,7 +79,7 @@ def fit(steps: Sequence[tuple[Sequence[BatchEntry], float]], hardware: HardwareP
     scored = []
     for fraction in grid:
         params = replace(base, l2_usable_fraction=fraction)
-        x = features(CostModel(hardware, model, params), traffic)
+        x = features(CostModel(hardware, model, params, cascade=cascade), traffic)
         scale = times if weighting == "relative" else np.full(len(times), times.mean())
         coefficients = nnls(x / scale[:, None], times / scale)
         error = float(np.sqrt(np.mean(((x @ coefficients - times) / scale) ** 2)))
