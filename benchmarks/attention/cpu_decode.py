@@ -1,0 +1,253 @@
+"""Decode attention of one layer on vLLM's CPU kernel: per request vs shared prefix.
+
+For G prefix groups of M decoding requests (each with a P-token shared prefix and an
+S-token private suffix), one layer's decode attention is timed three ways, side by side
+in every round:
+
+* ``sorted``: vLLM's kernel (``cpu_attention_with_kv_cache``), rows group by group
+  (Feather's order);
+* ``interleaved``: the same kernel, groups round-robin (an unordered batch);
+* ``shared``: what ``shared_prefix_attention`` runs per layer: vLLM's kernel on the batch
+  with the grouped rows cut to one token, then each group's prefix once for all its
+  queries and each row's suffix (``feather_sched.attention.cpu_kernel``), merged.
+
+The KV cache is written through vLLM's own ``cpu_attn_reshape_and_cache`` (the ISA vLLM
+picks on this machine), block ids are shuffled over the cache, and every configuration is
+checked against ``sorted`` before it is timed. The per-step work done once for all layers
+(the plan and vLLM's scheduler metadata) is timed separately. Each timing is the median
+of ``--reps`` calls; ``--rounds`` repeats the whole grid, and the table gives the median
+ratio over rounds with its range.
+
+    .venv/bin/python benchmarks/attention/cpu_decode.py            # the grid, ~4 min
+    .venv/bin/python benchmarks/attention/cpu_decode.py --quick    # 4 x 16 at 8K only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from vllm import _custom_ops as ops
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+from feather_sched.attention import cpu_kernel
+from feather_sched.attention.groups import min_blocks, plan_step
+
+OUT = Path(__file__).resolve().parent / "cpu-decode"
+BLOCK = 128
+MAX_ROWS = 256  # vLLM's default max_num_seqs
+
+
+@dataclass(frozen=True)
+class Geometry:
+    name: str
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+
+GEOMETRIES = {
+    "tiny-llama": Geometry("tiny-llama", 8, 8, 64),  # the embedded model: MHA
+    "llama-3-8b": Geometry("llama-3-8b", 32, 8, 128),  # GQA 4
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    groups: int
+    per_group: int
+    prefix: int
+    suffix: int
+
+
+class Batch:
+    """One decode step's attention inputs for ``config``: cache, queries, both orders."""
+
+    def __init__(self, config: Config, geometry: Geometry, dtype: torch.dtype, seed: int):
+        g, m = config.groups, config.per_group
+        torch.manual_seed(seed)
+        self.config, self.geometry, self.dtype = config, geometry, dtype
+        prefix_blocks = config.prefix // BLOCK
+        suffix_blocks = -(-(config.suffix + 1) // BLOCK)
+        blocks = g * prefix_blocks + g * m * suffix_blocks
+        heads, dim = geometry.kv_heads, geometry.head_dim
+        self.cache = torch.zeros(blocks, heads, BLOCK, 2 * dim, dtype=dtype)
+        self.isa = _get_attn_isa(dtype, BLOCK, dim, "auto")
+        ids = torch.randperm(blocks).int()
+        prefixes = ids[:g * prefix_blocks].view(g, prefix_blocks)
+        suffixes = ids[g * prefix_blocks:].view(g * m, suffix_blocks)
+        for group in range(g):
+            self._write(prefixes[group], config.prefix)
+        for row in range(g * m):
+            self._write(suffixes[row], config.suffix + 1)
+        table = torch.stack([torch.cat([prefixes[r // m], suffixes[r]]) for r in range(g * m)])
+        self.sorted_table = table.contiguous()
+        self.interleaved_table = table.view(g, m, -1).transpose(0, 1).reshape(g * m, -1)
+        self.seq_lens = torch.full((g * m,), config.prefix + config.suffix + 1,
+                                   dtype=torch.int32)
+        self.starts = torch.arange(g * m + 1, dtype=torch.int32)
+        self.query = torch.randn(g * m, geometry.q_heads, dim).to(dtype)
+        self.scale = dim ** -0.5
+
+    def _write(self, blocks: torch.Tensor, tokens: int) -> None:
+        """Random K/V for ``tokens`` tokens into ``blocks``, through vLLM's writer."""
+        heads, dim = self.geometry.kv_heads, self.geometry.head_dim
+        slots = (blocks.long()[:, None] * BLOCK + torch.arange(BLOCK)).flatten()[:tokens]
+        key = torch.randn(tokens, heads, dim).to(self.dtype)
+        value = torch.randn(tokens, heads, dim).to(self.dtype)
+        view = self.cache.view(len(self.cache), heads, 2 * BLOCK, dim)
+        key_cache, value_cache = view.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, self.isa)
+
+    def metadata(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        g = self.geometry
+        return ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(seq_lens), num_heads=g.q_heads, num_kv_heads=g.kv_heads,
+            head_dim=g.head_dim, seq_lens=seq_lens, dtype=self.dtype,
+            query_start_loc=self.starts, causal=True, sliding_window_size=-1, isa=self.isa,
+            enable_kv_split=False, dynamic_causal=None, kv_cache_dtype="auto")
+
+    def kernel(self, table: torch.Tensor, seq_lens: torch.Tensor, metadata: torch.Tensor,
+               out: torch.Tensor) -> None:
+        heads, dim = self.geometry.kv_heads, self.geometry.head_dim
+        key_cache, value_cache = self.cache.view(len(self.cache), heads, 2 * BLOCK,
+                                                 dim).chunk(2, dim=2)
+        ops.cpu_attention_with_kv_cache(
+            query=self.query, key_cache=key_cache, value_cache=value_cache, output=out,
+            query_start_loc=self.starts, seq_lens=seq_lens, scale=self.scale, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
+            scheduler_metadata=metadata, s_aux=None, dynamic_causal=None)
+
+
+def median_s(run: Callable[[], None], reps: int) -> tuple[float, list[float]]:
+    run()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+def measure(batch: Batch, reps: int) -> dict:
+    """One round of one configuration: the three paths, checked, then timed."""
+    out = torch.empty_like(batch.query)
+    sorted_meta = batch.metadata(batch.seq_lens)
+    plan = plan_step(batch.sorted_table, batch.seq_lens, batch.starts, len(batch.seq_lens),
+                     BLOCK, min_blocks(BLOCK))
+    shared_meta = batch.metadata(plan.seq_lens)
+
+    def sorted_path() -> None:
+        batch.kernel(batch.sorted_table, batch.seq_lens, sorted_meta, out)
+
+    def interleaved_path() -> None:
+        batch.kernel(batch.interleaved_table, batch.seq_lens, sorted_meta, out)
+
+    def shared_path() -> None:
+        batch.kernel(batch.sorted_table, plan.seq_lens, shared_meta, out)
+        cpu_kernel.attend_groups(plan, batch.query, batch.cache, batch.scale, out)
+
+    def per_step() -> None:
+        step = plan_step(batch.sorted_table, batch.seq_lens, batch.starts,
+                         len(batch.seq_lens), BLOCK, min_blocks(BLOCK))
+        batch.metadata(step.seq_lens)
+
+    sorted_path()
+    expected = out.float().clone()
+    shared_path()
+    error = float(((out.float() - expected).norm(dim=-1) / expected.norm(dim=-1)).max())
+    timings = {name: median_s(path, reps) for name, path in (
+        ("sorted", sorted_path), ("interleaved", interleaved_path), ("shared", shared_path),
+        ("plan_per_step", per_step))}
+    return {"max_relative_difference": error, "grouped_rows": len(plan.tokens),
+            "seconds": {name: t[0] for name, t in timings.items()},
+            "reps_s": {name: t[1] for name, t in timings.items()}}
+
+
+def grid(quick: bool) -> list[Config]:
+    if quick:
+        return [Config(4, 16, 8192, 96)]
+    shapes = [Config(g, m, p, 96) for p in (2048, 8192, 16384) for g in (1, 4, 8)
+              for m in (4, 16, 64) if g * m <= MAX_ROWS]
+    return shapes
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Per configuration: median seconds per path and median ratios over rounds."""
+    rows = []
+    keys = sorted({(r["geometry"], r["dtype"], *r["config"].values()) for r in records})
+    for key in keys:
+        mine = [r for r in records if (r["geometry"], r["dtype"], *r["config"].values()) == key]
+        ratios = {name: [r["seconds"][name] / r["seconds"]["shared"] for r in mine]
+                  for name in ("sorted", "interleaved")}
+        rows.append({
+            "geometry": key[0], "dtype": key[1], **mine[0]["config"], "rounds": len(mine),
+            **{f"{name}_ms": 1e3 * statistics.median(r["seconds"][name] for r in mine)
+               for name in ("sorted", "interleaved", "shared", "plan_per_step")},
+            **{f"{name}_over_shared": statistics.median(v) for name, v in ratios.items()},
+            **{f"{name}_over_shared_range": [min(v), max(v)] for name, v in ratios.items()},
+            "max_relative_difference": max(r["max_relative_difference"] for r in mine)})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | dtype | G x M | prefix | sorted ms | interleaved ms | shared ms | "
+             "sorted / shared (range) | interleaved / shared | plan per step ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        low, high = r["sorted_over_shared_range"]
+        lines.append(
+            f"| {r['geometry']} | {r['dtype']} | {r['groups']} x {r['per_group']} | "
+            f"{r['prefix']} | {r['sorted_ms']:.2f} | {r['interleaved_ms']:.2f} | "
+            f"{r['shared_ms']:.2f} | {r['sorted_over_shared']:.2f}x ({low:.2f}-{high:.2f}) | "
+            f"{r['interleaved_over_shared']:.2f}x | {r['plan_per_step_ms']:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4 x 16 at 8K only")
+    parser.add_argument("--geometry", default="tiny-llama,llama-3-8b",
+                        help=f"comma-separated: {', '.join(GEOMETRIES)}")
+    parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="as vLLM's CPU worker here")
+    parser.add_argument("--out", type=Path, default=OUT, help="prefix of .json and .md")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    records = []
+    for round_index in range(args.rounds):
+        for name in args.geometry.split(","):
+            for config in grid(args.quick):
+                batch = Batch(config, GEOMETRIES[name], dtype, seed=round_index)
+                record = measure(batch, args.reps)
+                records.append({"round": round_index, "geometry": name, "dtype": args.dtype,
+                                "isa": batch.isa, "config": asdict(config), **record})
+                s = record["seconds"]
+                print(f"round {round_index} {name} {config}: sorted {1e3 * s['sorted']:.2f} ms, "
+                      f"shared {1e3 * s['shared']:.2f} ms "
+                      f"({s['sorted'] / s['shared']:.2f}x), "
+                      f"max diff {record['max_relative_difference']:.1e}", flush=True)
+    rows = summarize(records)
+    text = table(rows)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".md").write_text(text + "\n")
+    args.out.with_suffix(".json").write_text(json.dumps({
+        "command": "benchmarks/attention/cpu_decode.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+        "machine": platform.processor() or platform.machine(), "threads": args.threads,
+        "torch": torch.__version__, "summary": rows, "records": records}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
