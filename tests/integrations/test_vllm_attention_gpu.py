@@ -103,7 +103,7 @@ def _options_from_the_config_only(monkeypatch) -> None:
 @pytest.fixture
 def announced(monkeypatch) -> list[str]:
     messages: list[str] = []
-    monkeypatch.setattr(gpu, "_announce", messages.append)
+    monkeypatch.setattr(gpu, "announce", messages.append)
     return messages
 
 

@@ -35,7 +35,6 @@ from vllm.v1.kv_cache_interface import CrossAttentionSpec, EncoderOnlyAttentionS
 
 from feather_sched.attention import cpu_kernel
 from feather_sched.attention.groups import StepPlan, min_blocks, plan_step
-from feather_sched.config import FeatherConfig
 
 logger = logging.getLogger("vllm.feather_sched")
 _announced: set[str] = set()
@@ -50,7 +49,7 @@ def register() -> None:
         register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.SharedPrefixCPUBackend")
 
 
-def _announce(message: str) -> None:
+def announce(message: str) -> None:
     """Log ``message`` once per process (every builder and layer decides the same)."""
     if message not in _announced:
         _announced.add(message)
@@ -59,11 +58,9 @@ def _announce(message: str) -> None:
 
 def decide(vllm_config: Any) -> str | None:
     """Why the option leaves vLLM's path alone, or None when it asks for shared prefixes."""
-    from feather_sched.integrations.vllm import is_feather_scheduler
+    from feather_sched.integrations.vllm import feather_options, is_feather_scheduler
 
-    additional = vllm_config.additional_config
-    options = additional.get("feather") if isinstance(additional, dict) else None
-    mode = FeatherConfig.from_sources(options).shared_prefix_attention
+    mode = feather_options(vllm_config).shared_prefix_attention
     if mode == "off":
         return "off (option shared_prefix_attention)"
     scheduler = vllm_config.scheduler_config.get_scheduler_cls()
@@ -90,7 +87,7 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         reason = decide(vllm_config) or self._layout_problem(kv_cache_spec)
         self.shared_prefixes = reason is None
         self.min_shared_blocks = min_blocks(self.block_size)
-        _announce(reason or f"on (isa {self.isa}, {self.dtype}, block size {self.block_size}, "
+        announce(reason or f"on (isa {self.isa}, {self.dtype}, block size {self.block_size}, "
                             f"groups from {self.min_shared_blocks} shared blocks)")
 
     def _layout_problem(self, kv_cache_spec: Any) -> str | None:
@@ -151,7 +148,7 @@ class SharedPrefixCPUImpl(CPUAttentionBackendImpl):
             reason = self._layer_problem(layer, query, kv_cache)
             self.acts = reason is None
             if reason:
-                _announce(f"off for layers with {reason} (vLLM's kernel serves them)")
+                announce(f"off for layers with {reason} (vLLM's kernel serves them)")
         return self.acts
 
     def _layer_problem(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor) -> str | None:

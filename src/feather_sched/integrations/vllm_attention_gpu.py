@@ -79,7 +79,7 @@ from feather_sched.attention import triton_kernels
 from feather_sched.attention.groups import MIN_ROWS, Groups, find_groups, min_blocks, table_segments
 from feather_sched.attention.triton_kernels import TableSegments
 from feather_sched.integrations.vllm import feather_options
-from feather_sched.integrations.vllm_attention import _announce, decide
+from feather_sched.integrations.vllm_attention import announce, decide
 
 logger = logging.getLogger("vllm.feather_sched")
 
@@ -158,7 +158,7 @@ class SharedPrefixTritonMetadataBuilder(TritonAttentionMetadataBuilder):
             from vllm.platforms import current_platform
 
             self.num_sms = current_platform.num_compute_units(device.index or 0)
-        _announce(reason or f"on (Triton, block size {self.block_size}, groups from "
+        announce(reason or f"on (Triton, block size {self.block_size}, groups from "
                             f"{self.min_shared_blocks} shared blocks; attention without FULL "
                             "CUDA graphs; a device-to-host table copy per step that may group)")
 
@@ -273,7 +273,7 @@ class SharedPrefixTritonImpl(TritonAttentionImpl):
             reason = self._layer_problem(query, kv_cache, output_scale)
             self.acts = reason is None
             if reason:
-                _announce(f"off for layers with {reason} (vLLM's kernel serves them)")
+                announce(f"off for layers with {reason} (vLLM's kernel serves them)")
         return self.acts
 
     def _layer_problem(self, query: Tensor, kv_cache: Tensor,

@@ -20,8 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from feather_sched.config import FeatherConfig
-
 _PATCHED = "_feather_batch_order"
 
 
@@ -46,19 +44,13 @@ def _ordering_enabled(runner: Any) -> bool:
     """Decided once per runner from the engine's own configuration."""
     enabled = getattr(runner, _PATCHED, None)
     if enabled is None:
-        from feather_sched.integrations.vllm import is_feather_scheduler
+        from feather_sched.integrations.vllm import feather_options, is_feather_scheduler
 
         config = runner.vllm_config
         scheduler_cls = config.scheduler_config.get_scheduler_cls()
-        enabled = is_feather_scheduler(scheduler_cls) and _order_option(config)
+        enabled = is_feather_scheduler(scheduler_cls) and feather_options(config).order_running
         setattr(runner, _PATCHED, enabled)
     return enabled
-
-
-def _order_option(vllm_config: Any) -> bool:
-    additional = vllm_config.additional_config
-    options = additional.get("feather") if isinstance(additional, dict) else None
-    return FeatherConfig.from_sources(options).order_running
 
 
 def batch_regions(input_batch: Any, scheduler_output: Any, threshold: int | None) -> np.ndarray:
