@@ -194,7 +194,7 @@ def test_no_full_cuda_graphs_while_on(config_on):
 
 def test_the_plugin_registers_the_custom_backend_only():
     custom = AttentionBackendEnum.CUSTOM
-    assert not custom.is_overridden()
+    custom.clear_override()  # an engine built earlier in this process loaded the plugins
     try:
         gpu.register()
         backend = custom.get_class()
