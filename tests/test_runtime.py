@@ -206,6 +206,20 @@ def test_begin_pass_returns_the_running_list_grouped() -> None:
     assert [r.rid for r in rt.begin_pass(running)] == ["a1", "b1", "a2"]
 
 
+def test_the_preemption_victim_is_the_latest_arrival_wherever_it_stands() -> None:
+    rt = runtime()
+    old, young = Req("solo", [(9,)], arrival=1.0), Req("maj", [(0,)], arrival=2.0)
+    tied = Req("tied", [(0,), (0, "t")], arrival=2.0)  # same time, entered later
+    for request in (old, young, tied):
+        rt.enter_waiting(request)
+    ordered = rt.begin_pass([young, tied, old])
+    assert ordered[-1] is old  # the smallest group stands last ...
+    assert rt.preemption_victim(ordered) is tied  # ... yet the youngest gives way
+    assert rt.preemption_victim([old, young]) is young
+    stranger = Req("never-seen", arrival=0.5)  # not in the queue: its own arrival counts
+    assert rt.preemption_victim([stranger, old]) is old
+
+
 def test_stats_are_written_and_a_failed_write_keeps_the_runtime_alive(tmp_path, caplog) -> None:
     stats = tmp_path / "stats.json"
     rt = runtime(stats_file=str(stats))

@@ -29,6 +29,7 @@ in its keys plus the waiting requests whose shared depth changes (see ``cht``);
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence, Set
 from dataclasses import dataclass
@@ -78,6 +79,8 @@ class _Request:
     keys: list
     arrival_s: float
     tokens: int
+    sequence: int
+    """Order of first entry into the queue: ties between equal arrival times."""
 
 
 class FeatherQueue:
@@ -108,6 +111,7 @@ class FeatherQueue:
         """The engine's cap on running requests, where its adapter knows it (the gate is
         told the seats left free)."""
         self._requests: dict[RequestId, _Request] = {}
+        self._sequence_numbers = itertools.count()
         self._oldest: list[tuple[float, int, RequestId]] = []
         self._sequence = 0
         self._closed = False
@@ -149,6 +153,11 @@ class FeatherQueue:
     def arrival_s(self, request_id: RequestId) -> float:
         return self._requests[request_id].arrival_s
 
+    def arrival_order(self, request_id: RequestId) -> tuple[float, int]:
+        """Sorts requests by arrival: the arrival time, then the order of entry."""
+        request = self._requests[request_id]
+        return request.arrival_s, request.sequence
+
     def keys(self, request_id: RequestId) -> list:
         """The request's chunk keys."""
         return self._requests[request_id].keys
@@ -168,7 +177,8 @@ class FeatherQueue:
         self.tree.add(request_id, keys)
         arrival = self.clock() if arrival_s is None else arrival_s
         length = len(keys) * self.chunk_tokens if tokens is None else tokens
-        self._requests[request_id] = _Request(list(keys), arrival, length)
+        self._requests[request_id] = _Request(list(keys), arrival, length,
+                                              next(self._sequence_numbers))
         if self.bound is not None:
             self.bound.arrive(request_id, arrival)
         self._offer_to_guard(request_id)

@@ -21,6 +21,9 @@ state) behind one contract, stated once, in the style of vLLM's ``RequestQueue``
                                   are bound to ``step`` and counted
     end_step(step, size, seconds) step ``step`` ran: its reward reaches exactly the
                                   decisions bound to it
+    preemption_victim(running)    the running request to preempt for KV room: the
+                                  latest arrival (engines whose own rule is this one,
+                                  like vLLM's priority path, need not ask)
 
 The running set is never assumed from admissions: each ``begin_pass`` and ``end_pass``
 takes what the engine itself reports as running, so a request the engine skipped, parked
@@ -210,6 +213,23 @@ class FeatherRuntime(Generic[R]):
         if not self.config.order_running:
             return list(running)
         return order_by_group(running, self.group)
+
+    def preemption_victim(self, running: Sequence[R]) -> R:
+        """The request to preempt when the engine runs out of KV blocks: the latest arrival
+        among ``running`` (equal arrival times: the latest to enter the queue), wherever
+        the batch order puts it. So a request is preempted only while no request that
+        arrived after it runs: an old request never pays for a young one, whatever its
+        group. O(len(running)).
+        """
+        return max(running, key=self._arrival_order)
+
+    def _arrival_order(self, request: R) -> tuple[float, float]:
+        """(arrival, order of entry); a request the queue never saw counts as arriving now."""
+        request_id = self.view.request_id(request)
+        if request_id in self.queue:
+            return self.queue.arrival_order(request_id)
+        arrival = self.view.arrival_s(request)
+        return (self.clock() if arrival is None else arrival), float("inf")
 
     def decide(self, offered: R | None = None) -> Admission | None:
         """The admission for ``offered`` (default: the queue's candidate); None if none.

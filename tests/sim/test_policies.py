@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -20,7 +21,14 @@ from feather_sched.sim.policies import (
     make_policy,
 )
 from feather_sched.sim.runner import SimPlan, simulate
-from feather_sched.workloads import ArrivalSpec, no_sharing, shared_prefix_groups
+from feather_sched.workloads import (
+    ArrivalSpec,
+    RequestSpec,
+    Workload,
+    minority_groups,
+    no_sharing,
+    shared_prefix_groups,
+)
 
 
 class Req:
@@ -200,3 +208,49 @@ def test_the_model_gate_keeps_an_unordered_batch_homogeneous_where_that_pays() -
             > 1.2 * summarize(always)["output_throughput"])
     ordered = simulate(plan, "feather-model")
     assert ordered.gate_counts == simulate(plan, "feather-always").gate_counts
+
+
+def singleton_against_a_stream() -> SimPlan:
+    """A singleton arrives first, then 400 majority requests at 200/s, a KV pool that
+    holds a fraction of them (the case where the batch order put the singleton last)."""
+    majority = shared_prefix_groups(groups=1, prompts_per_group=400, prefix_len=2048,
+                                    suffix_len=32, output_len=200,
+                                    arrival=ArrivalSpec(kind="poisson", rate=200), seed=0)
+    solo = RequestSpec("solo", np.arange(1, 2081, dtype=np.int32) + 20_000, 400, 0.0)
+    later = [RequestSpec(r.request_id, r.prompt, r.output_len, r.arrival_s + 0.01, r.group,
+                         r.shared_len) for r in majority.requests]
+    return SimPlan(workload=Workload("solo", [solo, *later]), hardware=HARDWARE["h100-sxm"],
+                   model=MODELS["llama-3-8b"], engine=EngineConfig(num_blocks=600))
+
+
+def test_an_old_singleton_is_not_preempted_for_a_stream_of_majority_requests() -> None:
+    plan = singleton_against_a_stream()
+    finished = {}
+    for name in ("fcfs", "feather-model"):
+        run = simulate(plan, name)
+        assert run.extra["preemptions"] > 100  # the pool is tight
+        finished[name] = next(r for r in run.records if r.request_id == "solo").finished_s
+    assert finished["feather-model"] <= 1.25 * finished["fcfs"], finished
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_no_request_is_preempted_while_a_later_arrival_runs(seed: int,
+                                                            monkeypatch) -> None:
+    """Every victim is the latest arrival among the requests running at that moment."""
+    seen = []
+    choose = FeatherRuntime.preemption_victim
+
+    def recording(self, running):
+        victim = choose(self, running)
+        seen.append(all(r.spec.arrival_s <= victim.spec.arrival_s for r in running))
+        return victim
+
+    monkeypatch.setattr(FeatherRuntime, "preemption_victim", recording)
+    workload = minority_groups(majority=150, minorities=[10, 10], prefix_len=1024,
+                               suffix_len=32, output_len=120,
+                               arrival=ArrivalSpec(kind="poisson", rate=300), seed=seed)
+    plan = SimPlan(workload=workload, hardware=HARDWARE["h100-sxm"],
+                   model=MODELS["llama-3-8b"], engine=EngineConfig(num_blocks=300))
+    run = simulate(plan, "feather-model")
+    assert all(r.success for r in run.records)
+    assert len(seen) == run.extra["preemptions"] > 0 and all(seen)

@@ -310,6 +310,7 @@ class VllmFeather(VllmMeter):
         super().__init__(scheduler, config, self.runtime.meter)
         self.queue = FeatherWaitingQueue(self.runtime, scheduler)
         scheduler.waiting = self.queue
+        preempt_latest_arrival(scheduler)
         note, acts = self.order_note()
         logger.info("Feather scheduler: %s; %s", config, note)
         if not acts:
@@ -324,7 +325,22 @@ class VllmFeather(VllmMeter):
 
     def after_schedule(self, output: Any) -> None:
         self.runtime.end_pass(id(output), self.scheduler.running)
+        self.order_output(output)
         super().after_schedule(output)
+
+    def order_output(self, output: Any) -> None:
+        """List the step's requests in Feather's order, which the batch follows (Model
+        Runner V2 directly, the V1 runner through the worker plugin). vLLM lists them in
+        the order it scheduled them, so a request it resumed in this pass would follow
+        the others: a preempted request whose KV is still cached resumes as a one-token
+        "decode", away from its group. O(running)."""
+        scheduled = output.num_scheduled_tokens
+        if not self.runtime.orders_running or len(scheduled) < 2:
+            return
+        ordered = [r.request_id for r in self.runtime.order(self.scheduler.running)
+                   if r.request_id in scheduled]
+        if len(ordered) == len(scheduled) and ordered != list(scheduled):
+            output.num_scheduled_tokens = {rid: scheduled[rid] for rid in ordered}
 
     @property
     def wants_batches(self) -> bool:
@@ -449,6 +465,20 @@ def requests_view(scheduler: Scheduler, config: FeatherConfig) -> VllmRequests:
     """How Feather reads this scheduler's requests (block hashes of its hash block size)."""
     hash_block_size = getattr(scheduler, "hash_block_size", None) or scheduler.block_size
     return VllmRequests(hash_block_size, config.chunk_tokens)
+
+
+def preempt_latest_arrival(scheduler: Scheduler) -> None:
+    """Make vLLM preempt Feather's victim (``FeatherRuntime.preemption_victim``): the
+    latest arrival among the running requests, not the end of the running list, which
+    Feather orders by group (the end would be the smallest group's, however old).
+
+    vLLM 0.32 reads ``scheduler.policy`` after start-up only to choose a victim: under
+    PRIORITY, ``max(running, key=(priority, arrival_time))``, removed wherever it stands
+    (with its budget given back if it was scheduled in this pass). All priorities being 0
+    under the FCFS policy Feather serves, that is the latest arrival. The queues vLLM
+    built for FCFS stay; Feather's replaces the waiting one.
+    """
+    scheduler.policy = SchedulingPolicy.PRIORITY
 
 
 def is_feather_scheduler(scheduler_cls: type) -> bool:

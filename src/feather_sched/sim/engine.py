@@ -1,8 +1,9 @@
 """A discrete-event model of vLLM V1's continuous batching, driving real scheduler objects.
 
 Each step follows the shape of vLLM's ``Scheduler.schedule()``: running requests first
-(one decode token, or their next prefill chunk), preempting the most recently admitted
-request by recompute when KV blocks run out; then, if nothing was preempted, admission
+(one decode token, or their next prefill chunk), preempting by recompute, when KV blocks
+run out, the policy's victim (vLLM FCFS: the most recently admitted; Feather: the latest
+arrival); then, if nothing was preempted, admission
 from the waiting policy while the token budget and ``max_num_seqs`` allow.  The batch is
 laid out like vLLM's *persistent batch* (new requests take the lowest free slot, then
 ``condense`` moves the last slots into the remaining holes), which is what interleaves
@@ -123,6 +124,8 @@ class Policy(Protocol):
 
     def end_step(self, step: Hashable, batch_size: int, seconds: float,
                  batch: Sequence[BatchEntry] | None = None) -> None: ...
+
+    def preemption_victim(self, running: Sequence[SimRequest]) -> SimRequest: ...
 
     def __len__(self) -> int: ...
 
@@ -294,7 +297,7 @@ class SimEngine:
         self.now = 0.0
         """The simulated clock, in seconds from the run's start."""
         self.running: list[SimRequest] = []
-        """Running requests in admission order (preemption takes the last)."""
+        """Running requests in the policy's order (preemption takes its victim)."""
         self.requests: list[SimRequest] = []
         self._by_id: dict[Hashable, SimRequest] = {}
         self.steps: list[StepRecord] = []
@@ -373,7 +376,8 @@ class SimEngine:
         return self._layout(scheduled), preempted
 
     def _schedule_running(self, scheduled: list[SimRequest], budget: int) -> bool:
-        """Give each running request its tokens, preempting from the back for blocks."""
+        """Give each running request its tokens, preempting the policy's victim for blocks
+        (one already scheduled this step gives its tokens back, as in vLLM)."""
         preempted = False
         running = self.running
         i = 0
@@ -381,7 +385,14 @@ class SimEngine:
             request = running[i]
             tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.pool.grow(request.request_id, request.num_computed_tokens + tokens):
-                victim = running.pop()
+                victim = self._timed(self.policy.preemption_victim, running)
+                index = running.index(victim)
+                del running[index]
+                if index < i:
+                    i -= 1
+                    scheduled.remove(victim)
+                    budget += victim.scheduled_tokens
+                    victim.scheduled_tokens = 0
                 self._preempt(victim)
                 preempted = True
                 if victim is request:

@@ -50,6 +50,10 @@ class FcfsPolicy:
     def begin_pass(self, running: Sequence[SimRequest]) -> list[SimRequest]:
         return list(running)
 
+    def preemption_victim(self, running: Sequence[SimRequest]) -> SimRequest:
+        """vLLM's FCFS rule: the end of the running list (the latest admitted)."""
+        return running[-1]
+
     def decide(self) -> Offer | None:
         return Offer(self._queue[0].request_id) if self._queue else None
 

@@ -1,0 +1,149 @@
+"""Which request Feather preempts under KV pressure: the rules measured in the simulator.
+
+    .venv/bin/python benchmarks/sim/preemption.py        # ~3 minutes
+
+Llama-3-8B on the H100 SXM profile, vLLM's limits, KV pools small enough to preempt.
+Feather (``feather-model``, its defaults) under four victim rules, next to vLLM's FCFS:
+
+* ``end of list``: what vLLM did under Feather's order before (the end of the running list,
+  i.e. the latest member of the smallest group);
+* ``latest arrival``: the rule Feather keeps (``FeatherRuntime.preemption_victim``);
+* ``largest group``: the latest arrival of the largest group (its prefix stays cached by
+  its siblings, only its private tokens are recomputed);
+* ``youngest group``: the latest arrival of the group whose oldest running member is the
+  youngest (FCFS between groups).
+
+Cells: a singleton that arrives first against a stream of 400 majority requests (the case
+the end-of-list rule starves); 8 groups x 100 with 4K prefixes at 100 req/s over three
+pool sizes (the smallest barely holds the 8 prefixes); 400 + 3 x 20 minority groups.
+Output tokens/s, preemptions, the worst group's mean TTFT and when the singleton
+finished. Writes preemption.json and preemption.md beside this file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from feather_sched.bench.report import summarize
+from feather_sched.costmodel.hardware import HARDWARE
+from feather_sched.costmodel.model_profiles import MODELS
+from feather_sched.runtime import FeatherRuntime
+from feather_sched.sim.engine import EngineConfig
+from feather_sched.sim.runner import SimPlan, simulate
+from feather_sched.workloads import (
+    ArrivalSpec,
+    RequestSpec,
+    Workload,
+    minority_groups,
+    shared_prefix_groups,
+)
+
+HERE = Path(__file__).parent
+Rule = Callable[[FeatherRuntime, Sequence[Any]], Any]
+
+
+def end_of_list(runtime: FeatherRuntime, running: Sequence[Any]) -> Any:
+    return running[-1]
+
+
+def largest_group(runtime: FeatherRuntime, running: Sequence[Any]) -> Any:
+    sizes = Counter(runtime.group(r) for r in running)
+    top = max(sizes.values())
+    return max((r for r in running if sizes[runtime.group(r)] == top),
+               key=runtime._arrival_order)
+
+
+def youngest_group(runtime: FeatherRuntime, running: Sequence[Any]) -> Any:
+    oldest: dict[Any, tuple] = {}
+    for request in running:
+        group, order = runtime.group(request), runtime._arrival_order(request)
+        oldest[group] = min(oldest.get(group, order), order)
+    target = max(oldest, key=oldest.get)
+    return max((r for r in running if runtime.group(r) == target), key=runtime._arrival_order)
+
+
+RULES: dict[str, Rule] = {"end of list": end_of_list,
+                          "latest arrival": FeatherRuntime.preemption_victim,
+                          "largest group": largest_group, "youngest group": youngest_group}
+
+
+def singleton_workload() -> Workload:
+    majority = shared_prefix_groups(groups=1, prompts_per_group=400, prefix_len=2048,
+                                    suffix_len=32, output_len=200,
+                                    arrival=ArrivalSpec(kind="poisson", rate=200), seed=0)
+    solo = RequestSpec("solo", np.arange(1, 2081, dtype=np.int32) + 20_000, 400, 0.0)
+    later = [RequestSpec(r.request_id, r.prompt, r.output_len, r.arrival_s + 0.01, r.group,
+                         r.shared_len) for r in majority.requests]
+    return Workload("singleton-vs-stream", [solo, *later])
+
+
+def cells() -> list[tuple[str, Workload, int]]:
+    groups = shared_prefix_groups(groups=8, prompts_per_group=100, prefix_len=4096,
+                                  suffix_len=32, output_len=200,
+                                  arrival=ArrivalSpec(kind="poisson", rate=100), seed=0)
+    minority = minority_groups(majority=400, minorities=[20, 20, 20], prefix_len=4096,
+                               suffix_len=32, output_len=200,
+                               arrival=ArrivalSpec(kind="poisson", rate=100), seed=0)
+    return [("singleton first, then 400 majority requests", singleton_workload(), 600),
+            ("8 x 100, 4K prefixes, 2,500 blocks", groups, 2500),
+            ("8 x 100, 4K prefixes, 4,000 blocks", groups, 4000),
+            ("8 x 100, 4K prefixes, 6,000 blocks", groups, 6000),
+            ("400 + 3 x 20, 4K prefixes, 2,500 blocks", minority, 2500)]
+
+
+def measure(workload: Workload, blocks: int, name: str) -> dict:
+    plan = SimPlan(workload=workload, hardware=HARDWARE["h100-sxm"], model=MODELS["llama-3-8b"],
+                   engine=EngineConfig(num_blocks=blocks))
+    run = simulate(plan, name)
+    summary = summarize(run)
+    solo = [r.finished_s for r in run.records if r.request_id == "solo"]
+    return {"output_throughput": summary["output_throughput"],
+            "preemptions": run.extra["preemptions"],
+            "worst_group_mean_ttft_ms": summary["worst_group_mean_ttft_ms"],
+            "solo_finished_s": solo[0] if solo else None}
+
+
+def main() -> None:
+    rows = []
+    for label, workload, blocks in cells():
+        row = {"cell": label, "fcfs": measure(workload, blocks, "fcfs")}
+        chosen = FeatherRuntime.preemption_victim
+        for rule, victim in RULES.items():
+            FeatherRuntime.preemption_victim = victim
+            try:
+                row[rule] = measure(workload, blocks, "feather-model")
+            finally:
+                FeatherRuntime.preemption_victim = chosen
+        rows.append(row)
+        print(label, flush=True)
+    (HERE / "preemption.json").write_text(json.dumps(
+        {"command": "benchmarks/sim/preemption.py", "rows": rows}, indent=1))
+    text = markdown(rows)
+    (HERE / "preemption.md").write_text(text + "\n")
+    print(text)
+
+
+def markdown(rows: list[dict]) -> str:
+    names = ["fcfs", *RULES]
+    lines = ["| cell | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for row in rows:
+        cells_ = []
+        for name in names:
+            r = row[name]
+            text = (f"{r['output_throughput']:,.0f} tok/s, {r['preemptions']} preempted, "
+                    f"worst group TTFT {r['worst_group_mean_ttft_ms'] / 1e3:.1f} s")
+            if r["solo_finished_s"] is not None:
+                text += f", singleton done {r['solo_finished_s']:.1f} s"
+            cells_.append(text)
+        lines.append(f"| {row['cell']} | " + " | ".join(cells_) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
