@@ -221,10 +221,11 @@ class FeatherRuntime(Generic[R]):
         arrived after it runs: an old request never pays for a young one, whatever its
         group. O(len(running)).
         """
-        return max(running, key=self._arrival_order)
+        return max(running, key=self.arrival_order)
 
-    def _arrival_order(self, request: R) -> tuple[float, float]:
-        """(arrival, order of entry); a request the queue never saw counts as arriving now."""
+    def arrival_order(self, request: R) -> tuple[float, float]:
+        """Sorts requests by arrival: (arrival time, order of entry into the queue); a
+        request the queue never saw counts as arriving now, after all the others."""
         request_id = self.view.request_id(request)
         if request_id in self.queue:
             return self.queue.arrival_order(request_id)

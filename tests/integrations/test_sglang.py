@@ -406,7 +406,24 @@ def test_the_tree_orders_the_list_without_asking_the_gate() -> None:
     assert (counts.asked, counts.add) == (4, 3)
 
 
+def test_retraction_takes_the_latest_arrival_first(monkeypatch) -> None:
+    """SGLang retracts from the end of ``_get_decode_retraction_order``: under Feather the
+    latest arrival, whatever its output length or place in the batch."""
+    engine = Engine(gate="always")
+    a0, b0, a1 = _req("A", 0), _req("B", 0), _req("A", 1)
+    engine.arrive(a0, b0, a1)
+    batch = [b0, a1, a0]
+    a1.output_ids = [1] * 50  # SGLang's own rule would keep the longest-running
+    sglangs = lambda reqs: list(range(len(reqs)))  # noqa: E731
+    monkeypatch.setattr(feather_sglang, "_process_feather", None)
+    assert feather_sglang._hook_decode_retraction_order(sglangs, batch) == [0, 1, 2]
+    monkeypatch.setattr(feather_sglang, "_process_feather", engine.feather)
+    order = feather_sglang._hook_decode_retraction_order(sglangs, batch)
+    assert [batch[i].rid for i in order] == ["A0", "B0", "A1"]
+
+
 def test_hooks_install_feather_when_selected(monkeypatch) -> None:
+    monkeypatch.setattr(feather_sglang, "_process_feather", None)  # restored afterwards
     monkeypatch.setenv("FEATHER_SGLANG", "1")
     monkeypatch.setenv("FEATHER_SGLANG_OPTIONS", '{"gate": "bandit", "chunk_tokens": 64}')
     scheduler = _stub_scheduler(RadixCache.create_simulated())
@@ -417,6 +434,7 @@ def test_hooks_install_feather_when_selected(monkeypatch) -> None:
     assert scheduler.feather.runtime.queue.seats == 48  # the model gate's free seats
     adder = feather_sglang._hook_get_prefill_adder_class(lambda s: PrefillAdder, scheduler)
     assert issubclass(adder, FeatherPrefillAdder) and adder.feather is scheduler.feather
+    assert feather_sglang._process_feather is scheduler.feather  # for the retraction hook
 
 
 def test_the_model_gate_gets_sglangs_model_for_its_prior(monkeypatch) -> None:
@@ -430,6 +448,7 @@ def test_the_model_gate_gets_sglangs_model_for_its_prior(monkeypatch) -> None:
     assert shape.device_name is None and shape.dtype_bytes == 2
     assert shape.model_config["num_hidden_layers"] == 2
     assert StepPrior.for_engine(shape)[0] is None
+    monkeypatch.setattr(feather_sglang, "_process_feather", None)  # restored afterwards
     feather_sglang._hook_init_schedule_policy(lambda s: None, scheduler)
     gate = scheduler.feather.runtime.queue.gate
     assert isinstance(gate, ModelGate) and gate.model.prior is None and not gate.ordered

@@ -31,6 +31,9 @@ which translates SGLang's objects for the engine-agnostic ``FeatherRuntime``:
 * finished requests leave with their batch result; ``update_running_batch`` keeps the
   running decode batch in Feather's order (SGLang's decode attention walks requests in
   batch order), through SGLang's own ``ScheduleBatch.filter_batch``.
+* under memory pressure SGLang retracts decoding requests in the order
+  ``ScheduleBatch._get_decode_retraction_order`` gives: Feather's is by arrival, so the
+  latest arrival is retracted first, as on vLLM and in the simulator.
 
 Unsupported modes are refused at start-up with a warning that leaves SGLang's own
 scheduling in place (``_unsupported``).  Options: ``FEATHER_*`` environment variables
@@ -350,7 +353,13 @@ def engine_shape(scheduler: Any) -> EngineShape | None:
                        dtype_bytes=model.dtype.itemsize)
 
 
+_process_feather: FeatherSGLang | None = None
+"""The Feather of this process's scheduler (SGLang runs one scheduler per process), for
+the hook on ``ScheduleBatch``'s retraction order, which sees only requests."""
+
+
 def _hook_init_schedule_policy(original: Callable, scheduler: Any, *args: Any, **kwargs: Any):
+    global _process_feather
     result = original(scheduler, *args, **kwargs)
     scheduler.feather = None
     if not feather_enabled():
@@ -362,7 +371,7 @@ def _hook_init_schedule_policy(original: Callable, scheduler: Any, *args: Any, *
     feather = FeatherSGLang(feather_options(),
                             seats=getattr(scheduler, "max_running_requests", None),
                             engine=engine_shape(scheduler))
-    scheduler.feather = feather
+    scheduler.feather = _process_feather = feather
     scheduler.policy = FeatherSchedulePolicy(
         feather,
         scheduler.tree_cache,
@@ -437,6 +446,18 @@ def _hook_process_batch_result(original: Callable, scheduler: Any, batch: Any, *
     return result
 
 
+def _hook_decode_retraction_order(original: Callable, reqs: list, *args: Any,
+                                  **kwargs: Any) -> list[int]:
+    """The order SGLang retracts decoding requests from (the end first): under Feather, by
+    arrival, so the latest arrival goes first (``FeatherRuntime.preemption_victim``'s
+    rule) instead of SGLang's fewest-output-tokens first."""
+    feather = _process_feather
+    if feather is None:
+        return original(reqs, *args, **kwargs)
+    arrival = feather.runtime.arrival_order
+    return sorted(range(len(reqs)), key=lambda i: arrival(reqs[i]))
+
+
 HOOKS: dict[str, Callable] = {
     f"{_SCHEDULER}.init_schedule_policy": _hook_init_schedule_policy,
     f"{_SCHEDULER}.get_prefill_adder_class": _hook_get_prefill_adder_class,
@@ -445,6 +466,8 @@ HOOKS: dict[str, Callable] = {
     f"{_SCHEDULER}.update_running_batch": _hook_update_running_batch,
     f"{_SCHEDULER}.run_batch": _hook_run_batch,
     f"{_SCHEDULER}.process_batch_result": _hook_process_batch_result,
+    "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order":
+        _hook_decode_retraction_order,
 }
 """Hook target -> AROUND hook; each is inert on a scheduler without ``feather``."""
 
