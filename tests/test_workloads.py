@@ -480,3 +480,20 @@ def test_mooncake_rejects_bad_lines_with_line_number(tmp_path: Path, bad: dict |
     path = write_lines(tmp_path / "mc.jsonl", [mooncake_line(0, 5, [1]), "", bad])
     with pytest.raises(ValueError, match="line 3:"):
         load_mooncake(path, block_tokens=12)
+
+
+def test_a_singleton_arrives_before_the_stream_of_one_group() -> None:
+    from feather_sched.workloads import ArrivalSpec, singleton_before_a_stream
+
+    workload = singleton_before_a_stream(stream=50, prefix_len=64, suffix_len=8, output_len=5,
+                                         singleton_output_len=30,
+                                         arrival=ArrivalSpec(kind="poisson", rate=10))
+    first, *stream = workload.requests
+    assert (first.group, first.shared_len, first.output_len, first.arrival_s) == (-1, 0, 30, 0)
+    assert all(r.group == 0 and r.shared_len == 64 and r.arrival_s > 0 for r in stream)
+    assert len({r.prompt[:64].tobytes() for r in stream}) == 1
+    assert first.prompt[:64].tobytes() != stream[0].prompt[:64].tobytes()
+    with pytest.raises(ValueError, match="stream"):
+        singleton_before_a_stream(stream=0, prefix_len=64, suffix_len=8, output_len=5,
+                                  singleton_output_len=30,
+                                  arrival=ArrivalSpec(kind="poisson", rate=10))

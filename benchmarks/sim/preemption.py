@@ -28,8 +28,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from feather_sched.bench.report import summarize
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
@@ -38,10 +36,10 @@ from feather_sched.sim.engine import EngineConfig
 from feather_sched.sim.runner import SimPlan, simulate
 from feather_sched.workloads import (
     ArrivalSpec,
-    RequestSpec,
     Workload,
     minority_groups,
     shared_prefix_groups,
+    singleton_before_a_stream,
 )
 
 HERE = Path(__file__).parent
@@ -73,16 +71,6 @@ RULES: dict[str, Rule] = {"end of list": end_of_list,
                           "largest group": largest_group, "youngest group": youngest_group}
 
 
-def singleton_workload() -> Workload:
-    majority = shared_prefix_groups(groups=1, prompts_per_group=400, prefix_len=2048,
-                                    suffix_len=32, output_len=200,
-                                    arrival=ArrivalSpec(kind="poisson", rate=200), seed=0)
-    solo = RequestSpec("solo", np.arange(1, 2081, dtype=np.int32) + 20_000, 400, 0.0)
-    later = [RequestSpec(r.request_id, r.prompt, r.output_len, r.arrival_s + 0.01, r.group,
-                         r.shared_len) for r in majority.requests]
-    return Workload("singleton-vs-stream", [solo, *later])
-
-
 def cells() -> list[tuple[str, Workload, int]]:
     groups = shared_prefix_groups(groups=8, prompts_per_group=100, prefix_len=4096,
                                   suffix_len=32, output_len=200,
@@ -90,7 +78,10 @@ def cells() -> list[tuple[str, Workload, int]]:
     minority = minority_groups(majority=400, minorities=[20, 20, 20], prefix_len=4096,
                                suffix_len=32, output_len=200,
                                arrival=ArrivalSpec(kind="poisson", rate=100), seed=0)
-    return [("singleton first, then 400 majority requests", singleton_workload(), 600),
+    singleton = singleton_before_a_stream(stream=400, prefix_len=2048, suffix_len=32,
+                                          output_len=200, singleton_output_len=400,
+                                          arrival=ArrivalSpec(kind="poisson", rate=200))
+    return [("singleton first, then 400 majority requests", singleton, 600),
             ("8 x 100, 4K prefixes, 2,500 blocks", groups, 2500),
             ("8 x 100, 4K prefixes, 4,000 blocks", groups, 4000),
             ("8 x 100, 4K prefixes, 6,000 blocks", groups, 6000),
@@ -102,7 +93,7 @@ def measure(workload: Workload, blocks: int, name: str) -> dict:
                    engine=EngineConfig(num_blocks=blocks))
     run = simulate(plan, name)
     summary = summarize(run)
-    solo = [r.finished_s for r in run.records if r.request_id == "solo"]
+    solo = [r.finished_s for r in run.records if r.group < 0]
     return {"output_throughput": summary["output_throughput"],
             "preemptions": run.extra["preemptions"],
             "worst_group_mean_ttft_ms": summary["worst_group_mean_ttft_ms"],

@@ -351,6 +351,33 @@ def minority_groups(
                           "shuffled", arrival, vocab_size)
 
 
+def singleton_before_a_stream(
+    *,
+    stream: int,
+    prefix_len: int,
+    suffix_len: int,
+    output_len: int,
+    singleton_output_len: int,
+    arrival: ArrivalSpec,
+    seed: int = 0,
+    vocab_size: int = 32000,
+) -> Workload:
+    """A singleton (its own prefix) that arrives first, then a stream of ``stream``
+    requests of one prefix group: where preempting the end of a group-ordered batch makes
+    the oldest request pay (group 0 is the stream, the singleton has no group)."""
+    _check_positive(stream=stream, prefix_len=prefix_len, suffix_len=suffix_len,
+                    output_len=output_len, singleton_output_len=singleton_output_len)
+    _check_vocab(vocab_size)
+    rng = np.random.default_rng(seed)
+    singleton = _tokens(rng, prefix_len + suffix_len, vocab_size)
+    prefix = _tokens(rng, prefix_len, vocab_size)
+    parts = [(singleton, singleton_output_len, -1, 0)]
+    parts += [(np.concatenate([prefix, _tokens(rng, suffix_len, vocab_size)]), output_len, 0,
+               prefix_len) for _ in range(stream)]
+    later = arrival_times(stream, arrival, rng) + 1e-3  # strictly after the singleton
+    return _build("singleton-before-a-stream", parts, np.concatenate([[0.0], later]))
+
+
 def _prefix_groups(kind: str, rng: np.random.Generator, sizes: np.ndarray,
                    prefix_lens: Sequence[int], suffix_len: int, output_len: int,
                    jitter: float, order: Order, arrival: ArrivalSpec | None,

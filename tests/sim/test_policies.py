@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -23,11 +22,10 @@ from feather_sched.sim.policies import (
 from feather_sched.sim.runner import SimPlan, simulate
 from feather_sched.workloads import (
     ArrivalSpec,
-    RequestSpec,
-    Workload,
     minority_groups,
     no_sharing,
     shared_prefix_groups,
+    singleton_before_a_stream,
 )
 
 
@@ -211,15 +209,12 @@ def test_the_model_gate_keeps_an_unordered_batch_homogeneous_where_that_pays() -
 
 
 def singleton_against_a_stream() -> SimPlan:
-    """A singleton arrives first, then 400 majority requests at 200/s, a KV pool that
+    """A singleton arrives first, then 400 requests of one group at 200/s, a KV pool that
     holds a fraction of them (the case where the batch order put the singleton last)."""
-    majority = shared_prefix_groups(groups=1, prompts_per_group=400, prefix_len=2048,
-                                    suffix_len=32, output_len=200,
-                                    arrival=ArrivalSpec(kind="poisson", rate=200), seed=0)
-    solo = RequestSpec("solo", np.arange(1, 2081, dtype=np.int32) + 20_000, 400, 0.0)
-    later = [RequestSpec(r.request_id, r.prompt, r.output_len, r.arrival_s + 0.01, r.group,
-                         r.shared_len) for r in majority.requests]
-    return SimPlan(workload=Workload("solo", [solo, *later]), hardware=HARDWARE["h100-sxm"],
+    workload = singleton_before_a_stream(stream=400, prefix_len=2048, suffix_len=32,
+                                         output_len=200, singleton_output_len=400,
+                                         arrival=ArrivalSpec(kind="poisson", rate=200))
+    return SimPlan(workload=workload, hardware=HARDWARE["h100-sxm"],
                    model=MODELS["llama-3-8b"], engine=EngineConfig(num_blocks=600))
 
 
@@ -229,7 +224,7 @@ def test_an_old_singleton_is_not_preempted_for_a_stream_of_majority_requests() -
     for name in ("fcfs", "feather-model"):
         run = simulate(plan, name)
         assert run.extra["preemptions"] > 100  # the pool is tight
-        finished[name] = next(r for r in run.records if r.request_id == "solo").finished_s
+        finished[name] = next(r for r in run.records if r.group < 0).finished_s
     assert finished["feather-model"] <= 1.25 * finished["fcfs"], finished
 
 
