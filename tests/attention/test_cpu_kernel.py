@@ -41,10 +41,21 @@ def run_segments(cache, query, segments, scale):
     return out, lse
 
 
+@pytest.fixture(params=["native", "x86-64-v3"])
+def kernel(request, monkeypatch):
+    """This CPU's build, and the portable loop (built for AVX2, without AVX-512)."""
+    if request.param == "native":
+        return cpu_kernel.load()
+    library = cpu_kernel.build(request.param)
+    assert library.feather_kernel_vectorized() == 0
+    monkeypatch.setattr(cpu_kernel, "load", lambda: library)
+    return library
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 128),
                                                                 (6, 2, 80)])
-def test_segments_match_the_reference(dtype, q_heads, kv_heads, head_dim):
+def test_segments_match_the_reference(kernel, dtype, q_heads, kv_heads, head_dim):
     torch.manual_seed(1)
     block_size, blocks = 32, 12
     keys = (torch.randn(blocks * block_size, kv_heads, head_dim) * 2).to(dtype)
@@ -78,7 +89,7 @@ def test_segments_match_the_reference(dtype, q_heads, kv_heads, head_dim):
             row += 1
 
 
-def test_a_segment_without_tokens_gives_zero_and_minus_infinity():
+def test_a_segment_without_tokens_gives_zero_and_minus_infinity(kernel):
     cache = vec_cache(torch.randn(32, 1, 32), torch.randn(32, 1, 32), 32)
     out, lse = run_segments(cache, torch.randn(1, 1, 32), [([0], [0], 0)], 0.1)
     assert not out.any() and torch.isinf(lse).all() and (lse < 0).all()
@@ -106,6 +117,9 @@ def test_the_library_is_built_once_and_cached(tmp_path, monkeypatch):
         cpu_kernel.load()
         built = list(tmp_path.iterdir())
         assert len(built) == 1 and built[0].suffix == ".so"  # no temporary left behind
+        cpu_kernel.build("native")
+        assert list(tmp_path.iterdir()) == built
+        assert cpu_kernel.vectorized() == ("avx512f" in cpu_kernel._cpu_flags())
     finally:
         cpu_kernel.load.cache_clear()
 

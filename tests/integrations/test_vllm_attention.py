@@ -102,7 +102,8 @@ def test_fp32_greedy_outputs_equal_vllms_own_scheduler_and_kernel(stock_fp32_out
 
     monkeypatch.setattr(Scheduler, "_preempt_request", counting)
     prompts, lengths, expected = stock_fp32_outputs
-    llm = make_llm("float32", {"gate": "always"}, kv_blocks=30, batched_tokens=512)
+    llm = make_llm("float32", {"gate": "always", "shared_prefix_attention": "on"},
+                   kv_blocks=30, batched_tokens=512)
     assert generate(llm, prompts, lengths) == expected
     assert preempted
     assert sum(grouped_rows) > 100
@@ -123,6 +124,20 @@ def test_auto_stays_off_under_vllms_scheduler_and_on_turns_it_on(grouped_rows):
     generate(make_llm("bfloat16", {"shared_prefix_attention": "on"}, scheduler=None),
              prompts[:9], lengths[:9])
     assert sum(grouped_rows) > 0
+
+
+@pytest.mark.parametrize("vectorized", [True, False])
+def test_auto_acts_with_feathers_scheduler_where_the_kernel_pays(vectorized, grouped_rows,
+                                                                 monkeypatch):
+    """Auto (the default) is on with FeatherScheduler where the kernel is vectorized
+    (AVX-512), and off, logged, where it would be the portable loop."""
+    monkeypatch.setattr(cpu_kernel, "vectorized", lambda: vectorized)
+    messages = []
+    monkeypatch.setattr(vllm_attention, "announce", messages.append)
+    prompts, lengths = mixed_prompts(1)
+    generate(make_llm("bfloat16"), prompts[:9], lengths[:9])
+    assert (sum(grouped_rows) > 0) is vectorized
+    assert any("no AVX-512" in m for m in messages) is not vectorized
 
 
 def vec_tokens(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int):
@@ -169,8 +184,8 @@ def test_each_layer_matches_vllms_kernel_and_the_float64_reference(dtype, monkey
 
     monkeypatch.setattr(SharedPrefixCPUImpl, "forward", checking)
     prompts, _ = mixed_prompts(2)
-    generate(make_llm(dtype, {"gate": "always"}, batched_tokens=1024), prompts[:15],
-             [8] * 15)
+    generate(make_llm(dtype, {"gate": "always", "shared_prefix_attention": "on"},
+                      batched_tokens=1024), prompts[:15], [8] * 15)
     assert worst["rows"] > 100
     if dtype == "float32":  # errors relative to each row's largest output
         assert worst["vs_kernel"] < 1e-5, worst

@@ -7,8 +7,10 @@ returns fp32 partials with their log-sum-exp. It is compiled on first use with
 time, for torch.compile) into a per-user cache keyed by the source, the flags, the
 compiler and this CPU's feature flags, so a machine with another processor builds its
 own. The library is written under a temporary name and renamed into place, so concurrent
-engine processes never load half a file. Loading fails with ``KernelUnavailable`` (the
-reason in its message) where there is no compiler or no AVX-512.
+engine processes never load half a file. Where the CPU has AVX-512 the kernel works in
+registers (``vectorized``); elsewhere it is a portable loop, exact but no faster than
+vLLM's kernel. Building fails with ``KernelUnavailable`` (the reason in its message)
+where there is no compiler.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from feather_sched.attention.groups import StepPlan
 from feather_sched.attention.partials import merge_partials
 
 SOURCE = Path(__file__).with_name("cpu_prefix_kernel.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 CACHE_ENV = "FEATHER_KERNEL_CACHE"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """The cache dtypes the kernel reads (fp8 caches are not read)."""
@@ -42,21 +44,32 @@ class KernelUnavailable(RuntimeError):
 
 @cache
 def load() -> ctypes.CDLL:
-    """The built kernel library (built on the first call in a fresh cache, ~10 s)."""
+    """The kernel built for this CPU (``-march=native``; ~3 s the first time)."""
+    return build("native")
+
+
+def build(march: str) -> ctypes.CDLL:
+    """The kernel built for ``-march=march``, from the on-disk cache when it is there."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise KernelUnavailable("no C++ compiler (c++ or g++) on PATH")
-    if "avx512f" not in _cpu_flags():
-        raise KernelUnavailable("this CPU has no AVX-512F")
-    library = _cache_dir() / f"feather_prefix_{_build_key(compiler)}.so"
+    flags = (*FLAGS, f"-march={march}")
+    library = _cache_dir() / f"feather_prefix_{_build_key(compiler, flags)}.so"
     if not library.exists():
-        _build(compiler, library)
+        _build(compiler, flags, library)
     lib = ctypes.CDLL(str(library))
+    lib.feather_kernel_vectorized.restype = _I32
     lib.feather_segment_attention.restype = _I32
     lib.feather_segment_attention.argtypes = [
         _I32, _VOID, _VOID, _I64, _I32, _I32, _I32, _I32, ctypes.c_float, _I32,
         _VOID, _VOID, _VOID, _VOID, _VOID, _VOID, _VOID, _I32]
     return lib
+
+
+def vectorized() -> bool:
+    """Whether this CPU's kernel works in AVX-512 registers (faster than vLLM's kernel);
+    False: the portable loop (exact, but no faster)."""
+    return bool(load().feather_kernel_vectorized())
 
 
 def segment_attention(kv_cache: torch.Tensor, query: torch.Tensor, scale: float,
@@ -144,10 +157,10 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _build_key(compiler: str) -> str:
+def _build_key(compiler: str, flags: tuple[str, ...]) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_text(), " ".join(FLAGS), version, " ".join(sorted(_cpu_flags()))):
+    for part in (SOURCE.read_text(), " ".join(flags), version, " ".join(sorted(_cpu_flags()))):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -159,11 +172,11 @@ def _cache_dir() -> Path:
     return path
 
 
-def _build(compiler: str, library: Path) -> None:
+def _build(compiler: str, flags: tuple[str, ...], library: Path) -> None:
     """Compile to a temporary name, then rename into place (atomic for readers)."""
     temporary = library.with_name(f".{library.name}.{os.getpid()}.tmp")
     try:
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(temporary)],
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(temporary)],
                                 capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if result.returncode != 0:
             raise KernelUnavailable(f"{compiler} failed: {result.stderr.strip()[-2000:]}")

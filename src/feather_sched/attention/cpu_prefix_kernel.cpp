@@ -16,9 +16,11 @@
 // Numerics: scores and accumulators in fp32 from the cache's own values (bf16 and fp16
 // are widened exactly), as vLLM's vec kernel does; no value is rounded below fp32.
 //
-// Built at run time with the host's compiler (-march=native); needs AVX-512F.
+// Built at run time with the host's compiler (-march=native). With AVX-512F each block is
+// attended in registers (``attend_block``, first version); without, by a portable loop
+// that is exact but no faster than vLLM's kernel (``feather_kernel_vectorized`` says which
+// was built, so the caller can leave the path off where it would not pay).
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <cmath>
@@ -27,13 +29,82 @@
 #include <limits>
 #include <vector>
 
-#ifndef __AVX512F__
-#error "feather's CPU prefix kernel needs AVX-512F"
+#ifdef __AVX512F__
+#include <immintrin.h>
 #endif
 
 namespace {
 
 enum DType : int32_t { F32 = 0, BF16 = 1, F16 = 2 };
+
+// IEEE half to float, exactly (subnormals included).
+inline float half_to_float(uint16_t h) {
+  const uint32_t exponent = (h >> 10) & 0x1F;
+  const uint32_t mantissa = h & 0x3FF;
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+  } else if (exponent == 31) {
+    magnitude = mantissa ? std::numeric_limits<float>::quiet_NaN()
+                         : std::numeric_limits<float>::infinity();
+  } else {
+    magnitude = std::ldexp(static_cast<float>(mantissa | 0x400), static_cast<int>(exponent) - 25);
+  }
+  return (h & 0x8000) ? -magnitude : magnitude;
+}
+
+template <int DT>
+inline float load1(const void* base, int64_t offset) {
+  if constexpr (DT == F32) {
+    return static_cast<const float*>(base)[offset];
+  } else {
+    const uint16_t raw = static_cast<const uint16_t*>(base)[offset];
+    if constexpr (DT == BF16) {
+      const uint32_t bits = static_cast<uint32_t>(raw) << 16;
+      float value;
+      std::memcpy(&value, &bits, sizeof value);
+      return value;
+    } else {
+      return half_to_float(raw);
+    }
+  }
+}
+
+struct Geometry {
+  int32_t kv_heads, block_size, head_dim, gqa;
+  int64_t q_token_stride;  // elements between query tokens
+  float scale;
+};
+
+// Per-row softmax state of one work item, plus scratch, reused across calls.
+struct Scratch {
+  std::vector<float> q, acc, max, sum, scores;
+  std::vector<int32_t> q_pairs;  // bf16 queries as (d, d+1) pairs, for vdpbf16ps
+
+  void reset(int rows, int head_dim, int block_size, int score_rows) {
+    q.resize(static_cast<size_t>(rows) * head_dim);
+    q_pairs.resize(static_cast<size_t>(rows) * head_dim / 2);
+    acc.assign(static_cast<size_t>(rows) * head_dim, 0.0f);
+    max.assign(rows, -std::numeric_limits<float>::infinity());
+    sum.assign(rows, 0.0f);
+    scores.resize(static_cast<size_t>(score_rows) * block_size);
+  }
+};
+
+template <int DT>
+constexpr int64_t element_bytes() {
+  return DT == F32 ? 4 : 2;
+}
+
+// Where one KV head's K and V of one block start (2 * block_size * head_dim elements).
+template <int DT>
+const char* block_start(const Geometry& g, const void* cache, int32_t block, int kv_head) {
+  return static_cast<const char*>(cache) +
+         (static_cast<int64_t>(block) * g.kv_heads + kv_head) * 2 * g.block_size * g.head_dim *
+             element_bytes<DT>();
+}
+
+#ifdef __AVX512F__
 
 constexpr int kTokenTile = 16;  // tokens per QK vector (one zmm of fp32 scores)
 constexpr int kRowTile = 16;    // query rows whose scores one QK pass computes
@@ -70,23 +141,6 @@ inline __m512 load16_masked(const void* base, int64_t offset, __mmask16 mask) {
   }
 }
 
-template <int DT>
-inline float load1(const void* base, int64_t offset) {
-  if constexpr (DT == F32) {
-    return static_cast<const float*>(base)[offset];
-  } else {
-    uint16_t raw = static_cast<const uint16_t*>(base)[offset];
-    if constexpr (DT == BF16) {
-      uint32_t bits = static_cast<uint32_t>(raw) << 16;
-      float value;
-      std::memcpy(&value, &bits, sizeof value);
-      return value;
-    } else {
-      return _cvtsh_ss(raw);
-    }
-  }
-}
-
 // exp(x) for x <= 0 (scores minus their running max): Cody-Waite reduction and a
 // degree-6 polynomial, within 2 ulp; underflows to 0 below -87.
 inline __m512 exp_nonpositive(__m512 x) {
@@ -108,32 +162,11 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
 }
 
-struct Geometry {
-  int32_t kv_heads, block_size, head_dim, gqa;
-  int64_t q_token_stride;  // elements between query tokens
-  float scale;
-};
-
 #ifdef __AVX512BF16__
 constexpr bool kBf16Dot = true;  // bf16 pairs multiplied exactly, summed in fp32 (vdpbf16ps)
 #else
 constexpr bool kBf16Dot = false;
 #endif
-
-// Per-row softmax state of one work item, plus scratch, reused across calls.
-struct Scratch {
-  std::vector<float> q, acc, max, sum, scores;
-  std::vector<int32_t> q_pairs;  // bf16 queries as (d, d+1) pairs, for vdpbf16ps
-
-  void reset(int rows, int head_dim, int block_size) {
-    q.resize(static_cast<size_t>(rows) * head_dim);
-    q_pairs.resize(static_cast<size_t>(rows) * head_dim / 2);
-    acc.assign(static_cast<size_t>(rows) * head_dim, 0.0f);
-    max.assign(rows, -std::numeric_limits<float>::infinity());
-    sum.assign(rows, 0.0f);
-    scores.resize(static_cast<size_t>(kRowTile) * block_size);
-  }
-};
 
 // scores[r][t] = scale * q[r] . K[t] for the tile's rows and the block's first n tokens.
 // Meanwhile it prefetches ``prefetch_bytes`` from ``prefetch`` into L2, spread evenly over
@@ -297,18 +330,64 @@ void tile_values_all(int rows, const float* probs, int block_size, const void* c
   }
 }
 
+
+// Every row of the work item over one block of n tokens: scores, online softmax, values,
+// a tile of kRowTile rows at a time; the next block is prefetched meanwhile.
 template <int DT>
-constexpr int64_t element_bytes() {
-  return DT == F32 ? 4 : 2;
+void attend_block(const Geometry& g, const void* cache, Scratch& w, int rows, int64_t k_base,
+                  int n, const char* next, int64_t block_bytes) {
+  const int D = g.head_dim;
+  const int64_t block_elems = static_cast<int64_t>(g.block_size) * D;
+  for (int r0 = 0; r0 < rows; r0 += kRowTile) {
+    const int nr = rows - r0 < kRowTile ? rows - r0 : kRowTile;
+    scores_dispatch<DT>(nr, w.q.data() + r0 * D, w.q_pairs.data() + r0 * D / 2, D, cache,
+                        k_base, g.block_size, n, g.scale, w.scores.data(), next,
+                        r0 == 0 && next ? block_bytes : 0);
+    softmax_block(nr, n, g.block_size, D, w.scores.data(), w.max.data() + r0,
+                  w.sum.data() + r0, w.acc.data() + r0 * D);
+    tile_values_all<DT>(nr, w.scores.data(), g.block_size, cache, k_base + block_elems, D, n,
+                        w.acc.data() + r0 * D);
+  }
 }
 
-// Where one KV head's K and V of one block start (2 * block_size * head_dim elements).
+constexpr int kScoreRows = kRowTile;
+constexpr int32_t kVectorized = 1;
+
+#else  // no AVX-512F: the same arithmetic, one row and one token at a time
+
 template <int DT>
-const char* block_start(const Geometry& g, const void* cache, int32_t block, int kv_head) {
-  return static_cast<const char*>(cache) +
-         (static_cast<int64_t>(block) * g.kv_heads + kv_head) * 2 * g.block_size * g.head_dim *
-             element_bytes<DT>();
+void attend_block(const Geometry& g, const void* cache, Scratch& w, int rows, int64_t k_base,
+                  int n, const char*, int64_t) {
+  const int D = g.head_dim;
+  const int64_t v_base = k_base + static_cast<int64_t>(g.block_size) * D;
+  float* scores = w.scores.data();
+  for (int r = 0; r < rows; ++r) {
+    const float* q = w.q.data() + r * D;
+    float block_max = -std::numeric_limits<float>::infinity();
+    for (int t = 0; t < n; ++t) {
+      float dot = 0.0f;
+      for (int d = 0; d < D; ++d) dot += q[d] * load1<DT>(cache, k_base + d * g.block_size + t);
+      scores[t] = dot * g.scale;
+      block_max = scores[t] > block_max ? scores[t] : block_max;
+    }
+    const float new_max = block_max > w.max[r] ? block_max : w.max[r];
+    const float alpha = std::exp(w.max[r] - new_max);  // 0 when the old max is -inf
+    float block_sum = 0.0f;
+    for (int t = 0; t < n; ++t) block_sum += scores[t] = std::exp(scores[t] - new_max);
+    w.sum[r] = w.sum[r] * alpha + block_sum;
+    w.max[r] = new_max;
+    float* acc = w.acc.data() + r * D;
+    for (int d = 0; d < D; ++d) acc[d] *= alpha;
+    for (int t = 0; t < n; ++t) {
+      for (int d = 0; d < D; ++d) acc[d] += scores[t] * load1<DT>(cache, v_base + t * D + d);
+    }
+  }
 }
+
+constexpr int kScoreRows = 1;
+constexpr int32_t kVectorized = 0;
+
+#endif
 
 // One work item: every query row of one segment, one KV head, over the segment's blocks.
 // ``following``: the first block of the item after this one, prefetched during this
@@ -320,7 +399,7 @@ void attend_segment(const Geometry& g, const void* cache, const void* query,
                     const char* following) {
   const int rows = num_tokens * g.gqa;
   const int D = g.head_dim;
-  w.reset(rows, D, g.block_size);
+  w.reset(rows, D, g.block_size, kScoreRows);
   for (int r = 0; r < rows; ++r) {
     const int64_t q_off = tokens[r / g.gqa] * g.q_token_stride +
                           static_cast<int64_t>(kv_head * g.gqa + r % g.gqa) * D;
@@ -342,16 +421,7 @@ void attend_segment(const Geometry& g, const void* cache, const void* query,
                            block_elems;
     const bool last = (b + 1) * g.block_size >= length;
     const char* next = last ? following : block_start<DT>(g, cache, blocks[b + 1], kv_head);
-    for (int r0 = 0; r0 < rows; r0 += kRowTile) {
-      const int nr = rows - r0 < kRowTile ? rows - r0 : kRowTile;
-      scores_dispatch<DT>(nr, w.q.data() + r0 * D, w.q_pairs.data() + r0 * D / 2, D, cache,
-                          k_base, g.block_size, n, g.scale, w.scores.data(), next,
-                          r0 == 0 && next ? block_bytes : 0);
-      softmax_block(nr, n, g.block_size, D, w.scores.data(), w.max.data() + r0,
-                    w.sum.data() + r0, w.acc.data() + r0 * D);
-      tile_values_all<DT>(nr, w.scores.data(), g.block_size, cache, k_base + block_elems, D, n,
-                          w.acc.data() + r0 * D);
-    }
+    attend_block<DT>(g, cache, w, rows, k_base, n, next, block_bytes);
   }
   const int q_heads = g.kv_heads * g.gqa;
   for (int r = 0; r < rows; ++r) {
@@ -396,6 +466,12 @@ void attend_all(const Geometry& g, const void* cache, const void* query, int32_t
 }  // namespace
 
 extern "C" {
+
+// 1 where blocks are attended with AVX-512 (faster than vLLM's kernel), 0 where by the
+// portable loop.
+int32_t feather_kernel_vectorized() {
+  return kVectorized;
+}
 
 // Attend every segment; see the file comment. Segment s has query tokens
 // tokens[token_offsets[s] : token_offsets[s+1]] (indices into the query's first dim), KV

@@ -12,9 +12,9 @@ its queries, and each row's suffix (``attention.cpu_kernel``).
 
 Where it cannot act, vLLM's path runs unchanged and the engine log says why, once: the
 option is off, the KV cache is not in the "vec" layout the kernel reads (AMX, NEON and
-other ISAs prepack it), an fp8 KV cache, no AVX-512 or no C++ compiler to build the
-kernel, or a layer with sliding windows, ALiBi, soft-capping, sinks or non-decoder
-attention.
+other ISAs prepack it), an fp8 KV cache, no C++ compiler to build the kernel, under
+``auto`` a CPU without AVX-512 (the portable kernel is exact but no faster than vLLM's),
+or a layer with sliding windows, ALiBi, soft-capping, sinks or non-decoder attention.
 """
 
 from __future__ import annotations
@@ -84,13 +84,16 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        reason = decide(vllm_config) or self._layout_problem(kv_cache_spec)
+        reason = decide(vllm_config) or self._layout_problem(kv_cache_spec, vllm_config)
         self.shared_prefixes = reason is None
         self.min_shared_blocks = min_blocks(self.block_size)
         announce(reason or f"on (isa {self.isa}, {self.dtype}, block size {self.block_size}, "
-                            f"groups from {self.min_shared_blocks} shared blocks)")
+                           f"{'AVX-512' if cpu_kernel.vectorized() else 'portable'} kernel, "
+                           f"groups from {self.min_shared_blocks} shared blocks)")
 
-    def _layout_problem(self, kv_cache_spec: Any) -> str | None:
+    def _layout_problem(self, kv_cache_spec: Any, vllm_config: Any) -> str | None:
+        from feather_sched.integrations.vllm import feather_options
+
         if isinstance(kv_cache_spec, CrossAttentionSpec | EncoderOnlyAttentionSpec):
             return "off for cross and encoder-only attention"
         if self.isa != "vec":
@@ -98,9 +101,12 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         if self.kv_cache_dtype != "auto" or self.dtype not in cpu_kernel.DTYPE_CODES:
             return f"off: KV cache dtype {self.kv_cache_dtype} / {self.dtype}"
         try:
-            cpu_kernel.load()
+            fast = cpu_kernel.vectorized()
         except cpu_kernel.KernelUnavailable as error:
             return f"off: {error}"
+        if not fast and feather_options(vllm_config).shared_prefix_attention == "auto":
+            return ("off: this CPU has no AVX-512, where the kernel is exact but no faster "
+                    "than vLLM's (shared_prefix_attention: on uses it all the same)")
         return None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
