@@ -185,8 +185,9 @@ def plan_step(block_table: torch.Tensor, seq_lens: torch.Tensor,
         return None
     shared = groups.row_shared()
     tokens = starts[groups.rows].astype(np.int64)
-    suffix_lens = lens[groups.rows].astype(np.int64) - shared * block_size
-    used = -(-lens[groups.rows].astype(np.int64) // block_size)
+    row_lens = lens[groups.rows].astype(np.int64)
+    suffix_lens = row_lens - shared * block_size
+    used = -(-row_lens // block_size)
     prefix_blocks = [table[groups.rows[first], :n]
                      for first, n in zip(groups.offsets[:-1], groups.shared, strict=True)]
     suffix_blocks = [table[row, n:end] for row, n, end in zip(groups.rows, shared, used,

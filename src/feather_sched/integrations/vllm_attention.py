@@ -56,11 +56,18 @@ def announce(message: str) -> None:
         logger.info("Feather shared-prefix attention: %s", message)
 
 
-def decide(vllm_config: Any) -> str | None:
-    """Why the option leaves vLLM's path alone, or None when it asks for shared prefixes."""
-    from feather_sched.integrations.vllm import feather_options, is_feather_scheduler
+def attention_mode(vllm_config: Any) -> str:
+    """The engine's ``shared_prefix_attention`` option (``auto``, ``on`` or ``off``)."""
+    from feather_sched.integrations.vllm import feather_options
 
-    mode = feather_options(vllm_config).shared_prefix_attention
+    return feather_options(vllm_config).shared_prefix_attention
+
+
+def decide(vllm_config: Any, mode: str) -> str | None:
+    """Why option ``mode`` leaves vLLM's path alone, or None when it asks for shared
+    prefixes."""
+    from feather_sched.integrations.vllm import is_feather_scheduler
+
     if mode == "off":
         return "off (option shared_prefix_attention)"
     scheduler = vllm_config.scheduler_config.get_scheduler_cls()
@@ -84,16 +91,15 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        reason = decide(vllm_config) or self._layout_problem(kv_cache_spec, vllm_config)
+        mode = attention_mode(vllm_config)
+        reason = decide(vllm_config, mode) or self._layout_problem(kv_cache_spec, mode)
         self.shared_prefixes = reason is None
         self.min_shared_blocks = min_blocks(self.block_size)
         announce(reason or f"on (isa {self.isa}, {self.dtype}, block size {self.block_size}, "
                            f"{'AVX-512' if cpu_kernel.vectorized() else 'portable'} kernel, "
                            f"groups from {self.min_shared_blocks} shared blocks)")
 
-    def _layout_problem(self, kv_cache_spec: Any, vllm_config: Any) -> str | None:
-        from feather_sched.integrations.vllm import feather_options
-
+    def _layout_problem(self, kv_cache_spec: Any, mode: str) -> str | None:
         if isinstance(kv_cache_spec, CrossAttentionSpec | EncoderOnlyAttentionSpec):
             return "off for cross and encoder-only attention"
         if self.isa != "vec":
@@ -104,7 +110,7 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             fast = cpu_kernel.vectorized()
         except cpu_kernel.KernelUnavailable as error:
             return f"off: {error}"
-        if not fast and feather_options(vllm_config).shared_prefix_attention == "auto":
+        if not fast and mode == "auto":
             return ("off: this CPU has no AVX-512, where the kernel is exact but no faster "
                     "than vLLM's (shared_prefix_attention: on uses it all the same)")
         return None

@@ -78,8 +78,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from feather_sched.attention import triton_kernels
 from feather_sched.attention.groups import MIN_ROWS, Groups, find_groups, min_blocks, table_segments
 from feather_sched.attention.triton_kernels import TableSegments
-from feather_sched.integrations.vllm import feather_options
-from feather_sched.integrations.vllm_attention import announce, decide
+from feather_sched.integrations.vllm_attention import announce, attention_mode, decide
 
 logger = logging.getLogger("vllm.feather_sched")
 
@@ -102,9 +101,10 @@ def register() -> None:
 
 def decide_gpu(vllm_config: Any, kv_cache_spec: Any) -> str | None:
     """Why a KV-cache group's attention stays on vLLM's path, or None where Feather's acts."""
-    if feather_options(vllm_config).shared_prefix_attention == "auto":
+    mode = attention_mode(vllm_config)
+    if mode == "auto":
         return AUTO_OFF
-    if reason := decide(vllm_config):
+    if reason := decide(vllm_config, mode):
         return reason
     parallel = vllm_config.parallel_config
     problems = {
