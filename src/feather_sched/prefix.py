@@ -90,9 +90,9 @@ def order_by_group(requests: Sequence[T], group: Callable[[T], Hashable]) -> lis
     """The running order Feather keeps: each group contiguous, larger groups first.
 
     Groups are ordered by size (descending), then by where their first member stands in
-    ``requests``; members keep their relative order.  Engines preempt from the end of
-    the running list, so under KV pressure the latest member of the smallest group
-    goes first, and the prefixes that most requests share stay cached.  O(n log n).
+    ``requests``; members keep their relative order.  The order decides how the batch
+    shares, not who is preempted: that is the latest arrival, wherever it stands
+    (``FeatherRuntime.preemption_victim``).  O(n log n).
     """
     groups = [group(request) for request in requests]
     sizes = Counter(groups)
