@@ -16,19 +16,29 @@ class Model:
 
     def __init__(self) -> None:
         self.sequence: dict[str, int] = {}
-        self.log: list[int] = []
+        self.priority: dict[str, int] = {}
+        self.log: list[str] = []
         self.entered: dict[str, int] = {}
         self.held: dict[str, int] = {}
 
-    def arrive(self, rid: str) -> None:
+    def arrive(self, rid: str, priority: int = 0) -> None:
         self.sequence[rid] = len(self.sequence)
+        self.priority[rid] = priority
         self.entered[rid] = len(self.log)
 
     def overtakes(self, rid: str) -> int:
-        return sum(s > self.sequence[rid] for s in self.log[self.entered[rid]:])
+        """Admissions since it entered of later arrivals not more urgent than it."""
+        return sum(self.sequence[a] > self.sequence[rid] and
+                   self.priority[a] >= self.priority[rid]
+                   for a in self.log[self.entered[rid]:])
+
+    def top(self) -> int:
+        return min((self.priority[r] for r in self.entered), default=0)
 
     def due(self, limit: int) -> str | None:
-        at_bound = [r for r in self.entered if self.overtakes(r) >= limit]
+        """The oldest request of the most urgent class waiting at its bound."""
+        at_bound = [r for r in self.entered
+                    if self.priority[r] == self.top() and self.overtakes(r) >= limit]
         return min(at_bound, key=self.sequence.__getitem__, default=None)
 
 
@@ -75,8 +85,10 @@ operations = st.lists(st.tuples(st.sampled_from(["arrive", "admit", "skip", "pre
 
 
 @settings(max_examples=200, deadline=None)
-@given(operations, st.integers(0, 4))
-def test_counts_and_the_due_request_match_the_model(ops, limit: int) -> None:
+@given(operations, st.integers(0, 4), st.integers(1, 3))
+def test_counts_and_the_due_request_match_the_model(ops, limit: int, classes: int) -> None:
+    """Requests of ``classes`` priority classes: counts by later arrivals of the same or a
+    less urgent class, the due request of the most urgent class waiting."""
     bound, model = OvertakeBound(limit), Model()
     waiting: list[str] = []
     running: list[str] = []
@@ -85,13 +97,13 @@ def test_counts_and_the_due_request_match_the_model(ops, limit: int) -> None:
     for n, (op, arg) in enumerate(ops):
         if op == "arrive":
             rid = f"r{n}"
-            bound.arrive(rid)
-            model.arrive(rid)
+            bound.arrive(rid, priority=arg % classes)
+            model.arrive(rid, arg % classes)
             waiting.append(rid)
         elif op == "admit" and waiting:
             rid = waiting.pop(arg % len(waiting))
             bound.admit(rid)
-            model.log.append(model.sequence[rid])
+            model.log.append(rid)
             model.held[rid] = model.entered.pop(rid)
             running.append(rid)
             last_admitted = rid
@@ -124,7 +136,24 @@ def test_counts_and_the_due_request_match_the_model(ops, limit: int) -> None:
         last_admitted = None
         for rid in waiting:
             assert bound.overtakes(rid) == model.overtakes(rid)
-        assert bound.due() == model.due(limit)
+        assert bound.due(model.top()) == model.due(limit)
+
+
+def test_more_urgent_later_arrivals_do_not_count_and_only_the_top_class_is_due() -> None:
+    bound = OvertakeBound(limit=1)
+    bound.arrive("low", priority=1)
+    bound.arrive("urgent", priority=0)
+    bound.arrive("urgent2", priority=0)
+    bound.admit("urgent")
+    assert bound.overtakes("low") == 0  # a more urgent request was entitled to go first
+    bound.arrive("low2", priority=1)
+    bound.admit("low2")
+    assert bound.overtakes("low") == 1  # one of its own class
+    assert bound.overtakes("urgent2") == 1  # so is a less urgent one
+    assert bound.due(0) == "urgent2" and bound.due(1) == "low"
+    bound.admit("urgent2")
+    bound.arrive("urgent3", priority=0)
+    assert bound.due(0) is None  # "low" is at its bound, but class 0 still waits
 
 
 def test_the_log_is_trimmed_to_what_waiting_requests_need() -> None:

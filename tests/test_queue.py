@@ -194,6 +194,41 @@ def test_the_guard_forces_one_starved_request_a_pass() -> None:
     assert queue.decide().forced and admit_next(queue) == "stranger1"
 
 
+def test_priority_classes_are_strict_and_the_tree_orders_within_one() -> None:
+    """A class-0 stranger goes before class-1 siblings of the running group; within
+    class 1 the siblings (sharing the running prefix) go before an older stranger."""
+    queue = FeatherQueue(max_wait_s=None)
+    queue.add("running", group_keys(0, 0), priority=1)
+    queue.admit("running")
+    queue.add("old-stranger", group_keys(5, 0), priority=1)
+    for i in (1, 2):
+        queue.add(f"sibling{i}", group_keys(0, i), priority=1)
+    queue.add("urgent", group_keys(9, 0), priority=0)
+    assert [admit_next(queue) for _ in range(4)] == \
+        ["urgent", "sibling1", "sibling2", "old-stranger"]
+
+
+def test_the_guard_waits_for_more_urgent_requests() -> None:
+    """Starved or not, a request never goes before a more urgent one that waits; the
+    guard then picks the oldest of the most urgent class."""
+    clock = FakeClock()
+    queue = FeatherQueue(max_wait_s=1.0, max_overtakes=None, max_stops=None, clock=clock)
+    queue.add("old-low", group_keys(1, 0), priority=1)
+    clock.now = 0.5
+    queue.add("urgent-a", group_keys(2, 0), priority=0)
+    queue.add("urgent-b", group_keys(3, 0), priority=0)
+    queue.add("running", group_keys(3, 1), priority=0)
+    queue.admit("running")
+    clock.now = 5.0
+    admission = queue.decide()
+    assert admission.forced and admission.request_id == "urgent-a"
+    queue.admit("urgent-a")
+    assert not queue.decide().forced and admit_next(queue) == "urgent-b"
+    queue.new_step()
+    admission = queue.decide()
+    assert admission.forced and admission.request_id == "old-low"
+
+
 def test_a_forced_admission_the_engine_skips_frees_the_slot() -> None:
     clock = FakeClock()
     queue = FeatherQueue(max_wait_s=1.0, clock=clock)

@@ -20,6 +20,7 @@ class Req:
     rid: str
     keys: list = field(default_factory=list)
     arrival: float = 0.0
+    priority: int = 0
 
 
 class View:
@@ -34,6 +35,9 @@ class View:
 
     def arrival_s(self, request: Req) -> float:
         return request.arrival
+
+    def priority(self, request: Req) -> int:
+        return request.priority
 
 
 class RecordingGate:
@@ -218,6 +222,32 @@ def test_the_preemption_victim_is_the_latest_arrival_wherever_it_stands() -> Non
     assert rt.preemption_victim([old, young]) is young
     stranger = Req("never-seen", arrival=0.5)  # not in the queue: its own arrival counts
     assert rt.preemption_victim([stranger, old]) is old
+
+
+def test_the_least_urgent_class_gives_way_first_however_old() -> None:
+    rt = runtime()
+    old_low = Req("old-low", [(1,)], arrival=1.0, priority=1)
+    young_high = Req("young-high", [(2,)], arrival=5.0, priority=0)
+    for request in (old_low, young_high):
+        rt.enter_waiting(request)
+    assert rt.preemption_victim([young_high, old_low]) is old_low
+    stranger = Req("never-seen", arrival=9.0, priority=0)
+    assert rt.preemption_victim([stranger, old_low]) is old_low
+
+
+def test_a_bypassing_admission_passes_a_due_request_only_if_it_arrived_later() -> None:
+    """What an engine's own side queue (vLLM's kv_holding_waiting) may run before a due
+    request: earlier arrivals, and more urgent ones; never a later one of its class."""
+    rt = runtime(max_overtakes=0)
+    assert not rt.passes_due(Req("alone", arrival=9.0))  # nothing waits: nothing due
+    rt.enter_waiting(Req("due", [(1,)], arrival=2.0, priority=1))
+    assert rt.passes_due(Req("later", arrival=3.0, priority=1))
+    assert rt.passes_due(Req("less-urgent", arrival=1.0, priority=2))
+    assert not rt.passes_due(Req("earlier", arrival=1.0, priority=1))
+    assert not rt.passes_due(Req("urgent", arrival=3.0, priority=0))
+    patient = runtime(max_overtakes=5)
+    patient.enter_waiting(Req("waits", [(1,)], arrival=2.0, priority=1))
+    assert not patient.passes_due(Req("later", arrival=3.0, priority=1))  # not due yet
 
 
 def test_stats_are_written_and_a_failed_write_keeps_the_runtime_alive(tmp_path, caplog) -> None:

@@ -15,7 +15,9 @@ State, kept incrementally:
   (``_by_frontier``, which requests advance when a key becomes live) and by the last present
   key (``_by_deepest``, which requests fall back when a key dies);
 * ``_waiting_refs``: key -> number of waiting requests holding it (for sharing counts);
-* a lazy min-heap of (missing, arrival order) giving the best candidate.
+* a lazy min-heap of (priority, missing, arrival order) giving the best candidate: the
+  fewest missing chunks within the most urgent priority class (lowest value, vLLM's and
+  SGLang's convention; every request is class 0 unless given one).
 
 Admitting a request touches its own keys plus the waiting requests whose depth changes;
 a request joining a group that already runs touches only its own keys.
@@ -122,11 +124,12 @@ class PrefixGroup:
 
 
 class _Entry:
-    __slots__ = ("depth", "keys", "order", "state")
+    __slots__ = ("depth", "keys", "order", "priority", "state")
 
-    def __init__(self, keys: list, order: int) -> None:
+    def __init__(self, keys: list, order: int, priority: int) -> None:
         self.keys = keys
         self.order = order
+        self.priority = priority
         self.state = RequestState.WAITING
         self.depth = 0
 
@@ -141,7 +144,7 @@ class ChunkedHashTree:
         self._waiting_refs: Counter[ChunkKey] = Counter()
         self._by_frontier: dict[ChunkKey, set[RequestId]] = {}
         self._by_deepest: dict[ChunkKey, set[RequestId]] = {}
-        self._heap: list[tuple[int, int, RequestId]] = []
+        self._heap: list[tuple[int, int, int, RequestId]] = []
         self._arrivals = itertools.count()
         self._num_waiting = 0
 
@@ -163,6 +166,10 @@ class ChunkedHashTree:
 
     def chunk_keys(self, request_id: RequestId) -> list:
         return self._entry(request_id).keys
+
+    def priority(self, request_id: RequestId) -> int:
+        """The request's priority class (lower is more urgent)."""
+        return self._entry(request_id).priority
 
     def arrival_order(self, request_id: RequestId) -> int:
         """The request's place in arrival order (ties of the best candidate go to the lower)."""
@@ -186,11 +193,12 @@ class ChunkedHashTree:
 
     # ---- lifecycle --------------------------------------------------------------------
 
-    def add(self, request_id: RequestId, keys: Sequence[ChunkKey]) -> None:
-        """Register a new waiting request with its chunk keys (see ``token_chunk_keys``)."""
+    def add(self, request_id: RequestId, keys: Sequence[ChunkKey], priority: int = 0) -> None:
+        """Register a new waiting request with its chunk keys (see ``token_chunk_keys``)
+        in priority class ``priority`` (lower is more urgent)."""
         if request_id in self._entries:
             raise CHTError(f"request {request_id!r} is already in the tree")
-        entry = _Entry(list(keys), next(self._arrivals))
+        entry = _Entry(list(keys), next(self._arrivals), priority)
         self._entries[request_id] = entry
         self._enter_waiting(request_id, entry)
 
@@ -230,11 +238,12 @@ class ChunkedHashTree:
     # ---- queries ----------------------------------------------------------------------
 
     def best(self) -> RequestId | None:
-        """The waiting request with the fewest missing chunks, ties to the oldest."""
+        """The waiting request of the most urgent priority class with the fewest missing
+        chunks, ties to the oldest."""
         heap = self._heap
         entries = self._entries
         while heap:
-            missing, _, request_id = heap[0]
+            _, missing, _, request_id = heap[0]
             entry = entries.get(request_id)
             if (
                 entry is not None
@@ -367,7 +376,7 @@ class ChunkedHashTree:
             self._by_frontier.setdefault(keys[depth], set()).add(request_id)
         if depth:
             self._by_deepest.setdefault(keys[depth - 1], set()).add(request_id)
-        heapq.heappush(self._heap, (len(keys) - depth, entry.order, request_id))
+        heapq.heappush(self._heap, (entry.priority, len(keys) - depth, entry.order, request_id))
         if len(self._heap) > 4 * self._num_waiting + 64:
             self._compact_heap()
 
@@ -435,7 +444,7 @@ class ChunkedHashTree:
     def _compact_heap(self) -> None:
         entries = self._entries
         self._heap = [
-            (len(e.keys) - e.depth, e.order, rid)
+            (e.priority, len(e.keys) - e.depth, e.order, rid)
             for rid, e in entries.items()
             if e.state is RequestState.WAITING
         ]

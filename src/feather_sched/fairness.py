@@ -10,14 +10,20 @@ either bound is admitted next, over the tree's order and the gate (unless the en
 itself cannot take it: then nobody is admitted in that pass).  A request that runs and is
 preempted waits under the bound afresh from the moment it returns.
 
+Priority classes (lower value more urgent, as in vLLM and SGLang): a request is overtaken
+only by later arrivals of its own class or a less urgent one (a more urgent request is
+entitled to go first), and only the most urgent class waiting can be due: the bound holds
+within a class, and across classes priority is strict.
+
 Bookkeeping: each request gets a sequence number when first seen (requests that arrive at
 the same moment share one: none arrived after another); each admission is
 logged with its request's sequence, and STOPs are counted.  A waiting request's overtakes
 are the logged admissions since it entered waiting whose sequence is later than its own;
-its stops, the STOPs since it entered.  Among requests waiting since they arrived, the
-oldest always has the most of both (every admission that passes a younger one passed it
+its stops, the STOPs since it entered.  Among requests of one class waiting since they
+arrived, the oldest always has the most of both (every admission that passes a younger one passed it
 too), so only it and the requests that re-entered waiting (preempted ones, usually few)
-need checking: ``due`` costs one vectorised count over the log for each of them.
+need checking: ``due`` costs one vectorised count over the log for each of them (one more
+comparison per entry once two classes have been seen).
 Admissions cost O(1) amortised; the log is trimmed to what waiting requests still need.
 """
 
@@ -57,14 +63,19 @@ class OvertakeBound:
         self.stop_limit = stop_limit
         self._stops = 0
         self._sequence: dict[RequestId, int] = {}
+        self._priority: dict[RequestId, int] = {}
+        self._classes: set[int] = set()
+        """Priority classes seen (one: the log's priorities need not be compared)."""
         self._arrivals = itertools.count()
         self._last_arrival: float | None = None
         self._last_sequence = -1
         self._waiting: dict[RequestId, _Wait] = {}
         self._held: dict[RequestId, _Wait] = {}
-        self._fresh: list[tuple[int, RequestId]] = []
+        self._fresh: dict[int, list[tuple[int, RequestId]]] = {}
+        """Per priority class, a lazy heap of requests waiting since they arrived."""
         self._requeued: set[RequestId] = set()
         self._log = np.zeros(1024, dtype=np.int64)
+        self._log_priority = np.zeros(1024, dtype=np.int64)
         self._log_len = 0
         self._log_base = 0
         """Global position of ``_log[0]``."""
@@ -73,21 +84,25 @@ class OvertakeBound:
 
     # ---- transitions (the queue reports them) -----------------------------------------
 
-    def arrive(self, request_id: RequestId, arrival_s: float | None = None) -> None:
-        """A new request waits.  Requests given the same ``arrival_s`` arrived together:
-        none of them counts as arriving after another (default: each one after the last).
+    def arrive(self, request_id: RequestId, arrival_s: float | None = None,
+               priority: int = 0) -> None:
+        """A new request of class ``priority`` waits.  Requests given the same
+        ``arrival_s`` arrived together: none of them counts as arriving after another
+        (default: each one after the last).
         """
         if arrival_s is None or arrival_s != self._last_arrival:
             self._last_sequence = next(self._arrivals)
         self._last_arrival = arrival_s
         self._sequence[request_id] = self._last_sequence
+        self._priority[request_id] = priority
+        self._classes.add(priority)
         self._enter(request_id, _Wait(self._position, fresh=True, stops=self._stops))
 
     def admit(self, request_id: RequestId) -> None:
         """A waiting (or held) request runs: it passes every older waiting request."""
         wait = self._waiting.pop(request_id, None) or self._held.pop(request_id, None)
         self._requeued.discard(request_id)
-        self._append(self._sequence[request_id])
+        self._append(self._sequence[request_id], self._priority[request_id])
         self._last = (request_id, wait) if wait is not None and self._log_len else None
 
     def hold(self, request_id: RequestId, *, was_running: bool) -> None:
@@ -117,6 +132,7 @@ class OvertakeBound:
 
     def forget(self, request_id: RequestId) -> None:
         del self._sequence[request_id]
+        del self._priority[request_id]
         self._waiting.pop(request_id, None)
         self._held.pop(request_id, None)
         self._requeued.discard(request_id)
@@ -126,40 +142,48 @@ class OvertakeBound:
     # ---- queries ----------------------------------------------------------------------
 
     def overtakes(self, request_id: RequestId) -> int:
-        """Later arrivals admitted since the waiting request entered waiting."""
+        """Later arrivals of its class or a less urgent one admitted since the waiting
+        request entered waiting."""
         wait = self._waiting[request_id]
         start = wait.entered - self._log_base
-        window = self._log[start:self._log_len]
-        return int(np.count_nonzero(window > self._sequence[request_id]))
+        later = self._log[start:self._log_len] > self._sequence[request_id]
+        if len(self._classes) > 1:
+            later &= self._log_priority[start:self._log_len] >= self._priority[request_id]
+        return int(np.count_nonzero(later))
 
     def stops(self, request_id: RequestId) -> int:
         """STOPs since the waiting request entered waiting."""
         return self._stops - self._waiting[request_id].stops
 
-    def stops_left(self) -> int | None:
-        """STOPs the gate may still take before some waiting request is due (None: no
-        stop limit, or nothing waits).  O(requeued requests)."""
+    def stops_left(self, priority: int = 0) -> int | None:
+        """STOPs the gate may still take before some waiting request of class
+        ``priority`` (the most urgent class waiting) is due (None: no stop limit, or none
+        waits).  O(requeued requests)."""
         if self.stop_limit is None:
             return None
-        waiting = list(self._requeued)
-        oldest = self._oldest_fresh()
-        if oldest is not None:
-            waiting.append(oldest)
+        waiting = self._candidates(priority)
         if not waiting:
             return None
         return max(0, self.stop_limit - max(self.stops(r) for r in waiting))
 
-    def due(self) -> RequestId | None:
-        """The oldest waiting request at either bound."""
+    def due(self, priority: int = 0) -> RequestId | None:
+        """The oldest waiting request of class ``priority`` (the most urgent class
+        waiting) at either bound.  O(requeued requests)."""
         found: RequestId | None = None
-        oldest = self._oldest_fresh()
-        if oldest is not None and self._at_bound(oldest):
-            found = oldest
-        for request_id in self._requeued:
+        for request_id in self._candidates(priority):
             if self._at_bound(request_id) and (
                     found is None or self._sequence[request_id] < self._sequence[found]):
                 found = request_id
         return found
+
+    def _candidates(self, priority: int) -> list[RequestId]:
+        """The class's requests that may be the first at a bound: its oldest fresh one
+        and its requeued ones."""
+        waiting = [r for r in self._requeued if self._priority[r] == priority]
+        oldest = self._oldest_fresh(priority)
+        if oldest is not None:
+            waiting.append(oldest)
+        return waiting
 
     def _at_bound(self, request_id: RequestId) -> bool:
         if self.stop_limit is not None and self.stops(request_id) >= self.stop_limit:
@@ -175,12 +199,13 @@ class OvertakeBound:
     def _enter(self, request_id: RequestId, wait: _Wait) -> None:
         self._waiting[request_id] = wait
         if wait.fresh:
-            heapq.heappush(self._fresh, (self._sequence[request_id], request_id))
+            heap = self._fresh.setdefault(self._priority[request_id], [])
+            heapq.heappush(heap, (self._sequence[request_id], request_id))
         else:
             self._requeued.add(request_id)
 
-    def _oldest_fresh(self) -> RequestId | None:
-        heap = self._fresh
+    def _oldest_fresh(self, priority: int) -> RequestId | None:
+        heap = self._fresh.get(priority, ())
         while heap:
             sequence, request_id = heap[0]
             wait = self._waiting.get(request_id)
@@ -189,24 +214,29 @@ class OvertakeBound:
             heapq.heappop(heap)
         return None
 
-    def _append(self, sequence: int) -> None:
+    def _append(self, sequence: int, priority: int) -> None:
         if self._log_len == len(self._log):
             self._trim()
             if self._log_len == len(self._log):
                 self._log = np.concatenate([self._log, np.zeros_like(self._log)])
+                self._log_priority = np.concatenate(
+                    [self._log_priority, np.zeros_like(self._log_priority)])
         self._log[self._log_len] = sequence
+        self._log_priority[self._log_len] = priority
         self._log_len += 1
 
     def _trim(self) -> None:
         """Drop log entries no waiting or held request can still count."""
         entries = [w.entered for w in self._waiting.values() if not w.fresh]
         entries += [w.entered for w in self._held.values()]
-        oldest = self._oldest_fresh()
-        if oldest is not None:
-            entries.append(self._waiting[oldest].entered)
+        for priority in self._fresh:
+            oldest = self._oldest_fresh(priority)
+            if oldest is not None:
+                entries.append(self._waiting[oldest].entered)
         keep_from = min(entries, default=self._position) - self._log_base
         if keep_from > 0:
             kept = self._log_len - keep_from
             self._log[:kept] = self._log[keep_from:self._log_len]
+            self._log_priority[:kept] = self._log_priority[keep_from:self._log_len]
             self._log_len = kept
             self._log_base += keep_from

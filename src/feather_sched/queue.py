@@ -21,6 +21,10 @@ the candidate, admitted whatever the gate says):
   has waited longer than this goes first, one such request per pass, so an overloaded
   queue still fills the rest of each pass in the tree's order.
 
+Priority classes (``add(..., priority=)``, lower value more urgent, as vLLM and SGLang
+number them) are strict: no request is admitted while a more urgent one waits.  The
+tree's order, the gate and both bounds act within the most urgent class waiting.
+
 Costs: ``add`` is linear in the request's keys; ``admit``/``requeue``/``remove``/``hold``
 in its keys plus the waiting requests whose shared depth changes (see ``cht``);
 ``decide`` is cached per candidate until the next change.
@@ -79,6 +83,7 @@ class _Request:
     keys: list
     arrival_s: float
     tokens: int
+    priority: int
     sequence: int
     """Order of first entry into the queue: ties between equal arrival times."""
 
@@ -112,7 +117,7 @@ class FeatherQueue:
         told the seats left free)."""
         self._requests: dict[RequestId, _Request] = {}
         self._sequence_numbers = itertools.count()
-        self._oldest: list[tuple[float, int, RequestId]] = []
+        self._oldest: list[tuple[int, float, int, RequestId]] = []
         self._sequence = 0
         self._closed = False
         self._forced: RequestId | None = None
@@ -158,6 +163,21 @@ class FeatherQueue:
         request = self._requests[request_id]
         return request.arrival_s, request.sequence
 
+    def priority(self, request_id: RequestId) -> int:
+        """The request's priority class (lower is more urgent)."""
+        return self._requests[request_id].priority
+
+    def due(self) -> RequestId | None:
+        """The waiting request a bound puts first now (starved, or at its overtaking or
+        stop bound, in the most urgent class waiting); None when the tree's order holds."""
+        best = self.tree.best()
+        if best is None:
+            return None
+        starved = self._starved()
+        if starved is not None or self.bound is None:
+            return starved
+        return self.bound.due(self.tree.priority(best))
+
     def keys(self, request_id: RequestId) -> list:
         """The request's chunk keys."""
         return self._requests[request_id].keys
@@ -169,18 +189,19 @@ class FeatherQueue:
     # ---- lifecycle --------------------------------------------------------------------
 
     def add(self, request_id: RequestId, keys: Sequence[ChunkKey],
-            arrival_s: float | None = None, tokens: int | None = None) -> None:
+            arrival_s: float | None = None, tokens: int | None = None,
+            priority: int = 0) -> None:
         """Enqueue a new request as waiting; ``arrival_s`` defaults to now, its prompt
-        ``tokens`` to its chunks' worth."""
+        ``tokens`` to its chunks' worth, its ``priority`` class to 0."""
         if request_id in self._requests:
             raise CHTError(f"request {request_id!r} is already in the queue")
-        self.tree.add(request_id, keys)
+        self.tree.add(request_id, keys, priority)
         arrival = self.clock() if arrival_s is None else arrival_s
         length = len(keys) * self.chunk_tokens if tokens is None else tokens
-        self._requests[request_id] = _Request(list(keys), arrival, length,
+        self._requests[request_id] = _Request(list(keys), arrival, length, priority,
                                               next(self._sequence_numbers))
         if self.bound is not None:
-            self.bound.arrive(request_id, arrival)
+            self.bound.arrive(request_id, arrival, priority)
         self._offer_to_guard(request_id)
         self._changed()
 
@@ -200,7 +221,7 @@ class FeatherQueue:
         if state is QueueState.RUNNING:
             self.tree.requeue(request_id)
         elif state is QueueState.HELD:
-            self.tree.add(request_id, self._requests[request_id].keys)
+            self._enter_tree(request_id)
         else:
             raise CHTError(f"cannot requeue request {request_id!r}: it is waiting")
         if self.bound is not None:
@@ -224,7 +245,7 @@ class FeatherQueue:
         """Put a held request straight into the running set (the engine runs it)."""
         if self.state(request_id) is not QueueState.HELD:
             raise CHTError(f"cannot run request {request_id!r}: it is not held")
-        self.tree.add(request_id, self._requests[request_id].keys)
+        self._enter_tree(request_id)
         self.tree.admit(request_id)
         if self.bound is not None:
             self.bound.admit(request_id)
@@ -245,7 +266,8 @@ class FeatherQueue:
         """The answer for ``offered`` (default: the queue's own candidate); None if none.
 
         The queue's candidate is a starved request if any (one a pass), else the oldest
-        request at its overtaking bound, else the tree's best.  The gate is asked once per
+        request at its overtaking bound, else the tree's best, all within the most urgent
+        priority class waiting.  The gate is asked once per
         candidate: the answer is kept until the queue changes.  After a STOP every answer
         is STOP until ``new_step``.
         """
@@ -255,9 +277,7 @@ class FeatherQueue:
             raise CHTError(f"request {offered!r} is not waiting")
         if not self.tree.num_waiting:
             return None
-        bounded = self._starved()
-        if bounded is None and self.bound is not None:
-            bounded = self.bound.due()
+        bounded = self.due()
         target = offered if offered is not None else bounded
         candidate = self.tree.candidate(target)
         assert candidate is not None
@@ -272,10 +292,7 @@ class FeatherQueue:
             return self._admission.request_id
         if not self.tree.num_waiting:
             return None
-        bounded = self._starved()
-        if bounded is None and self.bound is not None:
-            bounded = self.bound.due()
-        candidate = self.tree.candidate(bounded)
+        candidate = self.tree.candidate(self.due())
         assert candidate is not None
         return candidate.request_id
 
@@ -305,7 +322,7 @@ class FeatherQueue:
             candidate_prefix_tokens=self.tree.held_chunks(request_id) * self.chunk_tokens,
             group_waiters=self.tree.group_waiters(request_id),
             free_seats=None if self.seats is None else max(self.seats - self.num_running, 0),
-            stops_left=None if self.bound is None else self.bound.stops_left(),
+            stops_left=None if self.bound is None else self.bound.stops_left(request.priority),
         )
         decision = self.gate.decide(context)
         self._closed = decision is Decision.STOP
@@ -314,12 +331,13 @@ class FeatherQueue:
         return Admission(candidate, decision, forced=False, context=context)
 
     def _starved(self) -> RequestId | None:
-        """The oldest waiting request if it has waited past the bound (one a pass)."""
+        """The oldest waiting request of the most urgent class waiting, if it has waited
+        past the bound (one a pass)."""
         if self.max_wait_s is None or self._forced is not None:
             return None
         heap = self._oldest
         while heap:
-            arrival, _, request_id = heap[0]
+            _, arrival, _, request_id = heap[0]
             if request_id in self._requests and self.state(request_id) is QueueState.WAITING:
                 return request_id if self.clock() - arrival > self.max_wait_s else None
             heapq.heappop(heap)
@@ -328,8 +346,13 @@ class FeatherQueue:
     def _offer_to_guard(self, request_id: RequestId) -> None:
         if self.max_wait_s is not None:
             self._sequence += 1
-            entry = (self._requests[request_id].arrival_s, self._sequence, request_id)
+            request = self._requests[request_id]
+            entry = (request.priority, request.arrival_s, self._sequence, request_id)
             heapq.heappush(self._oldest, entry)
+
+    def _enter_tree(self, request_id: RequestId) -> None:
+        request = self._requests[request_id]
+        self.tree.add(request_id, request.keys, request.priority)
 
     def _changed(self) -> None:
         """Any change may change the candidate; a STOP still holds for this pass."""

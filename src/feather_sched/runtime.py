@@ -22,8 +22,9 @@ state) behind one contract, stated once, in the style of vLLM's ``RequestQueue``
     end_step(step, size, seconds) step ``step`` ran: its reward reaches exactly the
                                   decisions bound to it
     preemption_victim(running)    the running request to preempt for KV room: the
-                                  latest arrival (engines whose own rule is this one,
-                                  like vLLM's priority path, need not ask)
+                                  latest arrival of the least urgent priority class
+                                  (engines whose own rule is this one, like vLLM's
+                                  priority path, need not ask)
 
 The running set is never assumed from admissions: each ``begin_pass`` and ``end_pass``
 takes what the engine itself reports as running, so a request the engine skipped, parked
@@ -80,6 +81,9 @@ class RequestView(Protocol[R]):
 
     def arrival_s(self, request: R) -> float | None:
         """Arrival time on the queue's clock, or None for now."""
+
+    def priority(self, request: R) -> int:
+        """Priority class, lower more urgent (0 where the engine has no priorities)."""
 
 
 @dataclass
@@ -216,21 +220,39 @@ class FeatherRuntime(Generic[R]):
 
     def preemption_victim(self, running: Sequence[R]) -> R:
         """The request to preempt when the engine runs out of KV blocks: the latest arrival
-        among ``running`` (equal arrival times: the latest to enter the queue), wherever
-        the batch order puts it. So a request is preempted only while no request that
-        arrived after it runs: an old request never pays for a young one, whatever its
-        group. O(len(running)).
+        of the least urgent priority class among ``running`` (equal arrival times: the
+        latest to enter the queue), wherever the batch order puts it; vLLM's rule under
+        its priority policy. So a request is preempted only while no request of its class
+        or a less urgent one that arrived after it runs: an old request never pays for a
+        young one, whatever its group. O(len(running)).
         """
-        return max(running, key=self.arrival_order)
+        return max(running, key=self.preemption_order)
 
-    def arrival_order(self, request: R) -> tuple[float, float]:
-        """Sorts requests by arrival: (arrival time, order of entry into the queue); a
-        request the queue never saw counts as arriving now, after all the others."""
+    def preemption_order(self, request: R) -> tuple[int, float, float]:
+        """Sorts requests for preemption, the last first: (priority class, arrival time,
+        order of entry into the queue); a request the queue never saw counts as arriving
+        now, after all the others of its class."""
         request_id = self.view.request_id(request)
         if request_id in self.queue:
-            return self.queue.arrival_order(request_id)
+            return (self.queue.priority(request_id), *self.queue.arrival_order(request_id))
         arrival = self.view.arrival_s(request)
-        return (self.clock() if arrival is None else arrival), float("inf")
+        return (self.view.priority(request), self.clock() if arrival is None else arrival,
+                float("inf"))
+
+    def passes_due(self, request: R) -> bool:
+        """Whether running ``request`` now, by a path that bypasses Feather's queue, would
+        pass a waiting request that a bound has made due: one that arrived before it in
+        its class or a more urgent one. The adapter then lets the due request go first.
+        ``request`` is read as the engine has it now (a streaming session's next turn is
+        a new arrival). O(requeued requests)."""
+        due = self.queue.due()
+        if due is None or self.view.request_id(request) == due:
+            return False
+        arrival = self.view.arrival_s(request)
+        if arrival is None:
+            arrival = self.preemption_order(request)[1]
+        return (self.view.priority(request), arrival) > \
+            (self.queue.priority(due), self.queue.arrival_s(due))
 
     def decide(self, offered: R | None = None) -> Admission | None:
         """The admission for ``offered`` (default: the queue's candidate); None if none.
@@ -391,5 +413,5 @@ class FeatherRuntime(Generic[R]):
             self.meter.stats.requests_entered += 1
         self._tracked[request_id] = _Tracked(request, prompt_tokens)
         self.queue.add(request_id, view.chunk_keys(request), view.arrival_s(request),
-                       prompt_tokens)
+                       prompt_tokens, view.priority(request))
         return request_id

@@ -421,10 +421,67 @@ def test_each_reward_reaches_the_decisions_of_its_own_step(async_scheduling: boo
     harness.assert_empty()
 
 
-def test_priority_scheduling_is_refused_at_startup() -> None:
-    with pytest.raises(ValueError, match="scheduling policy 'priority' is not supported"):
-        Harness(scheduling_policy="priority")
-    assert SchedulingPolicy.PRIORITY.value == "priority"
+def test_a_more_urgent_request_goes_before_any_less_urgent_one() -> None:
+    """Under vLLM's priority policy a class-0 request of a new group is admitted before
+    class-1 requests of the running group, though the tree prefers those; within class 1
+    the running group's requests come first."""
+    harness = Harness(scheduling_policy="priority", max_num_seqs=2, feather={})
+    assert harness.scheduler.policy is SchedulingPolicy.PRIORITY
+    harness.add(harness.request("run0", group=0, max_tokens=6, priority=1),
+                harness.request("run1", group=0, max_tokens=30, priority=1))
+    harness.step()
+    harness.add(harness.request("lone", group=5, max_tokens=4, priority=1),
+                *(harness.request(f"more{i}", group=0, max_tokens=4, priority=1)
+                  for i in range(3)),
+                harness.request("urgent", group=7, max_tokens=4, priority=0))
+    admitted: list[str] = []
+    while harness.scheduler.has_requests():
+        output = harness.step()
+        admitted += [r.req_id for r in output.scheduled_new_reqs]
+    assert admitted[0] == "urgent"
+    assert admitted[1:] == ["more0", "more1", "more2", "lone"]
+    harness.assert_empty()
+
+
+def test_preemption_takes_the_least_urgent_class_first() -> None:
+    """vLLM's rule under its priority policy: max(priority, arrival) gives way, however
+    old; Feather's group order of the running list does not change it."""
+    harness = Harness(scheduling_policy="priority", num_blocks=30, feather={})
+    harness.add(harness.request("old-low", group=0, max_tokens=120, priority=1),
+                *(harness.request(f"high{i}", group=1, max_tokens=120, priority=0)
+                  for i in range(3)))
+    victims: list[str] = []
+    while harness.scheduler.has_requests():
+        output = harness.step()
+        for victim in output.preempted_req_ids:
+            victims.append(victim)
+            mine = harness.scheduler.requests[victim]
+            assert all((r.priority, r.arrival_time) < (mine.priority, mine.arrival_time)
+                       for r in harness.scheduler.running), victim
+        assert harness.steps < 1000
+    assert victims and victims[0] == "old-low"
+    harness.assert_empty()
+
+
+def test_kv_holding_requests_do_not_pass_a_due_request() -> None:
+    """vLLM drains ``kv_holding_waiting`` before the waiting queue. A streaming session's
+    next turn that arrives after a request the bound has made due (here: at once, with
+    max_overtakes 0) waits for it, so it does not count as one more overtake."""
+    harness = Harness(feather={"max_overtakes": 0})
+    harness.add(harness.request("long", group=0, max_tokens=40),
+                harness.request("session", group=1, max_tokens=2, resumable=True))
+    for _ in range(3):
+        harness.step()
+    assert harness.scheduler.requests["session"] in harness.scheduler.kv_holding_waiting
+    harness.add(harness.request("due", group=2))
+    harness.scheduler.add_request(harness.request("session", group=1, resumable=True,
+                                                  suffix=40))
+    harness.step()
+    order = [r.request_id for r in harness.scheduler.running]
+    assert order.index("due") < order.index("session"), order
+    harness.scheduler.finish_requests("session", RequestStatus.FINISHED_ABORTED)
+    harness.drain()
+    harness.assert_empty()
 
 
 def test_running_is_kept_in_group_order_and_preemption_takes_the_latest_arrival() -> None:

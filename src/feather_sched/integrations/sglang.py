@@ -118,6 +118,9 @@ class SGLangRequests:
     def arrival_s(self, req: Req) -> None:
         return None  # now, on the runtime's clock
 
+    def priority(self, req: Req) -> int:
+        return 0
+
 
 def is_decode_step(batch: ScheduleBatch) -> bool:
     """A batch that decodes the running requests (mixed chunked prefill included)."""
@@ -454,8 +457,8 @@ def _hook_decode_retraction_order(original: Callable, reqs: list, *args: Any,
     feather = _process_feather
     if feather is None:
         return original(reqs, *args, **kwargs)
-    arrival = feather.runtime.arrival_order
-    return sorted(range(len(reqs)), key=lambda i: arrival(reqs[i]))
+    order = feather.runtime.preemption_order
+    return sorted(range(len(reqs)), key=lambda i: order(reqs[i]))
 
 
 HOOKS: dict[str, Callable] = {

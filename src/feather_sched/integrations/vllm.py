@@ -19,14 +19,21 @@ the engine-agnostic ``FeatherRuntime`` (``feather_sched.runtime``):
 * ``update_from_output`` reports that output's step: its decisions get its reward, keyed
   by the output itself, so under async scheduling (``schedule()`` of step N+1 before
   ``update_from_output`` of step N) each reward reaches its own decisions;
-* ``_free_request`` (every finish and abort) discards, exactly once.
+* ``_free_request`` (every finish and abort) discards, exactly once;
+* ``kv_holding_waiting``, which vLLM drains first and ungated, stays vLLM's queue but
+  reads as empty while its head would pass a request Feather's bound has made due
+  (``KvHoldingQueue``).
+
+Priorities: under ``--scheduling-policy priority`` Feather's queue admits by class first
+(``request.priority``, lower more urgent): vLLM's priority order across classes, Feather's
+prefix order, gate and bound within one.
 
 Batch order: vLLM's Model Runner V2 (the GPU default) orders each step's decodes as the
 scheduler scheduled them, i.e. as ``running`` stands, so ordering ``running`` by prefix
 group orders the batch.  The V1 runner (CPU; some GPU modes) keeps a persistent batch of
 its own; Feather's worker plugin (``vllm_batch_order``) sorts it into the scheduler's
-order.  vLLM preempts from the end of ``running``: Feather's order puts the latest member
-of the smallest group there (``prefix.order_by_group``).
+order.  Preemption does not follow that order: vLLM preempts the latest arrival of the
+least urgent class (``preempt_latest_arrival``).
 
 ``FeatherScheduler`` builds vLLM's ``AsyncScheduler`` variant when async scheduling is on
 (the GPU default) and ``FeatherSyncScheduler`` when it is off (always on CPU).
@@ -47,12 +54,13 @@ from typing import Any
 
 from vllm.platforms import current_platform
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from feather_sched.cht import block_chunk_keys, token_chunk_keys
-from feather_sched.config import FeatherConfig, FeatherConfigError
+from feather_sched.config import FeatherConfig
 from feather_sched.gate import Decision
 from feather_sched.prefix import SharedPrefixes, group_of, keys_per_chunk
 from feather_sched.runtime import FeatherRuntime
@@ -113,6 +121,9 @@ class VllmRequests:
 
     def arrival_s(self, request: Request) -> float | None:
         return request.arrival_time
+
+    def priority(self, request: Request) -> int:
+        return request.priority
 
     def prompt_hashes(self, request: Request) -> list:
         """The block hashes of the prompt's full blocks."""
@@ -201,6 +212,60 @@ class FeatherWaitingQueue(RequestQueue):
     def _answer(self):
         self.settle()
         return self.runtime.decide()
+
+
+class KvHoldingQueue(RequestQueue):
+    """vLLM's own ``kv_holding_waiting`` queue (requests that hold KV blocks: finished
+    remote KV loads, resumed streaming turns, skipped requests), which vLLM drains before
+    the waiting queue, in its own order and ungated.  It stays vLLM's, with one change:
+    while Feather's queue holds a request that a bound has made due (``FeatherQueue.due``)
+    and the head of this queue would pass it (a later arrival of its class, or a less
+    urgent one), this queue reads as empty, so vLLM turns to Feather's queue and the due
+    request goes first.  Not while nothing runs: KV the held requests keep might be what
+    the due request lacks, and this queue must then drain.  Its admissions count for the
+    bound like any other (Feather sees them run).
+    """
+
+    def __init__(self, inner: RequestQueue, runtime: FeatherRuntime[Request],
+                 scheduler: Scheduler) -> None:
+        self.inner = inner
+        self.runtime = runtime
+        self.scheduler = scheduler
+
+    def __bool__(self) -> bool:
+        if not self.inner:
+            return False
+        scheduler = self.scheduler
+        if not scheduler.running or scheduler.pause_state != PauseState.UNPAUSED:
+            return True
+        return not self.runtime.passes_due(self.inner.peek_request())
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self.inner)
+
+    def add_request(self, request: Request) -> None:
+        self.inner.add_request(request)
+
+    def pop_request(self) -> Request:
+        return self.inner.pop_request()
+
+    def peek_request(self) -> Request:
+        return self.inner.peek_request()
+
+    def prepend_request(self, request: Request) -> None:
+        self.inner.prepend_request(request)
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        self.inner.prepend_requests(requests)
+
+    def remove_request(self, request: Request) -> None:
+        self.inner.remove_request(request)
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        self.inner.remove_requests(requests)
 
 
 class VllmMeter:
@@ -299,10 +364,6 @@ class VllmFeather(VllmMeter):
     """Feather's component of a vLLM scheduler: the runtime behind vLLM's calls."""
 
     def __init__(self, scheduler: Scheduler, config: FeatherConfig) -> None:
-        if scheduler.policy is not SchedulingPolicy.FCFS:
-            raise FeatherConfigError(
-                f"Feather orders vLLM's waiting queue itself; scheduling policy "
-                f"{scheduler.policy.value!r} is not supported (use the default fcfs)")
         self.runtime = FeatherRuntime(config, requests_view(scheduler, config),
                                       clock=time.time, name=type(scheduler).__name__,
                                       seats=scheduler.max_num_active_reqs,
@@ -310,6 +371,8 @@ class VllmFeather(VllmMeter):
         super().__init__(scheduler, config, self.runtime.meter)
         self.queue = FeatherWaitingQueue(self.runtime, scheduler)
         scheduler.waiting = self.queue
+        scheduler.kv_holding_waiting = KvHoldingQueue(scheduler.kv_holding_waiting,
+                                                      self.runtime, scheduler)
         preempt_latest_arrival(scheduler)
         note, acts = self.order_note()
         logger.info("Feather scheduler: %s; %s", config, note)
@@ -475,8 +538,9 @@ def preempt_latest_arrival(scheduler: Scheduler) -> None:
     vLLM 0.32 reads ``scheduler.policy`` after start-up only to choose a victim: under
     PRIORITY, ``max(running, key=(priority, arrival_time))``, removed wherever it stands
     (with its budget given back if it was scheduled in this pass). All priorities being 0
-    under the FCFS policy Feather serves, that is the latest arrival. The queues vLLM
-    built for FCFS stay; Feather's replaces the waiting one.
+    under the FCFS policy (vLLM rejects others), that is the latest arrival; under the
+    priority policy it is vLLM's own rule. Feather's queue replaces the waiting queue
+    vLLM built; its ``kv_holding_waiting`` stays (wrapped).
     """
     scheduler.policy = SchedulingPolicy.PRIORITY
 

@@ -60,6 +60,9 @@ class SimRequests:
     def arrival_s(self, request: SimRequest) -> float:
         return request.spec.arrival_s
 
+    def priority(self, request: SimRequest) -> int:
+        return 0
+
 
 class _SGLangPolicy(FcfsPolicy):
     """SGLang's waiting list: FCFS, reordered once per step by cached prefix."""
