@@ -22,6 +22,7 @@ from feather_sched.workloads import (
     minority_groups,
     multi_turn_chat,
     no_sharing,
+    prioritized,
     save_jsonl,
     shared_prefix_groups,
 )
@@ -317,6 +318,8 @@ def test_request_spec_copies_prompt_and_compares_by_value() -> None:
     assert r.prompt.tolist() == [5, 6, 7] and r.prompt.dtype == np.int32
     assert r == RequestSpec("r", [5, 6, 7], 3, 0.5, 2, 2)
     assert r != RequestSpec("r", [5, 6, 8], 3, 0.5, 2, 2)
+    assert r != RequestSpec("r", [5, 6, 7], 3, 0.5, 2, 2, priority=1)
+    assert RequestSpec("r", [5], 3, 0.5, priority=np.int64(-2)).priority == -2
     assert len({r, RequestSpec("r", [5, 6, 7], 3, 0.5, 2, 2)}) == 1
 
 
@@ -335,6 +338,8 @@ def test_request_spec_copies_prompt_and_compares_by_value() -> None:
         {"arrival_s": -0.5},
         {"group": -2},
         {"request_id": ""},
+        {"priority": 0.5},
+        {"priority": "1"},
     ],
 )
 def test_request_spec_rejects_bad_fields(bad: dict) -> None:
@@ -360,6 +365,7 @@ request_specs = st.builds(
     arrival_s=st.floats(0, 1e6, allow_nan=False),
     group=st.integers(-1, 50),
     shared_len=st.just(0),
+    priority=st.integers(-5, 5),
 )
 
 
@@ -379,9 +385,55 @@ def test_jsonl_round_trip_is_exact(tmp_path: Path, name: str, requests: list) ->
 
 @pytest.mark.parametrize("make", GENERATORS.values(), ids=GENERATORS.keys())
 def test_generated_workload_round_trips(tmp_path: Path, make: Callable[..., Workload]) -> None:
-    workload = make(arrival=POISSON)
+    workload = prioritized(make(arrival=POISSON), 0.25)
     save_jsonl(workload, tmp_path / "w.jsonl")
-    assert load_jsonl(tmp_path / "w.jsonl") == workload
+    loaded = load_jsonl(tmp_path / "w.jsonl")
+    assert loaded == workload
+    assert loaded.priority_classes == workload.priority_classes and len(
+        loaded.priority_classes) == 2
+
+
+def test_a_trace_without_priorities_loads_as_one_class(tmp_path: Path) -> None:
+    good = {k: v for k, v in GOOD.items() if k != "priority"}
+    loaded = load_jsonl(write_lines(tmp_path / "old.jsonl", [HEADER, good]))
+    assert loaded.priority_classes == {0: 1}
+    urgent = load_jsonl(write_lines(tmp_path / "new.jsonl", [HEADER, good | {"priority": -3}]))
+    assert urgent.priority_classes == {-3: 1}
+
+
+# --------------------------------------------------------------------------- priorities
+
+
+@pytest.mark.parametrize("make", GENERATORS.values(), ids=GENERATORS.keys())
+def test_a_share_of_requests_gets_the_urgent_class(make: Callable[..., Workload]) -> None:
+    workload = make(arrival=POISSON)
+    mixed = prioritized(workload, 0.25, seed=3)
+    n = len(workload)
+    assert mixed.priority_classes == {0: round(0.25 * n), 1: n - round(0.25 * n)}
+    assert [(r.request_id, r.arrival_s, r.group) for r in mixed] == [
+        (r.request_id, r.arrival_s, r.group) for r in workload]
+    assert all(np.array_equal(a.prompt, b.prompt) for a, b in zip(mixed, workload, strict=True))
+    assert prioritized(workload, 0.25, seed=3) == mixed
+    assert prioritized(workload, 0.25, seed=4) != mixed
+    assert prioritized(mixed, 0.0).priority_classes == {0: n}
+    assert prioritized(workload, 1.0).priority_classes == {0: n}
+    assert "priority classes 0: " in mixed.describe()
+    assert "priority" not in workload.describe()
+
+
+def test_the_urgent_class_spans_prefix_groups() -> None:
+    workload = shared_prefix_groups(groups=4, prompts_per_group=50, prefix_len=32,
+                                    suffix_len=8, output_len=4)
+    mixed = prioritized(workload, 0.1)
+    urgent_groups = {r.group for r in mixed if r.priority == 0}
+    assert len(urgent_groups) >= 3
+    assert prioritized(workload, 0.001).priority_classes == {0: 1, 1: 199}
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, float("nan")])
+def test_a_share_outside_0_to_1_is_refused(share: float) -> None:
+    with pytest.raises(ValueError, match="high_priority_share must be in"):
+        prioritized(GENERATORS["none"](), share)
 
 
 HEADER = {"format": "feather-trace", "version": 1, "name": "t"}
@@ -410,6 +462,7 @@ GOOD = {
         ([HEADER, GOOD | {"output_len": "3"}], 2),
         ([HEADER, GOOD | {"prompt": [1, "x"]}], 2),
         ([HEADER, GOOD | {"shared_len": 5}], 2),
+        ([HEADER, GOOD | {"priority": "high"}], 2),
     ],
 )
 def test_load_jsonl_reports_bad_line(tmp_path: Path, lines: list, line: int) -> None:
@@ -464,9 +517,16 @@ def test_mooncake_blocks_depend_only_on_seed_and_hash_id(tmp_path: Path) -> None
     assert not np.array_equal(load_mooncake(two, seed=1).requests[0].prompt, block_9[:300])
 
 
+def test_mooncake_reads_an_optional_priority(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "mc.jsonl", [mooncake_line(0, 5, [1]),
+                                               mooncake_line(1, 5, [1]) | {"priority": 2}])
+    assert [r.priority for r in load_mooncake(path, block_tokens=12)] == [0, 2]
+
+
 @pytest.mark.parametrize(
     "bad",
     [
+        mooncake_line(0, 5, [1]) | {"priority": 1.5},
         mooncake_line(0, 37, [1, 2, 3]),  # longer than 3 blocks
         mooncake_line(0, 24, [1, 2, 3]),  # fits in 2 blocks: the third id is unused
         mooncake_line(0, 5, []),

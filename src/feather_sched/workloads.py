@@ -2,8 +2,9 @@
 
 A scheduler only sees token ids, so workloads are built from random ids (never 0, so 0 stays
 free as a padding/sentinel id) with a controlled prefix structure: shared-prefix groups, long
-documents with many questions, multi-turn chats, and a no-sharing control. Workloads can be
-saved to and loaded from JSON Lines traces, and Mooncake-style hash-id traces can be replayed.
+documents with many questions, multi-turn chats, and a no-sharing control. Any workload can be
+given priority classes (``prioritized``). Workloads can be saved to and loaded from JSON Lines
+traces, and Mooncake-style hash-id traces can be replayed.
 """
 
 import json
@@ -12,7 +13,7 @@ import operator
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,7 +37,8 @@ class RequestSpec:
 
     ``group`` and ``shared_len`` describe the prefix structure the generator built in
     (``-1`` / ``0`` when the prompt shares nothing), so hit rates can be checked against
-    ground truth. The prompt is stored as a read-only contiguous int32 copy.
+    ground truth. ``priority`` is the request's priority class, lower more urgent (vLLM's
+    convention; any integer). The prompt is stored as a read-only contiguous int32 copy.
     """
 
     request_id: str
@@ -45,6 +47,7 @@ class RequestSpec:
     arrival_s: float
     group: int = -1
     shared_len: int = 0
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -53,6 +56,7 @@ class RequestSpec:
         output_len = _as_int("output_len", self.output_len)
         group = _as_int("group", self.group)
         shared_len = _as_int("shared_len", self.shared_len)
+        priority = _as_int("priority", self.priority)
         arrival_s = float(self.arrival_s)
         if output_len < 0:
             raise ValueError(f"output_len must be >= 0, got {output_len}")
@@ -67,12 +71,14 @@ class RequestSpec:
             ("output_len", output_len),
             ("group", group),
             ("shared_len", shared_len),
+            ("priority", priority),
             ("arrival_s", arrival_s),
         ]:
             object.__setattr__(self, name, value)
 
-    def _scalars(self) -> tuple[str, int, float, int, int]:
-        return (self.request_id, self.output_len, self.arrival_s, self.group, self.shared_len)
+    def _scalars(self) -> tuple[str, int, float, int, int, int]:
+        return (self.request_id, self.output_len, self.arrival_s, self.group, self.shared_len,
+                self.priority)
 
     def __eq__(self, other: object) -> bool:
         # The generated __eq__ would compare arrays with ``==`` and fail on truthiness.
@@ -133,19 +139,49 @@ class Workload:
     def total_output_tokens(self) -> int:
         return sum(r.output_len for r in self.requests)
 
+    @property
+    def priority_classes(self) -> dict[int, int]:
+        """Requests per priority class, most urgent (lowest) first.  O(requests)."""
+        return dict(sorted(Counter(r.priority for r in self.requests).items()))
+
     def describe(self) -> str:
-        """One-line summary: size, prefix structure, token totals and arrival span."""
+        """One-line summary: size, prefix structure, token totals and arrival span, and
+        the priority classes when there are several."""
         n = len(self.requests)
         prompt_tokens = self.total_prompt_tokens
         shared = sum(r.shared_len for r in self.requests)
         groups = len({r.group for r in self.requests} - {-1})
         span = self.requests[-1].arrival_s if n else 0.0
+        classes = self.priority_classes
+        priorities = "" if len(classes) < 2 else ", priority classes " + ", ".join(
+            f"{p}: {count}" for p, count in classes.items())
         return (
             f"{self.name}: {n} requests, {groups} prefix groups, "
             f"{prompt_tokens} prompt tokens (mean {prompt_tokens / max(n, 1):.1f}, "
             f"{shared / max(prompt_tokens, 1):.1%} in shared prefixes), "
-            f"{self.total_output_tokens} output tokens, arrivals over {span:.3f}s"
+            f"{self.total_output_tokens} output tokens, arrivals over {span:.3f}s{priorities}"
         )
+
+
+# --------------------------------------------------------------------------- priorities
+
+
+def prioritized(workload: Workload, high_share: float, seed: int = 0) -> Workload:
+    """A copy of ``workload`` in two priority classes: a seeded random choice of
+    ``high_share`` of its requests (rounded, at least one) in class 0, the rest in class 1;
+    ``high_share`` 0 puts every request in class 0 (one class: priorities stripped).
+    The choice ignores groups, so classes share prefixes.  O(requests + tokens)."""
+    if not 0.0 <= high_share <= 1.0:
+        raise ValueError(f"high_priority_share must be in [0, 1], got {high_share}")
+    n = len(workload)
+    high = np.zeros(n, dtype=bool)
+    if high_share > 0 and n:
+        count = max(1, round(high_share * n))
+        high[np.random.default_rng(seed).choice(n, size=count, replace=False)] = True
+    else:
+        high[:] = True
+    return Workload(workload.name, [replace(r, priority=0 if urgent else 1)
+                                    for r, urgent in zip(workload, high, strict=True)])
 
 
 # --------------------------------------------------------------------------- arrivals
@@ -554,13 +590,20 @@ def save_jsonl(workload: Workload, path: str | Path) -> None:
                 "output_len": r.output_len,
                 "group": r.group,
                 "shared_len": r.shared_len,
+                "priority": r.priority,
                 "prompt": r.prompt.tolist(),
             }
             f.write(json.dumps(record) + "\n")
 
 
+def _priority(obj: dict[str, Any]) -> int:
+    """A trace record's optional ``priority`` field (0 when absent)."""
+    return _field(obj, "priority", int) if "priority" in obj else 0
+
+
 def load_jsonl(path: str | Path) -> Workload:
-    """Read a trace written by :func:`save_jsonl`, validating every line."""
+    """Read a trace written by :func:`save_jsonl`, validating every line (``priority``
+    is optional, 0 when absent)."""
     path = Path(path)
     lines = _json_lines(path)
     first = next(lines, None)
@@ -582,6 +625,7 @@ def load_jsonl(path: str | Path) -> Workload:
                     arrival_s=_field(obj, "arrival_s", (int, float)),
                     group=_field(obj, "group", int),
                     shared_len=_field(obj, "shared_len", int),
+                    priority=_priority(obj),
                 )
             )
     return Workload(name, requests)
@@ -612,8 +656,10 @@ def _block(seed: int, hash_id: int, block_tokens: int, vocab_size: int) -> np.nd
     return _tokens(np.random.default_rng([seed, hash_id]), block_tokens, vocab_size)
 
 
-def _mooncake_record(obj: dict[str, Any], block_tokens: int) -> tuple[float, int, int, list[int]]:
-    """Validate one Mooncake line: (timestamp, input_length, output_length, hash_ids)."""
+def _mooncake_record(obj: dict[str, Any],
+                     block_tokens: int) -> tuple[float, int, int, list[int], int]:
+    """Validate one Mooncake line: (timestamp, input_length, output_length, hash_ids,
+    priority)."""
     timestamp = _field(obj, "timestamp", (int, float))
     input_length = _field(obj, "input_length", int)
     output_length = _field(obj, "output_length", int)
@@ -628,7 +674,7 @@ def _mooncake_record(obj: dict[str, Any], block_tokens: int) -> tuple[float, int
             f"input_length {input_length} does not fit {n} hash ids of {block_tokens} tokens "
             f"(need {(n - 1) * block_tokens} < input_length <= {n * block_tokens})"
         )
-    return timestamp, input_length, output_length, hash_ids
+    return timestamp, input_length, output_length, hash_ids, _priority(obj)
 
 
 def load_mooncake(
@@ -639,7 +685,8 @@ def load_mooncake(
     vocab_size: int = 32000,
     time_scale: float = 1e-3,
 ) -> Workload:
-    """Replay a Mooncake-style trace (timestamp, input_length, output_length, hash_ids).
+    """Replay a Mooncake-style trace (timestamp, input_length, output_length, hash_ids,
+    and an optional priority, 0 when absent).
 
     Each hash id stands for one block of ``block_tokens`` tokens and is mapped to a fixed
     random block, so requests with equal leading hash ids get identical token prefixes.
@@ -656,13 +703,15 @@ def load_mooncake(
     records = []
     for lineno, obj in _json_lines(path):
         with _at_line(path, lineno):
-            timestamp, length, output_length, hash_ids = _mooncake_record(obj, block_tokens)
+            timestamp, length, output_length, hash_ids, priority = _mooncake_record(
+                obj, block_tokens)
         shared = _shared_block_tokens(trie, hash_ids, length, block_tokens)
-        records.append((lineno, timestamp, length, output_length, hash_ids, shared))
+        records.append((lineno, timestamp, length, output_length, hash_ids, shared, priority))
     start = min((r[1] for r in records), default=0)
     blocks: dict[int, np.ndarray] = {}
     requests = []
-    for i, (lineno, timestamp, length, output_length, hash_ids, shared) in enumerate(records):
+    for i, (lineno, timestamp, length, output_length, hash_ids, shared,
+            priority) in enumerate(records):
         for h in hash_ids:
             if h not in blocks:
                 blocks[h] = _block(seed, h, block_tokens, vocab_size)
@@ -670,6 +719,7 @@ def load_mooncake(
         arrival = (timestamp - start) * time_scale
         with _at_line(path, lineno):
             requests.append(
-                RequestSpec(f"{path.stem}-{i}", prompt, output_length, arrival, hash_ids[0], shared)
+                RequestSpec(f"{path.stem}-{i}", prompt, output_length, arrival, hash_ids[0],
+                            shared, priority)
             )
     return Workload(path.stem, requests)
