@@ -25,6 +25,11 @@ while (answer := rt.decide()) is not None and answer.decision is Decision.ADD:
     rt.admit(request)
     running.append(request)
 rt.end_pass(1, running)
+rt.enter_waiting(running[1])  # the engine preempted a1 (group 0 ran two)
+rt.preempted(running[1])
+rt.begin_pass([running[0], running[2]])
+rt.discard("a1")
+rt.discard("b0")
 registry = CollectorRegistry()
 multiprocess.MultiProcessCollector(registry)
 print(generate_latest(registry).decode())
@@ -43,3 +48,7 @@ def test_metrics_reach_a_multiprocess_registry(tmp_path) -> None:
     assert 'feather:num_requests_running{scheduler="test"} 3.0' in text
     assert 'feather:admission_deferral_seconds_sum{scheduler="test"} 15.0' in text
     assert 'feather:schedule_seconds_count{scheduler="test"} 1.0' in text
+    assert 'feather:preemptions_total{priority="0",scheduler="test"} 1.0' in text
+    assert 'feather:preempted_group_size_sum{scheduler="test"} 2.0' in text
+    assert 'feather:request_preemptions_sum{scheduler="test"} 1.0' in text
+    assert 'feather:request_preemptions_count{scheduler="test"} 2.0' in text

@@ -23,6 +23,7 @@ ENV_MULTIPROC = "PROMETHEUS_MULTIPROC_DIR"
 GROUP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 DEFERRAL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
 SCHEDULE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+PREEMPTION_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
 
 
 
@@ -41,6 +42,9 @@ class _Metrics:
     waiting: Gauge
     running: Gauge
     schedule: Histogram
+    preemptions: Counter
+    request_preemptions: Histogram
+    preempted_group: Histogram
 
 
 @functools.cache
@@ -66,6 +70,15 @@ def _registered() -> _Metrics:
         schedule=Histogram("feather:schedule_seconds", "Wall time of one scheduling call "
                            "(the engine's own work included).", labels,
                            buckets=SCHEDULE_BUCKETS),
+        preemptions=Counter("feather:preemptions", "Running requests preempted for KV room, "
+                            "by the victim's priority class.", [*labels, "priority"]),
+        request_preemptions=Histogram("feather:request_preemptions", "Times each request "
+                                      "that left the scheduler had been preempted.", labels,
+                                      buckets=PREEMPTION_BUCKETS),
+        preempted_group=Histogram("feather:preempted_group_size", "Running requests of the "
+                                  "victim's prefix group (itself included) at each "
+                                  "preemption: 1 is a singleton or minority request.", labels,
+                                  buckets=GROUP_BUCKETS),
     )
 
 
@@ -83,6 +96,10 @@ class PrometheusSink:
         self._waiting = metrics.waiting.labels(scheduler)
         self._running = metrics.running.labels(scheduler)
         self._schedule = metrics.schedule.labels(scheduler)
+        self._scheduler = scheduler
+        self._preemptions = metrics.preemptions
+        self._request_preemptions = metrics.request_preemptions.labels(scheduler)
+        self._preempted_group = metrics.preempted_group.labels(scheduler)
 
     def pass_ended(self, *, asked: int, add: int, stop: int, forced: int,
                    deferrals: Iterable[float], groups: int, waiting: int,
@@ -104,3 +121,13 @@ class PrometheusSink:
 
     def scheduled(self, seconds: float) -> None:
         self._schedule.observe(seconds)
+
+    def preempted(self, priority: int, group_size: int | None) -> None:
+        """One preemption: the victim's class, and its group's running size."""
+        self._preemptions.labels(self._scheduler, str(priority)).inc()
+        if group_size is not None:
+            self._preempted_group.observe(group_size)
+
+    def request_left(self, preemptions: int) -> None:
+        """A request left the scheduler (finished, aborted, rejected), preempted so often."""
+        self._request_preemptions.observe(preemptions)

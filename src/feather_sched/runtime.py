@@ -90,6 +90,7 @@ class RequestView(Protocol[R]):
 class _Tracked(Generic[R]):
     request: R
     prompt_tokens: int
+    preemptions: int = 0
 
 
 @dataclass
@@ -173,8 +174,11 @@ class FeatherRuntime(Generic[R]):
         Returns True when Feather knew it, False otherwise, so every exit path of an
         engine may call this and a request still leaves exactly once.
         """
-        if self._tracked.pop(request_id, None) is None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
             return False
+        if self.meter.sink is not None:
+            self.meter.sink.request_left(tracked.preemptions)
         self.queue.remove(request_id)
         self.meter.stats.requests_left += 1
         self._count_states()
@@ -238,6 +242,19 @@ class FeatherRuntime(Generic[R]):
         arrival = self.view.arrival_s(request)
         return (self.view.priority(request), self.clock() if arrival is None else arrival,
                 float("inf"))
+
+    def preempted(self, request: R) -> None:
+        """The engine preempted ``request`` (its own victim choice, reported afterwards):
+        counted per request and per class, with its group's running size. O(running)."""
+        request_id = self._refresh(request)
+        tracked = self._tracked[request_id]
+        tracked.preemptions += 1
+        group = self.group(request)
+        queue = self.queue
+        siblings = sum(1 for r in queue.running_ids()
+                       if r != request_id and group_of(queue.keys(r), r) == group)
+        self.meter.preempted(tracked.preemptions, priority=queue.priority(request_id),
+                             group_size=siblings + 1)
 
     def passes_due(self, request: R) -> bool:
         """Whether running ``request`` now, by a path that bypasses Feather's queue, would
@@ -407,11 +424,13 @@ class FeatherRuntime(Generic[R]):
         if tracked is not None and tracked.prompt_tokens == prompt_tokens:
             tracked.request = request
             return request_id
+        preemptions = 0
         if tracked is not None:
             self.queue.remove(request_id)
+            preemptions = tracked.preemptions
         else:
             self.meter.stats.requests_entered += 1
-        self._tracked[request_id] = _Tracked(request, prompt_tokens)
+        self._tracked[request_id] = _Tracked(request, prompt_tokens, preemptions)
         self.queue.add(request_id, view.chunk_keys(request), view.arrival_s(request),
                        prompt_tokens, view.priority(request))
         return request_id

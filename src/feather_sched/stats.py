@@ -65,6 +65,10 @@ class SchedulerStats:
     waiting: int = 0
     running: int = 0
     """Feather's waiting and running requests at the last scheduling pass."""
+    preemptions: int = 0
+    max_request_preemptions: int = 0
+    """Preemptions (KV room taken back from a running request), and the most any one
+    request suffered."""
     admissions: AdmissionCounts | None = None
     """Feather's counts; None for a scheduler without Feather."""
 
@@ -131,6 +135,17 @@ class StepMeter:
         if stats.steps % WRITE_EVERY_STEPS == 0 or \
                 time.monotonic() - self._saved_at >= WRITE_EVERY_S:
             self.save()
+
+    def preempted(self, request_preemptions: int, *, priority: int = 0,
+                  group_size: int | None = None) -> None:
+        """A request was preempted, its ``request_preemptions``-th time; it was of class
+        ``priority`` and one of ``group_size`` running requests of its prefix group."""
+        stats = self.stats
+        stats.preemptions += 1
+        stats.max_request_preemptions = max(stats.max_request_preemptions,
+                                            request_preemptions)
+        if self.sink is not None:
+            self.sink.preempted(priority, group_size)
 
     def save(self) -> None:
         """Write the stats file and the gate's table (those configured); never raises."""

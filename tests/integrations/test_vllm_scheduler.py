@@ -509,22 +509,23 @@ def test_running_is_kept_in_group_order_and_preemption_takes_the_latest_arrival(
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
 
-def singleton_against_a_stream(harness: Harness) -> tuple[int, int]:
+def singleton_against_a_stream(harness: Harness) -> tuple[int, int, int]:
     """A singleton arrives first, then a majority request every other step, under a KV
-    cache too small for them all: (the singleton's preemptions, the step it finished)."""
+    cache too small for them all: (the singleton's preemptions, the step it finished,
+    all preemptions)."""
     harness.add(harness.request("solo", group=9, max_tokens=200))
-    preemptions, finished, majority = 0, None, 0
+    preemptions, finished, majority, total = 0, None, 0, 0
     while harness.scheduler.has_requests():
         if majority < 120 and harness.steps % 2 == 0:
             harness.add(harness.request(f"maj{majority}", group=0, max_tokens=60))
             majority += 1
         output = harness.step()
-        preemptions += output.preempted_req_ids.count("solo") if isinstance(
-            output.preempted_req_ids, list) else int("solo" in output.preempted_req_ids)
+        total += len(output.preempted_req_ids)
+        preemptions += int("solo" in output.preempted_req_ids)
         if finished is None and "solo" in output.finished_req_ids:
             finished = harness.steps
         assert harness.steps < 3000
-    return preemptions, finished
+    return preemptions, finished, total
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -536,12 +537,13 @@ def test_an_old_singleton_is_not_preempted_for_a_stream_of_majority_requests(
     from vllm.v1.core.sched.scheduler import Scheduler as VllmSync
 
     vllm_cls = VllmAsync if async_scheduling else VllmSync
-    _, fcfs_step = singleton_against_a_stream(
+    _, fcfs_step, _ = singleton_against_a_stream(
         Harness(num_blocks=40, async_scheduling=async_scheduling, scheduler_cls=vllm_cls))
     harness = Harness(num_blocks=40, async_scheduling=async_scheduling,
                       feather={"gate": "model"})
-    preemptions, step = singleton_against_a_stream(harness)
+    preemptions, step, total = singleton_against_a_stream(harness)
     assert preemptions <= 1 and step <= 1.25 * fcfs_step, (preemptions, step, fcfs_step)
+    assert harness.runtime.meter.stats.preemptions == total > 0
     harness.drain(limit=5000)
     harness.assert_empty()
 

@@ -297,6 +297,11 @@ class VllmMeter:
     def after_schedule(self, output: Any) -> None:
         now = time.perf_counter()
         self.meter.scheduled(now - self._started)
+        requests = self.scheduler.requests
+        for request_id in output.preempted_req_ids or ():
+            request = requests.get(request_id)
+            if request is not None:
+                self.preempted(request)
         batch = self.batch(output) if self.wants_batches else None
         self._in_flight[id(output)] = (output, now, batch)
         while len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
@@ -316,6 +321,10 @@ class VllmMeter:
             self.meter.step(size, seconds, batch)
         if not self.scheduler.has_unfinished_requests():
             self.meter.save()  # drained: a run's end is on file even if shutdown is cut short
+
+    def preempted(self, request: Request) -> None:
+        """vLLM preempted ``request`` in this pass (counted once per preemption)."""
+        self.meter.preempted(request.num_preemptions, priority=request.priority)
 
     def freed(self, request: Request) -> None:
         """Nothing to forget without Feather."""
@@ -412,6 +421,9 @@ class VllmFeather(VllmMeter):
     def record_step(self, output: Any, size: int, seconds: float,
                     batch: list[BatchEntry] | None) -> None:
         self.runtime.end_step(id(output), size, seconds, batch)
+
+    def preempted(self, request: Request) -> None:
+        self.runtime.preempted(request)
 
     def freed(self, request: Request) -> None:
         self.runtime.discard(request.request_id)
