@@ -548,20 +548,25 @@ def test_an_old_singleton_is_not_preempted_for_a_stream_of_majority_requests(
     harness.assert_empty()
 
 
+@pytest.mark.parametrize("classes", [1, 2])
 @pytest.mark.parametrize("seed", range(4))
-def test_no_request_is_preempted_while_a_later_arrival_runs(seed: int) -> None:
+def test_no_request_is_preempted_while_a_later_arrival_runs(seed: int, classes: int) -> None:
     """Random arrivals, lengths and aborts in 3 groups and singletons, a KV cache that
-    forces preemption, the default gate, sync and async."""
+    forces preemption, the default gate, sync and async; with two classes under vLLM's
+    priority policy, "later" means (class, arrival), and no request is admitted from the
+    waiting queue while a more urgent one that waited since the pass began still waits."""
     rng = random.Random(seed)
-    harness = Harness(num_blocks=36, async_scheduling=bool(seed % 2), feather={})
-    arrival = {}
+    policy = {"scheduling_policy": "priority"} if classes > 1 else {}
+    harness = Harness(num_blocks=36, async_scheduling=bool(seed % 2), feather={}, **policy)
+    order = {}
     preempted = 0
     for step in range(400):
         for _ in range(rng.choice((0, 0, 1, 2))):
             rid = f"s{step}r{rng.randrange(10**6)}"
             group = rng.choice((0, 1, 2, 10 + step))
-            request = harness.request(rid, group=group, max_tokens=rng.randrange(5, 90))
-            arrival[rid] = request.arrival_time
+            request = harness.request(rid, group=group, max_tokens=rng.randrange(5, 90),
+                                      priority=rng.randrange(classes))
+            order[rid] = (request.priority, request.arrival_time)
             harness.add(request)
         if rng.random() < 0.03 and harness.scheduler.running:
             harness.scheduler.finish_requests(
@@ -569,12 +574,18 @@ def test_no_request_is_preempted_while_a_later_arrival_runs(seed: int) -> None:
                 RequestStatus.FINISHED_ABORTED)
         if not harness.scheduler.has_requests():
             continue
+        waited = {r.request_id for r in harness.scheduler.waiting}
         output = harness.step()
         for victim in output.preempted_req_ids:
             preempted += 1
             later = [r.request_id for r in harness.scheduler.running
-                     if r.arrival_time > arrival[victim]]
+                     if order[r.request_id] > order[victim]]
             assert not later, (victim, later)
+        admitted = [r.req_id for r in output.scheduled_new_reqs]
+        still = [rid for rid in waited if rid in harness.runtime.queue and
+                 harness.runtime.queue.state(rid) is QueueState.WAITING]
+        for rid in admitted:
+            assert all(order[w][0] >= order[rid][0] for w in still), (rid, still)
     assert preempted > 0
     harness.drain(limit=5000)
     harness.assert_empty()
