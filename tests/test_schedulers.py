@@ -33,10 +33,26 @@ def test_each_context_accepts_only_what_it_can_run() -> None:
                                              ENGINE_KINDS)] == [
         SchedulerKind.FCFS, SchedulerKind.FCFS_NOCACHE, SchedulerKind.FEATHER]
     with pytest.raises(ValueError, match="unknown scheduler 'sglang-lpm': use fcfs, "
-                                         "fcfs-nocache, feather-"):
+                                         "fcfs-nocache, priority, feather-"):
         parse_scheduler("sglang-lpm", ENGINE_KINDS)
     with pytest.raises(ValueError, match="unknown scheduler 'fcfs-nocache'"):
         parse_scheduler("fcfs-nocache", SIM_KINDS)
+
+
+def test_priority_names_the_engines_priority_policy_and_feather_follows_the_workload() -> None:
+    for context in (ENGINE_KINDS, SIM_KINDS):
+        assert parse_scheduler("priority", context).kind is SchedulerKind.PRIORITY
+    assert parse_scheduler("priority-shared", ENGINE_KINDS).shared_prefix
+    runs = {name: parse_scheduler(name) for name in
+            ("priority", "feather-model", "feather-always-noorder", "fcfs", "sglang-lpm")}
+    assert {n: r.priority_policy(2) for n, r in runs.items()} == {
+        "priority": True, "feather-model": True, "feather-always-noorder": True,
+        "fcfs": False, "sglang-lpm": False}
+    assert {n: r.priority_policy(1) for n, r in runs.items()} == {
+        "priority": True, "feather-model": False, "feather-always-noorder": False,
+        "fcfs": False, "sglang-lpm": False}
+    with pytest.raises(ValueError, match="unknown scheduler 'priority-model'"):
+        parse_scheduler("priority-model")
 
 
 @pytest.mark.parametrize("bad", ["feather-greedy", "feather-", "lifo", "feather-bandit-order",

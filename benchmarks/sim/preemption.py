@@ -95,7 +95,7 @@ def measure(workload: Workload, blocks: int, name: str) -> dict:
     summary = summarize(run)
     solo = [r.finished_s for r in run.records if r.group < 0]
     return {"output_throughput": summary["output_throughput"],
-            "preemptions": run.extra["preemptions"],
+            "preemptions": summary["preemptions"],
             "worst_group_mean_ttft_ms": summary["worst_group_mean_ttft_ms"],
             "solo_finished_s": solo[0] if solo else None}
 

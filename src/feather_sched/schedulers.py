@@ -2,11 +2,18 @@
 
 * ``fcfs`` - the engine's own first-come-first-served scheduler;
 * ``fcfs-nocache`` - the same with prefix caching off (real engine only);
+* ``priority`` - the engine's own scheduler under its priority policy (vLLM's
+  ``scheduling_policy="priority"``: waiting requests by (priority, arrival), the victim of
+  preemption the latest arrival of the least urgent class);
 * ``sglang-lpm``, ``sglang-dfs-weight`` - SGLang's cache-aware policies (simulator only);
 * ``feather-<gate>`` - Feather with gate ``always``, ``chunk-loss``, ``bandit`` or
   ``model``; ``-noorder`` keeps the engine's running order (to measure ordering's share)
   and ``-unbounded`` turns the fairness bound off (to measure what fairness costs), in
   that order when both are given.
+
+Where a workload has several priority classes, Feather names run under the engine's
+priority policy too (``SchedulerName.priority_policy``); the other names run first come
+first served, with every request's priority stripped to 0.
 
 Any name may end in ``-shared`` or ``-noshared``: shared-prefix decode attention on or
 off for that run. Without either, each context's default holds: on the real engine,
@@ -27,14 +34,16 @@ from feather_sched.gate import GATE_KINDS
 class SchedulerKind(Enum):
     FCFS = "fcfs"
     FCFS_NOCACHE = "fcfs-nocache"
+    PRIORITY = "priority"
     SGLANG_LPM = "sglang-lpm"
     SGLANG_DFS_WEIGHT = "sglang-dfs-weight"
     FEATHER = "feather"
 
 
-ENGINE_KINDS = frozenset({SchedulerKind.FCFS, SchedulerKind.FCFS_NOCACHE, SchedulerKind.FEATHER})
+ENGINE_KINDS = frozenset({SchedulerKind.FCFS, SchedulerKind.FCFS_NOCACHE,
+                          SchedulerKind.PRIORITY, SchedulerKind.FEATHER})
 """What ``feather bench`` runs on the real vLLM engine."""
-SIM_KINDS = frozenset({SchedulerKind.FCFS, SchedulerKind.SGLANG_LPM,
+SIM_KINDS = frozenset({SchedulerKind.FCFS, SchedulerKind.PRIORITY, SchedulerKind.SGLANG_LPM,
                        SchedulerKind.SGLANG_DFS_WEIGHT, SchedulerKind.FEATHER})
 """What ``feather sim`` models."""
 
@@ -63,6 +72,14 @@ class SchedulerName:
         if not self.bounded:
             options.update(max_overtakes=None, max_stops=None)
         return options | self.attention_options()
+
+    def priority_policy(self, classes: int) -> bool:
+        """Whether this name runs under the engine's priority policy on a workload of
+        ``classes`` priority classes: ``priority`` always, Feather where there are several;
+        any other name runs first come first served, and its requests must then go with
+        priority 0 (vLLM refuses any other under FCFS)."""
+        return self.kind is SchedulerKind.PRIORITY or (
+            self.kind is SchedulerKind.FEATHER and classes > 1)
 
     def attention_options(self) -> dict[str, Any]:
         """The engine's ``shared_prefix_attention`` option this name asks for, if any."""

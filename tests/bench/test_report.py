@@ -31,6 +31,8 @@ VLLM_KEYS = [
     "mean_e2el_ms", "median_e2el_ms", "std_e2el_ms",
 ]
 GROUP_KEYS = ["worst_group_mean_ttft_ms", "worst_group_p99_ttft_ms", "ttft_by_group"]
+PRIORITY_KEYS = ["preemptions", "max_preemptions_per_request", "preemptions_by_group",
+                 "scheduling_policy", "by_priority"]
 FEATHER_KEYS = ["mean_batch_size", "mean_groups_per_step", "prefix_cache_hit_rate",
                 "gate_add", "gate_stop", "gate_forced", "schedule_ms_per_call",
                 "engine_step_ms"]
@@ -55,7 +57,8 @@ def two_requests_and_a_failure(**kwargs) -> RunResult:
 
 
 def test_keys_are_vllms_then_ours_in_order() -> None:
-    assert list(summarize(two_requests_and_a_failure())) == VLLM_KEYS + GROUP_KEYS + FEATHER_KEYS
+    assert list(summarize(two_requests_and_a_failure())) == (VLLM_KEYS + GROUP_KEYS
+                                                             + PRIORITY_KEYS + FEATHER_KEYS)
 
 
 def test_ttft_per_group_names_the_worst_group() -> None:
@@ -73,6 +76,62 @@ def test_ttft_per_group_names_the_worst_group() -> None:
     assert "Group 1 (2 req):" in block and "1250.00 / 1985.00" in block
 
 
+def two_classes(**kwargs) -> RunResult:
+    """Class 0: u (TTFT 0.1, E2EL 0.3, 3 tokens); class 1: v and w in groups 0 and 1,
+    preempted 2 and 1 times (TTFT 0.5 and 1.0, E2EL 1.0 and 2.0, 2 tokens each)."""
+    records = [record("u", 10, 0.0, [0.1, 0.2, 0.3], 0.3),
+               record("v", 10, 0.0, [0.5, 1.0], 1.0),
+               record("w", 10, 1.0, [2.0, 3.0], 3.0, group=1)]
+    for r, priority, preempted in zip(records, (0, 1, 1), (0, 2, 1), strict=True):
+        r.priority, r.preemptions = priority, preempted
+    return RunResult("priority", records, duration_s=4.0, **kwargs)
+
+
+def test_each_priority_class_gets_its_latencies_and_throughput() -> None:
+    s = summarize(two_classes(scheduling_policy="priority"))
+    assert s["scheduling_policy"] == "priority"
+    assert list(s["by_priority"]) == ["0", "1"]
+    urgent, rest = s["by_priority"]["0"], s["by_priority"]["1"]
+    assert urgent == {"requests": 1, "mean_ttft_ms": pytest.approx(100.0),
+                      "p99_ttft_ms": pytest.approx(100.0), "mean_e2el_ms": pytest.approx(300.0),
+                      "p99_e2el_ms": pytest.approx(300.0),
+                      "output_throughput": pytest.approx(0.75), "preemptions": 0}
+    assert rest["mean_ttft_ms"] == pytest.approx(750.0)
+    assert rest["p99_ttft_ms"] == pytest.approx(np.percentile([500, 1000], 99))
+    assert rest["mean_e2el_ms"] == pytest.approx(1500.0)
+    assert rest["output_throughput"] == pytest.approx(1.0) and rest["preemptions"] == 3
+    assert summarize(two_requests_and_a_failure())["by_priority"] is None
+
+
+def test_preemptions_per_run_and_per_group() -> None:
+    s = summarize(two_classes())
+    assert (s["preemptions"], s["max_preemptions_per_request"]) == (3, 2)
+    assert s["preemptions_by_group"] == {"0": {"preemptions": 2, "max_per_request": 2},
+                                         "1": {"preemptions": 1, "max_per_request": 1}}
+    unobserved = summarize(two_requests_and_a_failure(preemptions=7))
+    assert (unobserved["preemptions"], unobserved["max_preemptions_per_request"],
+            unobserved["preemptions_by_group"]) == (7, None, None)
+    assert summarize(two_requests_and_a_failure())["preemptions"] is None
+
+
+def test_the_block_prints_classes_policy_and_preemptions() -> None:
+    run = two_classes(scheduling_policy="fcfs")
+    lines = format_result_block(run, summarize(run)).splitlines()
+    for line in (
+        "{:<40} {:<10}".format("Scheduling policy:", "fcfs (priorities sent as 0)"),
+        "{:<40} {:<10}".format("Class 0 (1 req) TTFT mean / p99 (ms):", "100.00 / 100.00"),
+        "{:<40} {:<10}".format("Class 1 E2EL mean / p99 (ms):", "1500.00 / 1990.00"),
+        "{:<40} {:<10.2f}".format("Class 1 output tok/s:", 1.0),
+        "{:<40} {:<10}".format("Group 0:", "2 / 2"),
+        "{:<40} {:<10}".format("Preemptions (total / max a request):", "3 / 2"),
+    ):
+        assert line in lines
+    plain = two_requests_and_a_failure()
+    block = format_result_block(plain, summarize(plain))
+    assert "priority class" not in block and "Preemptions per prefix group" not in block
+    assert "{:<40} {:<10}".format("Preemptions (total / max a request):", "n/a / n/a") in block
+
+
 def test_detailed_json_holds_every_request(tmp_path) -> None:
     run = two_requests_and_a_failure()
     path = tmp_path / "detailed.json"
@@ -82,6 +141,12 @@ def test_detailed_json_holds_every_request(tmp_path) -> None:
     assert entry["ttfts"] == pytest.approx([0.1, 0.3, 0.0])
     assert [pytest.approx(gaps) for gaps in entry["itls"]] == [[0.1, 0.2], [0.2], []]
     assert entry["groups"] == [0, 0, 0] and entry["request_ids"] == ["a", "b", "c"]
+    assert entry["priorities"] == [0, 0, 0] and entry["preemptions"] == [None] * 3
+    classes = two_classes()
+    write_json(path, [classes], {"priority": summarize(classes)}, {}, detailed=True)
+    entry = json.loads(path.read_text())["runs"]["priority"]
+    assert entry["priorities"] == [0, 1, 1] and entry["preemptions"] == [0, 2, 1]
+    assert entry["by_priority"]["1"]["preemptions"] == 3
 
 
 def test_counts_and_throughputs_exclude_failures() -> None:
@@ -274,6 +339,13 @@ def test_feather_report_draws_saved_results(tmp_path) -> None:
     assert png.read_bytes().startswith(b"\x89PNG")
     text = table.read_text()
     assert "| one:fcfs | 3.0 | 200.0 |" in text and "| two:feather | 0 | 2 |" in text
+    assert "priority class" not in text
+    classes = tmp_path / "classes.json"
+    write_json(classes, [two_classes()], {"priority": summarize(two_classes())}, {})
+    result = CliRunner().invoke(app, ["report", str(classes), "--plot", str(png),
+                                      "--markdown", str(table)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "| priority | 1 | 2 | 750.0 / 995.0 | 1500.0 / 1990.0 | 1.0 |" in table.read_text()
     bad = tmp_path / "bad.json"
     bad.write_text("[]")
     assert CliRunner().invoke(app, ["report", str(bad)]).exit_code != 0

@@ -119,6 +119,7 @@ def test_small_pool_preempts_yet_every_request_finishes_once() -> None:
                         on_done=lambda r: done.update([r.request_id]))
     assert result.num_preemptions > 0
     assert sum(r.preemptions for r in engine.requests) == result.num_preemptions
+    assert [r.preemptions for r in result.records] == [r.preemptions for r in engine.requests]
     assert_sound(result, engine, specs)
     assert done == Counter(s.request_id for s in specs)
     assert sorted(policy.finished) == sorted(done)

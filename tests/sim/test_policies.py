@@ -12,7 +12,8 @@ from feather_sched.cli import app
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
 from feather_sched.runtime import FeatherRuntime
-from feather_sched.sim.engine import EngineConfig, SimEngine
+from feather_sched.sim.engine import EngineConfig, SimEngine, SimRequest
+from feather_sched.sim.fcfs import FcfsPolicy, PriorityPolicy
 from feather_sched.sim.policies import (
     LPM_MAX_WAITING,
     DfsWeightPolicy,
@@ -22,8 +23,10 @@ from feather_sched.sim.policies import (
 from feather_sched.sim.runner import SimPlan, simulate
 from feather_sched.workloads import (
     ArrivalSpec,
+    RequestSpec,
     minority_groups,
     no_sharing,
+    prioritized,
     shared_prefix_groups,
     singleton_before_a_stream,
 )
@@ -110,6 +113,8 @@ def test_names_build_policies_and_bad_names_fail() -> None:
     engine = SimEngine(None, EngineConfig())
     feather = make_policy("feather-bandit-noorder", {}, engine)
     assert isinstance(feather, FeatherRuntime) and not feather.orders_running
+    assert type(make_policy("priority", {}, engine)) is PriorityPolicy
+    assert type(make_policy("fcfs", {}, engine)) is FcfsPolicy
     with pytest.raises(ValueError, match="unknown scheduler 'lifo'"):
         make_policy("lifo", {}, engine)
     with pytest.raises(ValueError, match="unknown scheduler 'fcfs-nocache'"):
@@ -223,7 +228,7 @@ def test_an_old_singleton_is_not_preempted_for_a_stream_of_majority_requests() -
     finished = {}
     for name in ("fcfs", "feather-model"):
         run = simulate(plan, name)
-        assert run.extra["preemptions"] > 100  # the pool is tight
+        assert summarize(run)["preemptions"] > 100  # the pool is tight
         finished[name] = next(r for r in run.records if r.group < 0).finished_s
     assert finished["feather-model"] <= 1.25 * finished["fcfs"], finished
 
@@ -248,4 +253,90 @@ def test_no_request_is_preempted_while_a_later_arrival_runs(seed: int,
                    model=MODELS["llama-3-8b"], engine=EngineConfig(num_blocks=300))
     run = simulate(plan, "feather-model")
     assert all(r.success for r in run.records)
-    assert len(seen) == run.extra["preemptions"] > 0 and all(seen)
+    assert len(seen) == summarize(run)["preemptions"] > 0 and all(seen)
+
+
+# ---- priority classes -------------------------------------------------------------------
+
+
+def sim_request(index: int, priority: int, arrival_s: float) -> SimRequest:
+    spec = RequestSpec(f"r{index}", [1, 2, 3], 4, arrival_s, priority=priority)
+    return SimRequest.create(spec, index, EngineConfig())
+
+
+def test_the_priority_policy_is_vllms_priority_queue() -> None:
+    """Waiting by (priority, arrival); a preempted request re-enters by the same key, not
+    at the head; the victim is the latest arrival of the least urgent class."""
+    policy = PriorityPolicy()
+    requests = [sim_request(0, 1, 0.0), sim_request(1, 0, 1.0), sim_request(2, 1, 2.0),
+                sim_request(3, 0, 3.0)]
+    for request in requests:
+        policy.enter_waiting(request)
+    order = []
+    while len(policy):
+        answer = policy.decide()
+        request = next(r for r in requests if r.request_id == answer.request_id)
+        policy.admit(request)
+        order.append(request.request_id)
+    assert order == ["r1", "r3", "r0", "r2"]
+    assert policy.decide() is None
+    assert policy.preemption_victim(requests).request_id == "r2"
+    assert policy.preemption_victim(requests[1::2]).request_id == "r3"
+    requests[2].preemptions = 1
+    for request in (requests[3], requests[2], requests[0]):
+        policy.enter_waiting(request)
+    assert policy.decide().request_id == "r3"
+    with pytest.raises(RuntimeError, match="not the head"):
+        policy.admit(requests[0])
+
+
+def mixed_classes(seed: int = 0, share: float = 0.1):
+    workload = shared_prefix_groups(groups=6, prompts_per_group=40, prefix_len=2048,
+                                    suffix_len=32, output_len=60,
+                                    arrival=ArrivalSpec(kind="poisson", rate=150), seed=seed)
+    return prioritized(workload, share, seed=seed)
+
+
+def test_the_urgent_class_goes_first_under_priority_and_feather_and_not_under_fcfs() -> None:
+    plan = plan_for(mixed_classes(), [], max_num_seqs=32)
+    runs = {name: summarize(simulate(plan, name)) for name in
+            ("fcfs", "priority", "feather-model")}
+    for summary in runs.values():
+        assert summary["completed"] == 240
+        assert [c["requests"] for c in summary["by_priority"].values()] == [24, 216]
+    ttft = {name: s["by_priority"]["0"]["mean_ttft_ms"] for name, s in runs.items()}
+    assert ttft["priority"] < 0.5 * ttft["fcfs"] and ttft["feather-model"] < 0.5 * ttft["fcfs"]
+    fcfs_rest = runs["fcfs"]["by_priority"]["1"]["mean_ttft_ms"]
+    assert runs["fcfs"]["by_priority"]["0"]["mean_ttft_ms"] == pytest.approx(fcfs_rest, rel=0.5)
+
+
+@pytest.mark.parametrize("name", ["priority", "feather-model"])
+def test_the_victim_is_the_latest_arrival_of_the_least_urgent_class(name: str,
+                                                                     monkeypatch) -> None:
+    seen = []
+    policy_of = make_policy
+
+    def recording(*args):
+        policy = policy_of(*args)
+        choose = policy.preemption_victim
+
+        def victim(running):
+            chosen = choose(running)
+            key = (chosen.spec.priority, chosen.spec.arrival_s)
+            seen.append(all((r.spec.priority, r.spec.arrival_s) <= key for r in running))
+            return chosen
+
+        policy.preemption_victim = victim
+        return policy
+
+    monkeypatch.setattr("feather_sched.sim.runner.make_policy", recording)
+    workload = prioritized(minority_groups(
+        majority=150, minorities=[10, 10], prefix_len=1024, suffix_len=32, output_len=120,
+        arrival=ArrivalSpec(kind="poisson", rate=300), seed=1), 0.3, seed=1)
+    plan = SimPlan(workload=workload, hardware=HARDWARE["h100-sxm"],
+                   model=MODELS["llama-3-8b"], engine=EngineConfig(num_blocks=300))
+    summary = summarize(simulate(plan, name))
+    assert summary["completed"] == 170
+    assert len(seen) == summary["preemptions"] > 0 and all(seen)
+    by_class = summary["by_priority"]
+    assert by_class["0"]["preemptions"] < by_class["1"]["preemptions"]

@@ -21,6 +21,11 @@ class RequestRecord:
     error: str = ""
     cached_tokens: int | None = None
     """Prompt tokens the engine served from its prefix cache, when it reports them."""
+    priority: int = 0
+    """The workload's priority class (lower more urgent), whether or not the run's
+    scheduler acted on it."""
+    preemptions: int | None = None
+    """Times the engine preempted the request, when it reports them."""
 
     @property
     def output_len(self) -> int:

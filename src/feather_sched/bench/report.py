@@ -5,8 +5,9 @@ and the result dict) key for key, so a Feather run reads side by side with a vLL
 only successful requests count; TPOT is ``(e2el - ttft) / (output_len - 1)`` for
 requests with more than one token; ITL holds one gap per streamed chunk, so ``k``
 tokens that arrive together give one gap (what vLLM's client records); an empty sample
-counts as 0 as in vLLM.  Our own keys (batch size, prefix groups, cache hit rate, gate
-counts) come after vLLM's and are ``None`` when the run did not observe them.
+counts as 0 as in vLLM.  Our own keys (TTFT per prefix group, preemptions per run and per
+group, figures per priority class, batch size, prefix groups, cache hit rate, gate counts)
+come after vLLM's and are ``None`` when the run did not observe them.
 """
 
 from __future__ import annotations
@@ -99,6 +100,12 @@ class RunResult:
     """The engine-side scheduler's own accounting, when the run could read it."""
     extra: dict[str, float | None] = field(default_factory=dict)
     """Further figures only some runs have (e.g. the simulator's modelled HBM traffic)."""
+    preemptions: int | None = None
+    """The run's preemptions where the engine reports only a total (a server's
+    ``/metrics``); the records' own counts take precedence when they all have one."""
+    scheduling_policy: str | None = None
+    """The engine's policy when the run chose it: ``priority``, or ``fcfs`` (the requests'
+    priorities then went to the engine as 0)."""
 
 
 # ---- summary ----------------------------------------------------------------------------
@@ -127,6 +134,9 @@ def summarize(run: RunResult, percentiles: Percentiles = VLLM_PERCENTILES) -> Su
         wanted = percentiles.values if key in percentiles.metrics else ()
         summary.update(_latency_stats(key, values, wanted))
     summary.update(_group_keys(ok))
+    summary.update(_preemption_keys(run))
+    summary["scheduling_policy"] = run.scheduling_policy
+    summary["by_priority"] = priority_classes(run, ok)
     summary.update(_feather_keys(run, ok))
     return summary
 
@@ -155,14 +165,68 @@ def prefill_over_floor(records: Sequence[RequestRecord], workload: Workload) -> 
 def group_ttfts(ok: list[RequestRecord]) -> dict[str, dict[str, float]]:
     """TTFT mean and p99 (ms) and the request count of each workload prefix group (key
     ``"-1"``: requests that share nothing), largest group first."""
-    by_group: dict[int, list[float]] = {}
-    for record in ok:
-        if record.ttft_s is not None:
-            by_group.setdefault(record.group, []).append(record.ttft_s * 1000)
+    by_group = _by_group([r for r in ok if r.ttft_s is not None])
+    return {group: {"requests": len(records),
+                    **_mean_p99("ttft", [r.ttft_s or 0.0 for r in records])}
+            for group, records in by_group.items()}
+
+
+def _by_group(records: Iterable[RequestRecord]) -> dict[str, list[RequestRecord]]:
+    """Records per workload prefix group, largest group first (ties: lower group)."""
+    by_group: dict[int, list[RequestRecord]] = {}
+    for record in records:
+        by_group.setdefault(record.group, []).append(record)
     ranked = sorted(by_group.items(), key=lambda item: (-len(item[1]), item[0]))
-    return {str(group): {"requests": len(values), "mean_ttft_ms": float(np.mean(values)),
-                         "p99_ttft_ms": float(np.percentile(values, 99))}
-            for group, values in ranked}
+    return {str(group): members for group, members in ranked}
+
+
+def _mean_p99(key: str, seconds: list[float]) -> dict[str, float]:
+    """Mean and p99 of latencies in ms under vLLM's key names (an empty sample: 0)."""
+    data = seconds or 0
+    return {f"mean_{key}_ms": float(np.mean(data)) * 1000,
+            f"p99_{key}_ms": float(np.percentile(data, 99)) * 1000}
+
+
+def priority_classes(run: RunResult, ok: list[RequestRecord]) -> dict[str, dict] | None:
+    """Per priority class of the workload (key: the class, most urgent first), when the
+    run's requests are in several: requests completed, TTFT and E2E latency (mean and p99,
+    ms), output tokens/s (the class's tokens over the run's duration) and preemptions
+    (None where unobserved).  Classes are the workload's, whatever the run's scheduler
+    made of them.  O(records)."""
+    classes = sorted({r.priority for r in run.records})
+    if len(classes) < 2:
+        return None
+    result = {}
+    for priority in classes:
+        mine = [r for r in ok if r.priority == priority]
+        samples = _latency_samples(mine)
+        counts = [r.preemptions for r in run.records if r.priority == priority]
+        result[str(priority)] = {
+            "requests": len(mine),
+            **_mean_p99("ttft", samples["ttft"]),
+            **_mean_p99("e2el", samples["e2el"]),
+            "output_throughput": _per_second(sum(r.output_len for r in mine), run.duration_s),
+            "preemptions": None if None in counts else sum(counts),  # type: ignore[arg-type]
+        }
+    return result
+
+
+def _preemption_keys(run: RunResult) -> Summary:
+    """Preemptions of the run and of each prefix group (total and the most any one
+    request took), from the records where all have a count, else the run's total."""
+    counts = [r.preemptions for r in run.records]
+    if not counts or None in counts:
+        return {"preemptions": run.preemptions, "max_preemptions_per_request": None,
+                "preemptions_by_group": None}
+    by_group = {group: [r.preemptions or 0 for r in records]
+                for group, records in _by_group(run.records).items()}
+    return {
+        "preemptions": sum(c or 0 for c in counts),
+        "max_preemptions_per_request": max(c or 0 for c in counts),
+        "preemptions_by_group": {group: {"preemptions": sum(values),
+                                         "max_per_request": max(values)}
+                                 for group, values in by_group.items()},
+    }
 
 
 def worst_group_ratios(groups: dict[str, dict], baseline: dict[str, dict]) -> tuple[float, float]:
@@ -278,6 +342,12 @@ def format_result_block(run: RunResult, summary: Summary) -> str:
         lines.extend(_latency_lines(key, name, summary))
     lines.append(_title("TTFT per prefix group (mean / p99 ms)", "-"))
     lines.extend(_group_lines(summary))
+    if summary["by_priority"] is not None:
+        lines.append(_title("Per priority class (lower more urgent)", "-"))
+        lines.extend(_priority_lines(summary))
+    if summary["preemptions_by_group"] and summary["preemptions"]:
+        lines.append(_title("Preemptions per prefix group (total / max)", "-"))
+        lines.extend(_preemption_lines(summary))
     lines.append(_title(" Feather ", "-"))
     lines.extend(_feather_lines(run, summary))
     lines.append("=" * WIDTH)
@@ -346,6 +416,36 @@ def _group_lines(summary: Summary) -> list[str]:
             _number("Worst group P99 TTFT (ms):", summary["worst_group_p99_ttft_ms"])]
 
 
+def _priority_lines(summary: Summary) -> list[str]:
+    """The scheduling policy, then each class's counts, latencies and throughput."""
+    policy = summary["scheduling_policy"]
+    if policy == "fcfs":
+        policy = "fcfs (priorities sent as 0)"
+    lines = [LINE.format("Scheduling policy:", policy or "n/a")]
+    classes: dict = summary["by_priority"]  # type: ignore[assignment]
+    for priority, c in classes.items():
+        lines += [
+            LINE.format(f"Class {priority} ({c['requests']} req) TTFT mean / p99 (ms):",
+                        f"{c['mean_ttft_ms']:.2f} / {c['p99_ttft_ms']:.2f}"),
+            LINE.format(f"Class {priority} E2EL mean / p99 (ms):",
+                        f"{c['mean_e2el_ms']:.2f} / {c['p99_e2el_ms']:.2f}"),
+            _number(f"Class {priority} output tok/s:", c["output_throughput"]),
+        ]
+    return lines
+
+
+def _preemption_lines(summary: Summary) -> list[str]:
+    """The groups with the most preemptions (``GROUP_LINES`` of them)."""
+    groups: dict = summary["preemptions_by_group"]  # type: ignore[assignment]
+    ranked = sorted(groups, key=lambda g: -groups[g]["preemptions"])
+    lines = [LINE.format(f"Group {g}:", f"{groups[g]['preemptions']} / "
+                                        f"{groups[g]['max_per_request']}")
+             for g in ranked[:GROUP_LINES]]
+    if len(ranked) > GROUP_LINES:
+        lines.append(LINE.format(f"({len(ranked) - GROUP_LINES} more groups)", ""))
+    return lines
+
+
 def _feather_lines(run: RunResult, summary: Summary) -> list[str]:
     rate = summary["prefix_cache_hit_rate"]
     gates = [summary[f"gate_{key}"] for key in GATE_KEYS]
@@ -356,6 +456,9 @@ def _feather_lines(run: RunResult, summary: Summary) -> list[str]:
         _number("Prefix groups per step:", summary["mean_groups_per_step"]),
         _number("Prefix-cache hit rate (%):", None if rate is None else rate * 100),
         LINE.format("Gate ADD / STOP / forced:", gate_text),
+        LINE.format("Preemptions (total / max a request):",
+                    f"{_or_na(summary['preemptions'])} / "
+                    f"{_or_na(summary['max_preemptions_per_request'])}"),
         _number("Scheduler time per step (ms):", summary["schedule_ms_per_call"]),
         _number("Engine step time (ms):", summary["engine_step_ms"]),
         *(_number(f"{key.replace('_', ' ').capitalize()}:", summary[key]) for key in run.extra),
@@ -420,11 +523,14 @@ def write_json(
 
 def details(run: RunResult) -> dict[str, list]:
     """Per-request arrays as ``vllm bench serve --save-detailed`` writes them (seconds;
-    ``itls`` one list of chunk gaps per request), plus each request's id and group."""
+    ``itls`` one list of chunk gaps per request), plus each request's id, group, priority
+    class and preemptions (None where unobserved)."""
     records = run.records
     return {
         "request_ids": [r.request_id for r in records],
         "groups": [r.group for r in records],
+        "priorities": [r.priority for r in records],
+        "preemptions": [r.preemptions for r in records],
         "input_lens": [r.prompt_len for r in records],
         "output_lens": [r.output_len for r in records],
         "ttfts": [r.ttft_s if r.success else 0.0 for r in records],
@@ -493,7 +599,8 @@ def load_runs(paths: Sequence[str | Path]) -> dict[str, Summary]:
 
 
 def report_markdown(runs: dict[str, Summary]) -> str:
-    """Per run: throughput, TTFT and TPOT; then TTFT per prefix group."""
+    """Per run: throughput, TTFT and TPOT; then TTFT per prefix group; then, where runs
+    have several priority classes, each class's TTFT, E2E latency and throughput."""
     lines = ["| run | out tok/s | mean TTFT ms | p99 TTFT ms | mean TPOT ms | worst group "
              "mean / p99 TTFT ms |", "|---|---|---|---|---|---|"]
     for name, s in runs.items():
@@ -507,6 +614,15 @@ def report_markdown(runs: dict[str, Summary]) -> str:
         for group, g in (s.get("ttft_by_group") or {}).items():
             lines.append(f"| {name} | {group} | {g['requests']} | {g['mean_ttft_ms']:.1f} | "
                          f"{g['p99_ttft_ms']:.1f} |")
+    if any(s.get("by_priority") for s in runs.values()):
+        lines += ["", "| run | priority class | requests | mean / p99 TTFT ms | mean / p99 "
+                  "E2EL ms | out tok/s |", "|---|---|---|---|---|---|"]
+        for name, s in runs.items():
+            for priority, c in (s.get("by_priority") or {}).items():
+                lines.append(f"| {name} | {priority} | {c['requests']} | "
+                             f"{_fmt(c['mean_ttft_ms'])} / {_fmt(c['p99_ttft_ms'])} | "
+                             f"{_fmt(c['mean_e2el_ms'])} / {_fmt(c['p99_e2el_ms'])} | "
+                             f"{_fmt(c['output_throughput'])} |")
     return "\n".join(lines) + "\n"
 
 

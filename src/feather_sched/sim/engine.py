@@ -2,12 +2,12 @@
 
 Each step follows the shape of vLLM's ``Scheduler.schedule()``: running requests first
 (one decode token, or their next prefill chunk), preempting by recompute, when KV blocks
-run out, the policy's victim (vLLM FCFS: the most recently admitted; Feather: the latest
-arrival); then, if nothing was preempted, admission
-from the waiting policy while the token budget and ``max_num_seqs`` allow.  The batch is
-laid out like vLLM's *persistent batch* (new requests take the lowest free slot, then
-``condense`` moves the last slots into the remaining holes), which is what interleaves
-prefix groups over time; under a policy that ``orders_running``, the batch follows the
+run out, the policy's victim (vLLM FCFS: the most recently admitted; vLLM's priority
+policy and Feather: the latest arrival of the least urgent class); then, if nothing was
+preempted, admission from the waiting policy while the token budget and ``max_num_seqs``
+allow.  The batch is laid out like vLLM's *persistent batch* (new requests take the lowest
+free slot, then ``condense`` moves the last slots into the remaining holes), which is what
+interleaves prefix groups over time; under a policy that ``orders_running``, the batch follows the
 scheduler's running order, as Feather's worker plugin makes vLLM's V1 runner do.
 
 Every policy drives the contract of ``feather_sched.runtime`` (Feather is the real
@@ -82,7 +82,8 @@ class SimRequest:
 
     @classmethod
     def create(cls, spec: RequestSpec, index: int, config: EngineConfig) -> SimRequest:
-        record = RequestRecord(spec.request_id, spec.prompt.size, spec.group, spec.arrival_s)
+        record = RequestRecord(spec.request_id, spec.prompt.size, spec.group, spec.arrival_s,
+                               priority=spec.priority)
         keys = token_chunk_keys(spec.prompt, config.block_tokens)
         per_chunk = keys_per_chunk(config.block_tokens, config.group_tokens)
         group = group_of(keys, spec.request_id, per_chunk)
@@ -550,6 +551,7 @@ class SimEngine:
             raise RuntimeError(f"request {request.request_id!r} ended twice")
         request.state = state
         request.record.finished_s = when
+        request.record.preemptions = request.preemptions
         self._ended += 1
         if self._on_done is not None:
             self._on_done(request.record)

@@ -1,4 +1,5 @@
-"""vLLM's default waiting queue for the simulator: first come, first served.
+"""vLLM's own waiting queues for the simulator: first come, first served (the default),
+and its priority policy.
 
 Sim policies drive the same contract as ``FeatherRuntime`` (``enter_waiting``,
 ``discard``, ``begin_pass``, ``decide``, ``admit``, ``end_pass``, ``end_step``), so the
@@ -7,6 +8,7 @@ simulated engine has one code path for every scheduler.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -55,10 +57,10 @@ class FcfsPolicy:
         return running[-1]
 
     def decide(self) -> Offer | None:
-        return Offer(self._queue[0].request_id) if self._queue else None
+        return Offer(self._head().request_id) if len(self) else None
 
     def admit(self, request: SimRequest) -> None:
-        head = self._queue.popleft()
+        head = self._pop()
         if head is not request:
             raise RuntimeError(f"admitted {request.request_id!r}, not the head "
                                f"{head.request_id!r}")
@@ -69,3 +71,42 @@ class FcfsPolicy:
     def end_step(self, step: Hashable, batch_size: int, seconds: float,
                  batch: Sequence[BatchEntry] | None = None) -> None:
         pass
+
+    def _head(self) -> SimRequest:
+        return self._queue[0]
+
+    def _pop(self) -> SimRequest:
+        return self._queue.popleft()
+
+
+def priority_order(request: SimRequest) -> tuple[int, float, int]:
+    """vLLM's order under its priority policy: (priority, arrival time), ties by position
+    in the workload."""
+    return request.spec.priority, request.spec.arrival_s, request.index
+
+
+class PriorityPolicy(FcfsPolicy):
+    """vLLM's priority policy (``scheduling_policy="priority"``): the waiting queue is a
+    heap on (priority, arrival), a preempted request re-enters it by the same key, and
+    the victim of preemption is ``max(running, key=(priority, arrival))``.  O(log n) a
+    call, O(running) a preemption."""
+
+    name = "priority"
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple[int, float, int], SimRequest]] = []
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def enter_waiting(self, request: SimRequest) -> None:
+        heapq.heappush(self._heap, (priority_order(request), request))
+
+    def preemption_victim(self, running: Sequence[SimRequest]) -> SimRequest:
+        return max(running, key=priority_order)
+
+    def _head(self) -> SimRequest:
+        return self._heap[0][1]
+
+    def _pop(self) -> SimRequest:
+        return heapq.heappop(self._heap)[1]

@@ -1,5 +1,9 @@
 """Schedulers for the simulator: Feather (the real FeatherRuntime), SGLang's LPM and DFS-weight.
 
+Feather reads each request's priority class from its spec, as vLLM's scheduler under
+its priority policy; vLLM FCFS and SGLang's policies ignore priorities (``sim.fcfs`` has
+vLLM's own priority policy).
+
 Every policy drives the contract of ``feather_sched.runtime``.  Feather *is* the
 ``FeatherRuntime`` the vLLM and SGLang adapters use, reading simulated requests through
 ``SimRequests`` (chunk keys from the simulated pool's block keys) on the simulated clock.
@@ -30,7 +34,7 @@ from feather_sched.prefix import keys_per_chunk
 from feather_sched.runtime import FeatherRuntime
 from feather_sched.schedulers import SIM_KINDS, SchedulerKind, parse_scheduler
 from feather_sched.sim.engine import SimEngine, SimRequest
-from feather_sched.sim.fcfs import FcfsPolicy
+from feather_sched.sim.fcfs import FcfsPolicy, PriorityPolicy
 from feather_sched.step_model import StepPrior
 
 LPM_MAX_WAITING = 128
@@ -61,7 +65,7 @@ class SimRequests:
         return request.spec.arrival_s
 
     def priority(self, request: SimRequest) -> int:
-        return 0
+        return request.spec.priority
 
 
 class _SGLangPolicy(FcfsPolicy):
@@ -158,6 +162,8 @@ def make_policy(name: str, feather_options: dict[str, Any], engine: SimEngine) -
     parsed = parse_scheduler(name, SIM_KINDS)
     if parsed.kind is SchedulerKind.FCFS:
         return FcfsPolicy()
+    if parsed.kind is SchedulerKind.PRIORITY:
+        return PriorityPolicy()
     if parsed.kind is SchedulerKind.SGLANG_LPM:
         return LpmPolicy(engine)
     if parsed.kind is SchedulerKind.SGLANG_DFS_WEIGHT:

@@ -119,8 +119,7 @@ def _result(workload: Workload, results: dict[Hashable, SimResult], name: str) -
     ordered = [records[spec.request_id] for spec in workload.requests]
     run = RunResult(name=name, records=ordered,
                     duration_s=max((r.finished_s or 0.0 for r in ordered), default=0.0),
-                    steps=[step for result in results.values() for step in result.steps],
-                    extra={"preemptions": sum(s.preemptions for s in stats)})
+                    steps=[step for result in results.values() for step in result.steps])
     return ReplicaResult(run, stats)
 
 

@@ -74,7 +74,6 @@ def as_run_result(result: SimResult, policy: Any, name: str) -> RunResult:
         "hbm_bytes_per_output_token": result.costs.hbm_bytes_per_output_token,
         "modelled_l2_hit_rate": result.costs.l2_hit_rate,
         "scheduler_cpu_s": result.scheduler_cpu_s + result.modelled_scheduler_s,
-        "preemptions": result.num_preemptions,
     }
     return run
 
