@@ -179,7 +179,8 @@ class OvertakeBound:
     def _candidates(self, priority: int) -> list[RequestId]:
         """The class's requests that may be the first at a bound: its oldest fresh one
         and its requeued ones."""
-        waiting = [r for r in self._requeued if self._priority[r] == priority]
+        waiting = list(self._requeued) if len(self._classes) == 1 else \
+            [r for r in self._requeued if self._priority[r] == priority]
         oldest = self._oldest_fresh(priority)
         if oldest is not None:
             waiting.append(oldest)
