@@ -4,12 +4,17 @@
 ``RadixCache.create_simulated()``, a CPU ``TokenToKVPoolAllocator``, ``ScheduleBatch`` and
 ``Req`` are SGLang's own classes; each admission round below repeats the loop of
 ``Scheduler._get_new_batch_prefill_raw`` (calc_priority, then ``init_next_round_input`` and
-``add_one_req`` per waiting request until a result other than CONTINUE).
+``add_one_req`` per waiting request until a result other than CONTINUE, with priority
+preemption where the batch is full), and requests enter the waiting queue through
+SGLang's own ``Scheduler._add_request_to_queue`` (priority defaults, queue limit).  Where
+running requests must hold KV (priority preemption releases it), the engine keeps a real
+``ReqToTokenPool`` and ``RadixCache`` and runs SGLang's ``prepare_for_extend``.
 """
 
 from __future__ import annotations
 
 import io
+import sys
 import time
 from array import array
 from collections import Counter
@@ -25,15 +30,20 @@ if not sglang_installed():
 
 import torch
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req, ScheduleBatch
 from sglang.srt.managers.schedule_policy import (
     AddReqResult,
     PrefillAdder,
     SchedulePolicy,
 )
+from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from feather_sched.config import FeatherConfig
 from feather_sched.integrations import sglang as feather_sglang
@@ -57,6 +67,8 @@ SUFFIX = CHUNK // 2
 GROUPS = "ABCDE"
 STRICT = {"max_loss": 0, "floor_start": 0, "floor_step": 0}
 """ChunkLossGate that stops at the first candidate that costs any shared chunk."""
+PREEMPTION_THRESHOLD = 10
+"""SGLang's default ``--priority-scheduling-preemption-threshold``."""
 
 
 @pytest.fixture(autouse=True)
@@ -72,94 +84,161 @@ def _prompt(group: str, index: int) -> array:
     return array("q", prefix + suffix)
 
 
-def _req(group: str, index: int, max_new_tokens: int = 8) -> Req:
+def _req(group: str, index: int, max_new_tokens: int = 8, priority: int | None = None
+         ) -> Req:
     return Req(f"{group}{index}", "", _prompt(group, index),
-               SamplingParams(max_new_tokens=max_new_tokens))
+               SamplingParams(max_new_tokens=max_new_tokens), priority=priority)
 
 
 def _group(req: Req) -> str:
     return req.rid[0]
 
 
+def _scheduler(tree_cache, priority: bool, low_first: bool, max_queued: int | None,
+               aborted: list[str]) -> Scheduler:
+    """An SGLang ``Scheduler``, not started, with the state its request-queue methods read
+    (``_add_request_to_queue``: priority defaults, queue limit); aborts land in
+    ``aborted``."""
+    scheduler = object.__new__(Scheduler)
+    tokenizer = SimpleNamespace(send_output=lambda abort, req: aborted.append(req.rid))
+    vars(scheduler).update(
+        enable_priority_scheduling=priority, schedule_low_priority_values_first=low_first,
+        abort_on_priority_when_disabled=False, disaggregation_mode=DisaggregationMode.NULL,
+        max_queued_requests=max_queued, waiting_queue=[], processed_tokens_counter=0,
+        enable_hicache_storage=False, enable_lmcache=False, tree_cache=tree_cache,
+        rust_server=None, ipc_channels=SimpleNamespace(send_to_tokenizer=tokenizer),
+        beam_coordinator=SimpleNamespace(retire_group=lambda req: None))
+    return scheduler
+
+
 class Engine:
-    """The pieces of an SGLang scheduler the admission round touches, all real objects."""
+    """The pieces of an SGLang scheduler the admission round touches, all real objects.
+
+    ``priority``, ``low_first``: SGLang's ``--enable-priority-scheduling`` (with its
+    preemption) and ``--schedule-low-priority-values-first``; ``max_queued``:
+    ``--max-queued-requests``; ``kv``: running requests hold KV rows (a real
+    ``ReqToTokenPool`` and ``RadixCache``), as priority preemption needs.
+    """
 
     def __init__(self, gate: str = "chunk-loss", gate_options: dict | None = None,
-                 feather: bool = True, pool_tokens: int = 1 << 16) -> None:
+                 feather: bool = True, pool_tokens: int = 1 << 16, *, priority: bool = False,
+                 low_first: bool = False, max_queued: int | None = None,
+                 kv: bool = False) -> None:
         self.allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", None, False)
-        self.tree_cache = RadixCache.create_simulated(mock_allocator=self.allocator)
+        self.kv = kv
+        if kv:
+            self.req_to_token_pool = ReqToTokenPool(64, 1024, "cpu", False)
+            self.tree_cache = RadixCache(CacheInitParams(
+                disable=False, req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.allocator, page_size=1))
+            self.model_config = ModelConfig(str(TINY_LLAMA))
+        else:
+            self.tree_cache = RadixCache.create_simulated(mock_allocator=self.allocator)
+        self.batch = ScheduleBatch(reqs=[])
+        """The running batch, holding KV (``kv`` engines)."""
         self.feather = None
+        self.priority = priority
         if feather:
             strict = gate_options is STRICT  # to see STOP alone: no fairness bound
             bounds = {"max_overtakes": None, "max_stops": None} if strict else {}
             config = FeatherConfig(gate=gate, gate_options=gate_options or {},
                                    chunk_tokens=CHUNK, **bounds)
-            self.feather = FeatherSGLang(config)
+            self.feather = FeatherSGLang(config, priority_scheduling=priority,
+                                         low_priority_values_first=low_first)
             self.policy = FeatherSchedulePolicy(
-                self.feather, self.tree_cache, chunked_req=lambda: None)
+                self.feather, self.tree_cache, False, priority, low_first,
+                chunked_req=lambda: None)
             self.adder_class = self.feather.adder_class
         else:
-            self.policy = SchedulePolicy("fcfs", self.tree_cache, False, False, False)
+            self.policy = SchedulePolicy("fcfs", self.tree_cache, False, priority, low_first)
             self.adder_class = PrefillAdder
-        self.waiting: list[Req] = []
+        self.aborted: list[str] = []
+        self.scheduler = _scheduler(self.tree_cache, priority, low_first, max_queued,
+                                    self.aborted)
+        self.scheduler.feather = self.feather
         self.running: list[Req] = []
         self.steps = 0
 
+    @property
+    def waiting(self) -> list[Req]:
+        return self.scheduler.waiting_queue
+
+    @waiting.setter
+    def waiting(self, reqs: list[Req]) -> None:
+        self.scheduler.waiting_queue = reqs
+
     def arrive(self, *reqs: Req) -> None:
-        """What ``Scheduler._add_request_to_queue`` does, through Feather's hook."""
+        """SGLang's ``Scheduler._add_request_to_queue``, through Feather's hook."""
         for req in reqs:
             self._add_to_queue(req)
 
     def _add_to_queue(self, req: Req, is_retracted: bool = False) -> None:
-        scheduler = SimpleNamespace(feather=self.feather, waiting_queue=self.waiting)
-
-        def original(scheduler, req, is_retracted=False):
-            scheduler.waiting_queue.append(req)
-
-        feather_sglang._hook_add_request_to_queue(original, scheduler, req,
+        feather_sglang._hook_add_request_to_queue(Scheduler._add_request_to_queue,
+                                                  self.scheduler, req,
                                                   is_retracted=is_retracted)
 
-    def admission_round(self, max_requests: int | None = None, skip=lambda req: False
-                        ) -> list[Req]:
+    def admission_round(self, max_requests: int | None = None, skip=lambda req: False,
+                        seats: int | None = None) -> list[Req]:
         """One pass of ``Scheduler._get_new_batch_prefill_raw``'s admission loop, with its
         ``continue`` branches (LoRA slots, pooling mode, prefetch) standing in as ``skip``,
-        inside Feather's ``get_new_batch_prefill`` hook (begin and end of the round)."""
-        from sglang.srt.managers.schedule_batch import ScheduleBatch
-
-        running_batch = ScheduleBatch(reqs=list(self.running))
+        inside Feather's ``get_new_batch_prefill`` hook (begin and end of the round).
+        ``seats``: the running requests SGLang allows; a full batch ends the round unless
+        priority preemption makes room (``kv`` engines)."""
+        running_batch = self.batch if self.kv else ScheduleBatch(reqs=list(self.running))
         if self.feather is not None:
             self.feather.begin_round(running_requests(running_batch, chunked=None))
         self.policy.calc_priority(self.waiting, running_batch)
         adder = self.adder_class(
             1, self.tree_cache, self.allocator, running_batch, 0.5, 1 << 16, None,
+            priority_scheduling_preemption_threshold=PREEMPTION_THRESHOLD,
             prefill_max_requests=max_requests)
         for req in self.waiting:
             if adder.budget_state() == AddReqResult.OTHER:
                 break
             if skip(req):
                 continue
+            full = seats is not None and len(adder.can_run_list) >= seats - len(running_batch.reqs)
+            if full and (not self.priority or not adder.preempt_to_schedule(req)):
+                break
             req.init_next_round_input(self.tree_cache)
             result = adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
             if result != AddReqResult.CONTINUE:
                 break
         admitted = list(adder.can_run_list)
-        for req in admitted:
-            self.tree_cache.unlock(req.lock)  # the engine would hold it until the request ends
         chosen = set(admitted)
         self.waiting = [req for req in self.waiting if req not in chosen]
-        self.running += admitted
+        for req in adder.preempt_list:  # SGLang re-queues them, whether or not admitted
+            self._add_to_queue(req)
+        self._run(admitted)
         if self.feather is not None:
             self.feather.end_round(list(self.running))
             assert self.running_ids() == {r.rid for r in self.running}  # the exact picture
         return admitted
+
+    def _run(self, admitted: list[Req]) -> None:
+        """The admitted requests join the running ones (``kv``: their prefill batch takes
+        its KV and merges into the running batch)."""
+        if not self.kv:
+            for req in admitted:
+                self.tree_cache.unlock(req.lock)  # the engine would hold it until the end
+            self.running += admitted
+            return
+        if admitted:
+            batch = ScheduleBatch.init_new(admitted, self.req_to_token_pool, self.allocator,
+                                           self.tree_cache, self.model_config, False,
+                                           SpeculativeAlgorithm.NONE)
+            batch.prepare_for_extend()
+            if self.batch.is_empty():
+                self.batch = batch
+            else:
+                self.batch.merge_batch(batch)
+        self.running = list(self.batch.reqs)
 
     def running_ids(self) -> set[str]:
         return set(self.feather.runtime.queue.running_ids())
 
     def finish(self, *reqs: Req, reason=None) -> None:
         """A batch result finished ``reqs``: Feather's process_batch_result hook sees it."""
-        from sglang.srt.managers.schedule_batch import ScheduleBatch
-
         for req in reqs:
             req.finished_reason = reason or FINISH_LENGTH(length=8)
         self.steps += 1
@@ -342,6 +421,151 @@ def test_requests_sglang_skips_stay_waiting_and_the_offered_one_is_judged() -> N
     assert {r.rid for r in admitted} == lora_busy  # no longer skipped: their group, first
 
 
+# ---- (e) priority scheduling (--enable-priority-scheduling) ---------------------------
+
+
+@pytest.mark.parametrize("low_first", [False, True])
+def test_priority_classes_rank_requests_as_sglang_does(low_first) -> None:
+    """Feather's classes order requests exactly as SGLang's own priority scheduling
+    (``fcfs``: priority, then arrival) when their prefixes do not tell them apart, both
+    ways round, and a request without a priority (SGLang gives it the least urgent value of
+    the signed 64-bit range) is least urgent and admitted like any other."""
+    priorities = [3, None, 7, -2, 3, 7, None, 0]
+
+    def requests() -> list[Req]:  # no two share a chunk
+        return [Req(f"R{i}", "", array("q", range(i * 1000, i * 1000 + PREFIX)),
+                    SamplingParams(max_new_tokens=8), priority=p)
+                for i, p in enumerate(priorities)]
+
+    sglang = Engine(feather=False, priority=True, low_first=low_first)
+    sglang.arrive(*requests())
+    sglang.policy.calc_priority(sglang.waiting)
+    expected = [req.rid for req in sglang.waiting]
+    assert expected[-2:] == ["R1", "R6"]  # no priority: last, in arrival order
+
+    engine = Engine(gate="always", priority=True, low_first=low_first)
+    engine.arrive(*requests())
+    engine.policy.calc_priority(engine.waiting)
+    assert [req.rid for req in engine.waiting] == expected
+    view = engine.feather.runtime.view
+    assert view.priority(engine.waiting[-1]) == sys.maxsize
+    assert [req.rid for req in engine.admission_round()] == expected
+
+
+def test_priorities_are_ignored_without_priority_scheduling() -> None:
+    """Without ``--enable-priority-scheduling`` SGLang keeps a request's priority but
+    ignores it (``--abort-on-priority-when-disabled`` off): so does Feather."""
+    engine = Engine(gate="always")
+    engine.arrive(_req("C", 0))
+    engine.admission_round()
+    engine.arrive(_req("A", 1, priority=9), _req("C", 2, priority=-9))
+    assert [req.rid for req in engine.admission_round(max_requests=1)] == ["C2"]
+    assert engine.feather.runtime.queue.priority("A1") == 0
+
+
+def test_a_more_urgent_request_goes_before_one_that_shares_the_running_prefix() -> None:
+    """Strict priority: while a more urgent request waits, no less urgent one is admitted,
+    though it would cost no shared chunk; a gate that stops at the urgent one's chunk loss
+    thus admits nobody."""
+    for gate, options, expected in [("always", None, ["A2", "C1"]),
+                                    ("chunk-loss", STRICT, [])]:
+        engine = Engine(gate=gate, gate_options=options, priority=True)
+        engine.arrive(_req("C", 0, priority=0))
+        engine.admission_round()
+        engine.arrive(_req("C", 1, priority=0), _req("A", 2, priority=20))
+        assert [req.rid for req in engine.admission_round()] == expected
+    assert engine.feather.runtime.counts.stop == 1
+    assert [req.rid for req in engine.waiting] == ["A2", "C1"]
+
+
+def test_within_a_class_the_prefix_order_holds() -> None:
+    engine = Engine(gate="always", priority=True)
+    engine.arrive(_req("C", 0, priority=0))
+    engine.admission_round()
+    classes = {"A1": 5, "C1": 0, "C2": 5, "A3": 0, "B4": 5, "C5": 5, "B6": 0, "C7": 0}
+    engine.arrive(*(_req(rid[0], int(rid[1]), priority=p) for rid, p in classes.items()))
+    engine.policy.calc_priority(engine.waiting, _running_batch(engine))
+    # the urgent class (5): its running group first, then by arrival; then class 0 alike
+    assert [req.rid for req in engine.waiting] == ["C2", "C5", "A1", "B4",
+                                                   "C1", "C7", "A3", "B6"]
+    assert [req.rid for req in engine.admission_round(max_requests=2)] == ["C2", "C5"]
+
+
+def test_retraction_takes_the_latest_arrival_of_the_least_urgent_class(monkeypatch) -> None:
+    engine = Engine(gate="always", priority=True)
+    b0, a0, b1, a1 = (_req("B", 0, priority=0), _req("A", 0, priority=9),
+                      _req("B", 1, priority=0), _req("A", 1, priority=9))
+    engine.arrive(b0, a0, b1, a1)
+    engine.admission_round()
+    monkeypatch.setattr(feather_sglang, "_process_feather", engine.feather)
+    batch = [a1, b1, a0, b0]
+    order = feather_sglang._hook_decode_retraction_order(lambda reqs: [], batch)
+    assert [batch[i].rid for i in order] == ["A0", "A1", "B0", "B1"]  # retracted from the end
+
+
+def _full_batch_of_a(gate: str, options: dict | None = None) -> Engine:
+    """Three requests of group A (priorities 0, 0, 5) fill the engine's three seats; then
+    an urgent request of group B (priority 20, over SGLang's preemption threshold above
+    each) and one more of group A (priority 0) arrive."""
+    engine = Engine(gate=gate, gate_options=options, priority=True, kv=True)
+    engine.arrive(*(_req("A", i, priority=p) for i, p in enumerate([0, 0, 5])))
+    assert len(engine.admission_round(seats=3)) == 3
+    engine.arrive(_req("B", 0, priority=20), _req("A", 3, priority=0))
+    return engine
+
+
+def test_sglangs_priority_preemption_leaves_feathers_picture_exact() -> None:
+    """SGLang's ``PrefillAdder.preempt_to_schedule`` releases, for the urgent request, the
+    victim Feather's own rule names (A1: the latest arrival of the least urgent class,
+    not the latest arrival A2); A1 waits again in both pictures and, as its group still
+    runs and it arrived first, comes before A3 in Feather's order."""
+    engine = _full_batch_of_a("always")
+    runtime = engine.feather.runtime
+    assert runtime.preemption_victim(engine.running).rid == "A1"
+    admitted = engine.admission_round(seats=3)  # asserts Feather's running set is SGLang's
+    assert [req.rid for req in admitted] == ["B0"]
+    a1 = next(req for req in engine.waiting if req.rid == "A1")
+    assert not a1.kv.holds_kv  # SGLang released it
+    assert runtime.queue.state("A1") is QueueState.WAITING
+    assert {r.rid for r in engine.running} == {"A0", "A2", "B0"}
+    engine.policy.calc_priority(engine.waiting, engine.batch)
+    assert [req.rid for req in engine.waiting] == ["A1", "A3"]
+
+
+def test_no_priority_preemption_for_a_request_feather_stops() -> None:
+    """A gate's STOP for the urgent request comes before SGLang preempts for it: the
+    running requests keep their KV, and the round ends."""
+    engine = _full_batch_of_a("chunk-loss", STRICT)
+    assert engine.admission_round(seats=3) == []
+    assert {r.rid for r in engine.running} == {"A0", "A1", "A2"}
+    assert all(req.kv.holds_kv for req in engine.running)  # none released
+    assert [req.rid for req in engine.waiting] == ["B0", "A3"]
+    assert engine.feather.runtime.counts.stop == 1
+
+
+def test_queue_limit_aborts_the_least_urgent_waiting_request() -> None:
+    """With ``--max-queued-requests`` full, SGLang aborts the latest least urgent waiting
+    request for a more urgent arrival; Feather forgets it and admits the urgent one first."""
+    engine = Engine(gate="always", priority=True, max_queued=2)
+    engine.arrive(_req("A", 0, priority=0), _req("B", 1, priority=0), _req("C", 2, priority=20))
+    assert engine.aborted == ["B1"]
+    assert [req.rid for req in engine.admission_round(max_requests=1)] == ["C2"]
+    runtime = engine.feather.runtime
+    assert "B1" not in runtime and len(runtime) == 1
+
+
+def test_hooks_install_feather_under_priority_scheduling(monkeypatch) -> None:
+    monkeypatch.setattr(feather_sglang, "_process_feather", None)  # restored afterwards
+    monkeypatch.setenv("FEATHER_SGLANG", "1")
+    scheduler = _stub_scheduler(RadixCache.create_simulated())
+    scheduler.enable_priority_scheduling = scheduler.schedule_low_priority_values_first = True
+    feather_sglang._hook_init_schedule_policy(lambda s: None, scheduler)
+    assert isinstance(scheduler.policy, FeatherSchedulePolicy)
+    assert scheduler.policy.enable_priority_scheduling
+    view = scheduler.feather.runtime.view
+    assert view.priority(_req("A", 0, priority=3)) < view.priority(_req("A", 1, priority=4))
+
+
 # ---- plumbing -------------------------------------------------------------------------
 
 
@@ -489,7 +713,5 @@ def test_launcher_help_shows_feather_and_sglang_options() -> None:
     assert "--model-path" in text
 
 
-def _running_batch(engine: Engine):
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-
+def _running_batch(engine: Engine) -> ScheduleBatch:
     return ScheduleBatch(reqs=list(engine.running))

@@ -17,9 +17,10 @@ which translates SGLang's objects for the engine-agnostic ``FeatherRuntime``:
 * a round (``get_new_batch_prefill``) is one pass: ``begin_pass`` with SGLang's running
   requests; ``FeatherSchedulePolicy.calc_priority`` reconciles the runtime with SGLang's
   waiting queue and running batch (requests that left by a path no hook saw are
-  forgotten, retracted ones return to waiting) and sorts the waiting queue in the tree's
-  order; after each admission the tree's next candidate is moved up in the list SGLang's
-  loop is walking; ``end_pass`` when the round returns;
+  forgotten, retracted ones return to waiting) and sorts the waiting queue in Feather's
+  order (the most urgent priority class first, the tree's order within it); after each
+  admission the runtime's next candidate is moved up in the list SGLang's loop is
+  walking; ``end_pass`` when the round returns;
 * ``FeatherPrefillAdder.add_one_req`` asks the runtime about the very request SGLang
   offers (so a request SGLang's loop skips with ``continue`` - LoRA slots, pooling mode,
   storage prefetch - simply stays waiting), answers ``OTHER`` on STOP, which ends
@@ -32,8 +33,18 @@ which translates SGLang's objects for the engine-agnostic ``FeatherRuntime``:
   running decode batch in Feather's order (SGLang's decode attention walks requests in
   batch order), through SGLang's own ``ScheduleBatch.filter_batch``.
 * under memory pressure SGLang retracts decoding requests in the order
-  ``ScheduleBatch._get_decode_retraction_order`` gives: Feather's is by arrival, so the
-  latest arrival is retracted first, as on vLLM and in the simulator.
+  ``ScheduleBatch._get_decode_retraction_order`` gives: Feather's is by priority class,
+  then arrival, so the latest arrival of the least urgent class is retracted first, as on
+  vLLM and in the simulator;
+* under ``--enable-priority-scheduling`` each request's ``Req.priority`` becomes a Feather
+  priority class ranked as SGLang ranks it (``SGLangRequests.priority``), so the runtime's
+  strict priority puts the most urgent class waiting first; SGLang's own priority
+  preemption (``PrefillAdder.preempt_to_schedule``: when the batch is full, running
+  requests whose priority is more than ``--priority-scheduling-preemption-threshold``
+  less urgent make room) acts only for a request Feather admits, and the requests it
+  preempts re-enter waiting through ``_add_request_to_queue``; a waiting request SGLang
+  aborts for a more urgent one when its queue is full (``--max-queued-requests``) is
+  forgotten at the next reconciliation.
 
 Unsupported modes are refused at start-up with a warning that leaves SGLang's own
 scheduling in place (``_unsupported``).  Options: ``FEATHER_*`` environment variables
@@ -46,6 +57,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
@@ -99,10 +111,16 @@ def feather_options(environ: Mapping[str, str] = os.environ) -> FeatherConfig:
 
 
 class SGLangRequests:
-    """``RequestView`` of SGLang's ``Req``: chunk keys from ``origin_input_ids``."""
+    """``RequestView`` of SGLang's ``Req``: chunk keys from ``origin_input_ids``, priority
+    classes from ``Req.priority`` as the scheduler's settings rank it."""
 
-    def __init__(self, chunk_tokens: int) -> None:
+    def __init__(self, chunk_tokens: int, *, priority_scheduling: bool = False,
+                 low_priority_values_first: bool = False) -> None:
+        """``priority_scheduling``, ``low_priority_values_first``: SGLang's
+        ``enable_priority_scheduling`` and ``schedule_low_priority_values_first``."""
         self.chunk_tokens = chunk_tokens
+        self.priority_scheduling = priority_scheduling
+        self.low_priority_values_first = low_priority_values_first
 
     def request_id(self, req: Req) -> str:
         return req.rid
@@ -119,7 +137,18 @@ class SGLangRequests:
         return None  # now, on the runtime's clock
 
     def priority(self, req: Req) -> int:
-        return 0
+        """The class (lower more urgent) in SGLang's order of urgency: 0 without priority
+        scheduling (SGLang then ignores ``Req.priority``); ``Req.priority`` when low values
+        go first; else ``~priority`` (``-1 - priority``: SGLang's default runs high values
+        first; unlike negation it stays in SGLang's signed 64-bit range, where Feather's
+        fairness bound stores classes).  None, not yet given SGLang's default, is least
+        urgent, as that default makes it."""
+        if not self.priority_scheduling:
+            return 0
+        value = req.priority
+        if value is None:
+            return sys.maxsize
+        return value if self.low_priority_values_first else ~value
 
 
 def is_decode_step(batch: ScheduleBatch) -> bool:
@@ -132,13 +161,18 @@ class FeatherSGLang:
     """One SGLang scheduler's Feather: the runtime, SGLang's rounds and steps translated."""
 
     def __init__(self, config: FeatherConfig | None = None, *,
-                 seats: int | None = None, engine: EngineShape | None = None) -> None:
+                 seats: int | None = None, engine: EngineShape | None = None,
+                 priority_scheduling: bool = False,
+                 low_priority_values_first: bool = False) -> None:
         """``seats``: SGLang's ``max_running_requests``; ``engine``: its device and model
-        (``engine_shape``); each where known."""
+        (``engine_shape``); each where known.  ``priority_scheduling`` and
+        ``low_priority_values_first``: the scheduler's ``enable_priority_scheduling`` and
+        ``schedule_low_priority_values_first`` (how ``Req.priority`` ranks)."""
         self.config = config if config is not None else FeatherConfig()
+        view = SGLangRequests(self.config.chunk_tokens, priority_scheduling=priority_scheduling,
+                              low_priority_values_first=low_priority_values_first)
         self.runtime: FeatherRuntime[Req] = FeatherRuntime(
-            self.config, SGLangRequests(self.config.chunk_tokens), name="FeatherSGLang",
-            seats=seats, engine=engine)
+            self.config, view, name="FeatherSGLang", seats=seats, engine=engine)
         self._bound: list[Req] | None = None
         self._cursor = 0
         self._next_decode = 0
@@ -159,8 +193,9 @@ class FeatherSGLang:
         self._bound = None
 
     def order(self, waiting: list[Req], running: Iterable[Req]) -> None:
-        """Reconcile with SGLang's queues, then sort ``waiting`` in place as the tree ranks
-        it and remember it for this round."""
+        """Reconcile with SGLang's queues, then sort ``waiting`` in place in Feather's order
+        (the runtime's candidate, then by priority class, then as the tree ranks them) and
+        remember it for this round."""
         runtime = self.runtime
         runtime.reconcile(running, waiting)
         self._bound, self._cursor = waiting, 0
@@ -170,13 +205,14 @@ class FeatherSGLang:
         queue = runtime.queue
         first_id = first.rid
 
-        def rank(req: Req) -> tuple[int, int, int]:
+        def rank(req: Req) -> tuple[int, int, int, int]:
             rid = req.rid
             if rid == first_id:
-                return (0, 0, 0)
+                return (0, 0, 0, 0)
             if queue.state(rid) is not QueueState.WAITING:
-                return (2, 0, 0)
-            return (1, queue.tree.missing_chunks(rid), queue.tree.arrival_order(rid))
+                return (2, 0, 0, 0)
+            tree = queue.tree
+            return (1, queue.priority(rid), tree.missing_chunks(rid), tree.arrival_order(rid))
 
         waiting.sort(key=rank)
 
@@ -319,6 +355,15 @@ class FeatherPrefillAdder(PrefillAdder):
             feather.admitted(req)
         return result
 
+    def preempt_to_schedule(self, req: Req) -> bool:
+        """SGLang's priority preemption for ``req`` (the batch is full), only if Feather
+        would admit it: on STOP nothing is preempted and SGLang's round ends, as it would
+        at ``add_one_req``, instead of releasing running requests for nothing."""
+        answer = self.feather.runtime.decide(req)
+        if answer is not None and answer.decision is Decision.STOP:
+            return False
+        return super().preempt_to_schedule(req)
+
 
 # ---- scheduler hooks (applied by SGLang's HookRegistry) ------------------------------
 
@@ -373,7 +418,9 @@ def _hook_init_schedule_policy(original: Callable, scheduler: Any, *args: Any, *
         return result
     feather = FeatherSGLang(feather_options(),
                             seats=getattr(scheduler, "max_running_requests", None),
-                            engine=engine_shape(scheduler))
+                            engine=engine_shape(scheduler),
+                            priority_scheduling=scheduler.enable_priority_scheduling,
+                            low_priority_values_first=scheduler.schedule_low_priority_values_first)
     scheduler.feather = _process_feather = feather
     scheduler.policy = FeatherSchedulePolicy(
         feather,
@@ -452,8 +499,9 @@ def _hook_process_batch_result(original: Callable, scheduler: Any, batch: Any, *
 def _hook_decode_retraction_order(original: Callable, reqs: list, *args: Any,
                                   **kwargs: Any) -> list[int]:
     """The order SGLang retracts decoding requests from (the end first): under Feather, by
-    arrival, so the latest arrival goes first (``FeatherRuntime.preemption_victim``'s
-    rule) instead of SGLang's fewest-output-tokens first."""
+    priority class, then arrival, so the latest arrival of the least urgent class goes
+    first (``FeatherRuntime.preemption_victim``'s rule) instead of SGLang's
+    fewest-output-tokens first (or its ``--retraction-policy priority``)."""
     feather = _process_feather
     if feather is None:
         return original(reqs, *args, **kwargs)
@@ -512,7 +560,4 @@ def _unsupported(scheduler: Any) -> str | None:
         return "PD multiplexing runs its own split-prefill loop"
     if getattr(scheduler, "enable_hisparse", False):
         return "hierarchical sparse attention stages requests outside SGLang's queues"
-    if getattr(scheduler, "enable_priority_scheduling", False):
-        return ("priority scheduling orders and preempts by priority, which Feather's "
-                "prefix order would silently override")
     return None
