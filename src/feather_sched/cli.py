@@ -153,6 +153,11 @@ SaveDetailed = Annotated[bool, typer.Option(help="Add per-request ttfts, itls, l
                                             "--save-detailed).")]
 Trace = Annotated[Path | None, typer.Option(help="Replay a JSONL or Mooncake trace.")]
 Seed = Annotated[int, typer.Option(help="Workload seed.")]
+HighPriorityShare = Annotated[float, typer.Option(
+    min=0.0, max=1.0, help="Share of requests (a seeded random choice) in priority class 0, "
+    "the rest in class 1; 0 (default): the workload's own classes (a trace's, else one). "
+    "With several classes, priority and Feather runs use the engine's priority policy; "
+    "other runs get every priority stripped to 0.")]
 Groups = Annotated[int, typer.Option(min=1, help="Prefix groups (docs, chats).")]
 PerGroup = Annotated[int, typer.Option(min=1, help="Requests a group.")]
 PrefixLen = Annotated[int, typer.Option(min=1, help="Shared prefix tokens.")]
@@ -178,6 +183,7 @@ def bench(
     request_rate: Rate = None,
     burstiness: Annotated[float, typer.Option(help="1 = Poisson; other: bursty.")] = 1.0,
     minority_size: MinoritySize = 20,
+    high_priority_share: HighPriorityShare = 0.0,
     max_concurrency: Annotated[int | None, typer.Option(help="Server mode cap.")] = None,
     schedulers: Annotated[str, typer.Option(help=f"{choices(ENGINE_KINDS)}.")]
     = "fcfs,fcfs-shared,feather-model",
@@ -215,7 +221,8 @@ def bench(
             kind=workload, trace=trace, groups=groups, prompts_per_group=prompts_per_group,
             prefix_len=prefix_len, suffix_len=suffix_len, output_len=output_len,
             jitter=jitter, order=order, request_rate=request_rate, burstiness=burstiness,
-            minority_size=minority_size, seed=seed).build()
+            minority_size=minority_size, high_priority_share=high_priority_share,
+            seed=seed).build()
         plan = BenchPlan(
             workload=built, schedulers=[s.strip() for s in schedulers.split(",") if s.strip()],
             feather_options=_json_option(feather_options, "--feather-options"),
@@ -360,6 +367,7 @@ def sim(
     output_len: OutputLen = 50,
     request_rate: Rate = None,
     minority_size: MinoritySize = 20,
+    high_priority_share: HighPriorityShare = 0.0,
     seed: Seed = 0,
     hardware: Annotated[str, typer.Option(help="rtx6000-ada, a100-80gb, h100-sxm, h200, "
                                           "or a hardware JSON.")] = "h100-sxm",
@@ -394,7 +402,8 @@ def sim(
         args = WorkloadArgs(kind=workload, trace=trace, groups=groups,
                             prompts_per_group=prompts_per_group, prefix_len=prefix_len,
                             suffix_len=suffix_len, output_len=output_len,
-                            request_rate=request_rate, minority_size=minority_size, seed=seed)
+                            request_rate=request_rate, minority_size=minority_size,
+                            high_priority_share=high_priority_share, seed=seed)
         parse_schedulers(schedulers, SIM_KINDS)  # fail on a bad name before any run starts
         percentiles = Percentiles.parse(percentile_metrics, metric_percentiles)
         plan = _sim_plan(args, hardware, model, profile, schedulers, feather_options, cascade,

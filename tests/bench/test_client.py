@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from feather_sched.bench.client import run_against_server, send_offsets
+from feather_sched.bench.client import run_against_server, send_offsets, server_preemptions
 from feather_sched.bench.records import RequestRecord
 from feather_sched.workloads import RequestSpec, Workload
 
@@ -28,6 +28,8 @@ class FakeServer:
     Each completion streams ``max_tokens`` tokens ``tokens_per_chunk`` at a time, as
     ``token_ids`` lists or (``token_ids=False``) as one piece of text per chunk, then a
     usage chunk reporting half the prompt as cached (unless ``report_cached=False``).
+    ``/metrics`` counts vLLM's preemptions on two engines: engine 0 one per completion
+    served, engine 1 a constant 3 (no ``/metrics`` with ``metrics=False``).
     """
 
     def __init__(
@@ -37,6 +39,7 @@ class FakeServer:
         tokens_per_chunk: int = 1,
         token_ids: bool = False,
         report_cached: bool = True,
+        metrics: bool = True,
     ) -> None:
         self.token_delay_s = token_delay_s
         self.tokens_per_chunk = tokens_per_chunk
@@ -48,6 +51,8 @@ class FakeServer:
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
+        if metrics:
+            app.router.add_get("/metrics", self.metrics)
         self.runner = web.AppRunner(app)
 
     async def __aenter__(self) -> str:
@@ -61,6 +66,16 @@ class FakeServer:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL}, {"id": "other"}]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        labels = 'model_name="fake-model"'
+        return web.Response(text="\n".join([
+            "# HELP vllm:num_preemptions_total Cumulative number of preemption.",
+            "# TYPE vllm:num_preemptions_total counter",
+            f'vllm:num_preemptions_total{{engine="0",{labels}}} {len(self.bodies)}.0',
+            f'vllm:num_preemptions_created{{engine="0",{labels}}} 1.7e+09',
+            f'vllm:num_preemptions_total{{engine="1",{labels}}} 3.0',
+            f"vllm:num_requests_running{{{labels}}} 0.0", ""]))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -233,3 +248,58 @@ def test_sglang_generate_chunks_count_tokens_from_meta_info() -> None:
     assert record.token_times_s == [0.5, 0.7, 0.7]
     assert (record.prompt_len, record.cached_tokens) == (5, 2)
     assert APIS["sglang"][0] == "/generate"
+
+
+def test_priorities_go_in_vllms_field_and_stay_in_the_records() -> None:
+    server = FakeServer()
+    load = Workload("p", [RequestSpec(f"r{i}", [1, 2, 3 + i], 2, 0.0, priority=i % 2)
+                          for i in range(4)])
+    records, _ = run(server, load)
+    sent = {body["prompt"][-1] - 3: body.get("priority") for body in server.bodies}
+    assert sent == {0: None, 1: 1, 2: None, 3: 1}  # 0 is not sent
+    assert [r.priority for r in records] == [0, 1, 0, 1]
+    assert all(r.preemptions is None for r in records)  # a server reports none per request
+    with pytest.raises(ValueError, match="openai API"):
+        run(FakeServer(), load, api="sglang")
+
+
+def test_server_preemptions_sum_vllms_counter_over_engines() -> None:
+    async def read(server: FakeServer, served: int) -> float | None:
+        async with server as base_url:
+            server.bodies.extend([{}] * served)
+            return await server_preemptions(base_url)
+
+    assert asyncio.run(read(FakeServer(), 4)) == 7.0
+    assert asyncio.run(read(FakeServer(metrics=False), 4)) is None
+
+
+def test_bench_against_a_server_reports_classes_and_the_runs_preemptions(tmp_path) -> None:
+    """``feather bench --base-url`` (the fake server on its own loop in a thread): the
+    run's preemptions are the rise of the server's counter; classes are reported."""
+    import threading
+
+    from typer.testing import CliRunner
+
+    from feather_sched.cli import app
+
+    server, loop = FakeServer(), asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    url = asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result()
+    out = tmp_path / "server.json"
+    try:
+        result = CliRunner().invoke(app, [
+            "bench", "--base-url", url, "--groups", "2", "--prompts-per-group", "4",
+            "--prefix-len", "16", "--output-len", "3", "--high-priority-share", "0.25",
+            "--json", str(out)], env={"COLUMNS": "200"})
+    finally:
+        asyncio.run_coroutine_threadsafe(server.__aexit__(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+    assert result.exit_code == 0, result.output
+    summary = json.loads(out.read_text())["runs"]["server"]
+    assert summary["preemptions"] == 8 and summary["preemptions_by_group"] is None
+    assert summary["scheduling_policy"] is None
+    assert [c["requests"] for c in summary["by_priority"].values()] == [2, 6]
+    assert sorted(body.get("priority", 0) for body in server.bodies) == [0, 0] + [1] * 6
+    assert "Scheduling policy:                       n/a" in result.output

@@ -27,6 +27,17 @@ def test_scheduler_names_map_to_engine_configurations() -> None:
         scheduler_specs(["lpm"], {})
 
 
+def test_the_priority_policy_follows_the_name_and_the_workloads_classes() -> None:
+    names = ["fcfs", "priority", "feather-model"]
+    one = {s.name: s.scheduling_policy for s in scheduler_specs(names, {}, classes=1)}
+    two = {s.name: s.scheduling_policy for s in scheduler_specs(names, {}, classes=2)}
+    assert one == {"fcfs": "fcfs", "priority": "priority", "feather-model": "fcfs"}
+    assert two == {"fcfs": "fcfs", "priority": "priority", "feather-model": "priority"}
+    priority = scheduler_specs(["priority"], {})[0]
+    assert priority.prefix_caching
+    assert priority.scheduler_cls.endswith("InstrumentedScheduler")
+
+
 def test_bench_runs_each_scheduler_and_writes_vllm_keys(tmp_path) -> None:
     out, chart = tmp_path / "bench.json", tmp_path / "bench.png"
     result = CliRunner().invoke(app, [
@@ -54,6 +65,54 @@ def test_bench_rejects_unknown_schedulers_before_starting_an_engine() -> None:
     assert result.exit_code != 0 and "unknown scheduler 'lifo'" in result.output
 
 
+def test_bench_rejects_a_share_outside_0_to_1_before_starting_an_engine() -> None:
+    result = CliRunner().invoke(app, ["bench", "--high-priority-share", "2"],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code != 0 and "high-priority-share" in result.output
+
+
 def test_a_repeated_scheduler_gets_its_own_label() -> None:
     labels = [s.name for s in scheduler_specs(["fcfs", "feather-always", "fcfs"], {})]
     assert labels == ["fcfs", "feather-always", "fcfs#2"]
+
+
+def test_bench_submits_priorities_under_the_priority_policy_and_counts_preemptions(
+        monkeypatch) -> None:
+    """A KV cache of 6 blocks for 2 groups x 3 requests that each outgrow 3 blocks: vLLM
+    preempts, and each request's count (vLLM's per-request stats) adds up to the
+    scheduler's own; fcfs gets every priority as 0, the others the workload's classes."""
+    import io
+
+    from rich.console import Console
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from feather_sched.bench.serving import BenchPlan, WorkloadArgs, run_bench
+
+    submitted: list[int] = []
+    add_request = LLMEngine.add_request
+
+    def spy(self, *args, priority: int = 0, **kwargs):
+        submitted.append(priority)
+        return add_request(self, *args, priority=priority, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "add_request", spy)
+    workload = WorkloadArgs(groups=2, prompts_per_group=3, prefix_len=256, output_len=120,
+                            high_priority_share=0.5, seed=1).build()
+    classes = [spec.priority for spec in workload]
+    assert sorted(classes) == [0, 0, 0, 1, 1, 1]
+    plan = BenchPlan(workload=workload, schedulers=["fcfs", "priority", "feather-always"],
+                     engine_args={"enforce_eager": True}, kv_cache_gib=6 * 2**19 / 2**30)
+    runs, summaries = run_bench(plan, Console(file=io.StringIO()))
+    assert submitted == [0] * 6 + classes + classes
+    assert [s["scheduling_policy"] for s in summaries.values()] == ["fcfs", "priority",
+                                                                    "priority"]
+    for run in runs:
+        summary = summaries[run.name]
+        assert summary["completed"] == 6
+        assert [r.priority for r in run.records] == classes
+        assert summary["preemptions"] == run.scheduler_stats.preemptions > 0, run.name
+        assert summary["max_preemptions_per_request"] == \
+            run.scheduler_stats.max_request_preemptions
+        assert sum(g["preemptions"] for g in summary["preemptions_by_group"].values()) == \
+            summary["preemptions"]
+        assert [c["requests"] for c in summary["by_priority"].values()] == [3, 3]

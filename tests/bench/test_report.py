@@ -118,7 +118,7 @@ def test_the_block_prints_classes_policy_and_preemptions() -> None:
     run = two_classes(scheduling_policy="fcfs")
     lines = format_result_block(run, summarize(run)).splitlines()
     for line in (
-        "{:<40} {:<10}".format("Scheduling policy:", "fcfs (priorities sent as 0)"),
+        "{:<40} {:<10}".format("Scheduling policy:", "fcfs (priorities stripped to 0)"),
         "{:<40} {:<10}".format("Class 0 (1 req) TTFT mean / p99 (ms):", "100.00 / 100.00"),
         "{:<40} {:<10}".format("Class 1 E2EL mean / p99 (ms):", "1500.00 / 1990.00"),
         "{:<40} {:<10.2f}".format("Class 1 output tok/s:", 1.0),

@@ -160,6 +160,27 @@ def test_feather_sim_cli_writes_results(tmp_path) -> None:
     assert runs["feather-bandit"]["hbm_bytes_per_output_token"] > 0
 
 
+def test_feather_sim_cli_reports_priority_classes(tmp_path) -> None:
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(app, [
+        "sim", "--groups", "4", "--prompts-per-group", "8", "--prefix-len", "1024",
+        "--output-len", "10", "--high-priority-share", "0.25", "--schedulers",
+        "fcfs,priority,feather-model", "--json", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    runs = json.loads(out.read_text())["runs"]
+    assert {name: r["scheduling_policy"] for name, r in runs.items()} == {
+        "fcfs": "fcfs", "priority": "priority", "feather-model": "priority"}
+    for summary in runs.values():
+        assert [c["requests"] for c in summary["by_priority"].values()] == [8, 24]
+        assert summary["preemptions"] == 0 == summary["max_preemptions_per_request"]
+    assert "Per priority class" in result.output
+    assert "fcfs (priorities stripped to 0)" in result.output
+    for bad in ("-0.5", "1.01"):
+        refused = CliRunner().invoke(app, ["sim", "--high-priority-share", bad],
+                                     env={"COLUMNS": "200"})
+        assert refused.exit_code != 0 and "high-priority-share" in refused.output
+
+
 def test_feather_sim_cli_rejects_unknown_hardware() -> None:
     result = CliRunner().invoke(app, ["sim", "--hardware", "tpu-v9"], env={"COLUMNS": "200"})
     assert result.exit_code != 0 and "unknown hardware 'tpu-v9'" in result.output

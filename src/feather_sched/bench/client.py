@@ -6,6 +6,10 @@ streamed so the arrival time of each output token is recorded.  Token counting f
 ``async_request_openai_completions``: each streamed chunk with a choice is one arrival, and the
 final usage chunk's ``completion_tokens`` fixes the output length (tokens bundled into one chunk
 share its arrival time).
+
+A request's priority class goes in the body's ``priority`` field (vLLM's; sent only when it
+is not 0, which vLLM accepts under any policy).  A server reports no preemptions per
+request; ``server_preemptions`` reads the run's total from vLLM's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ MODELS_TIMEOUT_S = 10.0
 """Limit on the ``/v1/models`` query, so an unreachable server is reported quickly."""
 ERROR_CHARS = 300
 """Error texts are squashed to one line of at most this many characters."""
+PREEMPTIONS_METRIC = "vllm:num_preemptions_total"
+"""vLLM's preemption counter on ``/metrics`` (one sample per engine)."""
 
 
 def send_offsets(
@@ -88,6 +94,9 @@ async def run_against_server(
     """
     if api not in APIS:
         raise ValueError(f"api must be one of {', '.join(APIS)}, got {api!r}")
+    if api != "openai" and any(spec.priority for spec in workload):
+        raise ValueError(f"priorities are sent on the openai API (vLLM's priority field) "
+                         f"only, not on {api!r}")
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     offsets = send_offsets(workload, request_rate=request_rate, burstiness=burstiness, seed=seed)
@@ -119,6 +128,25 @@ async def run_against_server(
     return [task.result() for task in tasks], duration_s
 
 
+async def server_preemptions(base_url: str) -> float | None:
+    """The server's preemptions so far: vLLM's ``vllm:num_preemptions_total`` on
+    ``/metrics``, summed over engines; None where ``/metrics`` cannot be read or has no
+    such counter (e.g. SGLang).  The difference of two reads around a run is the run's
+    count if nothing else uses the server meanwhile.  One HTTP request."""
+    url = f"{base_url.rstrip('/')}/metrics"
+    try:
+        timeout = aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as session, \
+                session.get(url) as response:
+            response.raise_for_status()
+            text = await response.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith((f"{PREEMPTIONS_METRIC}{{", f"{PREEMPTIONS_METRIC} "))]
+    return sum(values) if values else None
+
+
 async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
     """The first model id the server lists (``ConnectionError`` if it cannot be queried)."""
     url = f"{base_url}/v1/models"
@@ -136,8 +164,10 @@ async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
 
 
 def _payload(spec: RequestSpec, model: str) -> dict[str, Any]:
-    """A streamed greedy completion of exactly ``output_len`` tokens of a token-id prompt."""
+    """A streamed greedy completion of exactly ``output_len`` tokens of a token-id prompt,
+    with the request's priority class unless it is 0."""
     return {
+        **({"priority": spec.priority} if spec.priority else {}),
         "model": model,
         "prompt": spec.prompt.tolist(),
         "max_tokens": spec.output_len,
@@ -170,7 +200,8 @@ async def _send(
 ) -> RequestRecord:
     """Send one request and record its token arrivals; failures end up in the record."""
     record = RequestRecord(
-        spec.request_id, spec.prompt.size, spec.group, time.perf_counter() - start
+        spec.request_id, spec.prompt.size, spec.group, time.perf_counter() - start,
+        priority=spec.priority,
     )
     try:
         async with session.post(url, json=payload) as response:

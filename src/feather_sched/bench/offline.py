@@ -5,6 +5,13 @@ in its own process, as in a server), submits requests at their arrival times, an
 when each output token reaches the client.  Both sides of a comparison use vLLM's own
 scheduler code: the FCFS baseline runs ``InstrumentedScheduler`` (vLLM's scheduler with
 step accounting only), Feather runs ``FeatherScheduler``.
+
+Priorities: a run under vLLM's priority policy (``priority``, and Feather on a workload of
+several classes; ``SchedulerName.priority_policy``) submits each request with its class; a
+run under FCFS submits every request with priority 0, which is all vLLM accepts there.
+Either way the records keep the workload's class, so the report compares classes across
+runs.  Each request's preemptions come from vLLM's per-request stats
+(``RequestOutput.metrics.num_preemptions``), which the engine keeps with log stats on.
 """
 
 from __future__ import annotations
@@ -33,29 +40,37 @@ class SchedulerSpec:
     scheduler_cls: str
     feather: dict[str, Any] = field(default_factory=dict)
     prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    """vLLM's ``scheduling_policy``: ``priority`` submits the requests' classes, ``fcfs``
+    submits priority 0."""
 
 
-def scheduler_specs(names: list[str], feather_options: dict[str, Any]) -> list[SchedulerSpec]:
-    """The runs of scheduler names (``schedulers.ENGINE_KINDS``).  A name given again is
-    run again, labelled ``name#2`` and so on (to see the noise)."""
+def scheduler_specs(names: list[str], feather_options: dict[str, Any],
+                    classes: int = 1) -> list[SchedulerSpec]:
+    """The runs of scheduler names (``schedulers.ENGINE_KINDS``) on a workload of
+    ``classes`` priority classes.  A name given again is run again, labelled ``name#2``
+    and so on (to see the noise)."""
     specs, seen = [], {}
     for name in names:
         seen[name] = seen.get(name, 0) + 1
         label = name if seen[name] == 1 else f"{name}#{seen[name]}"
-        specs.append(_spec(name, label, feather_options))
+        specs.append(_spec(name, label, feather_options, classes))
     return specs
 
 
-def _spec(name: str, label: str, feather_options: dict[str, Any]) -> SchedulerSpec:
+def _spec(name: str, label: str, feather_options: dict[str, Any],
+          classes: int) -> SchedulerSpec:
     """vLLM's own scheduler runs vLLM's own attention unless the name ends in -shared."""
     parsed = parse_scheduler(name, ENGINE_KINDS)
+    policy = "priority" if parsed.priority_policy(classes) else "fcfs"
     if parsed.kind is not SchedulerKind.FEATHER:
         attention = "on" if parsed.shared_prefix else "off"
         return SchedulerSpec(label, f"{INTEGRATION}.InstrumentedScheduler",
                              {"shared_prefix_attention": attention},
-                             prefix_caching=parsed.kind is SchedulerKind.FCFS)
+                             prefix_caching=parsed.kind is not SchedulerKind.FCFS_NOCACHE,
+                             scheduling_policy=policy)
     return SchedulerSpec(label, f"{INTEGRATION}.FeatherScheduler",
-                         parsed.feather_options(feather_options))
+                         parsed.feather_options(feather_options), scheduling_policy=policy)
 
 
 def engine_kwargs(spec: SchedulerSpec, stats_file: Path, model: str,
@@ -68,6 +83,8 @@ def engine_kwargs(spec: SchedulerSpec, stats_file: Path, model: str,
         "seed": 0,
         "scheduler_cls": spec.scheduler_cls,
         "enable_prefix_caching": spec.prefix_caching,
+        "scheduling_policy": spec.scheduling_policy,
+        "disable_log_stats": False,  # per-request stats: each request's preemptions
         "additional_config": {"feather": {**spec.feather, "stats_file": str(stats_file)}},
         **engine_args,
     }
@@ -88,13 +105,15 @@ def run_offline(
         stats_file = Path(scratch) / "stats.json"
         llm = LLM(**engine_kwargs(spec, stats_file, model, engine_args))
         try:
-            records, steps, duration = _drive(llm.llm_engine, workload, on_done)
+            records, steps, duration = _drive(llm.llm_engine, workload, on_done,
+                                              spec.scheduling_policy == "priority")
         finally:
             llm.llm_engine.engine_core.shutdown()
         stats = SchedulerStats.read(stats_file) if stats_file.exists() else None
     return RunResult(
         name=spec.name, records=records, duration_s=duration, steps=steps,
         gate_counts=_gate_counts(stats, spec), scheduler_stats=stats,
+        scheduling_policy=spec.scheduling_policy,
     )
 
 
@@ -105,8 +124,9 @@ def _gate_counts(stats: SchedulerStats | None, spec: SchedulerSpec) -> dict[str,
 
 
 def _drive(engine: Any, workload: Workload,
-           on_done: Callable[[RequestRecord], None] | None):
-    """Submit requests at their arrival times and step until all have finished."""
+           on_done: Callable[[RequestRecord], None] | None, priorities: bool):
+    """Submit requests at their arrival times (with their priorities, else 0) and step
+    until all have finished."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -118,7 +138,8 @@ def _drive(engine: Any, workload: Workload,
         now = time.perf_counter() - start
         while pending and pending[0].arrival_s <= now:
             spec = pending.pop(0)
-            records[spec.request_id] = _submit(engine, spec, now, SamplingParams, TokensPrompt)
+            records[spec.request_id] = _submit(engine, spec, now, priorities, SamplingParams,
+                                               TokensPrompt)
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, pending[0].arrival_s - now))
             continue
@@ -129,12 +150,15 @@ def _drive(engine: Any, workload: Workload,
     return ordered, [s for s in steps if s.batch_size], duration
 
 
-def _submit(engine: Any, spec: RequestSpec, now: float, sampling, tokens_prompt) -> RequestRecord:
+def _submit(engine: Any, spec: RequestSpec, now: float, priorities: bool, sampling,
+            tokens_prompt) -> RequestRecord:
     params = sampling(max_tokens=spec.output_len, min_tokens=spec.output_len,
                       ignore_eos=True, temperature=0.0)
     prompt = tokens_prompt(prompt_token_ids=spec.prompt.tolist())
-    engine.add_request(spec.request_id, prompt, params)
-    return RequestRecord(spec.request_id, len(spec.prompt), spec.group, submitted_s=now)
+    engine.add_request(spec.request_id, prompt, params,
+                       priority=spec.priority if priorities else 0)
+    return RequestRecord(spec.request_id, len(spec.prompt), spec.group, submitted_s=now,
+                         priority=spec.priority)
 
 
 def _observe(outputs: list, records: dict[str, RequestRecord], now: float,
@@ -153,6 +177,8 @@ def _observe(outputs: list, records: dict[str, RequestRecord], now: float,
             record.finished_s = now
             record.success = True
             record.cached_tokens = output.num_cached_tokens
+            if output.metrics is not None:
+                record.preemptions = output.metrics.num_preemptions
             if on_done:
                 on_done(record)
     return StepRecord(batch_size=batch, groups=len(groups))

@@ -420,7 +420,7 @@ def _priority_lines(summary: Summary) -> list[str]:
     """The scheduling policy, then each class's counts, latencies and throughput."""
     policy = summary["scheduling_policy"]
     if policy == "fcfs":
-        policy = "fcfs (priorities sent as 0)"
+        policy = "fcfs (priorities stripped to 0)"
     lines = [LINE.format("Scheduling policy:", policy or "n/a")]
     classes: dict = summary["by_priority"]  # type: ignore[assignment]
     for priority, c in classes.items():

@@ -39,6 +39,7 @@ from feather_sched.workloads import (
     minority_groups,
     multi_turn_chat,
     no_sharing,
+    prioritized,
     shared_prefix_groups,
 )
 
@@ -64,9 +65,20 @@ class WorkloadArgs:
     minority_size: int = 20
     """``minority``: requests of each small group (``groups - 1`` of them; the majority
     has ``prompts_per_group``)."""
+    high_priority_share: float = 0.0
+    """In [0, 1]: a seeded random share of the requests in priority class 0 and the rest
+    in class 1 (``workloads.prioritized``); 0 keeps the workload's own classes (a trace's,
+    else one class)."""
     seed: int = 0
 
     def build(self) -> Workload:
+        """The workload (ValueError for a bad knob)."""
+        workload = self._generate()
+        if self.high_priority_share == 0:
+            return workload
+        return prioritized(workload, self.high_priority_share, seed=self.seed)
+
+    def _generate(self) -> Workload:
         if self.trace is not None:
             return load_trace(self.trace)
         arrival = self._arrival()
@@ -179,7 +191,8 @@ def _runners(plan: BenchPlan) -> list[tuple[str, Runner]]:
     return [
         (spec.name, lambda advance, spec=spec: run_offline(
             plan.workload, spec, model=plan.model, engine_args=engine_args, on_done=advance))
-        for spec in scheduler_specs(plan.schedulers, plan.feather_options)
+        for spec in scheduler_specs(plan.schedulers, plan.feather_options,
+                                    len(plan.workload.priority_classes))
     ]
 
 
@@ -192,12 +205,24 @@ def _default_engine_args(plan: BenchPlan) -> dict[str, Any]:
 
 
 def _server_run(plan: BenchPlan, advance: Callable[[RequestRecord], None]) -> RunResult:
-    from feather_sched.bench.client import run_against_server
+    """The server's run; its preemptions are the rise of the server's counter over the run
+    (None where it has none)."""
+    from feather_sched.bench.client import run_against_server, server_preemptions
 
-    records, duration = asyncio.run(run_against_server(
-        plan.workload, base_url=plan.base_url, max_concurrency=plan.max_concurrency,
-        on_done=advance, api=plan.api))
-    return RunResult(name=plan.label, records=records, duration_s=duration)
+    base_url = plan.base_url
+    assert base_url is not None
+
+    async def measure() -> RunResult:
+        before = await server_preemptions(base_url)
+        records, duration = await run_against_server(
+            plan.workload, base_url=base_url, max_concurrency=plan.max_concurrency,
+            on_done=advance, api=plan.api)
+        after = await server_preemptions(base_url)
+        preemptions = None if before is None or after is None else round(after - before)
+        return RunResult(name=plan.label, records=records, duration_s=duration,
+                         preemptions=preemptions)
+
+    return asyncio.run(measure())
 
 
 @contextmanager

@@ -62,7 +62,11 @@ def simulate(plan: SimPlan, name: str,
     engine = SimEngine(plan.cost_model(name), plan.engine_config())
     policy = make_policy(name, plan.feather_options, engine)
     result = engine.run(plan.workload, policy, on_done)
-    return as_run_result(result, policy, name)
+    run = as_run_result(result, policy, name)
+    classes = len(plan.workload.priority_classes)
+    priority = parse_scheduler(name, SIM_KINDS).priority_policy(classes)
+    run.scheduling_policy = "priority" if priority else "fcfs"
+    return run
 
 
 def as_run_result(result: SimResult, policy: Any, name: str) -> RunResult:
