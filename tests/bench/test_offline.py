@@ -116,3 +116,4 @@ def test_bench_submits_priorities_under_the_priority_policy_and_counts_preemptio
         assert sum(g["preemptions"] for g in summary["preemptions_by_group"].values()) == \
             summary["preemptions"]
         assert [c["requests"] for c in summary["by_priority"].values()] == [3, 3]
+        assert run.preemptions == summary["preemptions"]

@@ -11,7 +11,9 @@ several classes; ``SchedulerName.priority_policy``) submits each request with it
 run under FCFS submits every request with priority 0, which is all vLLM accepts there.
 Either way the records keep the workload's class, so the report compares classes across
 runs.  Each request's preemptions come from vLLM's per-request stats
-(``RequestOutput.metrics.num_preemptions``), which the engine keeps with log stats on.
+(``RequestOutput.metrics.num_preemptions``), which the engine keeps with log stats on
+(turned off by ``disable_log_stats=True`` in the user's engine arguments: the report then
+has the scheduler's own total, from its stats file).
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ def run_offline(
         name=spec.name, records=records, duration_s=duration, steps=steps,
         gate_counts=_gate_counts(stats, spec), scheduler_stats=stats,
         scheduling_policy=spec.scheduling_policy,
+        preemptions=None if stats is None else stats.preemptions,
     )
 
 

@@ -101,8 +101,8 @@ class RunResult:
     extra: dict[str, float | None] = field(default_factory=dict)
     """Further figures only some runs have (e.g. the simulator's modelled HBM traffic)."""
     preemptions: int | None = None
-    """The run's preemptions where the engine reports only a total (a server's
-    ``/metrics``); the records' own counts take precedence when they all have one."""
+    """The run's preemptions as the engine totals them (the scheduler's stats file, a
+    server's ``/metrics``); the records' own counts take precedence when all have one."""
     scheduling_policy: str | None = None
     """The engine's policy when the run chose it: ``priority``, or ``fcfs`` (the requests'
     priorities then went to the engine as 0)."""
