@@ -3,12 +3,24 @@ and the files Feather will write checked before anything starts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import tempfile
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
-from feather_sched.config import FeatherConfig, FeatherConfigError
-from feather_sched.gate import ChunkLossGate, Decision, GateContext, UCBBanditGate
+from feather_sched.config import (
+    FILE_OPTIONS,
+    REPLICA_VARIABLE,
+    VALIDATORS,
+    FeatherConfig,
+    FeatherConfigError,
+    Placement,
+)
+from feather_sched.gate import GATE_KINDS, ChunkLossGate, Decision, GateContext, UCBBanditGate
 from feather_sched.model_gate import ModelGate
 from feather_sched.step_model import EngineShape, StepPrior
 
@@ -138,3 +150,175 @@ def test_a_saved_table_is_loaded_and_the_load_is_logged(tmp_path, caplog) -> Non
                                             environ={}).make_gate()
     assert loaded.table == gate.table
     assert caplog.text.count(f"bandit table loaded from {path} (1 learned decisions)") == 1
+
+
+# ---- files in deployments of several scheduler processes ------------------------------
+
+
+@pytest.mark.parametrize(("given", "placement", "path"), [
+    ("stats.json", Placement(0, 1), "stats.json"),
+    ("stats.json", Placement(0, 2), "stats.rank0.json"),
+    ("d/stats.json", Placement(1, 2), "d/stats.rank1.json"),
+    ("d/steps", Placement(3, 4), "d/steps.rank3"),
+    ("d/{rank}/stats.json", Placement(0, 1), "d/0/stats.json"),
+    ("stats-{rank:02d}.json", Placement(1, 2), "stats-01.json"),
+    ("{{x}}-{rank}.json", Placement(1, 2), "{x}-1.json"),
+    ("{{x}}.json", Placement(1, 2), "{x}.rank1.json"),
+])
+def test_each_process_gets_its_own_file(given: str, placement: Placement, path: str) -> None:
+    assert placement.path(given) == path
+
+
+def test_ranks_count_replicas_and_data_parallel_ranks_in_them() -> None:
+    assert Placement.of(environ={}) == Placement(0, 1)
+    assert Placement.of(1, 2, environ={}) == Placement(1, 2)
+    assert Placement.of(1, 2, environ={REPLICA_VARIABLE: "1/2"}) == Placement(3, 4)
+    assert Placement.of(environ={REPLICA_VARIABLE: "2/2"}) == Placement(2, 3)  # a surge
+    for bad in ("2", "-1/2", "0/0", "a/b", "1/2/3", ""):
+        with pytest.raises(FeatherConfigError, match=rf"FEATHER_REPLICA={bad!r}: must be r/n"):
+            Placement.of(environ={REPLICA_VARIABLE: bad})
+
+
+def test_several_processes_write_their_own_files_and_say_which(tmp_path, caplog) -> None:
+    given = {option: str(tmp_path / name) for option, name in
+             [("state_file", "bandit.json"), ("stats_file", "stats.json"),
+              ("step_log", "steps.csv")]}
+    lone = FeatherConfig.from_sources({"gate": "bandit", **given}, environ={})
+    assert [getattr(lone, o) for o in given] == list(given.values())
+    assert lone.shared_state_file is None
+    with caplog.at_level("INFO", logger="feather_sched"):
+        second = FeatherConfig.from_sources({"gate": "bandit", **given}, environ={},
+                                            dp_rank=1, dp_ranks=2)
+    assert (second.state_file, second.stats_file, second.step_log) == tuple(
+        str(tmp_path / name) for name in ("bandit.rank1.json", "stats.rank1.json",
+                                          "steps.rank1.csv"))
+    assert second.shared_state_file == given["state_file"]
+    assert f"scheduler rank 1 of 2 writes state_file {second.state_file}, stats_file " \
+        f"{second.stats_file}, step_log {second.step_log}" in caplog.text
+    templated = FeatherConfig.from_sources(
+        {"stats_file": str(tmp_path / "s{rank}.json")}, environ={REPLICA_VARIABLE: "1/2"})
+    assert templated.stats_file == str(tmp_path / "s1.json")
+
+
+def pretrained(path, decisions: int) -> UCBBanditGate:
+    """A bandit table with ``decisions`` rewarded decisions, saved to ``path``."""
+    gate = UCBBanditGate()
+    context = GateContext(batch_size=5, chunk_loss=2, sharing_waiters=0, num_waiting=3)
+    gate.reward([(context, Decision.STOP)] * decisions, batch_size=5, seconds=0.5)
+    gate.save(path)
+    return gate
+
+
+def test_every_rank_starts_from_the_shared_table_until_it_has_its_own(tmp_path,
+                                                                      caplog) -> None:
+    shared = tmp_path / "bandit.json"
+    pretrained(shared, 3)
+    options = {"gate": "bandit", "state_file": str(shared)}
+    for rank in (0, 1):
+        config = FeatherConfig.from_sources(options, environ={}, dp_rank=rank, dp_ranks=2)
+        assert config.warm_start_file() == str(shared)
+        with caplog.at_level("INFO", logger="feather_sched"):
+            assert config.make_gate().learned_decisions == 3
+        assert f"loaded from {shared} (3 learned decisions); saved to " \
+            f"{tmp_path / f'bandit.rank{rank}.json'}" in caplog.text
+    pretrained(tmp_path / "bandit.rank1.json", 5)  # rank 1 has saved its own since
+    ranks = [FeatherConfig.from_sources(options, environ={}, dp_rank=r, dp_ranks=2)
+             for r in (0, 1)]
+    assert [c.make_gate().learned_decisions for c in ranks] == [3, 5]
+    templated = FeatherConfig.from_sources(  # a name with {rank}: each rank's own only
+        {"gate": "bandit", "state_file": str(tmp_path / "bandit{rank}.json")}, environ={})
+    assert templated.warm_start_file() is None
+    (tmp_path / "bandit.rank0.json").write_text("{torn")  # its own table is read, and fails
+    with pytest.raises(FeatherConfigError, match=r"'state_file' \(.*bandit.rank0.json\)"):
+        FeatherConfig.from_sources(options, environ={}, dp_rank=0, dp_ranks=2)
+
+
+@pytest.mark.parametrize(("path", "message"), [
+    ("s-{replica}.json", "only the placeholder {rank}"),
+    ("s-{}.json", "only the placeholder {rank}"),
+    ("s-{rank[0]}.json", "only the placeholder {rank}"),
+    ("s-{rank:s}.json", "Unknown format code 's'"),
+    ("s-{rank.json", "expected '}'"),
+    ("s\0.json", "must be a file path"),
+])
+def test_bad_file_names_name_the_option(path: str, message: str) -> None:
+    with pytest.raises(FeatherConfigError, match=rf"'stats_file': .*{re.escape(message)}"):
+        FeatherConfig.from_sources({"stats_file": path}, environ={})
+
+
+def test_one_option_is_read_without_checking_the_others(tmp_path) -> None:
+    """What a worker on another node reads: the scheduler's files need not exist there."""
+    elsewhere = {"gate": "bandit", "order_running": False,
+                 **{o: str(tmp_path / "head-node-only" / "f") for o in FILE_OPTIONS}}
+    with pytest.raises(FeatherConfigError, match="directory"):
+        FeatherConfig.from_sources(elsewhere, environ={})
+    assert FeatherConfig.option("order_running", elsewhere, environ={}) is False
+    assert FeatherConfig.option("order_running", None, environ={}) is True
+    assert FeatherConfig.option("order_running", None, {"FEATHER_ORDER_RUNNING": "no"}) is False
+    assert FeatherConfig.option("gate_options", None, environ={}) == {}
+    with pytest.raises(FeatherConfigError, match="'order_running': must be true or false"):
+        FeatherConfig.option("order_running", {"order_running": "maybe"}, environ={})
+
+
+# ---- no input makes the parser fail but with FeatherConfigError naming the option -----
+
+GATE_OPTION_NAMES = ("exploration", "seed", "batch_bin", "max_loss", "floor_start", "prior",
+                     "lookahead", "margin", "window", "ordered", "forgetting")
+WORDS = ("off", "none", "inf", "nan", "-1", "0", "1", "1e999", "true", "no", "maybe", "auto",
+         "{}", '{"exploration": 5}', "[1]", "{torn", "1/2", "3/2", "h100-sxm/llama-3-8b")
+PATHS = ("stats.json", "d/{rank}.json", "{replica}.json", "{rank:s}", "missing/x.json", ".",
+         "/", "/proc/1/f.json", "{{}}.json", "s\0.json")
+SCALARS = (st.none() | st.booleans() | st.integers() | st.integers(min_value=10**310)
+           | st.floats() | st.text(max_size=12) | st.sampled_from(WORDS + PATHS))
+JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.sampled_from(GATE_OPTION_NAMES) | st.text(max_size=6), inner, max_size=3),
+    max_leaves=6)
+COUNTS = st.integers(0, 64) | st.just("off")
+VALID = {
+    "gate": st.sampled_from(GATE_KINDS),
+    "gate_options": st.dictionaries(st.sampled_from(GATE_OPTION_NAMES), SCALARS, max_size=2),
+    "chunk_tokens": st.integers(1, 4096),
+    "max_overtakes": COUNTS,
+    "max_stops": COUNTS,
+    "max_wait_s": st.floats(0, 60) | st.just("off"),
+    "order_running": st.booleans(),
+    "shared_prefix_attention": st.sampled_from(["auto", "on", "off"]),
+    **dict.fromkeys(FILE_OPTIONS, st.none() | st.sampled_from(["f.json", "f{rank}.json"])),
+}
+"""Mostly valid values (gate options anything), so that examples get past the first
+check; then at most one option is replaced by anything at all."""
+OPTIONS = st.builds(
+    lambda valid, anything: {**valid, **anything},
+    st.fixed_dictionaries({}, optional=VALID),
+    st.dictionaries(st.sampled_from(sorted(VALIDATORS)) | st.text(max_size=8), JSON,
+                    max_size=1))
+ENVIRON = st.dictionaries(
+    st.sampled_from([f"FEATHER_{name.upper()}" for name in VALIDATORS] + [REPLICA_VARIABLE]),
+    st.text(max_size=12) | st.sampled_from(WORDS + PATHS + GATE_KINDS), max_size=1)
+
+
+def names_given(options: dict, environ: dict) -> set[str]:
+    """How a message may name what it rejects: an option (quoted, or its repr if unknown)
+    or a variable."""
+    return {f"'{n}'" for n in options} | {repr(n) for n in options} | set(environ) | {
+        f"'{v.removeprefix('FEATHER_').lower()}'" for v in environ}
+
+
+@settings(max_examples=400, deadline=None)
+@given(OPTIONS, ENVIRON)
+@example({"gate_options": {"prior": 5}}, {})  # was an AttributeError
+@example({"max_wait_s": 10**310}, {})  # was an OverflowError
+def test_any_options_give_a_config_or_an_error_naming_the_option(options, environ) -> None:
+    with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):
+        try:
+            FeatherConfig.from_sources(options, environ=environ)
+        except FeatherConfigError as error:
+            assert any(name in str(error) for name in names_given(options, environ)), error
+
+
+@given(JSON.filter(lambda value: not isinstance(value, dict)))
+def test_options_that_are_no_mapping_are_refused_as_such(options) -> None:
+    if options is None:
+        return  # no options at all: the defaults
+    with pytest.raises(FeatherConfigError, match="feather options must be a JSON object"):
+        FeatherConfig.from_sources(options, environ={})
