@@ -8,14 +8,19 @@ request of a step::
 
 ``position`` is the request's place in the batch, ``group`` its prefix group
 (``feather_sched.prefix``), ``seconds`` the step's measured time (equal on every row of a
-step).  Only the standard library is imported, so the GPU kit can use this module on a
+step).  A step is written in one piece, so a last line without its newline is a write cut
+short: writer and reader alike drop it with the rows of its step before it.  One process
+writes a log (each rank its own, ``feather_sched.config.Placement``); ``read_logs`` merges
+several.  Only the standard library is imported, so the GPU kit can use this module on a
 machine where nothing else is installed.
 """
 
 from __future__ import annotations
 
 import csv
+import glob
 import io
+import logging
 import math
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -26,6 +31,8 @@ from feather_sched.files import replace_atomically
 COLUMNS = ("step", "position", "group", "shared_tokens", "context_tokens", "new_tokens",
            "seconds")
 _INT_COLUMNS = ("step", "position", "shared_tokens", "context_tokens", "new_tokens")
+
+logger = logging.getLogger("feather_sched")
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,7 @@ class StepLogWriter:
     """Appends steps to a log, one ``write`` and ``flush`` per step.
 
     A log that earlier engines appended to is continued: its step numbers go on, and a
-    last line cut short (an engine killed mid-write) is truncated away first.  A write
+    step cut short (an engine killed mid-write) is truncated away first.  A write
     that fails (disk full) is cut back to the last whole step before the error is
     raised, so the file always reads back whole.  Opening costs one pass over the file.
     """
@@ -117,36 +124,84 @@ class StepLogWriter:
 def read_steps(path: str | Path) -> list[Step]:
     """Read a log: steps ordered by step id, each batch ordered by position.
 
-    Raises ValueError naming the line and column of the first problem: a missing
-    column, an empty or non-numeric value, a negative number, a repeated position, or
-    a step whose rows disagree on ``seconds``.
+    A step cut short at the end of the file (``whole_steps_end``) is skipped with a
+    warning.  Raises ValueError naming the line and column of the first problem
+    elsewhere: a missing column, an empty or non-numeric value, a negative number, a
+    repeated position, or a step whose rows disagree on ``seconds``.  One pass.
     """
+    data = Path(path).read_bytes()
+    end = whole_steps_end(data)
+    if end < len(data):
+        logger.warning("%s: its last step was cut short (a write interrupted): skipped "
+                       "its %d line(s)", path, data[end:].count(b"\n") + 1)
+        if not end:
+            return []
     rows: dict[int, dict[int, BatchEntry]] = {}
     seconds: dict[int, float] = {}
-    with open(path, newline="") as file:
-        reader = csv.DictReader(file)
-        missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
-        if missing:
-            raise ValueError(f"{path}: line 1: missing column(s) {', '.join(missing)}")
-        for row in reader:
-            where = f"{path}: line {reader.line_num}"
-            step, position, entry, measured = _parse_row(row, where)
-            if step in seconds and not math.isclose(seconds[step], measured, rel_tol=1e-9):
-                raise ValueError(f"{where}: column 'seconds': {measured!r} differs from "
-                                 f"{seconds[step]!r} on an earlier row of step {step}")
-            if position in rows.setdefault(step, {}):
-                raise ValueError(f"{where}: column 'position': {position} repeats in step {step}")
-            seconds[step] = measured
-            rows[step][position] = entry
+    reader = csv.DictReader(io.StringIO(data[:end].decode(), newline=""))
+    missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
+    if missing:
+        raise ValueError(f"{path}: line 1: missing column(s) {', '.join(missing)}")
+    for row in reader:
+        where = f"{path}: line {reader.line_num}"
+        step, position, entry, measured = _parse_row(row, where)
+        if step in seconds and not math.isclose(seconds[step], measured, rel_tol=1e-9):
+            raise ValueError(f"{where}: column 'seconds': {measured!r} differs from "
+                             f"{seconds[step]!r} on an earlier row of step {step}")
+        if position in rows.setdefault(step, {}):
+            raise ValueError(f"{where}: column 'position': {position} repeats in step {step}")
+        seconds[step] = measured
+        rows[step][position] = entry
     return [([batch[p] for p in sorted(batch)], seconds[s]) for s, batch in sorted(rows.items())]
 
 
+def log_files(names: Iterable[str | Path]) -> list[Path]:
+    """The step logs ``names`` stand for: a file as named, a directory's ``*.csv`` files,
+    a glob pattern's matches (in sorted order).  ValueError for a name that stands for
+    none."""
+    files: list[Path] = []
+    for name in map(str, names):
+        if Path(name).is_dir():
+            found = sorted(Path(name).glob("*.csv"))
+        elif Path(name).exists():
+            found = [Path(name)]
+        else:
+            found = sorted(map(Path, glob.glob(name)))
+        if not found:
+            raise ValueError(f"{name}: no step log there")
+        files += found
+    return files
+
+
+def read_logs(names: Iterable[str | Path]) -> list[Step]:
+    """Every step of the logs ``names`` stand for (``log_files``), merged (steps are
+    independent records: a fit takes them one by one).  ValueError as ``read_steps``."""
+    return [step for path in log_files(names) for step in read_steps(path)]
+
+
+def whole_steps_end(data: bytes) -> int:
+    """Where a log's whole steps end: before a last line without its newline and the rows
+    of its step before it (a step is written in one piece).  O(rows of that step)."""
+    end = data.rfind(b"\n") + 1
+    if end == len(data):
+        return end
+    step, comma, _ = data[end:].partition(b",")
+    first_row = data.find(b"\n") + 1
+    while end > first_row:
+        start = data.rfind(b"\n", 0, end - 1) + 1
+        number = data[start:end].partition(b",")[0]
+        if not (number == step if comma else number.startswith(step)):
+            break
+        end = start
+    return end
+
+
 def _continue_log(path: Path) -> int:
-    """The next step number of an existing log; cuts a partial last line away."""
+    """The next step number of an existing log; cuts a step cut short away."""
     try:
         with open(path, "rb+") as file:
             data = file.read()
-            end = data.rfind(b"\n") + 1
+            end = whole_steps_end(data)
             if end < len(data):
                 file.truncate(end)
     except FileNotFoundError:
