@@ -2,7 +2,8 @@
 
 One Ray cluster for the module: two ``VLLMReplica``s (Feather scheduler, 1 GiB KV cache,
 one CPU each) behind ``OpenAIIngress`` routing with ``FeatherRequestRouter`` at a tight
-load bound (``balance_abs=2``), so that a hot group spreads with a few requests.  Greedy
+load bound (``balance_abs=2``), so that a hot group spreads with a few requests; both
+write Feather's files (bandit table, stats, step log) under the same names.  Greedy
 outputs are compared with one in-process engine of the same model.  Ray is imported
 unconditionally: a broken or missing Ray install fails this module.
 """
@@ -15,6 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
+from feather_sched.gate import Decision, GateContext, UCBBanditGate
 from feather_sched.integrations.ray_serve_app import (
     REPLICA_HEADER,
     build_app,
@@ -29,6 +32,8 @@ from feather_sched.integrations.ray_serve_app import (
 )
 from feather_sched.models import TINY_LLAMA
 from feather_sched.serve import serve_replicas, vllm_server_args
+from feather_sched.stats import SchedulerStats
+from feather_sched.steplog import read_steps
 from tests.servers import free_port
 
 vllm = pytest.importorskip("vllm", reason="the vllm extra is not installed")
@@ -82,13 +87,31 @@ def metrics_port() -> int:
     return free_port()
 
 
+PRETRAINED = 3
+"""Decisions in the bandit table every replica starts from."""
+
+
 @pytest.fixture(scope="module")
-def url(expected, tmp_path_factory, metrics_port) -> Iterator[str]:
-    """Ray (2 CPUs) with the app of two replicas (an API key, a chat template file),
-    started after ``expected`` (whose engine is gone by then); torn down after the module."""
+def files(tmp_path_factory) -> Path:
+    """Where the replicas' Feather files go: a pre-trained bandit table is there."""
+    directory = tmp_path_factory.mktemp("feather-files")
+    gate = UCBBanditGate()
+    context = GateContext(batch_size=5, chunk_loss=2, sharing_waiters=0, num_waiting=3)
+    gate.reward([(context, Decision.STOP)] * PRETRAINED, batch_size=5, seconds=0.5)
+    gate.save(directory / "bandit.json")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def url(expected, tmp_path_factory, metrics_port, files) -> Iterator[str]:
+    """Ray (2 CPUs) with the app of two replicas (an API key, a chat template file, the
+    same Feather file names), started after ``expected`` (whose engine is gone by then);
+    torn down after the module."""
     template = tmp_path_factory.mktemp("chat") / "template.jinja"
     template.write_text(CHAT_TEMPLATE)
-    argv = vllm_server_args(None, {"gate": "bandit"}, [
+    feather = {"gate": "bandit", "state_file": str(files / "bandit.json"),
+               "stats_file": str(files / "stats.json"), "step_log": str(files / "steps.csv")}
+    argv = vllm_server_args(None, feather, [
         "--enforce-eager", "--api-key", API_KEY, "--chat-template", str(template)],
         kv_cache_gib=KV_GIB, environ={})
     app = build_app(argv, replicas=2, router_options={"balance_abs": 2, "balance_rel": 1.0})
@@ -163,6 +186,29 @@ def test_a_group_stays_on_one_replica_while_load_allows(url, expected) -> None:
 def test_a_hot_group_spreads_to_the_second_replica(url, expected) -> None:
     served = run(url, expected, [("hot", i) for i in range(6)], concurrency=6)
     assert len(set(served.values())) == 2, served
+
+
+def test_each_replica_writes_its_own_files(url, expected, files) -> None:
+    """Under the same names: each replica's are its own (its Serve rank inserted), and
+    each started from the shared pre-trained table, which none writes."""
+    shared = (files / "bandit.json").read_bytes()
+    served = run(url, expected, [("hot", i) for i in range(6)], concurrency=6)
+    assert len(set(served.values())) == 2, served
+    names = sorted(p.name for p in files.iterdir())
+    assert names == ["bandit.json", "bandit.rank0.json", "bandit.rank1.json",
+                     "stats.rank0.json", "stats.rank1.json", "steps.rank0.csv",
+                     "steps.rank1.csv"], names  # a replica saves as soon as it drains
+    assert (files / "bandit.json").read_bytes() == shared
+    pretrained = UCBBanditGate()
+    pretrained.load(files / "bandit.json")
+    for rank in (0, 1):
+        stats = SchedulerStats.read(files / f"stats.rank{rank}.json")
+        assert stats.steps == len(read_steps(files / f"steps.rank{rank}.csv")) > 0
+        own = UCBBanditGate()
+        own.load(files / f"bandit.rank{rank}.json")
+        assert all(own.table[context][decision].pulls >= arm.pulls  # it started warm
+                   for context, arms in pretrained.table.items()
+                   for decision, arm in arms.items())
 
 
 def test_a_killed_replica_loses_no_request_and_gets_none_after(url, expected) -> None:

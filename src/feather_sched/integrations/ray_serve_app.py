@@ -7,7 +7,10 @@
   Prometheus form at its metrics export port, as ``ray_vllm_...`` with the Serve
   replica's ``ReplicaId`` label; its ``feather:`` metrics, written by the engine
   process, are relayed there too (``ray_metrics``: ``ray_feather_...``, with Serve's
-  ``replica`` label); ``--disable-log-stats`` turns both off.
+  ``replica`` label); ``--disable-log-stats`` turns both off.  Its Feather files are its
+  own: ``FEATHER_REPLICA`` names its Serve rank (``config.Placement``), so
+  ``stats.json`` becomes ``stats.rank1.json`` on replica 1, and a replacement replica
+  takes over the rank, and the files, of the one it replaces.
 * ``OpenAIIngress``: ``/v1/models``, ``/v1/completions`` (streamed or not, text or
   token-id prompts) and ``/v1/chat/completions`` (streamed or not; text messages rendered
   with the model's chat template).  It tokenizes text once, calls the replicas through a
@@ -47,6 +50,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from feather_sched import metrics
+from feather_sched.config import REPLICA_VARIABLE
 from feather_sched.integrations.ray_metrics import MetricsRelay
 from feather_sched.integrations.ray_serve import ROUTER_CLASS
 
@@ -190,21 +194,25 @@ def _flags(names: list[str]) -> list[str]:
 @serve.deployment(max_ongoing_requests=MAX_ONGOING_REQUESTS)
 class VLLMReplica:
     """A vLLM engine built from ``vllm serve`` arguments (engine arguments only are used),
-    its processes started with ``env`` added to the environment."""
+    its processes started with ``env`` added to the environment, and its Serve rank as
+    ``FEATHER_REPLICA``."""
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
-        os.environ.update(env)  # before vLLM spawns its engine process, which inherits it
+        context = serve.get_replica_context()
+        rank = f"{context.rank.rank}/{context.world_size}"
+        # before vLLM spawns its engine process, which inherits it
+        os.environ.update({**env, REPLICA_VARIABLE: rank})
         args = AsyncEngineArgs.from_cli_args(parse_vllm_args(argv))
         self.relay = None if args.disable_log_stats else self._relay_feather_metrics()
         loggers = None if args.disable_log_stats else [RayPrometheusStatLogger]
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
         if self.relay is not None:
             self.relay.start()
-        self.name = serve.get_replica_context().replica_id.to_full_id_str()
+        self.name = context.replica_id.to_full_id_str()
         self.defaults = {"max_tokens": None,
                          **self.engine.model_config.get_diff_sampling_param()}
         """What vLLM's server applies where a request is silent: the model's generation
