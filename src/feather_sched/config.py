@@ -75,6 +75,7 @@ class Placement:
 
     @property
     def several(self) -> bool:
+        """Whether the deployment runs more than one Feather scheduler."""
         return self.ranks > 1
 
     def path(self, given: str) -> str:
