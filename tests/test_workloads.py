@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from feather_sched.workloads import (
     ArrivalSpec,
+    Replay,
     RequestSpec,
     Workload,
     arrival_times,
@@ -557,3 +558,51 @@ def test_a_singleton_arrives_before_the_stream_of_one_group() -> None:
         singleton_before_a_stream(stream=0, prefix_len=64, suffix_len=8, output_len=5,
                                   singleton_output_len=30,
                                   arrival=ArrivalSpec(kind="poisson", rate=10))
+
+
+def test_a_replay_window_keeps_the_trace_order_and_rebases_time(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "mc.jsonl", [
+        mooncake_line(3000, 12, [1]), mooncake_line(1000, 24, [1, 2]),
+        mooncake_line(2000, 24, [1, 3]), mooncake_line(5000, 12, [4])])
+    w = load_mooncake(path, block_tokens=12, replay=Replay(start=1, max_requests=2, speed=4))
+    assert [r.request_id for r in w] == ["mc-1", "mc-2"]  # lines 3 and 1 by timestamp
+    assert [r.arrival_s for r in w] == [0.0, 0.25]
+    assert [r.shared_len for r in w] == [0, 12]  # the window's first request is cold
+    with pytest.raises(ValueError, match="leaves none"):
+        load_mooncake(path, block_tokens=12, replay=Replay(start=4))
+
+
+def test_a_token_scale_keeps_who_shares_what_at_fewer_tokens(tmp_path: Path) -> None:
+    lines = [mooncake_line(0, 1024, [1, 2]), mooncake_line(1, 1100, [1, 2, 3]),
+             mooncake_line(2, 700, [1, 4])]
+    path = write_lines(tmp_path / "mc.jsonl", lines)
+    full = load_mooncake(path)
+    quarter = load_mooncake(path, replay=Replay(token_scale=0.25))
+    assert [r.prompt.size for r in quarter] == [256, 256 + 19, 128 + 47]  # 76/4, 188/4 up
+    assert [r.shared_len for r in quarter] == [0, 256, 128]
+    assert [r.shared_len for r in full] == [0, 1024, 512]
+    a, b, c = quarter.requests
+    assert np.array_equal(b.prompt[:256], a.prompt)
+    assert np.array_equal(c.prompt[:128], a.prompt[:128])
+    assert not np.array_equal(c.prompt[128:], a.prompt[128:128 + 47])
+    with pytest.raises(ValueError, match="whole tokens"):
+        load_mooncake(path, replay=Replay(token_scale=0.3))
+
+
+def test_a_replay_of_token_ids_takes_a_window_and_a_speed_but_no_scale(tmp_path: Path) -> None:
+    workload = shared_prefix_groups(groups=2, prompts_per_group=3, prefix_len=8, suffix_len=2,
+                                    output_len=2, arrival=ArrivalSpec("poisson", 10), seed=1)
+    window = Replay(start=2, max_requests=3, speed=2).apply(workload)
+    kept = workload.requests[2:5]
+    assert [r.request_id for r in window] == [r.request_id for r in kept]
+    assert [r.arrival_s for r in window] == pytest.approx(
+        [(r.arrival_s - kept[0].arrival_s) / 2 for r in kept])
+    with pytest.raises(ValueError, match="token_scale"):
+        Replay(token_scale=0.5).apply(workload)
+
+
+@pytest.mark.parametrize("bad", [dict(start=-1), dict(max_requests=0), dict(speed=0),
+                                 dict(token_scale=float("inf"))])
+def test_a_bad_replay_is_refused(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        Replay(**bad)

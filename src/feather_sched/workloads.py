@@ -631,6 +631,62 @@ def load_jsonl(path: str | Path) -> Workload:
     return Workload(name, requests)
 
 
+@dataclass(frozen=True)
+class Replay:
+    """Which part of a trace to replay, how fast, and at what token scale.
+
+    ``start`` skips that many requests and ``max_requests`` keeps at most that many (in
+    arrival order; None: all the rest); the window's first arrival becomes time 0.
+    ``speed`` divides the gaps between arrivals (0.25 stretches the trace 4x in time).
+    ``token_scale`` scales a hash-id trace's blocks (0.25: each 512-token hash block
+    becomes 128 tokens, so every request keeps its blocks and which requests share what,
+    at a quarter of the tokens); it must turn the trace's block into whole tokens, and
+    traces of token ids only take 1.
+    """
+
+    start: int = 0
+    max_requests: int | None = None
+    speed: float = 1.0
+    token_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
+            raise ValueError(f"start must be an integer >= 0, got {self.start!r}")
+        if self.max_requests is not None:
+            _check_positive(max_requests=self.max_requests)
+        for name in ("speed", "token_scale"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {value}")
+
+    def window(self, n: int) -> slice:
+        """The requests kept of ``n`` in arrival order."""
+        stop = n if self.max_requests is None else min(n, self.start + self.max_requests)
+        if self.start >= n:
+            raise ValueError(f"start {self.start} leaves none of the trace's {n} requests")
+        return slice(self.start, stop)
+
+    def scaled_block(self, block_tokens: int) -> int:
+        """Tokens a ``block_tokens``-token hash block becomes (ValueError unless whole)."""
+        scaled = block_tokens * self.token_scale
+        if abs(scaled - round(scaled)) > 1e-9 or round(scaled) < 1:
+            raise ValueError(f"token_scale {self.token_scale} turns {block_tokens}-token "
+                             f"blocks into {scaled:g} tokens; choose a scale giving whole "
+                             "tokens")
+        return round(scaled)
+
+    def apply(self, workload: Workload) -> Workload:
+        """The window of a workload of token ids, its time rebased and divided by
+        ``speed`` (``token_scale`` must be 1: token ids cannot be rescaled).  O(requests)."""
+        if self.token_scale != 1:
+            raise ValueError("token_scale is for hash-id (Mooncake) traces; this one holds "
+                             "token ids")
+        kept = workload.requests[self.window(len(workload))]
+        origin = kept[0].arrival_s
+        return Workload(workload.name, [replace(r, arrival_s=(r.arrival_s - origin) / self.speed)
+                                        for r in kept])
+
+
 def _shared_block_tokens(
     trie: dict[int, list[Any]], hash_ids: Sequence[int], input_length: int, block_tokens: int
 ) -> int:
@@ -664,6 +720,8 @@ def _mooncake_record(obj: dict[str, Any],
     input_length = _field(obj, "input_length", int)
     output_length = _field(obj, "output_length", int)
     hash_ids = _field(obj, "hash_ids", list)
+    if output_length < 0:
+        raise ValueError(f"output_length must be >= 0, got {output_length}")
     if not hash_ids or any(
         isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in hash_ids
     ):
@@ -680,46 +738,53 @@ def _mooncake_record(obj: dict[str, Any],
 def load_mooncake(
     path: str | Path,
     *,
+    replay: Replay | None = None,
     block_tokens: int = 512,
     seed: int = 0,
     vocab_size: int = 32000,
     time_scale: float = 1e-3,
 ) -> Workload:
     """Replay a Mooncake-style trace (timestamp, input_length, output_length, hash_ids,
-    and an optional priority, 0 when absent).
+    and an optional priority, 0 when absent) of ``block_tokens``-token hash blocks.
 
-    Each hash id stands for one block of ``block_tokens`` tokens and is mapped to a fixed
-    random block, so requests with equal leading hash ids get identical token prefixes.
-    ``group`` is the first hash id, ``shared_len`` the leading tokens shared with any
-    earlier request in the file, and ``arrival_s`` is ``(timestamp - min timestamp) *
-    time_scale`` (timestamps are in ms by default). The workload is named after the file.
+    Every line is validated; then ``replay`` picks the window (in timestamp order), its
+    speed and token scale.  Each hash id stands for one block of ``block_tokens *
+    token_scale`` tokens, a fixed random block that depends only on ``(seed, hash id)``,
+    so equal leading hash ids give identical token prefixes and an engine's prefix cache
+    sees exactly the trace's sharing; a partial last block keeps its share of the block
+    (rounded up).  ``group`` is the first hash id, ``shared_len`` the leading tokens
+    shared with any earlier request of the window, and ``arrival_s`` is ``(timestamp -
+    the window's first timestamp) * time_scale / speed`` (timestamps in ms by default).
+    The workload is named after the file.  Cost: one JSON parse per line, then numpy
+    work for the window's blocks and prompts only (the 3,993-request Mooncake trace,
+    61M tokens, loads whole in about a second).
     """
+    replay = replay or Replay()
     _check_positive(block_tokens=block_tokens)
     _check_vocab(vocab_size)
     if not (math.isfinite(time_scale) and time_scale > 0):
         raise ValueError(f"time_scale must be finite and > 0, got {time_scale}")
     path = Path(path)
-    trie: dict[int, list[Any]] = {}
+    scaled = replay.scaled_block(block_tokens)
     records = []
     for lineno, obj in _json_lines(path):
         with _at_line(path, lineno):
-            timestamp, length, output_length, hash_ids, priority = _mooncake_record(
-                obj, block_tokens)
-        shared = _shared_block_tokens(trie, hash_ids, length, block_tokens)
-        records.append((lineno, timestamp, length, output_length, hash_ids, shared, priority))
-    start = min((r[1] for r in records), default=0)
+            records.append(_mooncake_record(obj, block_tokens))
+    records.sort(key=operator.itemgetter(0))
+    records = records[replay.window(len(records))]
+    start = records[0][0]
+    trie: dict[int, list[Any]] = {}
     blocks: dict[int, np.ndarray] = {}
     requests = []
-    for i, (lineno, timestamp, length, output_length, hash_ids, shared,
-            priority) in enumerate(records):
+    for i, (timestamp, length, output_length, hash_ids, priority) in enumerate(records):
+        last = length - (len(hash_ids) - 1) * block_tokens
+        length = (len(hash_ids) - 1) * scaled + -(-last * scaled // block_tokens)
+        shared = _shared_block_tokens(trie, hash_ids, length, scaled)
         for h in hash_ids:
             if h not in blocks:
-                blocks[h] = _block(seed, h, block_tokens, vocab_size)
+                blocks[h] = _block(seed, h, scaled, vocab_size)
         prompt = np.concatenate([blocks[h] for h in hash_ids])[:length]
-        arrival = (timestamp - start) * time_scale
-        with _at_line(path, lineno):
-            requests.append(
-                RequestSpec(f"{path.stem}-{i}", prompt, output_length, arrival, hash_ids[0],
-                            shared, priority)
-            )
+        arrival = (timestamp - start) * time_scale / replay.speed
+        requests.append(RequestSpec(f"{path.stem}-{i + replay.start}", prompt, output_length,
+                                    arrival, hash_ids[0], shared, priority))
     return Workload(path.stem, requests)
