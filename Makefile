@@ -6,7 +6,7 @@ run:
 	.venv/bin/feather bench --json out/bench.json --plot out/bench.png
 
 test:
-	scripts/setup.sh --vllm --sglang --ray
+	scripts/setup.sh --vllm --sglang --ray --datasets
 	.venv/bin/ruff check src tests
 	.venv/bin/python -m pytest -q
 

