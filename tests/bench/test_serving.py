@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from feather_sched.bench.serving import WORKLOADS, WorkloadArgs
@@ -29,3 +31,31 @@ def test_a_trace_keeps_its_classes_unless_a_share_is_given(tmp_path) -> None:
         0: 1, 1: 9}
     with pytest.raises(ValueError, match="high_priority_share"):
         WorkloadArgs(trace=trace, high_priority_share=-1).build()
+
+
+def mooncake_trace(path, requests: int = 6):
+    """``requests`` Mooncake lines 1 s apart, in two prefix groups of 512-token blocks."""
+    lines = [{"timestamp": 1000 * i, "input_length": 1024, "output_length": 3,
+              "hash_ids": [i % 2, 10 + i]} for i in range(requests)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_a_mooncake_trace_is_replayed_in_a_window_faster_and_smaller(tmp_path) -> None:
+    trace = mooncake_trace(tmp_path / "mc.jsonl")
+    built = WorkloadArgs(trace=trace, start=1, max_requests=4, trace_speed=2,
+                         token_scale=0.125, dataset_output_len=5).build()
+    assert [r.request_id for r in built] == [f"mc-{i}" for i in range(1, 5)]
+    assert [r.arrival_s for r in built] == [0.0, 0.5, 1.0, 1.5]
+    assert {r.prompt.size for r in built} == {128} and {r.output_len for r in built} == {5}
+    assert [r.shared_len for r in built] == [0, 0, 64, 64]
+
+
+def test_a_jsonl_trace_takes_a_window_but_no_token_scale(tmp_path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    save_jsonl(WorkloadArgs(groups=2, prompts_per_group=5, prefix_len=16, suffix_len=4,
+                            output_len=2, request_rate=10.0).build(), trace)
+    assert len(WorkloadArgs(trace=trace, start=7).build()) == 3
+    with pytest.raises(ValueError, match="token_scale"):
+        WorkloadArgs(trace=trace, token_scale=0.5).build()
+

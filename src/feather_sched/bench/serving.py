@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +29,11 @@ from feather_sched.bench.report import (
     summarize,
     write_json,
 )
+from feather_sched.datasets import load_dataset
 from feather_sched.models import TINY_LLAMA
 from feather_sched.workloads import (
     ArrivalSpec,
+    Replay,
     Workload,
     load_jsonl,
     load_mooncake,
@@ -70,17 +72,46 @@ class WorkloadArgs:
     in class 1 (``workloads.prioritized``); 0 keeps the workload's own classes (a trace's,
     else one class)."""
     seed: int = 0
+    dataset_name: str | None = None
+    """Real prompts (``datasets.DATASETS``) instead of a generator; they arrive at
+    ``request_rate`` (Poisson), else all at once."""
+    dataset_path: Path | None = None
+    tokenizer: str | Path | None = None
+    """The dataset's tokenizer (``datasets.load_tokenizer``)."""
+    start: int = 0
+    max_requests: int | None = None
+    trace_speed: float = 1.0
+    token_scale: float = 1.0
+    dataset_output_len: int | None = None
+    """Every output length of a trace or dataset (None: their own)."""
 
     def build(self) -> Workload:
         """The workload (ValueError for a bad knob)."""
         workload = self._generate()
+        if self.dataset_output_len is not None:
+            workload = Workload(workload.name, [replace(r, output_len=self.dataset_output_len)
+                                                for r in workload])
         if self.high_priority_share == 0:
             return workload
         return prioritized(workload, self.high_priority_share, seed=self.seed)
 
     def _generate(self) -> Workload:
+        replay = Replay(self.start, self.max_requests, self.trace_speed, self.token_scale)
+        if self.trace is not None and self.dataset_name is not None:
+            raise ValueError("give a trace or a dataset name, not both")
         if self.trace is not None:
-            return load_trace(self.trace)
+            return load_trace(self.trace, replay)
+        if self.dataset_name is not None:
+            if replay.speed != 1 or replay.token_scale != 1:
+                raise ValueError("trace speed and token scale are for traces; a dataset "
+                                 "arrives at the request rate")
+            return load_dataset(self.dataset_name, path=self.dataset_path,
+                                tokenizer=self.tokenizer, start=self.start,
+                                max_requests=self.max_requests,
+                                arrival=self._arrival(), seed=self.seed)
+        if replay != Replay() or self.dataset_path or self.dataset_output_len:
+            raise ValueError("start, max requests, trace speed, token scale, dataset path and "
+                             "dataset output length are for traces and datasets")
         arrival = self._arrival()
         common = {"output_len": self.output_len, "arrival": arrival, "seed": self.seed}
         if self.kind == "shared-prefix":
@@ -116,11 +147,15 @@ class WorkloadArgs:
         return ArrivalSpec(kind=kind, rate=self.request_rate)
 
 
-def load_trace(path: Path) -> Workload:
-    """A feather JSONL trace, or a Mooncake trace (recognised by its first line)."""
+def load_trace(path: Path, replay: Replay | None = None) -> Workload:
+    """A feather JSONL trace, or a Mooncake trace (recognised by its first line), with
+    ``replay``'s window, speed and (Mooncake only) token scale."""
+    replay = replay or Replay()
     with open(path) as handle:
         first = handle.readline()
-    return load_mooncake(path) if '"hash_ids"' in first else load_jsonl(path)
+    if '"hash_ids"' in first:
+        return load_mooncake(path, replay=replay)
+    return replay.apply(load_jsonl(path))
 
 
 @dataclass
