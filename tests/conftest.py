@@ -1,8 +1,37 @@
 """Test-wide set-up: SGLang's scheduler code imports on this CPU machine as in the product
-(``feather_sched.stand_ins``)."""
+(``feather_sched.stand_ins``); a fault Feather contains fails the test that did not ask for
+faults, so containment never hides a bug."""
 
 from __future__ import annotations
 
+import pytest
+
+from feather_sched.runtime import FaultGuard
 from feather_sched.stand_ins import prepare_sglang_import
 
 prepare_sglang_import()
+
+
+@pytest.fixture
+def contained_faults() -> list[tuple[str, Exception]]:
+    """The faults Feather contained during the test (``FaultGuard.fault``: where, what),
+    in order; a test that asks for this fixture may have them."""
+    return []
+
+
+@pytest.fixture(autouse=True)
+def _contained_faults_fail_the_test(request: pytest.FixtureRequest,
+                                    monkeypatch: pytest.MonkeyPatch):
+    allowed = "contained_faults" in request.fixturenames
+    seen = request.getfixturevalue("contained_faults") if allowed else []
+    original = FaultGuard.fault
+
+    def recording(guard: FaultGuard, where: str, error: Exception) -> None:
+        seen.append((where, error))
+        original(guard, where, error)
+
+    monkeypatch.setattr(FaultGuard, "fault", recording)
+    yield
+    if seen and not allowed:
+        pytest.fail(f"Feather contained {len(seen)} fault(s), the first in {seen[0][0]}: "
+                    f"{seen[0][1]!r}")

@@ -267,6 +267,59 @@ def test_stats_are_written_and_a_failed_write_keeps_the_runtime_alive(tmp_path, 
     assert a in running
 
 
+def test_faults_are_counted_logged_once_and_n_in_a_row_turn_feather_off(
+        contained_faults, caplog) -> None:
+    rt = runtime(max_faults=3)
+    guard, stats = rt.faults, rt.meter.stats
+    guard.fault("decide", KeyError("a"))
+    guard.fault("admit", KeyError("b"))
+    rt.enter_waiting(req("a"))
+    rt.begin_pass([])
+    rt.end_pass(1, admit_all(rt, []))  # a pass that decided ends the run
+    assert (stats.faults, guard.in_a_row, guard.active, guard.dirty) == (2, 0, True, True)
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].exc_info is not None  # the first, with traceback
+    assert "fault in decide" in errors[0].getMessage()
+    for where in ("begin_pass", "decide"):
+        guard.fault(where, RuntimeError(where))
+        for step in range(2):  # passes that decide nothing: fewer than 3 go on with the run
+            rt.begin_pass([])
+            rt.end_pass(step, [])
+    guard.fault("end_pass", RuntimeError("end_pass"))
+    assert not guard.active and stats.faults == 5
+    assert caplog.text.count("Feather is off") == 1
+    assert "3 faults in a row" in caplog.text and "the latest in end_pass" in caplog.text
+    assert [where for where, _ in contained_faults] == ["decide", "admit", "begin_pass",
+                                                        "decide", "end_pass"]
+
+
+def test_resync_rebuilds_the_picture_from_the_engines_sets() -> None:
+    """After a fault the queue may hold anything: resync rebuilds it from what the engine
+    runs and holds waiting, keeping arrivals and preemption counts, counting each request
+    in once and out once."""
+    rt = runtime(gate=RecordingGate())
+    a, b, c, d = req("a", 0), req("b", 0), req("c", 1), req("d", 2)
+    for arrival, request in enumerate((a, b, c, d)):
+        request.arrival = float(arrival)
+        rt.enter_waiting(request)
+    rt.begin_pass([])
+    running = admit_all(rt, [], limit=2)
+    rt.end_pass(1, running)
+    rt.preempted(running[1])
+    rt.queue.tree.remove("c")  # a fault left the tree half-updated
+    e = req("e", 1)
+    e.arrival = 4.0
+    rt.resync(running, [e, d, c])  # e is new to Feather; the waiting side by arrival
+    assert running_ids(rt) == {"a", "b"} and list(rt.queue.waiting_ids()) == ["c", "d", "e"]
+    assert rt.queue.arrival_s("c") == 2.0 and rt._tracked["b"].preemptions == 1
+    assert not rt.faults.dirty
+    rt.resync(running, [c, e])  # d left unseen
+    stats = rt.meter.stats
+    assert (stats.requests_entered, stats.requests_left) == (5, 1)
+    rt.begin_pass(running)
+    assert rt.decide().request_id == "c"  # the older of the two, both of group 1
+
+
 events = st.lists(st.tuples(st.sampled_from(["arrive", "pass", "finish", "preempt", "park",
                                              "resume", "abort"]), st.integers(0, 5)),
                   max_size=120)

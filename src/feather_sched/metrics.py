@@ -23,7 +23,8 @@ ENV_MULTIPROC = "PROMETHEUS_MULTIPROC_DIR"
 GROUP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 DEFERRAL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
 SCHEDULE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
-PREEMPTION_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+PREEMPTION_BUCKETS = (0.5, 1, 2, 3, 4, 6, 8, 16)
+"""Positive bounds (Ray's metrics relay refuses 0); le=0.5 counts the never preempted."""
 
 
 
@@ -45,6 +46,7 @@ class _Metrics:
     preemptions: Counter
     request_preemptions: Histogram
     preempted_group: Histogram
+    faults: Counter
 
 
 @functools.cache
@@ -79,6 +81,9 @@ def _registered() -> _Metrics:
                                   "victim's prefix group (itself included) at each "
                                   "preemption: 1 is a singleton or minority request.", labels,
                                   buckets=GROUP_BUCKETS),
+        faults=Counter("feather:faults", "Exceptions in Feather's own code, each contained by "
+                       "its scheduling pass falling back to the engine's own order, by where "
+                       "they arose.", [*labels, "where"]),
     )
 
 
@@ -100,6 +105,7 @@ class PrometheusSink:
         self._preemptions = metrics.preemptions
         self._request_preemptions = metrics.request_preemptions.labels(scheduler)
         self._preempted_group = metrics.preempted_group.labels(scheduler)
+        self._faults = metrics.faults
 
     def pass_ended(self, *, asked: int, add: int, stop: int, forced: int,
                    deferrals: Iterable[float], groups: int, waiting: int,
@@ -127,6 +133,10 @@ class PrometheusSink:
         self._preemptions.labels(self._scheduler, str(priority)).inc()
         if group_size is not None:
             self._preempted_group.observe(group_size)
+
+    def fault(self, where: str) -> None:
+        """A fault of Feather's own code in ``where`` (``runtime.FaultGuard``)."""
+        self._faults.labels(self._scheduler, where).inc()
 
     def request_left(self, preemptions: int) -> None:
         """A request left the scheduler (finished, aborted, rejected), preempted so often."""

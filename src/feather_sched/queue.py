@@ -103,11 +103,9 @@ class FeatherQueue:
     ) -> None:
         if max_wait_s is not None and max_wait_s < 0:
             raise ValueError(f"max_wait_s must be non-negative or None, got {max_wait_s}")
-        self.tree = ChunkedHashTree()
         self.gate: Gate = gate if gate is not None else AlwaysAddGate()
-        self.bound = None
-        if max_overtakes is not None or max_stops is not None:
-            self.bound = OvertakeBound(max_overtakes, max_stops)
+        self.max_overtakes = max_overtakes
+        self.max_stops = max_stops
         self.max_wait_s = max_wait_s
         self.chunk_tokens = chunk_tokens
         """Tokens a chunk key stands for (what the gate is told in tokens)."""
@@ -115,6 +113,15 @@ class FeatherQueue:
         self.seats: int | None = None
         """The engine's cap on running requests, where its adapter knows it (the gate is
         told the seats left free)."""
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every request (the tree, the bounds' counts, this pass's answer); the
+        gate keeps what it learned.  O(1) plus freeing the old structures."""
+        self.tree = ChunkedHashTree()
+        self.bound = None
+        if self.max_overtakes is not None or self.max_stops is not None:
+            self.bound = OvertakeBound(self.max_overtakes, self.max_stops)
         self._requests: dict[RequestId, _Request] = {}
         self._sequence_numbers = itertools.count()
         self._oldest: list[tuple[int, float, int, RequestId]] = []

@@ -26,6 +26,11 @@ state) behind one contract, stated once, in the style of vLLM's ``RequestQueue``
                                   (engines whose own rule is this one, like vLLM's
                                   priority path, need not ask)
 
+Faults: an exception in any of these (Feather's tree, queue, gate, meter or metrics sink)
+is the adapter's to contain: it hands it to ``faults.fault`` (``FaultGuard``), serves the
+engine's own order for the rest of the pass, and before the next pass calls
+``resync(running, waiting)`` with the engine's own sets.
+
 The running set is never assumed from admissions: each ``begin_pass`` and ``end_pass``
 takes what the engine itself reports as running, so a request the engine skipped, parked
 or ran by a path Feather does not see is placed where the engine has it.  An ADD counts
@@ -38,6 +43,7 @@ imports an engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -64,6 +70,8 @@ never reports a step, e.g. an empty one, cannot grow this without bound)."""
 MAX_STEP_DECISIONS = 4096
 """Decisions kept for one step; several passes may wait for one step (an engine that
 never decodes, e.g. prefill-only serving, must not grow a list without bound)."""
+LOG_FAULTS_EVERY_S = 10.0
+"""After the first fault (logged with its traceback), at most one line per this period."""
 
 logger = logging.getLogger("feather_sched")
 
@@ -90,7 +98,69 @@ class RequestView(Protocol[R]):
 class _Tracked(Generic[R]):
     request: R
     prompt_tokens: int
+    arrival_s: float
+    """As the queue was given it (kept when the queue is rebuilt, ``resync``)."""
     preemptions: int = 0
+
+
+class FaultGuard:
+    """Contains exceptions of Feather's own code in one engine's scheduler.
+
+    The adapter runs each piece of Feather's work (tree and queue, gate, meter, metrics
+    sink, running order) inside ``try`` and hands an exception to ``fault``; it then
+    serves the engine's own order and admission for the rest of the scheduling pass and,
+    while ``dirty``, rebuilds Feather's picture from the engine's before the next
+    (``FeatherRuntime.resync``).  ``fault`` logs (the traceback the first time, then one
+    line at most every ``LOG_FAULTS_EVERY_S``) and counts (``SchedulerStats.faults``,
+    ``feather:faults``); ``limit`` faults in a row, i.e. with neither a pass that decided
+    admissions nor ``limit`` passes served without a fault between them (``served``),
+    turn Feather off for good, with one error line: ``active`` is then False and the
+    adapter leaves the engine to its own order.  O(1).
+    """
+
+    def __init__(self, name: str, limit: int, meter: StepMeter) -> None:
+        self.name = name
+        self.limit = limit
+        self.meter = meter
+        self.active = True
+        self.dirty = False
+        """A fault happened since Feather's picture was last rebuilt."""
+        self.in_a_row = 0
+        self._served = 0
+        """Passes served without a fault since the last fault."""
+        self._logged_at: float | None = None
+
+    def fault(self, where: str, error: Exception) -> None:
+        """Feather's code raised ``error`` in ``where`` (a short label)."""
+        stats = self.meter.stats
+        stats.faults += 1
+        self.in_a_row += 1
+        self._served = 0
+        self.dirty = True
+        if self.meter.sink is not None:
+            with contextlib.suppress(Exception):  # the sink may be what fails: stats count
+                self.meter.sink.fault(where)
+        now = time.monotonic()
+        if self._logged_at is None:
+            logger.error("Feather: fault in %s (%s); this scheduling pass falls back to the "
+                         "engine's own order, Feather resumes at the next", where, self.name,
+                         exc_info=error)
+            self._logged_at = now
+        elif now - self._logged_at >= LOG_FAULTS_EVERY_S:
+            logger.warning("Feather: %d faults in %s so far, the latest in %s: %r",
+                           stats.faults, self.name, where, error)
+            self._logged_at = now
+        if self.active and self.in_a_row >= self.limit:
+            self.active = False
+            logger.error("Feather is off in %s after %d faults in a row (the latest in %s: "
+                         "%r): the engine's own scheduling order from now on", self.name,
+                         self.in_a_row, where, error)
+
+    def served(self, decided: bool) -> None:
+        """Feather's code served a pass to its end; ``decided``: it decided admissions."""
+        self._served += 1
+        if decided or self._served >= self.limit:
+            self.in_a_row = 0
 
 
 @dataclass
@@ -121,6 +191,7 @@ class FeatherRuntime(Generic[R]):
                                state_file=config.state_file, gate=bandit,
                                admissions=self.counts,
                                sink=metrics.PrometheusSink(name) if metrics.enabled() else None)
+        self.faults = FaultGuard(name, config.max_faults, self.meter)
         self._tracked: dict[RequestId, _Tracked[R]] = {}
         self._taken: list[_Taken] = []
         self._open_steps: OrderedDict[Hashable, list[tuple[GateContext, Decision]]] = \
@@ -177,10 +248,8 @@ class FeatherRuntime(Generic[R]):
         tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return False
-        if self.meter.sink is not None:
-            self.meter.sink.request_left(tracked.preemptions)
+        self._count_left([tracked])
         self.queue.remove(request_id)
-        self.meter.stats.requests_left += 1
         self._count_states()
         if not self._tracked:
             self.meter.save()  # drained: a run's end is on file even if shutdown is cut short
@@ -305,7 +374,9 @@ class FeatherRuntime(Generic[R]):
         last.admitted = True
 
     def end_pass(self, step: Hashable, running: Sequence[R]) -> None:
-        """The pass formed ``step``: reconcile, count and bind the decisions that held."""
+        """The pass formed ``step``: reconcile, count and bind the decisions that held.
+        It counts as served (``FaultGuard.served``)."""
+        decided = bool(self._taken)
         self.reconcile(running)
         credit: list[tuple[GateContext, Decision]] = []
         admitted: list[RequestId] = []
@@ -332,6 +403,7 @@ class FeatherRuntime(Generic[R]):
                 groups=len({self.group(r) for r in running}), waiting=stats.waiting,
                 running=stats.running)
         self._taken.clear()
+        self.faults.served(decided)
         if credit:
             decisions = self._open_steps.setdefault(step, [])
             decisions.extend(credit)
@@ -391,6 +463,50 @@ class FeatherRuntime(Generic[R]):
             for request_id in gone:
                 self.discard(request_id)
 
+    def resync(self, running: Sequence[R], waiting: Iterable[R],
+               held: Iterable[R] = ()) -> None:
+        """Rebuild Feather's picture from the engine's after a fault: the queue is cleared
+        and refilled with the engine's ``running`` and ``waiting`` requests, and those it
+        ``held`` outside both (parked in a queue of its own), in arrival order (each keeps
+        its arrival time and preemption count; the gate keeps what it learned; the
+        waiting bounds count afresh); a request Feather knew that is in none left unseen
+        and is counted out once.  Clears ``faults.dirty``.  O(their keys + n log n)."""
+        view, stats = self.view, self.meter.stats
+        known, self._tracked = self._tracked, {}
+        now = self.clock()
+
+        def arrival(request: R) -> float:
+            old = known.get(view.request_id(request))
+            if old is not None and old.prompt_tokens == view.prompt_tokens(request):
+                return old.arrival_s
+            given = view.arrival_s(request)
+            return now if given is None else given
+
+        try:
+            self._taken.clear()
+            self.queue.clear()
+            entries = [(state, arrival(request), request)
+                       for state, requests in ((QueueState.RUNNING, running),
+                                               (QueueState.WAITING, waiting),
+                                               (QueueState.HELD, held))
+                       for request in requests]
+            entries.sort(key=lambda entry: (entry[0] is not QueueState.RUNNING, entry[1]))
+            for state, arrival_s, request in entries:
+                old = known.get(view.request_id(request))
+                request_id = self._track(request, arrival_s,
+                                         0 if old is None else old.preemptions)
+                if state is QueueState.RUNNING:
+                    self.queue.admit(request_id)
+                elif state is QueueState.HELD:
+                    self.queue.hold(request_id)
+        except BaseException:
+            self._tracked = known  # requests count in and out only when a rebuild completes
+            raise
+        stats.requests_entered += sum(1 for r in self._tracked if r not in known)
+        self._count_states()
+        self.faults.dirty = False
+        self._count_left([old for r, old in known.items() if r not in self._tracked])
+
     # ---- order ------------------------------------------------------------------------
 
     def group(self, request: R) -> Hashable:
@@ -430,7 +546,22 @@ class FeatherRuntime(Generic[R]):
             preemptions = tracked.preemptions
         else:
             self.meter.stats.requests_entered += 1
-        self._tracked[request_id] = _Tracked(request, prompt_tokens, preemptions)
-        self.queue.add(request_id, view.chunk_keys(request), view.arrival_s(request),
-                       prompt_tokens, view.priority(request))
+        return self._track(request, view.arrival_s(request), preemptions)
+
+    def _track(self, request: R, arrival_s: float | None, preemptions: int) -> RequestId:
+        """Track ``request`` and add it to the queue as waiting (arrival None: now)."""
+        view = self.view
+        request_id = view.request_id(request)
+        arrival = self.clock() if arrival_s is None else arrival_s
+        prompt_tokens = view.prompt_tokens(request)
+        self._tracked[request_id] = _Tracked(request, prompt_tokens, arrival, preemptions)
+        self.queue.add(request_id, view.chunk_keys(request), arrival, prompt_tokens,
+                       view.priority(request))
         return request_id
+
+    def _count_left(self, gone: Sequence[_Tracked[R]]) -> None:
+        """Count requests out (they left the engine): the stats, then the sink."""
+        self.meter.stats.requests_left += len(gone)
+        if self.meter.sink is not None:
+            for tracked in gone:
+                self.meter.sink.request_left(tracked.preemptions)

@@ -69,6 +69,9 @@ class SchedulerStats:
     max_request_preemptions: int = 0
     """Preemptions (KV room taken back from a running request), and the most any one
     request suffered."""
+    faults: int = 0
+    """Exceptions in Feather's own code, each contained by its scheduling pass falling
+    back to the engine's own order (``runtime.FaultGuard``)."""
     admissions: AdmissionCounts | None = None
     """Feather's counts; None for a scheduler without Feather."""
 
