@@ -13,11 +13,14 @@ import numpy as np  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
+from feather_sched.cht import ChunkedHashTree  # noqa: E402
 from feather_sched.integrations.vllm import (  # noqa: E402
     FeatherScheduler,
     FeatherSyncScheduler,
 )
+from feather_sched.metrics import PrometheusSink  # noqa: E402
 from feather_sched.models import TINY_LLAMA  # noqa: E402
+from tests.faults import Injector  # noqa: E402
 
 BLOCK = 128
 KV_BYTES_PER_TOKEN = 2 * 8 * 64 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16
@@ -107,6 +110,53 @@ def test_greedy_outputs_equal_the_default_schedulers(default_outputs) -> None:
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy(12))
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     assert scheduler_of(llm).feather.runtime.counts.stop > 0
+
+
+def test_faults_in_feathers_code_leave_the_engines_outputs(default_outputs, monkeypatch,
+                                                           contained_faults, caplog) -> None:
+    """The real engine, greedy: exceptions from the tree, the gate, the meter, the metrics
+    sink and the running order at random passes; then one in every decision until
+    Feather is off.  Outputs are the default scheduler's token for token, every request
+    finishes once, each fault is counted once, and Feather turns off with one line."""
+    prompts, expected = default_outputs
+    llm = make_llm(RecordingScheduler, {"gate": "bandit"})
+    scheduler = scheduler_of(llm)
+    runtime = scheduler.feather.runtime
+    runtime.meter.sink = PrometheusSink("engine-faults")
+    injector = Injector(monkeypatch, seed=3, rate=0.3)
+    injector.target_all()
+    schedule = scheduler.schedule
+
+    def schedule_meeting_faults(*args, **kwargs):
+        injector.next_pass()
+        return schedule(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "schedule", schedule_meeting_faults)
+
+    def outputs(stagger: bool = False) -> list[list[int]]:
+        """Every prompt at once, or one more at each step (each step then decides)."""
+        engine, arrivals, finished = llm.llm_engine, list(enumerate(prompts)), []
+        while arrivals or engine.has_unfinished_requests():
+            for i, prompt in arrivals[:1] if stagger else arrivals:
+                engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=prompt), greedy(12))
+            arrivals = arrivals[1:] if stagger else []
+            finished += [out for out in engine.step() if out.finished]
+        ids = sorted(external_id(o.request_id) for o in finished)
+        assert ids == sorted(f"r{i}" for i in range(len(prompts)))  # each exactly once
+        tokens = {external_id(o.request_id): list(o.outputs[0].token_ids) for o in finished}
+        return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+    assert outputs() == expected
+    assert outputs() == expected  # the cache warm now: other passes
+    assert len(injector.raised) == len(contained_faults) == runtime.meter.stats.faults > 2
+    assert runtime.faults.active and runtime.counts.add > 0
+    injector.armed = False
+    runtime.faults.limit = 3
+    monkeypatch.setattr(ChunkedHashTree, "candidate", lambda *args: 1 / 0)
+    assert outputs(stagger=True) == expected
+    assert not runtime.faults.active
+    assert [where for where, _ in contained_faults[len(injector.raised):]] == ["decide"] * 3
+    assert caplog.text.count("Feather is off") == 1
 
 
 def test_stop_holds_other_groups_back_until_the_batch_drains() -> None:

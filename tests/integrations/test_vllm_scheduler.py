@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -41,6 +42,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
 
+from feather_sched.cht import ChunkedHashTree
 from feather_sched.gate import Decision, GateContext
 from feather_sched.integrations.vllm import (
     BATCH_ORDER_PLUGIN,
@@ -49,10 +51,12 @@ from feather_sched.integrations.vllm import (
     engine_shape,
     plugin_allowed,
 )
+from feather_sched.metrics import PrometheusSink
 from feather_sched.model_gate import ModelGate
 from feather_sched.models import TINY_LLAMA
 from feather_sched.queue import QueueState
 from feather_sched.step_model import StepPrior
+from tests.faults import Injector
 
 BLOCK = 16
 PREFIX_BLOCKS = 8
@@ -157,9 +161,9 @@ class Harness:
                 self.scheduler.update_from_output(*self.in_flight.pop(0))
 
     def check(self) -> None:
-        """Feather's running set is exactly vLLM's running list (vLLM's own scheduler: no
-        check)."""
-        if self.runtime is None:
+        """Feather's running set is exactly vLLM's running list (vLLM's own scheduler, or a
+        pass Feather's code was out of after a fault: no check)."""
+        if self.runtime is None or not self.scheduler.feather.queue.feathers_pass:
             return
         assert set(self.runtime.queue.running_ids()) == \
             {r.request_id for r in self.scheduler.running}
@@ -646,3 +650,101 @@ def test_the_model_gate_learns_from_vllms_own_steps_when_ordering_is_off() -> No
     ordered.add(*(ordered.request(f"r{i}", group=i) for i in range(3)))
     ordered.drain()
     assert ordered.runtime.queue.gate.model.steps == 0
+
+
+# ---- faults of Feather's own code -------------------------------------------------------
+
+
+def test_a_fault_hands_the_pass_to_vllms_own_order(monkeypatch, contained_faults) -> None:
+    """With one seat free, Feather admits the waiting request of the running group; when
+    its code raises in that pass, vLLM's own order admits the oldest instead, the fault
+    is counted once, and Feather serves the next pass again, its picture rebuilt."""
+    def second_admission(fault: bool) -> str:
+        harness = Harness(max_num_seqs=2)
+        harness.add(harness.request("a0", group=0, max_tokens=30))
+        harness.step()
+        harness.add(harness.request("b0", group=1, max_tokens=30),
+                    harness.request("a1", group=0, max_tokens=30))
+        if fault:
+            monkeypatch.setattr(harness.runtime.queue.tree, "candidate",
+                                lambda *args: 1 / 0)  # this tree only: a rebuild drops it
+        output = harness.step()
+        if fault:
+            assert not harness.scheduler.feather.queue.feathers_pass
+            assert harness.runtime.meter.stats.faults == 1 and harness.runtime.faults.dirty
+        harness.add(harness.request("a2", group=0, max_tokens=2))
+        harness.drain()
+        assert harness.scheduler.feather.queue.feathers_pass and harness.runtime.faults.active
+        harness.assert_empty()
+        return output.scheduled_new_reqs[0].req_id
+
+    assert second_admission(fault=False) == "a1"
+    assert second_admission(fault=True) == "b0"
+    assert [where for where, _ in contained_faults] == ["decide"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_faults_in_feathers_code_lose_no_request(seed: int, monkeypatch,
+                                                        contained_faults) -> None:
+    """Exceptions from the tree, the gate, the meter, the metrics sink and the running
+    order at random calls, sync and async, under KV pressure: every request is freed
+    exactly once, each fault is counted once, and Feather's picture is exact after every
+    pass its code served."""
+    rng = random.Random(seed)
+    harness = Harness(num_blocks=48, async_scheduling=bool(seed % 2), max_num_seqs=8,
+                      feather={"gate": "bandit", "gate_options": {"seed": seed}})
+    runtime = harness.runtime
+    runtime.meter.sink = PrometheusSink(f"faults{seed}")
+    freed: Counter[str] = Counter()
+    free = harness.scheduler._free_request
+
+    def counting_free(request, *args, **kwargs):
+        freed[request.request_id] += 1
+        return free(request, *args, **kwargs)
+
+    monkeypatch.setattr(harness.scheduler, "_free_request", counting_free)
+    injector = Injector(monkeypatch, seed, rate=0.3)
+    injector.target_all()
+    arrived = []
+    for step in range(300):
+        for _ in range(rng.choice((0, 0, 1, 2))):
+            rid = f"s{step}r{rng.randrange(10**6)}"
+            arrived.append(rid)
+            harness.add(harness.request(rid, group=rng.choice((0, 1, 2, 10 + step)),
+                                        max_tokens=rng.randrange(2, 40)))
+        if rng.random() < 0.03 and harness.scheduler.running:
+            harness.scheduler.finish_requests(
+                [rng.choice(harness.scheduler.running).request_id],
+                RequestStatus.FINISHED_ABORTED)
+        if harness.scheduler.has_requests():
+            injector.next_pass()
+            harness.step()
+    injector.armed = False
+    injector.next_pass()
+    harness.drain(limit=5000)
+    harness.scheduler.schedule()  # an idle pass: Feather rebuilt once more, empty
+    assert freed == Counter(arrived)
+    assert len(injector.raised) == len(contained_faults) == runtime.meter.stats.faults > 10
+    assert set(injector.raised) == {"tree", "gate", "meter", "sink", "order"}
+    assert runtime.faults.active
+    harness.assert_empty()
+    stats = runtime.meter.stats
+    assert stats.requests_entered == stats.requests_left
+
+
+def test_faults_in_a_row_turn_feather_off_for_the_engine(monkeypatch, contained_faults,
+                                                          caplog) -> None:
+    """A fault in every decision: after ``max_faults`` of them in a row Feather is off,
+    once, with one error line; vLLM's own order serves every request from then on."""
+    harness = Harness(max_num_seqs=2, feather={"max_faults": 3})
+    monkeypatch.setattr(ChunkedHashTree, "candidate", lambda *args: 1 / 0)
+    requests = [harness.request(f"r{i}", group=i % 4, max_tokens=3) for i in range(10)]
+    harness.add(*requests)
+    admitted = []
+    while harness.scheduler.has_requests():
+        admitted += [r.req_id for r in harness.step().scheduled_new_reqs]
+    assert not harness.runtime.faults.active and harness.runtime.meter.stats.faults == 3
+    assert [where for where, _ in contained_faults] == ["decide"] * 3
+    assert admitted == [r.request_id for r in requests]  # arrival order, every pass
+    off = [r for r in caplog.records if "Feather is off" in r.getMessage()]
+    assert len(off) == 1 and off[0].levelname == "ERROR"

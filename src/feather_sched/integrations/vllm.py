@@ -24,6 +24,15 @@ the engine-agnostic ``FeatherRuntime`` (``feather_sched.runtime``):
   reads as empty while its head would pass a request Feather's bound has made due
   (``KvHoldingQueue``).
 
+Faults: an exception in Feather's code (tree, queue, gate, meter, metrics sink, running
+order) never reaches vLLM's ``schedule()``.  The waiting queue keeps every request in a
+dict of its own besides Feather's tree, so the pass goes on with vLLM's own
+``PriorityRequestQueue`` over them (arrival order, by class first under the priority
+policy) and vLLM's own admission; the fault is counted and logged
+(``runtime.FaultGuard``); the next pass rebuilds Feather's picture from vLLM's running
+list, waiting queue and ``kv_holding_waiting`` and Feather resumes; ``max_faults`` in a
+row turn it off for the engine.
+
 Priorities: under ``--scheduling-policy priority`` Feather's queue admits by class first
 (``request.priority``, lower more urgent): vLLM's priority order across classes, Feather's
 prefix order, gate and bound within one.
@@ -55,7 +64,11 @@ from typing import Any
 from vllm.platforms import current_platform
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
-from vllm.v1.core.sched.request_queue import RequestQueue, SchedulingPolicy
+from vllm.v1.core.sched.request_queue import (
+    PriorityRequestQueue,
+    RequestQueue,
+    SchedulingPolicy,
+)
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
@@ -63,7 +76,8 @@ from feather_sched.cht import block_chunk_keys, token_chunk_keys
 from feather_sched.config import FeatherConfig
 from feather_sched.gate import Decision
 from feather_sched.prefix import SharedPrefixes, group_of, keys_per_chunk
-from feather_sched.runtime import FeatherRuntime
+from feather_sched.queue import Admission
+from feather_sched.runtime import FaultGuard, FeatherRuntime
 from feather_sched.stats import StepMeter
 from feather_sched.step_model import EngineShape
 from feather_sched.steplog import BatchEntry
@@ -90,11 +104,21 @@ MAX_STEPS_IN_FLIGHT = 64
 """Scheduler outputs awaiting their result; more means the engine dropped some."""
 
 
-def feather_options(vllm_config: Any) -> FeatherConfig:
-    """Feather's options from ``--additional-config '{"feather": {...}}'`` or FEATHER_*."""
+def feather_mapping(vllm_config: Any) -> Any:
+    """The ``"feather"`` entry of ``--additional-config`` (None without one)."""
     additional = vllm_config.additional_config
-    options = additional.get("feather") if isinstance(additional, dict) else None
-    return FeatherConfig.from_sources(options)
+    return additional.get("feather") if isinstance(additional, dict) else None
+
+
+def feather_options(vllm_config: Any) -> FeatherConfig:
+    """Feather's options from ``--additional-config '{"feather": {...}}'`` or FEATHER_*,
+    its files this engine core's: its data-parallel rank is ``data_parallel_index`` (vLLM
+    runs a dense model's ranks as independent engines of data_parallel_size 1 and keeps
+    the count in ``elastic_ep_max_dp_size``)."""
+    parallel = vllm_config.parallel_config
+    return FeatherConfig.from_sources(
+        feather_mapping(vllm_config), dp_rank=parallel.data_parallel_index,
+        dp_ranks=max(parallel.data_parallel_size, parallel.elastic_ep_max_dp_size or 1))
 
 
 class VllmRequests:
@@ -131,32 +155,62 @@ class VllmRequests:
 
 
 class FeatherWaitingQueue(RequestQueue):
-    """vLLM's ``RequestQueue`` interface over a ``FeatherRuntime``."""
+    """vLLM's ``RequestQueue`` interface over a ``FeatherRuntime``.
+
+    Every request vLLM puts in the queue is also kept in a dict of its own (O(1) per
+    call), apart from Feather's tree, so the requests never depend on Feather's code:
+    when that raises (``fall_back``), vLLM's own ``PriorityRequestQueue`` over them serves
+    the rest of the pass, and every pass once Feather is off: (priority, arrival) order,
+    which is arrival order under the FCFS policy (every priority 0).  ``pop_request``
+    returns the request of the last ``peek_request``, the one vLLM has just given KV.
+    """
 
     def __init__(self, runtime: FeatherRuntime[Request], scheduler: Scheduler) -> None:
         self.runtime = runtime
         self.scheduler = scheduler
+        self._members: dict[str, Request] = {}
+        """Every request in the queue, by id, whatever Feather's state."""
+        self._fallback: PriorityRequestQueue | None = None
+        """vLLM's own queue over the members while Feather's code is out of the pass."""
+        self._peeked: Request | None = None
         self._popped: Request | None = None
 
     # ---- what vLLM's schedule() and request handling call -----------------------------
 
     def add_request(self, request: Request) -> None:
-        self.runtime.enter_waiting(request)
+        self._members[request.request_id] = request
+        if self._fallback is not None:
+            self._fallback.add_request(request)
+            return
+        try:
+            self.runtime.enter_waiting(request)
+        except Exception as error:
+            self.fall_back("enter_waiting", error)
 
     def prepend_request(self, request: Request) -> None:
         """A preempted request, or one the admission loop skipped, comes back."""
-        self.runtime.enter_waiting(request)
+        self.add_request(request)
 
     def prepend_requests(self, requests: Iterable[Request]) -> None:
         for request in requests:
-            self.runtime.enter_waiting(request)
+            self.add_request(request)
 
     def remove_request(self, request: Request) -> None:
-        self.runtime.discard(request.request_id)
+        self.remove_requests((request,))
 
     def remove_requests(self, requests: Iterable[Request]) -> None:
+        """Requests leave (finished or aborted), wherever vLLM had them."""
+        requests = list(requests)
         for request in requests:
-            self.runtime.discard(request.request_id)
+            self._members.pop(request.request_id, None)
+        if self._fallback is not None:
+            self._fallback.remove_requests(requests)
+            return
+        try:
+            for request in requests:
+                self.runtime.discard(request.request_id)
+        except Exception as error:
+            self.fall_back("discard", error)
 
     def __bool__(self) -> bool:
         """The gate: True while a request waits and the answer for it is ADD.
@@ -164,36 +218,87 @@ class FeatherWaitingQueue(RequestQueue):
         When vLLM has no seat left it asks this first and then stops on its own check:
         the gate is not asked then, since its answer could not shape the step.
         """
-        scheduler = self.scheduler
-        seats = scheduler.max_num_active_reqs - scheduler.num_waiting_for_streaming_input
-        if len(scheduler.running) >= seats:
-            self.settle()
-            return len(self.runtime) > 0
-        answer = self._answer()
-        return answer is not None and answer.decision is Decision.ADD
+        if self._fallback is None:
+            try:
+                return self._admits()
+            except Exception as error:
+                self.fall_back("decide", error)
+        return bool(self._fallback)
 
     def peek_request(self) -> Request:
-        answer = self._answer()
-        if answer is None:
+        if not self._members:
             raise IndexError("peek from an empty FeatherWaitingQueue")
-        return self.runtime.request(answer.request_id)
+        if self._fallback is None:
+            try:
+                self._peeked = self._candidate()
+                return self._peeked
+            except Exception as error:
+                self.fall_back("decide", error)
+        self._peeked = self._fallback.peek_request()
+        return self._peeked
 
     def pop_request(self) -> Request:
-        request = self.peek_request()
-        self.runtime.admit(request)
-        self._popped = request
+        request = self._peeked
+        if request is None or self._members.get(request.request_id) is not request:
+            request = self.peek_request()
+        self._peeked = None
+        del self._members[request.request_id]
+        fallback = self._fallback
+        if fallback is not None:
+            if fallback.peek_request() is request:
+                fallback.pop_request()
+            else:  # peeked from Feather's queue before the fall-back: O(waiting)
+                fallback.remove_request(request)
+            return request
+        try:
+            self.runtime.admit(request)
+            self._popped = request
+        except Exception as error:
+            self.fall_back("admit", error)
         return request
 
     def __len__(self) -> int:
-        return len(self.runtime)
+        return len(self._members)
 
     def __iter__(self) -> Iterator[Request]:
-        runtime = self.runtime
-        return (runtime.request(rid) for rid in runtime.queue.waiting_ids())
+        """The requests in vLLM's priority order (priority, arrival)."""
+        return iter(sorted(self._members.values()))
 
-    # ---- internals --------------------------------------------------------------------
+    # ---- Feather's side ---------------------------------------------------------------
+
+    @property
+    def feathers_pass(self) -> bool:
+        """Whether Feather's code has served the pass so far (no fault, not off)."""
+        return self._fallback is None
 
     def begin_pass(self) -> None:
+        """Before vLLM's pass: Feather resumes after a fault, rebuilt from vLLM's running
+        list and this queue's members; a fault here keeps vLLM's order for this pass."""
+        self._peeked = self._popped = None
+        faults = self.runtime.faults
+        if not faults.active:
+            return
+        running = self.scheduler.running
+        try:
+            if faults.dirty:
+                self.runtime.resync(running, self._members.values(),
+                                    held=self.scheduler.kv_holding_waiting)
+            elif len(self.runtime) != len(self._members):
+                raise RuntimeError(f"Feather's queue holds {len(self.runtime)} requests, "
+                                   f"vLLM's waiting queue {len(self._members)}")
+            self._fallback = None
+            running[:] = self.runtime.begin_pass(running)
+        except Exception as error:
+            self.fall_back("begin_pass", error)
+
+    def fall_back(self, where: str, error: Exception) -> None:
+        """Feather's code raised in ``where``: the fault is counted and logged, and vLLM's
+        own order serves until the next pass resumes Feather.  O(waiting log waiting)."""
+        self.runtime.faults.fault(where, error)
+        if self._fallback is None:
+            self._fallback = PriorityRequestQueue()
+            for request in self._members.values():
+                self._fallback.add_request(request)
         self._popped = None
 
     def settle(self) -> None:
@@ -209,7 +314,22 @@ class FeatherWaitingQueue(RequestQueue):
         if not (running and running[-1] is popped):
             self.runtime.hold(popped.request_id)
 
-    def _answer(self):
+    def _admits(self) -> bool:
+        scheduler = self.scheduler
+        seats = scheduler.max_num_active_reqs - scheduler.num_waiting_for_streaming_input
+        if len(scheduler.running) >= seats:
+            self.settle()
+            return bool(self._members)
+        answer = self._answer()
+        return answer is not None and answer.decision is Decision.ADD
+
+    def _candidate(self) -> Request:
+        answer = self._answer()
+        if answer is None:
+            raise RuntimeError(f"Feather's queue is empty, vLLM's holds {len(self._members)}")
+        return self.runtime.request(answer.request_id)
+
+    def _answer(self) -> Admission | None:
         self.settle()
         return self.runtime.decide()
 
@@ -223,22 +343,28 @@ class KvHoldingQueue(RequestQueue):
     urgent one), this queue reads as empty, so vLLM turns to Feather's queue and the due
     request goes first.  Not while nothing runs: KV the held requests keep might be what
     the due request lacks, and this queue must then drain.  Its admissions count for the
-    bound like any other (Feather sees them run).
+    bound like any other (Feather sees them run).  Not while Feather is out of the pass
+    (a fault, or off) either.
     """
 
-    def __init__(self, inner: RequestQueue, runtime: FeatherRuntime[Request],
+    def __init__(self, inner: RequestQueue, waiting: FeatherWaitingQueue,
                  scheduler: Scheduler) -> None:
         self.inner = inner
-        self.runtime = runtime
+        self.waiting = waiting
         self.scheduler = scheduler
 
     def __bool__(self) -> bool:
         if not self.inner:
             return False
         scheduler = self.scheduler
-        if not scheduler.running or scheduler.pause_state != PauseState.UNPAUSED:
+        if not scheduler.running or scheduler.pause_state != PauseState.UNPAUSED or \
+                not self.waiting.feathers_pass:
             return True
-        return not self.runtime.passes_due(self.inner.peek_request())
+        try:
+            return not self.waiting.runtime.passes_due(self.inner.peek_request())
+        except Exception as error:
+            self.waiting.fall_back("passes_due", error)
+            return True
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -273,15 +399,19 @@ class VllmMeter:
 
     The part of Feather's component the FCFS baseline runs too, so both are measured
     alike.  A step is keyed by its ``SchedulerOutput`` (kept until its result arrives).
+    An exception in the measurements is contained (``faults``): counted, logged, never
+    raised into vLLM.
     """
 
     def __init__(self, scheduler: Scheduler, config: FeatherConfig,
-                 meter: StepMeter | None = None) -> None:
+                 meter: StepMeter | None = None, faults: FaultGuard | None = None) -> None:
         self.scheduler = scheduler
         self.config = config
         self.view = requests_view(scheduler, config)
         self.meter = meter if meter is not None else StepMeter(
             type(scheduler).__name__, stats_file=config.stats_file, step_log=config.step_log)
+        self.faults = faults if faults is not None else FaultGuard(
+            type(scheduler).__name__, config.max_faults, self.meter)
         self._in_flight: OrderedDict[int, tuple[Any, float, list[BatchEntry] | None]] = \
             OrderedDict()
         self._started = 0.0
@@ -295,6 +425,20 @@ class VllmMeter:
         self._started = time.perf_counter()
 
     def after_schedule(self, output: Any) -> None:
+        if self.faults.active and self.measured(output):
+            self.faults.served(decided=True)  # the baseline's whole pass
+
+    def measured(self, output: Any) -> bool:
+        """``measure`` the pass, contained; whether it went without a fault."""
+        try:
+            self.measure(output)
+        except Exception as error:
+            self.fault("meter", error)
+            return False
+        return True
+
+    def measure(self, output: Any) -> None:
+        """The pass that formed ``output``: its time, its preemptions, its step kept."""
         now = time.perf_counter()
         self.meter.scheduled(now - self._started)
         requests = self.scheduler.requests
@@ -309,11 +453,18 @@ class VllmMeter:
 
     def step_done(self, output: Any) -> None:
         entry = self._in_flight.pop(id(output), None)
-        if entry is None:
+        if entry is None or not self.faults.active:
             return
         _, started, batch = entry
-        size = len(output.num_scheduled_tokens)
-        self.record_step(output, size, time.perf_counter() - started, batch)
+        try:
+            self.record_step(output, len(output.num_scheduled_tokens),
+                             time.perf_counter() - started, batch)
+        except Exception as error:
+            self.fault("step", error)
+
+    def fault(self, where: str, error: Exception) -> None:
+        """Feather's code raised in ``where``: counted and logged (``FaultGuard``)."""
+        self.faults.fault(where, error)
 
     def record_step(self, output: Any, size: int, seconds: float,
                     batch: list[BatchEntry] | None) -> None:
@@ -330,7 +481,10 @@ class VllmMeter:
         """Nothing to forget without Feather."""
 
     def close(self) -> None:
-        self.meter.close()
+        try:
+            self.meter.close()
+        except Exception as error:
+            self.fault("close", error)
 
     def batch(self, output: Any) -> list[BatchEntry]:
         """The step's batch as the step log describes it, in the runner's decode order.
@@ -377,11 +531,11 @@ class VllmFeather(VllmMeter):
                                       clock=time.time, name=type(scheduler).__name__,
                                       seats=scheduler.max_num_active_reqs,
                                       engine=engine_shape(scheduler.vllm_config))
-        super().__init__(scheduler, config, self.runtime.meter)
+        super().__init__(scheduler, config, self.runtime.meter, self.runtime.faults)
         self.queue = FeatherWaitingQueue(self.runtime, scheduler)
         scheduler.waiting = self.queue
         scheduler.kv_holding_waiting = KvHoldingQueue(scheduler.kv_holding_waiting,
-                                                      self.runtime, scheduler)
+                                                      self.queue, scheduler)
         preempt_latest_arrival(scheduler)
         note, acts = self.order_note()
         logger.info("Feather scheduler: %s; %s", config, note)
@@ -392,13 +546,21 @@ class VllmFeather(VllmMeter):
     def before_schedule(self) -> None:
         super().before_schedule()
         self.queue.begin_pass()
-        running = self.scheduler.running
-        running[:] = self.runtime.begin_pass(running)
 
     def after_schedule(self, output: Any) -> None:
-        self.runtime.end_pass(id(output), self.scheduler.running)
-        self.order_output(output)
-        super().after_schedule(output)
+        if not self.faults.active:
+            return
+        if self.queue.feathers_pass:
+            try:
+                self.runtime.end_pass(id(output), self.scheduler.running)
+                self.order_output(output)
+            except Exception as error:
+                self.fault("end_pass", error)
+        self.measured(output)
+
+    def fault(self, where: str, error: Exception) -> None:
+        """Counted and logged; vLLM's own order until Feather resumes (``fall_back``)."""
+        self.queue.fall_back(where, error)
 
     def order_output(self, output: Any) -> None:
         """List the step's requests in Feather's order, which the batch follows (Model
@@ -423,13 +585,18 @@ class VllmFeather(VllmMeter):
         self.runtime.end_step(id(output), size, seconds, batch)
 
     def preempted(self, request: Request) -> None:
-        self.runtime.preempted(request)
+        if self.queue.feathers_pass:
+            self.runtime.preempted(request)
+        else:
+            super().preempted(request)
 
     def freed(self, request: Request) -> None:
-        self.runtime.discard(request.request_id)
-
-    def close(self) -> None:
-        self.runtime.close()
+        if not self.queue.feathers_pass:
+            return  # Feather's picture is rebuilt before its next pass
+        try:
+            self.runtime.discard(request.request_id)
+        except Exception as error:
+            self.fault("discard", error)
 
     def order_note(self) -> tuple[str, bool]:
         """Which model runner the workers use and how batch ordering acts there; and
