@@ -14,6 +14,7 @@ running requests must hold KV (priority preemption releases it), the engine keep
 from __future__ import annotations
 
 import io
+import random
 import sys
 import time
 from array import array
@@ -45,7 +46,8 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-from feather_sched.config import FeatherConfig
+from feather_sched.cht import ChunkedHashTree
+from feather_sched.config import FeatherConfig, FeatherConfigError
 from feather_sched.integrations import sglang as feather_sglang
 from feather_sched.integrations import sglang_launch
 from feather_sched.integrations.sglang import (
@@ -54,10 +56,12 @@ from feather_sched.integrations.sglang import (
     FeatherSGLang,
     running_requests,
 )
+from feather_sched.metrics import PrometheusSink
 from feather_sched.model_gate import ModelGate
 from feather_sched.models import TINY_LLAMA
 from feather_sched.queue import QueueState
 from feather_sched.step_model import StepPrior
+from tests.faults import Injector
 
 CHUNK = 16
 PREFIX = 4 * CHUNK
@@ -186,7 +190,8 @@ class Engine:
         priority preemption makes room (``kv`` engines)."""
         running_batch = self.batch if self.kv else ScheduleBatch(reqs=list(self.running))
         if self.feather is not None:
-            self.feather.begin_round(running_requests(running_batch, chunked=None))
+            self.feather.begin_round(running_requests(running_batch, chunked=None),
+                                     self.waiting)
         self.policy.calc_priority(self.waiting, running_batch)
         adder = self.adder_class(
             1, self.tree_cache, self.allocator, running_batch, 0.5, 1 << 16, None,
@@ -211,8 +216,9 @@ class Engine:
             self._add_to_queue(req)
         self._run(admitted)
         if self.feather is not None:
-            self.feather.end_round(list(self.running))
-            assert self.running_ids() == {r.rid for r in self.running}  # the exact picture
+            self.feather.end_round(list(self.running), time.perf_counter())
+            if not self.feather.faults.dirty:  # the exact picture (rebuilt after a fault)
+                assert self.running_ids() == {r.rid for r in self.running}
         return admitted
 
     def _run(self, admitted: list[Req]) -> None:
@@ -566,6 +572,86 @@ def test_hooks_install_feather_under_priority_scheduling(monkeypatch) -> None:
     assert view.priority(_req("A", 0, priority=3)) < view.priority(_req("A", 1, priority=4))
 
 
+# ---- faults of Feather's own code -------------------------------------------------------
+
+
+def test_a_fault_hands_the_round_to_sglangs_own_order(monkeypatch, contained_faults) -> None:
+    """With room for one, Feather admits the waiting request of the running group; when
+    its code raises as the round starts, SGLang's ``fcfs`` order admits the oldest,
+    and Feather serves the next round again, its picture rebuilt."""
+    def second_admission(fault: bool) -> str:
+        engine = Engine(gate="always")
+        engine.arrive(_req("A", 0))
+        engine.admission_round()
+        engine.arrive(_req("B", 1), _req("A", 2))
+        if fault:
+            monkeypatch.setattr(engine.feather.runtime.queue.tree, "candidate",
+                                lambda *args: 1 / 0)  # this tree only: a rebuild drops it
+        admitted = engine.admission_round(max_requests=1)
+        assert engine.feather.faults.dirty is fault
+        engine.arrive(_req("A", 3))
+        assert [r.rid for r in engine.admission_round(max_requests=1)] == ["A2" if fault
+                                                                          else "A3"]
+        assert not engine.feather.faults.dirty and engine.running_ids() == {
+            r.rid for r in engine.running}
+        return admitted[0].rid
+
+    assert second_admission(fault=False) == "A2"
+    assert second_admission(fault=True) == "B1"
+    assert [where for where, _ in contained_faults] == ["order"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_faults_in_feathers_code_lose_no_request(seed: int, monkeypatch,
+                                                        contained_faults) -> None:
+    """Exceptions from the tree, the gate, the meter, the metrics sink and the running
+    order at random rounds: every request is admitted exactly once and leaves Feather
+    once, and each fault is counted once."""
+    rng = random.Random(seed)
+    engine = Engine(gate="bandit")
+    runtime = engine.feather.runtime
+    runtime.meter.sink = PrometheusSink(f"sglang-faults{seed}")
+    injector = Injector(monkeypatch, seed, rate=0.4)
+    injector.target_all()
+    requests, admitted = _interleaved(400), []
+    while requests or engine.waiting or engine.running:
+        count = rng.randrange(6)
+        engine.arrive(*requests[:count])
+        requests = requests[count:]
+        injector.next_pass()
+        admitted += engine.admission_round(max_requests=rng.randrange(1, 9))
+        engine.finish(*rng.sample(engine.running, min(len(engine.running), rng.randrange(6))))
+        assert len(admitted) < 4000, "admission stalled"
+    injector.armed = False
+    engine.admission_round()  # an idle round: Feather rebuilt once more, empty
+    assert Counter(r.rid for r in admitted) == Counter(r.rid for r in _interleaved(400))
+    assert len(injector.raised) == len(contained_faults) == runtime.meter.stats.faults > 10
+    assert set(injector.raised) == {"tree", "gate", "meter", "sink", "order"}
+    assert runtime.faults.active and not runtime._tracked and len(runtime) == 0
+    stats = runtime.meter.stats
+    assert stats.requests_entered == stats.requests_left  # those Feather saw: each once
+
+
+def test_faults_in_a_row_turn_feather_off_in_the_scheduler(monkeypatch, contained_faults,
+                                                           caplog) -> None:
+    """A fault in every round: after ``max_faults`` of them in a row Feather is off, with
+    one error line; SGLang's ``fcfs`` order admits every request from then on."""
+    engine = Engine(gate="always")
+    engine.feather.faults.limit = 3
+    monkeypatch.setattr(ChunkedHashTree, "candidate", lambda *args: 1 / 0)
+    requests = _interleaved(12)
+    engine.arrive(*requests)
+    admitted = []
+    while engine.waiting:
+        admitted += engine.admission_round(max_requests=2)
+        engine.finish(*engine.running)
+    assert admitted == requests  # arrival order, every round
+    assert not engine.feather.faults.active and engine.feather.runtime.meter.stats.faults == 3
+    assert [where for where, _ in contained_faults] == ["order"] * 3
+    off = [r for r in caplog.records if "Feather is off" in r.getMessage()]
+    assert len(off) == 1 and off[0].levelname == "ERROR"
+
+
 # ---- plumbing -------------------------------------------------------------------------
 
 
@@ -610,15 +696,28 @@ def test_hooks_are_inert_unless_feather_is_selected(monkeypatch) -> None:
     assert adder is PrefillAdder
 
 
-def test_tensor_parallel_schedulers_are_left_to_sglang(monkeypatch, caplog) -> None:
-    """Every TP rank runs a scheduler that must admit the same requests; Feather's
-    decisions (its clock, its gate) are per process, so it stays off there."""
+def test_tensor_parallel_schedulers_refuse_feather_at_start_up(monkeypatch) -> None:
+    """Every TP rank runs a scheduler that must form the same batches; Feather's decisions
+    read per-process inputs, so a TP scheduler asked for Feather fails to start, saying
+    why, instead of running SGLang's order.  SGLang's own runtime context (TP 2) and its
+    own ``Scheduler.init_schedule_policy``, through Feather's hook."""
+    from sglang.srt.runtime_context import get_context, get_parallel
+
     monkeypatch.setenv("FEATHER_SGLANG", "1")
-    scheduler = _stub_scheduler(RadixCache.create_simulated())
-    scheduler.tp_size = 2
-    feather_sglang._hook_init_schedule_policy(lambda s: None, scheduler)
-    assert scheduler.feather is None and scheduler.policy == "sglang's"
-    assert "tensor parallelism" in caplog.text
+    with get_context().override_server_args(device="cpu", tp_size=2):
+        assert get_parallel().tp_size == 2
+        scheduler = object.__new__(Scheduler)
+        vars(scheduler).update(vars(_stub_scheduler(RadixCache.create_simulated())),
+                               schedule_policy="fcfs", tp_size=get_parallel().tp_size)
+        with pytest.raises(FeatherConfigError, match=r"cannot run in this SGLang scheduler: "
+                           r"tensor parallelism \(tp_size 2\).*diverge and hang"):
+            feather_sglang._hook_init_schedule_policy(Scheduler.init_schedule_policy,
+                                                      scheduler)
+        assert scheduler.feather is None
+    monkeypatch.delenv("FEATHER_SGLANG")  # SGLang's own policies stay as they are
+    with get_context().override_server_args(device="cpu", tp_size=2):
+        feather_sglang._hook_init_schedule_policy(Scheduler.init_schedule_policy, scheduler)
+    assert type(scheduler.policy) is SchedulePolicy and scheduler.feather is None
 
 
 def test_the_tree_orders_the_list_without_asking_the_gate() -> None:

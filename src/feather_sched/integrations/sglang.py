@@ -46,8 +46,14 @@ which translates SGLang's objects for the engine-agnostic ``FeatherRuntime``:
   aborts for a more urgent one when its queue is full (``--max-queued-requests``) is
   forgotten at the next reconciliation.
 
-Unsupported modes are refused at start-up with a warning that leaves SGLang's own
-scheduling in place (``_unsupported``).  Options: ``FEATHER_*`` environment variables
+Faults: an exception in Feather's code (tree, queue, gate, meter, metrics sink, order) is
+contained (``runtime.FaultGuard``): the round continues with SGLang's own admission, the
+next rounds take SGLang's own ``fcfs`` order until Feather's picture is rebuilt from
+SGLang's queues, and repeated faults turn Feather off for the scheduler.
+
+Unsupported modes (``_unsupported``: tensor or pipeline parallelism, PD disaggregation or
+multiplexing, diffusion LLMs, hierarchical sparse attention) fail the scheduler's start-up
+with an error saying why.  Options: ``FEATHER_*`` environment variables
 (see ``feather_sched.config``), or a JSON object in ``FEATHER_SGLANG_OPTIONS`` (the
 launcher's ``--feather-options``).
 """
@@ -96,8 +102,10 @@ def feather_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     return environ.get(ENV_ENABLE, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def feather_options(environ: Mapping[str, str] = os.environ) -> FeatherConfig:
-    """Feather's options: ``FEATHER_SGLANG_OPTIONS`` (JSON) over ``FEATHER_*`` variables."""
+def feather_options(environ: Mapping[str, str] = os.environ, *, dp_rank: int = 0,
+                    dp_ranks: int = 1) -> FeatherConfig:
+    """Feather's options: ``FEATHER_SGLANG_OPTIONS`` (JSON) over ``FEATHER_*`` variables,
+    for the scheduler of data-parallel rank ``dp_rank`` of ``dp_ranks`` (its files)."""
     raw = environ.get(ENV_OPTIONS)
     options = None
     if raw:
@@ -107,7 +115,7 @@ def feather_options(environ: Mapping[str, str] = os.environ) -> FeatherConfig:
             raise FeatherConfigError(f"{ENV_OPTIONS}: not JSON: {error}") from None
         if not isinstance(options, dict):
             raise FeatherConfigError(f"{ENV_OPTIONS}: expected a JSON object")
-    return FeatherConfig.from_sources(options, environ)
+    return FeatherConfig.from_sources(options, environ, dp_rank=dp_rank, dp_ranks=dp_ranks)
 
 
 class SGLangRequests:
@@ -185,17 +193,45 @@ class FeatherSGLang:
             "BoundFeatherPrefillAdder", (FeatherPrefillAdder,), {"feather": self}
         )
         """``PrefillAdder`` subclass that consults this runtime (what the scheduler builds)."""
+        self.faults = self.runtime.faults
+        self._in_round = False
+        """Feather's code serves this round (no fault in it; Feather not off)."""
 
     # ---- rounds -----------------------------------------------------------------------
 
-    def begin_round(self, running: Iterable[Req]) -> None:
-        self.runtime.begin_pass(list(running))
+    def begin_round(self, running: Iterable[Req], waiting: Iterable[Req]) -> None:
+        """A round starts: after a fault, Feather's picture is rebuilt from SGLang's
+        running and waiting requests first; a fault here leaves the round to SGLang."""
+        faults = self.faults
         self._bound = None
+        self._in_round = faults.active
+        if not self._in_round:
+            return
+        running, waiting = list(running), list(waiting)
+        try:
+            if faults.dirty:
+                self.runtime.resync(running, waiting)
+            elif not waiting:  # no round will reconcile the waiting side: do it here
+                self.runtime.reconcile(running, waiting)
+            self.runtime.begin_pass(running)
+        except Exception as error:
+            self.fault("begin_pass", error)
 
-    def order(self, waiting: list[Req], running: Iterable[Req]) -> None:
+    def order(self, waiting: list[Req], running: Iterable[Req]) -> bool:
         """Reconcile with SGLang's queues, then sort ``waiting`` in place in Feather's order
         (the runtime's candidate, then by priority class, then as the tree ranks them) and
-        remember it for this round."""
+        remember it for this round.  False, and ``waiting`` as it was, when Feather is out
+        of the round (a fault, here or before; or off)."""
+        if not self._in_round:
+            return False
+        try:
+            self._order(waiting, running)
+        except Exception as error:
+            self.fault("order", error)
+            return False
+        return True
+
+    def _order(self, waiting: list[Req], running: Iterable[Req]) -> None:
         runtime = self.runtime
         runtime.reconcile(running, waiting)
         self._bound, self._cursor = waiting, 0
@@ -216,8 +252,28 @@ class FeatherSGLang:
 
         waiting.sort(key=rank)
 
+    def stops(self, req: Req) -> bool:
+        """Whether Feather's answer for the request SGLang offers is STOP (never while
+        Feather is out of the round: SGLang's own admission then)."""
+        if not self._in_round:
+            return False
+        try:
+            answer = self.runtime.decide(req)
+        except Exception as error:
+            self.fault("decide", error)
+            return False
+        return answer is not None and answer.decision is Decision.STOP
+
     def admitted(self, req: Req) -> None:
         """SGLang admitted ``req``: the runtime admits it; the next best comes up."""
+        if not self._in_round:
+            return
+        try:
+            self._admitted(req)
+        except Exception as error:
+            self.fault("admit", error)
+
+    def _admitted(self, req: Req) -> None:
         runtime = self.runtime
         runtime.admit(req)
         bound = self._bound
@@ -238,8 +294,27 @@ class FeatherSGLang:
         if found != position + 1:
             bound.insert(position + 1, bound.pop(found))
 
-    def end_round(self, running: Iterable[Req]) -> None:
-        self.runtime.end_pass(self._next_decode, list(running))
+    def end_round(self, running: Iterable[Req], started: float) -> None:
+        """The round, begun at ``started`` (``time.perf_counter``), formed the next decode
+        step's batch."""
+        self._bound = None
+        if self._in_round:
+            try:
+                self.runtime.end_pass(self._next_decode, list(running))
+            except Exception as error:
+                self.fault("end_pass", error)
+        if self.faults.active:
+            try:
+                self.runtime.meter.scheduled(time.perf_counter() - started)
+            except Exception as error:
+                self.fault("meter", error)
+
+    def fault(self, where: str, error: Exception) -> None:
+        """Feather's code raised in ``where``: counted and logged (``FaultGuard``); SGLang's
+        own admission for the rest of the round, its own order from the next round until
+        Feather's picture is rebuilt (``begin_round``)."""
+        self.faults.fault(where, error)
+        self._in_round = False
         self._bound = None
 
     # ---- steps ------------------------------------------------------------------------
@@ -249,17 +324,28 @@ class FeatherSGLang:
         if is_decode_step(batch):
             self._decodes[batch.forward_iter] = self._next_decode
             self._next_decode += 1
-        if self.runtime.wants_batches:
-            self._batches[batch.forward_iter] = self.batch_entries(batch)
+        if self.runtime.wants_batches and self.faults.active:
+            try:
+                self._batches[batch.forward_iter] = self.batch_entries(batch)
+            except Exception as error:
+                self.fault("step", error)
 
     def processed(self, batch: ScheduleBatch, seconds: float) -> None:
-        """A batch's result was processed: finished requests leave; the step is rewarded."""
-        for req in batch.reqs:
-            if req.finished():
-                self.runtime.discard(req.rid)
+        """A batch's result was processed: finished requests leave; the step is rewarded
+        (while a fault is pending, the next round's rebuild lets them leave)."""
         launch = batch.forward_iter
         key: Hashable = self._decodes.pop(launch, ("prefill", launch))
-        self.runtime.end_step(key, batch.batch_size(), seconds, self._batches.pop(launch, None))
+        entries = self._batches.pop(launch, None)
+        if not self.faults.active:
+            return
+        try:
+            if not self.faults.dirty:
+                for req in batch.reqs:
+                    if req.finished():
+                        self.runtime.discard(req.rid)
+            self.runtime.end_step(key, batch.batch_size(), seconds, entries)
+        except Exception as error:
+            self.fault("step", error)
 
     def batch_entries(self, batch: ScheduleBatch) -> list[BatchEntry]:
         """The batch in its order, as the step log describes it (chunk granularity)."""
@@ -281,15 +367,45 @@ class FeatherSGLang:
         return entries
 
     def order_running(self, batch: ScheduleBatch) -> None:
-        """Put the running decode batch in Feather's order, if it is not already."""
-        if len(batch.reqs) < 2 or not self.config.order_running:
+        """Put the running decode batch in Feather's order, if it is not already (SGLang's
+        order while a fault is pending or Feather is off)."""
+        if len(batch.reqs) < 2 or not self.config.order_running or \
+                not self.faults.active or self.faults.dirty:
             return
-        ordered = self.runtime.order(batch.reqs)
-        if all(a is b for a, b in zip(ordered, batch.reqs, strict=True)):
+        try:
+            ordered = self.runtime.order(batch.reqs)
+            place = {id(req): i for i, req in enumerate(batch.reqs)}
+            order = [place[id(req)] for req in ordered]
+            if sorted(order) != list(range(len(batch.reqs))):
+                raise RuntimeError("Feather's running order is not a permutation of the batch")
+        except Exception as error:
+            self.fault("order_running", error)
             return
-        place = {id(req): i for i, req in enumerate(batch.reqs)}
-        permute_batch(batch, [place[id(req)] for req in ordered])
+        if order == list(range(len(order))):
+            return
+        permute_batch(batch, order)
         self.runtime.meter.stats.reordered_batches += 1
+
+    def retraction_order(self, reqs: list[Req]) -> list[int] | None:
+        """The indices of ``reqs`` in Feather's retraction order (the end first); None
+        while a fault is pending or Feather is off (SGLang's own order then)."""
+        if not self.faults.active or self.faults.dirty:
+            return None
+        order = self.runtime.preemption_order
+        try:
+            return sorted(range(len(reqs)), key=lambda i: order(reqs[i]))
+        except Exception as error:
+            self.fault("retraction_order", error)
+            return None
+
+    def entered(self, req: Req) -> None:
+        """SGLang put ``req`` at the end of its waiting queue."""
+        if not self.faults.active or self.faults.dirty:
+            return
+        try:
+            self.runtime.enter_waiting(req)
+        except Exception as error:
+            self.fault("enter_waiting", error)
 
 
 def permute_batch(batch: ScheduleBatch, order: list[int]) -> None:
@@ -335,8 +451,17 @@ class FeatherSchedulePolicy(SchedulePolicy):
         processed_tokens: int = 0,
     ) -> None:
         super().calc_priority(waiting_queue, running_batch, processed_tokens)
-        self.feather.order(waiting_queue,
-                           running_requests(running_batch, chunked=self.chunked_req()))
+        if not self.feather.order(waiting_queue,
+                                  running_requests(running_batch, chunked=self.chunked_req())):
+            waiting_queue.sort(key=self.fcfs_key)  # SGLang's own order, which Feather undid
+
+    def fcfs_key(self, req: Req) -> tuple[int, float]:
+        """SGLang's ``fcfs`` order: by queue entry (its list's order before Feather sorted
+        it), after the priority class under priority scheduling."""
+        entered = req.time_stats.wait_queue_entry_time
+        if not self.enable_priority_scheduling:
+            return 0, entered
+        return req.priority * self.priority_sign, entered
 
 
 class FeatherPrefillAdder(PrefillAdder):
@@ -347,8 +472,7 @@ class FeatherPrefillAdder(PrefillAdder):
 
     def add_one_req(self, req: Req, has_chunked_req: bool, truncation_align_size: int | None):
         feather = self.feather
-        answer = feather.runtime.decide(req)
-        if answer is not None and answer.decision is Decision.STOP:
+        if feather.stops(req):
             return AddReqResult.OTHER
         result = super().add_one_req(req, has_chunked_req, truncation_align_size)
         if self.can_run_list and self.can_run_list[-1] is req:
@@ -359,10 +483,7 @@ class FeatherPrefillAdder(PrefillAdder):
         """SGLang's priority preemption for ``req`` (the batch is full), only if Feather
         would admit it: on STOP nothing is preempted and SGLang's round ends, as it would
         at ``add_one_req``, instead of releasing running requests for nothing."""
-        answer = self.feather.runtime.decide(req)
-        if answer is not None and answer.decision is Decision.STOP:
-            return False
-        return super().preempt_to_schedule(req)
+        return not self.feather.stops(req) and super().preempt_to_schedule(req)
 
 
 # ---- scheduler hooks (applied by SGLang's HookRegistry) ------------------------------
@@ -385,7 +506,7 @@ def running_requests(*batches: ScheduleBatch | None, chunked: Req | None) -> lis
 def engine_shape(scheduler: Any) -> EngineShape | None:
     """The scheduler's device and model in Feather's terms (the model gate's prior);
     None where it has no model config.  Feather runs only without tensor or pipeline
-    parallelism here (``_unsupported``), so the shape is the whole model's."""
+    parallelism here (``_unsupported`` refuses them), so the shape is the whole model's."""
     model = getattr(scheduler, "model_config", None)
     if model is None:
         return None
@@ -414,9 +535,13 @@ def _hook_init_schedule_policy(original: Callable, scheduler: Any, *args: Any, *
         return result
     reason = _unsupported(scheduler)
     if reason:
-        logger.warning("Feather is off in this scheduler: %s", reason)
-        return result
-    feather = FeatherSGLang(feather_options(),
+        raise FeatherConfigError(f"--schedule-policy feather cannot run in this SGLang "
+                                 f"scheduler: {reason}; use one of SGLang's own policies")
+    from sglang.srt.runtime_context import get_parallel
+
+    dp_ranks = get_parallel().num_dp_ranks  # --dp-size: a scheduler process per rank
+    dp_rank = (get_parallel().dp_rank or 0) if dp_ranks > 1 else 0  # stated at spawn
+    feather = FeatherSGLang(feather_options(dp_rank=dp_rank, dp_ranks=dp_ranks),
                             seats=getattr(scheduler, "max_running_requests", None),
                             engine=engine_shape(scheduler),
                             priority_scheduling=scheduler.enable_priority_scheduling,
@@ -448,7 +573,7 @@ def _hook_add_request_to_queue(original: Callable, scheduler: Any, req: Any, *ar
     if feather is not None:
         waiting = scheduler.waiting_queue
         if waiting and waiting[-1] is req:
-            feather.runtime.enter_waiting(req)
+            feather.entered(req)
     return result
 
 
@@ -459,14 +584,11 @@ def _hook_get_new_batch_prefill(original: Callable, scheduler: Any, *args: Any,
         return original(scheduler, *args, **kwargs)
     started = time.perf_counter()
     running_batch = kwargs.get("running_batch", args[0] if args else None)
-    running = running_requests(running_batch, chunked=scheduler.chunked_req)
-    if not scheduler.waiting_queue:  # no round will reconcile the waiting side: do it here
-        feather.runtime.reconcile(running, waiting=[])
-    feather.begin_round(running)
+    feather.begin_round(running_requests(running_batch, chunked=scheduler.chunked_req),
+                        scheduler.waiting_queue)
     plan = original(scheduler, *args, **kwargs)
     feather.end_round(running_requests(plan.running_batch, plan.batch_to_run,
-                                       chunked=scheduler.chunked_req))
-    feather.runtime.meter.scheduled(time.perf_counter() - started)
+                                       chunked=scheduler.chunked_req), started)
     return plan
 
 
@@ -503,10 +625,8 @@ def _hook_decode_retraction_order(original: Callable, reqs: list, *args: Any,
     first (``FeatherRuntime.preemption_victim``'s rule) instead of SGLang's
     fewest-output-tokens first (or its ``--retraction-policy priority``)."""
     feather = _process_feather
-    if feather is None:
-        return original(reqs, *args, **kwargs)
-    order = feather.runtime.preemption_order
-    return sorted(range(len(reqs)), key=lambda i: order(reqs[i]))
+    order = None if feather is None else feather.retraction_order(reqs)
+    return original(reqs, *args, **kwargs) if order is None else order
 
 
 HOOKS: dict[str, Callable] = {
@@ -543,7 +663,7 @@ def register() -> None:
 
 
 def _unsupported(scheduler: Any) -> str | None:
-    """Why Feather cannot drive this scheduler, or None."""
+    """Why Feather cannot drive this scheduler, or None (then start-up is refused)."""
     from sglang.srt.runtime_context import get_disagg, get_parallel
 
     mode = getattr(get_disagg(), "disaggregation_mode", "null")
@@ -551,11 +671,15 @@ def _unsupported(scheduler: Any) -> str | None:
         return f"PD disaggregation ({mode}) schedules through its own queues"
     if getattr(scheduler, "dllm_config", None) is not None:
         return "diffusion LLM scheduling builds its own PrefillAdder"
-    if getattr(get_parallel(), "pp_size", 1) > 1:
+    parallel = get_parallel()
+    if getattr(parallel, "pp_size", 1) > 1:
         return "pipeline parallelism schedules per micro-batch"
-    if getattr(scheduler, "tp_size", 1) > 1:
-        return ("tensor parallelism runs one scheduler per rank, and every rank must admit "
-                "the same requests; Feather decides per process (its clock, its gate)")
+    if getattr(parallel, "tp_size", 1) > 1:
+        return (f"tensor parallelism (tp_size {parallel.tp_size}) runs one scheduler per "
+                "rank, and every rank must form the same batches; Feather's decisions read "
+                "per-process inputs (its clock, the step times its gate learns from), and a "
+                "fault it contains on one rank would put that rank alone on SGLang's order: "
+                "the ranks would diverge and hang the group")
     if getattr(scheduler, "enable_pdmux", False):
         return "PD multiplexing runs its own split-prefill loop"
     if getattr(scheduler, "enable_hisparse", False):
