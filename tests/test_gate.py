@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from feather_sched.gate import (
     AlwaysAddGate,
@@ -12,6 +17,7 @@ from feather_sched.gate import (
     UCBBanditGate,
     make_gate,
 )
+from tests.strategies import documents, fields_or_any
 
 
 def ctx(batch: int = 8, loss: int = 3, waiters: int = 0, waiting: int = 10) -> GateContext:
@@ -186,3 +192,59 @@ except OSError as error:
     assert path.read_text() == before
     assert not list(tmp_path.glob(".*.tmp"))
     UCBBanditGate().load(path)
+
+
+# ---- the saved table, checked at load ---------------------------------------------------
+
+BINNING = UCBBanditGate()._binning()
+ROWS = fields_or_any({
+    "context": st.tuples(st.integers(0, 15), st.integers(-5, 5), st.integers(0, 15)).map(list),
+    "action": st.sampled_from(["add", "stop"]),
+    "pulls": st.integers(1, 10**6),
+    "total": st.floats(0, 1e9),
+})
+TABLES = fields_or_any({"format": st.just("feather-bandit"), "version": st.just(1),
+                        "binning": st.just(BINNING), "table": st.lists(ROWS, max_size=4)})
+
+
+@pytest.mark.parametrize(("row", "field"), [
+    ({"total": float("nan")}, '"total"'), ({"total": float("inf")}, '"total"'),
+    ({"total": -1.0}, '"total"'), ({"pulls": -3}, '"pulls"'), ({"pulls": 2.5}, '"pulls"'),
+    ({"context": [1, 2]}, '"context"'), ({"context": [99, 0, 0]}, '"context"'),
+    ({"action": "wait"}, '"action"'),
+])
+def test_a_bad_value_in_a_saved_table_is_refused_naming_the_file_and_field(
+        tmp_path, row: dict, field: str) -> None:
+    """A NaN total once passed the load and crashed the first gated decision."""
+    path = tmp_path / "bandit.json"
+    good = {"context": [1, 2, 0], "action": "add", "pulls": 3, "total": 30.0}
+    table = {"format": "feather-bandit", "version": 1, "binning": BINNING, "table": [good]}
+    path.write_text(json.dumps(table | {"table": [good, good | {"action": "stop"},
+                                                  good | row]}))
+    with pytest.raises(ValueError, match=rf"^{path}: row 2 of \"table\" is malformed: {field}"):
+        UCBBanditGate().load(path)
+    for wrong in ({"version": 2}, {"table": {}}, {"table": [good, good]}):
+        path.write_text(json.dumps(table | wrong))
+        with pytest.raises(ValueError, match=rf"^{path}: .*{next(iter(wrong))}"):
+            UCBBanditGate().load(path)
+
+
+@settings(max_examples=400, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(documents(TABLES))
+def test_a_table_file_loads_whole_or_is_refused_naming_the_file(tmp_path, content) -> None:
+    """Whatever the file holds: the load raises ValueError naming the file, or gives a
+    table every decision can use."""
+    path = tmp_path / "bandit.json"
+    path.write_bytes(content)
+    gate = UCBBanditGate()
+    try:
+        gate.load(path)
+    except ValueError as error:
+        assert str(error).startswith(f"{path}: ")
+        return
+    for arms in gate.table.values():
+        assert all(math.isfinite(arm.total) and arm.total >= 0 for arm in arms.values())
+    for context in gate.table:
+        decided = ctx(batch=4 * context[0] + 1, loss=context[1] or 1, waiters=4 * context[2])
+        assert gate.decide(decided) in Decision and gate.greedy(decided) in Decision

@@ -1,9 +1,12 @@
-"""Files Feather writes: replaced atomically, so no reader ever sees half of one."""
+"""Files Feather writes (replaced atomically, so no reader ever sees half of one) and the
+JSON files it reads back."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 
 def replace_atomically(path: str | Path, text: str) -> None:
@@ -24,3 +27,13 @@ def replace_atomically(path: str | Path, text: str) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def read_json(path: str | Path) -> Any:
+    """The JSON document in ``path`` (``NaN`` and ``Infinity`` read as floats, for the
+    loader to judge); ValueError naming the file if it is not JSON, OSError if it cannot
+    be read."""
+    try:
+        return json.loads(Path(path).read_bytes())
+    except (ValueError, RecursionError) as error:  # undecodable bytes, bad JSON, nesting
+        raise ValueError(f"{path}: not JSON ({error})") from None

@@ -24,7 +24,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Protocol
 
-from feather_sched.files import replace_atomically
+from feather_sched.files import read_json, replace_atomically
 from feather_sched.steplog import BatchEntry
 
 # Paper defaults for the bandit (see the module docstring of UCBBanditGate).
@@ -252,7 +252,7 @@ class UCBBanditGate(_Unobservant):
 
     def reward(self, decisions: Decisions, batch_size: int, seconds: float) -> None:
         """Credit ``batch_size / seconds`` to each learned decision that formed the batch."""
-        if seconds <= 0:
+        if not seconds > 0:
             raise ValueError(f"step time must be positive, got {seconds}")
         value = batch_size / seconds
         for context, decision in decisions:
@@ -295,37 +295,63 @@ class UCBBanditGate(_Unobservant):
                                              "binning": self._binning(), "table": rows}))
 
     def load(self, path: str | Path) -> None:
-        """Replace the table with one saved by ``save``; the binning must match.
-
-        ValueError (or OSError) saying what is wrong with the file; the table is unchanged.
-        """
+        """Replace the table with one saved by ``save``, every value checked: format and
+        version, the binning (this gate's), each row's context (three integers within the
+        binning), action, pulls (a positive integer) and total (a finite non-negative
+        number), no row twice.  ValueError naming the file and the field (OSError if it
+        cannot be read); the table is then unchanged.  O(rows)."""
+        data = read_json(path)
         try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"not JSON ({error})") from None
+            self.table = self._table_of(data)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
+
+    def _table_of(self, data: object) -> dict[Context, dict[Decision, _Arm]]:
         if not isinstance(data, dict) or data.get("format") != "feather-bandit":
             raise ValueError("not a feather bandit table (no \"format\": \"feather-bandit\")")
+        _known_fields(data, ("format", "version", "binning", "table"))
+        if type(data.get("version")) is not int or data["version"] != 1:
+            raise ValueError(f"\"version\": this gate reads version 1, got "
+                             f"{data.get('version')!r}")
         if data.get("binning") != self._binning():
-            raise ValueError(f"table was learned with binning {data.get('binning')}, "
+            raise ValueError(f"\"binning\": the table was learned with {data.get('binning')!r}, "
                              f"this gate uses {self._binning()}")
         rows = data.get("table")
         if not isinstance(rows, list):
-            raise ValueError("its \"table\" is missing or not a list")
-        self.table = self._table_of(rows)
-
-    def _table_of(self, rows: list) -> dict[Context, dict[Decision, _Arm]]:
+            raise ValueError("\"table\": missing or not a list")
         table: dict[Context, dict[Decision, _Arm]] = {}
         for index, row in enumerate(rows):
             try:
-                key = tuple(int(x) for x in row["context"])
-                arm = _Arm(int(row["pulls"]), float(row["total"]))
-                decision = Decision(row["action"])
-            except (KeyError, TypeError, ValueError) as error:
-                raise ValueError(f"row {index} of its table is malformed ({error!r})") from None
-            if len(key) != 3 or arm.pulls < 0:
-                raise ValueError(f"row {index} of its table is malformed")
-            table.setdefault(key, {d: _Arm() for d in Decision})[decision] = arm
+                key, decision, arm = self._row(row)
+            except ValueError as error:
+                raise ValueError(f"row {index} of \"table\" is malformed: {error}") from None
+            arms = table.setdefault(key, {d: _Arm() for d in Decision})
+            if arms[decision].pulls:
+                raise ValueError(f"row {index} of \"table\" repeats context {list(key)} "
+                                 f"action {decision.value!r}")
+            arms[decision] = arm
         return table
+
+    def _row(self, row: object) -> tuple[Context, Decision, _Arm]:
+        if not isinstance(row, dict):
+            raise ValueError("not an object")
+        _known_fields(row, ("context", "action", "pulls", "total"), required=True)
+        bounds = ((0, self.batch_bins - 1), (-self.loss_clamp, self.loss_clamp),
+                  (0, self.waiters_bins - 1))
+        key = row["context"]
+        if not isinstance(key, list) or len(key) != 3 or any(
+                type(x) is not int or not low <= x <= high
+                for x, (low, high) in zip(key, bounds, strict=True)):
+            raise ValueError(f"\"context\" must be three integers within "
+                             f"{[list(b) for b in bounds]}, got {key!r}")
+        if row["action"] not in [d.value for d in Decision]:
+            raise ValueError(f"\"action\" must be \"add\" or \"stop\", got {row['action']!r}")
+        pulls, total = row["pulls"], row["total"]
+        if type(pulls) is not int or pulls < 1:
+            raise ValueError(f"\"pulls\" must be a positive integer, got {pulls!r}")
+        if type(total) not in (int, float) or not math.isfinite(total) or total < 0:
+            raise ValueError(f"\"total\" must be a finite non-negative number, got {total!r}")
+        return (key[0], key[1], key[2]), Decision(row["action"]), _Arm(pulls, float(total))
 
     def _binning(self) -> dict[str, int]:
         return {
@@ -363,6 +389,17 @@ def _build(cls: Callable[..., Gate], kind: str, options: dict) -> Gate:
         return cls(**options)
     except TypeError as error:
         raise ValueError(f"bad option for gate {kind!r}: {error}") from None
+
+
+def _known_fields(data: dict, known: Sequence[str], *, required: bool = False) -> None:
+    """ValueError naming the fields of ``data`` not in ``known`` (or, if ``required``,
+    missing from it)."""
+    unknown = sorted(str(name) for name in data if name not in known)
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown}")
+    missing = [name for name in known if name not in data] if required else []
+    if missing:
+        raise ValueError(f"missing field(s) {missing}")
 
 
 def _check_non_negative(**values: int) -> None:
