@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import json
+import math
 import random
 import time
 from dataclasses import replace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from feather_sched.costmodel.cost import BatchEntry, CostModel, CostParams, summarize
+from feather_sched.costmodel.calibrate import save_profile
+from feather_sched.costmodel.cost import (
+    BatchEntry,
+    CostModel,
+    CostParams,
+    read_profile,
+    summarize,
+)
 from feather_sched.costmodel.hardware import HARDWARE, HardwareProfile, load_hardware, save_hardware
 from feather_sched.costmodel.model_profiles import MODELS, ModelProfile, llama_parameter_count
+from feather_sched.step_model import StepPrior
+from tests.strategies import documents, fields_or_any
 
 # 2 layers x 2 KV heads x head dim 4 x 1 byte: K+V = 32 B/token, 16 B per layer, 8 B per
 # (layer, KV head). Weights: 100 B.
@@ -173,3 +186,79 @@ def test_hardware_profiles_round_trip(tmp_path) -> None:
     path.write_text('{"name": "x", "bogus": 1}')
     with pytest.raises(ValueError, match="bogus"):
         load_hardware(path)
+
+
+# ---- profile files, checked at load ------------------------------------------------------
+
+POSITIVE = st.floats(1e-3, 1e15)
+HARDWARE_FIELDS = {"name": st.text(min_size=1, max_size=8), "hbm_bytes_per_s": POSITIVE,
+                   "l2_bytes": POSITIVE, "l2_bytes_per_s": POSITIVE, "bf16_flops": POSITIVE,
+                   "memory_bytes": POSITIVE}
+MODEL_FIELDS = {"name": st.text(min_size=1, max_size=8), "layers": st.integers(1, 128),
+                "heads": st.integers(8, 64), "kv_heads": st.integers(1, 8),
+                "head_dim": st.integers(1, 256), "params": POSITIVE,
+                "dtype_bytes": st.sampled_from([1, 2, 4])}
+PARAMS_FIELDS = {"bandwidth_efficiency": st.floats(1e-3, 1) | st.just(math.inf),
+                 "flops_efficiency": st.floats(1e-3, 1) | st.just(math.inf),
+                 "l2_usable_fraction": st.floats(0, 1), "step_overhead_s": st.floats(0, 1),
+                 "request_overhead_s": st.floats(0, 1e-3),
+                 "reuse_granularity": st.sampled_from(["layer", "layer-head"]),
+                 "l2_bandwidth_efficiency": st.floats(1e-3, 1) | st.just(math.inf),
+                 "additive": st.booleans()}
+PROFILES = fields_or_any({"hardware": fields_or_any(HARDWARE_FIELDS),
+                          "model": fields_or_any(MODEL_FIELDS),
+                          "params": fields_or_any(PARAMS_FIELDS)})
+SOME_BATCH = [BatchEntry(0, 512, 600, 1), BatchEntry(0, 512, 700, 1), BatchEntry(1, 0, 90, 64)]
+
+
+@pytest.mark.parametrize(("part", "field", "value"), [
+    ("hardware", "hbm_bytes_per_s", math.nan), ("hardware", "l2_bytes", -1.0),
+    ("hardware", "bf16_flops", math.inf), ("hardware", "name", 3),
+    ("model", "layers", 0), ("model", "kv_heads", 2.5), ("model", "kv_heads", 64),
+    ("model", "params", math.inf), ("model", "dtype_bytes", True),
+    ("params", "bandwidth_efficiency", math.nan), ("params", "flops_efficiency", 0),
+    ("params", "step_overhead_s", math.inf), ("params", "l2_usable_fraction", 2),
+    ("params", "additive", "yes"),
+])
+def test_a_bad_value_in_a_profile_is_refused_naming_the_file_and_field(
+        tmp_path, part: str, field: str, value: object) -> None:
+    path = tmp_path / "gpu.json"
+    save_profile(path, toy_hardware(), TOY, PARAMS)
+    data = json.loads(path.read_text())
+    data[part][field] = value
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=rf"^{path}: \w+\.{field} must be"):
+        read_profile(path)
+    with pytest.raises(ValueError, match=rf"prior '{path}' .*{path}: \w+\.{field}"):
+        StepPrior.named(str(path))
+    if part == "hardware":
+        path.write_text(json.dumps(data[part]))
+        with pytest.raises(ValueError, match=rf"^{path}: HardwareProfile\.{field} must be"):
+            load_hardware(path)
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(documents(PROFILES), documents(fields_or_any(HARDWARE_FIELDS)))
+def test_a_profile_file_loads_whole_or_is_refused_naming_the_file(tmp_path, profile,
+                                                                    hardware) -> None:
+    """Whatever the files hold: each loader raises ValueError naming the file, or gives a
+    profile whose step costs and prior are numbers (no NaN)."""
+    path = tmp_path / "gpu.json"
+    path.write_bytes(profile)
+    try:
+        parts = read_profile(path)
+    except ValueError as error:
+        assert str(error).startswith(f"{path}: ")
+    else:
+        cost = CostModel(*parts).step(SOME_BATCH)
+        assert cost.seconds > 0 and not math.isnan(cost.seconds)
+        prior = StepPrior.named(str(path))
+        assert prior is not None and not any(map(math.isnan, prior.coefficients))
+    path.write_bytes(hardware)
+    try:
+        loaded = load_hardware(path)
+    except ValueError as error:
+        assert str(error).startswith(f"{path}: ")
+    else:
+        assert CostModel(loaded, TOY).step(SOME_BATCH).seconds > 0

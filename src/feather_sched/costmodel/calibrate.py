@@ -19,8 +19,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from feather_sched.costmodel.cost import CostModel, CostParams, StepTraffic, summarize
-from feather_sched.costmodel.hardware import HardwareProfile, from_dict
+from feather_sched.costmodel.cost import (
+    CostModel,
+    CostParams,
+    StepTraffic,
+    read_profile,
+    summarize,
+)
+from feather_sched.costmodel.hardware import HardwareProfile
 from feather_sched.costmodel.model_profiles import ModelProfile
 from feather_sched.steplog import BatchEntry
 
@@ -190,9 +196,5 @@ def save_profile(path: str | Path, hardware: HardwareProfile, model: ModelProfil
 
 
 def load_profile(path: str | Path) -> Profile:
-    data = json.loads(Path(path).read_text())
-    missing = [key for key in ("hardware", "model", "params") if key not in data]
-    if missing:
-        raise ValueError(f"{path}: missing {', '.join(missing)}")
-    return Profile(from_dict(HardwareProfile, data["hardware"]),
-                   from_dict(ModelProfile, data["model"]), from_dict(CostParams, data["params"]))
+    """A profile written by ``save_profile``; ValueError naming the file and the field."""
+    return Profile(*read_profile(path))

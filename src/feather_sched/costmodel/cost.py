@@ -8,13 +8,21 @@ re-read goes to HBM again. Feather keeps decode batches prefix-homogeneous for t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-from feather_sched.costmodel.hardware import HardwareProfile
+from feather_sched.costmodel.hardware import (
+    HardwareProfile,
+    from_dict,
+    is_number,
+    require,
+)
 from feather_sched.costmodel.model_profiles import ModelProfile
+from feather_sched.files import read_json
 from feather_sched.steplog import BatchEntry
 
 GRANULARITIES = ("layer", "layer-head")
@@ -50,14 +58,19 @@ class CostParams:
     use this additive roofline, because the fit is a linear least-squares model."""
 
     def __post_init__(self) -> None:
-        if self.reuse_granularity not in GRANULARITIES:
-            raise ValueError(f"reuse_granularity must be one of {GRANULARITIES}")
-        if not 0.0 <= self.l2_usable_fraction <= 1.0:
-            raise ValueError("l2_usable_fraction must lie in [0, 1]")
-        efficiencies = (self.bandwidth_efficiency, self.flops_efficiency,
-                        self.l2_bandwidth_efficiency)
-        if min(efficiencies) <= 0:
-            raise ValueError("efficiencies must be positive (math.inf: the term is free)")
+        require(self, "reuse_granularity", self.reuse_granularity in GRANULARITIES,
+                f"one of {GRANULARITIES}")
+        require(self, "l2_usable_fraction", is_number(self.l2_usable_fraction) and
+                0.0 <= self.l2_usable_fraction <= 1.0, "a number in [0, 1]")
+        for name in ("bandwidth_efficiency", "flops_efficiency", "l2_bandwidth_efficiency"):
+            value = getattr(self, name)
+            require(self, name, is_number(value) and value > 0,
+                    "a positive number (Infinity: the term is free)")
+        for name in ("step_overhead_s", "request_overhead_s"):
+            value = getattr(self, name)
+            require(self, name, is_number(value) and math.isfinite(value) and value >= 0,
+                    "a finite non-negative number of seconds")
+        require(self, "additive", isinstance(self.additive, bool), "true or false")
 
 
 @dataclass(frozen=True)
@@ -224,3 +237,23 @@ class CostModel:
         hbm_s = hbm_bytes / (hw.hbm_bytes_per_s * p.bandwidth_efficiency)
         l2_s = l2_bytes / (hw.l2_bytes_per_s * p.l2_bandwidth_efficiency)
         return hbm_s + l2_s
+
+
+def read_profile(path: str | Path) -> tuple[HardwareProfile, ModelProfile, CostParams]:
+    """The hardware, model and parameters of a profile file (what ``feather calibrate``
+    writes, ``calibrate.save_profile``), every field checked; ValueError naming the file
+    and the field (OSError if it cannot be read)."""
+    data = read_json(path)
+    try:
+        if not isinstance(data, dict):
+            raise ValueError("expected a JSON object with hardware, model and params")
+        parts = ("hardware", HardwareProfile), ("model", ModelProfile), ("params", CostParams)
+        missing = [name for name, _ in parts if name not in data]
+        unknown = sorted(str(key) for key in data if key not in dict(parts))
+        if missing or unknown:
+            raise ValueError(f"missing {', '.join(missing)}" if missing else
+                             f"unknown field(s) {', '.join(unknown)}")
+        hardware, model, params = (from_dict(cls, data[name]) for name, cls in parts)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+    return hardware, model, params

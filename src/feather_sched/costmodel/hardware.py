@@ -8,9 +8,13 @@ such, and a calibrated profile (``feather_sched.costmodel.calibrate``) should re
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
+
+from feather_sched.files import read_json
 
 GB = 1e9
 MB = 1e6  # NVIDIA quotes L2 sizes in (decimal) MB; the 1e6 vs 2**20 gap is < 5%.
@@ -23,6 +27,23 @@ Cross-check: the A100 whitepaper gives A100's L2 read bandwidth as 2.3x V100's, 
 V100's L2 was measured at ~2.2 TB/s (Jia et al., "Dissecting the NVIDIA Volta GPU
 Architecture via Microbenchmarking", 2018), i.e. ~5 TB/s = 2.5x A100's 2039 GB/s HBM.
 """
+
+
+def is_number(value: object) -> bool:
+    """A real number (Python's or NumPy's), not a boolean."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_integer(value: object) -> bool:
+    """An integer (Python's or NumPy's), not a boolean."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def require(owner: object, field: str, condition: bool, what: str) -> None:
+    """ValueError ``Owner.field must be <what>, got <value>`` unless ``condition``."""
+    if not condition:
+        raise ValueError(f"{type(owner).__name__}.{field} must be {what}, "
+                         f"got {getattr(owner, field)!r}")
 
 
 @dataclass(frozen=True)
@@ -40,6 +61,15 @@ class HardwareProfile:
     """Dense bf16 tensor throughput, without structured sparsity."""
     memory_bytes: float
     """Device memory capacity."""
+
+    def __post_init__(self) -> None:
+        require(self, "name", isinstance(self.name, str) and bool(self.name),
+                "a non-empty string")
+        for name in ("hbm_bytes_per_s", "l2_bytes", "l2_bytes_per_s", "bf16_flops",
+                     "memory_bytes"):
+            value = getattr(self, name)
+            require(self, name, is_number(value) and math.isfinite(value) and value > 0,
+                    "a positive finite number")
 
 
 _H100_L2_BYTES_PER_S = L2_OVER_HBM_ESTIMATE * 3350 * GB  # estimate, see L2_OVER_HBM_ESTIMATE
@@ -115,16 +145,19 @@ def device_profile(device_name: str | None) -> HardwareProfile | None:
 T = TypeVar("T")
 
 
-def from_dict(cls: type[T], data: dict[str, Any]) -> T:
-    """Build dataclass ``cls`` from a JSON object, naming missing or unknown keys."""
+def from_dict(cls: type[T], data: object) -> T:
+    """Build dataclass ``cls`` from a JSON object, every field checked by the class;
+    ValueError naming the class and the field (missing, unknown, or a bad value)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{cls.__name__}: expected a JSON object, got {data!r}")
     names = {field.name for field in fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - names)
+    unknown = sorted(str(key) for key in set(data) - names)
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown field(s) {', '.join(unknown)}")
     try:
         return cls(**data)
     except TypeError as error:  # a required field is missing
-        raise ValueError(f"{cls.__name__}: {error}") from error
+        raise ValueError(f"{cls.__name__}: {error}") from None
 
 
 def save_hardware(profile: HardwareProfile, path: str | Path) -> None:
@@ -133,5 +166,10 @@ def save_hardware(profile: HardwareProfile, path: str | Path) -> None:
 
 
 def load_hardware(path: str | Path) -> HardwareProfile:
-    """Read a profile written by :func:`save_hardware`."""
-    return from_dict(HardwareProfile, json.loads(Path(path).read_text()))
+    """Read a profile written by :func:`save_hardware`; ValueError naming the file and the
+    field (OSError if it cannot be read)."""
+    data = read_json(path)
+    try:
+        return from_dict(HardwareProfile, data)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None

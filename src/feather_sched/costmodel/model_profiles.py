@@ -8,10 +8,12 @@ is counted from the project's own config by :func:`llama_parameter_count`.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from feather_sched.costmodel.hardware import is_integer, is_number, require
 from feather_sched.models import TINY_LLAMA
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -34,6 +36,18 @@ class ModelProfile:
     """Total parameter count."""
     dtype_bytes: int = 2
     """Bytes per weight and per KV element (2 for bf16/fp16)."""
+
+    def __post_init__(self) -> None:
+        require(self, "name", isinstance(self.name, str) and bool(self.name),
+                "a non-empty string")
+        for name in ("layers", "heads", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            require(self, name, is_integer(value) and value > 0, "a positive integer")
+        require(self, "kv_heads", self.kv_heads <= self.heads, "at most heads")
+        require(self, "params", is_number(self.params) and math.isfinite(self.params) and
+                self.params > 0, "a positive finite number")
+        require(self, "dtype_bytes", is_integer(self.dtype_bytes) and
+                0 < self.dtype_bytes <= 8, "an integer from 1 to 8")
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -73,7 +87,7 @@ class ModelProfile:
             return None
         try:
             whole = cls.from_hf_config(str(config.get("model_type", "model")), dict(config))
-        except (KeyError, TypeError, ZeroDivisionError):
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
             return None
         return cls(name=whole.name, layers=whole.layers,
                    heads=max(whole.heads // tensor_parallel, 1),
