@@ -1,0 +1,113 @@
+"""Public traces and real prompt text in the simulator: FCFS, SGLang's LPM and Feather.
+
+    .venv/bin/python benchmarks/traces/sim.py        # ~10 minutes on this 2-core machine
+
+Llama-3-8B on the H100 SXM and H200 profiles, vLLM's GPU limits; three workloads:
+
+* ``mooncake``: the Mooncake FAST'25 synthetic trace (``shared/traces``), seed k replaying
+  its k-th third (``--start``, ``--max-requests``), stretched in time (``--trace-speed``);
+* ``bfcl-tools``: BFCL's 1,053 tool-calling prompts, tool documentation first, in a
+  seeded order, Poisson arrivals;
+* ``sharegpt``: 1,000 ShareGPT conversations (vLLM's sampling), Poisson arrivals.
+
+Two loads per workload and hardware, from FCFS's capacity (with every request of seed 0
+at once, the requests finished by the time 90% are, over that time: the drain at the end
+left out): *busy* offers 0.8x that rate, *saturated* 1.5x (a trace's speed is set so its
+mean rate is that).  Prompts are tokenized with the embedded
+model's tokenizer.  Each run is what ``feather sim`` prints for the same flags (the
+cell's command is in ``sim.json``).  Writes ``sim.json``; ``tables.py`` makes the tables.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from feather_sched.bench.report import RunResult, summarize
+from feather_sched.bench.serving import WorkloadArgs
+from feather_sched.costmodel.hardware import HARDWARE
+from feather_sched.costmodel.model_profiles import MODELS
+from feather_sched.sim.runner import SimPlan, simulate
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tables import FCFS, HERE, slim
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake-synthetic.jsonl"
+TRACE_REQUESTS = 3993
+WINDOW = TRACE_REQUESTS // 3
+SEEDS = range(3)
+HARDWARE_NAMES = ("h100-sxm", "h200")
+LOADS = (("busy", 0.8), ("saturated", 1.5))
+SCHEDULERS = (FCFS, "sglang-lpm", "feather-model")
+SHAREGPT_REQUESTS = 1000
+
+
+def workload_args(workload: str, seed: int, rate: float | None) -> WorkloadArgs:
+    """A workload's seed at ``rate`` requests/s on average (None: all at once)."""
+    if workload == "mooncake":
+        return WorkloadArgs(trace=TRACE, start=seed * WINDOW, max_requests=WINDOW,
+                            trace_speed=1e9 if rate is None else rate / trace_rate(seed),
+                            seed=seed)
+    requests = SHAREGPT_REQUESTS if workload == "sharegpt" else None
+    return WorkloadArgs(dataset_name=workload, max_requests=requests, request_rate=rate,
+                        seed=seed)
+
+
+def trace_rate(seed: int) -> float:
+    """The mean request rate of the trace's window of ``seed`` at speed 1."""
+    workload = WorkloadArgs(trace=TRACE, start=seed * WINDOW, max_requests=WINDOW).build()
+    return len(workload) / workload.requests[-1].arrival_s
+
+
+def command(args: WorkloadArgs, hardware: str) -> str:
+    """The ``feather sim`` command of one run."""
+    source = (f"--trace ../shared/traces/{TRACE.name} --start {args.start} "
+              f"--max-requests {args.max_requests} --trace-speed {args.trace_speed:.4g}"
+              if args.trace else
+              f"--dataset-name {args.dataset_name} --request-rate {args.request_rate:.4g}"
+              + (f" --max-requests {args.max_requests}" if args.max_requests else ""))
+    return (f"feather sim {source} --seed {args.seed} --hardware {hardware} "
+            f"--model llama-3-8b --schedulers {','.join(SCHEDULERS)}")
+
+
+def run(args: WorkloadArgs, hardware: str, scheduler: str) -> RunResult:
+    plan = SimPlan(workload=args.build(), hardware=HARDWARE[hardware],
+                   model=MODELS["llama-3-8b"], schedulers=[scheduler])
+    return simulate(plan, scheduler)
+
+
+def capacity(workload: str, hardware: str) -> float:
+    """FCFS's requests/s with seed 0's requests all at once, until 90% have finished."""
+    finished = sorted(r.finished_s or 0.0 for r in run(workload_args(workload, 0, None),
+                                                         hardware, FCFS).records)
+    done = int(0.9 * len(finished))
+    return done / finished[done - 1]
+
+
+def main() -> None:
+    cells = []
+    for workload in ("mooncake", "bfcl-tools", "sharegpt"):
+        for hardware in HARDWARE_NAMES:
+            rate = capacity(workload, hardware)
+            for load, share in LOADS:
+                started = time.perf_counter()
+                runs: dict[str, list[dict]] = {name: [] for name in SCHEDULERS}
+                for seed in SEEDS:
+                    args = workload_args(workload, seed, share * rate)
+                    for name in SCHEDULERS:
+                        runs[name].append(slim(summarize(run(args, hardware, name))))
+                arrivals = f"{share * rate:.2f} req/s, {share}x FCFS's capacity"
+                cells.append({"workload": workload, "hardware": hardware, "load": load,
+                              "arrivals": arrivals, "capacity_req_s": rate,
+                              "command": command(workload_args(workload, 0, share * rate),
+                                                 hardware),
+                              "runs": runs})
+                print(f"{workload} {hardware} {load}: {arrivals}, "
+                      f"{time.perf_counter() - started:.0f} s", flush=True)
+                (HERE / "sim.json").write_text(json.dumps({"cells": cells}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Tables of the trace and real-text results, and the check of Feather's targets.
+
+    .venv/bin/python benchmarks/traces/tables.py      # prints results.md's tables
+
+Reads ``sim.json`` (``sim.py``) and ``cpu-*.json`` (``cpu.sh``, ``feather bench --json``
+with the schedulers repeated: ``fcfs``, ``feather-model``, ``fcfs#2``, ...) beside this
+file, and writes ``results.md``.  Each cell's runs (seeds in the simulator, rounds on the
+CPU engine) give a median with its range; Feather's and LPM's ratios to FCFS are taken
+per seed or round, then their median and range.  The targets are checked on the median
+ratios (Feather >= 0.98x FCFS's throughput; mean TTFT, mean E2E latency and p99 TTFT at
+most FCFS's), and each cell names the figures of these where LPM does better than Feather
+by more than 1%.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+HERE = Path(__file__).parent
+FCFS, FEATHER, LPM = "fcfs", "feather-model", "sglang-lpm"
+METRICS = (  # (summary key, column, higher is better)
+    ("output_throughput", "out tok/s", True),
+    ("mean_ttft_ms", "mean TTFT ms", False),
+    ("p99_ttft_ms", "p99 TTFT ms", False),
+    ("mean_tpot_ms", "mean TPOT ms", False),
+    ("mean_e2el_ms", "mean E2E ms", False),
+    ("worst_group_mean_ttft_ms", "worst group mean TTFT ms", False),
+    ("prefix_cache_hit_rate", "prefix-cache hit rate", True),
+)
+TARGETS = (  # (summary key, name, bound on Feather / FCFS)
+    ("output_throughput", "throughput", 0.98),
+    ("mean_ttft_ms", "mean TTFT", 1.0),
+    ("mean_e2el_ms", "mean E2E", 1.0),
+    ("p99_ttft_ms", "p99 TTFT", 1.0),
+)
+TIE = 1.01
+"""Median ratios within 1% of each other count as a tie between Feather and LPM."""
+KEPT = ("completed", "duration", *(key for key, _, _ in METRICS), "median_ttft_ms",
+        "p99_tpot_ms", "mean_batch_size", "preemptions", "gate_stop")
+"""The summary keys the JSON files keep (per-group arrays are left out)."""
+
+Runs = dict[str, list[dict]]
+"""Scheduler -> its summaries, one per seed or round, in the same order for every one."""
+
+
+def slim(summary: dict) -> dict:
+    """The keys of a summary the results keep."""
+    return {key: summary.get(key) for key in KEPT}
+
+
+def rounds(runs: dict[str, dict]) -> Runs:
+    """``feather bench``'s labels (``name``, ``name#2``, ...) grouped by scheduler."""
+    by_name: Runs = {}
+    for label, summary in runs.items():
+        by_name.setdefault(label.split("#")[0], []).append(summary)
+    return by_name
+
+
+def _fmt(value: float, key: str) -> str:
+    if key == "prefix_cache_hit_rate":
+        return f"{100 * value:.1f}%"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.1f}"
+
+
+def _median(values: Sequence[float], key: str) -> str:
+    text = _fmt(statistics.median(values), key)
+    if len(values) > 1:
+        text += f" ({_fmt(min(values), key)}-{_fmt(max(values), key)})"
+    return text
+
+
+def ratios(runs: Runs, name: str, key: str) -> list[float]:
+    """Per seed or round: ``name``'s figure over FCFS's."""
+    return [run[key] / base[key] for run, base in zip(runs[name], runs[FCFS], strict=True)
+            if base[key]]
+
+
+def _ratio(values: Sequence[float]) -> str:
+    if not values:
+        return "n/a"
+    text = f"{statistics.median(values):.2f}x"
+    return text + (f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else "")
+
+
+def cell_rows(label: str, runs: Runs) -> list[str]:
+    """One row per scheduler: FCFS's medians (range), the others' ratios to FCFS (range);
+    the hit rate as a median everywhere."""
+    rows = []
+    for name, summaries in runs.items():
+        cells = []
+        for key, _, _ in METRICS:
+            values = [s[key] for s in summaries if s.get(key) is not None]
+            if not values:
+                cells.append("n/a")
+            elif name == FCFS or key == "prefix_cache_hit_rate":
+                cells.append(_median(values, key))
+            else:
+                cells.append(_ratio(ratios(runs, name, key)))
+        rows.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def verdict(runs: Runs) -> str:
+    """Which targets Feather's median ratios meet, and where LPM beats it."""
+    misses = []
+    for key, name, bound in TARGETS:
+        values = ratios(runs, FEATHER, key)
+        median = statistics.median(values)
+        ok = median >= bound if key == "output_throughput" else median <= bound
+        if not ok:
+            misses.append(f"{name} {median:.3f}x")
+    text = "targets hold" if not misses else "**misses: " + ", ".join(misses) + "**"
+    if LPM in runs:
+        losses = []
+        for key, name, _ in TARGETS:
+            feather = statistics.median(ratios(runs, FEATHER, key))
+            lpm = statistics.median(ratios(runs, LPM, key))
+            higher = key == "output_throughput"
+            if (lpm > feather * TIE) if higher else (lpm < feather / TIE):
+                losses.append(f"{name} ({feather:.2f}x vs LPM {lpm:.2f}x)")
+        if losses:
+            text += "; **LPM better on " + ", ".join(losses) + "**"
+    return text
+
+
+def table(cells: Sequence[tuple[str, Runs]]) -> str:
+    """A markdown table of cells (label, runs), then each cell's verdict."""
+    head = ["| cell | scheduler | " + " | ".join(c for _, c, _ in METRICS) + " |",
+            "|---|---|" + "---|" * len(METRICS)]
+    rows = [row for label, runs in cells for row in cell_rows(label, runs)]
+    verdicts = [f"- {label}: {verdict(runs)}" for label, runs in cells]
+    return "\n".join([*head, *rows, "", *verdicts]) + "\n"
+
+
+def sim_cells(path: Path) -> dict[str, list[tuple[str, Runs]]]:
+    """``sim.json``'s cells by workload and hardware."""
+    document = json.loads(path.read_text())
+    tables: dict[str, list[tuple[str, Runs]]] = {}
+    for cell in document["cells"]:
+        title = f"{cell['workload']}, {cell['hardware']}"
+        label = f"{cell['load']} ({cell['arrivals']})"
+        tables.setdefault(title, []).append((label, cell["runs"]))
+    return tables
+
+
+def cpu_cells(paths: Sequence[Path]) -> list[tuple[str, Runs]]:
+    """One cell per ``feather bench --json`` file, labelled by its workload."""
+    cells = []
+    for path in paths:
+        document = json.loads(path.read_text())
+        runs = {name: [slim(s) for s in summaries]
+                for name, summaries in rounds(document["runs"]).items()}
+        cells.append((f"{path.stem.removeprefix('cpu-')}: {document['config']['workload']}",
+                      runs))
+    return cells
+
+
+def main() -> None:
+    parts = []
+    if (HERE / "sim.json").exists():
+        for title, cells in sim_cells(HERE / "sim.json").items():
+            parts += [f"### Simulator: {title}", "", table(cells)]
+    cpu = sorted(HERE.glob("cpu-*.json"))
+    if cpu:
+        parts += ["### Real CPU engine (vLLM 0.32.0, the embedded model)", "",
+                  table(cpu_cells(cpu))]
+    text = "\n".join(parts)
+    (HERE / "results.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
