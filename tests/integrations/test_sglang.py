@@ -601,6 +601,38 @@ def test_a_fault_hands_the_round_to_sglangs_own_order(monkeypatch, contained_fau
     assert [where for where, _ in contained_faults] == ["order"]
 
 
+def test_the_running_batch_is_put_in_group_order_and_left_alone_on_a_fault(
+        monkeypatch, contained_faults) -> None:
+    """SGLang's real running batch (KV held, ``filter_batch``): Feather puts each group's
+    requests together; when its order raises, the batch stays as SGLang has it."""
+    def run(fault: bool) -> list[str]:
+        engine = Engine(gate="always", kv=True)
+        for req in (_req("A", 0), _req("B", 1), _req("A", 2)):
+            engine.arrive(req)
+            engine.admission_round()
+        assert [r.rid for r in engine.batch.reqs] == ["A0", "B1", "A2"]
+        if fault:
+            monkeypatch.setattr(engine.feather.runtime, "order", lambda reqs: 1 / 0)
+        engine.feather.order_running(engine.batch)
+        return [r.rid for r in engine.batch.reqs]
+
+    assert run(fault=False) == ["A0", "A2", "B1"]
+    assert run(fault=True) == ["A0", "B1", "A2"]
+    assert [where for where, _ in contained_faults] == ["order_running"]
+
+
+def test_the_retraction_order_is_sglangs_own_on_a_fault(monkeypatch, contained_faults) -> None:
+    engine = Engine(gate="always")
+    batch = [_req("A", 0), _req("B", 1)]
+    engine.arrive(*batch)
+    monkeypatch.setattr(feather_sglang, "_process_feather", engine.feather)
+    sglangs = lambda reqs: [1, 0]  # noqa: E731
+    assert feather_sglang._hook_decode_retraction_order(sglangs, batch) == [0, 1]
+    monkeypatch.setattr(engine.feather.runtime, "preemption_order", lambda req: 1 / 0)
+    assert feather_sglang._hook_decode_retraction_order(sglangs, batch) == [1, 0]
+    assert [where for where, _ in contained_faults] == ["retraction_order"]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_random_faults_in_feathers_code_lose_no_request(seed: int, monkeypatch,
                                                         contained_faults) -> None:
