@@ -186,7 +186,7 @@ class FeatherConfig:
         options = dict(self.gate_options)
         if self.gate == "model":
             options.setdefault("ordered", self.order_running)
-            if not isinstance(options.get("prior", AUTO), str | None):
+            if not isinstance(options.get("prior", AUTO), str | StepPrior | None):
                 raise FeatherConfigError("feather option 'gate_options': prior must be a "
                                          f"profile name or null, got {options['prior']!r}")
             if options.get("prior", AUTO) == AUTO and engine is not None:
