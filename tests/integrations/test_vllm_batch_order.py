@@ -81,3 +81,28 @@ def test_running_batch_is_kept_ordered_by_group(ordered: bool) -> None:
         assert runs == groups
     else:
         assert runs > groups
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_a_worker_reads_only_whether_to_order(tmp_path, ordered: bool) -> None:
+    """A worker on another node than the scheduler: the scheduler's files and their
+    directory exist only on the scheduler's node.  The worker plugin decides from
+    ``order_running`` alone; the scheduler still checks its files where it runs."""
+    from types import SimpleNamespace
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from feather_sched.config import FILE_OPTIONS, FeatherConfigError
+    from feather_sched.integrations.vllm import FeatherScheduler, feather_options
+    from feather_sched.integrations.vllm_batch_order import _ordering_enabled
+    from feather_sched.models import TINY_LLAMA
+
+    head_node_only = tmp_path / "head-node-only"
+    feather = {"gate": "bandit", "order_running": ordered,
+               **{option: str(head_node_only / f"{option}.out") for option in FILE_OPTIONS}}
+    config = EngineArgs(model=str(TINY_LLAMA), skip_tokenizer_init=True, load_format="dummy",
+                        max_model_len=2048, scheduler_cls=FeatherScheduler,
+                        additional_config={"feather": feather}).create_engine_config()
+    assert _ordering_enabled(SimpleNamespace(vllm_config=config)) is ordered
+    with pytest.raises(FeatherConfigError, match=f"directory {head_node_only} does not exist"):
+        feather_options(config)

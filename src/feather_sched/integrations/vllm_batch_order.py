@@ -41,14 +41,18 @@ def register() -> None:
 
 
 def _ordering_enabled(runner: Any) -> bool:
-    """Decided once per runner from the engine's own configuration."""
+    """Decided once per runner from the engine's own configuration, of which it reads only
+    ``order_running``: a worker may run on a node without the scheduler's files, and the
+    scheduler checks the rest."""
     enabled = getattr(runner, _PATCHED, None)
     if enabled is None:
-        from feather_sched.integrations.vllm import feather_options, is_feather_scheduler
+        from feather_sched.config import FeatherConfig
+        from feather_sched.integrations.vllm import feather_mapping, is_feather_scheduler
 
         config = runner.vllm_config
         scheduler_cls = config.scheduler_config.get_scheduler_cls()
-        enabled = is_feather_scheduler(scheduler_cls) and feather_options(config).order_running
+        enabled = is_feather_scheduler(scheduler_cls) and \
+            FeatherConfig.option("order_running", feather_mapping(config))
         setattr(runner, _PATCHED, enabled)
     return enabled
 
