@@ -19,7 +19,12 @@ same state file.  It passes when:
   teardown (see ``unexplained_tracebacks``), and resident memory stayed flat (end
   within 25% of start, measured over the server's process group after warm-up).
 
-Writes ``soak.json`` (the figures) and ``soak.md`` to ``--out``.
+With ``--data-parallel-size N`` the server runs N vLLM data-parallel engines, each with
+its own Feather: each rank writes its own stats and bandit files (``stats.rank<r>.json``),
+every rank must reload its own table after the restart and serve requests, and the counts
+above are summed over the ranks.
+
+Writes ``soak.json`` (the figures) and ``soak.md`` to ``--out`` (``soak-dp<N>.*`` for N > 1).
 """
 
 from __future__ import annotations
@@ -67,8 +72,8 @@ class Tally:
 class Server:
     """``feather serve`` in its own process group, restartable on the same files."""
 
-    def __init__(self, workdir: Path, port: int) -> None:
-        self.workdir, self.port = workdir, port
+    def __init__(self, workdir: Path, port: int, data_parallel: int = 1) -> None:
+        self.workdir, self.port, self.data_parallel = workdir, port, data_parallel
         self.url = f"http://127.0.0.1:{port}"
         self.state = workdir / "bandit.json"
         self.stats = workdir / "stats.json"
@@ -88,6 +93,8 @@ class Server:
         command = [sys.executable, "-m", "feather_sched.cli", "serve", "--enforce-eager",
                    "--kv-cache-gib", "0.012", "--max-num-seqs", "32", "--max-model-len", "1024",
                    "--feather-options", options, "--host", "127.0.0.1", "--port", str(self.port)]
+        if self.data_parallel > 1:
+            command += ["--data-parallel-size", str(self.data_parallel)]
         with open(log, "w") as handle:
             self.process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
                                             cwd=ROOT, start_new_session=True)
@@ -115,6 +122,13 @@ class Server:
         os.killpg(self.process.pid, signal.SIGTERM)
         self.process.wait(timeout=120)
         return time.monotonic() - started
+
+    def stats_files(self) -> list[Path]:
+        """Each rank's stats file (Feather puts the rank in the name when there are several)."""
+        if self.data_parallel == 1:
+            return [self.stats]
+        return [self.stats.with_name(f"{self.stats.stem}.rank{r}{self.stats.suffix}")
+                for r in range(self.data_parallel)]
 
     def rss_bytes(self) -> int:
         assert self.process is not None
@@ -214,14 +228,14 @@ async def load(server: Server, tally: Tally, seconds: float, clients: int) -> No
                            for seed in range(clients)))
 
 
-def soak(seconds: float, clients: int, workdir: Path) -> dict:
+def soak(seconds: float, clients: int, workdir: Path, data_parallel: int = 1) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     for old in workdir.glob("*"):
         old.unlink()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = Server(workdir, port)
+    server = Server(workdir, port, data_parallel)
     server.start()
     tally = Tally()
     asyncio.run(load(server, tally, 5, clients))  # warm-up
@@ -236,7 +250,9 @@ def soak(seconds: float, clients: int, workdir: Path) -> dict:
     metrics = server.metrics()
     metrics.pop("vllm:num_preemptions_total")
     final_drain_s = server.stop()
-    stats = json.loads(server.stats.read_text())
+    ranks = [json.loads(path.read_text()) for path in server.stats_files()]
+    stats = {key: sum(rank[key] for rank in ranks)
+             for key in ("requests_entered", "requests_left", "waiting", "running")}
     figures = {
         **asdict(tally), "unexpected": tally.unexpected[:10], "ended": tally.ended,
         "restarts": 1, "completed_after_restart": tally.completed - after_restart,
@@ -246,7 +262,9 @@ def soak(seconds: float, clients: int, workdir: Path) -> dict:
         "feather_requests_left": stats["requests_left"],
         "feather_waiting_at_end": stats["waiting"], "feather_running_at_end": stats["running"],
         "preemptions": server.preemptions,
-        "table_reloaded": "bandit table loaded from" in server.logs[-1].read_text(),
+        "data_parallel": data_parallel,
+        "requests_by_rank": [rank["requests_entered"] for rank in ranks],
+        "tables_reloaded": server.logs[-1].read_text().count("bandit table loaded from"),
         "tracebacks": unexplained_tracebacks(server.logs),
         "seconds": seconds, "clients": clients,
     }
@@ -274,7 +292,8 @@ def checks(f: dict) -> dict[str, bool]:
         "every request ended once": f["ended"] == f["sent"] and not f["unexpected"],
         "kept serving after the restart": f["completed_after_restart"] > 0,
         "KV pressure forced preemption": f["preemptions"] > 0,
-        "restart reloaded the table": f["table_reloaded"],
+        "restart reloaded every rank's table": f["tables_reloaded"] >= f["data_parallel"],
+        "every rank served": all(f["requests_by_rank"]),
         "feather tracks nothing at the end": (
             f["feather_requests_entered"] == f["feather_requests_left"]
             and f["feather_waiting_at_end"] == f["feather_running_at_end"] == 0),
@@ -289,14 +308,17 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=180)
     parser.add_argument("--clients", type=int, default=24)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--data-parallel-size", type=int, default=1)
     args = parser.parse_args()
-    figures = soak(args.seconds, args.clients, args.out / "work")
-    (args.out / "soak.json").write_text(json.dumps(figures, indent=2) + "\n")
+    dp = args.data_parallel_size
+    name = "soak" if dp == 1 else f"soak-dp{dp}"
+    figures = soak(args.seconds, args.clients, args.out / "work", dp)
+    (args.out / f"{name}.json").write_text(json.dumps(figures, indent=2) + "\n")
     lines = ["| figure | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in figures.items() if k != "checks"]
     lines += ["", "| check | passed |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in figures["checks"].items()]
-    (args.out / "soak.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     sys.exit(0 if all(figures["checks"].values()) else 1)
 
