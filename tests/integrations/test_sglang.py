@@ -777,6 +777,22 @@ def test_retraction_takes_the_latest_arrival_first(monkeypatch) -> None:
     assert [batch[i].rid for i in order] == ["A0", "B0", "A1"]
 
 
+def test_retracted_requests_are_counted_as_preemptions(monkeypatch) -> None:
+    """SGLang's ``retract_decode`` returns what it retracted: each is one preemption of
+    its request, in the stats file (and on /metrics)."""
+    engine = Engine(gate="always")
+    a0, b0, a1 = _req("A", 0), _req("B", 0), _req("A", 1)
+    engine.arrive(a0, b0, a1)
+    engine.admission_round()
+    retract = lambda batch: ([a1, b0], 0.5, [])  # noqa: E731
+    monkeypatch.setattr(feather_sglang, "_process_feather", engine.feather)
+    assert feather_sglang._hook_retract_decode(retract, object())[0] == [a1, b0]
+    stats = engine.feather.runtime.meter.stats
+    assert stats.preemptions == 2 and stats.max_request_preemptions == 1
+    assert "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode" in \
+        feather_sglang.HOOKS
+
+
 def test_hooks_install_feather_when_selected(monkeypatch) -> None:
     monkeypatch.setattr(feather_sglang, "_process_feather", None)  # restored afterwards
     monkeypatch.setenv("FEATHER_SGLANG", "1")

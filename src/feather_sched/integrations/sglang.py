@@ -398,6 +398,17 @@ class FeatherSGLang:
             self.fault("retraction_order", error)
             return None
 
+    def retracted(self, reqs: Iterable[Req]) -> None:
+        """SGLang retracted ``reqs`` for KV room: preemptions, counted per request, class
+        and group (``FeatherRuntime.preempted``)."""
+        if not self.faults.active or self.faults.dirty:
+            return
+        try:
+            for req in reqs:
+                self.runtime.preempted(req)
+        except Exception as error:
+            self.fault("preempted", error)
+
     def entered(self, req: Req) -> None:
         """SGLang put ``req`` at the end of its waiting queue."""
         if not self.faults.active or self.faults.dirty:
@@ -629,6 +640,16 @@ def _hook_decode_retraction_order(original: Callable, reqs: list, *args: Any,
     return original(reqs, *args, **kwargs) if order is None else order
 
 
+def _hook_retract_decode(original: Callable, batch: Any, *args: Any, **kwargs: Any):
+    """SGLang's retraction under memory pressure: its retracted requests are counted as
+    preemptions."""
+    result = original(batch, *args, **kwargs)
+    feather = _process_feather
+    if feather is not None:
+        feather.retracted(result[0])
+    return result
+
+
 HOOKS: dict[str, Callable] = {
     f"{_SCHEDULER}.init_schedule_policy": _hook_init_schedule_policy,
     f"{_SCHEDULER}.get_prefill_adder_class": _hook_get_prefill_adder_class,
@@ -639,6 +660,7 @@ HOOKS: dict[str, Callable] = {
     f"{_SCHEDULER}.process_batch_result": _hook_process_batch_result,
     "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order":
         _hook_decode_retraction_order,
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode": _hook_retract_decode,
 }
 """Hook target -> AROUND hook; each is inert on a scheduler without ``feather``."""
 
