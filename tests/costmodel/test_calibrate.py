@@ -114,3 +114,24 @@ def test_profile_round_trip(tmp_path) -> None:
     assert profile == (GPU, MODEL, params)
     batch = [BatchEntry("a", 10, 20, 1)]
     assert profile.cost_model().step(batch) == CostModel(GPU, MODEL, params).step(batch)
+
+
+def test_feather_calibrate_fits_several_logs_merged(tmp_path) -> None:
+    """Each data-parallel rank writes its own log: a fit takes them all, as one."""
+    from typer.testing import CliRunner
+
+    from feather_sched.cli import app
+
+    steps = synthetic_steps(TRUE, count=60)
+    write_steps(tmp_path / "steps.rank0.csv", steps[:25])
+    write_steps(tmp_path / "steps.rank1.csv", steps[25:])
+    expected, report = fit(steps, GPU, MODEL)
+    for logs in ([str(tmp_path)], [str(tmp_path / "steps.rank*.csv")],
+                 [str(tmp_path / "steps.rank0.csv"), str(tmp_path / "steps.rank1.csv")]):
+        out = tmp_path / "profile.json"
+        result = CliRunner().invoke(app, ["calibrate", *logs, "--hardware", "h100-sxm",
+                                          "--model", "llama-3-8b", "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        assert f"fitted {report.rows} steps of 2 log(s)" in result.output
+        assert load_profile(out).params == expected
+        out.unlink()
