@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from typer.testing import CliRunner
 
 from feather_sched.bench.serving import WORKLOADS, WorkloadArgs
+from feather_sched.cli import app
 from feather_sched.workloads import prioritized, save_jsonl
 
 
@@ -59,3 +61,14 @@ def test_a_jsonl_trace_takes_a_window_but_no_token_scale(tmp_path) -> None:
     with pytest.raises(ValueError, match="token_scale"):
         WorkloadArgs(trace=trace, token_scale=0.5).build()
 
+
+def test_feather_sim_replays_a_slice_of_a_trace(tmp_path) -> None:
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(app, [
+        "sim", "--trace", str(mooncake_trace(tmp_path / "mc.jsonl", 12)), "--start", "2",
+        "--max-requests", "8", "--trace-speed", "4", "--token-scale", "0.25",
+        "--schedulers", "fcfs,feather-model", "--json", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["completed"] for r in runs.values()] == [8, 8]
+    assert {r["total_input_tokens"] for r in runs.values()} == {8 * 256}
