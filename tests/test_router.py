@@ -230,13 +230,14 @@ def assert_index_counts(router: FeatherRouter, where: dict, keys: dict) -> None:
     for rid, replica in where.items():
         for key in keys[rid]:
             counted[key, replica] = counted.get((key, replica), 0) + 1
-    owners = router.index._owners
+    prefixes = router.index.prefixes
+    owners = prefixes._owners
     for key, holders in owners.items():
         for replica, count in holders.items():
             assert count == counted.pop((key, replica), 0)
     assert not counted
     for replica in router.replicas:
-        assert router.index.sizes.get(replica, 0) == sum(replica in h for h in owners.values())
+        assert prefixes.sizes.get(replica, 0) == sum(replica in h for h in owners.values())
 
 
 def test_a_withdrawn_request_leaves_what_its_replica_served_before() -> None:
@@ -245,8 +246,8 @@ def test_a_withdrawn_request_leaves_what_its_replica_served_before() -> None:
     router.finished("c")  # r served keys 1 and 2: both idle there
     router.route("b", [1, 3])  # goes to r, which holds key 1
     assert router.withdraw("b") == "r" and "b" not in router
-    assert router.index.match([1, 2]) == (2, {"r": 0})  # still r's, as before b
-    assert router.index.match([1, 3]) == (1, {"r": 0})  # key 3: never served there
+    assert router.index.prefixes.match([1, 2]) == (2, {"r": 0})  # still r's, as before b
+    assert router.index.prefixes.match([1, 3]) == (1, {"r": 0})  # key 3: never served there
     with pytest.raises(RouterError):
         router.finished("b")
 
@@ -258,6 +259,6 @@ def test_the_core_moves_a_request_sent_past_its_first_choice() -> None:
     assert router.route(7, [1, 2]) == "r0" and 7 in router
     router.move(7, "r1")
     assert router.replica_of(7) == "r1" and (router.load("r0"), router.load("r1")) == (0, 1)
-    assert router.index.match([1, 2]) == (2, {"r1": 1})  # r0 never served it
+    assert router.index.prefixes.match([1, 2]) == (2, {"r1": 1})  # r0 never served it
     assert router.route(8, [1, 2]) == "r1"  # the group moved with it
     assert router.finished(7) == "r1" and 7 not in router

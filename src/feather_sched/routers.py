@@ -27,7 +27,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from feather_sched.router import ChunkKey, FeatherRouter, PrefixIndex, Replica, Router
+from feather_sched.router import (
+    ChunkKey,
+    FeatherRouter,
+    PrefixIndex,
+    Replica,
+    Router,
+    SessionId,
+)
 
 
 class RoundRobinRouter(Router):
@@ -37,7 +44,7 @@ class RoundRobinRouter(Router):
         super().__init__(replicas, **options)
         self._turn = 0
 
-    def _choose(self, keys: Sequence[ChunkKey]) -> Replica:
+    def _choose(self, keys: Sequence[ChunkKey], session: SessionId | None) -> Replica:
         self._turn += 1
         return self._replicas[(self._turn - 1) % len(self._replicas)]
 
@@ -45,7 +52,7 @@ class RoundRobinRouter(Router):
 class PowerOfTwoRouter(Router):
     name = "power-of-two"
 
-    def _choose(self, keys: Sequence[ChunkKey]) -> Replica:
+    def _choose(self, keys: Sequence[ChunkKey], session: SessionId | None) -> Replica:
         return self._two_choices()
 
 
@@ -84,7 +91,7 @@ class PrefixAffinityRouter(_HistoryRouter):
         self.match_rate_threshold = match_rate_threshold
         super().__init__(replicas, **options)
 
-    def _choose(self, keys: Sequence[ChunkKey]) -> Replica:
+    def _choose(self, keys: Sequence[ChunkKey], session: SessionId | None) -> Replica:
         if self._spread() > self.imbalanced_threshold:
             return self._two_choices()
         rate, holders = self._match(keys)
@@ -105,7 +112,7 @@ class CacheAwareRouter(_HistoryRouter):
         self.balance_rel = balance_rel
         super().__init__(replicas, **options)
 
-    def _choose(self, keys: Sequence[ChunkKey]) -> Replica:
+    def _choose(self, keys: Sequence[ChunkKey], session: SessionId | None) -> Replica:
         loads = self._load.values()
         if self._spread() > self.balance_abs and max(loads) > self.balance_rel * min(loads):
             return self._least_loaded(self._replicas)
