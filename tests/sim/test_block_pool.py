@@ -10,6 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from feather_sched.cache_index import CacheIndex
 from feather_sched.cht import token_chunk_keys
 from feather_sched.sim.block_pool import BlockPool, blocks_for
 
@@ -130,8 +131,10 @@ class PoolMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(1, 12))
     def make_pool(self, num_blocks: int) -> None:
-        self.pool = BlockPool(num_blocks, BLOCK)
+        self.pool = BlockPool(num_blocks, BLOCK, emit_events=True)
         self.live: dict[str, list[int]] = {}
+        self.index = CacheIndex()  # fed the pool's events, as a router is
+        self.index.add_replica("pool")
 
     @rule(request=st.sampled_from(REQUESTS), group=st.integers(0, 2),
           tokens=st.integers(1, 40), prefix_blocks=st.integers(0, 10))
@@ -190,6 +193,12 @@ class PoolMachine(RuleBasedStateMachine):
         assert free_list + pool.num_referenced + pool.num_evictable == pool.num_blocks
         assert free_list >= 0 and pool.num_cached >= pool.num_evictable
         assert 0 <= pool.hit_tokens <= pool.query_tokens
+
+    @invariant()
+    def its_events_tell_exactly_what_it_caches(self) -> None:
+        self.index.apply("pool", self.pool.take_events())
+        assert self.index.blocks("pool") == self.pool.num_cached
+        assert all(self.index.holds("pool", key) for key in self.pool._cached)
 
 
 PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

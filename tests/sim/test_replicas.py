@@ -12,7 +12,12 @@ from feather_sched.routers import make_router
 from feather_sched.sim.engine import EngineConfig, SimEngine
 from feather_sched.sim.fcfs import FcfsPolicy
 from feather_sched.sim.policies import make_policy
-from feather_sched.sim.replicas import run_replicas, simulate_replicas
+from feather_sched.sim.replicas import (
+    Ingresses,
+    precise_index,
+    run_replicas,
+    simulate_replicas,
+)
 from feather_sched.sim.runner import SimPlan
 from feather_sched.workloads import ArrivalSpec, shared_prefix_groups
 
@@ -70,9 +75,9 @@ class Spy(FeatherRouter):
         super().__init__(*args, **kwargs)
         self.in_flight: list[int] = []
 
-    def _choose(self, keys):
+    def _choose(self, keys, session):
         self.in_flight.append(len(self))
-        return super()._choose(keys)
+        return super()._choose(keys, session)
 
 
 def test_the_router_sees_finishes_at_their_simulated_time() -> None:
@@ -98,3 +103,34 @@ def test_router_and_engines_must_agree_on_replicas() -> None:
     sim = engine()
     with pytest.raises(ValueError, match="not the engines"):
         run_replicas(workload(10.0), FeatherRouter(range(2)), {0: (sim, FcfsPolicy())}, "x")
+
+
+def test_a_precise_router_holds_exactly_what_each_engines_pool_caches() -> None:
+    small = EngineConfig(num_blocks=96, charge_scheduler_time=False)  # replicas evict
+    load = SimPlan(workload=workload(rate=100.0, groups=6), hardware=HARDWARE["h100-sxm"],
+                   model=MODELS["llama-3-8b"], engine=small)
+    index = precise_index(small)
+    router = FeatherRouter(range(3), index=index)
+    engines = {}
+    for replica in router.replicas:
+        sim = SimEngine(CostModel(HARDWARE["h100-sxm"], MODELS["llama-3-8b"]), small)
+        engines[replica] = (sim, FcfsPolicy())
+    result = run_replicas(load.workload, router, engines, "precise")
+    assert all(r.success for r in result.run.records)
+    for replica, (sim, _) in engines.items():
+        assert index.cache.blocks(replica) == sim.pool.num_cached > 0
+        assert all(index.cache.holds(replica, key) for key in sim.pool._cached)
+    assert any(sim.pool.num_cached < sum(len(set(r.keys)) for r in sim.requests)
+               for sim, _ in engines.values())  # something was evicted
+
+
+def test_ingresses_deal_requests_in_turn_and_each_sees_all_events() -> None:
+    load = plan(rate=200.0)
+    routers = [FeatherRouter(range(2), index=precise_index(CONFIG)) for _ in range(2)]
+    result = simulate_replicas(load, Ingresses(routers), "fcfs")
+    assert [r.request_id for r in result.run.records] == \
+        [spec.request_id for spec in load.workload]
+    assert all(len(r) == 0 for r in routers)
+    assert routers[0].index.cache.blocks(0) == routers[1].index.cache.blocks(0) > 0
+    with pytest.raises(ValueError, match="same replicas"):
+        Ingresses([FeatherRouter(range(2)), FeatherRouter(range(3))])

@@ -11,16 +11,33 @@ Every physical block is in exactly one of three states:
 A request's full prompt blocks are named by chained keys (``token_chunk_keys(prompt,
 block_tokens)``: key *i* identifies the whole prefix through block *i*), so a prefix hit
 is the longest run of leading keys present in the cache.  Allocation is all-or-nothing,
-as in vLLM's ``allocate_slots``: it either succeeds or leaves the pool untouched.
+as in vLLM's ``allocate_slots``: it either succeeds or leaves the pool untouched.  With
+``emit_events`` the pool reports what it caches and evicts as vLLM's block pool does
+(``cache_index.BlockStored`` / ``BlockRemoved``, taken with ``take_events``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from feather_sched.cache_index import BlockRemoved, BlockStored, KVEvent
+from feather_sched.cht import token_chunk_keys
 
 BlockKey = Hashable
 RequestId = Hashable
+
+
+@dataclass(frozen=True)
+class BlockKeys:
+    """A prompt's block keys as the simulated engine names its blocks (its "block
+    hashes"): ``token_chunk_keys`` at ``block_size`` tokens."""
+
+    block_size: int
+
+    def __call__(self, tokens: Sequence[int]) -> list[int]:
+        return token_chunk_keys(tokens, self.block_size)
 
 
 def blocks_for(num_tokens: int, block_tokens: int) -> int:
@@ -35,7 +52,7 @@ class BlockPool:
     successful allocations served from the cache (vLLM's prefix-cache hit rate).
     """
 
-    def __init__(self, num_blocks: int, block_tokens: int) -> None:
+    def __init__(self, num_blocks: int, block_tokens: int, emit_events: bool = False) -> None:
         if num_blocks < 1 or block_tokens < 1:
             raise ValueError(
                 f"num_blocks and block_tokens must be positive, got {num_blocks}, {block_tokens}"
@@ -52,6 +69,7 @@ class BlockPool:
         self._owned: dict[RequestId, list[int]] = {}
         self._registered: dict[RequestId, int] = {}
         """Leading blocks of each request already registered in the cache."""
+        self._events: list[KVEvent] | None = [] if emit_events else None
 
     # ---- counters ---------------------------------------------------------------------
 
@@ -91,6 +109,13 @@ class BlockPool:
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._owned
+
+    def take_events(self) -> list[KVEvent]:
+        """The events since the last call, in order (none unless ``emit_events``)."""
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
+        return events
 
     # ---- operations -------------------------------------------------------------------
 
@@ -171,12 +196,17 @@ class BlockPool:
         blocks = self._blocks(request_id)
         start = self._registered[request_id]
         end = min(len(keys), len(blocks), computed_tokens // self.block_tokens)
+        new = []
         for i in range(start, end):
             key = keys[i]
             if key not in self._cached:
                 self._cached[key] = blocks[i]
                 self._key[blocks[i]] = key
+                new.append(key)
         self._registered[request_id] = max(start, end)
+        if new and self._events is not None:
+            self._events.append(BlockStored(new, keys[start - 1] if start else None, (),
+                                            self.block_tokens))
 
     # ---- checks -----------------------------------------------------------------------
 
@@ -213,14 +243,17 @@ class BlockPool:
 
     def _take(self, count: int) -> list[int]:
         """``count`` fresh blocks, evicting least-recently-freed cached ones if needed."""
-        taken = []
+        taken, evicted = [], []
         for _ in range(count):
             if self._free:
                 block = self._free.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)
+                evicted.append(self._key[block])
                 del self._cached[self._key[block]]
                 self._key[block] = None
             self._ref[block] = 1
             taken.append(block)
+        if evicted and self._events is not None:
+            self._events.append(BlockRemoved(evicted))
         return taken

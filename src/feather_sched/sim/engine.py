@@ -35,11 +35,12 @@ from typing import Any, Protocol
 
 from feather_sched.bench.records import RequestRecord, StepRecord
 from feather_sched.bench.report import RunResult
-from feather_sched.cht import DEFAULT_CHUNK_TOKENS, token_chunk_keys
+from feather_sched.cache_index import KVEvent
+from feather_sched.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.costmodel.cost import StepCost
 from feather_sched.gate import Decision
 from feather_sched.prefix import SharedPrefixes, group_of, keys_per_chunk
-from feather_sched.sim.block_pool import BlockPool, blocks_for
+from feather_sched.sim.block_pool import BlockKeys, BlockPool, blocks_for
 from feather_sched.steplog import BatchEntry
 from feather_sched.workloads import RequestSpec, Workload
 
@@ -84,7 +85,7 @@ class SimRequest:
     def create(cls, spec: RequestSpec, index: int, config: EngineConfig) -> SimRequest:
         record = RequestRecord(spec.request_id, spec.prompt.size, spec.group, spec.arrival_s,
                                priority=spec.priority)
-        keys = token_chunk_keys(spec.prompt, config.block_tokens)
+        keys = BlockKeys(config.block_tokens)(spec.prompt)
         per_chunk = keys_per_chunk(config.block_tokens, config.group_tokens)
         group = group_of(keys, spec.request_id, per_chunk)
         return cls(spec, keys, record, group, index, spec.prompt.size)
@@ -225,6 +226,9 @@ class SimEngine:
     def __init__(self, cost_model: StepCostModel, config: EngineConfig) -> None:
         self.cost_model = cost_model
         self.config = config
+        self.kv_events: Callable[[list[KVEvent]], None] | None = None
+        """Where each step's KV cache events go, as vLLM publishes a batch per
+        ``schedule()`` (set before ``start``; None: the pool emits none)."""
         self._reset([], None)
 
     def clock(self) -> float:
@@ -285,6 +289,8 @@ class SimEngine:
                 f"simulation did not finish within {self.config.max_steps} steps")
         self._arrive()
         batch, preempted = self._schedule()
+        if self.kv_events is not None and (events := self.pool.take_events()):
+            self.kv_events(events)
         if batch:
             self._execute(batch)
         elif not (preempted or self.running):
@@ -294,7 +300,8 @@ class SimEngine:
         self, specs: Sequence[RequestSpec], on_done: Callable[[RequestRecord], None] | None
     ) -> None:
         config = self.config
-        self.pool = BlockPool(config.num_blocks, config.block_tokens)
+        self.pool = BlockPool(config.num_blocks, config.block_tokens,
+                              emit_events=self.kv_events is not None)
         self.now = 0.0
         """The simulated clock, in seconds from the run's start."""
         self.running: list[SimRequest] = []

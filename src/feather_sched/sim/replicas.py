@@ -5,9 +5,15 @@ always advances the replica whose next event is earliest, and routes each arriva
 arrival time, after every step that starts before it.  The router sees a request finish
 at the simulated time it finished (finishes wait in a heap until the clock passes them),
 so its view of load is what a real router would have: requests routed and not finished.
-Chunk keys are computed once per request for the router (``Router.route_tokens``, at the
-router's ``chunk_tokens``), as a real router would from token ids; the router's own CPU
-time is not charged to the clock (``benchmarks/replicas/router_overhead.py`` measures it).
+Keys are computed once per request for the router (``Router.route_tokens``: chunk keys at
+the router's ``chunk_tokens``, or the engines' block keys for a precise index), as a real
+router would from token ids; the router's own CPU time is not charged to the clock
+(``benchmarks/replicas/router_overhead.py`` measures it).  A router whose index is a
+``cache_index.PreciseIndex`` gets every engine's KV events (each step's batch, numbered,
+through an ``EventFeed``) as the engine schedules, before any later arrival is routed.
+``Ingresses`` are several routers over the same replicas, as Ray Serve builds one per
+ingress replica: each sees only the requests dealt to it, and each precise index all
+the events.
 """
 
 from __future__ import annotations
@@ -19,9 +25,18 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from feather_sched.bench.records import RequestRecord
-from feather_sched.bench.report import RunResult, Summary, summarize
+from feather_sched.bench.report import (
+    VLLM_PERCENTILES,
+    Percentiles,
+    RunResult,
+    Summary,
+    summarize,
+)
+from feather_sched.cache_index import EventFeed, KVEvent, PreciseIndex
+from feather_sched.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.router import Router
-from feather_sched.sim.engine import Policy, SimEngine, SimResult
+from feather_sched.sim.block_pool import BlockKeys
+from feather_sched.sim.engine import EngineConfig, Policy, SimEngine, SimResult
 from feather_sched.sim.policies import make_policy
 from feather_sched.sim.runner import SimPlan
 from feather_sched.workloads import Workload
@@ -55,19 +70,49 @@ class ReplicaResult:
         mean = sum(busy) / len(busy)
         return max(busy) / mean if mean else 1.0
 
-    def summary(self) -> Summary:
-        """The benchmark summary of all requests, plus the imbalance and per replica the
-        groups and requests it served (lists in replica order)."""
-        return {**summarize(self.run), "replica_imbalance": self.imbalance,
+    def summary(self, percentiles: Percentiles = VLLM_PERCENTILES) -> Summary:
+        """The benchmark summary of all requests (latency ``percentiles``), plus the
+        imbalance and per replica the groups and requests it served (lists in replica
+        order)."""
+        return {**summarize(self.run, percentiles), "replica_imbalance": self.imbalance,
                 "groups_per_replica": [r.groups for r in self.replicas],  # type: ignore[dict-item]
                 "requests_per_replica": [r.requests for r in self.replicas]}  # type: ignore[dict-item]
 
 
-def run_replicas(workload: Workload, router: Router,
+class Ingresses:
+    """Several routers over the same replicas, requests dealt to them in turn; each keeps
+    its own loads and index (as separate Ray Serve ingress replicas do).  Has the
+    ``Router`` calls the simulator makes."""
+
+    def __init__(self, routers: Sequence[Router]) -> None:
+        if not routers or any(set(r.replicas) != set(routers[0].replicas) for r in routers):
+            raise ValueError("ingresses need one or more routers over the same replicas")
+        self.routers = list(routers)
+        self.name = f"{routers[0].name}x{len(routers)}"
+        self._turn = itertools.count()
+        self._owner: dict[Hashable, Router] = {}
+
+    @property
+    def replicas(self) -> list[Hashable]:
+        return self.routers[0].replicas
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def route_tokens(self, request_id: Hashable, tokens: Sequence[int]) -> Hashable:
+        router = self.routers[next(self._turn) % len(self.routers)]
+        self._owner[request_id] = router
+        return router.route_tokens(request_id, tokens)
+
+    def finished(self, request_id: Hashable) -> Hashable:
+        return self._owner.pop(request_id).finished(request_id)
+
+
+def run_replicas(workload: Workload, router: Router | Ingresses,
                  engines: dict[Hashable, tuple[SimEngine, Policy]], name: str) -> ReplicaResult:
     """Serve ``workload`` with ``engines`` (replica -> engine and its policy) behind
-    ``router``, whose replicas must be exactly the engines'.  Every request is routed
-    once and ends once (or this raises)."""
+    ``router`` (or several), whose replicas must be exactly the engines'.  Every request
+    is routed once and ends once (or this raises)."""
     if set(router.replicas) != set(engines):
         raise ValueError(f"router replicas {router.replicas} are not the engines' "
                          f"{list(engines)}")
@@ -77,7 +122,11 @@ def run_replicas(workload: Workload, router: Router,
     def on_done(record: RequestRecord) -> None:
         heapq.heappush(finishes, (record.finished_s or 0.0, next(order), record.request_id))
 
-    for engine, policy in engines.values():
+    indexes = [r.index for r in getattr(router, "routers", [router])
+               if isinstance(getattr(r, "index", None), PreciseIndex)]
+    for replica, (engine, policy) in engines.items():
+        engine.kv_events = _Publisher([EventFeed(index.cache, replica) for index in indexes]) \
+            if indexes else None
         engine.start(policy, on_done=on_done)
     steppers = [engine for engine, _ in engines.values()]
     for spec in workload.requests:
@@ -92,6 +141,28 @@ def run_replicas(workload: Workload, router: Router,
     return _result(workload, {r: engine.result() for r, (engine, _) in engines.items()}, name)
 
 
+def precise_index(config: EngineConfig,
+                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> PreciseIndex:
+    """A ``PreciseIndex`` over engines configured as ``config``: their block keys, in-flight
+    prompts counted every ``chunk_tokens`` tokens."""
+    return PreciseIndex(BlockKeys(config.block_tokens),
+                        max(1, chunk_tokens // config.block_tokens))
+
+
+class _Publisher:
+    """An engine's event batches, numbered from 0, into its replica's feed of each
+    subscribed index."""
+
+    def __init__(self, feeds: list[EventFeed]) -> None:
+        self.feeds = feeds
+        self.seq = itertools.count()
+
+    def __call__(self, events: list[KVEvent]) -> None:
+        seq = next(self.seq)
+        for feed in self.feeds:
+            feed.receive(seq, events)
+
+
 def _advance(engines: Sequence[SimEngine], until: float) -> None:
     """Step the earliest engine while its next event comes before ``until``."""
     while True:
@@ -101,7 +172,8 @@ def _advance(engines: Sequence[SimEngine], until: float) -> None:
         engine.step()
 
 
-def _deliver(router: Router, finishes: list[tuple[float, int, Hashable]], until: float) -> None:
+def _deliver(router: Router | Ingresses, finishes: list[tuple[float, int, Hashable]],
+             until: float) -> None:
     """Tell the router of every request that finished by ``until``."""
     while finishes and finishes[0][0] <= until:
         router.finished(heapq.heappop(finishes)[2])
@@ -123,7 +195,7 @@ def _result(workload: Workload, results: dict[Hashable, SimResult], name: str) -
     return ReplicaResult(run, stats)
 
 
-def simulate_replicas(plan: SimPlan, router: Router, scheduler: str,
+def simulate_replicas(plan: SimPlan, router: Router | Ingresses, scheduler: str,
                       name: str | None = None) -> ReplicaResult:
     """``plan``'s workload on one engine per router replica, each engine as ``plan``
     configures one (hardware, model, limits, Feather options) and running ``scheduler``
