@@ -24,6 +24,7 @@ from feather_sched.serve import (
     SHUTDOWN_TIMEOUT_S,
     vllm_server_command,
 )
+from tests.bench.replay_trace import REPLAY_FLAGS, REQUESTS, implied_hit_rate, write_trace
 from tests.servers import bench_server, free_port, serving, wait_until_serving
 
 
@@ -86,6 +87,11 @@ def test_feather_serve_answers_feather_bench(tmp_path) -> None:
         summary = bench_server(url, tmp_path / "server.json", "feather-server",
                                "--max-concurrency", "4")
         metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+        replay = bench_server(url, tmp_path / "replay.json", "replay", "--trace",
+                              str(write_trace(tmp_path / "trace.jsonl")), *REPLAY_FLAGS)
+    # the trace's requests with their own lengths and times, its sharing in the cache
+    assert replay["completed"] == len(REQUESTS)
+    assert replay["prefix_cache_hit_rate"] == pytest.approx(implied_hit_rate(), abs=0.02)
     assert summary["completed"] == 6 and summary["total_output_tokens"] == 30
     assert summary["prefix_cache_hit_rate"] > 0.3
     assert "Feather scheduler" in log.read_text()
