@@ -181,7 +181,7 @@ def _bfcl_source(path: str | Path | None) -> Path:
 def bfcl_records(source: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """BFCL's prompts and their expected answers by id, from a wheel (read as a zip), a
     prompt file (answers from ``possible_answer/`` beside it when there) or a data
-    directory.  ValueError when the prompts are not there."""
+    directory.  ValueError when the prompts are not there.  Cost: reads and parses 4 MB."""
     if source.suffix == ".whl":
         with zipfile.ZipFile(source) as wheel:
             names = set(wheel.namelist())
