@@ -28,3 +28,12 @@ run mooncake --trace ../shared/traces/mooncake-synthetic.jsonl --start 2993 \
 run bfcl-tools --dataset-name bfcl-tools --request-rate 16.6
 run sharegpt --dataset-name sharegpt --max-requests 500 --request-rate 8.7
 .venv/bin/python $out/tables.py
+# Why ShareGPT's decode steps are slower under Feather: its shared-prefix attention under
+# vLLM's scheduler (fcfs-shared), and Feather's scheduler without it.
+four=fcfs,fcfs-shared,feather-model-noshared,feather-model
+.venv/bin/feather bench --seed 0 --schedulers $four,$four,$four --dataset-name sharegpt \
+    --max-requests 500 --request-rate 8.7 --json $out/attention-sharegpt.json \
+    | tee $out/attention-sharegpt.txt
+for metric in mean_tpot_ms mean_e2el_ms output_throughput; do
+    .venv/bin/python benchmarks/vllm/medians.py $out/attention-sharegpt.json --metric $metric
+done | tee $out/attention-sharegpt.md
