@@ -74,7 +74,13 @@ def test_the_index_holds_exactly_what_the_engine_caches_through_evictions(engine
     index, lock = CacheIndex(), threading.Lock()
     hasher = VLLMBlockHasher(BLOCK)
     mismatches: list[str] = []
-    subscriber = KVEventSubscriber(index, lock, hasher.check,
+    checked: list[str | None] = []
+
+    def check(event) -> str | None:
+        checked.append(hasher.check(event))
+        return checked[-1]
+
+    subscriber = KVEventSubscriber(index, lock, check,
                                    lambda replica, why: mismatches.append(why))
     try:
         llm.generate([TokensPrompt(prompt_token_ids=prompts(0)[0])],
@@ -91,7 +97,7 @@ def test_the_index_holds_exactly_what_the_engine_caches_through_evictions(engine
         last = batch[-1]
         with lock:  # the router's own hashes find what the engine just cached
             assert index.depths(hasher(last))["r"] >= 4
-        assert mismatches == []
+        assert checked == [None] and mismatches == []  # checked once, and agreed
     finally:
         subscriber.close()
 

@@ -60,7 +60,7 @@ def decode(payload: bytes) -> list[KVEvent]:
         elif event.medium not in _MEDIA or event.group_idx not in (None, 0):
             continue
         elif isinstance(event, VLLMBlockStored):
-            plain = not event.extra_keys and event.lora_name is None
+            plain = event.lora_name is None and not any(event.extra_keys or ())
             events.append(BlockStored(event.block_hashes, event.parent_block_hash,
                                       event.token_ids if plain else (), event.block_size))
         elif isinstance(event, VLLMBlockRemoved):
