@@ -1,9 +1,10 @@
 """Feather across two real vLLM replicas on real Ray Serve (CPU, embedded model, no mocks).
 
 One Ray cluster for the module: two ``VLLMReplica``s (Feather scheduler, 1 GiB KV cache,
-one CPU each) behind ``OpenAIIngress`` routing with ``FeatherRequestRouter`` at a tight
-load bound (``balance_abs=2``), so that a hot group spreads with a few requests; both
-write Feather's files (bandit table, stats, step log) under the same names.  Greedy
+one CPU each, KV events on) behind ``OpenAIIngress`` routing with ``FeatherRequestRouter``
+on its precise index at a tight load bound (``balance_abs=2``), so that a hot group
+spreads with a few requests; both write Feather's files (bandit table, stats, step log)
+under the same names.  Greedy
 outputs are compared with one in-process engine of the same model.  Ray is imported
 unconditionally: a broken or missing Ray install fails this module.
 """
@@ -211,7 +212,55 @@ def test_each_replica_writes_its_own_files(url, expected, files) -> None:
                    for decision, arm in arms.items())
 
 
-def test_a_killed_replica_loses_no_request_and_gets_none_after(url, expected) -> None:
+def router_state(url: str) -> dict:
+    """The ingress's Feather router: its index and, by replica, load and cached blocks."""
+    request = urllib.request.Request(f"{url}/feather/router", headers=AUTH)
+    with urllib.request.urlopen(request, timeout=30) as response:
+        routers = json.loads(response.read())["routers"]
+    assert len(routers) == 1
+    return routers[0]
+
+
+def wait_for(condition, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while not (found := condition()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+    return found
+
+
+def test_the_router_knows_what_each_replica_caches_from_its_kv_events(url) -> None:
+    complete(url, [1, 2, 3], 1)  # the handle builds its router on its first call
+    state = wait_for(lambda: (s := router_state(url))["index"] and all(  # start-up: each
+        r["events"] and r["events"]["next_seq"] >= 1 and r["cached_blocks"] >= 1  # probe's
+        for r in s["replicas"].values()) and s)  # block came through its events
+    assert state["index"] == "precise" and state["hashing"]["block_size"] == 128
+    for replica in state["replicas"].values():
+        assert not replica["mismatch"] and replica["events"]["clears"] == 0
+    before = {r: v["cached_blocks"] for r, v in state["replicas"].items()}
+    prompt = [int(t) for t in np.random.default_rng(99).integers(1, 32000, 3 * 128 + 5)]
+    _, _, served = complete(url, prompt, 2)
+    assert wait_for(lambda: router_state(url)["replicas"][served]["cached_blocks"]
+                    >= before[served] + 3)  # the header names the replica by its full id
+    _, _, again = complete(url, [*prompt[:3 * 128], 7, 8, 9], 2)
+    assert again == served  # where its three blocks are cached
+
+
+def test_a_session_stays_on_its_replica(url) -> None:
+    rng = np.random.default_rng(7)
+    homes = set()
+    for turn in range(4):  # prompts sharing nothing: only the session ties them
+        prompt = [int(t) for t in rng.integers(1, 32000, 200)]
+        headers = {**AUTH, "x-session-id": "chat-1"} if turn % 2 else AUTH
+        extra = {} if turn % 2 else {"session_id": "chat-1"}
+        _, _, served = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 2,
+                                                     **extra}, headers=headers)
+        homes.add(served)
+    assert len(homes) == 1
+
+
+def test_a_killed_replica_loses_no_request_and_its_replacement_is_routed_by_events(
+        url, expected) -> None:
     _, _, home = complete(url, GROUPS["k1"][0], 1)  # k1 now lives on `home`
     first = [("k1", 1), ("k2", 1), ("k1", 2), ("k2", 2), ("k1", 3), ("k2", 3)]
     with ThreadPoolExecutor(len(first)) as pool:
@@ -222,6 +271,22 @@ def test_a_killed_replica_loses_no_request_and_gets_none_after(url, expected) ->
         served = batch.result()
     assert home not in after.values(), after
     assert all(served[key] != home for key in first), served  # resent, and completed
+    assert home not in router_state(url)["replicas"]  # its entries are gone
+    # Serve starts a replacement; once it is up the router subscribes to its events
+    replacement = wait_for(lambda: next(
+        (r for r, v in router_state(url)["replicas"].items()
+         if r != home and r not in set(after.values())
+         and v["events"] and v["cached_blocks"] >= 1), None), timeout_s=240)
+    up = time.monotonic()
+    rng = np.random.default_rng(5)
+    for _ in range(4):  # new groups go to it too: it holds the fewest prefixes
+        prompt = [int(t) for t in rng.integers(1, 32000, 2 * 128 + 3)]
+        complete(url, prompt, 1)
+    state = wait_for(lambda: (s := router_state(url))["replicas"][replacement][
+        "cached_blocks"] >= 3 and s)
+    print(f"the replacement routed by its events {time.monotonic() - up:.1f} s after it "
+          f"came up: {state['replicas'][replacement]}")
+    assert time.monotonic() - up < 30
 
 
 def test_the_endpoint_speaks_openai(url) -> None:

@@ -26,11 +26,25 @@ exactly-once contract is kept as follows.
   running on it fail to their caller, which resends them (the ingress does, before any
   output reached its client).
 
+* **The index.**  With ``kv_events`` the core routes by a ``cache_index.PreciseIndex``
+  fed by every replica's vLLM KV events (``vllm_kv_events.KVEventSubscriber``, one
+  thread; the index is read and changed under one lock).  Each ``VLLMReplica`` publishing
+  events registers its endpoints and hashing settings in Ray's internal KV store
+  (``register_kv_events``); the router hashes prompts as the first registered replica
+  does (``vllm_block_hash.VLLMBlockHasher``), subscribes to each replica that hashes the
+  same, and checks each one's first events against its own hashes.  A replica that does
+  not register, or hashes otherwise (an error in the log), is routed by routing history
+  alone, as the approximate index does; without ``kv_events`` the core routes by the
+  approximate index.  The router logs which one it uses.
+
 Prompts: the first argument (or keyword value) of the call with ``prompt_token_ids`` (an
 attribute or a key) or a ``prompt`` that is a list of token ids; a text ``prompt`` is
 tokenized with ``tokenizer`` (loaded once, with ``transformers.AutoTokenizer``).  A call
-with no prompt is routed with no keys, as a new prefix.  Cost per request:
-``token_chunk_keys`` over its prompt once, plus ``FeatherRouter``'s O(keys) bookkeeping
+with no prompt is routed with no keys, as a new prefix.  A call's ``session_id`` (Ray's
+request metadata: the ``x-session-id`` header at Ray's proxy, or
+``handle.options(session_id=...)``) keeps a session on its replica while load allows
+(``FeatherRouter``'s rule).  Cost per request: the prompt's keys once (chunk keys, or
+vLLM's block hashes), plus ``FeatherRouter``'s O(keys) bookkeeping
 (``benchmarks/replicas/router_overhead.py``); O(1) per completion.
 
 Needs strict ``max_ongoing_requests`` (Serve's default outside Ray Client): without it
@@ -40,12 +54,17 @@ Ray calls no ``on_request_routed`` and reservations would only be released at co
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 from ray.serve.request_router import (
     PendingRequest,
     ReplicaID,
@@ -54,13 +73,46 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from feather_sched.cht import token_chunk_keys
+from feather_sched.cache_index import PreciseIndex
+from feather_sched.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.router import FeatherRouter
 
 logger = logging.getLogger("ray.serve")  # Serve's logger: lines reach the replica logs
 
 ROUTER_CLASS = f"{__name__}.FeatherRequestRouter"
 """The ``request_router_class`` path for ``RequestRouterConfig``."""
+KV_NAMESPACE = "feather-kv-events"
+"""Ray internal KV namespace of the replicas' event registrations (by full replica id)."""
+
+
+def register_kv_events(replica: str, endpoint: str, replay_endpoint: str | None,
+                       block_size: int, algorithm: str) -> dict[str, Any]:
+    """Publish where a replica's engine sends its KV events and how it hashes blocks (seed:
+    this process's ``PYTHONHASHSEED``, which the engine inherits; int hashes: vLLM's
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``); returns the registration."""
+    registration = {
+        "endpoint": endpoint, "replay_endpoint": replay_endpoint,
+        "settings": {"block_size": block_size, "algorithm": algorithm,
+                     "seed": os.environ.get("PYTHONHASHSEED"),
+                     "int_hashes": os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES",
+                                                  "1") != "0"}}
+    _internal_kv_put(replica, json.dumps(registration), overwrite=True,
+                     namespace=KV_NAMESPACE)
+    return registration
+
+
+_LIVE: weakref.WeakSet[FeatherRequestRouter] = weakref.WeakSet()
+
+
+def router_states() -> list[dict[str, Any]]:
+    """What every ``FeatherRequestRouter`` of this process routes by (``state``)."""
+    return [router.state() for router in list(_LIVE)]
+
+
+def kv_events_of(replica: str) -> dict[str, Any] | None:
+    """A replica's registration (``register_kv_events``), or None."""
+    found = _internal_kv_get(replica, namespace=KV_NAMESPACE)
+    return None if found is None else json.loads(found)
 
 
 @dataclass
@@ -77,18 +129,57 @@ class _Reservation:
 class FeatherRequestRouter(RequestRouter):
     """Routes a deployment's requests with ``FeatherRouter`` (see the module docstring).
 
-    ``request_router_kwargs``: ``tokenizer`` (path or name, for text prompts) and
-    ``FeatherRouter``'s options (``chunk_tokens``, ``balance_abs``, ``balance_rel``,
-    ``max_idle_keys``, ``seed``).
+    ``request_router_kwargs``: ``tokenizer`` (path or name, for text prompts),
+    ``kv_events`` (route by the replicas' KV events) and ``FeatherRouter``'s options
+    (``chunk_tokens``, ``balance_abs``, ``balance_rel``, ``max_idle_keys``,
+    ``max_sessions``, ``seed``).  The core is built when the first replicas are known.
     """
 
-    def initialize_state(self, tokenizer: str | None = None, **options: Any) -> None:
-        self.core = FeatherRouter(**options)
+    def initialize_state(self, tokenizer: str | None = None, kv_events: bool = False,
+                         **options: Any) -> None:
+        self._options = options
+        self._kv_events = kv_events
+        self.core: FeatherRouter | None = None
+        self.subscriber: Any = None
+        """The ``KVEventSubscriber`` of a precise index."""
+        self.hasher: Any = None
+        """The ``VLLMBlockHasher`` of a precise index."""
+        self.lock = threading.Lock()
+        """Held around every use of the core (the subscriber changes its index)."""
         self._tokenizer_name = tokenizer
         self._tokenizer: Any = None
         self._keys = itertools.count()
         self._reserved: dict[int, _Reservation] = {}  # by id(PendingRequest)
         self._by_call: dict[str, set[int]] = {}  # internal request id -> reservations
+        self._mismatched: set[ReplicaID] = set()
+        # Ray ships this class by value: the module's registry is found by importing it
+        import feather_sched.integrations.ray_serve as module
+
+        module._LIVE.add(self)
+
+    def state(self) -> dict[str, Any]:
+        """The index it routes by and, per live replica (by full id): its load, and with
+        the precise index the blocks it holds, its event feed's counters (``next_seq``,
+        ``replayed``, ``clears``) and whether its hashes differ from the router's."""
+        with self.lock:
+            core = self.core
+            if core is None:
+                return {"index": None, "replicas": {}}
+            precise = isinstance(core.index, PreciseIndex)
+            replicas = {}
+            for replica in core.replicas:
+                entry: dict[str, Any] = {"load": core.load(replica)}
+                if precise:
+                    feed = self.subscriber.feeds.get(replica)
+                    entry.update(
+                        cached_blocks=core.index.cache.blocks(replica),
+                        mismatch=replica in self._mismatched,
+                        events=None if feed is None else {
+                            "next_seq": feed.next_seq, "replayed": feed.replayed,
+                            "clears": feed.clears})
+                replicas[replica.to_full_id_str()] = entry
+        return {"index": core.index.name, "replicas": replicas,
+                "hashing": self.hasher.describe() if precise else None}
 
     # ---- Ray's hooks ------------------------------------------------------------------
 
@@ -97,24 +188,28 @@ class FeatherRequestRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         """The core's replica first, then the others (used only when it is full)."""
-        if pending_request is None or not self.core.replicas:
+        if pending_request is None or self.core is None or not self.core.replicas:
             return [candidate_replicas]
         reservation = self._reserve(pending_request)
-        chosen = self.core.replica_of(reservation.key)
+        with self.lock:
+            chosen = self.core.replica_of(reservation.key)
         first = [r for r in candidate_replicas if r.replica_id == chosen]
         return [first, [r for r in candidate_replicas if r.replica_id != chosen]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
         reservation = self._unreserve(id(pending_request))
-        if reservation is None or reservation.key not in self.core:
-            return  # released already (its attempt completed first) or its replica died
+        if reservation is None or self.core is None:
+            return
         key = reservation.key
-        if self.core.replica_of(key) != replica_id:
-            if replica_id not in self._replica_id_set:
-                self.core.withdraw(key)
-                return
-            self.core.move(key, replica_id)
+        with self.lock:
+            if key not in self.core:
+                return  # released already (its attempt completed first) or its replica died
+            if self.core.replica_of(key) != replica_id:
+                if replica_id not in self._replica_id_set:
+                    self.core.withdraw(key)
+                    return
+                self.core.move(key, replica_id)
         loop = self._event_loop
         result.add_done_callback(lambda _: loop.call_soon_threadsafe(self._finish, key))
 
@@ -144,13 +239,17 @@ class FeatherRequestRouter(RequestRouter):
         its replica died before accepting it); watches the future of this attempt."""
         handle = id(request)
         reservation = self._reserved.get(handle)
+        core = self.core
+        assert core is not None  # choose_replicas routes only once replicas are known
         if reservation is None:
-            reservation = _Reservation(request, next(self._keys), self._chunk_keys(request))
+            reservation = _Reservation(request, next(self._keys), self._prompt_keys(request))
             self._reserved[handle] = reservation
             call = request.metadata.internal_request_id
             self._by_call.setdefault(call, set()).add(handle)
-        if reservation.key not in self.core:
-            self.core.route(reservation.key, reservation.chunk_keys)
+        with self.lock:
+            if reservation.key not in core:
+                core.route(reservation.key, reservation.chunk_keys,
+                           request.metadata.session_id or None)
         if reservation.watched is not request.future:
             reservation.watched, reservation.sent_to = request.future, None
             request.future.add_done_callback(lambda f: self._attempt_resolved(handle, f))
@@ -177,36 +276,102 @@ class FeatherRequestRouter(RequestRouter):
         return reservation
 
     def _finish(self, key: int) -> None:
-        if key in self.core:  # not returned by remove_replica meanwhile
-            self.core.finished(key)
+        with self.lock:
+            if self.core is not None and key in self.core:  # not returned meanwhile
+                self.core.finished(key)
 
     def _withdraw(self, key: int) -> None:
         """Release a reservation no replica accepted (no prefix served anywhere)."""
-        if key in self.core:
-            self.core.withdraw(key)
+        with self.lock:
+            if self.core is not None and key in self.core:
+                self.core.withdraw(key)
 
     def _sync_replicas(self) -> None:
+        if self.core is None:
+            if not self._replicas_list:
+                return
+            self.core = self._build_core()
         live = self._replica_id_set
         for replica in self.core.replicas:
             if replica not in live:
-                returned = self.core.remove_replica(replica)
+                if self.subscriber is not None:
+                    self.subscriber.remove(replica)
+                with self.lock:
+                    returned = self.core.remove_replica(replica)
                 logger.info("Feather router: %s left with %d requests; Ray resends those "
                             "not yet accepted, callers the rest", replica, len(returned))
         known = set(self.core.replicas)
         for replica in self._replicas_list:
             if replica.replica_id not in known:
-                self.core.add_replica(replica.replica_id)
+                with self.lock:
+                    self.core.add_replica(replica.replica_id)
+                if self.subscriber is not None:
+                    self._subscribe(replica.replica_id)
 
-    def _chunk_keys(self, request: PendingRequest) -> Sequence[Any]:
-        """The prompt's chunk keys; none (least loaded) when it has no usable prompt."""
+    def _build_core(self) -> FeatherRouter:
+        """The core over no replica yet: on a precise index hashing as the first replica
+        with a registration does, else on the approximate index.  Says which."""
+        registration = None
+        if self._kv_events:
+            registration = next(filter(None, (kv_events_of(r.replica_id.to_full_id_str())
+                                              for r in self._replicas_list)), None)
+            if registration is None:
+                logger.warning("Feather router: no replica publishes KV events")
+        if registration is None:
+            logger.info("Feather router: routing by the approximate index (routing history)")
+            return FeatherRouter(**self._options)
+        from feather_sched.integrations.vllm_block_hash import VLLMBlockHasher
+        from feather_sched.integrations.vllm_kv_events import KVEventSubscriber
+
+        try:
+            self.hasher = VLLMBlockHasher(**registration["settings"])
+        except ValueError as error:  # e.g. XXH3 with a random seed: nobody can match it
+            logger.error("Feather router: cannot hash blocks as the replicas do (%s); "
+                         "routing by the approximate index (routing history)", error)
+            return FeatherRouter(**self._options)
+        chunk = self._options.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)
+        index = PreciseIndex(self.hasher, max(1, chunk // self.hasher.block_size))
+        self.subscriber = KVEventSubscriber(index.cache, self.lock, self.hasher.check,
+                                            self._mismatch, logger)
+        logger.info("Feather router: routing by the precise index (the replicas' vLLM KV "
+                    "events; %s)", self.hasher.describe())
+        return FeatherRouter(index=index, **self._options)
+
+    def _subscribe(self, replica: ReplicaID) -> None:
+        from feather_sched.integrations.vllm_block_hash import VLLMBlockHasher
+
+        registration = kv_events_of(replica.to_full_id_str())
+        if registration is None:
+            logger.warning("Feather router: %s publishes no KV events: routed by routing "
+                           "history alone", replica)
+            return
+        try:
+            settings = VLLMBlockHasher(**registration["settings"]).describe()
+        except ValueError as error:
+            settings = {"error": str(error)}
+        if settings != self.hasher.describe():
+            self._mismatch(replica, f"it hashes blocks with {settings}, the router with "
+                                    f"{self.hasher.describe()}")
+        else:
+            self.subscriber.add(replica, registration["endpoint"],
+                                registration["replay_endpoint"])
+
+    def _mismatch(self, replica: ReplicaID, why: str) -> None:
+        self._mismatched.add(replica)
+        logger.error("Feather router: %s: %s; it is routed by routing history alone (the "
+                     "approximate index)", replica, why)
+
+    def _prompt_keys(self, request: PendingRequest) -> Sequence[Any]:
+        """The prompt's keys (the core's: chunk keys or block hashes); none (least
+        loaded) when it has no usable prompt."""
         prompt = prompt_of(request)
         try:
             if isinstance(prompt, str):
                 prompt = self._tokenize(prompt)
             if prompt is None:
                 return ()
-            return token_chunk_keys(np.asarray(prompt, dtype=np.int32),
-                                    self.core.chunk_tokens)
+            assert self.core is not None
+            return self.core.keys(np.asarray(prompt, dtype=np.int32))
         except (ValueError, OverflowError, OSError) as error:
             logger.warning("Feather router: routing a request by load only: %s", error)
             return ()

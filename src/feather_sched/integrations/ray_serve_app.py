@@ -10,14 +10,21 @@
   ``replica`` label); ``--disable-log-stats`` turns both off.  Its Feather files are its
   own: ``FEATHER_REPLICA`` names its Serve rank (``config.Placement``), so
   ``stats.json`` becomes ``stats.rank1.json`` on replica 1, and a replacement replica
-  takes over the rank, and the files, of the one it replaces.
+  takes over the rank, and the files, of the one it replaces.  With KV events on
+  (``--kv-events-config``; ``build_app`` turns them on for Feather's router) its engine
+  publishes on ports the OS picks; the replica registers them and its block hashing
+  (``ray_serve.register_kv_events``) once a one-block probe prompt has run, whose
+  events let the router check at start-up that it hashes blocks as the engine does.
 * ``OpenAIIngress``: ``/v1/models``, ``/v1/completions`` (streamed or not, text or
   token-id prompts) and ``/v1/chat/completions`` (streamed or not; text messages rendered
-  with the model's chat template).  It tokenizes text once, calls the replicas through a
-  handle whose request router is ``FeatherRequestRouter`` (or any other, for
-  comparisons), and resends a request whose replica died before any of its output
-  reached the client.  It answers as soon as it runs: requests sent before the replicas
-  are up wait in the router.
+  with the model's chat template), and ``/feather/router`` (what Feather's router routes
+  by: its index and, per replica, its load and cached blocks).  It tokenizes text once,
+  calls the replicas through a handle whose request router is ``FeatherRequestRouter``
+  (or any other, for comparisons), and resends a request whose replica died before any of its output
+  reached the client.  A request's session id (the ``x-session-id`` header, Ray Serve's
+  name, or the body's ``session_id``, vLLM's) goes with its calls for the router.  It
+  answers as soon as it runs: requests sent before the replicas are up wait in the
+  router.
 
 Why not Ray Serve LLM (``ray.serve.llm``): Ray 2.60's ``ray[llm]`` pins ``vllm==0.29.0``
 (this project pins 0.32.0) and ``ray.serve.llm`` does not import with ``ray[serve]`` alone
@@ -40,6 +47,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
@@ -52,7 +60,11 @@ from ray.serve.handle import DeploymentHandle
 from feather_sched import metrics
 from feather_sched.config import REPLICA_VARIABLE
 from feather_sched.integrations.ray_metrics import MetricsRelay
-from feather_sched.integrations.ray_serve import ROUTER_CLASS
+from feather_sched.integrations.ray_serve import (
+    ROUTER_CLASS,
+    register_kv_events,
+    router_states,
+)
 
 ROUTERS = {
     "feather": ROUTER_CLASS,
@@ -82,6 +94,8 @@ class Completion:
     """Text for text-matching routers: the request's own, else its token ids written out."""
     sampling: dict[str, Any]
     """``vllm.SamplingParams`` arguments."""
+    session_id: str = ""
+    """The request's session, for routers that keep sessions together ("": none)."""
 
 
 RequestModel = TypeVar("RequestModel", bound="_GenerationRequest")
@@ -129,6 +143,11 @@ def _usage(chunks: list[dict[str, Any]]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": chunks[0]["cached_tokens"]}}
 
 
+def _session(request: Request, body: _GenerationRequest) -> str:
+    """A request's session id: Ray Serve's header, else vLLM's body field ("": none)."""
+    return request.headers.get(SESSION_HEADER) or body.session_id or ""
+
+
 def _event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
@@ -157,6 +176,12 @@ def parse_vllm_args(argv: list[str]) -> Any:
     return args
 
 
+KV_EVENTS = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
+             "replay_endpoint": "tcp://*:0"}
+"""The replicas' KV events for the precise index: PUB and replay sockets on ports the OS
+picks (several replicas share a node), on the node's address (``VLLM_HOST_IP``)."""
+SESSION_HEADER = "x-session-id"
+"""Ray Serve's session header (its proxy's default ``RAY_SERVE_SESSION_ID_HEADER_KEY``)."""
 SERVED_SERVER_FLAGS = frozenset({"host", "port", "api_key", "chat_template",
                                  "enable_prompt_tokens_details", "model_tag", "config"})
 """``vllm serve`` options beyond the engine's that the replicas' endpoint applies (the
@@ -197,16 +222,20 @@ class VLLMReplica:
     its processes started with ``env`` added to the environment, and its Serve rank as
     ``FEATHER_REPLICA``."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+    async def __init__(self, argv: list[str], env: dict[str, str]) -> None:  # type: ignore[misc]
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
         context = serve.get_replica_context()
         rank = f"{context.rank.rank}/{context.world_size}"
+        args = AsyncEngineArgs.from_cli_args(parse_vllm_args(argv))
+        events = args.kv_events_config is not None and \
+            args.kv_events_config.enable_kv_cache_events
+        if events:  # where its publisher binds tcp://*:0
+            env = {"VLLM_HOST_IP": ray.util.get_node_ip_address(), **env}
         # before vLLM spawns its engine process, which inherits it
         os.environ.update({**env, REPLICA_VARIABLE: rank})
-        args = AsyncEngineArgs.from_cli_args(parse_vllm_args(argv))
         self.relay = None if args.disable_log_stats else self._relay_feather_metrics()
         loggers = None if args.disable_log_stats else [RayPrometheusStatLogger]
         self.engine = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
@@ -217,6 +246,23 @@ class VLLMReplica:
                          **self.engine.model_config.get_diff_sampling_param()}
         """What vLLM's server applies where a request is silent: the model's generation
         config (``--generation-config``), else no token limit below the model's length."""
+        if events:
+            await self._register_kv_events()
+
+    async def _register_kv_events(self) -> None:
+        """Run a one-block probe prompt (its ``BlockStored`` event lets the router check
+        its hashes), then register where the engine publishes (data-parallel rank 0's)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import SamplingParams
+
+        cache = self.engine.vllm_config.cache_config
+        probe = TokensPrompt(prompt_token_ids=list(range(1, cache.block_size + 1)))
+        async for _ in self.engine.generate(probe, SamplingParams(max_tokens=1),
+                                            f"feather-kv-probe-{uuid.uuid4().hex}"):
+            pass
+        source = self.engine.engine_core.get_kv_event_sources()[0]
+        register_kv_events(self.name, source.endpoint, source.replay_endpoint,
+                           cache.block_size, cache.prefix_caching_hash_algo)
 
     @staticmethod
     def _relay_feather_metrics() -> MetricsRelay:
@@ -263,7 +309,7 @@ class _GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     _NOT_SAMPLING: ClassVar[frozenset[str]] = frozenset(
-        {"model", "n", "stream", "stream_options", "user"})
+        {"model", "n", "stream", "stream_options", "user", "session_id"})
 
     model: str | None = None
     min_tokens: int | None = None
@@ -277,6 +323,8 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: dict[str, bool] | None = None
     user: str | None = None
+    session_id: str | None = None
+    """vLLM's field: related requests (a conversation, an agent's session)."""
 
     def sampling(self, own: frozenset[str]) -> dict[str, Any]:
         """The sampling parameters given, less this request's own non-sampling ``own``."""
@@ -381,6 +429,14 @@ class OpenAIIngress:
                                             "created": int(time.time()),
                                             "owned_by": "feather-sched"}]}
 
+    @api.get("/feather/router")
+    async def router(self, request: Request) -> Any:
+        """What the replicas' Feather router routes by (``ray_serve.router_states``; empty
+        under another router, or before the first request)."""
+        if (refused := self._unauthorized(request)) is not None:
+            return refused
+        return {"routers": router_states()}
+
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Any:
         body = await self._admit(request, CompletionRequest)
@@ -392,7 +448,8 @@ class OpenAIIngress:
             ids, text = body.prompt, " ".join(map(str, body.prompt))
         with_ids = body.return_token_ids
         return await self._serve(
-            body, Completion(f"cmpl-{uuid.uuid4().hex}", ids, text, body.sampling_params()),
+            body, Completion(f"cmpl-{uuid.uuid4().hex}", ids, text, body.sampling_params(),
+                             _session(request, body)),
             ("text_completion", "text_completion"),
             whole=lambda merged: _choice(merged, with_ids),
             delta=lambda chunk, _: _choice(chunk, with_ids))
@@ -411,7 +468,7 @@ class OpenAIIngress:
         ids = self.tokenizer.encode(text, add_special_tokens=False)  # as tokenize=True
         return await self._serve(
             body, Completion(f"chatcmpl-{uuid.uuid4().hex}", ids, text,
-                             body.sampling_params()),
+                             body.sampling_params(), _session(request, body)),
             ("chat.completion", "chat.completion.chunk"), whole=_message, delta=_delta)
 
     async def _serve(self, body: _GenerationRequest, call: Completion,
@@ -459,8 +516,9 @@ class OpenAIIngress:
 
     def _send(self, call: Completion, attempt: int) -> Any:
         request_id = call.request_id if not attempt else f"{call.request_id}-{attempt}"
-        return self.replicas.remote(Completion(request_id, call.prompt_token_ids,
-                                               call.prompt, call.sampling))
+        handle = self.replicas.options(session_id=call.session_id) if call.session_id \
+            else self.replicas
+        return handle.remote(dataclasses.replace(call, request_id=request_id))
 
     async def _sse(self, first: dict[str, Any], rest: Any, head: dict[str, Any],
                    usage: bool, delta: DeltaChoice) -> AsyncIterator[str]:
@@ -488,12 +546,14 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
     arguments) behind one ``OpenAIIngress`` routing with ``router`` (a ``ROUTERS`` name).
 
     ``router_options`` go to the router's ``initialize_state`` (Feather's: the tokenizer is
-    filled in); ``cpus_per_replica`` is each replica's Ray CPU reservation and its OpenMP
-    thread count (vLLM's own core binding is off: replicas share a node); ``env`` is added
-    to the replicas' environment.  Of ``argv``'s server options, ``--api-key`` (else
-    ``VLLM_API_KEY``) guards the endpoints as vLLM's server does and ``--chat-template``
-    replaces the model's; any other (``unserved_server_flags``) is a ValueError rather
-    than silently dropped.  ValueError on a bad argument, before anything starts.
+    filled in, and ``index``, ``"precise"`` (the default: the replicas' KV events are
+    turned on, ``KV_EVENTS``, unless ``argv`` turns them on itself) or ``"approximate"``,
+    becomes ``kv_events``); ``cpus_per_replica`` is each replica's Ray CPU reservation and
+    its OpenMP thread count (vLLM's own core binding is off: replicas share a node);
+    ``env`` is added to the replicas' environment.  Of ``argv``'s server options,
+    ``--api-key`` (else ``VLLM_API_KEY``) guards the endpoints as vLLM's server does and
+    ``--chat-template`` replaces the model's; any other (``unserved_server_flags``) is a
+    ValueError rather than silently dropped.  ValueError on a bad argument, before anything starts.
     """
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}: use {', '.join(ROUTERS)}")
@@ -529,6 +589,13 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
     options = dict(router_options or {})
     if router == "feather":
         options.setdefault("tokenizer", tokenizer)
+        index = options.pop("index", "precise")
+        if index not in ("precise", "approximate"):
+            raise ValueError(f"router option index: precise or approximate, not {index!r}")
+        options["kv_events"] = index == "precise"
+        events = args.kv_events_config
+        if options["kv_events"] and not (events and events.enable_kv_cache_events):
+            argv = [*argv, "--kv-events-config", json.dumps(KV_EVENTS)]
     threads = str(max(1, int(cpus_per_replica)))
     replica_env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": threads,
                    "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}

@@ -129,8 +129,8 @@ class _Source:
                 self.checked = True
                 why = check(event)
                 if why is None:
-                    logger.info("Feather router: %s's KV events agree with the router's "
-                                "block hashes", self.replica)
+                    self.subscriber.log.info("Feather router: %s's KV events agree with "
+                                             "the router's block hashes", self.replica)
                 else:
                     self.mismatch = True
                     if self.subscriber.on_mismatch is not None:
@@ -160,7 +160,9 @@ class KVEventSubscriber:
 
     def __init__(self, index: CacheIndex, lock: threading.Lock,
                  check: Callable[[BlockStored], str | None] | None = None,
-                 on_mismatch: Callable[[Replica, str], None] | None = None) -> None:
+                 on_mismatch: Callable[[Replica, str], None] | None = None,
+                 log: logging.Logger = logger) -> None:
+        self.log = log
         self.index = index
         self.lock = lock
         self.check = check
@@ -208,7 +210,7 @@ class KVEventSubscriber:
                         source.heard = now
                         source.feed.catch_up()
         except Exception:  # the router keeps routing by what the index holds so far
-            logger.exception("Feather router: the KV event subscriber stopped")
+            self.log.exception("Feather router: the KV event subscriber stopped")
         finally:
             for source in sources.values():
                 source.close()
