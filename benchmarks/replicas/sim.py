@@ -1,7 +1,8 @@
 """Feather across replicas in the simulator: 8 engines behind each router, FCFS or Feather.
 
     .venv/bin/python benchmarks/replicas/sim.py [--quick] [--seeds N] [--loads 1.5,3]
-        [--prefix T] [--hardware h100-sxm,h200] [--jobs J] [--out STEM]
+        [--prefix T] [--hardware h100-sxm,h200] [--groups 8,64,400,0] [--kv-blocks B]
+        [--ingresses 1,4] [--routers NAMES] [--jobs J] [--out STEM]
 
 Llama-3-8B on 8 replicas of H100 SXM and of H200 (datasheet profiles; ``--hardware``
 takes profile names or the profiles ``feather calibrate`` writes, e.g. from the GPU
@@ -14,7 +15,12 @@ workload): 1.5x is about the capacity of the cache-aware routers, so it shows th
 latency and caps their throughput near the arrival rate; 3x overloads every pair, so
 throughput shows each pair's capacity.
 Routers: round-robin, power-of-two, prefix-affinity (Ray Serve's rule),
-sglang-cache-aware, feather; replicas run FCFS or Feather (bandit gate, defaults).
+sglang-cache-aware, feather (FeatherRouter, approximate index) and feather-precise
+(FeatherRouter on a ``PreciseIndex`` fed by the engines' KV events); replicas run FCFS or
+Feather (bandit gate, defaults).  ``--kv-blocks`` sets every replica's KV pool (16-token
+blocks; default 90% of memory less weights): small, it makes an eviction-heavy cell.
+``--ingresses K`` deals the requests over K routers of the same kind in turn, each with
+its own loads and index, as K Ray Serve ingress replicas route (a cell per K).
 
 Each cell runs with ``--seeds`` workload seeds (arrivals, popularity and the routers'
 random choices); the simulator charges each scheduler's own Python time to its clock, so
@@ -30,16 +36,18 @@ import argparse
 import json
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from itertools import product
 from pathlib import Path
 
-from feather_sched.bench.report import median_and_range, prefill_over_floor
+from feather_sched.bench.report import Percentiles, median_and_range, prefill_over_floor
 from feather_sched.costmodel.calibrate import load_profile
 from feather_sched.costmodel.cost import CostParams
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
+from feather_sched.router import FeatherRouter, Router
 from feather_sched.routers import ROUTERS, make_router
-from feather_sched.sim.replicas import simulate_replicas
+from feather_sched.sim.replicas import Ingresses, precise_index, simulate_replicas
 from feather_sched.sim.runner import SimPlan
 from feather_sched.workloads import ArrivalSpec, Workload, no_sharing, shared_prefix_groups
 
@@ -54,8 +62,10 @@ SCHEDULERS = ("fcfs", "feather-bandit")
 BASELINE = ("power-of-two", "fcfs")
 OURS = ("feather", "feather-bandit")
 AFFINITY = ("prefix-affinity", "fcfs")
-KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "p99_ttft_ms",
-        "replica_imbalance", "prefix_cache_hit_rate", "mean_groups_per_step",
+PRECISE = "feather-precise"
+ROUTER_NAMES = (*ROUTERS, PRECISE)
+KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "p90_ttft_ms",
+        "p99_ttft_ms", "replica_imbalance", "prefix_cache_hit_rate", "mean_groups_per_step",
         "groups_per_replica", "preemptions")
 
 
@@ -71,49 +81,70 @@ def workload(groups: int, prefix: int, rate: float | None, seed: int) -> Workloa
 
 
 def run(hardware: str, groups: int, prefix: int, rate: float | None, seed: int, router: str,
-        scheduler: str, **router_options: float) -> dict:
+        scheduler: str, *, kv_blocks: int | None = None, ingresses: int = 1,
+        **router_options: float) -> dict:
     """One pair on one workload; ``router_options`` go to the router (its thresholds)."""
-    plan = plan_on(hardware, workload(groups, prefix, rate, seed))
-    result = simulate_replicas(
-        plan, make_router(router, range(REPLICAS), seed=seed, **router_options), scheduler)
-    summary = result.summary()
+    plan = plan_on(hardware, workload(groups, prefix, rate, seed), kv_blocks)
+
+    def one(seed: int) -> Router:
+        if router == PRECISE:
+            return FeatherRouter(range(REPLICAS), seed=seed, **router_options,
+                                 index=precise_index(plan.engine_config()))
+        return make_router(router, range(REPLICAS), seed=seed, **router_options)
+
+    routers = one(seed) if ingresses == 1 else Ingresses([one(seed + k)
+                                                          for k in range(ingresses)])
+    result = simulate_replicas(plan, routers, scheduler)
+    summary = result.summary(Percentiles(values=(90.0, 99.0)))
     return {"hardware": hardware, "groups": groups, "seed": seed, "router": router,
-            "scheduler": scheduler, **router_options, **{k: summary[k] for k in KEYS},
+            "scheduler": scheduler, "kv_blocks": plan.engine_config().num_blocks,
+            "ingresses": ingresses, **router_options, **{k: summary[k] for k in KEYS},
             "prefill_over_floor": prefill_over_floor(result.run.records, plan.workload)}
 
 
-def plan_on(hardware: str, load: Workload) -> SimPlan:
+def plan_on(hardware: str, load: Workload, kv_blocks: int | None = None) -> SimPlan:
     """Llama-3-8B serving ``load`` on ``hardware``: a profile name (datasheet figures,
     default cost parameters) or the path of a profile ``feather calibrate`` wrote (its
-    hardware and fitted parameters)."""
+    hardware and fitted parameters); ``kv_blocks`` 16-token KV blocks per replica (None:
+    what the memory holds)."""
     if hardware in HARDWARE:
-        return SimPlan(workload=load, hardware=HARDWARE[hardware], model=MODELS["llama-3-8b"],
-                       params=CostParams())
-    if not Path(hardware).is_file():
+        plan = SimPlan(workload=load, hardware=HARDWARE[hardware],
+                       model=MODELS["llama-3-8b"], params=CostParams())
+    elif Path(hardware).is_file():
+        calibrated = load_profile(hardware)
+        plan = SimPlan(workload=load, hardware=calibrated.hardware,
+                       model=MODELS["llama-3-8b"], params=calibrated.params)
+    else:
         raise ValueError(f"hardware {hardware!r}: neither one of {', '.join(HARDWARE)} nor a "
                          "profile file")
-    calibrated = load_profile(hardware)
-    return SimPlan(workload=load, hardware=calibrated.hardware, model=MODELS["llama-3-8b"],
-                   params=calibrated.params)
+    if kv_blocks is not None:
+        plan.engine = replace(plan.engine_config(), num_blocks=kv_blocks)
+    return plan
 
 
 def _run(args: tuple) -> dict:
-    return run(*args)
+    *positional, options = args
+    return run(*positional, **options)
 
 
 def measure(hardware: tuple[str, ...], group_counts: tuple[int, ...], prefix: int,
-            loads: tuple[float, ...], seeds: int, jobs: int) -> list[dict]:
-    """Every cell (hardware, groups, load, seed): the baseline's capacity, then every
-    pair at ``load`` x it.  Cells in parallel over ``jobs`` processes."""
+            loads: tuple[float, ...], seeds: int, jobs: int, routers: tuple[str, ...] =
+            ROUTER_NAMES, kv_blocks: int | None = None,
+            ingresses: tuple[int, ...] = (1,)) -> list[dict]:
+    """Every cell (hardware, groups, ingresses, load, seed): the baseline's capacity (one
+    router), then every pair at ``load`` x it.  Cells in parallel over ``jobs``
+    processes."""
     cells = list(product(hardware, group_counts, range(seeds)))
+    pool_size = {"kv_blocks": kv_blocks}
     with ProcessPoolExecutor(jobs) as pool:
-        baselines = pool.map(_run, [(*cell[:2], prefix, None, cell[2], *BASELINE)
+        baselines = pool.map(_run, [(*cell[:2], prefix, None, cell[2], *BASELINE, pool_size)
                                     for cell in cells])
         capacity = {cell: r["request_throughput"]
                     for cell, r in zip(cells, baselines, strict=True)}
         tasks = [(hw, groups, prefix, load * capacity[hw, groups, seed], seed, router,
-                  scheduler) for (hw, groups, seed), load, router, scheduler
-                 in product(cells, loads, ROUTERS, SCHEDULERS)]
+                  scheduler, {**pool_size, "ingresses": k})
+                 for (hw, groups, seed), k, load, router, scheduler
+                 in product(cells, ingresses, loads, routers, SCHEDULERS)]
         runs = list(pool.map(_run, tasks))
     for task, row in zip(tasks, runs, strict=True):
         hw, groups, _, rate, seed = task[:5]
@@ -124,56 +155,85 @@ def measure(hardware: tuple[str, ...], group_counts: tuple[int, ...], prefix: in
 
 
 def by_cell(runs: list[dict]) -> dict[tuple, dict[int, dict[tuple[str, str], dict]]]:
-    """(hardware, groups, load) -> seed -> (router, scheduler) -> run."""
+    """(hardware, groups, ingresses, load) -> seed -> (router, scheduler) -> run."""
     cells: dict = {}
     for r in runs:
-        cell = cells.setdefault((r["hardware"], r["groups"], r["load"]), {})
+        cell = cells.setdefault((r["hardware"], r["groups"], r.get("ingresses", 1),
+                                 r["load"]), {})
         cell.setdefault(r["seed"], {})[r["router"], r["scheduler"]] = r
     return cells
 
 
 def markdown(runs: list[dict]) -> str:
     """Per cell and pair: output throughput over power-of-two + FCFS (median and range over
-    seeds), TTFT, imbalance; then the issue's targets for Feather + Feather."""
+    seeds), TTFT, imbalance; then the issue's targets for Feather + Feather; then, where
+    the precise index ran, its figures over the approximate index's."""
     seeds = len({r["seed"] for r in runs})
-    lines = [f"Medians over {seeds} seeds (range in brackets).", "",
-             "| hardware | groups | load | router | scheduler | tok/s | x p2+FCFS | "
-             "mean TTFT ms | p99 TTFT ms | imbalance | prefix hits |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"Medians over {seeds} seeds (range in brackets); routers: requests dealt over "
+             "that many routers of the kind.", "",
+             "| hardware | groups | routers | load | router | scheduler | tok/s | x p2+FCFS | "
+             "mean TTFT ms | p90 TTFT ms | p99 TTFT ms | imbalance | prefix hits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cells = by_cell(runs)
-    for (hw, groups, load), by_seed in cells.items():
+
+    def figure(rows: list[dict], key: str, fmt: str = "{:.2f}") -> str:
+        values = [r.get(key) for r in rows]
+        return "-" if None in values else median_and_range(values, fmt)
+
+    for (hw, groups, ingresses, load), by_seed in cells.items():
         for pair in next(iter(by_seed.values())):
             rows = [by_seed[s][pair] for s in by_seed]
             ratio = [by_seed[s][pair]["output_throughput"] /
                      by_seed[s][BASELINE]["output_throughput"] for s in by_seed]
             lines.append(
-                f"| {hw} | {groups or 'none'} | {load:g}x | {pair[0]} | {pair[1]} | "
-                f"{median_and_range([r['output_throughput'] for r in rows], '{:,.0f}')} | "
-                f"{median_and_range(ratio)}x | "
-                f"{median_and_range([r['mean_ttft_ms'] for r in rows], '{:,.0f}')} | "
-                f"{median_and_range([r['p99_ttft_ms'] for r in rows], '{:,.0f}')} | "
-                f"{median_and_range([r['replica_imbalance'] for r in rows])} | "
-                f"{median_and_range([r['prefix_cache_hit_rate'] for r in rows])} |")
+                f"| {hw} | {groups or 'none'} | {ingresses} | {load:g}x | {pair[0]} | "
+                f"{pair[1]} | {figure(rows, 'output_throughput', '{:,.0f}')} | "
+                f"{median_and_range(ratio)}x | {figure(rows, 'mean_ttft_ms', '{:,.0f}')} | "
+                f"{figure(rows, 'p90_ttft_ms', '{:,.0f}')} | "
+                f"{figure(rows, 'p99_ttft_ms', '{:,.0f}')} | "
+                f"{figure(rows, 'replica_imbalance')} | "
+                f"{figure(rows, 'prefix_cache_hit_rate')} |")
     lines += ["", "Targets (feather + feather-bandit): >= 1.5x power-of-two + FCFS, >= 1.15x "
               "prefix-affinity + FCFS, imbalance <= 1.3, p99 TTFT <= prefix-affinity + FCFS's; "
               "no loss without sharing.  Ratios per seed, then median (range).", "",
-              "| hardware | groups | load | x p2+FCFS | x prefix-affinity+FCFS | imbalance | "
-              "p99 TTFT / prefix-affinity+FCFS's | prefill / floor: ours | "
-              "prefill / floor: prefix-affinity+FCFS |", "|---|---|---|---|---|---|---|---|---|"]
-    for (hw, groups, load), by_seed in cells.items():
+              "| hardware | groups | routers | load | x p2+FCFS | x prefix-affinity+FCFS | "
+              "imbalance | p99 TTFT / prefix-affinity+FCFS's | prefill / floor: ours | "
+              "prefill / floor: prefix-affinity+FCFS |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for (hw, groups, ingresses, load), by_seed in cells.items():
         pairs = list(by_seed.values())
 
         def per_seed(key: str, over: tuple[str, str], pairs: list = pairs) -> list[float]:
             return [p[OURS][key] / p[over][key] for p in pairs]
 
         lines.append(
-            f"| {hw} | {groups or 'none'} | {load:g}x | "
+            f"| {hw} | {groups or 'none'} | {ingresses} | {load:g}x | "
             f"{median_and_range(per_seed('output_throughput', BASELINE))}x | "
             f"{median_and_range(per_seed('output_throughput', AFFINITY))}x | "
             f"{median_and_range([p[OURS]['replica_imbalance'] for p in pairs])} | "
             f"{median_and_range(per_seed('p99_ttft_ms', AFFINITY))} | "
             f"{median_and_range([p[OURS]['prefill_over_floor'] for p in pairs])} | "
             f"{median_and_range([p[AFFINITY]['prefill_over_floor'] for p in pairs])} |")
+    if any(r["router"] == PRECISE for r in runs):
+        lines += ["", "The precise index (feather-precise) over the approximate one (feather), "
+                  "same scheduler; targets: prefix hits >= 1.3x, p90 TTFT <= 0.8x, imbalance "
+                  "<= 1.3.  Ratios per seed, then median (range).", "",
+                  "| hardware | groups | routers | load | scheduler | prefix hits: x approx. | "
+                  "p90 TTFT / approx.'s | mean TTFT / approx.'s | tok/s: x approx. | "
+                  "imbalance (worst) |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for (hw, groups, ingresses, load), by_seed in cells.items():
+            for scheduler in SCHEDULERS:
+                pairs = [(p[PRECISE, scheduler], p["feather", scheduler])
+                         for p in by_seed.values()]
+
+                def over(key: str, pairs: list = pairs) -> str:
+                    return median_and_range([a[key] / b[key] for a, b in pairs])
+
+                lines.append(
+                    f"| {hw} | {groups or 'none'} | {ingresses} | {load:g}x | {scheduler} | "
+                    f"{over('prefix_cache_hit_rate')}x | {over('p90_ttft_ms')} | "
+                    f"{over('mean_ttft_ms')} | {over('output_throughput')}x | "
+                    f"{max(a['replica_imbalance'] for a, _ in pairs):.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -186,19 +246,37 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=PREFIX, help="prefix tokens per group")
     parser.add_argument("--hardware", default="h100-sxm,h200",
                         help="profile names or calibrated profile files, comma-separated")
+    parser.add_argument("--groups", default="8,64,400,0",
+                        help="prefix group counts, comma-separated (0: no sharing)")
+    parser.add_argument("--kv-blocks", type=int, default=None,
+                        help="KV blocks per replica (default: what the memory holds)")
+    parser.add_argument("--ingresses", default="1",
+                        help="routers the requests are dealt over, comma-separated cells")
+    parser.add_argument("--routers", default=",".join(ROUTER_NAMES),
+                        help="routers, comma-separated (power-of-two, prefix-affinity and "
+                             "feather are always run: the tables compare with them)")
     parser.add_argument("--jobs", type=int, default=2, help="processes")
     parser.add_argument("--out", default="sim", help="stem of the .json and .md written here")
     args = parser.parse_args()
     hardware = ("h100-sxm",) if args.quick else tuple(args.hardware.split(","))
     for name in hardware:
         plan_on(name, workload(0, args.prefix, None, 0))  # a bad name fails before any run
-    group_counts = (64,) if args.quick else (8, 64, 400, 0)
+    group_counts = (64,) if args.quick else tuple(int(g) for g in args.groups.split(","))
     loads = tuple(float(x) for x in args.loads.split(","))
+    wanted = {name.strip() for name in args.routers.split(",")}
+    unknown = wanted - set(ROUTER_NAMES)
+    if unknown:
+        parser.error(f"unknown routers {sorted(unknown)}: use {', '.join(ROUTER_NAMES)}")
+    routers = tuple(name for name in ROUTER_NAMES
+                    if name in wanted | {BASELINE[0], AFFINITY[0], OURS[0]})
+    ingresses = tuple(int(k) for k in args.ingresses.split(","))
     started = time.perf_counter()
-    runs = measure(hardware, group_counts, args.prefix, loads, args.seeds, args.jobs)
+    runs = measure(hardware, group_counts, args.prefix, loads, args.seeds, args.jobs,
+                   routers, args.kv_blocks, ingresses)
     config = {"replicas": REPLICAS, "requests": REQUESTS, "prefix": args.prefix, "suffix": SUFFIX,
               "output": OUTPUT, "loads": loads, "seeds": args.seeds, "zipf_s": 1.1,
-              "model": "llama-3-8b", "wall_s": time.perf_counter() - started}
+              "model": "llama-3-8b", "kv_blocks": args.kv_blocks, "ingresses": ingresses,
+              "routers": routers, "wall_s": time.perf_counter() - started}
     (HERE / f"{args.out}.json").write_text(json.dumps({"config": config, "runs": runs},
                                                       indent=1))
     (HERE / f"{args.out}.md").write_text(markdown(runs))
