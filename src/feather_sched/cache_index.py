@@ -108,7 +108,10 @@ class CacheIndex:
             del self._held[replica], self._by_bit[self._bit.pop(replica)]
 
     def clear(self, replica: Replica) -> None:
-        """``replica`` holds nothing (its cache was cleared, or its events were lost)."""
+        """``replica`` holds nothing (its cache was cleared, or its events were lost); no-op
+        for a replica not known."""
+        if replica not in self._held:
+            return
         owners, clear = self._owners, ~self._bit[replica]
         for block in self._held[replica]:
             mask = owners[block] & clear

@@ -424,3 +424,26 @@ def test_server_options_the_endpoint_would_drop_are_refused_before_anything_star
         build_app([*argv, "--chat-template", str(tmp_path / "missing.jinja")], replicas=2)
     with pytest.raises(ValueError, match="metrics port is the local cluster's"):
         serve_replicas(argv, replicas=2, address="auto", metrics_port=9000)
+
+
+def replica_setup(app) -> tuple[list[str], dict]:
+    """The replicas' vLLM arguments and their router's kwargs, from a built application."""
+    replicas = app._bound_deployment.init_args[0]._bound_deployment
+    config = replicas._deployment_config.request_router_config
+    return replicas.init_args[0], config.request_router_kwargs
+
+
+def test_feathers_router_turns_the_replicas_kv_events_on_unless_told_not_to() -> None:
+    argv = vllm_server_args(None, {}, [], kv_cache_gib=KV_GIB, environ={})
+    engine, router = replica_setup(build_app(argv, replicas=2))
+    assert engine[-2] == "--kv-events-config" and router["kv_events"] is True
+    engine, router = replica_setup(build_app(argv, replicas=2,
+                                             router_options={"index": "approximate"}))
+    assert "--kv-events-config" not in engine and router["kv_events"] is False
+    own = [*argv, "--kv-events-config", '{"enable_kv_cache_events": true}']
+    engine, router = replica_setup(build_app(own, replicas=2))
+    assert engine == own and router["kv_events"] is True  # the user's, kept
+    engine, router = replica_setup(build_app(argv, replicas=2, router="prefix-affinity"))
+    assert "--kv-events-config" not in engine and "kv_events" not in router
+    with pytest.raises(ValueError, match="precise or approximate"):
+        build_app(argv, replicas=2, router_options={"index": "exact"})
