@@ -303,6 +303,8 @@ def serve(
                                                      "exports the replicas' metrics for "
                                                      "Prometheus (default: Ray picks).")]
     = None,
+    ingresses: Annotated[int, typer.Option(min=1, help="Ingress replicas sharing the "
+                                           "requests, each with its own router.")] = 1,
 ) -> None:
     """vLLM's OpenAI-compatible server with the Feather scheduler; other args pass through.
 
@@ -335,7 +337,8 @@ def serve(
         try:
             serve_replicas(argv, replicas=replicas, address=address, router=router,
                            router_options=_json_option(router_options, "--router-options"),
-                           cpus_per_replica=cpus_per_replica, metrics_port=metrics_port)
+                           cpus_per_replica=cpus_per_replica, metrics_port=metrics_port,
+                           ingresses=ingresses)
         except ValueError as error:
             raise typer.BadParameter(str(error)) from None
         return

@@ -123,7 +123,8 @@ def _take(args: list[str], flag: str) -> str | None:
 
 def serve_replicas(argv: list[str], *, replicas: int, address: str | None = None,
                    router: str = "feather", router_options: dict[str, Any] | None = None,
-                   cpus_per_replica: float = 1.0, metrics_port: int | None = None) -> None:
+                   cpus_per_replica: float = 1.0, metrics_port: int | None = None,
+                   ingresses: int = 1) -> None:
     """Serve ``replicas`` engines built from ``argv`` (``vllm_server_args``) on Ray Serve
     until SIGINT or SIGTERM.
 
@@ -145,7 +146,7 @@ def serve_replicas(argv: list[str], *, replicas: int, address: str | None = None
                          "said")
     args = parse_vllm_args(argv)
     app = build_app(argv, replicas=replicas, router=router, router_options=router_options,
-                    cpus_per_replica=cpus_per_replica)
+                    cpus_per_replica=cpus_per_replica, ingresses=ingresses)
     ray.init(address=address, _metrics_export_port=metrics_port)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # after Ray's own, which exits at once
     try:

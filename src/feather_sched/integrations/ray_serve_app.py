@@ -540,7 +540,7 @@ class OpenAIIngress:
 
 def build_app(argv: list[str], *, replicas: int, router: str = "feather",
               router_options: dict[str, Any] | None = None,
-              cpus_per_replica: float = 1.0,
+              cpus_per_replica: float = 1.0, ingresses: int = 1,
               env: dict[str, str] | None = None) -> serve.Application:
     """The application: ``replicas`` ``VLLMReplica``s built from ``argv`` (``vllm serve``
     arguments) behind one ``OpenAIIngress`` routing with ``router`` (a ``ROUTERS`` name).
@@ -550,10 +550,12 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
     turned on, ``KV_EVENTS``, unless ``argv`` turns them on itself) or ``"approximate"``,
     becomes ``kv_events``); ``cpus_per_replica`` is each replica's Ray CPU reservation and
     its OpenMP thread count (vLLM's own core binding is off: replicas share a node);
-    ``env`` is added to the replicas' environment.  Of ``argv``'s server options,
-    ``--api-key`` (else ``VLLM_API_KEY``) guards the endpoints as vLLM's server does and
-    ``--chat-template`` replaces the model's; any other (``unserved_server_flags``) is a
-    ValueError rather than silently dropped.  ValueError on a bad argument, before anything starts.
+    ``ingresses`` ingress replicas share the requests (Ray's proxy spreads them), each
+    routing with its own router; ``env`` is added to the replicas' environment.  Of
+    ``argv``'s server options, ``--api-key`` (else ``VLLM_API_KEY``) guards the endpoints
+    as vLLM's server does and ``--chat-template`` replaces the model's; any other
+    (``unserved_server_flags``) is a ValueError rather than silently dropped.  ValueError
+    on a bad argument, before anything starts.
     """
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}: use {', '.join(ROUTERS)}")
@@ -565,9 +567,9 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
     if ignored:
         logger.warning("feather serve --replicas ignores %s (the server's own logs and "
                        "docs)", ", ".join(ignored))
-    if replicas < 1 or not cpus_per_replica > 0:
-        raise ValueError(f"need replicas >= 1 and cpus_per_replica > 0, got {replicas} and "
-                         f"{cpus_per_replica}")
+    if replicas < 1 or ingresses < 1 or not cpus_per_replica > 0:
+        raise ValueError(f"need replicas >= 1, ingresses >= 1 and cpus_per_replica > 0, got "
+                         f"{replicas}, {ingresses} and {cpus_per_replica}")
     from vllm.exceptions import VLLMClientError
     from vllm.renderers.chat_utils import load_chat_template
 
@@ -605,5 +607,5 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[router],
                                                   request_router_kwargs=options),
     ).bind(argv, replica_env)
-    return OpenAIIngress.bind(replica, model_name, tokenizer, tokenizer_options, api_keys,
-                              chat_template)
+    return OpenAIIngress.options(num_replicas=ingresses).bind(
+        replica, model_name, tokenizer, tokenizer_options, api_keys, chat_template)
