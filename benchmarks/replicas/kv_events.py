@@ -1,0 +1,53 @@
+"""Medians over rounds of ``kv_events.sh``'s runs: per router, prefix-cache hits, TTFT
+mean and p90, output throughput; writes STEM.md here and prints it.
+
+    .venv/bin/python benchmarks/replicas/kv_events.py [STEM]   # default kv_events
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from feather_sched.bench.report import median_and_range
+
+HERE = Path(__file__).parent
+KEYS = (("prefix_cache_hit_rate", "prefix-cache hits", "{:.3f}"),
+        ("mean_ttft_ms", "mean TTFT ms", "{:,.0f}"), ("p90_ttft_ms", "p90 TTFT ms", "{:,.0f}"),
+        ("output_throughput", "out tok/s", "{:.1f}"))
+
+
+def runs(stem: str) -> dict[str, list[dict]]:
+    """Per router label, each round's summary, in round order."""
+    found: dict[str, dict[int, dict]] = {}
+    for path in HERE.glob(f"{stem}-*-r*.json"):
+        match = re.fullmatch(rf"{re.escape(stem)}-(.+)-r(\d+)\.json", path.name)
+        if match is None:
+            continue
+        summary = next(iter(json.loads(path.read_text())["runs"].values()))
+        found.setdefault(match[1], {})[int(match[2])] = summary
+    return {label: [rounds[r] for r in sorted(rounds)] for label, rounds in found.items()}
+
+
+def markdown(found: dict[str, list[dict]]) -> str:
+    rounds = max(len(r) for r in found.values())
+    lines = [f"Median over {rounds} rounds (range).", "",
+             "| router | " + " | ".join(title for _, title, _ in KEYS) + " |",
+             "|---|" + "---|" * len(KEYS)]
+    for label, summaries in found.items():
+        lines.append(f"| {label} | " + " | ".join(
+            median_and_range([s[key] for s in summaries], fmt) for key, _, fmt in KEYS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    stem = sys.argv[1] if len(sys.argv) > 1 else "kv_events"
+    text = markdown(runs(stem))
+    (HERE / f"{stem}.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The precise index on real engines: two vLLM replicas (embedded model, Feather scheduler,
+# 1 CPU each, KV events on) on Ray Serve behind one endpoint, a workload whose prefixes
+# exceed what the replicas keep, routed in turn by FeatherRequestRouter on its precise
+# index (the replicas' vLLM KV events), on its approximate index (routing history) and by
+# Ray's PrefixCacheAffinityRouter, ROUNDS times over. Each run: feather bench against the
+# endpoint (prefix-cache hits: the share of prompt tokens vLLM reports cached for each
+# request, usage.prompt_tokens_details.cached_tokens; TTFT mean and p90); writes
+# kv_events-<router>-r<round>.json here, then kv_events.md: per router the median over
+# rounds (kv_events.py). INGRESSES=K: K ingress replicas share the requests, each routing
+# with its own router (files kv_events_iK-*). Needs scripts/setup.sh --vllm --ray.
+# Defaults: 24 groups x 6 requests of 2K-token prefixes (48K prefix tokens) at 2 req/s
+# against 16K-token KV caches (KV_GIB=0.0625): a replica keeps about a sixth of them.
+#   ROUNDS=3 N_GROUPS=24 PER_GROUP=6 PREFIX=2048 OUTPUT=16 RATE=2 KV_GIB=0.0625 \
+#       benchmarks/replicas/kv_events.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=benchmarks/replicas
+ingresses=${INGRESSES:-1}
+stem=kv_events
+[ "$ingresses" != 1 ] && stem=kv_events_i$ingresses
+port=${PORT:-8731}
+url=http://127.0.0.1:$port
+routers=${ROUTERS:-feather:precise feather:approximate prefix-affinity}
+workload=(--groups "${N_GROUPS:-24}" --prompts-per-group "${PER_GROUP:-6}"
+          --prefix-len "${PREFIX:-2048}" --suffix-len 32 --output-len "${OUTPUT:-16}"
+          --request-rate "${RATE:-2}" --metric-percentiles 90,99)
+for round in $(seq "${ROUNDS:-3}"); do
+    for entry in $routers; do
+        router=${entry%%:*}
+        options='{}'
+        [ "$entry" != "$router" ] && options="{\"index\": \"${entry#*:}\"}"
+        label=${entry/:/-}
+        log=${TMPDIR:-/tmp}/feather-kv_events-$label.log
+        .venv/bin/feather serve --replicas 2 --ingresses "$ingresses" --router "$router" \
+            --router-options "$options" \
+            --kv-cache-gib "${KV_GIB:-0.0625}" --max-model-len 4096 --enforce-eager \
+            --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
+        server=$!
+        trap 'kill $server 2>/dev/null || true' EXIT
+        for _ in $(seq 300); do  # every replica up: feather serve prints this after serve.run
+            grep -q "replicas at http" "$log" && break
+            kill -0 $server 2>/dev/null || { echo "server for $entry died, see $log" >&2; exit 1; }
+            sleep 2
+        done
+        .venv/bin/feather bench --base-url "$url" --label "$label" --seed "$round" \
+            "${workload[@]}" --json "$out/$stem-$label-r$round.json"
+        curl -s "$url/feather/router" > "$out/$stem-$label-r$round-router.json" || true
+        kill -TERM $server
+        wait $server || true
+        trap - EXIT
+    done
+done
+.venv/bin/python benchmarks/replicas/kv_events.py "$stem"
