@@ -38,6 +38,40 @@ def test_depths_count_leading_blocks_up_to_each_replicas_first_miss() -> None:
     assert index.depths([1, 2, 3, 4]) == {"a": 2} and index.blocks("b") == 0
 
 
+def leading_held(index: CacheIndex, replica: str, blocks: list[int]) -> int:
+    depth = 0
+    while depth < len(blocks) and index.holds(replica, blocks[depth]):
+        depth += 1
+    return depth
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=4), st.integers(0, 40),
+       st.integers(1, 9), st.lists(st.tuples(st.integers(0, 3), st.integers(0, 39))))
+def test_strided_depths_are_exact_on_prefix_closed_caches_and_at_stride_one(
+        kept: list[int], asked: int, stride: int, holes: list[tuple[int, int]]) -> None:
+    """Each replica caches a prefix of one 40-block chain (as an engine evicting tails
+    first); with holes punched, stride 1 is still exact."""
+    chain = list(range(100, 140))
+    index = CacheIndex()
+    replicas = [str(r) for r in range(len(kept))]
+    for replica, count in zip(replicas, kept):
+        index.add_replica(replica)
+        index.stored(replica, chain[:count])
+    exact = {r: leading_held(index, r, chain[:asked]) for r in replicas
+             if asked and index.holds(r, chain[0])}
+    assert index.depths(chain[:asked], stride) == exact
+    for replica, block in holes:
+        if replica < len(replicas):
+            index.removed(str(replica), [chain[block]])
+    exact = {r: leading_held(index, r, chain[:asked]) for r in replicas
+             if asked and index.holds(r, chain[0])}
+    assert index.depths(chain[:asked]) == exact
+    strided = index.depths(chain[:asked], stride)
+    assert strided.keys() == exact.keys()
+    assert all(strided[r] >= exact[r] for r in exact)  # a hole inside a stride: unseen
+
+
 def test_a_block_stored_twice_is_held_until_both_copies_are_removed() -> None:
     index = CacheIndex()
     index.add_replica("a")

@@ -62,9 +62,9 @@ class CacheIndex:
     replica holds (what its prefix cache would hit, as the engine counts: up to the first
     block missing).
 
-    Each hash maps to a bit mask of its holders (a bit per replica), so ``depths`` is one
-    dict look-up per leading block, in C, plus a binary search per holder: O(blocks + R log
-    blocks).  A block stored twice on a replica (two copies, as vLLM allows) is held until
+    Each hash maps to a bit mask of its holders (a bit per replica), so ``depths`` is a
+    dict look-up per leading block, or per stride of blocks, in C, plus a walk of the
+    strides where holders drop out.  A block stored twice on a replica (two copies, as vLLM allows) is held until
     both are removed.  ``stored``/``removed`` O(hashes); ``clear``/``drop`` O(the replica's
     blocks).
     """
@@ -158,26 +158,53 @@ class CacheIndex:
             else:
                 self.clear(replica)
 
-    def depths(self, blocks: Sequence[BlockHash]) -> dict[Replica, int]:
-        """Leading ``blocks`` each replica holds, for the replicas holding the first."""
+    def depths(self, blocks: Sequence[BlockHash], stride: int = 1) -> dict[Replica, int]:
+        """Leading ``blocks`` each replica holds, for the replicas holding the first.
+
+        ``stride`` > 1 looks up the first block and every ``stride``-th one (and the
+        last), and block by block only the strides where a replica drops out: O(blocks /
+        stride + stride * drop-outs).  Exact where each replica's cached blocks are a
+        prefix between two look-ups, as an engine's are when it evicts a prompt's blocks
+        tail first (vLLM frees a request's blocks in reverse); a hole inside a stride
+        whose last block is held is not seen.
+        """
         owners = self._owners
         if not blocks or blocks[0] not in owners:
             return {}
-        # running intersection of holders: a replica's bit stays set up to its first miss
-        alive = list(accumulate(map(owners.get, blocks, repeat(0)), and_))
+        ends = list(range(stride - 1, len(blocks), stride))
+        if not ends or ends[-1] != len(blocks) - 1:
+            ends.append(len(blocks) - 1)
+        # running intersection of holders at each look-up
+        alive = accumulate(map(owners.get, map(blocks.__getitem__, ends), repeat(0)), and_,
+                           initial=owners[blocks[0]])
         found: dict[Replica, int] = {}
-        start, mask = 0, alive[0]
-        while mask:
-            end = len(alive) if alive[-1] == mask else bisect_left(
-                alive, True, lo=start, key=mask.__ne__)
-            next_mask = alive[end] if end < len(alive) else 0
-            gone = mask & ~next_mask
-            while gone:
-                low = gone & -gone
-                found[self._by_bit[low]] = end
-                gone ^= low
-            start, mask = end, next_mask
+        mask, start = next(alive), 1
+        for end, probed in zip(ends, alive):
+            if probed & mask != mask:
+                mask = self._refine(blocks, start, end, mask, found)
+                if not mask:
+                    return found
+            start = end + 1
+        self._record(mask, len(blocks), found)
         return found
+
+    def _refine(self, blocks: Sequence[BlockHash], start: int, end: int, mask: int,
+                found: dict[Replica, int]) -> int:
+        """Walk ``blocks[start:end + 1]`` recording where the replicas of ``mask`` stop
+        holding; returns those holding all of them."""
+        owners = self._owners
+        for i in range(start, end + 1):
+            left = mask & owners.get(blocks[i], 0)
+            if left != mask:
+                self._record(mask & ~left, i, found)
+                mask = left
+        return mask
+
+    def _record(self, bits: int, depth: int, found: dict[Replica, int]) -> None:
+        while bits:
+            low = bits & -bits
+            found[self._by_bit[low]] = depth
+            bits ^= low
 
 
 class EventFeed:
@@ -275,7 +302,8 @@ class PreciseIndex:
 
     ``keys(tokens)`` are the engine's block hashes (``hasher``).  Depths are half-blocks
     (compared only): ``2 * blocks``, plus one for a replica the prefix was routed to before.
-    Cost per request: the hasher, ``CacheIndex.depths``, and O(chunks) on route and finish.
+    Cost per request: the hasher, ``CacheIndex.depths`` by chunks, and O(chunks) on route
+    and finish.
     """
 
     name = "precise"
@@ -297,7 +325,7 @@ class PreciseIndex:
         return keys if step == 1 else keys[step - 1::step]
 
     def depths(self, keys: Sequence[BlockHash]) -> dict[Replica, int]:
-        found = self.cache.depths(keys)
+        found = self.cache.depths(keys, self.chunk_blocks)
         chunks, before = self.routed_chunks.match(self._chunks(keys))
         if not found:
             return dict.fromkeys(before, 1)
