@@ -55,7 +55,7 @@ def test_strided_depths_are_exact_on_prefix_closed_caches_and_at_stride_one(
     chain = list(range(100, 140))
     index = CacheIndex()
     replicas = [str(r) for r in range(len(kept))]
-    for replica, count in zip(replicas, kept):
+    for replica, count in zip(replicas, kept, strict=True):
         index.add_replica(replica)
         index.stored(replica, chain[:count])
     exact = {r: leading_held(index, r, chain[:asked]) for r in replicas

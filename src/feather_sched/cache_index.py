@@ -17,7 +17,6 @@ around every call (``EventFeed`` takes that lock itself).
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from itertools import accumulate, repeat
@@ -64,9 +63,9 @@ class CacheIndex:
 
     Each hash maps to a bit mask of its holders (a bit per replica), so ``depths`` is a
     dict look-up per leading block, or per stride of blocks, in C, plus a walk of the
-    strides where holders drop out.  A block stored twice on a replica (two copies, as vLLM allows) is held until
-    both are removed.  ``stored``/``removed`` O(hashes); ``clear``/``drop`` O(the replica's
-    blocks).
+    strides where holders drop out.  A block stored twice on a replica (two copies, as
+    vLLM allows) is held until both are removed.  ``stored``/``removed`` O(hashes);
+    ``clear``/``drop`` O(the replica's blocks).
     """
 
     def __init__(self) -> None:
@@ -179,7 +178,7 @@ class CacheIndex:
                            initial=owners[blocks[0]])
         found: dict[Replica, int] = {}
         mask, start = next(alive), 1
-        for end, probed in zip(ends, alive):
+        for end, probed in zip(ends, alive, strict=True):
             if probed & mask != mask:
                 mask = self._refine(blocks, start, end, mask, found)
                 if not mask:
