@@ -61,7 +61,7 @@ class ReferenceModel:
         waiting = self.waiting()
         if not waiting:
             return None
-        return min(waiting, key=lambda r: (self.missing(r), self.order[r]))
+        return min(waiting, key=lambda r: (self.missing(r) - len(self.keys[r]), self.order[r]))
 
     def shared(self) -> int | None:
         running = self.running()
@@ -221,6 +221,21 @@ def test_group_of_running_request_is_preferred_over_older_stranger() -> None:
     assert tree.candidate().chunk_loss == 1
     tree.finish("first")
     assert tree.best() == "stranger"
+
+
+def test_arrival_order_among_strangers_and_deepest_sharing_first() -> None:
+    """Not shortest prompt first: a long prompt that shares nothing keeps its turn, and
+    the request sharing the most with the running set goes first, however long."""
+    tree = ChunkedHashTree()
+    tree.add("long", path_keys((7,) * 40))
+    tree.add("short", path_keys((8,)))
+    assert tree.best() == "long"
+    tree.add("running", path_keys((1, 2, 3)))
+    tree.add("shallow", path_keys((1, 5)))
+    tree.add("deep", path_keys((1, 2, 3) + (6,) * 30))
+    tree.admit("running")
+    assert tree.best() == "deep"
+    assert tree.missing_chunks("deep") > tree.missing_chunks("shallow")
 
 
 def test_bad_requests_get_clear_errors() -> None:
