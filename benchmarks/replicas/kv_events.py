@@ -1,5 +1,6 @@
 """Medians over rounds of ``kv_events.sh``'s runs: per router, prefix-cache hits, TTFT
-mean and p90, output throughput; writes STEM.md here and prints it.
+mean and p90, output throughput, and the precise index's per-round ratios to each other
+router; writes STEM.md here and prints it.
 
     .venv/bin/python benchmarks/replicas/kv_events.py [STEM]   # default kv_events
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 from feather_sched.bench.report import median_and_range
 
 HERE = Path(__file__).parent
+PRECISE = "feather-precise"
 KEYS = (("prefix_cache_hit_rate", "prefix-cache hits", "{:.3f}"),
         ("mean_ttft_ms", "mean TTFT ms", "{:,.0f}"), ("p90_ttft_ms", "p90 TTFT ms", "{:,.0f}"),
         ("output_throughput", "out tok/s", "{:.1f}"))
@@ -39,6 +41,16 @@ def markdown(found: dict[str, list[dict]]) -> str:
     for label, summaries in found.items():
         lines.append(f"| {label} | " + " | ".join(
             median_and_range([s[key] for s in summaries], fmt) for key, _, fmt in KEYS) + " |")
+    precise = found.get(PRECISE)
+    if precise:
+        lines += ["", f"{PRECISE} / each other router, per round (median, range):", "",
+                  "| router | " + " | ".join(title for _, title, _ in KEYS) + " |",
+                  "|---|" + "---|" * len(KEYS)]
+        for label, summaries in found.items():
+            if label != PRECISE:
+                lines.append(f"| {label} | " + " | ".join(median_and_range(
+                    [p[key] / s[key] for p, s in zip(precise, summaries, strict=False)],
+                    "{:.2f}x") for key, _, _ in KEYS) + " |")
     return "\n".join(lines) + "\n"
 
 
