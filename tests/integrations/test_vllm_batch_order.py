@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import ClassVar
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from feather_sched.integrations.vllm_batch_order import apply_order
+from feather_sched.integrations.vllm_batch_order import apply_order, order_by_schedule
 
 
 class ListBatch:
@@ -30,6 +32,38 @@ def test_apply_order_realises_any_permutation(order: list[int]) -> None:
 
 def test_apply_order_makes_no_swap_when_sorted() -> None:
     assert apply_order(ListBatch([1, 2, 3]), [0, 1, 2]) == 0
+
+
+class RowsBatch:
+    """The parts of vLLM's InputBatch the ordering reads: request ids and first KV blocks
+    per slot, swapped together."""
+
+    def __init__(self, rows: list[tuple[str, int]]) -> None:
+        self.req_ids = [rid for rid, _ in rows]
+        self.first = np.array([[block] for _, block in rows])
+        self.block_table = [SimpleNamespace(block_table=SimpleNamespace(np=self.first))]
+        self.num_reqs = len(rows)
+
+    def swap_states(self, i: int, j: int) -> None:
+        self.req_ids[i], self.req_ids[j] = self.req_ids[j], self.req_ids[i]
+        self.first[[i, j]] = self.first[[j, i]]
+
+
+def scheduled(*request_ids: str) -> SimpleNamespace:
+    return SimpleNamespace(num_scheduled_tokens=dict.fromkeys(request_ids, 1))
+
+
+def test_rows_sharing_nothing_are_never_moved() -> None:
+    batch = RowsBatch([("c", 30), ("a", 10), ("b", 20)])
+    assert order_by_schedule(batch, scheduled("a", "b", "c"), None) == 0
+    assert batch.req_ids == ["c", "a", "b"]
+
+
+def test_a_group_gathers_at_its_first_row_in_the_schedulers_order() -> None:
+    batch = RowsBatch([("x", 9), ("g2", 5), ("y", 8), ("g1", 5), ("z", 7), ("g3", 5)])
+    order_by_schedule(batch, scheduled("g1", "g2", "g3", "x", "y", "z"), None)
+    assert batch.req_ids == ["x", "g1", "g2", "g3", "y", "z"]
+    assert order_by_schedule(batch, scheduled("g1", "g2", "g3", "x", "y", "z"), None) == 0
 
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -88,8 +122,6 @@ def test_a_worker_reads_only_whether_to_order(tmp_path, ordered: bool) -> None:
     """A worker on another node than the scheduler: the scheduler's files and their
     directory exist only on the scheduler's node.  The worker plugin decides from
     ``order_running`` alone; the scheduler still checks its files where it runs."""
-    from types import SimpleNamespace
-
     from vllm.engine.arg_utils import EngineArgs
 
     from feather_sched.config import FILE_OPTIONS, FeatherConfigError

@@ -40,8 +40,8 @@ prefix order, gate and bound within one.
 Batch order: vLLM's Model Runner V2 (the GPU default) orders each step's decodes as the
 scheduler scheduled them, i.e. as ``running`` stands, so ordering ``running`` by prefix
 group orders the batch.  The V1 runner (CPU; some GPU modes) keeps a persistent batch of
-its own; Feather's worker plugin (``vllm_batch_order``) sorts it into the scheduler's
-order.  Preemption does not follow that order: vLLM preempts the latest arrival of the
+its own; Feather's worker plugin (``vllm_batch_order``) gathers each prefix group in
+it.  Preemption does not follow that order: vLLM preempts the latest arrival of the
 least urgent class (``preempt_latest_arrival``).
 
 ``FeatherScheduler`` builds vLLM's ``AsyncScheduler`` variant when async scheduling is on

@@ -1,4 +1,4 @@
-"""Make vLLM's V1 model runner keep the scheduler's batch order (a vLLM general plugin).
+"""Keep each prefix group contiguous in vLLM's V1 model runner's batch (a vLLM general plugin).
 
 The decode-attention kernel walks the batch in order, so requests of one prefix group
 placed back to back re-read their shared KV blocks while they are still in cache.
@@ -7,8 +7,9 @@ GPU default) batches decodes in that order by itself, but the V1 runner (CPU, an
 modes V2 does not support) keeps a persistent batch that fills freed slots with whatever
 request comes next, interleaving groups over time.  This module, registered as a
 ``vllm.general_plugins`` entry point (vLLM loads those in every process), wraps the V1
-runner's ``_may_reorder_batch`` hook and sorts the persistent batch into the order of
-``scheduler_output.num_scheduled_tokens``, i.e. the scheduler's.  It acts only when the
+runner's ``_may_reorder_batch`` hook and gathers each group (rows sharing their first KV
+block) where its first row stands, members in the scheduler's order
+(``scheduler_output.num_scheduled_tokens``), moving no other row.  It acts only when the
 engine runs ``FeatherScheduler`` with ``order_running`` on, and never under V2 (which
 does not call the hook); requests stay in the decode/extend/prefill regions that
 attention backends with a reorder threshold (e.g. FlashInfer, MLA) require.
@@ -72,14 +73,28 @@ def batch_regions(input_batch: Any, scheduler_output: Any, threshold: int | None
 
 
 def order_by_schedule(input_batch: Any, scheduler_output: Any, threshold: int | None) -> int:
-    """Sort the batch by (region, place in the scheduler's order); returns the swaps made."""
+    """Make each prefix group contiguous with the fewest moves; returns the swaps made.
+
+    A group is the rows whose first KV block is the same physical block (they share at
+    least that much prefix).  Rows sort by (region, the slot of their group's first row,
+    place in the scheduler's order): a group gathers at its first row, in the scheduler's
+    order (which keeps subgroups together), and a row sharing nothing stays where it is.
+    So a batch without sharing is never permuted (sorting it into the scheduler's order
+    cost vLLM's CPU runner 13% more time per decode step on ShareGPT,
+    ``benchmarks/traces``), and an ordered one only as new members join.  O(rows log rows)
+    plus a ``swap_states`` per move.
+    """
     num_reqs = input_batch.num_reqs
     if num_reqs < 2:
         return 0
+    first_blocks = input_batch.block_table[0].block_table.np[:num_reqs, 0]
+    _, group = np.unique(first_blocks, return_inverse=True)
+    anchor = np.full(group.max() + 1, num_reqs)
+    np.minimum.at(anchor, group, np.arange(num_reqs))
     place = {rid: i for i, rid in enumerate(scheduler_output.num_scheduled_tokens)}
     scheduled = np.array([place[rid] for rid in input_batch.req_ids[:num_reqs]])
     regions = batch_regions(input_batch, scheduler_output, threshold)
-    order = np.lexsort((scheduled, regions))
+    order = np.lexsort((scheduled, anchor[group], regions))
     return apply_order(input_batch, order.tolist())
 
 
