@@ -171,6 +171,8 @@ class TreeMachine(RuleBasedStateMachine):
         assert list(tree.waiting_ids()) == model.waiting()
         assert set(tree.running_ids()) == set(model.running())
         assert tree.best() == model.best()
+        firsts = [model.keys[r][0] for r in model.running() if model.keys[r]]
+        assert tree.has_running_group() == (len(set(firsts)) < len(firsts))
         assert tree.shared_prefix_chunks() == model.shared()
         for rid in model.waiting():
             assert tree.missing_chunks(rid) == model.missing(rid)

@@ -145,6 +145,8 @@ class ChunkedHashTree:
         self._entries: dict[RequestId, _Entry] = {}
         self._running: dict[RequestId, None] = {}
         self._running_refs: dict[ChunkKey, int] = {}
+        self._running_groups = 0
+        """First chunk keys that two or more running requests hold."""
         self._waiting_refs: Counter[ChunkKey] = Counter()
         self._by_frontier: dict[ChunkKey, set[RequestId]] = {}
         self._by_deepest: dict[ChunkKey, set[RequestId]] = {}
@@ -190,6 +192,11 @@ class ChunkedHashTree:
 
     def running_ids(self) -> Iterator[RequestId]:
         return iter(self._running)
+
+    def has_running_group(self) -> bool:
+        """Whether two running requests share their first chunk (a prefix group runs
+        with more than one member).  O(1)."""
+        return self._running_groups > 0
 
     def runs_exactly(self, request_ids: Set[RequestId]) -> bool:
         """Whether the running set is exactly ``request_ids``.  O(len(request_ids))."""
@@ -402,11 +409,15 @@ class ChunkedHashTree:
             refs[key] = count + 1
             if not count:
                 born.append(key)
+        if entry.keys and refs[entry.keys[0]] == 2:
+            self._running_groups += 1
         self._reindex(self._by_frontier, born)
 
     def _leave_running(self, request_id: RequestId, entry: _Entry) -> None:
         del self._running[request_id]
         refs = self._running_refs
+        if entry.keys and refs[entry.keys[0]] == 2:
+            self._running_groups -= 1
         died = []
         for key in entry.keys:
             left = refs[key] - 1

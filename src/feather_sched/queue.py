@@ -162,6 +162,10 @@ class FeatherQueue:
     def running_ids(self) -> Iterator[RequestId]:
         return self.tree.running_ids()
 
+    def has_running_group(self) -> bool:
+        """Whether a prefix group runs with two or more members.  O(1)."""
+        return self.tree.has_running_group()
+
     def arrival_s(self, request_id: RequestId) -> float:
         return self._requests[request_id].arrival_s
 
