@@ -28,12 +28,13 @@ run mooncake --trace ../shared/traces/mooncake-synthetic.jsonl --start 2993 \
 run bfcl-tools --dataset-name bfcl-tools --request-rate 16.6
 run sharegpt --dataset-name sharegpt --max-requests 500 --request-rate 8.7
 .venv/bin/python $out/tables.py
-# Why ShareGPT's decode steps are slower under Feather: its shared-prefix attention under
-# vLLM's scheduler (fcfs-shared), and Feather's scheduler without it.
-four=fcfs,fcfs-shared,feather-model-noshared,feather-model
+# ShareGPT, where nothing is shared, taken apart: Feather without its batch ordering
+# (-noorder) and without its shared-prefix attention (-noshared). order-sharegpt.* has the
+# diagnosis made before the ordering stopped sorting batches that share nothing.
+four=fcfs,feather-model-noorder,feather-model-noshared,feather-model
 .venv/bin/feather bench --seed 0 --schedulers $four,$four,$four --dataset-name sharegpt \
-    --max-requests 500 --request-rate 8.7 --json $out/attention-sharegpt.json \
-    | tee $out/attention-sharegpt.txt
+    --max-requests 500 --request-rate 8.7 --json $out/sharegpt-parts.json \
+    | tee $out/sharegpt-parts.txt
 for metric in mean_tpot_ms mean_e2el_ms output_throughput; do
-    .venv/bin/python benchmarks/vllm/medians.py $out/attention-sharegpt.json --metric $metric
-done | tee $out/attention-sharegpt.md
+    .venv/bin/python benchmarks/vllm/medians.py $out/sharegpt-parts.json --metric $metric
+done | tee $out/sharegpt-parts.md
