@@ -15,24 +15,16 @@ the floor) here.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from itertools import product
 
-from sim import AFFINITY, BASELINE, HERE, LOADS, OURS, run
-
-from feather_sched.bench.report import median_and_range
+from sim import AFFINITY, BASELINE, LOADS, OURS, over, run_task, save
 
 BOUNDS = (1.1, 1.5, 2.0, 3.0)
 CELLS = (("h200", 64, 5120), ("h100-sxm", 64, 5120), ("h200", 64, 10240),
          ("h100-sxm", 64, 10240), ("h200", 400, 5120), ("h200", 8, 10240))
-
-
-def _run(task: tuple) -> dict:
-    *args, options = task
-    return run(*args, **options)
 
 
 def measure(seeds: int, jobs: int) -> list[dict]:
@@ -41,13 +33,13 @@ def measure(seeds: int, jobs: int) -> list[dict]:
     cells = [(*cell, seed) for cell, seed in product(CELLS, range(seeds))]
     with ProcessPoolExecutor(jobs) as pool:
         capacity = dict(zip(cells, (r["request_throughput"] for r in pool.map(
-            _run, [(hw, groups, prefix, None, seed, *BASELINE, {})
+            run_task, [(hw, groups, prefix, None, seed, *BASELINE, {})
                    for hw, groups, prefix, seed in cells])), strict=True))
         pairs = [(AFFINITY, {})] + [(OURS, {"balance_rel": bound}) for bound in BOUNDS]
         tasks = [(hw, groups, prefix, load * capacity[hw, groups, prefix, seed], seed, *pair,
                   options) for (hw, groups, prefix, seed), load, (pair, options)
                  in product(cells, LOADS, pairs)]
-        runs = list(pool.map(_run, tasks))
+        runs = list(pool.map(run_task, tasks))
     for task, row in zip(tasks, runs, strict=True):
         hw, groups, prefix, rate, seed = task[:5]
         row.update(prefix=prefix, load=round(rate / capacity[hw, groups, prefix, seed], 6))
@@ -68,12 +60,9 @@ def markdown(runs: list[dict]) -> str:
         ours = [keyed[hw, groups, prefix, load, OURS[0], bound, s] for s in seeds]
         ray = [keyed[hw, groups, prefix, load, AFFINITY[0], None, s] for s in seeds]
 
-        def ratio(key: str, ours: list = ours, ray: list = ray) -> str:
-            return median_and_range([a[key] / b[key] for a, b in zip(ours, ray, strict=True)])
-
         lines.append(
             f"| {hw} | {groups} | {prefix} | {load:g}x | {bound:g} | "
-            f"{ratio('output_throughput')} | {ratio('p99_ttft_ms')} | "
+            f"{over(ours, ray, 'output_throughput')} | {over(ours, ray, 'p99_ttft_ms')} | "
             f"{max(r['replica_imbalance'] for r in ours):.2f} | "
             f"{statistics.median(r['prefill_over_floor'] for r in ours):.2f} |")
     return "\n".join(lines) + "\n"
@@ -88,10 +77,7 @@ def main() -> None:
     runs = measure(args.seeds, args.jobs)
     config = {"bounds": BOUNDS, "cells": CELLS, "loads": LOADS, "seeds": args.seeds,
               "wall_s": time.perf_counter() - started}
-    (HERE / "balance.json").write_text(json.dumps({"config": config, "runs": runs}, indent=1))
-    (HERE / "balance.md").write_text(markdown(runs))
-    print(markdown(runs))
-    print(f"{time.perf_counter() - started:.0f} s", flush=True)
+    save("balance", config, runs, markdown(runs), started)
 
 
 if __name__ == "__main__":

@@ -15,15 +15,12 @@ default band's, worst imbalance, prefix-cache hits) here.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from itertools import product
 
-from sim import BASELINE, HERE, LOADS, PRECISE, run
-
-from feather_sched.bench.report import median_and_range
+from sim import BASELINE, LOADS, PRECISE, over, run_task, save
 
 BANDS = ((8, 1.5), (16, 1.5), (32, 1.5), (64, 1.5), (32, 1.25), (32, 2.0))
 """(balance_abs, balance_rel); (32, 1.5) is the default."""
@@ -33,25 +30,20 @@ CELLS = ((64, 1), (400, 1), (64, 4), (400, 4))
 HARDWARE, PREFIX, KV_BLOCKS = "h100-sxm", 5120, 2048
 
 
-def _run(task: tuple) -> dict:
-    *args, options = task
-    return run(*args, **options)
-
-
 def measure(seeds: int, jobs: int) -> list[dict]:
     """Power-of-two + FCFS's capacity per group count and seed, then Feather's pair on
     the precise index with every band in every cell and load."""
     capacity_cells = list(product({g for g, _ in CELLS}, range(seeds)))
     with ProcessPoolExecutor(jobs) as pool:
         capacity = dict(zip(capacity_cells, (r["request_throughput"] for r in pool.map(
-            _run, [(HARDWARE, groups, PREFIX, None, seed, *BASELINE, {"kv_blocks": KV_BLOCKS})
+            run_task, [(HARDWARE, groups, PREFIX, None, seed, *BASELINE, {"kv_blocks": KV_BLOCKS})
                    for groups, seed in capacity_cells])), strict=True))
         tasks = [(HARDWARE, groups, PREFIX, load * capacity[groups, seed], seed, PRECISE,
                   "feather-bandit", {"kv_blocks": KV_BLOCKS, "ingresses": routers,
                                      "balance_abs": band[0], "balance_rel": band[1]})
                  for (groups, routers), seed, load, band
                  in product(CELLS, range(seeds), LOADS, BANDS)]
-        runs = list(pool.map(_run, tasks))
+        runs = list(pool.map(run_task, tasks))
     for task, row in zip(tasks, runs, strict=True):
         groups, _, rate, seed = task[1:5]
         row["load"] = round(rate / capacity[groups, seed], 6)
@@ -72,12 +64,9 @@ def markdown(runs: list[dict]) -> str:
         ours = [keyed[groups, routers, load, *band, s] for s in seeds]
         base = [keyed[groups, routers, load, *DEFAULT, s] for s in seeds]
 
-        def ratio(key: str, ours: list = ours, base: list = base) -> str:
-            return median_and_range([a[key] / b[key] for a, b in zip(ours, base, strict=True)])
-
         lines.append(
             f"| {groups} | {routers} | {load:g}x | {band[0]} | {band[1]:g} | "
-            f"{ratio('output_throughput')} | {ratio('p90_ttft_ms')} | "
+            f"{over(ours, base, 'output_throughput')} | {over(ours, base, 'p90_ttft_ms')} | "
             f"{max(r['replica_imbalance'] for r in ours):.2f} | "
             f"{statistics.median(r['prefix_cache_hit_rate'] for r in ours):.3f} |")
     return "\n".join(lines) + "\n"
@@ -93,10 +82,7 @@ def main() -> None:
     config = {"bands": BANDS, "cells": CELLS, "loads": LOADS, "seeds": args.seeds,
               "hardware": HARDWARE, "prefix": PREFIX, "kv_blocks": KV_BLOCKS,
               "wall_s": time.perf_counter() - started}
-    (HERE / "band.json").write_text(json.dumps({"config": config, "runs": runs}, indent=1))
-    (HERE / "band.md").write_text(markdown(runs))
-    print(markdown(runs))
-    print(f"{time.perf_counter() - started:.0f} s", flush=True)
+    save("band", config, runs, markdown(runs), started)
 
 
 if __name__ == "__main__":

@@ -122,9 +122,24 @@ def plan_on(hardware: str, load: Workload, kv_blocks: int | None = None) -> SimP
     return plan
 
 
-def _run(args: tuple) -> dict:
-    *positional, options = args
+def run_task(task: tuple) -> dict:
+    """``run`` of a task ``(*run's positional arguments, its options)``, as a process pool
+    maps them."""
+    *positional, options = task
     return run(*positional, **options)
+
+
+def over(ours: list[dict], base: list[dict], key: str, fmt: str = "{:.2f}") -> str:
+    """Median (range) of per-seed ratios ``ours[key] / base[key]``."""
+    return median_and_range([a[key] / b[key] for a, b in zip(ours, base, strict=True)], fmt)
+
+
+def save(stem: str, config: dict, runs: list[dict], text: str, started: float) -> None:
+    """Write STEM.json (config, every run) and STEM.md here, print the table and the time."""
+    (HERE / f"{stem}.json").write_text(json.dumps({"config": config, "runs": runs}, indent=1))
+    (HERE / f"{stem}.md").write_text(text)
+    print(text)
+    print(f"{time.perf_counter() - started:.0f} s", flush=True)
 
 
 def measure(hardware: tuple[str, ...], group_counts: tuple[int, ...], prefix: int,
@@ -137,7 +152,7 @@ def measure(hardware: tuple[str, ...], group_counts: tuple[int, ...], prefix: in
     cells = list(product(hardware, group_counts, range(seeds)))
     pool_size = {"kv_blocks": kv_blocks}
     with ProcessPoolExecutor(jobs) as pool:
-        baselines = pool.map(_run, [(*cell[:2], prefix, None, cell[2], *BASELINE, pool_size)
+        baselines = pool.map(run_task, [(*cell[:2], prefix, None, cell[2], *BASELINE, pool_size)
                                     for cell in cells])
         capacity = {cell: r["request_throughput"]
                     for cell, r in zip(cells, baselines, strict=True)}
@@ -145,7 +160,7 @@ def measure(hardware: tuple[str, ...], group_counts: tuple[int, ...], prefix: in
                   scheduler, {**pool_size, "ingresses": k})
                  for (hw, groups, seed), k, load, router, scheduler
                  in product(cells, ingresses, loads, routers, SCHEDULERS)]
-        runs = list(pool.map(_run, tasks))
+        runs = list(pool.map(run_task, tasks))
     for task, row in zip(tasks, runs, strict=True):
         hw, groups, _, rate, seed = task[:5]
         row["capacity_req_s"] = capacity[hw, groups, seed]
@@ -223,17 +238,14 @@ def markdown(runs: list[dict]) -> str:
                   "imbalance (worst) |", "|---|---|---|---|---|---|---|---|---|---|"]
         for (hw, groups, ingresses, load), by_seed in cells.items():
             for scheduler in SCHEDULERS:
-                pairs = [(p[PRECISE, scheduler], p["feather", scheduler])
-                         for p in by_seed.values()]
-
-                def over(key: str, pairs: list = pairs) -> str:
-                    return median_and_range([a[key] / b[key] for a, b in pairs])
-
+                precise = [p[PRECISE, scheduler] for p in by_seed.values()]
+                approximate = [p["feather", scheduler] for p in by_seed.values()]
+                figures = [over(precise, approximate, key) for key in (
+                    "prefix_cache_hit_rate", "p90_ttft_ms", "mean_ttft_ms", "output_throughput")]
                 lines.append(
                     f"| {hw} | {groups or 'none'} | {ingresses} | {load:g}x | {scheduler} | "
-                    f"{over('prefix_cache_hit_rate')}x | {over('p90_ttft_ms')} | "
-                    f"{over('mean_ttft_ms')} | {over('output_throughput')}x | "
-                    f"{max(a['replica_imbalance'] for a, _ in pairs):.2f} |")
+                    f"{figures[0]}x | {figures[1]} | {figures[2]} | {figures[3]}x | "
+                    f"{max(a['replica_imbalance'] for a in precise):.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -277,11 +289,7 @@ def main() -> None:
               "output": OUTPUT, "loads": loads, "seeds": args.seeds, "zipf_s": 1.1,
               "model": "llama-3-8b", "kv_blocks": args.kv_blocks, "ingresses": ingresses,
               "routers": routers, "wall_s": time.perf_counter() - started}
-    (HERE / f"{args.out}.json").write_text(json.dumps({"config": config, "runs": runs},
-                                                      indent=1))
-    (HERE / f"{args.out}.md").write_text(markdown(runs))
-    print(markdown(runs))
-    print(f"{time.perf_counter() - started:.0f} s", flush=True)
+    save(args.out, config, runs, markdown(runs), started)
 
 
 if __name__ == "__main__":
