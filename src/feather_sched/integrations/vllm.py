@@ -490,7 +490,9 @@ class VllmMeter:
         """The step's batch as the step log describes it, in the runner's decode order.
 
         Decodes first in scheduling order, then longer chunks by length (Model Runner
-        V2's ``sort_batch_req_ids``, which Feather's V1 plugin follows too).  The context
+        V2's ``sort_batch_req_ids``; under the V1 runner Feather's plugin keeps each group
+        contiguous as here, while rows sharing nothing stay where vLLM put them, which
+        changes no group's run).  The context
         is ``num_computed_tokens``, which ``schedule()`` has already advanced.
         """
         requests = self.scheduler.requests
