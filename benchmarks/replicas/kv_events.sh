@@ -15,6 +15,7 @@
 #       benchmarks/replicas/kv_events.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source benchmarks/replicas/serve_lib.sh
 out=benchmarks/replicas
 ingresses=${INGRESSES:-1}
 stem=kv_events
@@ -31,24 +32,14 @@ for round in $(seq "${ROUNDS:-3}"); do
         options='{}'
         [ "$entry" != "$router" ] && options="{\"index\": \"${entry#*:}\"}"
         label=${entry/:/-}
-        log=${TMPDIR:-/tmp}/feather-kv_events-$label.log
-        .venv/bin/feather serve --replicas 2 --ingresses "$ingresses" --router "$router" \
-            --router-options "$options" \
+        start_server "${TMPDIR:-/tmp}/feather-kv_events-$label.log" --replicas 2 \
+            --ingresses "$ingresses" --router "$router" --router-options "$options" \
             --kv-cache-gib "${KV_GIB:-0.0625}" --max-model-len 4096 --enforce-eager \
-            --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
-        server=$!
-        trap 'kill $server 2>/dev/null || true' EXIT
-        for _ in $(seq 300); do  # every replica up: feather serve prints this after serve.run
-            grep -q "replicas at http" "$log" && break
-            kill -0 $server 2>/dev/null || { echo "server for $entry died, see $log" >&2; exit 1; }
-            sleep 2
-        done
+            --host 127.0.0.1 --port "$port"
         .venv/bin/feather bench --base-url "$url" --label "$label" --seed "$round" \
             "${workload[@]}" --json "$out/$stem-$label-r$round.json"
         curl -s "$url/feather/router" > "$out/$stem-$label-r$round-router.json" || true
-        kill -TERM $server
-        wait $server || true
-        trap - EXIT
+        stop_server
     done
 done
 .venv/bin/python benchmarks/replicas/kv_events.py "$stem"

@@ -12,6 +12,7 @@
 #       benchmarks/replicas/ray_serve.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source benchmarks/replicas/serve_lib.sh
 out=benchmarks/replicas
 name=$out/ray_serve${TAG:+-$TAG}
 port=${PORT:-8731}
@@ -24,21 +25,12 @@ rate=${RATE-4}
 [ -n "$rate" ] && workload+=(--request-rate "$rate")
 results=()
 for router in $routers; do
-    log=${TMPDIR:-/tmp}/feather-ray_serve-$router.log
-    .venv/bin/feather serve --replicas 2 --router "$router" --kv-cache-gib "${KV_GIB:-0.0625}" \
-        --max-model-len 4096 --enforce-eager --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
-    server=$!
-    trap 'kill $server 2>/dev/null || true' EXIT
-    for _ in $(seq 300); do  # every replica up: feather serve prints this after serve.run
-        grep -q "replicas at http" "$log" && break
-        kill -0 $server 2>/dev/null || { echo "server for $router died, see $log" >&2; exit 1; }
-        sleep 2
-    done
+    start_server "${TMPDIR:-/tmp}/feather-ray_serve-$router.log" --replicas 2 \
+        --router "$router" --kv-cache-gib "${KV_GIB:-0.0625}" --max-model-len 4096 \
+        --enforce-eager --host 127.0.0.1 --port "$port"
     .venv/bin/feather bench --base-url "$url" --label "ray-$router" "${workload[@]}" \
         --json "$name-$router.json"
-    kill -TERM $server
-    wait $server || true
-    trap - EXIT
+    stop_server
     results+=("$name-$router.json")
 done
 .venv/bin/feather report "${results[@]}" --plot "$name.png" --markdown "$name.md"
