@@ -54,16 +54,16 @@ def largest_group(runtime: FeatherRuntime, running: Sequence[Any]) -> Any:
     sizes = Counter(runtime.group(r) for r in running)
     top = max(sizes.values())
     return max((r for r in running if sizes[runtime.group(r)] == top),
-               key=runtime.arrival_order)
+               key=runtime.preemption_order)
 
 
 def youngest_group(runtime: FeatherRuntime, running: Sequence[Any]) -> Any:
     oldest: dict[Any, tuple] = {}
     for request in running:
-        group, order = runtime.group(request), runtime.arrival_order(request)
+        group, order = runtime.group(request), runtime.preemption_order(request)
         oldest[group] = min(oldest.get(group, order), order)
     target = max(oldest, key=oldest.get)
-    return max((r for r in running if runtime.group(r) == target), key=runtime.arrival_order)
+    return max((r for r in running if runtime.group(r) == target), key=runtime.preemption_order)
 
 
 RULES: dict[str, Rule] = {"end of list": end_of_list,
