@@ -28,6 +28,7 @@ import numpy as np
 from feather_sched.cache_index import BlockStored, PreciseIndex
 from feather_sched.cht import token_chunk_keys
 from feather_sched.integrations.vllm_block_hash import VLLMBlockHasher
+from feather_sched.prefix import keys_per_chunk
 from feather_sched.router import FeatherRouter
 from feather_sched.routers import ROUTERS, make_router
 
@@ -63,7 +64,7 @@ def per_request_us(name: str, tokens: list[np.ndarray]) -> float:
 def precise_us(block_size: int, tokens: list[np.ndarray]) -> tuple[float, float]:
     """Mean microseconds per request of route (with vLLM's block hashes) plus finish on
     the precise index, and of applying the request's ``BlockStored`` event."""
-    index = PreciseIndex(VLLMBlockHasher(block_size), max(1, 128 // block_size))
+    index = PreciseIndex(VLLMBlockHasher(block_size), keys_per_chunk(block_size))
     router = FeatherRouter(range(REPLICAS), seed=0, index=index)
     routing = events = 0.0
     for i, prompt in enumerate(tokens):

@@ -287,8 +287,8 @@ class FeatherRuntime(Generic[R]):
 
     def order(self, running: Sequence[R]) -> list[R]:
         """``running`` in Feather's order (as given when ``order_running`` is off).
-        O(1) when ``running`` is Feather's running set and no group has two members in it
-        (the order would be the given one), else O(n log n)."""
+        No grouping work when ``running`` is Feather's running set and no group has two
+        members in it (the order would be the given one); else O(n log n)."""
         if not self.config.order_running or (
                 not self.queue.has_running_group() and len(running) == self.queue.num_running):
             return list(running)

@@ -75,6 +75,7 @@ from ray.serve.request_router import (
 
 from feather_sched.cache_index import PreciseIndex
 from feather_sched.cht import DEFAULT_CHUNK_TOKENS
+from feather_sched.prefix import keys_per_chunk
 from feather_sched.router import FeatherRouter
 
 logger = logging.getLogger("ray.serve")  # Serve's logger: lines reach the replica logs
@@ -330,7 +331,7 @@ class FeatherRequestRouter(RequestRouter):
                          "routing by the approximate index (routing history)", error)
             return FeatherRouter(**self._options)
         chunk = self._options.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)
-        index = PreciseIndex(self.hasher, max(1, chunk // self.hasher.block_size))
+        index = PreciseIndex(self.hasher, keys_per_chunk(self.hasher.block_size, chunk))
         self.subscriber = KVEventSubscriber(index.cache, self.lock, self.hasher.check,
                                             self._mismatch, logger)
         logger.info("Feather router: routing by the precise index (the replicas' vLLM KV "

@@ -34,6 +34,7 @@ from feather_sched.bench.report import (
 )
 from feather_sched.cache_index import EventFeed, KVEvent, PreciseIndex
 from feather_sched.cht import DEFAULT_CHUNK_TOKENS
+from feather_sched.prefix import keys_per_chunk
 from feather_sched.router import Router
 from feather_sched.sim.block_pool import BlockKeys
 from feather_sched.sim.engine import EngineConfig, Policy, SimEngine, SimResult
@@ -146,7 +147,7 @@ def precise_index(config: EngineConfig,
     """A ``PreciseIndex`` over engines configured as ``config``: their block keys, in-flight
     prompts counted every ``chunk_tokens`` tokens."""
     return PreciseIndex(BlockKeys(config.block_tokens),
-                        max(1, chunk_tokens // config.block_tokens))
+                        keys_per_chunk(config.block_tokens, chunk_tokens))
 
 
 class _Publisher:
