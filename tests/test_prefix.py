@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from feather_sched.cht import token_chunk_keys
 from feather_sched.prefix import (
     SharedPrefixes,
+    gather_groups,
     group_of,
     keys_per_chunk,
     order_by_group,
@@ -60,9 +61,44 @@ def test_counts_follow_additions_and_removals(raw: list[list[int]], data) -> Non
     assert [shared.shared_keys(k) for k in kept_lists] == brute_force_shared(kept_lists)
 
 
-def test_order_by_group_puts_large_groups_first_and_keeps_member_order() -> None:
-    running = ["a1", "b1", "c1", "a2", "b2", "a3", "c2", "d1"]
-    ordered = order_by_group(running, lambda r: r[0])
-    assert ordered == ["a1", "a2", "a3", "b1", "b2", "c1", "c2", "d1"]
-    # the engine preempts from the end: the latest member of the smallest, latest group
-    assert order_by_group(["x1", "y1", "x2", "y2", "z1"], lambda r: r[0])[-1] == "z1"
+def test_order_by_group_serves_groups_by_their_oldest_member() -> None:
+    running = ["b3", "a5", "c2", "a1", "b4", "d6", "c7"]
+    ages = [int(r[1]) for r in running]
+    ordered = order_by_group(running, [r[0] for r in running], ages)
+    assert ordered == ["a1", "a5", "c2", "c7", "b3", "b4", "d6"]
+    # the engine preempts from the end: the newest member of the youngest group, even
+    # where an older group's member arrived later
+    assert order_by_group(["x1", "x9", "y5"], ["x", "x", "y"], [1, 9, 5])[-1] == "y5"
+
+
+def test_groups_whose_oldest_ages_tie_keep_their_first_members_order() -> None:
+    assert order_by_group(["q", "p", "q2"], ["Q", "P", "Q"], [0, 0, 0]) == ["q", "q2", "p"]
+
+
+def test_gather_groups_moves_members_up_to_their_first_and_nothing_else() -> None:
+    requests = ["a1", "x", "b1", "a2", "y", "b2", "a3"]
+    groups = [r[0] if r[0] in "ab" else r for r in requests]
+    assert gather_groups(requests, groups) == ["a1", "a2", "a3", "x", "b1", "b2", "y"]
+    assert gather_groups(["x", "y"], ["x", "y"]) == ["x", "y"]
+
+
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 20)), max_size=30))
+def test_order_by_group_is_a_permutation_grouped_and_preempts_the_youngest_group(
+        members: list[tuple[int, int]]) -> None:
+    requests = list(range(len(members)))
+    groups = [group for group, _ in members]
+    ages = [(age, i) for i, (_, age) in enumerate(members)]
+    ordered = order_by_group(requests, groups, ages)
+    assert sorted(ordered) == requests
+    runs = [groups[i] for k, i in enumerate(ordered)
+            if k == 0 or groups[ordered[k - 1]] != groups[i]]
+    assert len(runs) == len(set(runs))  # each group contiguous
+    for k in range(1, len(ordered)):
+        if groups[ordered[k]] == groups[ordered[k - 1]]:
+            assert ages[ordered[k - 1]] < ages[ordered[k]]
+    if requests:
+        oldest = {g: min(a for a, h in zip(ages, groups, strict=True) if h == g) for g in groups}
+        youngest = max(oldest, key=oldest.get)
+        assert ordered[-1] == max((i for i in requests if groups[i] == youngest),
+                                  key=ages.__getitem__)
+

@@ -202,26 +202,61 @@ def test_admit_requires_an_add_for_that_request() -> None:
         rt.admit(b)
 
 
-def test_begin_pass_returns_the_running_list_grouped() -> None:
+def test_begin_pass_returns_the_running_list_grouped_by_age() -> None:
     rt = runtime()
-    running = [req("a1", 0), req("b1", 1), req("a2", 0)]
-    assert [r.rid for r in rt.begin_pass(running)] == ["a1", "a2", "b1"]
-    rt = runtime(order_running=False)
-    assert [r.rid for r in rt.begin_pass(running)] == ["a1", "b1", "a2"]
-
-
-def test_the_preemption_victim_is_the_latest_arrival_wherever_it_stands() -> None:
-    rt = runtime()
-    old, young = Req("solo", [(9,)], arrival=1.0), Req("maj", [(0,)], arrival=2.0)
-    tied = Req("tied", [(0,), (0, "t")], arrival=2.0)  # same time, entered later
-    for request in (old, young, tied):
+    running = [req("b1", 1), req("a1", 0), req("a2", 0)]
+    for arrival, request in enumerate(running):
+        request.arrival = float(arrival)
         rt.enter_waiting(request)
-    ordered = rt.begin_pass([young, tied, old])
-    assert ordered[-1] is old  # the smallest group stands last ...
-    assert rt.preemption_victim(ordered) is tied  # ... yet the youngest gives way
-    assert rt.preemption_victim([old, young]) is young
+    assert [r.rid for r in rt.begin_pass(running)] == ["b1", "a1", "a2"]
+    assert [r.rid for r in rt.begin_pass(running[::-1])] == ["b1", "a1", "a2"]
+    rt = runtime(order_running=False)
+    for request in running:
+        rt.enter_waiting(request)
+    assert [r.rid for r in rt.begin_pass([running[2], running[0], running[1]])] == \
+        ["b1", "a1", "a2"]  # by arrival only
+
+
+def test_the_victim_is_the_newest_member_of_the_youngest_group() -> None:
+    rt = runtime()
+    old = Req("solo", [(9,)], arrival=1.0)
+    first, young = Req("maj-1", [(0,)], arrival=2.0), Req("maj-2", [(0,)], arrival=3.0)
+    tied = Req("maj-3", [(0,), (0, "t")], arrival=3.0)  # same time, entered later
+    for request in (old, first, young, tied):
+        rt.enter_waiting(request)
+    ordered = rt.begin_pass([young, tied, old, first])
+    assert [r.rid for r in ordered] == ["solo", "maj-1", "maj-2", "maj-3"]
+    assert rt.preemption_victim(ordered) is tied  # the old singleton never pays
+    assert rt.preemption_victim([old, first]) is first
+    later = Req("late", [(5,)], arrival=1.5)  # a singleton older than the group's oldest
+    rt.enter_waiting(later)
+    assert rt.preemption_victim([old, later, first, young]) is young
     stranger = Req("never-seen", arrival=0.5)  # not in the queue: its own arrival counts
     assert rt.preemption_victim([stranger, old]) is old
+    rt = runtime(order_running=False)
+    for request in (old, first, young, tied):
+        rt.enter_waiting(request)
+    assert rt.preemption_victim([tied, old, first, young]) is tied  # the latest arrival
+
+
+def test_the_batch_order_gathers_a_group_across_classes() -> None:
+    """Preemption keeps classes apart (the least urgent last); a batch lays each group
+    out in one run, where its first member stands."""
+    rt = runtime()
+    a_low = Req("a-low", [(1,), (1, "x")], arrival=1.0, priority=1)
+    b_high = Req("b-high", [(2,), (2, "y")], arrival=2.0, priority=0)
+    a_high = Req("a-high", [(1,), (1, "z")], arrival=3.0, priority=0)
+    for request in (a_low, b_high, a_high):
+        rt.enter_waiting(request)
+    running = rt.begin_pass([a_low, b_high, a_high])
+    assert [r.rid for r in running] == ["b-high", "a-high", "a-low"]
+    assert [r.rid for r in rt.batch_order(running)] == ["b-high", "a-high", "a-low"]
+    assert [r.rid for r in rt.order([a_low, a_high, b_high])] == ["b-high", "a-high", "a-low"]
+    c_high = Req("c-high", [(1,), (1, "w")], arrival=0.5, priority=0)  # group 1, oldest
+    rt.enter_waiting(c_high)
+    running = rt.begin_pass([a_low, b_high, a_high, c_high])
+    assert [r.rid for r in running] == ["c-high", "a-high", "b-high", "a-low"]
+    assert [r.rid for r in rt.batch_order(running)] == ["c-high", "a-high", "a-low", "b-high"]
 
 
 def test_the_least_urgent_class_gives_way_first_however_old() -> None:

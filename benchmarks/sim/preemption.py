@@ -1,23 +1,25 @@
 """Which request Feather preempts under KV pressure: the rules measured in the simulator.
 
-    .venv/bin/python benchmarks/sim/preemption.py        # ~3 minutes
+    .venv/bin/python benchmarks/sim/preemption.py        # ~1 minute
 
 Llama-3-8B on the H100 SXM profile, vLLM's limits, KV pools small enough to preempt.
 Feather (``feather-model``, its defaults) under four victim rules, next to vLLM's FCFS:
 
-* ``end of list``: what vLLM did under Feather's order before (the end of the running list,
-  i.e. the latest member of the smallest group);
-* ``latest arrival``: the rule Feather keeps (``FeatherRuntime.preemption_victim``);
+* ``end of list``: the end of a running list ordered larger groups first (Feather's order
+  and vLLM's victim before 5a29f14), i.e. the latest member of the smallest group;
+* ``latest arrival``: Feather's rule from 5a29f14 (issue 24) until the youngest group's;
 * ``largest group``: the latest arrival of the largest group (its prefix stays cached by
   its siblings, only its private tokens are recomputed);
-* ``youngest group``: the latest arrival of the group whose oldest running member is the
-  youngest (FCFS between groups).
+* ``youngest group``: the rule Feather keeps (``FeatherRuntime.preemption_victim``): the
+  latest arrival of the group whose oldest running member is the youngest (FCFS between
+  groups), the end of Feather's running order.
 
 Cells: a singleton that arrives first against a stream of 400 majority requests (the case
 the end-of-list rule starves); 8 groups x 100 with 4K prefixes at 100 req/s over three
-pool sizes (the smallest barely holds the 8 prefixes); 400 + 3 x 20 minority groups.
-Output tokens/s, preemptions, the worst group's mean TTFT and when the singleton
-finished. Writes preemption.json and preemption.md beside this file.
+pool sizes (the smallest barely holds the 8 prefixes); 400 + 3 x 20 minority groups;
+100 groups x 8 of 10K prefixes at 1.5x FCFS's offline rate (``sweep.py``'s cell where
+the latest-arrival rule lost its gain). Output tokens/s, preemptions, the worst group's
+mean TTFT and when the singleton finished. Writes preemption.json and preemption.md.
 """
 
 from __future__ import annotations
@@ -46,32 +48,46 @@ HERE = Path(__file__).parent
 Rule = Callable[[FeatherRuntime, Sequence[Any]], Any]
 
 
-def end_of_list(runtime: FeatherRuntime, running: Sequence[Any]) -> Any:
-    return running[-1]
+def end_of_larger_first(runtime: FeatherRuntime, running: Sequence[Any]) -> Any:
+    """The end of the running list ordered larger groups first (Feather's order until
+    2026-12-01): the last member of the smallest group."""
+    groups = [runtime.group(r) for r in running]
+    sizes = Counter(groups)
+    first: dict[Any, int] = {}
+    for index, group in enumerate(groups):
+        first.setdefault(group, index)
+    return running[max(range(len(running)),
+                       key=lambda i: (-sizes[groups[i]], first[groups[i]], i))]
+
+
+def latest_arrival(runtime: FeatherRuntime, running: Sequence[Any]) -> Any:
+    return max(running, key=runtime.age_key)
 
 
 def largest_group(runtime: FeatherRuntime, running: Sequence[Any]) -> Any:
     sizes = Counter(runtime.group(r) for r in running)
     top = max(sizes.values())
     return max((r for r in running if sizes[runtime.group(r)] == top),
-               key=runtime.preemption_order)
+               key=runtime.age_key)
 
 
-def youngest_group(runtime: FeatherRuntime, running: Sequence[Any]) -> Any:
-    oldest: dict[Any, tuple] = {}
-    for request in running:
-        group, order = runtime.group(request), runtime.preemption_order(request)
-        oldest[group] = min(oldest.get(group, order), order)
-    target = max(oldest, key=oldest.get)
-    return max((r for r in running if runtime.group(r) == target), key=runtime.preemption_order)
+RULES: dict[str, Rule] = {"end of list": end_of_larger_first,
+                          "latest arrival": latest_arrival,
+                          "largest group": largest_group,
+                          "youngest group": FeatherRuntime.preemption_victim}
 
 
-RULES: dict[str, Rule] = {"end of list": end_of_list,
-                          "latest arrival": FeatherRuntime.preemption_victim,
-                          "largest group": largest_group, "youngest group": youngest_group}
+def many_groups_at_load() -> Workload:
+    """``sweep.py``'s 100 groups x 8 of 10K prefixes, decode 200, Poisson at 1.5x FCFS's
+    offline request rate."""
+    def groups(arrival: ArrivalSpec | None) -> Workload:
+        return shared_prefix_groups(groups=100, prompts_per_group=8, prefix_len=10240,
+                                    suffix_len=32, output_len=200, arrival=arrival, seed=0)
+    offline = summarize(simulate(plan(groups(None), None), "fcfs"))
+    return groups(ArrivalSpec(kind="poisson", rate=1.5 * offline["request_throughput"]))
 
 
-def cells() -> list[tuple[str, Workload, int]]:
+def cells() -> list[tuple[str, Workload, int | None]]:
     groups = shared_prefix_groups(groups=8, prompts_per_group=100, prefix_len=4096,
                                   suffix_len=32, output_len=200,
                                   arrival=ArrivalSpec(kind="poisson", rate=100), seed=0)
@@ -85,13 +101,18 @@ def cells() -> list[tuple[str, Workload, int]]:
             ("8 x 100, 4K prefixes, 2,500 blocks", groups, 2500),
             ("8 x 100, 4K prefixes, 4,000 blocks", groups, 4000),
             ("8 x 100, 4K prefixes, 6,000 blocks", groups, 6000),
-            ("400 + 3 x 20, 4K prefixes, 2,500 blocks", minority, 2500)]
+            ("400 + 3 x 20, 4K prefixes, 2,500 blocks", minority, 2500),
+            ("100 x 8, 10K prefixes, the GPU's pool", many_groups_at_load(), None)]
 
 
-def measure(workload: Workload, blocks: int, name: str) -> dict:
-    plan = SimPlan(workload=workload, hardware=HARDWARE["h100-sxm"], model=MODELS["llama-3-8b"],
-                   engine=EngineConfig(num_blocks=blocks))
-    run = simulate(plan, name)
+def plan(workload: Workload, blocks: int | None) -> SimPlan:
+    """H100, Llama-3-8B; a pool of ``blocks`` (None: what the GPU's memory holds)."""
+    return SimPlan(workload=workload, hardware=HARDWARE["h100-sxm"], model=MODELS["llama-3-8b"],
+                   engine=None if blocks is None else EngineConfig(num_blocks=blocks))
+
+
+def measure(workload: Workload, blocks: int | None, name: str) -> dict:
+    run = simulate(plan(workload, blocks), name)
     summary = summarize(run)
     solo = [r.finished_s for r in run.records if r.group < 0]
     return {"output_throughput": summary["output_throughput"],

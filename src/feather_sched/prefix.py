@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import TypeVar
 
 from feather_sched.cht import DEFAULT_CHUNK_TOKENS
@@ -86,19 +86,37 @@ def shared_tokens(key_lists: Sequence[Sequence[ChunkKey]], tokens_per_key: int) 
     return [shared.shared_keys(keys) * tokens_per_key for keys in key_lists]
 
 
-def order_by_group(requests: Sequence[T], group: Callable[[T], Hashable]) -> list[T]:
-    """The running order Feather keeps: each group contiguous, larger groups first.
+def order_by_group(requests: Sequence[T], groups: Sequence[Hashable],
+                   ages: Sequence[tuple]) -> list[T]:
+    """The running order Feather keeps, which is also its preemption order (the end
+    first): each group contiguous, groups by their oldest member's age (FCFS between
+    groups), members by theirs. ``groups[i]`` and ``ages[i]`` are ``requests[i]``'s.
 
-    Groups are ordered by size (descending), then by where their first member stands in
-    ``requests``; members keep their relative order.  The order decides how the batch
-    shares, not who is preempted: that is the latest arrival, wherever it stands
-    (``FeatherRuntime.preemption_victim``).  O(n log n).
+    With ages that sort by priority class first and groups that tell classes apart,
+    the end is the newest member of the youngest group of the least urgent class:
+    preempting a group's members from the newest frees its prefix when the last goes,
+    and a request is never preempted for a group made only of requests younger than
+    it.  Groups whose oldest ages tie keep the order of their first members in
+    ``requests``.  O(n log n).
     """
-    groups = [group(request) for request in requests]
-    sizes = Counter(groups)
+    oldest: dict[Hashable, tuple] = {}
     first: dict[Hashable, int] = {}
-    for index, key in enumerate(groups):
-        first.setdefault(key, index)
+    for index, (key, age) in enumerate(zip(groups, ages, strict=True)):
+        if key not in oldest:
+            oldest[key], first[key] = age, index
+        elif age < oldest[key]:
+            oldest[key] = age
     ranked = sorted(range(len(requests)),
-                    key=lambda i: (-sizes[groups[i]], first[groups[i]], i))
+                    key=lambda i: (oldest[groups[i]], first[groups[i]], ages[i]))
     return [requests[i] for i in ranked]
+
+
+def gather_groups(requests: Sequence[T], groups: Sequence[Hashable]) -> list[T]:
+    """``requests`` with each group's members moved up to where its first member stands,
+    in their order: every group contiguous, nothing else moved. ``groups[i]`` is
+    ``requests[i]``'s. O(n)."""
+    members: dict[Hashable, list[T]] = {}
+    for request, group in zip(requests, groups, strict=True):
+        members.setdefault(group, []).append(request)
+    return [request for gathered in members.values() for request in gathered]
+

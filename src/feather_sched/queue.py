@@ -36,7 +36,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from feather_sched.cht import (
@@ -86,6 +86,11 @@ class _Request:
     priority: int
     sequence: int
     """Order of first entry into the queue: ties between equal arrival times."""
+    age_key: tuple[int, float, int] = field(init=False)
+    """(priority, arrival_s, sequence), as ``FeatherQueue.age_key`` gives it."""
+
+    def __post_init__(self) -> None:
+        self.age_key = (self.priority, self.arrival_s, self.sequence)
 
 
 class FeatherQueue:
@@ -169,10 +174,10 @@ class FeatherQueue:
     def arrival_s(self, request_id: RequestId) -> float:
         return self._requests[request_id].arrival_s
 
-    def arrival_order(self, request_id: RequestId) -> tuple[float, int]:
-        """Sorts requests by arrival: the arrival time, then the order of entry."""
-        request = self._requests[request_id]
-        return request.arrival_s, request.sequence
+    def age_key(self, request_id: RequestId) -> tuple[int, float, int]:
+        """Sorts requests by class, the most urgent first, then by age, the oldest first:
+        (priority, arrival time, order of entry). KeyError for an unknown request. O(1)."""
+        return self._requests[request_id].age_key
 
     def priority(self, request_id: RequestId) -> int:
         """The request's priority class (lower is more urgent)."""

@@ -22,9 +22,10 @@ state) behind one contract, stated once, in the style of vLLM's ``RequestQueue``
     end_step(step, size, seconds) step ``step`` ran: its reward reaches exactly the
                                   decisions bound to it
     preemption_victim(running)    the running request to preempt for KV room: the
-                                  latest arrival of the least urgent priority class
-                                  (engines whose own rule is this one, like vLLM's
-                                  priority path, need not ask)
+                                  end of Feather's running order, the newest member
+                                  of the youngest group of the least urgent class
+                                  (an engine that preempts the end of the running
+                                  list Feather ordered, like vLLM, need not ask)
 
 Faults: an exception in any of these (Feather's tree, queue, gate, meter or metrics sink)
 is the adapter's to contain: it hands it to ``faults.fault`` (``FaultGuard``), serves the
@@ -55,7 +56,7 @@ from feather_sched import metrics
 from feather_sched.config import FeatherConfig
 from feather_sched.gate import Decision, GateContext, UCBBanditGate
 from feather_sched.model_gate import ModelGate
-from feather_sched.prefix import group_of, order_by_group
+from feather_sched.prefix import gather_groups, group_of, order_by_group
 from feather_sched.queue import Admission, QueueState
 from feather_sched.stats import AdmissionCounts, SchedulerStats, StepMeter
 from feather_sched.step_model import EngineShape
@@ -277,8 +278,8 @@ class FeatherRuntime(Generic[R]):
     def begin_pass(self, running: Sequence[R]) -> list[R]:
         """Start a pass: reconcile with the engine's running list, reopen admission.
 
-        Returns ``running`` in the order Feather keeps it (``prefix.order_by_group``)
-        when ``order_running`` is on, else as given.  O(running) plus the sort.
+        Returns ``running`` in Feather's order (``order``), whose end an engine preempts
+        first.  O(running) plus the sort.
         """
         self.reconcile(running)
         self.queue.new_step()
@@ -286,31 +287,55 @@ class FeatherRuntime(Generic[R]):
         return self.order(running)
 
     def order(self, running: Sequence[R]) -> list[R]:
-        """``running`` in Feather's order (as given when ``order_running`` is off).
-        No grouping work when ``running`` is Feather's running set and no group has two
-        members in it (the order would be the given one); else O(n log n)."""
+        """``running`` in Feather's order, which is also its preemption order (the end
+        first): by priority class, then each prefix group contiguous, groups by their
+        oldest member's arrival, members by arrival (``prefix.order_by_group``). With
+        ``order_running`` off, or while no group runs two members, simply by class and
+        arrival. O(n log n); the arrival sort alone on a list already sorted is O(n).
+        """
+        return self._ordered(running, gathered=False)
+
+    def batch_order(self, running: Sequence[R]) -> list[R]:
+        """``order(running)`` with each prefix group gathered where its first member
+        stands, across priority classes (``prefix.gather_groups``): how a batch is laid
+        out, one run per group (vLLM's Model Runner V2 follows it, SGLang's decode batch
+        is permuted into it; vLLM's V1 runner gathers the same way in its own batch).
+        The same as ``order`` where one class runs. O(n log n)."""
+        return self._ordered(running, gathered=True)
+
+    def _ordered(self, running: Sequence[R], *, gathered: bool) -> list[R]:
         if not self.config.order_running or (
                 not self.queue.has_running_group() and len(running) == self.queue.num_running):
-            return list(running)
-        return order_by_group(running, self.group)
+            return sorted(running, key=self.age_key)
+        ages = [self.age_key(request) for request in running]
+        groups = [self.group(request) for request in running]
+        ranked = order_by_group(range(len(running)),
+                                [(age[0], group) for age, group in zip(ages, groups, strict=True)],
+                                ages)
+        if gathered:
+            ranked = gather_groups(ranked, [groups[i] for i in ranked])
+        return [running[i] for i in ranked]
 
     def preemption_victim(self, running: Sequence[R]) -> R:
-        """The request to preempt when the engine runs out of KV blocks: the latest arrival
-        of the least urgent priority class among ``running`` (equal arrival times: the
-        latest to enter the queue), wherever the batch order puts it; vLLM's rule under
-        its priority policy. So a request is preempted only while no request of its class
-        or a less urgent one that arrived after it runs: an old request never pays for a
-        young one, whatever its group. O(len(running)).
+        """The request to preempt when the engine runs out of KV blocks: the end of
+        ``order(running)``, the newest member of the youngest group (by its oldest running
+        member) of the least urgent class. Preempting a group from its newest member
+        frees its prefix when the last goes, and a request is preempted only while every
+        other running group of its class or a less urgent one has a member that arrived
+        before its own group's oldest: never for a group made only of younger requests
+        (an old singleton never pays for a stream of young majority requests). With
+        ``order_running`` off: the latest arrival of the least urgent class. O(n log n).
         """
-        return max(running, key=self.preemption_order)
+        return self.order(running)[-1]
 
-    def preemption_order(self, request: R) -> tuple[int, float, float]:
-        """Sorts requests for preemption, the last first: (priority class, arrival time,
-        order of entry into the queue); a request the queue never saw counts as arriving
-        now, after all the others of its class."""
-        request_id = self.view.request_id(request)
-        if request_id in self.queue:
-            return (self.queue.priority(request_id), *self.queue.arrival_order(request_id))
+    def age_key(self, request: R) -> tuple[int, float, float]:
+        """Sorts requests by class, the most urgent first, then by age, the oldest first:
+        (priority class, arrival time, order of entry into the queue); a request the queue
+        never saw counts as arriving now, after all the others of its class. O(1)."""
+        try:
+            return self.queue.age_key(self.view.request_id(request))
+        except KeyError:
+            pass
         arrival = self.view.arrival_s(request)
         return (self.view.priority(request), self.clock() if arrival is None else arrival,
                 float("inf"))
@@ -339,7 +364,7 @@ class FeatherRuntime(Generic[R]):
             return False
         arrival = self.view.arrival_s(request)
         if arrival is None:
-            arrival = self.preemption_order(request)[1]
+            arrival = self.age_key(request)[1]
         return (self.view.priority(request), arrival) > \
             (self.queue.priority(due), self.queue.arrival_s(due))
 

@@ -497,7 +497,7 @@ def test_within_a_class_the_prefix_order_holds() -> None:
     assert [req.rid for req in engine.admission_round(max_requests=2)] == ["C2", "C5"]
 
 
-def test_retraction_takes_the_latest_arrival_of_the_least_urgent_class(monkeypatch) -> None:
+def test_retraction_takes_the_least_urgent_class_first(monkeypatch) -> None:
     engine = Engine(gate="always", priority=True)
     b0, a0, b1, a1 = (_req("B", 0, priority=0), _req("A", 0, priority=9),
                       _req("B", 1, priority=0), _req("A", 1, priority=9))
@@ -522,9 +522,9 @@ def _full_batch_of_a(gate: str, options: dict | None = None) -> Engine:
 
 def test_sglangs_priority_preemption_leaves_feathers_picture_exact() -> None:
     """SGLang's ``PrefillAdder.preempt_to_schedule`` releases, for the urgent request, the
-    victim Feather's own rule names (A1: the latest arrival of the least urgent class,
-    not the latest arrival A2); A1 waits again in both pictures and, as its group still
-    runs and it arrived first, comes before A3 in Feather's order."""
+    victim Feather's own rule names (A1: the newest member of the youngest group of the
+    least urgent class, not the latest arrival A2); A1 waits again in both pictures and,
+    as its group still runs and it arrived first, comes before A3 in Feather's order."""
     engine = _full_batch_of_a("always")
     runtime = engine.feather.runtime
     assert runtime.preemption_victim(engine.running).rid == "A1"
@@ -612,7 +612,7 @@ def test_the_running_batch_is_put_in_group_order_and_left_alone_on_a_fault(
             engine.admission_round()
         assert [r.rid for r in engine.batch.reqs] == ["A0", "B1", "A2"]
         if fault:
-            monkeypatch.setattr(engine.feather.runtime, "order", lambda reqs: 1 / 0)
+            monkeypatch.setattr(engine.feather.runtime, "batch_order", lambda reqs: 1 / 0)
         engine.feather.order_running(engine.batch)
         return [r.rid for r in engine.batch.reqs]
 
@@ -628,7 +628,7 @@ def test_the_retraction_order_is_sglangs_own_on_a_fault(monkeypatch, contained_f
     monkeypatch.setattr(feather_sglang, "_process_feather", engine.feather)
     sglangs = lambda reqs: [1, 0]  # noqa: E731
     assert feather_sglang._hook_decode_retraction_order(sglangs, batch) == [0, 1]
-    monkeypatch.setattr(engine.feather.runtime, "preemption_order", lambda req: 1 / 0)
+    monkeypatch.setattr(engine.feather.runtime, "order", lambda reqs: 1 / 0)
     assert feather_sglang._hook_decode_retraction_order(sglangs, batch) == [1, 0]
     assert [where for where, _ in contained_faults] == ["retraction_order"]
 
@@ -761,9 +761,10 @@ def test_the_tree_orders_the_list_without_asking_the_gate() -> None:
     assert (counts.asked, counts.add) == (4, 3)
 
 
-def test_retraction_takes_the_latest_arrival_first(monkeypatch) -> None:
+def test_retraction_takes_the_youngest_groups_newest_member_first(monkeypatch) -> None:
     """SGLang retracts from the end of ``_get_decode_retraction_order``: under Feather the
-    latest arrival, whatever its output length or place in the batch."""
+    newest member of the youngest group (by its oldest member), whatever its output
+    length or place in the batch: B0, though A1 arrived later, as A0 is older."""
     engine = Engine(gate="always")
     a0, b0, a1 = _req("A", 0), _req("B", 0), _req("A", 1)
     engine.arrive(a0, b0, a1)
@@ -774,7 +775,7 @@ def test_retraction_takes_the_latest_arrival_first(monkeypatch) -> None:
     assert feather_sglang._hook_decode_retraction_order(sglangs, batch) == [0, 1, 2]
     monkeypatch.setattr(feather_sglang, "_process_feather", engine.feather)
     order = feather_sglang._hook_decode_retraction_order(sglangs, batch)
-    assert [batch[i].rid for i in order] == ["A0", "B0", "A1"]
+    assert [batch[i].rid for i in order] == ["A0", "A1", "B0"]
 
 
 def test_retracted_requests_are_counted_as_preemptions(monkeypatch) -> None:

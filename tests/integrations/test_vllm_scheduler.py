@@ -12,7 +12,7 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 import pytest
@@ -126,6 +126,8 @@ class Harness:
         self.runtime = feather.runtime if feather is not None else None
         self.in_flight: list[tuple] = []
         self.steps = 0
+        self.scheduled_from: list[str] = []
+        """The running list as the last pass left it (before its output finished any)."""
 
     def request(self, rid: str, group: int, max_tokens: int = 4, suffix: int = 5,
                 **fields: object) -> Request:
@@ -145,6 +147,7 @@ class Harness:
         """One engine step: schedule, check the picture, hand in the (oldest) output."""
         scheduler = self.scheduler
         output = scheduler.schedule()
+        self.scheduled_from = [r.request_id for r in scheduler.running]
         self.steps += 1
         self.check()
         self.in_flight.append((output, self.fake_output(output)))
@@ -198,8 +201,8 @@ def test_the_class_matches_the_engines_mode() -> None:
 
 def test_the_engine_log_says_how_ordering_acts(monkeypatch) -> None:
     v1 = Harness().scheduler.feather.order_note()
-    assert v1 == (f"V1 model runner: the worker plugin {BATCH_ORDER_PLUGIN!r} sorts the "
-                  "persistent batch into the running list's order by prefix group", True)
+    assert v1 == (f"V1 model runner: the worker plugin {BATCH_ORDER_PLUGIN!r} gathers each "
+                  "prefix group in the persistent batch", True)
     v2 = Harness(v2_runner=True).scheduler.feather.order_note()
     assert v2[0].startswith("Model Runner V2") and v2[1]
     assert plugin_allowed(BATCH_ORDER_PLUGIN)
@@ -448,8 +451,8 @@ def test_a_more_urgent_request_goes_before_any_less_urgent_one() -> None:
 
 
 def test_preemption_takes_the_least_urgent_class_first() -> None:
-    """vLLM's rule under its priority policy: max(priority, arrival) gives way, however
-    old; Feather's group order of the running list does not change it."""
+    """As under vLLM's priority policy, the least urgent class gives way, however old:
+    Feather's running order puts it last."""
     harness = Harness(scheduling_policy="priority", num_blocks=30, feather={})
     harness.add(harness.request("old-low", group=0, max_tokens=120, priority=1),
                 *(harness.request(f"high{i}", group=1, max_tokens=120, priority=0)
@@ -488,27 +491,46 @@ def test_kv_holding_requests_do_not_pass_a_due_request() -> None:
     harness.assert_empty()
 
 
-def test_running_is_kept_in_group_order_and_preemption_takes_the_latest_arrival() -> None:
+def preempted_by_feathers_rule(victims: Iterable[str], running: Iterable[str],
+                               age: dict[str, tuple], group: dict[str, int]) -> bool:
+    """Whether ``victims`` (one step's, in any order) are the end of Feather's order of
+    them and ``running``: by class, then groups by their oldest member, members by age.
+    So each, when taken, was the newest member of the youngest group of the least
+    urgent class. ``age``: (priority, arrival time) by request id."""
+    victims, running = list(victims), list(running)
+    oldest: dict[tuple, tuple] = {}
+    for rid in victims + running:
+        key = (age[rid][0], group[rid])
+        oldest[key] = min(oldest.get(key, age[rid]), age[rid])
+
+    def rank(rid: str) -> tuple:
+        return oldest[(age[rid][0], group[rid])], age[rid]
+    return all(rank(r) <= rank(v) for r in running for v in victims)
+
+
+def test_running_is_kept_grouped_by_age_and_preemption_takes_the_youngest_group() -> None:
     harness = Harness(num_blocks=30)
-    harness.add(*(harness.request(rid, group=int(rid.startswith("small")), max_tokens=80)
-                  for rid in ("big0", "small0", "big1", "big2", "small1", "big3")))
+    requests = [harness.request(rid, group=int(rid.startswith("small")), max_tokens=80)
+                for rid in ("big0", "small0", "big1", "big2", "small1", "big3")]
+    harness.add(*requests)
+    age = {r.request_id: (r.priority, r.arrival_time) for r in requests}
+    group = {r.request_id: int(r.request_id.startswith("small")) for r in requests}
     victims: list[str] = []
     while harness.scheduler.has_requests():
         output = harness.step()
         victims += output.preempted_req_ids
-        for victim in output.preempted_req_ids:
-            arrived = harness.scheduler.requests[victim].arrival_time
-            assert all(r.arrival_time < arrived for r in harness.scheduler.running), victim
+        assert preempted_by_feathers_rule(output.preempted_req_ids, harness.scheduled_from,
+                                          age, group)
         ordered = [rid for rid in output.num_scheduled_tokens
                    if rid not in {r.req_id for r in output.scheduled_new_reqs}]
-        groups = [rid.rstrip("0123456789") for rid in ordered]
+        groups = [group[rid] for rid in ordered]
         runs = [g for i, g in enumerate(groups) if i == 0 or g != groups[i - 1]]
         assert len(runs) == len(set(runs)), groups  # each group contiguous
-        assert [groups.count(g) for g in runs] == sorted((groups.count(g) for g in runs),
-                                                         reverse=True)
+        oldest = [min(age[rid] for rid in ordered if group[rid] == g) for g in runs]
+        assert oldest == sorted(oldest), ordered  # the oldest group first
         assert harness.steps < 400
-    # The smallest group stands last, yet its requests give way only to older ones.
-    assert victims and any(v.startswith("big") for v in victims)
+    # The small group arrived after the big one's first member: it gives way first.
+    assert set(victims[:2]) == {"small0", "small1"}, victims
     harness.assert_empty()
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
@@ -535,8 +557,9 @@ def singleton_against_a_stream(harness: Harness) -> tuple[int, int, int]:
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_an_old_singleton_is_not_preempted_for_a_stream_of_majority_requests(
         async_scheduling: bool) -> None:
-    """With the batch ordered by group the singleton stands last; vLLM used to preempt it
-    again and again (6 times, finishing at step 818 against 201)."""
+    """The singleton's group is the oldest, so it stands first and never gives way to the
+    majority's; preempting the end of a list ordered with larger groups first, vLLM once
+    preempted it 6 times (finishing at step 818 against 201)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsync
     from vllm.v1.core.sched.scheduler import Scheduler as VllmSync
 
@@ -554,15 +577,18 @@ def test_an_old_singleton_is_not_preempted_for_a_stream_of_majority_requests(
 
 @pytest.mark.parametrize("classes", [1, 2])
 @pytest.mark.parametrize("seed", range(4))
-def test_no_request_is_preempted_while_a_later_arrival_runs(seed: int, classes: int) -> None:
+def test_no_request_is_preempted_for_a_group_of_younger_requests(seed: int,
+                                                                 classes: int) -> None:
     """Random arrivals, lengths and aborts in 3 groups and singletons, a KV cache that
-    forces preemption, the default gate, sync and async; with two classes under vLLM's
-    priority policy, "later" means (class, arrival), and no request is admitted from the
-    waiting queue while a more urgent one that waited since the pass began still waits."""
+    forces preemption, the default gate, sync and async: every victim is the newest member
+    of the youngest group (by its oldest running member) of the least urgent class; with
+    two classes under vLLM's priority policy, no request is admitted from the waiting
+    queue while a more urgent one that waited since the pass began still waits."""
     rng = random.Random(seed)
     policy = {"scheduling_policy": "priority"} if classes > 1 else {}
     harness = Harness(num_blocks=36, async_scheduling=bool(seed % 2), feather={}, **policy)
-    order = {}
+    order: dict[str, tuple] = {}
+    groups: dict[str, int] = {}
     preempted = 0
     for step in range(400):
         for _ in range(rng.choice((0, 0, 1, 2))):
@@ -571,6 +597,7 @@ def test_no_request_is_preempted_while_a_later_arrival_runs(seed: int, classes: 
             request = harness.request(rid, group=group, max_tokens=rng.randrange(5, 90),
                                       priority=rng.randrange(classes))
             order[rid] = (request.priority, request.arrival_time)
+            groups[rid] = group
             harness.add(request)
         if rng.random() < 0.03 and harness.scheduler.running:
             harness.scheduler.finish_requests(
@@ -580,11 +607,10 @@ def test_no_request_is_preempted_while_a_later_arrival_runs(seed: int, classes: 
             continue
         waited = {r.request_id for r in harness.scheduler.waiting}
         output = harness.step()
-        for victim in output.preempted_req_ids:
-            preempted += 1
-            later = [r.request_id for r in harness.scheduler.running
-                     if order[r.request_id] > order[victim]]
-            assert not later, (victim, later)
+        preempted += len(output.preempted_req_ids)
+        running = harness.scheduled_from
+        assert preempted_by_feathers_rule(output.preempted_req_ids, running, order, groups), \
+            (output.preempted_req_ids, running)
         admitted = [r.req_id for r in output.scheduled_new_reqs]
         still = [rid for rid in waited if rid in harness.runtime.queue and
                  harness.runtime.queue.state(rid) is QueueState.WAITING]

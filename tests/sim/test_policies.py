@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 
 import pytest
 from typer.testing import CliRunner
@@ -254,16 +256,40 @@ def test_an_old_singleton_is_not_preempted_for_a_stream_of_majority_requests() -
     assert finished["feather-model"] <= 1.25 * finished["fcfs"], finished
 
 
+def is_the_latest_arrival(victim: SimRequest, running: Sequence[SimRequest]) -> bool:
+    """vLLM's rule under its priority policy: the latest arrival of the least urgent
+    class."""
+    key = (victim.spec.priority, victim.spec.arrival_s)
+    return all((r.spec.priority, r.spec.arrival_s) <= key for r in running)
+
+
+def is_the_newest_of_the_youngest_group(victim: SimRequest,
+                                        running: Sequence[SimRequest]) -> bool:
+    """Feather's rule: in the least urgent class, the group whose oldest running member
+    arrived last, and its newest member."""
+    if any(r.spec.priority > victim.spec.priority for r in running):
+        return False
+    oldest: dict = {}
+    for r in running:
+        if r.spec.priority == victim.spec.priority:
+            oldest[r.group] = min(oldest.get(r.group, math.inf), r.spec.arrival_s)
+    members = [r for r in running
+               if r.group == victim.group and r.spec.priority == victim.spec.priority]
+    return oldest[victim.group] == max(oldest.values()) and \
+        victim.spec.arrival_s == max(r.spec.arrival_s for r in members)
+
+
 @pytest.mark.parametrize("seed", range(3))
-def test_no_request_is_preempted_while_a_later_arrival_runs(seed: int,
-                                                            monkeypatch) -> None:
-    """Every victim is the latest arrival among the requests running at that moment."""
+def test_no_request_is_preempted_for_a_group_of_younger_requests(seed: int,
+                                                                 monkeypatch) -> None:
+    """Every victim is the newest member of the youngest running group (by its oldest
+    member): a request never pays for a group made only of requests younger than it."""
     seen = []
     choose = FeatherRuntime.preemption_victim
 
     def recording(self, running):
         victim = choose(self, running)
-        seen.append(all(r.spec.arrival_s <= victim.spec.arrival_s for r in running))
+        seen.append(is_the_newest_of_the_youngest_group(victim, running))
         return victim
 
     monkeypatch.setattr(FeatherRuntime, "preemption_victim", recording)
@@ -331,9 +357,9 @@ def test_the_urgent_class_goes_first_under_priority_and_feather_and_not_under_fc
     assert runs["fcfs"]["by_priority"]["0"]["mean_ttft_ms"] == pytest.approx(fcfs_rest, rel=0.5)
 
 
-@pytest.mark.parametrize("name", ["priority", "feather-model"])
-def test_the_victim_is_the_latest_arrival_of_the_least_urgent_class(name: str,
-                                                                     monkeypatch) -> None:
+@pytest.mark.parametrize(("name", "rule"), [("priority", is_the_latest_arrival),
+                                            ("feather-model", is_the_newest_of_the_youngest_group)])
+def test_the_victim_comes_from_the_least_urgent_class(name: str, rule, monkeypatch) -> None:
     seen = []
     policy_of = make_policy
 
@@ -343,8 +369,7 @@ def test_the_victim_is_the_latest_arrival_of_the_least_urgent_class(name: str,
 
         def victim(running):
             chosen = choose(running)
-            key = (chosen.spec.priority, chosen.spec.arrival_s)
-            seen.append(all((r.spec.priority, r.spec.arrival_s) <= key for r in running))
+            seen.append(rule(chosen, running))
             return chosen
 
         policy.preemption_victim = victim

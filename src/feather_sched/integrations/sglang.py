@@ -30,12 +30,13 @@ which translates SGLang's objects for the engine-agnostic ``FeatherRuntime``:
   timed from launch until its result has been processed (after the device sync), so a
   prefill step's time is never taken for theirs, overlap or not;
 * finished requests leave with their batch result; ``update_running_batch`` keeps the
-  running decode batch in Feather's order (SGLang's decode attention walks requests in
-  batch order), through SGLang's own ``ScheduleBatch.filter_batch``.
+  running decode batch in Feather's batch order, one run per prefix group (SGLang's decode
+  attention walks requests in batch order), through SGLang's own
+  ``ScheduleBatch.filter_batch``.
 * under memory pressure SGLang retracts decoding requests in the order
-  ``ScheduleBatch._get_decode_retraction_order`` gives: Feather's is by priority class,
-  then arrival, so the latest arrival of the least urgent class is retracted first, as on
-  vLLM and in the simulator;
+  ``ScheduleBatch._get_decode_retraction_order`` gives: Feather's is its running order
+  (``FeatherRuntime.order``), so the newest member of the youngest prefix group of the
+  least urgent class is retracted first, as on vLLM and in the simulator;
 * under ``--enable-priority-scheduling`` each request's ``Req.priority`` becomes a Feather
   priority class ranked as SGLang ranks it (``SGLangRequests.priority``), so the runtime's
   strict priority puts the most urgent class waiting first; SGLang's own priority
@@ -373,11 +374,7 @@ class FeatherSGLang:
                 not self.faults.active or self.faults.dirty:
             return
         try:
-            ordered = self.runtime.order(batch.reqs)
-            place = {id(req): i for i, req in enumerate(batch.reqs)}
-            order = [place[id(req)] for req in ordered]
-            if len(set(order)) != len(batch.reqs):
-                raise RuntimeError("Feather's running order is not a permutation of the batch")
+            order = positions(batch.reqs, self.runtime.batch_order(batch.reqs))
         except Exception as error:
             self.fault("order_running", error)
             return
@@ -387,13 +384,13 @@ class FeatherSGLang:
         self.runtime.meter.stats.reordered_batches += 1
 
     def retraction_order(self, reqs: list[Req]) -> list[int] | None:
-        """The indices of ``reqs`` in Feather's retraction order (the end first); None
-        while a fault is pending or Feather is off (SGLang's own order then)."""
+        """The indices of ``reqs`` in Feather's retraction order, which is its running
+        order (the end first); None while a fault is pending or Feather is off (SGLang's
+        own order then)."""
         if not self.faults.active or self.faults.dirty:
             return None
-        order = self.runtime.preemption_order
         try:
-            return sorted(range(len(reqs)), key=lambda i: order(reqs[i]))
+            return positions(reqs, self.runtime.order(reqs))
         except Exception as error:
             self.fault("retraction_order", error)
             return None
@@ -417,6 +414,16 @@ class FeatherSGLang:
             self.runtime.enter_waiting(req)
         except Exception as error:
             self.fault("enter_waiting", error)
+
+
+def positions(reqs: list[Req], ordered: list[Req]) -> list[int]:
+    """The indices in ``reqs`` of ``ordered``'s requests, in its order; RuntimeError if
+    ``ordered`` is not a permutation of ``reqs``."""
+    place = {id(req): i for i, req in enumerate(reqs)}
+    order = [place[id(req)] for req in ordered]
+    if len(set(order)) != len(reqs):
+        raise RuntimeError("Feather's running order is not a permutation of the batch")
+    return order
 
 
 def permute_batch(batch: ScheduleBatch, order: list[int]) -> None:
@@ -631,9 +638,9 @@ def _hook_process_batch_result(original: Callable, scheduler: Any, batch: Any, *
 
 def _hook_decode_retraction_order(original: Callable, reqs: list, *args: Any,
                                   **kwargs: Any) -> list[int]:
-    """The order SGLang retracts decoding requests from (the end first): under Feather, by
-    priority class, then arrival, so the latest arrival of the least urgent class goes
-    first (``FeatherRuntime.preemption_victim``'s rule) instead of SGLang's
+    """The order SGLang retracts decoding requests from (the end first): under Feather, its
+    running order, so the newest member of the youngest group of the least urgent class
+    goes first (``FeatherRuntime.preemption_victim``'s rule) instead of SGLang's
     fewest-output-tokens first (or its ``--retraction-policy priority``)."""
     feather = _process_feather
     order = None if feather is None else feather.retraction_order(reqs)

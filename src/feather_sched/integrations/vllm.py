@@ -15,7 +15,8 @@ the engine-agnostic ``FeatherRuntime`` (``feather_sched.runtime``):
 * ``schedule()`` is one pass: ``begin_pass`` reconciles the runtime with vLLM's
   ``running`` list (so requests in vLLM's ``kv_holding_waiting`` queue, or a streaming
   session between turns, are never counted as running) and puts ``running`` in Feather's
-  order; ``end_pass`` binds the decisions that took effect to the scheduler output;
+  order (its end the first to preempt); ``end_pass`` binds the decisions that took effect
+  to the scheduler output;
 * ``update_from_output`` reports that output's step: its decisions get its reward, keyed
   by the output itself, so under async scheduling (``schedule()`` of step N+1 before
   ``update_from_output`` of step N) each reward reaches its own decisions;
@@ -41,8 +42,8 @@ Batch order: vLLM's Model Runner V2 (the GPU default) orders each step's decodes
 scheduler scheduled them, i.e. as ``running`` stands, so ordering ``running`` by prefix
 group orders the batch.  The V1 runner (CPU; some GPU modes) keeps a persistent batch of
 its own; Feather's worker plugin (``vllm_batch_order``) gathers each prefix group in
-it.  Preemption does not follow that order: vLLM preempts the latest arrival of the
-least urgent class (``preempt_latest_arrival``).
+it.  vLLM preempts the end of ``running`` (its FCFS rule, set while Feather serves the
+pass): the newest member of the youngest group of the least urgent class.
 
 ``FeatherScheduler`` builds vLLM's ``AsyncScheduler`` variant when async scheduling is on
 (the GPU default) and ``FeatherSyncScheduler`` when it is off (always on CPU).
@@ -172,6 +173,8 @@ class FeatherWaitingQueue(RequestQueue):
         """Every request in the queue, by id, whatever Feather's state."""
         self._fallback: PriorityRequestQueue | None = None
         """vLLM's own queue over the members while Feather's code is out of the pass."""
+        self._engine_policy = scheduler.policy
+        """vLLM's policy as configured: its victim rule while Feather is out."""
         self._peeked: Request | None = None
         self._popped: Request | None = None
 
@@ -273,7 +276,14 @@ class FeatherWaitingQueue(RequestQueue):
 
     def begin_pass(self) -> None:
         """Before vLLM's pass: Feather resumes after a fault, rebuilt from vLLM's running
-        list and this queue's members; a fault here keeps vLLM's order for this pass."""
+        list and this queue's members; a fault here keeps vLLM's order for this pass.
+
+        ``running`` is put in Feather's order and vLLM's policy set to FCFS, whose victim
+        is ``running[-1]``: vLLM 0.32 reads ``scheduler.policy`` after start-up only to
+        choose a victim (its waiting queue is this one), so it preempts Feather's
+        (``FeatherRuntime.preemption_victim``) and each next victim is again the end.
+        Under vLLM's priority policy the classes are kept: Feather's order puts the least
+        urgent last."""
         self._peeked = self._popped = None
         faults = self.runtime.faults
         if not faults.active:
@@ -288,13 +298,16 @@ class FeatherWaitingQueue(RequestQueue):
                                    f"vLLM's waiting queue {len(self._members)}")
             self._fallback = None
             running[:] = self.runtime.begin_pass(running)
+            self.scheduler.policy = SchedulingPolicy.FCFS  # the victim: the end of running
         except Exception as error:
             self.fall_back("begin_pass", error)
 
     def fall_back(self, where: str, error: Exception) -> None:
         """Feather's code raised in ``where``: the fault is counted and logged, and vLLM's
-        own order serves until the next pass resumes Feather.  O(waiting log waiting)."""
+        own order and victim rule serve until the next pass resumes Feather.
+        O(waiting log waiting)."""
         self.runtime.faults.fault(where, error)
+        self.scheduler.policy = self._engine_policy
         if self._fallback is None:
             self._fallback = PriorityRequestQueue()
             for request in self._members.values():
@@ -538,7 +551,6 @@ class VllmFeather(VllmMeter):
         scheduler.waiting = self.queue
         scheduler.kv_holding_waiting = KvHoldingQueue(scheduler.kv_holding_waiting,
                                                       self.queue, scheduler)
-        preempt_latest_arrival(scheduler)
         note, acts = self.order_note()
         logger.info("Feather scheduler: %s; %s", config, note)
         if not acts:
@@ -573,7 +585,7 @@ class VllmFeather(VllmMeter):
         scheduled = output.num_scheduled_tokens
         if not self.runtime.orders_running or len(scheduled) < 2:
             return
-        ordered = [r.request_id for r in self.runtime.order(self.scheduler.running)
+        ordered = [r.request_id for r in self.runtime.batch_order(self.scheduler.running)
                    if r.request_id in scheduled]
         if len(ordered) == len(scheduled) and ordered != list(scheduled):
             output.num_scheduled_tokens = {rid: scheduled[rid] for rid in ordered}
@@ -616,8 +628,8 @@ class VllmFeather(VllmMeter):
             return (f"V1 model runner, but the worker plugin {BATCH_ORDER_PLUGIN!r} is not "
                     "installed or not in VLLM_PLUGINS"), False
         return ("V1 model runner: the worker plugin "
-                f"{BATCH_ORDER_PLUGIN!r} sorts the persistent batch into the running "
-                "list's order by prefix group"), True
+                f"{BATCH_ORDER_PLUGIN!r} gathers each prefix group in the persistent "
+                "batch"), True
 
 
 class _Hooks:
@@ -709,21 +721,6 @@ def requests_view(scheduler: Scheduler, config: FeatherConfig) -> VllmRequests:
     """How Feather reads this scheduler's requests (block hashes of its hash block size)."""
     hash_block_size = getattr(scheduler, "hash_block_size", None) or scheduler.block_size
     return VllmRequests(hash_block_size, config.chunk_tokens)
-
-
-def preempt_latest_arrival(scheduler: Scheduler) -> None:
-    """Make vLLM preempt Feather's victim (``FeatherRuntime.preemption_victim``): the
-    latest arrival among the running requests, not the end of the running list, which
-    Feather orders by group (the end would be the smallest group's, however old).
-
-    vLLM 0.32 reads ``scheduler.policy`` after start-up only to choose a victim: under
-    PRIORITY, ``max(running, key=(priority, arrival_time))``, removed wherever it stands
-    (with its budget given back if it was scheduled in this pass). All priorities being 0
-    under the FCFS policy (vLLM rejects others), that is the latest arrival; under the
-    priority policy it is vLLM's own rule. Feather's queue replaces the waiting queue
-    vLLM built; its ``kv_holding_waiting`` stays (wrapped).
-    """
-    scheduler.policy = SchedulingPolicy.PRIORITY
 
 
 def is_feather_scheduler(scheduler_cls: type) -> bool:

@@ -3,12 +3,13 @@
 Each step follows the shape of vLLM's ``Scheduler.schedule()``: running requests first
 (one decode token, or their next prefill chunk), preempting by recompute, when KV blocks
 run out, the policy's victim (vLLM FCFS: the most recently admitted; vLLM's priority
-policy and Feather: the latest arrival of the least urgent class); then, if nothing was
+policy: the latest arrival of the least urgent class; Feather: the newest member of that
+class's youngest prefix group); then, if nothing was
 preempted, admission from the waiting policy while the token budget and ``max_num_seqs``
 allow.  The batch is laid out like vLLM's *persistent batch* (new requests take the lowest
 free slot, then ``condense`` moves the last slots into the remaining holes), which is what
-interleaves prefix groups over time; under a policy that ``orders_running``, the batch follows the
-scheduler's running order, as Feather's worker plugin makes vLLM's V1 runner do.
+interleaves prefix groups over time; under a policy that ``orders_running``, each group
+gathers at its first slot, as Feather's worker plugin makes vLLM's V1 runner do.
 
 Every policy drives the contract of ``feather_sched.runtime`` (Feather is the real
 ``FeatherRuntime``; the baselines implement the same calls), and prefix groups and
@@ -400,7 +401,7 @@ class SimEngine:
                     i -= 1
                     scheduled.remove(victim)
                     budget += victim.scheduled_tokens
-                    victim.scheduled_tokens = 0
+                    victim.scheduled_tokens, victim.step = 0, -1  # off this step's batch
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -465,8 +466,9 @@ class SimEngine:
 
         As vLLM's input batch: requests not scheduled now leave their slots, newcomers
         take the lowest holes (else the end), then ``condense`` fills remaining holes
-        with the last occupied slots.  Under a policy that orders the running list, the
-        slots follow the scheduler's order instead (Feather's V1 worker plugin).
+        with the last occupied slots.  Under a policy that orders the running list, each
+        prefix group then gathers at its first slot, in the scheduler's order, and other
+        requests stay (Feather's V1 worker plugin, ``vllm_batch_order.order_by_schedule``).
         """
         slots, holes, shared = self._slots, self._holes, self._shared
         for index, request in enumerate(slots):
@@ -485,8 +487,12 @@ class SimEngine:
                     slots[request.slot] = request
         self._condense()
         if self.policy.orders_running:
-            slots[:] = scheduled
-            for index, request in enumerate(scheduled):
+            place = {id(request): index for index, request in enumerate(scheduled)}
+            anchor: dict[Hashable, int] = {}
+            for index, request in enumerate(slots):
+                anchor.setdefault(request.group, index)
+            slots.sort(key=lambda request: (anchor[request.group], place[id(request)]))
+            for index, request in enumerate(slots):
                 request.slot = index
         return [r for r in slots if r is not None]  # condensed: every slot is occupied
 
