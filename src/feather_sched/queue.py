@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence, Set
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence, Set
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -178,6 +178,11 @@ class FeatherQueue:
         """Sorts requests by class, the most urgent first, then by age, the oldest first:
         (priority, arrival time, order of entry). KeyError for an unknown request. O(1)."""
         return self._requests[request_id].age_key
+
+    def age_keys(self, request_ids: Iterable[RequestId]) -> list[tuple[int, float, int]]:
+        """``age_key`` of each request, in order; KeyError if one is unknown. O(n)."""
+        requests = self._requests
+        return [requests[request_id].age_key for request_id in request_ids]
 
     def priority(self, request_id: RequestId) -> int:
         """The request's priority class (lower is more urgent)."""

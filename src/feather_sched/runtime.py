@@ -281,10 +281,10 @@ class FeatherRuntime(Generic[R]):
         Returns ``running`` in Feather's order (``order``), whose end an engine preempts
         first.  O(running) plus the sort.
         """
-        self.reconcile(running)
+        ids = self._reconcile_running(running)
         self.queue.new_step()
         self._taken.clear()
-        return self.order(running)
+        return self._ordered(running, ids, gathered=False)
 
     def order(self, running: Sequence[R]) -> list[R]:
         """``running`` in Feather's order, which is also its preemption order (the end
@@ -293,7 +293,7 @@ class FeatherRuntime(Generic[R]):
         ``order_running`` off, or while no group runs two members, simply by class and
         arrival. O(n log n); the arrival sort alone on a list already sorted is O(n).
         """
-        return self._ordered(running, gathered=False)
+        return self._ordered(running, self._ids(running), gathered=False)
 
     def batch_order(self, running: Sequence[R]) -> list[R]:
         """``order(running)`` with each prefix group gathered where its first member
@@ -301,13 +301,19 @@ class FeatherRuntime(Generic[R]):
         out, one run per group (vLLM's Model Runner V2 follows it, SGLang's decode batch
         is permuted into it; vLLM's V1 runner gathers the same way in its own batch).
         The same as ``order`` where one class runs. O(n log n)."""
-        return self._ordered(running, gathered=True)
+        return self._ordered(running, self._ids(running), gathered=True)
 
-    def _ordered(self, running: Sequence[R], *, gathered: bool) -> list[R]:
+    def _ordered(self, running: Sequence[R], ids: list[RequestId], *,
+                 gathered: bool) -> list[R]:
+        """``running`` (whose request ids are ``ids``) in ``order``'s order, or
+        ``batch_order``'s where ``gathered``."""
+        try:
+            ages = self.queue.age_keys(ids)
+        except KeyError:  # a request the queue never saw
+            ages = [self.age_key(request) for request in running]
         if not self.config.order_running or (
                 not self.queue.has_running_group() and len(running) == self.queue.num_running):
-            return sorted(running, key=self.age_key)
-        ages = [self.age_key(request) for request in running]
+            return [running[i] for i in sorted(range(len(running)), key=ages.__getitem__)]
         groups = [self.group(request) for request in running]
         ranked = order_by_group(range(len(running)),
                                 [(age[0], group) for age, group in zip(ages, groups, strict=True)],
@@ -463,21 +469,11 @@ class FeatherRuntime(Generic[R]):
         any request in neither list is discarded: it left the engine by a path Feather
         did not see.  O(running + waiting) when something changed.
         """
-        queue, view = self.queue, self.view
         running = list(running)
-        running_ids = {view.request_id(request) for request in running}
-        if not queue.runs_exactly(running_ids):
-            for request in running:
-                request_id = self._refresh(request)
-                state = queue.state(request_id)
-                if state is QueueState.WAITING:
-                    queue.admit(request_id)
-                elif state is QueueState.HELD:
-                    queue.run(request_id)
-            for request_id in [r for r in queue.running_ids() if r not in running_ids]:
-                self.hold(request_id)
+        running_ids = set(self._reconcile_running(running))
         if waiting is None:
             return
+        queue, view = self.queue, self.view
         waiting_ids = set()
         for request in waiting:
             request_id = view.request_id(request)
@@ -490,6 +486,26 @@ class FeatherRuntime(Generic[R]):
             gone = [r for r in self._tracked if r not in running_ids and r not in waiting_ids]
             for request_id in gone:
                 self.discard(request_id)
+
+    def _reconcile_running(self, running: Sequence[R]) -> list[RequestId]:
+        """``reconcile``'s running half; returns ``running``'s request ids, in order."""
+        queue = self.queue
+        ids = self._ids(running)
+        running_ids = set(ids)
+        if not queue.runs_exactly(running_ids):
+            for request in running:
+                request_id = self._refresh(request)
+                state = queue.state(request_id)
+                if state is QueueState.WAITING:
+                    queue.admit(request_id)
+                elif state is QueueState.HELD:
+                    queue.run(request_id)
+            for request_id in [r for r in queue.running_ids() if r not in running_ids]:
+                self.hold(request_id)
+        return ids
+
+    def _ids(self, requests: Sequence[R]) -> list[RequestId]:
+        return [self.view.request_id(request) for request in requests]
 
     def resync(self, running: Sequence[R], waiting: Iterable[R],
                held: Iterable[R] = ()) -> None:
