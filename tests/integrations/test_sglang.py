@@ -522,9 +522,10 @@ def _full_batch_of_a(gate: str, options: dict | None = None) -> Engine:
 
 def test_sglangs_priority_preemption_leaves_feathers_picture_exact() -> None:
     """SGLang's ``PrefillAdder.preempt_to_schedule`` releases, for the urgent request, the
-    victim Feather's own rule names (A1: the newest member of the youngest group of the
-    least urgent class, not the latest arrival A2); A1 waits again in both pictures and,
-    as its group still runs and it arrived first, comes before A3 in Feather's order."""
+    victim of its own rule, the least urgent class's latest entry (A1, not the latest
+    arrival A2; with one group running, Feather's rule names it too); A1 waits again in
+    both pictures and, as its group still runs and it arrived first, comes before A3 in
+    Feather's order."""
     engine = _full_batch_of_a("always")
     runtime = engine.feather.runtime
     assert runtime.preemption_victim(engine.running).rid == "A1"
