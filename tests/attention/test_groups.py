@@ -36,6 +36,15 @@ def test_rows_sharing_leading_blocks_group_in_any_order():
     assert as_sets(groups) == [(frozenset({0, 2, 4}), 3), (frozenset({1, 3}), 2)]
 
 
+def test_rows_sharing_no_first_block_form_no_group_and_one_shared_pair_does():
+    """The usual batch shares nothing: it is settled on the first blocks alone."""
+    rows = [[10 * i + 1, 10 * i + 2, 10 * i + 3] for i in range(8)]
+    assert len(find_groups(table(rows), lens_for(rows), np.ones(8, int), BS, 1)) == 0
+    rows[5] = [1, 2, 99]  # shares two blocks with row 0
+    assert as_sets(find_groups(table(rows), lens_for(rows), np.ones(8, int), BS, 1)) == \
+        [(frozenset({0, 5}), 2)]
+
+
 def test_only_full_blocks_below_the_written_token_are_shared():
     # Both rows end in block 3 (identical ids); it holds this step's token, so it is out.
     rows = [[1, 2, 3], [1, 2, 3]]

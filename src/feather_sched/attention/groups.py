@@ -73,7 +73,7 @@ def find_groups(block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.nd
     full = (seq_lens[decode].astype(np.int64) - 1) // block_size
     keep = full >= min_shared_blocks
     candidates, full = decode[keep], full[keep]
-    if len(candidates) < min_rows:
+    if len(candidates) < min_rows or _first_blocks_distinct(block_table, candidates):
         return _no_groups()
     width = int(full.max())
     keys = block_table[candidates, :width].astype(np.int64)
@@ -88,6 +88,12 @@ def find_groups(block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.nd
     members = [rows[lo:hi + 1] for lo, hi, _ in spans]
     return Groups(np.concatenate(members), np.cumsum([0] + [len(m) for m in members]),
                   np.array([shared for _, _, shared in spans], dtype=np.int64))
+
+
+def _first_blocks_distinct(block_table: np.ndarray, rows: np.ndarray) -> bool:
+    """Whether no two of ``rows`` share their first block, so none shares a prefix: the
+    usual batch where nothing is shared, settled without sorting the block table."""
+    return len(np.unique(block_table[rows, 0])) == len(rows)
 
 
 def _no_groups() -> Groups:

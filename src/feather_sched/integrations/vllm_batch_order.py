@@ -89,6 +89,8 @@ def order_by_schedule(input_batch: Any, scheduler_output: Any, threshold: int | 
         return 0
     first_blocks = input_batch.block_table[0].block_table.np[:num_reqs, 0]
     _, group = np.unique(first_blocks, return_inverse=True)
+    if group.max() + 1 == num_reqs:
+        return 0  # no row shares its first block: nothing to gather (vLLM's reorder follows)
     anchor = np.full(group.max() + 1, num_reqs)
     np.minimum.at(anchor, group, np.arange(num_reqs))
     place = {rid: i for i, rid in enumerate(scheduler_output.num_scheduled_tokens)}
