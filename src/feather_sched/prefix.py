@@ -119,4 +119,3 @@ def gather_groups(requests: Sequence[T], groups: Sequence[Hashable]) -> list[T]:
     for request, group in zip(requests, groups, strict=True):
         members.setdefault(group, []).append(request)
     return [request for gathered in members.values() for request in gathered]
-

@@ -470,10 +470,11 @@ class FeatherRuntime(Generic[R]):
         did not see.  O(running + waiting) when something changed.
         """
         running = list(running)
-        running_ids = set(self._reconcile_running(running))
+        ids = self._reconcile_running(running)
         if waiting is None:
             return
         queue, view = self.queue, self.view
+        running_ids = set(ids)
         waiting_ids = set()
         for request in waiting:
             request_id = view.request_id(request)
