@@ -73,7 +73,7 @@ def find_groups(block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.nd
     full = (seq_lens[decode].astype(np.int64) - 1) // block_size
     keep = full >= min_shared_blocks
     candidates, full = decode[keep], full[keep]
-    if len(candidates) < min_rows or _first_blocks_distinct(block_table, candidates):
+    if len(candidates) < min_rows or distinct(block_table[candidates, 0]):
         return _no_groups()
     width = int(full.max())
     keys = block_table[candidates, :width].astype(np.int64)
@@ -90,10 +90,13 @@ def find_groups(block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.nd
                   np.array([shared for _, _, shared in spans], dtype=np.int64))
 
 
-def _first_blocks_distinct(block_table: np.ndarray, rows: np.ndarray) -> bool:
-    """Whether no two of ``rows`` share their first block, so none shares a prefix: the
-    usual batch where nothing is shared, settled without sorting the block table."""
-    return len(np.unique(block_table[rows, 0])) == len(rows)
+def distinct(first_blocks: np.ndarray | torch.Tensor) -> bool:
+    """Whether no two rows share their first block, so none shares a prefix: the usual
+    batch where nothing is shared, settled without sorting the block table.  A set of
+    Python ints (about 0.5 us for 10 rows; ``np.unique`` costs 2 us), since this runs on
+    every step of every engine that loads Feather."""
+    values = first_blocks.tolist()
+    return len(set(values)) == len(values)
 
 
 def _no_groups() -> Groups:
@@ -182,7 +185,10 @@ def plan_step(block_table: torch.Tensor, seq_lens: torch.Tensor,
 
     CPU tensors in vLLM's shapes: ``block_table`` ``[>= num_reqs, width]`` int32,
     ``seq_lens`` ``[num_reqs]``, ``query_start_loc`` ``[num_reqs + 1]``; none is modified.
+    A batch whose rows all start on different blocks returns at once (a few us).
     """
+    if distinct(block_table[:num_reqs, 0]):
+        return None
     starts = query_start_loc[:num_reqs + 1].numpy()
     table = block_table[:num_reqs].numpy()
     lens = seq_lens[:num_reqs].numpy()

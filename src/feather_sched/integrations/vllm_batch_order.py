@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from feather_sched.attention.groups import distinct
+
 _PATCHED = "_feather_batch_order"
 
 
@@ -88,9 +90,9 @@ def order_by_schedule(input_batch: Any, scheduler_output: Any, threshold: int | 
     if num_reqs < 2:
         return 0
     first_blocks = input_batch.block_table[0].block_table.np[:num_reqs, 0]
-    _, group = np.unique(first_blocks, return_inverse=True)
-    if group.max() + 1 == num_reqs:
+    if distinct(first_blocks):
         return 0  # no row shares its first block: nothing to gather (vLLM's reorder follows)
+    _, group = np.unique(first_blocks, return_inverse=True)
     anchor = np.full(group.max() + 1, num_reqs)
     np.minimum.at(anchor, group, np.arange(num_reqs))
     place = {rid: i for i, rid in enumerate(scheduler_output.num_scheduled_tokens)}
