@@ -209,6 +209,13 @@ class FeatherRuntime(Generic[R]):
         """Whether ``begin_pass`` returns the running list in Feather's order."""
         return self.config.order_running
 
+    @property
+    def batch_has_groups(self) -> bool:
+        """Whether a batch's layout can matter: ordering is on and a prefix group runs
+        with two or more members (a batch that shares nothing gains nothing from being
+        laid out, so adapters skip ``batch_order`` then). O(1)."""
+        return self.config.order_running and self.queue.has_running_group()
+
     def engine_keeps_its_order(self) -> None:
         """The adapter found that batch ordering cannot act in this engine: a gate that
         prices where a newcomer lands (``ModelGate``) prices the engine's own order."""

@@ -368,10 +368,10 @@ class FeatherSGLang:
         return entries
 
     def order_running(self, batch: ScheduleBatch) -> None:
-        """Put the running decode batch in Feather's order, if it is not already (SGLang's
-        order while a fault is pending or Feather is off)."""
-        if len(batch.reqs) < 2 or not self.config.order_running or \
-                not self.faults.active or self.faults.dirty:
+        """Put the running decode batch in Feather's order, if it is not already and a
+        group runs (SGLang's order while a fault is pending or Feather is off)."""
+        if len(batch.reqs) < 2 or not self.faults.active or self.faults.dirty or \
+                not self.runtime.batch_has_groups:
             return
         try:
             order = positions(batch.reqs, self.runtime.batch_order(batch.reqs))

@@ -581,9 +581,10 @@ class VllmFeather(VllmMeter):
         Runner V2 directly, the V1 runner through the worker plugin). vLLM lists them in
         the order it scheduled them, so a request it resumed in this pass would follow
         the others: a preempted request whose KV is still cached resumes as a one-token
-        "decode", away from its group. O(running)."""
+        "decode", away from its group. Nothing to do while no group runs two members
+        (a batch that shares nothing gains nothing from its order). O(running)."""
         scheduled = output.num_scheduled_tokens
-        if not self.runtime.orders_running or len(scheduled) < 2:
+        if len(scheduled) < 2 or not self.runtime.batch_has_groups:
             return
         ordered = [r.request_id for r in self.runtime.batch_order(self.scheduler.running)
                    if r.request_id in scheduled]
