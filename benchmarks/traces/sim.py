@@ -1,6 +1,7 @@
 """Public traces and real prompt text in the simulator: FCFS, SGLang's LPM and Feather.
 
     .venv/bin/python benchmarks/traces/sim.py        # ~10 minutes on this 2-core machine
+    .venv/bin/python benchmarks/traces/sim.py --overlap-scheduler   # sim-overlap.json
 
 Llama-3-8B on the H100 SXM and H200 profiles, vLLM's GPU limits; three workloads:
 
@@ -16,13 +17,20 @@ left out): *busy* offers 0.8x that rate, *saturated* 1.5x (a trace's speed is se
 mean rate is that).  Prompts are tokenized with the embedded
 model's tokenizer.  Each run is what ``feather sim`` prints for the same flags (the
 cell's command is in ``sim.json``).  Writes ``sim.json``; ``tables.py`` makes the tables.
+
+The simulator adds each scheduler's Python time to its step by default (a synchronous
+engine); ``--overlap-scheduler`` runs the same cells with that time overlapping the step
+instead, as vLLM's async scheduling (its GPU default) and SGLang's overlap scheduler do,
+into ``sim-overlap.json``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from feather_sched.bench.report import RunResult, summarize
@@ -61,7 +69,7 @@ def trace_rate(seed: int) -> float:
     return len(workload) / workload.requests[-1].arrival_s
 
 
-def command(args: WorkloadArgs, hardware: str) -> str:
+def command(args: WorkloadArgs, hardware: str, overlap: bool) -> str:
     """The ``feather sim`` command of one run."""
     source = (f"--trace ../shared/traces/{TRACE.name} --start {args.start} "
               f"--max-requests {args.max_requests} --trace-speed {args.trace_speed:.4g}"
@@ -69,44 +77,54 @@ def command(args: WorkloadArgs, hardware: str) -> str:
               f"--dataset-name {args.dataset_name} --request-rate {args.request_rate:.4g}"
               + (f" --max-requests {args.max_requests}" if args.max_requests else ""))
     return (f"feather sim {source} --seed {args.seed} --hardware {hardware} "
-            f"--model llama-3-8b --schedulers {','.join(SCHEDULERS)}")
+            f"--model llama-3-8b --schedulers {','.join(SCHEDULERS)}"
+            + (" --overlap-scheduler" if overlap else ""))
 
 
-def run(args: WorkloadArgs, hardware: str, scheduler: str) -> RunResult:
+def run(args: WorkloadArgs, hardware: str, scheduler: str, overlap: bool) -> RunResult:
+    """One simulated run; ``overlap``: the scheduler's time overlaps each step."""
     plan = SimPlan(workload=args.build(), hardware=HARDWARE[hardware],
                    model=MODELS["llama-3-8b"], schedulers=[scheduler])
+    plan.engine = replace(plan.engine_config(), overlap_scheduler=overlap)
     return simulate(plan, scheduler)
 
 
-def capacity(workload: str, hardware: str) -> float:
+def capacity(workload: str, hardware: str, overlap: bool) -> float:
     """FCFS's requests/s with seed 0's requests all at once, until 90% have finished."""
     finished = sorted(r.finished_s or 0.0 for r in run(workload_args(workload, 0, None),
-                                                         hardware, FCFS).records)
+                                                         hardware, FCFS, overlap).records)
     done = int(0.9 * len(finished))
     return done / finished[done - 1]
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--overlap-scheduler", action="store_true",
+                        help="overlap the scheduler's time with each step: sim-overlap.json")
+    overlap = parser.parse_args().overlap_scheduler
+    out = HERE / ("sim-overlap.json" if overlap else "sim.json")
     cells = []
     for workload in ("mooncake", "bfcl-tools", "sharegpt"):
         for hardware in HARDWARE_NAMES:
-            rate = capacity(workload, hardware)
+            rate = capacity(workload, hardware, overlap)
             for load, share in LOADS:
                 started = time.perf_counter()
                 runs: dict[str, list[dict]] = {name: [] for name in SCHEDULERS}
                 for seed in SEEDS:
                     args = workload_args(workload, seed, share * rate)
                     for name in SCHEDULERS:
-                        runs[name].append(slim(summarize(run(args, hardware, name))))
+                        runs[name].append(slim(summarize(run(args, hardware, name,
+                                                             overlap))))
                 arrivals = f"{share * rate:.2f} req/s, {share}x FCFS's capacity"
                 cells.append({"workload": workload, "hardware": hardware, "load": load,
                               "arrivals": arrivals, "capacity_req_s": rate,
                               "command": command(workload_args(workload, 0, share * rate),
-                                                 hardware),
+                                                 hardware, overlap),
                               "runs": runs})
                 print(f"{workload} {hardware} {load}: {arrivals}, "
                       f"{time.perf_counter() - started:.0f} s", flush=True)
-                (HERE / "sim.json").write_text(json.dumps({"cells": cells}, indent=1) + "\n")
+                out.write_text(json.dumps({"cells": cells, "overlap_scheduler": overlap},
+                                          indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,14 +2,14 @@
 
     .venv/bin/python benchmarks/traces/tables.py      # prints results.md's tables
 
-Reads ``sim.json`` (``sim.py``) and ``cpu-*.json`` (``cpu.sh``, ``feather bench --json``
-with the schedulers repeated: ``fcfs``, ``feather-model``, ``fcfs#2``, ...) beside this
-file, and writes ``results.md``.  Each cell's runs (seeds in the simulator, rounds on the
-CPU engine) give a median with its range; Feather's and LPM's ratios to FCFS are taken
-per seed or round, then their median and range.  The targets are checked on the median
-ratios (Feather >= 0.98x FCFS's throughput; mean TTFT, mean E2E latency and p99 TTFT at
-most FCFS's), and each cell names the figures of these where LPM does better than Feather
-by more than 1%.
+Reads ``sim.json`` and ``sim-overlap.json`` (``sim.py``) and ``cpu-*.json`` (``cpu.sh``,
+``feather bench --json`` with the schedulers repeated: ``fcfs``, ``feather-model``,
+``fcfs#2``, ...) beside this file, and writes ``results.md``. Each cell's runs (seeds in
+the simulator, rounds on the CPU engine) give a median with its range; Feather's and LPM's
+ratios to FCFS are taken per seed or round, then their median and range. The targets are
+checked on the median ratios (Feather >= 0.98x FCFS's throughput; mean TTFT, mean E2E
+latency and p99 TTFT at most FCFS's), and each cell names the figures of these where LPM
+does better than Feather by more than 1%.
 """
 
 from __future__ import annotations
@@ -183,16 +183,23 @@ def cpu_cells(paths: Sequence[Path]) -> list[tuple[str, Runs]]:
     return cells
 
 
+def sim_summary(path: Path, heading: str) -> list[str]:
+    """A heading and the summary of every cell of a simulator file."""
+    everything = [(f"{title}, {label}", runs) for title, cells in sim_cells(path).items()
+                  for label, runs in cells]
+    return [f"### {heading}: Feather against FCFS (median ratios, range over seeds)", "",
+            summary(everything)]
+
+
 def main() -> None:
     parts = []
     if (HERE / "sim.json").exists():
-        tables = sim_cells(HERE / "sim.json")
-        everything = [(f"{title}, {label}", runs) for title, cells in tables.items()
-                      for label, runs in cells]
-        parts += ["### Simulator: Feather against FCFS (median ratios, range over seeds)",
-                  "", summary(everything)]
-        for title, cells in tables.items():
+        parts += sim_summary(HERE / "sim.json", "Simulator")
+        for title, cells in sim_cells(HERE / "sim.json").items():
             parts += [f"### Simulator: {title}", "", table(cells)]
+    if (HERE / "sim-overlap.json").exists():
+        parts += sim_summary(HERE / "sim-overlap.json", "Simulator, the scheduler's time "
+                             "overlapping each step (vLLM's async scheduling)")
     cpu = sorted(HERE.glob("cpu-*.json"))
     if cpu:
         cells = cpu_cells(cpu)

@@ -361,7 +361,8 @@ def _on_cpu() -> bool:
 def _sim_plan(workload_args, hardware: str, model: str, profile: Path | None,
               schedulers: str, feather_options: str, cascade: bool, max_num_seqs: int,
               max_num_batched_tokens: int, charge_scheduler_time: bool,
-              block_tokens: int = 16, kv_cache_gib: float | None = None):
+              block_tokens: int = 16, kv_cache_gib: float | None = None,
+              overlap_scheduler: bool = False):
     from feather_sched.costmodel.calibrate import load_profile
     from feather_sched.costmodel.cost import CostParams
     from feather_sched.costmodel.hardware import HARDWARE, load_hardware
@@ -389,7 +390,8 @@ def _sim_plan(workload_args, hardware: str, model: str, profile: Path | None,
     plan.engine = EngineConfig(block_tokens=block_tokens, num_blocks=blocks,
                                max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens,
-                               charge_scheduler_time=charge_scheduler_time)
+                               charge_scheduler_time=charge_scheduler_time,
+                               overlap_scheduler=overlap_scheduler)
     return plan
 
 
@@ -440,6 +442,10 @@ def sim(
                                                        "memory less weights).")] = None,
     charge_scheduler_time: Annotated[bool, typer.Option(help="Add the scheduler's CPU time "
                                                         "to the simulated clock.")] = True,
+    overlap_scheduler: Annotated[bool, typer.Option(
+        help="The scheduler's CPU time overlaps the step (vLLM's async scheduling, its GPU "
+             "default; SGLang's overlap scheduler): a step takes the longer of the two. "
+             "Off: they add up, as in a synchronous engine (vLLM's CPU engine).")] = False,
     json_path: JsonOut = None,
     save_detailed: SaveDetailed = False,
     percentile_metrics: PercentileMetrics = "ttft,tpot,itl",
@@ -464,7 +470,7 @@ def sim(
         percentiles = Percentiles.parse(percentile_metrics, metric_percentiles)
         plan = _sim_plan(args, hardware, model, profile, schedulers, feather_options, cascade,
                          max_num_seqs, max_num_batched_tokens, charge_scheduler_time,
-                         block_tokens, kv_cache_gib)
+                         block_tokens, kv_cache_gib, overlap_scheduler)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     runners = [(name, lambda advance, name=name: simulate(plan, name, advance))

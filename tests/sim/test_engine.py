@@ -271,6 +271,23 @@ def test_scheduler_time_is_charged_to_the_clock() -> None:
     assert charged.duration_s >= 3 * (0.0011 + 0.002 + 0.5)
 
 
+def test_overlapped_scheduler_time_costs_only_what_outlasts_the_step() -> None:
+    class Modelled(FcfsPolicy):
+        def __init__(self, seconds: float) -> None:
+            super().__init__()
+            self.charged_s = seconds  # modelled seconds every step
+
+    specs = [spec("r0", out=3)]  # 3 steps of 1.1 ms each
+    overlap = {"charge_scheduler_time": True, "overlap_scheduler": True}
+    slow, _ = simulate(specs, Modelled(0.5), **overlap)
+    serial, _ = simulate(specs, Modelled(0.5), charge_scheduler_time=True)
+    hidden, _ = simulate(specs, Modelled(1.0e-6), **overlap)
+    # the scheduler outlasts each step: its time is the step's, not added to it
+    assert 3 * 0.5 <= slow.duration_s < serial.duration_s - 3 * 0.001
+    # a scheduler faster than the step (by ~1 ms here) costs the clock nothing
+    assert hidden.duration_s == pytest.approx(3 * 0.0011)
+
+
 def test_ten_thousand_requests_simulate_quickly() -> None:
     rng = np.random.default_rng(0)
     specs = [spec(f"r{i}", group=int(rng.integers(0, 50)), prefix=32, suffix=16,

@@ -162,6 +162,19 @@ def test_feather_sim_cli_writes_results(tmp_path) -> None:
     assert runs["feather-bandit"]["hbm_bytes_per_output_token"] > 0
 
 
+def test_feather_sim_overlap_flag_reaches_the_engine() -> None:
+    from feather_sched.bench.serving import WorkloadArgs
+    from feather_sched.cli import _sim_plan
+
+    def engine(overlap: bool):
+        plan = _sim_plan(WorkloadArgs(groups=1, prompts_per_group=1, prefix_len=16),
+                         "h100-sxm", "llama-3-8b", None, "fcfs", "{}", False, 256, 8192,
+                         True, overlap_scheduler=overlap)
+        return plan.engine
+
+    assert engine(True).overlap_scheduler and not engine(False).overlap_scheduler
+
+
 def test_feather_sim_cli_reports_priority_classes(tmp_path) -> None:
     out = tmp_path / "sim.json"
     result = CliRunner().invoke(app, [

@@ -16,11 +16,15 @@ Every policy drives the contract of ``feather_sched.runtime`` (Feather is the re
 shared tokens come from the requests' block keys (``feather_sched.prefix``), exactly as
 in the step log of a real engine.
 
-A cost model prices each step; the simulated clock advances by that price plus, when
-``charge_scheduler_time`` is on, the wall-clock time the policy's calls took (and any
-modelled seconds it declares in ``charged_s``), so a slow scheduler costs simulated
-throughput.  The run yields the same ``RequestRecord`` and
-``StepRecord`` lists as a real benchmark run, so the same report code reads both.
+A cost model prices each step; when ``charge_scheduler_time`` is on, the wall-clock time
+the policy's calls took (and any modelled seconds it declares in ``charged_s``) is the
+scheduler's time, so a slow scheduler costs simulated throughput.  By default it adds to
+the step's model time, as in a synchronous engine (vLLM on CPU, or with async scheduling
+off): conservative for a GPU.  ``overlap_scheduler`` models vLLM's async scheduling (its
+GPU default: ``schedule()`` of step N+1 runs while step N executes) and SGLang's overlap
+scheduler: a step takes the longer of the two.  The run
+yields the same ``RequestRecord`` and ``StepRecord`` lists as a real benchmark run, so
+the same report code reads both.
 """
 
 from __future__ import annotations
@@ -153,6 +157,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     charge_scheduler_time: bool = True
+    overlap_scheduler: bool = False
+    """The scheduler's time overlaps the step's model time (a step takes the longer of the
+    two: vLLM's async scheduling, SGLang's overlap scheduler); False: they add up."""
     max_steps: int = 10**7
     group_tokens: int = DEFAULT_CHUNK_TOKENS
     """Tokens of the first chunk, whose key names a request's prefix group."""
@@ -517,15 +524,23 @@ class SimEngine:
         """Price the step, advance the clock, then credit its tokens."""
         entries = [self._entry(r) for r in batch]
         cost = self.cost_model.step(entries)
-        seconds = cost.seconds
-        if self.config.charge_scheduler_time:
-            seconds += self._uncharged_s
+        seconds = self._step_seconds(cost.seconds)
         self._uncharged_s = 0.0
         self.now += seconds
         self.steps.append(StepRecord(batch_size=len(batch), groups=len({r.group for r in batch})))
         emitted = self._credit(batch)
         self.costs.add(cost, emitted)
         self._timed(self.policy.end_step, self._step, len(batch), seconds, entries)
+
+    def _step_seconds(self, model_s: float) -> float:
+        """The step's length: its model time and the scheduler time not yet charged,
+        the longer of the two where they overlap, else their sum."""
+        config = self.config
+        if not config.charge_scheduler_time:
+            return model_s
+        if config.overlap_scheduler:
+            return max(model_s, self._uncharged_s)
+        return model_s + self._uncharged_s
 
     def _entry(self, request: SimRequest) -> BatchEntry:
         context = request.num_computed_tokens + request.scheduled_tokens
