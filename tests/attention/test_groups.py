@@ -135,10 +135,11 @@ def test_plan_cuts_grouped_rows_and_leaves_the_rest():
     assert sorted(seg.blocks[3:].tolist()) == [40, 41]
 
 
-def test_plan_is_none_without_groups():
-    rows = [[1, 2, 3], [4, 5, 6]]
+@pytest.mark.parametrize("padding", [0, 2])
+def test_plan_is_none_without_groups(padding):
+    rows = [[1, 2, 3], [4, 5, 6]] + [[1, 2, 3]] * padding  # padding rows are not live
     plan = plan_step(torch.from_numpy(table(rows)), torch.from_numpy(lens_for(rows)),
-                     torch.tensor([0, 1, 2], dtype=torch.int32), 2, BS, 1)
+                     torch.arange(len(rows) + 1, dtype=torch.int32), 2, BS, 1)
     assert plan is None
 
 
