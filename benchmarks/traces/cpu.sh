@@ -11,7 +11,8 @@
 #   sharegpt    500 ShareGPT conversations (vLLM's sampling), Poisson
 # Loads: 0.8x FCFS's request throughput with every request at once, measured once with
 # the same flags and --schedulers fcfs (mooncake --trace-speed 1e9: 19.18 req/s; bfcl-tools:
-# 20.75; sharegpt, 200 requests: 10.92), so about 1 minute a run.
+# 20.75; sharegpt, 200 requests: 10.92), so about 1 minute a run. cpu-NAME-b, -c: the same
+# line run again (another set of rounds, at the commit README.md names).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=benchmarks/traces
