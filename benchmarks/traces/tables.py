@@ -183,9 +183,9 @@ def cpu_cells(paths: Sequence[Path]) -> list[tuple[str, Runs]]:
     return cells
 
 
-def sim_summary(path: Path, heading: str) -> list[str]:
-    """A heading and the summary of every cell of a simulator file."""
-    everything = [(f"{title}, {label}", runs) for title, cells in sim_cells(path).items()
+def sim_summary(tables: dict[str, list[tuple[str, Runs]]], heading: str) -> list[str]:
+    """A heading and the summary of every cell of a simulator file's tables."""
+    everything = [(f"{title}, {label}", runs) for title, cells in tables.items()
                   for label, runs in cells]
     return [f"### {heading}: Feather against FCFS (median ratios, range over seeds)", "",
             summary(everything)]
@@ -194,12 +194,14 @@ def sim_summary(path: Path, heading: str) -> list[str]:
 def main() -> None:
     parts = []
     if (HERE / "sim.json").exists():
-        parts += sim_summary(HERE / "sim.json", "Simulator")
-        for title, cells in sim_cells(HERE / "sim.json").items():
+        tables = sim_cells(HERE / "sim.json")
+        parts += sim_summary(tables, "Simulator")
+        for title, cells in tables.items():
             parts += [f"### Simulator: {title}", "", table(cells)]
     if (HERE / "sim-overlap.json").exists():
-        parts += sim_summary(HERE / "sim-overlap.json", "Simulator, the scheduler's time "
-                             "overlapping each step (vLLM's async scheduling)")
+        parts += sim_summary(sim_cells(HERE / "sim-overlap.json"),
+                             "Simulator, the scheduler's time overlapping each step "
+                             "(vLLM's async scheduling)")
     cpu = sorted(HERE.glob("cpu-*.json"))
     if cpu:
         cells = cpu_cells(cpu)

@@ -22,9 +22,9 @@ scheduler's time, so a slow scheduler costs simulated throughput.  By default it
 the step's model time, as in a synchronous engine (vLLM on CPU, or with async scheduling
 off): conservative for a GPU.  ``overlap_scheduler`` models vLLM's async scheduling (its
 GPU default: ``schedule()`` of step N+1 runs while step N executes) and SGLang's overlap
-scheduler: a step takes the longer of the two.  The run
-yields the same ``RequestRecord`` and ``StepRecord`` lists as a real benchmark run, so
-the same report code reads both.
+scheduler: a step takes the longer of the two.  The run yields the same
+``RequestRecord`` and ``StepRecord`` lists as a real benchmark run, so the same report
+code reads both.
 """
 
 from __future__ import annotations
