@@ -198,6 +198,12 @@ class ChunkedHashTree:
         with more than one member).  O(1)."""
         return self._running_groups > 0
 
+    def chunks_held(self) -> int:
+        """Distinct chunks the running requests hold plus those the waiting ones hold (a
+        chunk held in both states counts twice: an upper bound on what is in flight).
+        O(1)."""
+        return len(self._running_refs) + len(self._waiting_refs)
+
     def runs_exactly(self, request_ids: Set[RequestId]) -> bool:
         """Whether the running set is exactly ``request_ids``.  O(len(request_ids))."""
         return self._running.keys() == request_ids

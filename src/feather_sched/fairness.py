@@ -176,6 +176,15 @@ class OvertakeBound:
                 found = request_id
         return found
 
+    def oldest(self, priority: int = 0) -> RequestId | None:
+        """The waiting request of class ``priority`` that arrived first (of several that
+        arrived together, any); None when none waits.  O(requeued requests)."""
+        return min(self._candidates(priority), key=self._sequence.__getitem__, default=None)
+
+    def arrived_before(self, first: RequestId, second: RequestId) -> bool:
+        """Whether ``first`` arrived before ``second`` (not together with it).  O(1)."""
+        return self._sequence[first] < self._sequence[second]
+
     def _candidates(self, priority: int) -> list[RequestId]:
         """The class's requests that may be the first at a bound: its oldest fresh one
         and its requeued ones."""

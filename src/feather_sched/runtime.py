@@ -177,15 +177,18 @@ class FeatherRuntime(Generic[R]):
 
     def __init__(self, config: FeatherConfig, view: RequestView[R], *,
                  clock: Callable[[], float] = time.monotonic, name: str = "feather",
-                 seats: int | None = None, engine: EngineShape | None = None) -> None:
-        """``seats``: the engine's cap on running requests, where the adapter knows it;
-        ``engine``: its device and model, for the model gate's prior."""
+                 seats: int | None = None, kv_tokens: int | None = None,
+                 engine: EngineShape | None = None) -> None:
+        """``seats``: the engine's cap on running requests, ``kv_tokens``: its KV cache in
+        tokens, where the adapter knows them; ``engine``: its device and model, for the
+        model gate's prior."""
         self.name = name
         self.config = config
         self.view = view
         self.clock = clock
         self.queue = config.make_queue(clock=clock, engine=engine)
         self.queue.seats = seats
+        self.queue.kv_tokens = kv_tokens
         self.counts = AdmissionCounts()
         bandit = self.queue.gate if isinstance(self.queue.gate, UCBBanditGate) else None
         self.meter = StepMeter(name, stats_file=config.stats_file, step_log=config.step_log,

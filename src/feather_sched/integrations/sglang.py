@@ -170,10 +170,11 @@ class FeatherSGLang:
     """One SGLang scheduler's Feather: the runtime, SGLang's rounds and steps translated."""
 
     def __init__(self, config: FeatherConfig | None = None, *,
-                 seats: int | None = None, engine: EngineShape | None = None,
-                 priority_scheduling: bool = False,
+                 seats: int | None = None, kv_tokens: int | None = None,
+                 engine: EngineShape | None = None, priority_scheduling: bool = False,
                  low_priority_values_first: bool = False) -> None:
-        """``seats``: SGLang's ``max_running_requests``; ``engine``: its device and model
+        """``seats``: SGLang's ``max_running_requests``; ``kv_tokens``: its
+        ``max_total_num_tokens`` (the KV pool); ``engine``: its device and model
         (``engine_shape``); each where known.  ``priority_scheduling`` and
         ``low_priority_values_first``: the scheduler's ``enable_priority_scheduling`` and
         ``schedule_low_priority_values_first`` (how ``Req.priority`` ranks)."""
@@ -181,7 +182,8 @@ class FeatherSGLang:
         view = SGLangRequests(self.config.chunk_tokens, priority_scheduling=priority_scheduling,
                               low_priority_values_first=low_priority_values_first)
         self.runtime: FeatherRuntime[Req] = FeatherRuntime(
-            self.config, view, name="FeatherSGLang", seats=seats, engine=engine)
+            self.config, view, name="FeatherSGLang", seats=seats, kv_tokens=kv_tokens,
+            engine=engine)
         self._bound: list[Req] | None = None
         self._cursor = 0
         self._next_decode = 0
@@ -561,6 +563,7 @@ def _hook_init_schedule_policy(original: Callable, scheduler: Any, *args: Any, *
     dp_rank = (get_parallel().dp_rank or 0) if dp_ranks > 1 else 0  # stated at spawn
     feather = FeatherSGLang(feather_options(dp_rank=dp_rank, dp_ranks=dp_ranks),
                             seats=getattr(scheduler, "max_running_requests", None),
+                            kv_tokens=getattr(scheduler, "max_total_num_tokens", None),
                             engine=engine_shape(scheduler),
                             priority_scheduling=scheduler.enable_priority_scheduling,
                             low_priority_values_first=scheduler.schedule_low_priority_values_first)

@@ -538,6 +538,12 @@ def engine_shape(vllm_config: Any) -> EngineShape:
                        pipeline_parallel=parallel.pipeline_parallel_size)
 
 
+def kv_cache_tokens(scheduler: Scheduler) -> int | None:
+    """Tokens vLLM's KV cache holds: its blocks times their size (None if unsized)."""
+    blocks = scheduler.cache_config.num_gpu_blocks
+    return None if not blocks else blocks * scheduler.block_size
+
+
 class VllmFeather(VllmMeter):
     """Feather's component of a vLLM scheduler: the runtime behind vLLM's calls."""
 
@@ -545,6 +551,7 @@ class VllmFeather(VllmMeter):
         self.runtime = FeatherRuntime(config, requests_view(scheduler, config),
                                       clock=time.time, name=type(scheduler).__name__,
                                       seats=scheduler.max_num_active_reqs,
+                                      kv_tokens=kv_cache_tokens(scheduler),
                                       engine=engine_shape(scheduler.vllm_config))
         super().__init__(scheduler, config, self.runtime.meter, self.runtime.faults)
         self.queue = FeatherWaitingQueue(self.runtime, scheduler)

@@ -177,4 +177,5 @@ def make_policy(name: str, feather_options: dict[str, Any], engine: SimEngine) -
     config = FeatherConfig.from_sources(options, environ={})
     view = SimRequests(keys_per_chunk(engine.config.block_tokens, config.chunk_tokens))
     return FeatherRuntime(config, view, clock=engine.clock, name=name,
-                          seats=engine.config.max_num_seqs)
+                          seats=engine.config.max_num_seqs,
+                          kv_tokens=engine.config.num_blocks * engine.config.block_tokens)
