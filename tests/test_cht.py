@@ -173,6 +173,9 @@ class TreeMachine(RuleBasedStateMachine):
         assert tree.best() == model.best()
         firsts = [model.keys[r][0] for r in model.running() if model.keys[r]]
         assert tree.has_running_group() == (len(set(firsts)) < len(firsts))
+        running_keys = {k for r in model.running() for k in model.keys[r]}
+        waiting_keys = {k for r in model.waiting() for k in model.keys[r]}
+        assert tree.chunks_held() == len(running_keys) + len(waiting_keys)
         assert tree.shared_prefix_chunks() == model.shared()
         for rid in model.waiting():
             assert tree.missing_chunks(rid) == model.missing(rid)

@@ -64,6 +64,20 @@ def test_requests_that_arrive_together_never_overtake_each_other() -> None:
     assert bound.due() == "a"
 
 
+def test_the_oldest_waiting_request_of_a_class() -> None:
+    bound = OvertakeBound(limit=None)
+    for rid, arrival, priority in [("a", 1.0, 0), ("b", 1.0, 0), ("c", 2.0, 1), ("d", 3.0, 0)]:
+        bound.arrive(rid, arrival_s=arrival, priority=priority)
+    assert bound.oldest() in {"a", "b"} and bound.oldest(1) == "c"
+    assert not bound.arrived_before("a", "b") and not bound.arrived_before("b", "a")
+    assert bound.arrived_before("a", "d") and not bound.arrived_before("d", "a")
+    bound.admit("a")
+    bound.admit("b")
+    assert bound.oldest() == "d" and bound.oldest(2) is None
+    bound.requeue("a")  # preempted: it keeps its place in arrival order
+    assert bound.oldest() == "a"
+
+
 def test_a_skip_undoes_its_admission_and_a_preemption_starts_afresh() -> None:
     bound = OvertakeBound(limit=1)
     for rid in ("old", "young", "other"):

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from feather_sched.cht import CHTError
-from feather_sched.gate import ChunkLossGate, Decision, GateContext
+from feather_sched.gate import AlwaysAddGate, ChunkLossGate, Decision, GateContext
 from feather_sched.queue import FeatherQueue, QueueState
 
 
@@ -227,6 +227,69 @@ def test_the_guard_waits_for_more_urgent_requests() -> None:
     queue.new_step()
     admission = queue.decide()
     assert admission.forced and admission.request_id == "old-low"
+
+
+def sized_queue(seats: int, kv_tokens: int, **options) -> FeatherQueue:
+    """A queue that knows the engine's seats and KV cache (chunks of 16 tokens)."""
+    queue = FeatherQueue(ScriptedGate(), max_wait_s=None, chunk_tokens=16, **options)
+    queue.seats, queue.kv_tokens = seats, kv_tokens
+    return queue
+
+
+def a_stranger_then_siblings(queue: FeatherQueue) -> None:
+    """Group 0 runs; a stranger waits, then two siblings of the running group arrive."""
+    queue.add("running", group_keys(0, 0), arrival_s=0.0)
+    queue.admit("running")
+    queue.add("stranger", group_keys(5, 0), arrival_s=1.0)
+    for i in (1, 2):
+        queue.add(f"sibling{i}", group_keys(0, i), arrival_s=1.0 + i)
+
+
+def test_while_everything_fits_arrival_order_holds_and_the_gate_answers() -> None:
+    """Running and waiting within the seats, their chunks within the KV cache: the older
+    stranger goes before the siblings of the running group, judged by the gate."""
+    queue = sized_queue(seats=4, kv_tokens=16 * 10)
+    a_stranger_then_siblings(queue)
+    assert queue.fits_all()
+    admission = queue.decide()
+    assert admission.request_id == "stranger" and not admission.forced
+    assert admission.context is not None and admission.context.chunk_loss == 3
+    assert admission.decision is Decision.STOP  # the gate's answer stands: not forced
+    queue.new_step()
+    assert queue.candidate() == "stranger"
+
+
+@pytest.mark.parametrize(("seats", "kv_tokens"), [(3, 16 * 10), (4, 16 * 9),
+                                                  (None, 16 * 10), (4, None)])
+def test_the_tree_orders_once_something_would_not_fit(seats, kv_tokens) -> None:
+    """One seat or one KV chunk too few (or either unknown): siblings pass the stranger.
+    Four requests in flight; their chunks count as 10: 3 running, 7 distinct waiting
+    (the group's two shared chunks counted in both states)."""
+    queue = sized_queue(seats=seats, kv_tokens=kv_tokens)
+    queue.gate = AlwaysAddGate()
+    a_stranger_then_siblings(queue)
+    assert not queue.fits_all()
+    assert [admit_next(queue) for _ in range(3)] == ["sibling1", "sibling2", "stranger"]
+
+
+def test_requests_that_arrived_together_keep_the_trees_order() -> None:
+    """Arrival order has nothing to say among requests that arrived at once (offline)."""
+    queue = sized_queue(seats=8, kv_tokens=16 * 100)
+    queue.gate = AlwaysAddGate()
+    queue.add("running", group_keys(0, 0), arrival_s=0.0)
+    queue.admit("running")
+    for rid, group in [("stranger", 5), ("sibling", 0)]:
+        queue.add(rid, group_keys(group, 1), arrival_s=1.0)
+    assert queue.fits_all()
+    assert admit_next(queue) == "sibling"
+
+
+def test_without_the_bound_the_tree_orders_even_when_everything_fits() -> None:
+    """``-unbounded`` is the paper's pure prefix order."""
+    queue = sized_queue(seats=8, kv_tokens=16 * 100, max_overtakes=None, max_stops=None)
+    queue.gate = AlwaysAddGate()
+    a_stranger_then_siblings(queue)
+    assert [admit_next(queue) for _ in range(3)] == ["sibling1", "sibling2", "stranger"]
 
 
 def test_a_forced_admission_the_engine_skips_frees_the_slot() -> None:

@@ -21,6 +21,13 @@ the candidate, admitted whatever the gate says):
   has waited longer than this goes first, one such request per pass, so an overloaded
   queue still fills the rest of each pass in the tree's order.
 
+While the engine could run every request in flight at once (``fits_all``: running and
+waiting within its ``seats``, their chunks within its ``kv_tokens``), the tree's order
+gives way to arrival order: no prefix is evicted and no seat is short, so passing an older
+request would save nothing and only lengthen its wait.  Ties (requests that arrived
+together) keep the tree's order, and the gate still answers.  This is part of the
+fairness bound: without it (``max_overtakes`` and ``max_stops`` None) the tree orders.
+
 Priority classes (``add(..., priority=)``, lower value more urgent, as vLLM and SGLang
 number them) are strict: no request is admitted while a more urgent one waits.  The
 tree's order, the gate and both bounds act within the most urgent class waiting.

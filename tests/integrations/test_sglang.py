@@ -717,7 +717,8 @@ def _stub_scheduler(tree_cache) -> SimpleNamespace:
     return SimpleNamespace(
         tree_cache=tree_cache, enable_hierarchical_cache=False,
         enable_priority_scheduling=False, schedule_low_priority_values_first=False,
-        chunked_req=None, dllm_config=None, policy="sglang's", max_running_requests=48)
+        chunked_req=None, dllm_config=None, policy="sglang's", max_running_requests=48,
+        max_total_num_tokens=4096)
 
 
 def test_hooks_are_inert_unless_feather_is_selected(monkeypatch) -> None:
@@ -805,6 +806,7 @@ def test_hooks_install_feather_when_selected(monkeypatch) -> None:
     assert scheduler.feather.config.gate == "bandit"
     assert scheduler.feather.config.chunk_tokens == 64
     assert scheduler.feather.runtime.queue.seats == 48  # the model gate's free seats
+    assert scheduler.feather.runtime.queue.kv_tokens == 4096  # with them: fits_all
     adder = feather_sglang._hook_get_prefill_adder_class(lambda s: PrefillAdder, scheduler)
     assert issubclass(adder, FeatherPrefillAdder) and adder.feather is scheduler.feather
     assert feather_sglang._process_feather is scheduler.feather  # for the retraction hook

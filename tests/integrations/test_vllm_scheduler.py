@@ -199,6 +199,12 @@ def test_the_class_matches_the_engines_mode() -> None:
     assert type(Harness(async_scheduling=True).scheduler) is FeatherScheduler
 
 
+def test_feather_knows_vllms_seats_and_kv_cache() -> None:
+    """What tells Feather whether vLLM could run every request in flight at once."""
+    queue = Harness(num_blocks=100).runtime.queue
+    assert (queue.seats, queue.kv_tokens) == (16, 100 * BLOCK)
+
+
 def test_the_engine_log_says_how_ordering_acts(monkeypatch) -> None:
     v1 = Harness().scheduler.feather.order_note()
     assert v1 == (f"V1 model runner: the worker plugin {BATCH_ORDER_PLUGIN!r} gathers each "
