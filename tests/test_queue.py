@@ -284,6 +284,16 @@ def test_requests_that_arrived_together_keep_the_trees_order() -> None:
     assert admit_next(queue) == "sibling"
 
 
+def test_where_the_engine_keeps_its_batch_order_the_tree_orders() -> None:
+    """Admission order is then the batch's layout: the siblings go side by side."""
+    queue = sized_queue(seats=8, kv_tokens=16 * 100)
+    queue.gate = AlwaysAddGate()
+    queue.orders_batch = False
+    a_stranger_then_siblings(queue)
+    assert queue.fits_all()
+    assert [admit_next(queue) for _ in range(3)] == ["sibling1", "sibling2", "stranger"]
+
+
 def test_without_the_bound_the_tree_orders_even_when_everything_fits() -> None:
     """``-unbounded`` is the paper's pure prefix order."""
     queue = sized_queue(seats=8, kv_tokens=16 * 100, max_overtakes=None, max_stops=None)

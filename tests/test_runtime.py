@@ -415,3 +415,14 @@ def test_any_engine_history_keeps_the_picture_exact(history, seats: int) -> None
     assert sorted(left) == sorted(arrived) and len(rt) == 0 and not running_ids(rt)
     stats = rt.meter.stats
     assert stats.requests_entered == stats.requests_left == len(arrived)
+
+
+def test_the_queue_learns_the_engines_size_and_who_lays_out_the_batch() -> None:
+    """What ``FeatherQueue.fits_all`` and the arrival-order rule read: the seats and KV
+    cache the adapter gives, and whether Feather's batch order acts."""
+    config = FeatherConfig.from_sources({"gate": "always"}, environ={})
+    rt = FeatherRuntime(config, View(), seats=8, kv_tokens=4096)
+    assert (rt.queue.seats, rt.queue.kv_tokens, rt.queue.orders_batch) == (8, 4096, True)
+    rt.engine_keeps_its_order()
+    assert not rt.queue.orders_batch
+    assert not runtime(order_running=False).queue.orders_batch

@@ -26,7 +26,9 @@ waiting within its ``seats``, their chunks within its ``kv_tokens``), the tree's
 gives way to arrival order: no prefix is evicted and no seat is short, so passing an older
 request would save nothing and only lengthen its wait.  Ties (requests that arrived
 together) keep the tree's order, and the gate still answers.  This is part of the
-fairness bound: without it (``max_overtakes`` and ``max_stops`` None) the tree orders.
+fairness bound: without it (``max_overtakes`` and ``max_stops`` None) the tree orders; so
+it does where the engine keeps its own batch order (``orders_batch`` False), since there
+the admission order is what puts a group's members side by side in a step.
 
 Priority classes (``add(..., priority=)``, lower value more urgent, as vLLM and SGLang
 number them) are strict: no request is admitted while a more urgent one waits.  The
@@ -129,6 +131,11 @@ class FeatherQueue:
         """The engine's KV cache in tokens, where its adapter knows it: with ``seats``,
         what tells whether the engine could run every request in flight at once
         (``fits_all``)."""
+        self.orders_batch = True
+        """Whether the engine lays its batch out in Feather's order (``order_running``,
+        where the adapter can apply it); if not, admission order is the batch's layout,
+        and the tree's order keeps a group's members side by side even when everything
+        fits."""
         self.clear()
 
     def clear(self) -> None:
@@ -374,8 +381,9 @@ class FeatherQueue:
 
     def _chosen(self, due: RequestId | None) -> RequestId | None:
         """The candidate over the tree's best, if any: the request a bound made ``due``,
-        else, while the engine could run everything in flight (``fits_all``), the oldest
-        waiting request of the most urgent class if it arrived before the tree's best.
+        else, while the engine could run everything in flight (``fits_all``) and lays its
+        batch out in Feather's order (``orders_batch``), the oldest waiting request of the
+        most urgent class if it arrived before the tree's best.
 
         Passing an older request pays when the passer would cost more later: its prefix
         evicted before its turn, or its group no longer running when seats are scarce.
@@ -384,7 +392,8 @@ class FeatherQueue:
         the passer to the passed: the tail of a burst that a sub-capacity load drains
         (p99 TTFT 1.13x FCFS on BFCL's tool calls, ``benchmarks/traces``).  The gate still
         answers for this candidate.  O(requeued requests)."""
-        if due is not None or self.bound is None or not self.fits_all():
+        if due is not None or self.bound is None or not self.orders_batch or \
+                not self.fits_all():
             return due
         best = self.tree.best()
         oldest = self.bound.oldest(self.tree.priority(best)) if best is not None else None

@@ -189,6 +189,7 @@ class FeatherRuntime(Generic[R]):
         self.queue = config.make_queue(clock=clock, engine=engine)
         self.queue.seats = seats
         self.queue.kv_tokens = kv_tokens
+        self.queue.orders_batch = config.order_running
         self.counts = AdmissionCounts()
         bandit = self.queue.gate if isinstance(self.queue.gate, UCBBanditGate) else None
         self.meter = StepMeter(name, stats_file=config.stats_file, step_log=config.step_log,
@@ -221,7 +222,9 @@ class FeatherRuntime(Generic[R]):
 
     def engine_keeps_its_order(self) -> None:
         """The adapter found that batch ordering cannot act in this engine: a gate that
-        prices where a newcomer lands (``ModelGate``) prices the engine's own order."""
+        prices where a newcomer lands (``ModelGate``) prices the engine's own order, and
+        the queue keeps the tree's order, which is then the batch's layout."""
+        self.queue.orders_batch = False
         gate = self.queue.gate
         if isinstance(gate, ModelGate):
             gate.ordered = False

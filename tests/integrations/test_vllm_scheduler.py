@@ -219,8 +219,10 @@ def test_the_engine_log_says_how_ordering_acts(monkeypatch) -> None:
     # the model gate then prices the engine's own order, and learns from its steps
     gate = unordered.runtime.queue.gate
     assert isinstance(gate, ModelGate) and not gate.ordered and unordered.runtime.wants_batches
+    assert not unordered.runtime.queue.orders_batch  # admission order is the layout
     monkeypatch.delenv("VLLM_PLUGINS")
-    assert Harness(feather={"gate": "model"}).scheduler.feather.runtime.queue.gate.ordered
+    ordered = Harness(feather={"gate": "model"}).scheduler.feather.runtime.queue
+    assert ordered.gate.ordered and ordered.orders_batch
 
 
 def test_the_model_gate_starts_from_the_profile_of_vllms_device_and_model(monkeypatch) -> None:
