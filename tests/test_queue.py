@@ -249,6 +249,7 @@ def test_while_everything_fits_arrival_order_holds_and_the_gate_answers() -> Non
     """Running and waiting within the seats, their chunks within the KV cache: the older
     stranger goes before the siblings of the running group, judged by the gate."""
     queue = sized_queue(seats=4, kv_tokens=16 * 10)
+    queue.gate.stops_in_ordered_batches = False  # as the model gate declares
     a_stranger_then_siblings(queue)
     assert queue.fits_all()
     admission = queue.decide()
@@ -282,6 +283,16 @@ def test_requests_that_arrived_together_keep_the_trees_order() -> None:
         queue.add(rid, group_keys(group, 1), arrival_s=1.0)
     assert queue.fits_all()
     assert admit_next(queue) == "sibling"
+
+
+def test_a_gate_that_stops_in_ordered_batches_keeps_the_trees_candidate() -> None:
+    """Chunk-loss (and the bandit) STOP on chunk loss whatever the layout: offered the
+    older stranger it would hold back the siblings it admits, one request a pass."""
+    queue = sized_queue(seats=8, kv_tokens=16 * 100)
+    queue.gate = ChunkLossGate(max_loss=1, floor_start=0, floor_step=0)
+    a_stranger_then_siblings(queue)
+    assert queue.fits_all()
+    assert [admit_next(queue) for _ in range(3)] == ["sibling1", "sibling2", None]
 
 
 def test_where_the_engine_keeps_its_batch_order_the_tree_orders() -> None:

@@ -86,6 +86,11 @@ class Gate(Protocol):
     """
 
     observes: bool
+    stops_in_ordered_batches: bool
+    """Whether the gate may STOP a candidate while Feather lays the batch out. Where it
+    may, the queue keeps the tree's candidate even while everything fits (a STOP on an
+    older stranger would hold back the running groups' siblings the gate admits);
+    a gate that does not say is taken to STOP."""
 
     def decide(self, context: GateContext) -> Decision: ...
 
@@ -113,6 +118,8 @@ class _Unobservant:
 class AlwaysAddGate(_Unobservant):
     """Admit whenever the engine has room: today's engines' behaviour."""
 
+    stops_in_ordered_batches = False
+
     def decide(self, context: GateContext) -> Decision:
         return Decision.ADD
 
@@ -135,6 +142,7 @@ class ChunkLossGate(_Unobservant):
     heterogeneous queue from starving behind a small homogeneous batch.
     """
 
+    stops_in_ordered_batches = True  # it judges chunk loss, whatever the layout
     max_loss: int = 5
     max_loss_loaded: int = 7
     load_waiting: int = 256
@@ -202,6 +210,8 @@ class UCBBanditGate(_Unobservant):
     batch size / step seconds and goes to every decision taken while forming that batch.
     Admissions that lose no prefix, or fill an empty batch, are always ADD and not learned.
     """
+
+    stops_in_ordered_batches = True  # it learns STOPs from chunk loss, whatever the layout
 
     exploration: float = EXPLORATION
     batch_bin: int = BATCH_BIN

@@ -66,6 +66,10 @@ LEARN_EVERY = 8
 class ModelGate:
     """ADD/STOP by predicted per-request step cost, now vs in a homogeneous batch."""
 
+    stops_in_ordered_batches = False
+    """It prices the batch as laid out, where a group that joins its own run costs what
+    it would alone, so with ordering on it admits (``benchmarks/gate``)."""
+
     def __init__(self, model: OnlineStepModel, *, ordered: bool = True,
                  lookahead: int = DEFAULT_LOOKAHEAD, margin: float = DEFAULT_MARGIN,
                  window: int = DEFAULT_WINDOW) -> None:

@@ -381,9 +381,10 @@ class FeatherQueue:
 
     def _chosen(self, due: RequestId | None) -> RequestId | None:
         """The candidate over the tree's best, if any: the request a bound made ``due``,
-        else, while the engine could run everything in flight (``fits_all``) and lays its
-        batch out in Feather's order (``orders_batch``), the oldest waiting request of the
-        most urgent class if it arrived before the tree's best.
+        else, while the engine could run everything in flight (``fits_all``), lays its
+        batch out in Feather's order (``orders_batch``) and the gate does not STOP there
+        (``Gate.stops_in_ordered_batches``: always-add, the model gate), the oldest
+        waiting request of the most urgent class if it arrived before the tree's best.
 
         Passing an older request pays when the passer would cost more later: its prefix
         evicted before its turn, or its group no longer running when seats are scarce.
@@ -393,7 +394,7 @@ class FeatherQueue:
         (p99 TTFT 1.13x FCFS on BFCL's tool calls, ``benchmarks/traces``).  The gate still
         answers for this candidate.  O(requeued requests)."""
         if due is not None or self.bound is None or not self.orders_batch or \
-                not self.fits_all():
+                getattr(self.gate, "stops_in_ordered_batches", True) or not self.fits_all():
             return due
         best = self.tree.best()
         oldest = self.bound.oldest(self.tree.priority(best)) if best is not None else None
