@@ -28,7 +28,9 @@ request would save nothing and only lengthen its wait.  Ties (requests that arri
 together) keep the tree's order, and the gate still answers.  This is part of the
 fairness bound: without it (``max_overtakes`` and ``max_stops`` None) the tree orders; so
 it does where the engine keeps its own batch order (``orders_batch`` False), since there
-the admission order is what puts a group's members side by side in a step.
+the admission order is what puts a group's members side by side in a step, and under a
+gate that may STOP in an ordered batch (``Gate.stops_in_ordered_batches``), whose STOP
+on an older stranger would hold back the siblings it admits.
 
 Priority classes (``add(..., priority=)``, lower value more urgent, as vLLM and SGLang
 number them) are strict: no request is admitted while a more urgent one waits.  The
