@@ -82,6 +82,15 @@ def test_gather_groups_moves_members_up_to_their_first_and_nothing_else() -> Non
     assert gather_groups(["x", "y"], ["x", "y"]) == ["x", "y"]
 
 
+@given(st.lists(st.integers(0, 5), max_size=40))
+def test_gather_groups_is_the_first_seen_bucketing(groups: list[int]) -> None:
+    requests = list(range(len(groups)))
+    buckets: dict[int, list[int]] = {}
+    for request, group in zip(requests, groups, strict=True):
+        buckets.setdefault(group, []).append(request)
+    assert gather_groups(requests, groups) == [r for bucket in buckets.values() for r in bucket]
+
+
 @given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 20)), max_size=30))
 def test_order_by_group_is_a_permutation_grouped_and_preempts_the_youngest_group(
         members: list[tuple[int, int]]) -> None:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from feather_sched.cht import CHTError
 from feather_sched.gate import AlwaysAddGate, ChunkLossGate, Decision, GateContext
+from feather_sched.prefix import group_of
 from feather_sched.queue import FeatherQueue, QueueState
 
 
@@ -124,6 +125,10 @@ def test_held_requests_are_neither_candidates_nor_running() -> None:
     assert queue.decide().request_id == "b"
     queue.run("a")
     assert queue.state("a") is QueueState.RUNNING and queue.keys("a") == group_keys(0, 0)
+    assert queue.groups(["b", "a"]) == [group_of(group_keys(1, 0), "b"), queue.group("a")]
+    assert queue.group("a") == group_of(group_keys(0, 0), "a")
+    with pytest.raises(KeyError):
+        queue.groups(["a", "never-added"])
     with pytest.raises(CHTError, match="already held"):
         queue.hold("b") or queue.hold("b")
     queue.remove("b")

@@ -96,26 +96,21 @@ def order_by_group(requests: Sequence[T], groups: Sequence[Hashable],
     the end is the newest member of the youngest group of the least urgent class:
     preempting a group's members from the newest frees its prefix when the last goes,
     and a request is never preempted for a group made only of requests younger than
-    it.  Groups whose oldest ages tie keep the order of their first members in
-    ``requests``.  O(n log n).
+    it.  Equal ages keep their order in ``requests`` (so do groups whose oldest ages
+    tie).  O(n log n): ``gather_groups`` over the requests sorted by age, the sort in C.
     """
-    oldest: dict[Hashable, tuple] = {}
-    first: dict[Hashable, int] = {}
-    for index, (key, age) in enumerate(zip(groups, ages, strict=True)):
-        if key not in oldest:
-            oldest[key], first[key] = age, index
-        elif age < oldest[key]:
-            oldest[key] = age
-    ranked = sorted(range(len(requests)),
-                    key=lambda i: (oldest[groups[i]], first[groups[i]], ages[i]))
-    return [requests[i] for i in ranked]
+    by_age = sorted(range(len(requests)), key=ages.__getitem__)
+    return gather_groups(list(map(requests.__getitem__, by_age)),
+                         list(map(groups.__getitem__, by_age)))
 
 
 def gather_groups(requests: Sequence[T], groups: Sequence[Hashable]) -> list[T]:
     """``requests`` with each group's members moved up to where its first member stands,
     in their order: every group contiguous, nothing else moved. ``groups[i]`` is
-    ``requests[i]``'s. O(n)."""
-    members: dict[Hashable, list[T]] = {}
-    for request, group in zip(requests, groups, strict=True):
-        members.setdefault(group, []).append(request)
-    return [request for gathered in members.values() for request in gathered]
+    ``requests[i]``'s. O(n log n), every loop in C (a stable sort by the position of
+    each request's group's first member)."""
+    if len(requests) != len(groups):
+        raise ValueError(f"{len(requests)} requests but {len(groups)} groups")
+    first = dict(zip(reversed(groups), range(len(groups) - 1, -1, -1), strict=True))
+    rank = list(map(first.__getitem__, groups))
+    return list(map(requests.__getitem__, sorted(range(len(rank)), key=rank.__getitem__)))

@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence, Set
 from dataclasses import dataclass, field
 from enum import Enum
+from operator import attrgetter
 
 from feather_sched.cht import (
     DEFAULT_CHUNK_TOKENS,
@@ -97,11 +98,17 @@ class _Request:
     priority: int
     sequence: int
     """Order of first entry into the queue: ties between equal arrival times."""
+    group: Hashable
+    """Its prefix group (``prefix.group_of`` its keys)."""
     age_key: tuple[int, float, int] = field(init=False)
     """(priority, arrival_s, sequence), as ``FeatherQueue.age_key`` gives it."""
 
     def __post_init__(self) -> None:
         self.age_key = (self.priority, self.arrival_s, self.sequence)
+
+
+_AGE_KEY = attrgetter("age_key")
+_GROUP = attrgetter("group")
 
 
 class FeatherQueue:
@@ -200,9 +207,16 @@ class FeatherQueue:
         return self._requests[request_id].age_key
 
     def age_keys(self, request_ids: Iterable[RequestId]) -> list[tuple[int, float, int]]:
-        """``age_key`` of each request, in order; KeyError if one is unknown. O(n)."""
-        requests = self._requests
-        return [requests[request_id].age_key for request_id in request_ids]
+        """``age_key`` of each request, in order; KeyError if one is unknown. O(n), in C."""
+        return list(map(_AGE_KEY, map(self._requests.__getitem__, request_ids)))
+
+    def group(self, request_id: RequestId) -> Hashable:
+        """The request's prefix group (``prefix.group_of`` its chunk keys). O(1)."""
+        return self._requests[request_id].group
+
+    def groups(self, request_ids: Iterable[RequestId]) -> list[Hashable]:
+        """``group`` of each request, in order; KeyError if one is unknown. O(n), in C."""
+        return list(map(_GROUP, map(self._requests.__getitem__, request_ids)))
 
     def priority(self, request_id: RequestId) -> int:
         """The request's priority class (lower is more urgent)."""
@@ -240,7 +254,8 @@ class FeatherQueue:
         arrival = self.clock() if arrival_s is None else arrival_s
         length = len(keys) * self.chunk_tokens if tokens is None else tokens
         self._requests[request_id] = _Request(list(keys), arrival, length, priority,
-                                              next(self._sequence_numbers))
+                                              next(self._sequence_numbers),
+                                              group_of(keys, request_id))
         if self.bound is not None:
             self.bound.arrive(request_id, arrival, priority)
         self._offer_to_guard(request_id)
@@ -358,7 +373,7 @@ class FeatherQueue:
             chunk_loss=candidate.chunk_loss,
             sharing_waiters=candidate.sharing_waiters,
             num_waiting=self.tree.num_waiting,
-            candidate_group=group_of(request.keys, request_id),
+            candidate_group=request.group,
             candidate_tokens=request.tokens,
             candidate_prefix_tokens=self.tree.held_chunks(request_id) * self.chunk_tokens,
             group_waiters=self.tree.group_waiters(request_id),

@@ -67,6 +67,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
+from operator import attrgetter
 from typing import Any
 
 from feather_sched.cht import token_chunk_keys
@@ -131,8 +132,8 @@ class SGLangRequests:
         self.priority_scheduling = priority_scheduling
         self.low_priority_values_first = low_priority_values_first
 
-    def request_id(self, req: Req) -> str:
-        return req.rid
+    request_id = attrgetter("rid")
+    """The request's id (an attrgetter: the runtime maps it over the running list)."""
 
     def chunk_keys(self, req: Req) -> list:
         if not len(req.origin_input_ids):
