@@ -213,8 +213,10 @@ def test_begin_pass_returns_the_running_list_grouped_by_age() -> None:
     rt = runtime(order_running=False)
     for request in running:
         rt.enter_waiting(request)
-    assert [r.rid for r in rt.begin_pass([running[2], running[0], running[1]])] == \
-        ["b1", "a1", "a2"]  # by arrival only
+    as_given = [running[2], running[0], running[1]]
+    assert rt.begin_pass(as_given) == as_given  # the engine's order
+    assert [r.rid for r in rt.order(as_given)] == ["b1", "a1", "a2"]  # by arrival only
+    assert rt.preemption_victim(as_given) is running[2]  # the latest arrival
 
 
 def test_the_victim_is_the_newest_member_of_the_youngest_group() -> None:

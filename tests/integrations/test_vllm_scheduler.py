@@ -478,6 +478,31 @@ def test_preemption_takes_the_least_urgent_class_first() -> None:
     harness.assert_empty()
 
 
+def test_with_ordering_off_running_keeps_vllms_order_and_the_latest_arrival_gives_way(
+        ) -> None:
+    """``order_running`` off: vLLM's running list is left as vLLM keeps it (what was
+    admitted together stays together), and vLLM's priority rule, set for the pass,
+    preempts the latest arrival of the least urgent class, as Feather's order would."""
+    harness = Harness(num_blocks=30, feather={"order_running": False})
+    requests = [harness.request(rid, group=int(rid.startswith("small")), max_tokens=80)
+                for rid in ("big0", "small0", "big1", "big2", "small1", "big3")]
+    harness.add(*requests)
+    arrival = {r.request_id: r.arrival_time for r in requests}
+    victims: list[str] = []
+    while harness.scheduler.has_requests():
+        before = [r.request_id for r in harness.scheduler.running]
+        output = harness.step()
+        after = [r.request_id for r in harness.scheduler.running]
+        kept = [rid for rid in before if rid in after]
+        assert after[:len(kept)] == kept, (before, after)  # vLLM's order, not re-sorted
+        for victim in output.preempted_req_ids:
+            victims.append(victim)
+            assert all(arrival[rid] < arrival[victim] for rid in after), (victim, after)
+        assert harness.steps < 400
+    assert victims, "the KV cache should force preemption"
+    harness.assert_empty()
+
+
 def test_kv_holding_requests_do_not_pass_a_due_request() -> None:
     """vLLM drains ``kv_holding_waiting`` before the waiting queue. A streaming session's
     next turn that arrives after a request the bound has made due (here: at once, with

@@ -284,7 +284,9 @@ class FeatherWaitingQueue(RequestQueue):
         choose a victim (its waiting queue is this one), so it preempts Feather's
         (``FeatherRuntime.preemption_victim``) and each next victim is again the end.
         Under vLLM's priority policy the classes are kept: Feather's order puts the least
-        urgent last."""
+        urgent last.  With ``order_running`` off ``running`` keeps vLLM's order and the
+        policy is set to PRIORITY, whose victim, ``max(running, key=(priority,
+        arrival_time))``, is Feather's: the latest arrival of the least urgent class."""
         self._peeked = self._popped = None
         faults = self.runtime.faults
         if not faults.active:
@@ -299,7 +301,8 @@ class FeatherWaitingQueue(RequestQueue):
                                    f"vLLM's waiting queue {len(self._members)}")
             self._fallback = None
             running[:] = self.runtime.begin_pass(running)
-            self.scheduler.policy = SchedulingPolicy.FCFS  # the victim: the end of running
+            self.scheduler.policy = SchedulingPolicy.FCFS if self.runtime.orders_running \
+                else SchedulingPolicy.PRIORITY  # the victim: the end, or the latest arrival
         except Exception as error:
             self.fall_back("begin_pass", error)
 
