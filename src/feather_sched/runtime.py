@@ -11,6 +11,7 @@ state) behind one contract, stated once, in the style of vLLM's ``RequestQueue``
                                   (any state; True the first time, False after)
     begin_pass(running) -> order  a scheduling pass starts: the running set becomes the
                                   engine's; returns the running list in Feather's order
+                                  (as the engine has it with ``order_running`` off)
     decide(offered=None)          the admission for the current candidate (the engine's
                                   offered request, or the queue's own); asked once
     admit(request)                the engine admits the request of the last ADD
