@@ -338,14 +338,19 @@ operations = st.lists(st.tuples(st.sampled_from(["add", "step", "finish", "reque
 @settings(max_examples=100, deadline=None)
 @given(operations)
 def test_every_request_ends_exactly_once(ops: list[tuple[str, int]]) -> None:
-    """Whatever the gate decides, each request is finished or aborted once, never lost."""
+    """Whatever the gate decides, each request is finished or aborted once, never lost;
+    the running epoch moves forward exactly when the running set changes."""
     clock = FakeClock()
     queue = FeatherQueue(ChunkLossGate(max_loss=0, floor_start=1), max_wait_s=3.0, clock=clock)
     running: list[str] = []
     held: list[str] = []
     ended: list[str] = []
     added: list[str] = []
+    last = (queue.running_epoch, set())
     for n, (op, arg) in enumerate(ops):
+        epoch, running_set = queue.running_epoch, set(queue.running_ids())
+        assert epoch >= last[0] and (epoch != last[0]) == (running_set != last[1])
+        last = (epoch, running_set)
         clock.now = float(n)
         if op == "add":
             rid = f"r{n}"

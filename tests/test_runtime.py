@@ -115,6 +115,24 @@ def test_the_running_set_is_the_engines_not_the_admissions() -> None:
     assert answer.context.batch_size == 0 and answer.decision is Decision.ADD
 
 
+def test_a_pass_over_the_same_list_still_sees_what_changed_between_passes() -> None:
+    """``begin_pass`` skips its work for the list it ordered last, unless Feather's
+    running set changed since: a hold (the engine skipped the request) is undone, and
+    a list the engine reordered is put back in order."""
+    rt = runtime()
+    a, b, c = req("a", 0), req("b", 1), req("c", 0)
+    for request in (a, b, c):
+        rt.enter_waiting(request)
+    running = rt.begin_pass([])
+    admit_all(rt, running)
+    rt.end_pass(1, running)
+    running = rt.begin_pass(running)
+    assert running == [a, c, b] and rt.begin_pass(running) == [a, c, b]
+    rt.hold("c")
+    assert rt.begin_pass(running) == [a, c, b] and rt.queue.state("c") is QueueState.RUNNING
+    assert rt.begin_pass([b, c, a]) == [a, c, b]
+
+
 def test_an_engine_running_a_request_feather_never_admitted_is_believed() -> None:
     rt = runtime()
     a, b = req("a"), req("b")
@@ -380,6 +398,7 @@ def test_any_engine_history_keeps_the_picture_exact(history, seats: int) -> None
             rt.enter_waiting(request)
         elif event == "pass":
             running[:] = rt.begin_pass(running)
+            assert running == rt.order(running)  # a pass that reuses the last order too
             while len(running) < seats and (answer := rt.decide()) is not None:
                 if answer.decision is Decision.STOP:
                     break

@@ -145,11 +145,13 @@ class FeatherQueue:
         where the adapter can apply it); if not, admission order is the batch's layout,
         and the tree's order keeps a group's members side by side even when everything
         fits."""
+        self._running_epoch = 0
         self.clear()
 
     def clear(self) -> None:
         """Forget every request (the tree, the bounds' counts, this pass's answer); the
         gate keeps what it learned.  O(1) plus freeing the old structures."""
+        self._running_epoch += 1
         self.tree = ChunkedHashTree()
         self.bound = None
         if self.max_overtakes is not None or self.max_stops is not None:
@@ -177,6 +179,13 @@ class FeatherQueue:
     @property
     def num_running(self) -> int:
         return self.tree.num_running
+
+    @property
+    def running_epoch(self) -> int:
+        """A number that changes whenever the running set does (admit, run, requeue or
+        hold of a running request, removal of one, ``clear``) and never returns to an
+        earlier value: two equal readings bracket no change.  O(1)."""
+        return self._running_epoch
 
     def state(self, request_id: RequestId) -> QueueState:
         """WAITING, RUNNING or HELD; CHTError for an unknown request."""
@@ -269,6 +278,7 @@ class FeatherQueue:
             self.bound.admit(request_id)
         if admission is not None and admission.forced and admission.request_id == request_id:
             self._forced = request_id
+        self._running_epoch += 1
         self._changed()
 
     def requeue(self, request_id: RequestId) -> None:
@@ -276,6 +286,7 @@ class FeatherQueue:
         state = self.state(request_id)
         if state is QueueState.RUNNING:
             self.tree.requeue(request_id)
+            self._running_epoch += 1
         elif state is QueueState.HELD:
             self._enter_tree(request_id)
         else:
@@ -291,6 +302,7 @@ class FeatherQueue:
         if state is QueueState.HELD:
             raise CHTError(f"request {request_id!r} is already held")
         self.tree.remove(request_id)
+        self._running_epoch += state is QueueState.RUNNING
         if self.bound is not None:
             self.bound.hold(request_id, was_running=state is QueueState.RUNNING)
         if self._forced == request_id:
@@ -303,14 +315,17 @@ class FeatherQueue:
             raise CHTError(f"cannot run request {request_id!r}: it is not held")
         self._enter_tree(request_id)
         self.tree.admit(request_id)
+        self._running_epoch += 1
         if self.bound is not None:
             self.bound.admit(request_id)
         self._changed()
 
     def remove(self, request_id: RequestId) -> None:
         """Forget a request in any state (finished, aborted, rejected)."""
-        if self.state(request_id) is not QueueState.HELD:
+        state = self.state(request_id)
+        if state is not QueueState.HELD:
             self.tree.remove(request_id)
+            self._running_epoch += state is QueueState.RUNNING
         if self.bound is not None:
             self.bound.forget(request_id)
         del self._requests[request_id]

@@ -51,7 +51,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import is_, itemgetter
 from typing import Generic, Protocol, TypeVar
 
 from feather_sched import metrics
@@ -204,6 +204,10 @@ class FeatherRuntime(Generic[R]):
         self._taken: list[_Taken] = []
         self._open_steps: OrderedDict[Hashable, list[tuple[GateContext, Decision]]] = \
             OrderedDict()
+        self._reconciled: tuple[list[R], int, list[RequestId]] | None = None
+        """The last running list reconciled, the queue's running epoch then, its ids."""
+        self._in_order: tuple[list[R], int] | None = None
+        """The last running list ``begin_pass`` ordered, and the running epoch then."""
 
     @property
     def wants_batches(self) -> bool:
@@ -300,14 +304,17 @@ class FeatherRuntime(Generic[R]):
         cost the gate ablation's ordering-off cell up to 22%), so an engine that preempts
         the end of its list must take ``preemption_victim``, or the latest arrival of the
         least urgent class by its own rule (vLLM's priority policy).  O(running) plus the
-        sort.
+        sort; O(running) in C when the running set and the list's order are the last
+        pass's (a run of decode steps).
         """
         ids = self._reconcile_running(running)
         self.queue.new_step()
         self._taken.clear()
-        if not self.config.order_running:
+        if not self.config.order_running or self._unchanged(running, self._in_order):
             return list(running)
-        return self._ordered(running, ids, gathered=False)
+        ordered = self._ordered(running, ids, gathered=False)
+        self._in_order = (ordered, self.queue.running_epoch)
+        return list(ordered)
 
     def order(self, running: Sequence[R]) -> list[R]:
         """``running`` in Feather's order, which is also its preemption order (the end
@@ -518,7 +525,12 @@ class FeatherRuntime(Generic[R]):
                 self.discard(request_id)
 
     def _reconcile_running(self, running: Sequence[R]) -> list[RequestId]:
-        """``reconcile``'s running half; returns ``running``'s request ids, in order."""
+        """``reconcile``'s running half; returns ``running``'s request ids, in order.
+        Nothing to do for the list last reconciled, if the running set has not changed
+        since (its ids are kept)."""
+        known = self._reconciled
+        if self._unchanged(running, known):
+            return known[2]
         queue = self.queue
         ids = self._ids(running)
         running_ids = set(ids)
@@ -532,7 +544,15 @@ class FeatherRuntime(Generic[R]):
                     queue.run(request_id)
             for request_id in [r for r in queue.running_ids() if r not in running_ids]:
                 self.hold(request_id)
+        self._reconciled = (list(running), queue.running_epoch, ids)
         return ids
+
+    def _unchanged(self, running: Sequence[R], known: tuple | None) -> bool:
+        """Whether ``running`` holds the very objects of ``known``'s list, in order, and
+        the queue's running set has not changed since ``known`` was taken.  O(running),
+        in C."""
+        return known is not None and known[1] == self.queue.running_epoch and \
+            len(running) == len(known[0]) and all(map(is_, running, known[0]))
 
     def _ids(self, requests: Sequence[R]) -> list[RequestId]:
         """The requests' ids; C speed where the view's ``request_id`` is an attrgetter."""
