@@ -1,19 +1,26 @@
 """Where a CPU engine step's time goes, FCFS against Feather, on identical batches.
 
     .venv/bin/python benchmarks/traces/step_phases.py [--requests 100] [--gap 25] [--rounds 2]
+    .venv/bin/python benchmarks/traces/step_phases.py --workload mooncake --requests 300 \
+        --step-ms 13 --json step_phases-mooncake.json
 
-ShareGPT on vLLM 0.32.0's CPU engine (the embedded model), engine core and worker in one
-process, each run a fresh process.  Arrivals are clocked by steps, not seconds: request i
-enters before step ``gap * i``, so with the same admission order (nothing is shared, and
-Feather's order is then FCFS's) both schedulers run exactly the same batches (checked),
-and any difference in a phase's time is that scheduler's own work, free of the feedback
-that a slower step raises concurrency.  Per run, the seconds summed over all steps of:
+ShareGPT (or cpu.sh's Mooncake window: the trace's last 1,000 requests from the first,
+hash blocks of 32 tokens, ``mooncake-moderate.sh``'s speed 2.6) on vLLM 0.32.0's CPU
+engine (the embedded model), engine core and worker in one process, each run a fresh
+process.  Arrivals are clocked by steps, not seconds: ShareGPT's request i enters before
+step ``gap * i``, Mooncake's before step ``arrival / step-ms`` (its own burstiness at a
+nominal step), so with the same admission order (ShareGPT shares nothing, and Feather's
+order is then FCFS's; Mooncake's window fits the KV cache, where Feather keeps arrival
+order) both schedulers run exactly the same batches (checked), and any difference in a
+phase's time is that scheduler's own work, free of the feedback that a slower step
+raises concurrency.  Per run, the seconds summed over all steps of:
 ``schedule`` and ``update_from_output`` (scheduler side; Feather's hooks inside them are
 ``before_schedule``, ``after_schedule`` and ``step_done``), ``execute_model`` and
 ``sample_tokens`` (worker side), and inside the worker Feather's batch-order plugin
 (``order_by_schedule``) and attention planning (``_plan``).  The machine's speed drifts
 between runs (compare a scheduler's phases with its own ``sample_tokens``, the same code
-in both); Feather's own phases are what this measures.  Writes ``step_phases.json``.
+in both); Feather's own phases are what this measures.  Writes ``step_phases.json``
+(``--json``).
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ HERE = Path(__file__).parent
 PHASES = {"scheduler": ("schedule", "update_from_output"),
           "executor": ("execute_model", "sample_tokens"),
           "feather": ("before_schedule", "after_schedule", "step_done")}
+MOONCAKE = {"path": HERE.parents[2] / "shared" / "traces" / "mooncake-synthetic.jsonl",
+            "start": 2993, "speed": 2.6, "token_scale": 0.0625,
+            "engine_args": {"block_size": 32}}
+"""cpu.sh's Mooncake window at mooncake-moderate.sh's speed."""
 WORKER = (("feather_sched.integrations.vllm_batch_order", None, "order_by_schedule"),
           ("feather_sched.integrations.vllm_attention", "SharedPrefixCPUMetadataBuilder",
            "_plan"))
@@ -51,7 +62,23 @@ def timed(owner: Any, name: str, totals: dict[str, float]) -> None:
     setattr(owner, name, wrapper)
 
 
-def one_run(scheduler: str, requests: int, gap: int) -> dict:
+def workload_steps(name: str, requests: int, gap: int, step_ms: float
+                   ) -> tuple[Any, list[int], dict[str, Any]]:
+    """The workload, the step before which each request enters, and its engine args."""
+    from feather_sched.datasets import load_dataset
+    from feather_sched.workloads import Replay, load_mooncake
+
+    if name == "sharegpt":
+        workload = load_dataset("sharegpt", max_requests=requests)
+        return workload, [gap * i for i in range(requests)], {}
+    replay = Replay(MOONCAKE["start"], requests, MOONCAKE["speed"], MOONCAKE["token_scale"])
+    workload = load_mooncake(MOONCAKE["path"], replay=replay)
+    entries = [int(r.arrival_s * 1000 / step_ms) for r in workload.requests]
+    return workload, entries, MOONCAKE["engine_args"]
+
+
+def one_run(scheduler: str, workload_name: str, requests: int, gap: int,
+            step_ms: float) -> dict:
     """One scheduler's step-clocked run in this process."""
     import importlib
 
@@ -59,18 +86,18 @@ def one_run(scheduler: str, requests: int, gap: int) -> dict:
     from vllm.inputs import TokensPrompt
 
     from feather_sched.bench.offline import engine_kwargs, scheduler_specs
-    from feather_sched.datasets import load_dataset
     from feather_sched.models import TINY_LLAMA
 
-    workload = load_dataset("sharegpt", max_requests=requests)
+    workload, entries, engine_args = workload_steps(workload_name, requests, gap, step_ms)
     spec = scheduler_specs([scheduler], {})[0]
     totals: dict[str, float] = {}
     batches: list[tuple[int, int]] = []
     with tempfile.TemporaryDirectory() as scratch:
-        llm = LLM(**engine_kwargs(spec, Path(scratch) / "stats.json", str(TINY_LLAMA), {}))
+        llm = LLM(**engine_kwargs(spec, Path(scratch) / "stats.json", str(TINY_LLAMA),
+                                  engine_args))
         engine = llm.llm_engine
         core = engine.engine_core.engine_core
-        for name in PHASES["scheduler"]:
+        for name in ("add_request", *PHASES["scheduler"]):
             timed(core.scheduler, name, totals)
         for name in PHASES["executor"]:
             timed(core.model_executor, name, totals)
@@ -88,10 +115,11 @@ def one_run(scheduler: str, requests: int, gap: int) -> dict:
             return output
 
         core.scheduler.schedule = schedule
-        pending, step, started = list(workload.requests), 0, time.perf_counter()
+        pending, step, started = list(zip(entries, workload.requests, strict=True)), 0, \
+            time.perf_counter()
         while pending or engine.has_unfinished_requests():
-            while pending and (requests - len(pending)) * gap <= step:
-                request = pending.pop(0)
+            while pending and pending[0][0] <= step:
+                _, request = pending.pop(0)
                 params = SamplingParams(max_tokens=request.output_len,
                                         min_tokens=request.output_len, ignore_eos=True,
                                         temperature=0.0)
@@ -99,7 +127,7 @@ def one_run(scheduler: str, requests: int, gap: int) -> dict:
                                    TokensPrompt(prompt_token_ids=request.prompt.tolist()),
                                    params)
             if not engine.has_unfinished_requests():
-                step = (requests - len(pending)) * gap
+                step = pending[0][0]
                 continue
             engine.step()
             step += 1
@@ -114,18 +142,25 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--gap", type=int, default=25, help="steps between arrivals")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workload", choices=("sharegpt", "mooncake"), default="sharegpt")
+    parser.add_argument("--step-ms", type=float, default=13.0,
+                        help="Mooncake: the nominal step that clocks its arrivals")
+    parser.add_argument("--schedulers", default="fcfs,feather-model")
+    parser.add_argument("--json", type=Path, default=HERE / "step_phases.json")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child run: its JSON on stdout
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one_run(args.one, args.requests, args.gap)))
+        print(json.dumps(one_run(args.one, args.workload, args.requests, args.gap,
+                                 args.step_ms)))
         return
     runs = []
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     for _ in range(args.rounds):
-        for scheduler in ("fcfs", "feather-model"):
+        for scheduler in args.schedulers.split(","):
             child = subprocess.run(
                 [sys.executable, __file__, "--one", scheduler, "--requests",
-                 str(args.requests), "--gap", str(args.gap)],
+                 str(args.requests), "--gap", str(args.gap), "--workload", args.workload,
+                 "--step-ms", str(args.step_ms)],
                 env=env, capture_output=True, text=True, check=True)
             runs.append(json.loads(child.stdout.strip().splitlines()[-1]))
             run = runs[-1]
@@ -134,9 +169,10 @@ def main() -> None:
                   flush=True)
     same = all(run["batches"] == runs[0]["batches"] for run in runs)
     print(f"identical batches in every run: {same}")
-    (HERE / "step_phases.json").write_text(json.dumps(
-        {"command": "benchmarks/traces/step_phases.py", "requests": args.requests,
-         "gap": args.gap, "identical_batches": same,
+    args.json.write_text(json.dumps(
+        {"command": " ".join(["benchmarks/traces/step_phases.py", *sys.argv[1:]]),
+         "workload": args.workload, "requests": args.requests, "gap": args.gap,
+         "step_ms": args.step_ms, "identical_batches": same,
          "runs": [{k: v for k, v in run.items() if k != "batches"} for run in runs]},
         indent=1) + "\n")
 
