@@ -3,10 +3,11 @@ wait in every ``schedule()``, beside FCFS and Feather.
 
     .venv/bin/python benchmarks/traces/sched_delay.py [--delay-ms 0.2] [--rounds 3]
 
-Mooncake as ``mooncake-moderate.sh`` replays it (the trace's last 1,000 requests, hash
-blocks of 32 tokens, sped up 2.6x) on vLLM 0.32.0's CPU engine (the embedded model, in
-vLLM's default multi-process mode), alternating ``fcfs``, ``fcfs-delayed`` and
-``feather-model`` for ``rounds`` rounds, each run a fresh engine.  ``fcfs-delayed`` is
+Mooncake as ``mooncake-moderate.sh`` replays it (``step_phases.MOONCAKE``: the trace's
+last 1,000 requests, hash blocks of 32 tokens, sped up 2.6x) on vLLM 0.32.0's CPU engine
+(the embedded model, in vLLM's default multi-process mode), alternating ``fcfs``,
+``fcfs-delayed`` and ``feather-model`` for ``rounds`` rounds, each run a fresh engine.
+``fcfs-delayed`` is
 the FCFS baseline (``InstrumentedScheduler``) with a busy wait of ``delay-ms`` before
 each ``schedule()``: the same decisions, only more time on the engine core per pass, so
 what it changes against ``fcfs`` is what that much scheduler time costs at this load,
@@ -23,10 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from step_phases import MOONCAKE
+
 from feather_sched.integrations.vllm import InstrumentedScheduler, InstrumentedSyncScheduler
 
 HERE = Path(__file__).resolve().parent
-TRACE = HERE.parents[2] / "shared" / "traces" / "mooncake-synthetic.jsonl"
 DELAYED = "fcfs-delayed"
 DELAY_ENV = "FEATHER_BENCH_SCHEDULE_DELAY_S"
 """The busy wait, in seconds, handed to the engine-core process through its environment."""
@@ -38,22 +40,22 @@ def _busy_wait() -> None:
         pass
 
 
-class DelayedSyncScheduler(InstrumentedSyncScheduler):
-    """The FCFS baseline, synchronous (the CPU engine), busy for the delay first."""
+class _Delayed:
+    """Busy for the delay, then the scheduler's own pass."""
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         _busy_wait()
         return super().schedule(*args, **kwargs)
 
 
-class DelayedScheduler(InstrumentedScheduler):
+class DelayedSyncScheduler(_Delayed, InstrumentedSyncScheduler):
+    """The FCFS baseline, synchronous (the CPU engine), busy for the delay first."""
+
+
+class DelayedScheduler(_Delayed, InstrumentedScheduler):
     """The FCFS baseline busy for the delay before each pass (``sync_variant`` on CPU)."""
 
     sync_variant = DelayedSyncScheduler
-
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        _busy_wait()
-        return super().schedule(*args, **kwargs)
 
 
 def _spec_with_delayed(original: Any) -> Any:
@@ -92,10 +94,11 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))  # the engine core imports it
     offline._spec = _spec_with_delayed(offline._spec)
-    workload = WorkloadArgs(trace=TRACE, start=2993, max_requests=1000,
-                            token_scale=0.0625, trace_speed=2.6).build()
+    workload = WorkloadArgs(trace=MOONCAKE["path"], start=MOONCAKE["start"],
+                            max_requests=1000, token_scale=MOONCAKE["token_scale"],
+                            trace_speed=MOONCAKE["speed"]).build()
     plan = BenchPlan(workload, schedulers=["fcfs", DELAYED, "feather-model"] * args.rounds,
-                     engine_args={"block_size": 32})
+                     engine_args=MOONCAKE["engine_args"])
     console = Console(record=True, width=150)
     runs, _ = run_bench(plan, console)
     config = bench_config(plan) | {"delay_ms": args.delay_ms,
