@@ -173,6 +173,9 @@ class TreeMachine(RuleBasedStateMachine):
         assert tree.best() == model.best()
         firsts = [model.keys[r][0] for r in model.running() if model.keys[r]]
         assert tree.has_running_group() == (len(set(firsts)) < len(firsts))
+        for rid in model.waiting() + model.running():
+            first = model.keys[rid][:1]
+            assert tree.group_runners(rid) == (firsts.count(first[0]) if first else 0)
         running_keys = {k for r in model.running() for k in model.keys[r]}
         waiting_keys = {k for r in model.waiting() for k in model.keys[r]}
         assert tree.chunks_held() == len(running_keys) + len(waiting_keys)

@@ -133,6 +133,44 @@ def test_a_pass_over_the_same_list_still_sees_what_changed_between_passes() -> N
     assert rt.begin_pass([b, c, a]) == [a, c, b]
 
 
+def test_admissions_and_exits_between_passes_keep_the_order_exact() -> None:
+    """Between passes Feather follows the engine's list through the admissions and exits
+    it is told of; the next pass still returns Feather's order where they change it:
+    a group's oldest member leaving re-ranks the group, a member joining its group or an
+    older request admitted last moves into place."""
+    rt = runtime()
+    a1, b1, a2, c1, b2 = req("a1", 0), req("b1", 1), req("a2", 0), req("c1", 2), req("b2", 1)
+    for arrival, request in enumerate((a1, b1, a2, c1)):
+        request.arrival = float(arrival)
+        rt.enter_waiting(request)
+    running = rt.begin_pass([])
+    admit_all(rt, running)
+    rt.end_pass(1, running)
+    running = rt.begin_pass(running)
+    assert [r.rid for r in running] == ["a1", "a2", "b1", "c1"]
+    running.remove(a1)  # finished: group a now ranks by a2, after b1
+    rt.discard("a1")
+    running = rt.begin_pass(running)
+    assert [r.rid for r in running] == ["b1", "a2", "c1"]
+    running.remove(c1)  # a group of one leaving changes no rank
+    rt.discard("c1")
+    assert rt.begin_pass(running) == running
+    b2.arrival = 4.0
+    rt.enter_waiting(b2)
+    admit_all(rt, running)
+    rt.end_pass(2, running)
+    assert [r.rid for r in running] == ["b1", "a2", "b2"]  # appended: b2 joins group b
+    running = rt.begin_pass(running)
+    assert [r.rid for r in running] == ["b1", "b2", "a2"]
+    d = req("d", 3)
+    d.arrival = 1.5  # older than a2: its group ranks before a's
+    rt.enter_waiting(d)
+    running = rt.begin_pass(running)
+    admit_all(rt, running)
+    rt.end_pass(3, running)
+    assert [r.rid for r in rt.begin_pass(running)] == ["b1", "b2", "d", "a2"]
+
+
 def test_an_engine_running_a_request_feather_never_admitted_is_believed() -> None:
     rt = runtime()
     a, b = req("a"), req("b")
@@ -376,7 +414,7 @@ def test_resync_rebuilds_the_picture_from_the_engines_sets() -> None:
 
 
 events = st.lists(st.tuples(st.sampled_from(["arrive", "pass", "finish", "preempt", "park",
-                                             "resume", "abort"]), st.integers(0, 5)),
+                                             "resume", "abort"]), st.integers(0, 11)),
                   max_size=120)
 
 
@@ -391,8 +429,9 @@ def test_any_engine_history_keeps_the_picture_exact(history, seats: int) -> None
     parked: list[Req] = []
     arrived, left = [], []
     for n, (event, arg) in enumerate(history):
-        if event == "arrive":
-            request = req(f"r{n}", arg % 3)
+        if event == "arrive":  # groups 0-2, or a group of its own; classes 0 and 1
+            request = req(f"r{n}", arg % 4, chunks=1 if arg % 4 == 3 else 3)
+            request.priority = arg // 6
             arrived.append(request.rid)
             waiting.append(request)
             rt.enter_waiting(request)

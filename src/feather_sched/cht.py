@@ -307,6 +307,13 @@ class ChunkedHashTree:
         keys = self._entry(request_id).keys
         return max(self._waiting_refs.get(keys[0], 0) - 1, 0) if keys else 0
 
+    def group_runners(self, request_id: RequestId) -> int:
+        """Running requests of the request's prefix group (those holding its first
+        chunk), the request itself included if it runs; 0 for a request without a chunk
+        (a group of its own).  O(1)."""
+        keys = self._entry(request_id).keys
+        return self._running_refs.get(keys[0], 0) if keys else 0
+
     def shared_prefix_chunks(self) -> int | None:
         """Chunks shared by every running request; None when nothing runs."""
         if not self._running:

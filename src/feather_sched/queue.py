@@ -184,7 +184,8 @@ class FeatherQueue:
     def running_epoch(self) -> int:
         """A number that changes whenever the running set does (admit, run, requeue or
         hold of a running request, removal of one, ``clear``) and never returns to an
-        earlier value: two equal readings bracket no change.  O(1)."""
+        earlier value: two equal readings bracket no change, even one that raised midway
+        (it moves before the tree does).  O(1)."""
         return self._running_epoch
 
     def state(self, request_id: RequestId) -> QueueState:
@@ -226,6 +227,11 @@ class FeatherQueue:
     def groups(self, request_ids: Iterable[RequestId]) -> list[Hashable]:
         """``group`` of each request, in order; KeyError if one is unknown. O(n), in C."""
         return list(map(_GROUP, map(self._requests.__getitem__, request_ids)))
+
+    def group_runners(self, request_id: RequestId) -> int:
+        """Running requests of the request's prefix group, itself included if it runs.
+        O(1)."""
+        return self.tree.group_runners(request_id)
 
     def priority(self, request_id: RequestId) -> int:
         """The request's priority class (lower is more urgent)."""
@@ -273,20 +279,20 @@ class FeatherQueue:
     def admit(self, request_id: RequestId) -> None:
         """Move a waiting request into the running set."""
         admission = self._admission
+        self._running_epoch += 1
         self.tree.admit(request_id)
         if self.bound is not None:
             self.bound.admit(request_id)
         if admission is not None and admission.forced and admission.request_id == request_id:
             self._forced = request_id
-        self._running_epoch += 1
         self._changed()
 
     def requeue(self, request_id: RequestId) -> None:
         """Send a running or held request back to waiting; its arrival time stays."""
         state = self.state(request_id)
         if state is QueueState.RUNNING:
-            self.tree.requeue(request_id)
             self._running_epoch += 1
+            self.tree.requeue(request_id)
         elif state is QueueState.HELD:
             self._enter_tree(request_id)
         else:
@@ -301,8 +307,8 @@ class FeatherQueue:
         state = self.state(request_id)
         if state is QueueState.HELD:
             raise CHTError(f"request {request_id!r} is already held")
-        self.tree.remove(request_id)
         self._running_epoch += state is QueueState.RUNNING
+        self.tree.remove(request_id)
         if self.bound is not None:
             self.bound.hold(request_id, was_running=state is QueueState.RUNNING)
         if self._forced == request_id:
@@ -313,9 +319,9 @@ class FeatherQueue:
         """Put a held request straight into the running set (the engine runs it)."""
         if self.state(request_id) is not QueueState.HELD:
             raise CHTError(f"cannot run request {request_id!r}: it is not held")
+        self._running_epoch += 1
         self._enter_tree(request_id)
         self.tree.admit(request_id)
-        self._running_epoch += 1
         if self.bound is not None:
             self.bound.admit(request_id)
         self._changed()
@@ -324,8 +330,8 @@ class FeatherQueue:
         """Forget a request in any state (finished, aborted, rejected)."""
         state = self.state(request_id)
         if state is not QueueState.HELD:
-            self.tree.remove(request_id)
             self._running_epoch += state is QueueState.RUNNING
+            self.tree.remove(request_id)
         if self.bound is not None:
             self.bound.forget(request_id)
         del self._requests[request_id]

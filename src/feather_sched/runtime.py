@@ -175,6 +175,21 @@ class _Taken:
     admitted: bool = False
 
 
+@dataclass
+class _Mirror(Generic[R]):
+    """The engine's running list as Feather last reconciled it, kept in step by Feather's
+    own calls: an admission appends (as vLLM, SGLang and the simulator append to their
+    lists), an exit removes.  While ``epoch`` is the queue's running epoch, the queue's
+    running set is exactly ``ids``; an engine list holding the very objects of
+    ``requests``, in order, needs no reconciling."""
+
+    requests: list[R]
+    ids: list[RequestId]
+    epoch: int
+    ordered: bool
+    """Whether ``requests`` is in Feather's order (``FeatherRuntime.order``)."""
+
+
 class FeatherRuntime(Generic[R]):
     """Feather's admission for one scheduler, behind the contract in the module docstring."""
 
@@ -204,10 +219,8 @@ class FeatherRuntime(Generic[R]):
         self._taken: list[_Taken] = []
         self._open_steps: OrderedDict[Hashable, list[tuple[GateContext, Decision]]] = \
             OrderedDict()
-        self._reconciled: tuple[list[R], int, list[RequestId]] | None = None
-        """The last running list reconciled, the queue's running epoch then, its ids."""
-        self._in_order: tuple[list[R], int] | None = None
-        """The last running list ``begin_pass`` ordered, and the running epoch then."""
+        self._mirror: _Mirror[R] | None = None
+        """The engine's running list as last reconciled (``_Mirror``)."""
 
     @property
     def wants_batches(self) -> bool:
@@ -270,7 +283,11 @@ class FeatherRuntime(Generic[R]):
         if tracked is None:
             return False
         self._count_left([tracked])
+        mirror = self._current_mirror()
+        in_mirror = mirror is not None and self._mirror_drops(mirror, request_id)
         self.queue.remove(request_id)
+        if in_mirror:
+            mirror.epoch = self.queue.running_epoch
         self._count_states()
         if not self._tracked:
             self.meter.save()  # drained: a run's end is on file even if shutdown is cut short
@@ -304,17 +321,21 @@ class FeatherRuntime(Generic[R]):
         cost the gate ablation's ordering-off cell up to 22%), so an engine that preempts
         the end of its list must take ``preemption_victim``, or the latest arrival of the
         least urgent class by its own rule (vLLM's priority policy).  O(running) plus the
-        sort; O(running) in C when the running set and the list's order are the last
-        pass's (a run of decode steps).
+        sort; O(running) in C when the list is the one Feather last returned or saw, changed
+        since only by admissions appended and exits Feather was told of (steps without
+        preemption), none of which moved a group's rank (``_Mirror``).
         """
         ids = self._reconcile_running(running)
         self.queue.new_step()
         self._taken.clear()
-        if not self.config.order_running or self._unchanged(running, self._in_order):
+        mirror = self._mirror
+        if not self.config.order_running or mirror.ordered:
             return list(running)
-        ordered = self._ordered(running, ids, gathered=False)
-        self._in_order = (ordered, self.queue.running_epoch)
-        return list(ordered)
+        ranked = self._ranking(running, ids, gathered=False)
+        mirror.requests = list(map(running.__getitem__, ranked))
+        mirror.ids = list(map(ids.__getitem__, ranked))
+        mirror.ordered = True
+        return list(mirror.requests)
 
     def order(self, running: Sequence[R]) -> list[R]:
         """``running`` in Feather's order, which is also its preemption order (the end
@@ -337,6 +358,11 @@ class FeatherRuntime(Generic[R]):
                  gathered: bool) -> list[R]:
         """``running`` (whose request ids are ``ids``) in ``order``'s order, or
         ``batch_order``'s where ``gathered``."""
+        return list(map(running.__getitem__, self._ranking(running, ids, gathered=gathered)))
+
+    def _ranking(self, running: Sequence[R], ids: list[RequestId], *,
+                 gathered: bool) -> Sequence[int]:
+        """The indices of ``running`` in ``_ordered``'s order."""
         queue = self.queue
         try:
             ages = queue.age_keys(ids)
@@ -344,8 +370,7 @@ class FeatherRuntime(Generic[R]):
             ages = [self.age_key(request) for request in running]
         if not self.config.order_running or (
                 not queue.has_running_group() and len(running) == queue.num_running):
-            return list(map(running.__getitem__,
-                            sorted(range(len(running)), key=ages.__getitem__)))
+            return sorted(range(len(running)), key=ages.__getitem__)
         try:
             groups = queue.groups(ids)
         except KeyError:
@@ -356,7 +381,7 @@ class FeatherRuntime(Generic[R]):
                                 ages)
         if gathered and not one_class:
             ranked = gather_groups(ranked, [groups[i] for i in ranked])
-        return list(map(running.__getitem__, ranked))
+        return ranked
 
     def preemption_victim(self, running: Sequence[R]) -> R:
         """The request to preempt when the engine runs out of KV blocks: the end of
@@ -440,8 +465,11 @@ class FeatherRuntime(Generic[R]):
         if last is None or last.admission.request_id != request_id or \
                 last.admission.decision is not Decision.ADD or last.admitted:
             raise RuntimeError(f"admit({request_id!r}) without an ADD decision for it")
+        mirror = self._current_mirror()
         self.queue.admit(request_id)
         last.admitted = True
+        if mirror is not None:
+            self._mirror_appends(mirror, request, request_id)
 
     def end_pass(self, step: Hashable, running: Sequence[R]) -> None:
         """The pass formed ``step``: reconcile, count and bind the decisions that held.
@@ -505,7 +533,8 @@ class FeatherRuntime(Generic[R]):
         any request in neither list is discarded: it left the engine by a path Feather
         did not see.  O(running + waiting) when something changed.
         """
-        running = list(running)
+        if not isinstance(running, Sequence):
+            running = list(running)
         ids = self._reconcile_running(running)
         if waiting is None:
             return
@@ -526,11 +555,11 @@ class FeatherRuntime(Generic[R]):
 
     def _reconcile_running(self, running: Sequence[R]) -> list[RequestId]:
         """``reconcile``'s running half; returns ``running``'s request ids, in order.
-        Nothing to do for the list last reconciled, if the running set has not changed
-        since (its ids are kept)."""
-        known = self._reconciled
-        if self._unchanged(running, known):
-            return known[2]
+        Nothing to do for the mirror's list (``_Mirror``)."""
+        mirror = self._current_mirror()
+        if mirror is not None and len(running) == len(mirror.requests) and \
+                all(map(is_, running, mirror.requests)):
+            return mirror.ids
         queue = self.queue
         ids = self._ids(running)
         running_ids = set(ids)
@@ -544,15 +573,49 @@ class FeatherRuntime(Generic[R]):
                     queue.run(request_id)
             for request_id in [r for r in queue.running_ids() if r not in running_ids]:
                 self.hold(request_id)
-        self._reconciled = (list(running), queue.running_epoch, ids)
+        self._mirror = _Mirror(list(running), ids, queue.running_epoch, ordered=False)
         return ids
 
-    def _unchanged(self, running: Sequence[R], known: tuple | None) -> bool:
-        """Whether ``running`` holds the very objects of ``known``'s list, in order, and
-        the queue's running set has not changed since ``known`` was taken.  O(running),
-        in C."""
-        return known is not None and known[1] == self.queue.running_epoch and \
-            len(running) == len(known[0]) and all(map(is_, running, known[0]))
+    def _current_mirror(self) -> _Mirror[R] | None:
+        """The mirror, if the queue's running set has not changed behind it."""
+        mirror = self._mirror
+        return mirror if mirror is not None and \
+            mirror.epoch == self.queue.running_epoch else None
+
+    def _mirror_appends(self, mirror: _Mirror[R], request: R, request_id: RequestId) -> None:
+        """The engine appends an admitted request to its running list.  Feather's order
+        (``order``) still holds if it runs alone in its prefix group and is no older than
+        the list's last: a new group that ranks last. O(1)."""
+        queue = self.queue
+        mirror.ordered = mirror.ordered and queue.group_runners(request_id) <= 1 and (
+            not mirror.ids or queue.age_key(mirror.ids[-1]) <= queue.age_key(request_id))
+        mirror.requests.append(request)
+        mirror.ids.append(request_id)
+        mirror.epoch = queue.running_epoch
+
+    def _mirror_drops(self, mirror: _Mirror[R], request_id: RequestId) -> bool:
+        """Take a request that is leaving (``discard``, before the queue forgets it) out
+        of the mirror; False if it is not there (not running).  Feather's order still
+        holds unless it was the oldest of a group that runs on (the group ranked by its
+        age).  O(running), in C."""
+        if self.queue.state(request_id) is not QueueState.RUNNING:
+            return False
+        ids = mirror.ids
+        try:
+            at = ids.index(request_id)  # the mirror's ids are the running set
+        except ValueError:  # never expected: the next pass reconciles in full
+            self._mirror = None
+            return False
+        if mirror.ordered and at + 1 < len(ids):
+            key = self._run_key
+            mirror.ordered = key(ids[at]) != key(ids[at + 1]) or \
+                (at > 0 and key(ids[at - 1]) == key(ids[at]))
+        del mirror.requests[at], ids[at]
+        return True
+
+    def _run_key(self, request_id: RequestId) -> tuple[int, Hashable]:
+        """What ``order`` keeps contiguous: the class and prefix group. O(1)."""
+        return self.queue.priority(request_id), self.queue.group(request_id)
 
     def _ids(self, requests: Sequence[R]) -> list[RequestId]:
         """The requests' ids; C speed where the view's ``request_id`` is an attrgetter."""

@@ -762,7 +762,7 @@ def test_random_faults_in_feathers_code_lose_no_request(seed: int, monkeypatch,
         return free(request, *args, **kwargs)
 
     monkeypatch.setattr(harness.scheduler, "_free_request", counting_free)
-    injector = Injector(monkeypatch, seed, rate=0.3)
+    injector = Injector(monkeypatch, seed, rate=0.25)  # 0.3 came within 1 of max_faults
     injector.target_all()
     arrived = []
     for step in range(300):
