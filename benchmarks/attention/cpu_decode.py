@@ -80,6 +80,10 @@ class Batch:
         heads, dim = geometry.kv_heads, geometry.head_dim
         self.cache = torch.zeros(blocks, heads, BLOCK, 2 * dim, dtype=dtype)
         self.isa = _get_attn_isa(dtype, BLOCK, dim, "auto")
+        if self.isa == "amx" and not torch.cpu._init_amx():
+            # vLLM's worker has the AMX tile permission by the time attention runs (oneDNN
+            # asks for it with the first bf16 matmul); without it AMX raises SIGILL.
+            raise RuntimeError("this process may not use AMX tiles")
         ids = torch.randperm(blocks).int()
         prefixes = ids[:g * prefix_blocks].view(g, prefix_blocks)
         suffixes = ids[g * prefix_blocks:].view(g * m, suffix_blocks)
@@ -152,7 +156,7 @@ def measure(batch: Batch, reps: int) -> dict:
 
     def shared_path() -> None:
         batch.kernel(batch.sorted_table, plan.seq_lens, shared_meta, out)
-        cpu_kernel.attend_groups(plan, batch.query, batch.cache, batch.scale, out)
+        cpu_kernel.attend_groups(plan, batch.query, batch.cache, batch.scale, out, batch.isa)
 
     def per_step() -> None:
         step = plan_step(batch.sorted_table, batch.seq_lens, batch.starts,
@@ -171,12 +175,11 @@ def measure(batch: Batch, reps: int) -> dict:
             "reps_s": {name: t[1] for name, t in timings.items()}}
 
 
-def grid(quick: bool) -> list[Config]:
+def grid(quick: bool, prefixes: list[int]) -> list[Config]:
     if quick:
         return [Config(4, 16, 8192, 96)]
-    shapes = [Config(g, m, p, 96) for p in (2048, 8192, 16384) for g in (1, 4, 8)
-              for m in (4, 16, 64) if g * m <= MAX_ROWS]
-    return shapes
+    return [Config(g, m, p, 96) for p in prefixes for g in (1, 4, 8) for m in (4, 16, 64)
+            if g * m <= MAX_ROWS]
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -214,6 +217,8 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 x 16 at 8K only")
+    parser.add_argument("--prefixes", default="2048,8192,16384",
+                        help="comma-separated prefix lengths, multiples of 128 tokens")
     parser.add_argument("--geometry", default="tiny-llama,llama-3-8b",
                         help=f"comma-separated: {', '.join(GEOMETRIES)}")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16, float16 or float32")
@@ -227,7 +232,7 @@ def main() -> None:
     records = []
     for round_index in range(args.rounds):
         for name in args.geometry.split(","):
-            for config in grid(args.quick):
+            for config in grid(args.quick, [int(p) for p in args.prefixes.split(",")]):
                 batch = Batch(config, GEOMETRIES[name], dtype, seed=round_index)
                 record = measure(batch, args.reps)
                 records.append({"round": round_index, "geometry": name, "dtype": args.dtype,

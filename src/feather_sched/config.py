@@ -121,6 +121,10 @@ class FeatherConfig:
     """Shared-prefix decode attention (each prefix group's KV read once per step):
     ``auto`` (on with Feather's scheduler where it can act), ``on`` (also under the
     engine's own scheduler) or ``off``."""
+    shared_prefix_min_tokens: int | None = None
+    """Shortest shared prefix that shared-prefix attention reads once for its group (None:
+    the default the kernel measured for the engine's KV layout; the crossover depends on
+    the CPU and the model)."""
     max_faults: int = 8
     """Faults of Feather's own code in a row (no clean scheduling pass between them) that
     turn Feather off for the engine, which keeps its own order from then on."""
@@ -267,6 +271,10 @@ def _positive_integer(value: Any) -> int:
     return number
 
 
+def _optional_positive_integer(value: Any) -> int | None:
+    return None if value is None else _positive_integer(value)
+
+
 def _optional_count(value: Any) -> int | None:
     if _is_off(value):
         return None
@@ -347,6 +355,7 @@ VALIDATORS: dict[str, Callable[[Any], Any]] = {
     "stats_file": _optional_path,
     "step_log": _optional_path,
     "shared_prefix_attention": _shared_prefix_mode,
+    "shared_prefix_min_tokens": _optional_positive_integer,
     "max_faults": _positive_integer,
 }
 """Each option's validator: the checked value, or ValueError saying what it must be."""

@@ -1,8 +1,6 @@
-"""The CPU segment kernel against the float64 reference, on caches in the "vec" layout.
-
-The layout is built here by hand (K column-major, V row-major within each (block, KV
-head)); ``tests/integrations/test_vllm_attention.py`` checks that it is the layout vLLM's
-own kernel reads.
+"""The CPU segment kernel against the float64 reference, on caches in vLLM's "vec" and
+"amx" layouts (written by ``tests/kv_layouts``, which
+``tests/integrations/test_vllm_attention.py`` checks against vLLM's own cache writer).
 """
 
 from __future__ import annotations
@@ -12,22 +10,10 @@ import torch
 
 from feather_sched.attention import cpu_kernel
 from feather_sched.attention.partials import reference_attention
+from tests.kv_layouts import write_cache
 
 
-def vec_cache(keys: torch.Tensor, values: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[blocks, kv_heads, block_size, 2 * head_dim] from token-major K/V (padded)."""
-    tokens, heads, dim = keys.shape
-    blocks = -(-tokens // block_size)
-    pad = blocks * block_size - tokens
-    k = torch.cat([keys, keys.new_zeros(pad, heads, dim)]).view(blocks, block_size, heads, dim)
-    v = torch.cat([values, values.new_zeros(pad, heads, dim)]).view(blocks, block_size, heads,
-                                                                     dim)
-    k_part = k.permute(0, 2, 3, 1).reshape(blocks, heads, -1)  # [head_dim][block_size]
-    v_part = v.permute(0, 2, 1, 3).reshape(blocks, heads, -1)  # [block_size][head_dim]
-    return torch.cat([k_part, v_part], -1).view(blocks, heads, block_size, 2 * dim).contiguous()
-
-
-def run_segments(cache, query, segments, scale):
+def run_segments(cache, query, segments, scale, layout="vec"):
     """segments: (query tokens, block ids, length); returns out, lse per listed token."""
     tokens = [t for seg in segments for t in seg[0]]
     token_offsets = torch.tensor([0] + [len(s[0]) for s in segments]).cumsum(0)
@@ -37,30 +23,36 @@ def run_segments(cache, query, segments, scale):
     cpu_kernel.segment_attention(
         cache, query, scale, token_offsets, torch.tensor(tokens, dtype=torch.int64),
         block_offsets, torch.tensor([b for s in segments for b in s[1]], dtype=torch.int32),
-        torch.tensor([s[2] for s in segments], dtype=torch.int32), out, lse)
+        torch.tensor([s[2] for s in segments], dtype=torch.int32), out, lse, layout)
     return out, lse
 
 
-@pytest.fixture(params=["native", "x86-64-v3"])
+BUILDS = ["native", "x86-64-v3"] + (["skylake-avx512"] if "avx512f" in cpu_kernel._cpu_flags()
+                                    else [])
+"""This CPU's build, the portable loop (built for AVX2, without AVX-512) and, where the
+CPU runs it, AVX-512 without AVX512_BF16 (its bf16 path multiplies in fp32)."""
+
+
+@pytest.fixture(params=BUILDS)
 def kernel(request, monkeypatch):
-    """This CPU's build, and the portable loop (built for AVX2, without AVX-512)."""
     if request.param == "native":
         return cpu_kernel.load()
     library = cpu_kernel.build(request.param)
-    assert library.feather_kernel_vectorized() == 0
+    assert library.feather_kernel_vectorized() == (request.param == "skylake-avx512")
     monkeypatch.setattr(cpu_kernel, "load", lambda: library)
     return library
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("layout", "dtype"), [("vec", torch.float32), ("vec", torch.bfloat16),
+                                              ("vec", torch.float16), ("amx", torch.bfloat16)])
 @pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 128),
                                                                 (6, 2, 80)])
-def test_segments_match_the_reference(kernel, dtype, q_heads, kv_heads, head_dim):
+def test_segments_match_the_reference(kernel, layout, dtype, q_heads, kv_heads, head_dim):
     torch.manual_seed(1)
     block_size, blocks = 32, 12
     keys = (torch.randn(blocks * block_size, kv_heads, head_dim) * 2).to(dtype)
     values = torch.randn(blocks * block_size, kv_heads, head_dim).to(dtype)
-    cache = vec_cache(keys, values, block_size)
+    cache = write_cache(keys, values, block_size, layout)
     # A strided query, as vLLM slices it from the fused qkv projection.
     qkv = (torch.randn(20, q_heads + 2 * kv_heads, head_dim) * 2).to(dtype)
     query = qkv[:, :q_heads]
@@ -68,12 +60,12 @@ def test_segments_match_the_reference(kernel, dtype, q_heads, kv_heads, head_dim
     order = torch.randperm(blocks).tolist()  # blocks scattered over the cache
     segments = [
         ([0, 3, 5, 7, 2, 11, 13, 17, 18, 19, 4, 6, 8, 9, 10, 12, 14], order[:5], 5 * 32),
-        ([1], order[5:8], 70),  # ends mid-block
+        ([1], order[5:8], 71),  # ends mid-block, mid token pair
         ([15, 16], order[8:9], 7),
         ([14], order[9:9], 0),  # no tokens
         ([9, 10, 11], order[9:12], 96),
     ]
-    out, lse = run_segments(cache, query, segments, scale)
+    out, lse = run_segments(cache, query, segments, scale, layout)
     row = 0
     for seg_tokens, seg_blocks, length in segments:
         index = torch.tensor([b * block_size + t for b in seg_blocks
@@ -90,13 +82,13 @@ def test_segments_match_the_reference(kernel, dtype, q_heads, kv_heads, head_dim
 
 
 def test_a_segment_without_tokens_gives_zero_and_minus_infinity(kernel):
-    cache = vec_cache(torch.randn(32, 1, 32), torch.randn(32, 1, 32), 32)
+    cache = write_cache(torch.randn(32, 1, 32), torch.randn(32, 1, 32), 32, "vec")
     out, lse = run_segments(cache, torch.randn(1, 1, 32), [([0], [0], 0)], 0.1)
     assert not out.any() and torch.isinf(lse).all() and (lse < 0).all()
 
 
 def test_bad_layouts_raise_before_the_kernel_runs():
-    cache = vec_cache(torch.randn(32, 2, 32), torch.randn(32, 2, 32), 32)
+    cache = write_cache(torch.randn(32, 2, 32), torch.randn(32, 2, 32), 32, "vec")
     args = (torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([0, 1]),
             torch.tensor([0], dtype=torch.int32), torch.tensor([32], dtype=torch.int32))
     with pytest.raises(TypeError, match="dtype"):
@@ -108,6 +100,12 @@ def test_bad_layouts_raise_before_the_kernel_runs():
     with pytest.raises(ValueError, match="out"):
         cpu_kernel.segment_attention(cache, torch.randn(1, 2, 32), 0.1, *args,
                                      torch.empty(2, 2, 32), torch.empty(2, 2))
+    with pytest.raises(TypeError, match="amx layout holds bf16"):
+        cpu_kernel.segment_attention(cache, torch.randn(1, 2, 32), 0.1, *args,
+                                     torch.empty(1, 2, 32), torch.empty(1, 2), "amx")
+    with pytest.raises(ValueError, match="neon"):
+        cpu_kernel.segment_attention(cache, torch.randn(1, 2, 32), 0.1, *args,
+                                     torch.empty(1, 2, 32), torch.empty(1, 2), "neon")
 
 
 def test_the_library_is_built_once_and_cached(tmp_path, monkeypatch):

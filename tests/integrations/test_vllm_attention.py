@@ -15,7 +15,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl  # noqa: E402
+from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
+    CPUAttentionBackendImpl,
+    _get_attn_isa,
+)
 
 from feather_sched.attention import cpu_kernel  # noqa: E402
 from feather_sched.attention.partials import reference_attention  # noqa: E402
@@ -25,9 +28,13 @@ from feather_sched.integrations.vllm_attention import (  # noqa: E402
     SharedPrefixMetadata,
 )
 from feather_sched.models import TINY_LLAMA  # noqa: E402
+from tests.kv_layouts import read_tokens, write_cache  # noqa: E402
 
 BLOCK = 128
 FEATHER = "feather_sched.integrations.vllm.FeatherScheduler"
+SHORT_PREFIXES = {"shared_prefix_min_tokens": 256}
+"""These tests' prefixes are 421-1,061 tokens: below the default threshold of the "amx"
+layout (vLLM's bf16 cache on CPUs with AMX), so they set the "vec" layout's."""
 
 
 def make_llm(dtype: str, feather: dict | None = None, scheduler: str | None = FEATHER,
@@ -121,8 +128,8 @@ def test_auto_stays_off_under_vllms_scheduler_and_on_turns_it_on(grouped_rows):
     prompts, lengths = mixed_prompts(1)
     generate(make_llm("bfloat16", scheduler=None), prompts[:9], lengths[:9])
     assert grouped_rows == []
-    generate(make_llm("bfloat16", {"shared_prefix_attention": "on"}, scheduler=None),
-             prompts[:9], lengths[:9])
+    generate(make_llm("bfloat16", {"shared_prefix_attention": "on", **SHORT_PREFIXES},
+                      scheduler=None), prompts[:9], lengths[:9])
     assert sum(grouped_rows) > 0
 
 
@@ -135,29 +142,54 @@ def test_auto_acts_with_feathers_scheduler_where_the_kernel_pays(vectorized, gro
     messages = []
     monkeypatch.setattr(vllm_attention, "announce", messages.append)
     prompts, lengths = mixed_prompts(1)
-    generate(make_llm("bfloat16"), prompts[:9], lengths[:9])
+    generate(make_llm("bfloat16", SHORT_PREFIXES), prompts[:9], lengths[:9])
     assert (sum(grouped_rows) > 0) is vectorized
     assert any("no AVX-512" in m for m in messages) is not vectorized
 
 
-def vec_tokens(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int):
-    """K and V of a block-table row's first ``length`` tokens, [tokens, kv_heads, dim]."""
-    num_blocks, heads, block_size, double = kv_cache.shape
-    dim = double // 2
-    kc, vc = kv_cache.view(num_blocks, heads, 2 * block_size, dim).chunk(2, dim=2)
-    n = -(-length // block_size)
-    index = blocks[:n].long()
-    keys = kc[index].reshape(n, heads, dim, block_size).permute(0, 3, 1, 2)
-    values = vc[index]  # [n, heads, block_size, dim]
-    return (keys.reshape(-1, heads, dim)[:length],
-            values.permute(0, 2, 1, 3).reshape(-1, heads, dim)[:length])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_groups_start_at_the_kv_layouts_threshold_unless_set(dtype, monkeypatch):
+    """By default the shortest prefix grouped is the kernel's measured crossover for the
+    layout vLLM picks on this CPU (``cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT``); the
+    option ``shared_prefix_min_tokens`` sets it."""
+    messages = []
+    monkeypatch.setattr(vllm_attention, "announce", messages.append)
+    isa = _get_attn_isa(getattr(torch, dtype), BLOCK, 64, "auto")
+    default = -(-cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT[isa] // BLOCK)
+    for options, blocks in (({}, default), ({"shared_prefix_min_tokens": 300}, 3)):
+        make_llm(dtype, options)
+        assert any(f"isa {isa}" in m and f"groups from {blocks} shared blocks" in m
+                   for m in messages), messages
+        messages.clear()
+
+
+@pytest.mark.parametrize(("isa", "dtype"), [("vec", torch.float32), ("vec", torch.bfloat16),
+                                            ("amx", torch.bfloat16)])
+def test_vllms_cache_writer_lays_out_what_the_kernel_reads(isa, dtype):
+    """vLLM's own ``reshape_and_cache`` for each layout the kernel reads writes what
+    ``tests/kv_layouts`` (the kernel tests' caches) writes, token for token."""
+    from vllm import _custom_ops as ops
+
+    torch.manual_seed(0)
+    blocks, heads, dim = 3, 2, 64
+    keys = torch.randn(blocks * BLOCK, heads, dim).to(dtype)
+    values = torch.randn(blocks * BLOCK, heads, dim).to(dtype)
+    cache = torch.zeros(blocks, heads, BLOCK, 2 * dim, dtype=dtype)
+    key_cache, value_cache = cache.view(blocks, heads, 2 * BLOCK, dim).chunk(2, dim=2)
+    slots = torch.randperm(blocks * BLOCK)  # tokens written in any order land in place
+    ops.cpu_attn_reshape_and_cache(keys[slots], values[slots], key_cache, value_cache, slots,
+                                   isa)
+    assert torch.equal(cache, write_cache(keys, values, BLOCK, isa))
+    read_keys, read_values = read_tokens(cache, torch.tensor([2, 0]), BLOCK + 5, isa)
+    picked = torch.cat([torch.arange(2 * BLOCK, 3 * BLOCK), torch.arange(5)])
+    assert torch.equal(read_keys, keys[picked]) and torch.equal(read_values, values[picked])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_each_layer_matches_vllms_kernel_and_the_float64_reference(dtype, monkeypatch):
     """Every grouped row of every layer and step, against vLLM's kernel run on the same
     inputs with the unmodified metadata, and both against float64 attention."""
-    worst = {"vs_kernel": 0.0, "ours": 0.0, "kernel": 0.0, "rows": 0}
+    worst = {"vs_kernel": 0.0, "ours": 0.0, "kernel": 0.0, "rows": 0, "layouts": set()}
     original = SharedPrefixCPUImpl.forward
 
     def checking(self, layer, query, key, value, kv_cache, metadata, output, **rest):
@@ -166,14 +198,15 @@ def test_each_layer_matches_vllms_kernel_and_the_float64_reference(dtype, monkey
             stock = torch.empty_like(output)
             CPUAttentionBackendImpl.forward(self, layer, query, key, value, kv_cache,
                                             metadata.original, stock)
-            compare(self, query, kv_cache, metadata, output, stock)
+            compare(self, layer.isa, query, kv_cache, metadata, output, stock)
         return result
 
-    def compare(impl, query, kv_cache, metadata, ours, stock):
+    def compare(impl, isa, query, kv_cache, metadata, ours, stock):
         plan = metadata.plan
+        worst["layouts"].add(isa)
         for row, token in zip(plan.groups.rows, plan.tokens.tolist(), strict=True):
-            keys, values = vec_tokens(kv_cache, metadata.original.block_table[row],
-                                      int(metadata.original.seq_lens[row]))
+            keys, values = read_tokens(kv_cache, metadata.original.block_table[row],
+                                       int(metadata.original.seq_lens[row]), isa)
             expected, _ = reference_attention(query[token], keys, values, impl.scale)
             scale = expected.abs().max()
             for name, error in (("vs_kernel", ours[token].double() - stock[token].double()),
@@ -184,9 +217,11 @@ def test_each_layer_matches_vllms_kernel_and_the_float64_reference(dtype, monkey
 
     monkeypatch.setattr(SharedPrefixCPUImpl, "forward", checking)
     prompts, _ = mixed_prompts(2)
-    generate(make_llm(dtype, {"gate": "always", "shared_prefix_attention": "on"},
-                      batched_tokens=1024), prompts[:15], [8] * 15)
+    generate(make_llm(dtype, {"gate": "always", "shared_prefix_attention": "on",
+                              **SHORT_PREFIXES}, batched_tokens=1024), prompts[:15], [8] * 15)
     assert worst["rows"] > 100
+    amx = dtype == "bfloat16" and torch.cpu._is_amx_tile_supported()  # vLLM's choice
+    assert worst["layouts"] == {"amx" if amx else "vec"}, worst
     if dtype == "float32":  # errors relative to each row's largest output
         assert worst["vs_kernel"] < 1e-5, worst
     # Exact fp32 partials rounded once: no worse than vLLM's own kernel against float64.
@@ -203,7 +238,9 @@ def test_layers_the_kernel_cannot_serve_say_why():
     impl.sliding_window = -1
     assert impl._layer_problem(layer, query, cache) is None
     layer.isa = "amx"
-    assert impl._layer_problem(layer, query, cache) == "KV layout 'amx'"
+    assert impl._layer_problem(layer, query, cache) is None
+    layer.isa = "neon"
+    assert impl._layer_problem(layer, query, cache) == "KV layout 'neon'"
 
 
 def test_the_plugin_points_vllms_cpu_backend_at_feathers():

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from feather_sched.attention.groups import StepPlan
+from feather_sched.attention.groups import MIN_SHARED_TOKENS, StepPlan
 from feather_sched.attention.partials import merge_partials
 
 SOURCE = Path(__file__).with_name("cpu_prefix_kernel.cpp")
@@ -33,6 +33,17 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 CACHE_ENV = "FEATHER_KERNEL_CACHE"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """The cache dtypes the kernel reads (fp8 caches are not read)."""
+LAYOUT_CODES = {"vec": 0, "amx": 1}
+"""The KV layouts it reads, by vLLM's name for them (``CPUAttentionBackendImpl.isa``):
+"vec" for any of those dtypes, "amx" (vLLM's choice for bf16 where the CPU has AMX) for
+bf16."""
+MIN_SHARED_TOKENS_BY_LAYOUT = {"vec": MIN_SHARED_TOKENS, "amx": 8192}
+"""Shortest shared prefix worth a group, per layout. Over an "amx" cache vLLM's kernel
+multiplies in AMX tiles, several times this kernel's AVX-512 rate, so reading a prefix
+once pays only where re-reading it costs more than the arithmetic: from 6-8K tokens for
+Llama-3-8B's GQA and 3-6K for the embedded model's MHA on a Sapphire Rapids core
+(``benchmarks/attention/cpu-decode-amx.md``; at 2K the shared path took up to 2.8x
+vLLM's time)."""
 BUILD_TIMEOUT_S = 300
 
 _I64, _I32, _VOID = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
@@ -61,7 +72,7 @@ def build(march: str) -> ctypes.CDLL:
     lib.feather_kernel_vectorized.restype = _I32
     lib.feather_segment_attention.restype = _I32
     lib.feather_segment_attention.argtypes = [
-        _I32, _VOID, _VOID, _I64, _I32, _I32, _I32, _I32, ctypes.c_float, _I32,
+        _I32, _I32, _VOID, _VOID, _I64, _I32, _I32, _I32, _I32, ctypes.c_float, _I32,
         _VOID, _VOID, _VOID, _VOID, _VOID, _VOID, _VOID, _I32]
     return lib
 
@@ -75,11 +86,12 @@ def vectorized() -> bool:
 def segment_attention(kv_cache: torch.Tensor, query: torch.Tensor, scale: float,
                       token_offsets: torch.Tensor, tokens: torch.Tensor,
                       block_offsets: torch.Tensor, blocks: torch.Tensor,
-                      lengths: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+                      lengths: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                      layout: str = "vec") -> None:
     """Attend each segment over its KV blocks; write fp32 partials and natural-log LSE.
 
     ``kv_cache``: one layer's vLLM CPU cache ``[num_blocks, kv_heads, block_size,
-    2 * head_dim]`` in the "vec" layout; ``query``: ``[num_tokens, q_heads, head_dim]``
+    2 * head_dim]`` in ``layout`` (``LAYOUT_CODES``); ``query``: ``[num_tokens, q_heads, head_dim]``
     of the cache's dtype, rows contiguous. Segment ``s`` is attended by query tokens
     ``tokens[token_offsets[s]:token_offsets[s+1]]`` (int64) over blocks
     ``blocks[block_offsets[s]:block_offsets[s+1]]`` (int32), its first ``lengths[s]``
@@ -92,10 +104,11 @@ def segment_attention(kv_cache: torch.Tensor, query: torch.Tensor, scale: float,
     head_dim = double_dim // 2
     q_heads = query.shape[1]
     _check(kv_cache, query, out, lse, tokens, token_offsets, block_offsets, blocks, lengths,
-           head_dim)
+           head_dim, layout)
     status = load().feather_segment_attention(
-        DTYPE_CODES[kv_cache.dtype], kv_cache.data_ptr(), query.data_ptr(), query.stride(0),
-        kv_heads, block_size, head_dim, q_heads // kv_heads, scale, len(lengths),
+        DTYPE_CODES[kv_cache.dtype], LAYOUT_CODES[layout], kv_cache.data_ptr(),
+        query.data_ptr(), query.stride(0), kv_heads, block_size, head_dim, q_heads // kv_heads,
+        scale, len(lengths),
         token_offsets.data_ptr(), tokens.data_ptr(), block_offsets.data_ptr(),
         blocks.data_ptr(), lengths.data_ptr(), out.data_ptr(), lse.data_ptr(),
         torch.get_num_threads())
@@ -104,7 +117,7 @@ def segment_attention(kv_cache: torch.Tensor, query: torch.Tensor, scale: float,
 
 
 def attend_groups(plan: StepPlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float,
-                  output: torch.Tensor) -> None:
+                  output: torch.Tensor, layout: str = "vec") -> None:
     """Overwrite the grouped rows of ``output`` (``[tokens, q_heads, head_dim]``) with their
     attention: each group's prefix once for all its queries, each row's suffix, merged.
 
@@ -116,7 +129,8 @@ def attend_groups(plan: StepPlan, query: torch.Tensor, kv_cache: torch.Tensor, s
     partials = torch.empty(segments.rows, heads, head_dim)
     lse = torch.empty(segments.rows, heads)
     segment_attention(kv_cache, query, scale, segments.token_offsets, segments.tokens,
-                      segments.block_offsets, segments.blocks, segments.lengths, partials, lse)
+                      segments.block_offsets, segments.blocks, segments.lengths, partials, lse,
+                      layout)
     rows = len(plan.tokens)
     merged = merge_partials(partials[:rows], lse[:rows], partials[rows:], lse[rows:])
     output[plan.tokens] = merged.to(output.dtype)
@@ -124,11 +138,16 @@ def attend_groups(plan: StepPlan, query: torch.Tensor, kv_cache: torch.Tensor, s
 
 def _check(kv_cache: torch.Tensor, query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
            tokens: torch.Tensor, token_offsets: torch.Tensor, block_offsets: torch.Tensor,
-           blocks: torch.Tensor, lengths: torch.Tensor, head_dim: int) -> None:
+           blocks: torch.Tensor, lengths: torch.Tensor, head_dim: int, layout: str) -> None:
     """The layout the kernel assumes; a violation is a bug in the caller, so it raises."""
     if kv_cache.dtype not in DTYPE_CODES or query.dtype != kv_cache.dtype:
         raise TypeError(f"cache {kv_cache.dtype} / query {query.dtype}: the kernel reads "
                         "fp32, bf16 or fp16 caches and a query of the same dtype")
+    if layout not in LAYOUT_CODES:
+        raise ValueError(f"KV layout {layout!r}: the kernel reads {sorted(LAYOUT_CODES)}")
+    if layout == "amx" and (kv_cache.dtype != torch.bfloat16 or kv_cache.shape[2] % 16):
+        raise TypeError(f"the amx layout holds bf16 in blocks of a multiple of 16 tokens, "
+                        f"not {kv_cache.dtype} in blocks of {kv_cache.shape[2]}")
     if not kv_cache.is_contiguous() or query.stride(1) != head_dim or query.stride(2) != 1:
         raise ValueError("the cache must be contiguous and each query token's heads packed")
     if head_dim % 16 or query.shape[2] != head_dim or query.shape[1] % kv_cache.shape[1]:

@@ -1,4 +1,4 @@
-// Segment attention over vLLM's CPU KV cache ("vec" layout), with log-sum-exp.
+// Segment attention over vLLM's CPU KV cache ("vec" or "amx" layout), with log-sum-exp.
 //
 // One call attends a list of segments. A segment is a token range of KV blocks attended by
 // one or more query rows: a prefix group (all of the group's decode queries over the
@@ -6,10 +6,15 @@
 // work item; it reads each KV block once for all of the segment's query rows, which is
 // the point: a prefix group's KV is read once per step instead of once per request.
 //
-// Layout read (vLLM 0.32 CPU_ATTN, isa "vec"): the layer cache is
+// Layouts read (vLLM 0.32 CPU_ATTN): the layer cache is
 // [num_blocks, kv_heads, block_size, 2 * head_dim]; within one (block, head) the first
-// block_size * head_dim elements are K stored column-major ([head_dim][block_size]) and
-// the next block_size * head_dim are V stored row-major ([block_size][head_dim]).
+// block_size * head_dim elements are K and the next block_size * head_dim are V.
+// * isa "vec": K column-major ([head_dim][block_size]), V row-major ([block_size][head_dim]).
+// * isa "amx" (bf16 on CPUs with AMX; vLLM's reshape_and_cache in cpu_attn_amx.hpp): K in
+//   groups of 16 tokens, each [head_dim / 2][16 tokens] of (d, d + 1) pairs, so one 64-byte
+//   row is the pairs of 16 tokens for two dims; V in groups of 16 dims, each
+//   [block_size / 2][16 dims] of (t, t + 1) pairs, so one 64-byte row is two tokens' 16
+//   dims interleaved.
 //
 // Outputs are fp32 partials normalised over the segment's tokens plus their natural-log
 // LSE (-inf, with a zero output, for a segment of no tokens), ready for an exact merge.
@@ -36,6 +41,26 @@
 namespace {
 
 enum DType : int32_t { F32 = 0, BF16 = 1, F16 = 2 };
+enum Layout : int32_t { VEC = 0, AMX = 1 };
+
+// Offsets of K(d, t) and V(t, d) from the start of a (block, head)'s K and V.
+template <int LO>
+inline int64_t k_offset(int d, int t, int block_size, int head_dim) {
+  if constexpr (LO == AMX) {
+    return 2 * ((t / 16) * 8 * static_cast<int64_t>(head_dim) + (d / 2) * 16 + t % 16) + d % 2;
+  } else {
+    return static_cast<int64_t>(d) * block_size + t;
+  }
+}
+
+template <int LO>
+inline int64_t v_offset(int t, int d, int block_size, int head_dim) {
+  if constexpr (LO == AMX) {
+    return (d / 16) * 16 * static_cast<int64_t>(block_size) + (t / 2) * 32 + (d % 16) * 2 + t % 2;
+  } else {
+    return static_cast<int64_t>(t) * head_dim + d;
+  }
+}
 
 // IEEE half to float, exactly (subnormals included).
 inline float half_to_float(uint16_t h) {
@@ -173,13 +198,15 @@ constexpr bool kBf16Dot = false;
 // the (token tile, head_dim) steps: the next block's K and V, which a random block order would
 // otherwise leave to DRAM latency (the K loads stride by block_size, which the hardware
 // prefetcher follows only within a block). A bf16 cache on a CPU with AVX512_BF16 takes
-// head_dim in pairs (vdpbf16ps: exact bf16 products, fp32 sums), at twice the FMA rate.
-template <int DT, int NR>
+// head_dim in pairs (vdpbf16ps: exact bf16 products, fp32 sums), at twice the FMA rate;
+// the "amx" layout stores K as those pairs already.
+template <int DT, int LO, int NR>
 void tile_scores(const float* q, const int32_t* q_pairs, int head_dim, const void* cache,
                  int64_t k_base, int block_size, int n, float scale, float* scores,
                  const char* prefetch, int64_t prefetch_bytes) {
+  static_assert(LO == VEC || DT == BF16, "the amx layout holds bf16");
   constexpr bool pairs = DT == BF16 && kBf16Dot;
-  constexpr int d_step = pairs ? 2 : 1;
+  constexpr int d_step = pairs || LO == AMX ? 2 : 1;
   const int64_t steps =
       static_cast<int64_t>((n + kTokenTile - 1) / kTokenTile) * (head_dim / d_step);
   const int64_t stride = 64 * ((prefetch_bytes / 64 + steps - 1) / steps);
@@ -190,8 +217,29 @@ void tile_scores(const float* q, const int32_t* q_pairs, int head_dim, const voi
     __m512 acc[NR];
     for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
     for (int d = 0; d < head_dim; d += d_step) {
-      const int64_t row = k_base + static_cast<int64_t>(d) * block_size + t0;
-      if constexpr (pairs) {
+      const int64_t row = k_base + k_offset<LO>(d, t0, block_size, head_dim);
+      if constexpr (LO == AMX) {
+        // [K(d, t), K(d+1, t)] for t = t0 ... t0 + 15, as stored.
+        const __m512i both = _mm512_maskz_loadu_epi32(
+            mask, static_cast<const uint16_t*>(cache) + row);
+        if constexpr (pairs) {
+#ifdef __AVX512BF16__
+          for (int r = 0; r < NR; ++r) {
+            acc[r] = _mm512_dpbf16_ps(
+                acc[r], (__m512bh)_mm512_set1_epi32(q_pairs[(r * head_dim + d) / 2]),
+                (__m512bh)both);
+          }
+#endif
+        } else {
+          const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+          const __m512 odd = _mm512_castsi512_ps(
+              _mm512_and_si512(both, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+          for (int r = 0; r < NR; ++r) {
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * head_dim + d]), even, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * head_dim + d + 1]), odd, acc[r]);
+          }
+        }
+      } else if constexpr (pairs) {
 #ifdef __AVX512BF16__
         const uint16_t* k = static_cast<const uint16_t*>(cache);
         const __m512i both = _mm512_inserti64x4(
@@ -224,15 +272,15 @@ void tile_scores(const float* q, const int32_t* q_pairs, int head_dim, const voi
   }
 }
 
-template <int DT>
+template <int DT, int LO>
 void scores_dispatch(int rows, const float* q, const int32_t* q_pairs, int head_dim,
                      const void* cache, int64_t k_base, int block_size, int n, float scale,
                      float* scores, const char* prefetch, int64_t prefetch_bytes) {
   switch (rows) {
 #define FEATHER_ROWS(R)                                                                      \
   case R:                                                                                    \
-    return tile_scores<DT, R>(q, q_pairs, head_dim, cache, k_base, block_size, n, scale,     \
-                              scores, prefetch, prefetch_bytes);
+    return tile_scores<DT, LO, R>(q, q_pairs, head_dim, cache, k_base, block_size, n, scale, \
+                                  scores, prefetch, prefetch_bytes);
     FEATHER_ROWS(1) FEATHER_ROWS(2) FEATHER_ROWS(3) FEATHER_ROWS(4) FEATHER_ROWS(5)
     FEATHER_ROWS(6) FEATHER_ROWS(7) FEATHER_ROWS(8) FEATHER_ROWS(9) FEATHER_ROWS(10)
     FEATHER_ROWS(11) FEATHER_ROWS(12) FEATHER_ROWS(13) FEATHER_ROWS(14) FEATHER_ROWS(15)
@@ -279,39 +327,64 @@ void softmax_block(int rows, int n, int block_size, int head_dim, float* scores,
 }
 
 // acc[r][cols] += sum_t p[r][t] * V[t][cols] for NR rows and NV zmm of columns.
-template <int DT, int NR, int NV>
+template <int DT, int LO, int NR, int NV>
 void tile_values(const float* probs, int block_size, const void* cache, int64_t v_base,
                  int head_dim, int n, int col0, float* acc) {
   __m512 a[NR][NV];
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < NV; ++j) a[r][j] = _mm512_loadu_ps(acc + r * head_dim + col0 + 16 * j);
-  for (int t = 0; t < n; ++t) {
-    __m512 v[NV];
-    for (int j = 0; j < NV; ++j) {
-      v[j] = load16<DT>(cache, v_base + static_cast<int64_t>(t) * head_dim + col0 + 16 * j);
+  if constexpr (LO == AMX) {
+    // One 64-byte row holds tokens t and t + 1 (t even) for 16 dims, interleaved.
+    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    for (int t = 0; t < n; t += 2) {
+      __m512 even[NV], odd[NV];
+      for (int j = 0; j < NV; ++j) {
+        const __m512i both = _mm512_loadu_si512(
+            static_cast<const uint16_t*>(cache) + v_base +
+            v_offset<LO>(t, col0 + 16 * j, block_size, head_dim));
+        even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+        odd[j] = _mm512_castsi512_ps(_mm512_and_si512(both, high));
+      }
+      for (int r = 0; r < NR; ++r) {
+        const __m512 p = _mm512_set1_ps(probs[r * block_size + t]);
+        for (int j = 0; j < NV; ++j) a[r][j] = _mm512_fmadd_ps(p, even[j], a[r][j]);
+      }
+      if (t + 1 < n) {
+        for (int r = 0; r < NR; ++r) {
+          const __m512 p = _mm512_set1_ps(probs[r * block_size + t + 1]);
+          for (int j = 0; j < NV; ++j) a[r][j] = _mm512_fmadd_ps(p, odd[j], a[r][j]);
+        }
+      }
     }
-    for (int r = 0; r < NR; ++r) {
-      const __m512 p = _mm512_set1_ps(probs[r * block_size + t]);
-      for (int j = 0; j < NV; ++j) a[r][j] = _mm512_fmadd_ps(p, v[j], a[r][j]);
+  } else {
+    for (int t = 0; t < n; ++t) {
+      __m512 v[NV];
+      for (int j = 0; j < NV; ++j) {
+        v[j] = load16<DT>(cache, v_base + static_cast<int64_t>(t) * head_dim + col0 + 16 * j);
+      }
+      for (int r = 0; r < NR; ++r) {
+        const __m512 p = _mm512_set1_ps(probs[r * block_size + t]);
+        for (int j = 0; j < NV; ++j) a[r][j] = _mm512_fmadd_ps(p, v[j], a[r][j]);
+      }
     }
   }
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + r * head_dim + col0 + 16 * j, a[r][j]);
 }
 
-template <int DT, int NV>
+template <int DT, int LO, int NV>
 void values_rows(int rows, const float* probs, int block_size, const void* cache, int64_t v_base,
                  int head_dim, int n, int col0, float* acc) {
   switch (rows) {
 #define FEATHER_PV(R) \
   case R:             \
-    return tile_values<DT, R, NV>(probs, block_size, cache, v_base, head_dim, n, col0, acc);
+    return tile_values<DT, LO, R, NV>(probs, block_size, cache, v_base, head_dim, n, col0, acc);
     FEATHER_PV(1) FEATHER_PV(2) FEATHER_PV(3) FEATHER_PV(4) FEATHER_PV(5) FEATHER_PV(6)
 #undef FEATHER_PV
   }
 }
 
-template <int DT>
+template <int DT, int LO>
 void tile_values_all(int rows, const float* probs, int block_size, const void* cache,
                      int64_t v_base, int head_dim, int n, float* acc) {
   for (int r0 = 0; r0 < rows; r0 += kPvRows) {
@@ -320,12 +393,15 @@ void tile_values_all(int rows, const float* probs, int block_size, const void* c
     float* a = acc + r0 * head_dim;
     for (int col0 = 0; col0 < head_dim; col0 += 16 * kPvVecs) {
       const int nv = (head_dim - col0) / 16 < kPvVecs ? (head_dim - col0) / 16 : kPvVecs;
+#define FEATHER_COLS(V) \
+  values_rows<DT, LO, V>(nr, p, block_size, cache, v_base, head_dim, n, col0, a)
       switch (nv) {
-        case 1: values_rows<DT, 1>(nr, p, block_size, cache, v_base, head_dim, n, col0, a); break;
-        case 2: values_rows<DT, 2>(nr, p, block_size, cache, v_base, head_dim, n, col0, a); break;
-        case 3: values_rows<DT, 3>(nr, p, block_size, cache, v_base, head_dim, n, col0, a); break;
-        default: values_rows<DT, 4>(nr, p, block_size, cache, v_base, head_dim, n, col0, a);
+        case 1: FEATHER_COLS(1); break;
+        case 2: FEATHER_COLS(2); break;
+        case 3: FEATHER_COLS(3); break;
+        default: FEATHER_COLS(4);
       }
+#undef FEATHER_COLS
     }
   }
 }
@@ -333,19 +409,19 @@ void tile_values_all(int rows, const float* probs, int block_size, const void* c
 
 // Every row of the work item over one block of n tokens: scores, online softmax, values,
 // a tile of kRowTile rows at a time; the next block is prefetched meanwhile.
-template <int DT>
+template <int DT, int LO>
 void attend_block(const Geometry& g, const void* cache, Scratch& w, int rows, int64_t k_base,
                   int n, const char* next, int64_t block_bytes) {
   const int D = g.head_dim;
   const int64_t block_elems = static_cast<int64_t>(g.block_size) * D;
   for (int r0 = 0; r0 < rows; r0 += kRowTile) {
     const int nr = rows - r0 < kRowTile ? rows - r0 : kRowTile;
-    scores_dispatch<DT>(nr, w.q.data() + r0 * D, w.q_pairs.data() + r0 * D / 2, D, cache,
+    scores_dispatch<DT, LO>(nr, w.q.data() + r0 * D, w.q_pairs.data() + r0 * D / 2, D, cache,
                         k_base, g.block_size, n, g.scale, w.scores.data(), next,
                         r0 == 0 && next ? block_bytes : 0);
     softmax_block(nr, n, g.block_size, D, w.scores.data(), w.max.data() + r0,
                   w.sum.data() + r0, w.acc.data() + r0 * D);
-    tile_values_all<DT>(nr, w.scores.data(), g.block_size, cache, k_base + block_elems, D, n,
+    tile_values_all<DT, LO>(nr, w.scores.data(), g.block_size, cache, k_base + block_elems, D, n,
                         w.acc.data() + r0 * D);
   }
 }
@@ -355,7 +431,7 @@ constexpr int32_t kVectorized = 1;
 
 #else  // no AVX-512F: the same arithmetic, one row and one token at a time
 
-template <int DT>
+template <int DT, int LO>
 void attend_block(const Geometry& g, const void* cache, Scratch& w, int rows, int64_t k_base,
                   int n, const char*, int64_t) {
   const int D = g.head_dim;
@@ -366,7 +442,9 @@ void attend_block(const Geometry& g, const void* cache, Scratch& w, int rows, in
     float block_max = -std::numeric_limits<float>::infinity();
     for (int t = 0; t < n; ++t) {
       float dot = 0.0f;
-      for (int d = 0; d < D; ++d) dot += q[d] * load1<DT>(cache, k_base + d * g.block_size + t);
+      for (int d = 0; d < D; ++d) {
+        dot += q[d] * load1<DT>(cache, k_base + k_offset<LO>(d, t, g.block_size, D));
+      }
       scores[t] = dot * g.scale;
       block_max = scores[t] > block_max ? scores[t] : block_max;
     }
@@ -379,7 +457,9 @@ void attend_block(const Geometry& g, const void* cache, Scratch& w, int rows, in
     float* acc = w.acc.data() + r * D;
     for (int d = 0; d < D; ++d) acc[d] *= alpha;
     for (int t = 0; t < n; ++t) {
-      for (int d = 0; d < D; ++d) acc[d] += scores[t] * load1<DT>(cache, v_base + t * D + d);
+      for (int d = 0; d < D; ++d) {
+        acc[d] += scores[t] * load1<DT>(cache, v_base + v_offset<LO>(t, d, g.block_size, D));
+      }
     }
   }
 }
@@ -392,7 +472,7 @@ constexpr int32_t kVectorized = 0;
 // One work item: every query row of one segment, one KV head, over the segment's blocks.
 // ``following``: the first block of the item after this one, prefetched during this
 // item's last block (many short suffix segments would otherwise each start cold).
-template <int DT>
+template <int DT, int LO>
 void attend_segment(const Geometry& g, const void* cache, const void* query,
                     const int64_t* tokens, int num_tokens, const int32_t* blocks, int32_t length,
                     int kv_head, int64_t out_row0, float* out, float* lse, Scratch& w,
@@ -421,7 +501,7 @@ void attend_segment(const Geometry& g, const void* cache, const void* query,
                            block_elems;
     const bool last = (b + 1) * g.block_size >= length;
     const char* next = last ? following : block_start<DT>(g, cache, blocks[b + 1], kv_head);
-    attend_block<DT>(g, cache, w, rows, k_base, n, next, block_bytes);
+    attend_block<DT, LO>(g, cache, w, rows, k_base, n, next, block_bytes);
   }
   const int q_heads = g.kv_heads * g.gqa;
   for (int r = 0; r < rows; ++r) {
@@ -436,7 +516,7 @@ void attend_segment(const Geometry& g, const void* cache, const void* query,
   }
 }
 
-template <int DT>
+template <int DT, int LO>
 void attend_all(const Geometry& g, const void* cache, const void* query, int32_t num_segments,
                 const int64_t* token_offsets, const int64_t* tokens,
                 const int64_t* block_offsets, const int32_t* blocks, const int32_t* lengths,
@@ -455,7 +535,7 @@ void attend_all(const Geometry& g, const void* cache, const void* query, int32_t
               ? block_start<DT>(g, cache, blocks[block_offsets[after]],
                                 static_cast<int>((item + 1) % g.kv_heads))
               : nullptr;
-      attend_segment<DT>(g, cache, query, tokens + token_offsets[seg],
+      attend_segment<DT, LO>(g, cache, query, tokens + token_offsets[seg],
                          static_cast<int>(token_offsets[seg + 1] - token_offsets[seg]),
                          blocks + block_offsets[seg], lengths[seg], kv_head, token_offsets[seg],
                          out, lse, scratch, following);
@@ -477,8 +557,10 @@ int32_t feather_kernel_vectorized() {
 // tokens[token_offsets[s] : token_offsets[s+1]] (indices into the query's first dim), KV
 // blocks blocks[block_offsets[s] : ...] and lengths[s] tokens (at most its blocks hold);
 // its outputs go to rows token_offsets[s] ... of out ([rows, q_heads, head_dim] fp32) and
-// lse ([rows, q_heads] fp32). Returns 0, or -1 for an unknown dtype.
-int32_t feather_segment_attention(int32_t dtype, const void* cache, const void* query,
+// lse ([rows, q_heads] fp32). ``layout``: 0 for vLLM's "vec", 1 for "amx" (bf16 only).
+// Returns 0, or -1 for an unknown dtype or layout.
+int32_t feather_segment_attention(int32_t dtype, int32_t layout, const void* cache,
+                                  const void* query,
                                   int64_t q_token_stride, int32_t kv_heads, int32_t block_size,
                                   int32_t head_dim, int32_t gqa, float scale,
                                   int32_t num_segments, const int64_t* token_offsets,
@@ -486,17 +568,24 @@ int32_t feather_segment_attention(int32_t dtype, const void* cache, const void* 
                                   const int32_t* blocks, const int32_t* lengths, float* out,
                                   float* lse, int32_t threads) {
   const Geometry g{kv_heads, block_size, head_dim, gqa, q_token_stride, scale};
+  if (layout == AMX) {
+    if (dtype != BF16) return -1;
+    attend_all<BF16, AMX>(g, cache, query, num_segments, token_offsets, tokens, block_offsets,
+                          blocks, lengths, out, lse, threads);
+    return 0;
+  }
+  if (layout != VEC) return -1;
   switch (dtype) {
     case F32:
-      attend_all<F32>(g, cache, query, num_segments, token_offsets, tokens, block_offsets,
+      attend_all<F32, VEC>(g, cache, query, num_segments, token_offsets, tokens, block_offsets,
                       blocks, lengths, out, lse, threads);
       return 0;
     case BF16:
-      attend_all<BF16>(g, cache, query, num_segments, token_offsets, tokens, block_offsets,
+      attend_all<BF16, VEC>(g, cache, query, num_segments, token_offsets, tokens, block_offsets,
                        blocks, lengths, out, lse, threads);
       return 0;
     case F16:
-      attend_all<F16>(g, cache, query, num_segments, token_offsets, tokens, block_offsets,
+      attend_all<F16, VEC>(g, cache, query, num_segments, token_offsets, tokens, block_offsets,
                       blocks, lengths, out, lse, threads);
       return 0;
     default:

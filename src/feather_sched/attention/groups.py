@@ -55,9 +55,9 @@ class Groups:
         return np.repeat(self.shared, self.sizes())
 
 
-def min_blocks(block_size: int) -> int:
-    """Fewest shared blocks worth a group at this block size."""
-    return max(1, -(-MIN_SHARED_TOKENS // block_size))
+def min_blocks(block_size: int, min_tokens: int = MIN_SHARED_TOKENS) -> int:
+    """Fewest shared blocks worth a group at this block size: ``min_tokens`` rounded up."""
+    return max(1, -(-min_tokens // block_size))
 
 
 def find_groups(block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,

@@ -11,8 +11,9 @@ grouped rows' outputs with the exact merge of each group's prefix, attended once
 its queries, and each row's suffix (``attention.cpu_kernel``).
 
 Where it cannot act, vLLM's path runs unchanged and the engine log says why, once: the
-option is off, the KV cache is not in the "vec" layout the kernel reads (AMX, NEON and
-other ISAs prepack it), an fp8 KV cache, no C++ compiler to build the kernel, under
+option is off, the KV cache is in neither layout the kernel reads ("vec", and "amx",
+vLLM's bf16 layout on CPUs with AMX; NEON and other ISAs prepack it their own way), an
+fp8 KV cache, no C++ compiler to build the kernel, under
 ``auto`` a CPU without AVX-512 (the portable kernel is exact but no faster than vLLM's),
 or a layer with sliding windows, ALiBi, soft-capping, sinks or non-decoder attention.
 """
@@ -56,11 +57,13 @@ def announce(message: str) -> None:
         logger.info("Feather shared-prefix attention: %s", message)
 
 
-def attention_mode(vllm_config: Any) -> str:
-    """The engine's ``shared_prefix_attention`` option (``auto``, ``on`` or ``off``)."""
+def attention_options(vllm_config: Any) -> tuple[str, int | None]:
+    """The engine's ``shared_prefix_attention`` option (``auto``, ``on`` or ``off``) and
+    its ``shared_prefix_min_tokens``."""
     from feather_sched.integrations.vllm import feather_options
 
-    return feather_options(vllm_config).shared_prefix_attention
+    options = feather_options(vllm_config)
+    return options.shared_prefix_attention, options.shared_prefix_min_tokens
 
 
 def decide(vllm_config: Any, mode: str) -> str | None:
@@ -91,10 +94,11 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        mode = attention_mode(vllm_config)
+        mode, min_tokens = attention_options(vllm_config)
         reason = decide(vllm_config, mode) or self._layout_problem(kv_cache_spec, mode)
         self.shared_prefixes = reason is None
-        self.min_shared_blocks = min_blocks(self.block_size)
+        self.min_shared_blocks = min_blocks(self.block_size, min_tokens or cpu_kernel
+                                            .MIN_SHARED_TOKENS_BY_LAYOUT.get(self.isa, 0))
         announce(reason or f"on (isa {self.isa}, {self.dtype}, block size {self.block_size}, "
                            f"{'AVX-512' if cpu_kernel.vectorized() else 'portable'} kernel, "
                            f"groups from {self.min_shared_blocks} shared blocks)")
@@ -102,8 +106,9 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def _layout_problem(self, kv_cache_spec: Any, mode: str) -> str | None:
         if isinstance(kv_cache_spec, CrossAttentionSpec | EncoderOnlyAttentionSpec):
             return "off for cross and encoder-only attention"
-        if self.isa != "vec":
-            return f"off: the kernel reads the 'vec' KV layout, this engine uses '{self.isa}'"
+        if self.isa not in cpu_kernel.LAYOUT_CODES:
+            return (f"off: the kernel reads the {sorted(cpu_kernel.LAYOUT_CODES)} KV layouts, "
+                    f"this engine uses '{self.isa}'")
         if self.kv_cache_dtype != "auto" or self.dtype not in cpu_kernel.DTYPE_CODES:
             return f"off: KV cache dtype {self.kv_cache_dtype} / {self.dtype}"
         try:
@@ -152,7 +157,8 @@ class SharedPrefixCPUImpl(CPUAttentionBackendImpl):
                                    output, output_scale, output_block_scale)
         super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                         output_scale, output_block_scale)
-        cpu_kernel.attend_groups(attn_metadata.plan, query, kv_cache, self.scale, output)
+        cpu_kernel.attend_groups(attn_metadata.plan, query, kv_cache, self.scale, output,
+                                 layer.isa)
         return output
 
     def _acts(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -171,7 +177,7 @@ class SharedPrefixCPUImpl(CPUAttentionBackendImpl):
                     "attention sinks": self.sinks is not None,
                     "a quantized KV cache": self.is_fp8_kv_cache,
                     f"KV layout '{getattr(layer, 'isa', None)}'":
-                        getattr(layer, "isa", None) != "vec",
+                        getattr(layer, "isa", None) not in cpu_kernel.LAYOUT_CODES,
                     "a strided KV cache": not kv_cache.is_contiguous(),
                     "a query dtype unlike the cache's": query.dtype != kv_cache.dtype,
                     "query heads not packed": query.stride(2) != 1

@@ -76,9 +76,16 @@ from vllm.v1.attention.backends.triton_attn import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from feather_sched.attention import triton_kernels
-from feather_sched.attention.groups import MIN_ROWS, Groups, find_groups, min_blocks, table_segments
+from feather_sched.attention.groups import (
+    MIN_ROWS,
+    MIN_SHARED_TOKENS,
+    Groups,
+    find_groups,
+    min_blocks,
+    table_segments,
+)
 from feather_sched.attention.triton_kernels import TableSegments
-from feather_sched.integrations.vllm_attention import announce, attention_mode, decide
+from feather_sched.integrations.vllm_attention import announce, attention_options, decide
 
 logger = logging.getLogger("vllm.feather_sched")
 
@@ -101,7 +108,7 @@ def register() -> None:
 
 def decide_gpu(vllm_config: Any, kv_cache_spec: Any) -> str | None:
     """Why a KV-cache group's attention stays on vLLM's path, or None where Feather's acts."""
-    mode = attention_mode(vllm_config)
+    mode, _ = attention_options(vllm_config)
     if mode == "auto":
         return AUTO_OFF
     if reason := decide(vllm_config, mode):
@@ -153,7 +160,8 @@ class SharedPrefixTritonMetadataBuilder(TritonAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         reason = decide_gpu(vllm_config, kv_cache_spec)
         self.shared_prefixes = reason is None
-        self.min_shared_blocks = min_blocks(self.block_size)
+        _, min_tokens = attention_options(vllm_config)
+        self.min_shared_blocks = min_blocks(self.block_size, min_tokens or MIN_SHARED_TOKENS)
         if self.shared_prefixes:
             from vllm.platforms import current_platform
 
