@@ -13,6 +13,8 @@
 # the same flags and --schedulers fcfs (mooncake --trace-speed 1e9: 19.18 req/s; bfcl-tools:
 # 20.75; sharegpt, 200 requests: 10.92), so about 1 minute a run. cpu-NAME-b, -c: the same
 # line run again (another set of rounds, at the commit README.md names).
+# A further set on another machine: CPU_SET=-NAME (files cpu-WORKLOAD-NAME, the workloads
+# only) with that machine's loads in MOONCAKE_SPEED, BFCL_RATE and SHAREGPT_RATE.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=benchmarks/traces
@@ -23,12 +25,15 @@ run() {
     shift
     "${bench[@]}" "$@" --json $out/cpu-$name.json | tee $out/cpu-$name.txt
 }
-run mooncake --trace ../shared/traces/mooncake-synthetic.jsonl --start 2993 \
+set_=${CPU_SET:-}
+run mooncake$set_ --trace ../shared/traces/mooncake-synthetic.jsonl --start 2993 \
     --max-requests 1000 --token-scale 0.0625 --engine-arg block_size=32 \
-    --trace-speed 3.7
-run bfcl-tools --dataset-name bfcl-tools --request-rate 16.6
-run sharegpt --dataset-name sharegpt --max-requests 500 --request-rate 8.7
+    --trace-speed "${MOONCAKE_SPEED:-3.7}"
+run bfcl-tools$set_ --dataset-name bfcl-tools --request-rate "${BFCL_RATE:-16.6}"
+run sharegpt$set_ --dataset-name sharegpt --max-requests 500 \
+    --request-rate "${SHAREGPT_RATE:-8.7}"
 .venv/bin/python $out/tables.py
+[[ -z $set_ ]] || exit 0
 # ShareGPT, where nothing is shared, taken apart: Feather without its batch ordering
 # (-noorder) and without its shared-prefix attention (-noshared). order-sharegpt.* has the
 # diagnosis made before the ordering stopped sorting batches that share nothing.
