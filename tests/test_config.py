@@ -283,6 +283,7 @@ VALID = {
     "max_wait_s": st.floats(0, 60) | st.just("off"),
     "order_running": st.booleans(),
     "shared_prefix_attention": st.sampled_from(["auto", "on", "off"]),
+    "shared_prefix_min_tokens": st.none() | st.integers(1, 65536),
     **dict.fromkeys(FILE_OPTIONS, st.none() | st.sampled_from(["f.json", "f{rank}.json"])),
 }
 """Mostly valid values (gate options anything), so that examples get past the first
