@@ -187,6 +187,14 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
 }
 
+// The (low, high) bf16 of each 32-bit lane of ``pairs``, widened exactly to fp32: a K row
+// of the "amx" layout holds dims (d, d + 1) of 16 tokens, a V row tokens (t, t + 1).
+inline void split_bf16_pairs(__m512i pairs, __m512& low, __m512& high) {
+  low = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+  high = _mm512_castsi512_ps(
+      _mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
 #ifdef __AVX512BF16__
 constexpr bool kBf16Dot = true;  // bf16 pairs multiplied exactly, summed in fp32 (vdpbf16ps)
 #else
@@ -231,9 +239,8 @@ void tile_scores(const float* q, const int32_t* q_pairs, int head_dim, const voi
           }
 #endif
         } else {
-          const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
-          const __m512 odd = _mm512_castsi512_ps(
-              _mm512_and_si512(both, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+          __m512 even, odd;
+          split_bf16_pairs(both, even, odd);
           for (int r = 0; r < NR; ++r) {
             acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * head_dim + d]), even, acc[r]);
             acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * head_dim + d + 1]), odd, acc[r]);
@@ -335,15 +342,13 @@ void tile_values(const float* probs, int block_size, const void* cache, int64_t 
     for (int j = 0; j < NV; ++j) a[r][j] = _mm512_loadu_ps(acc + r * head_dim + col0 + 16 * j);
   if constexpr (LO == AMX) {
     // One 64-byte row holds tokens t and t + 1 (t even) for 16 dims, interleaved.
-    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
     for (int t = 0; t < n; t += 2) {
       __m512 even[NV], odd[NV];
       for (int j = 0; j < NV; ++j) {
-        const __m512i both = _mm512_loadu_si512(
-            static_cast<const uint16_t*>(cache) + v_base +
-            v_offset<LO>(t, col0 + 16 * j, block_size, head_dim));
-        even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
-        odd[j] = _mm512_castsi512_ps(_mm512_and_si512(both, high));
+        split_bf16_pairs(_mm512_loadu_si512(static_cast<const uint16_t*>(cache) + v_base +
+                                            v_offset<LO>(t, col0 + 16 * j, block_size,
+                                                         head_dim)),
+                         even[j], odd[j]);
       }
       for (int r = 0; r < NR; ++r) {
         const __m512 p = _mm512_set1_ps(probs[r * block_size + t]);
@@ -417,12 +422,12 @@ void attend_block(const Geometry& g, const void* cache, Scratch& w, int rows, in
   for (int r0 = 0; r0 < rows; r0 += kRowTile) {
     const int nr = rows - r0 < kRowTile ? rows - r0 : kRowTile;
     scores_dispatch<DT, LO>(nr, w.q.data() + r0 * D, w.q_pairs.data() + r0 * D / 2, D, cache,
-                        k_base, g.block_size, n, g.scale, w.scores.data(), next,
-                        r0 == 0 && next ? block_bytes : 0);
+                            k_base, g.block_size, n, g.scale, w.scores.data(), next,
+                            r0 == 0 && next ? block_bytes : 0);
     softmax_block(nr, n, g.block_size, D, w.scores.data(), w.max.data() + r0,
                   w.sum.data() + r0, w.acc.data() + r0 * D);
-    tile_values_all<DT, LO>(nr, w.scores.data(), g.block_size, cache, k_base + block_elems, D, n,
-                        w.acc.data() + r0 * D);
+    tile_values_all<DT, LO>(nr, w.scores.data(), g.block_size, cache, k_base + block_elems, D,
+                            n, w.acc.data() + r0 * D);
   }
 }
 
@@ -536,9 +541,9 @@ void attend_all(const Geometry& g, const void* cache, const void* query, int32_t
                                 static_cast<int>((item + 1) % g.kv_heads))
               : nullptr;
       attend_segment<DT, LO>(g, cache, query, tokens + token_offsets[seg],
-                         static_cast<int>(token_offsets[seg + 1] - token_offsets[seg]),
-                         blocks + block_offsets[seg], lengths[seg], kv_head, token_offsets[seg],
-                         out, lse, scratch, following);
+                             static_cast<int>(token_offsets[seg + 1] - token_offsets[seg]),
+                             blocks + block_offsets[seg], lengths[seg], kv_head,
+                             token_offsets[seg], out, lse, scratch, following);
     }
   }
 }
@@ -560,9 +565,9 @@ int32_t feather_kernel_vectorized() {
 // lse ([rows, q_heads] fp32). ``layout``: 0 for vLLM's "vec", 1 for "amx" (bf16 only).
 // Returns 0, or -1 for an unknown dtype or layout.
 int32_t feather_segment_attention(int32_t dtype, int32_t layout, const void* cache,
-                                  const void* query,
-                                  int64_t q_token_stride, int32_t kv_heads, int32_t block_size,
-                                  int32_t head_dim, int32_t gqa, float scale,
+                                  const void* query, int64_t q_token_stride,
+                                  int32_t kv_heads, int32_t block_size, int32_t head_dim,
+                                  int32_t gqa, float scale,
                                   int32_t num_segments, const int64_t* token_offsets,
                                   const int64_t* tokens, const int64_t* block_offsets,
                                   const int32_t* blocks, const int32_t* lengths, float* out,
