@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from feather_sched.cht import (
     CHTError,
@@ -36,7 +42,8 @@ def common_prefix(key_lists: list[list]) -> int:
 class ReferenceModel:
     """Obvious, slow answers to every question the tree answers."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_rank_chunks: int = 1) -> None:
+        self.min_rank_chunks = min_rank_chunks
         self.keys: dict[int, list] = {}
         self.state: dict[int, RequestState] = {}
         self.order: dict[int, int] = {}
@@ -57,11 +64,15 @@ class ReferenceModel:
             depth += 1
         return len(self.keys[rid]) - depth
 
+    def rank(self, rid: int) -> int:
+        depth = len(self.keys[rid]) - self.missing(rid)
+        return depth if depth >= self.min_rank_chunks else 0
+
     def best(self) -> int | None:
         waiting = self.waiting()
         if not waiting:
             return None
-        return min(waiting, key=lambda r: (self.missing(r) - len(self.keys[r]), self.order[r]))
+        return min(waiting, key=lambda r: (-self.rank(r), self.order[r]))
 
     def shared(self) -> int | None:
         running = self.running()
@@ -99,6 +110,12 @@ class TreeMachine(RuleBasedStateMachine):
         self.model = ReferenceModel()
         self.next_id = 0
         self.retired: list[int] = []
+
+    @initialize(min_rank_chunks=st.integers(1, 3))
+    def rank_from(self, min_rank_chunks: int) -> None:
+        """Depths under ``min_rank_chunks`` rank as none (the queue passes 2 by default)."""
+        self.tree = ChunkedHashTree(min_rank_chunks)
+        self.model = ReferenceModel(min_rank_chunks)
 
     def snapshot(self) -> tuple:
         tree = self.tree
@@ -244,6 +261,21 @@ def test_arrival_order_among_strangers_and_deepest_sharing_first() -> None:
     tree.admit("running")
     assert tree.best() == "deep"
     assert tree.missing_chunks("deep") > tree.missing_chunks("shallow")
+
+
+def test_a_prefix_under_min_rank_chunks_does_not_pass_older_requests() -> None:
+    """A request sharing one chunk with the running set keeps its arrival turn at
+    ``min_rank_chunks=2``; once it shares two, it goes first."""
+    tree = ChunkedHashTree(min_rank_chunks=2)
+    tree.add("older", path_keys((9, 9, 9)))
+    tree.add("one chunk", path_keys((1, 5, 5)))
+    tree.add("running", path_keys((1, 2, 3)))
+    tree.admit("running")
+    assert tree.best() == "older"
+    tree.add("two chunks", path_keys((1, 2, 4)))
+    assert tree.best() == "two chunks"
+    with pytest.raises(ValueError, match="min_rank_chunks must be at least 1"):
+        ChunkedHashTree(min_rank_chunks=0)
 
 
 def test_bad_requests_get_clear_errors() -> None:

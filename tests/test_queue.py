@@ -146,6 +146,32 @@ def test_unknown_and_duplicate_requests_fail_clearly() -> None:
         queue.requeue("r")
     with pytest.raises(ValueError, match="max_wait_s"):
         FeatherQueue(max_wait_s=-1)
+    with pytest.raises(ValueError, match="min_passing_tokens"):
+        FeatherQueue(min_passing_tokens=-1)
+
+
+@pytest.mark.parametrize(("min_passing_tokens", "chunk_tokens", "rank_chunks"),
+                         [(256, 128, 2), (0, 128, 1), (200, 128, 2), (256, 16, 16),
+                          (100, 512, 1)])
+def test_min_passing_tokens_are_whole_chunks_of_the_tree(
+        min_passing_tokens: int, chunk_tokens: int, rank_chunks: int) -> None:
+    queue = FeatherQueue(min_passing_tokens=min_passing_tokens, chunk_tokens=chunk_tokens)
+    assert queue.tree.min_rank_chunks == rank_chunks
+    queue.clear()
+    assert queue.tree.min_rank_chunks == rank_chunks
+
+
+def test_a_short_shared_prefix_keeps_arrival_order() -> None:
+    """Sharing one 128-token chunk with the running set does not pass an older request
+    (default ``min_passing_tokens`` 256); sharing two does."""
+    queue = FeatherQueue(max_wait_s=None, max_overtakes=None, max_stops=None)
+    queue.add("running", [(1,), (1, 2), (1, 2, 3)])
+    assert admit_next(queue) == "running"
+    queue.add("older", [(9,), (9, 9)])
+    queue.add("one chunk", [(1,), (1, 5)])
+    assert queue.candidate() == "older"
+    queue.add("two chunks", [(1,), (1, 2), (1, 2, 7)])
+    assert queue.candidate() == "two chunks"
 
 
 def test_starved_request_is_admitted_over_the_gate() -> None:
@@ -235,8 +261,10 @@ def test_the_guard_waits_for_more_urgent_requests() -> None:
 
 
 def sized_queue(seats: int, kv_tokens: int, **options) -> FeatherQueue:
-    """A queue that knows the engine's seats and KV cache (chunks of 16 tokens)."""
-    queue = FeatherQueue(ScriptedGate(), max_wait_s=None, chunk_tokens=16, **options)
+    """A queue that knows the engine's seats and KV cache (chunks of 16 tokens; any
+    shared chunk ranks, since its groups share two)."""
+    queue = FeatherQueue(ScriptedGate(), max_wait_s=None, chunk_tokens=16,
+                         min_passing_tokens=0, **options)
     queue.seats, queue.kv_tokens = seats, kv_tokens
     return queue
 

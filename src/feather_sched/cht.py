@@ -15,13 +15,14 @@ State, kept incrementally:
   (``_by_frontier``, which requests advance when a key becomes live) and by the last present
   key (``_by_deepest``, which requests fall back when a key dies);
 * ``_waiting_refs``: key -> number of waiting requests holding it (for sharing counts);
-* a lazy min-heap of (priority, -depth, arrival order) giving the best candidate: the most
+* a lazy min-heap of (priority, -rank, arrival order) giving the best candidate: the most
   chunks shared with the running set, ties to the oldest, within the most urgent priority
   class (lowest value, vLLM's and SGLang's convention; every request is class 0 unless
   given one).  Ranking by depth rather than by missing chunks (the paper's rule) keeps
   arrival order among requests that share nothing, where fewest-missing would serve the
   shortest prompts first and starve long ones (p99 TTFT 1.46x FCFS on the Mooncake trace,
-  ``benchmarks/traces``).
+  ``benchmarks/traces``).  A depth under ``min_rank_chunks`` ranks as none: a prefix that
+  short is not worth passing older requests for.
 
 Admitting a request touches its own keys plus the waiting requests whose depth changes;
 a request joining a group that already runs touches only its own keys.
@@ -128,7 +129,7 @@ class PrefixGroup:
 
 
 class _Entry:
-    __slots__ = ("depth", "keys", "order", "priority", "state")
+    __slots__ = ("depth", "keys", "order", "priority", "rank", "state")
 
     def __init__(self, keys: list, order: int, priority: int) -> None:
         self.keys = keys
@@ -136,12 +137,19 @@ class _Entry:
         self.priority = priority
         self.state = RequestState.WAITING
         self.depth = 0
+        self.rank = -1
+        """The rank of the request's live heap entry (-1: none since it entered waiting)."""
 
 
 class ChunkedHashTree:
     """Tracks which waiting request shares most with the running set, in microseconds."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_rank_chunks: int = 1) -> None:
+        """``min_rank_chunks``: the shared depth from which a waiting request ranks above
+        those sharing nothing (at least 1)."""
+        if min_rank_chunks < 1:
+            raise ValueError(f"min_rank_chunks must be at least 1, got {min_rank_chunks}")
+        self.min_rank_chunks = min_rank_chunks
         self._entries: dict[RequestId, _Entry] = {}
         self._running: dict[RequestId, None] = {}
         self._running_refs: dict[ChunkKey, int] = {}
@@ -256,16 +264,17 @@ class ChunkedHashTree:
 
     def best(self) -> RequestId | None:
         """The waiting request of the most urgent priority class with the most chunks
-        shared with the running set, ties to the oldest."""
+        shared with the running set (a depth under ``min_rank_chunks`` counting as none),
+        ties to the oldest."""
         heap = self._heap
         entries = self._entries
         while heap:
-            _, negative_depth, _, request_id = heap[0]
+            _, negative_rank, _, request_id = heap[0]
             entry = entries.get(request_id)
             if (
                 entry is not None
                 and entry.state is RequestState.WAITING
-                and entry.depth == -negative_depth
+                and entry.rank == -negative_rank
             ):
                 return request_id
             heapq.heappop(heap)
@@ -377,6 +386,7 @@ class ChunkedHashTree:
 
     def _enter_waiting(self, request_id: RequestId, entry: _Entry) -> None:
         entry.state = RequestState.WAITING
+        entry.rank = -1
         self._waiting_refs.update(entry.keys)
         self._num_waiting += 1
         self._place(request_id, entry, self._live_depth(entry.keys))
@@ -393,14 +403,18 @@ class ChunkedHashTree:
         self._num_waiting -= 1
 
     def _place(self, request_id: RequestId, entry: _Entry, depth: int) -> None:
-        """Index a waiting request at ``depth`` and offer it to the heap."""
+        """Index a waiting request at ``depth``; offer it to the heap if its rank moved."""
         entry.depth = depth
         keys = entry.keys
         if depth < len(keys):
             self._by_frontier.setdefault(keys[depth], set()).add(request_id)
         if depth:
             self._by_deepest.setdefault(keys[depth - 1], set()).add(request_id)
-        heapq.heappush(self._heap, (entry.priority, -depth, entry.order, request_id))
+        rank = depth if depth >= self.min_rank_chunks else 0
+        if rank == entry.rank:
+            return
+        entry.rank = rank
+        heapq.heappush(self._heap, (entry.priority, -rank, entry.order, request_id))
         if len(self._heap) > 4 * self._num_waiting + 64:
             self._compact_heap()
 
@@ -472,7 +486,7 @@ class ChunkedHashTree:
     def _compact_heap(self) -> None:
         entries = self._entries
         self._heap = [
-            (e.priority, -e.depth, e.order, rid)
+            (e.priority, -e.rank, e.order, rid)
             for rid, e in entries.items()
             if e.state is RequestState.WAITING
         ]
