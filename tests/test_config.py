@@ -68,6 +68,13 @@ def test_environment_parses_every_option(tmp_path) -> None:
     assert config.max_overtakes is None
 
 
+def test_min_passing_tokens_reach_the_tree() -> None:
+    config = FeatherConfig.from_sources(None, environ={"FEATHER_MIN_PASSING_TOKENS": "512",
+                                                       "FEATHER_CHUNK_TOKENS": "64"})
+    assert config.make_queue().tree.min_rank_chunks == 8
+    assert FeatherConfig().make_queue().tree.min_rank_chunks == 2
+
+
 def test_json_values_mean_what_the_documentation_says() -> None:
     """"off" turns a bound off in JSON as in the environment; "no" is false."""
     config = FeatherConfig.from_sources({"max_wait_s": "off", "order_running": "no",
@@ -89,6 +96,8 @@ def test_json_values_mean_what_the_documentation_says() -> None:
         ({"order_running": "maybe"}, {}, "'order_running': must be true or false"),
         ({"order_running": 1}, {}, "'order_running': must be true or false"),
         ({"max_overtakes": -1}, {}, "'max_overtakes': must be a non-negative integer"),
+        ({"min_passing_tokens": -1}, {}, "'min_passing_tokens': must be a non-negative int"),
+        ({"min_passing_tokens": "off"}, {}, "'min_passing_tokens'"),
         ({"gate": "chunk-loss", "gate_options": {"max_loss": -3}}, {},
          "max_loss must be non-negative"),
         ({"gate": "always", "state_file": "t.json"}, {}, "needs gate 'bandit'"),
@@ -281,6 +290,7 @@ VALID = {
     "max_overtakes": COUNTS,
     "max_stops": COUNTS,
     "max_wait_s": st.floats(0, 60) | st.just("off"),
+    "min_passing_tokens": st.integers(0, 4096),
     "order_running": st.booleans(),
     "shared_prefix_attention": st.sampled_from(["auto", "on", "off"]),
     "shared_prefix_min_tokens": st.none() | st.integers(1, 65536),

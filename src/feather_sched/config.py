@@ -32,7 +32,7 @@ from typing import Any
 from feather_sched.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS
 from feather_sched.gate import GATE_KINDS, Gate, UCBBanditGate, make_gate
-from feather_sched.queue import DEFAULT_MAX_WAIT_S, FeatherQueue
+from feather_sched.queue import DEFAULT_MAX_WAIT_S, DEFAULT_MIN_PASSING_TOKENS, FeatherQueue
 from feather_sched.step_model import AUTO, EngineShape, StepPrior
 
 ENV_PREFIX = "FEATHER_"
@@ -111,6 +111,9 @@ class FeatherConfig:
     max_wait_s: float | None = DEFAULT_MAX_WAIT_S
     """Starvation backstop: a request waiting longer is admitted whatever the gate says;
     None (or "off") turns it off."""
+    min_passing_tokens: int = DEFAULT_MIN_PASSING_TOKENS
+    """Shortest prefix shared with the running set for which a waiting request passes
+    older ones in the tree's order (0: any shared chunk)."""
     order_running: bool = True
     """Keep the running batch ordered by prefix group."""
     stats_file: str | None = None
@@ -229,7 +232,8 @@ class FeatherConfig:
         """The queue with the configured gate and bounds (``engine``: see ``make_gate``)."""
         return FeatherQueue(self.make_gate(engine=engine), max_overtakes=self.max_overtakes,
                             max_stops=self.max_stops, max_wait_s=self.max_wait_s,
-                            chunk_tokens=self.chunk_tokens, clock=clock)
+                            chunk_tokens=self.chunk_tokens,
+                            min_passing_tokens=self.min_passing_tokens, clock=clock)
 
 
 def check_writable(option: str, path: str) -> None:
@@ -275,13 +279,19 @@ def _optional_positive_integer(value: Any) -> int | None:
     return None if value is None else _positive_integer(value)
 
 
+def _count(value: Any) -> int:
+    number = _integer(value)
+    if number < 0:
+        raise ValueError("must be a non-negative integer")
+    return number
+
+
 def _optional_count(value: Any) -> int | None:
     if _is_off(value):
         return None
-    number = _integer(value)
-    if number < 0:
+    if _integer(value) < 0:
         raise ValueError("must be a non-negative integer or \"off\"")
-    return number
+    return _count(value)
 
 
 def _optional_seconds(value: Any) -> float | None:
@@ -351,6 +361,7 @@ VALIDATORS: dict[str, Callable[[Any], Any]] = {
     "max_overtakes": _optional_count,
     "max_stops": _optional_count,
     "max_wait_s": _optional_seconds,
+    "min_passing_tokens": _count,
     "order_running": _boolean,
     "stats_file": _optional_path,
     "step_log": _optional_path,
