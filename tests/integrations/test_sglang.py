@@ -146,7 +146,7 @@ class Engine:
             strict = gate_options is STRICT  # to see STOP alone: no fairness bound
             bounds = {"max_overtakes": None, "max_stops": None} if strict else {}
             config = FeatherConfig(gate=gate, gate_options=gate_options or {},
-                                   chunk_tokens=CHUNK, **bounds)
+                                   chunk_tokens=CHUNK, min_passing_tokens=PREFIX, **bounds)
             self.feather = FeatherSGLang(config, priority_scheduling=priority,
                                          low_priority_values_first=low_first)
             self.policy = FeatherSchedulePolicy(
