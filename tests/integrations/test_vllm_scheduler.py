@@ -97,7 +97,9 @@ class Harness:
                           block_size=BLOCK, max_model_len=2048,
                           max_num_batched_tokens=512, enable_prefix_caching=True,
                           async_scheduling=async_scheduling,
-                          additional_config={"feather": {"gate": "always", **(feather or {})}},
+                          additional_config={"feather": {
+                              "gate": "always", "min_passing_tokens": PREFIX_BLOCKS * BLOCK,
+                              **(feather or {})}},
                           **engine)
         config = args.create_engine_config()
         config.scheduler_config.async_scheduling = async_scheduling  # the CPU platform says no

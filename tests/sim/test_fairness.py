@@ -79,7 +79,7 @@ def worst_case(workload: Workload, gate: str, limit: int | None,
                                     max_num_batched_tokens=96, charge_scheduler_time=False,
                                     group_tokens=16))
     options = {"max_overtakes": limit, "max_stops": limit, "max_wait_s": None,
-               "chunk_tokens": 16}
+               "chunk_tokens": 16, "min_passing_tokens": 64}  # the groups' prefix
     witness = Witness(make_policy(f"feather-{gate}", options, engine))
     result = engine.run(workload, witness)
     assert all(r.success or r.error for r in result.records)
