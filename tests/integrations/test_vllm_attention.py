@@ -147,6 +147,19 @@ def test_auto_acts_with_feathers_scheduler_where_the_kernel_pays(vectorized, gro
     assert any("no AVX-512" in m for m in messages) is not vectorized
 
 
+def test_steps_whose_rows_are_shorter_than_the_threshold_are_not_planned(monkeypatch):
+    """No row can hold a 4,096-token prefix in a 2,048-token model: no step is planned."""
+    planned = []
+    original = vllm_attention.plan_step
+    monkeypatch.setattr(vllm_attention, "plan_step",
+                        lambda *args: planned.append(args) or original(*args))
+    prompts, lengths = mixed_prompts(1)
+    generate(make_llm("bfloat16", {"shared_prefix_min_tokens": 4096}), prompts[:9], lengths[:9])
+    assert planned == []
+    generate(make_llm("bfloat16", SHORT_PREFIXES), prompts[:9], lengths[:9])
+    assert planned
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_groups_start_at_the_kv_layouts_threshold_unless_set(dtype, monkeypatch):
     """By default the shortest prefix grouped is the kernel's measured crossover for the

@@ -132,7 +132,11 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         return SharedPrefixMetadata(**values, plan=plan, original=original)
 
     def _plan(self, common: CommonAttentionMetadata) -> StepPlan | None:
-        if not self.shared_prefixes or common.causal is not True:
+        """The step's groups; None at once where no row is long enough to hold a group's
+        shortest prefix (``max_seq_len`` bounds every row: O(1), where an "amx" cache's
+        8K-token threshold is above every prompt of most workloads)."""
+        if not self.shared_prefixes or common.causal is not True or \
+                common.max_seq_len < self.min_shared_blocks * self.block_size:
             return None
         return plan_step(common.block_table_tensor, common.seq_lens,
                          common.query_start_loc_cpu, common.num_reqs, self.block_size,
