@@ -289,9 +289,10 @@ def _count(value: Any) -> int:
 def _optional_count(value: Any) -> int | None:
     if _is_off(value):
         return None
-    if _integer(value) < 0:
+    number = _integer(value)
+    if number < 0:
         raise ValueError("must be a non-negative integer or \"off\"")
-    return _count(value)
+    return number
 
 
 def _optional_seconds(value: Any) -> float | None:
