@@ -228,11 +228,14 @@ class FeatherConfig:
         return None
 
     def make_queue(self, clock: Callable[[], float] = time.monotonic,
-                   engine: EngineShape | None = None) -> FeatherQueue:
-        """The queue with the configured gate and bounds (``engine``: see ``make_gate``)."""
+                   engine: EngineShape | None = None,
+                   chunk_tokens: int | None = None) -> FeatherQueue:
+        """The queue with the configured gate and bounds (``engine``: see ``make_gate``;
+        ``chunk_tokens``: what a chunk key stands for where the engine's blocks round the
+        configured ``chunk_tokens``)."""
         return FeatherQueue(self.make_gate(engine=engine), max_overtakes=self.max_overtakes,
                             max_stops=self.max_stops, max_wait_s=self.max_wait_s,
-                            chunk_tokens=self.chunk_tokens,
+                            chunk_tokens=chunk_tokens or self.chunk_tokens,
                             min_passing_tokens=self.min_passing_tokens, clock=clock)
 
 

@@ -196,15 +196,16 @@ class FeatherRuntime(Generic[R]):
     def __init__(self, config: FeatherConfig, view: RequestView[R], *,
                  clock: Callable[[], float] = time.monotonic, name: str = "feather",
                  seats: int | None = None, kv_tokens: int | None = None,
-                 engine: EngineShape | None = None) -> None:
+                 engine: EngineShape | None = None, chunk_tokens: int | None = None) -> None:
         """``seats``: the engine's cap on running requests, ``kv_tokens``: its KV cache in
         tokens, where the adapter knows them; ``engine``: its device and model, for the
-        model gate's prior."""
+        model gate's prior; ``chunk_tokens``: the tokens one of ``view``'s chunk keys
+        stands for, where the engine's blocks round the configured size."""
         self.name = name
         self.config = config
         self.view = view
         self.clock = clock
-        self.queue = config.make_queue(clock=clock, engine=engine)
+        self.queue = config.make_queue(clock=clock, engine=engine, chunk_tokens=chunk_tokens)
         self.queue.seats = seats
         self.queue.kv_tokens = kv_tokens
         self.queue.orders_batch = config.order_running

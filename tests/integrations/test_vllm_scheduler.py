@@ -48,6 +48,7 @@ from feather_sched.integrations.vllm import (
     BATCH_ORDER_PLUGIN,
     FeatherScheduler,
     FeatherSyncScheduler,
+    VllmRequests,
     engine_shape,
     plugin_allowed,
 )
@@ -205,6 +206,20 @@ def test_feather_knows_vllms_seats_and_kv_cache() -> None:
     """What tells Feather whether vLLM could run every request in flight at once."""
     queue = Harness(num_blocks=100).runtime.queue
     assert (queue.seats, queue.kv_tokens) == (16, 100 * BLOCK)
+
+
+@pytest.mark.parametrize(("block", "chunk_tokens"), [(16, 128), (128, 128), (48, 96),
+                                                      (256, 256)])
+def test_a_chunk_is_whole_kv_blocks(block: int, chunk_tokens: int) -> None:
+    """A chunk key is every k-th block hash: 128 tokens in whole blocks, at least one, is
+    what the queue counts a chunk as (its token figures and ``min_passing_tokens``)."""
+    assert VllmRequests(block, 128).chunk_tokens == chunk_tokens
+
+
+def test_the_queue_counts_chunks_as_the_view_keys_them() -> None:
+    """``chunk_tokens`` 40 over 16-token blocks: a key every 2 blocks, 32 tokens."""
+    runtime = Harness(feather={"chunk_tokens": 40}).runtime
+    assert runtime.queue.chunk_tokens == runtime.view.chunk_tokens == 2 * BLOCK
 
 
 def test_the_engine_log_says_how_ordering_acts(monkeypatch) -> None:

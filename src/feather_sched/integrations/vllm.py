@@ -128,8 +128,9 @@ class VllmRequests:
 
     def __init__(self, hash_block_size: int, chunk_tokens: int) -> None:
         self.hash_block_size = hash_block_size
-        self.chunk_tokens = chunk_tokens
         self.blocks_per_chunk = keys_per_chunk(hash_block_size, chunk_tokens)
+        self.chunk_tokens = self.blocks_per_chunk * hash_block_size
+        """Tokens a chunk key stands for: ``chunk_tokens`` in whole blocks (at least one)."""
 
     request_id = attrgetter("request_id")
     """The request's id (an attrgetter: the runtime maps it over the running list)."""
@@ -552,11 +553,13 @@ class VllmFeather(VllmMeter):
     """Feather's component of a vLLM scheduler: the runtime behind vLLM's calls."""
 
     def __init__(self, scheduler: Scheduler, config: FeatherConfig) -> None:
-        self.runtime = FeatherRuntime(config, requests_view(scheduler, config),
-                                      clock=time.time, name=type(scheduler).__name__,
+        view = requests_view(scheduler, config)
+        self.runtime = FeatherRuntime(config, view, clock=time.time,
+                                      name=type(scheduler).__name__,
                                       seats=scheduler.max_num_active_reqs,
                                       kv_tokens=kv_cache_tokens(scheduler),
-                                      engine=engine_shape(scheduler.vllm_config))
+                                      engine=engine_shape(scheduler.vllm_config),
+                                      chunk_tokens=view.chunk_tokens)
         super().__init__(scheduler, config, self.runtime.meter, self.runtime.faults)
         self.queue = FeatherWaitingQueue(self.runtime, scheduler)
         scheduler.waiting = self.queue
