@@ -123,6 +123,14 @@ def test_names_build_policies_and_bad_names_fail() -> None:
         make_policy("fcfs-nocache", {}, engine)
 
 
+@pytest.mark.parametrize(("block_tokens", "chunk_tokens"), [(16, 128), (48, 96), (256, 256)])
+def test_feathers_queue_counts_a_chunk_in_whole_blocks(block_tokens, chunk_tokens) -> None:
+    """A chunk key is every k-th block key, as in vLLM: 128 tokens in whole blocks."""
+    runtime = make_policy("feather-model", {}, SimEngine(None, EngineConfig(
+        block_tokens=block_tokens)))
+    assert runtime.queue.chunk_tokens == runtime.view.chunk_tokens == chunk_tokens
+
+
 def plan_for(workload, schedulers, **engine) -> SimPlan:
     return SimPlan(workload=workload, hardware=HARDWARE["h100-sxm"], model=MODELS["llama-3-8b"],
                    schedulers=schedulers, engine=EngineConfig(num_blocks=40_000, **engine))

@@ -50,8 +50,10 @@ SGLANG_MATCH_S = 18e-6
 class SimRequests:
     """``RequestView`` of simulated requests for ``FeatherRuntime``: keys per chunk."""
 
-    def __init__(self, blocks_per_chunk: int) -> None:
-        self.blocks_per_chunk = blocks_per_chunk
+    def __init__(self, block_tokens: int, chunk_tokens: int) -> None:
+        self.blocks_per_chunk = keys_per_chunk(block_tokens, chunk_tokens)
+        self.chunk_tokens = self.blocks_per_chunk * block_tokens
+        """Tokens a chunk key stands for: ``chunk_tokens`` in whole blocks (at least one)."""
 
     request_id = attrgetter("spec.request_id")
     """The request's id (an attrgetter: the runtime maps it over the running list)."""
@@ -176,7 +178,8 @@ def make_policy(name: str, feather_options: dict[str, Any], engine: SimEngine) -
         gate_options.setdefault("prior", StepPrior.of(engine.cost_model))
         options["gate_options"] = gate_options
     config = FeatherConfig.from_sources(options, environ={})
-    view = SimRequests(keys_per_chunk(engine.config.block_tokens, config.chunk_tokens))
+    view = SimRequests(engine.config.block_tokens, config.chunk_tokens)
     return FeatherRuntime(config, view, clock=engine.clock, name=name,
                           seats=engine.config.max_num_seqs,
-                          kv_tokens=engine.config.num_blocks * engine.config.block_tokens)
+                          kv_tokens=engine.config.num_blocks * engine.config.block_tokens,
+                          chunk_tokens=view.chunk_tokens)
