@@ -23,7 +23,9 @@ its stops, the STOPs since it entered.  Among requests of one class waiting sinc
 arrived, the oldest always has the most of both (every admission that passes a younger one passed it
 too), so only it and the requests that re-entered waiting (preempted ones, usually few)
 need checking: ``due`` costs one vectorised count over the log for each of them (one more
-comparison per entry once two classes have been seen).
+comparison per entry once two classes have been seen), and none for a request that fewer
+admissions than the limit have passed since it entered (the common case while the queue
+is short).
 Admissions cost O(1) amortised; the log is trimmed to what waiting requests still need.
 """
 
@@ -198,7 +200,10 @@ class OvertakeBound:
     def _at_bound(self, request_id: RequestId) -> bool:
         if self.stop_limit is not None and self.stops(request_id) >= self.stop_limit:
             return True
-        return self.limit is not None and self.overtakes(request_id) >= self.limit
+        if self.limit is None:
+            return False
+        admitted_since = self._position - self._waiting[request_id].entered
+        return admitted_since >= self.limit and self.overtakes(request_id) >= self.limit
 
     # ---- internals --------------------------------------------------------------------
 
