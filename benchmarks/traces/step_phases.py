@@ -39,9 +39,12 @@ HERE = Path(__file__).parent
 PHASES = {"scheduler": ("schedule", "update_from_output"),
           "executor": ("execute_model", "sample_tokens"),
           "feather": ("before_schedule", "after_schedule", "step_done")}
+KV_CACHE = {"kv_cache_memory_bytes": 4 * 2**30}
+"""cpu.sh's 4 GiB KV cache; vLLM's CPU default sizes it from the NUMA node's memory and
+refuses to start where the node is smaller than the machine (seen on a 2-core EPYC)."""
 MOONCAKE = {"path": HERE.parents[2] / "shared" / "traces" / "mooncake-synthetic.jsonl",
             "start": 2993, "speed": 2.6, "token_scale": 0.0625,
-            "engine_args": {"block_size": 32}}
+            "engine_args": {"block_size": 32, **KV_CACHE}}
 """cpu.sh's Mooncake window at mooncake-moderate.sh's speed."""
 WORKER = (("feather_sched.integrations.vllm_batch_order", None, "order_by_schedule"),
           ("feather_sched.integrations.vllm_attention", "SharedPrefixCPUMetadataBuilder",
@@ -70,7 +73,7 @@ def workload_steps(name: str, requests: int, gap: int, step_ms: float
 
     if name == "sharegpt":
         workload = load_dataset("sharegpt", max_requests=requests)
-        return workload, [gap * i for i in range(requests)], {}
+        return workload, [gap * i for i in range(requests)], KV_CACHE
     replay = Replay(MOONCAKE["start"], requests, MOONCAKE["speed"], MOONCAKE["token_scale"])
     workload = load_mooncake(MOONCAKE["path"], replay=replay)
     entries = [int(r.arrival_s * 1000 / step_ms) for r in workload.requests]
