@@ -17,7 +17,7 @@ from feather_sched.stats import StepMeter
 FEATHER_CODE: tuple[tuple[object, str, str], ...] = (
     (ChunkedHashTree, "add", "tree"),
     (ChunkedHashTree, "admit", "tree"),
-    (ChunkedHashTree, "candidate", "tree"),
+    (ChunkedHashTree, "best", "tree"),
     (UCBBanditGate, "decide", "gate"),
     (UCBBanditGate, "reward", "gate"),
     (StepMeter, "scheduled", "meter"),

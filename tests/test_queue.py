@@ -24,6 +24,7 @@ class ScriptedGate:
     """Says STOP when the candidate loses more than one chunk; records every question."""
 
     observes = False  # learns nothing from batches
+    always_adds = False  # shown every candidate
 
     def __init__(self) -> None:
         self.asked: list[GateContext] = []
@@ -52,6 +53,22 @@ def admit_next(queue: FeatherQueue) -> str | None:
         return None
     queue.admit(admission.request_id)
     return admission.request_id
+
+
+def test_a_gate_that_always_adds_is_not_asked() -> None:
+    """Its answer needs no context, so none is built (the tree's candidate analysis is
+    skipped) and the admission says so; the tree's order still picks the candidate."""
+    gate = ScriptedGate()
+    gate.always_adds = True
+    gate.decide = None  # called, it would raise
+    queue = FeatherQueue(gate, max_wait_s=None)
+    for rid, group in [("a0", 0), ("b0", 1), ("a1", 0)]:
+        queue.add(rid, group_keys(group, int(rid[1])))
+    assert admit_next(queue) == "a0"
+    admission = queue.decide()
+    assert (admission.request_id, admission.decision, admission.context) == \
+        ("a1", Decision.ADD, None)
+    assert not admission.forced
 
 
 def test_stop_closes_the_queue_until_the_next_pass() -> None:

@@ -44,6 +44,7 @@ class RecordingGate:
     """STOP when the candidate loses two chunks or more; remembers every reward."""
 
     observes = False  # learns nothing from batches
+    always_adds = False  # shown every candidate
 
     def __init__(self) -> None:
         self.rewards: list[tuple[list, int, float]] = []
@@ -196,7 +197,7 @@ def test_an_add_counts_only_when_its_request_runs() -> None:
     running.remove(skipped)
     rt.hold(skipped.rid)  # the engine popped it, then skipped it
     rt.end_pass(2, running)
-    assert (rt.counts.add, rt.counts.stop) == (1, 0)
+    assert (rt.counts.add, rt.counts.stop, rt.counts.forced) == (1, 0, 0)
     assert rt.queue.state(skipped.rid) is QueueState.HELD
     rt.enter_waiting(skipped)  # and prepended it back
     assert rt.queue.state(skipped.rid) is QueueState.WAITING

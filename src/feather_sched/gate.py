@@ -86,6 +86,9 @@ class Gate(Protocol):
     """
 
     observes: bool
+    always_adds: bool
+    """Whether ``decide`` answers ADD whatever the context: the queue then asks nothing
+    and builds no context (an ADD not shown to the gate is not rewarded either)."""
     stops_in_ordered_batches: bool
     """Whether the gate may STOP a candidate while Feather lays the batch out. Where it
     may, the queue keeps the tree's candidate even while everything fits (a STOP on an
@@ -118,6 +121,7 @@ class _Unobservant:
 class AlwaysAddGate(_Unobservant):
     """Admit whenever the engine has room: today's engines' behaviour."""
 
+    always_adds = True
     stops_in_ordered_batches = False
 
     def decide(self, context: GateContext) -> Decision:
@@ -142,6 +146,7 @@ class ChunkLossGate(_Unobservant):
     heterogeneous queue from starving behind a small homogeneous batch.
     """
 
+    always_adds = False
     stops_in_ordered_batches = True  # it judges chunk loss, whatever the layout
     max_loss: int = 5
     max_loss_loaded: int = 7
@@ -211,6 +216,7 @@ class UCBBanditGate(_Unobservant):
     Admissions that lose no prefix, or fill an empty batch, are always ADD and not learned.
     """
 
+    always_adds = False
     stops_in_ordered_batches = True  # it learns STOPs from chunk loss, whatever the layout
 
     exploration: float = EXPLORATION

@@ -105,6 +105,12 @@ class ModelGate:
         model = OnlineStepModel(prior, prior_steps=prior_steps, forgetting=forgetting)
         return cls(model, ordered=ordered, lookahead=lookahead, margin=margin, window=window)
 
+    @property
+    def always_adds(self) -> bool:
+        """With the batch laid out in Feather's order (``ordered``) it admits every
+        candidate: a group that joins its own run costs what it would alone."""
+        return self.ordered
+
     def decide(self, context: GateContext) -> Decision:
         if self.ordered:
             return Decision.ADD

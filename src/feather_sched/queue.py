@@ -59,7 +59,6 @@ from operator import attrgetter
 
 from feather_sched.cht import (
     DEFAULT_CHUNK_TOKENS,
-    Candidate,
     CHTError,
     ChunkedHashTree,
     ChunkKey,
@@ -85,16 +84,13 @@ class QueueState(Enum):
 class Admission:
     """The queue's answer for one candidate."""
 
-    candidate: Candidate
+    request_id: RequestId
     decision: Decision
     forced: bool
     """True when a waiting bound overrode the tree's order and the gate."""
     context: GateContext | None
-    """What the gate was shown (None when it was not asked: forced, or already stopped)."""
-
-    @property
-    def request_id(self) -> RequestId:
-        return self.candidate.request_id
+    """What the gate was shown (None when it was not asked: forced, already stopped, or
+    a gate that always adds)."""
 
 
 @dataclass
@@ -368,9 +364,8 @@ class FeatherQueue:
             return None
         bounded = self.due()
         target = offered if offered is not None else self._chosen(bounded)
-        candidate = self.tree.candidate(target)
-        assert candidate is not None
-        self._admission = self._answer(candidate, forced=target is not None and target == bounded)
+        forced = target is not None and target == bounded
+        self._admission = self._answer(self.tree.best() if target is None else target, forced)
         self._asked_for = offered
         return self._admission
 
@@ -381,9 +376,8 @@ class FeatherQueue:
             return self._admission.request_id
         if not self.tree.num_waiting:
             return None
-        candidate = self.tree.candidate(self._chosen(self.due()))
-        assert candidate is not None
-        return candidate.request_id
+        chosen = self._chosen(self.due())
+        return self.tree.best() if chosen is None else chosen
 
     def new_step(self) -> None:
         """Start a scheduling pass: a STOP of the previous pass no longer holds."""
@@ -394,12 +388,14 @@ class FeatherQueue:
 
     # ---- internals --------------------------------------------------------------------
 
-    def _answer(self, candidate: Candidate, forced: bool) -> Admission:
+    def _answer(self, request_id: RequestId, forced: bool) -> Admission:
+        """The answer for waiting ``request_id``; the gate is shown what admitting it
+        would do (``GateContext``) unless the answer is settled without it."""
         if self._closed:
-            return Admission(candidate, Decision.STOP, forced=False, context=None)
-        if forced:
-            return Admission(candidate, Decision.ADD, forced=True, context=None)
-        request_id = candidate.request_id
+            return Admission(request_id, Decision.STOP, forced=False, context=None)
+        if forced or self.gate.always_adds:
+            return Admission(request_id, Decision.ADD, forced=forced, context=None)
+        candidate = self.tree.candidate(request_id)
         request = self._requests[request_id]
         context = GateContext(
             batch_size=self.tree.num_running,
@@ -417,7 +413,7 @@ class FeatherQueue:
         self._closed = decision is Decision.STOP
         if self._closed and self.bound is not None:
             self.bound.stopped()
-        return Admission(candidate, decision, forced=False, context=context)
+        return Admission(request_id, decision, forced=False, context=context)
 
     def fits_all(self) -> bool:
         """Whether the engine could run every request in flight at once: running and

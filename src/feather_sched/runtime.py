@@ -477,19 +477,20 @@ class FeatherRuntime(Generic[R]):
         It counts as served (``FaultGuard.served``)."""
         decided = bool(self._taken)
         self.reconcile(running)
-        credit: list[tuple[GateContext, Decision]] = []
+        credit: list[tuple[GateContext, Decision]] = []  # taken effect, shown to the gate
         admitted: list[RequestId] = []
+        stops = forced = 0
         for taken in self._taken:
             admission = taken.admission
             if admission.decision is Decision.STOP:
-                if admission.context is not None:
+                if admission.context is not None:  # the gate's STOP, not its echo
+                    stops += 1
                     credit.append((admission.context, Decision.STOP))
             elif taken.admitted and self.is_running(admission.request_id):
                 admitted.append(admission.request_id)
-                if not admission.forced:
+                forced += admission.forced
+                if admission.context is not None:
                     credit.append((admission.context, Decision.ADD))
-        stops = sum(1 for _, decision in credit if decision is Decision.STOP)
-        forced = len(admitted) - (len(credit) - stops)
         counts = self.counts
         counts.stop, counts.forced, counts.add = (counts.stop + stops, counts.forced + forced,
                                                   counts.add + len(admitted) - forced)

@@ -586,7 +586,7 @@ def test_a_fault_hands_the_round_to_sglangs_own_order(monkeypatch, contained_fau
         engine.admission_round()
         engine.arrive(_req("B", 1), _req("A", 2))
         if fault:
-            monkeypatch.setattr(engine.feather.runtime.queue.tree, "candidate",
+            monkeypatch.setattr(engine.feather.runtime.queue.tree, "best",
                                 lambda *args: 1 / 0)  # this tree only: a rebuild drops it
         admitted = engine.admission_round(max_requests=1)
         assert engine.feather.faults.dirty is fault
@@ -671,7 +671,7 @@ def test_faults_in_a_row_turn_feather_off_in_the_scheduler(monkeypatch, containe
     one error line; SGLang's ``fcfs`` order admits every request from then on."""
     engine = Engine(gate="always")
     engine.feather.faults.limit = 3
-    monkeypatch.setattr(ChunkedHashTree, "candidate", lambda *args: 1 / 0)
+    monkeypatch.setattr(ChunkedHashTree, "best", lambda *args: 1 / 0)
     requests = _interleaved(12)
     engine.arrive(*requests)
     admitted = []

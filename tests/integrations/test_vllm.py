@@ -152,7 +152,7 @@ def test_faults_in_feathers_code_leave_the_engines_outputs(default_outputs, monk
     assert runtime.faults.active and runtime.counts.add > 0
     injector.armed = False
     runtime.faults.limit = 3
-    monkeypatch.setattr(ChunkedHashTree, "candidate", lambda *args: 1 / 0)
+    monkeypatch.setattr(ChunkedHashTree, "best", lambda *args: 1 / 0)
     assert outputs(stagger=True) == expected
     assert not runtime.faults.active
     assert [where for where, _ in contained_faults[len(injector.raised):]] == ["decide"] * 3

@@ -72,6 +72,7 @@ class RecordingGate:
     """Adds whatever it is asked, remembers what it is rewarded with."""
 
     observes = False  # learns nothing from batches
+    always_adds = False  # shown every candidate
 
     def __init__(self, decision: Decision = Decision.ADD) -> None:
         self.decision = decision
@@ -742,7 +743,7 @@ def test_a_fault_hands_the_pass_to_vllms_own_order(monkeypatch, contained_faults
         harness.add(harness.request("b0", group=1, max_tokens=30),
                     harness.request("a1", group=0, max_tokens=30))
         if fault:
-            monkeypatch.setattr(harness.runtime.queue.tree, "candidate",
+            monkeypatch.setattr(harness.runtime.queue.tree, "best",
                                 lambda *args: 1 / 0)  # this tree only: a rebuild drops it
         output = harness.step()
         if fault:
@@ -813,7 +814,7 @@ def test_faults_in_a_row_turn_feather_off_for_the_engine(monkeypatch, contained_
     """A fault in every decision: after ``max_faults`` of them in a row Feather is off,
     once, with one error line; vLLM's own order serves every request from then on."""
     harness = Harness(max_num_seqs=2, feather={"max_faults": 3})
-    monkeypatch.setattr(ChunkedHashTree, "candidate", lambda *args: 1 / 0)
+    monkeypatch.setattr(ChunkedHashTree, "best", lambda *args: 1 / 0)
     requests = [harness.request(f"r{i}", group=i % 4, max_tokens=3) for i in range(10)]
     harness.add(*requests)
     admitted = []
