@@ -4,12 +4,13 @@
 
 Reads ``sim.json`` and ``sim-overlap.json`` (``sim.py``) and ``cpu-*.json`` (``cpu.sh``,
 ``feather bench --json`` with the schedulers repeated: ``fcfs``, ``feather-model``,
-``fcfs#2``, ...) beside this file, and writes ``results.md``. Each cell's runs (seeds in
-the simulator, rounds on the CPU engine) give a median with its range; Feather's and LPM's
-ratios to FCFS are taken per seed or round, then their median and range. The targets are
-checked on the median ratios (Feather >= 0.98x FCFS's throughput; mean TTFT, mean E2E
-latency and p99 TTFT at most FCFS's), and each cell names the figures of these where LPM
-does better than Feather by more than 1%.
+``fcfs#2``, ...) beside this file, and writes ``results.md``; ``POOLS`` names the CPU
+sets whose rounds are also taken together (one line run on two machines, or twice).
+Each cell's runs (seeds in the simulator, rounds on the CPU engine) give a median with
+its range; Feather's and LPM's ratios to FCFS are taken per seed or round, then their
+median and range. The targets are checked on the median ratios (Feather >= 0.98x
+FCFS's throughput; mean TTFT, mean E2E latency and p99 TTFT at most FCFS's), and each
+cell names the figures of these where LPM does better than Feather by more than 1%.
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ TARGETS = (  # (summary key, name, bound on Feather / FCFS)
 )
 TIE = 1.01
 """Median ratios within 1% of each other count as a tie between Feather and LPM."""
+POOLS = {  # label -> the cpu-*.json sets (the same line, each machine's load) pooled
+    "mooncake, 0.8x, AMX Xeon and EPYC": ("mooncake-amx", "mooncake-amx-b", "mooncake-amx-c",
+                                          "mooncake-amx-d", "mooncake-epyc"),
+    "bfcl-tools, 0.8x, AMX Xeon and EPYC": ("bfcl-tools-amx", "bfcl-tools-amx-c",
+                                            "bfcl-tools-epyc"),
+    "sharegpt, 0.8x, AMX Xeon and EPYC": ("sharegpt-amx", "sharegpt-amx-c", "sharegpt-epyc"),
+    "sharegpt, 1.5x in an H100's KV room": ("sharegpt-amx-sat", "sharegpt-amx-sat-b"),
+}
 KEPT = ("completed", "duration", *(key for key, _, _ in METRICS), "median_ttft_ms",
         "p99_tpot_ms", "mean_batch_size", "preemptions", "gate_stop")
 """The summary keys the JSON files keep (per-group arrays are left out)."""
@@ -183,6 +192,17 @@ def cpu_cells(paths: Sequence[Path]) -> list[tuple[str, Runs]]:
     return cells
 
 
+def pooled(cells: Sequence[tuple[str, Runs]], names: Sequence[str]) -> Runs:
+    """The rounds of several sets as one cell; each set's rounds keep their pairs, so the
+    ratios are still taken round by round."""
+    by_name = dict(cells)
+    runs: Runs = {}
+    for name in names:
+        for scheduler, summaries in by_name[name].items():
+            runs.setdefault(scheduler, []).extend(summaries)
+    return runs
+
+
 def sim_summary(tables: dict[str, list[tuple[str, Runs]]], heading: str) -> list[str]:
     """A heading and the summary of every cell of a simulator file's tables."""
     everything = [(f"{title}, {label}", runs) for title, cells in tables.items()
@@ -207,6 +227,9 @@ def main() -> None:
         cells = cpu_cells(cpu)
         parts += ["### Real CPU engine (vLLM 0.32.0, the embedded model): Feather against "
                   "FCFS (median ratios, range over rounds)", "", summary(cells),
+                  "### Real CPU engine, sets pooled (median ratios, range over their "
+                  "rounds)", "", summary([(label, pooled(cells, names))
+                                          for label, names in POOLS.items()]),
                   "### Real CPU engine, every figure", "", table(cells)]
     text = "\n".join(parts)
     (HERE / "results.md").write_text(text)
