@@ -41,7 +41,8 @@ TIE = 1.01
 """Median ratios within 1% of each other count as a tie between Feather and LPM."""
 POOLS = {  # label -> the cpu-*.json sets (the same line, each machine's load) pooled
     "mooncake, 0.8x, AMX Xeon and EPYC": ("mooncake-amx", "mooncake-amx-b", "mooncake-amx-c",
-                                          "mooncake-amx-d", "mooncake-epyc"),
+                                          "mooncake-amx-d", "mooncake-epyc",
+                                          "mooncake-epyc-b"),
     "bfcl-tools, 0.8x, AMX Xeon and EPYC": ("bfcl-tools-amx", "bfcl-tools-amx-c",
                                             "bfcl-tools-epyc"),
     "sharegpt, 0.8x, AMX Xeon and EPYC": ("sharegpt-amx", "sharegpt-amx-c", "sharegpt-epyc"),
