@@ -1,13 +1,13 @@
 """Test-wide set-up: SGLang's scheduler code imports on this CPU machine as in the product
-(``feather_sched.stand_ins``); a fault Feather contains fails the test that did not ask for
-faults, so containment never hides a bug."""
+(``feather_sched.integrations.sglang.stand_ins``); a fault Feather contains fails the test
+that did not ask for faults, so containment never hides a bug."""
 
 from __future__ import annotations
 
 import pytest
 
-from feather_sched.runtime import FaultGuard
-from feather_sched.stand_ins import prepare_sglang_import
+from feather_sched.core.faults import FaultGuard
+from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
 
 prepare_sglang_import()
 

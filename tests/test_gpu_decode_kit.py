@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from feather_sched.steplog import read_steps
+from feather_sched.telemetry.steplog import read_steps
 
 torch = pytest.importorskip("torch")
 

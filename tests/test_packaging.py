@@ -27,10 +27,10 @@ def test_the_wheel_installs_into_a_clean_environment_and_runs(tmp_path) -> None:
     for shipped in ("feather_sched/models/tiny-llama/config.json",
                     "feather_sched/models/tiny-llama/tokenizer.json",
                     "feather_sched/models/tiny-llama/tokenizer_config.json",
-                    "feather_sched/stand_ins/torchvision/__init__.py",
+                    "feather_sched/integrations/sglang/stand_ins/torchvision/__init__.py",
                     "feather_sched/py.typed"):
         assert shipped in names, shipped
-    assert b"feather_batch_order = feather_sched.integrations.vllm_batch_order:register" \
+    assert b"feather_batch_order = feather_sched.integrations.vllm.batch_order:register" \
         in entry_points
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", venv)
@@ -44,8 +44,8 @@ from feather_sched.runtime import FeatherRuntime
 assert (TINY_LLAMA / "config.json").exists()
 plugins = {e.name for e in importlib.metadata.entry_points(group="vllm.general_plugins")}
 assert "feather_batch_order" in plugins, plugins
-for engine, module in (("vllm", "feather_sched.integrations.vllm"),
-                       ("sglang", "feather_sched.integrations.sglang")):
+for engine, module in (("vllm", "feather_sched.integrations.vllm.scheduler"),
+                       ("sglang", "feather_sched.integrations.sglang.scheduler")):
     if importlib.util.find_spec(engine) is not None:
         importlib.import_module(module)
         print("imported", module)

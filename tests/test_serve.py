@@ -24,8 +24,8 @@ from feather_sched.serve import (
     SHUTDOWN_TIMEOUT_S,
     vllm_server_command,
 )
-from tests.bench.replay_trace import REPLAY_FLAGS, REQUESTS, implied_hit_rate, write_trace
-from tests.servers import bench_server, free_port, serving, wait_until_serving
+from tests.helpers.replay_trace import REPLAY_FLAGS, REQUESTS, implied_hit_rate, write_trace
+from tests.helpers.servers import bench_server, free_port, serving, wait_until_serving
 
 
 def flag(command: list[str], name: str) -> str | None:

@@ -28,15 +28,16 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from feather_sched.bench.report import median_and_range, prefill_over_floor, summarize
-from feather_sched.bench.serving import WorkloadArgs
 from feather_sched.costmodel.cost import CostModel
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
+from feather_sched.results.summary import median_and_range, prefill_over_floor, summarize
 from feather_sched.sim.engine import EngineConfig, SimEngine
 from feather_sched.sim.policies import make_policy
 from feather_sched.sim.runner import SimPlan, as_run_result, pretrain_bandit
-from feather_sched.workloads import ArrivalSpec, minority_groups, shared_prefix_groups
+from feather_sched.workloads.options import WorkloadArgs
+from feather_sched.workloads.spec import ArrivalSpec
+from feather_sched.workloads.synthetic import minority_groups, shared_prefix_groups
 
 HERE = Path(__file__).parent
 MODEL = MODELS["llama-3-8b"]

@@ -19,13 +19,14 @@ import argparse
 import json
 from pathlib import Path
 
-from feather_sched.bench.report import median_and_range, summarize
 from feather_sched.costmodel.calibrate import load_profile
 from feather_sched.costmodel.cost import CostModel
+from feather_sched.results.summary import median_and_range, summarize
 from feather_sched.sim.engine import EngineConfig, SimEngine
 from feather_sched.sim.policies import make_policy
 from feather_sched.sim.runner import SimPlan, as_run_result
-from feather_sched.workloads import ArrivalSpec, shared_prefix_groups
+from feather_sched.workloads.spec import ArrivalSpec
+from feather_sched.workloads.synthetic import shared_prefix_groups
 
 HERE = Path(__file__).parent
 PROFILE = HERE.parent / "sim" / "cpu-16k-profile.json"

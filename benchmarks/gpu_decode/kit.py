@@ -36,9 +36,9 @@ from torch import Tensor
 # that need nothing beyond the standard library, torch and Triton: the GPU machine needs
 # nothing else installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
-from feather_sched import steplog
 from feather_sched.attention import triton_kernels
 from feather_sched.attention.triton_kernels import TableSegments
+from feather_sched.telemetry import steplog
 
 TOLERANCE = 1e-2
 """Largest accepted relative error of one (request, head) output row vs float64."""
@@ -679,7 +679,7 @@ def run(device: str = "cpu", out_dir: str | Path = DEFAULT_OUT, *,
 
 def write_steps(path: Path, measurements: list[Measurement]) -> None:
     """One step per measured batch, one row per request: the step log ``feather calibrate``
-    reads (``feather_sched.steplog``)."""
+    reads (``feather_sched.telemetry.steplog``)."""
     steplog.write_steps(path, (
         ([steplog.BatchEntry(group, m.config.prefix, m.config.prefix + m.study.sweep.suffix, 1)
           for group in m.groups], m.step_seconds)

@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-from feather_sched.bench.report import median_and_range
+from feather_sched.results.summary import median_and_range
 
 HERE = Path(__file__).parent
 PRECISE = "feather-precise"

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from feather_sched.cache_index import BlockStored, PreciseIndex
-from feather_sched.cht import token_chunk_keys
-from feather_sched.integrations.vllm_block_hash import VLLMBlockHasher
-from feather_sched.prefix import keys_per_chunk
-from feather_sched.router import FeatherRouter
-from feather_sched.routers import ROUTERS, make_router
+from feather_sched.core.cht import token_chunk_keys
+from feather_sched.core.prefix import keys_per_chunk
+from feather_sched.integrations.vllm.block_hash import VLLMBlockHasher
+from feather_sched.routing.baselines import ROUTERS, make_router
+from feather_sched.routing.cache_index import BlockStored, PreciseIndex
+from feather_sched.routing.feather import FeatherRouter
 
 HERE = Path(__file__).parent
 REPLICAS = 8

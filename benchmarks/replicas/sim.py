@@ -40,16 +40,18 @@ from dataclasses import replace
 from itertools import product
 from pathlib import Path
 
-from feather_sched.bench.report import Percentiles, median_and_range, prefill_over_floor
 from feather_sched.costmodel.calibrate import load_profile
 from feather_sched.costmodel.cost import CostParams
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
-from feather_sched.router import FeatherRouter, Router
-from feather_sched.routers import ROUTERS, make_router
+from feather_sched.results.summary import Percentiles, median_and_range, prefill_over_floor
+from feather_sched.routing.baselines import ROUTERS, make_router
+from feather_sched.routing.feather import FeatherRouter
+from feather_sched.routing.router import Router
 from feather_sched.sim.replicas import Ingresses, precise_index, simulate_replicas
 from feather_sched.sim.runner import SimPlan
-from feather_sched.workloads import ArrivalSpec, Workload, no_sharing, shared_prefix_groups
+from feather_sched.workloads.spec import ArrivalSpec, Workload
+from feather_sched.workloads.synthetic import no_sharing, shared_prefix_groups
 
 HERE = Path(__file__).parent
 REPLICAS = 8

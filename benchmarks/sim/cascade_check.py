@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from feather_sched.bench.report import summarize
 from feather_sched.costmodel.calibrate import Profile, load_profile
+from feather_sched.results.summary import summarize
 from feather_sched.sim.engine import EngineConfig
 from feather_sched.sim.runner import SimPlan, simulate
-from feather_sched.steplog import read_steps
-from feather_sched.workloads import shared_prefix_groups
+from feather_sched.telemetry.steplog import read_steps
+from feather_sched.workloads.synthetic import shared_prefix_groups
 
 HERE = Path(__file__).parent
 MEASURED = HERE.parent / "vllm" / "shared-4x16.json"

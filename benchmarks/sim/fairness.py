@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from feather_sched.bench.report import group_ttfts, summarize, worst_group_ratios
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
+from feather_sched.results.summary import group_ttfts, summarize, worst_group_ratios
 from feather_sched.sim.runner import SimPlan, simulate
-from feather_sched.workloads import ArrivalSpec, minority_groups
+from feather_sched.workloads.spec import ArrivalSpec
+from feather_sched.workloads.synthetic import minority_groups
 
 HERE = Path(__file__).parent
 SCHEDULERS = ("fcfs", "sglang-lpm", "sglang-dfs-weight", "feather-chunk-loss",

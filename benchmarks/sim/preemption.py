@@ -30,15 +30,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from feather_sched.bench.report import summarize
+from feather_sched.core.runtime import FeatherRuntime
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
-from feather_sched.runtime import FeatherRuntime
+from feather_sched.results.summary import summarize
 from feather_sched.sim.engine import EngineConfig
 from feather_sched.sim.runner import SimPlan, simulate
-from feather_sched.workloads import (
-    ArrivalSpec,
-    Workload,
+from feather_sched.workloads.spec import ArrivalSpec, Workload
+from feather_sched.workloads.synthetic import (
     minority_groups,
     shared_prefix_groups,
     singleton_before_a_stream,

@@ -27,18 +27,13 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from feather_sched.bench.report import median_and_range, summarize
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
+from feather_sched.results.summary import median_and_range, summarize
 from feather_sched.sim.engine import EngineConfig
 from feather_sched.sim.runner import SimPlan, simulate
-from feather_sched.workloads import (
-    ArrivalSpec,
-    Workload,
-    minority_groups,
-    prioritized,
-    shared_prefix_groups,
-)
+from feather_sched.workloads.spec import ArrivalSpec, Workload, prioritized
+from feather_sched.workloads.synthetic import minority_groups, shared_prefix_groups
 
 HERE = Path(__file__).parent
 SEEDS = range(5)

@@ -19,11 +19,12 @@ import json
 import time
 from pathlib import Path
 
-from feather_sched.bench.report import summarize
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
+from feather_sched.results.summary import summarize
 from feather_sched.sim.runner import SimPlan, simulate
-from feather_sched.workloads import ArrivalSpec, no_sharing, shared_prefix_groups
+from feather_sched.workloads.spec import ArrivalSpec
+from feather_sched.workloads.synthetic import no_sharing, shared_prefix_groups
 
 HERE = Path(__file__).parent
 SCHEDULERS = ("fcfs", "sglang-lpm", "sglang-dfs-weight", "feather-always",

@@ -26,7 +26,10 @@ from typing import Any
 
 from step_phases import MOONCAKE
 
-from feather_sched.integrations.vllm import InstrumentedScheduler, InstrumentedSyncScheduler
+from feather_sched.integrations.vllm.scheduler import (
+    InstrumentedScheduler,
+    InstrumentedSyncScheduler,
+)
 
 HERE = Path(__file__).resolve().parent
 DELAYED = "fcfs-delayed"
@@ -82,13 +85,8 @@ def main() -> None:
     from rich.console import Console
 
     from feather_sched.bench import offline
-    from feather_sched.bench.serving import (
-        BenchPlan,
-        WorkloadArgs,
-        bench_config,
-        run_bench,
-        save_outputs,
-    )
+    from feather_sched.bench.serving import BenchPlan, bench_config, run_bench, save_outputs
+    from feather_sched.workloads.options import WorkloadArgs
 
     os.environ[DELAY_ENV] = str(args.delay_ms / 1000)
     os.environ["PYTHONPATH"] = os.pathsep.join(

@@ -33,11 +33,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from feather_sched.bench.report import RunResult, summarize
-from feather_sched.bench.serving import WorkloadArgs
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
+from feather_sched.results.records import RunResult
+from feather_sched.results.summary import summarize
 from feather_sched.sim.runner import SimPlan, simulate
+from feather_sched.workloads.options import WorkloadArgs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tables import FCFS, HERE, slim

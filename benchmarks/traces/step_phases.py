@@ -46,8 +46,8 @@ MOONCAKE = {"path": HERE.parents[2] / "shared" / "traces" / "mooncake-synthetic.
             "start": 2993, "speed": 2.6, "token_scale": 0.0625,
             "engine_args": {"block_size": 32, **KV_CACHE}}
 """cpu.sh's Mooncake window at mooncake-moderate.sh's speed."""
-WORKER = (("feather_sched.integrations.vllm_batch_order", None, "order_by_schedule"),
-          ("feather_sched.integrations.vllm_attention", "SharedPrefixCPUMetadataBuilder",
+WORKER = (("feather_sched.integrations.vllm.batch_order", None, "order_by_schedule"),
+          ("feather_sched.integrations.vllm.attention", "SharedPrefixCPUMetadataBuilder",
            "_plan"))
 
 
@@ -68,8 +68,8 @@ def timed(owner: Any, name: str, totals: dict[str, float]) -> None:
 def workload_steps(name: str, requests: int, gap: int, step_ms: float
                    ) -> tuple[Any, list[int], dict[str, Any]]:
     """The workload, the step before which each request enters, and its engine args."""
-    from feather_sched.datasets import load_dataset
-    from feather_sched.workloads import Replay, load_mooncake
+    from feather_sched.workloads.datasets import load_dataset
+    from feather_sched.workloads.traces import Replay, load_mooncake
 
     if name == "sharegpt":
         workload = load_dataset("sharegpt", max_requests=requests)

@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from feather_sched.bench.report import worst_group_ratios
+from feather_sched.results.summary import worst_group_ratios
 
 TARGET = 1.25
 

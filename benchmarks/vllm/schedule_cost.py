@@ -39,10 +39,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from feather_sched.integrations.vllm import (
-    FeatherSyncScheduler,
-    InstrumentedScheduler,
-)
+from feather_sched.integrations.vllm.scheduler import FeatherSyncScheduler, InstrumentedScheduler
 from feather_sched.models import TINY_LLAMA
 
 HERE = Path(__file__).parent

@@ -11,8 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from feather_sched.bench.report import Percentiles
-from feather_sched.schedulers import ENGINE_KINDS, SIM_KINDS, choices, parse_schedulers
+from feather_sched.results.summary import Percentiles
+from feather_sched.scheduler_names import ENGINE_KINDS, SIM_KINDS, choices, parse_schedulers
 
 app = typer.Typer(
     help="Feather: prefix-aware request scheduling for vLLM and SGLang.",
@@ -52,8 +52,8 @@ def cht_bench(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """Cost of finding shared prefixes: the CHT against radix-tree LPM scheduling."""
-    from feather_sched.bench.cht_bench import Scenario, result_rows, run_bench
-    from feather_sched.bench.sglang_policy import sglang_installed
+    from feather_sched.bench.cht.bench import Scenario, result_rows, run_bench
+    from feather_sched.bench.cht.sglang_policy import sglang_installed
 
     names = [s.strip() for s in structures.split(",") if s.strip()]
     if not sglang_installed() and any(n.startswith("sglang-") for n in names):
@@ -241,14 +241,9 @@ def bench(
     plot_path: PlotOut = None,
 ) -> None:
     """Feather vs the engine's own scheduler on the real vLLM engine (or any server)."""
-    from feather_sched.bench.serving import (
-        BenchPlan,
-        WorkloadArgs,
-        bench_config,
-        run_bench,
-        save_outputs,
-    )
+    from feather_sched.bench.serving import BenchPlan, bench_config, run_bench, save_outputs
     from feather_sched.models import TINY_LLAMA
+    from feather_sched.workloads.options import WorkloadArgs
 
     try:
         built = WorkloadArgs(
@@ -344,7 +339,7 @@ def serve(
         return
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # Feather's metrics live in the engine-core process: vLLM's /metrics collects them
-        # from this directory (prometheus multiprocess mode; see feather_sched.metrics).
+        # from this directory (prometheus multiprocess mode; see telemetry.prometheus).
         import tempfile
 
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="feather-metrics-")
@@ -453,8 +448,9 @@ def sim(
     plot_path: PlotOut = None,
 ) -> None:
     """Simulate Feather against vLLM's and SGLang's schedulers on GPUs we do not have."""
-    from feather_sched.bench.serving import WorkloadArgs, report_runs, save_outputs
+    from feather_sched.bench.serving import report_runs, save_outputs
     from feather_sched.sim.runner import simulate
+    from feather_sched.workloads.options import WorkloadArgs
 
     try:
         args = WorkloadArgs(kind=workload, trace=trace, groups=groups,
@@ -526,7 +522,7 @@ def calibrate(
     from feather_sched.costmodel.calibrate import fit, save_profile
     from feather_sched.costmodel.hardware import HARDWARE, load_hardware
     from feather_sched.costmodel.model_profiles import MODELS
-    from feather_sched.steplog import log_files, read_logs
+    from feather_sched.telemetry.steplog import log_files, read_logs
 
     try:
         hw = HARDWARE.get(hardware) or load_hardware(hardware)
@@ -554,8 +550,8 @@ def pretrain(
     = "{}",
 ) -> None:
     """Pre-train the bandit gate in the simulator so FeatherScheduler starts warm."""
-    from feather_sched.bench.serving import WorkloadArgs
     from feather_sched.sim.runner import pretrain_bandit
+    from feather_sched.workloads.options import WorkloadArgs
 
     def workload_of(groups: int, per_group: int, prefix: int, output: int, seed: int):
         return WorkloadArgs(groups=groups, prompts_per_group=per_group, prefix_len=prefix,

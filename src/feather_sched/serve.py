@@ -18,7 +18,7 @@ What ``feather serve`` adds to the user's vLLM arguments, and why:
 
 ``serve_replicas`` (``feather serve --replicas N``) runs the same engine arguments as N
 replicas on Ray Serve behind one OpenAI endpoint routed by ``FeatherRequestRouter``
-(``feather_sched.integrations.ray_serve_app``).
+(``feather_sched.integrations.ray.app``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from feather_sched.config import FeatherConfig
+from feather_sched.core.config import FeatherConfig
 from feather_sched.models import TINY_LLAMA
 
 SCHEDULER_CLS = "feather_sched.integrations.vllm.FeatherScheduler"
@@ -138,7 +138,7 @@ def serve_replicas(argv: list[str], *, replicas: int, address: str | None = None
     import ray
     from ray import serve
 
-    from feather_sched.integrations.ray_serve_app import build_app, parse_vllm_args
+    from feather_sched.integrations.ray.app import build_app, parse_vllm_args
 
     if address is not None and metrics_port is not None:
         raise ValueError("a metrics port is the local cluster's: a cluster joined with "

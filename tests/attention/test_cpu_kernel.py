@@ -1,6 +1,6 @@
 """The CPU segment kernel against the float64 reference, on caches in vLLM's "vec" and
-"amx" layouts (written by ``tests/kv_layouts``, which
-``tests/integrations/test_vllm_attention.py`` checks against vLLM's own cache writer).
+"amx" layouts (written by ``tests/helpers/kv_layouts``, which
+``tests/integrations/vllm/test_attention.py`` checks against vLLM's own cache writer).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from feather_sched.attention import cpu_kernel
 from feather_sched.attention.partials import reference_attention
-from tests.kv_layouts import write_cache
+from tests.helpers.kv_layouts import write_cache
 
 
 def run_segments(cache, query, segments, scale, layout="vec"):

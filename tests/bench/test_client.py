@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 
 from feather_sched.bench.client import run_against_server, send_offsets, server_preemptions
-from feather_sched.bench.records import RequestRecord
-from feather_sched.workloads import RequestSpec, Workload
+from feather_sched.results.records import RequestRecord
+from feather_sched.workloads.spec import RequestSpec, Workload
 
 FAIL_TOKEN = 0
 """A prompt holding this token id is rejected with HTTP 400."""
@@ -239,7 +239,7 @@ def test_cached_tokens_come_from_usage(report: bool) -> None:
 
 def test_sglang_generate_chunks_count_tokens_from_meta_info() -> None:
     from feather_sched.bench.client import APIS, _fold_generate_chunk
-    from feather_sched.bench.records import RequestRecord
+    from feather_sched.results.records import RequestRecord
 
     record = RequestRecord("r", prompt_len=0, group=0, submitted_s=0.0)
     for now, count in ((0.5, 1), (0.7, 3), (0.9, 3)):

@@ -86,7 +86,8 @@ def test_bench_submits_priorities_under_the_priority_policy_and_counts_preemptio
     from rich.console import Console
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from feather_sched.bench.serving import BenchPlan, WorkloadArgs, run_bench
+    from feather_sched.bench.serving import BenchPlan, run_bench
+    from feather_sched.workloads.options import WorkloadArgs
 
     submitted: list[int] = []
     add_request = LLMEngine.add_request

@@ -9,19 +9,15 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from feather_sched.bench.records import RequestRecord, StepRecord
-from feather_sched.bench.report import (
+from feather_sched.bench.report import format_ratio_table, format_result_block, plot, write_json
+from feather_sched.results.records import RequestRecord, RunResult, StepRecord
+from feather_sched.results.summary import (
     Percentiles,
-    RunResult,
-    format_ratio_table,
-    format_result_block,
     median_and_range,
-    plot,
     prefill_over_floor,
     summarize,
-    write_json,
 )
-from feather_sched.workloads import RequestSpec, Workload
+from feather_sched.workloads.spec import RequestSpec, Workload
 
 VLLM_KEYS = [
     "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
@@ -309,7 +305,7 @@ def test_plot_writes_a_png(tmp_path) -> None:
 
 
 def test_scheduler_accounting_is_reported_per_step() -> None:
-    from feather_sched.stats import SchedulerStats
+    from feather_sched.telemetry.stats import SchedulerStats
 
     run = two_requests_and_a_failure()
     run.scheduler_stats = SchedulerStats(schedule_calls=4, schedule_s=0.002, steps=2,

@@ -7,9 +7,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from feather_sched.bench.serving import WORKLOADS, WorkloadArgs
 from feather_sched.cli import app
-from feather_sched.workloads import prioritized, save_jsonl
+from feather_sched.workloads.options import WORKLOADS, WorkloadArgs
+from feather_sched.workloads.spec import prioritized
+from feather_sched.workloads.traces import save_jsonl
 
 
 @pytest.mark.parametrize("kind", WORKLOADS)

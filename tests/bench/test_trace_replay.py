@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed")
 from typer.testing import CliRunner
 
 from feather_sched.cli import app
-from tests.bench.replay_trace import (
+from tests.helpers.replay_trace import (
     ENGINE_BLOCK,
     REPLAY_FLAGS,
     REQUESTS,

@@ -14,7 +14,7 @@ from feather_sched.costmodel.calibrate import fit, load_profile, nnls, save_prof
 from feather_sched.costmodel.cost import CostModel, CostParams
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
-from feather_sched.steplog import BatchEntry, read_steps, write_steps
+from feather_sched.telemetry.steplog import BatchEntry, read_steps, write_steps
 
 GPU = HARDWARE["h100-sxm"]
 MODEL = MODELS["llama-3-8b"]

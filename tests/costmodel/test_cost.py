@@ -22,8 +22,8 @@ from feather_sched.costmodel.cost import (
 )
 from feather_sched.costmodel.hardware import HARDWARE, HardwareProfile, load_hardware, save_hardware
 from feather_sched.costmodel.model_profiles import MODELS, ModelProfile, llama_parameter_count
-from feather_sched.step_model import StepPrior
-from tests.strategies import documents, fields_or_any
+from feather_sched.gates.step_model import StepPrior
+from tests.helpers.strategies import documents, fields_or_any
 
 # 2 layers x 2 KV heads x head dim 4 x 1 byte: K+V = 32 B/token, 16 B per layer, 8 B per
 # (layer, KV head). Weights: 100 B.

@@ -10,8 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from feather_sched.cache_index import CacheIndex
-from feather_sched.cht import token_chunk_keys
+from feather_sched.core.cht import token_chunk_keys
+from feather_sched.routing.cache_index import CacheIndex
 from feather_sched.sim.block_pool import BlockPool, blocks_for
 
 BLOCK = 4

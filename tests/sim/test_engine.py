@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from feather_sched.prefix import order_by_group
+from feather_sched.core.prefix import order_by_group
 from feather_sched.sim.engine import EngineConfig, SimEngine, SimRequest, SimResult, SimState
 from feather_sched.sim.fcfs import FcfsPolicy
-from feather_sched.workloads import RequestSpec, Workload
+from feather_sched.workloads.spec import RequestSpec, Workload
 
 
 class StubCost:

@@ -7,10 +7,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feather_sched.gate import Decision
+from feather_sched.gates.base import Decision
 from feather_sched.sim.engine import EngineConfig, SimEngine
 from feather_sched.sim.policies import make_policy
-from feather_sched.workloads import ArrivalSpec, Workload, shared_prefix_groups
+from feather_sched.workloads.spec import ArrivalSpec, Workload
+from feather_sched.workloads.synthetic import shared_prefix_groups
 from tests.sim.test_engine import StubCost
 
 

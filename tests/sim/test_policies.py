@@ -9,11 +9,11 @@ from collections.abc import Sequence
 import pytest
 from typer.testing import CliRunner
 
-from feather_sched.bench.report import summarize
 from feather_sched.cli import app
+from feather_sched.core.runtime import FeatherRuntime
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
-from feather_sched.runtime import FeatherRuntime
+from feather_sched.results.summary import summarize
 from feather_sched.sim.engine import EngineConfig, SimEngine, SimRequest
 from feather_sched.sim.fcfs import FcfsPolicy, PriorityPolicy
 from feather_sched.sim.policies import (
@@ -23,12 +23,10 @@ from feather_sched.sim.policies import (
     make_policy,
 )
 from feather_sched.sim.runner import SimPlan, simulate
-from feather_sched.workloads import (
-    ArrivalSpec,
-    RequestSpec,
+from feather_sched.workloads.spec import ArrivalSpec, RequestSpec, prioritized
+from feather_sched.workloads.synthetic import (
     minority_groups,
     no_sharing,
-    prioritized,
     shared_prefix_groups,
     singleton_before_a_stream,
 )
@@ -171,8 +169,8 @@ def test_feather_sim_cli_writes_results(tmp_path) -> None:
 
 
 def test_feather_sim_overlap_flag_reaches_the_engine() -> None:
-    from feather_sched.bench.serving import WorkloadArgs
     from feather_sched.cli import _sim_plan
+    from feather_sched.workloads.options import WorkloadArgs
 
     def engine(overlap: bool):
         plan = _sim_plan(WorkloadArgs(groups=1, prompts_per_group=1, prefix_len=16),
@@ -210,7 +208,7 @@ def test_feather_sim_cli_rejects_unknown_hardware() -> None:
 
 
 def test_pretrain_writes_a_table_the_vllm_gate_loads(tmp_path, monkeypatch) -> None:
-    from feather_sched.config import FeatherConfig
+    from feather_sched.core.config import FeatherConfig
     from feather_sched.sim import runner
 
     monkeypatch.setattr(runner, "PRETRAIN_FAMILY", ((4, 16, 2048, 20), (8, 8, 1024, 20)))

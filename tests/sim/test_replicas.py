@@ -7,8 +7,8 @@ import pytest
 from feather_sched.costmodel.cost import CostModel
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
-from feather_sched.router import FeatherRouter
-from feather_sched.routers import make_router
+from feather_sched.routing.baselines import make_router
+from feather_sched.routing.feather import FeatherRouter
 from feather_sched.sim.engine import EngineConfig, SimEngine
 from feather_sched.sim.fcfs import FcfsPolicy
 from feather_sched.sim.policies import make_policy
@@ -19,7 +19,8 @@ from feather_sched.sim.replicas import (
     simulate_replicas,
 )
 from feather_sched.sim.runner import SimPlan
-from feather_sched.workloads import ArrivalSpec, shared_prefix_groups
+from feather_sched.workloads.spec import ArrivalSpec
+from feather_sched.workloads.synthetic import shared_prefix_groups
 
 CONFIG = EngineConfig(num_blocks=2048, charge_scheduler_time=False)
 

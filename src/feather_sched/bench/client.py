@@ -25,8 +25,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from feather_sched.bench.records import RequestRecord
-from feather_sched.workloads import RequestSpec, Workload
+from feather_sched.results.records import RequestRecord
+from feather_sched.workloads.spec import RequestSpec, Workload
 
 MODELS_TIMEOUT_S = 10.0
 """Limit on the ``/v1/models`` query, so an unreachable server is reported quickly."""

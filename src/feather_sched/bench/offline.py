@@ -25,11 +25,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from feather_sched.bench.records import RequestRecord, StepRecord
-from feather_sched.bench.report import RunResult
-from feather_sched.schedulers import ENGINE_KINDS, SchedulerKind, parse_scheduler
-from feather_sched.stats import SchedulerStats
-from feather_sched.workloads import RequestSpec, Workload
+from feather_sched.results.records import RequestRecord, RunResult, StepRecord
+from feather_sched.scheduler_names import ENGINE_KINDS, SchedulerKind, parse_scheduler
+from feather_sched.telemetry.stats import SchedulerStats
+from feather_sched.workloads.spec import RequestSpec, Workload
 
 INTEGRATION = "feather_sched.integrations.vllm"
 

@@ -1,74 +1,24 @@
-"""Turn benchmark runs into vLLM-comparable numbers: summaries, text block, table, JSON, plot.
-
-Metrics follow ``vllm bench serve`` (``vllm/benchmarks/serve.py``: ``calculate_metrics``
-and the result dict) key for key, so a Feather run reads side by side with a vLLM one:
-only successful requests count; TPOT is ``(e2el - ttft) / (output_len - 1)`` for
-requests with more than one token; ITL holds one gap per streamed chunk, so ``k``
-tokens that arrive together give one gap (what vLLM's client records); an empty sample
-counts as 0 as in vLLM.  Our own keys (TTFT per prefix group, preemptions per run and per
-group, figures per priority class, batch size, prefix groups, cache hit rate, gate counts)
-come after vLLM's and are ``None`` when the run did not observe them.
-"""
+"""Turn benchmark runs into text, tables, JSON and plots: vLLM's "Serving Benchmark Result"
+block with Feather's lines, the ratio table, the JSON a run writes, and ``feather report``
+over saved runs.  The figures come from ``results.summary``."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
-import statistics
-from collections import Counter
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from itertools import groupby, pairwise
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 from rich.table import Table
 
-from feather_sched.bench.records import RequestRecord, StepRecord
-from feather_sched.stats import SchedulerStats
-from feather_sched.workloads import Workload
-
-Summary = dict[str, float | int | None]
+from feather_sched.results.records import RunResult
+from feather_sched.results.summary import GATE_KEYS, LATENCIES, Summary, chunk_gaps
 
 WIDTH = 50
 LINE = "{:<40} {:<10}"
 NUMBER = "{:<40} {:<10.2f}"
-
-LATENCIES = (
-    ("ttft", "TTFT", "Time to First Token"),
-    ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
-    ("itl", "ITL", "Inter-token Latency"),
-    ("e2el", "E2EL", "End-to-end Latency"),
-)
-"""vLLM's latency metrics: summary key stem, printed name, section title."""
-
-GATE_KEYS = ("add", "stop", "forced")
-
-
-@dataclass(frozen=True)
-class Percentiles:
-    """Which latencies get percentiles, and which: ``vllm bench serve``'s
-    ``--percentile-metrics`` (default ttft,tpot,itl) and ``--metric-percentiles`` (99)."""
-
-    metrics: tuple[str, ...] = ("ttft", "tpot", "itl")
-    values: tuple[float, ...] = (99.0,)
-
-    @classmethod
-    def parse(cls, metrics: str, values: str) -> Percentiles:
-        """From vLLM's comma-separated flags; ValueError naming what is wrong."""
-        names = tuple(m.strip() for m in metrics.split(",") if m.strip())
-        known = [key for key, _, _ in LATENCIES]
-        unknown = [m for m in names if m not in known]
-        if unknown:
-            raise ValueError(f"--percentile-metrics: unknown {unknown}; choose from {known}")
-        try:
-            numbers = tuple(float(v) for v in values.split(",") if v.strip())
-        except ValueError:
-            raise ValueError(f"--metric-percentiles: not numbers: {values!r}") from None
-        if not numbers or not all(0 < p < 100 for p in numbers):
-            raise ValueError(f"--metric-percentiles: need values in (0, 100), got {values!r}")
-        return cls(names, numbers)
 
 RATIO_COLUMNS = (
     ("request_throughput", "Req/s"),
@@ -79,256 +29,6 @@ RATIO_COLUMNS = (
     ("mean_tpot_ms", "Mean TPOT ms"),
     ("mean_e2el_ms", "Mean E2EL ms"),
 )
-
-
-@dataclass
-class RunResult:
-    """One scheduler's benchmark run, as recorded, before any statistics."""
-
-    name: str
-    """Scheduler label, e.g. ``fcfs`` or ``feather-bandit``."""
-    records: list[RequestRecord]
-    duration_s: float
-    steps: list[StepRecord] | None = None
-    gate_counts: dict[str, int] | None = None
-    """Keys ``add``, ``stop``, ``forced``."""
-    prefix_cache_hit_rate: float | None = None
-    """Engine-reported fraction; when None, derived from the records' ``cached_tokens``."""
-    request_rate: float | None = None
-    max_concurrency: int | None = None
-    scheduler_stats: SchedulerStats | None = None
-    """The engine-side scheduler's own accounting, when the run could read it."""
-    extra: dict[str, float | None] = field(default_factory=dict)
-    """Further figures only some runs have (e.g. the simulator's modelled HBM traffic)."""
-    preemptions: int | None = None
-    """The run's preemptions as the engine totals them (the scheduler's stats file, a
-    server's ``/metrics``); the records' own counts take precedence when all have one."""
-    scheduling_policy: str | None = None
-    """The engine's policy when the run chose it: ``priority``, or ``fcfs`` (the requests'
-    priorities then went to the engine as 0)."""
-
-
-# ---- summary ----------------------------------------------------------------------------
-
-
-VLLM_PERCENTILES = Percentiles()
-"""vLLM's defaults."""
-
-
-def summarize(run: RunResult, percentiles: Percentiles = VLLM_PERCENTILES) -> Summary:
-    """vLLM's ``bench serve`` result keys for ``run``, then Feather's own keys."""
-    ok = [r for r in run.records if r.success]
-    input_tokens = sum(r.prompt_len for r in ok)
-    output_tokens = sum(r.output_len for r in ok)
-    summary: Summary = {
-        "duration": run.duration_s,
-        "completed": len(ok),
-        "failed": len(run.records) - len(ok),
-        "total_input_tokens": input_tokens,
-        "total_output_tokens": output_tokens,
-        "request_throughput": _per_second(len(ok), run.duration_s),
-        "output_throughput": _per_second(output_tokens, run.duration_s),
-        "total_token_throughput": _per_second(input_tokens + output_tokens, run.duration_s),
-    }
-    for key, values in _latency_samples(ok).items():
-        wanted = percentiles.values if key in percentiles.metrics else ()
-        summary.update(_latency_stats(key, values, wanted))
-    summary.update(_group_keys(ok))
-    summary.update(_preemption_keys(run))
-    summary["scheduling_policy"] = run.scheduling_policy
-    summary["by_priority"] = priority_classes(run, ok)
-    summary.update(_feather_keys(run, ok))
-    return summary
-
-
-def median_and_range(values: Sequence[float], fmt: str = "{:.2f}") -> str:
-    """Median and range of repeated runs' figures, e.g. ``1.12 (1.05-1.20)``; the value
-    alone for one run.  ``fmt`` formats each number."""
-    median = fmt.format(statistics.median(values))
-    if len(values) == 1:
-        return median
-    return f"{median} ({fmt.format(min(values))}-{fmt.format(max(values))})"
-
-
-def prefill_over_floor(records: Sequence[RequestRecord], workload: Workload) -> float:
-    """Prompt tokens an engine (or a set of replicas) computed for ``workload`` over the
-    fewest it could: every group's shared prefix once (as the workload built it), every
-    request's own tokens.  1.0 is the floor; what is above it is prefill that scheduling,
-    routing or a bigger KV pool could still save.  O(records + requests)."""
-    prefix = {spec.group: spec.shared_len for spec in workload.requests}
-    computed = sum(r.prompt_len - (r.cached_tokens or 0) for r in records)
-    members = Counter(r.group for r in records if r.group != -1)
-    shared = sum((count - 1) * prefix[group] for group, count in members.items())
-    return computed / (sum(r.prompt_len for r in records) - shared)
-
-
-def group_ttfts(ok: list[RequestRecord]) -> dict[str, dict[str, float]]:
-    """TTFT mean and p99 (ms) and the request count of each workload prefix group (key
-    ``"-1"``: requests that share nothing), largest group first."""
-    by_group = _by_group([r for r in ok if r.ttft_s is not None])
-    return {group: {"requests": len(records),
-                    **_mean_p99("ttft", [r.ttft_s or 0.0 for r in records])}
-            for group, records in by_group.items()}
-
-
-def _by_group(records: Iterable[RequestRecord]) -> dict[str, list[RequestRecord]]:
-    """Records per workload prefix group, largest group first (ties: lower group)."""
-    by_group: dict[int, list[RequestRecord]] = {}
-    for record in records:
-        by_group.setdefault(record.group, []).append(record)
-    ranked = sorted(by_group.items(), key=lambda item: (-len(item[1]), item[0]))
-    return {str(group): members for group, members in ranked}
-
-
-def _mean_p99(key: str, seconds: list[float]) -> dict[str, float]:
-    """Mean and p99 of latencies in ms under vLLM's key names (an empty sample: 0)."""
-    data = seconds or 0
-    return {f"mean_{key}_ms": float(np.mean(data)) * 1000,
-            f"p99_{key}_ms": float(np.percentile(data, 99)) * 1000}
-
-
-def priority_classes(run: RunResult, ok: list[RequestRecord]) -> dict[str, dict] | None:
-    """Per priority class of the workload (key: the class, most urgent first), when the
-    run's requests are in several: requests completed, TTFT and E2E latency (mean and p99,
-    ms), output tokens/s (the class's tokens over the run's duration) and preemptions
-    (None where unobserved).  Classes are the workload's, whatever the run's scheduler
-    made of them.  O(records)."""
-    classes = sorted({r.priority for r in run.records})
-    if len(classes) < 2:
-        return None
-    result = {}
-    for priority in classes:
-        mine = [r for r in ok if r.priority == priority]
-        samples = _latency_samples(mine)
-        counts = [r.preemptions for r in run.records if r.priority == priority]
-        result[str(priority)] = {
-            "requests": len(mine),
-            **_mean_p99("ttft", samples["ttft"]),
-            **_mean_p99("e2el", samples["e2el"]),
-            "output_throughput": _per_second(sum(r.output_len for r in mine), run.duration_s),
-            "preemptions": None if None in counts else sum(counts),  # type: ignore[arg-type]
-        }
-    return result
-
-
-def _preemption_keys(run: RunResult) -> Summary:
-    """Preemptions of the run and of each prefix group (total and the most any one
-    request took), from the records where all have a count, else the run's total."""
-    counts = [r.preemptions for r in run.records]
-    if not counts or None in counts:
-        return {"preemptions": run.preemptions, "max_preemptions_per_request": None,
-                "preemptions_by_group": None}
-    by_group = {group: [r.preemptions or 0 for r in records]
-                for group, records in _by_group(run.records).items()}
-    return {
-        "preemptions": sum(c or 0 for c in counts),
-        "max_preemptions_per_request": max(c or 0 for c in counts),
-        "preemptions_by_group": {group: {"preemptions": sum(values),
-                                         "max_per_request": max(values)}
-                                 for group, values in by_group.items()},
-    }
-
-
-def worst_group_ratios(groups: dict[str, dict], baseline: dict[str, dict]) -> tuple[float, float]:
-    """The largest ratio over groups of a run's TTFT to the same group's in ``baseline``
-    (``ttft_by_group`` of both), for the mean and for p99."""
-    mean = max(g["mean_ttft_ms"] / baseline[k]["mean_ttft_ms"] for k, g in groups.items())
-    p99 = max(g["p99_ttft_ms"] / baseline[k]["p99_ttft_ms"] for k, g in groups.items())
-    return mean, p99
-
-
-def _group_keys(ok: list[RequestRecord]) -> Summary:
-    """Per prefix group TTFT, and the worst group's: where starvation shows."""
-    groups = group_ttfts(ok)
-    worst_mean = max(groups, key=lambda g: groups[g]["mean_ttft_ms"], default=None)
-    worst_p99 = max(groups, key=lambda g: groups[g]["p99_ttft_ms"], default=None)
-    return {
-        "worst_group_mean_ttft_ms": groups[worst_mean]["mean_ttft_ms"] if worst_mean else None,
-        "worst_group_p99_ttft_ms": groups[worst_p99]["p99_ttft_ms"] if worst_p99 else None,
-        "ttft_by_group": groups,
-    }
-
-
-def _per_second(count: int, duration_s: float) -> float | None:
-    """A throughput; None when the run has no duration to divide by."""
-    return count / duration_s if duration_s > 0 else None
-
-
-def _latency_samples(ok: list[RequestRecord]) -> dict[str, list[float]]:
-    """Per-request TTFT, TPOT and E2EL and per-chunk ITL samples, in seconds."""
-    samples: dict[str, list[float]] = {key: [] for key, _, _ in LATENCIES}
-    for record in ok:
-        e2el = _end_s(record) - record.submitted_s
-        samples["e2el"].append(e2el)
-        samples["itl"].extend(_chunk_gaps(record.token_times_s))
-        ttft = record.ttft_s
-        if ttft is None:
-            continue
-        samples["ttft"].append(ttft)
-        if record.output_len > 1:
-            samples["tpot"].append((e2el - ttft) / (record.output_len - 1))
-    return samples
-
-
-def _end_s(record: RequestRecord) -> float:
-    """When the request finished; its last token (vLLM's end) if no finish was recorded."""
-    if record.finished_s is not None:
-        return record.finished_s
-    return record.token_times_s[-1] if record.token_times_s else record.submitted_s
-
-
-def _chunk_gaps(token_times_s: list[float]) -> list[float]:
-    """Gaps between successive chunks: tokens sharing an arrival time are one chunk."""
-    chunks = [t for t, _ in groupby(token_times_s)]
-    return [b - a for a, b in pairwise(chunks)]
-
-
-def _latency_stats(key: str, values: list[float], percentiles: Iterable[float]) -> Summary:
-    """Mean, median, std and percentiles in ms, as vLLM names them (empty -> 0)."""
-    data = values or 0
-    stats: Summary = {
-        f"mean_{key}_ms": float(np.mean(data)) * 1000,
-        f"median_{key}_ms": float(np.median(data)) * 1000,
-        f"std_{key}_ms": float(np.std(data)) * 1000,
-    }
-    for p in percentiles:
-        stats[f"p{_percentile_word(p)}_{key}_ms"] = float(np.percentile(data, p)) * 1000
-    return stats
-
-
-def _percentile_word(p: float) -> str:
-    """vLLM's spelling of a percentile: ``99`` for 99.0, ``99.9`` for 99.9."""
-    return str(int(p)) if int(p) == p else str(p)
-
-
-def _feather_keys(run: RunResult, ok: list[RequestRecord]) -> Summary:
-    """Scheduler-side observations; None where the run did not record them."""
-    steps = run.steps or []
-    gates = run.gate_counts or {}
-    stats = run.scheduler_stats
-    return {
-        "mean_batch_size": _mean([s.batch_size for s in steps]),
-        "mean_groups_per_step": _mean([s.groups for s in steps]),
-        "prefix_cache_hit_rate": _hit_rate(run, ok),
-        **{f"gate_{key}": gates.get(key) for key in GATE_KEYS},
-        "schedule_ms_per_call": stats.schedule_ms_per_call if stats else None,
-        "engine_step_ms": stats.step_ms if stats else None,
-        **run.extra,
-    }
-
-
-def _mean(values: list[int]) -> float | None:
-    return float(np.mean(values)) if values else None
-
-
-def _hit_rate(run: RunResult, ok: list[RequestRecord]) -> float | None:
-    """The engine's hit rate, else cached / prompt tokens when every success reports it."""
-    if run.prefix_cache_hit_rate is not None:
-        return run.prefix_cache_hit_rate
-    if not ok or any(r.cached_tokens is None for r in ok):
-        return None
-    prompt = sum(r.prompt_len for r in ok)
-    return sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else None
 
 
 # ---- text block -------------------------------------------------------------------------
@@ -534,7 +234,7 @@ def details(run: RunResult) -> dict[str, list]:
         "input_lens": [r.prompt_len for r in records],
         "output_lens": [r.output_len for r in records],
         "ttfts": [r.ttft_s if r.success else 0.0 for r in records],
-        "itls": [_chunk_gaps(r.token_times_s) for r in records],
+        "itls": [chunk_gaps(r.token_times_s) for r in records],
         "errors": [r.error for r in records],
     }
 

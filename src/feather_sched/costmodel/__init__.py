@@ -2,5 +2,5 @@
 calibration from measured step logs.
 
 Shared by the simulator (``feather_sched.sim``) and the live model gate
-(``feather_sched.step_model``); it imports neither.
+(``feather_sched.gates.step_model``); it imports neither.
 """

@@ -1,6 +1,6 @@
 """Fit the step-cost model's parameters to measured steps, and store the result.
 
-Measured steps come as a step log (``feather_sched.steplog``: one row per request of a
+Measured steps come as a step log (``feather_sched.telemetry.steplog``: one row per request of a
 step, written by the vLLM adapter and the GPU kernel kit alike). The fit keeps the
 model's structure but makes the roofline additive (time = a*hbm_bytes + b*l2_bytes +
 c*flops + d + e*requests), since that is linear in the unknowns; the L2 capacity enters
@@ -28,7 +28,7 @@ from feather_sched.costmodel.cost import (
 )
 from feather_sched.costmodel.hardware import HardwareProfile
 from feather_sched.costmodel.model_profiles import ModelProfile
-from feather_sched.steplog import BatchEntry
+from feather_sched.telemetry.steplog import BatchEntry
 
 DEFAULT_GRID = tuple(round(0.05 * i, 2) for i in range(1, 21))
 """Candidate ``l2_usable_fraction`` values: 0.05, 0.10, ..., 1.0."""

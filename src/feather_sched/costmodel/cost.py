@@ -22,8 +22,8 @@ from feather_sched.costmodel.hardware import (
     require,
 )
 from feather_sched.costmodel.model_profiles import ModelProfile
-from feather_sched.files import read_json
-from feather_sched.steplog import BatchEntry
+from feather_sched.telemetry.files import read_json
+from feather_sched.telemetry.steplog import BatchEntry
 
 GRANULARITIES = ("layer", "layer-head")
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TypeVar
 
-from feather_sched.files import read_json
+from feather_sched.telemetry.files import read_json
 
 GB = 1e9
 MB = 1e6  # NVIDIA quotes L2 sizes in (decimal) MB; the 1e6 vs 2**20 gap is < 5%.

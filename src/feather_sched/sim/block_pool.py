@@ -22,8 +22,8 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from feather_sched.cache_index import BlockRemoved, BlockStored, KVEvent
-from feather_sched.cht import token_chunk_keys
+from feather_sched.core.cht import token_chunk_keys
+from feather_sched.routing.cache_index import BlockRemoved, BlockStored, KVEvent
 
 BlockKey = Hashable
 RequestId = Hashable

@@ -13,7 +13,7 @@ gathers at its first slot, as Feather's worker plugin makes vLLM's V1 runner do.
 
 Every policy drives the contract of ``feather_sched.runtime`` (Feather is the real
 ``FeatherRuntime``; the baselines implement the same calls), and prefix groups and
-shared tokens come from the requests' block keys (``feather_sched.prefix``), exactly as
+shared tokens come from the requests' block keys (``feather_sched.core.prefix``), exactly as
 in the step log of a real engine.
 
 A cost model prices each step; when ``charge_scheduler_time`` is on, the wall-clock time
@@ -38,16 +38,15 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
-from feather_sched.bench.records import RequestRecord, StepRecord
-from feather_sched.bench.report import RunResult
-from feather_sched.cache_index import KVEvent
-from feather_sched.cht import DEFAULT_CHUNK_TOKENS
+from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
+from feather_sched.core.prefix import SharedPrefixes, group_of, keys_per_chunk
 from feather_sched.costmodel.cost import StepCost
-from feather_sched.gate import Decision
-from feather_sched.prefix import SharedPrefixes, group_of, keys_per_chunk
+from feather_sched.gates.base import Decision
+from feather_sched.results.records import RequestRecord, RunResult, StepRecord
+from feather_sched.routing.cache_index import KVEvent
 from feather_sched.sim.block_pool import BlockKeys, BlockPool, blocks_for
-from feather_sched.steplog import BatchEntry
-from feather_sched.workloads import RequestSpec, Workload
+from feather_sched.telemetry.steplog import BatchEntry
+from feather_sched.workloads.spec import RequestSpec, Workload
 
 
 class SimState(Enum):

@@ -13,11 +13,11 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from feather_sched.gate import Decision
+from feather_sched.gates.base import Decision
 
 if TYPE_CHECKING:
     from feather_sched.sim.engine import SimRequest
-    from feather_sched.steplog import BatchEntry
+    from feather_sched.telemetry.steplog import BatchEntry
 
 
 class Offer(NamedTuple):

@@ -28,15 +28,15 @@ from itertools import pairwise
 from operator import attrgetter
 from typing import Any
 
-from feather_sched.cht import block_chunk_keys
-from feather_sched.config import FeatherConfig
+from feather_sched.core.cht import block_chunk_keys
+from feather_sched.core.config import FeatherConfig
+from feather_sched.core.prefix import keys_per_chunk
+from feather_sched.core.runtime import FeatherRuntime
 from feather_sched.costmodel.cost import CostModel
-from feather_sched.prefix import keys_per_chunk
-from feather_sched.runtime import FeatherRuntime
-from feather_sched.schedulers import SIM_KINDS, SchedulerKind, parse_scheduler
+from feather_sched.gates.step_model import StepPrior
+from feather_sched.scheduler_names import SIM_KINDS, SchedulerKind, parse_scheduler
 from feather_sched.sim.engine import SimEngine, SimRequest
 from feather_sched.sim.fcfs import FcfsPolicy, PriorityPolicy
-from feather_sched.step_model import StepPrior
 
 LPM_MAX_WAITING = 128
 """SGLang's WAITING_QUEUE_PREFIX_MATCH_MAX: above it LPM does no prefix matching."""

@@ -24,23 +24,17 @@ import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from feather_sched.bench.records import RequestRecord
-from feather_sched.bench.report import (
-    VLLM_PERCENTILES,
-    Percentiles,
-    RunResult,
-    Summary,
-    summarize,
-)
-from feather_sched.cache_index import EventFeed, KVEvent, PreciseIndex
-from feather_sched.cht import DEFAULT_CHUNK_TOKENS
-from feather_sched.prefix import keys_per_chunk
-from feather_sched.router import Router
+from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
+from feather_sched.core.prefix import keys_per_chunk
+from feather_sched.results.records import RequestRecord, RunResult
+from feather_sched.results.summary import VLLM_PERCENTILES, Percentiles, Summary, summarize
+from feather_sched.routing.cache_index import EventFeed, KVEvent, PreciseIndex
+from feather_sched.routing.router import Router
 from feather_sched.sim.block_pool import BlockKeys
 from feather_sched.sim.engine import EngineConfig, Policy, SimEngine, SimResult
 from feather_sched.sim.policies import make_policy
 from feather_sched.sim.runner import SimPlan
-from feather_sched.workloads import Workload
+from feather_sched.workloads.spec import Workload
 
 
 @dataclass(frozen=True)

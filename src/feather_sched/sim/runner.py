@@ -11,16 +11,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from feather_sched.bench.records import RequestRecord
-from feather_sched.bench.report import RunResult
+from feather_sched.core.runtime import FeatherRuntime
 from feather_sched.costmodel.cost import CostModel, CostParams
 from feather_sched.costmodel.hardware import HardwareProfile
 from feather_sched.costmodel.model_profiles import ModelProfile
-from feather_sched.runtime import FeatherRuntime
-from feather_sched.schedulers import SIM_KINDS, parse_scheduler
+from feather_sched.results.records import RequestRecord, RunResult
+from feather_sched.scheduler_names import SIM_KINDS, parse_scheduler
 from feather_sched.sim.engine import EngineConfig, SimEngine, SimResult
 from feather_sched.sim.policies import make_policy
-from feather_sched.workloads import Workload
+from feather_sched.workloads.spec import Workload
 
 KV_MEMORY_FRACTION = 0.9
 """vLLM's default gpu_memory_utilization: what weights and KV cache may use together."""

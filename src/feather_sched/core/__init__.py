@@ -1,0 +1,42 @@
+"""Admission, engine-agnostic: what Feather decides and keeps, for any engine.
+
+* ``cht`` - the Chunked Hash Tree: chunk keys, waiting and running requests, the best
+  candidate; ``prefix`` - the one notion of a prefix group and of a batch's shared tokens;
+* ``queue`` - ``FeatherQueue``: the tree's order, the gate, and the bounds on waiting
+  (``fairness``); requests WAITING, RUNNING or HELD;
+* ``config`` - ``FeatherConfig``: every option, validated once; ``faults`` -
+  ``FaultGuard``: Feather's own exceptions contained;
+* ``runtime`` - ``FeatherRuntime``: the one contract vLLM, SGLang and the simulator drive.
+
+This package's exports (``__all__``) are the engine adapters' surface: an adapter imports
+``feather_sched.core``, never a module beneath it (``tests/test_imports.py``).  Imports
+``gates`` and ``telemetry``; never an engine, the simulator or the benchmarks.
+"""
+
+from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS, block_chunk_keys, token_chunk_keys
+from feather_sched.core.config import REPLICA_VARIABLE, FeatherConfig, FeatherConfigError
+from feather_sched.core.faults import FaultGuard
+from feather_sched.core.prefix import SharedPrefixes, group_of, keys_per_chunk
+from feather_sched.core.queue import Admission, QueueState
+from feather_sched.core.runtime import FeatherRuntime, RequestView
+from feather_sched.gates.base import Decision
+from feather_sched.gates.step_model import EngineShape
+
+__all__ = [
+    "DEFAULT_CHUNK_TOKENS",
+    "REPLICA_VARIABLE",
+    "Admission",
+    "Decision",
+    "EngineShape",
+    "FaultGuard",
+    "FeatherConfig",
+    "FeatherConfigError",
+    "FeatherRuntime",
+    "QueueState",
+    "RequestView",
+    "SharedPrefixes",
+    "block_chunk_keys",
+    "group_of",
+    "keys_per_chunk",
+    "token_chunk_keys",
+]

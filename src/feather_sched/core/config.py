@@ -1,0 +1,421 @@
+"""Feather's options, read and checked the same way by every engine adapter.
+
+Options come from the engine's own configuration channel when it reaches the scheduler
+(vLLM: ``--additional-config '{"feather": {...}}'``), else from ``FEATHER_*`` environment
+variables, else defaults.  Every value goes through one validator per option, whichever
+source it came from, so a typo or a wrong type fails start-up with a message naming the
+option (``feather serve`` runs the same check before the engine starts).  The files
+Feather will write are checked too: each must be a writable file in an existing
+directory, and a saved bandit table must load.
+
+Files in a deployment of several scheduler processes (data-parallel ranks, replicas): each
+process writes its own (``Placement``).  A file option may hold ``{rank}``, the process's
+rank; a name without it gets the rank inserted when there are several processes
+(``stats.json`` -> ``stats.rank1.json``), so nothing two processes write is shared.  A
+bandit starts from its own table, else from the table under the name as given, which
+every rank reads and none writes (one pre-trained table warm-starts them all).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import string
+import time
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import MISSING, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
+from feather_sched.core.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS
+from feather_sched.core.queue import DEFAULT_MAX_WAIT_S, DEFAULT_MIN_PASSING_TOKENS, FeatherQueue
+from feather_sched.gates import GATE_KINDS, make_gate
+from feather_sched.gates.bandit import UCBBanditGate
+from feather_sched.gates.base import Gate
+from feather_sched.gates.step_model import AUTO, EngineShape, StepPrior
+
+ENV_PREFIX = "FEATHER_"
+OFF = ("off", "none", "null")
+"""Spellings that turn an optional bound off (also ``null`` in JSON)."""
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+logger = logging.getLogger("feather_sched")
+
+
+class FeatherConfigError(ValueError):
+    """A Feather option is unknown or has a bad value."""
+
+
+REPLICA_VARIABLE = "FEATHER_REPLICA"
+"""``r/n``: this process serves replica ``r`` of ``n`` engines behind one endpoint.
+``feather serve --replicas`` sets it in each Ray Serve replica; set it yourself for
+engines started by hand behind a balancer of your own."""
+FILE_OPTIONS = ("state_file", "stats_file", "step_log")
+"""The options naming a file Feather writes."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which of a deployment's Feather schedulers this process runs: ``rank`` of
+    ``ranks``, numbered over replicas and, inside each, the engine's data-parallel ranks."""
+
+    rank: int = 0
+    ranks: int = 1
+
+    @classmethod
+    def of(cls, dp_rank: int = 0, dp_ranks: int = 1,
+           environ: Mapping[str, str] = os.environ) -> Placement:
+        """The engine's data-parallel rank ``dp_rank`` of ``dp_ranks`` within the replica
+        ``FEATHER_REPLICA`` names (one replica without it)."""
+        replica, replicas = _replica(environ.get(REPLICA_VARIABLE))
+        if not 0 <= dp_rank < dp_ranks:
+            raise FeatherConfigError(f"data-parallel rank {dp_rank} of {dp_ranks}")
+        return cls(replica * dp_ranks + dp_rank, max(replicas, replica + 1) * dp_ranks)
+
+    @property
+    def several(self) -> bool:
+        """Whether the deployment runs more than one Feather scheduler."""
+        return self.ranks > 1
+
+    def path(self, given: str) -> str:
+        """This process's file for the name ``given``: ``{rank}`` filled in; a name without
+        it as given for a lone process, with ``.rank<r>`` before its suffix among several."""
+        path = given.format(rank=self.rank)  # {{ and }} are braces in any name
+        if _has_fields(given) or not self.several:
+            return path
+        named = Path(path)
+        return str(named.with_name(f"{named.stem}.rank{self.rank}{named.suffix}"))
+
+
+@dataclass(frozen=True)
+class FeatherConfig:
+    """One scheduler process's options, checked; its file options are its own paths."""
+
+    gate: str = "model"
+    """ADD/STOP policy: ``always`` (no gating), ``chunk-loss``, ``bandit`` (the paper's) or
+    ``model`` (the default: with the batch ordered it admits as ``always`` and predicts
+    nothing; with ordering off it is the best gate measured, ``benchmarks/gate``)."""
+    gate_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword options of the gate (see ``feather_sched.gate``)."""
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    """Chunk size; with engine block hashes, rounded to whole blocks (at least one)."""
+    state_file: str | None = None
+    """Bandit table to start from and to save to (warm start across restarts)."""
+    max_overtakes: int | None = DEFAULT_MAX_OVERTAKES
+    """Fairness bound: while a request waits, at most this many later arrivals are
+    admitted before it (``fairness``); None (or "off") turns it off."""
+    max_stops: int | None = DEFAULT_MAX_STOPS
+    """Fairness bound: while a request waits, the gate ends at most this many scheduling
+    passes early; None (or "off") turns it off."""
+    max_wait_s: float | None = DEFAULT_MAX_WAIT_S
+    """Starvation backstop: a request waiting longer is admitted whatever the gate says;
+    None (or "off") turns it off."""
+    min_passing_tokens: int = DEFAULT_MIN_PASSING_TOKENS
+    """Shortest prefix shared with the running set for which a waiting request passes
+    older ones in the tree's order (0: any shared chunk)."""
+    order_running: bool = True
+    """Keep the running batch ordered by prefix group."""
+    stats_file: str | None = None
+    """Where the adapter writes its ``SchedulerStats`` (periodically and at shutdown)."""
+    step_log: str | None = None
+    """CSV to append each step's batch composition and time to (for ``feather calibrate``)."""
+    shared_prefix_attention: str = "auto"
+    """Shared-prefix decode attention (each prefix group's KV read once per step):
+    ``auto`` (on with Feather's scheduler where it can act), ``on`` (also under the
+    engine's own scheduler) or ``off``."""
+    shared_prefix_min_tokens: int | None = None
+    """Shortest shared prefix that shared-prefix attention reads once for its group (None:
+    the default the kernel measured for the engine's KV layout; the crossover depends on
+    the CPU and the model)."""
+    max_faults: int = 8
+    """Faults of Feather's own code in a row (no clean scheduling pass between them) that
+    turn Feather off for the engine, which keeps its own order from then on."""
+
+    placement: Placement = field(default=Placement(), kw_only=True)
+    """Which scheduler process of the deployment this is for.  The file options hold this
+    process's paths (``Placement.path`` of the names given)."""
+    shared_state_file: str | None = field(default=None, init=False)
+    """The table a bandit starts from while its own ``state_file`` does not exist: the name
+    as given, where the rank was inserted into it; else None."""
+
+    def __post_init__(self) -> None:
+        for name in VALIDATORS:
+            object.__setattr__(self, name, _checked(name, getattr(self, name)))
+        if self.state_file is not None and self.gate != "bandit":
+            raise FeatherConfigError("feather option 'state_file' needs gate 'bandit'")
+        for name in FILE_OPTIONS:
+            given = getattr(self, name)
+            if given is None:
+                continue
+            path = self.placement.path(given)
+            if name == "state_file" and self.placement.several and not _has_fields(given):
+                object.__setattr__(self, "shared_state_file", Placement().path(given))
+            object.__setattr__(self, name, path)
+            check_writable(name, path)
+        if self.placement.several and any(getattr(self, n) for n in FILE_OPTIONS):
+            logger.info("Feather: scheduler rank %d of %d writes %s", self.placement.rank,
+                        self.placement.ranks, ", ".join(
+                            f"{n} {getattr(self, n)}" for n in FILE_OPTIONS if getattr(self, n)))
+        self.make_gate(announce=False)  # the gate options and state file, checked once
+
+    @classmethod
+    def from_sources(
+        cls, options: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ, *,
+        dp_rank: int = 0, dp_ranks: int = 1,
+    ) -> FeatherConfig:
+        """Options from the engine's config mapping, falling back to FEATHER_* variables,
+        for the scheduler of data-parallel rank ``dp_rank`` of ``dp_ranks`` in its replica
+        (``Placement.of``).  FeatherConfigError naming the option on any bad value."""
+        values = _sourced(options, environ, VALIDATORS)
+        unknown = sorted(set(options or {}) - set(VALIDATORS), key=str)
+        if unknown:
+            raise FeatherConfigError(f"unknown feather option(s) {unknown}; known: "
+                                     f"{', '.join(VALIDATORS)}")
+        return cls(**values, placement=Placement.of(dp_rank, dp_ranks, environ))
+
+    @staticmethod
+    def option(name: str, options: Mapping[str, Any] | None,
+               environ: Mapping[str, str] = os.environ) -> Any:
+        """One option's checked value from the sources ``from_sources`` reads, checking
+        nothing else (no other option, no file): for a process that needs only this one,
+        such as a worker on a node where the scheduler's files do not exist."""
+        value = _sourced(options, environ, (name,)).get(name, MISSING)
+        if value is MISSING:
+            default = FeatherConfig.__dataclass_fields__[name]
+            value = default.default_factory() if default.default is MISSING else default.default
+        return _checked(name, value)
+
+    def make_gate(self, *, announce: bool = True, engine: EngineShape | None = None) -> Gate:
+        """The configured gate; a bandit warm-starts from ``state_file`` when it exists, a
+        model gate with prior ``auto`` from ``engine``'s profile, where there is one
+        (logged when ``announce``: once per gate put to use, not per validation)."""
+        options = dict(self.gate_options)
+        if self.gate == "model":
+            options.setdefault("ordered", self.order_running)
+            if not isinstance(options.get("prior", AUTO), str | StepPrior | None):
+                raise FeatherConfigError("feather option 'gate_options': prior must be a "
+                                         f"profile name or null, got {options['prior']!r}")
+            if options.get("prior", AUTO) == AUTO and engine is not None:
+                options["prior"], note = StepPrior.for_engine(engine)
+                if announce:
+                    logger.info("Feather: model gate %s%s", note, "; it predicts only where "
+                                "batch ordering cannot act" if options["ordered"] else "")
+        try:
+            gate = make_gate(self.gate, **options)
+        except (ValueError, TypeError, ArithmeticError) as error:
+            raise FeatherConfigError(f"feather option 'gate_options': {error}") from None
+        source = self.warm_start_file()
+        if source is not None:
+            assert isinstance(gate, UCBBanditGate)
+            try:
+                gate.load(source)
+            except (OSError, ValueError) as error:
+                raise FeatherConfigError(
+                    f"feather option 'state_file' ({source}): {error}") from None
+            if announce:
+                logger.info("Feather: bandit table loaded from %s (%d learned decisions)%s",
+                            source, gate.learned_decisions, "" if source == self.state_file
+                            else f"; saved to {self.state_file}")
+        return gate
+
+    def warm_start_file(self) -> str | None:
+        """The bandit table to start from: ``state_file`` where it exists, else
+        ``shared_state_file`` where that exists, else None (a cold start)."""
+        for path in (self.state_file, self.shared_state_file):
+            if path is not None and Path(path).exists():
+                return path
+        return None
+
+    def make_queue(self, clock: Callable[[], float] = time.monotonic,
+                   engine: EngineShape | None = None,
+                   chunk_tokens: int | None = None) -> FeatherQueue:
+        """The queue with the configured gate and bounds (``engine``: see ``make_gate``;
+        ``chunk_tokens``: what a chunk key stands for where the engine's blocks round the
+        configured ``chunk_tokens``)."""
+        return FeatherQueue(self.make_gate(engine=engine), max_overtakes=self.max_overtakes,
+                            max_stops=self.max_stops, max_wait_s=self.max_wait_s,
+                            chunk_tokens=chunk_tokens or self.chunk_tokens,
+                            min_passing_tokens=self.min_passing_tokens, clock=clock)
+
+
+def check_writable(option: str, path: str) -> None:
+    """That Feather can create or replace ``path``; FeatherConfigError naming both if not."""
+    target = Path(path)
+    where = f"feather option '{option}' ({path})"
+    if target.is_dir():
+        raise FeatherConfigError(f"{where}: is a directory")
+    directory = target.parent
+    if not directory.is_dir():
+        raise FeatherConfigError(f"{where}: directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise FeatherConfigError(f"{where}: cannot write in {directory}")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise FeatherConfigError(f"{where}: the file is not writable")
+
+
+# ---- one validator per option (JSON values and environment strings alike) -------------
+
+
+def _gate(value: Any) -> str:
+    if value not in GATE_KINDS:
+        raise ValueError(f"must be one of {', '.join(GATE_KINDS)}")
+    return value
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    if isinstance(value, str):
+        value = json.loads(value)
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object")
+    return value
+
+
+def _positive_integer(value: Any) -> int:
+    number = _integer(value)
+    if number <= 0:
+        raise ValueError("must be a positive integer")
+    return number
+
+
+def _optional_positive_integer(value: Any) -> int | None:
+    return None if value is None else _positive_integer(value)
+
+
+def _count(value: Any) -> int:
+    number = _integer(value)
+    if number < 0:
+        raise ValueError("must be a non-negative integer")
+    return number
+
+
+def _optional_count(value: Any) -> int | None:
+    if _is_off(value):
+        return None
+    number = _integer(value)
+    if number < 0:
+        raise ValueError("must be a non-negative integer or \"off\"")
+    return number
+
+
+def _optional_seconds(value: Any) -> float | None:
+    if _is_off(value) or (isinstance(value, str) and value.strip().lower() == "inf"):
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError("must be a number of seconds or \"off\"")
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise ValueError("must be a non-negative number of seconds or \"off\"")
+    return number
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in TRUE + FALSE:
+        return value.strip().lower() in TRUE
+    raise ValueError(f"must be true or false (or one of {', '.join(TRUE + FALSE)})")
+
+
+SHARED_PREFIX_MODES = ("auto", "on", "off")
+
+
+def _shared_prefix_mode(value: Any) -> str:
+    word = value.strip().lower() if isinstance(value, str) else value
+    if word in SHARED_PREFIX_MODES:
+        return word
+    if isinstance(value, bool) or word in TRUE + FALSE:
+        return "on" if value is True or word in TRUE else "off"
+    raise ValueError(f"must be one of {', '.join(SHARED_PREFIX_MODES)} (or a boolean)")
+
+
+def _optional_path(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str | os.PathLike) or not str(value) or "\0" in str(value):
+        raise ValueError("must be a file path")
+    path = str(value)
+    fields_named = {name for _, name, _, _ in string.Formatter().parse(path) if name is not None}
+    if fields_named - {"rank"}:
+        raise ValueError("may hold only the placeholder {rank} (write a brace as {{ or }})")
+    path.format(rank=0)  # a bad format spec, as in {rank:s}, fails here
+    return path
+
+
+def _has_fields(path: str) -> bool:
+    """Whether a checked path holds ``{rank}``."""
+    return any(name is not None for _, name, _, _ in string.Formatter().parse(path))
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError("must be an integer")
+    return int(value)
+
+
+def _is_off(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value.strip().lower() in OFF)
+
+
+VALIDATORS: dict[str, Callable[[Any], Any]] = {
+    "gate": _gate,
+    "gate_options": _mapping,
+    "chunk_tokens": _positive_integer,
+    "state_file": _optional_path,
+    "max_overtakes": _optional_count,
+    "max_stops": _optional_count,
+    "max_wait_s": _optional_seconds,
+    "min_passing_tokens": _count,
+    "order_running": _boolean,
+    "stats_file": _optional_path,
+    "step_log": _optional_path,
+    "shared_prefix_attention": _shared_prefix_mode,
+    "shared_prefix_min_tokens": _optional_positive_integer,
+    "max_faults": _positive_integer,
+}
+"""Each option's validator: the checked value, or ValueError saying what it must be."""
+
+
+def _checked(name: str, value: Any, variable: str | None = None) -> Any:
+    """``value`` through option ``name``'s validator; FeatherConfigError naming the option
+    (and the ``variable`` it came from) if it is refused."""
+    try:
+        return VALIDATORS[name](value)
+    except (ValueError, TypeError, ArithmeticError) as error:
+        where = f"feather option '{name}'"
+        message = f"{variable}={value!r} ({where}): {error}" if variable else \
+            f"{where}: {error}, got {value!r}"
+        raise FeatherConfigError(message) from None
+
+
+def _sourced(options: Mapping[str, Any] | None, environ: Mapping[str, str],
+             names: Collection[str]) -> dict[str, Any]:
+    """The options among ``names`` that ``options`` or the FEATHER_* variables set, the
+    mapping winning (FEATHER_GATE=bandit, FEATHER_GATE_OPTIONS='{"exploration": 100}'...);
+    variables checked here, so their errors name them."""
+    if options is not None and not isinstance(options, Mapping):
+        raise FeatherConfigError(f"feather options must be a JSON object, got {options!r}")
+    values = {}
+    for name in names:
+        variable = ENV_PREFIX + name.upper()
+        if variable in environ:
+            values[name] = _checked(name, environ[variable], variable)
+    values.update((name, value) for name, value in (options or {}).items() if name in names)
+    return values
+
+
+def _replica(value: str | None) -> tuple[int, int]:
+    """``FEATHER_REPLICA``'s ``r/n`` as (r, n); (0, 1) when unset.  ``r`` may pass ``n``
+    (a replica Ray starts before the one it replaces has stopped)."""
+    if value is None:
+        return 0, 1
+    try:
+        replica, replicas = (int(part) for part in value.split("/"))
+    except ValueError:
+        replica, replicas = -1, 0
+    if replica < 0 or replicas < 1:
+        raise FeatherConfigError(f"{REPLICA_VARIABLE}={value!r}: must be r/n, replica r "
+                                 "(from 0) of n")
+    return replica, replicas

@@ -1,0 +1,79 @@
+"""``FaultGuard``: containment of Feather's own exceptions inside one engine's scheduler.
+
+Whatever Feather's tree, queue, gate, meter or metrics sink raises, the engine keeps
+serving: the adapter hands the exception to the guard, serves the engine's own order for
+the rest of the pass, and Feather rebuilds its picture before the next.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from feather_sched.telemetry.stats import StepMeter
+
+LOG_FAULTS_EVERY_S = 10.0
+"""After the first fault (logged with its traceback), at most one line per this period."""
+
+logger = logging.getLogger("feather_sched")
+
+
+class FaultGuard:
+    """Contains exceptions of Feather's own code in one engine's scheduler.
+
+    The adapter runs each piece of Feather's work (tree and queue, gate, meter, metrics
+    sink, running order) inside ``try`` and hands an exception to ``fault``; it then
+    serves the engine's own order and admission for the rest of the scheduling pass and,
+    while ``dirty``, rebuilds Feather's picture from the engine's before the next
+    (``FeatherRuntime.resync``).  ``fault`` logs (the traceback the first time, then one
+    line at most every ``LOG_FAULTS_EVERY_S``) and counts (``SchedulerStats.faults``,
+    ``feather:faults``); ``limit`` faults in a row, i.e. with neither a pass that decided
+    admissions nor ``limit`` passes served without a fault between them (``served``),
+    turn Feather off for good, with one error line: ``active`` is then False and the
+    adapter leaves the engine to its own order.  O(1).
+    """
+
+    def __init__(self, name: str, limit: int, meter: StepMeter) -> None:
+        self.name = name
+        self.limit = limit
+        self.meter = meter
+        self.active = True
+        self.dirty = False
+        """A fault happened since Feather's picture was last rebuilt."""
+        self.in_a_row = 0
+        self._served = 0
+        """Passes served without a fault since the last fault."""
+        self._logged_at: float | None = None
+
+    def fault(self, where: str, error: Exception) -> None:
+        """Feather's code raised ``error`` in ``where`` (a short label)."""
+        stats = self.meter.stats
+        stats.faults += 1
+        self.in_a_row += 1
+        self._served = 0
+        self.dirty = True
+        if self.meter.sink is not None:
+            with contextlib.suppress(Exception):  # the sink may be what fails: stats count
+                self.meter.sink.fault(where)
+        now = time.monotonic()
+        if self._logged_at is None:
+            logger.error("Feather: fault in %s (%s); this scheduling pass falls back to the "
+                         "engine's own order, Feather resumes at the next", where, self.name,
+                         exc_info=error)
+            self._logged_at = now
+        elif now - self._logged_at >= LOG_FAULTS_EVERY_S:
+            logger.warning("Feather: %d faults in %s so far, the latest in %s: %r",
+                           stats.faults, self.name, where, error)
+            self._logged_at = now
+        if self.active and self.in_a_row >= self.limit:
+            self.active = False
+            logger.error("Feather is off in %s after %d faults in a row (the latest in %s: "
+                         "%r): the engine's own scheduling order from now on", self.name,
+                         self.in_a_row, where, error)
+
+    def served(self, decided: bool) -> None:
+        """Feather's code served a pass to its end; ``decided``: it decided admissions."""
+        self._served += 1
+        if decided or self._served >= self.limit:
+            self.in_a_row = 0

@@ -1,0 +1,665 @@
+"""FeatherRuntime: the one admission contract that vLLM, SGLang and the simulator drive.
+
+Engines differ in their request types and their loops, not in what Feather needs to
+know.  The runtime holds all of Feather's state for one scheduler (options, the
+``FeatherQueue``, admission counts, the ``StepMeter`` with stats, step log and saved gate
+state) behind one contract, stated once, in the style of vLLM's ``RequestQueue``::
+
+    enter_waiting(request)        the engine holds it in the waiting queue Feather orders
+                                  (idempotent: new, preempted, skipped or resumed alike)
+    discard(request_id)           the engine let go of it: finished, aborted, rejected
+                                  (any state; True the first time, False after)
+    begin_pass(running) -> order  a scheduling pass starts: the running set becomes the
+                                  engine's; returns the running list in Feather's order
+                                  (as the engine has it with ``order_running`` off)
+    decide(offered=None)          the admission for the current candidate (the engine's
+                                  offered request, or the queue's own); asked once
+    admit(request)                the engine admits the request of the last ADD
+    hold(request_id)              the engine took it out of the waiting queue without
+                                  running it (skipped this pass, or parked elsewhere)
+    end_pass(step, running)       the pass formed step ``step``: the running set is
+                                  reconciled again and the decisions that took effect
+                                  are bound to ``step`` and counted
+    end_step(step, size, seconds) step ``step`` ran: its reward reaches exactly the
+                                  decisions bound to it
+    preemption_victim(running)    the running request to preempt for KV room: the
+                                  end of Feather's running order, the newest member
+                                  of the youngest group of the least urgent class
+                                  (an engine that preempts the end of the running
+                                  list Feather ordered, like vLLM, need not ask)
+
+Faults: an exception in any of these (Feather's tree, queue, gate, meter or metrics sink)
+is the adapter's to contain: it hands it to ``faults.fault`` (``FaultGuard``), serves the
+engine's own order for the rest of the pass, and before the next pass calls
+``resync(running, waiting)`` with the engine's own sets.
+
+The running set is never assumed from admissions: each ``begin_pass`` and ``end_pass``
+takes what the engine itself reports as running, so a request the engine skipped, parked
+or ran by a path Feather does not see is placed where the engine has it.  An ADD counts
+(and is rewarded) only when its request is running at the end of the pass; a STOP counts
+and is rewarded with the step it shaped.
+
+Adapters translate their engine's request type through a ``RequestView``; nothing here
+imports an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from operator import is_, itemgetter
+from typing import Generic, Protocol, TypeVar
+
+from feather_sched.core.config import FeatherConfig
+from feather_sched.core.faults import FaultGuard
+from feather_sched.core.prefix import gather_groups, group_of, order_by_group
+from feather_sched.core.queue import Admission, QueueState
+from feather_sched.gates.bandit import UCBBanditGate
+from feather_sched.gates.base import Decision, GateContext
+from feather_sched.gates.model import ModelGate
+from feather_sched.gates.step_model import EngineShape
+from feather_sched.telemetry import prometheus as metrics
+from feather_sched.telemetry.stats import AdmissionCounts, SchedulerStats, StepMeter
+from feather_sched.telemetry.steplog import BatchEntry
+
+R = TypeVar("R")
+RequestId = Hashable
+
+MAX_OPEN_STEPS = 64
+"""Steps formed but not yet reported; older ones are dropped unrewarded (an engine that
+never reports a step, e.g. an empty one, cannot grow this without bound)."""
+MAX_STEP_DECISIONS = 4096
+"""Decisions kept for one step; several passes may wait for one step (an engine that
+never decodes, e.g. prefill-only serving, must not grow a list without bound)."""
+
+logger = logging.getLogger("feather_sched")
+
+
+class RequestView(Protocol[R]):
+    """How an adapter reads its engine's request type.  ``request_id`` is best an
+    ``operator.attrgetter`` (the runtime maps it over the running list twice a pass)."""
+
+    def request_id(self, request: R) -> RequestId: ...
+
+    def chunk_keys(self, request: R) -> list:
+        """The prompt's cumulative chunk keys (see ``cht``)."""
+
+    def prompt_tokens(self, request: R) -> int:
+        """Prompt length; a request whose prompt grew (a streaming session) is re-keyed."""
+
+    def arrival_s(self, request: R) -> float | None:
+        """Arrival time on the queue's clock, or None for now."""
+
+    def priority(self, request: R) -> int:
+        """Priority class, lower more urgent (0 where the engine has no priorities)."""
+
+
+@dataclass
+class _Tracked(Generic[R]):
+    request: R
+    prompt_tokens: int
+    arrival_s: float
+    """As the queue was given it (kept when the queue is rebuilt, ``resync``)."""
+    preemptions: int = 0
+
+
+@dataclass
+class _Taken:
+    """A fresh answer of this pass, and whether its request was admitted."""
+
+    admission: Admission
+    admitted: bool = False
+
+
+@dataclass
+class _Mirror(Generic[R]):
+    """The engine's running list as Feather last reconciled it, kept in step by Feather's
+    own calls: an admission appends (as vLLM, SGLang and the simulator append to their
+    lists), an exit removes.  While ``epoch`` is the queue's running epoch, the queue's
+    running set is exactly ``ids``; an engine list holding the very objects of
+    ``requests``, in order, needs no reconciling."""
+
+    requests: list[R]
+    ids: list[RequestId]
+    epoch: int
+    ordered: bool
+    """Whether ``requests`` is in Feather's order (``FeatherRuntime.order``)."""
+
+
+class FeatherRuntime(Generic[R]):
+    """Feather's admission for one scheduler, behind the contract in the module docstring."""
+
+    def __init__(self, config: FeatherConfig, view: RequestView[R], *,
+                 clock: Callable[[], float] = time.monotonic, name: str = "feather",
+                 seats: int | None = None, kv_tokens: int | None = None,
+                 engine: EngineShape | None = None, chunk_tokens: int | None = None) -> None:
+        """``seats``: the engine's cap on running requests, ``kv_tokens``: its KV cache in
+        tokens, where the adapter knows them; ``engine``: its device and model, for the
+        model gate's prior; ``chunk_tokens``: the tokens one of ``view``'s chunk keys
+        stands for, where the engine's blocks round the configured size."""
+        self.name = name
+        self.config = config
+        self.view = view
+        self.clock = clock
+        self.queue = config.make_queue(clock=clock, engine=engine, chunk_tokens=chunk_tokens)
+        self.queue.seats = seats
+        self.queue.kv_tokens = kv_tokens
+        self.queue.orders_batch = config.order_running
+        self.counts = AdmissionCounts()
+        bandit = self.queue.gate if isinstance(self.queue.gate, UCBBanditGate) else None
+        self.meter = StepMeter(name, stats_file=config.stats_file, step_log=config.step_log,
+                               state_file=config.state_file, gate=bandit,
+                               admissions=self.counts,
+                               sink=metrics.PrometheusSink(name) if metrics.enabled() else None)
+        self.faults = FaultGuard(name, config.max_faults, self.meter)
+        self._tracked: dict[RequestId, _Tracked[R]] = {}
+        self._taken: list[_Taken] = []
+        self._open_steps: OrderedDict[Hashable, list[tuple[GateContext, Decision]]] = \
+            OrderedDict()
+        self._mirror: _Mirror[R] | None = None
+        """The engine's running list as last reconciled (``_Mirror``)."""
+
+    @property
+    def wants_batches(self) -> bool:
+        """Whether ``end_step`` should be given each step's batch: for the step log, or
+        for a gate that learns from batches (``Gate.observes``)."""
+        return self.config.step_log is not None or self.queue.gate.observes
+
+    @property
+    def orders_running(self) -> bool:
+        """Whether ``begin_pass`` returns the running list in Feather's order."""
+        return self.config.order_running
+
+    @property
+    def batch_has_groups(self) -> bool:
+        """Whether a batch's layout can matter: ordering is on and a prefix group runs
+        with two or more members (a batch that shares nothing gains nothing from being
+        laid out, so adapters skip ``batch_order`` then). O(1)."""
+        return self.config.order_running and self.queue.has_running_group()
+
+    def engine_keeps_its_order(self) -> None:
+        """The adapter found that batch ordering cannot act in this engine: a gate that
+        prices where a newcomer lands (``ModelGate``) prices the engine's own order, and
+        the queue keeps the tree's order, which is then the batch's layout."""
+        self.queue.orders_batch = False
+        gate = self.queue.gate
+        if isinstance(gate, ModelGate):
+            gate.ordered = False
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Requests waiting in Feather's queue."""
+        return len(self.queue)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._tracked
+
+    def request(self, request_id: RequestId) -> R:
+        """The engine's request object for an id Feather knows."""
+        return self._tracked[request_id].request
+
+    def enter_waiting(self, request: R) -> None:
+        """The engine holds ``request`` in the waiting queue Feather orders.
+
+        Idempotent: a new request is added, a running or held one returns to waiting
+        (preemption, a skip undone), a waiting one stays.  A request whose prompt grew
+        since Feather last saw it (a resumed streaming session) gets new chunk keys.
+        """
+        request_id = self._refresh(request)
+        if self.queue.state(request_id) is not QueueState.WAITING:
+            self.queue.requeue(request_id)
+
+    def discard(self, request_id: RequestId) -> bool:
+        """The engine let go of the request; forget it in any state.  O(its keys).
+
+        Returns True when Feather knew it, False otherwise, so every exit path of an
+        engine may call this and a request still leaves exactly once.
+        """
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return False
+        self._count_left([tracked])
+        mirror = self._current_mirror()
+        in_mirror = mirror is not None and self._mirror_drops(mirror, request_id)
+        self.queue.remove(request_id)
+        if in_mirror:
+            mirror.epoch = self.queue.running_epoch
+        self._count_states()
+        if not self._tracked:
+            self.meter.save()  # drained: a run's end is on file even if shutdown is cut short
+        return True
+
+    def hold(self, request_id: RequestId) -> None:
+        """The engine took a request out of Feather's waiting queue without running it.
+
+        It is no candidate until the engine returns it (``enter_waiting``) or runs it
+        (seen at the next reconciliation); an admission of it in this pass is void.
+        """
+        if self.queue.state(request_id) is QueueState.HELD:
+            return
+        self.queue.hold(request_id)
+        for taken in self._taken:
+            if taken.admission.request_id == request_id:
+                taken.admitted = False
+
+    def is_running(self, request_id: RequestId) -> bool:
+        """Whether Feather has the request in its running set."""
+        return request_id in self.queue and self.queue.state(request_id) is QueueState.RUNNING
+
+    # ---- one scheduling pass ----------------------------------------------------------
+
+    def begin_pass(self, running: Sequence[R]) -> list[R]:
+        """Start a pass: reconcile with the engine's running list, reopen admission.
+
+        Returns ``running`` in Feather's order (``order``), whose end an engine preempts
+        first; with ``order_running`` off, as given: the engine's order, which keeps what
+        was admitted together together (sorting it by arrival interleaved the groups and
+        cost the gate ablation's ordering-off cell up to 22%), so an engine that preempts
+        the end of its list must take ``preemption_victim``, or the latest arrival of the
+        least urgent class by its own rule (vLLM's priority policy).  O(running) plus the
+        sort; O(running) in C when the list is the one Feather last returned or saw, changed
+        since only by admissions appended and exits Feather was told of (steps without
+        preemption), none of which moved a group's rank (``_Mirror``).
+        """
+        ids = self._reconcile_running(running)
+        self.queue.new_step()
+        self._taken.clear()
+        mirror = self._mirror
+        if not self.config.order_running or mirror.ordered:
+            return list(running)
+        ranked = self._ranking(running, ids, gathered=False)
+        mirror.requests = list(map(running.__getitem__, ranked))
+        mirror.ids = list(map(ids.__getitem__, ranked))
+        mirror.ordered = True
+        return list(mirror.requests)
+
+    def order(self, running: Sequence[R]) -> list[R]:
+        """``running`` in Feather's order, which is also its preemption order (the end
+        first): by priority class, then each prefix group contiguous, groups by their
+        oldest member's arrival, members by arrival (``prefix.order_by_group``). With
+        ``order_running`` off, or while no group runs two members, simply by class and
+        arrival. O(n log n); the arrival sort alone on a list already sorted is O(n).
+        """
+        return self._ordered(running, self._ids(running), gathered=False)
+
+    def batch_order(self, running: Sequence[R]) -> list[R]:
+        """``order(running)`` with each prefix group gathered where its first member
+        stands, across priority classes (``prefix.gather_groups``): how a batch is laid
+        out, one run per group (vLLM's Model Runner V2 follows it, SGLang's decode batch
+        is permuted into it; vLLM's V1 runner gathers the same way in its own batch).
+        The same as ``order`` where one class runs. O(n log n)."""
+        return self._ordered(running, self._ids(running), gathered=True)
+
+    def _ordered(self, running: Sequence[R], ids: list[RequestId], *,
+                 gathered: bool) -> list[R]:
+        """``running`` (whose request ids are ``ids``) in ``order``'s order, or
+        ``batch_order``'s where ``gathered``."""
+        return list(map(running.__getitem__, self._ranking(running, ids, gathered=gathered)))
+
+    def _ranking(self, running: Sequence[R], ids: list[RequestId], *,
+                 gathered: bool) -> Sequence[int]:
+        """The indices of ``running`` in ``_ordered``'s order."""
+        queue = self.queue
+        try:
+            ages = queue.age_keys(ids)
+        except KeyError:  # a request the queue never saw
+            ages = [self.age_key(request) for request in running]
+        if not self.config.order_running or (
+                not queue.has_running_group() and len(running) == queue.num_running):
+            return sorted(range(len(running)), key=ages.__getitem__)
+        try:
+            groups = queue.groups(ids)
+        except KeyError:
+            groups = [self.group(request) for request in running]
+        one_class = len(set(map(itemgetter(0), ages))) == 1
+        ranked = order_by_group(range(len(running)), groups if one_class else
+                                [(age[0], group) for age, group in zip(ages, groups, strict=True)],
+                                ages)
+        if gathered and not one_class:
+            ranked = gather_groups(ranked, [groups[i] for i in ranked])
+        return ranked
+
+    def preemption_victim(self, running: Sequence[R]) -> R:
+        """The request to preempt when the engine runs out of KV blocks: the end of
+        ``order(running)``, the newest member of the youngest group (by its oldest running
+        member) of the least urgent class. Preempting a group from its newest member
+        frees its prefix when the last goes, and a request is preempted only while every
+        other running group of its class or a less urgent one has a member that arrived
+        before its own group's oldest: never for a group made only of younger requests
+        (an old singleton never pays for a stream of young majority requests). With
+        ``order_running`` off: the latest arrival of the least urgent class. O(n log n).
+        """
+        return self.order(running)[-1]
+
+    def age_key(self, request: R) -> tuple[int, float, float]:
+        """Sorts requests by class, the most urgent first, then by age, the oldest first:
+        (priority class, arrival time, order of entry into the queue); a request the queue
+        never saw counts as arriving now, after all the others of its class. O(1)."""
+        try:
+            return self.queue.age_key(self.view.request_id(request))
+        except KeyError:
+            pass
+        arrival = self.view.arrival_s(request)
+        return (self.view.priority(request), self.clock() if arrival is None else arrival,
+                float("inf"))
+
+    def preempted(self, request: R) -> None:
+        """The engine preempted ``request`` (its own victim choice, reported afterwards):
+        counted per request and per class, with its group's running size. O(running)."""
+        request_id = self._refresh(request)
+        tracked = self._tracked[request_id]
+        tracked.preemptions += 1
+        group = self.group(request)
+        queue = self.queue
+        siblings = sum(1 for r in queue.running_ids()
+                       if r != request_id and queue.group(r) == group)
+        self.meter.preempted(tracked.preemptions, priority=queue.priority(request_id),
+                             group_size=siblings + 1)
+
+    def passes_due(self, request: R) -> bool:
+        """Whether running ``request`` now, by a path that bypasses Feather's queue, would
+        pass a waiting request that a bound has made due: one that arrived before it in
+        its class or a more urgent one. The adapter then lets the due request go first.
+        ``request`` is read as the engine has it now (a streaming session's next turn is
+        a new arrival). O(requeued requests)."""
+        due = self.queue.due()
+        if due is None or self.view.request_id(request) == due:
+            return False
+        arrival = self.view.arrival_s(request)
+        if arrival is None:
+            arrival = self.age_key(request)[1]
+        return (self.view.priority(request), arrival) > \
+            (self.queue.priority(due), self.queue.arrival_s(due))
+
+    def decide(self, offered: R | None = None) -> Admission | None:
+        """The admission for ``offered`` (default: the queue's candidate); None if none.
+
+        The answer is cached until something changes, and counted once when fresh.
+        """
+        offered_id = None
+        if offered is not None:
+            self.enter_waiting(offered)
+            offered_id = self.view.request_id(offered)
+        admission = self.queue.decide(offered_id)
+        if admission is None:
+            return None
+        if not self._taken or self._taken[-1].admission is not admission:
+            self.counts.asked += 1
+            self._taken.append(_Taken(admission))
+        return admission
+
+    def candidate(self) -> R | None:
+        """The request ``decide()`` would judge next, without asking the gate (for an
+        engine that orders its own list by it); None when nothing waits."""
+        request_id = self.queue.candidate()
+        return None if request_id is None else self.request(request_id)
+
+    def admit(self, request: R) -> None:
+        """The engine admits ``request``; it must be the subject of the last ADD."""
+        request_id = self.view.request_id(request)
+        last = self._taken[-1] if self._taken else None
+        if last is None or last.admission.request_id != request_id or \
+                last.admission.decision is not Decision.ADD or last.admitted:
+            raise RuntimeError(f"admit({request_id!r}) without an ADD decision for it")
+        mirror = self._current_mirror()
+        self.queue.admit(request_id)
+        last.admitted = True
+        if mirror is not None:
+            self._mirror_appends(mirror, request, request_id)
+
+    def end_pass(self, step: Hashable, running: Sequence[R]) -> None:
+        """The pass formed ``step``: reconcile, count and bind the decisions that held.
+        It counts as served (``FaultGuard.served``)."""
+        decided = bool(self._taken)
+        self.reconcile(running)
+        credit: list[tuple[GateContext, Decision]] = []  # taken effect, shown to the gate
+        admitted: list[RequestId] = []
+        stops = forced = 0
+        for taken in self._taken:
+            admission = taken.admission
+            if admission.decision is Decision.STOP:
+                if admission.context is not None:  # the gate's STOP, not its echo
+                    stops += 1
+                    credit.append((admission.context, Decision.STOP))
+            elif taken.admitted and self.is_running(admission.request_id):
+                admitted.append(admission.request_id)
+                forced += admission.forced
+                if admission.context is not None:
+                    credit.append((admission.context, Decision.ADD))
+        counts = self.counts
+        counts.stop, counts.forced, counts.add = (counts.stop + stops, counts.forced + forced,
+                                                  counts.add + len(admitted) - forced)
+        stats = self._count_states()
+        if self.meter.sink is not None:
+            now = self.clock()
+            self.meter.sink.pass_ended(
+                asked=len(self._taken), add=len(admitted) - forced, stop=stops, forced=forced,
+                deferrals=[now - self.queue.arrival_s(r) for r in admitted],
+                groups=len({self.group(r) for r in running}), waiting=stats.waiting,
+                running=stats.running)
+        self._taken.clear()
+        self.faults.served(decided)
+        if credit:
+            decisions = self._open_steps.setdefault(step, [])
+            decisions.extend(credit)
+            del decisions[:-MAX_STEP_DECISIONS]
+            self._open_steps.move_to_end(step)
+            while len(self._open_steps) > MAX_OPEN_STEPS:
+                self._open_steps.popitem(last=False)
+
+    def end_step(self, step: Hashable, batch_size: int, seconds: float,
+                 batch: Sequence[BatchEntry] | None = None) -> None:
+        """Step ``step`` ran ``batch_size`` requests in ``seconds``: reward and record it."""
+        decisions = self._open_steps.pop(step, None)
+        if not batch_size:
+            return
+        if batch is not None:
+            self.queue.gate.observe(batch, seconds)
+        if decisions and seconds > 0:
+            self.queue.gate.reward(decisions, batch_size, seconds)
+        self.meter.step(batch_size, seconds, batch)
+
+    # ---- reconciliation ---------------------------------------------------------------
+
+    def reconcile(self, running: Iterable[R], waiting: Iterable[R] | None = None) -> None:
+        """Make Feather's running set the engine's.
+
+        A request the engine runs is running (added if new, re-keyed if its prompt grew);
+        a request Feather had running that the engine no longer runs is held.  Given
+        ``waiting`` (the engine's whole waiting queue), those requests are entered and
+        any request in neither list is discarded: it left the engine by a path Feather
+        did not see.  O(running + waiting) when something changed.
+        """
+        if not isinstance(running, Sequence):
+            running = list(running)
+        ids = self._reconcile_running(running)
+        if waiting is None:
+            return
+        queue, view = self.queue, self.view
+        running_ids = set(ids)
+        waiting_ids = set()
+        for request in waiting:
+            request_id = view.request_id(request)
+            waiting_ids.add(request_id)
+            tracked = self._tracked.get(request_id)
+            if tracked is None or tracked.prompt_tokens != view.prompt_tokens(request) or \
+                    queue.state(request_id) is not QueueState.WAITING:
+                self.enter_waiting(request)
+        if len(self._tracked) > len(running_ids) + len(waiting_ids):
+            gone = [r for r in self._tracked if r not in running_ids and r not in waiting_ids]
+            for request_id in gone:
+                self.discard(request_id)
+
+    def _reconcile_running(self, running: Sequence[R]) -> list[RequestId]:
+        """``reconcile``'s running half; returns ``running``'s request ids, in order.
+        Nothing to do for the mirror's list (``_Mirror``)."""
+        mirror = self._current_mirror()
+        if mirror is not None and len(running) == len(mirror.requests) and \
+                all(map(is_, running, mirror.requests)):
+            return mirror.ids
+        queue = self.queue
+        ids = self._ids(running)
+        running_ids = set(ids)
+        if not queue.runs_exactly(running_ids):
+            for request in running:
+                request_id = self._refresh(request)
+                state = queue.state(request_id)
+                if state is QueueState.WAITING:
+                    queue.admit(request_id)
+                elif state is QueueState.HELD:
+                    queue.run(request_id)
+            for request_id in [r for r in queue.running_ids() if r not in running_ids]:
+                self.hold(request_id)
+        self._mirror = _Mirror(list(running), ids, queue.running_epoch, ordered=False)
+        return ids
+
+    def _current_mirror(self) -> _Mirror[R] | None:
+        """The mirror, if the queue's running set has not changed behind it."""
+        mirror = self._mirror
+        return mirror if mirror is not None and \
+            mirror.epoch == self.queue.running_epoch else None
+
+    def _mirror_appends(self, mirror: _Mirror[R], request: R, request_id: RequestId) -> None:
+        """The engine appends an admitted request to its running list.  Feather's order
+        (``order``) still holds if it runs alone in its prefix group and is no older than
+        the list's last: a new group that ranks last. O(1)."""
+        queue = self.queue
+        mirror.ordered = mirror.ordered and queue.group_runners(request_id) <= 1 and (
+            not mirror.ids or queue.age_key(mirror.ids[-1]) <= queue.age_key(request_id))
+        mirror.requests.append(request)
+        mirror.ids.append(request_id)
+        mirror.epoch = queue.running_epoch
+
+    def _mirror_drops(self, mirror: _Mirror[R], request_id: RequestId) -> bool:
+        """Take a request that is leaving (``discard``, before the queue forgets it) out
+        of the mirror; False if it is not there (not running).  Feather's order still
+        holds unless it was the oldest of a group that runs on (the group ranked by its
+        age).  O(running), in C."""
+        if self.queue.state(request_id) is not QueueState.RUNNING:
+            return False
+        ids = mirror.ids
+        try:
+            at = ids.index(request_id)  # the mirror's ids are the running set
+        except ValueError:  # never expected: the next pass reconciles in full
+            self._mirror = None
+            return False
+        if mirror.ordered and at + 1 < len(ids):
+            key = self._run_key
+            mirror.ordered = key(ids[at]) != key(ids[at + 1]) or \
+                (at > 0 and key(ids[at - 1]) == key(ids[at]))
+        del mirror.requests[at], ids[at]
+        return True
+
+    def _run_key(self, request_id: RequestId) -> tuple[int, Hashable]:
+        """What ``order`` keeps contiguous: the class and prefix group. O(1)."""
+        return self.queue.priority(request_id), self.queue.group(request_id)
+
+    def _ids(self, requests: Sequence[R]) -> list[RequestId]:
+        """The requests' ids; C speed where the view's ``request_id`` is an attrgetter."""
+        return list(map(self.view.request_id, requests))
+
+    def resync(self, running: Sequence[R], waiting: Iterable[R],
+               held: Iterable[R] = ()) -> None:
+        """Rebuild Feather's picture from the engine's after a fault: the queue is cleared
+        and refilled with the engine's ``running`` and ``waiting`` requests, and those it
+        ``held`` outside both (parked in a queue of its own), in arrival order (each keeps
+        its arrival time and preemption count; the gate keeps what it learned; the
+        waiting bounds count afresh); a request Feather knew that is in none left unseen
+        and is counted out once.  Clears ``faults.dirty``.  O(their keys + n log n)."""
+        view, stats = self.view, self.meter.stats
+        known, self._tracked = self._tracked, {}
+        now = self.clock()
+
+        def arrival(request: R) -> float:
+            old = known.get(view.request_id(request))
+            if old is not None and old.prompt_tokens == view.prompt_tokens(request):
+                return old.arrival_s
+            given = view.arrival_s(request)
+            return now if given is None else given
+
+        try:
+            self._taken.clear()
+            self.queue.clear()
+            entries = [(state, arrival(request), request)
+                       for state, requests in ((QueueState.RUNNING, running),
+                                               (QueueState.WAITING, waiting),
+                                               (QueueState.HELD, held))
+                       for request in requests]
+            entries.sort(key=lambda entry: (entry[0] is not QueueState.RUNNING, entry[1]))
+            for state, arrival_s, request in entries:
+                old = known.get(view.request_id(request))
+                request_id = self._track(request, arrival_s,
+                                         0 if old is None else old.preemptions)
+                if state is QueueState.RUNNING:
+                    self.queue.admit(request_id)
+                elif state is QueueState.HELD:
+                    self.queue.hold(request_id)
+        except BaseException:
+            self._tracked = known  # requests count in and out only when a rebuild completes
+            raise
+        stats.requests_entered += sum(1 for r in self._tracked if r not in known)
+        self._count_states()
+        self.faults.dirty = False
+        self._count_left([old for r, old in known.items() if r not in self._tracked])
+
+    # ---- order ------------------------------------------------------------------------
+
+    def group(self, request: R) -> Hashable:
+        """The request's prefix group (``prefix.group_of`` over its chunk keys)."""
+        request_id = self.view.request_id(request)
+        if request_id in self._tracked:
+            return self.queue.group(request_id)
+        return group_of(self.view.chunk_keys(request), request_id)
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Save the meter's files once more (engine shutdown)."""
+        self.meter.close()
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _count_states(self) -> SchedulerStats:
+        """Bring the waiting and running counts in the stats up to date; O(1)."""
+        stats = self.meter.stats
+        stats.waiting, stats.running = len(self.queue), self.queue.num_running
+        return stats
+
+    def _refresh(self, request: R) -> RequestId:
+        """Track ``request`` (new, or re-keyed when its prompt grew); returns its id."""
+        view = self.view
+        request_id = view.request_id(request)
+        tracked = self._tracked.get(request_id)
+        prompt_tokens = view.prompt_tokens(request)
+        if tracked is not None and tracked.prompt_tokens == prompt_tokens:
+            tracked.request = request
+            return request_id
+        preemptions = 0
+        if tracked is not None:
+            self.queue.remove(request_id)
+            preemptions = tracked.preemptions
+        else:
+            self.meter.stats.requests_entered += 1
+        return self._track(request, view.arrival_s(request), preemptions)
+
+    def _track(self, request: R, arrival_s: float | None, preemptions: int) -> RequestId:
+        """Track ``request`` and add it to the queue as waiting (arrival None: now)."""
+        view = self.view
+        request_id = view.request_id(request)
+        arrival = self.clock() if arrival_s is None else arrival_s
+        prompt_tokens = view.prompt_tokens(request)
+        self._tracked[request_id] = _Tracked(request, prompt_tokens, arrival, preemptions)
+        self.queue.add(request_id, view.chunk_keys(request), arrival, prompt_tokens,
+                       view.priority(request))
+        return request_id
+
+    def _count_left(self, gone: Sequence[_Tracked[R]]) -> None:
+        """Count requests out (they left the engine): the stats, then the sink."""
+        self.meter.stats.requests_left += len(gone)
+        if self.meter.sink is not None:
+            for tracked in gone:
+                self.meter.sink.request_left(tracked.preemptions)

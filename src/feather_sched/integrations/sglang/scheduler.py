@@ -1,0 +1,724 @@
+"""Feather inside SGLang's scheduler (pinned: sglang 0.5.23).
+
+SGLang has no scheduler-class flag and runs each scheduler in a process started with
+multiprocessing 'spawn', so Feather reaches it through SGLang's own plugin hooks:
+``register()`` puts AROUND hooks into ``sglang.srt.plugins.hook_registry.HookRegistry``,
+and ``load_plugins()``, which SGLang calls first thing in every scheduler process
+(``run_scheduler_process``), applies them there.  ``register()`` runs in that process
+because ``python -m feather_sched.integrations.sglang.launch`` calls it at module level and
+'spawn' re-imports the parent's ``__main__`` module in each child (and grandchild, e.g.
+under the data-parallel controller).  The same ``register`` can also serve as a general
+plugin (entry point group ``sglang.srt.plugins``).
+
+The hooks are inert unless ``FEATHER_SGLANG=1`` is set in the environment (the launcher
+sets it for ``--schedule-policy feather``).  Then each scheduler gets a ``FeatherSGLang``,
+which translates SGLang's objects for the engine-agnostic ``FeatherRuntime``:
+
+* a round (``get_new_batch_prefill``) is one pass: ``begin_pass`` with SGLang's running
+  requests; ``FeatherSchedulePolicy.calc_priority`` reconciles the runtime with SGLang's
+  waiting queue and running batch (requests that left by a path no hook saw are
+  forgotten, retracted ones return to waiting) and sorts the waiting queue in Feather's
+  order (the most urgent priority class first, the tree's order within it); after each
+  admission the runtime's next candidate is moved up in the list SGLang's loop is
+  walking; ``end_pass`` when the round returns;
+* ``FeatherPrefillAdder.add_one_req`` asks the runtime about the very request SGLang
+  offers (so a request SGLang's loop skips with ``continue`` - LoRA slots, pooling mode,
+  storage prefetch - simply stays waiting), answers ``OTHER`` on STOP, which ends
+  SGLang's round, and admits what SGLang admitted;
+* a round's decisions are rewarded with the next decode step (the batch their
+  admissions shaped), keyed by SGLang's own launch counter (``batch.forward_iter``) and
+  timed from launch until its result has been processed (after the device sync), so a
+  prefill step's time is never taken for theirs, overlap or not;
+* finished requests leave with their batch result; ``update_running_batch`` keeps the
+  running decode batch in Feather's batch order, one run per prefix group (SGLang's decode
+  attention walks requests in batch order), through SGLang's own
+  ``ScheduleBatch.filter_batch``.
+* under memory pressure SGLang retracts decoding requests in the order
+  ``ScheduleBatch._get_decode_retraction_order`` gives: Feather's is its running order
+  (``FeatherRuntime.order``), so the newest member of the youngest prefix group of the
+  least urgent class is retracted first, as on vLLM and in the simulator;
+* under ``--enable-priority-scheduling`` each request's ``Req.priority`` becomes a Feather
+  priority class ranked as SGLang ranks it (``SGLangRequests.priority``), so the runtime's
+  strict priority puts the most urgent class waiting first; SGLang's own priority
+  preemption (``PrefillAdder.preempt_to_schedule``: when the batch is full, running
+  requests whose priority is more than ``--priority-scheduling-preemption-threshold``
+  less urgent make room) acts only for a request Feather admits, and the requests it
+  preempts re-enter waiting through ``_add_request_to_queue``; a waiting request SGLang
+  aborts for a more urgent one when its queue is full (``--max-queued-requests``) is
+  forgotten at the next reconciliation.
+
+Faults: an exception in Feather's code (tree, queue, gate, meter, metrics sink, order) is
+contained (``runtime.FaultGuard``): the round continues with SGLang's own admission, the
+next rounds take SGLang's own ``fcfs`` order until Feather's picture is rebuilt from
+SGLang's queues, and repeated faults turn Feather off for the scheduler.
+
+Unsupported modes (``_unsupported``: tensor or pipeline parallelism, PD disaggregation or
+multiplexing, diffusion LLMs, hierarchical sparse attention) fail the scheduler's start-up
+with an error saying why.  Options: ``FEATHER_*`` environment variables
+(see ``feather_sched.core.config``), or a JSON object in ``FEATHER_SGLANG_OPTIONS`` (the
+launcher's ``--feather-options``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from operator import attrgetter
+from typing import Any
+
+from feather_sched.core import (
+    Decision,
+    EngineShape,
+    FeatherConfig,
+    FeatherConfigError,
+    FeatherRuntime,
+    QueueState,
+    SharedPrefixes,
+    group_of,
+    token_chunk_keys,
+)
+from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
+from feather_sched.telemetry.steplog import BatchEntry
+
+prepare_sglang_import()  # before the first SGLang import (see stand_ins)
+
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
+from sglang.srt.managers.schedule_policy import (  # noqa: E402
+    AddReqResult,
+    PrefillAdder,
+    SchedulePolicy,
+)
+
+logger = logging.getLogger("sglang.feather_sched")
+
+POLICY_NAME = "feather"
+"""What ``--schedule-policy`` takes under the launcher."""
+BASE_POLICY = "fcfs"
+"""The SGLang policy the engine is configured with underneath Feather."""
+ENV_ENABLE = "FEATHER_SGLANG"
+ENV_OPTIONS = "FEATHER_SGLANG_OPTIONS"
+
+
+def feather_enabled(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``FEATHER_SGLANG`` selects Feather in this process (and its children)."""
+    return environ.get(ENV_ENABLE, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def feather_options(environ: Mapping[str, str] = os.environ, *, dp_rank: int = 0,
+                    dp_ranks: int = 1) -> FeatherConfig:
+    """Feather's options: ``FEATHER_SGLANG_OPTIONS`` (JSON) over ``FEATHER_*`` variables,
+    for the scheduler of data-parallel rank ``dp_rank`` of ``dp_ranks`` (its files)."""
+    raw = environ.get(ENV_OPTIONS)
+    options = None
+    if raw:
+        try:
+            options = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise FeatherConfigError(f"{ENV_OPTIONS}: not JSON: {error}") from None
+        if not isinstance(options, dict):
+            raise FeatherConfigError(f"{ENV_OPTIONS}: expected a JSON object")
+    return FeatherConfig.from_sources(options, environ, dp_rank=dp_rank, dp_ranks=dp_ranks)
+
+
+class SGLangRequests:
+    """``RequestView`` of SGLang's ``Req``: chunk keys from ``origin_input_ids``, priority
+    classes from ``Req.priority`` as the scheduler's settings rank it."""
+
+    def __init__(self, chunk_tokens: int, *, priority_scheduling: bool = False,
+                 low_priority_values_first: bool = False) -> None:
+        """``priority_scheduling``, ``low_priority_values_first``: SGLang's
+        ``enable_priority_scheduling`` and ``schedule_low_priority_values_first``."""
+        self.chunk_tokens = chunk_tokens
+        self.priority_scheduling = priority_scheduling
+        self.low_priority_values_first = low_priority_values_first
+
+    request_id = attrgetter("rid")
+    """The request's id (an attrgetter: the runtime maps it over the running list)."""
+
+    def chunk_keys(self, req: Req) -> list:
+        if not len(req.origin_input_ids):
+            return []  # an empty prompt shares nothing (SGLang decides what to do with it)
+        return token_chunk_keys(req.origin_input_ids, self.chunk_tokens)
+
+    def prompt_tokens(self, req: Req) -> int:
+        return len(req.origin_input_ids)
+
+    def arrival_s(self, req: Req) -> None:
+        return None  # now, on the runtime's clock
+
+    def priority(self, req: Req) -> int:
+        """The class (lower more urgent) in SGLang's order of urgency: 0 without priority
+        scheduling (SGLang then ignores ``Req.priority``); ``Req.priority`` when low values
+        go first; else ``~priority`` (``-1 - priority``: SGLang's default runs high values
+        first; unlike negation it stays in SGLang's signed 64-bit range, where Feather's
+        fairness bound stores classes).  None, not yet given SGLang's default, is least
+        urgent, as that default makes it."""
+        if not self.priority_scheduling:
+            return 0
+        value = req.priority
+        if value is None:
+            return sys.maxsize
+        return value if self.low_priority_values_first else ~value
+
+
+def is_decode_step(batch: ScheduleBatch) -> bool:
+    """A batch that decodes the running requests (mixed chunked prefill included)."""
+    mode = batch.forward_mode
+    return mode.is_decode() or mode.is_mixed()
+
+
+class FeatherSGLang:
+    """One SGLang scheduler's Feather: the runtime, SGLang's rounds and steps translated."""
+
+    def __init__(self, config: FeatherConfig | None = None, *,
+                 seats: int | None = None, kv_tokens: int | None = None,
+                 engine: EngineShape | None = None, priority_scheduling: bool = False,
+                 low_priority_values_first: bool = False) -> None:
+        """``seats``: SGLang's ``max_running_requests``; ``kv_tokens``: its
+        ``max_total_num_tokens`` (the KV pool); ``engine``: its device and model
+        (``engine_shape``); each where known.  ``priority_scheduling`` and
+        ``low_priority_values_first``: the scheduler's ``enable_priority_scheduling`` and
+        ``schedule_low_priority_values_first`` (how ``Req.priority`` ranks)."""
+        self.config = config if config is not None else FeatherConfig()
+        view = SGLangRequests(self.config.chunk_tokens, priority_scheduling=priority_scheduling,
+                              low_priority_values_first=low_priority_values_first)
+        self.runtime: FeatherRuntime[Req] = FeatherRuntime(
+            self.config, view, name="FeatherSGLang", seats=seats, kv_tokens=kv_tokens,
+            engine=engine)
+        self._bound: list[Req] | None = None
+        self._cursor = 0
+        self._next_decode = 0
+        """The key of the next decode step: the rounds before it are rewarded with it."""
+        self._decodes: dict[int, int] = {}
+        """SGLang's launch counter of a decode batch -> its key."""
+        self._batches: dict[int, list[BatchEntry]] = {}
+        """Launch counter -> the batch as the step log describes it (step log or model gate)."""
+        self.adder_class: type[FeatherPrefillAdder] = type(
+            "BoundFeatherPrefillAdder", (FeatherPrefillAdder,), {"feather": self}
+        )
+        """``PrefillAdder`` subclass that consults this runtime (what the scheduler builds)."""
+        self.faults = self.runtime.faults
+        self._in_round = False
+        """Feather's code serves this round (no fault in it; Feather not off)."""
+
+    # ---- rounds -----------------------------------------------------------------------
+
+    def begin_round(self, running: Iterable[Req], waiting: Iterable[Req]) -> None:
+        """A round starts: after a fault, Feather's picture is rebuilt from SGLang's
+        running and waiting requests first; a fault here leaves the round to SGLang."""
+        faults = self.faults
+        self._bound = None
+        self._in_round = faults.active
+        if not self._in_round:
+            return
+        running, waiting = list(running), list(waiting)
+        try:
+            if faults.dirty:
+                self.runtime.resync(running, waiting)
+            elif not waiting:  # no round will reconcile the waiting side: do it here
+                self.runtime.reconcile(running, waiting)
+            self.runtime.begin_pass(running)
+        except Exception as error:
+            self.fault("begin_pass", error)
+
+    def order(self, waiting: list[Req], running: Iterable[Req]) -> bool:
+        """Reconcile with SGLang's queues, then sort ``waiting`` in place in Feather's order
+        (the runtime's candidate, then by priority class, then as the tree ranks them) and
+        remember it for this round.  False, and ``waiting`` as it was, when Feather is out
+        of the round (a fault, here or before; or off)."""
+        if not self._in_round:
+            return False
+        try:
+            self._order(waiting, running)
+        except Exception as error:
+            self.fault("order", error)
+            return False
+        return True
+
+    def _order(self, waiting: list[Req], running: Iterable[Req]) -> None:
+        runtime = self.runtime
+        runtime.reconcile(running, waiting)
+        self._bound, self._cursor = waiting, 0
+        first = runtime.candidate()
+        if first is None:
+            return
+        queue = runtime.queue
+        first_id = first.rid
+
+        def rank(req: Req) -> tuple[int, int, int, int]:
+            rid = req.rid
+            if rid == first_id:
+                return (0, 0, 0, 0)
+            if queue.state(rid) is not QueueState.WAITING:
+                return (2, 0, 0, 0)
+            tree = queue.tree
+            return (1, queue.priority(rid), tree.missing_chunks(rid), tree.arrival_order(rid))
+
+        waiting.sort(key=rank)
+
+    def stops(self, req: Req) -> bool:
+        """Whether Feather's answer for the request SGLang offers is STOP (never while
+        Feather is out of the round: SGLang's own admission then)."""
+        if not self._in_round:
+            return False
+        try:
+            answer = self.runtime.decide(req)
+        except Exception as error:
+            self.fault("decide", error)
+            return False
+        return answer is not None and answer.decision is Decision.STOP
+
+    def admitted(self, req: Req) -> None:
+        """SGLang admitted ``req``: the runtime admits it; the next best comes up."""
+        if not self._in_round:
+            return
+        try:
+            self._admitted(req)
+        except Exception as error:
+            self.fault("admit", error)
+
+    def _admitted(self, req: Req) -> None:
+        runtime = self.runtime
+        runtime.admit(req)
+        bound = self._bound
+        if bound is None:
+            return
+        try:
+            position = bound.index(req, self._cursor)
+        except ValueError:
+            return
+        self._cursor = position + 1
+        following = runtime.candidate()
+        if following is None:
+            return
+        try:
+            found = bound.index(following, position + 1)
+        except ValueError:
+            return
+        if found != position + 1:
+            bound.insert(position + 1, bound.pop(found))
+
+    def end_round(self, running: Iterable[Req], started: float) -> None:
+        """The round, begun at ``started`` (``time.perf_counter``), formed the next decode
+        step's batch."""
+        self._bound = None
+        if self._in_round:
+            try:
+                self.runtime.end_pass(self._next_decode, list(running))
+            except Exception as error:
+                self.fault("end_pass", error)
+        if self.faults.active:
+            try:
+                self.runtime.meter.scheduled(time.perf_counter() - started)
+            except Exception as error:
+                self.fault("meter", error)
+
+    def fault(self, where: str, error: Exception) -> None:
+        """Feather's code raised in ``where``: counted and logged (``FaultGuard``); SGLang's
+        own admission for the rest of the round, its own order from the next round until
+        Feather's picture is rebuilt (``begin_round``)."""
+        self.faults.fault(where, error)
+        self._in_round = False
+        self._bound = None
+
+    # ---- steps ------------------------------------------------------------------------
+
+    def launched(self, batch: ScheduleBatch) -> None:
+        """A batch went to the device; a decode batch takes the waiting rounds' key."""
+        if is_decode_step(batch):
+            self._decodes[batch.forward_iter] = self._next_decode
+            self._next_decode += 1
+        if self.runtime.wants_batches and self.faults.active:
+            try:
+                self._batches[batch.forward_iter] = self.batch_entries(batch)
+            except Exception as error:
+                self.fault("step", error)
+
+    def processed(self, batch: ScheduleBatch, seconds: float) -> None:
+        """A batch's result was processed: finished requests leave; the step is rewarded
+        (while a fault is pending, the next round's rebuild lets them leave)."""
+        launch = batch.forward_iter
+        key: Hashable = self._decodes.pop(launch, ("prefill", launch))
+        entries = self._batches.pop(launch, None)
+        if not self.faults.active:
+            return
+        try:
+            if not self.faults.dirty:
+                for req in batch.reqs:
+                    if req.finished():
+                        self.runtime.discard(req.rid)
+            self.runtime.end_step(key, batch.batch_size(), seconds, entries)
+        except Exception as error:
+            self.fault("step", error)
+
+    def batch_entries(self, batch: ScheduleBatch) -> list[BatchEntry]:
+        """The batch in its order, as the step log describes it (chunk granularity)."""
+        runtime = self.runtime
+        decoding = {id(req) for req in (batch.decoding_reqs or [])} \
+            if batch.forward_mode.is_mixed() else set()
+        keys = [runtime.queue.keys(req.rid) if req.rid in runtime else
+                runtime.view.chunk_keys(req) for req in batch.reqs]
+        shared = SharedPrefixes(keys)
+        entries = []
+        for req, req_keys in zip(batch.reqs, keys, strict=True):
+            if batch.forward_mode.is_decode() or id(req) in decoding:
+                context, new = len(req.origin_input_ids) + len(req.output_ids), 1
+            else:
+                context, new = req.extend_end, req.extend_len
+            shared_tokens = shared.shared_keys(req_keys) * self.config.chunk_tokens
+            entries.append(BatchEntry(group_of(req_keys, req.rid),
+                                      min(shared_tokens, context), context, new))
+        return entries
+
+    def order_running(self, batch: ScheduleBatch) -> None:
+        """Put the running decode batch in Feather's order, if it is not already and a
+        group runs (SGLang's order while a fault is pending or Feather is off)."""
+        if len(batch.reqs) < 2 or not self.faults.active or self.faults.dirty or \
+                not self.runtime.batch_has_groups:
+            return
+        try:
+            order = positions(batch.reqs, self.runtime.batch_order(batch.reqs))
+        except Exception as error:
+            self.fault("order_running", error)
+            return
+        if order == list(range(len(order))):
+            return
+        permute_batch(batch, order)
+        self.runtime.meter.stats.reordered_batches += 1
+
+    def retraction_order(self, reqs: list[Req]) -> list[int] | None:
+        """The indices of ``reqs`` in Feather's retraction order, which is its running
+        order (the end first); None while a fault is pending or Feather is off (SGLang's
+        own order then)."""
+        if not self.faults.active or self.faults.dirty:
+            return None
+        try:
+            return positions(reqs, self.runtime.order(reqs))
+        except Exception as error:
+            self.fault("retraction_order", error)
+            return None
+
+    def retracted(self, reqs: Iterable[Req]) -> None:
+        """SGLang retracted ``reqs`` for KV room: preemptions, counted per request, class
+        and group (``FeatherRuntime.preempted``)."""
+        if not self.faults.active or self.faults.dirty:
+            return
+        try:
+            for req in reqs:
+                self.runtime.preempted(req)
+        except Exception as error:
+            self.fault("preempted", error)
+
+    def entered(self, req: Req) -> None:
+        """SGLang put ``req`` at the end of its waiting queue."""
+        if not self.faults.active or self.faults.dirty:
+            return
+        try:
+            self.runtime.enter_waiting(req)
+        except Exception as error:
+            self.fault("enter_waiting", error)
+
+
+def positions(reqs: list[Req], ordered: list[Req]) -> list[int]:
+    """The indices in ``reqs`` of ``ordered``'s requests, in its order; RuntimeError if
+    ``ordered`` is not a permutation of ``reqs``."""
+    place = {id(req): i for i, req in enumerate(reqs)}
+    order = [place[id(req)] for req in ordered]
+    if len(set(order)) != len(reqs):
+        raise RuntimeError("Feather's running order is not a permutation of the batch")
+    return order
+
+
+def permute_batch(batch: ScheduleBatch, order: list[int]) -> None:
+    """Reorder a batch's requests and every per-request field with SGLang's own
+    ``filter_batch``.  It skips a "filter" that keeps every request, so a placeholder is
+    appended to ``reqs`` for the call; it is never indexed and does not survive it."""
+    reqs = batch.reqs
+    reqs.append(reqs[0])
+    try:
+        batch.filter_batch(keep_indices=order)
+    finally:
+        if batch.reqs is reqs:
+            reqs.pop()
+
+
+class FeatherSchedulePolicy(SchedulePolicy):
+    """SGLang's ``fcfs`` policy with the waiting queue ordered by the Chunked Hash Tree."""
+
+    def __init__(
+        self,
+        feather: FeatherSGLang,
+        tree_cache: Any,
+        enable_hierarchical_cache: bool = False,
+        enable_priority_scheduling: bool = False,
+        schedule_low_priority_values_first: bool = False,
+        chunked_req: Callable[[], Req | None] = lambda: None,
+    ):
+        super().__init__(
+            BASE_POLICY,
+            tree_cache,
+            enable_hierarchical_cache,
+            enable_priority_scheduling,
+            schedule_low_priority_values_first,
+        )
+        self.feather = feather
+        self.chunked_req = chunked_req
+        """The scheduler's request between prefill chunks (running, in no batch)."""
+
+    def calc_priority(
+        self,
+        waiting_queue: list[Req],
+        running_batch: ScheduleBatch | None = None,
+        processed_tokens: int = 0,
+    ) -> None:
+        super().calc_priority(waiting_queue, running_batch, processed_tokens)
+        if not self.feather.order(waiting_queue,
+                                  running_requests(running_batch, chunked=self.chunked_req())):
+            waiting_queue.sort(key=self.fcfs_key)  # SGLang's own order, which Feather undid
+
+    def fcfs_key(self, req: Req) -> tuple[int, float]:
+        """SGLang's ``fcfs`` order: by queue entry (its list's order before Feather sorted
+        it), after the priority class under priority scheduling."""
+        entered = req.time_stats.wait_queue_entry_time
+        if not self.enable_priority_scheduling:
+            return 0, entered
+        return req.priority * self.priority_sign, entered
+
+
+class FeatherPrefillAdder(PrefillAdder):
+    """SGLang's ``PrefillAdder`` that asks Feather about each request SGLang offers."""
+
+    feather: FeatherSGLang
+    """Set on the per-scheduler subclass (``FeatherSGLang.adder_class``)."""
+
+    def add_one_req(self, req: Req, has_chunked_req: bool, truncation_align_size: int | None):
+        feather = self.feather
+        if feather.stops(req):
+            return AddReqResult.OTHER
+        result = super().add_one_req(req, has_chunked_req, truncation_align_size)
+        if self.can_run_list and self.can_run_list[-1] is req:
+            feather.admitted(req)
+        return result
+
+    def preempt_to_schedule(self, req: Req) -> bool:
+        """SGLang's priority preemption for ``req`` (the batch is full), only if Feather
+        would admit it: on STOP nothing is preempted and SGLang's round ends, as it would
+        at ``add_one_req``, instead of releasing running requests for nothing."""
+        return not self.feather.stops(req) and super().preempt_to_schedule(req)
+
+
+# ---- scheduler hooks (applied by SGLang's HookRegistry) ------------------------------
+
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+
+
+def running_requests(*batches: ScheduleBatch | None, chunked: Req | None) -> list[Req]:
+    """What SGLang runs: the requests of ``batches`` and the chunked request (between its
+    chunks it is in no batch), less finished ones (their result already let them go)."""
+    running: list[Req] = []
+    seen: set[int] = set()
+    for req in [r for b in batches if b is not None for r in b.reqs] + [chunked]:
+        if req is not None and id(req) not in seen and not req.finished():
+            seen.add(id(req))
+            running.append(req)
+    return running
+
+
+def engine_shape(scheduler: Any) -> EngineShape | None:
+    """The scheduler's device and model in Feather's terms (the model gate's prior);
+    None where it has no model config.  Feather runs only without tensor or pipeline
+    parallelism here (``_unsupported`` refuses them), so the shape is the whole model's."""
+    model = getattr(scheduler, "model_config", None)
+    if model is None:
+        return None
+    from sglang.srt.runtime_context import get_device
+    from sglang.srt.utils.common import get_device_name
+
+    try:
+        device = get_device_name(get_device().gpu_id or 0)
+    except Exception as error:  # the name only picks a prior: never fatal
+        logger.info("Feather: no device name from SGLang (%s)", error)
+        device = None
+    return EngineShape(device_name=device, model_config=model.hf_text_config.to_dict(),
+                       dtype_bytes=model.dtype.itemsize)
+
+
+_process_feather: FeatherSGLang | None = None
+"""The Feather of this process's scheduler (SGLang runs one scheduler per process), for
+the hook on ``ScheduleBatch``'s retraction order, which sees only requests."""
+
+
+def _hook_init_schedule_policy(original: Callable, scheduler: Any, *args: Any, **kwargs: Any):
+    global _process_feather
+    result = original(scheduler, *args, **kwargs)
+    scheduler.feather = None
+    if not feather_enabled():
+        return result
+    reason = _unsupported(scheduler)
+    if reason:
+        raise FeatherConfigError(f"--schedule-policy feather cannot run in this SGLang "
+                                 f"scheduler: {reason}; use one of SGLang's own policies")
+    from sglang.srt.runtime_context import get_parallel
+
+    dp_ranks = get_parallel().num_dp_ranks  # --dp-size: a scheduler process per rank
+    dp_rank = (get_parallel().dp_rank or 0) if dp_ranks > 1 else 0  # stated at spawn
+    feather = FeatherSGLang(feather_options(dp_rank=dp_rank, dp_ranks=dp_ranks),
+                            seats=getattr(scheduler, "max_running_requests", None),
+                            kv_tokens=getattr(scheduler, "max_total_num_tokens", None),
+                            engine=engine_shape(scheduler),
+                            priority_scheduling=scheduler.enable_priority_scheduling,
+                            low_priority_values_first=scheduler.schedule_low_priority_values_first)
+    scheduler.feather = _process_feather = feather
+    scheduler.policy = FeatherSchedulePolicy(
+        feather,
+        scheduler.tree_cache,
+        scheduler.enable_hierarchical_cache,
+        scheduler.enable_priority_scheduling,
+        scheduler.schedule_low_priority_values_first,
+        chunked_req=lambda: scheduler.chunked_req,
+    )
+    logger.info("Feather scheduling policy: %s", feather.config)
+    return result
+
+
+def _hook_get_prefill_adder_class(original: Callable, scheduler: Any, *args: Any, **kwargs: Any):
+    feather = getattr(scheduler, "feather", None)
+    if feather is None:
+        return original(scheduler, *args, **kwargs)
+    return feather.adder_class
+
+
+def _hook_add_request_to_queue(original: Callable, scheduler: Any, req: Any, *args: Any,
+                               **kwargs: Any):
+    result = original(scheduler, req, *args, **kwargs)
+    feather = getattr(scheduler, "feather", None)
+    if feather is not None:
+        waiting = scheduler.waiting_queue
+        if waiting and waiting[-1] is req:
+            feather.entered(req)
+    return result
+
+
+def _hook_get_new_batch_prefill(original: Callable, scheduler: Any, *args: Any,
+                                **kwargs: Any):
+    feather = getattr(scheduler, "feather", None)
+    if feather is None:
+        return original(scheduler, *args, **kwargs)
+    started = time.perf_counter()
+    running_batch = kwargs.get("running_batch", args[0] if args else None)
+    feather.begin_round(running_requests(running_batch, chunked=scheduler.chunked_req),
+                        scheduler.waiting_queue)
+    plan = original(scheduler, *args, **kwargs)
+    feather.end_round(running_requests(plan.running_batch, plan.batch_to_run,
+                                       chunked=scheduler.chunked_req), started)
+    return plan
+
+
+def _hook_update_running_batch(original: Callable, scheduler: Any, batch: Any, *args: Any,
+                               **kwargs: Any):
+    feather = getattr(scheduler, "feather", None)
+    if feather is not None:
+        feather.order_running(batch)
+    return original(scheduler, batch, *args, **kwargs)
+
+
+def _hook_run_batch(original: Callable, scheduler: Any, batch: Any, *args: Any, **kwargs: Any):
+    result = original(scheduler, batch, *args, **kwargs)
+    feather = getattr(scheduler, "feather", None)
+    if feather is not None:
+        feather.launched(batch)
+    return result
+
+
+def _hook_process_batch_result(original: Callable, scheduler: Any, batch: Any, *args: Any,
+                               **kwargs: Any):
+    result = original(scheduler, batch, *args, **kwargs)
+    feather = getattr(scheduler, "feather", None)
+    launched = getattr(batch, "launch_ts", None)
+    if feather is not None and launched is not None:
+        feather.processed(batch, time.monotonic() - launched)
+    return result
+
+
+def _hook_decode_retraction_order(original: Callable, reqs: list, *args: Any,
+                                  **kwargs: Any) -> list[int]:
+    """The order SGLang retracts decoding requests from (the end first): under Feather, its
+    running order, so the newest member of the youngest group of the least urgent class
+    goes first (``FeatherRuntime.preemption_victim``'s rule) instead of SGLang's
+    fewest-output-tokens first (or its ``--retraction-policy priority``)."""
+    feather = _process_feather
+    order = None if feather is None else feather.retraction_order(reqs)
+    return original(reqs, *args, **kwargs) if order is None else order
+
+
+def _hook_retract_decode(original: Callable, batch: Any, *args: Any, **kwargs: Any):
+    """SGLang's retraction under memory pressure: its retracted requests are counted as
+    preemptions."""
+    result = original(batch, *args, **kwargs)
+    feather = _process_feather
+    if feather is not None:
+        feather.retracted(result[0])
+    return result
+
+
+HOOKS: dict[str, Callable] = {
+    f"{_SCHEDULER}.init_schedule_policy": _hook_init_schedule_policy,
+    f"{_SCHEDULER}.get_prefill_adder_class": _hook_get_prefill_adder_class,
+    f"{_SCHEDULER}._add_request_to_queue": _hook_add_request_to_queue,
+    f"{_SCHEDULER}.get_new_batch_prefill": _hook_get_new_batch_prefill,
+    f"{_SCHEDULER}.update_running_batch": _hook_update_running_batch,
+    f"{_SCHEDULER}.run_batch": _hook_run_batch,
+    f"{_SCHEDULER}.process_batch_result": _hook_process_batch_result,
+    "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order":
+        _hook_decode_retraction_order,
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode": _hook_retract_decode,
+}
+"""Hook target -> AROUND hook; each is inert on a scheduler without ``feather``."""
+
+_registered = False
+
+
+def register() -> None:
+    """Register Feather's scheduler hooks with SGLang (idempotent; a general plugin).
+
+    They take effect when SGLang's ``load_plugins()`` applies its ``HookRegistry``, as every
+    scheduler process does first thing.
+    """
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
+
+    source = HookSource(plugin_name="feather", dist_name="feather-sched")
+    for target, hook in HOOKS.items():
+        HookRegistry.register(target, hook, HookType.AROUND, source=source)
+    _registered = True
+
+
+def _unsupported(scheduler: Any) -> str | None:
+    """Why Feather cannot drive this scheduler, or None (then start-up is refused)."""
+    from sglang.srt.runtime_context import get_disagg, get_parallel
+
+    mode = getattr(get_disagg(), "disaggregation_mode", "null")
+    if mode not in (None, "null"):
+        return f"PD disaggregation ({mode}) schedules through its own queues"
+    if getattr(scheduler, "dllm_config", None) is not None:
+        return "diffusion LLM scheduling builds its own PrefillAdder"
+    parallel = get_parallel()
+    if getattr(parallel, "pp_size", 1) > 1:
+        return "pipeline parallelism schedules per micro-batch"
+    if getattr(parallel, "tp_size", 1) > 1:
+        return (f"tensor parallelism (tp_size {parallel.tp_size}) runs one scheduler per "
+                "rank, and every rank must form the same batches; Feather's decisions read "
+                "per-process inputs (its clock, the step times its gate learns from), and a "
+                "fault it contains on one rank would put that rank alone on SGLang's order: "
+                "the ranks would diverge and hang the group")
+    if getattr(scheduler, "enable_pdmux", False):
+        return "PD multiplexing runs its own split-prefill loop"
+    if getattr(scheduler, "enable_hisparse", False):
+        return "hierarchical sparse attention stages requests outside SGLang's queues"
+    return None

@@ -1,0 +1,24 @@
+"""Feather in vLLM 0.32: ``scheduler`` (the schedulers: ``FeatherScheduler``, its sync
+variant and the instrumented baselines), ``batch_order`` (the worker-side batch layout),
+``attention`` and ``attention_gpu`` (the shared-prefix attention backends), ``block_hash``
+and ``kv_events`` (vLLM's block hashes and KV events, for the router).
+
+The public path ``feather_sched.integrations.vllm.FeatherScheduler`` (vLLM's
+``--scheduler-cls``) resolves here lazily, so the plugins vLLM loads in every process
+(``batch_order``, ``attention``, ``attention_gpu``) import no scheduler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SCHEDULERS = ("FeatherScheduler", "FeatherSyncScheduler", "InstrumentedScheduler",
+              "InstrumentedSyncScheduler")
+
+
+def __getattr__(name: str) -> Any:
+    if name in SCHEDULERS:
+        from feather_sched.integrations.vllm import scheduler
+
+        return getattr(scheduler, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

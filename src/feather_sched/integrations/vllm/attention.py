@@ -1,0 +1,202 @@
+"""Shared-prefix decode attention inside vLLM 0.32's CPU backend (a vLLM general plugin).
+
+``register`` (entry point ``vllm.general_plugins``, loaded in every vLLM process before
+the model is built) points vLLM's ``CPU_ATTN`` backend at ``SharedPrefixCPUBackend``, a
+subclass that behaves exactly as vLLM's own unless Feather's option
+``shared_prefix_attention`` turns it on (``auto``, the default: with ``FeatherScheduler``).
+Where on, each step's builder finds the decode rows that share leading KV blocks
+(``feather_sched.attention.groups``) and hands vLLM's kernel the batch with those rows cut
+to one token; each layer's forward then runs vLLM's kernel once as usual and replaces the
+grouped rows' outputs with the exact merge of each group's prefix, attended once for all
+its queries, and each row's suffix (``attention.cpu_kernel``).
+
+Where it cannot act, vLLM's path runs unchanged and the engine log says why, once: the
+option is off, the KV cache is in neither layout the kernel reads ("vec", and "amx",
+vLLM's bf16 layout on CPUs with AMX; NEON and other ISAs prepack it their own way), an
+fp8 KV cache, no C++ compiler to build the kernel, under
+``auto`` a CPU without AVX-512 (the portable kernel is exact but no faster than vLLM's),
+or a layer with sliding windows, ALiBi, soft-capping, sinks or non-decoder attention.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+from vllm.v1.kv_cache_interface import CrossAttentionSpec, EncoderOnlyAttentionSpec
+
+from feather_sched.attention import cpu_kernel
+from feather_sched.attention.groups import StepPlan, min_blocks, plan_step
+
+logger = logging.getLogger("vllm.feather_sched")
+_announced: set[str] = set()
+
+
+def register() -> None:
+    """Entry point: make vLLM's CPU_ATTN resolve to ``SharedPrefixCPUBackend`` (CPU only)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if current_platform.is_cpu():
+        register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.SharedPrefixCPUBackend")
+
+
+def announce(message: str) -> None:
+    """Log ``message`` once per process (every builder and layer decides the same)."""
+    if message not in _announced:
+        _announced.add(message)
+        logger.info("Feather shared-prefix attention: %s", message)
+
+
+def attention_options(vllm_config: Any) -> tuple[str, int | None]:
+    """The engine's ``shared_prefix_attention`` option (``auto``, ``on`` or ``off``) and
+    its ``shared_prefix_min_tokens``."""
+    from feather_sched.integrations.vllm.scheduler import feather_options
+
+    options = feather_options(vllm_config)
+    return options.shared_prefix_attention, options.shared_prefix_min_tokens
+
+
+def decide(vllm_config: Any, mode: str) -> str | None:
+    """Why option ``mode`` leaves vLLM's path alone, or None when it asks for shared
+    prefixes."""
+    from feather_sched.integrations.vllm.scheduler import is_feather_scheduler
+
+    if mode == "off":
+        return "off (option shared_prefix_attention)"
+    scheduler = vllm_config.scheduler_config.get_scheduler_cls()
+    if mode == "auto" and not is_feather_scheduler(scheduler):
+        return "off (auto, and the scheduler is not Feather's)"
+    return None
+
+
+@dataclass
+class SharedPrefixMetadata(CPUAttentionMetadata):
+    """vLLM's CPU metadata for the batch with grouped rows cut to one token, the step's
+    plan, and the unmodified metadata for layers that cannot act."""
+
+    plan: StepPlan | None = None
+    original: CPUAttentionMetadata | None = None
+
+
+class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's builder, plus the step's prefix groups where shared prefixes are on."""
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        mode, min_tokens = attention_options(vllm_config)
+        reason = decide(vllm_config, mode) or self._layout_problem(kv_cache_spec, mode)
+        self.shared_prefixes = reason is None
+        self.min_shared_blocks = min_blocks(self.block_size, min_tokens or cpu_kernel
+                                            .MIN_SHARED_TOKENS_BY_LAYOUT.get(self.isa, 0))
+        announce(reason or f"on (isa {self.isa}, {self.dtype}, block size {self.block_size}, "
+                           f"{'AVX-512' if cpu_kernel.vectorized() else 'portable'} kernel, "
+                           f"groups from {self.min_shared_blocks} shared blocks)")
+
+    def _layout_problem(self, kv_cache_spec: Any, mode: str) -> str | None:
+        if isinstance(kv_cache_spec, CrossAttentionSpec | EncoderOnlyAttentionSpec):
+            return "off for cross and encoder-only attention"
+        if self.isa not in cpu_kernel.LAYOUT_CODES:
+            return (f"off: the kernel reads the {sorted(cpu_kernel.LAYOUT_CODES)} KV layouts, "
+                    f"this engine uses '{self.isa}'")
+        if self.kv_cache_dtype != "auto" or self.dtype not in cpu_kernel.DTYPE_CODES:
+            return f"off: KV cache dtype {self.kv_cache_dtype} / {self.dtype}"
+        try:
+            fast = cpu_kernel.vectorized()
+        except cpu_kernel.KernelUnavailable as error:
+            return f"off: {error}"
+        if not fast and mode == "auto":
+            return ("off: this CPU has no AVX-512, where the kernel is exact but no faster "
+                    "than vLLM's (shared_prefix_attention: on uses it all the same)")
+        return None
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> CPUAttentionMetadata:
+        original = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        plan = self._plan(common_attn_metadata)
+        if plan is None:
+            return original
+        cut = replace(common_attn_metadata, seq_lens=plan.seq_lens)
+        metadata = super().build(common_prefix_len, cut, fast_build)
+        values = {f.name: getattr(metadata, f.name) for f in fields(CPUAttentionMetadata)}
+        return SharedPrefixMetadata(**values, plan=plan, original=original)
+
+    def _plan(self, common: CommonAttentionMetadata) -> StepPlan | None:
+        """The step's groups; None at once where no row is long enough to hold a group's
+        shortest prefix (``max_seq_len`` bounds every row: O(1), where an "amx" cache's
+        8K-token threshold is above every prompt of most workloads)."""
+        if not self.shared_prefixes or common.causal is not True or \
+                common.max_seq_len < self.min_shared_blocks * self.block_size:
+            return None
+        return plan_step(common.block_table_tensor, common.seq_lens,
+                         common.query_start_loc_cpu, common.num_reqs, self.block_size,
+                         self.min_shared_blocks)
+
+
+class SharedPrefixCPUImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention, then the grouped rows from their prefix and suffix parts."""
+
+    acts: bool | None = None
+    """Whether this layer can act (decided at its first grouped step)."""
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(attn_metadata, SharedPrefixMetadata):
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        if not self._acts(layer, query, kv_cache):
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata.original,
+                                   output, output_scale, output_block_scale)
+        super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                        output_scale, output_block_scale)
+        cpu_kernel.attend_groups(attn_metadata.plan, query, kv_cache, self.scale, output,
+                                 layer.isa)
+        return output
+
+    def _acts(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        if self.acts is None:
+            reason = self._layer_problem(layer, query, kv_cache)
+            self.acts = reason is None
+            if reason:
+                announce(f"off for layers with {reason} (vLLM's kernel serves them)")
+        return self.acts
+
+    def _layer_problem(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
+        features = {"non-decoder attention": self.attn_type != AttentionType.DECODER,
+                    "a sliding window": self.sliding_window != -1,
+                    "ALiBi": self.alibi_slopes is not None,
+                    "soft-capping": bool(self.logits_soft_cap),
+                    "attention sinks": self.sinks is not None,
+                    "a quantized KV cache": self.is_fp8_kv_cache,
+                    f"KV layout '{getattr(layer, 'isa', None)}'":
+                        getattr(layer, "isa", None) not in cpu_kernel.LAYOUT_CODES,
+                    "a strided KV cache": not kv_cache.is_contiguous(),
+                    "a query dtype unlike the cache's": query.dtype != kv_cache.dtype,
+                    "query heads not packed": query.stride(2) != 1
+                        or query.stride(1) != query.shape[2]}
+        return next((name for name, present in features.items() if present), None)
+
+
+class SharedPrefixCPUBackend(CPUAttentionBackend):
+    """vLLM's CPU_ATTN backend with Feather's builder and forward (same name, so vLLM's
+    checks on the backend name, e.g. the NIXL connector's, still hold)."""
+
+    @staticmethod
+    def get_impl_cls() -> type[SharedPrefixCPUImpl]:
+        return SharedPrefixCPUImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[SharedPrefixCPUMetadataBuilder]:
+        return SharedPrefixCPUMetadataBuilder

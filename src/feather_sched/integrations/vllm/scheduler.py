@@ -1,0 +1,751 @@
+"""Feather inside vLLM's V1 engine (pinned: vLLM 0.32.0).
+
+Load with ``--scheduler-cls feather_sched.integrations.vllm.FeatherScheduler`` (server) or
+``LLM(..., scheduler_cls=FeatherScheduler)``.  The scheduler subclass is thin: it forwards
+five calls of vLLM's own scheduler to one component, which translates vLLM's types for
+the engine-agnostic ``FeatherRuntime`` (``feather_sched.runtime``):
+
+* the waiting queue is a ``FeatherWaitingQueue`` (vLLM's ``RequestQueue`` interface):
+  ``add_request``/``prepend_request(s)`` enter waiting, ``remove_request(s)`` discard,
+  its truth value is the gate's ADD/STOP (its length stays the true count), ``peek`` and
+  ``pop`` serve the runtime's candidate; a request vLLM pops and then skips (grammar not
+  ready, ``max_loras``, encoder or KV transfer, stale output) is noticed at the next
+  question, because vLLM appends every admitted request to ``running`` right after the
+  pop, and is held until vLLM hands it back;
+* ``schedule()`` is one pass: ``begin_pass`` reconciles the runtime with vLLM's
+  ``running`` list (so requests in vLLM's ``kv_holding_waiting`` queue, or a streaming
+  session between turns, are never counted as running) and puts ``running`` in Feather's
+  order (its end the first to preempt); ``end_pass`` binds the decisions that took effect
+  to the scheduler output;
+* ``update_from_output`` reports that output's step: its decisions get its reward, keyed
+  by the output itself, so under async scheduling (``schedule()`` of step N+1 before
+  ``update_from_output`` of step N) each reward reaches its own decisions;
+* ``_free_request`` (every finish and abort) discards, exactly once;
+* ``kv_holding_waiting``, which vLLM drains first and ungated, stays vLLM's queue but
+  reads as empty while its head would pass a request Feather's bound has made due
+  (``KvHoldingQueue``).
+
+Faults: an exception in Feather's code (tree, queue, gate, meter, metrics sink, running
+order) never reaches vLLM's ``schedule()``.  The waiting queue keeps every request in a
+dict of its own besides Feather's tree, so the pass goes on with vLLM's own
+``PriorityRequestQueue`` over them (arrival order, by class first under the priority
+policy) and vLLM's own admission; the fault is counted and logged
+(``runtime.FaultGuard``); the next pass rebuilds Feather's picture from vLLM's running
+list, waiting queue and ``kv_holding_waiting`` and Feather resumes; ``max_faults`` in a
+row turn it off for the engine.
+
+Priorities: under ``--scheduling-policy priority`` Feather's queue admits by class first
+(``request.priority``, lower more urgent): vLLM's priority order across classes, Feather's
+prefix order, gate and bound within one.
+
+Batch order: vLLM's Model Runner V2 (the GPU default) orders each step's decodes as the
+scheduler scheduled them, i.e. as ``running`` stands, so ordering ``running`` by prefix
+group orders the batch.  The V1 runner (CPU; some GPU modes) keeps a persistent batch of
+its own; Feather's worker plugin (``vllm_batch_order``) gathers each prefix group in
+it.  vLLM preempts the end of ``running`` (its FCFS rule, set while Feather serves the
+pass): the newest member of the youngest group of the least urgent class.
+
+``FeatherScheduler`` builds vLLM's ``AsyncScheduler`` variant when async scheduling is on
+(the GPU default) and ``FeatherSyncScheduler`` when it is off (always on CPU).
+``InstrumentedScheduler`` is vLLM's own scheduler with the same measurements only: the
+FCFS baseline of ``feather bench``.
+
+Options: ``--additional-config '{"feather": {"gate": "bandit", ...}}'`` or ``FEATHER_*``
+environment variables (see ``feather_sched.core.config``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from operator import attrgetter
+from typing import Any
+
+from vllm.platforms import current_platform
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.request_queue import (
+    PriorityRequestQueue,
+    RequestQueue,
+    SchedulingPolicy,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+from feather_sched.core import (
+    Admission,
+    Decision,
+    EngineShape,
+    FaultGuard,
+    FeatherConfig,
+    FeatherRuntime,
+    SharedPrefixes,
+    block_chunk_keys,
+    group_of,
+    keys_per_chunk,
+    token_chunk_keys,
+)
+from feather_sched.telemetry.stats import StepMeter
+from feather_sched.telemetry.steplog import BatchEntry
+
+logger = logging.getLogger("vllm.feather_sched")
+"""Under vLLM's logger, so Feather's lines appear in the engine's own log."""
+
+
+def _core_logs_through_vllm() -> None:
+    """Send the core's log lines (state file loaded, a write that failed) to vLLM's
+    handlers too, unless the application configured the ``feather_sched`` logger itself
+    (vLLM configures only its own logger, so INFO lines of the core were lost)."""
+    core = logging.getLogger("feather_sched")
+    if core.handlers:
+        return
+    for handler in logging.getLogger("vllm").handlers:
+        core.addHandler(handler)
+    core.setLevel(logging.INFO)
+
+
+_core_logs_through_vllm()
+
+MAX_STEPS_IN_FLIGHT = 64
+"""Scheduler outputs awaiting their result; more means the engine dropped some."""
+
+
+def feather_mapping(vllm_config: Any) -> Any:
+    """The ``"feather"`` entry of ``--additional-config`` (None without one)."""
+    additional = vllm_config.additional_config
+    return additional.get("feather") if isinstance(additional, dict) else None
+
+
+def feather_options(vllm_config: Any) -> FeatherConfig:
+    """Feather's options from ``--additional-config '{"feather": {...}}'`` or FEATHER_*,
+    its files this engine core's: its data-parallel rank is ``data_parallel_index`` (vLLM
+    runs a dense model's ranks as independent engines of data_parallel_size 1 and keeps
+    the count in ``elastic_ep_max_dp_size``)."""
+    parallel = vllm_config.parallel_config
+    return FeatherConfig.from_sources(
+        feather_mapping(vllm_config), dp_rank=parallel.data_parallel_index,
+        dp_ranks=max(parallel.data_parallel_size, parallel.elastic_ep_max_dp_size or 1))
+
+
+class VllmRequests:
+    """``RequestView`` of vLLM requests: chunk keys from the engine's own block hashes."""
+
+    def __init__(self, hash_block_size: int, chunk_tokens: int) -> None:
+        self.hash_block_size = hash_block_size
+        self.blocks_per_chunk = keys_per_chunk(hash_block_size, chunk_tokens)
+        self.chunk_tokens = self.blocks_per_chunk * hash_block_size
+        """Tokens a chunk key stands for: ``chunk_tokens`` in whole blocks (at least one)."""
+
+    request_id = attrgetter("request_id")
+    """The request's id (an attrgetter: the runtime maps it over the running list)."""
+
+    def chunk_keys(self, request: Request) -> list:
+        """Every k-th prompt block hash (no re-hashing), or token chunks without hashes."""
+        if request.block_hashes:
+            return block_chunk_keys(self.prompt_hashes(request), self.blocks_per_chunk)
+        if request.prompt_token_ids is None:
+            return []
+        return token_chunk_keys(request.prompt_token_ids, self.chunk_tokens)
+
+    def prompt_tokens(self, request: Request) -> int:
+        return request.num_prompt_tokens
+
+    def arrival_s(self, request: Request) -> float | None:
+        return request.arrival_time
+
+    def priority(self, request: Request) -> int:
+        return request.priority
+
+    def prompt_hashes(self, request: Request) -> list:
+        """The block hashes of the prompt's full blocks."""
+        return request.block_hashes[: request.num_prompt_tokens // self.hash_block_size]
+
+
+class FeatherWaitingQueue(RequestQueue):
+    """vLLM's ``RequestQueue`` interface over a ``FeatherRuntime``.
+
+    Every request vLLM puts in the queue is also kept in a dict of its own (O(1) per
+    call), apart from Feather's tree, so the requests never depend on Feather's code:
+    when that raises (``fall_back``), vLLM's own ``PriorityRequestQueue`` over them serves
+    the rest of the pass, and every pass once Feather is off: (priority, arrival) order,
+    which is arrival order under the FCFS policy (every priority 0).  ``pop_request``
+    returns the request of the last ``peek_request``, the one vLLM has just given KV.
+    """
+
+    def __init__(self, runtime: FeatherRuntime[Request], scheduler: Scheduler) -> None:
+        self.runtime = runtime
+        self.scheduler = scheduler
+        self._members: dict[str, Request] = {}
+        """Every request in the queue, by id, whatever Feather's state."""
+        self._fallback: PriorityRequestQueue | None = None
+        """vLLM's own queue over the members while Feather's code is out of the pass."""
+        self._engine_policy = scheduler.policy
+        """vLLM's policy as configured: its victim rule while Feather is out."""
+        self._peeked: Request | None = None
+        self._popped: Request | None = None
+
+    # ---- what vLLM's schedule() and request handling call -----------------------------
+
+    def add_request(self, request: Request) -> None:
+        self._members[request.request_id] = request
+        if self._fallback is not None:
+            self._fallback.add_request(request)
+            return
+        try:
+            self.runtime.enter_waiting(request)
+        except Exception as error:
+            self.fall_back("enter_waiting", error)
+
+    def prepend_request(self, request: Request) -> None:
+        """A preempted request, or one the admission loop skipped, comes back."""
+        self.add_request(request)
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self.add_request(request)
+
+    def remove_request(self, request: Request) -> None:
+        self.remove_requests((request,))
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        """Requests leave (finished or aborted), wherever vLLM had them."""
+        requests = list(requests)
+        for request in requests:
+            self._members.pop(request.request_id, None)
+        if self._fallback is not None:
+            self._fallback.remove_requests(requests)
+            return
+        try:
+            for request in requests:
+                self.runtime.discard(request.request_id)
+        except Exception as error:
+            self.fall_back("discard", error)
+
+    def __bool__(self) -> bool:
+        """The gate: True while a request waits and the answer for it is ADD.
+
+        When vLLM has no seat left it asks this first and then stops on its own check:
+        the gate is not asked then, since its answer could not shape the step.
+        """
+        if self._fallback is None:
+            try:
+                return self._admits()
+            except Exception as error:
+                self.fall_back("decide", error)
+        return bool(self._fallback)
+
+    def peek_request(self) -> Request:
+        if not self._members:
+            raise IndexError("peek from an empty FeatherWaitingQueue")
+        if self._fallback is None:
+            try:
+                self._peeked = self._candidate()
+                return self._peeked
+            except Exception as error:
+                self.fall_back("decide", error)
+        self._peeked = self._fallback.peek_request()
+        return self._peeked
+
+    def pop_request(self) -> Request:
+        request = self._peeked
+        if request is None or self._members.get(request.request_id) is not request:
+            request = self.peek_request()
+        self._peeked = None
+        del self._members[request.request_id]
+        fallback = self._fallback
+        if fallback is not None:
+            if fallback.peek_request() is request:
+                fallback.pop_request()
+            else:  # peeked from Feather's queue before the fall-back: O(waiting)
+                fallback.remove_request(request)
+            return request
+        try:
+            self.runtime.admit(request)
+            self._popped = request
+        except Exception as error:
+            self.fall_back("admit", error)
+        return request
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __iter__(self) -> Iterator[Request]:
+        """The requests in vLLM's priority order (priority, arrival)."""
+        return iter(sorted(self._members.values()))
+
+    # ---- Feather's side ---------------------------------------------------------------
+
+    @property
+    def feathers_pass(self) -> bool:
+        """Whether Feather's code has served the pass so far (no fault, not off)."""
+        return self._fallback is None
+
+    def begin_pass(self) -> None:
+        """Before vLLM's pass: Feather resumes after a fault, rebuilt from vLLM's running
+        list and this queue's members; a fault here keeps vLLM's order for this pass.
+
+        ``running`` is put in Feather's order and vLLM's policy set to FCFS, whose victim
+        is ``running[-1]``: vLLM 0.32 reads ``scheduler.policy`` after start-up only to
+        choose a victim (its waiting queue is this one), so it preempts Feather's
+        (``FeatherRuntime.preemption_victim``) and each next victim is again the end.
+        Under vLLM's priority policy the classes are kept: Feather's order puts the least
+        urgent last.  With ``order_running`` off ``running`` keeps vLLM's order and the
+        policy is set to PRIORITY, whose victim, ``max(running, key=(priority,
+        arrival_time))``, is Feather's: the latest arrival of the least urgent class."""
+        self._peeked = self._popped = None
+        faults = self.runtime.faults
+        if not faults.active:
+            return
+        running = self.scheduler.running
+        try:
+            if faults.dirty:
+                self.runtime.resync(running, self._members.values(),
+                                    held=self.scheduler.kv_holding_waiting)
+            elif len(self.runtime) != len(self._members):
+                raise RuntimeError(f"Feather's queue holds {len(self.runtime)} requests, "
+                                   f"vLLM's waiting queue {len(self._members)}")
+            self._fallback = None
+            running[:] = self.runtime.begin_pass(running)
+            self.scheduler.policy = SchedulingPolicy.FCFS if self.runtime.orders_running \
+                else SchedulingPolicy.PRIORITY  # the victim: the end, or the latest arrival
+        except Exception as error:
+            self.fall_back("begin_pass", error)
+
+    def fall_back(self, where: str, error: Exception) -> None:
+        """Feather's code raised in ``where``: the fault is counted and logged, and vLLM's
+        own order and victim rule serve until the next pass resumes Feather.
+        O(waiting log waiting)."""
+        self.runtime.faults.fault(where, error)
+        self.scheduler.policy = self._engine_policy
+        if self._fallback is None:
+            self._fallback = PriorityRequestQueue()
+            for request in self._members.values():
+                self._fallback.add_request(request)
+        self._popped = None
+
+    def settle(self) -> None:
+        """Hold the last popped request if vLLM skipped it instead of running it.
+
+        vLLM appends an admitted request to ``running`` right after popping it; a skipped
+        one goes to a list of its own, handed back after the loop.
+        """
+        popped, self._popped = self._popped, None
+        if popped is None or not self.runtime.is_running(popped.request_id):
+            return
+        running = self.scheduler.running
+        if not (running and running[-1] is popped):
+            self.runtime.hold(popped.request_id)
+
+    def _admits(self) -> bool:
+        scheduler = self.scheduler
+        seats = scheduler.max_num_active_reqs - scheduler.num_waiting_for_streaming_input
+        if len(scheduler.running) >= seats:
+            self.settle()
+            return bool(self._members)
+        answer = self._answer()
+        return answer is not None and answer.decision is Decision.ADD
+
+    def _candidate(self) -> Request:
+        answer = self._answer()
+        if answer is None:
+            raise RuntimeError(f"Feather's queue is empty, vLLM's holds {len(self._members)}")
+        return self.runtime.request(answer.request_id)
+
+    def _answer(self) -> Admission | None:
+        self.settle()
+        return self.runtime.decide()
+
+
+class KvHoldingQueue(RequestQueue):
+    """vLLM's own ``kv_holding_waiting`` queue (requests that hold KV blocks: finished
+    remote KV loads, resumed streaming turns, skipped requests), which vLLM drains before
+    the waiting queue, in its own order and ungated.  It stays vLLM's, with one change:
+    while Feather's queue holds a request that a bound has made due (``FeatherQueue.due``)
+    and the head of this queue would pass it (a later arrival of its class, or a less
+    urgent one), this queue reads as empty, so vLLM turns to Feather's queue and the due
+    request goes first.  Not while nothing runs: KV the held requests keep might be what
+    the due request lacks, and this queue must then drain.  Its admissions count for the
+    bound like any other (Feather sees them run).  Not while Feather is out of the pass
+    (a fault, or off) either.
+    """
+
+    def __init__(self, inner: RequestQueue, waiting: FeatherWaitingQueue,
+                 scheduler: Scheduler) -> None:
+        self.inner = inner
+        self.waiting = waiting
+        self.scheduler = scheduler
+
+    def __bool__(self) -> bool:
+        if not self.inner:
+            return False
+        scheduler = self.scheduler
+        if not scheduler.running or scheduler.pause_state != PauseState.UNPAUSED or \
+                not self.waiting.feathers_pass:
+            return True
+        try:
+            return not self.waiting.runtime.passes_due(self.inner.peek_request())
+        except Exception as error:
+            self.waiting.fall_back("passes_due", error)
+            return True
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self.inner)
+
+    def add_request(self, request: Request) -> None:
+        self.inner.add_request(request)
+
+    def pop_request(self) -> Request:
+        return self.inner.pop_request()
+
+    def peek_request(self) -> Request:
+        return self.inner.peek_request()
+
+    def prepend_request(self, request: Request) -> None:
+        self.inner.prepend_request(request)
+
+    def prepend_requests(self, requests: Iterable[Request]) -> None:
+        self.inner.prepend_requests(requests)
+
+    def remove_request(self, request: Request) -> None:
+        self.inner.remove_request(request)
+
+    def remove_requests(self, requests: Iterable[Request]) -> None:
+        self.inner.remove_requests(requests)
+
+
+class VllmMeter:
+    """A vLLM scheduler's measurements: ``schedule()`` time, step times, the step log.
+
+    The part of Feather's component the FCFS baseline runs too, so both are measured
+    alike.  A step is keyed by its ``SchedulerOutput`` (kept until its result arrives).
+    An exception in the measurements is contained (``faults``): counted, logged, never
+    raised into vLLM.
+    """
+
+    def __init__(self, scheduler: Scheduler, config: FeatherConfig,
+                 meter: StepMeter | None = None, faults: FaultGuard | None = None) -> None:
+        self.scheduler = scheduler
+        self.config = config
+        self.view = requests_view(scheduler, config)
+        self.meter = meter if meter is not None else StepMeter(
+            type(scheduler).__name__, stats_file=config.stats_file, step_log=config.step_log)
+        self.faults = faults if faults is not None else FaultGuard(
+            type(scheduler).__name__, config.max_faults, self.meter)
+        self._in_flight: OrderedDict[int, tuple[Any, float, list[BatchEntry] | None]] = \
+            OrderedDict()
+        self._started = 0.0
+
+    @property
+    def wants_batches(self) -> bool:
+        """Whether each step's batch is described (for the step log)."""
+        return self.config.step_log is not None
+
+    def before_schedule(self) -> None:
+        self._started = time.perf_counter()
+
+    def after_schedule(self, output: Any) -> None:
+        if self.faults.active and self.measured(output):
+            self.faults.served(decided=True)  # the baseline's whole pass
+
+    def measured(self, output: Any) -> bool:
+        """``measure`` the pass, contained; whether it went without a fault."""
+        try:
+            self.measure(output)
+        except Exception as error:
+            self.fault("meter", error)
+            return False
+        return True
+
+    def measure(self, output: Any) -> None:
+        """The pass that formed ``output``: its time, its preemptions, its step kept."""
+        now = time.perf_counter()
+        self.meter.scheduled(now - self._started)
+        requests = self.scheduler.requests
+        for request_id in output.preempted_req_ids or ():
+            request = requests.get(request_id)
+            if request is not None:
+                self.preempted(request)
+        batch = self.batch(output) if self.wants_batches else None
+        self._in_flight[id(output)] = (output, now, batch)
+        while len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
+            self._in_flight.popitem(last=False)
+
+    def step_done(self, output: Any) -> None:
+        entry = self._in_flight.pop(id(output), None)
+        if entry is None or not self.faults.active:
+            return
+        _, started, batch = entry
+        try:
+            self.record_step(output, len(output.num_scheduled_tokens),
+                             time.perf_counter() - started, batch)
+        except Exception as error:
+            self.fault("step", error)
+
+    def fault(self, where: str, error: Exception) -> None:
+        """Feather's code raised in ``where``: counted and logged (``FaultGuard``)."""
+        self.faults.fault(where, error)
+
+    def record_step(self, output: Any, size: int, seconds: float,
+                    batch: list[BatchEntry] | None) -> None:
+        if size:
+            self.meter.step(size, seconds, batch)
+        if not self.scheduler.has_unfinished_requests():
+            self.meter.save()  # drained: a run's end is on file even if shutdown is cut short
+
+    def preempted(self, request: Request) -> None:
+        """vLLM preempted ``request`` in this pass (counted once per preemption)."""
+        self.meter.preempted(request.num_preemptions, priority=request.priority)
+
+    def freed(self, request: Request) -> None:
+        """Nothing to forget without Feather."""
+
+    def close(self) -> None:
+        try:
+            self.meter.close()
+        except Exception as error:
+            self.fault("close", error)
+
+    def batch(self, output: Any) -> list[BatchEntry]:
+        """The step's batch as the step log describes it, in the runner's decode order.
+
+        Decodes first in scheduling order, then longer chunks by length (Model Runner
+        V2's ``sort_batch_req_ids``; under the V1 runner Feather's plugin keeps each group
+        contiguous as here, while rows sharing nothing stay where vLLM put them, which
+        changes no group's run).  The context
+        is ``num_computed_tokens``, which ``schedule()`` has already advanced.
+        """
+        requests = self.scheduler.requests
+        scheduled = output.num_scheduled_tokens
+        order = sorted(scheduled, key=lambda rid: (scheduled[rid] != 1, scheduled[rid]))
+        hashes = [self.view.prompt_hashes(requests[rid]) for rid in order]
+        block = self.view.hash_block_size
+        per_chunk = self.view.blocks_per_chunk
+        shared = SharedPrefixes(hashes)
+        return [BatchEntry(group=group_of(keys, rid, per_chunk),
+                           shared_tokens=min(shared.shared_keys(keys) * block,
+                                             requests[rid].num_computed_tokens),
+                           context_tokens=requests[rid].num_computed_tokens,
+                           new_tokens=scheduled[rid])
+                for rid, keys in zip(order, hashes, strict=True)]
+
+
+def engine_shape(vllm_config: Any) -> EngineShape:
+    """The engine's device and model in Feather's terms (the model gate's prior)."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    try:
+        device = current_platform.get_device_name()
+    except Exception as error:  # the name only picks a prior: never fatal
+        logger.info("Feather: no device name from vLLM's platform (%s)", error)
+        device = None
+    return EngineShape(device_name=device, model_config=model.hf_text_config.to_dict(),
+                       dtype_bytes=model.dtype.itemsize,
+                       tensor_parallel=parallel.tensor_parallel_size,
+                       pipeline_parallel=parallel.pipeline_parallel_size)
+
+
+def kv_cache_tokens(scheduler: Scheduler) -> int | None:
+    """Tokens vLLM's KV cache holds: its blocks times their size (None if unsized)."""
+    blocks = scheduler.cache_config.num_gpu_blocks
+    return None if not blocks else blocks * scheduler.block_size
+
+
+class VllmFeather(VllmMeter):
+    """Feather's component of a vLLM scheduler: the runtime behind vLLM's calls."""
+
+    def __init__(self, scheduler: Scheduler, config: FeatherConfig) -> None:
+        view = requests_view(scheduler, config)
+        self.runtime = FeatherRuntime(config, view, clock=time.time,
+                                      name=type(scheduler).__name__,
+                                      seats=scheduler.max_num_active_reqs,
+                                      kv_tokens=kv_cache_tokens(scheduler),
+                                      engine=engine_shape(scheduler.vllm_config),
+                                      chunk_tokens=view.chunk_tokens)
+        super().__init__(scheduler, config, self.runtime.meter, self.runtime.faults)
+        self.queue = FeatherWaitingQueue(self.runtime, scheduler)
+        scheduler.waiting = self.queue
+        scheduler.kv_holding_waiting = KvHoldingQueue(scheduler.kv_holding_waiting,
+                                                      self.queue, scheduler)
+        note, acts = self.order_note()
+        logger.info("Feather scheduler: %s; %s", config, note)
+        if not acts:
+            logger.warning("Feather's batch ordering cannot act: %s", note)
+            self.runtime.engine_keeps_its_order()
+
+    def before_schedule(self) -> None:
+        super().before_schedule()
+        self.queue.begin_pass()
+
+    def after_schedule(self, output: Any) -> None:
+        if not self.faults.active:
+            return
+        if self.queue.feathers_pass:
+            try:
+                self.runtime.end_pass(id(output), self.scheduler.running)
+                self.order_output(output)
+            except Exception as error:
+                self.fault("end_pass", error)
+        self.measured(output)
+
+    def fault(self, where: str, error: Exception) -> None:
+        """Counted and logged; vLLM's own order until Feather resumes (``fall_back``)."""
+        self.queue.fall_back(where, error)
+
+    def order_output(self, output: Any) -> None:
+        """List the step's requests in Feather's order, which the batch follows (Model
+        Runner V2 directly, the V1 runner through the worker plugin). vLLM lists them in
+        the order it scheduled them, so a request it resumed in this pass would follow
+        the others: a preempted request whose KV is still cached resumes as a one-token
+        "decode", away from its group. Nothing to do while no group runs two members
+        (a batch that shares nothing gains nothing from its order). O(running)."""
+        scheduled = output.num_scheduled_tokens
+        if len(scheduled) < 2 or not self.runtime.batch_has_groups:
+            return
+        ordered = [r.request_id for r in self.runtime.batch_order(self.scheduler.running)
+                   if r.request_id in scheduled]
+        if len(ordered) == len(scheduled) and ordered != list(scheduled):
+            output.num_scheduled_tokens = {rid: scheduled[rid] for rid in ordered}
+
+    @property
+    def wants_batches(self) -> bool:
+        return self.runtime.wants_batches
+
+    def record_step(self, output: Any, size: int, seconds: float,
+                    batch: list[BatchEntry] | None) -> None:
+        self.runtime.end_step(id(output), size, seconds, batch)
+
+    def preempted(self, request: Request) -> None:
+        if self.queue.feathers_pass:
+            self.runtime.preempted(request)
+        else:
+            super().preempted(request)
+
+    def freed(self, request: Request) -> None:
+        if not self.queue.feathers_pass:
+            return  # Feather's picture is rebuilt before its next pass
+        try:
+            self.runtime.discard(request.request_id)
+        except Exception as error:
+            self.fault("discard", error)
+
+    def order_note(self) -> tuple[str, bool]:
+        """Which model runner the workers use and how batch ordering acts there; and
+        whether it can act at all."""
+        if not self.config.order_running:
+            return "batch ordering off (order_running false)", True
+        vllm_config = self.scheduler.vllm_config
+        if self.scheduler.use_v2_model_runner:
+            if vllm_config.parallel_config.prefill_context_parallel_size > 1:
+                return ("Model Runner V2 with prefill context parallelism reorders each "
+                        "rank's rows itself"), False
+            return ("Model Runner V2: the running list's order by prefix group is the "
+                    "batch's decode order"), True
+        if not plugin_allowed(BATCH_ORDER_PLUGIN):
+            return (f"V1 model runner, but the worker plugin {BATCH_ORDER_PLUGIN!r} is not "
+                    "installed or not in VLLM_PLUGINS"), False
+        return ("V1 model runner: the worker plugin "
+                f"{BATCH_ORDER_PLUGIN!r} gathers each prefix group in the persistent "
+                "batch"), True
+
+
+class _Hooks:
+    """The scheduler calls Feather needs, each handed to ``self.feather``.
+
+    ``component`` is the class of ``self.feather``; ``sync_variant`` the class to build
+    instead when async scheduling is off (for the class that names it, not for subclasses,
+    which would lose their own overrides: those must match the engine's mode).
+    """
+
+    component: type[VllmMeter] = VllmMeter
+    sync_variant: type | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        sync_variant = cls.__dict__.get("sync_variant")
+        if sync_variant is not None and not vllm_config.scheduler_config.async_scheduling:
+            return sync_variant(*args, **kwargs)
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        is_async = bool(self.scheduler_config.async_scheduling)
+        if is_async != isinstance(self, AsyncScheduler):
+            raise ValueError(
+                f"{type(self).__name__} does not match async scheduling "
+                f"{'on' if is_async else 'off'}: use FeatherScheduler (or "
+                "InstrumentedScheduler), which picks the variant the engine needs")
+        self.feather = self.component(self, feather_options(self.vllm_config))
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        self.feather.before_schedule()
+        output = super().schedule(*args, **kwargs)
+        self.feather.after_schedule(output)
+        return output
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
+        self.feather.step_done(scheduler_output)
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _free_request(self, request: Request, *args: Any, **kwargs: Any):
+        self.feather.freed(request)
+        return super()._free_request(request, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        self.feather.close()
+        super().shutdown()
+
+
+class InstrumentedSyncScheduler(_Hooks, Scheduler):
+    """vLLM's synchronous scheduler with Feather's measurements only."""
+
+
+class InstrumentedScheduler(_Hooks, AsyncScheduler):
+    """vLLM's own scheduler with Feather's measurements only: feather bench's baseline."""
+
+    sync_variant = InstrumentedSyncScheduler
+
+
+class FeatherSyncScheduler(_Hooks, Scheduler):
+    """Feather in vLLM with async scheduling off (always the case on CPU)."""
+
+    component = VllmFeather
+
+
+class FeatherScheduler(_Hooks, AsyncScheduler):
+    """Feather in vLLM; builds ``FeatherSyncScheduler`` when async scheduling is off."""
+
+    component = VllmFeather
+    sync_variant = FeatherSyncScheduler
+
+
+BATCH_ORDER_PLUGIN = "feather_batch_order"
+"""This package's ``vllm.general_plugins`` entry point (``vllm_batch_order.register``)."""
+
+
+def plugin_allowed(name: str) -> bool:
+    """Whether vLLM will load general plugin ``name`` in its workers (as vLLM decides)."""
+    from importlib.metadata import entry_points
+
+    import vllm.envs as envs
+
+    installed = {plugin.name for plugin in entry_points(group="vllm.general_plugins")}
+    allowed = envs.VLLM_PLUGINS
+    return name in installed and (allowed is None or name in allowed)
+
+
+def requests_view(scheduler: Scheduler, config: FeatherConfig) -> VllmRequests:
+    """How Feather reads this scheduler's requests (block hashes of its hash block size)."""
+    hash_block_size = getattr(scheduler, "hash_block_size", None) or scheduler.block_size
+    return VllmRequests(hash_block_size, config.chunk_tokens)
+
+
+def is_feather_scheduler(scheduler_cls: type) -> bool:
+    """Whether an engine's scheduler class runs Feather (either variant)."""
+    return isinstance(scheduler_cls, type) and issubclass(scheduler_cls, _Hooks) and \
+        issubclass(scheduler_cls.component, VllmFeather)
+

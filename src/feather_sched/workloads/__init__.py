@@ -1,0 +1,7 @@
+"""Request workloads in token ids: ``spec`` (the types, arrivals, priority classes and
+parameter checks), ``synthetic`` (seedable generators), ``traces`` (JSON Lines and
+Mooncake traces), ``datasets`` (ShareGPT and BFCL prompt text) and ``options``
+(``WorkloadArgs``: the options ``feather bench`` and ``feather sim`` share).
+
+Imports ``models`` (the embedded tokenizer) only.
+"""

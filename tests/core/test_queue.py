@@ -1,0 +1,436 @@
+"""FeatherQueue: the tree's order, STOP for the rest of a pass, held requests, no starvation."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from feather_sched.core.cht import CHTError
+from feather_sched.core.prefix import group_of
+from feather_sched.core.queue import FeatherQueue, QueueState
+from feather_sched.gates.base import Decision, GateContext
+from feather_sched.gates.heuristic import AlwaysAddGate, ChunkLossGate
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ScriptedGate:
+    """Says STOP when the candidate loses more than one chunk; records every question."""
+
+    observes = False  # learns nothing from batches
+    always_adds = False  # shown every candidate
+
+    def __init__(self) -> None:
+        self.asked: list[GateContext] = []
+        self.steps = 0
+
+    def decide(self, context: GateContext) -> Decision:
+        self.asked.append(context)
+        return Decision.STOP if context.chunk_loss > 1 else Decision.ADD
+
+    def reward(self, decisions, batch_size: int, seconds: float) -> None:
+        raise AssertionError("the queue never rewards; the runtime does")
+
+    def end_step(self) -> None:
+        self.steps += 1
+
+
+def group_keys(group: int, request: int) -> list[tuple]:
+    """Two chunks of group prefix, then one chunk unique to the request."""
+    return [(group,), (group, 0), (group, 0, request)]
+
+
+def admit_next(queue: FeatherQueue) -> str | None:
+    """Admit the queue's candidate if it says ADD; its id, else None."""
+    admission = queue.decide()
+    if admission is None or admission.decision is Decision.STOP:
+        return None
+    queue.admit(admission.request_id)
+    return admission.request_id
+
+
+def test_a_gate_that_always_adds_is_not_asked() -> None:
+    """Its answer needs no context, so none is built (the tree's candidate analysis is
+    skipped) and the admission says so; the tree's order still picks the candidate."""
+    gate = ScriptedGate()
+    gate.always_adds = True
+    gate.decide = None  # called, it would raise
+    queue = FeatherQueue(gate, max_wait_s=None)
+    for rid, group in [("a0", 0), ("b0", 1), ("a1", 0)]:
+        queue.add(rid, group_keys(group, int(rid[1])))
+    assert admit_next(queue) == "a0"
+    admission = queue.decide()
+    assert (admission.request_id, admission.decision, admission.context) == \
+        ("a1", Decision.ADD, None)
+    assert not admission.forced
+
+
+def test_stop_closes_the_queue_until_the_next_pass() -> None:
+    gate = ScriptedGate()
+    queue = FeatherQueue(gate, max_wait_s=None)
+    for rid, group in [("a0", 0), ("b0", 1), ("a1", 0)]:
+        queue.add(rid, group_keys(group, int(rid[1])))
+    assert admit_next(queue) == "a0"
+    assert admit_next(queue) == "a1"
+    stop = queue.decide()
+    assert stop.decision is Decision.STOP and stop.request_id == "b0"
+    assert stop.context == GateContext(batch_size=2, chunk_loss=2, sharing_waiters=0,
+                                       num_waiting=1, candidate_group=(1,),
+                                       candidate_tokens=3 * queue.chunk_tokens,
+                                       candidate_prefix_tokens=0, stops_left=4)
+    assert queue.decide().decision is Decision.STOP and len(gate.asked) == 3
+    queue.remove("a0")
+    assert queue.decide().decision is Decision.STOP  # a STOP holds for the whole pass
+    queue.remove("a1")
+    queue.new_step()
+    assert gate.steps == 1 and admit_next(queue) == "b0"
+
+
+def test_the_gate_is_told_the_candidates_group_and_the_seats_left() -> None:
+    gate = ScriptedGate()
+    queue = FeatherQueue(gate, max_wait_s=None)
+    for rid, group in [("a0", 0), ("b0", 1), ("b1", 1), ("b2", 1), ("c0", 2)]:
+        queue.add(rid, group_keys(group, int(rid[1])))
+    assert admit_next(queue) is not None  # into the empty batch: the gate is not asked
+    context = queue.decide().context
+    assert context.sharing_waiters == 3  # every other waiter: the batch shares nothing
+    assert context.group_waiters == (2 if context.candidate_group == (1,) else 0)
+    assert context.free_seats is None  # no cap known
+    queue.new_step()
+    queue.seats = 4
+    assert queue.decide().context.free_seats == 3
+
+
+def test_the_gate_is_asked_once_per_candidate() -> None:
+    gate = ScriptedGate()
+    queue = FeatherQueue(gate, max_wait_s=None)
+    queue.add("x", [1])
+    first = queue.decide()
+    assert all(queue.decide() is first for _ in range(5))
+    assert len(gate.asked) == 1
+
+
+def test_an_offered_request_is_judged_itself() -> None:
+    queue = FeatherQueue(ScriptedGate(), max_wait_s=None)
+    queue.add("a0", group_keys(0, 0))
+    queue.admit("a0")
+    queue.add("b0", group_keys(1, 0))
+    queue.add("a1", group_keys(0, 1))
+    assert queue.decide().request_id == "a1"
+    offered = queue.decide("b0")
+    assert offered.request_id == "b0" and offered.decision is Decision.STOP
+    with pytest.raises(CHTError, match="not waiting"):
+        queue.decide("a0")
+
+
+def test_held_requests_are_neither_candidates_nor_running() -> None:
+    queue = FeatherQueue(max_wait_s=None)
+    queue.add("a", group_keys(0, 0))
+    queue.add("b", group_keys(1, 0))
+    queue.admit("a")
+    queue.hold("a")
+    queue.hold("b")
+    assert queue.state("a") is QueueState.HELD and queue.state("b") is QueueState.HELD
+    assert queue.num_running == 0 and len(queue) == 0 and queue.decide() is None
+    queue.requeue("b")
+    assert queue.decide().request_id == "b"
+    queue.run("a")
+    assert queue.state("a") is QueueState.RUNNING and queue.keys("a") == group_keys(0, 0)
+    assert queue.groups(["b", "a"]) == [group_of(group_keys(1, 0), "b"), queue.group("a")]
+    assert queue.group("a") == group_of(group_keys(0, 0), "a")
+    with pytest.raises(KeyError):
+        queue.groups(["a", "never-added"])
+    with pytest.raises(CHTError, match="already held"):
+        queue.hold("b") or queue.hold("b")
+    queue.remove("b")
+    assert "b" not in queue
+
+
+def test_unknown_and_duplicate_requests_fail_clearly() -> None:
+    queue = FeatherQueue(max_wait_s=None)
+    queue.add("r", [1])
+    with pytest.raises(CHTError, match="already in the queue"):
+        queue.add("r", [2])
+    with pytest.raises(CHTError, match="unknown request 'x'"):
+        queue.state("x")
+    with pytest.raises(CHTError, match="waiting"):
+        queue.requeue("r")
+    with pytest.raises(ValueError, match="max_wait_s"):
+        FeatherQueue(max_wait_s=-1)
+    with pytest.raises(ValueError, match="min_passing_tokens"):
+        FeatherQueue(min_passing_tokens=-1)
+
+
+@pytest.mark.parametrize(("min_passing_tokens", "chunk_tokens", "rank_chunks"),
+                         [(256, 128, 2), (0, 128, 1), (200, 128, 2), (256, 16, 16),
+                          (100, 512, 1)])
+def test_min_passing_tokens_are_whole_chunks_of_the_tree(
+        min_passing_tokens: int, chunk_tokens: int, rank_chunks: int) -> None:
+    queue = FeatherQueue(min_passing_tokens=min_passing_tokens, chunk_tokens=chunk_tokens)
+    assert queue.tree.min_rank_chunks == rank_chunks
+    queue.clear()
+    assert queue.tree.min_rank_chunks == rank_chunks
+
+
+def test_a_short_shared_prefix_keeps_arrival_order() -> None:
+    """Sharing one 128-token chunk with the running set does not pass an older request
+    (default ``min_passing_tokens`` 256); sharing two does."""
+    queue = FeatherQueue(max_wait_s=None, max_overtakes=None, max_stops=None)
+    queue.add("running", [(1,), (1, 2), (1, 2, 3)])
+    assert admit_next(queue) == "running"
+    queue.add("older", [(9,), (9, 9)])
+    queue.add("one chunk", [(1,), (1, 5)])
+    assert queue.candidate() == "older"
+    queue.add("two chunks", [(1,), (1, 2), (1, 2, 7)])
+    assert queue.candidate() == "two chunks"
+
+
+def test_starved_request_is_admitted_over_the_gate() -> None:
+    clock = FakeClock()
+    queue = FeatherQueue(ChunkLossGate(max_loss=0, floor_start=0), max_wait_s=5.0, clock=clock)
+    queue.add("g0", group_keys(0, 0))
+    assert admit_next(queue) == "g0"
+    clock.now = 1.0
+    queue.add("old-stranger", group_keys(9, 0))
+    for i in (1, 2):
+        queue.add(f"g{i}", group_keys(0, 0))
+    assert admit_next(queue) == "g1"
+    assert admit_next(queue) == "g2"
+    assert queue.decide().decision is Decision.STOP
+    queue.new_step()
+    clock.now = 5.5
+    assert queue.decide().decision is Decision.STOP
+    queue.new_step()
+    clock.now = 6.5
+    admission = queue.decide()
+    assert admission.forced and admission.request_id == "old-stranger"
+    assert admission.context is None  # the gate was not asked
+
+
+def test_requeued_request_keeps_its_arrival_for_the_guard() -> None:
+    clock = FakeClock()
+    queue = FeatherQueue(ScriptedGate(), max_wait_s=10.0, clock=clock)
+    queue.add("early", [("e",)])
+    queue.admit("early")
+    clock.now = 5.0
+    queue.add("late", [("l",)])
+    queue.requeue("early")
+    clock.now = 10.5
+    admission = queue.decide()
+    assert admission.forced and admission.request_id == "early"
+
+
+def test_the_guard_forces_one_starved_request_a_pass() -> None:
+    """In overload every request is old; the rest of the pass still follows the tree."""
+    clock = FakeClock()
+    queue = FeatherQueue(max_wait_s=1.0, clock=clock)
+    queue.add("running", group_keys(0, 0))
+    queue.admit("running")
+    for i in range(3):
+        queue.add(f"stranger{i}", group_keys(9 + i, 0))
+    queue.add("sibling", group_keys(0, 1))
+    clock.now = 5.0
+    assert queue.decide().forced and admit_next(queue) == "stranger0"
+    assert not queue.decide().forced and admit_next(queue) == "sibling"
+    queue.new_step()
+    assert queue.decide().forced and admit_next(queue) == "stranger1"
+
+
+def test_priority_classes_are_strict_and_the_tree_orders_within_one() -> None:
+    """A class-0 stranger goes before class-1 siblings of the running group; within
+    class 1 the siblings (sharing the running prefix) go before an older stranger."""
+    queue = FeatherQueue(max_wait_s=None)
+    queue.add("running", group_keys(0, 0), priority=1)
+    queue.admit("running")
+    queue.add("old-stranger", group_keys(5, 0), priority=1)
+    for i in (1, 2):
+        queue.add(f"sibling{i}", group_keys(0, i), priority=1)
+    queue.add("urgent", group_keys(9, 0), priority=0)
+    assert [admit_next(queue) for _ in range(4)] == \
+        ["urgent", "sibling1", "sibling2", "old-stranger"]
+
+
+def test_the_guard_waits_for_more_urgent_requests() -> None:
+    """Starved or not, a request never goes before a more urgent one that waits; the
+    guard then picks the oldest of the most urgent class."""
+    clock = FakeClock()
+    queue = FeatherQueue(max_wait_s=1.0, max_overtakes=None, max_stops=None, clock=clock)
+    queue.add("old-low", group_keys(1, 0), priority=1)
+    clock.now = 0.5
+    queue.add("urgent-a", group_keys(2, 0), priority=0)
+    queue.add("urgent-b", group_keys(3, 0), priority=0)
+    queue.add("running", group_keys(3, 1), priority=0)
+    queue.admit("running")
+    clock.now = 5.0
+    admission = queue.decide()
+    assert admission.forced and admission.request_id == "urgent-a"
+    queue.admit("urgent-a")
+    assert not queue.decide().forced and admit_next(queue) == "urgent-b"
+    queue.new_step()
+    admission = queue.decide()
+    assert admission.forced and admission.request_id == "old-low"
+
+
+def sized_queue(seats: int, kv_tokens: int, **options) -> FeatherQueue:
+    """A queue that knows the engine's seats and KV cache (chunks of 16 tokens; any
+    shared chunk ranks, since its groups share two)."""
+    queue = FeatherQueue(ScriptedGate(), max_wait_s=None, chunk_tokens=16,
+                         min_passing_tokens=0, **options)
+    queue.seats, queue.kv_tokens = seats, kv_tokens
+    return queue
+
+
+def a_stranger_then_siblings(queue: FeatherQueue) -> None:
+    """Group 0 runs; a stranger waits, then two siblings of the running group arrive."""
+    queue.add("running", group_keys(0, 0), arrival_s=0.0)
+    queue.admit("running")
+    queue.add("stranger", group_keys(5, 0), arrival_s=1.0)
+    for i in (1, 2):
+        queue.add(f"sibling{i}", group_keys(0, i), arrival_s=1.0 + i)
+
+
+def test_while_everything_fits_arrival_order_holds_and_the_gate_answers() -> None:
+    """Running and waiting within the seats, their chunks within the KV cache: the older
+    stranger goes before the siblings of the running group, judged by the gate."""
+    queue = sized_queue(seats=4, kv_tokens=16 * 10)
+    queue.gate.stops_in_ordered_batches = False  # as the model gate declares
+    a_stranger_then_siblings(queue)
+    assert queue.fits_all()
+    admission = queue.decide()
+    assert admission.request_id == "stranger" and not admission.forced
+    assert admission.context is not None and admission.context.chunk_loss == 3
+    assert admission.decision is Decision.STOP  # the gate's answer stands: not forced
+    queue.new_step()
+    assert queue.candidate() == "stranger"
+
+
+@pytest.mark.parametrize(("seats", "kv_tokens"), [(3, 16 * 10), (4, 16 * 9),
+                                                  (None, 16 * 10), (4, None)])
+def test_the_tree_orders_once_something_would_not_fit(seats, kv_tokens) -> None:
+    """One seat or one KV chunk too few (or either unknown): siblings pass the stranger.
+    Four requests in flight; their chunks count as 10: 3 running, 7 distinct waiting
+    (the group's two shared chunks counted in both states)."""
+    queue = sized_queue(seats=seats, kv_tokens=kv_tokens)
+    queue.gate = AlwaysAddGate()
+    a_stranger_then_siblings(queue)
+    assert not queue.fits_all()
+    assert [admit_next(queue) for _ in range(3)] == ["sibling1", "sibling2", "stranger"]
+
+
+def test_requests_that_arrived_together_keep_the_trees_order() -> None:
+    """Arrival order has nothing to say among requests that arrived at once (offline)."""
+    queue = sized_queue(seats=8, kv_tokens=16 * 100)
+    queue.gate = AlwaysAddGate()
+    queue.add("running", group_keys(0, 0), arrival_s=0.0)
+    queue.admit("running")
+    for rid, group in [("stranger", 5), ("sibling", 0)]:
+        queue.add(rid, group_keys(group, 1), arrival_s=1.0)
+    assert queue.fits_all()
+    assert admit_next(queue) == "sibling"
+
+
+def test_a_gate_that_stops_in_ordered_batches_keeps_the_trees_candidate() -> None:
+    """Chunk-loss (and the bandit) STOP on chunk loss whatever the layout: offered the
+    older stranger it would hold back the siblings it admits, one request a pass."""
+    queue = sized_queue(seats=8, kv_tokens=16 * 100)
+    queue.gate = ChunkLossGate(max_loss=1, floor_start=0, floor_step=0)
+    a_stranger_then_siblings(queue)
+    assert queue.fits_all()
+    assert [admit_next(queue) for _ in range(3)] == ["sibling1", "sibling2", None]
+
+
+def test_where_the_engine_keeps_its_batch_order_the_tree_orders() -> None:
+    """Admission order is then the batch's layout: the siblings go side by side."""
+    queue = sized_queue(seats=8, kv_tokens=16 * 100)
+    queue.gate = AlwaysAddGate()
+    queue.orders_batch = False
+    a_stranger_then_siblings(queue)
+    assert queue.fits_all()
+    assert [admit_next(queue) for _ in range(3)] == ["sibling1", "sibling2", "stranger"]
+
+
+def test_without_the_bound_the_tree_orders_even_when_everything_fits() -> None:
+    """``-unbounded`` is the paper's pure prefix order."""
+    queue = sized_queue(seats=8, kv_tokens=16 * 100, max_overtakes=None, max_stops=None)
+    queue.gate = AlwaysAddGate()
+    a_stranger_then_siblings(queue)
+    assert [admit_next(queue) for _ in range(3)] == ["sibling1", "sibling2", "stranger"]
+
+
+def test_a_forced_admission_the_engine_skips_frees_the_slot() -> None:
+    clock = FakeClock()
+    queue = FeatherQueue(max_wait_s=1.0, clock=clock)
+    for i in range(2):
+        queue.add(f"old{i}", group_keys(i, 0))
+    clock.now = 5.0
+    assert admit_next(queue) == "old0"
+    queue.hold("old0")  # the engine popped it and skipped it
+    second = queue.decide()
+    assert second.forced and second.request_id == "old1"
+
+
+operations = st.lists(st.tuples(st.sampled_from(["add", "step", "finish", "requeue", "abort",
+                                                 "hold", "release"]),
+                                st.integers(0, 3)), max_size=80)
+
+
+@settings(max_examples=100, deadline=None)
+@given(operations)
+def test_every_request_ends_exactly_once(ops: list[tuple[str, int]]) -> None:
+    """Whatever the gate decides, each request is finished or aborted once, never lost;
+    the running epoch moves forward exactly when the running set changes."""
+    clock = FakeClock()
+    queue = FeatherQueue(ChunkLossGate(max_loss=0, floor_start=1), max_wait_s=3.0, clock=clock)
+    running: list[str] = []
+    held: list[str] = []
+    ended: list[str] = []
+    added: list[str] = []
+    last = (queue.running_epoch, set())
+    for n, (op, arg) in enumerate(ops):
+        epoch, running_set = queue.running_epoch, set(queue.running_ids())
+        assert epoch >= last[0] and (epoch != last[0]) == (running_set != last[1])
+        last = (epoch, running_set)
+        clock.now = float(n)
+        if op == "add":
+            rid = f"r{n}"
+            added.append(rid)
+            queue.add(rid, group_keys(arg, n))
+        elif op == "step":
+            while (rid := admit_next(queue)) is not None:
+                running.append(rid)
+            queue.new_step()
+        elif running and op in ("finish", "requeue", "hold"):
+            rid = running.pop(arg % len(running))
+            if op == "finish":
+                queue.remove(rid)
+                ended.append(rid)
+            elif op == "requeue":
+                queue.requeue(rid)
+            else:
+                queue.hold(rid)
+                held.append(rid)
+        elif held and op == "release":
+            queue.requeue(held.pop(arg % len(held)))
+        elif op == "abort" and (len(queue) or running):
+            rid = next(iter(queue.waiting_ids()), None) or running.pop()
+            queue.remove(rid)
+            ended.append(rid)
+    for rid in held:
+        queue.requeue(rid)
+    while len(queue) or running:
+        while (rid := admit_next(queue)) is not None:
+            running.append(rid)
+        queue.new_step()
+        for rid in running:
+            queue.remove(rid)
+            ended.append(rid)
+        running.clear()
+    assert sorted(ended) == sorted(added)
+    assert len(set(ended)) == len(ended)

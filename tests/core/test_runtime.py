@@ -1,0 +1,489 @@
+"""FeatherRuntime: the contract every adapter drives, checked on a plain request type."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from feather_sched.core.config import FeatherConfig
+from feather_sched.core.queue import QueueState
+from feather_sched.core.runtime import FeatherRuntime
+from feather_sched.gates.base import Decision, GateContext
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    keys: list = field(default_factory=list)
+    arrival: float = 0.0
+    priority: int = 0
+
+
+class View:
+    def request_id(self, request: Req) -> str:
+        return request.rid
+
+    def chunk_keys(self, request: Req) -> list:
+        return list(request.keys)
+
+    def prompt_tokens(self, request: Req) -> int:
+        return len(request.keys)
+
+    def arrival_s(self, request: Req) -> float:
+        return request.arrival
+
+    def priority(self, request: Req) -> int:
+        return request.priority
+
+
+class RecordingGate:
+    """STOP when the candidate loses two chunks or more; remembers every reward."""
+
+    observes = False  # learns nothing from batches
+    always_adds = False  # shown every candidate
+
+    def __init__(self) -> None:
+        self.rewards: list[tuple[list, int, float]] = []
+
+    def decide(self, context: GateContext) -> Decision:
+        return Decision.STOP if context.batch_size and context.chunk_loss > 1 else Decision.ADD
+
+    def reward(self, decisions, batch_size: int, seconds: float) -> None:
+        self.rewards.append((list(decisions), batch_size, seconds))
+
+    def end_step(self) -> None:
+        pass
+
+
+def req(rid: str, group: int = 0, chunks: int = 3) -> Req:
+    return Req(rid, [(group,) + (i,) * (i > 0) for i in range(chunks - 1)] + [(group, rid)])
+
+
+def runtime(gate=None, **options) -> FeatherRuntime:
+    config = FeatherConfig.from_sources({"gate": "always", "max_wait_s": None, **options},
+                                        environ={})
+    rt = FeatherRuntime(config, View(), clock=lambda: 0.0)
+    if gate is not None:
+        rt.queue.gate = gate
+    return rt
+
+
+def admit_all(rt: FeatherRuntime, running: list[Req], limit: int = 99) -> list[Req]:
+    """An engine's admission loop: ask, then admit while ADD (up to ``limit``)."""
+    admitted = []
+    while len(admitted) < limit and (answer := rt.decide()) is not None:
+        if answer.decision is Decision.STOP:
+            break
+        request = rt.request(answer.request_id)
+        rt.admit(request)
+        running.append(request)
+        admitted.append(request)
+    return admitted
+
+
+def running_ids(rt: FeatherRuntime) -> set[str]:
+    return set(rt.queue.running_ids())
+
+
+def test_enter_waiting_is_idempotent_and_discard_is_once() -> None:
+    rt = runtime()
+    a = req("a")
+    rt.enter_waiting(a)
+    rt.enter_waiting(a)
+    assert len(rt) == 1 and "a" in rt
+    assert rt.discard("a") is True
+    assert rt.discard("a") is False and "a" not in rt and len(rt) == 0
+
+
+def test_the_running_set_is_the_engines_not_the_admissions() -> None:
+    rt = runtime(gate=RecordingGate())
+    a, b, phantom = req("a", 0), req("b", 1), req("phantom", 0)
+    for request in (a, b, phantom):
+        rt.enter_waiting(request)
+    running: list[Req] = []
+    rt.begin_pass(running)
+    admit_all(rt, running, limit=1)
+    rt.end_pass(1, running)
+    # the engine parks the running request elsewhere (a streaming session between turns)
+    running.remove(running[0])
+    rt.begin_pass(running)
+    assert running_ids(rt) == set() and rt.queue.state("a") is QueueState.HELD
+    answer = rt.decide()
+    assert answer.context.batch_size == 0 and answer.decision is Decision.ADD
+
+
+def test_a_pass_over_the_same_list_still_sees_what_changed_between_passes() -> None:
+    """``begin_pass`` skips its work for the list it ordered last, unless Feather's
+    running set changed since: a hold (the engine skipped the request) is undone, and
+    a list the engine reordered is put back in order."""
+    rt = runtime()
+    a, b, c = req("a", 0), req("b", 1), req("c", 0)
+    for request in (a, b, c):
+        rt.enter_waiting(request)
+    running = rt.begin_pass([])
+    admit_all(rt, running)
+    rt.end_pass(1, running)
+    running = rt.begin_pass(running)
+    assert running == [a, c, b] and rt.begin_pass(running) == [a, c, b]
+    rt.hold("c")
+    assert rt.begin_pass(running) == [a, c, b] and rt.queue.state("c") is QueueState.RUNNING
+    assert rt.begin_pass([b, c, a]) == [a, c, b]
+
+
+def test_admissions_and_exits_between_passes_keep_the_order_exact() -> None:
+    """Between passes Feather follows the engine's list through the admissions and exits
+    it is told of; the next pass still returns Feather's order where they change it:
+    a group's oldest member leaving re-ranks the group, a member joining its group or an
+    older request admitted last moves into place."""
+    rt = runtime()
+    a1, b1, a2, c1, b2 = req("a1", 0), req("b1", 1), req("a2", 0), req("c1", 2), req("b2", 1)
+    for arrival, request in enumerate((a1, b1, a2, c1)):
+        request.arrival = float(arrival)
+        rt.enter_waiting(request)
+    running = rt.begin_pass([])
+    admit_all(rt, running)
+    rt.end_pass(1, running)
+    running = rt.begin_pass(running)
+    assert [r.rid for r in running] == ["a1", "a2", "b1", "c1"]
+    running.remove(a1)  # finished: group a now ranks by a2, after b1
+    rt.discard("a1")
+    running = rt.begin_pass(running)
+    assert [r.rid for r in running] == ["b1", "a2", "c1"]
+    running.remove(c1)  # a group of one leaving changes no rank
+    rt.discard("c1")
+    assert rt.begin_pass(running) == running
+    b2.arrival = 4.0
+    rt.enter_waiting(b2)
+    admit_all(rt, running)
+    rt.end_pass(2, running)
+    assert [r.rid for r in running] == ["b1", "a2", "b2"]  # appended: b2 joins group b
+    running = rt.begin_pass(running)
+    assert [r.rid for r in running] == ["b1", "b2", "a2"]
+    d = req("d", 3)
+    d.arrival = 1.5  # older than a2: its group ranks before a's
+    rt.enter_waiting(d)
+    running = rt.begin_pass(running)
+    admit_all(rt, running)
+    rt.end_pass(3, running)
+    assert [r.rid for r in rt.begin_pass(running)] == ["b1", "b2", "d", "a2"]
+
+
+def test_an_engine_running_a_request_feather_never_admitted_is_believed() -> None:
+    rt = runtime()
+    a, b = req("a"), req("b")
+    rt.enter_waiting(a)
+    rt.begin_pass([a, b])  # b arrived by a path Feather does not see; a bypassed the gate
+    assert running_ids(rt) == {"a", "b"} and len(rt) == 0
+
+
+def test_an_add_counts_only_when_its_request_runs() -> None:
+    rt = runtime()
+    a, b = req("a", 0), req("b", 0)
+    rt.enter_waiting(a)
+    rt.enter_waiting(b)
+    running: list[Req] = []
+    rt.begin_pass(running)
+    rt.decide()  # asked, but the engine had no room: nothing admitted
+    rt.end_pass(1, running)
+    rt.end_step(1, 0, 0.1)
+    assert (rt.counts.asked, rt.counts.add) == (1, 0)
+    rt.begin_pass(running)
+    admitted = admit_all(rt, running)
+    skipped = admitted[1]
+    running.remove(skipped)
+    rt.hold(skipped.rid)  # the engine popped it, then skipped it
+    rt.end_pass(2, running)
+    assert (rt.counts.add, rt.counts.stop, rt.counts.forced) == (1, 0, 0)
+    assert rt.queue.state(skipped.rid) is QueueState.HELD
+    rt.enter_waiting(skipped)  # and prepended it back
+    assert rt.queue.state(skipped.rid) is QueueState.WAITING
+
+
+def test_rewards_reach_the_decisions_of_their_own_step() -> None:
+    """Async scheduling: pass N+1 is formed before step N reports."""
+    gate = RecordingGate()
+    rt = runtime(gate=gate)
+    rt.enter_waiting(a0 := req("a0", 0))
+    running: list[Req] = []
+    rt.begin_pass(running)
+    admit_all(rt, running)
+    rt.end_pass("step-1", running)  # an empty batch: ADD, and not a learned decision
+    for request in (req("a1", 0), req("b0", 1)):
+        rt.enter_waiting(request)
+    rt.begin_pass(running)
+    admit_all(rt, running)  # a1 ADD (no loss), then b0 STOP (loses the group's chunks)
+    rt.end_pass("step-2", running)
+    rt.end_step("step-2", 2, 0.5)
+    rt.end_step("step-1", 1, 0.25)
+    step2, step1 = gate.rewards
+    assert [d for _, d in step2[0]] == [Decision.ADD, Decision.STOP] and step2[1:] == (2, 0.5)
+    assert [d for _, d in step1[0]] == [Decision.ADD] and step1[1:] == (1, 0.25)
+    assert (rt.counts.add, rt.counts.stop, rt.counts.asked) == (2, 1, 3)
+    assert a0 in running
+
+
+def test_a_prompt_that_grew_is_rekeyed() -> None:
+    rt = runtime()
+    session = req("s", 0, chunks=2)
+    rt.enter_waiting(session)
+    rt.begin_pass([session])
+    session.keys = [*session.keys, ("s", "turn-2")]
+    rt.begin_pass([])
+    rt.enter_waiting(session)
+    assert rt.queue.keys("s") == session.keys
+
+
+def test_reconcile_with_the_waiting_queue_forgets_what_left_unseen() -> None:
+    rt = runtime()
+    a, b, c = req("a"), req("b"), req("c")
+    for request in (a, b, c):
+        rt.enter_waiting(request)
+    rt.reconcile(running=[a], waiting=[c])
+    assert "b" not in rt and running_ids(rt) == {"a"} and list(rt.queue.waiting_ids()) == ["c"]
+
+
+def test_admit_requires_an_add_for_that_request() -> None:
+    rt = runtime()
+    a, b = req("a"), req("b", 1)
+    rt.enter_waiting(a)
+    rt.enter_waiting(b)
+    rt.begin_pass([])
+    with pytest.raises(RuntimeError, match="without an ADD"):
+        rt.admit(a)
+    assert rt.decide().request_id == "a"
+    with pytest.raises(RuntimeError, match="without an ADD"):
+        rt.admit(b)
+
+
+def test_begin_pass_returns_the_running_list_grouped_by_age() -> None:
+    rt = runtime()
+    running = [req("b1", 1), req("a1", 0), req("a2", 0)]
+    for arrival, request in enumerate(running):
+        request.arrival = float(arrival)
+        rt.enter_waiting(request)
+    assert [r.rid for r in rt.begin_pass(running)] == ["b1", "a1", "a2"]
+    assert [r.rid for r in rt.begin_pass(running[::-1])] == ["b1", "a1", "a2"]
+    rt = runtime(order_running=False)
+    for request in running:
+        rt.enter_waiting(request)
+    as_given = [running[2], running[0], running[1]]
+    assert rt.begin_pass(as_given) == as_given  # the engine's order
+    assert [r.rid for r in rt.order(as_given)] == ["b1", "a1", "a2"]  # by arrival only
+    assert rt.preemption_victim(as_given) is running[2]  # the latest arrival
+
+
+def test_the_victim_is_the_newest_member_of_the_youngest_group() -> None:
+    rt = runtime()
+    old = Req("solo", [(9,)], arrival=1.0)
+    first, young = Req("maj-1", [(0,)], arrival=2.0), Req("maj-2", [(0,)], arrival=3.0)
+    tied = Req("maj-3", [(0,), (0, "t")], arrival=3.0)  # same time, entered later
+    for request in (old, first, young, tied):
+        rt.enter_waiting(request)
+    ordered = rt.begin_pass([young, tied, old, first])
+    assert [r.rid for r in ordered] == ["solo", "maj-1", "maj-2", "maj-3"]
+    assert rt.preemption_victim(ordered) is tied  # the old singleton never pays
+    assert rt.preemption_victim([old, first]) is first
+    later = Req("late", [(5,)], arrival=1.5)  # a singleton older than the group's oldest
+    rt.enter_waiting(later)
+    assert rt.preemption_victim([old, later, first, young]) is young
+    stranger = Req("never-seen", arrival=0.5)  # not in the queue: its own arrival counts
+    assert rt.preemption_victim([stranger, old]) is old
+    rt = runtime(order_running=False)
+    for request in (old, first, young, tied):
+        rt.enter_waiting(request)
+    assert rt.preemption_victim([tied, old, first, young]) is tied  # the latest arrival
+
+
+def test_the_batch_order_gathers_a_group_across_classes() -> None:
+    """Preemption keeps classes apart (the least urgent last); a batch lays each group
+    out in one run, where its first member stands."""
+    rt = runtime()
+    a_low = Req("a-low", [(1,), (1, "x")], arrival=1.0, priority=1)
+    b_high = Req("b-high", [(2,), (2, "y")], arrival=2.0, priority=0)
+    a_high = Req("a-high", [(1,), (1, "z")], arrival=3.0, priority=0)
+    for request in (a_low, b_high, a_high):
+        rt.enter_waiting(request)
+    running = rt.begin_pass([a_low, b_high, a_high])
+    assert [r.rid for r in running] == ["b-high", "a-high", "a-low"]
+    assert [r.rid for r in rt.batch_order(running)] == ["b-high", "a-high", "a-low"]
+    assert [r.rid for r in rt.order([a_low, a_high, b_high])] == ["b-high", "a-high", "a-low"]
+    c_high = Req("c-high", [(1,), (1, "w")], arrival=0.5, priority=0)  # group 1, oldest
+    rt.enter_waiting(c_high)
+    running = rt.begin_pass([a_low, b_high, a_high, c_high])
+    assert [r.rid for r in running] == ["c-high", "a-high", "b-high", "a-low"]
+    assert [r.rid for r in rt.batch_order(running)] == ["c-high", "a-high", "a-low", "b-high"]
+
+
+def test_the_least_urgent_class_gives_way_first_however_old() -> None:
+    rt = runtime()
+    old_low = Req("old-low", [(1,)], arrival=1.0, priority=1)
+    young_high = Req("young-high", [(2,)], arrival=5.0, priority=0)
+    for request in (old_low, young_high):
+        rt.enter_waiting(request)
+    assert rt.preemption_victim([young_high, old_low]) is old_low
+    stranger = Req("never-seen", arrival=9.0, priority=0)
+    assert rt.preemption_victim([stranger, old_low]) is old_low
+
+
+def test_a_bypassing_admission_passes_a_due_request_only_if_it_arrived_later() -> None:
+    """What an engine's own side queue (vLLM's kv_holding_waiting) may run before a due
+    request: earlier arrivals, and more urgent ones; never a later one of its class."""
+    rt = runtime(max_overtakes=0)
+    assert not rt.passes_due(Req("alone", arrival=9.0))  # nothing waits: nothing due
+    rt.enter_waiting(Req("due", [(1,)], arrival=2.0, priority=1))
+    assert rt.passes_due(Req("later", arrival=3.0, priority=1))
+    assert rt.passes_due(Req("less-urgent", arrival=1.0, priority=2))
+    assert not rt.passes_due(Req("earlier", arrival=1.0, priority=1))
+    assert not rt.passes_due(Req("urgent", arrival=3.0, priority=0))
+    patient = runtime(max_overtakes=5)
+    patient.enter_waiting(Req("waits", [(1,)], arrival=2.0, priority=1))
+    assert not patient.passes_due(Req("later", arrival=3.0, priority=1))  # not due yet
+
+
+def test_stats_are_written_and_a_failed_write_keeps_the_runtime_alive(tmp_path, caplog) -> None:
+    stats = tmp_path / "stats.json"
+    rt = runtime(stats_file=str(stats))
+    rt.enter_waiting(a := req("a"))
+    rt.begin_pass([])
+    admit_all(rt, running := [])
+    rt.end_pass(1, running)
+    rt.end_step(1, 1, 0.5)
+    rt.close()
+    data = json.loads(stats.read_text())
+    assert data["steps"] == 1 and data["admissions"]["add"] == 1
+    rt.meter.stats_file = str(tmp_path / "missing" / "stats.json")
+    rt.close()  # logged, not raised
+    assert "could not write its stats file" in caplog.text
+    assert a in running
+
+
+def test_faults_are_counted_logged_once_and_n_in_a_row_turn_feather_off(
+        contained_faults, caplog) -> None:
+    rt = runtime(max_faults=3)
+    guard, stats = rt.faults, rt.meter.stats
+    guard.fault("decide", KeyError("a"))
+    guard.fault("admit", KeyError("b"))
+    rt.enter_waiting(req("a"))
+    rt.begin_pass([])
+    rt.end_pass(1, admit_all(rt, []))  # a pass that decided ends the run
+    assert (stats.faults, guard.in_a_row, guard.active, guard.dirty) == (2, 0, True, True)
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and errors[0].exc_info is not None  # the first, with traceback
+    assert "fault in decide" in errors[0].getMessage()
+    for where in ("begin_pass", "decide"):
+        guard.fault(where, RuntimeError(where))
+        for step in range(2):  # passes that decide nothing: fewer than 3 go on with the run
+            rt.begin_pass([])
+            rt.end_pass(step, [])
+    guard.fault("end_pass", RuntimeError("end_pass"))
+    assert not guard.active and stats.faults == 5
+    assert caplog.text.count("Feather is off") == 1
+    assert "3 faults in a row" in caplog.text and "the latest in end_pass" in caplog.text
+    assert [where for where, _ in contained_faults] == ["decide", "admit", "begin_pass",
+                                                        "decide", "end_pass"]
+
+
+def test_resync_rebuilds_the_picture_from_the_engines_sets() -> None:
+    """After a fault the queue may hold anything: resync rebuilds it from what the engine
+    runs and holds waiting, keeping arrivals and preemption counts, counting each request
+    in once and out once."""
+    rt = runtime(gate=RecordingGate())
+    a, b, c, d = req("a", 0), req("b", 0), req("c", 1), req("d", 2)
+    for arrival, request in enumerate((a, b, c, d)):
+        request.arrival = float(arrival)
+        rt.enter_waiting(request)
+    rt.begin_pass([])
+    running = admit_all(rt, [], limit=2)
+    rt.end_pass(1, running)
+    rt.preempted(running[1])
+    rt.queue.tree.remove("c")  # a fault left the tree half-updated
+    e = req("e", 1)
+    e.arrival = 4.0
+    rt.resync(running, [e, d, c])  # e is new to Feather; the waiting side by arrival
+    assert running_ids(rt) == {"a", "b"} and list(rt.queue.waiting_ids()) == ["c", "d", "e"]
+    assert rt.queue.arrival_s("c") == 2.0 and rt._tracked["b"].preemptions == 1
+    assert not rt.faults.dirty
+    rt.resync(running, [c, e])  # d left unseen
+    stats = rt.meter.stats
+    assert (stats.requests_entered, stats.requests_left) == (5, 1)
+    rt.begin_pass(running)
+    assert rt.decide().request_id == "c"  # the older of the two, both of group 1
+
+
+events = st.lists(st.tuples(st.sampled_from(["arrive", "pass", "finish", "preempt", "park",
+                                             "resume", "abort"]), st.integers(0, 11)),
+                  max_size=120)
+
+
+@settings(max_examples=150, deadline=None)
+@given(events, st.integers(1, 4))
+def test_any_engine_history_keeps_the_picture_exact(history, seats: int) -> None:
+    """A toy engine that preempts, parks, skips and aborts; after every pass Feather's
+    running set is the engine's and every request leaves exactly once."""
+    rt = runtime(gate=RecordingGate())
+    waiting: list[Req] = []
+    running: list[Req] = []
+    parked: list[Req] = []
+    arrived, left = [], []
+    for n, (event, arg) in enumerate(history):
+        if event == "arrive":  # groups 0-2, or a group of its own; classes 0 and 1
+            request = req(f"r{n}", arg % 4, chunks=1 if arg % 4 == 3 else 3)
+            request.priority = arg // 6
+            arrived.append(request.rid)
+            waiting.append(request)
+            rt.enter_waiting(request)
+        elif event == "pass":
+            running[:] = rt.begin_pass(running)
+            assert running == rt.order(running)  # a pass that reuses the last order too
+            while len(running) < seats and (answer := rt.decide()) is not None:
+                if answer.decision is Decision.STOP:
+                    break
+                request = rt.request(answer.request_id)
+                rt.admit(request)
+                waiting.remove(request)
+                if arg % 3 == 0:  # popped, then skipped for this pass
+                    rt.hold(request.rid)
+                    waiting.append(request)
+                    rt.enter_waiting(request)
+                    break
+                running.append(request)
+            rt.end_pass(n, running)
+            assert running_ids(rt) == {r.rid for r in running}
+            rt.end_step(n, len(running), 0.01)
+        elif event in ("finish", "preempt", "park") and running:
+            request = running.pop(arg % len(running))
+            if event == "finish":
+                rt.discard(request.rid)
+                left.append(request.rid)
+            elif event == "preempt":
+                waiting.insert(0, request)
+                rt.enter_waiting(request)
+            else:
+                parked.append(request)
+        elif event == "resume" and parked:
+            running.append(parked.pop(arg % len(parked)))  # the engine runs it directly
+        elif event == "abort" and waiting:
+            request = waiting.pop(arg % len(waiting))
+            rt.discard(request.rid)
+            left.append(request.rid)
+    for request in waiting + running + parked:
+        assert rt.discard(request.rid)
+        left.append(request.rid)
+    assert sorted(left) == sorted(arrived) and len(rt) == 0 and not running_ids(rt)
+    stats = rt.meter.stats
+    assert stats.requests_entered == stats.requests_left == len(arrived)
+
+
+def test_the_queue_learns_the_engines_size_and_who_lays_out_the_batch() -> None:
+    """What ``FeatherQueue.fits_all`` and the arrival-order rule read: the seats and KV
+    cache the adapter gives, and whether Feather's batch order acts."""
+    config = FeatherConfig.from_sources({"gate": "always"}, environ={})
+    rt = FeatherRuntime(config, View(), seats=8, kv_tokens=4096)
+    assert (rt.queue.seats, rt.queue.kv_tokens, rt.queue.orders_batch) == (8, 4096, True)
+    rt.engine_keeps_its_order()
+    assert not rt.queue.orders_batch
+    assert not runtime(order_running=False).queue.orders_batch

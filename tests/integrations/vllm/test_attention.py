@@ -1,0 +1,265 @@
+"""Shared-prefix attention inside the real vLLM CPU engine (in-process, tiny random model)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+vllm = pytest.importorskip("vllm", reason="the vllm extra is not installed")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
+    CPUAttentionBackendImpl,
+    _get_attn_isa,
+)
+
+from feather_sched.attention import cpu_kernel  # noqa: E402
+from feather_sched.attention.partials import reference_attention  # noqa: E402
+from feather_sched.integrations.vllm import attention as vllm_attention  # noqa: E402
+from feather_sched.integrations.vllm.attention import (  # noqa: E402
+    SharedPrefixCPUImpl,
+    SharedPrefixMetadata,
+)
+from feather_sched.models import TINY_LLAMA  # noqa: E402
+from tests.helpers.kv_layouts import read_tokens, write_cache  # noqa: E402
+
+BLOCK = 128
+FEATHER = "feather_sched.integrations.vllm.FeatherScheduler"
+SHORT_PREFIXES = {"shared_prefix_min_tokens": 256}
+"""These tests' prefixes are 421-1,061 tokens: below the default threshold of the "amx"
+layout (vLLM's bf16 cache on CPUs with AMX), so they set the "vec" layout's."""
+
+
+def make_llm(dtype: str, feather: dict | None = None, scheduler: str | None = FEATHER,
+             kv_blocks: int = 256, batched_tokens: int = 4096) -> LLM:
+    """The tiny model with its dummy weights scaled up: vLLM draws them from +-1e-3, which
+    leaves attention near uniform; +-0.3 gives scores of order 1 and peaked softmaxes."""
+    extra = {"scheduler_cls": scheduler} if scheduler else {}
+    if feather is not None:
+        extra["additional_config"] = {"feather": feather}
+    bytes_per_token = 2 * 8 * 64 * 2 * (4 if dtype == "float32" else 2)
+    llm = LLM(model=str(TINY_LLAMA), load_format="dummy", skip_tokenizer_init=True,
+              enforce_eager=True, seed=0, max_model_len=2048, block_size=BLOCK, dtype=dtype,
+              kv_cache_memory_bytes=kv_blocks * BLOCK * bytes_per_token,
+              max_num_batched_tokens=batched_tokens, **extra)
+    llm.apply_model(lambda model: [p.data.mul_(300) for p in model.parameters()])
+    return llm
+
+
+def mixed_prompts(seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Three prefix groups (prefixes ending mid-block), singletons, varied suffixes and
+    output lengths, interleaved."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(1, 32000, n * BLOCK + 37).tolist() for n in (5, 3, 8)]
+    prompts = [prefixes[i % 3] + rng.integers(1, 32000, int(rng.integers(3, 300))).tolist()
+               for i in range(21)]
+    prompts[5:5] = [rng.integers(1, 32000, 900).tolist() for _ in range(3)]
+    return prompts, [int(rng.integers(8, 160)) for _ in prompts]
+
+
+def generate(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                           use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture
+def grouped_rows(monkeypatch):
+    """Counts the rows the shared-prefix path computed, over every layer and step."""
+    counted = []
+    original = cpu_kernel.attend_groups
+
+    def counting(plan, *args):
+        counted.append(len(plan.tokens))
+        return original(plan, *args)
+
+    monkeypatch.setattr(cpu_kernel, "attend_groups", counting)
+    return counted
+
+
+@pytest.fixture(scope="module")
+def stock_fp32_outputs():
+    prompts, lengths = mixed_prompts()
+    llm = make_llm("float32", scheduler=None, kv_blocks=30, batched_tokens=512)
+    outputs = generate(llm, prompts, lengths)
+    del llm
+    return prompts, lengths, outputs
+
+
+def test_fp32_greedy_outputs_equal_vllms_own_scheduler_and_kernel(stock_fp32_outputs,
+                                                                   grouped_rows, monkeypatch):
+    # 30 blocks of KV for ~45 blocks of prompts: preemptions; 512 batched tokens: prompts
+    # prefill in chunks beside decoding rows.
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempted = []
+    original = Scheduler._preempt_request
+
+    def counting(self, request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return original(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", counting)
+    prompts, lengths, expected = stock_fp32_outputs
+    llm = make_llm("float32", {"gate": "always", "shared_prefix_attention": "on"},
+                   kv_blocks=30, batched_tokens=512)
+    assert generate(llm, prompts, lengths) == expected
+    assert preempted
+    assert sum(grouped_rows) > 100
+
+
+def test_an_engine_with_the_option_off_runs_vllms_path(stock_fp32_outputs, grouped_rows):
+    prompts, lengths, expected = stock_fp32_outputs
+    llm = make_llm("float32", {"shared_prefix_attention": "off"}, kv_blocks=40,
+                   batched_tokens=512)
+    assert generate(llm, prompts[:6], lengths[:6]) == expected[:6]
+    assert grouped_rows == []
+
+
+def test_auto_stays_off_under_vllms_scheduler_and_on_turns_it_on(grouped_rows):
+    prompts, lengths = mixed_prompts(1)
+    generate(make_llm("bfloat16", scheduler=None), prompts[:9], lengths[:9])
+    assert grouped_rows == []
+    generate(make_llm("bfloat16", {"shared_prefix_attention": "on", **SHORT_PREFIXES},
+                      scheduler=None), prompts[:9], lengths[:9])
+    assert sum(grouped_rows) > 0
+
+
+@pytest.mark.parametrize("vectorized", [True, False])
+def test_auto_acts_with_feathers_scheduler_where_the_kernel_pays(vectorized, grouped_rows,
+                                                                 monkeypatch):
+    """Auto (the default) is on with FeatherScheduler where the kernel is vectorized
+    (AVX-512), and off, logged, where it would be the portable loop."""
+    monkeypatch.setattr(cpu_kernel, "vectorized", lambda: vectorized)
+    messages = []
+    monkeypatch.setattr(vllm_attention, "announce", messages.append)
+    prompts, lengths = mixed_prompts(1)
+    generate(make_llm("bfloat16", SHORT_PREFIXES), prompts[:9], lengths[:9])
+    assert (sum(grouped_rows) > 0) is vectorized
+    assert any("no AVX-512" in m for m in messages) is not vectorized
+
+
+def test_steps_whose_rows_are_shorter_than_the_threshold_are_not_planned(monkeypatch):
+    """No row can hold a 4,096-token prefix in a 2,048-token model: no step is planned."""
+    planned = []
+    original = vllm_attention.plan_step
+    monkeypatch.setattr(vllm_attention, "plan_step",
+                        lambda *args: planned.append(args) or original(*args))
+    prompts, lengths = mixed_prompts(1)
+    generate(make_llm("bfloat16", {"shared_prefix_min_tokens": 4096}), prompts[:9], lengths[:9])
+    assert planned == []
+    generate(make_llm("bfloat16", SHORT_PREFIXES), prompts[:9], lengths[:9])
+    assert planned
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_groups_start_at_the_kv_layouts_threshold_unless_set(dtype, monkeypatch):
+    """By default the shortest prefix grouped is the kernel's measured crossover for the
+    layout vLLM picks on this CPU (``cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT``); the
+    option ``shared_prefix_min_tokens`` sets it."""
+    messages = []
+    monkeypatch.setattr(vllm_attention, "announce", messages.append)
+    isa = _get_attn_isa(getattr(torch, dtype), BLOCK, 64, "auto")
+    default = -(-cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT[isa] // BLOCK)
+    for options, blocks in (({}, default), ({"shared_prefix_min_tokens": 300}, 3)):
+        make_llm(dtype, options)
+        assert any(f"isa {isa}" in m and f"groups from {blocks} shared blocks" in m
+                   for m in messages), messages
+        messages.clear()
+
+
+@pytest.mark.parametrize(("isa", "dtype"), [("vec", torch.float32), ("vec", torch.bfloat16),
+                                            ("amx", torch.bfloat16)])
+def test_vllms_cache_writer_lays_out_what_the_kernel_reads(isa, dtype):
+    """vLLM's own ``reshape_and_cache`` for each layout the kernel reads writes what
+    ``tests/helpers/kv_layouts`` (the kernel tests' caches) writes, token for token."""
+    from vllm import _custom_ops as ops
+
+    torch.manual_seed(0)
+    blocks, heads, dim = 3, 2, 64
+    keys = torch.randn(blocks * BLOCK, heads, dim).to(dtype)
+    values = torch.randn(blocks * BLOCK, heads, dim).to(dtype)
+    cache = torch.zeros(blocks, heads, BLOCK, 2 * dim, dtype=dtype)
+    key_cache, value_cache = cache.view(blocks, heads, 2 * BLOCK, dim).chunk(2, dim=2)
+    slots = torch.randperm(blocks * BLOCK)  # tokens written in any order land in place
+    ops.cpu_attn_reshape_and_cache(keys[slots], values[slots], key_cache, value_cache, slots,
+                                   isa)
+    assert torch.equal(cache, write_cache(keys, values, BLOCK, isa))
+    read_keys, read_values = read_tokens(cache, torch.tensor([2, 0]), BLOCK + 5, isa)
+    picked = torch.cat([torch.arange(2 * BLOCK, 3 * BLOCK), torch.arange(5)])
+    assert torch.equal(read_keys, keys[picked]) and torch.equal(read_values, values[picked])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_layer_matches_vllms_kernel_and_the_float64_reference(dtype, monkeypatch):
+    """Every grouped row of every layer and step, against vLLM's kernel run on the same
+    inputs with the unmodified metadata, and both against float64 attention."""
+    worst = {"vs_kernel": 0.0, "ours": 0.0, "kernel": 0.0, "rows": 0, "layouts": set()}
+    original = SharedPrefixCPUImpl.forward
+
+    def checking(self, layer, query, key, value, kv_cache, metadata, output, **rest):
+        result = original(self, layer, query, key, value, kv_cache, metadata, output, **rest)
+        if isinstance(metadata, SharedPrefixMetadata):
+            stock = torch.empty_like(output)
+            CPUAttentionBackendImpl.forward(self, layer, query, key, value, kv_cache,
+                                            metadata.original, stock)
+            compare(self, layer.isa, query, kv_cache, metadata, output, stock)
+        return result
+
+    def compare(impl, isa, query, kv_cache, metadata, ours, stock):
+        plan = metadata.plan
+        worst["layouts"].add(isa)
+        for row, token in zip(plan.groups.rows, plan.tokens.tolist(), strict=True):
+            keys, values = read_tokens(kv_cache, metadata.original.block_table[row],
+                                       int(metadata.original.seq_lens[row]), isa)
+            expected, _ = reference_attention(query[token], keys, values, impl.scale)
+            scale = expected.abs().max()
+            for name, error in (("vs_kernel", ours[token].double() - stock[token].double()),
+                                ("ours", ours[token].double() - expected),
+                                ("kernel", stock[token].double() - expected)):
+                worst[name] = max(worst[name], float(error.abs().max() / scale))
+            worst["rows"] += 1
+
+    monkeypatch.setattr(SharedPrefixCPUImpl, "forward", checking)
+    prompts, _ = mixed_prompts(2)
+    generate(make_llm(dtype, {"gate": "always", "shared_prefix_attention": "on",
+                              **SHORT_PREFIXES}, batched_tokens=1024), prompts[:15], [8] * 15)
+    assert worst["rows"] > 100
+    amx = dtype == "bfloat16" and torch.cpu._is_amx_tile_supported()  # vLLM's choice
+    assert worst["layouts"] == {"amx" if amx else "vec"}, worst
+    if dtype == "float32":  # errors relative to each row's largest output
+        assert worst["vs_kernel"] < 1e-5, worst
+    # Exact fp32 partials rounded once: no worse than vLLM's own kernel against float64.
+    assert worst["ours"] <= worst["kernel"] * 1.05, worst
+
+
+def test_layers_the_kernel_cannot_serve_say_why():
+    impl = object.__new__(SharedPrefixCPUImpl)
+    impl.attn_type, impl.sliding_window, impl.alibi_slopes = "decoder", 4096, None
+    impl.logits_soft_cap, impl.sinks, impl.is_fp8_kv_cache = 0, None, False
+    layer = type("Layer", (), {"isa": "vec"})()
+    query, cache = torch.zeros(2, 4, 64), torch.zeros(3, 4, 32, 128)
+    assert impl._layer_problem(layer, query, cache) == "a sliding window"
+    impl.sliding_window = -1
+    assert impl._layer_problem(layer, query, cache) is None
+    layer.isa = "amx"
+    assert impl._layer_problem(layer, query, cache) is None
+    layer.isa = "neon"
+    assert impl._layer_problem(layer, query, cache) == "KV layout 'neon'"
+
+
+def test_the_plugin_points_vllms_cpu_backend_at_feathers():
+    code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
+            "from vllm.v1.attention.backends.registry import AttentionBackendEnum as E; "
+            "print(E.CPU_ATTN.get_path())")
+    path = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip().splitlines()[-1]
+    assert path == f"{vllm_attention.__name__}.SharedPrefixCPUBackend"
