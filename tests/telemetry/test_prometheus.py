@@ -11,7 +11,7 @@ import json
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from feather_sched.core.config import FeatherConfig
 from feather_sched.gate import Decision
-from tests.test_runtime import View, req
+from tests.core.test_runtime import View, req
 from feather_sched.runtime import FeatherRuntime
 
 rt = FeatherRuntime(FeatherConfig(gate="always"), View(), clock=lambda: 5.0, name="test")

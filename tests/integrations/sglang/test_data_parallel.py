@@ -16,7 +16,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.runtime_context import get_parallel
 
 from feather_sched.integrations.sglang import scheduler as feather_sglang
-from tests.integrations.test_sglang import _stub_scheduler
+from tests.integrations.sglang.test_scheduler import _stub_scheduler
 
 
 @pytest.mark.parametrize(("dp_rank", "dp_ranks", "name"), [

@@ -23,7 +23,8 @@ def test_sglang_server_runs_feather_and_answers_feather_bench(tmp_path) -> None:
 
     log, stats_file, steps = tmp_path / "server.log", tmp_path / "stats.json", tmp_path / "s.csv"
     # gate "always": no STOP holds a group back, so rounds admit mixed groups and the
-    # reordering below has batches to act on (the gate's path: tests/integrations/sglang/test_scheduler)
+    # reordering below has batches to act on (the gate's path:
+    # tests/integrations/sglang/test_scheduler)
     options = json.dumps({"gate": "always", "stats_file": str(stats_file),
                           "step_log": str(steps)})
     command = ["feather_sched.integrations.sglang.launch", "--model-path", str(TINY_LLAMA),

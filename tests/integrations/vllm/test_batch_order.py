@@ -69,7 +69,7 @@ def test_a_group_gathers_at_its_first_row_in_the_schedulers_order() -> None:
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
-from tests.integrations.test_vllm import (  # noqa: E402
+from tests.integrations.vllm.test_engine import (  # noqa: E402
     RecordingScheduler,
     group_prompts,
     make_llm,

@@ -27,7 +27,7 @@ from feather_sched.gates.bandit import UCBBanditGate
 from feather_sched.gates.base import Decision, GateContext
 from feather_sched.telemetry.stats import SchedulerStats
 from feather_sched.telemetry.steplog import read_steps
-from tests.integrations.test_vllm_scheduler import Harness
+from tests.integrations.vllm.test_scheduler import Harness
 
 FILES = {"state_file": "bandit.json", "stats_file": "stats.json", "step_log": "steps.csv"}
 
