@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up .venv first (idempotent).
-.PHONY: run test lint
+.PHONY: run test lint docs
 
 run:
 	scripts/setup.sh --vllm
@@ -12,3 +12,7 @@ test:
 
 lint:
 	.venv/bin/ruff check src tests
+
+# The options page is generated from the code (tests/test_docs.py fails while it is stale).
+docs:
+	.venv/bin/python -m feather_sched.docs --out docs/options.md
