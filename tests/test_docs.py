@@ -3,9 +3,10 @@
 The options page must be what the generator produces from the code now: a new option, a
 changed default or docstring fails here until the page is regenerated with
 ``python -m feather_sched.docs --out docs/options.md`` (or ``make docs``).  Every path and
-``feather_sched`` module the pages in ``docs/`` name must exist, and the package map and
-the metrics page must name everything there is.  Links between pages and their anchors
-are checked by ``mkdocs build --strict``, which ``make test`` runs.
+``feather_sched`` module the README and the pages in ``docs/`` name must exist, the package
+map and the metrics page must name everything there is, and the README keeps its shape.
+Links between pages and their anchors are checked by ``mkdocs build --strict``, which
+``make test`` runs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from feather_sched.telemetry.stats import AdmissionCounts, SchedulerStats
 ROOT = Path(__file__).parents[1]
 SRC = ROOT / "src"
 DOCS = ROOT / "docs"
-PAGES = sorted(DOCS.rglob("*.md"))
+README = ROOT / "README.md"
+PAGES = [README, *sorted(DOCS.rglob("*.md"))]
 REGENERATE = "python -m feather_sched.docs --out docs/options.md"
 
 
@@ -167,6 +169,13 @@ def test_every_path_and_module_a_page_names_exists(page: Path) -> None:
     assert not unknown, f"{page.name} names modules that do not exist: {unknown}"
 
 
+def test_the_readme_links_only_to_what_exists() -> None:
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text(README))
+    relative = [target for target in targets if "://" not in target]
+    assert relative
+    assert [target for target in relative if not (ROOT / target).exists()] == []
+
+
 # ---- pages that must name everything there is ----------------------------------------
 
 
@@ -231,3 +240,22 @@ def test_make_test_builds_the_site_in_strict_mode_without_hiding_warnings() -> N
              "MKDOCS" in line]
     assert build and "build --strict" in build[0]
     assert "--quiet" not in build[0] and "-q" not in build[0].split()  # hides the warnings
+
+
+# ---- the README's shape ------------------------------------------------------------
+
+
+def test_the_readme_is_short_and_opens_with_the_two_commands() -> None:
+    lines = text(README).splitlines()
+    assert len(lines) <= 150
+    assert lines[3].startswith("make run    # ") and lines[4].startswith("make test   # ")
+    targets = makefile_targets()
+    named = set(re.findall(r"`make ([\w-]+)`", text(README))) | {"run", "test"}
+    assert named <= set(targets), named - set(targets)
+
+
+def test_the_readmes_set_up_line_is_what_make_test_runs() -> None:
+    setup = makefile_targets()["test"][0]
+    assert setup.startswith("scripts/setup.sh")
+    assert f"`{setup}`" in text(README)
+    assert f"`{setup}`" in text(DOCS / "development.md")
