@@ -1,5 +1,9 @@
 # The two commands of the README. Both set up .venv first (idempotent).
-.PHONY: run test lint
+.PHONY: run test lint docs docs-serve
+
+# Material for MkDocs prints an end-of-life banner on every build; --quiet would hide
+# warnings from --strict too (mkdocs then counts none), so the banner is turned off instead.
+MKDOCS := NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs
 
 run:
 	scripts/setup.sh --vllm
@@ -9,6 +13,15 @@ test:
 	scripts/setup.sh --vllm --sglang --ray --datasets
 	.venv/bin/ruff check src tests
 	.venv/bin/python -m pytest -q
+	$(MKDOCS) build --strict --site-dir site
 
 lint:
 	.venv/bin/ruff check src tests
+
+# The options page is generated from the code (tests/test_docs.py fails while it is stale).
+docs:
+	.venv/bin/python -m feather_sched.docs --out docs/options.md
+	$(MKDOCS) build --strict --site-dir site
+
+docs-serve:
+	$(MKDOCS) serve --strict

@@ -17,7 +17,8 @@ The package map, bottom up; each layer imports only the layers above it in this 
   the scheduler names a comparison run takes.
 * ``sim`` - the serving simulator, driving the same runtime; never an engine.
 * ``integrations`` - ``vllm``, ``sglang``, ``ray``: the adapters, which translate types.
-* ``bench``, ``cli``, ``serve`` - the benchmark drivers and the ``feather`` command.
+* ``bench``, ``cli``, ``serve``, ``docs`` - the benchmark drivers, the ``feather`` command,
+  and the generator of the documentation's reference pages (``docs/options.md``).
 
 Nothing below ``integrations`` imports an engine (vLLM, SGLang, Ray).
 """

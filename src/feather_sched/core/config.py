@@ -99,11 +99,15 @@ class FeatherConfig:
     ``model`` (the default: with the batch ordered it admits as ``always`` and predicts
     nothing; with ordering off it is the best gate measured, ``benchmarks/gate``)."""
     gate_options: dict[str, Any] = field(default_factory=dict)
-    """Keyword options of the gate (see ``feather_sched.gates``)."""
+    """Keyword options of the gate, a JSON object (see ``feather_sched.gates``): e.g.
+    ``{"max_loss": 5}`` (chunk-loss), ``{"exploration": 200, "seed": 0}`` (bandit),
+    ``{"prior": "h100-sxm/llama-3-8b"}`` (model; its prior defaults to ``auto``)."""
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-    """Chunk size; with engine block hashes, rounded to whole blocks (at least one)."""
+    """Chunk size in tokens; with engine block hashes, rounded down to whole blocks, at
+    least one (``max(1, chunk_tokens // block_size)`` blocks a chunk)."""
     state_file: str | None = None
-    """Bandit table to start from and to save to (warm start across restarts)."""
+    """Bandit table to start from and to save to (warm start across restarts); needs
+    ``gate: bandit``."""
     max_overtakes: int | None = DEFAULT_MAX_OVERTAKES
     """Fairness bound: while a request waits, at most this many later arrivals are
     admitted before it (``fairness``); None (or "off") turns it off."""
@@ -119,7 +123,9 @@ class FeatherConfig:
     order_running: bool = True
     """Keep the running batch ordered by prefix group."""
     stats_file: str | None = None
-    """Where the adapter writes its ``SchedulerStats`` (periodically and at shutdown)."""
+    """Where the adapter writes its ``SchedulerStats`` as JSON (periodically and at
+    shutdown): scheduling time, step time, admission counts, queue sizes, preemptions,
+    faults."""
     step_log: str | None = None
     """CSV to append each step's batch composition and time to (for ``feather calibrate``)."""
     shared_prefix_attention: str = "auto"
@@ -128,8 +134,9 @@ class FeatherConfig:
     engine's own scheduler) or ``off``."""
     shared_prefix_min_tokens: int | None = None
     """Shortest shared prefix that shared-prefix attention reads once for its group (None:
-    the default the kernel measured for the engine's KV layout; the crossover depends on
-    the CPU and the model)."""
+    the default the kernel measured for the engine's KV layout,
+    ``attention.cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT``: 256 tokens over vLLM's ``vec``
+    CPU layout, 8192 over ``amx``; the crossover depends on the CPU and the model)."""
     max_faults: int = 8
     """Faults of Feather's own code in a row (no clean scheduling pass between them) that
     turn Feather off for the engine, which keeps its own order from then on."""
