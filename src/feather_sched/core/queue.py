@@ -365,8 +365,7 @@ class FeatherQueue:
             return None
         bounded = self.due()
         target = offered if offered is not None else self._chosen(bounded)
-        forced = target is not None and target == bounded
-        self._admission = self._answer(self.tree.best() if target is None else target, forced)
+        self._admission = self._answer(target, forced=bounded is not None and target == bounded)
         self._asked_for = offered
         return self._admission
 
@@ -377,8 +376,7 @@ class FeatherQueue:
             return self._admission.request_id
         if not self.tree.num_waiting:
             return None
-        chosen = self._chosen(self.due())
-        return self.tree.best() if chosen is None else chosen
+        return self._chosen(self.due())
 
     def new_step(self) -> None:
         """Start a scheduling pass: a STOP of the previous pass no longer holds."""
@@ -426,12 +424,13 @@ class FeatherQueue:
         return self.num_running + self.tree.num_waiting <= self.seats and \
             self.tree.chunks_held() * self.chunk_tokens <= self.kv_tokens
 
-    def _chosen(self, due: RequestId | None) -> RequestId | None:
-        """The candidate over the tree's best, if any: the request a bound made ``due``,
-        else, while the engine could run everything in flight (``fits_all``), lays its
-        batch out in Feather's order (``orders_batch``) and the gate does not STOP there
+    def _chosen(self, due: RequestId | None) -> RequestId:
+        """The candidate, while a request waits: the request a bound made ``due``, else,
+        while the engine could run everything in flight (``fits_all``), lays its batch out
+        in Feather's order (``orders_batch``) and the gate does not STOP there
         (``Gate.stops_in_ordered_batches``: always-add, the model gate), the oldest
-        waiting request of the most urgent class if it arrived before the tree's best.
+        waiting request of the most urgent class if it arrived before the tree's best;
+        else the tree's best.
 
         Passing an older request pays when the passer would cost more later: its prefix
         evicted before its turn, or its group no longer running when seats are scarce.
@@ -440,13 +439,15 @@ class FeatherQueue:
         the passer to the passed: the tail of a burst that a sub-capacity load drains
         (p99 TTFT 1.13x FCFS on BFCL's tool calls, ``benchmarks/traces``).  The gate still
         answers for this candidate.  O(requeued requests)."""
-        if due is not None or self.bound is None or not self.orders_batch or \
-                getattr(self.gate, "stops_in_ordered_batches", True) or not self.fits_all():
+        if due is not None:
             return due
         best = self.tree.best()
-        oldest = self.bound.oldest(self.tree.priority(best)) if best is not None else None
+        if self.bound is None or not self.orders_batch or \
+                getattr(self.gate, "stops_in_ordered_batches", True) or not self.fits_all():
+            return best
+        oldest = self.bound.oldest(self.tree.priority(best))
         return oldest if oldest is not None and self.bound.arrived_before(oldest, best) \
-            else None
+            else best
 
     def _starved(self) -> RequestId | None:
         """The oldest waiting request of the most urgent class waiting, if it has waited
