@@ -22,7 +22,7 @@ from feather_sched.core.config import (
 )
 from feather_sched.gates import GATE_KINDS
 from feather_sched.gates.bandit import UCBBanditGate
-from feather_sched.gates.base import Decision, GateContext
+from feather_sched.gates.base import BatchLayout, Decision, GateContext
 from feather_sched.gates.heuristic import ChunkLossGate
 from feather_sched.gates.model import ModelGate
 from feather_sched.gates.step_model import EngineShape, StepPrior
@@ -32,7 +32,7 @@ def test_defaults_make_a_model_gate_queue() -> None:
     config = FeatherConfig.from_sources(None, environ={})
     assert config.gate == "model" and config.max_overtakes == 32
     gate = config.make_queue().gate
-    assert isinstance(gate, ModelGate) and gate.ordered and not gate.observes
+    assert isinstance(gate, ModelGate) and gate.layout is BatchLayout.FEATHER and not gate.observes
     assert isinstance(FeatherConfig(gate="bandit").make_gate(), UCBBanditGate)
     assert isinstance(FeatherConfig(gate="chunk-loss").make_gate(), ChunkLossGate)
 

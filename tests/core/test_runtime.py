@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from feather_sched.core.config import FeatherConfig
 from feather_sched.core.queue import QueueState
 from feather_sched.core.runtime import FeatherRuntime
-from feather_sched.gates.base import Decision, GateContext
+from feather_sched.gates.base import BatchLayout, Decision, GateContext, Unobservant
 
 
 @dataclass(eq=False)
@@ -40,11 +40,11 @@ class View:
         return request.priority
 
 
-class RecordingGate:
+class RecordingGate(Unobservant):
     """STOP when the candidate loses two chunks or more; remembers every reward."""
 
-    observes = False  # learns nothing from batches
     always_adds = False  # shown every candidate
+    stops_in_ordered_batches = True  # it may STOP whatever the layout
 
     def __init__(self) -> None:
         self.rewards: list[tuple[list, int, float]] = []
@@ -483,7 +483,7 @@ def test_the_queue_learns_the_engines_size_and_who_lays_out_the_batch() -> None:
     cache the adapter gives, and whether Feather's batch order acts."""
     config = FeatherConfig.from_sources({"gate": "always"}, environ={})
     rt = FeatherRuntime(config, View(), seats=8, kv_tokens=4096)
-    assert (rt.queue.seats, rt.queue.kv_tokens, rt.queue.orders_batch) == (8, 4096, True)
+    assert (rt.queue.seats, rt.queue.kv_tokens, rt.layout) == (8, 4096, BatchLayout.FEATHER)
     rt.engine_keeps_its_order()
-    assert not rt.queue.orders_batch
-    assert not runtime(order_running=False).queue.orders_batch
+    assert rt.layout is BatchLayout.ENGINE
+    assert runtime(order_running=False).layout is BatchLayout.ENGINE

@@ -33,8 +33,7 @@ from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.core.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS
 from feather_sched.core.queue import DEFAULT_MAX_WAIT_S, DEFAULT_MIN_PASSING_TOKENS, FeatherQueue
 from feather_sched.gates import GATE_KINDS, make_gate
-from feather_sched.gates.bandit import UCBBanditGate
-from feather_sched.gates.base import Gate
+from feather_sched.gates.base import BatchLayout, Gate, Persistent
 from feather_sched.gates.step_model import AUTO, EngineShape, StepPrior
 
 ENV_PREFIX = "FEATHER_"
@@ -117,7 +116,8 @@ class FeatherConfig:
     """Shortest prefix shared with the running set for which a waiting request passes
     older ones in the tree's order (0: any shared chunk)."""
     order_running: bool = True
-    """Keep the running batch ordered by prefix group."""
+    """Keep the running list, and so the batch, ordered by prefix group
+    (``batch_layout``)."""
     stats_file: str | None = None
     """Where the adapter writes its ``SchedulerStats`` (periodically and at shutdown)."""
     step_log: str | None = None
@@ -188,28 +188,35 @@ class FeatherConfig:
             value = default.default_factory() if default.default is MISSING else default.default
         return _checked(name, value)
 
+    @property
+    def batch_layout(self) -> BatchLayout:
+        """The batch layout ``order_running`` asks for (an adapter may find that the
+        engine keeps its own: ``FeatherRuntime.engine_keeps_its_order``)."""
+        return BatchLayout.FEATHER if self.order_running else BatchLayout.ENGINE
+
     def make_gate(self, *, announce: bool = True, engine: EngineShape | None = None) -> Gate:
         """The configured gate; a bandit warm-starts from ``state_file`` when it exists, a
         model gate with prior ``auto`` from ``engine``'s profile, where there is one
         (logged when ``announce``: once per gate put to use, not per validation)."""
         options = dict(self.gate_options)
         if self.gate == "model":
-            options.setdefault("ordered", self.order_running)
+            options.setdefault("layout", self.batch_layout)
             if not isinstance(options.get("prior", AUTO), str | StepPrior | None):
                 raise FeatherConfigError("feather option 'gate_options': prior must be a "
                                          f"profile name or null, got {options['prior']!r}")
             if options.get("prior", AUTO) == AUTO and engine is not None:
                 options["prior"], note = StepPrior.for_engine(engine)
                 if announce:
+                    ordered = options["layout"] is BatchLayout.FEATHER
                     logger.info("Feather: model gate %s%s", note, "; it predicts only where "
-                                "batch ordering cannot act" if options["ordered"] else "")
+                                "batch ordering cannot act" if ordered else "")
         try:
             gate = make_gate(self.gate, **options)
         except (ValueError, TypeError, ArithmeticError) as error:
             raise FeatherConfigError(f"feather option 'gate_options': {error}") from None
         source = self.warm_start_file()
         if source is not None:
-            assert isinstance(gate, UCBBanditGate)
+            assert isinstance(gate, Persistent)  # only the bandit has a state file
             try:
                 gate.load(source)
             except (OSError, ValueError) as error:
@@ -235,10 +242,12 @@ class FeatherConfig:
         """The queue with the configured gate and bounds (``engine``: see ``make_gate``;
         ``chunk_tokens``: what a chunk key stands for where the engine's blocks round the
         configured ``chunk_tokens``)."""
-        return FeatherQueue(self.make_gate(engine=engine), max_overtakes=self.max_overtakes,
-                            max_stops=self.max_stops, max_wait_s=self.max_wait_s,
-                            chunk_tokens=chunk_tokens or self.chunk_tokens,
-                            min_passing_tokens=self.min_passing_tokens, clock=clock)
+        queue = FeatherQueue(self.make_gate(engine=engine), max_overtakes=self.max_overtakes,
+                             max_stops=self.max_stops, max_wait_s=self.max_wait_s,
+                             chunk_tokens=chunk_tokens or self.chunk_tokens,
+                             min_passing_tokens=self.min_passing_tokens, clock=clock)
+        queue.use_layout(self.batch_layout)
+        return queue
 
 
 def check_writable(option: str, path: str) -> None:

@@ -27,7 +27,7 @@ gives way to arrival order: no prefix is evicted and no seat is short, so passin
 request would save nothing and only lengthen its wait.  Ties (requests that arrived
 together) keep the tree's order, and the gate still answers.  This is part of the
 fairness bound: without it (``max_overtakes`` and ``max_stops`` None) the tree orders; so
-it does where the engine keeps its own batch order (``orders_batch`` False), since there
+it does where the engine keeps its own batch order (``BatchLayout.ENGINE``), since there
 the admission order is what puts a group's members side by side in a step, and under a
 gate that may STOP in an ordered batch (``Gate.stops_in_ordered_batches``), whose STOP
 on an older stranger would hold back the siblings it admits.
@@ -66,7 +66,7 @@ from feather_sched.core.cht import (
 )
 from feather_sched.core.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS, OvertakeBound
 from feather_sched.core.prefix import group_of
-from feather_sched.gates.base import Decision, Gate, GateContext
+from feather_sched.gates.base import BatchLayout, Decision, Gate, GateContext
 from feather_sched.gates.heuristic import AlwaysAddGate
 
 RequestId = Hashable
@@ -149,13 +149,17 @@ class FeatherQueue:
         """The engine's KV cache in tokens, where its adapter knows it: with ``seats``,
         what tells whether the engine could run every request in flight at once
         (``fits_all``)."""
-        self.orders_batch = True
-        """Whether the engine lays its batch out in Feather's order (``order_running``,
-        where the adapter can apply it); if not, admission order is the batch's layout,
-        and the tree's order keeps a group's members side by side even when everything
-        fits."""
+        self.layout = BatchLayout.FEATHER
+        """How the engine lays its batch out (``use_layout``); in the engine's own layout
+        admission order is the batch's, and the tree's order keeps a group's members side
+        by side even when everything fits."""
         self._running_epoch = 0
         self.clear()
+
+    def use_layout(self, layout: BatchLayout) -> None:
+        """The engine lays its batch out so from now on; the gate is told too. O(1)."""
+        self.layout = layout
+        self.gate.use_layout(layout)
 
     def clear(self) -> None:
         """Forget every request (the tree, the bounds' counts, this pass's answer); the
@@ -427,7 +431,7 @@ class FeatherQueue:
     def _chosen(self, due: RequestId | None) -> RequestId:
         """The candidate, while a request waits: the request a bound made ``due``, else,
         while the engine could run everything in flight (``fits_all``), lays its batch out
-        in Feather's order (``orders_batch``) and the gate does not STOP there
+        in Feather's order (``BatchLayout.FEATHER``) and the gate does not STOP there
         (``Gate.stops_in_ordered_batches``: always-add, the model gate), the oldest
         waiting request of the most urgent class if it arrived before the tree's best;
         else the tree's best.
@@ -442,8 +446,8 @@ class FeatherQueue:
         if due is not None:
             return due
         best = self.tree.best()
-        if self.bound is None or not self.orders_batch or \
-                getattr(self.gate, "stops_in_ordered_batches", True) or not self.fits_all():
+        if self.bound is None or self.layout is not BatchLayout.FEATHER or \
+                self.gate.stops_in_ordered_batches or not self.fits_all():
             return best
         oldest = self.bound.oldest(self.tree.priority(best))
         return oldest if oldest is not None and self.bound.arrived_before(oldest, best) \

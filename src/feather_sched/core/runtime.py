@@ -57,9 +57,7 @@ from feather_sched.core.config import FeatherConfig
 from feather_sched.core.faults import FaultGuard
 from feather_sched.core.prefix import gather_groups, group_of, order_by_group
 from feather_sched.core.queue import Admission, QueueState
-from feather_sched.gates.bandit import UCBBanditGate
-from feather_sched.gates.base import Decision, GateContext
-from feather_sched.gates.model import ModelGate
+from feather_sched.gates.base import BatchLayout, Decision, GateContext, Persistent
 from feather_sched.gates.step_model import EngineShape
 from feather_sched.telemetry import prometheus as metrics
 from feather_sched.telemetry.stats import AdmissionCounts, SchedulerStats, StepMeter
@@ -147,11 +145,11 @@ class FeatherRuntime(Generic[R]):
         self.queue = config.make_queue(clock=clock, engine=engine, chunk_tokens=chunk_tokens)
         self.queue.seats = seats
         self.queue.kv_tokens = kv_tokens
-        self.queue.orders_batch = config.order_running
         self.counts = AdmissionCounts()
-        bandit = self.queue.gate if isinstance(self.queue.gate, UCBBanditGate) else None
+        gate = self.queue.gate
         self.meter = StepMeter(name, stats_file=config.stats_file, step_log=config.step_log,
-                               state_file=config.state_file, gate=bandit,
+                               state_file=config.state_file,
+                               gate=gate if isinstance(gate, Persistent) else None,
                                admissions=self.counts,
                                sink=metrics.PrometheusSink(name) if metrics.enabled() else None)
         self.faults = FaultGuard(name, config.max_faults, self.meter)
@@ -169,25 +167,26 @@ class FeatherRuntime(Generic[R]):
         return self.config.step_log is not None or self.queue.gate.observes
 
     @property
-    def orders_running(self) -> bool:
-        """Whether ``begin_pass`` returns the running list in Feather's order."""
-        return self.config.order_running
+    def layout(self) -> BatchLayout:
+        """How the engine lays its batch out: ``FEATHER`` (each prefix group one run, in
+        ``batch_order``) with ``order_running`` on, unless the adapter found the engine
+        keeps its own order (``engine_keeps_its_order``); else ``ENGINE``."""
+        return self.queue.layout
 
     @property
     def batch_has_groups(self) -> bool:
-        """Whether a batch's layout can matter: ordering is on and a prefix group runs
+        """Whether a batch's layout can matter: it is Feather's and a prefix group runs
         with two or more members (a batch that shares nothing gains nothing from being
         laid out, so adapters skip ``batch_order`` then). O(1)."""
-        return self.config.order_running and self.queue.has_running_group()
+        return self.queue.layout is BatchLayout.FEATHER and self.queue.has_running_group()
 
     def engine_keeps_its_order(self) -> None:
-        """The adapter found that batch ordering cannot act in this engine: a gate that
-        prices where a newcomer lands (``ModelGate``) prices the engine's own order, and
-        the queue keeps the tree's order, which is then the batch's layout."""
-        self.queue.orders_batch = False
-        gate = self.queue.gate
-        if isinstance(gate, ModelGate):
-            gate.ordered = False
+        """The adapter found that batch ordering cannot act in this engine: the layout is
+        the engine's (``BatchLayout.ENGINE``), told to the queue, which keeps the tree's
+        order (then the batch's), and to the gate, which prices the engine's order.
+        ``begin_pass`` still orders the running list (``order_running``): its end is the
+        preemption victim."""
+        self.queue.use_layout(BatchLayout.ENGINE)
 
     # ---- requests ---------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ class's youngest prefix group); then, if nothing was
 preempted, admission from the waiting policy while the token budget and ``max_num_seqs``
 allow.  The batch is laid out like vLLM's *persistent batch* (new requests take the lowest
 free slot, then ``condense`` moves the last slots into the remaining holes), which is what
-interleaves prefix groups over time; under a policy that ``orders_running``, each group
+interleaves prefix groups over time; under a policy whose ``layout`` is Feather's, each group
 gathers at its first slot, as Feather's worker plugin makes vLLM's V1 runner do.
 
 Every policy drives the contract of ``feather_sched.runtime`` (Feather is the real
@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.core.prefix import SharedPrefixes, group_of, keys_per_chunk
 from feather_sched.costmodel.cost import StepCost
-from feather_sched.gates.base import Decision
+from feather_sched.gates.base import BatchLayout, Decision
 from feather_sched.results.records import RequestRecord, RunResult, StepRecord
 from feather_sched.routing.cache_index import KVEvent
 from feather_sched.sim.block_pool import BlockKeys, BlockPool, blocks_for
@@ -113,8 +113,10 @@ class Policy(Protocol):
     """A scheduler as the simulated engine drives it: the contract of ``runtime``."""
 
     name: str
-    orders_running: bool
-    """Whether ``begin_pass`` reorders the running list (the batch then follows it)."""
+    layout: BatchLayout
+    """How the batch is laid out: ``FEATHER``, each group gathered at its first slot (the
+    policy orders the running list, as Feather's worker plugin makes vLLM's V1 runner
+    do), or ``ENGINE``, vLLM's persistent batch as it stands."""
 
     def enter_waiting(self, request: SimRequest) -> None: ...
 
@@ -492,7 +494,7 @@ class SimEngine:
                 else:
                     slots[request.slot] = request
         self._condense()
-        if self.policy.orders_running:
+        if self.policy.layout is BatchLayout.FEATHER:
             place = {id(request): index for index, request in enumerate(scheduled)}
             anchor: dict[Hashable, int] = {}
             for index, request in enumerate(slots):

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 
 from feather_sched.bench.cht.sglang_policy import published_server_args, sglang_installed
+from feather_sched.gates.base import BatchLayout
 
 if not sglang_installed():
     pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)", allow_module_level=True)
@@ -826,7 +827,8 @@ def test_the_model_gate_gets_sglangs_model_for_its_prior(monkeypatch) -> None:
     monkeypatch.setattr(feather_sglang, "_process_feather", None)  # restored afterwards
     feather_sglang._hook_init_schedule_policy(lambda s: None, scheduler)
     gate = scheduler.feather.runtime.queue.gate
-    assert isinstance(gate, ModelGate) and gate.model.prior is None and not gate.ordered
+    assert isinstance(gate, ModelGate) and gate.model.prior is None
+    assert gate.layout is BatchLayout.ENGINE
     assert feather_sglang.engine_shape(_stub_scheduler(None)) is None
 
 # ---- launcher -------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
 
 from feather_sched.core.cht import ChunkedHashTree
 from feather_sched.core.queue import QueueState
-from feather_sched.gates.base import Decision, GateContext
+from feather_sched.gates.base import BatchLayout, Decision, GateContext, Unobservant
 from feather_sched.gates.model import ModelGate
 from feather_sched.gates.step_model import StepPrior
 from feather_sched.integrations.vllm.scheduler import (
@@ -68,11 +68,11 @@ STRICT = {"gate": "chunk-loss", "max_wait_s": None,
 """A gate that stops at the first candidate costing the running batch any shared chunk."""
 
 
-class RecordingGate:
+class RecordingGate(Unobservant):
     """Adds whatever it is asked, remembers what it is rewarded with."""
 
-    observes = False  # learns nothing from batches
     always_adds = False  # shown every candidate
+    stops_in_ordered_batches = True  # it may STOP whatever the layout
 
     def __init__(self, decision: Decision = Decision.ADD) -> None:
         self.decision = decision
@@ -236,11 +236,12 @@ def test_the_engine_log_says_how_ordering_acts(monkeypatch) -> None:
     assert not acts and "not installed or not in VLLM_PLUGINS" in note
     # the model gate then prices the engine's own order, and learns from its steps
     gate = unordered.runtime.queue.gate
-    assert isinstance(gate, ModelGate) and not gate.ordered and unordered.runtime.wants_batches
-    assert not unordered.runtime.queue.orders_batch  # admission order is the layout
+    assert isinstance(gate, ModelGate) and gate.layout is BatchLayout.ENGINE
+    assert unordered.runtime.wants_batches
+    assert unordered.runtime.layout is BatchLayout.ENGINE  # admission order is the layout
     monkeypatch.delenv("VLLM_PLUGINS")
     ordered = Harness(feather={"gate": "model"}).scheduler.feather.runtime.queue
-    assert ordered.gate.ordered and ordered.orders_batch
+    assert ordered.gate.layout is BatchLayout.FEATHER and ordered.layout is BatchLayout.FEATHER
 
 
 def test_the_model_gate_starts_from_the_profile_of_vllms_device_and_model(monkeypatch) -> None:
@@ -693,7 +694,7 @@ def test_the_model_gate_learns_from_vllms_own_steps_when_ordering_is_off() -> No
     without learning, and vLLM's steps are not described for it."""
     harness = Harness(feather={"gate": "model", "order_running": False})
     gate = harness.runtime.queue.gate
-    assert isinstance(gate, ModelGate) and not gate.ordered
+    assert isinstance(gate, ModelGate) and gate.layout is BatchLayout.ENGINE
     judged, seen, observed = set(), set(), []
     decide, observe = gate.decide, gate.observe
 

@@ -308,7 +308,7 @@ class FeatherWaitingQueue(RequestQueue):
                                    f"vLLM's waiting queue {len(self._members)}")
             self._fallback = None
             running[:] = self.runtime.begin_pass(running)
-            self.scheduler.policy = SchedulingPolicy.FCFS if self.runtime.orders_running \
+            self.scheduler.policy = SchedulingPolicy.FCFS if self.runtime.config.order_running \
                 else SchedulingPolicy.PRIORITY  # the victim: the end, or the latest arrival
         except Exception as error:
             self.fall_back("begin_pass", error)
