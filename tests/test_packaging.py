@@ -40,7 +40,7 @@ def test_the_wheel_installs_into_a_clean_environment_and_runs(tmp_path) -> None:
     probe = """
 import importlib.metadata, importlib.util
 from feather_sched.models import TINY_LLAMA
-from feather_sched.runtime import FeatherRuntime
+from feather_sched.core.runtime import FeatherRuntime
 assert (TINY_LLAMA / "config.json").exists()
 plugins = {e.name for e in importlib.metadata.entry_points(group="vllm.general_plugins")}
 assert "feather_batch_order" in plugins, plugins

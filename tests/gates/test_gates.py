@@ -168,7 +168,8 @@ def test_a_table_write_cut_short_leaves_the_previous_table(tmp_path) -> None:
     before = path.read_text()
     script = f"""
 import resource, signal
-from feather_sched.gate import Decision, GateContext, UCBBanditGate
+from feather_sched.gates.base import Decision, GateContext
+from feather_sched.gates.bandit import UCBBanditGate
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 gate = UCBBanditGate(seed=0)
 for batch in range(60):

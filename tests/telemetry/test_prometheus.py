@@ -10,9 +10,9 @@ SCRIPT = """
 import json
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from feather_sched.core.config import FeatherConfig
-from feather_sched.gate import Decision
+from feather_sched.gates.base import Decision
 from tests.core.test_runtime import View, req
-from feather_sched.runtime import FeatherRuntime
+from feather_sched.core.runtime import FeatherRuntime
 
 rt = FeatherRuntime(FeatherConfig(gate="always"), View(), clock=lambda: 5.0, name="test")
 rt.meter.scheduled(0.002)

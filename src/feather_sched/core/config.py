@@ -98,7 +98,7 @@ class FeatherConfig:
     ``model`` (the default: with the batch ordered it admits as ``always`` and predicts
     nothing; with ordering off it is the best gate measured, ``benchmarks/gate``)."""
     gate_options: dict[str, Any] = field(default_factory=dict)
-    """Keyword options of the gate (see ``feather_sched.gate``)."""
+    """Keyword options of the gate (see ``feather_sched.gates``)."""
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     """Chunk size; with engine block hashes, rounded to whole blocks (at least one)."""
     state_file: str | None = None

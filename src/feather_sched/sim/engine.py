@@ -11,7 +11,7 @@ free slot, then ``condense`` moves the last slots into the remaining holes), whi
 interleaves prefix groups over time; under a policy whose ``layout`` is Feather's, each group
 gathers at its first slot, as Feather's worker plugin makes vLLM's V1 runner do.
 
-Every policy drives the contract of ``feather_sched.runtime`` (Feather is the real
+Every policy drives the contract of ``feather_sched.core.runtime`` (Feather is the real
 ``FeatherRuntime``; the baselines implement the same calls), and prefix groups and
 shared tokens come from the requests' block keys (``feather_sched.core.prefix``), exactly as
 in the step log of a real engine.

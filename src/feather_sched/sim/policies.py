@@ -4,7 +4,7 @@ Feather reads each request's priority class from its spec, as vLLM's scheduler u
 its priority policy; vLLM FCFS and SGLang's policies ignore priorities (``sim.fcfs`` has
 vLLM's own priority policy).
 
-Every policy drives the contract of ``feather_sched.runtime``.  Feather *is* the
+Every policy drives the contract of ``feather_sched.core.runtime``.  Feather *is* the
 ``FeatherRuntime`` the vLLM and SGLang adapters use, reading simulated requests through
 ``SimRequests`` (chunk keys from the simulated pool's block keys) on the simulated clock.
 The SGLang policies follow ``SchedulePolicy.calc_priority`` of SGLang 0.5.23: once per

@@ -3,7 +3,7 @@
 Load with ``--scheduler-cls feather_sched.integrations.vllm.FeatherScheduler`` (server) or
 ``LLM(..., scheduler_cls=FeatherScheduler)``.  The scheduler subclass is thin: it forwards
 five calls of vLLM's own scheduler to one component, which translates vLLM's types for
-the engine-agnostic ``FeatherRuntime`` (``feather_sched.runtime``):
+the engine-agnostic ``FeatherRuntime`` (``feather_sched.core.runtime``):
 
 * the waiting queue is a ``FeatherWaitingQueue`` (vLLM's ``RequestQueue`` interface):
   ``add_request``/``prepend_request(s)`` enter waiting, ``remove_request(s)`` discard,
