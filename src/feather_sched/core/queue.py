@@ -265,6 +265,14 @@ class FeatherQueue:
         """The request's chunk keys."""
         return self._requests[request_id].keys
 
+    def rank_key(self, request_id: RequestId) -> tuple[int, int, int]:
+        """A waiting request's place in the tree's order (``ChunkedHashTree.rank_key``):
+        sorting waiting requests by it lists them as the tree would offer them, bounds
+        aside.  CHTError for a request not waiting.  O(1)."""
+        if self.state(request_id) is not QueueState.WAITING:
+            raise CHTError(f"request {request_id!r} is not waiting")
+        return self.tree.rank_key(request_id)
+
     def runs_exactly(self, request_ids: Set[RequestId]) -> bool:
         """Whether the running set is exactly ``request_ids``.  O(len(request_ids))."""
         return self.tree.runs_exactly(request_ids)
@@ -353,13 +361,13 @@ class FeatherQueue:
     # ---- admission --------------------------------------------------------------------
 
     def decide(self, offered: RequestId | None = None) -> Admission | None:
-        """The answer for ``offered`` (default: the queue's own candidate); None if none.
+        """The answer for ``offered`` (default: the queue's own candidate, ``candidate``);
+        None if nothing waits; CHTError if ``offered`` is not waiting.
 
-        The queue's candidate is a starved request if any (one a pass), else the oldest
-        request at its overtaking bound, else the tree's best, all within the most urgent
-        priority class waiting.  The gate is asked once per
-        candidate: the answer is kept until the queue changes.  After a STOP every answer
-        is STOP until ``new_step``.
+        The gate is asked once per candidate: the answer is kept until the queue changes.
+        A candidate a bound made due is admitted over the gate (``Admission.forced``).
+        After a STOP every answer is STOP until ``new_step``.  O(1) when cached, else the
+        gate's cost plus O(requeued requests).
         """
         if self._admission is not None and self._asked_for == offered:
             return self._admission
@@ -374,8 +382,11 @@ class FeatherQueue:
         return self._admission
 
     def candidate(self) -> RequestId | None:
-        """The request ``decide()`` would judge next (bounds first, then the tree's best),
-        without asking the gate; None when nothing waits."""
+        """The request ``decide()`` would judge next, without asking the gate; None when
+        nothing waits.  Within the most urgent class waiting: a starved request (one a
+        pass), else the oldest at its overtaking or stop bound, else, while everything
+        in flight fits (``_chosen``), the oldest waiting request if it arrived before the
+        tree's best, else the tree's best."""
         if self._admission is not None and self._asked_for is None:
             return self._admission.request_id
         if not self.tree.num_waiting:

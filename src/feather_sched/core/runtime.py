@@ -9,9 +9,12 @@ state) behind one contract, stated once, in the style of vLLM's ``RequestQueue``
                                   (idempotent: new, preempted, skipped or resumed alike)
     discard(request_id)           the engine let go of it: finished, aborted, rejected
                                   (any state; True the first time, False after)
-    begin_pass(running) -> order  a scheduling pass starts: the running set becomes the
-                                  engine's; returns the running list in Feather's order
-                                  (as the engine has it with ``order_running`` off)
+    begin_pass(running, waiting=None, held=()) -> order
+                                  a scheduling pass starts: after a fault Feather's
+                                  picture is rebuilt from the engine's sets; the running
+                                  set becomes the engine's; returns the running list in
+                                  Feather's order (as the engine has it with
+                                  ``order_running`` off)
     decide(offered=None)          the admission for the current candidate (the engine's
                                   offered request, or the queue's own); asked once
     admit(request)                the engine admits the request of the last ADD
@@ -22,6 +25,9 @@ state) behind one contract, stated once, in the style of vLLM's ``RequestQueue``
                                   are bound to ``step`` and counted
     end_step(step, size, seconds) step ``step`` ran: its reward reaches exactly the
                                   decisions bound to it
+    rank_waiting(waiting)         the engine's waiting list as Feather would admit it
+                                  (for an engine that walks its own list)
+    describe_batch(rows)          a step's batch for ``end_step``, in Feather's chunks
     preemption_victim(running)    the running request to preempt for KV room: the
                                   end of Feather's running order, the newest member
                                   of the youngest group of the least urgent class
@@ -29,9 +35,9 @@ state) behind one contract, stated once, in the style of vLLM's ``RequestQueue``
                                   list Feather ordered, like vLLM, need not ask)
 
 Faults: an exception in any of these (Feather's tree, queue, gate, meter or metrics sink)
-is the adapter's to contain: it hands it to ``faults.fault`` (``FaultGuard``), serves the
-engine's own order for the rest of the pass, and before the next pass calls
-``resync(running, waiting)`` with the engine's own sets.
+is contained by the adapter calling through ``faults`` (``FaultGuard.call``/``attempt``),
+whose ``on_fault`` is the adapter's fall-back (the engine's own order for the rest of the
+pass); the next ``begin_pass``, given the engine's own queues, rebuilds Feather's picture.
 
 The running set is never assumed from admissions: each ``begin_pass`` and ``end_pass``
 takes what the engine itself reports as running, so a request the engine skipped, parked
@@ -55,7 +61,7 @@ from typing import Generic, Protocol, TypeVar
 
 from feather_sched.core.config import FeatherConfig
 from feather_sched.core.faults import FaultGuard
-from feather_sched.core.prefix import gather_groups, group_of, order_by_group
+from feather_sched.core.prefix import describe_batch, gather_groups, group_of, order_by_group
 from feather_sched.core.queue import Admission, QueueState
 from feather_sched.gates.base import BatchLayout, Decision, GateContext, Persistent
 from feather_sched.gates.step_model import EngineShape
@@ -251,8 +257,13 @@ class FeatherRuntime(Generic[R]):
 
     # ---- one scheduling pass ----------------------------------------------------------
 
-    def begin_pass(self, running: Sequence[R]) -> list[R]:
+    def begin_pass(self, running: Sequence[R], waiting: Iterable[R] | None = None,
+                   held: Iterable[R] = ()) -> list[R]:
         """Start a pass: reconcile with the engine's running list, reopen admission.
+
+        After a fault (``faults.dirty``) Feather's picture is first rebuilt from the
+        engine's own sets (``resync``): ``running``, its whole ``waiting`` queue (required
+        then: ValueError without it) and the requests it ``held`` outside both.
 
         Returns ``running`` in Feather's order (``order``), whose end an engine preempts
         first; with ``order_running`` off, as given: the engine's order, which keeps what
@@ -264,6 +275,10 @@ class FeatherRuntime(Generic[R]):
         since only by admissions appended and exits Feather was told of (steps without
         preemption), none of which moved a group's rank (``_Mirror``).
         """
+        if self.faults.dirty:
+            if waiting is None:
+                raise ValueError("begin_pass after a fault needs the engine's waiting queue")
+            self.resync(running, waiting, held)
         ids = self._reconcile_running(running)
         self.queue.new_step()
         self._taken.clear()
@@ -390,6 +405,40 @@ class FeatherRuntime(Generic[R]):
             self.counts.asked += 1
             self._taken.append(_Taken(admission))
         return admission
+
+    def rank_waiting(self, waiting: Sequence[R]) -> list[R]:
+        """``waiting`` (the engine's waiting list) in the order Feather would admit it:
+        the candidate first (``candidate``), then the requests Feather holds waiting as
+        the tree ranks them (class, shared prefix with the running set, arrival:
+        ``ChunkedHashTree.rank_key``), then the rest (running, held or unknown to
+        Feather) in their given order.  For an engine that walks its own list; the list
+        is not changed.  O(n log n)."""
+        first = self.queue.candidate()
+        queue, view = self.queue, self.view
+
+        def rank(request: R) -> tuple:
+            request_id = view.request_id(request)
+            if request_id == first:
+                return (0,)
+            if request_id in queue and queue.state(request_id) is QueueState.WAITING:
+                return (1, *queue.rank_key(request_id))
+            return (2,)
+
+        return sorted(waiting, key=rank)
+
+    def describe_batch(self, rows: Iterable[tuple[R, int, int]]) -> list[BatchEntry]:
+        """A step's batch for the step log and a gate that observes (``end_step``):
+        ``rows`` of (request, context tokens, new tokens) in the batch's order, described
+        in Feather's chunks (``prefix.describe_batch``), the same in every engine; a
+        request Feather does not track is keyed by the view.  O(keys of the batch)."""
+        queue, view, tracked = self.queue, self.view, self._tracked
+        described = []
+        for request, context, new in rows:
+            request_id = view.request_id(request)
+            keys = queue.keys(request_id) if request_id in tracked else \
+                view.chunk_keys(request)
+            described.append((request_id, keys, context, new))
+        return describe_batch(described, queue.chunk_tokens)
 
     def candidate(self) -> R | None:
         """The request ``decide()`` would judge next, without asking the gate (for an

@@ -39,7 +39,7 @@ from enum import Enum
 from typing import Any, Protocol
 
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
-from feather_sched.core.prefix import SharedPrefixes, group_of, keys_per_chunk
+from feather_sched.core.prefix import SharedPrefixes, describe_batch, group_of, keys_per_chunk
 from feather_sched.costmodel.cost import StepCost
 from feather_sched.gates.base import BatchLayout, Decision
 from feather_sched.results.records import RequestRecord, RunResult, StepRecord
@@ -523,7 +523,11 @@ class SimEngine:
 
     def _execute(self, batch: list[SimRequest]) -> None:
         """Price the step, advance the clock, then credit its tokens."""
-        entries = [self._entry(r) for r in batch]
+        config = self.config
+        entries = describe_batch(
+            ((r.request_id, r.keys, r.num_computed_tokens + r.scheduled_tokens,
+              r.scheduled_tokens) for r in batch), config.block_tokens,
+            keys_per_chunk(config.block_tokens, config.group_tokens), shared=self._shared)
         cost = self.cost_model.step(entries)
         seconds = self._step_seconds(cost.seconds)
         self._uncharged_s = 0.0
@@ -542,12 +546,6 @@ class SimEngine:
         if config.overlap_scheduler:
             return max(model_s, self._uncharged_s)
         return model_s + self._uncharged_s
-
-    def _entry(self, request: SimRequest) -> BatchEntry:
-        context = request.num_computed_tokens + request.scheduled_tokens
-        shared = self._shared.shared_keys(request.keys) * self.config.block_tokens
-        return BatchEntry(group=request.group, shared_tokens=min(shared, context),
-                          context_tokens=context, new_tokens=request.scheduled_tokens)
 
     def _credit(self, batch: list[SimRequest]) -> int:
         """Apply the step's tokens at the step's end; returns output tokens emitted."""

@@ -282,6 +282,25 @@ def test_policy_orders_the_running_group_first_then_by_arrival() -> None:
     assert [runtime.queue.tree.missing_chunks(rid) for rid in order] == [0] * 5 + [4] * 15
 
 
+def test_the_waiting_list_follows_the_trees_rank_not_the_fewest_missing_chunks() -> None:
+    """Past the running group, requests that share nothing with it keep arrival order:
+    the tree's rank (``FeatherRuntime.rank_waiting``).  Fewest missing chunks first (the
+    paper's rule, which ``cht`` rejects) would put the short prompt before the long one
+    that arrived before it, and starve long prompts."""
+    engine = Engine(gate="always")
+    engine.arrive(_req("C", 0))
+    engine.admission_round(max_requests=1)
+    long_prompt = Req("long", "", array("q", range(7000, 7000 + 8 * PREFIX)),
+                      SamplingParams(max_new_tokens=8))
+    short_prompt = Req("short", "", array("q", range(9000, 9000 + PREFIX)),
+                       SamplingParams(max_new_tokens=8))
+    engine.arrive(long_prompt, _req("C", 1), short_prompt, _req("C", 2))
+    engine.policy.calc_priority(engine.waiting, _running_batch(engine))
+    assert [req.rid for req in engine.waiting] == ["C1", "C2", "long", "short"]
+    tree = engine.feather.runtime.queue.tree
+    assert tree.missing_chunks("short") < tree.missing_chunks("long")  # the old rule's order
+
+
 def test_order_follows_the_tree_as_a_new_group_is_admitted() -> None:
     engine = Engine(gate="always")
     engine.arrive(*_interleaved(12, "ABC"))
