@@ -336,3 +336,15 @@ def test_options_that_are_no_mapping_are_refused_as_such(options) -> None:
         return  # no options at all: the defaults
     with pytest.raises(FeatherConfigError, match="feather options must be a JSON object"):
         FeatherConfig.from_sources(options, environ={})
+
+
+@pytest.mark.parametrize(("text", "message"), [("{not json", "not a JSON object"),
+                                               ("[1, 2]", "not a JSON object")])
+def test_options_as_json_text_name_their_source(text: str, message: str) -> None:
+    assert FeatherConfig.from_sources(None, environ={}, json_text='{"gate": "bandit"}'
+                                      ).gate == "bandit"
+    with pytest.raises(FeatherConfigError, match=f"FEATHER_SGLANG_OPTIONS: {message}"):
+        FeatherConfig.from_sources(None, environ={}, json_text=text,
+                                   source="FEATHER_SGLANG_OPTIONS")
+    with pytest.raises(ValueError, match="not both"):
+        FeatherConfig.from_sources({}, environ={}, json_text="{}")

@@ -14,7 +14,12 @@ This package's exports (``__all__``) are the engine adapters' surface: an adapte
 """
 
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS, block_chunk_keys, token_chunk_keys
-from feather_sched.core.config import REPLICA_VARIABLE, FeatherConfig, FeatherConfigError
+from feather_sched.core.config import (
+    REPLICA_VARIABLE,
+    FeatherConfig,
+    FeatherConfigError,
+    is_true,
+)
 from feather_sched.core.faults import FaultGuard
 from feather_sched.core.prefix import describe_batch, keys_per_chunk
 from feather_sched.core.queue import Admission, QueueState
@@ -36,6 +41,7 @@ __all__ = [
     "RequestView",
     "block_chunk_keys",
     "describe_batch",
+    "is_true",
     "keys_per_chunk",
     "token_chunk_keys",
 ]

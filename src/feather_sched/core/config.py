@@ -164,11 +164,21 @@ class FeatherConfig:
     @classmethod
     def from_sources(
         cls, options: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ, *,
-        dp_rank: int = 0, dp_ranks: int = 1,
+        dp_rank: int = 0, dp_ranks: int = 1, json_text: str | None = None,
+        source: str = "feather options",
     ) -> FeatherConfig:
-        """Options from the engine's config mapping, falling back to FEATHER_* variables,
-        for the scheduler of data-parallel rank ``dp_rank`` of ``dp_ranks`` in its replica
-        (``Placement.of``).  FeatherConfigError naming the option on any bad value."""
+        """Options from the engine's config mapping, or from ``json_text`` (its JSON, as
+        an environment variable carries it; not both), falling back to FEATHER_*
+        variables, for the scheduler of data-parallel rank ``dp_rank`` of ``dp_ranks`` in
+        its replica (``Placement.of``).  FeatherConfigError naming the option on any bad
+        value, and ``source`` for text that is not a JSON object."""
+        if json_text is not None:
+            if options is not None:
+                raise ValueError("give options or their JSON text, not both")
+            try:
+                options = _mapping(json_text)
+            except ValueError as error:  # json.JSONDecodeError is one
+                raise FeatherConfigError(f"{source}: not a JSON object ({error})") from None
         values = _sourced(options, environ, VALIDATORS)
         unknown = sorted(set(options or {}) - set(VALIDATORS), key=str)
         if unknown:
@@ -318,6 +328,11 @@ def _optional_seconds(value: Any) -> float | None:
     if not math.isfinite(number) or number < 0:
         raise ValueError("must be a non-negative number of seconds or \"off\"")
     return number
+
+
+def is_true(word: str) -> bool:
+    """Whether an environment word says yes (``TRUE``: 1, true, yes, on; any case)."""
+    return word.strip().lower() in TRUE
 
 
 def _boolean(value: Any) -> bool:

@@ -61,7 +61,6 @@ launcher's ``--feather-options``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -76,6 +75,7 @@ from feather_sched.core import (
     FeatherConfig,
     FeatherConfigError,
     FeatherRuntime,
+    is_true,
     token_chunk_keys,
 )
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
@@ -102,23 +102,16 @@ ENV_OPTIONS = "FEATHER_SGLANG_OPTIONS"
 
 def feather_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether ``FEATHER_SGLANG`` selects Feather in this process (and its children)."""
-    return environ.get(ENV_ENABLE, "").strip().lower() in ("1", "true", "yes", "on")
+    return is_true(environ.get(ENV_ENABLE, ""))
 
 
 def feather_options(environ: Mapping[str, str] = os.environ, *, dp_rank: int = 0,
                     dp_ranks: int = 1) -> FeatherConfig:
     """Feather's options: ``FEATHER_SGLANG_OPTIONS`` (JSON) over ``FEATHER_*`` variables,
     for the scheduler of data-parallel rank ``dp_rank`` of ``dp_ranks`` (its files)."""
-    raw = environ.get(ENV_OPTIONS)
-    options = None
-    if raw:
-        try:
-            options = json.loads(raw)
-        except json.JSONDecodeError as error:
-            raise FeatherConfigError(f"{ENV_OPTIONS}: not JSON: {error}") from None
-        if not isinstance(options, dict):
-            raise FeatherConfigError(f"{ENV_OPTIONS}: expected a JSON object")
-    return FeatherConfig.from_sources(options, environ, dp_rank=dp_rank, dp_ranks=dp_ranks)
+    return FeatherConfig.from_sources(None, environ, dp_rank=dp_rank, dp_ranks=dp_ranks,
+                                      json_text=environ.get(ENV_OPTIONS) or None,
+                                      source=ENV_OPTIONS)
 
 
 class SGLangRequests:
