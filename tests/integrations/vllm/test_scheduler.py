@@ -93,7 +93,8 @@ class Harness:
 
     def __init__(self, *, async_scheduling: bool = False, num_blocks: int = 256,
                  feather: dict | None = None, v2_runner: bool = False,
-                 scheduler_cls: type = FeatherScheduler, **engine: object) -> None:
+                 scheduler_cls: type = FeatherScheduler,
+                 clock: Callable[[], float] | None = None, **engine: object) -> None:
         engine = {"max_num_seqs": 16, **engine}
         args = EngineArgs(model=str(TINY_LLAMA), skip_tokenizer_init=True, load_format="dummy",
                           block_size=BLOCK, max_model_len=2048,
@@ -115,6 +116,12 @@ class Harness:
         # V2 needs Triton to validate; the scheduler reads the choice when it is built
         # (VllmConfig.use_v2_model_runner reads the variable until the engine caches it).
         v2 = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if v2_runner else {}
+        if clock is not None:  # Feather's clock (the schedulers pick their variant)
+            sync = scheduler_cls.__dict__.get("sync_variant")
+            scheduler_cls = type(scheduler_cls.__name__, (scheduler_cls,), {
+                "feather_clock": staticmethod(clock),
+                "sync_variant": sync and type(sync.__name__, (sync,),
+                                              {"feather_clock": staticmethod(clock)})})
         with pytest.MonkeyPatch.context() as patch:
             for name, value in v2.items():
                 patch.setenv(name, value)
@@ -374,12 +381,11 @@ def test_requests_beyond_max_loras_are_skipped_and_admitted_later() -> None:
 
 
 def test_the_oldest_always_skipped_request_does_not_take_the_starvation_slot() -> None:
-    harness = Harness(feather={"max_wait_s": 0.0})
+    harness = Harness(feather={"max_wait_s": 0.0}, clock=lambda: time.time() + 1.0)
     grammar = SamplingParams(max_tokens=4, ignore_eos=True,
                              structured_outputs=StructuredOutputsParams(regex="a+"))
     harness.add(harness.request("blocked", group=0, sampling_params=grammar))
-    harness.add(*(harness.request(f"r{i}", group=i) for i in range(3)))
-    time.sleep(0.01)
+    harness.add(*(harness.request(f"r{i}", group=i) for i in range(3)))  # waited 1 s
     harness.step()
     counts = harness.runtime.counts
     assert counts.forced == 1 and counts.add == 2  # r0 forced in blocked's place

@@ -59,7 +59,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from operator import attrgetter
 from typing import Any
 
@@ -514,7 +514,7 @@ class VllmFeather(VllmMeter):
 
     def __init__(self, scheduler: Scheduler, config: FeatherConfig) -> None:
         view = requests_view(scheduler, config)
-        self.runtime = FeatherRuntime(config, view, clock=time.time,
+        self.runtime = FeatherRuntime(config, view, clock=scheduler.feather_clock,
                                       name=type(scheduler).__name__,
                                       seats=scheduler.max_num_active_reqs,
                                       kv_tokens=kv_cache_tokens(scheduler),
@@ -609,6 +609,9 @@ class _Hooks:
 
     component: type[VllmMeter] = VllmMeter
     sync_variant: type | None = None
+    feather_clock: Callable[[], float] = staticmethod(time.time)
+    """The clock Feather's waiting bounds read: vLLM's own (``Request.arrival_time`` is
+    ``time.time()``); a test harness may give its own."""
 
     def __new__(cls, *args: Any, **kwargs: Any):
         vllm_config = kwargs.get("vllm_config", args[0] if args else None)
