@@ -22,7 +22,7 @@ from feather_sched.core.config import (
 )
 from feather_sched.gates import GATE_KINDS
 from feather_sched.gates.bandit import UCBBanditGate
-from feather_sched.gates.base import Decision, GateContext
+from feather_sched.gates.base import BatchLayout, Decision, GateContext
 from feather_sched.gates.heuristic import ChunkLossGate
 from feather_sched.gates.model import ModelGate
 from feather_sched.gates.step_model import EngineShape, StepPrior
@@ -32,7 +32,7 @@ def test_defaults_make_a_model_gate_queue() -> None:
     config = FeatherConfig.from_sources(None, environ={})
     assert config.gate == "model" and config.max_overtakes == 32
     gate = config.make_queue().gate
-    assert isinstance(gate, ModelGate) and gate.ordered and not gate.observes
+    assert isinstance(gate, ModelGate) and gate.layout is BatchLayout.FEATHER and not gate.observes
     assert isinstance(FeatherConfig(gate="bandit").make_gate(), UCBBanditGate)
     assert isinstance(FeatherConfig(gate="chunk-loss").make_gate(), ChunkLossGate)
 
@@ -336,3 +336,15 @@ def test_options_that_are_no_mapping_are_refused_as_such(options) -> None:
         return  # no options at all: the defaults
     with pytest.raises(FeatherConfigError, match="feather options must be a JSON object"):
         FeatherConfig.from_sources(options, environ={})
+
+
+@pytest.mark.parametrize(("text", "message"), [("{not json", "not a JSON object"),
+                                               ("[1, 2]", "not a JSON object")])
+def test_options_as_json_text_name_their_source(text: str, message: str) -> None:
+    assert FeatherConfig.from_sources(None, environ={}, json_text='{"gate": "bandit"}'
+                                      ).gate == "bandit"
+    with pytest.raises(FeatherConfigError, match=f"FEATHER_SGLANG_OPTIONS: {message}"):
+        FeatherConfig.from_sources(None, environ={}, json_text=text,
+                                   source="FEATHER_SGLANG_OPTIONS")
+    with pytest.raises(ValueError, match="not both"):
+        FeatherConfig.from_sources({}, environ={}, json_text="{}")

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from feather_sched.core.cht import CHTError
 from feather_sched.core.prefix import group_of
 from feather_sched.core.queue import FeatherQueue, QueueState
-from feather_sched.gates.base import Decision, GateContext
+from feather_sched.gates.base import BatchLayout, Decision, GateContext, Unobservant
 from feather_sched.gates.heuristic import AlwaysAddGate, ChunkLossGate
 
 
@@ -21,11 +21,11 @@ class FakeClock:
         return self.now
 
 
-class ScriptedGate:
+class ScriptedGate(Unobservant):
     """Says STOP when the candidate loses more than one chunk; records every question."""
 
-    observes = False  # learns nothing from batches
     always_adds = False  # shown every candidate
+    stops_in_ordered_batches = True  # it may STOP whatever the layout
 
     def __init__(self) -> None:
         self.asked: list[GateContext] = []
@@ -350,7 +350,7 @@ def test_where_the_engine_keeps_its_batch_order_the_tree_orders() -> None:
     """Admission order is then the batch's layout: the siblings go side by side."""
     queue = sized_queue(seats=8, kv_tokens=16 * 100)
     queue.gate = AlwaysAddGate()
-    queue.orders_batch = False
+    queue.use_layout(BatchLayout.ENGINE)
     a_stranger_then_siblings(queue)
     assert queue.fits_all()
     assert [admit_next(queue) for _ in range(3)] == ["sibling1", "sibling2", "stranger"]

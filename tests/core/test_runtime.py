@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from feather_sched.core.config import FeatherConfig
 from feather_sched.core.queue import QueueState
 from feather_sched.core.runtime import FeatherRuntime
-from feather_sched.gates.base import Decision, GateContext
+from feather_sched.gates.base import BatchLayout, Decision, GateContext, Unobservant
 
 
 @dataclass(eq=False)
@@ -40,11 +40,11 @@ class View:
         return request.priority
 
 
-class RecordingGate:
+class RecordingGate(Unobservant):
     """STOP when the candidate loses two chunks or more; remembers every reward."""
 
-    observes = False  # learns nothing from batches
     always_adds = False  # shown every candidate
+    stops_in_ordered_batches = True  # it may STOP whatever the layout
 
     def __init__(self) -> None:
         self.rewards: list[tuple[list, int, float]] = []
@@ -368,16 +368,16 @@ def test_faults_are_counted_logged_once_and_n_in_a_row_turn_feather_off(
     guard.fault("decide", KeyError("a"))
     guard.fault("admit", KeyError("b"))
     rt.enter_waiting(req("a"))
-    rt.begin_pass([])
+    rt.begin_pass([], [req("a")])  # rebuilt from the engine's sets first
     rt.end_pass(1, admit_all(rt, []))  # a pass that decided ends the run
-    assert (stats.faults, guard.in_a_row, guard.active, guard.dirty) == (2, 0, True, True)
+    assert (stats.faults, guard.in_a_row, guard.active, guard.dirty) == (2, 0, True, False)
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and errors[0].exc_info is not None  # the first, with traceback
     assert "fault in decide" in errors[0].getMessage()
     for where in ("begin_pass", "decide"):
         guard.fault(where, RuntimeError(where))
         for step in range(2):  # passes that decide nothing: fewer than 3 go on with the run
-            rt.begin_pass([])
+            rt.begin_pass([], [])
             rt.end_pass(step, [])
     guard.fault("end_pass", RuntimeError("end_pass"))
     assert not guard.active and stats.faults == 5
@@ -483,7 +483,75 @@ def test_the_queue_learns_the_engines_size_and_who_lays_out_the_batch() -> None:
     cache the adapter gives, and whether Feather's batch order acts."""
     config = FeatherConfig.from_sources({"gate": "always"}, environ={})
     rt = FeatherRuntime(config, View(), seats=8, kv_tokens=4096)
-    assert (rt.queue.seats, rt.queue.kv_tokens, rt.queue.orders_batch) == (8, 4096, True)
+    assert (rt.queue.seats, rt.queue.kv_tokens, rt.layout) == (8, 4096, BatchLayout.FEATHER)
     rt.engine_keeps_its_order()
-    assert not rt.queue.orders_batch
-    assert not runtime(order_running=False).queue.orders_batch
+    assert rt.layout is BatchLayout.ENGINE
+    assert runtime(order_running=False).layout is BatchLayout.ENGINE
+
+
+# ---- the verbs every adapter shares ---------------------------------------------------
+
+
+def test_rank_waiting_puts_the_candidate_first_then_the_trees_rank() -> None:
+    """The engine's waiting list as Feather would admit it: the candidate, then what the
+    tree ranks (a running group's members before strangers, strangers by arrival), then
+    requests Feather does not hold waiting, in their given order."""
+    rt = runtime(min_passing_tokens=0)
+    running = [req("r", 1)]
+    long_stranger = Req("long", [("long", i) for i in range(9)], arrival=1.0)
+    short_stranger = Req("short", [("short", 0)], arrival=2.0)
+    sibling, held = req("sibling", 1), req("held", 2)
+    for request in (*running, long_stranger, sibling, short_stranger, held):
+        rt.enter_waiting(request)
+    rt.begin_pass([])
+    admit_all(rt, [], limit=1)  # "r", the oldest
+    rt.end_pass(1, running)
+    rt.begin_pass(running)
+    rt.hold("held")
+    unknown = req("unknown", 3)
+    waiting = [unknown, held, short_stranger, long_stranger, sibling]
+    ranked = rt.rank_waiting(waiting)
+    assert [r.rid for r in ranked] == ["sibling", "long", "short", "unknown", "held"]
+    assert ranked[0] is rt.candidate() and waiting[0] is unknown  # the list is not changed
+
+
+def test_describe_batch_counts_shared_chunks_in_feathers_chunks() -> None:
+    rt = runtime(chunk_tokens=16)
+    a, b, stranger = req("a", 7, chunks=4), req("b", 7, chunks=4), req("x", 8, chunks=2)
+    rt.enter_waiting(a)
+    rows = [(a, 70, 1), (b, 40, 8), (stranger, 30, 1)]
+    entries = rt.describe_batch(rows)  # b is keyed by the view: Feather does not track it
+    assert [e.group for e in entries] == [(7,), (7,), (8,)]
+    assert [e.shared_tokens for e in entries] == [3 * 16, 3 * 16 - 8, 0]
+    assert [(e.context_tokens, e.new_tokens) for e in entries] == [(70, 1), (40, 8), (30, 1)]
+
+
+def test_begin_pass_after_a_fault_rebuilds_from_the_engines_queues(contained_faults) -> None:
+    rt = runtime()
+    a, b = req("a", 0), req("b", 1)
+    rt.enter_waiting(a)
+    rt.faults.fault("decide", KeyError("a"))
+    with pytest.raises(ValueError, match="waiting queue"):
+        rt.begin_pass([])
+    assert rt.faults.dirty
+    rt.begin_pass([a], [b])  # the engine runs a and holds b waiting
+    assert not rt.faults.dirty and running_ids(rt) == {"a"} and len(rt) == 1 and "b" in rt
+
+
+def test_guarded_calls_contain_a_fault_and_run_the_adapters_fall_back(
+        contained_faults) -> None:
+    rt = runtime()
+    fell_back: list[str] = []
+    rt.faults.on_fault = fell_back.append
+    assert rt.faults.call("decide", lambda x: x + 1, 1) == 2
+    assert rt.faults.attempt("admit", lambda: None) is True
+    assert rt.faults.call("decide", lambda: {}["missing"], default="engine's") == "engine's"
+    assert rt.faults.attempt("admit", rt.admit, req("never-decided")) is False
+    assert fell_back == ["decide", "admit"] == [where for where, _ in contained_faults]
+    assert rt.meter.stats.faults == 2 and not rt.faults.serving
+    with pytest.raises(KeyboardInterrupt):
+        rt.faults.call("decide", _interrupt)
+
+
+def _interrupt() -> None:
+    raise KeyboardInterrupt

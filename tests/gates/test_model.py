@@ -10,7 +10,7 @@ from feather_sched.costmodel.cost import CostModel
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
 from feather_sched.gates import make_gate
-from feather_sched.gates.base import Decision, GateContext
+from feather_sched.gates.base import BatchLayout, Decision, GateContext
 from feather_sched.gates.model import ModelGate
 from feather_sched.gates.step_model import StepPrior
 from feather_sched.telemetry.steplog import BatchEntry
@@ -25,7 +25,8 @@ def prior() -> StepPrior:
 
 def gate(ordered: bool, **options) -> ModelGate:
     """A gate that has seen one step: 64 decodes of group "a"."""
-    gate = ModelGate.with_prior(prior(), ordered=ordered, **options)
+    layout = BatchLayout.FEATHER if ordered else BatchLayout.ENGINE
+    gate = ModelGate.with_prior(prior(), layout=layout, **options)
     gate.observe([BatchEntry("a", PREFIX, PREFIX + 20, 1)] * 64, 0.05)
     return gate
 
@@ -55,9 +56,9 @@ def test_a_stop_that_would_only_leave_seats_empty_is_not_taken() -> None:
     assert unordered.decide(candidate(waiters=7, free_seats=8)) is Decision.ADD
     # the group admitted now grows: the next new group of this pass is priced as usual
     assert unordered.decide(candidate("c", waiters=7, free_seats=100)) is Decision.STOP
-    assert ModelGate.with_prior(prior(), ordered=False, window=0).window == 0
+    assert ModelGate.with_prior(prior(), layout=BatchLayout.ENGINE, window=0).window == 0
     with pytest.raises(ValueError, match="window"):
-        ModelGate.with_prior(prior(), ordered=False, window=-1)
+        ModelGate.with_prior(prior(), layout=BatchLayout.ENGINE, window=-1)
 
 
 def test_a_new_group_that_would_split_the_batch_waits_when_order_is_the_engines() -> None:
@@ -85,7 +86,7 @@ def test_an_admission_joins_the_batch_the_next_candidate_is_priced_against() -> 
 
 
 def test_cold_it_admits_until_it_has_measured_steps() -> None:
-    cold = ModelGate.with_prior("none", ordered=False)
+    cold = ModelGate.with_prior("none", layout=BatchLayout.ENGINE)
     cold.observe([BatchEntry("a", PREFIX, PREFIX + 20, 1)] * 64, 0.05)
     assert cold.decide(candidate(waiters=7)) is Decision.ADD
     assert not cold.model.ready
@@ -100,5 +101,5 @@ def test_options_by_name_and_from_the_feather_config() -> None:
     with pytest.raises(ValueError, match="bad option for gate 'model'"):
         make_gate("model", exploration=3)
     config = FeatherConfig(gate="model", order_running=False)
-    assert config.make_gate().ordered is False
-    assert FeatherConfig(gate="model").make_gate().ordered is True
+    assert config.make_gate().layout is BatchLayout.ENGINE
+    assert FeatherConfig(gate="model").make_gate().layout is BatchLayout.FEATHER

@@ -3,6 +3,8 @@ truth from measured steps, L2 capacity included."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -144,3 +146,21 @@ def test_each_tensor_parallel_rank_reads_its_share() -> None:
 def test_engines_without_a_profile_get_no_prior(shape: EngineShape, reason: str) -> None:
     prior, note = StepPrior.for_engine(shape)
     assert prior is None and reason in note
+
+
+def test_an_engine_shape_from_an_engines_model_config(caplog) -> None:
+    """vLLM's and SGLang's model configs both carry ``hf_text_config`` and a torch dtype;
+    a device name that cannot be read is logged and left unknown, never raised."""
+    import torch
+
+    hf = SimpleNamespace(to_dict=lambda: {"hidden_size": 4096})
+    model = SimpleNamespace(hf_text_config=hf, dtype=torch.bfloat16)
+    shape = EngineShape.of(model, lambda: "NVIDIA H200", tensor_parallel=2)
+    assert shape == EngineShape("NVIDIA H200", {"hidden_size": 4096}, 2, 2, 1)
+
+    def no_driver() -> str:
+        raise RuntimeError("no NVML")
+
+    with caplog.at_level("INFO", logger="feather_sched"):
+        assert EngineShape.of(model, no_driver).device_name is None
+    assert "no device name from the engine (no NVML)" in caplog.text

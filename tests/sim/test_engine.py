@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from feather_sched.core.prefix import order_by_group
+from feather_sched.gates.base import BatchLayout
 from feather_sched.sim.engine import EngineConfig, SimEngine, SimRequest, SimResult, SimState
 from feather_sched.sim.fcfs import FcfsPolicy
 from feather_sched.workloads.spec import RequestSpec, Workload
@@ -59,7 +60,7 @@ class ClockedFcfs(FcfsPolicy):
 class GroupedFcfs(FcfsPolicy):
     """FCFS admission with the running list kept in prefix-group order."""
 
-    orders_running = True
+    layout = BatchLayout.FEATHER
 
     def begin_pass(self, running: Sequence[SimRequest]) -> list[SimRequest]:
         return order_by_group(running, [r.group for r in running], [r.index for r in running])

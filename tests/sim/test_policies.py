@@ -13,6 +13,7 @@ from feather_sched.cli import app
 from feather_sched.core.runtime import FeatherRuntime
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
+from feather_sched.gates.base import BatchLayout
 from feather_sched.results.summary import summarize
 from feather_sched.sim.engine import EngineConfig, SimEngine, SimRequest
 from feather_sched.sim.fcfs import FcfsPolicy, PriorityPolicy
@@ -112,7 +113,7 @@ def test_dfs_weight_visits_the_heaviest_cached_subtree_first() -> None:
 def test_names_build_policies_and_bad_names_fail() -> None:
     engine = SimEngine(None, EngineConfig())
     feather = make_policy("feather-bandit-noorder", {}, engine)
-    assert isinstance(feather, FeatherRuntime) and not feather.orders_running
+    assert isinstance(feather, FeatherRuntime) and feather.layout is BatchLayout.ENGINE
     assert type(make_policy("priority", {}, engine)) is PriorityPolicy
     assert type(make_policy("fcfs", {}, engine)) is FcfsPolicy
     with pytest.raises(ValueError, match="unknown scheduler 'lifo'"):

@@ -14,9 +14,14 @@ This package's exports (``__all__``) are the engine adapters' surface: an adapte
 """
 
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS, block_chunk_keys, token_chunk_keys
-from feather_sched.core.config import REPLICA_VARIABLE, FeatherConfig, FeatherConfigError
+from feather_sched.core.config import (
+    REPLICA_VARIABLE,
+    FeatherConfig,
+    FeatherConfigError,
+    is_true,
+)
 from feather_sched.core.faults import FaultGuard
-from feather_sched.core.prefix import SharedPrefixes, group_of, keys_per_chunk
+from feather_sched.core.prefix import describe_batch, keys_per_chunk
 from feather_sched.core.queue import Admission, QueueState
 from feather_sched.core.runtime import FeatherRuntime, RequestView
 from feather_sched.gates.base import Decision
@@ -34,9 +39,9 @@ __all__ = [
     "FeatherRuntime",
     "QueueState",
     "RequestView",
-    "SharedPrefixes",
     "block_chunk_keys",
-    "group_of",
+    "describe_batch",
+    "is_true",
     "keys_per_chunk",
     "token_chunk_keys",
 ]

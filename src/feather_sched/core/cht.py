@@ -262,6 +262,15 @@ class ChunkedHashTree:
 
     # ---- queries ----------------------------------------------------------------------
 
+    def rank_key(self, request_id: RequestId) -> tuple[int, int, int]:
+        """A waiting request's place in the tree's order, the key ``best`` takes the
+        minimum of: (priority class, minus its shared depth as ranked, arrival order).
+        KeyError for an unknown request, CHTError for one not waiting.  O(1)."""
+        entry = self._entry(request_id)
+        if entry.state is not RequestState.WAITING:
+            raise CHTError(f"request {request_id!r} is not waiting")
+        return entry.priority, -max(entry.rank, 0), entry.order
+
     def best(self) -> RequestId | None:
         """The waiting request of the most urgent priority class with the most chunks
         shared with the running set (a depth under ``min_rank_chunks`` counting as none),

@@ -33,8 +33,7 @@ from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.core.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS
 from feather_sched.core.queue import DEFAULT_MAX_WAIT_S, DEFAULT_MIN_PASSING_TOKENS, FeatherQueue
 from feather_sched.gates import GATE_KINDS, make_gate
-from feather_sched.gates.bandit import UCBBanditGate
-from feather_sched.gates.base import Gate
+from feather_sched.gates.base import BatchLayout, Gate, Persistent
 from feather_sched.gates.step_model import AUTO, EngineShape, StepPrior
 
 ENV_PREFIX = "FEATHER_"
@@ -121,7 +120,8 @@ class FeatherConfig:
     """Shortest prefix shared with the running set for which a waiting request passes
     older ones in the tree's order (0: any shared chunk)."""
     order_running: bool = True
-    """Keep the running batch ordered by prefix group."""
+    """Keep the running list, and so the batch, ordered by prefix group
+    (``batch_layout``)."""
     stats_file: str | None = None
     """Where the adapter writes its ``SchedulerStats`` as JSON (periodically and at
     shutdown): scheduling time, step time, admission counts, queue sizes, preemptions,
@@ -171,11 +171,21 @@ class FeatherConfig:
     @classmethod
     def from_sources(
         cls, options: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ, *,
-        dp_rank: int = 0, dp_ranks: int = 1,
+        dp_rank: int = 0, dp_ranks: int = 1, json_text: str | None = None,
+        source: str = "feather options",
     ) -> FeatherConfig:
-        """Options from the engine's config mapping, falling back to FEATHER_* variables,
-        for the scheduler of data-parallel rank ``dp_rank`` of ``dp_ranks`` in its replica
-        (``Placement.of``).  FeatherConfigError naming the option on any bad value."""
+        """Options from the engine's config mapping, or from ``json_text`` (its JSON, as
+        an environment variable carries it; not both), falling back to FEATHER_*
+        variables, for the scheduler of data-parallel rank ``dp_rank`` of ``dp_ranks`` in
+        its replica (``Placement.of``).  FeatherConfigError naming the option on any bad
+        value, and ``source`` for text that is not a JSON object."""
+        if json_text is not None:
+            if options is not None:
+                raise ValueError("give options or their JSON text, not both")
+            try:
+                options = _mapping(json_text)
+            except ValueError as error:  # json.JSONDecodeError is one
+                raise FeatherConfigError(f"{source}: not a JSON object ({error})") from None
         values = _sourced(options, environ, VALIDATORS)
         unknown = sorted(set(options or {}) - set(VALIDATORS), key=str)
         if unknown:
@@ -195,28 +205,35 @@ class FeatherConfig:
             value = default.default_factory() if default.default is MISSING else default.default
         return _checked(name, value)
 
+    @property
+    def batch_layout(self) -> BatchLayout:
+        """The batch layout ``order_running`` asks for (an adapter may find that the
+        engine keeps its own: ``FeatherRuntime.engine_keeps_its_order``)."""
+        return BatchLayout.FEATHER if self.order_running else BatchLayout.ENGINE
+
     def make_gate(self, *, announce: bool = True, engine: EngineShape | None = None) -> Gate:
         """The configured gate; a bandit warm-starts from ``state_file`` when it exists, a
         model gate with prior ``auto`` from ``engine``'s profile, where there is one
         (logged when ``announce``: once per gate put to use, not per validation)."""
         options = dict(self.gate_options)
         if self.gate == "model":
-            options.setdefault("ordered", self.order_running)
+            options.setdefault("layout", self.batch_layout)
             if not isinstance(options.get("prior", AUTO), str | StepPrior | None):
                 raise FeatherConfigError("feather option 'gate_options': prior must be a "
                                          f"profile name or null, got {options['prior']!r}")
             if options.get("prior", AUTO) == AUTO and engine is not None:
                 options["prior"], note = StepPrior.for_engine(engine)
                 if announce:
+                    ordered = options["layout"] is BatchLayout.FEATHER
                     logger.info("Feather: model gate %s%s", note, "; it predicts only where "
-                                "batch ordering cannot act" if options["ordered"] else "")
+                                "batch ordering cannot act" if ordered else "")
         try:
             gate = make_gate(self.gate, **options)
         except (ValueError, TypeError, ArithmeticError) as error:
             raise FeatherConfigError(f"feather option 'gate_options': {error}") from None
         source = self.warm_start_file()
         if source is not None:
-            assert isinstance(gate, UCBBanditGate)
+            assert isinstance(gate, Persistent)  # only the bandit has a state file
             try:
                 gate.load(source)
             except (OSError, ValueError) as error:
@@ -242,10 +259,12 @@ class FeatherConfig:
         """The queue with the configured gate and bounds (``engine``: see ``make_gate``;
         ``chunk_tokens``: what a chunk key stands for where the engine's blocks round the
         configured ``chunk_tokens``)."""
-        return FeatherQueue(self.make_gate(engine=engine), max_overtakes=self.max_overtakes,
-                            max_stops=self.max_stops, max_wait_s=self.max_wait_s,
-                            chunk_tokens=chunk_tokens or self.chunk_tokens,
-                            min_passing_tokens=self.min_passing_tokens, clock=clock)
+        queue = FeatherQueue(self.make_gate(engine=engine), max_overtakes=self.max_overtakes,
+                             max_stops=self.max_stops, max_wait_s=self.max_wait_s,
+                             chunk_tokens=chunk_tokens or self.chunk_tokens,
+                             min_passing_tokens=self.min_passing_tokens, clock=clock)
+        queue.use_layout(self.batch_layout)
+        return queue
 
 
 def check_writable(option: str, path: str) -> None:
@@ -316,6 +335,11 @@ def _optional_seconds(value: Any) -> float | None:
     if not math.isfinite(number) or number < 0:
         raise ValueError("must be a non-negative number of seconds or \"off\"")
     return number
+
+
+def is_true(word: str) -> bool:
+    """Whether an environment word says yes (``TRUE``: 1, true, yes, on; any case)."""
+    return word.strip().lower() in TRUE
 
 
 def _boolean(value: Any) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from feather_sched.telemetry.stats import StepMeter
 
@@ -18,20 +20,24 @@ LOG_FAULTS_EVERY_S = 10.0
 
 logger = logging.getLogger("feather_sched")
 
+T = TypeVar("T")
+
 
 class FaultGuard:
     """Contains exceptions of Feather's own code in one engine's scheduler.
 
     The adapter runs each piece of Feather's work (tree and queue, gate, meter, metrics
-    sink, running order) inside ``try`` and hands an exception to ``fault``; it then
-    serves the engine's own order and admission for the rest of the scheduling pass and,
-    while ``dirty``, rebuilds Feather's picture from the engine's before the next
-    (``FeatherRuntime.resync``).  ``fault`` logs (the traceback the first time, then one
-    line at most every ``LOG_FAULTS_EVERY_S``) and counts (``SchedulerStats.faults``,
-    ``feather:faults``); ``limit`` faults in a row, i.e. with neither a pass that decided
-    admissions nor ``limit`` passes served without a fault between them (``served``),
-    turn Feather off for good, with one error line: ``active`` is then False and the
-    adapter leaves the engine to its own order.  O(1).
+    sink, running order) through ``call`` or ``attempt``: an exception is handed to
+    ``fault``, which counts and logs it and then runs the adapter's ``on_fault``, its
+    fall-back: the engine's own order and admission for the rest of the scheduling pass.
+    While ``dirty``, the adapter rebuilds Feather's picture from the engine's before the
+    next pass (``FeatherRuntime.begin_pass`` does, given the engine's queues).  ``fault``
+    logs the traceback the first time, then one line at most every
+    ``LOG_FAULTS_EVERY_S``, and counts (``SchedulerStats.faults``, ``feather:faults``);
+    ``limit`` faults in a row, i.e. with neither a pass that decided admissions nor
+    ``limit`` passes served without a fault between them (``served``), turn Feather off
+    for good, with one error line: ``active`` is then False and the adapter leaves the
+    engine to its own order.  O(1).
     """
 
     def __init__(self, name: str, limit: int, meter: StepMeter) -> None:
@@ -45,6 +51,35 @@ class FaultGuard:
         self._served = 0
         """Passes served without a fault since the last fault."""
         self._logged_at: float | None = None
+        self.on_fault: Callable[[str], None] | None = None
+        """The adapter's fall-back, run after each fault with its ``where``: what the
+        engine serves instead for the rest of the pass."""
+
+    @property
+    def serving(self) -> bool:
+        """Whether Feather's picture can be relied on: it is on and no fault happened
+        since the last rebuild (an engine call between passes checks this)."""
+        return self.active and not self.dirty
+
+    def call(self, where: str, action: Callable[..., T], *args: object,
+             default: T | None = None) -> T | None:
+        """``action(*args)``'s result; if Feather's code raises, the fault is contained
+        (``fault``, labelled ``where``) and ``default`` returned.  Only ``Exception`` is
+        contained: ``KeyboardInterrupt`` and ``SystemExit`` propagate."""
+        try:
+            return action(*args)
+        except Exception as error:
+            self.fault(where, error)
+            return default
+
+    def attempt(self, where: str, action: Callable[..., object], *args: object) -> bool:
+        """Run ``action(*args)`` contained, as ``call``; True if it ran without a fault."""
+        try:
+            action(*args)
+        except Exception as error:
+            self.fault(where, error)
+            return False
+        return True
 
     def fault(self, where: str, error: Exception) -> None:
         """Feather's code raised ``error`` in ``where`` (a short label)."""
@@ -71,6 +106,8 @@ class FaultGuard:
             logger.error("Feather is off in %s after %d faults in a row (the latest in %s: "
                          "%r): the engine's own scheduling order from now on", self.name,
                          self.in_a_row, where, error)
+        if self.on_fault is not None:
+            self.on_fault(where)
 
     def served(self, decided: bool) -> None:
         """Feather's code served a pass to its end; ``decided``: it decided admissions."""

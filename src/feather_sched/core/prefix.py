@@ -23,6 +23,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from typing import TypeVar
 
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
+from feather_sched.telemetry.steplog import BatchEntry
 
 ChunkKey = Hashable
 T = TypeVar("T")
@@ -84,6 +85,26 @@ def shared_tokens(key_lists: Sequence[Sequence[ChunkKey]], tokens_per_key: int) 
     """For each request of a batch, the prompt tokens some other request also holds."""
     shared = SharedPrefixes(key_lists)
     return [shared.shared_keys(keys) * tokens_per_key for keys in key_lists]
+
+
+def describe_batch(rows: Iterable[tuple[Hashable, Sequence[ChunkKey], int, int]],
+                   tokens_per_key: int, keys_per_chunk: int = 1,
+                   shared: SharedPrefixes | None = None) -> list[BatchEntry]:
+    """A step's batch as the step log and the cost model read it, one ``BatchEntry`` per
+    row of ``rows``: (request id, its cumulative keys, context tokens, new tokens), in
+    the batch's order.  Its group is ``group_of``; its shared tokens are its leading keys
+    another row also holds, times ``tokens_per_key``, at most its context.  ``shared``:
+    the batch's keys already counted (kept incrementally, as the simulator does); by
+    default they are counted here.  Engines describe their batches in Feather's chunks
+    (``FeatherRuntime.describe_batch``), so step logs of every engine have one
+    granularity.  O(keys of the batch); O(rows log keys) given ``shared``."""
+    rows = list(rows)
+    if shared is None:
+        shared = SharedPrefixes(keys for _, keys, _, _ in rows)
+    return [BatchEntry(group=group_of(keys, request_id, keys_per_chunk),
+                       shared_tokens=min(shared.shared_keys(keys) * tokens_per_key, context),
+                       context_tokens=context, new_tokens=new)
+            for request_id, keys, context, new in rows]
 
 
 def order_by_group(requests: Sequence[T], groups: Sequence[Hashable],

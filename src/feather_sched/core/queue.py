@@ -27,7 +27,7 @@ gives way to arrival order: no prefix is evicted and no seat is short, so passin
 request would save nothing and only lengthen its wait.  Ties (requests that arrived
 together) keep the tree's order, and the gate still answers.  This is part of the
 fairness bound: without it (``max_overtakes`` and ``max_stops`` None) the tree orders; so
-it does where the engine keeps its own batch order (``orders_batch`` False), since there
+it does where the engine keeps its own batch order (``BatchLayout.ENGINE``), since there
 the admission order is what puts a group's members side by side in a step, and under a
 gate that may STOP in an ordered batch (``Gate.stops_in_ordered_batches``), whose STOP
 on an older stranger would hold back the siblings it admits.
@@ -66,7 +66,7 @@ from feather_sched.core.cht import (
 )
 from feather_sched.core.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS, OvertakeBound
 from feather_sched.core.prefix import group_of
-from feather_sched.gates.base import Decision, Gate, GateContext
+from feather_sched.gates.base import BatchLayout, Decision, Gate, GateContext
 from feather_sched.gates.heuristic import AlwaysAddGate
 
 RequestId = Hashable
@@ -149,13 +149,17 @@ class FeatherQueue:
         """The engine's KV cache in tokens, where its adapter knows it: with ``seats``,
         what tells whether the engine could run every request in flight at once
         (``fits_all``)."""
-        self.orders_batch = True
-        """Whether the engine lays its batch out in Feather's order (``order_running``,
-        where the adapter can apply it); if not, admission order is the batch's layout,
-        and the tree's order keeps a group's members side by side even when everything
-        fits."""
+        self.layout = BatchLayout.FEATHER
+        """How the engine lays its batch out (``use_layout``); in the engine's own layout
+        admission order is the batch's, and the tree's order keeps a group's members side
+        by side even when everything fits."""
         self._running_epoch = 0
         self.clear()
+
+    def use_layout(self, layout: BatchLayout) -> None:
+        """The engine lays its batch out so from now on; the gate is told too. O(1)."""
+        self.layout = layout
+        self.gate.use_layout(layout)
 
     def clear(self) -> None:
         """Forget every request (the tree, the bounds' counts, this pass's answer); the
@@ -261,6 +265,14 @@ class FeatherQueue:
         """The request's chunk keys."""
         return self._requests[request_id].keys
 
+    def rank_key(self, request_id: RequestId) -> tuple[int, int, int]:
+        """A waiting request's place in the tree's order (``ChunkedHashTree.rank_key``):
+        sorting waiting requests by it lists them as the tree would offer them, bounds
+        aside.  CHTError for a request not waiting.  O(1)."""
+        if self.state(request_id) is not QueueState.WAITING:
+            raise CHTError(f"request {request_id!r} is not waiting")
+        return self.tree.rank_key(request_id)
+
     def runs_exactly(self, request_ids: Set[RequestId]) -> bool:
         """Whether the running set is exactly ``request_ids``.  O(len(request_ids))."""
         return self.tree.runs_exactly(request_ids)
@@ -349,13 +361,13 @@ class FeatherQueue:
     # ---- admission --------------------------------------------------------------------
 
     def decide(self, offered: RequestId | None = None) -> Admission | None:
-        """The answer for ``offered`` (default: the queue's own candidate); None if none.
+        """The answer for ``offered`` (default: the queue's own candidate, ``candidate``);
+        None if nothing waits; CHTError if ``offered`` is not waiting.
 
-        The queue's candidate is a starved request if any (one a pass), else the oldest
-        request at its overtaking bound, else the tree's best, all within the most urgent
-        priority class waiting.  The gate is asked once per
-        candidate: the answer is kept until the queue changes.  After a STOP every answer
-        is STOP until ``new_step``.
+        The gate is asked once per candidate: the answer is kept until the queue changes.
+        A candidate a bound made due is admitted over the gate (``Admission.forced``).
+        After a STOP every answer is STOP until ``new_step``.  O(1) when cached, else the
+        gate's cost plus O(requeued requests).
         """
         if self._admission is not None and self._asked_for == offered:
             return self._admission
@@ -365,20 +377,21 @@ class FeatherQueue:
             return None
         bounded = self.due()
         target = offered if offered is not None else self._chosen(bounded)
-        forced = target is not None and target == bounded
-        self._admission = self._answer(self.tree.best() if target is None else target, forced)
+        self._admission = self._answer(target, forced=bounded is not None and target == bounded)
         self._asked_for = offered
         return self._admission
 
     def candidate(self) -> RequestId | None:
-        """The request ``decide()`` would judge next (bounds first, then the tree's best),
-        without asking the gate; None when nothing waits."""
+        """The request ``decide()`` would judge next, without asking the gate; None when
+        nothing waits.  Within the most urgent class waiting: a starved request (one a
+        pass), else the oldest at its overtaking or stop bound, else, while everything
+        in flight fits (``_chosen``), the oldest waiting request if it arrived before the
+        tree's best, else the tree's best."""
         if self._admission is not None and self._asked_for is None:
             return self._admission.request_id
         if not self.tree.num_waiting:
             return None
-        chosen = self._chosen(self.due())
-        return self.tree.best() if chosen is None else chosen
+        return self._chosen(self.due())
 
     def new_step(self) -> None:
         """Start a scheduling pass: a STOP of the previous pass no longer holds."""
@@ -426,12 +439,13 @@ class FeatherQueue:
         return self.num_running + self.tree.num_waiting <= self.seats and \
             self.tree.chunks_held() * self.chunk_tokens <= self.kv_tokens
 
-    def _chosen(self, due: RequestId | None) -> RequestId | None:
-        """The candidate over the tree's best, if any: the request a bound made ``due``,
-        else, while the engine could run everything in flight (``fits_all``), lays its
-        batch out in Feather's order (``orders_batch``) and the gate does not STOP there
+    def _chosen(self, due: RequestId | None) -> RequestId:
+        """The candidate, while a request waits: the request a bound made ``due``, else,
+        while the engine could run everything in flight (``fits_all``), lays its batch out
+        in Feather's order (``BatchLayout.FEATHER``) and the gate does not STOP there
         (``Gate.stops_in_ordered_batches``: always-add, the model gate), the oldest
-        waiting request of the most urgent class if it arrived before the tree's best.
+        waiting request of the most urgent class if it arrived before the tree's best;
+        else the tree's best.
 
         Passing an older request pays when the passer would cost more later: its prefix
         evicted before its turn, or its group no longer running when seats are scarce.
@@ -440,13 +454,15 @@ class FeatherQueue:
         the passer to the passed: the tail of a burst that a sub-capacity load drains
         (p99 TTFT 1.13x FCFS on BFCL's tool calls, ``benchmarks/traces``).  The gate still
         answers for this candidate.  O(requeued requests)."""
-        if due is not None or self.bound is None or not self.orders_batch or \
-                getattr(self.gate, "stops_in_ordered_batches", True) or not self.fits_all():
+        if due is not None:
             return due
         best = self.tree.best()
-        oldest = self.bound.oldest(self.tree.priority(best)) if best is not None else None
+        if self.bound is None or self.layout is not BatchLayout.FEATHER or \
+                self.gate.stops_in_ordered_batches or not self.fits_all():
+            return best
+        oldest = self.bound.oldest(self.tree.priority(best))
         return oldest if oldest is not None and self.bound.arrived_before(oldest, best) \
-            else None
+            else best
 
     def _starved(self) -> RequestId | None:
         """The oldest waiting request of the most urgent class waiting, if it has waited

@@ -9,9 +9,12 @@ state) behind one contract, stated once, in the style of vLLM's ``RequestQueue``
                                   (idempotent: new, preempted, skipped or resumed alike)
     discard(request_id)           the engine let go of it: finished, aborted, rejected
                                   (any state; True the first time, False after)
-    begin_pass(running) -> order  a scheduling pass starts: the running set becomes the
-                                  engine's; returns the running list in Feather's order
-                                  (as the engine has it with ``order_running`` off)
+    begin_pass(running, waiting=None, held=()) -> order
+                                  a scheduling pass starts: after a fault Feather's
+                                  picture is rebuilt from the engine's sets; the running
+                                  set becomes the engine's; returns the running list in
+                                  Feather's order (as the engine has it with
+                                  ``order_running`` off)
     decide(offered=None)          the admission for the current candidate (the engine's
                                   offered request, or the queue's own); asked once
     admit(request)                the engine admits the request of the last ADD
@@ -22,6 +25,9 @@ state) behind one contract, stated once, in the style of vLLM's ``RequestQueue``
                                   are bound to ``step`` and counted
     end_step(step, size, seconds) step ``step`` ran: its reward reaches exactly the
                                   decisions bound to it
+    rank_waiting(waiting)         the engine's waiting list as Feather would admit it
+                                  (for an engine that walks its own list)
+    describe_batch(rows)          a step's batch for ``end_step``, in Feather's chunks
     preemption_victim(running)    the running request to preempt for KV room: the
                                   end of Feather's running order, the newest member
                                   of the youngest group of the least urgent class
@@ -29,9 +35,9 @@ state) behind one contract, stated once, in the style of vLLM's ``RequestQueue``
                                   list Feather ordered, like vLLM, need not ask)
 
 Faults: an exception in any of these (Feather's tree, queue, gate, meter or metrics sink)
-is the adapter's to contain: it hands it to ``faults.fault`` (``FaultGuard``), serves the
-engine's own order for the rest of the pass, and before the next pass calls
-``resync(running, waiting)`` with the engine's own sets.
+is contained by the adapter calling through ``faults`` (``FaultGuard.call``/``attempt``),
+whose ``on_fault`` is the adapter's fall-back (the engine's own order for the rest of the
+pass); the next ``begin_pass``, given the engine's own queues, rebuilds Feather's picture.
 
 The running set is never assumed from admissions: each ``begin_pass`` and ``end_pass``
 takes what the engine itself reports as running, so a request the engine skipped, parked
@@ -55,11 +61,9 @@ from typing import Generic, Protocol, TypeVar
 
 from feather_sched.core.config import FeatherConfig
 from feather_sched.core.faults import FaultGuard
-from feather_sched.core.prefix import gather_groups, group_of, order_by_group
+from feather_sched.core.prefix import describe_batch, gather_groups, group_of, order_by_group
 from feather_sched.core.queue import Admission, QueueState
-from feather_sched.gates.bandit import UCBBanditGate
-from feather_sched.gates.base import Decision, GateContext
-from feather_sched.gates.model import ModelGate
+from feather_sched.gates.base import BatchLayout, Decision, GateContext, Persistent
 from feather_sched.gates.step_model import EngineShape
 from feather_sched.telemetry import prometheus as metrics
 from feather_sched.telemetry.stats import AdmissionCounts, SchedulerStats, StepMeter
@@ -147,11 +151,11 @@ class FeatherRuntime(Generic[R]):
         self.queue = config.make_queue(clock=clock, engine=engine, chunk_tokens=chunk_tokens)
         self.queue.seats = seats
         self.queue.kv_tokens = kv_tokens
-        self.queue.orders_batch = config.order_running
         self.counts = AdmissionCounts()
-        bandit = self.queue.gate if isinstance(self.queue.gate, UCBBanditGate) else None
+        gate = self.queue.gate
         self.meter = StepMeter(name, stats_file=config.stats_file, step_log=config.step_log,
-                               state_file=config.state_file, gate=bandit,
+                               state_file=config.state_file,
+                               gate=gate if isinstance(gate, Persistent) else None,
                                admissions=self.counts,
                                sink=metrics.PrometheusSink(name) if metrics.enabled() else None)
         self.faults = FaultGuard(name, config.max_faults, self.meter)
@@ -169,25 +173,26 @@ class FeatherRuntime(Generic[R]):
         return self.config.step_log is not None or self.queue.gate.observes
 
     @property
-    def orders_running(self) -> bool:
-        """Whether ``begin_pass`` returns the running list in Feather's order."""
-        return self.config.order_running
+    def layout(self) -> BatchLayout:
+        """How the engine lays its batch out: ``FEATHER`` (each prefix group one run, in
+        ``batch_order``) with ``order_running`` on, unless the adapter found the engine
+        keeps its own order (``engine_keeps_its_order``); else ``ENGINE``."""
+        return self.queue.layout
 
     @property
     def batch_has_groups(self) -> bool:
-        """Whether a batch's layout can matter: ordering is on and a prefix group runs
+        """Whether a batch's layout can matter: it is Feather's and a prefix group runs
         with two or more members (a batch that shares nothing gains nothing from being
         laid out, so adapters skip ``batch_order`` then). O(1)."""
-        return self.config.order_running and self.queue.has_running_group()
+        return self.queue.layout is BatchLayout.FEATHER and self.queue.has_running_group()
 
     def engine_keeps_its_order(self) -> None:
-        """The adapter found that batch ordering cannot act in this engine: a gate that
-        prices where a newcomer lands (``ModelGate``) prices the engine's own order, and
-        the queue keeps the tree's order, which is then the batch's layout."""
-        self.queue.orders_batch = False
-        gate = self.queue.gate
-        if isinstance(gate, ModelGate):
-            gate.ordered = False
+        """The adapter found that batch ordering cannot act in this engine: the layout is
+        the engine's (``BatchLayout.ENGINE``), told to the queue, which keeps the tree's
+        order (then the batch's), and to the gate, which prices the engine's order.
+        ``begin_pass`` still orders the running list (``order_running``): its end is the
+        preemption victim."""
+        self.queue.use_layout(BatchLayout.ENGINE)
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -252,8 +257,13 @@ class FeatherRuntime(Generic[R]):
 
     # ---- one scheduling pass ----------------------------------------------------------
 
-    def begin_pass(self, running: Sequence[R]) -> list[R]:
+    def begin_pass(self, running: Sequence[R], waiting: Iterable[R] | None = None,
+                   held: Iterable[R] = ()) -> list[R]:
         """Start a pass: reconcile with the engine's running list, reopen admission.
+
+        After a fault (``faults.dirty``) Feather's picture is first rebuilt from the
+        engine's own sets (``resync``): ``running``, its whole ``waiting`` queue (required
+        then: ValueError without it) and the requests it ``held`` outside both.
 
         Returns ``running`` in Feather's order (``order``), whose end an engine preempts
         first; with ``order_running`` off, as given: the engine's order, which keeps what
@@ -265,6 +275,10 @@ class FeatherRuntime(Generic[R]):
         since only by admissions appended and exits Feather was told of (steps without
         preemption), none of which moved a group's rank (``_Mirror``).
         """
+        if self.faults.dirty:
+            if waiting is None:
+                raise ValueError("begin_pass after a fault needs the engine's waiting queue")
+            self.resync(running, waiting, held)
         ids = self._reconcile_running(running)
         self.queue.new_step()
         self._taken.clear()
@@ -391,6 +405,40 @@ class FeatherRuntime(Generic[R]):
             self.counts.asked += 1
             self._taken.append(_Taken(admission))
         return admission
+
+    def rank_waiting(self, waiting: Sequence[R]) -> list[R]:
+        """``waiting`` (the engine's waiting list) in the order Feather would admit it:
+        the candidate first (``candidate``), then the requests Feather holds waiting as
+        the tree ranks them (class, shared prefix with the running set, arrival:
+        ``ChunkedHashTree.rank_key``), then the rest (running, held or unknown to
+        Feather) in their given order.  For an engine that walks its own list; the list
+        is not changed.  O(n log n)."""
+        first = self.queue.candidate()
+        queue, view = self.queue, self.view
+
+        def rank(request: R) -> tuple:
+            request_id = view.request_id(request)
+            if request_id == first:
+                return (0,)
+            if request_id in queue and queue.state(request_id) is QueueState.WAITING:
+                return (1, *queue.rank_key(request_id))
+            return (2,)
+
+        return sorted(waiting, key=rank)
+
+    def describe_batch(self, rows: Iterable[tuple[R, int, int]]) -> list[BatchEntry]:
+        """A step's batch for the step log and a gate that observes (``end_step``):
+        ``rows`` of (request, context tokens, new tokens) in the batch's order, described
+        in Feather's chunks (``prefix.describe_batch``), the same in every engine; a
+        request Feather does not track is keyed by the view.  O(keys of the batch)."""
+        queue, view, tracked = self.queue, self.view, self._tracked
+        described = []
+        for request, context, new in rows:
+            request_id = view.request_id(request)
+            keys = queue.keys(request_id) if request_id in tracked else \
+                view.chunk_keys(request)
+            described.append((request_id, keys, context, new))
+        return describe_batch(described, queue.chunk_tokens)
 
     def candidate(self) -> R | None:
         """The request ``decide()`` would judge next, without asking the gate (for an

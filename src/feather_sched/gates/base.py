@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from feather_sched.telemetry.steplog import BatchEntry
 
@@ -21,6 +22,20 @@ from feather_sched.telemetry.steplog import BatchEntry
 class Decision(Enum):
     ADD = "add"
     STOP = "stop"
+
+
+class BatchLayout(Enum):
+    """How the engine lays out each step's batch: the one name for this fact.
+
+    ``FEATHER``: each prefix group one contiguous run, in Feather's running order (the
+    ``order_running`` option on, where the adapter can apply it); ``ENGINE``: the engine's
+    own order (the option off, or an engine where ordering cannot act), in which the
+    admission order is what puts a group's members side by side.  The runtime owns it
+    and tells the queue and the gate (``Gate.use_layout``).
+    """
+
+    FEATHER = "feather"
+    ENGINE = "engine"
 
 
 @dataclass(frozen=True)
@@ -61,21 +76,24 @@ class Gate(Protocol):
 
     ``decide`` answers for one candidate; ``reward`` hands back the decisions that formed
     an executed batch with that batch's size and measured time (the caller keys steps,
-    so a reward reaches exactly the decisions it measures); ``observe`` shows every
-    executed step's batch, in execution order, with its time, to a gate whose
-    ``observes`` is true (engines describe their batches only for such gates, or for the
-    step log); ``end_step`` closes a scheduling pass.
+    so a reward reaches exactly the decisions it measures); ``observe`` shows each
+    executed step's batch, in execution order, with its time, whenever the engine
+    described it (for a gate whose ``observes`` is true, or for the step log: a gate that
+    learns nothing from batches ignores it); ``end_step`` closes a scheduling pass;
+    ``use_layout`` says how the engine lays the batch out, before the first decision and
+    whenever it changes.
     """
 
     observes: bool
+    """Whether it learns from ``observe``: engines describe their batches for it then."""
     always_adds: bool
     """Whether ``decide`` answers ADD whatever the context: the queue then asks nothing
     and builds no context (an ADD not shown to the gate is not rewarded either)."""
     stops_in_ordered_batches: bool
-    """Whether the gate may STOP a candidate while Feather lays the batch out. Where it
-    may, the queue keeps the tree's candidate even while everything fits (a STOP on an
-    older stranger would hold back the running groups' siblings the gate admits);
-    a gate that does not say is taken to STOP."""
+    """Whether the gate may STOP a candidate while the batch is laid out in Feather's
+    order (``BatchLayout.FEATHER``).  Where it may, the queue keeps the tree's candidate
+    even while everything fits (a STOP on an older stranger would hold back the running
+    groups' siblings the gate admits)."""
 
     def decide(self, context: GateContext) -> Decision: ...
 
@@ -85,6 +103,21 @@ class Gate(Protocol):
 
     def end_step(self) -> None: ...
 
+    def use_layout(self, layout: BatchLayout) -> None: ...
+
+
+@runtime_checkable
+class Persistent(Protocol):
+    """A gate whose learning outlives the engine: saved to the ``state_file`` as it goes,
+    loaded from it (or the ``shared_state_file``) at start-up (the bandit's table)."""
+
+    learned_decisions: int
+    """Rewarded decisions it holds (logged when loaded)."""
+
+    def save(self, path: str | Path) -> None: ...
+
+    def load(self, path: str | Path) -> None: ...
+
 
 def must_add(context: GateContext) -> bool:
     """Admissions no gate may refuse: an empty batch, or a candidate that loses nothing."""
@@ -92,10 +125,14 @@ def must_add(context: GateContext) -> bool:
 
 
 class Unobservant:
-    """A gate that learns nothing from the batches it is shown."""
+    """A gate that learns nothing from the batches it is shown and decides alike in any
+    layout."""
 
     observes = False
 
     def observe(self, batch: Sequence[BatchEntry], seconds: float) -> None:
         """Batch composition is not part of this gate's decision."""
+
+    def use_layout(self, layout: BatchLayout) -> None:
+        """The layout is not part of this gate's decision."""
 

@@ -52,7 +52,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from feather_sched.gates.base import Decision, Decisions, GateContext, must_add
+from feather_sched.gates.base import BatchLayout, Decision, Decisions, GateContext, must_add
 from feather_sched.gates.step_model import AUTO, OnlineStepModel, StepPrior
 from feather_sched.telemetry.steplog import BatchEntry
 
@@ -70,13 +70,14 @@ class ModelGate:
     """It prices the batch as laid out, where a group that joins its own run costs what
     it would alone, so with ordering on it admits (``benchmarks/gate``)."""
 
-    def __init__(self, model: OnlineStepModel, *, ordered: bool = True,
+    def __init__(self, model: OnlineStepModel, *, layout: BatchLayout = BatchLayout.FEATHER,
                  lookahead: int = DEFAULT_LOOKAHEAD, margin: float = DEFAULT_MARGIN,
                  window: int = DEFAULT_WINDOW) -> None:
         if lookahead < 0 or margin < 0 or window < 0:
             raise ValueError("lookahead, margin and window must be non-negative")
         self.model = model
-        self.ordered = ordered
+        self.layout = layout
+        """How the engine lays the batch out (``use_layout``)."""
         self.lookahead = lookahead
         self.margin = margin
         self.window = window
@@ -94,7 +95,8 @@ class ModelGate:
 
     @classmethod
     def with_prior(cls, prior: StepPrior | str | None = DEFAULT_PRIOR, *,
-                   ordered: bool = True, lookahead: int = DEFAULT_LOOKAHEAD,
+                   layout: BatchLayout = BatchLayout.FEATHER,
+                   lookahead: int = DEFAULT_LOOKAHEAD,
                    margin: float = DEFAULT_MARGIN, window: int = DEFAULT_WINDOW,
                    prior_steps: float = 8.0, forgetting: float = 0.995) -> ModelGate:
         """The gate from options: ``prior`` is a ``StepPrior``, None, or a name
@@ -103,16 +105,20 @@ class ModelGate:
         if isinstance(prior, str):
             prior = StepPrior.named(prior)
         model = OnlineStepModel(prior, prior_steps=prior_steps, forgetting=forgetting)
-        return cls(model, ordered=ordered, lookahead=lookahead, margin=margin, window=window)
+        return cls(model, layout=layout, lookahead=lookahead, margin=margin, window=window)
 
     @property
     def always_adds(self) -> bool:
-        """With the batch laid out in Feather's order (``ordered``) it admits every
-        candidate: a group that joins its own run costs what it would alone."""
-        return self.ordered
+        """With the batch laid out in Feather's order (``BatchLayout.FEATHER``) it admits
+        every candidate: a group that joins its own run costs what it would alone."""
+        return self.layout is BatchLayout.FEATHER
+
+    def use_layout(self, layout: BatchLayout) -> None:
+        """Price the engine's layout from now on (the runtime says so once it knows)."""
+        self.layout = layout
 
     def decide(self, context: GateContext) -> Decision:
-        if self.ordered:
+        if self.always_adds:
             return Decision.ADD
         if self._joins_batch(context) or not self.model.ready or self._last_stop(context):
             self._join(context)
@@ -149,8 +155,9 @@ class ModelGate:
 
     @property
     def observes(self) -> bool:
-        """Whether it learns from executed steps: only when it predicts (ordering off)."""
-        return not self.ordered
+        """Whether it learns from executed steps: only when it predicts (the engine's
+        layout)."""
+        return self.layout is BatchLayout.ENGINE
 
     def reward(self, decisions: Decisions, batch_size: int, seconds: float) -> None:
         """Learning comes from ``observe``: every step, whatever decisions formed it."""

@@ -22,7 +22,8 @@ Costs: ``observe`` O(batch + grid); ``predict`` O(batch); a refit (every
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,23 @@ class EngineShape:
     """Bytes per weight and KV element as the engine runs the model."""
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+
+    @classmethod
+    def of(cls, model_config: Any, device_name: Callable[[], str | None], *,
+           tensor_parallel: int = 1, pipeline_parallel: int = 1) -> EngineShape:
+        """The shape of an engine whose ``model_config`` carries ``hf_text_config`` and a
+        torch ``dtype`` (vLLM's and SGLang's both do).  ``device_name`` is asked once; if it
+        raises, the name is unknown and that is logged, never raised: it only picks a
+        prior."""
+        try:
+            device = device_name()
+        except Exception as error:
+            logging.getLogger("feather_sched").info(
+                "Feather: no device name from the engine (%s)", error)
+            device = None
+        return cls(device_name=device, model_config=model_config.hf_text_config.to_dict(),
+                   dtype_bytes=model_config.dtype.itemsize, tensor_parallel=tensor_parallel,
+                   pipeline_parallel=pipeline_parallel)
 
 
 class OnlineStepModel:

@@ -8,7 +8,7 @@ class's youngest prefix group); then, if nothing was
 preempted, admission from the waiting policy while the token budget and ``max_num_seqs``
 allow.  The batch is laid out like vLLM's *persistent batch* (new requests take the lowest
 free slot, then ``condense`` moves the last slots into the remaining holes), which is what
-interleaves prefix groups over time; under a policy that ``orders_running``, each group
+interleaves prefix groups over time; under a policy whose ``layout`` is Feather's, each group
 gathers at its first slot, as Feather's worker plugin makes vLLM's V1 runner do.
 
 Every policy drives the contract of ``feather_sched.core.runtime`` (Feather is the real
@@ -39,9 +39,9 @@ from enum import Enum
 from typing import Any, Protocol
 
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
-from feather_sched.core.prefix import SharedPrefixes, group_of, keys_per_chunk
+from feather_sched.core.prefix import SharedPrefixes, describe_batch, group_of, keys_per_chunk
 from feather_sched.costmodel.cost import StepCost
-from feather_sched.gates.base import Decision
+from feather_sched.gates.base import BatchLayout, Decision
 from feather_sched.results.records import RequestRecord, RunResult, StepRecord
 from feather_sched.routing.cache_index import KVEvent
 from feather_sched.sim.block_pool import BlockKeys, BlockPool, blocks_for
@@ -113,8 +113,10 @@ class Policy(Protocol):
     """A scheduler as the simulated engine drives it: the contract of ``runtime``."""
 
     name: str
-    orders_running: bool
-    """Whether ``begin_pass`` reorders the running list (the batch then follows it)."""
+    layout: BatchLayout
+    """How the batch is laid out: ``FEATHER``, each group gathered at its first slot (the
+    policy orders the running list, as Feather's worker plugin makes vLLM's V1 runner
+    do), or ``ENGINE``, vLLM's persistent batch as it stands."""
 
     def enter_waiting(self, request: SimRequest) -> None: ...
 
@@ -492,7 +494,7 @@ class SimEngine:
                 else:
                     slots[request.slot] = request
         self._condense()
-        if self.policy.orders_running:
+        if self.policy.layout is BatchLayout.FEATHER:
             place = {id(request): index for index, request in enumerate(scheduled)}
             anchor: dict[Hashable, int] = {}
             for index, request in enumerate(slots):
@@ -521,7 +523,11 @@ class SimEngine:
 
     def _execute(self, batch: list[SimRequest]) -> None:
         """Price the step, advance the clock, then credit its tokens."""
-        entries = [self._entry(r) for r in batch]
+        config = self.config
+        entries = describe_batch(
+            ((r.request_id, r.keys, r.num_computed_tokens + r.scheduled_tokens,
+              r.scheduled_tokens) for r in batch), config.block_tokens,
+            keys_per_chunk(config.block_tokens, config.group_tokens), shared=self._shared)
         cost = self.cost_model.step(entries)
         seconds = self._step_seconds(cost.seconds)
         self._uncharged_s = 0.0
@@ -540,12 +546,6 @@ class SimEngine:
         if config.overlap_scheduler:
             return max(model_s, self._uncharged_s)
         return model_s + self._uncharged_s
-
-    def _entry(self, request: SimRequest) -> BatchEntry:
-        context = request.num_computed_tokens + request.scheduled_tokens
-        shared = self._shared.shared_keys(request.keys) * self.config.block_tokens
-        return BatchEntry(group=request.group, shared_tokens=min(shared, context),
-                          context_tokens=context, new_tokens=request.scheduled_tokens)
 
     def _credit(self, batch: list[SimRequest]) -> int:
         """Apply the step's tokens at the step's end; returns output tokens emitted."""

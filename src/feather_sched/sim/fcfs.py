@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from feather_sched.gates.base import Decision
+from feather_sched.gates.base import BatchLayout, Decision
 
 if TYPE_CHECKING:
     from feather_sched.sim.engine import SimRequest
@@ -31,7 +31,7 @@ class FcfsPolicy:
     """Arrival order; a preempted request goes back to the head (vLLM's ``prepend``)."""
 
     name = "fcfs"
-    orders_running = False
+    layout = BatchLayout.ENGINE
 
     def __init__(self) -> None:
         self._queue: deque[SimRequest] = deque()

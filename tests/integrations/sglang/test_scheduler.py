@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 
 from feather_sched.bench.cht.sglang_policy import published_server_args, sglang_installed
+from feather_sched.gates.base import BatchLayout
 
 if not sglang_installed():
     pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)", allow_module_level=True)
@@ -279,6 +280,25 @@ def test_policy_orders_the_running_group_first_then_by_arrival() -> None:
     runtime = engine.feather.runtime
     assert order[0] == runtime.decide().request_id
     assert [runtime.queue.tree.missing_chunks(rid) for rid in order] == [0] * 5 + [4] * 15
+
+
+def test_the_waiting_list_follows_the_trees_rank_not_the_fewest_missing_chunks() -> None:
+    """Past the running group, requests that share nothing with it keep arrival order:
+    the tree's rank (``FeatherRuntime.rank_waiting``).  Fewest missing chunks first (the
+    paper's rule, which ``cht`` rejects) would put the short prompt before the long one
+    that arrived before it, and starve long prompts."""
+    engine = Engine(gate="always")
+    engine.arrive(_req("C", 0))
+    engine.admission_round(max_requests=1)
+    long_prompt = Req("long", "", array("q", range(7000, 7000 + 8 * PREFIX)),
+                      SamplingParams(max_new_tokens=8))
+    short_prompt = Req("short", "", array("q", range(9000, 9000 + PREFIX)),
+                       SamplingParams(max_new_tokens=8))
+    engine.arrive(long_prompt, _req("C", 1), short_prompt, _req("C", 2))
+    engine.policy.calc_priority(engine.waiting, _running_batch(engine))
+    assert [req.rid for req in engine.waiting] == ["C1", "C2", "long", "short"]
+    tree = engine.feather.runtime.queue.tree
+    assert tree.missing_chunks("short") < tree.missing_chunks("long")  # the old rule's order
 
 
 def test_order_follows_the_tree_as_a_new_group_is_admitted() -> None:
@@ -826,7 +846,8 @@ def test_the_model_gate_gets_sglangs_model_for_its_prior(monkeypatch) -> None:
     monkeypatch.setattr(feather_sglang, "_process_feather", None)  # restored afterwards
     feather_sglang._hook_init_schedule_policy(lambda s: None, scheduler)
     gate = scheduler.feather.runtime.queue.gate
-    assert isinstance(gate, ModelGate) and gate.model.prior is None and not gate.ordered
+    assert isinstance(gate, ModelGate) and gate.model.prior is None
+    assert gate.layout is BatchLayout.ENGINE
     assert feather_sglang.engine_shape(_stub_scheduler(None)) is None
 
 # ---- launcher -------------------------------------------------------------------------

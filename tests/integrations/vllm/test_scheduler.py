@@ -44,7 +44,7 @@ from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
 
 from feather_sched.core.cht import ChunkedHashTree
 from feather_sched.core.queue import QueueState
-from feather_sched.gates.base import Decision, GateContext
+from feather_sched.gates.base import BatchLayout, Decision, GateContext, Unobservant
 from feather_sched.gates.model import ModelGate
 from feather_sched.gates.step_model import StepPrior
 from feather_sched.integrations.vllm.scheduler import (
@@ -68,11 +68,11 @@ STRICT = {"gate": "chunk-loss", "max_wait_s": None,
 """A gate that stops at the first candidate costing the running batch any shared chunk."""
 
 
-class RecordingGate:
+class RecordingGate(Unobservant):
     """Adds whatever it is asked, remembers what it is rewarded with."""
 
-    observes = False  # learns nothing from batches
     always_adds = False  # shown every candidate
+    stops_in_ordered_batches = True  # it may STOP whatever the layout
 
     def __init__(self, decision: Decision = Decision.ADD) -> None:
         self.decision = decision
@@ -93,7 +93,8 @@ class Harness:
 
     def __init__(self, *, async_scheduling: bool = False, num_blocks: int = 256,
                  feather: dict | None = None, v2_runner: bool = False,
-                 scheduler_cls: type = FeatherScheduler, **engine: object) -> None:
+                 scheduler_cls: type = FeatherScheduler,
+                 clock: Callable[[], float] | None = None, **engine: object) -> None:
         engine = {"max_num_seqs": 16, **engine}
         args = EngineArgs(model=str(TINY_LLAMA), skip_tokenizer_init=True, load_format="dummy",
                           block_size=BLOCK, max_model_len=2048,
@@ -115,6 +116,12 @@ class Harness:
         # V2 needs Triton to validate; the scheduler reads the choice when it is built
         # (VllmConfig.use_v2_model_runner reads the variable until the engine caches it).
         v2 = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if v2_runner else {}
+        if clock is not None:  # Feather's clock (the schedulers pick their variant)
+            sync = scheduler_cls.__dict__.get("sync_variant")
+            scheduler_cls = type(scheduler_cls.__name__, (scheduler_cls,), {
+                "feather_clock": staticmethod(clock),
+                "sync_variant": sync and type(sync.__name__, (sync,),
+                                              {"feather_clock": staticmethod(clock)})})
         with pytest.MonkeyPatch.context() as patch:
             for name, value in v2.items():
                 patch.setenv(name, value)
@@ -236,11 +243,12 @@ def test_the_engine_log_says_how_ordering_acts(monkeypatch) -> None:
     assert not acts and "not installed or not in VLLM_PLUGINS" in note
     # the model gate then prices the engine's own order, and learns from its steps
     gate = unordered.runtime.queue.gate
-    assert isinstance(gate, ModelGate) and not gate.ordered and unordered.runtime.wants_batches
-    assert not unordered.runtime.queue.orders_batch  # admission order is the layout
+    assert isinstance(gate, ModelGate) and gate.layout is BatchLayout.ENGINE
+    assert unordered.runtime.wants_batches
+    assert unordered.runtime.layout is BatchLayout.ENGINE  # admission order is the layout
     monkeypatch.delenv("VLLM_PLUGINS")
     ordered = Harness(feather={"gate": "model"}).scheduler.feather.runtime.queue
-    assert ordered.gate.ordered and ordered.orders_batch
+    assert ordered.gate.layout is BatchLayout.FEATHER and ordered.layout is BatchLayout.FEATHER
 
 
 def test_the_model_gate_starts_from_the_profile_of_vllms_device_and_model(monkeypatch) -> None:
@@ -373,12 +381,11 @@ def test_requests_beyond_max_loras_are_skipped_and_admitted_later() -> None:
 
 
 def test_the_oldest_always_skipped_request_does_not_take_the_starvation_slot() -> None:
-    harness = Harness(feather={"max_wait_s": 0.0})
+    harness = Harness(feather={"max_wait_s": 0.0}, clock=lambda: time.time() + 1.0)
     grammar = SamplingParams(max_tokens=4, ignore_eos=True,
                              structured_outputs=StructuredOutputsParams(regex="a+"))
     harness.add(harness.request("blocked", group=0, sampling_params=grammar))
-    harness.add(*(harness.request(f"r{i}", group=i) for i in range(3)))
-    time.sleep(0.01)
+    harness.add(*(harness.request(f"r{i}", group=i) for i in range(3)))  # waited 1 s
     harness.step()
     counts = harness.runtime.counts
     assert counts.forced == 1 and counts.add == 2  # r0 forced in blocked's place
@@ -693,7 +700,7 @@ def test_the_model_gate_learns_from_vllms_own_steps_when_ordering_is_off() -> No
     without learning, and vLLM's steps are not described for it."""
     harness = Harness(feather={"gate": "model", "order_running": False})
     gate = harness.runtime.queue.gate
-    assert isinstance(gate, ModelGate) and not gate.ordered
+    assert isinstance(gate, ModelGate) and gate.layout is BatchLayout.ENGINE
     judged, seen, observed = set(), set(), []
     decide, observe = gate.decide, gate.observe
 

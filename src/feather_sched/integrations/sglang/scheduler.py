@@ -61,7 +61,6 @@ launcher's ``--feather-options``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -76,9 +75,7 @@ from feather_sched.core import (
     FeatherConfig,
     FeatherConfigError,
     FeatherRuntime,
-    QueueState,
-    SharedPrefixes,
-    group_of,
+    is_true,
     token_chunk_keys,
 )
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
@@ -105,23 +102,16 @@ ENV_OPTIONS = "FEATHER_SGLANG_OPTIONS"
 
 def feather_enabled(environ: Mapping[str, str] = os.environ) -> bool:
     """Whether ``FEATHER_SGLANG`` selects Feather in this process (and its children)."""
-    return environ.get(ENV_ENABLE, "").strip().lower() in ("1", "true", "yes", "on")
+    return is_true(environ.get(ENV_ENABLE, ""))
 
 
 def feather_options(environ: Mapping[str, str] = os.environ, *, dp_rank: int = 0,
                     dp_ranks: int = 1) -> FeatherConfig:
     """Feather's options: ``FEATHER_SGLANG_OPTIONS`` (JSON) over ``FEATHER_*`` variables,
     for the scheduler of data-parallel rank ``dp_rank`` of ``dp_ranks`` (its files)."""
-    raw = environ.get(ENV_OPTIONS)
-    options = None
-    if raw:
-        try:
-            options = json.loads(raw)
-        except json.JSONDecodeError as error:
-            raise FeatherConfigError(f"{ENV_OPTIONS}: not JSON: {error}") from None
-        if not isinstance(options, dict):
-            raise FeatherConfigError(f"{ENV_OPTIONS}: expected a JSON object")
-    return FeatherConfig.from_sources(options, environ, dp_rank=dp_rank, dp_ranks=dp_ranks)
+    return FeatherConfig.from_sources(None, environ, dp_rank=dp_rank, dp_ranks=dp_ranks,
+                                      json_text=environ.get(ENV_OPTIONS) or None,
+                                      source=ENV_OPTIONS)
 
 
 class SGLangRequests:
@@ -202,6 +192,7 @@ class FeatherSGLang:
         )
         """``PrefillAdder`` subclass that consults this runtime (what the scheduler builds)."""
         self.faults = self.runtime.faults
+        self.faults.on_fault = self._leave_round
         self._in_round = False
         """Feather's code serves this round (no fault in it; Feather not off)."""
 
@@ -210,76 +201,41 @@ class FeatherSGLang:
     def begin_round(self, running: Iterable[Req], waiting: Iterable[Req]) -> None:
         """A round starts: after a fault, Feather's picture is rebuilt from SGLang's
         running and waiting requests first; a fault here leaves the round to SGLang."""
-        faults = self.faults
         self._bound = None
-        self._in_round = faults.active
-        if not self._in_round:
-            return
-        running, waiting = list(running), list(waiting)
-        try:
-            if faults.dirty:
-                self.runtime.resync(running, waiting)
-            elif not waiting:  # no round will reconcile the waiting side: do it here
-                self.runtime.reconcile(running, waiting)
-            self.runtime.begin_pass(running)
-        except Exception as error:
-            self.fault("begin_pass", error)
+        self._in_round = self.faults.active
+        if self._in_round:
+            self.faults.attempt("begin_pass", self._begin_round, list(running), list(waiting))
+
+    def _begin_round(self, running: list[Req], waiting: list[Req]) -> None:
+        if not waiting and not self.faults.dirty:
+            # SGLang orders (calc_priority) only a queue that holds requests: reconcile here
+            self.runtime.reconcile(running, waiting)
+        self.runtime.begin_pass(running, waiting)
 
     def order(self, waiting: list[Req], running: Iterable[Req]) -> bool:
-        """Reconcile with SGLang's queues, then sort ``waiting`` in place in Feather's order
-        (the runtime's candidate, then by priority class, then as the tree ranks them) and
-        remember it for this round.  False, and ``waiting`` as it was, when Feather is out
-        of the round (a fault, here or before; or off)."""
-        if not self._in_round:
-            return False
-        try:
-            self._order(waiting, running)
-        except Exception as error:
-            self.fault("order", error)
-            return False
-        return True
+        """Reconcile with SGLang's queues, then sort ``waiting`` in place in the order
+        Feather would admit it (``FeatherRuntime.rank_waiting``: the candidate, then as
+        the tree ranks them) and remember it for this round.  False, and ``waiting`` as it
+        was, when Feather is out of the round (a fault, here or before; or off)."""
+        return self._in_round and self.faults.attempt("order", self._order, waiting, running)
 
     def _order(self, waiting: list[Req], running: Iterable[Req]) -> None:
-        runtime = self.runtime
-        runtime.reconcile(running, waiting)
+        self.runtime.reconcile(running, waiting)
         self._bound, self._cursor = waiting, 0
-        first = runtime.candidate()
-        if first is None:
-            return
-        queue = runtime.queue
-        first_id = first.rid
-
-        def rank(req: Req) -> tuple[int, int, int, int]:
-            rid = req.rid
-            if rid == first_id:
-                return (0, 0, 0, 0)
-            if queue.state(rid) is not QueueState.WAITING:
-                return (2, 0, 0, 0)
-            tree = queue.tree
-            return (1, queue.priority(rid), tree.missing_chunks(rid), tree.arrival_order(rid))
-
-        waiting.sort(key=rank)
+        waiting[:] = self.runtime.rank_waiting(waiting)
 
     def stops(self, req: Req) -> bool:
         """Whether Feather's answer for the request SGLang offers is STOP (never while
         Feather is out of the round: SGLang's own admission then)."""
         if not self._in_round:
             return False
-        try:
-            answer = self.runtime.decide(req)
-        except Exception as error:
-            self.fault("decide", error)
-            return False
+        answer = self.faults.call("decide", self.runtime.decide, req)
         return answer is not None and answer.decision is Decision.STOP
 
     def admitted(self, req: Req) -> None:
         """SGLang admitted ``req``: the runtime admits it; the next best comes up."""
-        if not self._in_round:
-            return
-        try:
-            self._admitted(req)
-        except Exception as error:
-            self.fault("admit", error)
+        if self._in_round:
+            self.faults.attempt("admit", self._admitted, req)
 
     def _admitted(self, req: Req) -> None:
         runtime = self.runtime
@@ -307,21 +263,16 @@ class FeatherSGLang:
         step's batch."""
         self._bound = None
         if self._in_round:
-            try:
-                self.runtime.end_pass(self._next_decode, list(running))
-            except Exception as error:
-                self.fault("end_pass", error)
+            self.faults.attempt("end_pass", self.runtime.end_pass, self._next_decode,
+                                list(running))
         if self.faults.active:
-            try:
-                self.runtime.meter.scheduled(time.perf_counter() - started)
-            except Exception as error:
-                self.fault("meter", error)
+            self.faults.attempt("meter", self.runtime.meter.scheduled,
+                                time.perf_counter() - started)
 
-    def fault(self, where: str, error: Exception) -> None:
-        """Feather's code raised in ``where``: counted and logged (``FaultGuard``); SGLang's
-        own admission for the rest of the round, its own order from the next round until
+    def _leave_round(self, where: str) -> None:
+        """After a fault in Feather's code (``FaultGuard.on_fault``): SGLang's own
+        admission for the rest of the round, its own order from the next round until
         Feather's picture is rebuilt (``begin_round``)."""
-        self.faults.fault(where, error)
         self._in_round = False
         self._bound = None
 
@@ -333,10 +284,9 @@ class FeatherSGLang:
             self._decodes[batch.forward_iter] = self._next_decode
             self._next_decode += 1
         if self.runtime.wants_batches and self.faults.active:
-            try:
-                self._batches[batch.forward_iter] = self.batch_entries(batch)
-            except Exception as error:
-                self.fault("step", error)
+            entries = self.faults.call("step", self.batch_entries, batch)
+            if entries is not None:
+                self._batches[batch.forward_iter] = entries
 
     def processed(self, batch: ScheduleBatch, seconds: float) -> None:
         """A batch's result was processed: finished requests leave; the step is rewarded
@@ -344,83 +294,69 @@ class FeatherSGLang:
         launch = batch.forward_iter
         key: Hashable = self._decodes.pop(launch, ("prefill", launch))
         entries = self._batches.pop(launch, None)
-        if not self.faults.active:
-            return
-        try:
-            if not self.faults.dirty:
-                for req in batch.reqs:
-                    if req.finished():
-                        self.runtime.discard(req.rid)
-            self.runtime.end_step(key, batch.batch_size(), seconds, entries)
-        except Exception as error:
-            self.fault("step", error)
+        if self.faults.active:
+            self.faults.attempt("step", self._processed, batch, key, seconds, entries)
+
+    def _processed(self, batch: ScheduleBatch, key: Hashable, seconds: float,
+                   entries: list[BatchEntry] | None) -> None:
+        if not self.faults.dirty:
+            for req in batch.reqs:
+                if req.finished():
+                    self.runtime.discard(req.rid)
+        self.runtime.end_step(key, batch.batch_size(), seconds, entries)
 
     def batch_entries(self, batch: ScheduleBatch) -> list[BatchEntry]:
-        """The batch in its order, as the step log describes it (chunk granularity)."""
-        runtime = self.runtime
+        """The batch in its order, as the step log describes it
+        (``FeatherRuntime.describe_batch``: in Feather's chunks, as for vLLM)."""
         decoding = {id(req) for req in (batch.decoding_reqs or [])} \
             if batch.forward_mode.is_mixed() else set()
-        keys = [runtime.queue.keys(req.rid) if req.rid in runtime else
-                runtime.view.chunk_keys(req) for req in batch.reqs]
-        shared = SharedPrefixes(keys)
-        entries = []
-        for req, req_keys in zip(batch.reqs, keys, strict=True):
+        rows = []
+        for req in batch.reqs:
             if batch.forward_mode.is_decode() or id(req) in decoding:
-                context, new = len(req.origin_input_ids) + len(req.output_ids), 1
+                rows.append((req, len(req.origin_input_ids) + len(req.output_ids), 1))
             else:
-                context, new = req.extend_end, req.extend_len
-            shared_tokens = shared.shared_keys(req_keys) * self.config.chunk_tokens
-            entries.append(BatchEntry(group_of(req_keys, req.rid),
-                                      min(shared_tokens, context), context, new))
-        return entries
+                rows.append((req, req.extend_end, req.extend_len))
+        return self.runtime.describe_batch(rows)
 
     def order_running(self, batch: ScheduleBatch) -> None:
         """Put the running decode batch in Feather's order, if it is not already and a
         group runs (SGLang's order while a fault is pending or Feather is off)."""
-        if len(batch.reqs) < 2 or not self.faults.active or self.faults.dirty or \
-                not self.runtime.batch_has_groups:
+        if len(batch.reqs) < 2 or not self.faults.serving or not self.runtime.batch_has_groups:
             return
-        try:
-            order = positions(batch.reqs, self.runtime.batch_order(batch.reqs))
-        except Exception as error:
-            self.fault("order_running", error)
-            return
-        if order == list(range(len(order))):
+        order = self.faults.call("order_running", self._batch_positions, batch.reqs)
+        if order is None or order == list(range(len(order))):
             return
         permute_batch(batch, order)
         self.runtime.meter.stats.reordered_batches += 1
+
+    def _batch_positions(self, reqs: list[Req]) -> list[int]:
+        return positions(reqs, self.runtime.batch_order(reqs))
 
     def retraction_order(self, reqs: list[Req]) -> list[int] | None:
         """The indices of ``reqs`` in Feather's retraction order, which is its running
         order (the end first); None while a fault is pending or Feather is off (SGLang's
         own order then)."""
-        if not self.faults.active or self.faults.dirty:
+        if not self.faults.serving:
             return None
-        try:
-            return positions(reqs, self.runtime.order(reqs))
-        except Exception as error:
-            self.fault("retraction_order", error)
-            return None
+        return self.faults.call("retraction_order", self._retraction_positions, reqs)
+
+    def _retraction_positions(self, reqs: list[Req]) -> list[int]:
+        return positions(reqs, self.runtime.order(reqs))
 
     def retracted(self, reqs: Iterable[Req]) -> None:
         """SGLang retracted ``reqs`` for KV room: preemptions, counted per request, class
         and group (``FeatherRuntime.preempted``)."""
-        if not self.faults.active or self.faults.dirty:
-            return
-        try:
-            for req in reqs:
-                self.runtime.preempted(req)
-        except Exception as error:
-            self.fault("preempted", error)
+        if self.faults.serving:
+            self.faults.attempt("preempted", self._retracted, list(reqs))
+
+    def _retracted(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            self.runtime.preempted(req)
 
     def entered(self, req: Req) -> None:
         """SGLang put ``req`` at the end of its waiting queue."""
-        if not self.faults.active or self.faults.dirty:
-            return
-        try:
-            self.runtime.enter_waiting(req)
-        except Exception as error:
-            self.fault("enter_waiting", error)
+        if self.faults.serving:
+            self.faults.attempt("enter_waiting", self.runtime.enter_waiting, req)
 
 
 def positions(reqs: list[Req], ordered: list[Req]) -> list[int]:
@@ -538,13 +474,7 @@ def engine_shape(scheduler: Any) -> EngineShape | None:
     from sglang.srt.runtime_context import get_device
     from sglang.srt.utils.common import get_device_name
 
-    try:
-        device = get_device_name(get_device().gpu_id or 0)
-    except Exception as error:  # the name only picks a prior: never fatal
-        logger.info("Feather: no device name from SGLang (%s)", error)
-        device = None
-    return EngineShape(device_name=device, model_config=model.hf_text_config.to_dict(),
-                       dtype_bytes=model.dtype.itemsize)
+    return EngineShape.of(model, lambda: get_device_name(get_device().gpu_id or 0))
 
 
 _process_feather: FeatherSGLang | None = None

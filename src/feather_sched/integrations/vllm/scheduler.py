@@ -59,7 +59,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from operator import attrgetter
 from typing import Any
 
@@ -81,9 +81,8 @@ from feather_sched.core import (
     FaultGuard,
     FeatherConfig,
     FeatherRuntime,
-    SharedPrefixes,
     block_chunk_keys,
-    group_of,
+    describe_batch,
     keys_per_chunk,
     token_chunk_keys,
 )
@@ -168,7 +167,7 @@ class FeatherWaitingQueue(RequestQueue):
 
     Every request vLLM puts in the queue is also kept in a dict of its own (O(1) per
     call), apart from Feather's tree, so the requests never depend on Feather's code:
-    when that raises (``fall_back``), vLLM's own ``PriorityRequestQueue`` over them serves
+    when that raises (``_fall_back``), vLLM's own ``PriorityRequestQueue`` over them serves
     the rest of the pass, and every pass once Feather is off: (priority, arrival) order,
     which is arrival order under the FCFS policy (every priority 0).  ``pop_request``
     returns the request of the last ``peek_request``, the one vLLM has just given KV.
@@ -177,6 +176,8 @@ class FeatherWaitingQueue(RequestQueue):
     def __init__(self, runtime: FeatherRuntime[Request], scheduler: Scheduler) -> None:
         self.runtime = runtime
         self.scheduler = scheduler
+        self.faults = runtime.faults
+        self.faults.on_fault = self._fall_back
         self._members: dict[str, Request] = {}
         """Every request in the queue, by id, whatever Feather's state."""
         self._fallback: PriorityRequestQueue | None = None
@@ -193,10 +194,7 @@ class FeatherWaitingQueue(RequestQueue):
         if self._fallback is not None:
             self._fallback.add_request(request)
             return
-        try:
-            self.runtime.enter_waiting(request)
-        except Exception as error:
-            self.fall_back("enter_waiting", error)
+        self.faults.attempt("enter_waiting", self.runtime.enter_waiting, request)
 
     def prepend_request(self, request: Request) -> None:
         """A preempted request, or one the admission loop skipped, comes back."""
@@ -217,11 +215,7 @@ class FeatherWaitingQueue(RequestQueue):
         if self._fallback is not None:
             self._fallback.remove_requests(requests)
             return
-        try:
-            for request in requests:
-                self.runtime.discard(request.request_id)
-        except Exception as error:
-            self.fall_back("discard", error)
+        self.faults.attempt("discard", self._discard, requests)
 
     def __bool__(self) -> bool:
         """The gate: True while a request waits and the answer for it is ADD.
@@ -230,21 +224,18 @@ class FeatherWaitingQueue(RequestQueue):
         the gate is not asked then, since its answer could not shape the step.
         """
         if self._fallback is None:
-            try:
-                return self._admits()
-            except Exception as error:
-                self.fall_back("decide", error)
+            admits = self.faults.call("decide", self._admits)
+            if admits is not None:
+                return admits
         return bool(self._fallback)
 
     def peek_request(self) -> Request:
         if not self._members:
             raise IndexError("peek from an empty FeatherWaitingQueue")
         if self._fallback is None:
-            try:
-                self._peeked = self._candidate()
+            self._peeked = self.faults.call("decide", self._candidate)
+            if self._peeked is not None:
                 return self._peeked
-            except Exception as error:
-                self.fall_back("decide", error)
         self._peeked = self._fallback.peek_request()
         return self._peeked
 
@@ -261,11 +252,8 @@ class FeatherWaitingQueue(RequestQueue):
             else:  # peeked from Feather's queue before the fall-back: O(waiting)
                 fallback.remove_request(request)
             return request
-        try:
-            self.runtime.admit(request)
+        if self.faults.attempt("admit", self.runtime.admit, request):
             self._popped = request
-        except Exception as error:
-            self.fall_back("admit", error)
         return request
 
     def __len__(self) -> int:
@@ -295,29 +283,24 @@ class FeatherWaitingQueue(RequestQueue):
         policy is set to PRIORITY, whose victim, ``max(running, key=(priority,
         arrival_time))``, is Feather's: the latest arrival of the least urgent class."""
         self._peeked = self._popped = None
-        faults = self.runtime.faults
-        if not faults.active:
-            return
-        running = self.scheduler.running
-        try:
-            if faults.dirty:
-                self.runtime.resync(running, self._members.values(),
-                                    held=self.scheduler.kv_holding_waiting)
-            elif len(self.runtime) != len(self._members):
-                raise RuntimeError(f"Feather's queue holds {len(self.runtime)} requests, "
-                                   f"vLLM's waiting queue {len(self._members)}")
-            self._fallback = None
-            running[:] = self.runtime.begin_pass(running)
-            self.scheduler.policy = SchedulingPolicy.FCFS if self.runtime.orders_running \
-                else SchedulingPolicy.PRIORITY  # the victim: the end, or the latest arrival
-        except Exception as error:
-            self.fall_back("begin_pass", error)
+        if self.faults.active:
+            self.faults.attempt("begin_pass", self._begin_pass)
 
-    def fall_back(self, where: str, error: Exception) -> None:
-        """Feather's code raised in ``where``: the fault is counted and logged, and vLLM's
-        own order and victim rule serve until the next pass resumes Feather.
-        O(waiting log waiting)."""
-        self.runtime.faults.fault(where, error)
+    def _begin_pass(self) -> None:
+        running, runtime = self.scheduler.running, self.runtime
+        if not self.faults.dirty and len(runtime) != len(self._members):
+            raise RuntimeError(f"Feather's queue holds {len(runtime)} requests, "
+                               f"vLLM's waiting queue {len(self._members)}")
+        ordered = runtime.begin_pass(running, self._members.values(),
+                                     held=self.scheduler.kv_holding_waiting)
+        self._fallback = None
+        running[:] = ordered
+        self.scheduler.policy = SchedulingPolicy.FCFS if runtime.config.order_running \
+            else SchedulingPolicy.PRIORITY  # the victim: the end, or the latest arrival
+
+    def _fall_back(self, where: str) -> None:
+        """After a fault in Feather's code (``FaultGuard.on_fault``): vLLM's own order and
+        victim rule serve until the next pass resumes Feather.  O(waiting log waiting)."""
         self.scheduler.policy = self._engine_policy
         if self._fallback is None:
             self._fallback = PriorityRequestQueue()
@@ -337,6 +320,10 @@ class FeatherWaitingQueue(RequestQueue):
         running = self.scheduler.running
         if not (running and running[-1] is popped):
             self.runtime.hold(popped.request_id)
+
+    def _discard(self, requests: list[Request]) -> None:
+        for request in requests:
+            self.runtime.discard(request.request_id)
 
     def _admits(self) -> bool:
         scheduler = self.scheduler
@@ -384,11 +371,9 @@ class KvHoldingQueue(RequestQueue):
         if not scheduler.running or scheduler.pause_state != PauseState.UNPAUSED or \
                 not self.waiting.feathers_pass:
             return True
-        try:
-            return not self.waiting.runtime.passes_due(self.inner.peek_request())
-        except Exception as error:
-            self.waiting.fall_back("passes_due", error)
-            return True
+        passes = self.waiting.faults.call("passes_due", self.waiting.runtime.passes_due,
+                                          self.inner.peek_request(), default=False)
+        return not passes
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -449,17 +434,8 @@ class VllmMeter:
         self._started = time.perf_counter()
 
     def after_schedule(self, output: Any) -> None:
-        if self.faults.active and self.measured(output):
+        if self.faults.active and self.faults.attempt("meter", self.measure, output):
             self.faults.served(decided=True)  # the baseline's whole pass
-
-    def measured(self, output: Any) -> bool:
-        """``measure`` the pass, contained; whether it went without a fault."""
-        try:
-            self.measure(output)
-        except Exception as error:
-            self.fault("meter", error)
-            return False
-        return True
 
     def measure(self, output: Any) -> None:
         """The pass that formed ``output``: its time, its preemptions, its step kept."""
@@ -480,15 +456,9 @@ class VllmMeter:
         if entry is None or not self.faults.active:
             return
         _, started, batch = entry
-        try:
-            self.record_step(output, len(output.num_scheduled_tokens),
-                             time.perf_counter() - started, batch)
-        except Exception as error:
-            self.fault("step", error)
-
-    def fault(self, where: str, error: Exception) -> None:
-        """Feather's code raised in ``where``: counted and logged (``FaultGuard``)."""
-        self.faults.fault(where, error)
+        self.faults.attempt("step", self.record_step, output,
+                            len(output.num_scheduled_tokens), time.perf_counter() - started,
+                            batch)
 
     def record_step(self, output: Any, size: int, seconds: float,
                     batch: list[BatchEntry] | None) -> None:
@@ -505,48 +475,32 @@ class VllmMeter:
         """Nothing to forget without Feather."""
 
     def close(self) -> None:
-        try:
-            self.meter.close()
-        except Exception as error:
-            self.fault("close", error)
+        self.faults.attempt("close", self.meter.close)
 
     def batch(self, output: Any) -> list[BatchEntry]:
-        """The step's batch as the step log describes it, in the runner's decode order.
+        """The step's batch as the step log describes it (``describe_batch``, in Feather's
+        chunks), in the runner's decode order.
 
         Decodes first in scheduling order, then longer chunks by length (Model Runner
         V2's ``sort_batch_req_ids``; under the V1 runner Feather's plugin keeps each group
         contiguous as here, while rows sharing nothing stay where vLLM put them, which
-        changes no group's run).  The context
-        is ``num_computed_tokens``, which ``schedule()`` has already advanced.
+        changes no group's run).  The context is ``num_computed_tokens``, which
+        ``schedule()`` has already advanced.
         """
-        requests = self.scheduler.requests
+        requests, view = self.scheduler.requests, self.view
         scheduled = output.num_scheduled_tokens
         order = sorted(scheduled, key=lambda rid: (scheduled[rid] != 1, scheduled[rid]))
-        hashes = [self.view.prompt_hashes(requests[rid]) for rid in order]
-        block = self.view.hash_block_size
-        per_chunk = self.view.blocks_per_chunk
-        shared = SharedPrefixes(hashes)
-        return [BatchEntry(group=group_of(keys, rid, per_chunk),
-                           shared_tokens=min(shared.shared_keys(keys) * block,
-                                             requests[rid].num_computed_tokens),
-                           context_tokens=requests[rid].num_computed_tokens,
-                           new_tokens=scheduled[rid])
-                for rid, keys in zip(order, hashes, strict=True)]
+        return describe_batch(((rid, view.chunk_keys(requests[rid]),
+                                requests[rid].num_computed_tokens, scheduled[rid])
+                               for rid in order), view.chunk_tokens)
 
 
 def engine_shape(vllm_config: Any) -> EngineShape:
     """The engine's device and model in Feather's terms (the model gate's prior)."""
-    model = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    try:
-        device = current_platform.get_device_name()
-    except Exception as error:  # the name only picks a prior: never fatal
-        logger.info("Feather: no device name from vLLM's platform (%s)", error)
-        device = None
-    return EngineShape(device_name=device, model_config=model.hf_text_config.to_dict(),
-                       dtype_bytes=model.dtype.itemsize,
-                       tensor_parallel=parallel.tensor_parallel_size,
-                       pipeline_parallel=parallel.pipeline_parallel_size)
+    return EngineShape.of(vllm_config.model_config, current_platform.get_device_name,
+                          tensor_parallel=parallel.tensor_parallel_size,
+                          pipeline_parallel=parallel.pipeline_parallel_size)
 
 
 def kv_cache_tokens(scheduler: Scheduler) -> int | None:
@@ -560,7 +514,7 @@ class VllmFeather(VllmMeter):
 
     def __init__(self, scheduler: Scheduler, config: FeatherConfig) -> None:
         view = requests_view(scheduler, config)
-        self.runtime = FeatherRuntime(config, view, clock=time.time,
+        self.runtime = FeatherRuntime(config, view, clock=scheduler.feather_clock,
                                       name=type(scheduler).__name__,
                                       seats=scheduler.max_num_active_reqs,
                                       kv_tokens=kv_cache_tokens(scheduler),
@@ -585,16 +539,12 @@ class VllmFeather(VllmMeter):
         if not self.faults.active:
             return
         if self.queue.feathers_pass:
-            try:
-                self.runtime.end_pass(id(output), self.scheduler.running)
-                self.order_output(output)
-            except Exception as error:
-                self.fault("end_pass", error)
-        self.measured(output)
+            self.faults.attempt("end_pass", self._end_pass, output)
+        self.faults.attempt("meter", self.measure, output)
 
-    def fault(self, where: str, error: Exception) -> None:
-        """Counted and logged; vLLM's own order until Feather resumes (``fall_back``)."""
-        self.queue.fall_back(where, error)
+    def _end_pass(self, output: Any) -> None:
+        self.runtime.end_pass(id(output), self.scheduler.running)
+        self.order_output(output)
 
     def order_output(self, output: Any) -> None:
         """List the step's requests in Feather's order, which the batch follows (Model
@@ -626,12 +576,8 @@ class VllmFeather(VllmMeter):
             super().preempted(request)
 
     def freed(self, request: Request) -> None:
-        if not self.queue.feathers_pass:
-            return  # Feather's picture is rebuilt before its next pass
-        try:
-            self.runtime.discard(request.request_id)
-        except Exception as error:
-            self.fault("discard", error)
+        if self.queue.feathers_pass:  # otherwise rebuilt before its next pass
+            self.faults.attempt("discard", self.runtime.discard, request.request_id)
 
     def order_note(self) -> tuple[str, bool]:
         """Which model runner the workers use and how batch ordering acts there; and
@@ -663,6 +609,9 @@ class _Hooks:
 
     component: type[VllmMeter] = VllmMeter
     sync_variant: type | None = None
+    feather_clock: Callable[[], float] = staticmethod(time.time)
+    """The clock Feather's waiting bounds read: vLLM's own (``Request.arrival_time`` is
+    ``time.time()``); a test harness may give its own."""
 
     def __new__(cls, *args: Any, **kwargs: Any):
         vllm_config = kwargs.get("vllm_config", args[0] if args else None)
