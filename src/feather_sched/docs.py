@@ -197,8 +197,9 @@ def options_page() -> str:
         lines += [f"| `{name}` | `{as_json(value)}` |" for name, value in gate_options(kind)]
     lines += [
         "",
-        "The model gate's `ordered` is set from `order_running` unless `gate_options` "
-        "gives it.",
+        "The model gate's `layout` is the batch layout `order_running` asks for "
+        "(`FeatherConfig.batch_layout`), and the engine's where the adapter finds that "
+        "ordering cannot act there.",
         "",
     ]
     page = "\n".join(lines)
