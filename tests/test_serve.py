@@ -25,7 +25,13 @@ from feather_sched.serve import (
     vllm_server_command,
 )
 from tests.helpers.replay_trace import REPLAY_FLAGS, REQUESTS, implied_hit_rate, write_trace
-from tests.helpers.servers import bench_server, free_port, serving, wait_until_serving
+from tests.helpers.servers import (
+    bench_server,
+    free_port,
+    serving,
+    wait_for,
+    wait_until_serving,
+)
 
 
 def flag(command: list[str], name: str) -> str | None:
@@ -104,6 +110,13 @@ def test_feather_serve_answers_feather_bench(tmp_path) -> None:
     assert "vllm:num_requests_running" in metrics
 
 
+def running_requests(url: str) -> float:
+    """vLLM's ``vllm:num_requests_running`` on ``/metrics`` (summed over its labels)."""
+    metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return sum(float(value) for value in re.findall(
+        r"^vllm:num_requests_running\{.*\} ([0-9.e+]+)$", metrics, re.M))
+
+
 def post(url: str, path: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
     request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -123,7 +136,7 @@ def test_a_server_no_client_or_disk_can_take_down(tmp_path) -> None:
     state_dir.mkdir()
     state, stats = state_dir / "bandit.json", state_dir / "stats.json"
     options = json.dumps({"gate": "bandit", "state_file": str(state),
-                          "stats_file": str(stats)})
+                          "stats_file": str(stats), "save_every_s": 0.5})
     port = free_port()
     log_path = tmp_path / "server.log"
     command = [sys.executable, "-m", "feather_sched.cli", "serve", "--enforce-eager",
@@ -150,7 +163,8 @@ def test_a_server_no_client_or_disk_can_take_down(tmp_path) -> None:
         for _ in range(3):
             assert post(url, "/v1/completions", {"model": model, "prompt": "again and again",
                                                  "max_tokens": 40})[0] == 200
-        time.sleep(11)  # past the meter's save interval
+        wait_for(lambda: "could not write its stats file" in log_path.read_text(),
+                 "the failed write logged", timeout_s=30)  # a save is due every 0.5 s
         assert post(url, "/v1/completions", {"model": model, "prompt": "still here",
                                              "max_tokens": 4})[0] == 200
         state_dir.mkdir()
@@ -163,7 +177,7 @@ def test_a_server_no_client_or_disk_can_take_down(tmp_path) -> None:
         load = [threading.Thread(target=one, args=(i,)) for i in range(8)]
         for thread in load:
             thread.start()
-        time.sleep(2)
+        wait_for(lambda: running_requests(url) > 0, "requests running", timeout_s=60)
         stopped = time.monotonic()
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=SHUTDOWN_TIMEOUT_S + 30)

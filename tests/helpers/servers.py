@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,6 +19,20 @@ from typer.testing import CliRunner
 from feather_sched.cli import app
 
 READY_TIMEOUT_S = 240
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout_s: float = 60,
+             poll_s: float = 0.1) -> object:
+    """Poll ``condition`` until it returns something true (returned); TimeoutError saying
+    ``what`` did not happen.  Tests wait on state, not on the wall clock."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s} s")
+        time.sleep(poll_s)
 
 
 def free_port() -> int:

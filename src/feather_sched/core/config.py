@@ -35,6 +35,7 @@ from feather_sched.core.queue import DEFAULT_MAX_WAIT_S, DEFAULT_MIN_PASSING_TOK
 from feather_sched.gates import GATE_KINDS, make_gate
 from feather_sched.gates.base import BatchLayout, Gate, Persistent
 from feather_sched.gates.step_model import AUTO, EngineShape, StepPrior
+from feather_sched.telemetry.stats import SAVE_EVERY_S
 
 ENV_PREFIX = "FEATHER_"
 OFF = ("off", "none", "null")
@@ -140,6 +141,10 @@ class FeatherConfig:
     max_faults: int = 8
     """Faults of Feather's own code in a row (no clean scheduling pass between them) that
     turn Feather off for the engine, which keeps its own order from then on."""
+    save_every_s: float = SAVE_EVERY_S
+    """Seconds between writes of ``stats_file`` and ``state_file`` while the engine
+    schedules (they are also written every 512 steps, when the engine drains, and at
+    shutdown): what an engine killed without a shutdown can lose."""
 
     placement: Placement = field(default=Placement(), kw_only=True)
     """Which scheduler process of the deployment this is for.  The file options hold this
@@ -337,6 +342,15 @@ def _optional_seconds(value: Any) -> float | None:
     return number
 
 
+def _positive_seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError("must be a positive number of seconds")
+    number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError("must be a positive number of seconds")
+    return number
+
+
 def is_true(word: str) -> bool:
     """Whether an environment word says yes (``TRUE``: 1, true, yes, on; any case)."""
     return word.strip().lower() in TRUE
@@ -405,6 +419,7 @@ VALIDATORS: dict[str, Callable[[Any], Any]] = {
     "shared_prefix_attention": _shared_prefix_mode,
     "shared_prefix_min_tokens": _optional_positive_integer,
     "max_faults": _positive_integer,
+    "save_every_s": _positive_seconds,
 }
 """Each option's validator: the checked value, or ValueError saying what it must be."""
 

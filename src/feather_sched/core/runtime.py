@@ -156,7 +156,7 @@ class FeatherRuntime(Generic[R]):
         self.meter = StepMeter(name, stats_file=config.stats_file, step_log=config.step_log,
                                state_file=config.state_file,
                                gate=gate if isinstance(gate, Persistent) else None,
-                               admissions=self.counts,
+                               admissions=self.counts, save_every_s=config.save_every_s,
                                sink=metrics.PrometheusSink(name) if metrics.enabled() else None)
         self.faults = FaultGuard(name, config.max_faults, self.meter)
         self._tracked: dict[RequestId, _Tracked[R]] = {}

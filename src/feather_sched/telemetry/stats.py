@@ -3,7 +3,7 @@
 ``StepMeter`` is shared by Feather and by the instrumented baselines, so both sides of
 a comparison are measured alike: time inside ``schedule()``, each executed step's batch
 size and time, admission counts, the step log, and (for a learning gate) its table.
-Its files are written every ``WRITE_EVERY_STEPS`` steps or ``WRITE_EVERY_S`` seconds and
+Its files are written every ``WRITE_EVERY_STEPS`` steps or ``save_every_s`` seconds and
 at shutdown, each replaced atomically; a write that fails is logged and retried at the
 next interval, never raised into the engine.  ``feather bench`` reads the stats file
 after a run (the engine may live in another process).
@@ -23,10 +23,10 @@ from feather_sched.telemetry.files import replace_atomically
 from feather_sched.telemetry.steplog import BatchEntry, StepLogWriter
 
 WRITE_EVERY_STEPS = 512
-WRITE_EVERY_S = 10.0
+SAVE_EVERY_S = 10.0
 """The stats file (and a learning gate's state file) is written every ``WRITE_EVERY_STEPS``
-steps or ``WRITE_EVERY_S`` seconds, whichever comes first, and at shutdown (an engine
-killed without one loses at most that much)."""
+steps or ``save_every_s`` seconds (this by default), whichever comes first, and at
+shutdown (an engine killed without one loses at most that much)."""
 
 logger = logging.getLogger("feather_sched")
 
@@ -106,6 +106,8 @@ class StepMeter:
     admissions: AdmissionCounts | None = None
     sink: Any = None
     """A ``metrics.PrometheusSink`` the measurements also go to, if any."""
+    save_every_s: float = SAVE_EVERY_S
+    """Seconds between saves while steps or passes go on (``FeatherConfig.save_every_s``)."""
     stats: SchedulerStats = field(init=False)
     _log: StepLogWriter | None = field(default=None, init=False)
     _failed: set[str] = field(default_factory=set, init=False)
@@ -118,12 +120,12 @@ class StepMeter:
 
     def scheduled(self, seconds: float) -> None:
         """One call of the engine's ``schedule()`` took ``seconds``; files saved when due
-        (an engine that polls while idle so saves within ``WRITE_EVERY_S`` of its last step)."""
+        (an engine that polls while idle so saves within ``save_every_s`` of its last step)."""
         self.stats.schedule_calls += 1
         self.stats.schedule_s += seconds
         if self.sink is not None:
             self.sink.scheduled(seconds)
-        if time.monotonic() - self._saved_at >= WRITE_EVERY_S:
+        if time.monotonic() - self._saved_at >= self.save_every_s:
             self.save()
 
     def step(self, batch_size: int, seconds: float,
@@ -136,7 +138,7 @@ class StepMeter:
         if self._log is not None and batch:
             self._guarded("step log", self.step_log, lambda: self._log.append(batch, seconds))
         if stats.steps % WRITE_EVERY_STEPS == 0 or \
-                time.monotonic() - self._saved_at >= WRITE_EVERY_S:
+                time.monotonic() - self._saved_at >= self.save_every_s:
             self.save()
 
     def preempted(self, request_preemptions: int, *, priority: int = 0,
@@ -173,7 +175,7 @@ class StepMeter:
             if what not in self._failed:
                 logger.error("Feather could not write its %s %s: %s (retrying every %d "
                              "steps or %g s)", what, path, error, WRITE_EVERY_STEPS,
-                             WRITE_EVERY_S)
+                             self.save_every_s)
             self._failed.add(what)
             return
         if what in self._failed:

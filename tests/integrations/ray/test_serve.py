@@ -262,7 +262,7 @@ def test_a_killed_replica_loses_no_request_and_its_replacement_is_routed_by_even
     first = [("k1", 1), ("k2", 1), ("k1", 2), ("k2", 2), ("k1", 3), ("k2", 3)]
     with ThreadPoolExecutor(len(first)) as pool:
         batch = pool.submit(run, url, expected, first, len(first))
-        time.sleep(1.5)  # all six are running (for about 7 s), three on `home`
+        wait_for(lambda: router_state(url)["replicas"][home]["load"] >= 3)  # three on `home`
         ray.kill(ray.get_actor(home, namespace="serve"), no_restart=True)
         after = run(url, expected, [("k1", 4), ("k2", 4), ("k1", 5), ("k2", 5)], 4)
         served = batch.result()

@@ -10,7 +10,7 @@ import pytest
 
 from feather_sched.bench.cht.sglang_policy import sglang_installed
 from feather_sched.telemetry.steplog import read_steps
-from tests.helpers.servers import bench_server, serving
+from tests.helpers.servers import bench_server, serving, wait_for
 
 if not sglang_installed():
     pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)", allow_module_level=True)
@@ -26,7 +26,7 @@ def test_sglang_server_runs_feather_and_answers_feather_bench(tmp_path) -> None:
     # reordering below has batches to act on (the gate's path:
     # tests/integrations/sglang/test_scheduler)
     options = json.dumps({"gate": "always", "stats_file": str(stats_file),
-                          "step_log": str(steps)})
+                          "step_log": str(steps), "save_every_s": 0.5})
     command = ["feather_sched.integrations.sglang.launch", "--model-path", str(TINY_LLAMA),
                "--device", "cpu", "--load-format", "dummy", "--skip-tokenizer-init",
                "--attention-backend", "torch_native", "--schedule-policy", "feather",
@@ -41,7 +41,9 @@ def test_sglang_server_runs_feather_and_answers_feather_bench(tmp_path) -> None:
         bench_server(url, tmp_path / "again.json", "sglang-feather", "--api", "sglang",
                      "--groups", "3", "--prompts-per-group", "5", "--request-rate", "20",
                      "--output-len", "32")
-        time.sleep(stats.WRITE_EVERY_S + 1)  # SGLang's idle loop keeps scheduling: it saves
+        done = time.time()  # SGLang's idle loop keeps scheduling: it saves every 0.5 s
+        wait_for(lambda: stats_file.exists() and stats_file.stat().st_mtime > done + 0.1,
+                 "the stats file saved after the runs", timeout_s=30)
         metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     assert "Feather scheduling policy" in log.read_text()
     written = stats.SchedulerStats.read(stats_file)

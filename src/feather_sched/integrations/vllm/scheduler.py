@@ -418,7 +418,8 @@ class VllmMeter:
         self.config = config
         self.view = requests_view(scheduler, config)
         self.meter = meter if meter is not None else StepMeter(
-            type(scheduler).__name__, stats_file=config.stats_file, step_log=config.step_log)
+            type(scheduler).__name__, stats_file=config.stats_file, step_log=config.step_log,
+            save_every_s=config.save_every_s)
         self.faults = faults if faults is not None else FaultGuard(
             type(scheduler).__name__, config.max_faults, self.meter)
         self._in_flight: OrderedDict[int, tuple[Any, float, list[BatchEntry] | None]] = \
