@@ -134,10 +134,18 @@ class ModelGate:
         return Decision.STOP
 
     def _joins_batch(self, context: GateContext) -> bool:
-        """Admissions this gate does not judge: into an empty batch, or of a group the
-        batch already runs (it splits nothing the batch does not split already)."""
-        return must_add(context) if not context.candidate_tokens else \
-            context.batch_size == 0 or not self._batch or context.candidate_group in self._groups
+        """Whether the candidate is admitted without being judged.
+
+        With its size known (``candidate_tokens`` > 0): into an empty batch (``batch_size``
+        0, or none described yet: no step observed and nothing admitted this pass), or of a
+        group the batch already runs (it splits nothing the batch does not split already).
+        Without it (``candidate_tokens`` 0: a context with the base fields only, or an
+        empty prompt) the gate cannot place the candidate and falls back to ``must_add``:
+        an empty batch, or a candidate that loses no chunk.  O(1).
+        """
+        if not context.candidate_tokens:
+            return must_add(context)
+        return context.batch_size == 0 or not self._batch or context.candidate_group in self._groups
 
     def _seats_would_idle(self, context: GateContext) -> bool:
         """Whether a STOP would keep seats nobody fills: the running groups have stopped
