@@ -40,10 +40,8 @@ bf16."""
 MIN_SHARED_TOKENS_BY_LAYOUT = {"vec": MIN_SHARED_TOKENS, "amx": 8192}
 """Shortest shared prefix worth a group, per layout. Over an "amx" cache vLLM's kernel
 multiplies in AMX tiles, several times this kernel's AVX-512 rate, so reading a prefix
-once pays only where re-reading it costs more than the arithmetic: from 6-8K tokens for
-Llama-3-8B's GQA and 3-6K for the embedded model's MHA on a Sapphire Rapids core
-(``benchmarks/attention/cpu-decode-amx.md``; at 2K the shared path took up to 2.8x
-vLLM's time)."""
+once pays only where re-reading it costs more than the arithmetic (the crossover, as
+measured: docs/results.md#shared-prefix-attention)."""
 BUILD_TIMEOUT_S = 300
 
 _I64, _I32, _VOID = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p

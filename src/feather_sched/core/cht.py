@@ -1,31 +1,23 @@
 """Chunked Hash Tree: shared-prefix bookkeeping between waiting and running requests.
 
-A prompt is cut into fixed chunks; chunk *i*'s key is a digest of everything up to the end
-of chunk *i*, so two requests with the same key at level *i* share their prefix through
-chunk *i*.  The tree itself is implicit: a key stands for a trie node, and because keys are
-cumulative the set of a request's chunks that some running request also holds is always a
-*prefix* of its key list.  That makes every per-request question a binary search over
-dict look-ups instead of a walk over tokens.
+A prompt is cut into fixed chunks; chunk *i*'s key digests everything through chunk *i*,
+so a key stands for a trie node and the chunks of a request that some running request also
+holds are always a *prefix* of its key list: every per-request question is a binary search
+over dict look-ups, never a walk over tokens.
 
 State, kept incrementally:
 
-* ``_running_refs``: key -> number of running requests holding it (the working set);
-* for each waiting request its *depth*, the number of leading chunks present in the working
-  set (so ``missing = chunks - depth``), indexed two ways: by the first missing key
-  (``_by_frontier``, which requests advance when a key becomes live) and by the last present
-  key (``_by_deepest``, which requests fall back when a key dies);
-* ``_waiting_refs``: key -> number of waiting requests holding it (for sharing counts);
-* a lazy min-heap of (priority, -rank, arrival order) giving the best candidate: the most
-  chunks shared with the running set, ties to the oldest, within the most urgent priority
-  class (lowest value, vLLM's and SGLang's convention; every request is class 0 unless
-  given one).  Ranking by depth rather than by missing chunks (the paper's rule) keeps
-  arrival order among requests that share nothing, where fewest-missing would serve the
-  shortest prompts first and starve long ones (p99 TTFT 1.46x FCFS on the Mooncake trace,
-  ``benchmarks/traces``).  A depth under ``min_rank_chunks`` ranks as none: a prefix that
-  short is not worth passing older requests for.
+* ``_running_refs`` / ``_waiting_refs``: key -> running / waiting requests holding it;
+* each waiting request's *depth*, its leading chunks in the running set, indexed by its
+  first missing key (``_by_frontier``: advanced when a key becomes live) and its last
+  present key (``_by_deepest``: set back when a key dies);
+* a lazy min-heap of (priority, -rank, arrival order): the best candidate is of the most
+  urgent class (lowest value; 0 unless given), then the deepest (a depth under
+  ``min_rank_chunks`` ranks as none), then the oldest.  Why depth, not the paper's fewest
+  missing chunks: docs/architecture.md.
 
-Admitting a request touches its own keys plus the waiting requests whose depth changes;
-a request joining a group that already runs touches only its own keys.
+Costs: admitting a request touches its own keys plus the waiting requests whose depth
+changes; one joining a group that already runs, only its own keys.
 """
 
 from __future__ import annotations

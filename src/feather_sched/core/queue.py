@@ -1,46 +1,20 @@
 """FeatherQueue: which waiting request to admit next, and whether to admit it at all.
 
-The Chunked Hash Tree ranks waiting requests by how much of the running set's prefix they
-share; an ADD/STOP gate answers for the candidate; bounds on waiting override both.  The
-queue knows each request in one of three states:
+The Chunked Hash Tree (``cht``) ranks waiting requests by the prefix they share with the
+running set; an ADD/STOP gate answers for the candidate; bounds on waiting override both.
+Each request the queue knows is WAITING (a candidate, in the tree's waiting set), RUNNING
+(in the running set the tree tracks) or HELD (known, but neither: the engine took it out
+of the waiting queue without running it, e.g. skipped it, or parked it elsewhere).
 
-* WAITING: a candidate (in the tree's waiting set);
-* RUNNING: in the running set whose prefix the tree tracks;
-* HELD: known, but neither (the engine took it out of the waiting queue without running
-  it, e.g. skipped it for this pass, or parked it in a queue of its own).
-
-After a STOP the queue answers STOP until ``new_step`` starts the next scheduling pass.
-
-Two bounds on waiting override the tree's order and the gate (the request they name is
-the candidate, admitted whatever the gate says):
-
-* the fairness bound (``fairness``, ``max_overtakes`` and ``max_stops``): while a request
-  waits, at most that many later arrivals are admitted before it, and the gate ends at
-  most that many passes early;
-* the starvation guard (``max_wait_s``), an absolute backstop: the oldest request that
-  has waited longer than this goes first, one such request per pass, so an overloaded
-  queue still fills the rest of each pass in the tree's order.
-
-While the engine could run every request in flight at once (``fits_all``: running and
-waiting within its ``seats``, their chunks within its ``kv_tokens``), the tree's order
-gives way to arrival order: no prefix is evicted and no seat is short, so passing an older
-request would save nothing and only lengthen its wait.  Ties (requests that arrived
-together) keep the tree's order, and the gate still answers.  This is part of the
-fairness bound: without it (``max_overtakes`` and ``max_stops`` None) the tree orders; so
-it does where the engine keeps its own batch order (``BatchLayout.ENGINE``), since there
-the admission order is what puts a group's members side by side in a step, and under a
-gate that may STOP in an ordered batch (``Gate.stops_in_ordered_batches``), whose STOP
-on an older stranger would hold back the siblings it admits.
-
-Priority classes (``add(..., priority=)``, lower value more urgent, as vLLM and SGLang
-number them) are strict: no request is admitted while a more urgent one waits.  The
-tree's order, the gate and both bounds act within the most urgent class waiting.
-
-The tree's order passes an older request only for a prefix of at least
-``min_passing_tokens`` shared with the running set (256 by default): a shorter one, such as
-the first 128-token chunk two unrelated chats happen to open with, saves less prefill than
-the wait it moves onto the requests passed (ShareGPT's p99 TTFT 1.001x FCFS on the H100
-at saturation with any shared chunk ranking, ``benchmarks/traces``).
+Invariants.  Priority classes (``add(..., priority=)``, lower more urgent) are strict:
+nothing is admitted while a more urgent request waits, and all below acts within the most
+urgent class waiting.  The candidate is, in order: a starved request (``max_wait_s``, one a
+pass); the oldest at its fairness bound (``max_overtakes``, ``max_stops``); while the
+engine could run everything in flight (``fits_all``), the oldest waiting request
+(``_chosen`` says when); else the tree's best, which passes an older request only for a
+shared prefix of ``min_passing_tokens`` or more.  A candidate a bound names is admitted
+whatever the gate says; after a STOP every answer is STOP until ``new_step``.  Why each
+rule, and the guarantee they make: docs/fairness.md.
 
 Costs: ``add`` is linear in the request's keys; ``admit``/``requeue``/``remove``/``hold``
 in its keys plus the waiting requests whose shared depth changes (see ``cht``);
@@ -440,20 +414,14 @@ class FeatherQueue:
             self.tree.chunks_held() * self.chunk_tokens <= self.kv_tokens
 
     def _chosen(self, due: RequestId | None) -> RequestId:
-        """The candidate, while a request waits: the request a bound made ``due``, else,
-        while the engine could run everything in flight (``fits_all``), lays its batch out
-        in Feather's order (``BatchLayout.FEATHER``) and the gate does not STOP there
+        """The candidate, while a request waits: the request a bound made ``due``; else,
+        while the fairness bound is on (``bound``), the engine could run everything in
+        flight (``fits_all``), lays its batch out in Feather's order
+        (``BatchLayout.FEATHER``) and the gate does not STOP there
         (``Gate.stops_in_ordered_batches``: always-add, the model gate), the oldest
         waiting request of the most urgent class if it arrived before the tree's best;
-        else the tree's best.
-
-        Passing an older request pays when the passer would cost more later: its prefix
-        evicted before its turn, or its group no longer running when seats are scarce.
-        While everything fits, neither happens (every waiting request runs within a few
-        passes, beside everything else in flight), so passing would only move waits from
-        the passer to the passed: the tail of a burst that a sub-capacity load drains
-        (p99 TTFT 1.13x FCFS on BFCL's tool calls, ``benchmarks/traces``).  The gate still
-        answers for this candidate.  O(requeued requests)."""
+        else the tree's best.  The gate still answers for it.  Why arrival order while
+        everything fits: docs/fairness.md.  O(requeued requests)."""
         if due is not None:
             return due
         best = self.tree.best()

@@ -1,9 +1,8 @@
 """FeatherRuntime: the one admission contract that vLLM, SGLang and the simulator drive.
 
-Engines differ in their request types and their loops, not in what Feather needs to
-know.  The runtime holds all of Feather's state for one scheduler (options, the
-``FeatherQueue``, admission counts, the ``StepMeter`` with stats, step log and saved gate
-state) behind one contract, stated once, in the style of vLLM's ``RequestQueue``::
+It holds all of Feather's state for one scheduler (options, the ``FeatherQueue``,
+admission counts, the ``StepMeter`` with stats, step log and saved gate state) behind one
+contract, in the style of vLLM's ``RequestQueue``::
 
     enter_waiting(request)        the engine holds it in the waiting queue Feather orders
                                   (idempotent: new, preempted, skipped or resumed alike)
@@ -34,19 +33,15 @@ state) behind one contract, stated once, in the style of vLLM's ``RequestQueue``
                                   (an engine that preempts the end of the running
                                   list Feather ordered, like vLLM, need not ask)
 
-Faults: an exception in any of these (Feather's tree, queue, gate, meter or metrics sink)
-is contained by the adapter calling through ``faults`` (``FaultGuard.call``/``attempt``),
-whose ``on_fault`` is the adapter's fall-back (the engine's own order for the rest of the
-pass); the next ``begin_pass``, given the engine's own queues, rebuilds Feather's picture.
-
-The running set is never assumed from admissions: each ``begin_pass`` and ``end_pass``
-takes what the engine itself reports as running, so a request the engine skipped, parked
+Invariants: the running set is never assumed from admissions: ``begin_pass`` and
+``end_pass`` each take what the engine reports as running, so a request it skipped, parked
 or ran by a path Feather does not see is placed where the engine has it.  An ADD counts
-(and is rewarded) only when its request is running at the end of the pass; a STOP counts
-and is rewarded with the step it shaped.
-
-Adapters translate their engine's request type through a ``RequestView``; nothing here
-imports an engine.
+(and is rewarded) only when its request runs at the end of the pass; a STOP counts and is
+rewarded with the step it shaped.  An exception in any call is contained by the adapter
+calling through ``faults`` (``FaultGuard.call``/``attempt``; ``on_fault`` is its
+fall-back), and the next ``begin_pass``, given the engine's own queues, rebuilds Feather's
+picture.  Adapters read requests through a ``RequestView``; nothing here imports an
+engine.  The contract with an example loop: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -266,14 +261,13 @@ class FeatherRuntime(Generic[R]):
         then: ValueError without it) and the requests it ``held`` outside both.
 
         Returns ``running`` in Feather's order (``order``), whose end an engine preempts
-        first; with ``order_running`` off, as given: the engine's order, which keeps what
-        was admitted together together (sorting it by arrival interleaved the groups and
-        cost the gate ablation's ordering-off cell up to 22%), so an engine that preempts
+        first; with ``order_running`` off, as given (the engine's order, which keeps what
+        was admitted together together: docs/results.md#gates), so an engine that preempts
         the end of its list must take ``preemption_victim``, or the latest arrival of the
         least urgent class by its own rule (vLLM's priority policy).  O(running) plus the
-        sort; O(running) in C when the list is the one Feather last returned or saw, changed
-        since only by admissions appended and exits Feather was told of (steps without
-        preemption), none of which moved a group's rank (``_Mirror``).
+        sort; O(running) in C while the list is the one Feather last returned or saw,
+        changed only by appended admissions and exits it was told of, none moving a
+        group's rank (``_Mirror``).
         """
         if self.faults.dirty:
             if waiting is None:

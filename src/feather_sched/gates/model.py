@@ -1,50 +1,20 @@
 """ModelGate: ADD or STOP by what a step-time model, fitted online, says the candidate costs.
 
-A candidate of a group the batch does not run brings its group: up to ``lookahead``
-waiters that share its prefix follow it, since the tree ranks them first once it runs.
-(The cap is measured, not derived: crediting every waiter makes a mixed batch look cheap
-at the moment of the decision, and churn interleaves it later; with 16 the gate keeps the
-ablation's ordering-off cell homogeneous, ``benchmarks/gate``.)  The gate prices them two
-ways, as extra seconds per request per step on top of the current batch (the last
-executed step as a decode step, plus what this pass admitted):
+With the batch laid out in Feather's order (``BatchLayout.FEATHER``) it admits every
+candidate and predicts nothing.  In the engine's layout it prices the candidate and up to
+``lookahead`` siblings that would follow it, in extra seconds per request per step, two
+ways: spread over the batch as the engine places newcomers (*now*), and as one contiguous
+run (*homogeneous*).  ADD when *now* is within ``1 + margin`` of *homogeneous*, or within
+the batch's average cost per request, or when a STOP would keep seats nobody fills
+(``_seats_would_idle``); else STOP.  It never refuses an empty batch, and leaves untaken
+the STOP that would bring a waiting request to the fairness bound.
 
-* **now**: spread evenly over the batch in the engine's own order (a persistent batch
-  gives newcomers the holes finished requests leave, so over their lives a mixed batch
-  interleaves), where they split other groups' runs of shared prefix and their own;
-* **homogeneous**: the same requests as one contiguous run, the batch a STOP works toward.
+The model (``step_model.OnlineStepModel``) learns from executed steps (``observe``),
+starting from a prior (``StepPrior.for_engine`` by default; cold on a device without a
+profile).  The rule in full, and why its parameters are what they are: docs/gates.md.
 
-When Feather orders the batch the two are the same placement: the gate admits without
-predicting or learning anything, and costs nothing.
-
-ADD when *now* costs at most ``1 + margin`` times *homogeneous*, or at most what a request
-of the current batch costs on average (then the batch is too small to carry its fixed
-cost, weights and launches, and deferring would leave the device under-used); otherwise
-STOP: the requests wait for a batch in which their group runs together.  Running them
-costs their own prefix and private KV either way; what a STOP can save is the split runs.
-
-A STOP keeps seats for the running groups' next requests, so it pays only while those
-come: when no request of the running groups was in prefill in the last ``window``
-executed steps (nor admitted in this pass) and the candidate's whole waiting group fits
-in the seats left free, the gate ADDs (the seats a STOP keeps would stay empty; a group
-that does not fit yet waits until it does, so it is admitted whole, not in pieces as
-seats free up).  Without this, the gate lost 10% to always-add on short bursts, where
-the running group is complete after a second and a STOP only drains the batch
-(``benchmarks/gate``).  Where the adapter does not know the engine's seats, this rule is
-off.
-
-It never refuses an empty batch, and leaves untaken the STOP that would bring a waiting
-request to the fairness bound (the bound then admits in arrival order).
-
-The step-time model (``step_model.OnlineStepModel``) learns from executed steps' batches
-and measured times (``observe``) and starts from a prior (a hardware profile's roofline),
-so the gate decides from the first step.  By default the prior is the built-in profile of
-the engine's GPU for the engine's model (``StepPrior.for_engine``, from what the adapter
-reports); on a device without a profile it starts cold and admits until a dozen steps
-have been measured.
-
-Costs: two batch summaries per judged candidate, O(batch) each, and per step O(batch),
-plus ``OnlineStepModel.observe`` (0.2 ms at 256 requests) on the steps it learns from
-(``observe``).
+Costs: two batch summaries per judged candidate, O(batch) each; O(batch) per observed
+step, plus ``OnlineStepModel.observe`` on the steps it learns from.
 """
 
 from __future__ import annotations
@@ -134,14 +104,22 @@ class ModelGate:
         return Decision.STOP
 
     def _joins_batch(self, context: GateContext) -> bool:
-        """Admissions this gate does not judge: into an empty batch, or of a group the
-        batch already runs (it splits nothing the batch does not split already)."""
-        return must_add(context) if not context.candidate_tokens else \
-            context.batch_size == 0 or not self._batch or context.candidate_group in self._groups
+        """Whether the candidate is admitted without being judged.
+
+        With its size known (``candidate_tokens`` > 0): into an empty batch (``batch_size``
+        0, or none described yet: no step observed and nothing admitted this pass), or of a
+        group the batch already runs (it splits nothing the batch does not split already).
+        Without it (``candidate_tokens`` 0: a context with the base fields only, or an
+        empty prompt) the gate cannot place the candidate and falls back to ``must_add``:
+        an empty batch, or a candidate that loses no chunk.  O(1).
+        """
+        if not context.candidate_tokens:
+            return must_add(context)
+        return context.batch_size == 0 or not self._batch or context.candidate_group in self._groups
 
     def _seats_would_idle(self, context: GateContext) -> bool:
         """Whether a STOP would keep seats nobody fills: the running groups have stopped
-        growing and the candidate's group fits in the free seats (see the module doc)."""
+        growing and the candidate's group fits in the free seats (docs/gates.md).  O(groups)."""
         if context.free_seats is None or context.free_seats < 1 + context.group_waiters:
             return False
         before = self._steps - self.window
@@ -163,10 +141,10 @@ class ModelGate:
         """Learning comes from ``observe``: every step, whatever decisions formed it."""
 
     def observe(self, batch: Sequence[BatchEntry], seconds: float) -> None:
-        """Learn from a step whose batch changed (size or a prefill), and from every
-        ``LEARN_EVERY``-th step otherwise: a decode step like the last differs from it by
-        one token per request and teaches the fit little, while learning costs 0.2 ms at
-        256 requests."""
+        """Take the executed step as the next pass's batch, and learn from it when its
+        batch changed (size or a prefill) or on every ``LEARN_EVERY``-th step (why:
+        docs/gates.md).  Nothing while the gate does not predict (``observes``).  O(batch)
+        plus ``OnlineStepModel.observe`` when it learns."""
         if not self.observes:
             return  # nothing to predict (see ``decide``)
         self._steps += 1

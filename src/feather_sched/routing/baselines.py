@@ -8,7 +8,7 @@ Each has ``Router``'s interface (``route``, ``finished``, ``add_replica``,
 * ``prefix-affinity``: Ray Serve's ``PrefixCacheAffinityRouter`` rule
   (``python/ray/llm/_internal/serve/request_router/prefix_aware/prefix_aware_router.py``):
   when the loads differ by more than ``imbalanced_threshold`` (10), power of two;
-  otherwise, when a replica was sent at least ``match_rate_threshold`` (10%) of the
+  otherwise, when a replica was sent at least ``match_rate_threshold`` (0.1) of the
   prompt before, the least loaded of the best-matching replicas, else the least loaded of
   the replicas with the smallest prefix tree;
 * ``sglang-cache-aware``: SGLang's router ``cache_aware`` policy: when the loads are

@@ -113,16 +113,9 @@ class FeatherRouter(Router):
     reports it caches, plus requests routed there and not finished; every replica's own
     depth counts).
 
-    Band defaults: ``balance_abs=32`` is SGLang's, ``balance_rel=1.5`` is not.  With
-    SGLang's 1.1 the band stays 32 requests over the least loaded replica up to 320 queued;
-    where queues are long that passes holders over on queue-length noise and spreads each
-    prefix over more replicas than its load needs, costing prefill and homogeneous
-    batches.  With 1.5 the band grows with the queues past 64: in the simulator at 3x load
-    with 64 groups of 5K-token prefixes, Feather's pair reads 1.19x (H200) and 1.38x
-    (H100) Ray's rule, against 0.95x and 1.27x with 1.1; 2 and 3 lose up to 15% with
-    10K-token prefixes (``benchmarks/replicas/balance.md``).  A band in requests, not
-    tokens, because requests are what the router sees.  Sessions: the ``max_sessions``
-    most recent are remembered.  Cost per request: the index's (``keys``, ``depths``,
+    Band defaults: ``balance_abs=32`` is SGLang's, ``balance_rel=1.5`` is not (why, and
+    what it was measured against: docs/replicas.md).  Sessions: the ``max_sessions`` most
+    recent are remembered.  Cost per request: the index's (``keys``, ``depths``,
     O(keys) on route and finish) plus O(replicas) for the loads
     (``benchmarks/replicas/router_overhead.py``).
     """

@@ -476,7 +476,8 @@ class SimEngine:
         take the lowest holes (else the end), then ``condense`` fills remaining holes
         with the last occupied slots.  Under a policy that orders the running list, each
         prefix group then gathers at its first slot, in the scheduler's order, and other
-        requests stay (Feather's V1 worker plugin, ``vllm_batch_order.order_by_schedule``).
+        requests stay (Feather's V1 worker plugin,
+        ``integrations.vllm.batch_order.order_by_schedule``).
         """
         slots, holes, shared = self._slots, self._holes, self._shared
         for index, request in enumerate(slots):

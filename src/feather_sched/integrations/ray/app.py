@@ -1,34 +1,19 @@
 """Feather across vLLM replicas on Ray Serve: the two deployments and the application.
 
-* ``VLLMReplica``: one vLLM ``AsyncLLM`` engine (its arguments are ``vllm serve``'s, so
-  ``feather serve``'s Feather scheduler and options come with them); ``generate`` streams
-  a completion's deltas.  Its ``vllm:`` metrics go through Ray's metrics (vLLM's
-  ``RayPrometheusStatLogger``, as Ray Serve LLM does), which every Ray node exports in
-  Prometheus form at its metrics export port, as ``ray_vllm_...`` with the Serve
-  replica's ``ReplicaId`` label; its ``feather:`` metrics, written by the engine
-  process, are relayed there too (``ray_metrics``: ``ray_feather_...``, with Serve's
-  ``replica`` label); ``--disable-log-stats`` turns both off.  Its Feather files are its
-  own: ``FEATHER_REPLICA`` names its Serve rank (``config.Placement``), so
-  ``stats.json`` becomes ``stats.rank1.json`` on replica 1, and a replacement replica
-  takes over the rank, and the files, of the one it replaces.  With KV events on
-  (``--kv-events-config``; ``build_app`` turns them on for Feather's router) its engine
-  publishes on ports the OS picks; the replica registers them and its block hashing
-  (``ray_serve.register_kv_events``) once a one-block probe prompt has run, whose
-  events let the router check at start-up that it hashes blocks as the engine does.
-* ``OpenAIIngress``: ``/v1/models``, ``/v1/completions`` (streamed or not, text or
-  token-id prompts) and ``/v1/chat/completions`` (streamed or not; text messages rendered
-  with the model's chat template), and ``/feather/router`` (what Feather's router routes
-  by: its index and, per replica, its load and cached blocks).  It tokenizes text once,
-  calls the replicas through a handle whose request router is ``FeatherRequestRouter``
-  (or any other, for comparisons), and resends a request whose replica died before any of its output
-  reached the client.  A request's session id (the ``x-session-id`` header, Ray Serve's
-  name, or the body's ``session_id``, vLLM's) goes with its calls for the router.  It
-  answers as soon as it runs: requests sent before the replicas are up wait in the
-  router.
+* ``VLLMReplica``: one vLLM ``AsyncLLM`` engine with ``vllm serve``'s arguments (so
+  ``feather serve``'s Feather scheduler and options); ``generate`` streams a completion's
+  deltas.  Its Feather files are its own (its Serve rank in ``FEATHER_REPLICA``), its
+  ``vllm:`` and ``feather:`` metrics go through Ray's (``ray.metrics``), and with KV
+  events on it registers its endpoints and block hashing (``router.register_kv_events``)
+  once a one-block probe prompt has run.
+* ``OpenAIIngress``: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and
+  ``/feather/router``; it tokenizes text once and calls the replicas through a handle
+  whose request router is ``FeatherRequestRouter`` (or another, for comparisons).
+* ``build_app``: both, as ``feather serve --replicas`` runs them.
 
-Why not Ray Serve LLM (``ray.serve.llm``): Ray 2.60's ``ray[llm]`` pins ``vllm==0.29.0``
-(this project pins 0.32.0) and ``ray.serve.llm`` does not import with ``ray[serve]`` alone
-(it needs ``pyarrow``); the two deployments here are what it would provide for this use.
+Invariants: a request whose replica died is resent only before any of its output reached
+the client; nothing two replicas write is shared.  Why not Ray Serve LLM, the endpoints
+and metrics in full: docs/replicas.md.
 """
 
 from __future__ import annotations
@@ -427,7 +412,7 @@ class OpenAIIngress:
 
     @api.get("/feather/router")
     async def router(self, request: Request) -> Any:
-        """What the replicas' Feather router routes by (``ray_serve.router_states``; empty
+        """What the replicas' Feather router routes by (``router.router_states``; empty
         under another router, or before the first request)."""
         if (refused := self._unauthorized(request)) is not None:
             return refused

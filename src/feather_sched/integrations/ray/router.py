@@ -1,54 +1,22 @@
 """``FeatherRequestRouter``: Ray Serve's request router with ``FeatherRouter`` deciding.
 
-Ray Serve (2.60) builds one router per deployment handle, in the caller's process (here the
-OpenAI ingress of ``feather_sched.integrations.ray.app``), and drives it from one event
-loop: ``choose_replicas`` for each pending request (again after a backoff or a rejection),
-``on_request_routed`` when a replica accepted it, ``update_replicas`` and
-``on_replica_actor_died`` as replicas come and go.  This class only translates: a request's
-prompt becomes chunk keys once, Ray's ``ReplicaID`` is the core's replica, and the core's
-exactly-once contract is kept as follows.
+Ray Serve (2.60) builds one router per deployment handle, in the caller's process (the
+ingress of ``feather_sched.integrations.ray.app``), and drives it from one event loop.
+This class only translates: a request's prompt becomes chunk keys once, Ray's
+``ReplicaID`` is the core's replica.  Invariants, the core's exactly-once contract:
 
-* **Routed at the choice.**  ``choose_replicas`` routes the request in the core at once
-  (a reservation), so a burst of one new group, chosen before any of it is accepted, still
-  lands on one replica.  It ranks the core's replica first and the other replicas next:
-  when the first is at ``max_ongoing_requests`` Ray sends the request to another one, and
-  ``on_request_routed`` moves it there in the core.
-* **Finished once.**  An accepted request finishes in the core when its ``ReplicaResult``
-  completes (any way: done, failed, cancelled), through a callback on that very result.
-  A reservation that is never accepted is withdrawn (``Router.withdraw``: its replica is
-  not taken to cache its prefix) when Ray cancels its pending request,
-  or when its send attempt completes without acceptance (rejected by a full replica,
-  cancelled during the rejection round trip, failed); a retry routes it again.
-* **Dead replicas.**  ``on_replica_actor_died`` and ``update_replicas`` keep the core's
-  replicas equal to Ray's: a replica that leaves is ``remove_replica``'d (never chosen
-  again; its requests leave the core, whose later completions are then ignored).  Requests
-  Ray has not sent yet are routed again on the living replicas; requests that were
-  running on it fail to their caller, which resends them (the ingress does, before any
-  output reached its client).
+* a request is routed in the core when chosen (``choose_replicas``), moved when Ray sends
+  it elsewhere (``on_request_routed``), finished once when its ``ReplicaResult``
+  completes (any way), and withdrawn (``Router.withdraw``) if Ray gives it up unaccepted;
+* the core's replicas are Ray's (``update_replicas``, ``on_replica_actor_died``); a gone
+  replica is never chosen again, and its requests' later completions are ignored;
+* with ``kv_events`` the core routes by a ``cache_index.PreciseIndex`` fed by the
+  replicas' KV events (``vllm.kv_events.KVEventSubscriber``, checked against the
+  router's own ``vllm.block_hash.VLLMBlockHasher``), else by the approximate index.
 
-* **The index.**  With ``kv_events`` the core routes by a ``cache_index.PreciseIndex``
-  fed by every replica's vLLM KV events (``vllm_kv_events.KVEventSubscriber``, one
-  thread; the index is read and changed under one lock).  Each ``VLLMReplica`` publishing
-  events registers its endpoints and hashing settings in Ray's internal KV store
-  (``register_kv_events``); the router hashes prompts as the first registered replica
-  does (``vllm_block_hash.VLLMBlockHasher``), subscribes to each replica that hashes the
-  same, and checks each one's first events against its own hashes.  A replica that does
-  not register, or hashes otherwise (an error in the log), is routed by routing history
-  alone, as the approximate index does; without ``kv_events`` the core routes by the
-  approximate index.  The router logs which one it uses.
-
-Prompts: the first argument (or keyword value) of the call with ``prompt_token_ids`` (an
-attribute or a key) or a ``prompt`` that is a list of token ids; a text ``prompt`` is
-tokenized with ``tokenizer`` (loaded once, with ``transformers.AutoTokenizer``).  A call
-with no prompt is routed with no keys, as a new prefix.  A call's ``session_id`` (Ray's
-request metadata: the ``x-session-id`` header at Ray's proxy, or
-``handle.options(session_id=...)``) keeps a session on its replica while load allows
-(``FeatherRouter``'s rule).  Cost per request: the prompt's keys once (chunk keys, or
-vLLM's block hashes), plus ``FeatherRouter``'s O(keys) bookkeeping
-(``benchmarks/replicas/router_overhead.py``); O(1) per completion.
-
-Needs strict ``max_ongoing_requests`` (Serve's default outside Ray Client): without it
-Ray calls no ``on_request_routed`` and reservations would only be released at completion.
+Needs strict ``max_ongoing_requests`` (Serve's default outside Ray Client).  Cost per
+request: the prompt's keys once, plus ``FeatherRouter``'s O(keys) bookkeeping; O(1) per
+completion.  The whole of it (prompts, sessions, dead replicas): docs/replicas.md.
 """
 
 from __future__ import annotations

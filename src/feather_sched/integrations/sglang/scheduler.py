@@ -1,62 +1,22 @@
-"""Feather inside SGLang's scheduler (pinned: sglang 0.5.23).
+"""Feather inside SGLang's scheduler (pinned: sglang 0.5.23), through SGLang's plugin hooks.
 
-SGLang has no scheduler-class flag and runs each scheduler in a process started with
-multiprocessing 'spawn', so Feather reaches it through SGLang's own plugin hooks:
-``register()`` puts AROUND hooks into ``sglang.srt.plugins.hook_registry.HookRegistry``,
-and ``load_plugins()``, which SGLang calls first thing in every scheduler process
-(``run_scheduler_process``), applies them there.  ``register()`` runs in that process
-because ``python -m feather_sched.integrations.sglang.launch`` calls it at module level and
-'spawn' re-imports the parent's ``__main__`` module in each child (and grandchild, e.g.
-under the data-parallel controller).  The same ``register`` can also serve as a general
-plugin (entry point group ``sglang.srt.plugins``).
+SGLang has no scheduler-class flag and spawns its scheduler processes: ``register()`` puts
+the AROUND hooks of ``HOOKS`` into SGLang's ``HookRegistry``, and ``load_plugins()``, which
+every scheduler process calls first, applies them there (``register()`` runs there because
+the launcher, ``feather_sched.integrations.sglang.launch``, calls it at import, and
+'spawn' re-imports it in each child).  The hooks are inert unless ``FEATHER_SGLANG=1``;
+then each scheduler gets a ``FeatherSGLang`` translating SGLang for ``FeatherRuntime``:
 
-The hooks are inert unless ``FEATHER_SGLANG=1`` is set in the environment (the launcher
-sets it for ``--schedule-policy feather``).  Then each scheduler gets a ``FeatherSGLang``,
-which translates SGLang's objects for the engine-agnostic ``FeatherRuntime``:
+* ``FeatherSGLang``: a round (``get_new_batch_prefill``) is one pass, rewarded with the
+  next decode step (keyed by ``batch.forward_iter``); the running batch in Feather's order;
+* ``FeatherSchedulePolicy``: SGLang's ``fcfs`` with the waiting queue in Feather's order;
+* ``FeatherPrefillAdder``: asks Feather about each request SGLang offers (STOP ends the
+  round);
+* ``HOOKS``: what each hook wraps; ``_unsupported``: the modes refused at start-up.
 
-* a round (``get_new_batch_prefill``) is one pass: ``begin_pass`` with SGLang's running
-  requests; ``FeatherSchedulePolicy.calc_priority`` reconciles the runtime with SGLang's
-  waiting queue and running batch (requests that left by a path no hook saw are
-  forgotten, retracted ones return to waiting) and sorts the waiting queue in Feather's
-  order (the most urgent priority class first, the tree's order within it); after each
-  admission the runtime's next candidate is moved up in the list SGLang's loop is
-  walking; ``end_pass`` when the round returns;
-* ``FeatherPrefillAdder.add_one_req`` asks the runtime about the very request SGLang
-  offers (so a request SGLang's loop skips with ``continue`` - LoRA slots, pooling mode,
-  storage prefetch - simply stays waiting), answers ``OTHER`` on STOP, which ends
-  SGLang's round, and admits what SGLang admitted;
-* a round's decisions are rewarded with the next decode step (the batch their
-  admissions shaped), keyed by SGLang's own launch counter (``batch.forward_iter``) and
-  timed from launch until its result has been processed (after the device sync), so a
-  prefill step's time is never taken for theirs, overlap or not;
-* finished requests leave with their batch result; ``update_running_batch`` keeps the
-  running decode batch in Feather's batch order, one run per prefix group (SGLang's decode
-  attention walks requests in batch order), through SGLang's own
-  ``ScheduleBatch.filter_batch``.
-* under memory pressure SGLang retracts decoding requests in the order
-  ``ScheduleBatch._get_decode_retraction_order`` gives: Feather's is its running order
-  (``FeatherRuntime.order``), so the newest member of the youngest prefix group of the
-  least urgent class is retracted first, as on vLLM and in the simulator;
-* under ``--enable-priority-scheduling`` each request's ``Req.priority`` becomes a Feather
-  priority class ranked as SGLang ranks it (``SGLangRequests.priority``), so the runtime's
-  strict priority puts the most urgent class waiting first; SGLang's own priority
-  preemption (``PrefillAdder.preempt_to_schedule``: when the batch is full, running
-  requests whose priority is more than ``--priority-scheduling-preemption-threshold``
-  less urgent make room) acts only for a request Feather admits, and the requests it
-  preempts re-enter waiting through ``_add_request_to_queue``; a waiting request SGLang
-  aborts for a more urgent one when its queue is full (``--max-queued-requests``) is
-  forgotten at the next reconciliation.
-
-Faults: an exception in Feather's code (tree, queue, gate, meter, metrics sink, order) is
-contained (``runtime.FaultGuard``): the round continues with SGLang's own admission, the
-next rounds take SGLang's own ``fcfs`` order until Feather's picture is rebuilt from
-SGLang's queues, and repeated faults turn Feather off for the scheduler.
-
-Unsupported modes (``_unsupported``: tensor or pipeline parallelism, PD disaggregation or
-multiplexing, diffusion LLMs, hierarchical sparse attention) fail the scheduler's start-up
-with an error saying why.  Options: ``FEATHER_*`` environment variables
-(see ``feather_sched.core.config``), or a JSON object in ``FEATHER_SGLANG_OPTIONS`` (the
-launcher's ``--feather-options``).
+Invariant: a fault in Feather's code never reaches SGLang (``runtime.FaultGuard``): SGLang's
+own admission and ``fcfs`` order serve until Feather's picture is rebuilt from SGLang's
+queues.  Options: ``FEATHER_*`` or ``FEATHER_SGLANG_OPTIONS`` (JSON).  docs/sglang.md.
 """
 
 from __future__ import annotations

@@ -1,55 +1,21 @@
 """Shared-prefix decode attention on vLLM 0.32's GPU path: a variant of its TRITON_ATTN backend
-(a vLLM general plugin). Never run on a GPU: ``auto`` leaves it off there.
+(a vLLM general plugin, selected with ``--attention-backend CUSTOM``).  Never run on a GPU:
+``auto`` leaves it off there.
 
-What it does where on: each step's builder finds the decode rows sharing leading KV blocks
-(``feather_sched.attention.groups``) and hands vLLM's Triton kernel the batch with those
-rows cut to one token (a throwaway output; ungrouped rows unchanged); each layer's forward
-then overwrites the grouped rows with the exact LSE merge of two launches of Feather's
-Triton kernels (``attention.triton_kernels``): one segment per group over its prefix,
-attended once for all its queries, and one per grouped row over its suffix.
+Where on, each step's builder (``SharedPrefixTritonMetadataBuilder``) finds the decode rows
+sharing leading KV blocks (``feather_sched.attention.groups``) and hands vLLM's Triton
+kernel the batch with those rows cut to one token; each layer's forward
+(``SharedPrefixTritonImpl``) then overwrites the grouped rows with the exact LSE merge of
+Feather's Triton kernels (``attention.triton_kernels``): one segment per group over its
+prefix, one per grouped row over its suffix (``attend_groups``).
 
-Decisions, from vLLM 0.32's source:
-
-* **Backend: TRITON_ATTN only.** It is pure Triton, imports on a CPU machine, and its real
-  kernel runs in Triton's interpreter on CPU tensors once vLLM's "no CPU backend" check is
-  satisfied, so the tests drive vLLM's own impl and builder. FLASH_ATTN (the Hopper
-  default) needs vLLM's flash-attn extension and is not wrapped; the builder and forward
-  logic here would serve it as well, with FA's base classes.
-* **Selection: ``--attention-backend CUSTOM``.** ``register`` points the ``CUSTOM`` member
-  (vLLM's placeholder for third-party backends) at ``SharedPrefixTritonBackend``. vLLM's
-  priority lists never contain CUSTOM, so without the flag nothing changes; with it,
-  ``cuda.py`` runs the class's ``validate_configuration`` (TRITON_ATTN's, inherited) and
-  uses it. Overriding TRITON_ATTN instead would also replace the class vLLM picks on its
-  own (ROCm, XPU, batch-invariant and some multimodal setups). ``get_name`` stays
-  "TRITON_ATTN" (the KV layout and vLLM's name checks are Triton's). An operator passes
-  ``--attention-backend CUSTOM --additional-config
-  '{"feather": {"shared_prefix_attention": "on"}}'``; with ``auto`` (default) or ``off``,
-  CUSTOM behaves exactly as TRITON_ATTN.
-* **Plan inputs: one device-to-host copy per step.** ``CommonAttentionMetadata`` carries
-  the block table on the device only: V1's ``InputBatch`` keeps a host mirror, but the
-  builder API does not pass it, and Model Runner V2 (the GPU default) keeps block tables
-  GPU-resident with no mirror. ``build`` therefore copies the used columns of the table
-  (``[num_reqs, ceil(max_seq_len / block_size)]`` int32) to the host. The copy is small;
-  its cost is the synchronisation: the host waits for the work queued before it (under
-  async scheduling, the previous step's forward), losing that step's host/GPU overlap.
-  Steps where no group is possible (fewer than two decode rows, or no context long enough)
-  skip it. ``query_start_loc_cpu`` and ``seq_lens_cpu_upper_bound`` are host values,
-  exact without speculative decoding, which turns the path off. The grouped work goes to
-  the device in one host-to-device copy; the cut lengths are made there from vLLM's own
-  (ungrouped rows keep its values exactly).
-* **CUDA graphs: none for attention while on.** The grouped path is host-side Python per
-  step and must not be captured. The builder reports ``AttentionCGSupport.NEVER`` while on
-  (TRITON_ATTN's own support otherwise), so vLLM resolves the default FULL_AND_PIECEWISE to
-  PIECEWISE (attention, a splitting op, runs eagerly between captured pieces) and refuses
-  an explicit FULL mode, as vLLM's removed cascade excluded FULL graphs.
-* **Default: off under ``auto``** (logged once: not yet verified on a GPU); ``on`` enables
-  it. It also stays off with speculative decoding, context parallelism, a quantized KV
-  cache, KV-cache groups other than full attention, and layers with sliding windows,
-  ALiBi, soft-capping, sinks, fused output quantization or a head size the kernels do not
-  take (these layers run vLLM's kernel with the unmodified metadata).
-
-Not verified: anything on a GPU (speed, the copy's real cost, PIECEWISE graphs, Model
-Runner V2 end to end); the breakable CUDA-graph mode (``VLLM_USE_BREAKABLE_CUDAGRAPH``).
+Invariants: with ``auto`` (default) or ``off``, CUSTOM behaves exactly as TRITON_ATTN (same
+``get_name``, same metadata); ungrouped rows, and KV-cache groups or layers that cannot act
+(``decide_gpu``, ``_layer_problem``), keep vLLM's kernel and values exactly; while on,
+attention is never captured in a CUDA graph (``AttentionCGSupport.NEVER``).  Cost while on:
+per step that can group, one device-to-host copy of the block table's used columns (its
+synchronisation loses that step's host/GPU overlap) and one host-to-device copy of the
+grouped work.  Why each choice, and what is not verified: docs/vllm.md.
 """
 
 from __future__ import annotations

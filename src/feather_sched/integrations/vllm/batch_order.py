@@ -82,8 +82,8 @@ def order_by_schedule(input_batch: Any, scheduler_output: Any, threshold: int | 
     place in the scheduler's order): a group gathers at its first row, in the scheduler's
     order (which keeps subgroups together), and a row sharing nothing stays where it is.
     So a batch without sharing is never permuted (sorting it into the scheduler's order
-    cost vLLM's CPU runner about 7% more time per output token on ShareGPT,
-    ``benchmarks/traces``), and an ordered one only as new members join.  O(rows log rows)
+    costs vLLM's CPU runner time: docs/results.md#batch-order), and an ordered one only as
+    new members join.  O(rows log rows)
     plus a ``swap_states`` per move.
     """
     num_reqs = input_batch.num_reqs

@@ -59,9 +59,9 @@ class VLLMBlockHasher:
     ``__call__(tokens)`` returns one per full block of ``block_size`` tokens: the hash's
     low 64 bits as an int (``int_hashes``, vLLM's default for events) or the whole digest.
     Cost: an XXH3-64 digest per chunk of about ``MEMO_TOKENS`` tokens and a look-up; for
-    chunks not seen before, one serialization and digest per block (about 2 us for 16
-    tokens, 4 us for 128, with SHA-256).  Remembers up to ``memo_chunks`` chunks (oldest
-    forgotten first).
+    chunks not seen before, one serialization and digest per block (measured:
+    docs/results.md#replicas).  Remembers up to ``memo_chunks`` chunks (oldest forgotten
+    first).
     """
 
     def __init__(self, block_size: int, algorithm: str = "sha256", seed: str | None = None,

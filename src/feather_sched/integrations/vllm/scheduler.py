@@ -1,57 +1,23 @@
 """Feather inside vLLM's V1 engine (pinned: vLLM 0.32.0).
 
 Load with ``--scheduler-cls feather_sched.integrations.vllm.FeatherScheduler`` (server) or
-``LLM(..., scheduler_cls=FeatherScheduler)``.  The scheduler subclass is thin: it forwards
-five calls of vLLM's own scheduler to one component, which translates vLLM's types for
-the engine-agnostic ``FeatherRuntime`` (``feather_sched.core.runtime``):
+``LLM(..., scheduler_cls=FeatherScheduler)``.  The scheduler subclass is thin (``_Hooks``):
+it forwards ``schedule``, ``update_from_output``, ``_free_request`` and ``shutdown`` to one
+component, ``VllmFeather``, which translates vLLM's types for ``FeatherRuntime``:
 
-* the waiting queue is a ``FeatherWaitingQueue`` (vLLM's ``RequestQueue`` interface):
-  ``add_request``/``prepend_request(s)`` enter waiting, ``remove_request(s)`` discard,
-  its truth value is the gate's ADD/STOP (its length stays the true count), ``peek`` and
-  ``pop`` serve the runtime's candidate; a request vLLM pops and then skips (grammar not
-  ready, ``max_loras``, encoder or KV transfer, stale output) is noticed at the next
-  question, because vLLM appends every admitted request to ``running`` right after the
-  pop, and is held until vLLM hands it back;
-* ``schedule()`` is one pass: ``begin_pass`` reconciles the runtime with vLLM's
-  ``running`` list (so requests in vLLM's ``kv_holding_waiting`` queue, or a streaming
-  session between turns, are never counted as running) and puts ``running`` in Feather's
-  order (its end the first to preempt); ``end_pass`` binds the decisions that took effect
-  to the scheduler output;
-* ``update_from_output`` reports that output's step: its decisions get its reward, keyed
-  by the output itself, so under async scheduling (``schedule()`` of step N+1 before
-  ``update_from_output`` of step N) each reward reaches its own decisions;
-* ``_free_request`` (every finish and abort) discards, exactly once;
-* ``kv_holding_waiting``, which vLLM drains first and ungated, stays vLLM's queue but
-  reads as empty while its head would pass a request Feather's bound has made due
-  (``KvHoldingQueue``).
+* ``FeatherWaitingQueue``: vLLM's ``RequestQueue`` over the runtime; its truth value is
+  the gate's ADD/STOP, ``peek``/``pop`` serve the runtime's candidate;
+* ``KvHoldingQueue``: vLLM's ``kv_holding_waiting``, under Feather's waiting bound;
+* ``VllmMeter``: the measurements, which the FCFS baseline (``InstrumentedScheduler``)
+  takes too;
+* ``FeatherScheduler`` / ``FeatherSyncScheduler``: async scheduling on / off.
 
-Faults: an exception in Feather's code (tree, queue, gate, meter, metrics sink, running
-order) never reaches vLLM's ``schedule()``.  The waiting queue keeps every request in a
-dict of its own besides Feather's tree, so the pass goes on with vLLM's own
-``PriorityRequestQueue`` over them (arrival order, by class first under the priority
-policy) and vLLM's own admission; the fault is counted and logged
-(``runtime.FaultGuard``); the next pass rebuilds Feather's picture from vLLM's running
-list, waiting queue and ``kv_holding_waiting`` and Feather resumes; ``max_faults`` in a
-row turn it off for the engine.
-
-Priorities: under ``--scheduling-policy priority`` Feather's queue admits by class first
-(``request.priority``, lower more urgent): vLLM's priority order across classes, Feather's
-prefix order, gate and bound within one.
-
-Batch order: vLLM's Model Runner V2 (the GPU default) orders each step's decodes as the
-scheduler scheduled them, i.e. as ``running`` stands, so ordering ``running`` by prefix
-group orders the batch.  The V1 runner (CPU; some GPU modes) keeps a persistent batch of
-its own; Feather's worker plugin (``vllm_batch_order``) gathers each prefix group in
-it.  vLLM preempts the end of ``running`` (its FCFS rule, set while Feather serves the
-pass): the newest member of the youngest group of the least urgent class.
-
-``FeatherScheduler`` builds vLLM's ``AsyncScheduler`` variant when async scheduling is on
-(the GPU default) and ``FeatherSyncScheduler`` when it is off (always on CPU).
-``InstrumentedScheduler`` is vLLM's own scheduler with the same measurements only: the
-FCFS baseline of ``feather bench``.
-
-Options: ``--additional-config '{"feather": {"gate": "bandit", ...}}'`` or ``FEATHER_*``
-environment variables (see ``feather_sched.core.config``).
+Invariants: each ``schedule()`` is one pass, rewarded with the step of its own scheduler
+output; every pass takes vLLM's ``running`` list as the truth and puts it in Feather's
+order, whose end vLLM preempts; a request leaves Feather exactly once.  A fault in
+Feather's code never reaches ``schedule()``: vLLM's own ``PriorityRequestQueue`` and
+admission serve until the next pass rebuilds Feather's picture.  Options:
+``--additional-config '{"feather": {...}}'`` or ``FEATHER_*``.  docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -674,7 +640,7 @@ class FeatherScheduler(_Hooks, AsyncScheduler):
 
 
 BATCH_ORDER_PLUGIN = "feather_batch_order"
-"""This package's ``vllm.general_plugins`` entry point (``vllm_batch_order.register``)."""
+"""This package's ``vllm.general_plugins`` entry point (``batch_order.register``)."""
 
 
 def plugin_allowed(name: str) -> bool:
