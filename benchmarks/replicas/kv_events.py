@@ -12,6 +12,7 @@ import re
 import sys
 from pathlib import Path
 
+from feather_sched.bench.study import Runs, markdown_table, ratio
 from feather_sched.results.summary import median_and_range
 
 HERE = Path(__file__).parent
@@ -21,7 +22,7 @@ KEYS = (("prefix_cache_hit_rate", "prefix-cache hits", "{:.3f}"),
         ("output_throughput", "out tok/s", "{:.1f}"))
 
 
-def runs(stem: str) -> dict[str, list[dict]]:
+def runs(stem: str) -> Runs:
     """Per router label, each round's summary, in round order."""
     found: dict[str, dict[int, dict]] = {}
     for path in HERE.glob(f"{stem}-*-r*.json"):
@@ -33,30 +34,31 @@ def runs(stem: str) -> dict[str, list[dict]]:
     return {label: [rounds[r] for r in sorted(rounds)] for label, rounds in found.items()}
 
 
-def markdown(found: dict[str, list[dict]]) -> str:
-    rounds = max(len(r) for r in found.values())
-    lines = [f"Median over {rounds} rounds (range).", "",
-             "| router | " + " | ".join(title for _, title, _ in KEYS) + " |",
-             "|---|" + "---|" * len(KEYS)]
-    for label, summaries in found.items():
-        lines.append(f"| {label} | " + " | ".join(
-            median_and_range([s[key] for s in summaries], fmt) for key, _, fmt in KEYS) + " |")
+def markdown(found: Runs) -> str:
+    header = ["router", *(title for _, title, _ in KEYS)]
+    lines = [f"Median over {max(len(r) for r in found.values())} rounds (range).", "",
+             markdown_table(header, ([label, *(median_and_range([s[key] for s in summaries], fmt)
+                                               for key, _, fmt in KEYS)]
+                                     for label, summaries in found.items()))]
     precise = found.get(PRECISE)
     if precise:
         lines += ["", f"{PRECISE} / each other router, per round (median, range):", "",
-                  "| router | " + " | ".join(title for _, title, _ in KEYS) + " |",
-                  "|---|" + "---|" * len(KEYS)]
-        for label, summaries in found.items():
-            if label != PRECISE:
-                lines.append(f"| {label} | " + " | ".join(median_and_range(
-                    [p[key] / s[key] for p, s in zip(precise, summaries, strict=False)],
-                    "{:.2f}x") for key, _, _ in KEYS) + " |")
+                  markdown_table(header, ([label, *(ratio(precise, summaries, key, "{:.2f}x",
+                                                          unit="", strict=False)
+                                                    for key, _, _ in KEYS)]
+                                          for label, summaries in found.items()
+                                          if label != PRECISE))]
     return "\n".join(lines) + "\n"
+
+
+def render(stem: str) -> str:
+    """STEM.md's text."""
+    return markdown(runs(stem))
 
 
 def main() -> None:
     stem = sys.argv[1] if len(sys.argv) > 1 else "kv_events"
-    text = markdown(runs(stem))
+    text = render(stem)
     (HERE / f"{stem}.md").write_text(text)
     print(text)
 

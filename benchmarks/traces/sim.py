@@ -26,22 +26,18 @@ into ``sim-overlap.json``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from feather_sched.costmodel.hardware import HARDWARE
-from feather_sched.costmodel.model_profiles import MODELS
+from feather_sched.bench.study import MODEL, Study, parser, sim_plan
 from feather_sched.results.records import RunResult
 from feather_sched.results.summary import summarize
-from feather_sched.sim.runner import SimPlan, simulate
+from feather_sched.sim.runner import simulate
 from feather_sched.workloads.options import WorkloadArgs
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tables import FCFS, HERE, slim
+from tables import FCFS, slim
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake-synthetic.jsonl"
 TRACE_REQUESTS = 3993
@@ -78,15 +74,13 @@ def command(args: WorkloadArgs, hardware: str, overlap: bool) -> str:
               f"--dataset-name {args.dataset_name} --request-rate {args.request_rate:.4g}"
               + (f" --max-requests {args.max_requests}" if args.max_requests else ""))
     return (f"feather sim {source} --seed {args.seed} --hardware {hardware} "
-            f"--model llama-3-8b --schedulers {','.join(SCHEDULERS)}"
+            f"--model {MODEL} --schedulers {','.join(SCHEDULERS)}"
             + (" --overlap-scheduler" if overlap else ""))
 
 
 def run(args: WorkloadArgs, hardware: str, scheduler: str, overlap: bool) -> RunResult:
     """One simulated run; ``overlap``: the scheduler's time overlaps each step."""
-    plan = SimPlan(workload=args.build(), hardware=HARDWARE[hardware],
-                   model=MODELS["llama-3-8b"], schedulers=[scheduler])
-    plan.engine = replace(plan.engine_config(), overlap_scheduler=overlap)
+    plan = sim_plan(args.build(), hardware, schedulers=[scheduler], overlap_scheduler=overlap)
     return simulate(plan, scheduler)
 
 
@@ -99,11 +93,12 @@ def capacity(workload: str, hardware: str, overlap: bool) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--overlap-scheduler", action="store_true",
-                        help="overlap the scheduler's time with each step: sim-overlap.json")
-    overlap = parser.parse_args().overlap_scheduler
-    out = HERE / ("sim-overlap.json" if overlap else "sim.json")
+    arguments = parser(__doc__)
+    arguments.add_argument("--overlap-scheduler", action="store_true",
+                           help="overlap the scheduler's time with each step: sim-overlap.json")
+    args = arguments.parse_args()
+    overlap = args.overlap_scheduler
+    study = Study(__file__, set_name=args.set)
     cells = []
     for workload in ("mooncake", "bfcl-tools", "sharegpt"):
         for hardware in HARDWARE_NAMES:
@@ -112,9 +107,9 @@ def main() -> None:
                 started = time.perf_counter()
                 runs: dict[str, list[dict]] = {name: [] for name in SCHEDULERS}
                 for seed in SEEDS:
-                    args = workload_args(workload, seed, share * rate)
+                    seeded = workload_args(workload, seed, share * rate)
                     for name in SCHEDULERS:
-                        runs[name].append(slim(summarize(run(args, hardware, name,
+                        runs[name].append(slim(summarize(run(seeded, hardware, name,
                                                              overlap))))
                 arrivals = f"{share * rate:.2f} req/s, {share}x FCFS's capacity"
                 cells.append({"workload": workload, "hardware": hardware, "load": load,
@@ -124,8 +119,8 @@ def main() -> None:
                               "runs": runs})
                 print(f"{workload} {hardware} {load}: {arrivals}, "
                       f"{time.perf_counter() - started:.0f} s", flush=True)
-                out.write_text(json.dumps({"cells": cells, "overlap_scheduler": overlap},
-                                          indent=1) + "\n")
+                study.write_json("sim-overlap" if overlap else "sim",
+                                 {"cells": cells, "overlap_scheduler": overlap})
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from feather_sched.bench.study import Runs, markdown_table, pooled, rounds
+from feather_sched.bench.study import ratios as per_round
+from feather_sched.results.summary import median_and_range
+
 HERE = Path(__file__).parent
 FCFS, FEATHER, LPM = "fcfs", "feather-model", "sglang-lpm"
 METRICS = (  # (summary key, column, higher is better)
@@ -52,21 +56,9 @@ KEPT = ("completed", "duration", *(key for key, _, _ in METRICS), "median_ttft_m
         "p99_tpot_ms", "mean_batch_size", "preemptions", "gate_stop")
 """The summary keys the JSON files keep (per-group arrays are left out)."""
 
-Runs = dict[str, list[dict]]
-"""Scheduler -> its summaries, one per seed or round, in the same order for every one."""
-
-
 def slim(summary: dict) -> dict:
     """The keys of a summary the results keep."""
     return {key: summary.get(key) for key in KEPT}
-
-
-def rounds(runs: dict[str, dict]) -> Runs:
-    """``feather bench``'s labels (``name``, ``name#2``, ...) grouped by scheduler."""
-    by_name: Runs = {}
-    for label, summary in runs.items():
-        by_name.setdefault(label.split("#")[0], []).append(summary)
-    return by_name
 
 
 def _fmt(value: float, key: str) -> str:
@@ -76,26 +68,19 @@ def _fmt(value: float, key: str) -> str:
 
 
 def _median(values: Sequence[float], key: str) -> str:
-    text = _fmt(statistics.median(values), key)
-    if len(values) > 1:
-        text += f" ({_fmt(min(values), key)}-{_fmt(max(values), key)})"
-    return text
+    return median_and_range(values, lambda value: _fmt(value, key))
 
 
 def ratios(runs: Runs, name: str, key: str) -> list[float]:
     """Per seed or round: ``name``'s figure over FCFS's."""
-    return [run[key] / base[key] for run, base in zip(runs[name], runs[FCFS], strict=True)
-            if base[key]]
+    return per_round(runs[name], runs[FCFS], key)
 
 
 def _ratio(values: Sequence[float]) -> str:
-    if not values:
-        return "n/a"
-    text = f"{statistics.median(values):.2f}x"
-    return text + (f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else "")
+    return median_and_range(values, unit="x") if values else "n/a"
 
 
-def cell_rows(label: str, runs: Runs) -> list[str]:
+def cell_rows(label: str, runs: Runs) -> list[list[str]]:
     """One row per scheduler: FCFS's medians (range), the others' ratios to FCFS (range);
     the hit rate as a median everywhere."""
     rows = []
@@ -109,7 +94,7 @@ def cell_rows(label: str, runs: Runs) -> list[str]:
                 cells.append(_median(values, key))
             else:
                 cells.append(_ratio(ratios(runs, name, key)))
-        rows.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
+        rows.append([label, name, *cells])
     return rows
 
 
@@ -151,24 +136,23 @@ SUMMARY = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_e2el_ms",
 def summary(cells: Sequence[tuple[str, Runs]]) -> str:
     """One row a cell: FCFS's throughput, Feather's median ratios, the targets missed and
     where LPM is better."""
-    lines = ["| cell | FCFS tok/s | Feather tok/s | mean TTFT | p99 TTFT | mean E2E | "
-             "worst group | targets missed | LPM better on |", "|---|" + "---|" * 8]
+    rows = []
     for label, runs in cells:
         fcfs = statistics.median(s["output_throughput"] for s in runs[FCFS])
-        cells_ = [_ratio(ratios(runs, FEATHER, key)) for key in SUMMARY]
-        lines.append(f"| {label} | {_fmt(fcfs, '')} | " + " | ".join(cells_) +
-                     f" | {', '.join(misses(runs)) or 'none'} | "
-                     f"{', '.join(lpm_better(runs)) or '-'} |")
-    return "\n".join(lines) + "\n"
+        rows.append([label, _fmt(fcfs, ""), *(_ratio(ratios(runs, FEATHER, key))
+                                             for key in SUMMARY),
+                     ", ".join(misses(runs)) or "none", ", ".join(lpm_better(runs)) or "-"])
+    return markdown_table(["cell", "FCFS tok/s", "Feather tok/s", "mean TTFT", "p99 TTFT",
+                           "mean E2E", "worst group", "targets missed", "LPM better on"],
+                          rows) + "\n"
 
 
 def table(cells: Sequence[tuple[str, Runs]]) -> str:
     """A markdown table of cells (label, runs), then each cell's verdict."""
-    head = ["| cell | scheduler | " + " | ".join(c for _, c, _ in METRICS) + " |",
-            "|---|---|" + "---|" * len(METRICS)]
     rows = [row for label, runs in cells for row in cell_rows(label, runs)]
     verdicts = [f"- {label}: {verdict(runs)}" for label, runs in cells]
-    return "\n".join([*head, *rows, "", *verdicts]) + "\n"
+    return "\n".join([markdown_table(["cell", "scheduler", *(c for _, c, _ in METRICS)], rows),
+                      "", *verdicts]) + "\n"
 
 
 def sim_cells(path: Path) -> dict[str, list[tuple[str, Runs]]]:
@@ -193,15 +177,10 @@ def cpu_cells(paths: Sequence[Path]) -> list[tuple[str, Runs]]:
     return cells
 
 
-def pooled(cells: Sequence[tuple[str, Runs]], names: Sequence[str]) -> Runs:
-    """The rounds of several sets as one cell; each set's rounds keep their pairs, so the
-    ratios are still taken round by round."""
+def pool(cells: Sequence[tuple[str, Runs]], names: Sequence[str]) -> Runs:
+    """The rounds of the sets ``names`` as one cell (round by round pairs kept)."""
     by_name = dict(cells)
-    runs: Runs = {}
-    for name in names:
-        for scheduler, summaries in by_name[name].items():
-            runs.setdefault(scheduler, []).extend(summaries)
-    return runs
+    return pooled(by_name[name] for name in names)
 
 
 def sim_summary(tables: dict[str, list[tuple[str, Runs]]], heading: str) -> list[str]:
@@ -229,7 +208,7 @@ def main() -> None:
         parts += ["### Real CPU engine (vLLM 0.32.0, the embedded model): Feather against "
                   "FCFS (median ratios, range over rounds)", "", summary(cells),
                   "### Real CPU engine, sets pooled (median ratios, range over their "
-                  "rounds)", "", summary([(label, pooled(cells, names))
+                  "rounds)", "", summary([(label, pool(cells, names))
                                           for label, names in POOLS.items()]),
                   "### Real CPU engine, every figure", "", table(cells)]
     text = "\n".join(parts)
