@@ -27,7 +27,8 @@ from feather_sched.workloads.spec import ArrivalSpec
 from feather_sched.workloads.synthetic import shared_prefix_groups
 
 HERE = Path(__file__).parent
-PROFILE = HERE.parent / "sim" / "cpu-16k-profile.json"
+PROFILE = HERE.parent / "sim" / "results" / "3a9c2f2" / "cpu-16k-profile.json"
+"""The profile `feather calibrate` fitted to 144 CPU-engine steps on 16K-token prefixes."""
 STRICT = {"max_loss": 0, "max_loss_loaded": 0, "floor_start": 0, "floor_step": 0}
 COLUMNS = {  # label -> (scheduler, Feather options)
     "always, no ordering": ("feather-always-noorder-unbounded", {}),

@@ -1,11 +1,12 @@
 """The simulator's cascade term against the CPU shared-prefix path (see cascade_check.sh).
 
-    .venv/bin/python benchmarks/sim/cascade_check.py
+    .venv/bin/python benchmarks/sim/cascade_check.py [--set NAME]
 
-Reads the step logs and profiles cascade_check.sh wrote, prints a markdown report: how
+Reads the step logs and profiles cascade_check.sh wrote into results/NAME/ (default: the
+recorded set, f4be89a), prints a markdown report: how
 each profile predicts each set of measured steps (MAPE per step, and predicted over
 measured total time), and the simulator's ratios for the real engine's 4 x 16 workload
-next to the measured ones (benchmarks/vllm/shared-4x16.json).
+next to the measured ones (``MEASURED``, benchmarks/vllm's shared-4x16 rounds).
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from pathlib import Path
 
 import numpy as np
 
-from feather_sched.bench.study import load_rounds, markdown_table, ratios, summaries
+from feather_sched.bench.study import load_rounds, markdown_table, parser, ratios, summaries
 from feather_sched.costmodel.calibrate import Profile, load_profile
 from feather_sched.sim.runner import SimPlan
 from feather_sched.telemetry.steplog import read_steps
 from feather_sched.workloads.synthetic import shared_prefix_groups
 
 HERE = Path(__file__).parent
+RECORDED = "f4be89a"
+"""The recorded run set of cascade_check.sh."""
 MEASURED = HERE.parent / "vllm" / "shared-4x16.json"
 PLAIN = "cpu-shared-off-profile.json"
 PAIRS = (  # (engine's names, simulator's names): on the engine Feather's default is on
@@ -60,10 +63,13 @@ def measured_ratios() -> dict[tuple[str, str], float]:
 
 
 def main() -> None:
-    plain = load_profile(HERE / PLAIN)
-    cascade = load_profile(HERE / "cpu-shared-on-profile.json")
-    off_steps = read_steps(HERE / "cpu-shared-off-steps.csv")
-    on_steps = read_steps(HERE / "cpu-shared-on-steps.csv")
+    arguments = parser(__doc__)
+    arguments.set_defaults(set=RECORDED)
+    folder = HERE / "results" / arguments.parse_args().set
+    plain = load_profile(folder / PLAIN)
+    cascade = load_profile(folder / "cpu-shared-on-profile.json")
+    off_steps = read_steps(folder / "cpu-shared-off-steps.csv")
+    on_steps = read_steps(folder / "cpu-shared-on-steps.csv")
     rows = []
     for label, profile, is_cascade, steps, which in (
             ("plain fit", plain, False, off_steps, "vLLM's attention (its fit)"),
@@ -73,7 +79,7 @@ def main() -> None:
         error, total = prediction(profile, is_cascade, steps)
         rows.append([label, f"{which}, {len(steps)}", f"{100 * error:.1f}%", f"{total:.2f}"])
     measured = measured_ratios()
-    simulated = simulated_ratios(HERE / PLAIN)
+    simulated = simulated_ratios(folder / PLAIN)
     print("\n".join([
         "## Step times", "",
         markdown_table(["profile", "steps", "MAPE per step", "predicted / measured total"],
