@@ -25,7 +25,7 @@ from feather_sched.workloads.synthetic import shared_prefix_groups
 HERE = Path(__file__).parent
 RECORDED = "f4be89a"
 """The recorded run set of cascade_check.sh."""
-MEASURED = HERE.parent / "vllm" / "shared-4x16.json"
+MEASURED = HERE.parent / "vllm" / "results" / "9cca4cc" / "shared-4x16.json"
 PLAIN = "cpu-shared-off-profile.json"
 PAIRS = (  # (engine's names, simulator's names): on the engine Feather's default is on
     (("fcfs-shared", "fcfs"), ("fcfs-shared", "fcfs")),
