@@ -7,7 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/sglang/server.sh
-out=benchmarks/sglang
+out=benchmarks/sglang/results/${SET:-$(git rev-parse --short HEAD)}  # the run set's folder
+mkdir -p "$out"
 port=30188
 workload=(--groups 4 --prompts-per-group 8 --prefix-len 4096 --output-len 48
           --request-rate 2 --seed 0)
@@ -21,4 +22,4 @@ for run in ordered-1 unordered-1 ordered-2 unordered-2; do
     sleep 12  # the idle scheduler saves its stats file within 10 s
     kill "$server"; wait "$server" || true
 done
-.venv/bin/python $out/tables.py ordering $out
+.venv/bin/python benchmarks/sglang/tables.py ordering $out

@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/sglang/server.sh
-out=benchmarks/sglang
+out=benchmarks/sglang/results/${SET:-$(git rev-parse --short HEAD)}  # the run set's folder
+mkdir -p "$out"
 port=30187
 workload=(--groups 4 --prompts-per-group 16 --prefix-len 4096 --output-len 32 --seed 0)
 for policy in fcfs lpm dfs-weight feather; do
@@ -15,4 +16,4 @@ for policy in fcfs lpm dfs-weight feather; do
         --label "sglang-$policy" --json "$out/$policy.json" | tee "$out/$policy.txt"
     kill "$server"; wait "$server" || true
 done
-.venv/bin/python $out/tables.py policies $out
+.venv/bin/python benchmarks/sglang/tables.py policies $out
