@@ -1,6 +1,6 @@
 """Public traces and real prompt text in the simulator: FCFS, SGLang's LPM and Feather.
 
-    .venv/bin/python benchmarks/traces/sim.py        # ~10 minutes on this 2-core machine
+    .venv/bin/python benchmarks/traces/sim.py [--set NAME]  # ~10 minutes on this 2-core machine
     .venv/bin/python benchmarks/traces/sim.py --overlap-scheduler   # sim-overlap.json
 
 Llama-3-8B on the H100 SXM and H200 profiles, vLLM's GPU limits; three workloads:
@@ -16,7 +16,8 @@ at once, the requests finished by the time 90% are, over that time: the drain at
 left out): *busy* offers 0.8x that rate, *saturated* 1.5x (a trace's speed is set so its
 mean rate is that).  Prompts are tokenized with the embedded
 model's tokenizer.  Each run is what ``feather sim`` prints for the same flags (the
-cell's command is in ``sim.json``).  Writes ``sim.json``; ``tables.py`` makes the tables.
+cell's command is in ``sim.json``).  Writes ``sim.json`` into the run set's folder,
+``results/NAME/`` (default: the commit); ``tables.py --sim-set NAME`` makes the tables.
 
 The simulator adds each scheduler's Python time to its step by default (a synchronous
 engine); ``--overlap-scheduler`` runs the same cells with that time overlapping the step

@@ -1,11 +1,13 @@
 """Tables of the trace and real-text results, and the check of Feather's targets.
 
-    .venv/bin/python benchmarks/traces/tables.py      # prints results.md's tables
+    .venv/bin/python benchmarks/traces/tables.py [--sim-set NAME]   # prints results.md
 
-Reads ``sim.json`` and ``sim-overlap.json`` (``sim.py``) and ``cpu-*.json`` (``cpu.sh``,
-``feather bench --json`` with the schedulers repeated: ``fcfs``, ``feather-model``,
-``fcfs#2``, ...) beside this file, and writes ``results.md``; ``POOLS`` names the CPU
-sets whose rounds are also taken together (one line run on two machines, or twice).
+Reads ``sim.json`` and ``sim-overlap.json`` (``sim.py``) of one run set
+(``results/NAME/``, default ``SIM_SET``) and every CPU run set's workload files,
+``results/*/{mooncake,bfcl-tools,sharegpt}.json`` (``cpu.sh``, ``feather bench --json``
+with the schedulers repeated: ``fcfs``, ``feather-model``, ``fcfs#2``, ...), a cell each
+labelled ``WORKLOAD, SET``, and writes ``results.md`` beside this file; ``POOLS`` names
+the cells whose rounds are also taken together (one line run on two machines, or twice).
 Each cell's runs (seeds in the simulator, rounds on the CPU engine) give a median with
 its range; Feather's and LPM's ratios to FCFS are taken per seed or round, then their
 median and range. The targets are checked on the median ratios (Feather >= 0.98x
@@ -15,6 +17,7 @@ cell names the figures of these where LPM does better than Feather by more than 
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from collections.abc import Sequence
@@ -43,14 +46,22 @@ TARGETS = (  # (summary key, name, bound on Feather / FCFS)
 )
 TIE = 1.01
 """Median ratios within 1% of each other count as a tie between Feather and LPM."""
-POOLS = {  # label -> the cpu-*.json sets (the same line, each machine's load) pooled
-    "mooncake, 0.8x, AMX Xeon and EPYC": ("mooncake-amx", "mooncake-amx-b", "mooncake-amx-c",
-                                          "mooncake-amx-d", "mooncake-epyc",
-                                          "mooncake-epyc-b"),
-    "bfcl-tools, 0.8x, AMX Xeon and EPYC": ("bfcl-tools-amx", "bfcl-tools-amx-c",
-                                            "bfcl-tools-epyc"),
-    "sharegpt, 0.8x, AMX Xeon and EPYC": ("sharegpt-amx", "sharegpt-amx-c", "sharegpt-epyc"),
-    "sharegpt, 1.5x in an H100's KV room": ("sharegpt-amx-sat", "sharegpt-amx-sat-b"),
+WORKLOADS = ("mooncake", "bfcl-tools", "sharegpt")
+"""The workload files of a CPU run set (``cpu.sh``)."""
+SIM_SET = "epyc-d8327ca"
+"""The run set whose simulator files the tables read by default."""
+AMX_08 = ("amx-7765eb8", "amx-441c368")
+"""The AMX Xeon's sets of all three workloads at 0.8x capacity."""
+POOLS = {  # label -> the cells (WORKLOAD, SET) pooled: the same line, each machine's load
+    "mooncake, 0.8x, AMX Xeon and EPYC": tuple(
+        f"mooncake, {s}" for s in ("amx-7765eb8", "amx-152b619", "amx-441c368",
+                                   "amx-d7b8151", "epyc-d8327ca", "epyc-a5664c5")),
+    "bfcl-tools, 0.8x, AMX Xeon and EPYC": tuple(
+        f"bfcl-tools, {s}" for s in (*AMX_08, "epyc-d8327ca")),
+    "sharegpt, 0.8x, AMX Xeon and EPYC": tuple(
+        f"sharegpt, {s}" for s in (*AMX_08, "epyc-d8327ca")),
+    "sharegpt, 1.5x in an H100's KV room": ("sharegpt, amx-h100-kv-85de925",
+                                            "sharegpt, amx-h100-kv-3446621"),
 }
 KEPT = ("completed", "duration", *(key for key, _, _ in METRICS), "median_ttft_ms",
         "p99_tpot_ms", "mean_batch_size", "preemptions", "gate_stop")
@@ -166,14 +177,21 @@ def sim_cells(path: Path) -> dict[str, list[tuple[str, Runs]]]:
     return tables
 
 
+def cpu_paths(results: Path) -> list[Path]:
+    """Every run set's workload files, by workload, then set."""
+    return sorted((path for workload in WORKLOADS for path in results.glob(f"*/{workload}.json")),
+                  key=lambda path: (WORKLOADS.index(path.stem), path.parent.name))
+
+
 def cpu_cells(paths: Sequence[Path]) -> list[tuple[str, Runs]]:
-    """One cell per ``feather bench --json`` file, labelled by its name (``cpu-NAME``)."""
+    """One cell per ``feather bench --json`` file, labelled ``WORKLOAD, SET`` (its name and
+    its run set's)."""
     cells = []
     for path in paths:
         document = json.loads(path.read_text())
         runs = {name: [slim(s) for s in summaries]
                 for name, summaries in rounds(document["runs"]).items()}
-        cells.append((path.stem.removeprefix("cpu-"), runs))
+        cells.append((f"{path.stem}, {path.parent.name}", runs))
     return cells
 
 
@@ -192,17 +210,20 @@ def sim_summary(tables: dict[str, list[tuple[str, Runs]]], heading: str) -> list
 
 
 def main() -> None:
+    arguments = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    arguments.add_argument("--sim-set", default=SIM_SET, help="the run set of sim.json")
+    sim_set = HERE / "results" / arguments.parse_args().sim_set
     parts = []
-    if (HERE / "sim.json").exists():
-        tables = sim_cells(HERE / "sim.json")
+    if (sim_set / "sim.json").exists():
+        tables = sim_cells(sim_set / "sim.json")
         parts += sim_summary(tables, "Simulator")
         for title, cells in tables.items():
             parts += [f"### Simulator: {title}", "", table(cells)]
-    if (HERE / "sim-overlap.json").exists():
-        parts += sim_summary(sim_cells(HERE / "sim-overlap.json"),
+    if (sim_set / "sim-overlap.json").exists():
+        parts += sim_summary(sim_cells(sim_set / "sim-overlap.json"),
                              "Simulator, the scheduler's time overlapping each step "
                              "(vLLM's async scheduling)")
-    cpu = sorted(HERE.glob("cpu-*.json"))
+    cpu = cpu_paths(HERE / "results")
     if cpu:
         cells = cpu_cells(cpu)
         parts += ["### Real CPU engine (vLLM 0.32.0, the embedded model): Feather against "
