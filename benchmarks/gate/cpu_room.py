@@ -3,9 +3,10 @@
     .venv/bin/python benchmarks/gate/cpu_room.py [--seeds N] [--set NAME]
 
 On the real CPU engine with 16K-token prefixes, batch ordering shortens the decode step
-to 0.74x (``benchmarks/vllm/results/2cf19a3/gate-churn-16k.md``), yet the model gate takes no STOP there.
-This asks the simulator, with the profile ``feather calibrate`` fitted to 144 steps of
-that engine on 16K-token prefixes (``benchmarks/sim/cpu-16k-*``), what each gate would
+to 0.74x (``benchmarks/vllm/results/2cf19a3/gate-churn-16k.md``), yet the model gate
+takes no STOP there.  This asks the simulator, with the profile ``feather calibrate``
+fitted to 144 steps of that engine on 16K-token prefixes
+(``benchmarks/sim/results/3a9c2f2/cpu-16k-*``), what each gate would
 win with ordering off, given that profile from its first step (``model-warm``) or not:
 ordering's gain is the room; a STOP can take it only by keeping new groups out, and vLLM's
 persistent batch then still puts the admitted ones into the holes finished requests

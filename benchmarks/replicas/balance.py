@@ -14,14 +14,19 @@ tokens computed over the floor) into results/NAME/ (default: the commit).
 
 from __future__ import annotations
 
-import statistics
 from itertools import product
 
-from sim import AFFINITY, LOADS, OURS, capacities, over, run_task, save
+from sim import AFFINITY, LOADS, OURS, capacities, run_task, setting_table, study_main
 
-from feather_sched.bench.study import Study, markdown_table, parallel, parser
+from feather_sched.bench.study import parallel
 
 BOUNDS = (1.1, 1.5, 2.0, 3.0)
+TABLE = ("Feather's pair with each `balance_rel` over Ray's prefix-affinity rule + FCFS: "
+         "throughput and p99 TTFT ratios (median of per-seed ratios, range), worst replica "
+         "imbalance, prompt tokens computed over the floor (median).",
+         ["hardware", "groups", "prefix", "load", "balance_rel", "x prefix-affinity",
+          "p99 TTFT / prefix-affinity's", "imbalance (worst)", "prefill / floor"])
+"""The table's introduction and columns."""
 CELLS = (("h200", 64, 5120), ("h100-sxm", 64, 5120), ("h200", 64, 10240),
          ("h100-sxm", 64, 10240), ("h200", 400, 5120), ("h200", 8, 10240))
 
@@ -43,33 +48,18 @@ def measure(seeds: int, jobs: int) -> list[dict]:
 
 
 def markdown(runs: list[dict]) -> str:
-    keyed = {(r["hardware"], r["groups"], r["prefix"], r["load"], r["router"],
-              r.get("balance_rel"), r["seed"]): r for r in runs}
-    seeds = sorted({r["seed"] for r in runs})
-    rows = []
-    for (hw, groups, prefix), load, bound in product(CELLS, LOADS, BOUNDS):
-        ours = [keyed[hw, groups, prefix, load, OURS[0], bound, s] for s in seeds]
-        ray = [keyed[hw, groups, prefix, load, AFFINITY[0], None, s] for s in seeds]
-        rows.append([hw, str(groups), str(prefix), f"{load:g}x", f"{bound:g}",
-                     over(ours, ray, "output_throughput"), over(ours, ray, "p99_ttft_ms"),
-                     f"{max(r['replica_imbalance'] for r in ours):.2f}",
-                     f"{statistics.median(r['prefill_over_floor'] for r in ours):.2f}"])
-    return "\n".join([
-        "Feather's pair with each `balance_rel` over Ray's prefix-affinity rule + FCFS: "
-        "throughput and p99 TTFT ratios (median of per-seed ratios, range), worst replica "
-        "imbalance, prompt tokens computed over the floor (median).", "",
-        markdown_table(["hardware", "groups", "prefix", "load", "balance_rel",
-                        "x prefix-affinity", "p99 TTFT / prefix-affinity's",
-                        "imbalance (worst)", "prefill / floor"], rows)]) + "\n"
+    settings = (([hw, str(groups), str(prefix), f"{load:g}x", f"{bound:g}"],
+                 (hw, groups, prefix, load, OURS[0], bound),
+                 (hw, groups, prefix, load, AFFINITY[0], None))
+                for (hw, groups, prefix), load, bound in product(CELLS, LOADS, BOUNDS))
+    return setting_table(runs, lambda r: (r["hardware"], r["groups"], r["prefix"], r["load"],
+                                          r["router"], r.get("balance_rel")),
+                         settings, "p99_ttft_ms", ("prefill_over_floor", "{:.2f}"), *TABLE)
 
 
 def main() -> None:
-    args = parser(__doc__, seeds=3, jobs=2).parse_args()
-    study = Study(__file__, set_name=args.set)
-    runs = measure(args.seeds, args.jobs)
-    config = {"bounds": BOUNDS, "cells": CELLS, "loads": LOADS, "seeds": args.seeds,
-              "wall_s": study.elapsed()}
-    save("balance", config, runs, markdown(runs), study)
+    study_main(__file__, __doc__, "balance", measure, markdown,
+               {"bounds": BOUNDS, "cells": CELLS, "loads": LOADS})
 
 
 if __name__ == "__main__":

@@ -15,12 +15,11 @@ against the default band's, worst imbalance, prefix-cache hits) into results/NAM
 
 from __future__ import annotations
 
-import statistics
 from itertools import product
 
-from sim import LOADS, PRECISE, capacities, over, run_task, save
+from sim import LOADS, PRECISE, capacities, run_task, setting_table, study_main
 
-from feather_sched.bench.study import Study, markdown_table, parallel, parser
+from feather_sched.bench.study import parallel
 
 BANDS = ((8, 1.5), (16, 1.5), (32, 1.5), (64, 1.5), (32, 1.25), (32, 2.0))
 """(balance_abs, balance_rel); (32, 1.5) is the default."""
@@ -28,6 +27,12 @@ DEFAULT = (32, 1.5)
 CELLS = ((64, 1), (400, 1), (64, 4), (400, 4))
 """(groups, routers)."""
 HARDWARE, PREFIX, KV_BLOCKS = "h100-sxm", 5120, 2048
+TABLE = ("Feather's pair on the precise index with each band, over the default band (32, "
+         "1.5): throughput and p90 TTFT ratios (median of per-seed ratios, range), worst "
+         "replica imbalance, prefix-cache hits (median).",
+         ["groups", "routers", "load", "balance_abs", "balance_rel", "tok/s x default",
+          "p90 TTFT / default's", "imbalance (worst)", "prefix hits"])
+"""The table's introduction and columns."""
 
 
 def measure(seeds: int, jobs: int) -> list[dict]:
@@ -51,34 +56,18 @@ def measure(seeds: int, jobs: int) -> list[dict]:
 
 
 def markdown(runs: list[dict]) -> str:
-    keyed = {(r["groups"], r["ingresses"], r["load"], r["balance_abs"], r["balance_rel"],
-              r["seed"]): r for r in runs}
-    seeds = sorted({r["seed"] for r in runs})
-    rows = []
-    for (groups, routers), load, band in product(CELLS, LOADS, BANDS):
-        ours = [keyed[groups, routers, load, *band, s] for s in seeds]
-        base = [keyed[groups, routers, load, *DEFAULT, s] for s in seeds]
-        rows.append([str(groups), str(routers), f"{load:g}x", str(band[0]), f"{band[1]:g}",
-                     over(ours, base, "output_throughput"), over(ours, base, "p90_ttft_ms"),
-                     f"{max(r['replica_imbalance'] for r in ours):.2f}",
-                     f"{statistics.median(r['prefix_cache_hit_rate'] for r in ours):.3f}"])
-    return "\n".join([
-        "Feather's pair on the precise index with each band, over the default band "
-        "(32, 1.5): throughput and p90 TTFT ratios (median of per-seed ratios, range), "
-        "worst replica imbalance, prefix-cache hits (median).", "",
-        markdown_table(["groups", "routers", "load", "balance_abs", "balance_rel",
-                        "tok/s x default", "p90 TTFT / default's", "imbalance (worst)",
-                        "prefix hits"], rows)]) + "\n"
+    settings = (([str(groups), str(routers), f"{load:g}x", str(band[0]), f"{band[1]:g}"],
+                 (groups, routers, load, *band), (groups, routers, load, *DEFAULT))
+                for (groups, routers), load, band in product(CELLS, LOADS, BANDS))
+    return setting_table(runs, lambda r: (r["groups"], r["ingresses"], r["load"],
+                                          r["balance_abs"], r["balance_rel"]),
+                         settings, "p90_ttft_ms", ("prefix_cache_hit_rate", "{:.3f}"), *TABLE)
 
 
 def main() -> None:
-    args = parser(__doc__, seeds=3, jobs=2).parse_args()
-    study = Study(__file__, set_name=args.set)
-    runs = measure(args.seeds, args.jobs)
-    config = {"bands": BANDS, "cells": CELLS, "loads": LOADS, "seeds": args.seeds,
-              "hardware": HARDWARE, "prefix": PREFIX, "kv_blocks": KV_BLOCKS,
-              "wall_s": study.elapsed()}
-    save("band", config, runs, markdown(runs), study)
+    study_main(__file__, __doc__, "band", measure, markdown,
+               {"bands": BANDS, "cells": CELLS, "loads": LOADS, "hardware": HARDWARE,
+                "prefix": PREFIX, "kv_blocks": KV_BLOCKS})
 
 
 if __name__ == "__main__":

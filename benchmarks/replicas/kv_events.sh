@@ -18,9 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/replicas/serve_lib.sh
-set_name=${SET:-$(git rev-parse --short HEAD)}
-out=benchmarks/replicas/results/$set_name
-mkdir -p "$out"
+out=$(benchmarks/run_set.sh replicas)
 ingresses=${INGRESSES:-1}
 port=${PORT:-8731}
 url=http://127.0.0.1:$port
@@ -44,4 +42,4 @@ for round in $(seq "${ROUNDS:-3}"); do
         stop_server
     done
 done
-.venv/bin/python benchmarks/replicas/kv_events.py "$set_name"
+.venv/bin/python benchmarks/replicas/kv_events.py "${out#benchmarks/replicas/results/}"

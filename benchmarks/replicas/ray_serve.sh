@@ -14,8 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/replicas/serve_lib.sh
-out=benchmarks/replicas/results/${SET:-$(git rev-parse --short HEAD)}
-mkdir -p "$out"
+out=$(benchmarks/run_set.sh replicas)
 port=${PORT:-8731}
 url=http://127.0.0.1:$port
 routers=${ROUTERS:-power-of-two prefix-affinity feather}

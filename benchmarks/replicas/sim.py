@@ -32,6 +32,8 @@ STEM.json every run's figures; both in results/NAME/ (default: the commit).
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from itertools import product
 from pathlib import Path
@@ -137,6 +139,25 @@ def over(ours: list[dict], base: list[dict], key: str, fmt: str = "{:.2f}") -> s
     return ratio(ours, base, key, fmt, unit="")
 
 
+def setting_table(runs: list[dict], key: Callable[[dict], tuple],
+                  settings: Iterable[tuple[list[str], tuple, tuple]], latency: str,
+                  figure: tuple[str, str], intro: str, header: list[str]) -> str:
+    """``intro``, then a table (``header``) with a row per setting ``(its cells, the key of
+    its runs, the key of its base's runs)``, ``key`` giving a run's key: throughput and
+    ``latency`` over the base's, per seed then median (range); the worst replica
+    imbalance; the median of ``figure`` (key, format)."""
+    keyed = {(*key(r), r["seed"]): r for r in runs}
+    seeds = sorted({r["seed"] for r in runs})
+    rows = []
+    for cells, ours_key, base_key in settings:
+        ours = [keyed[(*ours_key, s)] for s in seeds]
+        base = [keyed[(*base_key, s)] for s in seeds]
+        rows.append([*cells, over(ours, base, "output_throughput"), over(ours, base, latency),
+                     f"{max(r['replica_imbalance'] for r in ours):.2f}",
+                     figure[1].format(statistics.median(r[figure[0]] for r in ours))])
+    return "\n".join([intro, "", markdown_table(header, rows)]) + "\n"
+
+
 def capacities(cells: list[tuple], options: dict, jobs: int) -> dict[tuple, float]:
     """Power-of-two + FCFS's requests/s with every request at once, for each cell
     ``(hardware, groups, prefix, seed)``: the capacity a cell's loads are multiples of."""
@@ -150,6 +171,19 @@ def save(stem: str, config: dict, runs: list[dict], text: str, study: Study) -> 
     folder, print the table and the time."""
     study.save(stem, {"config": config, "runs": runs}, text)
     print(f"{study.elapsed():.0f} s", flush=True)
+
+
+def study_main(script: str, doc: str | None, stem: str,
+               measure: Callable[[int, int], list[dict]],
+               markdown: Callable[[list[dict]], str], config: dict) -> None:
+    """The main of a study over cells of this grid (``balance.py``, ``band.py``): its
+    ``--seeds``, ``--jobs`` and ``--set``, ``measure(seeds, jobs)``, then STEM.json (the
+    study's ``config``, the seeds and the time, every run) and STEM.md."""
+    args = parser(doc, seeds=3, jobs=2).parse_args()
+    study = Study(script, set_name=args.set)
+    runs = measure(args.seeds, args.jobs)
+    save(stem, {**config, "seeds": args.seeds, "wall_s": study.elapsed()}, runs,
+         markdown(runs), study)
 
 
 def measure(hardware: tuple[str, ...], group_counts: tuple[int, ...], prefix: int,

@@ -7,8 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/sglang/server.sh
-out=benchmarks/sglang/results/${SET:-$(git rev-parse --short HEAD)}  # the run set's folder
-mkdir -p "$out"
+out=$(benchmarks/run_set.sh sglang)
 port=30188
 workload=(--groups 4 --prompts-per-group 8 --prefix-len 4096 --output-len 48
           --request-rate 2 --seed 0)

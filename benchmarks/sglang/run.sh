@@ -6,8 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/sglang/server.sh
-out=benchmarks/sglang/results/${SET:-$(git rev-parse --short HEAD)}  # the run set's folder
-mkdir -p "$out"
+out=$(benchmarks/run_set.sh sglang)
 port=30187
 workload=(--groups 4 --prompts-per-group 16 --prefix-len 4096 --output-len 32 --seed 0)
 for policy in fcfs lpm dfs-weight feather; do

@@ -12,9 +12,7 @@
 # commit).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-set_name=${SET:-$(git rev-parse --short HEAD)}
-out=benchmarks/sim/results/$set_name
-mkdir -p "$out"
+out=$(benchmarks/run_set.sh sim)
 workloads=(
     "--groups 4 --prompts-per-group 16 --prefix-len 8192 --output-len 64"
     "--groups 8 --prompts-per-group 8 --prefix-len 4096 --output-len 64"
@@ -36,4 +34,4 @@ calibrate=(.venv/bin/feather calibrate --hardware benchmarks/sim/cpu-hardware.js
     | tee $out/cascade-check-calibrate.txt
 "${calibrate[@]}" $out/cpu-shared-on-steps.csv --cascade --out $out/cpu-shared-on-profile.json \
     | tee -a $out/cascade-check-calibrate.txt
-.venv/bin/python benchmarks/sim/cascade_check.py --set "$set_name" | tee $out/cascade-check.md
+.venv/bin/python benchmarks/sim/cascade_check.py --set "${out#benchmarks/sim/results/}" | tee $out/cascade-check.md

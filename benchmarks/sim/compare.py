@@ -1,6 +1,6 @@
 """Predicted (simulator) vs measured (real engine) throughput, as a markdown table.
 
-    python benchmarks/sim/compare.py benchmarks/sim/validate-*-real.json
+    python benchmarks/sim/compare.py benchmarks/sim/results/8ed5949/validate-*-real.json
 
 Each ``NAME-real.json`` (``feather bench --json``) is read with the ``NAME-sim.json``
 beside it (``feather sim --json`` on the same workload).

@@ -10,8 +10,7 @@
 # commit).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=benchmarks/sim/results/${SET:-$(git rev-parse --short HEAD)}
-mkdir -p "$out"
+out=$(benchmarks/run_set.sh sim)
 steps=$out/cpu-steps.csv
 rm -f "$steps"
 bench=(.venv/bin/feather bench --schedulers fcfs,feather-always --seed 1)

@@ -23,8 +23,7 @@
 # saturated load (1.5x FCFS's capacity measured with the same pool).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=benchmarks/traces/results/${SET:-cpu-$(git rev-parse --short HEAD)}
-mkdir -p "$out"
+out=$(benchmarks/run_set.sh traces cpu-)
 two=fcfs,feather-model
 bench=(.venv/bin/feather bench --seed 0 --schedulers $two,$two,$two)
 run() {

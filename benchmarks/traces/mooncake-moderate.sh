@@ -8,8 +8,7 @@
 # mooncake-parts.*.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=benchmarks/traces/results/${SET:-cpu-moderate-$(git rev-parse --short HEAD)}
-mkdir -p "$out"
+out=$(benchmarks/run_set.sh traces cpu-moderate-)
 trace=(--trace ../shared/traces/mooncake-synthetic.jsonl --start 2993 --max-requests 1000
        --token-scale 0.0625 --engine-arg block_size=32 --trace-speed 2.6)
 two=fcfs,feather-model

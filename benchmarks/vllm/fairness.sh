@@ -6,8 +6,7 @@
 # benchmarks/vllm/results/$SET/ (default: the commit).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=benchmarks/vllm/results/${SET:-$(git rev-parse --short HEAD)}  # the run set's folder
-mkdir -p "$out"
+out=$(benchmarks/run_set.sh vllm)
 bench=(.venv/bin/feather bench --workload minority --seed 0 --save-detailed
        --schedulers fcfs,feather-chunk-loss,feather-bandit,feather-bandit-unbounded)
 # (a) the reported case: 400 + 20 requests, 4.6K-token prompts (4K shared), 64 out, ~21/s.

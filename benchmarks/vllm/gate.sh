@@ -13,8 +13,7 @@
 # Results go into benchmarks/vllm/results/$SET/ (default: the commit).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=benchmarks/vllm/results/${SET:-$(git rev-parse --short HEAD)}  # the run set's folder
-mkdir -p "$out"
+out=$(benchmarks/run_set.sh vllm)
 bench=(.venv/bin/feather bench --groups 8 --prompts-per-group 16 --prefix-len 8192
        --output-len 64 --seed 0)
 round=feather-always-noorder-unbounded,feather-model-noorder-unbounded,feather-chunk-loss-noorder-unbounded

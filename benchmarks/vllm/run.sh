@@ -8,8 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bench=(.venv/bin/feather bench --output-len 64 --seed 0)
-out=benchmarks/vllm/results/${SET:-$(git rev-parse --short HEAD)}  # the run set's folder
-mkdir -p "$out"
+out=$(benchmarks/run_set.sh vllm)
 medians=(.venv/bin/python benchmarks/vllm/medians.py)
 
 # (i) eight groups of 8K-token prefixes, three rounds: FCFS, ordering alone (always),

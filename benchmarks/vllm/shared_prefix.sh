@@ -12,8 +12,7 @@
 # Results go into benchmarks/vllm/results/$SET/ (default: the commit).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=benchmarks/vllm/results/${SET:-$(git rev-parse --short HEAD)}  # the run set's folder
-mkdir -p "$out"
+out=$(benchmarks/run_set.sh vllm)
 bench=(.venv/bin/feather bench --output-len 64 --seed 0)
 four=fcfs,fcfs-shared,feather-model-noshared,feather-model
 report() {
