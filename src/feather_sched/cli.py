@@ -150,6 +150,7 @@ def _engine_args(pairs: list[str]) -> dict:
             args[key.replace("-", "_")] = raw
     return args
 
+
 # ---- the options feather bench and feather sim share --------------------------------------
 
 
