@@ -20,18 +20,18 @@ ratio over rounds with its range.
 
     .venv/bin/python benchmarks/attention/cpu_decode.py            # the grid, ~4 min
     .venv/bin/python benchmarks/attention/cpu_decode.py --quick    # 4 x 16 at 8K only
+
+Writes STEM.json (every round's records, the summary) and STEM.md (the table) into
+results/NAME/ (``--set NAME``, default the commit; ``--stem``, default cpu-decode).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from vllm import _custom_ops as ops
@@ -39,8 +39,9 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from feather_sched.attention import cpu_kernel
 from feather_sched.attention.groups import min_blocks, plan_step
+from feather_sched.bench.study import Study, markdown_table
+from feather_sched.bench.study import parser as study_parser
 
-OUT = Path(__file__).resolve().parent / "cpu-decode"
 BLOCK = 128
 MAX_ROWS = 256  # vLLM's default max_num_seqs
 
@@ -201,21 +202,21 @@ def summarize(records: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | dtype | G x M | prefix | sorted ms | interleaved ms | shared ms | "
-             "sorted / shared (range) | interleaved / shared | plan per step ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    def ratio(r: dict) -> str:
         low, high = r["sorted_over_shared_range"]
-        lines.append(
-            f"| {r['geometry']} | {r['dtype']} | {r['groups']} x {r['per_group']} | "
-            f"{r['prefix']} | {r['sorted_ms']:.2f} | {r['interleaved_ms']:.2f} | "
-            f"{r['shared_ms']:.2f} | {r['sorted_over_shared']:.2f}x ({low:.2f}-{high:.2f}) | "
-            f"{r['interleaved_over_shared']:.2f}x | {r['plan_per_step_ms']:.3f} |")
-    return "\n".join(lines)
+        return f"{r['sorted_over_shared']:.2f}x ({low:.2f}-{high:.2f})"
+
+    return markdown_table(
+        ["model", "dtype", "G x M", "prefix", "sorted ms", "interleaved ms", "shared ms",
+         "sorted / shared (range)", "interleaved / shared", "plan per step ms"],
+        ([r["geometry"], r["dtype"], f"{r['groups']} x {r['per_group']}", str(r["prefix"]),
+          f"{r['sorted_ms']:.2f}", f"{r['interleaved_ms']:.2f}", f"{r['shared_ms']:.2f}",
+          ratio(r), f"{r['interleaved_over_shared']:.2f}x", f"{r['plan_per_step_ms']:.3f}"]
+         for r in rows))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = study_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="4 x 16 at 8K only")
     parser.add_argument("--prefixes", default="2048,8192,16384",
                         help="comma-separated prefix lengths, multiples of 128 tokens")
@@ -225,8 +226,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="as vLLM's CPU worker here")
-    parser.add_argument("--out", type=Path, default=OUT, help="prefix of .json and .md")
+    parser.add_argument("--stem", default="cpu-decode", help="name of the .json and .md")
     args = parser.parse_args()
+    study = Study(__file__, set_name=args.set)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     records = []
@@ -243,15 +245,10 @@ def main() -> None:
                       f"({s['sorted'] / s['shared']:.2f}x), "
                       f"max diff {record['max_relative_difference']:.1e}", flush=True)
     rows = summarize(records)
-    text = table(rows)
-    print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(text + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps({
-        "command": "benchmarks/attention/cpu_decode.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
+    study.write_json(args.stem, {
         "machine": platform.processor() or platform.machine(), "threads": args.threads,
-        "torch": torch.__version__, "summary": rows, "records": records}, indent=1))
+        "torch": torch.__version__, "summary": rows, "records": records})
+    study.write_markdown(args.stem, table(rows))
 
 
 if __name__ == "__main__":

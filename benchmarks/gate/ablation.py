@@ -2,7 +2,7 @@
 off, under the fairness bound (Feather's default) and without it; plus how fast the
 learning gates learn (the first 100 steps, cold vs warm).
 
-    .venv/bin/python benchmarks/gate/ablation.py [--seeds N] [--jobs J]
+    .venv/bin/python benchmarks/gate/ablation.py [--seeds N] [--jobs J] [--set NAME]
 
 Llama-3-8B in the simulator, ``--seeds`` workload seeds per cell (arrivals, group sizes,
 prompts; default 5): the seed moves the ordering-off cell's model / always-add between
@@ -14,33 +14,36 @@ ones (longer than the L2 holds beside the group's prefix); many long-prefix grou
 KV-pool pressure (a pool of 16 prefixes for 32 groups); two of the sweep's shapes; and
 two small bursts (4 x 40, 16 x 50).  "bandit (pretrained)" starts from a table
 ``feather pretrain`` wrote for the cell's GPU (kept in tables/); "model" starts from the
-GPU's profile, "model (cold)" from nothing.  Writes ablation.json and ablation.md here.
+GPU's profile, "model (cold)" from nothing.  Writes ablation.json and ablation.md into
+results/NAME/ (default: the commit).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import statistics
 import tempfile
-import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
-from feather_sched.costmodel.cost import CostModel
-from feather_sched.costmodel.hardware import HARDWARE
-from feather_sched.costmodel.model_profiles import MODELS
+from feather_sched.bench.study import (
+    Study,
+    markdown_table,
+    parallel,
+    parser,
+    ratio,
+    ratios,
+    sim_plan,
+)
 from feather_sched.results.summary import median_and_range, prefill_over_floor, summarize
-from feather_sched.sim.engine import EngineConfig, SimEngine
+from feather_sched.sim.engine import SimEngine
 from feather_sched.sim.policies import make_policy
-from feather_sched.sim.runner import SimPlan, as_run_result, pretrain_bandit
+from feather_sched.sim.runner import as_run_result, pretrain_bandit
 from feather_sched.workloads.options import WorkloadArgs
 from feather_sched.workloads.spec import ArrivalSpec
 from feather_sched.workloads.synthetic import minority_groups, shared_prefix_groups
 
 HERE = Path(__file__).parent
-MODEL = MODELS["llama-3-8b"]
 GATES = ("always", "chunk-loss", "bandit", "bandit-pretrained", "model")
 FIRST_STEPS = 100
 
@@ -62,24 +65,23 @@ def singletons(seed: int, tokens: int = 10240):
                            arrival=poisson(60), seed=seed)
 
 
-CELLS = {  # label -> (GPU, workload of a seed, engine limits; None: the GPU's defaults)
+CELLS = {  # label -> (GPU, workload of a seed, engine limits beside the GPU's defaults)
     "ordering-off cell (8x100, 10K, 100/s)": (
-        "rtx6000-ada", lambda seed: groups(8, 100, 10240, 50, 100, seed), None),
+        "rtx6000-ada", lambda seed: groups(8, 100, 10240, 50, 100, seed), {}),
     "singletons into one large group (400 + 40x1, 10K, 60/s)": (
-        "rtx6000-ada", singletons, None),
+        "rtx6000-ada", singletons, {}),
     "16K-token singletons into one large group (400 + 40x1, 10K, 60/s)": (
-        "rtx6000-ada", lambda seed: singletons(seed, 16384), None),
+        "rtx6000-ada", lambda seed: singletons(seed, 16384), {}),
     "KV-pool pressure (32x16, 16K, pool of 256K tokens, 40/s)": (
-        "h100-sxm", lambda seed: groups(32, 16, 16384, 100, 40, seed),
-        EngineConfig(num_blocks=16384)),
+        "h100-sxm", lambda seed: groups(32, 16, 16384, 100, 40, seed), {"num_blocks": 16384}),
     "sweep: 8x100, 5K, offline": (
-        "h100-sxm", lambda seed: groups(8, 100, 5120, 50, None, seed), None),
+        "h100-sxm", lambda seed: groups(8, 100, 5120, 50, None, seed), {}),
     "sweep: 100x8, 1K, offline": (
-        "rtx6000-ada", lambda seed: groups(100, 8, 1024, 50, None, seed), None),
+        "rtx6000-ada", lambda seed: groups(100, 8, 1024, 50, None, seed), {}),
     "small burst (4x40, 10K, 100/s)": (
-        "rtx6000-ada", lambda seed: groups(4, 40, 10240, 50, 100, seed), None),
+        "rtx6000-ada", lambda seed: groups(4, 40, 10240, 50, 100, seed), {}),
     "small burst (16x50, 10K, 100/s)": (
-        "rtx6000-ada", lambda seed: groups(16, 50, 10240, 50, 100, seed), None),
+        "rtx6000-ada", lambda seed: groups(16, 50, 10240, 50, 100, seed), {}),
 }
 
 
@@ -88,8 +90,7 @@ def pretrained_table(hardware: str) -> Path:
     path = HERE / "tables" / f"bandit-{hardware}-llama-3-8b.json"
     if not path.exists():
         path.parent.mkdir(exist_ok=True)
-        plan = SimPlan(workload=groups(1, 1, 16, 1, None), hardware=HARDWARE[hardware],
-                       model=MODEL)
+        plan = sim_plan(groups(1, 1, 16, 1, None), hardware)
 
         def workload_of(n: int, per: int, prefix: int, output: int, seed: int):
             return WorkloadArgs(groups=n, prompts_per_group=per, prefix_len=prefix,
@@ -105,13 +106,11 @@ def scheduler(gate: str, ordered: bool, bounded: bool) -> str:
             + ("" if bounded else "-unbounded"))
 
 
-def run(hardware: str, workload, engine: EngineConfig | None, name: str,
+def run(hardware: str, workload, engine: dict[str, Any], name: str,
         options: dict) -> tuple[dict, float]:
     """One run: its summary and its scheduled requests per second over the first steps."""
-    plan = SimPlan(workload=workload, hardware=HARDWARE[hardware], model=MODEL,
-                   engine=engine)
-    cost = CostModel(plan.hardware, plan.model, plan.params)
-    sim = SimEngine(cost, plan.engine_config())
+    plan = sim_plan(workload, hardware, **engine)
+    sim = SimEngine(plan.cost_model(name), plan.engine_config())
     policy = make_policy(name, options, sim)
     first: list[tuple[int, float]] = []
     end_step = policy.end_step
@@ -164,13 +163,17 @@ def cell_rows(label: str, seed: int) -> list[dict]:
     return rows
 
 
-def ratios(tput: dict[tuple, float], column: str, setting: tuple[bool, bool],
-           over: str | None = None) -> list[float]:
-    """Per seed, ``column``'s throughput over ``over``'s in ``setting`` (bounded, ordered);
-    ``over`` None: over FCFS.  ``tput`` maps (seed, column, bounded, ordered) to tok/s."""
-    below = (over, *setting) if over else ("fcfs", None, None)
-    seeds = sorted({key[0] for key in tput})
-    return [tput[(seed, column, *setting)] / tput[(seed, *below)] for seed in seeds]
+def cell_task(task: tuple[str, int]) -> list[dict]:
+    """``cell_rows`` of a (cell, seed) task, as the process pool maps them."""
+    return cell_rows(*task)
+
+
+def by_column(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """(column, bounded, ordered) -> its row on each seed, in seed order."""
+    runs: dict[tuple, list[dict]] = {}
+    for row in sorted(rows, key=lambda row: row["seed"]):
+        runs.setdefault((row["column"], row["bounded"], row["ordered"]), []).append(row)
+    return runs
 
 
 def markdown(rows: list[dict]) -> str:
@@ -179,58 +182,51 @@ def markdown(rows: list[dict]) -> str:
     columns = (*GATES, "model-cold")
     seeds = sorted({r["seed"] for r in rows})
     lines = [f"Medians over {len(seeds)} workload seeds (range in brackets).", ""]
+    tput = "output_throughput"
     for label in dict.fromkeys(r["cell"] for r in rows):
         cell = [r for r in rows if r["cell"] == label]
-        tput = {(r["seed"], r["column"], r["bounded"], r["ordered"]): r["output_throughput"]
-                for r in cell}
-        fcfs = [tput[seed, "fcfs", None, None] for seed in seeds]
-        lines += [f"### {label} ({cell[0]['hardware']}; FCFS "
-                  f"{median_and_range(fcfs, '{:,.0f}')} tok/s)", "",
-                  "| bound | ordering | " + " | ".join(columns)
-                  + " | model / always | model / chunk-loss |",
-                  "|---|---|" + "---|" * (len(columns) + 2)]
+        runs = by_column(cell)
+        fcfs = runs["fcfs", None, None]
+        settings = []
         for bounded in (True, False):
             for ordered in (True, False):
-                setting = (bounded, ordered)
-                over_fcfs = [statistics.median(ratios(tput, c, setting)) for c in columns]
-                model_over = [median_and_range(ratios(tput, "model", setting, over), "{:.3f}")
-                              for over in ("always", "chunk-loss")]
-                lines.append(f"| {'on' if bounded else 'off'} | {'on' if ordered else 'off'} | "
-                             + " | ".join([*(f"{r:.2f}x" for r in over_fcfs), *model_over])
-                             + " |")
-        early = {column: [r["first_steps_requests_per_s"] for r in cell
-                          if r["column"] == column and r["bounded"] is False
-                          and r["ordered"] is False]
-                 for column in ("bandit", "bandit-pretrained", "model", "model-cold")}
-        floor = {column: [r["prefill_over_floor"] for r in cell if r["column"] == column
-                          and r["bounded"] in (False, None) and r["ordered"] in (False, None)]
-                 for column in ("fcfs", "always", "chunk-loss", "model")}
-        lines += ["", "First 100 steps, scheduled requests/s (bound off, ordering off): "
-                  + ", ".join(f"{column} {median_and_range(values, '{:,.0f}')}"
-                              for column, values in early.items()), "",
+                ours = {column: runs[column, bounded, ordered] for column in columns}
+                settings.append([
+                    "on" if bounded else "off", "on" if ordered else "off",
+                    *(f"{statistics.median(ratios(ours[c], fcfs, tput)):.2f}x" for c in columns),
+                    *(ratio(ours["model"], ours[over], tput, "{:.3f}", unit="")
+                      for over in ("always", "chunk-loss"))])
+        off = {column: runs[column, False, False]
+               for column in ("always", "chunk-loss", "bandit", "bandit-pretrained", "model",
+                              "model-cold")} | {"fcfs": fcfs}
+
+        def spread(column: str, key: str, fmt: str = "{:.2f}", off: dict = off) -> str:
+            return f"{column} {median_and_range([r[key] for r in off[column]], fmt)}"
+
+        early = ", ".join(spread(column, "first_steps_requests_per_s", "{:,.0f}")
+                          for column in ("bandit", "bandit-pretrained", "model", "model-cold"))
+        floor = ", ".join(spread(column, "prefill_over_floor")
+                          for column in ("fcfs", "always", "chunk-loss", "model"))
+        lines += [f"### {label} ({cell[0]['hardware']}; FCFS "
+                  f"{median_and_range([r[tput] for r in fcfs], '{:,.0f}')} tok/s)", "",
+                  markdown_table(["bound", "ordering", *columns, "model / always",
+                                  "model / chunk-loss"], settings),
+                  "", "First 100 steps, scheduled requests/s (bound off, ordering off): "
+                  + early, "",
                   "Prompt tokens computed over the floor (each group's prefix once; bound "
-                  "off, ordering off): " + ", ".join(f"{column} {median_and_range(values)}"
-                                                      for column, values in floor.items()),
-                  ""]
+                  "off, ordering off): " + floor, ""]
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=5, help="workload seeds per cell")
-    parser.add_argument("--jobs", type=int, default=2, help="processes")
-    args = parser.parse_args()
-    started = time.perf_counter()
+    args = parser(__doc__, seeds=5, jobs=2).parse_args()
+    study = Study(__file__, set_name=args.set)
     for hardware in dict.fromkeys(hardware for hardware, _, _ in CELLS.values()):
         pretrained_table(hardware)  # once, before the processes read it
     tasks = [(label, seed) for label in CELLS for seed in range(args.seeds)]
-    with ProcessPoolExecutor(args.jobs) as pool:
-        rows = [row for cell in pool.map(cell_rows, *zip(*tasks, strict=True)) for row in cell]
-    (HERE / "ablation.json").write_text(json.dumps(rows, indent=1))
-    text = markdown(rows)
-    (HERE / "ablation.md").write_text(text + "\n")
-    print(text)
-    print(f"{time.perf_counter() - started:.0f} s")
+    rows = [row for cell in parallel(cell_task, tasks, args.jobs) for row in cell]
+    study.save("ablation", {"rows": rows}, markdown(rows))
+    print(f"{study.elapsed():.0f} s")
 
 
 if __name__ == "__main__":

@@ -1,35 +1,35 @@
 """What a gate can win on this project's CPU, in the simulator calibrated on its steps.
 
-    .venv/bin/python benchmarks/gate/cpu_room.py [--seeds N]
+    .venv/bin/python benchmarks/gate/cpu_room.py [--seeds N] [--set NAME]
 
 On the real CPU engine with 16K-token prefixes, batch ordering shortens the decode step
-to 0.74x (``benchmarks/vllm/gate-churn-16k.md``), yet the model gate takes no STOP there.
-This asks the simulator, with the profile ``feather calibrate`` fitted to 144 steps of
-that engine on 16K-token prefixes (``benchmarks/sim/cpu-16k-*``), what each gate would
+to 0.74x (``benchmarks/vllm/results/2cf19a3/gate-churn-16k.md``), yet the model gate
+takes no STOP there.  This asks the simulator, with the profile ``feather calibrate``
+fitted to 144 steps of that engine on 16K-token prefixes
+(``benchmarks/sim/results/3a9c2f2/cpu-16k-*``), what each gate would
 win with ordering off, given that profile from its first step (``model-warm``) or not:
 ordering's gain is the room; a STOP can take it only by keeping new groups out, and vLLM's
 persistent batch then still puts the admitted ones into the holes finished requests
-leave.  Writes cpu-room.json and cpu-room.md here (``--seeds`` workload seeds a cell,
-default 3; medians and ranges of ratios to always-add without ordering).
+leave.  Writes cpu-room.json and cpu-room.md into results/NAME/ (default: the commit;
+``--seeds`` workload seeds a cell, default 3; medians and ranges of ratios to always-add
+without ordering).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
-from feather_sched.costmodel.calibrate import load_profile
-from feather_sched.costmodel.cost import CostModel
-from feather_sched.results.summary import median_and_range, summarize
-from feather_sched.sim.engine import EngineConfig, SimEngine
+from feather_sched.bench.study import Study, by_scheduler, markdown_table, parser, ratio
+from feather_sched.results.summary import summarize
+from feather_sched.sim.engine import SimEngine
 from feather_sched.sim.policies import make_policy
 from feather_sched.sim.runner import SimPlan, as_run_result
 from feather_sched.workloads.spec import ArrivalSpec
 from feather_sched.workloads.synthetic import shared_prefix_groups
 
 HERE = Path(__file__).parent
-PROFILE = HERE.parent / "sim" / "cpu-16k-profile.json"
+PROFILE = HERE.parent / "sim" / "results" / "3a9c2f2" / "cpu-16k-profile.json"
+"""The profile `feather calibrate` fitted to 144 CPU-engine steps on 16K-token prefixes."""
 STRICT = {"max_loss": 0, "max_loss_loaded": 0, "floor_start": 0, "floor_step": 0}
 COLUMNS = {  # label -> (scheduler, Feather options)
     "always, no ordering": ("feather-always-noorder-unbounded", {}),
@@ -56,37 +56,36 @@ def throughput(cell: tuple, seed: int, scheduler: str, options: dict) -> float:
         groups=groups, prompts_per_group=per, prefix_len=16384, suffix_len=32,
         output_len=output, jitter=0.9, seed=seed,
         arrival=None if rate is None else ArrivalSpec(kind="poisson", rate=rate))
-    profile = load_profile(PROFILE)
-    plan = SimPlan(workload=workload, hardware=profile.hardware, model=profile.model,
-                   params=profile.params)
-    limits = plan.engine_config()
-    engine = SimEngine(CostModel(profile.hardware, profile.model, profile.params),
-                       EngineConfig(block_tokens=limits.block_tokens,
-                                    num_blocks=limits.num_blocks, max_num_seqs=32))
+    plan = SimPlan.from_options(workload, profile=PROFILE, max_num_seqs=32)
+    engine = SimEngine(plan.cost_model(scheduler), plan.engine_config())
     policy = make_policy(scheduler, options, engine)
     return summarize(as_run_result(engine.run(workload, policy), policy, scheduler))[
         "output_throughput"]
 
 
+def markdown(records: list[dict]) -> str:
+    """Per cell: each column's throughput over the first column's, per seed, as the median
+    (range)."""
+    base = next(iter(COLUMNS))
+    rows = []
+    for label in CELLS:
+        runs = by_scheduler({r["column"]: r for r in records
+                             if r["cell"] == label and r["seed"] == seed}
+                            for seed in sorted({r["seed"] for r in records}))
+        rows.append([label, *(ratio(runs[c], runs[base], "output_throughput", "{:.3f}",
+                                    unit="") for c in COLUMNS)])
+    return markdown_table(["cell", *COLUMNS], rows)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
-    seeds = range(parser.parse_args().seeds)
+    args = parser(__doc__, seeds=3).parse_args()
+    study = Study(__file__, set_name=args.set)
     records = [{"cell": label, "seed": seed, "column": column,
                 "output_throughput": throughput(cell, seed, *COLUMNS[column])}
-               for label, cell in CELLS.items() for seed in seeds for column in COLUMNS]
-    (HERE / "cpu-room.json").write_text(json.dumps({"profile": str(PROFILE.name),
-                                                    "records": records}, indent=1) + "\n")
-    tput = {(r["cell"], r["seed"], r["column"]): r["output_throughput"] for r in records}
-    base = next(iter(COLUMNS))
-    lines = ["| cell | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
-    for label in CELLS:
-        ratios = [median_and_range([tput[label, s, c] / tput[label, s, base] for s in seeds],
-                                   "{:.3f}") for c in COLUMNS]
-        lines.append(f"| {label} | " + " | ".join(ratios) + " |")
-    table = "\n".join(lines) + "\n"
-    (HERE / "cpu-room.md").write_text(table)
-    print(table, end="")
+               for label, cell in CELLS.items() for seed in range(args.seeds)
+               for column in COLUMNS]
+    study.save("cpu-room", {"profile": str(PROFILE.name), "records": records},
+               markdown(records))
 
 
 if __name__ == "__main__":

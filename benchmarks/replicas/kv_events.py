@@ -1,8 +1,11 @@
 """Medians over rounds of ``kv_events.sh``'s runs: per router, prefix-cache hits, TTFT
 mean and p90, output throughput, and the precise index's per-round ratios to each other
-router; writes STEM.md here and prints it.
+router; writes kv_events.md into the run set's folder and prints it.
 
-    .venv/bin/python benchmarks/replicas/kv_events.py [STEM]   # default kv_events
+    .venv/bin/python benchmarks/replicas/kv_events.py [SET]   # default 90a7779/one-ingress
+
+A set's runs are ``<router>-round<k>.json`` (``feather bench --json`` against the endpoint),
+in ``results/SET/``.
 """
 
 from __future__ import annotations
@@ -12,52 +15,56 @@ import re
 import sys
 from pathlib import Path
 
+from feather_sched.bench.study import Runs, markdown_table, ratio
 from feather_sched.results.summary import median_and_range
 
 HERE = Path(__file__).parent
+RECORDED = "90a7779/one-ingress"
+"""A recorded run set (``90a7779/two-ingresses``: the other)."""
 PRECISE = "feather-precise"
 KEYS = (("prefix_cache_hit_rate", "prefix-cache hits", "{:.3f}"),
         ("mean_ttft_ms", "mean TTFT ms", "{:,.0f}"), ("p90_ttft_ms", "p90 TTFT ms", "{:,.0f}"),
         ("output_throughput", "out tok/s", "{:.1f}"))
 
 
-def runs(stem: str) -> dict[str, list[dict]]:
-    """Per router label, each round's summary, in round order."""
+def runs(folder: Path) -> Runs:
+    """Per router label (in name order), each round's summary, in round order."""
     found: dict[str, dict[int, dict]] = {}
-    for path in HERE.glob(f"{stem}-*-r*.json"):
-        match = re.fullmatch(rf"{re.escape(stem)}-(.+)-r(\d+)\.json", path.name)
+    for path in folder.glob("*-round*.json"):
+        match = re.fullmatch(r"(.+)-round(\d+)\.json", path.name)
         if match is None:
             continue
         summary = next(iter(json.loads(path.read_text())["runs"].values()))
         found.setdefault(match[1], {})[int(match[2])] = summary
-    return {label: [rounds[r] for r in sorted(rounds)] for label, rounds in found.items()}
+    return {label: [found[label][r] for r in sorted(found[label])] for label in sorted(found)}
 
 
-def markdown(found: dict[str, list[dict]]) -> str:
-    rounds = max(len(r) for r in found.values())
-    lines = [f"Median over {rounds} rounds (range).", "",
-             "| router | " + " | ".join(title for _, title, _ in KEYS) + " |",
-             "|---|" + "---|" * len(KEYS)]
-    for label, summaries in found.items():
-        lines.append(f"| {label} | " + " | ".join(
-            median_and_range([s[key] for s in summaries], fmt) for key, _, fmt in KEYS) + " |")
+def markdown(found: Runs) -> str:
+    header = ["router", *(title for _, title, _ in KEYS)]
+    lines = [f"Median over {max(len(r) for r in found.values())} rounds (range).", "",
+             markdown_table(header, ([label, *(median_and_range([s[key] for s in summaries], fmt)
+                                               for key, _, fmt in KEYS)]
+                                     for label, summaries in found.items()))]
     precise = found.get(PRECISE)
     if precise:
         lines += ["", f"{PRECISE} / each other router, per round (median, range):", "",
-                  "| router | " + " | ".join(title for _, title, _ in KEYS) + " |",
-                  "|---|" + "---|" * len(KEYS)]
-        for label, summaries in found.items():
-            if label != PRECISE:
-                lines.append(f"| {label} | " + " | ".join(median_and_range(
-                    [p[key] / s[key] for p, s in zip(precise, summaries, strict=False)],
-                    "{:.2f}x") for key, _, _ in KEYS) + " |")
+                  markdown_table(header, ([label, *(ratio(precise, summaries, key, "{:.2f}x",
+                                                          unit="", strict=False)
+                                                    for key, _, _ in KEYS)]
+                                          for label, summaries in found.items()
+                                          if label != PRECISE))]
     return "\n".join(lines) + "\n"
 
 
+def render(folder: Path) -> str:
+    """kv_events.md's text for the run set in ``folder``."""
+    return markdown(runs(folder))
+
+
 def main() -> None:
-    stem = sys.argv[1] if len(sys.argv) > 1 else "kv_events"
-    text = markdown(runs(stem))
-    (HERE / f"{stem}.md").write_text(text)
+    folder = HERE / "results" / (sys.argv[1] if len(sys.argv) > 1 else RECORDED)
+    text = render(folder)
+    (folder / "kv_events.md").write_text(text)
     print(text)
 
 

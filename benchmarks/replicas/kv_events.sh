@@ -6,9 +6,11 @@
 # Ray's PrefixCacheAffinityRouter, ROUNDS times over. Each run: feather bench against the
 # endpoint (prefix-cache hits: the share of prompt tokens vLLM reports cached for each
 # request, usage.prompt_tokens_details.cached_tokens; TTFT mean and p90); writes
-# kv_events-<router>-r<round>.json here, then kv_events.md: per router the median over
-# rounds (kv_events.py). INGRESSES=K: K ingress replicas share the requests, each routing
-# with its own router (files kv_events_iK-*). Needs scripts/setup.sh --vllm --ray.
+# <router>-round<k>.json (and the router's view, <router>-round<k>-router.json) into the
+# run set's folder, benchmarks/replicas/results/$SET/ (default: the commit), then
+# kv_events.md: per router the median over rounds (kv_events.py). INGRESSES=K: K ingress
+# replicas share the requests, each routing with its own router (name the set for it,
+# e.g. SET=<commit>/two-ingresses). Needs scripts/setup.sh --vllm --ray.
 # Defaults: 24 groups x 6 requests of 2K-token prefixes (48K prefix tokens) at 2 req/s
 # against 16K-token KV caches (KV_GIB=0.0625): a replica keeps about a sixth of them.
 #   ROUNDS=3 N_GROUPS=24 PER_GROUP=6 PREFIX=2048 OUTPUT=16 RATE=2 KV_GIB=0.0625 \
@@ -16,10 +18,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/replicas/serve_lib.sh
-out=benchmarks/replicas
+out=$(benchmarks/run_set.sh replicas)
 ingresses=${INGRESSES:-1}
-stem=kv_events
-[ "$ingresses" != 1 ] && stem=kv_events_i$ingresses
 port=${PORT:-8731}
 url=http://127.0.0.1:$port
 routers=${ROUTERS:-feather:precise feather:approximate prefix-affinity}
@@ -37,9 +37,9 @@ for round in $(seq "${ROUNDS:-3}"); do
             --kv-cache-gib "${KV_GIB:-0.0625}" --max-model-len 4096 --enforce-eager \
             --host 127.0.0.1 --port "$port"
         .venv/bin/feather bench --base-url "$url" --label "$label" --seed "$round" \
-            "${workload[@]}" --json "$out/$stem-$label-r$round.json"
-        curl -s "$url/feather/router" > "$out/$stem-$label-r$round-router.json" || true
+            "${workload[@]}" --json "$out/$label-round$round.json"
+        curl -s "$url/feather/router" > "$out/$label-round$round-router.json" || true
         stop_server
     done
 done
-.venv/bin/python benchmarks/replicas/kv_events.py "$stem"
+.venv/bin/python benchmarks/replicas/kv_events.py "${out#benchmarks/replicas/results/}"

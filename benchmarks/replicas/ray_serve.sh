@@ -4,7 +4,8 @@
 # PowerOfTwoChoicesRequestRouter (Serve's default), Ray's PrefixCacheAffinityRouter and
 # FeatherRequestRouter. The same multi-group workload goes through each (feather bench
 # against the endpoint); prints vLLM's benchmark block per router and a table, and writes
-# ray_serve[-TAG]-<router>.json and ray_serve[-TAG].md here (RATE= empty: all at once).
+# <router>.json, ray_serve.md and ray_serve.png into the run set's folder,
+# benchmarks/replicas/results/$SET/ (default: the commit; RATE= empty: all at once).
 # Needs scripts/setup.sh --vllm --ray.
 # Each replica's KV cache (KV_GIB, default 1/16 GiB = 16K tokens) holds half the groups'
 # prefixes: a router that keeps groups together avoids recomputing evicted prefixes.
@@ -13,8 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/replicas/serve_lib.sh
-out=benchmarks/replicas
-name=$out/ray_serve${TAG:+-$TAG}
+out=$(benchmarks/run_set.sh replicas)
 port=${PORT:-8731}
 url=http://127.0.0.1:$port
 routers=${ROUTERS:-power-of-two prefix-affinity feather}
@@ -29,8 +29,8 @@ for router in $routers; do
         --router "$router" --kv-cache-gib "${KV_GIB:-0.0625}" --max-model-len 4096 \
         --enforce-eager --host 127.0.0.1 --port "$port"
     .venv/bin/feather bench --base-url "$url" --label "ray-$router" "${workload[@]}" \
-        --json "$name-$router.json"
+        --json "$out/$router.json"
     stop_server
-    results+=("$name-$router.json")
+    results+=("$out/$router.json")
 done
-.venv/bin/feather report "${results[@]}" --plot "$name.png" --markdown "$name.md"
+.venv/bin/feather report "${results[@]}" --plot "$out/ray_serve.png" --markdown "$out/ray_serve.md"

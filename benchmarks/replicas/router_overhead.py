@@ -1,6 +1,6 @@
 """Router overhead per request: keys of a 10K-token prompt, route, finish.
 
-    .venv/bin/python benchmarks/replicas/router_overhead.py
+    .venv/bin/python benchmarks/replicas/router_overhead.py [--set NAME]
 
 8 replicas, 64 prefix groups of 10,240 tokens plus 32 unique tokens each (int32 numpy
 prompts, as a router holding token ids has them), 256 requests in flight (each request
@@ -12,19 +12,19 @@ engine, 16 as its GPU engines) routes over a cache index that holds what each re
 replica would cache: after each route its replica's engine reports the request's blocks
 stored (``BlockStored``, not timed: the event thread's work, timed apart as
 ``events_us``, per request).  ``cold_hash_us``: vLLM's hashes of a prompt no request
-shared before (no memo).  Prints the figures and writes router_overhead.json beside
-this file.
+shared before (no memo).  Prints the figures and writes router_overhead.json into the
+run set's folder, results/NAME/ (``--set``, default the commit).
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
+from feather_sched.bench.study import Study, parser
 from feather_sched.core.cht import token_chunk_keys
 from feather_sched.core.prefix import keys_per_chunk
 from feather_sched.integrations.vllm.block_hash import VLLMBlockHasher
@@ -96,6 +96,7 @@ def keys_us(tokens: list[np.ndarray]) -> float:
 
 
 def main() -> None:
+    args = parser(__doc__).parse_args()
     tokens = prompts()
     figures = {name: statistics.median(per_request_us(name, tokens) for _ in range(REPEATS))
                for name in ROUTERS}
@@ -118,7 +119,7 @@ def main() -> None:
                 "us_per_request": figures, "chunk_keys_us": keys,
                 "precise_events_us": events, "precise_cold_hash_us": cold,
                 "target_us": {"approximate": 50, "precise": 100}}
-    (HERE / "router_overhead.json").write_text(json.dumps(document, indent=1) + "\n")
+    Study(__file__, set_name=args.set).write_json("router_overhead", document)
 
 
 if __name__ == "__main__":

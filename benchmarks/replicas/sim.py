@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/replicas/sim.py [--quick] [--seeds N] [--loads 1.5,3]
         [--prefix T] [--hardware h100-sxm,h200] [--groups 8,64,400,0] [--kv-blocks B]
-        [--ingresses 1,4] [--routers NAMES] [--jobs J] [--out STEM]
+        [--ingresses 1,4] [--routers NAMES] [--jobs J] [--out STEM] [--set NAME]
 
 Llama-3-8B on 8 replicas of H100 SXM and of H200 (datasheet profiles; ``--hardware``
 takes profile names or the profiles ``feather calibrate`` writes, e.g. from the GPU
@@ -24,24 +24,30 @@ its own loads and index, as K Ray Serve ingress replicas route (a cell per K).
 
 Each cell runs with ``--seeds`` workload seeds (arrivals, popularity and the routers'
 random choices); the simulator charges each scheduler's own Python time to its clock, so
-runs differ a little with the machine's load too.  sim.md gives per pair the median
-ratio to power-of-two + FCFS over the seeds with its range, and the prompt tokens
-computed over the floor no router can go below (each group's prefix once); sim.json every
-run's figures.
+runs differ a little with the machine's load too.  STEM.md (default sim.md) gives per
+pair the median ratio to power-of-two + FCFS over the seeds with its range, and the prompt
+tokens computed over the floor no router can go below (each group's prefix once);
+STEM.json every run's figures; both in results/NAME/ (default: the commit).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
-from concurrent.futures import ProcessPoolExecutor
+import statistics
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from itertools import product
 from pathlib import Path
 
+from feather_sched.bench.study import (
+    MODEL,
+    Study,
+    markdown_table,
+    parallel,
+    parser,
+    ratio,
+    sim_plan,
+)
 from feather_sched.costmodel.calibrate import load_profile
-from feather_sched.costmodel.cost import CostParams
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
 from feather_sched.results.summary import Percentiles, median_and_range, prefill_over_floor
@@ -53,7 +59,6 @@ from feather_sched.sim.runner import SimPlan
 from feather_sched.workloads.spec import ArrivalSpec, Workload
 from feather_sched.workloads.synthetic import no_sharing, shared_prefix_groups
 
-HERE = Path(__file__).parent
 REPLICAS = 8
 REQUESTS = 2400
 PREFIX = 10240
@@ -109,18 +114,16 @@ def plan_on(hardware: str, load: Workload, kv_blocks: int | None = None) -> SimP
     default cost parameters) or the path of a profile ``feather calibrate`` wrote (its
     hardware and fitted parameters); ``kv_blocks`` 16-token KV blocks per replica (None:
     what the memory holds)."""
+    pool = {} if kv_blocks is None else {"num_blocks": kv_blocks}
     if hardware in HARDWARE:
-        plan = SimPlan(workload=load, hardware=HARDWARE[hardware],
-                       model=MODELS["llama-3-8b"], params=CostParams())
-    elif Path(hardware).is_file():
-        calibrated = load_profile(hardware)
-        plan = SimPlan(workload=load, hardware=calibrated.hardware,
-                       model=MODELS["llama-3-8b"], params=calibrated.params)
-    else:
+        return sim_plan(load, hardware, **pool)
+    if not Path(hardware).is_file():
         raise ValueError(f"hardware {hardware!r}: neither one of {', '.join(HARDWARE)} nor a "
                          "profile file")
-    if kv_blocks is not None:
-        plan.engine = replace(plan.engine_config(), num_blocks=kv_blocks)
+    calibrated = load_profile(hardware)
+    plan = SimPlan(workload=load, hardware=calibrated.hardware, model=MODELS[MODEL],
+                   params=calibrated.params)
+    plan.engine = replace(plan.engine_config(), **pool)
     return plan
 
 
@@ -133,15 +136,54 @@ def run_task(task: tuple) -> dict:
 
 def over(ours: list[dict], base: list[dict], key: str, fmt: str = "{:.2f}") -> str:
     """Median (range) of per-seed ratios ``ours[key] / base[key]``."""
-    return median_and_range([a[key] / b[key] for a, b in zip(ours, base, strict=True)], fmt)
+    return ratio(ours, base, key, fmt, unit="")
 
 
-def save(stem: str, config: dict, runs: list[dict], text: str, started: float) -> None:
-    """Write STEM.json (config, every run) and STEM.md here, print the table and the time."""
-    (HERE / f"{stem}.json").write_text(json.dumps({"config": config, "runs": runs}, indent=1))
-    (HERE / f"{stem}.md").write_text(text)
-    print(text)
-    print(f"{time.perf_counter() - started:.0f} s", flush=True)
+def setting_table(runs: list[dict], key: Callable[[dict], tuple],
+                  settings: Iterable[tuple[list[str], tuple, tuple]], latency: str,
+                  figure: tuple[str, str], intro: str, header: list[str]) -> str:
+    """``intro``, then a table (``header``) with a row per setting ``(its cells, the key of
+    its runs, the key of its base's runs)``, ``key`` giving a run's key: throughput and
+    ``latency`` over the base's, per seed then median (range); the worst replica
+    imbalance; the median of ``figure`` (key, format)."""
+    keyed = {(*key(r), r["seed"]): r for r in runs}
+    seeds = sorted({r["seed"] for r in runs})
+    rows = []
+    for cells, ours_key, base_key in settings:
+        ours = [keyed[(*ours_key, s)] for s in seeds]
+        base = [keyed[(*base_key, s)] for s in seeds]
+        rows.append([*cells, over(ours, base, "output_throughput"), over(ours, base, latency),
+                     f"{max(r['replica_imbalance'] for r in ours):.2f}",
+                     figure[1].format(statistics.median(r[figure[0]] for r in ours))])
+    return "\n".join([intro, "", markdown_table(header, rows)]) + "\n"
+
+
+def capacities(cells: list[tuple], options: dict, jobs: int) -> dict[tuple, float]:
+    """Power-of-two + FCFS's requests/s with every request at once, for each cell
+    ``(hardware, groups, prefix, seed)``: the capacity a cell's loads are multiples of."""
+    return dict(zip(cells, (r["request_throughput"] for r in parallel(
+        run_task, [(hw, groups, prefix, None, seed, *BASELINE, options)
+                   for hw, groups, prefix, seed in cells], jobs)), strict=True))
+
+
+def save(stem: str, config: dict, runs: list[dict], text: str, study: Study) -> None:
+    """Write STEM.json (the command, config, every run) and STEM.md in the run set's
+    folder, print the table and the time."""
+    study.save(stem, {"config": config, "runs": runs}, text)
+    print(f"{study.elapsed():.0f} s", flush=True)
+
+
+def study_main(script: str, doc: str | None, stem: str,
+               measure: Callable[[int, int], list[dict]],
+               markdown: Callable[[list[dict]], str], config: dict) -> None:
+    """The main of a study over cells of this grid (``balance.py``, ``band.py``): its
+    ``--seeds``, ``--jobs`` and ``--set``, ``measure(seeds, jobs)``, then STEM.json (the
+    study's ``config``, the seeds and the time, every run) and STEM.md."""
+    args = parser(doc, seeds=3, jobs=2).parse_args()
+    study = Study(script, set_name=args.set)
+    runs = measure(args.seeds, args.jobs)
+    save(stem, {**config, "seeds": args.seeds, "wall_s": study.elapsed()}, runs,
+         markdown(runs), study)
 
 
 def measure(hardware: tuple[str, ...], group_counts: tuple[int, ...], prefix: int,
@@ -153,16 +195,15 @@ def measure(hardware: tuple[str, ...], group_counts: tuple[int, ...], prefix: in
     processes."""
     cells = list(product(hardware, group_counts, range(seeds)))
     pool_size = {"kv_blocks": kv_blocks}
-    with ProcessPoolExecutor(jobs) as pool:
-        baselines = pool.map(run_task, [(*cell[:2], prefix, None, cell[2], *BASELINE, pool_size)
-                                    for cell in cells])
-        capacity = {cell: r["request_throughput"]
-                    for cell, r in zip(cells, baselines, strict=True)}
-        tasks = [(hw, groups, prefix, load * capacity[hw, groups, seed], seed, router,
-                  scheduler, {**pool_size, "ingresses": k})
-                 for (hw, groups, seed), k, load, router, scheduler
-                 in product(cells, ingresses, loads, routers, SCHEDULERS)]
-        runs = list(pool.map(run_task, tasks))
+    measured = capacities([(hw, groups, prefix, seed) for hw, groups, seed in cells],
+                          pool_size, jobs)
+    capacity = {(hw, groups, seed): measured[hw, groups, prefix, seed]
+                for hw, groups, seed in cells}
+    tasks = [(hw, groups, prefix, load * capacity[hw, groups, seed], seed, router,
+              scheduler, {**pool_size, "ingresses": k})
+             for (hw, groups, seed), k, load, router, scheduler
+             in product(cells, ingresses, loads, routers, SCHEDULERS)]
+    runs = parallel(run_task, tasks, jobs)
     for task, row in zip(tasks, runs, strict=True):
         hw, groups, _, rate, seed = task[:5]
         row["capacity_req_s"] = capacity[hw, groups, seed]
@@ -186,92 +227,91 @@ def markdown(runs: list[dict]) -> str:
     seeds), TTFT, imbalance; then the issue's targets for Feather + Feather; then, where
     the precise index ran, its figures over the approximate index's."""
     seeds = len({r["seed"] for r in runs})
-    lines = [f"Medians over {seeds} seeds (range in brackets); routers: requests dealt over "
-             "that many routers of the kind.", "",
-             "| hardware | groups | routers | load | router | scheduler | tok/s | x p2+FCFS | "
-             "mean TTFT ms | p90 TTFT ms | p99 TTFT ms | imbalance | prefix hits |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cells = by_cell(runs)
 
     def figure(rows: list[dict], key: str, fmt: str = "{:.2f}") -> str:
         values = [r.get(key) for r in rows]
         return "-" if None in values else median_and_range(values, fmt)
 
-    for (hw, groups, ingresses, load), by_seed in cells.items():
+    def cell(hw: str, groups: int, ingresses: int, load: float) -> list[str]:
+        return [hw, str(groups or "none"), str(ingresses), f"{load:g}x"]
+
+    pairs = []
+    for key, by_seed in cells.items():
         for pair in next(iter(by_seed.values())):
             rows = [by_seed[s][pair] for s in by_seed]
-            ratio = [by_seed[s][pair]["output_throughput"] /
-                     by_seed[s][BASELINE]["output_throughput"] for s in by_seed]
-            lines.append(
-                f"| {hw} | {groups or 'none'} | {ingresses} | {load:g}x | {pair[0]} | "
-                f"{pair[1]} | {figure(rows, 'output_throughput', '{:,.0f}')} | "
-                f"{median_and_range(ratio)}x | {figure(rows, 'mean_ttft_ms', '{:,.0f}')} | "
-                f"{figure(rows, 'p90_ttft_ms', '{:,.0f}')} | "
-                f"{figure(rows, 'p99_ttft_ms', '{:,.0f}')} | "
-                f"{figure(rows, 'replica_imbalance')} | "
-                f"{figure(rows, 'prefix_cache_hit_rate')} |")
-    lines += ["", "Targets (feather + feather-bandit): >= 1.5x power-of-two + FCFS, >= 1.15x "
-              "prefix-affinity + FCFS, imbalance <= 1.3, p99 TTFT <= prefix-affinity + FCFS's; "
-              "no loss without sharing.  Ratios per seed, then median (range).", "",
-              "| hardware | groups | routers | load | x p2+FCFS | x prefix-affinity+FCFS | "
-              "imbalance | p99 TTFT / prefix-affinity+FCFS's | prefill / floor: ours | "
-              "prefill / floor: prefix-affinity+FCFS |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for (hw, groups, ingresses, load), by_seed in cells.items():
-        pairs = list(by_seed.values())
-
-        def per_seed(key: str, over: tuple[str, str], pairs: list = pairs) -> list[float]:
-            return [p[OURS][key] / p[over][key] for p in pairs]
-
-        lines.append(
-            f"| {hw} | {groups or 'none'} | {ingresses} | {load:g}x | "
-            f"{median_and_range(per_seed('output_throughput', BASELINE))}x | "
-            f"{median_and_range(per_seed('output_throughput', AFFINITY))}x | "
-            f"{median_and_range([p[OURS]['replica_imbalance'] for p in pairs])} | "
-            f"{median_and_range(per_seed('p99_ttft_ms', AFFINITY))} | "
-            f"{median_and_range([p[OURS]['prefill_over_floor'] for p in pairs])} | "
-            f"{median_and_range([p[AFFINITY]['prefill_over_floor'] for p in pairs])} |")
+            base = [by_seed[s][BASELINE] for s in by_seed]
+            pairs.append([*cell(*key), *pair, figure(rows, "output_throughput", "{:,.0f}"),
+                          f"{over(rows, base, 'output_throughput')}x",
+                          figure(rows, "mean_ttft_ms", "{:,.0f}"),
+                          figure(rows, "p90_ttft_ms", "{:,.0f}"),
+                          figure(rows, "p99_ttft_ms", "{:,.0f}"),
+                          figure(rows, "replica_imbalance"),
+                          figure(rows, "prefix_cache_hit_rate")])
+    targets = []
+    for key, by_seed in cells.items():
+        seeds_ = list(by_seed.values())
+        ours = [p[OURS] for p in seeds_]
+        affinity = [p[AFFINITY] for p in seeds_]
+        base = [p[BASELINE] for p in seeds_]
+        targets.append([*cell(*key), f"{over(ours, base, 'output_throughput')}x",
+                        f"{over(ours, affinity, 'output_throughput')}x",
+                        median_and_range([r["replica_imbalance"] for r in ours]),
+                        over(ours, affinity, "p99_ttft_ms"),
+                        median_and_range([r["prefill_over_floor"] for r in ours]),
+                        median_and_range([r["prefill_over_floor"] for r in affinity])])
+    lines = [f"Medians over {seeds} seeds (range in brackets); routers: requests dealt over "
+             "that many routers of the kind.", "",
+             markdown_table(["hardware", "groups", "routers", "load", "router", "scheduler",
+                             "tok/s", "x p2+FCFS", "mean TTFT ms", "p90 TTFT ms",
+                             "p99 TTFT ms", "imbalance", "prefix hits"], pairs),
+             "", "Targets (feather + feather-bandit): >= 1.5x power-of-two + FCFS, >= 1.15x "
+             "prefix-affinity + FCFS, imbalance <= 1.3, p99 TTFT <= prefix-affinity + FCFS's; "
+             "no loss without sharing.  Ratios per seed, then median (range).", "",
+             markdown_table(["hardware", "groups", "routers", "load", "x p2+FCFS",
+                             "x prefix-affinity+FCFS", "imbalance",
+                             "p99 TTFT / prefix-affinity+FCFS's", "prefill / floor: ours",
+                             "prefill / floor: prefix-affinity+FCFS"], targets)]
     if any(r["router"] == PRECISE for r in runs):
-        lines += ["", "The precise index (feather-precise) over the approximate one (feather), "
-                  "same scheduler; targets: prefix hits >= 1.3x, p90 TTFT <= 0.8x, imbalance "
-                  "<= 1.3.  Ratios per seed, then median (range).", "",
-                  "| hardware | groups | routers | load | scheduler | prefix hits: x approx. | "
-                  "p90 TTFT / approx.'s | mean TTFT / approx.'s | tok/s: x approx. | "
-                  "imbalance (worst) |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for (hw, groups, ingresses, load), by_seed in cells.items():
+        rows = []
+        for key, by_seed in cells.items():
             for scheduler in SCHEDULERS:
                 precise = [p[PRECISE, scheduler] for p in by_seed.values()]
                 approximate = [p["feather", scheduler] for p in by_seed.values()]
                 figures = [over(precise, approximate, key) for key in (
                     "prefix_cache_hit_rate", "p90_ttft_ms", "mean_ttft_ms", "output_throughput")]
-                lines.append(
-                    f"| {hw} | {groups or 'none'} | {ingresses} | {load:g}x | {scheduler} | "
-                    f"{figures[0]}x | {figures[1]} | {figures[2]} | {figures[3]}x | "
-                    f"{max(a['replica_imbalance'] for a in precise):.2f} |")
+                rows.append([*cell(*key), scheduler, f"{figures[0]}x", figures[1], figures[2],
+                             f"{figures[3]}x",
+                             f"{max(a['replica_imbalance'] for a in precise):.2f}"])
+        lines += ["", "The precise index (feather-precise) over the approximate one (feather), "
+                  "same scheduler; targets: prefix hits >= 1.3x, p90 TTFT <= 0.8x, imbalance "
+                  "<= 1.3.  Ratios per seed, then median (range).", "",
+                  markdown_table(["hardware", "groups", "routers", "load", "scheduler",
+                                  "prefix hits: x approx.", "p90 TTFT / approx.'s",
+                                  "mean TTFT / approx.'s", "tok/s: x approx.",
+                                  "imbalance (worst)"], rows)]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="H100 and 64 groups only")
-    parser.add_argument("--seeds", type=int, default=3, help="workload seeds per cell")
-    parser.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS),
-                        help="arrival rates as multiples of power-of-two + FCFS's capacity")
-    parser.add_argument("--prefix", type=int, default=PREFIX, help="prefix tokens per group")
-    parser.add_argument("--hardware", default="h100-sxm,h200",
-                        help="profile names or calibrated profile files, comma-separated")
-    parser.add_argument("--groups", default="8,64,400,0",
-                        help="prefix group counts, comma-separated (0: no sharing)")
-    parser.add_argument("--kv-blocks", type=int, default=None,
-                        help="KV blocks per replica (default: what the memory holds)")
-    parser.add_argument("--ingresses", default="1",
-                        help="routers the requests are dealt over, comma-separated cells")
-    parser.add_argument("--routers", default=",".join(ROUTER_NAMES),
-                        help="routers, comma-separated (power-of-two, prefix-affinity and "
-                             "feather are always run: the tables compare with them)")
-    parser.add_argument("--jobs", type=int, default=2, help="processes")
-    parser.add_argument("--out", default="sim", help="stem of the .json and .md written here")
-    args = parser.parse_args()
+    arguments = parser(__doc__, seeds=3, jobs=2)
+    arguments.add_argument("--quick", action="store_true", help="H100 and 64 groups only")
+    arguments.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS),
+                           help="arrival rates as multiples of power-of-two + FCFS's capacity")
+    arguments.add_argument("--prefix", type=int, default=PREFIX, help="prefix tokens per group")
+    arguments.add_argument("--hardware", default="h100-sxm,h200",
+                           help="profile names or calibrated profile files, comma-separated")
+    arguments.add_argument("--groups", default="8,64,400,0",
+                           help="prefix group counts, comma-separated (0: no sharing)")
+    arguments.add_argument("--kv-blocks", type=int, default=None,
+                           help="KV blocks per replica (default: what the memory holds)")
+    arguments.add_argument("--ingresses", default="1",
+                           help="routers the requests are dealt over, comma-separated cells")
+    arguments.add_argument("--routers", default=",".join(ROUTER_NAMES),
+                           help="routers, comma-separated (power-of-two, prefix-affinity and "
+                                "feather are always run: the tables compare with them)")
+    arguments.add_argument("--out", default="sim", help="stem of the .json and .md written")
+    args = arguments.parse_args()
     hardware = ("h100-sxm",) if args.quick else tuple(args.hardware.split(","))
     for name in hardware:
         plan_on(name, workload(0, args.prefix, None, 0))  # a bad name fails before any run
@@ -280,18 +320,18 @@ def main() -> None:
     wanted = {name.strip() for name in args.routers.split(",")}
     unknown = wanted - set(ROUTER_NAMES)
     if unknown:
-        parser.error(f"unknown routers {sorted(unknown)}: use {', '.join(ROUTER_NAMES)}")
+        arguments.error(f"unknown routers {sorted(unknown)}: use {', '.join(ROUTER_NAMES)}")
     routers = tuple(name for name in ROUTER_NAMES
                     if name in wanted | {BASELINE[0], AFFINITY[0], OURS[0]})
     ingresses = tuple(int(k) for k in args.ingresses.split(","))
-    started = time.perf_counter()
+    study = Study(__file__, set_name=args.set)
     runs = measure(hardware, group_counts, args.prefix, loads, args.seeds, args.jobs,
                    routers, args.kv_blocks, ingresses)
     config = {"replicas": REPLICAS, "requests": REQUESTS, "prefix": args.prefix, "suffix": SUFFIX,
               "output": OUTPUT, "loads": loads, "seeds": args.seeds, "zipf_s": 1.1,
-              "model": "llama-3-8b", "kv_blocks": args.kv_blocks, "ingresses": ingresses,
-              "routers": routers, "wall_s": time.perf_counter() - started}
-    save(args.out, config, runs, markdown(runs), started)
+              "model": MODEL, "kv_blocks": args.kv_blocks, "ingresses": ingresses,
+              "routers": routers, "wall_s": study.elapsed()}
+    save(args.out, config, runs, markdown(runs), study)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/sglang/server.sh
-out=benchmarks/sglang
+out=$(benchmarks/run_set.sh sglang)
 port=30188
 workload=(--groups 4 --prompts-per-group 8 --prefix-len 4096 --output-len 48
           --request-rate 2 --seed 0)
@@ -21,18 +21,4 @@ for run in ordered-1 unordered-1 ordered-2 unordered-2; do
     sleep 12  # the idle scheduler saves its stats file within 10 s
     kill "$server"; wait "$server" || true
 done
-.venv/bin/python - <<'PY'
-import json, statistics
-runs = {r: json.load(open(f"benchmarks/sglang/ordering-{r}.json"))["runs"][r]
-        for r in ("ordered-1", "unordered-1", "ordered-2", "unordered-2")}
-stats = {r: json.load(open(f"benchmarks/sglang/ordering-{r}.stats.json")) for r in runs}
-print("| run | output tok/s | mean TPOT ms | median ITL ms | batches reordered |")
-print("|---|---|---|---|---|")
-for name, s in runs.items():
-    print(f"| {name} | {s['output_throughput']:.1f} | {s['mean_tpot_ms']:.1f} | "
-          f"{s['median_itl_ms']:.1f} | {stats[name]['reordered_batches']} |")
-for kind in ("ordered", "unordered"):
-    tpot = [runs[f"{kind}-{i}"]["mean_tpot_ms"] for i in (1, 2)]
-    print(f"{kind}: median mean TPOT {statistics.median(tpot):.1f} ms "
-          f"(runs {min(tpot):.1f}-{max(tpot):.1f})")
-PY
+.venv/bin/python benchmarks/sglang/tables.py ordering $out

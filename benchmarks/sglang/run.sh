@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source benchmarks/sglang/server.sh
-out=benchmarks/sglang
+out=$(benchmarks/run_set.sh sglang)
 port=30187
 workload=(--groups 4 --prompts-per-group 16 --prefix-len 4096 --output-len 32 --seed 0)
 for policy in fcfs lpm dfs-weight feather; do
@@ -15,14 +15,4 @@ for policy in fcfs lpm dfs-weight feather; do
         --label "sglang-$policy" --json "$out/$policy.json" | tee "$out/$policy.txt"
     kill "$server"; wait "$server" || true
 done
-.venv/bin/python - <<'PY'
-import json
-runs = {p: json.load(open(f"benchmarks/sglang/{p}.json"))["runs"][f"sglang-{p}"]
-        for p in ("fcfs", "lpm", "dfs-weight", "feather")}
-base = runs["fcfs"]["output_throughput"]
-print("| policy | output tok/s | vs fcfs | mean TTFT ms | mean TPOT ms |")
-print("|---|---|---|---|---|")
-for name, s in runs.items():
-    print(f"| {name} | {s['output_throughput']:.1f} | {s['output_throughput'] / base:.2f}x | "
-          f"{s['mean_ttft_ms']:.0f} | {s['mean_tpot_ms']:.1f} |")
-PY
+.venv/bin/python benchmarks/sglang/tables.py policies $out

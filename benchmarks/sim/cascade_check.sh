@@ -7,10 +7,12 @@
 #     (`feather calibrate --cascade`) to the shared-prefix steps;
 #  3. cascade_check.py: how well the plain profile with the cascade term predicts the
 #     shared-prefix steps, how well the cascade fit does, and what the simulator predicts
-#     for the real engine's measured ratios (benchmarks/vllm/shared-4x16.md).
+#     for the real engine's measured ratios (benchmarks/vllm's shared-4x16 rounds).
+# Everything goes into the run set's folder, benchmarks/sim/results/$SET (default: the
+# commit).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=benchmarks/sim
+out=$(benchmarks/run_set.sh sim)
 workloads=(
     "--groups 4 --prompts-per-group 16 --prefix-len 8192 --output-len 64"
     "--groups 8 --prompts-per-group 8 --prefix-len 4096 --output-len 64"
@@ -26,10 +28,10 @@ for mode in off on; do
             --seed 1 $args > /dev/null
     done
 done
-calibrate=(.venv/bin/feather calibrate --hardware $out/cpu-hardware.json --model tiny-llama
+calibrate=(.venv/bin/feather calibrate --hardware benchmarks/sim/cpu-hardware.json --model tiny-llama
            --granularity layer-head)
 "${calibrate[@]}" $out/cpu-shared-off-steps.csv --out $out/cpu-shared-off-profile.json \
     | tee $out/cascade-check-calibrate.txt
 "${calibrate[@]}" $out/cpu-shared-on-steps.csv --cascade --out $out/cpu-shared-on-profile.json \
     | tee -a $out/cascade-check-calibrate.txt
-.venv/bin/python $out/cascade_check.py | tee $out/cascade-check.md
+.venv/bin/python benchmarks/sim/cascade_check.py --set "${out#benchmarks/sim/results/}" | tee $out/cascade-check.md

@@ -1,6 +1,9 @@
 """Predicted (simulator) vs measured (real engine) throughput, as a markdown table.
 
-    python benchmarks/sim/compare.py benchmarks/sim/validate-*-real.json
+    python benchmarks/sim/compare.py benchmarks/sim/results/8ed5949/validate-*-real.json
+
+Each ``NAME-real.json`` (``feather bench --json``) is read with the ``NAME-sim.json``
+beside it (``feather sim --json`` on the same workload).
 """
 
 from __future__ import annotations
@@ -9,11 +12,11 @@ import json
 import sys
 from pathlib import Path
 
+from feather_sched.bench.study import markdown_table
+
 
 def main(real_files: list[str]) -> None:
-    print("| workload | scheduler | measured tok/s | predicted tok/s | error |")
-    print("|---|---|---|---|---|")
-    errors = []
+    rows, errors = [], []
     for real_file in real_files:
         real = json.loads(Path(real_file).read_text())
         sim = json.loads(Path(real_file.replace("-real", "-sim")).read_text())
@@ -21,8 +24,11 @@ def main(real_files: list[str]) -> None:
             predicted = sim["runs"][name]["output_throughput"]
             error = predicted / measured["output_throughput"] - 1
             errors.append(abs(error))
-            print(f"| {real['config']['workload']} | {name} | "
-                  f"{measured['output_throughput']:.1f} | {predicted:.1f} | {error:+.1%} |")
+            rows.append([real["config"]["workload"], name,
+                         f"{measured['output_throughput']:.1f}", f"{predicted:.1f}",
+                         f"{error:+.1%}"])
+    print(markdown_table(["workload", "scheduler", "measured tok/s", "predicted tok/s",
+                          "error"], rows))
     print(f"\nmean absolute error {sum(errors) / len(errors):.1%}, worst {max(errors):.1%}")
 
 

@@ -1,6 +1,6 @@
 """Minority prefix groups under overload, in the simulator: each group's TTFT against FCFS.
 
-    .venv/bin/python benchmarks/sim/fairness.py
+    .venv/bin/python benchmarks/sim/fairness.py [--set NAME]
 
 A large majority group and one or more small groups arrive shuffled, as a Poisson stream
 at 3x FCFS's offline request rate (the queue grows: the scheduler decides who waits).
@@ -8,24 +8,29 @@ Llama-3-8B on RTX 6000 Ada and H100 SXM. For every scheduler and group: mean and
 TTFT, and their ratio to the same group under FCFS (the target: at most 1.25x for
 Feather, whose overtaking bound is on by default; "unbounded" turns it off, to show the
 starvation it prevents). SGLang's lpm and dfs-weight run on the same workloads. Writes
-fairness.json and fairness.md beside this file.
+fairness.json and fairness.md into results/NAME/ (default: the commit).
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from itertools import product
 
-from feather_sched.costmodel.hardware import HARDWARE
-from feather_sched.costmodel.model_profiles import MODELS
-from feather_sched.results.summary import group_ttfts, summarize, worst_group_ratios
-from feather_sched.sim.runner import SimPlan, simulate
+from feather_sched.bench.study import (
+    Study,
+    fairness_cells,
+    markdown_table,
+    offline_rate,
+    parser,
+    sim_plan,
+)
+from feather_sched.results.summary import group_ttfts, summarize
+from feather_sched.sim.runner import simulate
 from feather_sched.workloads.spec import ArrivalSpec
 from feather_sched.workloads.synthetic import minority_groups
 
-HERE = Path(__file__).parent
 SCHEDULERS = ("fcfs", "sglang-lpm", "sglang-dfs-weight", "feather-chunk-loss",
               "feather-bandit", "feather-chunk-loss-unbounded", "feather-bandit-unbounded")
+HARDWARE = ("rtx6000-ada", "h100-sxm")
 SHAPES = (
     # (majority, minority groups, prefix tokens, suffix tokens, output tokens)
     (400, (20,), 4096, 512, 64),
@@ -33,64 +38,51 @@ SHAPES = (
     (200, (5, 5, 5, 5), 10240, 32, 50),
 )
 LOAD = 3.0
-TARGET = 1.25
 
 
 def runs(hardware: str, shape: tuple) -> list[dict]:
+    """Every scheduler's row at ``LOAD`` x FCFS's offline request rate."""
     majority, minorities, prefix, suffix, output = shape
 
-    def plan(rate: float | None) -> SimPlan:
-        arrival = ArrivalSpec("poisson", rate) if rate else None
-        work = minority_groups(majority=majority, minorities=minorities, prefix_len=prefix,
-                               suffix_len=suffix, output_len=output, arrival=arrival, seed=0)
-        return SimPlan(workload=work, hardware=HARDWARE[hardware], model=MODELS["llama-3-8b"])
+    def workload(rate: float | None):
+        return minority_groups(majority=majority, minorities=minorities, prefix_len=prefix,
+                               suffix_len=suffix, output_len=output,
+                               arrival=ArrivalSpec("poisson", rate) if rate else None, seed=0)
 
-    capacity = summarize(simulate(plan(None), "fcfs"))["request_throughput"]
-    overloaded = plan(LOAD * capacity)
+    rate = LOAD * offline_rate(sim_plan(workload(None), hardware))
+    overloaded = sim_plan(workload(rate), hardware)
     rows = []
     for label in SCHEDULERS:
         run = simulate(overloaded, label)
-        summary = summarize(run)
         rows.append({"hardware": hardware, "majority": majority, "minorities": list(minorities),
-                     "prefix": prefix, "rate": LOAD * capacity, "scheduler": label,
-                     "output_throughput": summary["output_throughput"],
+                     "prefix": prefix, "rate": rate, "scheduler": label,
+                     "output_throughput": summarize(run)["output_throughput"],
                      "groups": group_ttfts([r for r in run.records if r.success])})
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     """Per workload and scheduler: the worst ratio to FCFS over groups, mean and p99."""
-    lines = ["| hardware | workload | scheduler | tok/s | majority mean / p99 TTFT s | "
-             "worst minority mean / p99 TTFT s | worst group ratio to FCFS (mean / p99) |",
-             "|---|---|---|---|---|---|---|"]
-    fcfs: dict = {}
-    for row in rows:
-        shape = (row["hardware"], row["majority"], tuple(row["minorities"]), row["prefix"])
-        groups = row["groups"]
-        if row["scheduler"] == "fcfs":
-            fcfs[shape] = groups
-        mean_ratio, p99_ratio = worst_group_ratios(groups, fcfs[shape])
-        minority = [g for k, g in groups.items() if k != "0"]
-        worst = max(minority, key=lambda g: g["mean_ttft_ms"])
-        verdict = "" if max(mean_ratio, p99_ratio) <= TARGET else " over"
-        lines.append(
-            f"| {row['hardware']} | {row['majority']} + {'/'.join(map(str, row['minorities']))}"
-            f", {row['prefix']} prefix | {row['scheduler']} | {row['output_throughput']:,.0f} "
-            f"| {groups['0']['mean_ttft_ms'] / 1e3:.2f} / {groups['0']['p99_ttft_ms'] / 1e3:.2f} "
-            f"| {worst['mean_ttft_ms'] / 1e3:.2f} / {worst['p99_ttft_ms'] / 1e3:.2f} "
-            f"| {mean_ratio:.2f}x / {p99_ratio:.2f}x{verdict} |")
-    return "\n".join(lines)
+    fcfs = {_shape(row): row["groups"] for row in rows if row["scheduler"] == "fcfs"}
+    return markdown_table(
+        ["hardware", "workload", "scheduler", "tok/s", "majority mean / p99 TTFT s",
+         "worst minority mean / p99 TTFT s", "worst group ratio to FCFS (mean / p99)"],
+        ([row["hardware"], f"{row['majority']} + {'/'.join(map(str, row['minorities']))}, "
+          f"{row['prefix']} prefix", row["scheduler"], f"{row['output_throughput']:,.0f}",
+          *fairness_cells(row["groups"], fcfs[_shape(row)])] for row in rows))
+
+
+def _shape(row: dict) -> tuple:
+    return row["hardware"], row["majority"], tuple(row["minorities"]), row["prefix"]
 
 
 def main() -> None:
+    study = Study(__file__, set_name=parser(__doc__).parse_args().set)
     rows = []
-    for hardware in ("rtx6000-ada", "h100-sxm"):
-        for shape in SHAPES:
-            rows += runs(hardware, shape)
-            print(f"{hardware} {shape} done", flush=True)
-    (HERE / "fairness.json").write_text(json.dumps(rows, indent=1))
-    (HERE / "fairness.md").write_text(markdown(rows) + "\n")
-    print(markdown(rows))
+    for hardware, shape in study.each(product(HARDWARE, SHAPES),
+                                      lambda cell: f"{cell[0]} {cell[1]} done"):
+        rows += runs(hardware, shape)
+    study.save("fairness", {"rows": rows}, markdown(rows))
 
 
 if __name__ == "__main__":

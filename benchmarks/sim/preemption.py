@@ -1,6 +1,6 @@
 """Which request Feather preempts under KV pressure: the rules measured in the simulator.
 
-    .venv/bin/python benchmarks/sim/preemption.py        # ~1 minute
+    .venv/bin/python benchmarks/sim/preemption.py [--set NAME]       # ~1 minute
 
 Llama-3-8B on the H100 SXM profile, vLLM's limits, KV pools small enough to preempt.
 Feather (``feather-model``, its defaults) under four victim rules, next to vLLM's FCFS:
@@ -19,22 +19,19 @@ the end-of-list rule starves); 8 groups x 100 with 4K prefixes at 100 req/s over
 pool sizes (the smallest barely holds the 8 prefixes); 400 + 3 x 20 minority groups;
 100 groups x 8 of 10K prefixes at 1.5x FCFS's offline rate (``sweep.py``'s cell where
 the latest-arrival rule lost its gain). Output tokens/s, preemptions, the worst group's
-mean TTFT and when the singleton finished. Writes preemption.json and preemption.md.
+mean TTFT and when the singleton finished. Writes preemption.json and preemption.md into
+results/NAME/ (default: the commit).
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
+from feather_sched.bench.study import Study, markdown_table, offline_rate, parser, sim_plan
 from feather_sched.core.runtime import FeatherRuntime
-from feather_sched.costmodel.hardware import HARDWARE
-from feather_sched.costmodel.model_profiles import MODELS
 from feather_sched.results.summary import summarize
-from feather_sched.sim.engine import EngineConfig
 from feather_sched.sim.runner import SimPlan, simulate
 from feather_sched.workloads.spec import ArrivalSpec, Workload
 from feather_sched.workloads.synthetic import (
@@ -43,7 +40,6 @@ from feather_sched.workloads.synthetic import (
     singleton_before_a_stream,
 )
 
-HERE = Path(__file__).parent
 Rule = Callable[[FeatherRuntime, Sequence[Any]], Any]
 
 
@@ -82,8 +78,7 @@ def many_groups_at_load() -> Workload:
     def groups(arrival: ArrivalSpec | None) -> Workload:
         return shared_prefix_groups(groups=100, prompts_per_group=8, prefix_len=10240,
                                     suffix_len=32, output_len=200, arrival=arrival, seed=0)
-    offline = summarize(simulate(plan(groups(None), None), "fcfs"))
-    return groups(ArrivalSpec(kind="poisson", rate=1.5 * offline["request_throughput"]))
+    return groups(ArrivalSpec(kind="poisson", rate=1.5 * offline_rate(plan(groups(None), None))))
 
 
 def cells() -> list[tuple[str, Workload, int | None]]:
@@ -106,8 +101,7 @@ def cells() -> list[tuple[str, Workload, int | None]]:
 
 def plan(workload: Workload, blocks: int | None) -> SimPlan:
     """H100, Llama-3-8B; a pool of ``blocks`` (None: what the GPU's memory holds)."""
-    return SimPlan(workload=workload, hardware=HARDWARE["h100-sxm"], model=MODELS["llama-3-8b"],
-                   engine=None if blocks is None else EngineConfig(num_blocks=blocks))
+    return sim_plan(workload, "h100-sxm", **({} if blocks is None else {"num_blocks": blocks}))
 
 
 def measure(workload: Workload, blocks: int | None, name: str) -> dict:
@@ -121,8 +115,9 @@ def measure(workload: Workload, blocks: int | None, name: str) -> dict:
 
 
 def main() -> None:
+    study = Study(__file__, set_name=parser(__doc__).parse_args().set)
     rows = []
-    for label, workload, blocks in cells():
+    for label, workload, blocks in study.each(cells(), lambda cell: cell[0]):
         row = {"cell": label, "fcfs": measure(workload, blocks, "fcfs")}
         chosen = FeatherRuntime.preemption_victim
         for rule, victim in RULES.items():
@@ -132,28 +127,22 @@ def main() -> None:
             finally:
                 FeatherRuntime.preemption_victim = chosen
         rows.append(row)
-        print(label, flush=True)
-    (HERE / "preemption.json").write_text(json.dumps(
-        {"command": "benchmarks/sim/preemption.py", "rows": rows}, indent=1))
-    text = markdown(rows)
-    (HERE / "preemption.md").write_text(text + "\n")
-    print(text)
+    study.save("preemption", {"rows": rows}, markdown(rows))
 
 
 def markdown(rows: list[dict]) -> str:
     names = ["fcfs", *RULES]
-    lines = ["| cell | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for row in rows:
-        cells_ = []
-        for name in names:
-            r = row[name]
-            text = (f"{r['output_throughput']:,.0f} tok/s, {r['preemptions']} preempted, "
-                    f"worst group TTFT {r['worst_group_mean_ttft_ms'] / 1e3:.1f} s")
-            if r["solo_finished_s"] is not None:
-                text += f", singleton done {r['solo_finished_s']:.1f} s"
-            cells_.append(text)
-        lines.append(f"| {row['cell']} | " + " | ".join(cells_) + " |")
-    return "\n".join(lines)
+
+    def outcome(r: dict) -> str:
+        text = (f"{r['output_throughput']:,.0f} tok/s, {r['preemptions']} preempted, "
+                f"worst group TTFT {r['worst_group_mean_ttft_ms'] / 1e3:.1f} s")
+        if r["solo_finished_s"] is not None:
+            text += f", singleton done {r['solo_finished_s']:.1f} s"
+        return text
+
+    return markdown_table(["cell", *names],
+                          ([row["cell"], *(outcome(row[name]) for name in names)]
+                           for row in rows))
 
 
 if __name__ == "__main__":

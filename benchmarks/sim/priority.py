@@ -1,7 +1,7 @@
 """Two priority classes in the simulator: what Feather keeps of vLLM's priority policy and
 of its own grouping gain.
 
-    .venv/bin/python benchmarks/sim/priority.py        # ~30 s
+    .venv/bin/python benchmarks/sim/priority.py [--set NAME]       # ~30 s
 
 Llama-3-8B on the H100 SXM profile, vLLM's limits. 10% of the requests (a seeded random
 choice, so both classes hold members of every prefix group) are in priority class 0,
@@ -18,24 +18,18 @@ Cells: 32 groups x 25 requests of 4K-token prefixes at 70 and 100 req/s (over FC
 capacity of about 58 req/s, where grouping pays); and, under KV pressure, 400 + 3 x 20
 requests of 4K-token prefixes at 100 req/s in KV pools of 2,500 and 1,500 blocks (they
 preempt). Medians over ``SEEDS`` with their range.  Writes priority.json (every run's
-figures) and priority.md beside this file.
+figures) and priority.md into results/NAME/ (default: the commit).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from pathlib import Path
 
-from feather_sched.costmodel.hardware import HARDWARE
-from feather_sched.costmodel.model_profiles import MODELS
-from feather_sched.results.summary import median_and_range, summarize
-from feather_sched.sim.engine import EngineConfig
-from feather_sched.sim.runner import SimPlan, simulate
+from feather_sched.bench.study import MODEL, Study, markdown_table, parser, sim_plan, summaries
+from feather_sched.results.summary import median_and_range as spread
 from feather_sched.workloads.spec import ArrivalSpec, Workload, prioritized
 from feather_sched.workloads.synthetic import minority_groups, shared_prefix_groups
 
-HERE = Path(__file__).parent
 SEEDS = range(5)
 HIGH_SHARE = 0.1
 RUNS = (  # (label, scheduler, with priority classes)
@@ -70,10 +64,8 @@ CELLS = (  # (label, workload of a seed, KV blocks: None for the device's pool)
 
 
 def measure(workload: Workload, blocks: int | None, scheduler: str) -> dict:
-    engine = None if blocks is None else EngineConfig(num_blocks=blocks)
-    plan = SimPlan(workload=workload, hardware=HARDWARE["h100-sxm"],
-                   model=MODELS["llama-3-8b"], engine=engine)
-    summary = summarize(simulate(plan, scheduler))
+    plan = sim_plan(workload, "h100-sxm", **({} if blocks is None else {"num_blocks": blocks}))
+    summary = summaries(plan, [scheduler])[scheduler]
     return {key: summary[key] for key in FIGURES}
 
 
@@ -109,23 +101,15 @@ def ratios(runs: dict) -> dict[str, float]:
 
 
 def main() -> None:
+    study = Study(__file__, set_name=parser(__doc__).parse_args().set)
     cells = []
-    for label, make, blocks in CELLS:
+    for label, make, blocks in study.each(CELLS, lambda cell: cell[0]):
         seeds = cell_runs(make, blocks)
         cells.append({"cell": label, "kv_blocks": blocks, "seeds": list(SEEDS),
                       "runs": seeds, "ratios": [ratios(runs) for runs in seeds]})
-        print(label, flush=True)
-    (HERE / "priority.json").write_text(json.dumps(
-        {"command": "benchmarks/sim/priority.py", "hardware": "h100-sxm",
-         "model": "llama-3-8b", "high_priority_share": HIGH_SHARE, "cells": cells},
-        indent=1) + "\n")
-    text = markdown(cells)
-    (HERE / "priority.md").write_text(text + "\n")
-    print(text)
-
-
-def spread(values: list[float], fmt: str = "{:.2f}") -> str:
-    return median_and_range(values, fmt)
+    study.save("priority", {"hardware": "h100-sxm", "model": MODEL,
+                            "high_priority_share": HIGH_SHARE, "cells": cells},
+               markdown(cells))
 
 
 def markdown(cells: list[dict]) -> str:
@@ -142,52 +126,52 @@ def markdown(cells: list[dict]) -> str:
         "class - 1). Targets: urgent TTFT <= 1.1x, rest throughput >= 1.0x, kept >= 90%, "
         "every group's TTFT <= 1.25x.",
         "",
-        "| cell | urgent mean TTFT | urgent p99 TTFT | rest tok/s | gain with classes | "
-        "gain in one class | kept |",
-        "|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for cell in cells:
         r = {key: [seed[key] for seed in cell["ratios"]] for key in cell["ratios"][0]}
         kept = spread([100 * k for k in r["gain kept"]], "{:.0f}%") \
             if min(r["gain in one class"]) > 1.05 else "(no gain to keep)"
-        lines.append(
-            f"| {cell['cell']} | {spread(r['urgent mean TTFT'])}x | "
-            f"{spread(r['urgent p99 TTFT'])}x | {spread(r['rest throughput'])}x | "
-            f"{spread(r['gain with classes'])}x | {spread(r['gain in one class'])}x | "
-            f"{kept} |")
-    lines += ["", "Per run (medians): output tok/s; class 0 and class 1 mean / p99 TTFT (s); "
-              "preemptions in all / most of one request.", "",
-              "| cell | run | tok/s | class 0 TTFT s | class 1 TTFT s | preemptions |",
-              "|---|---|---|---|---|---|"]
+        rows.append([cell["cell"], *(f"{spread(r[key])}x" for key in (
+            "urgent mean TTFT", "urgent p99 TTFT", "rest throughput", "gain with classes",
+            "gain in one class")), kept])
+    lines += [markdown_table(["cell", "urgent mean TTFT", "urgent p99 TTFT", "rest tok/s",
+                              "gain with classes", "gain in one class", "kept"], rows),
+              "", "Per run (medians): output tok/s; class 0 and class 1 mean / p99 TTFT (s); "
+              "preemptions in all / most of one request.", ""]
+    rows = []
     for cell in cells:
         for label, _, mixed in RUNS:
             runs = [seed[label] for seed in cell["runs"]]
-            lines.append(f"| {cell['cell']} | {label} | "
-                         f"{spread([r['output_throughput'] for r in runs], '{:,.0f}')} | "
-                         f"{class_ttft(runs, '0') if mixed else '-'} | "
-                         f"{class_ttft(runs, '1') if mixed else '-'} | "
+            rows.append([cell["cell"], label,
+                         spread([r["output_throughput"] for r in runs], "{:,.0f}"),
+                         class_ttft(runs, "0") if mixed else "-",
+                         class_ttft(runs, "1") if mixed else "-",
                          f"{spread([r['preemptions'] for r in runs], '{:.0f}')} / "
-                         f"{spread([r['max_preemptions_per_request'] for r in runs], '{:.0f}')}"
-                         " |")
-    lines += ["", "Under KV pressure, per prefix group (group 0 the majority, 1-3 the "
+                         f"{spread([r['max_preemptions_per_request'] for r in runs], '{:.0f}')}"])
+    lines += [markdown_table(["cell", "run", "tok/s", "class 0 TTFT s", "class 1 TTFT s",
+                              "preemptions"], rows),
+              "", "Under KV pressure, per prefix group (group 0 the majority, 1-3 the "
               "minorities): TTFT ratio mean / p99, Feather over FCFS on one class and over "
               "vLLM's priority policy with classes; preemptions of the group (all runs of "
-              "the cell, medians).", "",
-              "| cell | group | requests | feather / fcfs, 1 class | feather / priority, "
-              "classes | preemptions fcfs / feather, 1 class | preemptions priority / "
-              "feather, classes |", "|---|---|---|---|---|---|---|"]
+              "the cell, medians).", ""]
+    rows = []
     for cell in cells:
         if cell["kv_blocks"] is None:
             continue
         first = cell["runs"][0]["fcfs (1 class)"]["ttft_by_group"]
         for group, g in first.items():
-            lines.append(f"| {cell['cell']} | {group} | {g['requests']} | "
-                         f"{group_ratio(cell, group, 'feather-model (1 class)', 'fcfs (1 class)')}"
-                         f" | {group_ratio(cell, group, 'feather-model', 'priority')} | "
+            rows.append([cell["cell"], group, str(g["requests"]),
+                         group_ratio(cell, group, "feather-model (1 class)", "fcfs (1 class)"),
+                         group_ratio(cell, group, "feather-model", "priority"),
                          f"{group_preemptions(cell, group, 'fcfs (1 class)')} / "
-                         f"{group_preemptions(cell, group, 'feather-model (1 class)')} | "
+                         f"{group_preemptions(cell, group, 'feather-model (1 class)')}",
                          f"{group_preemptions(cell, group, 'priority')} / "
-                         f"{group_preemptions(cell, group, 'feather-model')} |")
+                         f"{group_preemptions(cell, group, 'feather-model')}"])
+    lines.append(markdown_table(
+        ["cell", "group", "requests", "feather / fcfs, 1 class", "feather / priority, classes",
+         "preemptions fcfs / feather, 1 class", "preemptions priority / feather, classes"],
+        rows))
     return "\n".join(lines)
 
 

@@ -6,9 +6,11 @@
 #  3. run two *other* workloads on the real engine (`feather bench`) and in the simulator
 #     with the fitted profile and the engine's limits; compare throughput (validation.md).
 # Starting values of this CPU's profile: cpu-hardware.json (the fit rescales them).
+# Everything goes into the run set's folder, benchmarks/sim/results/$SET (default: the
+# commit).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=benchmarks/sim
+out=$(benchmarks/run_set.sh sim)
 steps=$out/cpu-steps.csv
 rm -f "$steps"
 bench=(.venv/bin/feather bench --schedulers fcfs,feather-always --seed 1)
@@ -22,7 +24,7 @@ for args in "${fit_workloads[@]}"; do
     # shellcheck disable=SC2086
     FEATHER_STEP_LOG=$PWD/$steps "${bench[@]}" $args > /dev/null
 done
-.venv/bin/feather calibrate "$steps" --hardware $out/cpu-hardware.json --model tiny-llama \
+.venv/bin/feather calibrate "$steps" --hardware benchmarks/sim/cpu-hardware.json --model tiny-llama \
     --granularity layer-head --out $out/cpu-profile.json | tee $out/cpu-calibrate.txt
 
 sim=(.venv/bin/feather sim --profile $out/cpu-profile.json --schedulers fcfs,feather-always

@@ -1,6 +1,6 @@
 """Soak a real ``feather serve`` the way production hurts a server, and check nothing is lost.
 
-    .venv/bin/python benchmarks/soak/soak.py [--seconds 180] [--out benchmarks/soak]
+    .venv/bin/python benchmarks/soak/soak.py [--seconds 180] [--set NAME] [--out DIR]
 
 One embedded-model server with a KV cache small enough to force preemption and a bandit
 state file.  Concurrent clients stream shared-prefix requests from several groups; about
@@ -24,12 +24,14 @@ its own Feather: each rank writes its own stats and bandit files (``stats.rank<r
 every rank must reload its own table after the restart and serve requests, and the counts
 above are summed over the ranks.
 
-Writes ``soak.json`` (the figures) and ``soak.md`` to ``--out`` (``soak-dp<N>.*`` for N > 1).
+Writes ``soak.json`` (the figures) and ``soak.md`` (``soak-dp<N>.*`` for N > 1) into the run
+set's folder, ``results/NAME/`` (default: the commit), or ``--out``; the server's files
+go to ``work/`` beside this script.  Recorded: ``results/b24f9e6/`` (one engine) and
+``results/3a106cf/`` (two data-parallel ranks).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -45,6 +47,9 @@ from pathlib import Path
 
 import aiohttp
 import psutil
+
+from feather_sched.bench.study import Study, markdown_table
+from feather_sched.bench.study import parser as study_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUP_PREFIX_TOKENS = 400
@@ -304,23 +309,27 @@ def checks(f: dict) -> dict[str, bool]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = study_parser(__doc__)
     parser.add_argument("--seconds", type=float, default=180)
     parser.add_argument("--clients", type=int, default=24)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--out", type=Path, help="write here instead of results/SET/")
     parser.add_argument("--data-parallel-size", type=int, default=1)
     args = parser.parse_args()
     dp = args.data_parallel_size
     name = "soak" if dp == 1 else f"soak-dp{dp}"
-    figures = soak(args.seconds, args.clients, args.out / "work", dp)
-    (args.out / f"{name}.json").write_text(json.dumps(figures, indent=2) + "\n")
-    lines = ["| figure | value |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in figures.items() if k != "checks"]
-    lines += ["", "| check | passed |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in figures["checks"].items()]
-    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    study = Study(__file__, folder=args.out, set_name=args.set)
+    figures = soak(args.seconds, args.clients, Path(__file__).parent / "work", dp)
+    study.write_json(name, figures)
+    study.write_markdown(name, markdown(figures))
     sys.exit(0 if all(figures["checks"].values()) else 1)
+
+
+def markdown(figures: dict) -> str:
+    """The figures, then whether each check passed."""
+    return "\n".join([
+        markdown_table(["figure", "value"],
+                       ([k, str(v)] for k, v in figures.items() if k != "checks")), "",
+        markdown_table(["check", "passed"], ([k, str(v)] for k, v in figures["checks"].items()))])
 
 
 if __name__ == "__main__":

@@ -11,10 +11,11 @@
 #   sharegpt    500 ShareGPT conversations (vLLM's sampling), Poisson
 # Loads: 0.8x FCFS's request throughput with every request at once, measured once with
 # the same flags and --schedulers fcfs (mooncake --trace-speed 1e9: 19.18 req/s; bfcl-tools:
-# 20.75; sharegpt, 200 requests: 10.92), so about 1 minute a run. cpu-NAME-b, -c: the same
-# line run again (another set of rounds, at the commit README.md names).
-# A further set on another machine: CPU_SET=-NAME (files cpu-WORKLOAD-NAME, the workloads
-# only) with that machine's loads in MOONCAKE_SPEED, BFCL_RATE and SHAREGPT_RATE.
+# 20.75; sharegpt, 200 requests: 10.92), so about 1 minute a run.
+# The run set goes into benchmarks/traces/results/$SET/ (WORKLOAD.json and .txt each),
+# by default cpu-<commit>; name a set on another machine by it and the commit (e.g.
+# SET=amx-$(git rev-parse --short HEAD)): only the three workloads then run, with that
+# machine's loads in MOONCAKE_SPEED, BFCL_RATE and SHAREGPT_RATE.
 # The KV cache (4 GiB: about 1M tokens of the embedded model) holds 39x the Mooncake
 # prompts an H100 holds for Llama-3-8B, so nothing waits for KV. MOONCAKE_KV_GIB and
 # TEXT_KV_GIB size it to the simulated H100's room instead (its 427K tokens: 0.102 GiB at
@@ -22,27 +23,27 @@
 # saturated load (1.5x FCFS's capacity measured with the same pool).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=benchmarks/traces
+out=$(benchmarks/run_set.sh traces cpu-)
 two=fcfs,feather-model
 bench=(.venv/bin/feather bench --seed 0 --schedulers $two,$two,$two)
 run() {
     local name=$1
     shift
-    "${bench[@]}" "$@" --json $out/cpu-$name.json | tee $out/cpu-$name.txt
+    "${bench[@]}" "$@" --json $out/$name.json | tee $out/$name.txt
 }
-set_=${CPU_SET:-}
-run mooncake$set_ --trace ../shared/traces/mooncake-synthetic.jsonl --start 2993 \
+run mooncake --trace ../shared/traces/mooncake-synthetic.jsonl --start 2993 \
     --max-requests 1000 --token-scale 0.0625 --engine-arg block_size=32 \
     --trace-speed "${MOONCAKE_SPEED:-3.7}" --kv-cache-gib "${MOONCAKE_KV_GIB:-4}"
-run bfcl-tools$set_ --dataset-name bfcl-tools --request-rate "${BFCL_RATE:-16.6}" \
+run bfcl-tools --dataset-name bfcl-tools --request-rate "${BFCL_RATE:-16.6}" \
     --kv-cache-gib "${TEXT_KV_GIB:-4}"
-run sharegpt$set_ --dataset-name sharegpt --max-requests 500 \
+run sharegpt --dataset-name sharegpt --max-requests 500 \
     --request-rate "${SHAREGPT_RATE:-8.7}" --kv-cache-gib "${TEXT_KV_GIB:-4}"
-.venv/bin/python $out/tables.py
-[[ -z $set_ ]] || exit 0
+.venv/bin/python benchmarks/traces/tables.py
+[[ -z ${SET:-} ]] || exit 0
 # ShareGPT, where nothing is shared, taken apart: Feather without its batch ordering
-# (-noorder) and without its shared-prefix attention (-noshared). order-sharegpt.* has the
-# diagnosis made before the ordering stopped sorting batches that share nothing.
+# (-noorder) and without its shared-prefix attention (-noshared). results/cpu-745caf4/
+# order-sharegpt.* has the diagnosis made before the ordering stopped sorting batches that
+# share nothing.
 four=fcfs,feather-model-noorder,feather-model-noshared,feather-model
 .venv/bin/feather bench --seed 0 --schedulers $four,$four,$four --dataset-name sharegpt \
     --max-requests 500 --request-rate 8.7 --json $out/sharegpt-parts.json \

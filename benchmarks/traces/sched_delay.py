@@ -1,7 +1,7 @@
 """How much a pass's CPU time costs on the CPU engine: vLLM's own scheduler with a busy
 wait in every ``schedule()``, beside FCFS and Feather.
 
-    .venv/bin/python benchmarks/traces/sched_delay.py [--delay-ms 0.2] [--rounds 3]
+    .venv/bin/python benchmarks/traces/sched_delay.py [--delay-ms 0.2] [--rounds 3] [--set NAME]
 
 Mooncake as ``mooncake-moderate.sh`` replays it (``step_phases.MOONCAKE``: the trace's
 last 1,000 requests, hash blocks of 32 tokens, sped up 2.6x) on vLLM 0.32.0's CPU engine
@@ -11,21 +11,22 @@ last 1,000 requests, hash blocks of 32 tokens, sped up 2.6x) on vLLM 0.32.0's CP
 the FCFS baseline (``InstrumentedScheduler``) with a busy wait of ``delay-ms`` before
 each ``schedule()``: the same decisions, only more time on the engine core per pass, so
 what it changes against ``fcfs`` is what that much scheduler time costs at this load,
-whoever spends it.  Writes ``sched-delay.json`` and ``sched-delay.txt`` beside this file
-(``--out``); ``benchmarks/vllm/medians.py`` gives the medians and per-round ratios.
+whoever spends it.  Writes ``sched-delay.json`` and ``sched-delay.txt`` into the run set's
+folder, ``results/NAME/`` (default: ``cpu-<commit>``); ``benchmarks/vllm/medians.py`` gives
+the medians and per-round ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from step_phases import MOONCAKE
 
+from feather_sched.bench.study import Study, commit
 from feather_sched.integrations.vllm.scheduler import (
     InstrumentedScheduler,
     InstrumentedSyncScheduler,
@@ -78,7 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--delay-ms", type=float, default=0.2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=HERE / "sched-delay")
+    parser.add_argument("--set", help="run set: results/SET/ (default: cpu-<commit>)")
     args = parser.parse_args()
     if not args.delay_ms > 0 or args.rounds < 1:
         parser.error("--delay-ms must be > 0 and --rounds >= 1")
@@ -99,11 +100,11 @@ def main() -> None:
                      engine_args=MOONCAKE["engine_args"])
     console = Console(record=True, width=150)
     runs, _ = run_bench(plan, console)
-    config = bench_config(plan) | {"delay_ms": args.delay_ms,
-                                   "command": " ".join(["benchmarks/traces/sched_delay.py",
-                                                        *sys.argv[1:]])}
-    save_outputs(runs, config, args.out.with_suffix(".json"), None)
-    args.out.with_suffix(".txt").write_text(console.export_text())
+    config = bench_config(plan) | {"delay_ms": args.delay_ms}
+    study = Study(__file__, set_name=args.set or f"cpu-{commit()}")
+    save_outputs(runs, config | {"command": study.command}, study.path("sched-delay.json"),
+                 None)
+    study.path("sched-delay.txt").write_text(console.export_text())
 
 
 if __name__ == "__main__":

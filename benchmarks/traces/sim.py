@@ -1,6 +1,6 @@
 """Public traces and real prompt text in the simulator: FCFS, SGLang's LPM and Feather.
 
-    .venv/bin/python benchmarks/traces/sim.py        # ~10 minutes on this 2-core machine
+    .venv/bin/python benchmarks/traces/sim.py [--set NAME]  # ~10 minutes on this 2-core machine
     .venv/bin/python benchmarks/traces/sim.py --overlap-scheduler   # sim-overlap.json
 
 Llama-3-8B on the H100 SXM and H200 profiles, vLLM's GPU limits; three workloads:
@@ -16,7 +16,8 @@ at once, the requests finished by the time 90% are, over that time: the drain at
 left out): *busy* offers 0.8x that rate, *saturated* 1.5x (a trace's speed is set so its
 mean rate is that).  Prompts are tokenized with the embedded
 model's tokenizer.  Each run is what ``feather sim`` prints for the same flags (the
-cell's command is in ``sim.json``).  Writes ``sim.json``; ``tables.py`` makes the tables.
+cell's command is in ``sim.json``).  Writes ``sim.json`` into the run set's folder,
+``results/NAME/`` (default: the commit); ``tables.py --sim-set NAME`` makes the tables.
 
 The simulator adds each scheduler's Python time to its step by default (a synchronous
 engine); ``--overlap-scheduler`` runs the same cells with that time overlapping the step
@@ -26,22 +27,18 @@ into ``sim-overlap.json``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from feather_sched.costmodel.hardware import HARDWARE
-from feather_sched.costmodel.model_profiles import MODELS
+from feather_sched.bench.study import MODEL, Study, parser, sim_plan
 from feather_sched.results.records import RunResult
 from feather_sched.results.summary import summarize
-from feather_sched.sim.runner import SimPlan, simulate
+from feather_sched.sim.runner import simulate
 from feather_sched.workloads.options import WorkloadArgs
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tables import FCFS, HERE, slim
+from tables import FCFS, slim
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake-synthetic.jsonl"
 TRACE_REQUESTS = 3993
@@ -78,15 +75,13 @@ def command(args: WorkloadArgs, hardware: str, overlap: bool) -> str:
               f"--dataset-name {args.dataset_name} --request-rate {args.request_rate:.4g}"
               + (f" --max-requests {args.max_requests}" if args.max_requests else ""))
     return (f"feather sim {source} --seed {args.seed} --hardware {hardware} "
-            f"--model llama-3-8b --schedulers {','.join(SCHEDULERS)}"
+            f"--model {MODEL} --schedulers {','.join(SCHEDULERS)}"
             + (" --overlap-scheduler" if overlap else ""))
 
 
 def run(args: WorkloadArgs, hardware: str, scheduler: str, overlap: bool) -> RunResult:
     """One simulated run; ``overlap``: the scheduler's time overlaps each step."""
-    plan = SimPlan(workload=args.build(), hardware=HARDWARE[hardware],
-                   model=MODELS["llama-3-8b"], schedulers=[scheduler])
-    plan.engine = replace(plan.engine_config(), overlap_scheduler=overlap)
+    plan = sim_plan(args.build(), hardware, schedulers=[scheduler], overlap_scheduler=overlap)
     return simulate(plan, scheduler)
 
 
@@ -99,11 +94,12 @@ def capacity(workload: str, hardware: str, overlap: bool) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--overlap-scheduler", action="store_true",
-                        help="overlap the scheduler's time with each step: sim-overlap.json")
-    overlap = parser.parse_args().overlap_scheduler
-    out = HERE / ("sim-overlap.json" if overlap else "sim.json")
+    arguments = parser(__doc__)
+    arguments.add_argument("--overlap-scheduler", action="store_true",
+                           help="overlap the scheduler's time with each step: sim-overlap.json")
+    args = arguments.parse_args()
+    overlap = args.overlap_scheduler
+    study = Study(__file__, set_name=args.set)
     cells = []
     for workload in ("mooncake", "bfcl-tools", "sharegpt"):
         for hardware in HARDWARE_NAMES:
@@ -112,9 +108,9 @@ def main() -> None:
                 started = time.perf_counter()
                 runs: dict[str, list[dict]] = {name: [] for name in SCHEDULERS}
                 for seed in SEEDS:
-                    args = workload_args(workload, seed, share * rate)
+                    seeded = workload_args(workload, seed, share * rate)
                     for name in SCHEDULERS:
-                        runs[name].append(slim(summarize(run(args, hardware, name,
+                        runs[name].append(slim(summarize(run(seeded, hardware, name,
                                                              overlap))))
                 arrivals = f"{share * rate:.2f} req/s, {share}x FCFS's capacity"
                 cells.append({"workload": workload, "hardware": hardware, "load": load,
@@ -124,8 +120,8 @@ def main() -> None:
                               "runs": runs})
                 print(f"{workload} {hardware} {load}: {arrivals}, "
                       f"{time.perf_counter() - started:.0f} s", flush=True)
-                out.write_text(json.dumps({"cells": cells, "overlap_scheduler": overlap},
-                                          indent=1) + "\n")
+                study.write_json("sim-overlap" if overlap else "sim",
+                                 {"cells": cells, "overlap_scheduler": overlap})
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/traces/step_phases.py [--requests 100] [--gap 25] [--rounds 2]
     .venv/bin/python benchmarks/traces/step_phases.py --workload mooncake --requests 300 \
-        --step-ms 13 --json step_phases-mooncake.json
+        --step-ms 13 --stem step_phases-mooncake
 
 ShareGPT (or cpu.sh's Mooncake window: the trace's last 1,000 requests from the first,
 hash blocks of 32 tokens, ``mooncake-moderate.sh``'s speed 2.6) on vLLM 0.32.0's CPU
@@ -19,8 +19,9 @@ raises concurrency.  Per run, the seconds summed over all steps of:
 ``sample_tokens`` (worker side), and inside the worker Feather's batch-order plugin
 (``order_by_schedule``) and attention planning (``_plan``).  The machine's speed drifts
 between runs (compare a scheduler's phases with its own ``sample_tokens``, the same code
-in both); Feather's own phases are what this measures.  Writes ``step_phases.json``
-(``--json``).
+in both); Feather's own phases are what this measures.  Writes ``STEM.json`` (``--stem``,
+default ``step_phases``) into the run set's folder, ``results/NAME/`` (``--set``, default
+``cpu-<commit>``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from feather_sched.bench.study import Study, commit
 
 HERE = Path(__file__).parent
 PHASES = {"scheduler": ("schedule", "update_from_output"),
@@ -149,7 +152,8 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=13.0,
                         help="Mooncake: the nominal step that clocks its arrivals")
     parser.add_argument("--schedulers", default="fcfs,feather-model")
-    parser.add_argument("--json", type=Path, default=HERE / "step_phases.json")
+    parser.add_argument("--set", help="run set: results/SET/ (default: cpu-<commit>)")
+    parser.add_argument("--stem", default="step_phases", help="name of the .json written")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child run: its JSON on stdout
     args = parser.parse_args()
     if args.one:
@@ -172,12 +176,10 @@ def main() -> None:
                   flush=True)
     same = all(run["batches"] == runs[0]["batches"] for run in runs)
     print(f"identical batches in every run: {same}")
-    args.json.write_text(json.dumps(
-        {"command": " ".join(["benchmarks/traces/step_phases.py", *sys.argv[1:]]),
-         "workload": args.workload, "requests": args.requests, "gap": args.gap,
-         "step_ms": args.step_ms, "identical_batches": same,
-         "runs": [{k: v for k, v in run.items() if k != "batches"} for run in runs]},
-        indent=1) + "\n")
+    Study(__file__, set_name=args.set or f"cpu-{commit()}").write_json(args.stem, {
+        "workload": args.workload, "requests": args.requests, "gap": args.gap,
+        "step_ms": args.step_ms, "identical_batches": same,
+        "runs": [{k: v for k, v in run.items() if k != "batches"} for run in runs]})
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Tables of the trace and real-text results, and the check of Feather's targets.
 
-    .venv/bin/python benchmarks/traces/tables.py      # prints results.md's tables
+    .venv/bin/python benchmarks/traces/tables.py [--sim-set NAME]   # prints results.md
 
-Reads ``sim.json`` and ``sim-overlap.json`` (``sim.py``) and ``cpu-*.json`` (``cpu.sh``,
-``feather bench --json`` with the schedulers repeated: ``fcfs``, ``feather-model``,
-``fcfs#2``, ...) beside this file, and writes ``results.md``; ``POOLS`` names the CPU
-sets whose rounds are also taken together (one line run on two machines, or twice).
+Reads ``sim.json`` and ``sim-overlap.json`` (``sim.py``) of one run set
+(``results/NAME/``, default ``SIM_SET``) and every CPU run set's workload files,
+``results/*/{mooncake,bfcl-tools,sharegpt}.json`` (``cpu.sh``, ``feather bench --json``
+with the schedulers repeated: ``fcfs``, ``feather-model``, ``fcfs#2``, ...), a cell each
+labelled ``WORKLOAD, SET``, and writes ``results.md`` beside this file; ``POOLS`` names
+the cells whose rounds are also taken together (one line run on two machines, or twice).
 Each cell's runs (seeds in the simulator, rounds on the CPU engine) give a median with
 its range; Feather's and LPM's ratios to FCFS are taken per seed or round, then their
 median and range. The targets are checked on the median ratios (Feather >= 0.98x
@@ -15,10 +17,15 @@ cell names the figures of these where LPM does better than Feather by more than 
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
+
+from feather_sched.bench.study import Runs, markdown_table, pooled, rounds
+from feather_sched.bench.study import ratios as per_round
+from feather_sched.results.summary import median_and_range
 
 HERE = Path(__file__).parent
 FCFS, FEATHER, LPM = "fcfs", "feather-model", "sglang-lpm"
@@ -39,34 +46,30 @@ TARGETS = (  # (summary key, name, bound on Feather / FCFS)
 )
 TIE = 1.01
 """Median ratios within 1% of each other count as a tie between Feather and LPM."""
-POOLS = {  # label -> the cpu-*.json sets (the same line, each machine's load) pooled
-    "mooncake, 0.8x, AMX Xeon and EPYC": ("mooncake-amx", "mooncake-amx-b", "mooncake-amx-c",
-                                          "mooncake-amx-d", "mooncake-epyc",
-                                          "mooncake-epyc-b"),
-    "bfcl-tools, 0.8x, AMX Xeon and EPYC": ("bfcl-tools-amx", "bfcl-tools-amx-c",
-                                            "bfcl-tools-epyc"),
-    "sharegpt, 0.8x, AMX Xeon and EPYC": ("sharegpt-amx", "sharegpt-amx-c", "sharegpt-epyc"),
-    "sharegpt, 1.5x in an H100's KV room": ("sharegpt-amx-sat", "sharegpt-amx-sat-b"),
+WORKLOADS = ("mooncake", "bfcl-tools", "sharegpt")
+"""The workload files of a CPU run set (``cpu.sh``)."""
+SIM_SET = "epyc-d8327ca"
+"""The run set whose simulator files the tables read by default."""
+AMX_08 = ("amx-7765eb8", "amx-441c368")
+"""The AMX Xeon's sets of all three workloads at 0.8x capacity."""
+POOLS = {  # label -> the cells (WORKLOAD, SET) pooled: the same line, each machine's load
+    "mooncake, 0.8x, AMX Xeon and EPYC": tuple(
+        f"mooncake, {s}" for s in ("amx-7765eb8", "amx-152b619", "amx-441c368",
+                                   "amx-d7b8151", "epyc-d8327ca", "epyc-a5664c5")),
+    "bfcl-tools, 0.8x, AMX Xeon and EPYC": tuple(
+        f"bfcl-tools, {s}" for s in (*AMX_08, "epyc-d8327ca")),
+    "sharegpt, 0.8x, AMX Xeon and EPYC": tuple(
+        f"sharegpt, {s}" for s in (*AMX_08, "epyc-d8327ca")),
+    "sharegpt, 1.5x in an H100's KV room": ("sharegpt, amx-h100-kv-85de925",
+                                            "sharegpt, amx-h100-kv-3446621"),
 }
 KEPT = ("completed", "duration", *(key for key, _, _ in METRICS), "median_ttft_ms",
         "p99_tpot_ms", "mean_batch_size", "preemptions", "gate_stop")
 """The summary keys the JSON files keep (per-group arrays are left out)."""
 
-Runs = dict[str, list[dict]]
-"""Scheduler -> its summaries, one per seed or round, in the same order for every one."""
-
-
 def slim(summary: dict) -> dict:
     """The keys of a summary the results keep."""
     return {key: summary.get(key) for key in KEPT}
-
-
-def rounds(runs: dict[str, dict]) -> Runs:
-    """``feather bench``'s labels (``name``, ``name#2``, ...) grouped by scheduler."""
-    by_name: Runs = {}
-    for label, summary in runs.items():
-        by_name.setdefault(label.split("#")[0], []).append(summary)
-    return by_name
 
 
 def _fmt(value: float, key: str) -> str:
@@ -76,26 +79,19 @@ def _fmt(value: float, key: str) -> str:
 
 
 def _median(values: Sequence[float], key: str) -> str:
-    text = _fmt(statistics.median(values), key)
-    if len(values) > 1:
-        text += f" ({_fmt(min(values), key)}-{_fmt(max(values), key)})"
-    return text
+    return median_and_range(values, lambda value: _fmt(value, key))
 
 
 def ratios(runs: Runs, name: str, key: str) -> list[float]:
     """Per seed or round: ``name``'s figure over FCFS's."""
-    return [run[key] / base[key] for run, base in zip(runs[name], runs[FCFS], strict=True)
-            if base[key]]
+    return per_round(runs[name], runs[FCFS], key)
 
 
 def _ratio(values: Sequence[float]) -> str:
-    if not values:
-        return "n/a"
-    text = f"{statistics.median(values):.2f}x"
-    return text + (f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else "")
+    return median_and_range(values, unit="x") if values else "n/a"
 
 
-def cell_rows(label: str, runs: Runs) -> list[str]:
+def cell_rows(label: str, runs: Runs) -> list[list[str]]:
     """One row per scheduler: FCFS's medians (range), the others' ratios to FCFS (range);
     the hit rate as a median everywhere."""
     rows = []
@@ -109,7 +105,7 @@ def cell_rows(label: str, runs: Runs) -> list[str]:
                 cells.append(_median(values, key))
             else:
                 cells.append(_ratio(ratios(runs, name, key)))
-        rows.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
+        rows.append([label, name, *cells])
     return rows
 
 
@@ -151,24 +147,23 @@ SUMMARY = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_e2el_ms",
 def summary(cells: Sequence[tuple[str, Runs]]) -> str:
     """One row a cell: FCFS's throughput, Feather's median ratios, the targets missed and
     where LPM is better."""
-    lines = ["| cell | FCFS tok/s | Feather tok/s | mean TTFT | p99 TTFT | mean E2E | "
-             "worst group | targets missed | LPM better on |", "|---|" + "---|" * 8]
+    rows = []
     for label, runs in cells:
         fcfs = statistics.median(s["output_throughput"] for s in runs[FCFS])
-        cells_ = [_ratio(ratios(runs, FEATHER, key)) for key in SUMMARY]
-        lines.append(f"| {label} | {_fmt(fcfs, '')} | " + " | ".join(cells_) +
-                     f" | {', '.join(misses(runs)) or 'none'} | "
-                     f"{', '.join(lpm_better(runs)) or '-'} |")
-    return "\n".join(lines) + "\n"
+        rows.append([label, _fmt(fcfs, ""), *(_ratio(ratios(runs, FEATHER, key))
+                                             for key in SUMMARY),
+                     ", ".join(misses(runs)) or "none", ", ".join(lpm_better(runs)) or "-"])
+    return markdown_table(["cell", "FCFS tok/s", "Feather tok/s", "mean TTFT", "p99 TTFT",
+                           "mean E2E", "worst group", "targets missed", "LPM better on"],
+                          rows) + "\n"
 
 
 def table(cells: Sequence[tuple[str, Runs]]) -> str:
     """A markdown table of cells (label, runs), then each cell's verdict."""
-    head = ["| cell | scheduler | " + " | ".join(c for _, c, _ in METRICS) + " |",
-            "|---|---|" + "---|" * len(METRICS)]
     rows = [row for label, runs in cells for row in cell_rows(label, runs)]
     verdicts = [f"- {label}: {verdict(runs)}" for label, runs in cells]
-    return "\n".join([*head, *rows, "", *verdicts]) + "\n"
+    return "\n".join([markdown_table(["cell", "scheduler", *(c for _, c, _ in METRICS)], rows),
+                      "", *verdicts]) + "\n"
 
 
 def sim_cells(path: Path) -> dict[str, list[tuple[str, Runs]]]:
@@ -182,26 +177,28 @@ def sim_cells(path: Path) -> dict[str, list[tuple[str, Runs]]]:
     return tables
 
 
+def cpu_paths(results: Path) -> list[Path]:
+    """Every run set's workload files, by workload, then set."""
+    return sorted((path for workload in WORKLOADS for path in results.glob(f"*/{workload}.json")),
+                  key=lambda path: (WORKLOADS.index(path.stem), path.parent.name))
+
+
 def cpu_cells(paths: Sequence[Path]) -> list[tuple[str, Runs]]:
-    """One cell per ``feather bench --json`` file, labelled by its name (``cpu-NAME``)."""
+    """One cell per ``feather bench --json`` file, labelled ``WORKLOAD, SET`` (its name and
+    its run set's)."""
     cells = []
     for path in paths:
         document = json.loads(path.read_text())
         runs = {name: [slim(s) for s in summaries]
                 for name, summaries in rounds(document["runs"]).items()}
-        cells.append((path.stem.removeprefix("cpu-"), runs))
+        cells.append((f"{path.stem}, {path.parent.name}", runs))
     return cells
 
 
-def pooled(cells: Sequence[tuple[str, Runs]], names: Sequence[str]) -> Runs:
-    """The rounds of several sets as one cell; each set's rounds keep their pairs, so the
-    ratios are still taken round by round."""
+def pool(cells: Sequence[tuple[str, Runs]], names: Sequence[str]) -> Runs:
+    """The rounds of the sets ``names`` as one cell (round by round pairs kept)."""
     by_name = dict(cells)
-    runs: Runs = {}
-    for name in names:
-        for scheduler, summaries in by_name[name].items():
-            runs.setdefault(scheduler, []).extend(summaries)
-    return runs
+    return pooled(by_name[name] for name in names)
 
 
 def sim_summary(tables: dict[str, list[tuple[str, Runs]]], heading: str) -> list[str]:
@@ -213,23 +210,26 @@ def sim_summary(tables: dict[str, list[tuple[str, Runs]]], heading: str) -> list
 
 
 def main() -> None:
+    arguments = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    arguments.add_argument("--sim-set", default=SIM_SET, help="the run set of sim.json")
+    sim_set = HERE / "results" / arguments.parse_args().sim_set
     parts = []
-    if (HERE / "sim.json").exists():
-        tables = sim_cells(HERE / "sim.json")
+    if (sim_set / "sim.json").exists():
+        tables = sim_cells(sim_set / "sim.json")
         parts += sim_summary(tables, "Simulator")
         for title, cells in tables.items():
             parts += [f"### Simulator: {title}", "", table(cells)]
-    if (HERE / "sim-overlap.json").exists():
-        parts += sim_summary(sim_cells(HERE / "sim-overlap.json"),
+    if (sim_set / "sim-overlap.json").exists():
+        parts += sim_summary(sim_cells(sim_set / "sim-overlap.json"),
                              "Simulator, the scheduler's time overlapping each step "
                              "(vLLM's async scheduling)")
-    cpu = sorted(HERE.glob("cpu-*.json"))
+    cpu = cpu_paths(HERE / "results")
     if cpu:
         cells = cpu_cells(cpu)
         parts += ["### Real CPU engine (vLLM 0.32.0, the embedded model): Feather against "
                   "FCFS (median ratios, range over rounds)", "", summary(cells),
                   "### Real CPU engine, sets pooled (median ratios, range over their "
-                  "rounds)", "", summary([(label, pooled(cells, names))
+                  "rounds)", "", summary([(label, pool(cells, names))
                                           for label, names in POOLS.items()]),
                   "### Real CPU engine, every figure", "", table(cells)]
     text = "\n".join(parts)

@@ -8,9 +8,10 @@
 #       gain without classes).
 # priority_table.py gives the per-round ratios: class-0 TTFT (target <= 1.1x vLLM's),
 # class-1 throughput (>= 1.0x) and the share of the one-class gain kept (>= 90%).
+# Results go into benchmarks/vllm/results/$SET/ (default: the commit).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=benchmarks/vllm
+out=$(benchmarks/run_set.sh vllm)
 bench=(.venv/bin/feather bench --groups 8 --prompts-per-group 16 --prefix-len 8192
        --output-len 64 --seed 0)
 "${bench[@]}" --high-priority-share 0.1 \
@@ -18,5 +19,5 @@ bench=(.venv/bin/feather bench --groups 8 --prompts-per-group 16 --prefix-len 81
     --json $out/priority-classes.json | tee $out/priority-classes.txt
 "${bench[@]}" --schedulers fcfs,feather-model,fcfs,feather-model,fcfs,feather-model,fcfs,feather-model \
     --json $out/priority-one-class.json | tee $out/priority-one-class.txt
-(cd $out && ../../.venv/bin/python priority_table.py priority-classes.json \
-    priority-one-class.json) | tee $out/priority.md
+.venv/bin/python benchmarks/vllm/priority_table.py $out/priority-classes.json \
+    $out/priority-one-class.json | tee $out/priority.md

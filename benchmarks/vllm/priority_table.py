@@ -12,26 +12,17 @@ without classes, ``--schedulers fcfs,feather-model,...``. Each ratio is taken pe
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
-from medians import rounds
+from feather_sched.bench.study import Figure, load_rounds, markdown_table, ratios
+from feather_sched.results.summary import median_and_range
+
+FEATHER = "feather-model"
 
 
-def per_round(path: Path, base: str, other: str, figure) -> list[float]:
-    """``figure(other's run) / figure(base's run)`` for each round of ``path``."""
-    by_name = rounds(json.loads(path.read_text())["runs"])
-    return [figure(run) / figure(ref)
-            for run, ref in zip(by_name[other], by_name[base], strict=True)]
-
-
-def urgent(key: str):
+def urgent(key: str) -> Figure:
     return lambda run: run["by_priority"]["0"][key]
-
-
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f}x ({min(values):.3f} - {max(values):.3f})"
 
 
 def main() -> None:
@@ -39,26 +30,26 @@ def main() -> None:
     parser.add_argument("classes", type=Path)
     parser.add_argument("one_class", type=Path)
     args = parser.parse_args()
-    feather = "feather-model"
-    rows = [
-        ("class-0 mean TTFT", per_round(args.classes, "priority", feather,
-                                        urgent("mean_ttft_ms")), "<= 1.1x"),
-        ("class-0 p99 TTFT", per_round(args.classes, "priority", feather,
-                                       urgent("p99_ttft_ms")), "<= 1.1x"),
-        ("class-1 output tok/s", per_round(
-            args.classes, "priority", feather,
-            lambda run: run["by_priority"]["1"]["output_throughput"]), ">= 1.0x"),
-    ]
-    with_classes = per_round(args.classes, "priority", feather,
-                             lambda run: run["output_throughput"])
-    one_class = per_round(args.one_class, "fcfs", feather,
-                          lambda run: run["output_throughput"])
-    rows += [("output tok/s, two classes (feather / priority)", with_classes, ""),
-             ("output tok/s, one class (feather / fcfs)", one_class, "")]
-    print("| figure (Feather / vLLM) | median ratio (range over rounds) | target |")
-    print("|---|---|---|")
-    for name, values, target in rows:
-        print(f"| {name} | {spread(values)} | {target} |")
+    classes, one = load_rounds(args.classes), load_rounds(args.one_class)
+
+    def over(runs, base: str, figure: Figure) -> list[float]:
+        return ratios(runs[FEATHER], runs[base], figure)
+
+    with_classes = over(classes, "priority", "output_throughput")
+    one_class = over(one, "fcfs", "output_throughput")
+    rows = (  # (figure, per-round ratios, target)
+        ("class-0 mean TTFT", over(classes, "priority", urgent("mean_ttft_ms")), "<= 1.1x"),
+        ("class-0 p99 TTFT", over(classes, "priority", urgent("p99_ttft_ms")), "<= 1.1x"),
+        ("class-1 output tok/s", over(
+            classes, "priority", lambda run: run["by_priority"]["1"]["output_throughput"]),
+         ">= 1.0x"),
+        ("output tok/s, two classes (feather / priority)", with_classes, ""),
+        ("output tok/s, one class (feather / fcfs)", one_class, ""),
+    )
+    print(markdown_table(
+        ["figure (Feather / vLLM)", "median ratio (range over rounds)", "target"],
+        ([name, median_and_range(values, "{:.3f}", "x", " - "), target]
+         for name, values, target in rows)))
     gain, single = statistics.median(with_classes), statistics.median(one_class)
     print(f"\nGrouping gain kept: {gain:.3f} / {single:.3f} = {gain / single:.1%} of the "
           f"one-class gain; of its excess over 1: {(gain - 1) / (single - 1):.1%} "

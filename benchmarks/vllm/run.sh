@@ -3,12 +3,13 @@
 # 2-layer model, random weights). Each line is one `feather bench` invocation; every
 # scheduler in it runs on a fresh engine, one after the other, in the same process, and a
 # name given again runs again (labelled name#2, ...): medians.py takes the median and
-# spread of the repeated runs and of the per-round ratios to FCFS.
+# spread of the repeated runs and of the per-round ratios to FCFS. Results go into
+# benchmarks/vllm/results/$SET/ (default: the commit).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bench=(.venv/bin/feather bench --output-len 64 --seed 0)
-out=benchmarks/vllm
-medians=(.venv/bin/python $out/medians.py)
+out=$(benchmarks/run_set.sh vllm)
+medians=(.venv/bin/python benchmarks/vllm/medians.py)
 
 # (i) eight groups of 8K-token prefixes, three rounds: FCFS, ordering alone (always),
 # the default (bandit, overtaking bound on) and the bandit without the bound.

@@ -1,7 +1,8 @@
 """What one scheduler step costs on vLLM's side: vLLM's scheduler, the instrumented FCFS
 baseline and Feather, each over the same running batch, no model.
 
-    .venv/bin/python benchmarks/vllm/schedule_cost.py [--running 16 128] [--steps 300]
+    .venv/bin/python benchmarks/vllm/schedule_cost.py [--running 16 128] [--steps 300] \
+        [--set NAME]
 
 vLLM 0.32.0's real schedulers (sync variant) built for the embedded model with a KV cache
 that never fills, ``running`` requests that share nothing (ShareGPT's case) decoding one
@@ -9,16 +10,13 @@ token a step, outputs fabricated (one token per request); median microseconds of
 ``schedule()`` and of ``update_from_output()`` over ``steps`` steps, the variants
 alternated ``rounds`` times. Isolates the scheduler-side part of a step that the CPU
 engine's ShareGPT rounds (``benchmarks/traces``) cannot tell from the worker's. Prints a
-table and writes schedule_cost.json beside this file.
+table and writes schedule_cost.json into results/NAME/ (default: the commit).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from vllm.engine.arg_utils import EngineArgs
@@ -39,10 +37,11 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from feather_sched.bench.study import Study, markdown_table, parser
 from feather_sched.integrations.vllm.scheduler import FeatherSyncScheduler, InstrumentedScheduler
 from feather_sched.models import TINY_LLAMA
+from feather_sched.results.summary import median_and_range
 
-HERE = Path(__file__).parent
 BLOCK, BLOCKS = 16, 40_000
 VARIANTS = {"vllm": (Scheduler, {}), "instrumented (fcfs)": (InstrumentedScheduler, {}),
             "feather-model": (FeatherSyncScheduler, {"gate": "model"})}
@@ -105,28 +104,31 @@ def measure(variant: str, running: int, steps: int) -> dict:
             "update_from_output_us": 1e6 * statistics.median(update_s)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--running", type=int, nargs="+", default=[16, 128])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    rows = [measure(variant, running, args.steps) for _ in range(args.rounds)
-            for running in args.running for variant in VARIANTS]
-    lines = ["| running | variant | schedule() us | update_from_output() us |",
-             "|---|---|---|---|"]
-    for running in args.running:
+def markdown(rows: list[dict]) -> str:
+    """Per running count and variant: the median (range over rounds) of each call's
+    median microseconds."""
+    lines = []
+    for running in dict.fromkeys(r["running"] for r in rows):
         for variant in VARIANTS:
             mine = [r for r in rows if r["variant"] == variant and r["running"] == running]
-            cells = [sorted(r[k] for r in mine) for k in ("schedule_us", "update_from_output_us")]
-            lines.append(f"| {running} | {variant} | "
-                         + " | ".join(f"{statistics.median(c):.0f} ({c[0]:.0f}-{c[-1]:.0f})"
-                                      for c in cells) + " |")
-    text = "\n".join(lines)
-    (HERE / "schedule_cost.json").write_text(json.dumps(
-        {"command": "benchmarks/vllm/schedule_cost.py", "steps": args.steps, "rows": rows},
-        indent=1))
-    print(text)
+            lines.append([str(running), variant,
+                          *(median_and_range([r[k] for r in mine], "{:.0f}")
+                            for k in ("schedule_us", "update_from_output_us"))])
+    return markdown_table(["running", "variant", "schedule() us", "update_from_output() us"],
+                          lines)
+
+
+def main() -> None:
+    arguments = parser(__doc__)
+    arguments.add_argument("--running", type=int, nargs="+", default=[16, 128])
+    arguments.add_argument("--steps", type=int, default=300)
+    arguments.add_argument("--rounds", type=int, default=3)
+    args = arguments.parse_args()
+    study = Study(__file__, set_name=args.set)
+    rows = [measure(variant, running, args.steps) for _ in range(args.rounds)
+            for running in args.running for variant in VARIANTS]
+    study.write_json("schedule_cost", {"steps": args.steps, "rows": rows})
+    print(markdown(rows))
 
 
 if __name__ == "__main__":

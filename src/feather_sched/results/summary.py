@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import groupby, pairwise
 
@@ -94,13 +94,16 @@ def summarize(run: RunResult, percentiles: Percentiles = VLLM_PERCENTILES) -> Su
     return summary
 
 
-def median_and_range(values: Sequence[float], fmt: str = "{:.2f}") -> str:
+def median_and_range(values: Sequence[float], fmt: str | Callable[[float], str] = "{:.2f}",
+                     unit: str = "", sep: str = "-") -> str:
     """Median and range of repeated runs' figures, e.g. ``1.12 (1.05-1.20)``; the value
-    alone for one run.  ``fmt`` formats each number."""
-    median = fmt.format(statistics.median(values))
+    alone for one run.  ``fmt`` formats each number (a format string or a function),
+    ``unit`` follows the median (``"x"``: ``1.12x (1.05-1.20)``), ``sep`` parts the range."""
+    text = fmt.format if isinstance(fmt, str) else fmt
+    median = text(statistics.median(values)) + unit
     if len(values) == 1:
         return median
-    return f"{median} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+    return f"{median} ({text(min(values))}{sep}{text(max(values))})"
 
 
 def prefill_over_floor(records: Sequence[RequestRecord], workload: Workload) -> float:

@@ -7,14 +7,16 @@ output token, modelled L2 hit rate) and the ratio table.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from feather_sched.core.runtime import FeatherRuntime
+from feather_sched.costmodel.calibrate import load_profile
 from feather_sched.costmodel.cost import CostModel, CostParams
-from feather_sched.costmodel.hardware import HardwareProfile
-from feather_sched.costmodel.model_profiles import ModelProfile
+from feather_sched.costmodel.hardware import HARDWARE, HardwareProfile, load_hardware
+from feather_sched.costmodel.model_profiles import MODELS, ModelProfile
 from feather_sched.results.records import RequestRecord, RunResult
 from feather_sched.scheduler_names import SIM_KINDS, parse_scheduler
 from feather_sched.sim.engine import EngineConfig, SimEngine, SimResult
@@ -23,6 +25,8 @@ from feather_sched.workloads.spec import Workload
 
 KV_MEMORY_FRACTION = 0.9
 """vLLM's default gpu_memory_utilization: what weights and KV cache may use together."""
+BLOCK_TOKENS = 16
+"""vLLM's KV block size on GPUs: the simulated engine's block unless a plan sets another."""
 
 
 @dataclass
@@ -47,12 +51,66 @@ class SimPlan:
     def engine_config(self) -> EngineConfig:
         if self.engine is not None:
             return self.engine
-        block_tokens = 16
-        kv_bytes = self.hardware.memory_bytes * KV_MEMORY_FRACTION - self.model.weight_bytes
-        if kv_bytes <= 0:
-            raise ValueError(f"{self.model.name} does not fit in {self.hardware.name}")
-        blocks = int(kv_bytes // (self.model.kv_bytes_per_token * block_tokens))
-        return EngineConfig(block_tokens=block_tokens, num_blocks=blocks)
+        return EngineConfig(block_tokens=BLOCK_TOKENS,
+                            num_blocks=kv_pool_blocks(self.hardware, self.model, BLOCK_TOKENS))
+
+    @classmethod
+    def from_options(cls, workload: Workload, *, hardware: str = "h100-sxm",
+                     model: str = "llama-3-8b", profile: str | Path | None = None,
+                     schedulers: Sequence[str] = ("fcfs", "feather-bandit"),
+                     feather_options: dict[str, Any] | None = None, cascade: bool = False,
+                     kv_cache_gib: float | None = None, **engine: Any) -> SimPlan:
+        """The plan ``feather sim``'s options describe: ``hardware`` and ``model`` by name
+        (``hardware`` also a hardware JSON file) with the default cost parameters, or a
+        calibrated ``profile`` (its hardware, model and parameters); ``engine`` are
+        ``EngineConfig``'s fields (``block_tokens``, ``max_num_seqs``, ...).  The KV pool
+        holds ``num_blocks`` where given, else ``kv_cache_gib`` where given, else what the
+        device's memory holds beside the weights.  ValueError (or OSError, for a profile
+        that cannot be read) naming what is wrong."""
+        if profile is not None:
+            hw, mp, params = load_profile(profile)
+        else:
+            hw, mp, params = hardware_named(hardware), model_named(model), CostParams()
+        block_tokens = engine.setdefault("block_tokens", BLOCK_TOKENS)
+        if "num_blocks" not in engine:
+            engine["num_blocks"] = (kv_pool_blocks(hw, mp, block_tokens) if kv_cache_gib is None
+                                    else int(kv_cache_gib * 2**30
+                                             // (mp.kv_bytes_per_token * block_tokens)))
+        elif kv_cache_gib is not None:
+            raise ValueError("give the KV pool as num_blocks or as kv_cache_gib, not both")
+        return cls(workload=workload, hardware=hw, model=mp, params=params,
+                   schedulers=list(schedulers), feather_options=dict(feather_options or {}),
+                   cascade=cascade, engine=EngineConfig(**engine))
+
+
+def kv_pool_blocks(hardware: HardwareProfile, model: ModelProfile, block_tokens: int) -> int:
+    """KV blocks of ``block_tokens`` that vLLM's default memory share leaves for the KV
+    cache beside ``model``'s weights on ``hardware`` (ValueError where nothing is left)."""
+    kv_bytes = hardware.memory_bytes * KV_MEMORY_FRACTION - model.weight_bytes
+    if kv_bytes <= 0:
+        raise ValueError(f"{model.name} does not fit in {hardware.name}")
+    return int(kv_bytes // (model.kv_bytes_per_token * block_tokens))
+
+
+def hardware_named(name: str) -> HardwareProfile:
+    """A datasheet profile by name (``HARDWARE``), or a hardware JSON file."""
+    if name in HARDWARE:
+        return HARDWARE[name]
+    if Path(name).exists():
+        return load_hardware(name)
+    raise ValueError(unknown("hardware", name, HARDWARE))
+
+
+def model_named(name: str) -> ModelProfile:
+    """A model profile by name (``MODELS``)."""
+    if name in MODELS:
+        return MODELS[name]
+    raise ValueError(unknown("model", name, MODELS))
+
+
+def unknown(kind: str, name: str, known: dict) -> str:
+    return (f"unknown {kind} {name!r}; choose from {', '.join(known)} "
+            "or give a profile file")
 
 
 def simulate(plan: SimPlan, name: str,
