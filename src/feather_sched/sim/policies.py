@@ -44,7 +44,7 @@ IN_BATCH_TOKENS = 32
 """SGLang's IN_BATCH_PREFIX_CACHING_{CHECK,DEPRIORITIZE}_THRESHOLD."""
 SGLANG_MATCH_S = 18e-6
 """SGLang 0.5.23 calc_priority cost per waiting request, 1K-token prompts (18.3 ms for
-1024 waiting in benchmarks/cht/cht-bench.json)."""
+1024 waiting in benchmarks/cht/results/5a05ba1/cht-bench.json)."""
 
 
 class SimRequests:
