@@ -33,6 +33,14 @@ contract, in the style of vLLM's ``RequestQueue``::
                                   (an engine that preempts the end of the running
                                   list Feather ordered, like vLLM, need not ask)
 
+Beside the pass, what an adapter may read or ask: ``reconcile(running, waiting)`` (an
+engine that changes its queues by paths no call shows, as SGLang can), ``preempted``,
+``candidate``, ``order`` and ``batch_order`` (the running and the batch order),
+``batch_has_groups``, ``passes_due`` (whether running a request by a path that bypasses
+Feather's queue would pass one a bound made due), ``request``, ``is_running``, ``wants_batches``,
+``engine_keeps_its_order`` and ``layout``; and its parts ``config``, ``faults`` and
+``meter``.  Nothing else: adapters never reach the queue or the view.
+
 Invariants: the running set is never assumed from admissions: ``begin_pass`` and
 ``end_pass`` each take what the engine reports as running, so a request it skipped, parked
 or ran by a path Feather does not see is placed where the engine has it.  An ADD counts
