@@ -151,3 +151,35 @@ def test_plan_reads_only_the_live_rows(padding):
     starts = torch.arange(len(rows) + 1, dtype=torch.int32)
     plan = plan_step(bt, lens, starts, 2, BS, 2)
     assert sorted(plan.groups.rows.tolist()) == [0, 1] and len(plan.seq_lens) == 2
+
+
+def _lcp(bt: np.ndarray, full: np.ndarray, a: int, b: int) -> int:
+    """Leading blocks rows a and b share, within both rows' full blocks (brute force)."""
+    limit = int(min(full[a], full[b]))
+    differs = np.flatnonzero(bt[a, :limit] != bt[b, :limit])
+    return int(differs[0]) if len(differs) else limit
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(0, 8),
+                          st.integers(1, 12)), min_size=2, max_size=30))
+def test_the_trie_order_lists_rows_as_a_sort_would(spec):
+    """Adjacent rows of ``_trie_order`` share exactly what it says, and any two rows share
+    the minimum of what lies between them: the order of a lexicographic sort of the rows'
+    full blocks (what the grouping's split rests on), whatever the input order."""
+    from feather_sched.attention.groups import _trie_order
+
+    systems = [[1, 2, 3], [7], []]
+    documents = [[100 * d + j for j in range(1, 9)] for d in range(4)]
+    rows = [[*systems[s], *documents[d][:k], 5000 + i]
+            for i, (s, d, k, _) in enumerate(spec)]
+    bt = table(rows, width=16)
+    full = np.array([min(len(r), f) for r, (*_, f) in zip(rows, spec, strict=True)])
+    candidates = np.arange(len(rows))
+    order, common = _trie_order(bt, candidates, full)
+    assert sorted(order.tolist()) == candidates.tolist() and len(common) == len(order) - 1
+    for i in range(len(order) - 1):
+        assert common[i] == _lcp(bt, full, order[i], order[i + 1])
+    for i in range(len(order)):
+        for j in range(i + 1, len(order)):
+            assert _lcp(bt, full, order[i], order[j]) == min(common[i:j])

@@ -4,10 +4,12 @@ A group is a set of decode rows (one query token each) whose block-table rows st
 the same physical block ids. Sharing is read from the block ids themselves, compared row
 by row, never from reference counts (a block freed late can look shared: vLLM #55227).
 Only full blocks strictly below the block of the token written this step count, so no
-block a group shares is written while it is read. Rows are grouped in any order: they
-are sorted by their block ids, so rows sharing a prefix become adjacent, and the sorted
-runs are split where that saves the most prefix reads (a run sharing a short system
-prompt whose subsets share long documents is split into the documents' groups).
+block a group shares is written while it is read. Rows are grouped in any order: they are
+placed in a trie of their block ids, each compared only as far as it shares with another
+(the cost grows with the blocks rows share, not with their context), so rows sharing a
+prefix become adjacent, and the runs are split where that saves the most prefix reads (a
+run sharing a short system prompt whose subsets share long documents is split into the
+documents' groups).
 
 ``plan_step`` turns the groups into work: one segment per group (its queries over the
 shared prefix) and one per grouped row (its query over its own suffix), plus the engine's
@@ -31,6 +33,11 @@ MIN_SHARED_TOKENS = 256
 the prefix reads they save (cascade kernels lose below ~256-512 shared tokens)."""
 MIN_ROWS = 2
 """Smallest group: a singleton reads its prefix once anyway."""
+DIRECT_COMPARE = 1 << 17
+"""Up to this many ids (rows x columns) are compared at once, without probing first."""
+MAX_HEAD_RUNS = 32
+"""Up to this many classes a compare goes class by class (``_differs``); beyond, one
+gather is cheaper than the Python loop."""
 
 
 @dataclass(frozen=True)
@@ -65,9 +72,11 @@ def find_groups(block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.nd
     """The decode rows sharing at least ``min_shared_blocks`` leading blocks, grouped.
 
     ``block_table`` ``[rows, width]`` (int), ``seq_lens`` (tokens including this step's)
-    and ``query_lens`` (this step's new tokens) per batch row. Cost: a lexicographic sort
-    of the candidate rows over their full-block columns, O(rows x width log rows), and a
-    split of the sorted runs, O(rows^2) at worst.
+    and ``query_lens`` (this step's new tokens) per batch row; any row order.  Rows are
+    placed in a trie of their block ids (``_trie_order``), which compares each row only
+    as far as it shares with another, and the trie's runs are split where that saves the
+    most prefix reads.  Cost: O(rows log rows + shared blocks of the candidate rows), not
+    rows x context; O(rows) for a batch whose rows all start on different blocks.
     """
     decode = np.flatnonzero(query_lens == 1)
     full = (seq_lens[decode].astype(np.int64) - 1) // block_size
@@ -75,19 +84,129 @@ def find_groups(block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.nd
     candidates, full = decode[keep], full[keep]
     if len(candidates) < min_rows or distinct(block_table[candidates, 0]):
         return _no_groups()
-    width = int(full.max())
-    keys = block_table[candidates, :width].astype(np.int64)
-    beyond = np.arange(width) >= full[:, None]
-    keys[beyond] = np.broadcast_to(-1 - candidates[:, None], keys.shape)[beyond]
-    order = np.lexsort(keys.T[::-1])
-    keys, rows = keys[order], candidates[order]
-    common = (keys[1:] == keys[:-1]).cumprod(axis=1).sum(axis=1)
-    spans = _best_spans(common, min_shared_blocks, min_rows)
+    order, common = _trie_order(block_table, candidates, full)
+    spans = _spans(common, min_shared_blocks, min_rows)
     if not spans:
         return _no_groups()
-    members = [rows[lo:hi + 1] for lo, hi, _ in spans]
+    members = [order[lo:hi + 1] for lo, hi, _ in spans]
     return Groups(np.concatenate(members), np.cumsum([0] + [len(m) for m in members]),
                   np.array([shared for _, _, shared in spans], dtype=np.int64))
+
+
+def _trie_order(table: np.ndarray, rows: np.ndarray, full: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """``rows`` in an order where rows sharing a prefix are adjacent, and ``common[i]``,
+    the leading blocks rows ``i`` and ``i + 1`` of that order share (ids equal, within
+    both rows' ``full`` blocks): what a lexicographic sort of the rows' full blocks gives,
+    up to the order of siblings.
+
+    The rows are placed in a trie of their block ids, one level a pass over every class
+    at once: the rows of a class (known equal on its first columns) are compared with its
+    first row, the head (``_shared_with``), and those that leave the head's path at one
+    column with one block id form a class of the next level.  Each row keeps, per level,
+    its rank among its class's children (the head first, then the children deepest
+    first) and the depth at which it left; a sort by the ranks is the order, and two
+    neighbours share the depth at which the second left the first's path.  O(rows log
+    rows + the blocks each row shares) per level, in numpy; the levels are the nesting of
+    the batch's prefixes (one per shared-prefix length that some rows go beyond).
+    """
+    count = len(rows)
+    _, first = np.unique(table[rows, 0], return_inverse=True)
+    ranks, lefts = [first.astype(np.int64)], [np.zeros(count, dtype=np.int64)]
+    active = np.flatnonzero(np.bincount(first)[first] >= 2)
+    classes, starts = first[active], np.ones(len(active), dtype=np.int64)
+    while len(active):
+        order = np.lexsort((active, classes))
+        active, classes, starts = active[order], classes[order], starts[order]
+        is_head = np.r_[True, classes[1:] != classes[:-1]]
+        heads = active[is_head][np.cumsum(is_head) - 1]
+        later, heads, parents = active[~is_head], heads[~is_head], classes[~is_head]
+        left = _shared_with(table, rows, later, heads, full, starts[~is_head])
+        value = np.where(left < full[later],
+                         table[rows[later], np.minimum(left, table.shape[1] - 1)],
+                         -1 - later).astype(np.int64)
+        order = np.lexsort((value, -left, parents))
+        later, left, value, parents = later[order], left[order], value[order], parents[order]
+        new_child = np.r_[True, (parents[1:] != parents[:-1]) | (left[1:] != left[:-1]) |
+                          (value[1:] != value[:-1])]
+        child = np.cumsum(new_child) - 1
+        first_of_parent = np.r_[True, parents[1:] != parents[:-1]]
+        rank = np.zeros(count, dtype=np.int64)
+        rank[later] = child - child[first_of_parent][np.cumsum(first_of_parent) - 1] + 1
+        depth = np.zeros(count, dtype=np.int64)
+        depth[later] = left
+        ranks.append(rank)
+        lefts.append(depth)
+        keep = np.bincount(child)[child] >= 2
+        active, classes, starts = later[keep], child[keep], left[keep] + 1
+    order = np.lexsort(ranks[::-1])
+    ranks_in_order = np.stack(ranks)[:, order]
+    level = (ranks_in_order[:, 1:] != ranks_in_order[:, :-1]).argmax(axis=0)
+    common = np.stack(lefts)[level, order[1:]]
+    return rows[order], common
+
+
+def _shared_with(table: np.ndarray, rows: np.ndarray, later: np.ndarray, heads: np.ndarray,
+                 full: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """For each row ``rows[later[i]]``, known equal to ``rows[heads[i]]`` on
+    ``[0, starts[i])``: the leading blocks the two share, at most either's ``full``.
+    Columns are probed at ``start + 2^k - 1`` first, so a row is compared in full only up
+    to about twice what it shares (the rows a probe bounds alike in one numpy compare):
+    O(rows x shared)."""
+    limit = np.minimum(full[later], full[heads])
+    shared = np.minimum(starts, limit)
+    live = np.flatnonzero(limit > starts)
+    if not len(live):
+        return shared
+    mine, theirs = rows[later[live]], rows[heads[live]]
+    start, end = starts[live], limit[live]
+    span = int((end - start).max())
+    lo, hi = int(start.min()), int(end.max())
+    if len(live) * (hi - lo) <= DIRECT_COMPARE:  # small enough to compare at once
+        shared[live] = _first_difference(table, mine, theirs, lo, hi, end)
+        return shared
+    probes = start[:, None] + (1 << np.arange(span.bit_length())) - 1
+    beyond = probes >= end[:, None]
+    columns = np.minimum(probes, end[:, None] - 1)
+    differs = (table[mine[:, None], columns] != table[theirs[:, None], columns]) | beyond
+    first = differs.argmax(axis=1)
+    found = differs[np.arange(len(live)), first]
+    bound = np.where(found, columns[np.arange(len(live)), first] + 1, end)
+    bucket = np.where(found, first + 1, 0)  # by the probe that bounds them; 0: none did
+    for probe in np.flatnonzero(np.bincount(bucket)).tolist():
+        picked = np.flatnonzero(bucket == probe)
+        shared[live[picked]] = _first_difference(
+            table, mine[picked], theirs[picked], int(start[picked].min()),
+            int(bound[picked].max()), end[picked])
+    return shared
+
+
+def _first_difference(table: np.ndarray, mine: np.ndarray, theirs: np.ndarray, lo: int,
+                      hi: int, end: np.ndarray) -> np.ndarray:
+    """Per row, the first column in ``[lo, hi)`` where ``mine``'s ids differ from
+    ``theirs`` or that is at or past its ``end``; ``hi`` where none is."""
+    window = _differs(table, mine, theirs, lo, hi)
+    if int(end.min()) < hi:
+        window |= np.arange(lo, hi) >= end[:, None]
+    at = window.argmax(axis=1)
+    return np.where(window[np.arange(len(mine)), at], lo + at, hi)
+
+
+def _differs(table: np.ndarray, mine: np.ndarray, theirs: np.ndarray, lo: int,
+             hi: int) -> np.ndarray:
+    """``table[mine, lo:hi] != table[theirs, lo:hi]``, comparing against each head's row in
+    place where ``theirs`` runs in few heads (a head's row is not copied for each member:
+    half the memory traffic of the plain gather).  O(len(mine) x (hi - lo))."""
+    starts = np.flatnonzero(np.r_[True, theirs[1:] != theirs[:-1]])
+    if len(starts) > MAX_HEAD_RUNS:
+        return table[mine, lo:hi] != table[theirs, lo:hi]
+    window = np.empty((len(mine), hi - lo), dtype=bool)
+    for begin, end in zip(starts.tolist(), np.r_[starts[1:], len(mine)].tolist(),
+                          strict=True):
+        np.not_equal(table[mine[begin:end], lo:hi], table[theirs[begin], lo:hi],
+                     out=window[begin:end])
+    return window
+
 
 
 def distinct(first_blocks: np.ndarray | torch.Tensor) -> bool:
@@ -102,6 +221,33 @@ def distinct(first_blocks: np.ndarray | torch.Tensor) -> bool:
 def _no_groups() -> Groups:
     empty = np.zeros(0, dtype=np.int64)
     return Groups(empty, np.zeros(1, dtype=np.int64), empty)
+
+
+def _spans(common: np.ndarray, min_shared: int, min_rows: int) -> list[tuple[int, int, int]]:
+    """``_best_spans`` over each run of neighbours sharing at least ``min_shared`` blocks
+    (a pair sharing less is never inside a group); a run sharing the same blocks
+    throughout, the usual group, is settled in numpy.  O(rows) plus ``_best_spans`` over
+    the runs that share unevenly."""
+    cuts = np.flatnonzero(common < min_shared)
+    starts = np.r_[0, cuts + 1]
+    ends = np.r_[cuts, len(common)]  # run of pairs [start, end): rows start..end
+    keep = ends - starts + 1 >= min_rows
+    starts, ends = starts[keep & (ends > starts)], ends[keep & (ends > starts)]
+    if not len(starts):
+        return []
+    bounds = np.ravel(np.c_[starts, ends])  # reduce over [start, end), then a cut's
+    padded = np.r_[common, 0]
+    low = np.minimum.reduceat(padded, bounds)[::2]
+    high = np.maximum.reduceat(padded, bounds)[::2]
+    spans: list[tuple[int, int, int]] = []
+    for lo, hi, least, most in zip(starts.tolist(), ends.tolist(), low.tolist(), high.tolist(),
+                                   strict=True):
+        if least == most:
+            spans.append((lo, hi, least))
+        else:
+            spans += [(lo + a, lo + b, shared) for a, b, shared in
+                      _best_spans(common[lo:hi], min_shared, min_rows)]
+    return spans
 
 
 def _best_spans(common: np.ndarray, min_shared: int, min_rows: int) -> list[tuple[int, int, int]]:
