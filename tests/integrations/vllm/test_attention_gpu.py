@@ -124,15 +124,15 @@ def test_table_segments_read_each_prefix_once_and_each_suffix_from_its_first_tok
     seq_lens = torch.tensor([15, 14, 9, 17, 10, 12, 11], dtype=torch.int32)
     query_lens = np.array([3, 1, 1, 1, 1, 1, 1])
     groups = find_groups(table.numpy(), seq_lens.numpy(), query_lens, 4, 2)
-    assert groups.rows.tolist() == [1, 3, 5, 4, 2]
+    assert groups.rows.tolist() == [1, 3, 2, 5, 4]  # each group's first row, then the trie's
     prefix, suffix = table_segments(groups, seq_lens, 4)
-    assert prefix.table_rows.tolist() == [1, 5]
+    assert prefix.table_rows.tolist() == [1, 2]
     assert prefix.starts.tolist() == [0, 0]
     assert prefix.lengths.tolist() == [12, 8]
     assert prefix.members.tolist() == [[0, 1, -1], [2, 3, 4]]
-    assert suffix.table_rows.tolist() == [1, 3, 5, 4, 2]
+    assert suffix.table_rows.tolist() == [1, 3, 2, 5, 4]
     assert suffix.starts.tolist() == [12, 12, 8, 8, 8]
-    assert suffix.lengths.tolist() == [2, 5, 4, 2, 1]
+    assert suffix.lengths.tolist() == [2, 5, 1, 4, 2]
     assert suffix.members.tolist() == [[0], [1], [2], [3], [4]]
     for segments in (prefix, suffix):
         tensors = (segments.table_rows, segments.starts, segments.lengths, segments.members)
