@@ -4,12 +4,18 @@ that did not ask for faults, so containment never hides a bug."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from feather_sched.core.faults import FaultGuard
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
 
 prepare_sglang_import()
+# The attention self-check's verdicts: one cache for the session (each engine after the
+# first with the same shapes starts without measuring), never the user's ~/.cache.
+os.environ["FEATHER_CACHE_DIR"] = tempfile.mkdtemp(prefix="feather-cache-")
 
 
 @pytest.fixture

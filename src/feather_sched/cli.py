@@ -542,5 +542,58 @@ def pretrain(
                   f"FEATHER_GATE=bandit FEATHER_STATE_FILE={out}", highlight=False)
 
 
+
+@app.command("attention-check")
+def attention_check(
+    model: Annotated[str, typer.Option(help="Model profile name: its query and KV heads and "
+                                            "head size.")] = "tiny-llama",
+    tensor_parallel: Annotated[int, typer.Option(min=1, help="Ranks the heads are split "
+                                                             "over.")] = 1,
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "bfloat16",
+    block_size: Annotated[int, typer.Option(min=16, help="KV block size (vLLM's CPU "
+                                                         "default: 128).")] = 128,
+    max_num_seqs: Annotated[int, typer.Option(min=1)] = 256,
+    max_model_len: Annotated[int, typer.Option(min=1)] = 16384,
+    threads: Annotated[int, typer.Option(min=1, help="Torch threads (vLLM's CPU worker's "
+                                                     "here).")] = 1,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the verdict and "
+                                                                  "its grid.")] = None,
+    cached: Annotated[bool, typer.Option(help="Use a verdict kept for these shapes.")] = False,
+) -> None:
+    """Measure Feather's shared-prefix attention against the engine's own kernel on this
+    machine, at a model's shapes: exactness first, then the grid; print the table and the
+    verdict ``shared_prefix_attention: auto`` takes (what vLLM's engine start runs)."""
+    import torch
+
+    from feather_sched.attention import selfcheck
+    from feather_sched.costmodel.model_profiles import MODELS
+
+    if model not in MODELS:
+        raise typer.BadParameter(f"unknown model {model!r}; one of {', '.join(MODELS)}")
+    profile = MODELS[model]
+    if profile.heads % tensor_parallel or profile.kv_heads % tensor_parallel:
+        raise typer.BadParameter(f"{model}'s heads do not split over {tensor_parallel} ranks")
+    try:
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                       "float16": torch.float16}[dtype]
+    except KeyError:
+        raise typer.BadParameter("--dtype: float32, bfloat16 or float16") from None
+    try:
+        from feather_sched.integrations.vllm.attention import versions
+        from feather_sched.integrations.vllm.attention_check import CpuSubject, Geometry
+    except ImportError as error:
+        raise typer.BadParameter(f"the check needs vLLM's CPU build ({error}); "
+                                 "scripts/setup.sh --vllm") from None
+    torch.set_num_threads(threads)
+    subject = CpuSubject(Geometry(profile.heads // tensor_parallel,
+                                  profile.kv_heads // tensor_parallel, profile.head_dim),
+                         torch_dtype, block_size, max_num_seqs, max_model_len, versions())
+    verdict = selfcheck.cached_check(subject) if cached else selfcheck.check(subject)
+    console.print(selfcheck.table(verdict), highlight=False)
+    console.print(f"\nFeather shared-prefix attention: {verdict.line()}", highlight=False)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(verdict.to_json(), indent=1) + "\n")
+
 if __name__ == "__main__":
     app()

@@ -131,13 +131,14 @@ class FeatherConfig:
     """CSV to append each step's batch composition and time to (for ``feather calibrate``)."""
     shared_prefix_attention: str = "auto"
     """Shared-prefix decode attention (each prefix group's KV read once per step):
-    ``auto`` (on with Feather's scheduler where it can act), ``on`` (also under the
-    engine's own scheduler) or ``off``."""
+    ``auto`` (with Feather's scheduler, where the self-check at engine start measured it
+    exact and faster than the engine's kernel on this machine and these shapes), ``on``
+    (no check; also under the engine's own scheduler) or ``off``."""
     shared_prefix_min_tokens: int | None = None
     """Shortest shared prefix that shared-prefix attention reads once for its group (None:
-    the default the kernel measured for the engine's KV layout,
-    ``attention.cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT``: 256 tokens over vLLM's ``vec``
-    CPU layout, 8192 over ``amx``; the crossover depends on the CPU and the model)."""
+    under ``auto`` the break-even the self-check measured; under ``on`` the kernel's
+    default for the engine's KV layout, ``attention.cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT``:
+    256 tokens over vLLM's ``vec`` CPU layout, 8192 over ``amx``)."""
     max_faults: int = 8
     """Faults of Feather's own code in a row (no clean scheduling pass between them) that
     turn Feather off for the engine, which keeps its own order from then on."""

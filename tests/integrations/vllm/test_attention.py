@@ -23,6 +23,7 @@ from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
 from feather_sched.attention import cpu_kernel  # noqa: E402
 from feather_sched.attention.partials import reference_attention  # noqa: E402
 from feather_sched.integrations.vllm import attention as vllm_attention  # noqa: E402
+from feather_sched.integrations.vllm import attention_check  # noqa: E402
 from feather_sched.integrations.vllm.attention import (  # noqa: E402
     SharedPrefixCPUImpl,
     SharedPrefixMetadata,
@@ -73,15 +74,19 @@ def generate(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> list[lis
 
 @pytest.fixture
 def grouped_rows(monkeypatch):
-    """Counts the rows the shared-prefix path computed, over every layer and step."""
+    """Counts the rows the engine's shared-prefix path computed, over every layer and step
+    (not the self-check's trials, which call the kernel module directly)."""
     counted = []
-    original = cpu_kernel.attend_groups
 
-    def counting(plan, *args):
-        counted.append(len(plan.tokens))
-        return original(plan, *args)
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(cpu_kernel, name)
 
-    monkeypatch.setattr(cpu_kernel, "attend_groups", counting)
+        def attend_groups(self, plan, *args):
+            counted.append(len(plan.tokens))
+            return cpu_kernel.attend_groups(plan, *args)
+
+    monkeypatch.setattr(vllm_attention, "cpu_kernel", Counting())
     return counted
 
 
@@ -133,18 +138,44 @@ def test_auto_stays_off_under_vllms_scheduler_and_on_turns_it_on(grouped_rows):
     assert sum(grouped_rows) > 0
 
 
-@pytest.mark.parametrize("vectorized", [True, False])
-def test_auto_acts_with_feathers_scheduler_where_the_kernel_pays(vectorized, grouped_rows,
-                                                                 monkeypatch):
-    """Auto (the default) is on with FeatherScheduler where the kernel is vectorized
-    (AVX-512), and off, logged, where it would be the portable loop."""
-    monkeypatch.setattr(cpu_kernel, "vectorized", lambda: vectorized)
+def timed_as(faster_from: int | None):
+    """A stand-in for the self-check's timer: the path twice as fast as vLLM's kernel on
+    cells of at least ``faster_from`` prefix tokens, twice as slow on the others (None:
+    everywhere slower); what the check decides from is then known."""
+    def seconds(subject, run, reps):
+        trial = run.__self__
+        faster = faster_from is not None and trial.cell.prefix >= faster_from
+        return 1.0 if (run.__name__ == "engine") is faster else 0.5
+    return seconds
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_auto_is_what_the_self_check_measured(faster, grouped_rows, monkeypatch, tmp_path):
+    """Auto (the default, with FeatherScheduler) asks the self-check at engine start: on,
+    with its line in the log, where the path measured exact and faster than vLLM's kernel;
+    off, with the figures, where it measured slower."""
+    monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(attention_check.CpuSubject, "seconds", timed_as(0 if faster else None))
     messages = []
     monkeypatch.setattr(vllm_attention, "announce", messages.append)
     prompts, lengths = mixed_prompts(1)
     generate(make_llm("bfloat16", SHORT_PREFIXES), prompts[:9], lengths[:9])
-    assert (sum(grouped_rows) > 0) is vectorized
-    assert any("no AVX-512" in m for m in messages) is not vectorized
+    assert (sum(grouped_rows) > 0) is faster
+    line = next(m for m in messages if "self-check on" in m)
+    assert line.startswith("on (self-check" if faster else "off (self-check"), line
+    assert "max error" in line and ("2.00x at" in line if faster else "0.50x at" in line)
+    assert faster or "not faster than the engine's kernel" in line
+    assert list(tmp_path.glob("attention-check/*.json"))  # kept: a restart costs nothing
+
+
+def test_auto_groups_from_the_measured_break_even(monkeypatch, tmp_path):
+    monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(attention_check.CpuSubject, "seconds", timed_as(1024))
+    messages = []
+    monkeypatch.setattr(vllm_attention, "announce", messages.append)
+    make_llm("bfloat16", {})
+    assert any(m.startswith("on (self-check") and "groups from 1024 shared tokens" in m
+               for m in messages), messages
 
 
 def test_steps_whose_rows_are_shorter_than_the_threshold_are_not_planned(monkeypatch):
@@ -154,23 +185,25 @@ def test_steps_whose_rows_are_shorter_than_the_threshold_are_not_planned(monkeyp
     monkeypatch.setattr(vllm_attention, "plan_step",
                         lambda *args: planned.append(args) or original(*args))
     prompts, lengths = mixed_prompts(1)
-    generate(make_llm("bfloat16", {"shared_prefix_min_tokens": 4096}), prompts[:9], lengths[:9])
+    generate(make_llm("bfloat16", {"shared_prefix_attention": "on",
+                                   "shared_prefix_min_tokens": 4096}), prompts[:9], lengths[:9])
     assert planned == []
-    generate(make_llm("bfloat16", SHORT_PREFIXES), prompts[:9], lengths[:9])
+    generate(make_llm("bfloat16", {"shared_prefix_attention": "on", **SHORT_PREFIXES}),
+             prompts[:9], lengths[:9])
     assert planned
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_groups_start_at_the_kv_layouts_threshold_unless_set(dtype, monkeypatch):
-    """By default the shortest prefix grouped is the kernel's measured crossover for the
-    layout vLLM picks on this CPU (``cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT``); the
-    option ``shared_prefix_min_tokens`` sets it."""
+def test_on_groups_from_the_kv_layouts_threshold_unless_set(dtype, monkeypatch):
+    """With the option on (no self-check), the shortest prefix grouped is the kernel's
+    crossover for the layout vLLM picks on this CPU (``cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT``);
+    the option ``shared_prefix_min_tokens`` sets it."""
     messages = []
     monkeypatch.setattr(vllm_attention, "announce", messages.append)
     isa = _get_attn_isa(getattr(torch, dtype), BLOCK, 64, "auto")
     default = -(-cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT[isa] // BLOCK)
     for options, blocks in (({}, default), ({"shared_prefix_min_tokens": 300}, 3)):
-        make_llm(dtype, options)
+        make_llm(dtype, {"shared_prefix_attention": "on", **options})
         assert any(f"isa {isa}" in m and f"groups from {blocks} shared blocks" in m
                    for m in messages), messages
         messages.clear()

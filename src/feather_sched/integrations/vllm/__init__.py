@@ -1,6 +1,7 @@
 """Feather in vLLM 0.32: ``scheduler`` (the schedulers: ``FeatherScheduler``, its sync
 variant and the instrumented baselines), ``batch_order`` (the worker-side batch layout),
-``attention`` and ``attention_gpu`` (the shared-prefix attention backends), ``block_hash``
+``attention`` and ``attention_gpu`` (the shared-prefix attention backends),
+``attention_check`` (the self-check's subject on vLLM's CPU kernel), ``block_hash``
 and ``kv_events`` (vLLM's block hashes and KV events, for the router).
 
 The public path ``feather_sched.integrations.vllm.FeatherScheduler`` (vLLM's

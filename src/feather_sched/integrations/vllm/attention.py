@@ -3,8 +3,10 @@
 ``register`` (entry point ``vllm.general_plugins``, loaded in every vLLM process before
 the model is built) points vLLM's ``CPU_ATTN`` backend at ``SharedPrefixCPUBackend``, a
 subclass that behaves exactly as vLLM's own unless Feather's option
-``shared_prefix_attention`` turns it on (``auto``, the default: with ``FeatherScheduler``).
-Where on, each step's builder finds the decode rows that share leading KV blocks
+``shared_prefix_attention`` turns it on: ``on``, or ``auto`` (the default) with
+``FeatherScheduler`` where the self-check at engine start (``self_check``) measured the
+path exact and faster than vLLM's kernel at the engine's shapes.  Where on, each step's
+builder finds the decode rows that share leading KV blocks
 (``feather_sched.attention.groups``) and hands vLLM's kernel the batch with those rows cut
 to one token; each layer's forward then runs vLLM's kernel once as usual and replaces the
 grouped rows' outputs with the exact merge of each group's prefix, attended once for all
@@ -13,15 +15,17 @@ its queries, and each row's suffix (``attention.cpu_kernel``).
 Where it cannot act, vLLM's path runs unchanged and the engine log says why, once: the
 option is off, the KV cache is in neither layout the kernel reads ("vec", and "amx",
 vLLM's bf16 layout on CPUs with AMX; NEON and other ISAs prepack it their own way), an
-fp8 KV cache, no C++ compiler to build the kernel, under
-``auto`` a CPU without AVX-512 (the portable kernel is exact but no faster than vLLM's),
-or a layer with sliding windows, ALiBi, soft-capping, sinks or non-decoder attention.
+fp8 KV cache, no C++ compiler to build the kernel, the self-check's verdict (with its
+figures), or a layer with sliding windows, ALiBi, soft-capping, sinks or non-decoder
+attention.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +40,7 @@ from vllm.v1.kv_cache_interface import CrossAttentionSpec, EncoderOnlyAttentionS
 
 from feather_sched.attention import cpu_kernel
 from feather_sched.attention.groups import StepPlan, min_blocks, plan_step
+from feather_sched.attention.selfcheck import Verdict, cached_check
 
 logger = logging.getLogger("vllm.feather_sched")
 _announced: set[str] = set()
@@ -79,6 +84,60 @@ def decide(vllm_config: Any, mode: str) -> str | None:
     return None
 
 
+def self_check(vllm_config: Any, kv_cache_spec: Any, isa: str) -> Verdict:
+    """``auto``'s verdict for this engine's shapes (``attention.selfcheck``: vLLM's CPU
+    kernel against the path on a random cache), cached per CPU, versions and shapes, and
+    agreed by the tensor-parallel ranks (``agreed``)."""
+    from feather_sched.integrations.vllm.attention_check import CpuSubject, Geometry
+
+    model = vllm_config.model_config
+    geometry = Geometry(model.get_num_attention_heads(vllm_config.parallel_config),
+                        kv_cache_spec.num_kv_heads, kv_cache_spec.head_size)
+    subject = CpuSubject(geometry, model.dtype, kv_cache_spec.block_size,
+                         vllm_config.scheduler_config.max_num_seqs, model.max_model_len,
+                         versions())
+    if subject.shapes.layout != isa:
+        raise RuntimeError(f"the self-check would measure layout {subject.shapes.layout}, "
+                           f"the engine uses {isa}")
+    return agreed(cached_check(subject))
+
+
+def versions() -> tuple[tuple[str, str], ...]:
+    """What the kernels come from: torch, vLLM, Feather and a digest of its kernel's
+    sources (so a changed kernel is checked again)."""
+    import vllm
+
+    from feather_sched import __version__
+
+    here = Path(cpu_kernel.__file__).parent
+    digest = hashlib.sha256()
+    for name in ("cpu_prefix_kernel.cpp", "cpu_kernel.py", "groups.py", "partials.py"):
+        digest.update((here / name).read_bytes())
+    return (("torch", torch.__version__), ("vllm", vllm.__version__),
+            ("feather-sched", __version__), ("kernel", digest.hexdigest()[:16]))
+
+
+def agreed(verdict: Verdict) -> Verdict:
+    """One verdict for every tensor-parallel rank (each rank measured its own): on only
+    if every rank is on, from the longest break-even any rank found.  The ranks must
+    agree, or they would form different batches' attention differently."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return verdict
+    group = parallel_state.get_tp_group()
+    if group.world_size == 1:
+        return verdict
+    votes = torch.tensor([0 if verdict.on else 1, verdict.min_shared_tokens or 0])
+    torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.MAX,
+                                 group=group.cpu_group)
+    off, tokens = (int(v) for v in votes)
+    if off and verdict.on:
+        return replace(verdict, on=False, reason="another tensor-parallel rank found it off",
+                       min_shared_tokens=None)
+    return replace(verdict, min_shared_tokens=tokens or None) if verdict.on else verdict
+
+
 @dataclass
 class SharedPrefixMetadata(CPUAttentionMetadata):
     """vLLM's CPU metadata for the batch with grouped rows cut to one token, the step's
@@ -95,15 +154,21 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         mode, min_tokens = attention_options(vllm_config)
-        reason = decide(vllm_config, mode) or self._layout_problem(kv_cache_spec, mode)
+        reason = decide(vllm_config, mode) or self._layout_problem(kv_cache_spec)
+        default_tokens = cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT.get(self.isa, 0)
+        verdict = None
+        if reason is None and mode == "auto":
+            verdict = self_check(vllm_config, kv_cache_spec, self.isa)
+            reason = None if verdict.on else verdict.line()
+            default_tokens = verdict.min_shared_tokens or default_tokens
         self.shared_prefixes = reason is None
-        self.min_shared_blocks = min_blocks(self.block_size, min_tokens or cpu_kernel
-                                            .MIN_SHARED_TOKENS_BY_LAYOUT.get(self.isa, 0))
-        announce(reason or f"on (isa {self.isa}, {self.dtype}, block size {self.block_size}, "
-                           f"{'AVX-512' if cpu_kernel.vectorized() else 'portable'} kernel, "
-                           f"groups from {self.min_shared_blocks} shared blocks)")
+        self.min_shared_blocks = min_blocks(self.block_size, min_tokens or default_tokens)
+        announce(reason or (verdict.line() if verdict else
+                            f"on (isa {self.isa}, {self.dtype}, block size {self.block_size}, "
+                            f"{'AVX-512' if cpu_kernel.vectorized() else 'portable'} kernel, "
+                            f"groups from {self.min_shared_blocks} shared blocks)"))
 
-    def _layout_problem(self, kv_cache_spec: Any, mode: str) -> str | None:
+    def _layout_problem(self, kv_cache_spec: Any) -> str | None:
         if isinstance(kv_cache_spec, CrossAttentionSpec | EncoderOnlyAttentionSpec):
             return "off for cross and encoder-only attention"
         if self.isa not in cpu_kernel.LAYOUT_CODES:
@@ -112,12 +177,9 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         if self.kv_cache_dtype != "auto" or self.dtype not in cpu_kernel.DTYPE_CODES:
             return f"off: KV cache dtype {self.kv_cache_dtype} / {self.dtype}"
         try:
-            fast = cpu_kernel.vectorized()
+            cpu_kernel.vectorized()
         except cpu_kernel.KernelUnavailable as error:
             return f"off: {error}"
-        if not fast and mode == "auto":
-            return ("off: this CPU has no AVX-512, where the kernel is exact but no faster "
-                    "than vLLM's (shared_prefix_attention: on uses it all the same)")
         return None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,

@@ -1,0 +1,329 @@
+"""The shared-prefix attention self-check: on this device, at this engine's shapes, is
+Feather's path exact and faster than the engine's own kernel, and from what prefix on?
+
+An adapter describes its engine as a ``Subject``: the shapes (device, query and KV heads,
+head size, dtype, block size, KV layout, the most rows a step holds), and a ``Trial`` per
+cell of a grid (a decode step of ``groups`` x ``per_group`` rows sharing a ``prefix``-token
+prefix on a random paged cache with permuted block ids) that runs the engine's kernel on
+the whole batch and the shared-prefix path (the engine's kernel on the batch with the
+grouped rows cut, then the groups).  ``check`` runs exactness first (every cell against the
+engine's kernel; float64 where the trial has a reference), then times both paths over the
+grid, and returns a ``Verdict``: on only where every cell is exact and the path is faster,
+with the shortest prefix worth grouping taken from the measured break-even.
+``cached_check`` keeps verdicts per device, versions and shapes (one JSON file each), so
+a restart costs nothing.  Engine-agnostic: imports torch only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from feather_sched.telemetry.files import read_json, replace_atomically
+
+logger = logging.getLogger("feather_sched")
+
+FORMAT = "feather-attention-check"
+VERSION = 1
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}
+"""Largest relative difference (per row, L2) from the engine's kernel that counts as exact:
+what rounding in the dtype allows, orders of magnitude under a wrong block or mask."""
+MARGIN = 0.05
+"""A cell counts as faster only at a speed-up of at least 1 + this (timing noise)."""
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the verdict holds for: the device, the engine's attention shapes, versions."""
+
+    device: str
+    q_heads: int
+    """Query heads per rank."""
+    kv_heads: int
+    """KV heads per rank."""
+    head_dim: int
+    dtype: str
+    block_size: int
+    layout: str
+    """The KV layout the path reads (e.g. vLLM's CPU "vec" or "amx")."""
+    max_rows: int
+    """The most rows a step holds (the engine's ``max_num_seqs``)."""
+    max_context: int
+    """The longest row (the engine's ``max_model_len``)."""
+    versions: tuple[tuple[str, str], ...] = ()
+    """(package, version) of what the kernels come from."""
+
+    def key(self) -> str:
+        """A file name for these shapes: a digest of every field."""
+        text = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    def describe(self) -> str:
+        return (f"{self.q_heads}q/{self.kv_heads}kv/d{self.head_dim} {self.dtype}, block "
+                f"{self.block_size}, layout {self.layout}")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One decode step of the grid: ``groups`` groups of ``per_group`` rows, each row a
+    ``prefix``-token shared prefix and a ``suffix``-token suffix of its own."""
+
+    prefix: int
+    groups: int
+    per_group: int
+    suffix: int = 96
+
+    @property
+    def rows(self) -> int:
+        return self.groups * self.per_group
+
+    def describe(self) -> str:
+        return f"{_tokens(self.prefix)} {self.groups}x{self.per_group}"
+
+
+class Trial(Protocol):
+    """One cell's batch on the device."""
+
+    def engine(self) -> torch.Tensor:
+        """The engine's kernel on the whole batch: the output, ``[rows, heads, dim]``."""
+
+    def shared(self) -> torch.Tensor:
+        """The shared-prefix path on the same batch: the output."""
+
+    def reference(self) -> torch.Tensor | None:
+        """A float64 reference output, where the trial has one (small cells)."""
+
+
+class Subject(Protocol):
+    """An engine's attention as the self-check sees it."""
+
+    shapes: Shapes
+
+    def trial(self, cell: Cell, seed: int) -> Trial: ...
+
+    def seconds(self, run: Callable[[], object], reps: int) -> float:
+        """Median seconds of ``run`` over ``reps`` calls (after a warm-up call), timed as
+        the device needs (a GPU synchronises)."""
+
+
+EXACTNESS_CELLS = (Cell(300, 3, 5, suffix=33), Cell(1024, 1, 2, suffix=1),
+                   Cell(640, 2, 20, suffix=200))
+"""Cells checked for exactness only: a prefix ending mid-block, the smallest group with a
+suffix of one token, larger groups with long suffixes."""
+GRID = tuple(Cell(prefix, groups, per_group) for prefix in (512, 1024, 2048, 4096, 8192)
+             for groups, per_group in ((4, 4), (4, 16)))
+"""The timed cells: prefix lengths from under to over a typical break-even, in small and
+larger groups."""
+
+
+@dataclass(frozen=True)
+class CellResult:
+    cell: Cell
+    error: float
+    """Largest per-row relative difference from the engine's kernel."""
+    reference_error: float | None
+    """Largest per-row relative difference of the path from float64 (where checked)."""
+    engine_s: float | None = None
+    shared_s: float | None = None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.engine_s is None or not self.shared_s:
+            return None
+        return self.engine_s / self.shared_s
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether the path acts on these shapes, why, and from what shared prefix."""
+
+    on: bool
+    reason: str
+    """Why, in a few words (the figures are in ``line``)."""
+    min_shared_tokens: int | None
+    """The shortest prefix worth a group (the measured break-even); None when off."""
+    shapes: Shapes
+    cells: tuple[CellResult, ...] = ()
+    seconds: float = 0.0
+    """How long the check took."""
+    cached: bool = field(default=False, compare=False)
+    """Read from the cache rather than measured now."""
+
+    @property
+    def max_error(self) -> float:
+        return max((c.error for c in self.cells), default=0.0)
+
+    def line(self) -> str:
+        """The engine log's line: the verdict with its figures."""
+        timed = [c for c in self.cells if c.speedup is not None]
+        figures = [f"max error {self.max_error:.1e} vs the engine's kernel "
+                   f"(tolerance {TOLERANCE.get(self.shapes.dtype, 0):.0e})"]
+        if timed:
+            best = max(timed, key=lambda c: c.speedup)
+            worst = min(timed, key=lambda c: c.speedup)
+            figures.append(f"{best.speedup:.2f}x at {best.cell.describe()}, "
+                           f"{worst.speedup:.2f}x at {worst.cell.describe()}")
+        if self.min_shared_tokens is not None:
+            figures.append(f"groups from {self.min_shared_tokens} shared tokens")
+        how = "cached" if self.cached else f"{self.seconds:.1f} s"
+        return (f"{'on' if self.on else 'off'} (self-check on {self.shapes.device}, "
+                f"{self.shapes.describe()}: {self.reason}; {'; '.join(figures)}; {how})")
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Verdict:
+        """A verdict ``to_json`` wrote; ValueError for anything else."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT or \
+                data.get("version") != VERSION:
+            raise ValueError(f"not a {FORMAT} version {VERSION} file")
+        try:
+            shapes = data["shapes"]
+            shapes = Shapes(**{**shapes, "versions": tuple(map(tuple, shapes["versions"]))})
+            cells = tuple(CellResult(**{**c, "cell": Cell(**c["cell"])}) for c in data["cells"])
+            return cls(on=bool(data["on"]), reason=str(data["reason"]),
+                       min_shared_tokens=data["min_shared_tokens"], shapes=shapes,
+                       cells=cells, seconds=float(data["seconds"]))
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"malformed {FORMAT} file: {error}") from None
+
+
+def relative_error(output: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest per-row (L2 over heads and dims) relative difference; inf for a NaN."""
+    output, expected = output.double().flatten(1), expected.double().flatten(1)
+    error = (output - expected).norm(dim=1) / expected.norm(dim=1).clamp_min(1e-30)
+    worst = float(error.max()) if len(error) else 0.0
+    return worst if math.isfinite(worst) else math.inf
+
+
+def fitting(cells: Iterable[Cell], shapes: Shapes) -> list[Cell]:
+    """The cells the engine can hold: at most ``max_rows`` rows of at most
+    ``max_context`` tokens."""
+    return [cell for cell in cells if cell.rows <= shapes.max_rows and
+            cell.prefix + cell.suffix + 1 <= shapes.max_context]
+
+
+def check(subject: Subject, grid: Sequence[Cell] = GRID,
+          exactness: Sequence[Cell] = EXACTNESS_CELLS, reps: int = 5) -> Verdict:
+    """Exactness on every cell (``exactness`` and ``grid``), then the timed comparison
+    over ``grid``; the verdict (see the module docstring).  O(cells x reps) kernel runs."""
+    started = time.perf_counter()
+    shapes = subject.shapes
+    tolerance = TOLERANCE.get(shapes.dtype, TOLERANCE["float32"])
+    grid = fitting(grid, shapes)
+    if not grid:
+        return _verdict(shapes, False, "no cell of the grid fits this engine", None, [],
+                        started)
+    results = []
+    for index, cell in enumerate([*fitting(exactness, shapes), *grid]):
+        trial = subject.trial(cell, seed=index)
+        expected = trial.engine().clone()  # a trial may reuse one output buffer
+        output = trial.shared().clone()
+        error = relative_error(output, expected)
+        reference = trial.reference()
+        reference_error = None if reference is None else relative_error(output, reference)
+        result = CellResult(cell, error, reference_error)
+        if error > tolerance or (reference_error is not None and reference_error > tolerance):
+            return _verdict(shapes, False, f"not exact at {cell.describe()}", None,
+                            [*results, result], started)
+        if cell in grid:
+            result = replace(result, engine_s=subject.seconds(trial.engine, reps),
+                             shared_s=subject.seconds(trial.shared, reps))
+        results.append(result)
+    return decide(shapes, results, started)
+
+
+def decide(shapes: Shapes, results: Sequence[CellResult],
+           started: float | None = None) -> Verdict:
+    """The verdict from exact, timed cells: on from the break-even, the shortest timed
+    prefix from which every timed cell, that prefix and longer, is faster by ``MARGIN``;
+    off where no prefix is."""
+    timed = [r for r in results if r.speedup is not None]
+    prefixes = sorted({r.cell.prefix for r in timed})
+    for prefix in prefixes:
+        if all(r.speedup >= 1 + MARGIN for r in timed if r.cell.prefix >= prefix):
+            return _verdict(shapes, True, "exact, and faster from the break-even", prefix,
+                            results, started)
+    return _verdict(shapes, False, "exact, but not faster than the engine's kernel", None,
+                    results, started)
+
+
+def _verdict(shapes: Shapes, on: bool, reason: str, min_tokens: int | None,
+             results: Sequence[CellResult], started: float | None) -> Verdict:
+    seconds = 0.0 if started is None else time.perf_counter() - started
+    return Verdict(on, reason, min_tokens, shapes, tuple(results), seconds)
+
+
+def cache_dir() -> Path:
+    """Where verdicts are kept: ``$FEATHER_CACHE_DIR``, else ``$XDG_CACHE_HOME`` or
+    ``~/.cache``, then ``feather-sched/attention-check``."""
+    root = os.environ.get("FEATHER_CACHE_DIR")
+    if root:
+        return Path(root) / "attention-check"
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "feather-sched" / "attention-check"
+
+
+def cached_check(subject: Subject, run: Callable[[Subject], Verdict] = check) -> Verdict:
+    """The verdict for ``subject``'s shapes: the cached one, else ``run(subject)``, kept
+    for next time (a file that cannot be read is measured again; one that cannot be
+    written is logged, never raised)."""
+    path = cache_dir() / f"{subject.shapes.key()}.json"
+    try:
+        verdict = Verdict.from_json(read_json(path))
+        if verdict.shapes == subject.shapes:
+            return replace(verdict, cached=True)
+    except (OSError, ValueError):
+        pass
+    verdict = run(subject)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        replace_atomically(path, json.dumps(verdict.to_json(), indent=1) + "\n")
+    except OSError as error:
+        logger.warning("Feather could not keep its attention self-check in %s: %s", path,
+                       error)
+    return verdict
+
+
+def table(verdict: Verdict) -> str:
+    """The grid as a markdown table: cell, error, timings, speed-up."""
+    lines = ["| prefix | groups x rows | max error | float64 error | engine ms | "
+             "shared ms | speed-up |", "|---|---|---|---|---|---|---|"]
+    for r in verdict.cells:
+        ms = [f"{1e3 * s:.3f}" if s is not None else "-" for s in (r.engine_s, r.shared_s)]
+        lines.append(f"| {r.cell.prefix} | {r.cell.groups} x {r.cell.per_group} | "
+                     f"{r.error:.1e} | "
+                     f"{'-' if r.reference_error is None else f'{r.reference_error:.1e}'} | "
+                     f"{ms[0]} | {ms[1]} | "
+                     f"{'-' if r.speedup is None else f'{r.speedup:.2f}x'} |")
+    return "\n".join(lines)
+
+
+def median_seconds(run: Callable[[], object], reps: int,
+                   sync: Callable[[], object] = lambda: None) -> float:
+    """Median wall seconds of ``run`` (``sync`` after each: a device's queue drained)."""
+    run()
+    sync()
+    times = []
+    for _ in range(reps):
+        begun = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - begun)
+    return statistics.median(times)
+
+
+def _tokens(count: int) -> str:
+    return f"{count // 1024}K" if count % 1024 == 0 else str(count)

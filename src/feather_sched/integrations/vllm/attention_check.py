@@ -1,0 +1,179 @@
+"""The self-check's subject on vLLM's CPU engine: vLLM's own CPU attention kernel against
+Feather's shared-prefix path, on a random paged cache at the engine's shapes.
+
+``CpuBatch`` is one decode step of the grid (``attention.selfcheck.Cell``): a KV cache
+written through vLLM's own ``cpu_attn_reshape_and_cache`` (the layout vLLM picks for the
+dtype and head size on this CPU: "vec", or "amx" where the CPU has AMX), block ids shuffled
+over the cache, each group's prefix shared by its rows' block-table rows, and each row's
+suffix of its own; ``CpuSubject`` builds them for ``selfcheck.check``.  The engine's
+kernel is ``cpu_attention_with_kv_cache`` on the whole batch; the path is the same kernel
+on the batch with the grouped rows cut to one token, then ``cpu_kernel.attend_groups``,
+exactly what ``SharedPrefixCPUImpl.forward`` runs per layer.  ``benchmarks/attention/
+cpu_decode.py`` times the same batches over a larger grid.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+
+import torch
+from vllm import _custom_ops as ops
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+from feather_sched.attention import cpu_kernel
+from feather_sched.attention.groups import StepPlan, plan_step
+from feather_sched.attention.partials import reference_attention
+from feather_sched.attention.selfcheck import Cell, Shapes, median_seconds
+
+REFERENCE_TOKENS = 1 << 16
+"""Cells whose rows x context are at most this get a float64 reference (it is slow)."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The attention shapes of one layer on one rank."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+
+class CpuBatch:
+    """One decode step of ``cell`` on vLLM's CPU cache layout (see the module docstring)."""
+
+    def __init__(self, cell: Cell, geometry: Geometry, dtype: torch.dtype, block: int,
+                 seed: int) -> None:
+        g, m = cell.groups, cell.per_group
+        generator = torch.Generator().manual_seed(seed)
+        self.cell, self.geometry, self.dtype, self.block = cell, geometry, dtype, block
+        self.isa = _get_attn_isa(dtype, block, geometry.head_dim, "auto")
+        if self.isa == "amx" and not torch.cpu._init_amx():
+            # vLLM's worker has the AMX tile permission by the time attention runs (oneDNN
+            # asks for it with the first bf16 matmul); without it AMX raises SIGILL.
+            raise RuntimeError("this process may not use AMX tiles")
+        # Only full blocks are shared (as vLLM's prefix cache shares them): a prefix ending
+        # mid-block has its last tokens, the same in every row, in each row's own blocks.
+        shared_blocks = cell.prefix // block
+        length = cell.prefix + cell.suffix + 1
+        own_blocks = -(-(length - shared_blocks * block) // block)
+        blocks = g * shared_blocks + g * m * own_blocks
+        heads, dim = geometry.kv_heads, geometry.head_dim
+        self.cache = torch.zeros(blocks, heads, block, 2 * dim, dtype=dtype)
+        ids = torch.randperm(blocks, generator=generator).int()
+        prefixes = ids[:g * shared_blocks].view(g, shared_blocks)
+        suffixes = ids[g * shared_blocks:].view(g * m, own_blocks)
+        self._kv: list[tuple[torch.Tensor, ...]] = []
+        """Per row: its group's prefix K and V, its own K and V (for the reference)."""
+        rows = []
+        for group in range(g):
+            key, value = self._random(cell.prefix, generator)
+            self._write(prefixes[group], key[:shared_blocks * block],
+                        value[:shared_blocks * block])
+            for _ in range(m):
+                row = len(rows)
+                own_key, own_value = self._random(length - cell.prefix, generator)
+                self._kv.append((key, value, own_key, own_value))
+                tail = slice(shared_blocks * block, None)
+                self._write(suffixes[row], torch.cat([key[tail], own_key]),
+                            torch.cat([value[tail], own_value]))
+                rows.append(torch.cat([prefixes[group], suffixes[row]]))
+        self.table = torch.stack(rows).contiguous()
+        self.seq_lens = torch.full((g * m,), length, dtype=torch.int32)
+        self.starts = torch.arange(g * m + 1, dtype=torch.int32)
+        self.query = torch.randn(g * m, geometry.q_heads, dim, generator=generator).to(dtype)
+        self.scale = dim ** -0.5
+        self.plan: StepPlan | None = plan_step(self.table, self.seq_lens, self.starts, g * m,
+                                               block, 1)
+        self._engine_meta = self._metadata(self.seq_lens)
+        self._cut_meta = self._metadata(self.plan.seq_lens) if self.plan else None
+        self.out = torch.empty_like(self.query)
+
+    def _random(self, tokens: int, generator: torch.Generator
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (tokens, self.geometry.kv_heads, self.geometry.head_dim)
+        return (torch.randn(shape, generator=generator).to(self.dtype),
+                torch.randn(shape, generator=generator).to(self.dtype))
+
+    def _write(self, blocks: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """K/V of consecutive tokens, from a block boundary on, through vLLM's writer into
+        ``blocks`` in order."""
+        heads, dim, block = self.geometry.kv_heads, self.geometry.head_dim, self.block
+        slots = (blocks.long()[:, None] * block + torch.arange(block)).flatten()[:len(key)]
+        view = self.cache.view(len(self.cache), heads, 2 * block, dim)
+        key_cache, value_cache = view.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, self.isa)
+
+    def _metadata(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        g = self.geometry
+        return ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(seq_lens), num_heads=g.q_heads, num_kv_heads=g.kv_heads,
+            head_dim=g.head_dim, seq_lens=seq_lens, dtype=self.dtype,
+            query_start_loc=self.starts, causal=True, sliding_window_size=-1, isa=self.isa,
+            enable_kv_split=False, dynamic_causal=None, kv_cache_dtype="auto")
+
+    def _kernel(self, seq_lens: torch.Tensor, metadata: torch.Tensor) -> None:
+        heads, dim = self.geometry.kv_heads, self.geometry.head_dim
+        key_cache, value_cache = self.cache.view(len(self.cache), heads, 2 * self.block,
+                                                 dim).chunk(2, dim=2)
+        ops.cpu_attention_with_kv_cache(
+            query=self.query, key_cache=key_cache, value_cache=value_cache, output=self.out,
+            query_start_loc=self.starts, seq_lens=seq_lens, scale=self.scale, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=self.table, softcap=0.0,
+            scheduler_metadata=metadata, s_aux=None, dynamic_causal=None)
+
+    # ---- selfcheck.Trial ----------------------------------------------------------------
+
+    def engine(self) -> torch.Tensor:
+        self._kernel(self.seq_lens, self._engine_meta)
+        return self.out
+
+    def shared(self) -> torch.Tensor:
+        if self.plan is None:  # no group: the path is the engine's kernel
+            return self.engine()
+        self._kernel(self.plan.seq_lens, self._cut_meta)
+        cpu_kernel.attend_groups(self.plan, self.query, self.cache, self.scale, self.out,
+                                 self.isa)
+        return self.out
+
+    def reference(self) -> torch.Tensor | None:
+        if self.cell.rows * int(self.seq_lens[0]) > REFERENCE_TOKENS:
+            return None
+        return torch.stack([
+            reference_attention(self.query[row], torch.cat([key, own_key]),
+                                torch.cat([value, own_value]), self.scale)[0]
+            for row, (key, value, own_key, own_value) in enumerate(self._kv)])
+
+
+class CpuSubject:
+    """vLLM's CPU attention at one engine's shapes, for ``selfcheck.check``."""
+
+    def __init__(self, geometry: Geometry, dtype: torch.dtype, block: int, max_rows: int,
+                 max_model_len: int, versions: tuple[tuple[str, str], ...]) -> None:
+        self.geometry, self.dtype, self.block = geometry, dtype, block
+        layout = _get_attn_isa(dtype, block, geometry.head_dim, "auto")
+        self.shapes = Shapes(device=cpu_name(), q_heads=geometry.q_heads,
+                             kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
+                             dtype=str(dtype).removeprefix("torch."), block_size=block,
+                             layout=layout, max_rows=max_rows, max_context=max_model_len,
+                             versions=(*versions, ("threads", str(torch.get_num_threads())),
+                                       ("kernel", "avx512" if cpu_kernel.vectorized()
+                                        else "portable")))
+
+    def trial(self, cell: Cell, seed: int) -> CpuBatch:
+        return CpuBatch(cell, self.geometry, self.dtype, self.block, seed)
+
+    def seconds(self, run, reps: int) -> float:
+        return median_seconds(run, reps)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

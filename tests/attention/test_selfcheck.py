@@ -1,0 +1,135 @@
+"""The shared-prefix attention self-check's decision, on a subject whose kernels are plain
+torch: exactness first, then the break-even, the verdict's line, and its cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+
+from feather_sched.attention import selfcheck
+from feather_sched.attention.selfcheck import Cell, Shapes, Verdict
+
+SHAPES = Shapes(device="test CPU", q_heads=4, kv_heads=2, head_dim=16, dtype="float32",
+                block_size=16, layout="vec", max_rows=64, max_context=16384,
+                versions=(("torch", torch.__version__),))
+
+
+class Trial:
+    def __init__(self, subject: Subject, cell: Cell, seed: int) -> None:
+        self.subject, self.cell = subject, cell
+        generator = torch.Generator().manual_seed(seed)
+        self.expected = torch.randn(cell.rows, 4, 16, generator=generator)
+
+    def engine(self) -> torch.Tensor:
+        return self.expected
+
+    def shared(self) -> torch.Tensor:
+        return self.expected + self.subject.error(self.cell)
+
+    def reference(self) -> torch.Tensor | None:
+        return self.expected.double() if self.cell.rows <= 16 else None
+
+
+class Subject:
+    """Kernels whose error and speed-up per cell a test sets."""
+
+    def __init__(self, speedup, error=lambda cell: 0.0, shapes: Shapes = SHAPES) -> None:
+        self.speedup, self.error, self.shapes = speedup, error, shapes
+        self.trials: list[Cell] = []
+
+    def trial(self, cell: Cell, seed: int) -> Trial:
+        self.trials.append(cell)
+        return Trial(self, cell, seed)
+
+    def seconds(self, run, reps: int) -> float:
+        cell = run.__self__.cell
+        return 1.0 if run.__name__ == "engine" else 1.0 / self.speedup(cell)
+
+
+def test_on_from_the_shortest_prefix_from_which_every_cell_is_faster() -> None:
+    verdict = selfcheck.check(Subject(lambda c: 1.5 if c.prefix >= 2048 else 0.9))
+    assert verdict.on and verdict.min_shared_tokens == 2048
+    assert verdict.line().startswith("on (self-check on test CPU, 4q/2kv/d16 float32")
+    assert "1.50x at" in verdict.line() and "0.90x at" in verdict.line()
+    assert "groups from 2048 shared tokens" in verdict.line()
+    # a cell slower above a faster one moves the break-even past it
+    dip = selfcheck.check(Subject(lambda c: 0.8 if c.prefix == 2048 else 1.5))
+    assert dip.on and dip.min_shared_tokens == 4096
+
+
+def test_a_path_measured_slower_everywhere_keeps_auto_off_with_its_figures() -> None:
+    verdict = selfcheck.check(Subject(lambda c: 0.7))
+    assert not verdict.on and verdict.min_shared_tokens is None
+    assert verdict.line().startswith("off (self-check on test CPU")
+    assert "not faster than the engine's kernel" in verdict.line() and "0.70x at" in verdict.line()
+    # within the timing margin counts as not faster
+    assert not selfcheck.check(Subject(lambda c: 1 + selfcheck.MARGIN / 2)).on
+
+
+def test_an_inexact_path_is_off_before_anything_is_timed() -> None:
+    timed = []
+    subject = Subject(lambda c: 3.0, error=lambda c: 0.1 if c.suffix == 1 else 0.0)
+    subject.seconds = lambda run, reps: timed.append(run) or 1.0
+    verdict = selfcheck.check(subject)
+    assert not verdict.on and "not exact at 1K 1x2" in verdict.line() and timed == []
+    assert selfcheck.check(Subject(lambda c: 3.0, error=lambda c: 1e-6)).on  # rounding
+    nan = selfcheck.check(Subject(lambda c: 3.0, error=lambda c: float("nan")))
+    assert not nan.on
+
+
+def test_the_grid_is_what_the_engine_can_hold() -> None:
+    small = replace(SHAPES, max_rows=16, max_context=1200)
+    subject = Subject(lambda c: 2.0, shapes=small)
+    verdict = selfcheck.check(subject)
+    assert all(c.rows <= 16 and c.prefix + c.suffix < 1200 for c in subject.trials)
+    assert verdict.on and {r.cell.prefix for r in verdict.cells if r.speedup} == {512, 1024}
+    none_fit = selfcheck.check(Subject(lambda c: 2.0, shapes=replace(SHAPES, max_context=300)))
+    assert not none_fit.on and "no cell of the grid fits" in none_fit.line()
+
+
+def test_a_verdict_is_kept_per_device_versions_and_shapes(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path))
+    runs = []
+
+    def run(subject):
+        runs.append(subject.shapes)
+        return selfcheck.check(subject, reps=1)
+
+    first = selfcheck.cached_check(Subject(lambda c: 2.0), run)
+    again = selfcheck.cached_check(Subject(lambda c: 0.5), run)  # the same shapes: cached
+    assert len(runs) == 1 and again.cached and again.on and again == first
+    assert again.line().endswith("; cached)")
+    other = replace(SHAPES, versions=(("torch", "0.0"),))
+    assert not selfcheck.cached_check(Subject(lambda c: 0.5, shapes=other), run).on
+    assert len(runs) == 2 and other.key() != SHAPES.key()
+
+
+def test_a_broken_or_unwritable_cache_is_measured_again_and_never_raises(
+        monkeypatch, tmp_path, caplog) -> None:
+    monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path))
+    path = tmp_path / "attention-check" / f"{SHAPES.key()}.json"
+    path.parent.mkdir()
+    path.write_text('{"format": "feather-attention-check", "version": 1, "on": tr')
+    assert selfcheck.cached_check(Subject(lambda c: 2.0)).on
+    assert Verdict.from_json(json.loads(path.read_text())).on  # rewritten whole
+    with pytest.raises(ValueError, match="not a feather-attention-check"):
+        Verdict.from_json({"format": "other"})
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("FEATHER_CACHE_DIR", str(blocked))
+    with caplog.at_level(logging.WARNING, logger="feather_sched"):
+        assert selfcheck.cached_check(Subject(lambda c: 2.0)).on
+    assert "could not keep its attention self-check" in caplog.text
+
+
+def test_relative_error_is_per_row_and_infinite_for_nan() -> None:
+    expected = torch.ones(3, 2, 4)
+    output = expected.clone()
+    output[1] *= 1.1
+    assert selfcheck.relative_error(output, expected) == pytest.approx(0.1)
+    output[2, 0, 0] = float("nan")
+    assert selfcheck.relative_error(output, expected) == float("inf")
