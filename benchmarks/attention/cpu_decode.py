@@ -31,104 +31,24 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
-from vllm import _custom_ops as ops
-from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from feather_sched.attention import cpu_kernel
 from feather_sched.attention.groups import min_blocks, plan_step
+from feather_sched.attention.selfcheck import Cell
 from feather_sched.bench.study import Study, markdown_table
 from feather_sched.bench.study import parser as study_parser
+from feather_sched.integrations.vllm.attention_check import CpuBatch, Geometry
 
 BLOCK = 128
 MAX_ROWS = 256  # vLLM's default max_num_seqs
 
 
-@dataclass(frozen=True)
-class Geometry:
-    name: str
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-
-
 GEOMETRIES = {
-    "tiny-llama": Geometry("tiny-llama", 8, 8, 64),  # the embedded model: MHA
-    "llama-3-8b": Geometry("llama-3-8b", 32, 8, 128),  # GQA 4
+    "tiny-llama": Geometry(8, 8, 64),  # the embedded model: MHA
+    "llama-3-8b": Geometry(32, 8, 128),  # GQA 4
 }
-
-
-@dataclass(frozen=True)
-class Config:
-    groups: int
-    per_group: int
-    prefix: int
-    suffix: int
-
-
-class Batch:
-    """One decode step's attention inputs for ``config``: cache, queries, both orders."""
-
-    def __init__(self, config: Config, geometry: Geometry, dtype: torch.dtype, seed: int):
-        g, m = config.groups, config.per_group
-        torch.manual_seed(seed)
-        self.config, self.geometry, self.dtype = config, geometry, dtype
-        prefix_blocks = config.prefix // BLOCK
-        suffix_blocks = -(-(config.suffix + 1) // BLOCK)
-        blocks = g * prefix_blocks + g * m * suffix_blocks
-        heads, dim = geometry.kv_heads, geometry.head_dim
-        self.cache = torch.zeros(blocks, heads, BLOCK, 2 * dim, dtype=dtype)
-        self.isa = _get_attn_isa(dtype, BLOCK, dim, "auto")
-        if self.isa == "amx" and not torch.cpu._init_amx():
-            # vLLM's worker has the AMX tile permission by the time attention runs (oneDNN
-            # asks for it with the first bf16 matmul); without it AMX raises SIGILL.
-            raise RuntimeError("this process may not use AMX tiles")
-        ids = torch.randperm(blocks).int()
-        prefixes = ids[:g * prefix_blocks].view(g, prefix_blocks)
-        suffixes = ids[g * prefix_blocks:].view(g * m, suffix_blocks)
-        for group in range(g):
-            self._write(prefixes[group], config.prefix)
-        for row in range(g * m):
-            self._write(suffixes[row], config.suffix + 1)
-        table = torch.stack([torch.cat([prefixes[r // m], suffixes[r]]) for r in range(g * m)])
-        self.sorted_table = table.contiguous()
-        self.interleaved_table = table.view(g, m, -1).transpose(0, 1).reshape(g * m, -1)
-        self.seq_lens = torch.full((g * m,), config.prefix + config.suffix + 1,
-                                   dtype=torch.int32)
-        self.starts = torch.arange(g * m + 1, dtype=torch.int32)
-        self.query = torch.randn(g * m, geometry.q_heads, dim).to(dtype)
-        self.scale = dim ** -0.5
-
-    def _write(self, blocks: torch.Tensor, tokens: int) -> None:
-        """Random K/V for ``tokens`` tokens into ``blocks``, through vLLM's writer."""
-        heads, dim = self.geometry.kv_heads, self.geometry.head_dim
-        slots = (blocks.long()[:, None] * BLOCK + torch.arange(BLOCK)).flatten()[:tokens]
-        key = torch.randn(tokens, heads, dim).to(self.dtype)
-        value = torch.randn(tokens, heads, dim).to(self.dtype)
-        view = self.cache.view(len(self.cache), heads, 2 * BLOCK, dim)
-        key_cache, value_cache = view.chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, self.isa)
-
-    def metadata(self, seq_lens: torch.Tensor) -> torch.Tensor:
-        g = self.geometry
-        return ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(seq_lens), num_heads=g.q_heads, num_kv_heads=g.kv_heads,
-            head_dim=g.head_dim, seq_lens=seq_lens, dtype=self.dtype,
-            query_start_loc=self.starts, causal=True, sliding_window_size=-1, isa=self.isa,
-            enable_kv_split=False, dynamic_causal=None, kv_cache_dtype="auto")
-
-    def kernel(self, table: torch.Tensor, seq_lens: torch.Tensor, metadata: torch.Tensor,
-               out: torch.Tensor) -> None:
-        heads, dim = self.geometry.kv_heads, self.geometry.head_dim
-        key_cache, value_cache = self.cache.view(len(self.cache), heads, 2 * BLOCK,
-                                                 dim).chunk(2, dim=2)
-        ops.cpu_attention_with_kv_cache(
-            query=self.query, key_cache=key_cache, value_cache=value_cache, output=out,
-            query_start_loc=self.starts, seq_lens=seq_lens, scale=self.scale, causal=True,
-            alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
-            scheduler_metadata=metadata, s_aux=None, dynamic_causal=None)
 
 
 def median_s(run: Callable[[], None], reps: int) -> tuple[float, list[float]]:
@@ -141,45 +61,34 @@ def median_s(run: Callable[[], None], reps: int) -> tuple[float, list[float]]:
     return statistics.median(times), times
 
 
-def measure(batch: Batch, reps: int) -> dict:
+def measure(batch: CpuBatch, reps: int) -> dict:
     """One round of one configuration: the three paths, checked, then timed."""
-    out = torch.empty_like(batch.query)
+    cell = batch.cell
+    interleaved = batch.table.view(cell.groups, cell.per_group, -1).transpose(0, 1) \
+        .reshape(cell.rows, -1)
     sorted_meta = batch.metadata(batch.seq_lens)
-    plan = plan_step(batch.sorted_table, batch.seq_lens, batch.starts, len(batch.seq_lens),
-                     BLOCK, min_blocks(BLOCK))
-    shared_meta = batch.metadata(plan.seq_lens)
-
-    def sorted_path() -> None:
-        batch.kernel(batch.sorted_table, batch.seq_lens, sorted_meta, out)
-
-    def interleaved_path() -> None:
-        batch.kernel(batch.interleaved_table, batch.seq_lens, sorted_meta, out)
-
-    def shared_path() -> None:
-        batch.kernel(batch.sorted_table, plan.seq_lens, shared_meta, out)
-        cpu_kernel.attend_groups(plan, batch.query, batch.cache, batch.scale, out, batch.isa)
 
     def per_step() -> None:
-        step = plan_step(batch.sorted_table, batch.seq_lens, batch.starts,
-                         len(batch.seq_lens), BLOCK, min_blocks(BLOCK))
+        step = plan_step(batch.table, batch.seq_lens, batch.starts, cell.rows, BLOCK,
+                         min_blocks(BLOCK))
         batch.metadata(step.seq_lens)
 
-    sorted_path()
-    expected = out.float().clone()
-    shared_path()
-    error = float(((out.float() - expected).norm(dim=-1) / expected.norm(dim=-1)).max())
+    expected = batch.engine().float().clone()
+    error = float(((batch.shared().float() - expected).norm(dim=-1) /
+                   expected.norm(dim=-1)).max())
     timings = {name: median_s(path, reps) for name, path in (
-        ("sorted", sorted_path), ("interleaved", interleaved_path), ("shared", shared_path),
-        ("plan_per_step", per_step))}
-    return {"max_relative_difference": error, "grouped_rows": len(plan.tokens),
+        ("sorted", batch.engine),
+        ("interleaved", lambda: batch.kernel(batch.seq_lens, sorted_meta, interleaved)),
+        ("shared", batch.shared), ("plan_per_step", per_step))}
+    return {"max_relative_difference": error, "grouped_rows": len(batch.plan.tokens),
             "seconds": {name: t[0] for name, t in timings.items()},
             "reps_s": {name: t[1] for name, t in timings.items()}}
 
 
-def grid(quick: bool, prefixes: list[int]) -> list[Config]:
+def grid(quick: bool, prefixes: list[int]) -> list[Cell]:
     if quick:
-        return [Config(4, 16, 8192, 96)]
-    return [Config(g, m, p, 96) for p in prefixes for g in (1, 4, 8) for m in (4, 16, 64)
+        return [Cell(8192, 4, 16)]
+    return [Cell(p, g, m) for p in prefixes for g in (1, 4, 8) for m in (4, 16, 64)
             if g * m <= MAX_ROWS]
 
 
@@ -235,7 +144,7 @@ def main() -> None:
     for round_index in range(args.rounds):
         for name in args.geometry.split(","):
             for config in grid(args.quick, [int(p) for p in args.prefixes.split(",")]):
-                batch = Batch(config, GEOMETRIES[name], dtype, seed=round_index)
+                batch = CpuBatch(config, GEOMETRIES[name], dtype, BLOCK, seed=round_index)
                 record = measure(batch, args.reps)
                 records.append({"round": round_index, "geometry": name, "dtype": args.dtype,
                                 "isa": batch.isa, "config": asdict(config), **record})

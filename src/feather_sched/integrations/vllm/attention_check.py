@@ -85,8 +85,8 @@ class CpuBatch:
         self.scale = dim ** -0.5
         self.plan: StepPlan | None = plan_step(self.table, self.seq_lens, self.starts, g * m,
                                                block, 1)
-        self._engine_meta = self._metadata(self.seq_lens)
-        self._cut_meta = self._metadata(self.plan.seq_lens) if self.plan else None
+        self._engine_meta = self.metadata(self.seq_lens)
+        self._cut_meta = self.metadata(self.plan.seq_lens) if self.plan else None
         self.out = torch.empty_like(self.query)
 
     def _random(self, tokens: int, generator: torch.Generator
@@ -104,7 +104,8 @@ class CpuBatch:
         key_cache, value_cache = view.chunk(2, dim=2)
         ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, self.isa)
 
-    def _metadata(self, seq_lens: torch.Tensor) -> torch.Tensor:
+    def metadata(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """vLLM's CPU scheduler metadata for the batch with these sequence lengths."""
         g = self.geometry
         return ops.cpu_attn_get_scheduler_metadata(
             num_reqs=len(seq_lens), num_heads=g.q_heads, num_kv_heads=g.kv_heads,
@@ -112,26 +113,30 @@ class CpuBatch:
             query_start_loc=self.starts, causal=True, sliding_window_size=-1, isa=self.isa,
             enable_kv_split=False, dynamic_causal=None, kv_cache_dtype="auto")
 
-    def _kernel(self, seq_lens: torch.Tensor, metadata: torch.Tensor) -> None:
+    def kernel(self, seq_lens: torch.Tensor, metadata: torch.Tensor,
+               table: torch.Tensor | None = None) -> None:
+        """vLLM's kernel on the batch into ``out`` (``table``: the rows' blocks in another
+        order, for timing an unordered batch; the outputs are then not the batch's)."""
         heads, dim = self.geometry.kv_heads, self.geometry.head_dim
         key_cache, value_cache = self.cache.view(len(self.cache), heads, 2 * self.block,
                                                  dim).chunk(2, dim=2)
         ops.cpu_attention_with_kv_cache(
             query=self.query, key_cache=key_cache, value_cache=value_cache, output=self.out,
             query_start_loc=self.starts, seq_lens=seq_lens, scale=self.scale, causal=True,
-            alibi_slopes=None, sliding_window=-1, block_table=self.table, softcap=0.0,
+            alibi_slopes=None, sliding_window=-1,
+            block_table=self.table if table is None else table, softcap=0.0,
             scheduler_metadata=metadata, s_aux=None, dynamic_causal=None)
 
     # ---- selfcheck.Trial ----------------------------------------------------------------
 
     def engine(self) -> torch.Tensor:
-        self._kernel(self.seq_lens, self._engine_meta)
+        self.kernel(self.seq_lens, self._engine_meta)
         return self.out
 
     def shared(self) -> torch.Tensor:
         if self.plan is None:  # no group: the path is the engine's kernel
             return self.engine()
-        self._kernel(self.plan.seq_lens, self._cut_meta)
+        self.kernel(self.plan.seq_lens, self._cut_meta)
         cpu_kernel.attend_groups(self.plan, self.query, self.cache, self.scale, self.out,
                                  self.isa)
         return self.out
