@@ -174,6 +174,9 @@ def test_configurations_it_cannot_serve_stay_off(config_on, monkeypatch):
                                                    "non-causal layers")
     monkeypatch.setattr(config_on, "speculative_config", object())
     assert gpu.decide_gpu(config_on, SPEC) == "off with speculative decoding"
+    monkeypatch.setattr(config_on.cache_config, "enable_prefix_caching", False)
+    assert gpu.decide_gpu(config_on, SPEC) == ("off without prefix caching (no two rows can "
+                                               "share a block)")
 
 
 def test_no_full_cuda_graphs_while_on(config_on):

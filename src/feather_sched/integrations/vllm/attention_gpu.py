@@ -81,6 +81,8 @@ def decide_gpu(vllm_config: Any, kv_cache_spec: Any) -> str | None:
         return reason
     parallel = vllm_config.parallel_config
     problems = {
+        "off without prefix caching (no two rows can share a block)":
+            not vllm_config.cache_config.enable_prefix_caching,
         "off with speculative decoding": vllm_config.speculative_config is not None,
         "off with context parallelism": max(parallel.decode_context_parallel_size,
                                             parallel.prefill_context_parallel_size) > 1,
