@@ -39,6 +39,19 @@ def test_kernels_in_the_triton_interpreter() -> None:
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
 
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels do not specialise")
+def test_no_compile_waits_on_the_index_arrays_alignment() -> None:
+    """The segment index arrays are views into one packed buffer, whose 16-byte alignment
+    changes with the number of groups and rows; specialising on it would compile a new
+    variant mid-run (a second of stall each).  The KV and query tensors are the engine's
+    own allocations, always aligned, and stay specialised."""
+    attend, merge, _ = tk._kernels()
+    free = {p.name for kernel in (attend, merge) for p in kernel.params
+            if p.do_not_specialize_on_alignment}
+    assert free == {"table_ptr", "seg_rows_ptr", "seg_starts_ptr", "seg_lengths_ptr",
+                    "members_ptr", "rows_ptr"}
+
+
 @dataclass(frozen=True)
 class Case:
     """Head geometry, cache layout and the batch: groups of rows sharing a prefix."""

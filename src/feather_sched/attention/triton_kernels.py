@@ -213,15 +213,28 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _jit(triton: Any, **options: Any) -> Any:
+    """``triton.jit`` with the options this Triton takes (``do_not_specialize_on_alignment``
+    is newer than some releases users run)."""
+    import inspect
+
+    known = inspect.signature(triton.jit).parameters
+    return triton.jit(**{name: value for name, value in options.items() if name in known})
+
+
 @cache
 def _kernels() -> tuple[Any, Any, dict[torch.dtype, Any]]:
     """(attend, merge, dot dtype per input dtype), defined on first use."""
     import triton
     import triton.language as tl
 
-    # Sizes that vary per call are not specialised on: one compile serves every batch.
-    @triton.jit(do_not_specialize=["table_stride_row", "per_segment", "tiles", "splits",
-                                   "num_rows"])
+    # Sizes that vary per call are not specialised on, nor the alignment of the small index
+    # arrays (views into one packed buffer, whose 16-byte alignment changes with the
+    # number of groups and rows): one compile serves every batch, none mid-run.
+    @_jit(triton, do_not_specialize=["table_stride_row", "per_segment", "tiles", "splits",
+                                     "num_rows"],
+          do_not_specialize_on_alignment=["table_ptr", "seg_rows_ptr", "seg_starts_ptr",
+                                          "seg_lengths_ptr", "members_ptr"])
     def attend(q_ptr, q_stride_row, q_stride_head, q_stride_dim,
                k_ptr, k_stride_block, k_stride_slot, k_stride_head, k_stride_dim,
                v_ptr, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
@@ -287,7 +300,8 @@ def _kernels() -> tuple[Any, Any, dict[torch.dtype, Any]]:
         tl.store(parts_ptr + index[:, None] * HEAD_DIM + d[None, :], out, mask=valid[:, None])
         tl.store(lse_ptr + index, lse, mask=valid)
 
-    @triton.jit(do_not_specialize=["num_parts", "num_rows"])
+    @_jit(triton, do_not_specialize=["num_parts", "num_rows"],
+          do_not_specialize_on_alignment=["rows_ptr"])
     def merge(parts_ptr, lse_ptr, out_ptr, out_stride_row, out_stride_head, out_stride_dim,
               out_lse_ptr, rows_ptr, num_parts, num_rows, HEADS: tl.constexpr,
               HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_ROWS: tl.constexpr,
