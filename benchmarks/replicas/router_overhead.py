@@ -28,7 +28,7 @@ from feather_sched.bench.study import Study, parser
 from feather_sched.core.cht import token_chunk_keys
 from feather_sched.core.prefix import keys_per_chunk
 from feather_sched.integrations.vllm.block_hash import VLLMBlockHasher
-from feather_sched.routing.baselines import ROUTERS, make_router
+from feather_sched.routing.baselines import ROUTER_CLASSES, make_router
 from feather_sched.routing.cache_index import BlockStored, PreciseIndex
 from feather_sched.routing.feather import FeatherRouter
 
@@ -99,7 +99,7 @@ def main() -> None:
     args = parser(__doc__).parse_args()
     tokens = prompts()
     figures = {name: statistics.median(per_request_us(name, tokens) for _ in range(REPEATS))
-               for name in ROUTERS}
+               for name in ROUTER_CLASSES}
     events, cold = {}, {}
     for block in (128, 16):
         runs = [precise_us(block, tokens) for _ in range(REPEATS)]

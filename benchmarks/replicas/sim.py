@@ -51,7 +51,7 @@ from feather_sched.costmodel.calibrate import load_profile
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
 from feather_sched.results.summary import Percentiles, median_and_range, prefill_over_floor
-from feather_sched.routing.baselines import ROUTERS, make_router
+from feather_sched.routing.baselines import ROUTER_CLASSES, make_router
 from feather_sched.routing.feather import FeatherRouter
 from feather_sched.routing.router import Router
 from feather_sched.sim.replicas import Ingresses, precise_index, simulate_replicas
@@ -70,7 +70,7 @@ BASELINE = ("power-of-two", "fcfs")
 OURS = ("feather", "feather-bandit")
 AFFINITY = ("prefix-affinity", "fcfs")
 PRECISE = "feather-precise"
-ROUTER_NAMES = (*ROUTERS, PRECISE)
+ROUTER_NAMES = (*ROUTER_CLASSES, PRECISE)
 KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "p90_ttft_ms",
         "p99_ttft_ms", "replica_imbalance", "prefix_cache_hit_rate", "mean_groups_per_step",
         "groups_per_replica", "preemptions")

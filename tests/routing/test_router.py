@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from feather_sched.core.cht import token_chunk_keys
 from feather_sched.routing.baselines import (
-    ROUTERS,
+    ROUTER_CLASSES,
     CacheAwareRouter,
     PrefixAffinityRouter,
     RoundRobinRouter,
@@ -174,7 +174,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["route", "finish", "withdraw", "move",
 
 
 @settings(max_examples=60, deadline=None)
-@given(name=st.sampled_from(sorted(ROUTERS)), ops=OPS)
+@given(name=st.sampled_from(sorted(ROUTER_CLASSES)), ops=OPS)
 def test_every_request_is_finished_or_returned_exactly_once(name: str, ops: list) -> None:
     """Random routes, finishes, moves, deaths and new replicas: loads always equal what
     is in flight on each replica, every request ends exactly once, and FeatherRouter's

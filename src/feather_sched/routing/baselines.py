@@ -117,16 +117,17 @@ class CacheAwareRouter(_HistoryRouter):
         return self._least_loaded(self.history.fewest_keys(self._replicas))
 
 
-ROUTERS: dict[str, type[Router]] = {cls.name: cls for cls in (
+ROUTER_CLASSES: dict[str, type[Router]] = {cls.name: cls for cls in (
     RoundRobinRouter, PowerOfTwoRouter, PrefixAffinityRouter, CacheAwareRouter, FeatherRouter)}
-"""Every router by name."""
+"""Every router by name: the baselines and ``FeatherRouter`` (Ray's request routers by
+name are ``integrations.ray.app.RAY_ROUTERS``)."""
 
 
 def make_router(name: str, replicas: Iterable[Replica] = (), **options: Any) -> Router:
-    """The router of a name (``ROUTERS``) over ``replicas``; ValueError naming the choices.
+    """The router of a name (``ROUTER_CLASSES``) over ``replicas``; ValueError naming the choices.
     ``options`` go to its constructor (``seed``, ``chunk_tokens``, the rule's thresholds)."""
     try:
-        cls = ROUTERS[name.strip()]
+        cls = ROUTER_CLASSES[name.strip()]
     except KeyError:
-        raise ValueError(f"unknown router {name!r}: use {', '.join(ROUTERS)}") from None
+        raise ValueError(f"unknown router {name!r}: use {', '.join(ROUTER_CLASSES)}") from None
     return cls(replicas, **options)

@@ -47,7 +47,7 @@ from feather_sched.integrations.ray.metrics import MetricsRelay
 from feather_sched.integrations.ray.router import ROUTER_CLASS, register_kv_events, router_states
 from feather_sched.telemetry import prometheus as metrics
 
-ROUTERS = {
+RAY_ROUTERS = {
     "feather": ROUTER_CLASS,
     "power-of-two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
     "prefix-affinity": "ray.llm._internal.serve.routing_policies.prefix_aware."
@@ -524,7 +524,7 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
               cpus_per_replica: float = 1.0, ingresses: int = 1,
               env: dict[str, str] | None = None) -> serve.Application:
     """The application: ``replicas`` ``VLLMReplica``s built from ``argv`` (``vllm serve``
-    arguments) behind one ``OpenAIIngress`` routing with ``router`` (a ``ROUTERS`` name).
+    arguments) behind one ``OpenAIIngress`` routing with ``router`` (a ``RAY_ROUTERS`` name).
 
     ``router_options`` go to the router's ``initialize_state`` (Feather's: the tokenizer is
     filled in, and ``index``, ``"precise"`` (the default: the replicas' KV events are
@@ -538,8 +538,8 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
     (``unserved_server_flags``) is a ValueError rather than silently dropped.  ValueError
     on a bad argument, before anything starts.
     """
-    if router not in ROUTERS:
-        raise ValueError(f"unknown router {router!r}: use {', '.join(ROUTERS)}")
+    if router not in RAY_ROUTERS:
+        raise ValueError(f"unknown router {router!r}: use {', '.join(RAY_ROUTERS)}")
     refused, ignored = unserved_server_flags(argv)
     if refused:
         raise ValueError(f"feather serve --replicas does not apply {', '.join(refused)}: "
@@ -585,7 +585,7 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
     replica = VLLMReplica.options(
         num_replicas=replicas,
         ray_actor_options={"num_cpus": cpus_per_replica},
-        request_router_config=RequestRouterConfig(request_router_class=ROUTERS[router],
+        request_router_config=RequestRouterConfig(request_router_class=RAY_ROUTERS[router],
                                                   request_router_kwargs=options),
     ).bind(argv, replica_env)
     return OpenAIIngress.options(num_replicas=ingresses).bind(
