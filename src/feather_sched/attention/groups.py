@@ -160,11 +160,11 @@ def _shared_with(table: np.ndarray, rows: np.ndarray, later: np.ndarray, heads: 
         return shared
     mine, theirs = rows[later[live]], rows[heads[live]]
     start, end = starts[live], limit[live]
-    span = int((end - start).max())
     lo, hi = int(start.min()), int(end.max())
     if len(live) * (hi - lo) <= DIRECT_COMPARE:  # small enough to compare at once
         shared[live] = _first_difference(table, mine, theirs, lo, hi, end)
         return shared
+    span = int((end - start).max())
     probes = start[:, None] + (1 << np.arange(span.bit_length())) - 1
     beyond = probes >= end[:, None]
     columns = np.minimum(probes, end[:, None] - 1)
@@ -208,7 +208,6 @@ def _differs(table: np.ndarray, mine: np.ndarray, theirs: np.ndarray, lo: int,
     return window
 
 
-
 def distinct(first_blocks: np.ndarray | torch.Tensor) -> bool:
     """Whether no two rows share their first block, so none shares a prefix: the usual
     batch where nothing is shared, settled without sorting the block table.  A set of
@@ -231,8 +230,8 @@ def _spans(common: np.ndarray, min_shared: int, min_rows: int) -> list[tuple[int
     cuts = np.flatnonzero(common < min_shared)
     starts = np.r_[0, cuts + 1]
     ends = np.r_[cuts, len(common)]  # run of pairs [start, end): rows start..end
-    keep = ends - starts + 1 >= min_rows
-    starts, ends = starts[keep & (ends > starts)], ends[keep & (ends > starts)]
+    keep = (ends > starts) & (ends - starts + 1 >= min_rows)  # a pair at least
+    starts, ends = starts[keep], ends[keep]
     if not len(starts):
         return []
     bounds = np.ravel(np.c_[starts, ends])  # reduce over [start, end), then a cut's

@@ -168,6 +168,22 @@ def test_auto_is_what_the_self_check_measured(faster, grouped_rows, monkeypatch,
     assert list(tmp_path.glob("attention-check/*.json"))  # kept: a restart costs nothing
 
 
+def test_a_self_check_that_cannot_run_leaves_auto_off_and_the_engine_up(
+        grouped_rows, monkeypatch, tmp_path):
+    monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path))
+
+    def broken(*args):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(attention_check.CpuBatch, "__init__", broken)
+    messages = []
+    monkeypatch.setattr(vllm_attention, "announce", messages.append)
+    prompts, lengths = mixed_prompts(1)
+    assert len(generate(make_llm("bfloat16", SHORT_PREFIXES), prompts[:3], lengths[:3])) == 3
+    assert sum(grouped_rows) == 0
+    assert "off: the self-check could not run (no kernel here)" in messages
+
+
 def test_auto_groups_from_the_measured_break_even(monkeypatch, tmp_path):
     monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(attention_check.CpuSubject, "seconds", timed_as(1024))

@@ -158,9 +158,14 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         default_tokens = cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT.get(self.isa, 0)
         verdict = None
         if reason is None and mode == "auto":
-            verdict = self_check(vllm_config, kv_cache_spec, self.isa)
-            reason = None if verdict.on else verdict.line()
-            default_tokens = verdict.min_shared_tokens or default_tokens
+            try:
+                verdict = self_check(vllm_config, kv_cache_spec, self.isa)
+            except Exception as error:  # an optional check never takes the engine down
+                logger.warning("Feather's attention self-check failed", exc_info=error)
+                reason = f"off: the self-check could not run ({error})"
+            else:
+                reason = None if verdict.on else verdict.line()
+                default_tokens = verdict.min_shared_tokens or default_tokens
         self.shared_prefixes = reason is None
         self.min_shared_blocks = min_blocks(self.block_size, min_tokens or default_tokens)
         announce(reason or (verdict.line() if verdict else

@@ -15,6 +15,7 @@ cpu_decode.py`` times the same batches over a larger grid.
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -162,13 +163,13 @@ class CpuSubject:
                              dtype=str(dtype).removeprefix("torch."), block_size=block,
                              layout=layout, max_rows=max_rows, max_context=max_model_len,
                              versions=(*versions, ("threads", str(torch.get_num_threads())),
-                                       ("kernel", "avx512" if cpu_kernel.vectorized()
+                                       ("kernel build", "avx512" if cpu_kernel.vectorized()
                                         else "portable")))
 
     def trial(self, cell: Cell, seed: int) -> CpuBatch:
         return CpuBatch(cell, self.geometry, self.dtype, self.block, seed)
 
-    def seconds(self, run, reps: int) -> float:
+    def seconds(self, run: Callable[[], object], reps: int) -> float:
         return median_seconds(run, reps)
 
 
