@@ -3,7 +3,9 @@ launches, compiled ahead of time for a GPU architecture, with no GPU needed.
 
 Each variant (``attend`` at the tile sizes ``triton_kernels._row_tiles`` picks for groups
 of 1-64 rows and for the suffix rows, per head geometry and dtype, whole-row and
-member-slot outputs; ``merge`` per head count) is compiled by Triton for ``--arch``
+member-slot outputs; ``merge`` per head count; and the three launches of the capturable
+grouped decode, ``gpu_decode.variants``, per geometry and dtype) is compiled by Triton for
+``--arch``
 (default sm_90, Hopper) about as its JIT would specialise it (unit strides as
 constants, aligned data pointers and row strides, the index arrays free), and Triton's
 ``cuobjdump`` reads each cubin's resource use.  What runs on the device may differ with
@@ -25,6 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from feather_sched.attention import gpu_decode
 from feather_sched.attention import triton_kernels as tk
 from feather_sched.bench.study import Study, markdown_table
 from feather_sched.bench.study import parser as study_parser
@@ -35,7 +38,9 @@ a 256-wide head."""
 BLOCK_SIZE = 16
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 ALIGNMENT_FREE = {"table_ptr", "seg_rows_ptr", "seg_starts_ptr", "seg_lengths_ptr",
-                  "members_ptr", "rows_ptr"}
+                  "members_ptr", "rows_ptr", "q_rows_ptr", "count_ptr"}
+MAX_ROWS, NUM_SMS = 256, 132
+"""The grouped decode's limits here (an H200's SMs); neither changes what compiles."""
 
 
 UNIT_STRIDES = {"q_stride_dim", "k_stride_dim", "v_stride_dim", "table_stride_col",
@@ -77,12 +82,13 @@ def attrs(kernel) -> dict:
     return specs
 
 
-def compile_variant(kernel, pointers: dict[str, str], constexprs: dict, arch: int):
+def compile_variant(kernel, pointers: dict[str, str], constexprs: dict, arch: int,
+                    num_warps: int = 4):
     """The compiled kernel (Triton's ``CompiledKernel``) for ``arch``."""
     types, units = signature(kernel, pointers)
     source = ASTSource(kernel, types, constexprs={**constexprs, **units}, attrs=attrs(kernel))
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": 4, "num_stages": 2})
+                          options={"num_warps": num_warps, "num_stages": 2})
 
 
 def resources(compiled) -> dict:
@@ -111,50 +117,63 @@ def main() -> None:
     args = arguments.parse_args()
     study = Study(__file__, set_name=args.set)
     attend, merge, _ = tk._kernels()
-    import triton.language as tl
+    import torch
 
     records = []
-    for q_heads, kv_heads, head_dim in GEOMETRIES:
+
+    def record(kernel, launch: str, geometry: tuple[int, int, int], name: str,
+               pointers: dict[str, str], constexprs: dict) -> None:
+        q_heads, kv_heads, head_dim = geometry
+        cubin = compile_variant(kernel, pointers, constexprs, args.arch)
+        records.append({"kernel": kernel.__name__, "launch": launch, "q_heads": q_heads,
+                        "kv_heads": kv_heads, "head_dim": head_dim, "dtype": name,
+                        "block_q": constexprs.get("BLOCK_Q"),
+                        "block_t": constexprs.get("BLOCK_T"),
+                        "by_member_slot": constexprs.get("BY_MEMBER_SLOT"),
+                        **resources(cubin)})
+        study.progress(f"{launch} {kernel.__name__} {q_heads}/{kv_heads}/d{head_dim} {name} "
+                       f"BLOCK_Q {constexprs.get('BLOCK_Q')}")
+
+    for geometry in GEOMETRIES:
+        q_heads, kv_heads, head_dim = geometry
         gqa = q_heads // kv_heads
-        rows_limit, block_t = tk._tile_limits(head_dim)
+        rows_limit = tk._tile_limits(head_dim)[0]
         block_qs = sorted({max(16, min(rows_limit, tk._pow2(m * gqa))) for m in (1, 4, 16, 64)})
+        limits = gpu_decode.DecodeLimits.for_device(NUM_SMS, MAX_ROWS, *geometry)
         for name, dtype in DTYPES.items():
             data = {"q_ptr": name, "k_ptr": name, "v_ptr": name, "parts_ptr": "fp32",
                     "lse_ptr": "fp32"}
             for block_q in block_qs:
                 for by_slot in (False, True):
-                    constexprs = {"KV_HEADS": kv_heads, "GQA": gqa, "HEAD_DIM": head_dim,
-                                  "BLOCK_SIZE": BLOCK_SIZE, "BLOCK_Q": block_q,
-                                  "BLOCK_T": block_t, "DOT": getattr(tl, dtype),
-                                  "PRECISION": None, "BY_MEMBER_SLOT": by_slot}
-                    cubin = compile_variant(attend, data, constexprs, args.arch)
-                    records.append({"kernel": "attend", "q_heads": q_heads,
-                                    "kv_heads": kv_heads, "head_dim": head_dim, "dtype": name,
-                                    "block_q": block_q, "block_t": block_t,
-                                    "by_member_slot": by_slot, **resources(cubin)})
-                    study.progress(f"attend {q_heads}/{kv_heads}/d{head_dim} {name} "
-                                   f"BLOCK_Q {block_q}{' slots' if by_slot else ''}")
-        out = {"parts_ptr": "fp32", "lse_ptr": "fp32", "out_ptr": "bf16",
-               "out_lse_ptr": "fp32"}
-        constexprs = {"HEADS": q_heads, "HEADS_POW2": tk._pow2(q_heads),
-                      "HEAD_DIM": head_dim, "HAS_ROWS": True, "HAS_LSE": False}
-        cubin = compile_variant(merge, out, constexprs, args.arch)
-        records.append({"kernel": "merge", "q_heads": q_heads, "kv_heads": kv_heads,
-                        "head_dim": head_dim, "dtype": "bf16", "block_q": None,
-                        "block_t": None, "by_member_slot": None, **resources(cubin)})
-    rows = [[r["kernel"], f"{r['q_heads']}/{r['kv_heads']}/d{r['head_dim']}", r["dtype"],
-             "-" if r["block_q"] is None else str(r["block_q"]),
+                    record(attend, "segments", geometry, name, data, tk.attend_constants(
+                        getattr(torch, dtype), kv_heads, gqa, head_dim, BLOCK_SIZE, block_q,
+                        by_slot))
+            grouped = gpu_decode.variants(limits, getattr(torch, dtype), BLOCK_SIZE)
+            for launch in ("prefix", "suffix"):
+                record(attend, f"grouped {launch}", geometry, name, data, grouped[launch])
+            record(merge, "grouped merge", geometry, name,
+                   {"parts_ptr": "fp32", "lse_ptr": "fp32", "out_ptr": name,
+                    "out_lse_ptr": "fp32"}, grouped["merge"])
+        record(merge, "segments", geometry, "bf16",
+               {"parts_ptr": "fp32", "lse_ptr": "fp32", "out_ptr": "bf16",
+                "out_lse_ptr": "fp32"},
+               {"HEADS": q_heads, "HEADS_POW2": tk._pow2(q_heads), "HEAD_DIM": head_dim,
+                "HAS_ROWS": True, "HAS_LSE": False, "HAS_COUNT": False})
+    rows = [[r["kernel"], r["launch"], f"{r['q_heads']}/{r['kv_heads']}/d{r['head_dim']}",
+             r["dtype"], "-" if r["block_q"] is None else str(r["block_q"]),
              "-" if r["by_member_slot"] is None else ("slots" if r["by_member_slot"]
                                                       else "rows"),
              r["mma"], "yes" if r["async_copy"] else "no", str(r["registers"]),
              str(r["stack_bytes"]), f"{r['shared_bytes'] // 1024} KiB"]
             for r in records]
-    text = (f"Triton {triton.__version__}, sm_{args.arch}, num_warps 4, num_stages 2\n\n" +
-            markdown_table(["kernel", "q/kv/head", "dtype", "BLOCK_Q", "output", "MMA",
-                            "pipelined loads", "registers", "stack (spill) bytes",
+    text = (f"Triton {triton.__version__}, sm_{args.arch}, num_warps 4, num_stages 2; the "
+            f"grouped decode's limits: {MAX_ROWS} rows, {NUM_SMS} SMs\n\n" +
+            markdown_table(["kernel", "launch", "q/kv/head", "dtype", "BLOCK_Q", "output",
+                            "MMA", "pipelined loads", "registers", "stack (spill) bytes",
                             "shared memory"], rows))
     study.save("registers", {"triton": triton.__version__, "arch": args.arch,
-                             "records": records}, text)
+                             "max_rows": MAX_ROWS, "num_sms": NUM_SMS, "records": records},
+               text)
 
 
 if __name__ == "__main__":

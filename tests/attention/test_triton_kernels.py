@@ -44,12 +44,13 @@ def test_no_compile_waits_on_the_index_arrays_alignment() -> None:
     """The segment index arrays are views into one packed buffer, whose 16-byte alignment
     changes with the number of groups and rows; specialising on it would compile a new
     variant mid-run (a second of stall each).  The KV and query tensors are the engine's
-    own allocations, always aligned, and stay specialised."""
+    own allocations, always aligned, and stay specialised.  The optional pointers (the
+    grouped rows' tokens, the live counts) get a stand-in array where unused."""
     attend, merge, _ = tk._kernels()
     free = {p.name for kernel in (attend, merge) for p in kernel.params
             if p.do_not_specialize_on_alignment}
     assert free == {"table_ptr", "seg_rows_ptr", "seg_starts_ptr", "seg_lengths_ptr",
-                    "members_ptr", "rows_ptr"}
+                    "members_ptr", "rows_ptr", "q_rows_ptr", "count_ptr"}
 
 
 @dataclass(frozen=True)

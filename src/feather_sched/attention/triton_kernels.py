@@ -125,7 +125,7 @@ def merge_partials(parts: Tensor, lse: Tensor, out: Tensor, out_lse: Tensor | No
     contiguous. ``rows`` (int32 ``[n]``, -1 skipped) defaults to ``0..n-1``. Parts with LSE
     -inf are not read (they may hold anything); a row whose parts are all -inf gets 0 and
     LSE -inf. Cost: one program per parts row (all heads), reading each live part once."""
-    num_parts, n, heads, head_dim = parts.shape
+    n = parts.shape[1]
     if parts.dtype != torch.float32 or lse.dtype != torch.float32:
         raise TypeError("parts and lse must be fp32")
     if rows is not None and (rows.dtype != torch.int32 or rows.shape != (n,)):
@@ -135,33 +135,54 @@ def merge_partials(parts: Tensor, lse: Tensor, out: Tensor, out_lse: Tensor | No
                          "lse one per parts row and head")
     if out_lse is not None and not (out_lse.is_contiguous() and out_lse.dtype == torch.float32):
         raise ValueError("out_lse must be a contiguous fp32 tensor")
-    merge = _kernels()[1]
-    merge[(n,)](
+    _launch_merge(parts, lse, out, out_lse, rows)
+
+
+def _launch_merge(parts: Tensor, lse: Tensor, out: Tensor, out_lse: Tensor | None,
+                  rows: Tensor | None, count: Tensor | None = None) -> None:
+    """Launch the merge kernel: one program per parts row; with ``count`` (an int32 device
+    scalar), programs at or past its value return at once."""
+    num_parts, n, heads, head_dim = parts.shape
+    _kernels()[1][(n,)](
         parts, lse, out, *out.stride(), out_lse if out_lse is not None else lse,
-        rows if rows is not None else lse, num_parts, n, HEADS=heads,
-        HEADS_POW2=_pow2(heads), HEAD_DIM=head_dim, HAS_ROWS=rows is not None,
-        HAS_LSE=out_lse is not None, num_warps=4)
+        rows if rows is not None else lse, lse if count is None else count, num_parts, n,
+        HEADS=heads, HEADS_POW2=_pow2(heads), HEAD_DIM=head_dim, HAS_ROWS=rows is not None,
+        HAS_LSE=out_lse is not None, HAS_COUNT=count is not None, num_warps=4)
 
 
 def _launch_attend(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                    segments: TableSegments, scale: float, parts: Tensor, lse: Tensor,
-                   by_member_slot: bool) -> None:
-    """Launch the attend kernel; its parts rows are query rows, or member slots
-    ``segment x k + j`` when ``by_member_slot``."""
+                   by_member_slot: bool = False, query_rows: Tensor | None = None,
+                   count: Tensor | None = None) -> None:
+    """Launch the attend kernel; its parts rows are the member values, or member slots
+    ``segment x k + j`` when ``by_member_slot``. Members index ``query`` directly, or
+    through ``query_rows`` (int32: the query token of each member value) where given. With
+    ``count`` (an int32 device scalar), segments at or past its value return at once, so
+    the grid (``len(segments)``) can be fixed while the live work varies."""
     kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     gqa = query.shape[1] // kv_heads
     block_q, tiles = _row_tiles(segments, gqa, head_dim)
     splits = parts.shape[0]
-    attend, _, dot_dtypes = _kernels()
-    attend[(kv_heads, tiles * splits, len(segments))](
-        query, *query.stride(), key_cache, *key_cache.stride(), value_cache,
-        *value_cache.stride(), block_table, *block_table.stride(), segments.table_rows,
-        segments.starts, segments.lengths, segments.members, segments.members.shape[1],
-        tiles, splits, parts.shape[1], parts, lse, scale, KV_HEADS=kv_heads, GQA=gqa,
-        HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1], BLOCK_Q=block_q,
-        BLOCK_T=_tile_limits(head_dim)[1], DOT=dot_dtypes[query.dtype],
-        PRECISION="ieee" if query.dtype == torch.float32 else None,  # fp32: no TF32 rounding
-        BY_MEMBER_SLOT=by_member_slot, num_warps=4, num_stages=2)
+    _kernels()[0][(kv_heads, tiles * splits, len(segments))](
+        query, *query.stride(), segments.lengths if query_rows is None else query_rows,
+        key_cache, *key_cache.stride(), value_cache, *value_cache.stride(), block_table,
+        *block_table.stride(), segments.table_rows, segments.starts, segments.lengths,
+        segments.members, segments.members.shape[1], segments.lengths if count is None
+        else count, tiles, splits, parts.shape[1], parts, lse, scale,
+        **attend_constants(query.dtype, kv_heads, gqa, head_dim, key_cache.shape[1], block_q,
+                           by_member_slot, query_rows is not None, count is not None),
+        num_warps=4, num_stages=2)
+
+
+def attend_constants(dtype: torch.dtype, kv_heads: int, gqa: int, head_dim: int,
+                     block_size: int, block_q: int, by_member_slot: bool = False,
+                     query_rows: bool = False, has_count: bool = False) -> dict[str, Any]:
+    """The attend kernel's constexprs for one launch: with the argument layout (strides
+    and alignment), what one compiled variant is specialised on."""
+    return dict(KV_HEADS=kv_heads, GQA=gqa, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                BLOCK_Q=block_q, BLOCK_T=_tile_limits(head_dim)[1], DOT=_kernels()[2][dtype],
+                PRECISION="ieee" if dtype == torch.float32 else None,  # fp32: no TF32
+                BY_MEMBER_SLOT=by_member_slot, QUERY_ROWS=query_rows, HAS_COUNT=has_count)
 
 
 def _check(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
@@ -200,7 +221,12 @@ def _tile_limits(head_dim: int) -> tuple[int, int]:
 
 def _row_tiles(segments: TableSegments, gqa: int, head_dim: int) -> tuple[int, int]:
     """(query rows per program, at least 16 for ``tl.dot``; row tiles per segment)."""
-    rows = segments.members.shape[1] * gqa
+    return row_tiles(segments.members.shape[1], gqa, head_dim)
+
+
+def row_tiles(members: int, gqa: int, head_dim: int) -> tuple[int, int]:
+    """(query rows per program, row tiles per segment) of segments of ``members`` rows."""
+    rows = members * gqa
     block_q = max(16, min(_tile_limits(head_dim)[0], _pow2(rows)))
     return block_q, _cdiv(rows, block_q)
 
@@ -230,35 +256,43 @@ def _kernels() -> tuple[Any, Any, dict[torch.dtype, Any]]:
 
     # Sizes that vary per call are not specialised on, nor the alignment of the small index
     # arrays (views into one packed buffer, whose 16-byte alignment changes with the
-    # number of groups and rows): one compile serves every batch, none mid-run.
+    # number of groups and rows) or of the optional pointers (a stand-in array where
+    # unused): one compile serves every batch, none mid-run.
     @_jit(triton, do_not_specialize=["table_stride_row", "per_segment", "tiles", "splits",
                                      "num_rows"],
-          do_not_specialize_on_alignment=["table_ptr", "seg_rows_ptr", "seg_starts_ptr",
-                                          "seg_lengths_ptr", "members_ptr"])
-    def attend(q_ptr, q_stride_row, q_stride_head, q_stride_dim,
+          do_not_specialize_on_alignment=["q_rows_ptr", "table_ptr", "seg_rows_ptr",
+                                          "seg_starts_ptr", "seg_lengths_ptr", "members_ptr",
+                                          "count_ptr"])
+    def attend(q_ptr, q_stride_row, q_stride_head, q_stride_dim, q_rows_ptr,
                k_ptr, k_stride_block, k_stride_slot, k_stride_head, k_stride_dim,
                v_ptr, v_stride_block, v_stride_slot, v_stride_head, v_stride_dim,
                table_ptr, table_stride_row, table_stride_col,
                seg_rows_ptr, seg_starts_ptr, seg_lengths_ptr, members_ptr, per_segment,
-               tiles, splits, num_rows, parts_ptr, lse_ptr, scale,
+               count_ptr, tiles, splits, num_rows, parts_ptr, lse_ptr, scale,
                KV_HEADS: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr,
                BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
-               DOT: tl.constexpr, PRECISION: tl.constexpr, BY_MEMBER_SLOT: tl.constexpr):
+               DOT: tl.constexpr, PRECISION: tl.constexpr, BY_MEMBER_SLOT: tl.constexpr,
+               QUERY_ROWS: tl.constexpr, HAS_COUNT: tl.constexpr):
         # One program: one KV head x one tile of a segment's query rows x one token split.
         # Program order puts KV heads first, then splits, then segments, so adjacent
-        # segments run at the same time.
+        # segments run at the same time. Past the live segments (HAS_COUNT), nothing.
         kv_head = tl.program_id(0)
         tile = tl.program_id(1) % tiles
         split = tl.program_id(1) // tiles
         seg = tl.program_id(2)
+        if HAS_COUNT:  # noqa: SIM102 (Triton before 3.9 evaluates a constexpr `and` eagerly)
+            if seg >= tl.load(count_ptr):
+                return
         r = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
         member = seg * per_segment + r // GQA
         row = tl.load(members_ptr + member, mask=r // GQA < per_segment, other=-1)
         valid = row >= 0
         row = tl.where(valid, row, 0).to(tl.int64)
+        token = (tl.load(q_rows_ptr + row, mask=valid, other=0).to(tl.int64) if QUERY_ROWS
+                 else row)
         head = kv_head * GQA + r % GQA
         d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + row[:, None] * q_stride_row + head[:, None] * q_stride_head
+        q = tl.load(q_ptr + token[:, None] * q_stride_row + head[:, None] * q_stride_head
                     + d[None, :] * q_stride_dim, mask=valid[:, None], other=0.0).to(DOT)
         # This split's share of the range, in whole BLOCK_T steps; none for a padding tile.
         length = tl.load(seg_lengths_ptr + seg)
@@ -301,12 +335,16 @@ def _kernels() -> tuple[Any, Any, dict[torch.dtype, Any]]:
         tl.store(lse_ptr + index, lse, mask=valid)
 
     @_jit(triton, do_not_specialize=["num_parts", "num_rows"],
-          do_not_specialize_on_alignment=["rows_ptr"])
+          do_not_specialize_on_alignment=["rows_ptr", "count_ptr"])
     def merge(parts_ptr, lse_ptr, out_ptr, out_stride_row, out_stride_head, out_stride_dim,
-              out_lse_ptr, rows_ptr, num_parts, num_rows, HEADS: tl.constexpr,
+              out_lse_ptr, rows_ptr, count_ptr, num_parts, num_rows, HEADS: tl.constexpr,
               HEADS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_ROWS: tl.constexpr,
-              HAS_LSE: tl.constexpr):
+              HAS_LSE: tl.constexpr, HAS_COUNT: tl.constexpr):
         # One program per parts row, all heads: the largest LSE first, then the weighted sum.
+        # Past the live rows (HAS_COUNT), nothing.
+        if HAS_COUNT:  # noqa: SIM102 (as in attend)
+            if tl.program_id(0) >= tl.load(count_ptr):
+                return
         i = tl.program_id(0).to(tl.int64)
         row = tl.load(rows_ptr + i).to(tl.int64) if HAS_ROWS else i
         h = tl.arange(0, HEADS_POW2)
