@@ -82,13 +82,12 @@ def attrs(kernel) -> dict:
     return specs
 
 
-def compile_variant(kernel, pointers: dict[str, str], constexprs: dict, arch: int,
-                    num_warps: int = 4):
+def compile_variant(kernel, pointers: dict[str, str], constexprs: dict, arch: int):
     """The compiled kernel (Triton's ``CompiledKernel``) for ``arch``."""
     types, units = signature(kernel, pointers)
     source = ASTSource(kernel, types, constexprs={**constexprs, **units}, attrs=attrs(kernel))
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "num_stages": 2})
+                          options={"num_warps": 4, "num_stages": 2})
 
 
 def resources(compiled) -> dict:
