@@ -187,6 +187,50 @@ def test_warm_up_runs_every_launch_and_writes_nothing() -> None:
     assert untouched(output, [])
 
 
+cuda = pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@cuda
+def test_a_captured_cuda_graph_replays_whatever_step_is_staged() -> None:
+    """Compiled on the GPU: ``run`` captured once (after ``warm_up``) into persistent
+    tensors, as vLLM's FULL decode graphs hold them, then replayed for two different steps
+    copied into those tensors and staged, and for a cleared decode."""
+    geometry = GEOMETRIES["gqa4-bf16-d128"]
+    case = geometry.case
+    small = replace(case, group_sizes=(3, 4), prefixes=(60, 20), max_suffix=20)
+    steps = [(make_step(case, 6), case), (make_step(small, 7), small)]
+    tokens = max(len(step.query) for step, _ in steps)
+    blocks = max(len(step.key_cache) for step, _ in steps)
+    rows = max(len(step.block_table) for step, _ in steps)
+    columns = max(step.block_table.shape[1] for step, _ in steps)
+    dims = (case.kv_heads, case.head_dim)
+    query = torch.zeros(tokens, case.q_heads, case.head_dim, dtype=case.dtype, device="cuda")
+    caches = [torch.zeros(blocks, case.block_size, *dims, dtype=case.dtype, device="cuda")
+              for _ in "kv"]
+    table = torch.zeros(rows, columns, dtype=torch.int32, device="cuda")
+    output = torch.zeros_like(query)
+    decode = GroupedDecode(limits_for(geometry), "cuda")
+    decode.warm_up(query, *caches, table, output)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode.run(query, *caches, table, steps[0][0].scale, output)
+    for step, step_case in [*steps, steps[0]]:
+        query[:len(step.query)] = step.query
+        for cache, own in zip(caches, (step.key_cache, step.value_cache), strict=True):
+            cache[:len(own)] = own
+        table[:len(step.block_table), :step.block_table.shape[1]] = step.block_table
+        decode.stage(step.groups, step.seq_lens, step.query_starts, step_case.block_size)
+        output.fill_(SENTINEL)
+        graph.replay()
+        written = output[:len(step.query)].cpu()
+        assert_close(written[step.tokens], None, step.reference, step_case.tolerance)
+        assert untouched(output.cpu(), step.tokens)
+    decode.clear()
+    output.fill_(SENTINEL)
+    graph.replay()
+    assert untouched(output.cpu(), [])
+
+
 class HostRead(AssertionError):
     pass
 

@@ -5,7 +5,8 @@ and plans the step (one segment per group's prefix, one per row's suffix, and th
 shortened block-table rows the engine's own kernel attends instead); ``partials`` merges
 partial attentions exactly by log-sum-exp and holds the float64 reference; the kernels
 (``cpu_kernel`` for vLLM's CPU cache layout, ``triton_kernels`` for paged GPU caches)
-compute the segments; ``selfcheck`` measures the path against an engine's own kernel
+compute the segments, ``gpu_decode`` with launches fixed for an engine's life (so CUDA
+graphs can capture them); ``selfcheck`` measures the path against an engine's own kernel
 (exactness, then speed over a grid) for the verdict ``auto`` takes. Engine adapters
 (``integrations.vllm.attention``, ``integrations.vllm.attention_gpu``) only translate.
 """
