@@ -156,8 +156,8 @@ def main() -> None:
         record(merge, "segments", geometry, "bf16",
                {"parts_ptr": "fp32", "lse_ptr": "fp32", "out_ptr": "bf16",
                 "out_lse_ptr": "fp32"},
-               {"HEADS": q_heads, "HEADS_POW2": tk._pow2(q_heads), "HEAD_DIM": head_dim,
-                "HAS_ROWS": True, "HAS_LSE": False, "HAS_COUNT": False})
+               tk.merge_constants(q_heads, head_dim, has_rows=True, has_lse=False,
+                                  has_count=False))
     rows = [[r["kernel"], r["launch"], f"{r['q_heads']}/{r['kv_heads']}/d{r['head_dim']}",
              r["dtype"], "-" if r["block_q"] is None else str(r["block_q"]),
              "-" if r["by_member_slot"] is None else ("slots" if r["by_member_slot"]

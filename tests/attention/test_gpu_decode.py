@@ -249,7 +249,7 @@ def test_run_launches_the_same_whatever_is_staged_and_reads_nothing_on_the_host(
             self.name = name
 
         def __getitem__(self, grid: tuple):
-            def launch(*args, **constants):
+            def launch(*args, num_warps: int, num_stages: int = 0, **constants):
                 launches.append((self.name, grid, tuple(map(describe, args)), constants))
             return launch
 
@@ -280,6 +280,8 @@ def test_run_launches_the_same_whatever_is_staged_and_reads_nothing_on_the_host(
     grids = [grid for _, grid, *_ in per_step[0]]
     assert grids == [(2, limits.prefix_splits, limits.max_segments),
                      (2, limits.suffix_splits, limits.max_rows), (limits.workspace_rows,)]
+    variants = gpu_decode.variants(limits, torch.bfloat16, case.block_size)
+    assert [constants for *_, constants in per_step[0]] == list(variants.values())
 
 
 def _staging(step: Step) -> tuple:

@@ -142,9 +142,8 @@ def variants(limits: DecodeLimits, dtype: torch.dtype, block_size: int
                                            limits.tiling(members)[0], query_rows=True,
                                            has_count=True)
                  for name, members in (("prefix", limits.members_per_segment), ("suffix", 1))}
-    constants["merge"] = dict(HEADS=limits.q_heads, HEADS_POW2=tk._pow2(limits.q_heads),
-                              HEAD_DIM=limits.head_dim, HAS_ROWS=True, HAS_LSE=False,
-                              HAS_COUNT=True)
+    constants["merge"] = tk.merge_constants(limits.q_heads, limits.head_dim, has_rows=True,
+                                            has_lse=False, has_count=True)
     return constants
 
 

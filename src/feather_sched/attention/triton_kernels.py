@@ -146,8 +146,15 @@ def _launch_merge(parts: Tensor, lse: Tensor, out: Tensor, out_lse: Tensor | Non
     _kernels()[1][(n,)](
         parts, lse, out, *out.stride(), out_lse if out_lse is not None else lse,
         rows if rows is not None else lse, lse if count is None else count, num_parts, n,
-        HEADS=heads, HEADS_POW2=_pow2(heads), HEAD_DIM=head_dim, HAS_ROWS=rows is not None,
-        HAS_LSE=out_lse is not None, HAS_COUNT=count is not None, num_warps=4)
+        **merge_constants(heads, head_dim, rows is not None, out_lse is not None,
+                          count is not None), num_warps=4)
+
+
+def merge_constants(heads: int, head_dim: int, has_rows: bool, has_lse: bool,
+                    has_count: bool) -> dict[str, Any]:
+    """The merge kernel's constexprs for one launch (as ``attend_constants``)."""
+    return dict(HEADS=heads, HEADS_POW2=_pow2(heads), HEAD_DIM=head_dim, HAS_ROWS=has_rows,
+                HAS_LSE=has_lse, HAS_COUNT=has_count)
 
 
 def _launch_attend(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
