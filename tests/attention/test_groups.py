@@ -114,6 +114,27 @@ def test_every_group_truly_shares_its_blocks(spec):
         assert ((lens[members] - 1) // BS >= n).all()
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 8), st.integers(1, 16)),
+                min_size=1, max_size=24), st.integers(0, 40), st.randoms(use_true_random=False))
+def test_rows_read_through_table_rows_group_as_their_gathered_table(spec, spare, rnd):
+    """Batch row ``r`` reading row ``table_rows[r]`` of a larger table (request slots, in
+    any order, some beyond the batch's size, the other rows and each row's columns past its
+    blocks stale) groups exactly as the gathered table does, in batch rows."""
+    prefixes = [[100 * p + j for j in range(1, 9)] for p in range(4)]
+    rows = [[*prefixes[p][:k], 1000 + i] for i, (p, k, _) in enumerate(spec)]
+    lens = np.minimum(np.array([len(r) * BS - BS + fill for r, (*_, fill) in
+                                zip(rows, spec, strict=True)]), [len(r) * BS for r in rows])
+    gathered = table(rows)
+    slots = np.array(rnd.sample(range(len(rows) + spare), len(rows)))
+    big = np.random.default_rng(spare).integers(1, 8, (len(rows) + spare, 12)).astype(np.int32)
+    big[slots] = gathered  # stale ids (999) past each row's blocks, stale rows elsewhere
+    query_lens = np.array([1 if fill % 5 else 3 for *_, fill in spec])  # some prefill rows
+    want = find_groups(gathered, lens, query_lens, BS, 1)
+    got = find_groups(big, lens, query_lens, BS, 1, table_rows=slots)
+    assert as_sets(got) == as_sets(want)
+
+
 def test_min_blocks_rounds_up_to_whole_blocks():
     assert min_blocks(128) == 2 and min_blocks(16) == 16 and min_blocks(512) == 1
 

@@ -68,11 +68,15 @@ def min_blocks(block_size: int, min_tokens: int = MIN_SHARED_TOKENS) -> int:
 
 
 def find_groups(block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
-                block_size: int, min_shared_blocks: int, min_rows: int = MIN_ROWS) -> Groups:
+                block_size: int, min_shared_blocks: int, min_rows: int = MIN_ROWS,
+                table_rows: np.ndarray | None = None) -> Groups:
     """The decode rows sharing at least ``min_shared_blocks`` leading blocks, grouped.
 
-    ``block_table`` ``[rows, width]`` (int), ``seq_lens`` (tokens including this step's)
-    and ``query_lens`` (this step's new tokens) per batch row; any row order.  Rows are
+    ``seq_lens`` (tokens including this step's) and ``query_lens`` (this step's new
+    tokens) per batch row, any row order; ``block_table`` ``[table rows, width]`` (int),
+    where batch row ``r`` reads row ``table_rows[r]`` (int per batch row; by default row
+    ``r``), e.g. its request slot in a runner's table: only the rows and columns compared
+    are read, never a gather of every row.  ``Groups`` lists batch rows.  Rows are
     placed in a trie of their block ids (``_trie_order``), which compares each row only
     as far as it shares with another, and the trie's runs are split where that saves the
     most prefix reads.  Cost: O(rows log rows + shared blocks of the candidate rows), not
@@ -82,12 +86,14 @@ def find_groups(block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.nd
     full = (seq_lens[decode].astype(np.int64) - 1) // block_size
     keep = full >= min_shared_blocks
     candidates, full = decode[keep], full[keep]
-    if len(candidates) < min_rows or distinct(block_table[candidates, 0]):
+    slots = candidates if table_rows is None else table_rows[candidates]
+    if len(candidates) < min_rows or distinct(block_table[slots, 0]):
         return _no_groups()
-    order, common = _trie_order(block_table, candidates, full)
+    order, common = _trie_order(block_table, slots, full)
     spans = _spans(common, min_shared_blocks, min_rows)
     if not spans:
         return _no_groups()
+    order = candidates[order]
     members = [order[lo:hi + 1] for lo, hi, _ in spans]
     return Groups(np.concatenate(members), np.cumsum([0] + [len(m) for m in members]),
                   np.array([shared for _, _, shared in spans], dtype=np.int64))
@@ -95,10 +101,10 @@ def find_groups(block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.nd
 
 def _trie_order(table: np.ndarray, rows: np.ndarray, full: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """``rows`` in an order where rows sharing a prefix are adjacent, and ``common[i]``,
-    the leading blocks rows ``i`` and ``i + 1`` of that order share (ids equal, within
-    both rows' ``full`` blocks): what a lexicographic sort of the rows' full blocks gives,
-    up to the order of siblings.
+    """An order of ``rows`` (rows of ``table``; the order as positions in ``rows``) where
+    rows sharing a prefix are adjacent, and ``common[i]``, the leading blocks rows ``i``
+    and ``i + 1`` of that order share (ids equal, within both rows' ``full`` blocks): what
+    a lexicographic sort of the rows' full blocks gives, up to the order of siblings.
 
     The rows are placed in a trie of their block ids, one level a pass over every class
     at once: the rows of a class (known equal on its first columns) are compared with its
@@ -143,7 +149,7 @@ def _trie_order(table: np.ndarray, rows: np.ndarray, full: np.ndarray
     ranks_in_order = np.stack(ranks)[:, order]
     level = (ranks_in_order[:, 1:] != ranks_in_order[:, :-1]).argmax(axis=0)
     common = np.stack(lefts)[level, order[1:]]
-    return rows[order], common
+    return order, common
 
 
 def _shared_with(table: np.ndarray, rows: np.ndarray, later: np.ndarray, heads: np.ndarray,
