@@ -124,7 +124,7 @@ def _trie_order(table: np.ndarray, rows: np.ndarray, full: np.ndarray
     while len(active):
         order = np.lexsort((active, classes))
         active, classes, starts = active[order], classes[order], starts[order]
-        is_head = np.r_[True, classes[1:] != classes[:-1]]
+        is_head = _changes(classes)
         heads = active[is_head][np.cumsum(is_head) - 1]
         later, heads, parents = active[~is_head], heads[~is_head], classes[~is_head]
         left = _shared_with(table, rows, later, heads, full, starts[~is_head])
@@ -133,10 +133,9 @@ def _trie_order(table: np.ndarray, rows: np.ndarray, full: np.ndarray
                          -1 - later).astype(np.int64)
         order = np.lexsort((value, -left, parents))
         later, left, value, parents = later[order], left[order], value[order], parents[order]
-        new_child = np.r_[True, (parents[1:] != parents[:-1]) | (left[1:] != left[:-1]) |
-                          (value[1:] != value[:-1])]
+        new_child = _changes(parents, left, value)
         child = np.cumsum(new_child) - 1
-        first_of_parent = np.r_[True, parents[1:] != parents[:-1]]
+        first_of_parent = _changes(parents)
         rank = np.zeros(count, dtype=np.int64)
         rank[later] = child - child[first_of_parent][np.cumsum(first_of_parent) - 1] + 1
         depth = np.zeros(count, dtype=np.int64)
@@ -203,15 +202,25 @@ def _differs(table: np.ndarray, mine: np.ndarray, theirs: np.ndarray, lo: int,
     """``table[mine, lo:hi] != table[theirs, lo:hi]``, comparing against each head's row in
     place where ``theirs`` runs in few heads (a head's row is not copied for each member:
     half the memory traffic of the plain gather).  O(len(mine) x (hi - lo))."""
-    starts = np.flatnonzero(np.r_[True, theirs[1:] != theirs[:-1]])
+    starts = np.flatnonzero(_changes(theirs))
     if len(starts) > MAX_HEAD_RUNS:
         return table[mine, lo:hi] != table[theirs, lo:hi]
     window = np.empty((len(mine), hi - lo), dtype=bool)
-    for begin, end in zip(starts.tolist(), np.r_[starts[1:], len(mine)].tolist(),
-                          strict=True):
+    for begin, end in zip(starts.tolist(), [*starts[1:].tolist(), len(mine)], strict=True):
         np.not_equal(table[mine[begin:end], lo:hi], table[theirs[begin], lo:hi],
                      out=window[begin:end])
     return window
+
+
+def _changes(*keys: np.ndarray) -> np.ndarray:
+    """True first and wherever any of ``keys`` differs from its element before (cheaper
+    than ``np.r_``'s parsing, on every step)."""
+    out = np.empty(len(keys[0]), dtype=bool)
+    out[:1] = True
+    np.not_equal(keys[0][1:], keys[0][:-1], out=out[1:])
+    for key in keys[1:]:
+        out[1:] |= key[1:] != key[:-1]
+    return out
 
 
 def distinct(first_blocks: np.ndarray | torch.Tensor) -> bool:
@@ -234,14 +243,14 @@ def _spans(common: np.ndarray, min_shared: int, min_rows: int) -> list[tuple[int
     throughout, the usual group, is settled in numpy.  O(rows) plus ``_best_spans`` over
     the runs that share unevenly."""
     cuts = np.flatnonzero(common < min_shared)
-    starts = np.r_[0, cuts + 1]
-    ends = np.r_[cuts, len(common)]  # run of pairs [start, end): rows start..end
+    starts = np.concatenate(([0], cuts + 1))
+    ends = np.append(cuts, len(common))  # run of pairs [start, end): rows start..end
     keep = (ends > starts) & (ends - starts + 1 >= min_rows)  # a pair at least
     starts, ends = starts[keep], ends[keep]
     if not len(starts):
         return []
-    bounds = np.ravel(np.c_[starts, ends])  # reduce over [start, end), then a cut's
-    padded = np.r_[common, 0]
+    bounds = np.column_stack((starts, ends)).ravel()  # reduce over [start, end), then a cut's
+    padded = np.append(common, 0)
     low = np.minimum.reduceat(padded, bounds)[::2]
     high = np.maximum.reduceat(padded, bounds)[::2]
     spans: list[tuple[int, int, int]] = []
