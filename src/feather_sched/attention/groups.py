@@ -36,8 +36,9 @@ MIN_ROWS = 2
 DIRECT_COMPARE = 1 << 17
 """Up to this many ids (rows x columns) are compared at once, without probing first."""
 MAX_HEAD_RUNS = 32
-"""Up to this many classes a compare goes class by class (``_differs``); beyond, one
-gather is cheaper than the Python loop."""
+"""Up to this many classes a compare goes class by class (``_differs``), and first blocks
+of two or more rows are tried one by one as uniform groups (``_stars``); beyond, one
+gather (the trie) is cheaper than the Python loop."""
 
 
 @dataclass(frozen=True)
@@ -79,24 +80,79 @@ def find_groups(block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.nd
     are read, never a gather of every row.  ``Groups`` lists batch rows.  Rows are
     placed in a trie of their block ids (``_trie_order``), which compares each row only
     as far as it shares with another, and the trie's runs are split where that saves the
-    most prefix reads.  Cost: O(rows log rows + shared blocks of the candidate rows), not
-    rows x context; O(rows) for a batch whose rows all start on different blocks.
+    most prefix reads; first, the rows of each first block whose rows all share the same
+    blocks, the usual group, are settled by one compare with its first row (``_stars``).
+    Cost: O(rows log rows + shared blocks of the candidate rows), not rows x context;
+    O(rows) for a batch whose rows all start on different blocks.
     """
     decode = np.flatnonzero(query_lens == 1)
     full = (seq_lens[decode].astype(np.int64) - 1) // block_size
-    keep = full >= min_shared_blocks
+    keep = full >= max(min_shared_blocks, 1)  # a group shares at least one block
     candidates, full = decode[keep], full[keep]
     slots = candidates if table_rows is None else table_rows[candidates]
-    if len(candidates) < min_rows or distinct(block_table[slots, 0]):
+    first_blocks = block_table[slots, 0]
+    if len(candidates) < min_rows or distinct(first_blocks):
         return _no_groups()
-    order, common = _trie_order(block_table, slots, full)
-    spans = _spans(common, min_shared_blocks, min_rows)
-    if not spans:
+    stars, rest = _stars(block_table, slots, full, first_blocks)
+    found = [(candidates[rows], shared) for rows, shared in stars
+             if shared >= min_shared_blocks and len(rows) >= min_rows]
+    if len(rest) >= min_rows:
+        order, common = _trie_order(block_table, slots[rest], full[rest])
+        order = candidates[rest[order]]
+        found += [(order[lo:hi + 1], shared)
+                  for lo, hi, shared in _spans(common, min_shared_blocks, min_rows)]
+    if not found:
         return _no_groups()
-    order = candidates[order]
-    members = [order[lo:hi + 1] for lo, hi, _ in spans]
+    members = [rows for rows, _ in found]
     return Groups(np.concatenate(members), np.cumsum([0] + [len(m) for m in members]),
-                  np.array([shared for _, _, shared in spans], dtype=np.int64))
+                  np.array([shared for _, shared in found], dtype=np.int64))
+
+
+def _stars(table: np.ndarray, rows: np.ndarray, full: np.ndarray, first_blocks: np.ndarray
+           ) -> tuple[list[tuple[np.ndarray, int]], np.ndarray]:
+    """The classes of ``rows`` (rows of ``table``) by first block whose every two rows share
+    the same leading blocks (within both rows' ``full``): (positions in ``rows``, shared),
+    and the positions of the rows of every other class of two or more rows, for the trie.
+
+    A class's guess is what its first two rows share; it holds if every row has as many
+    full blocks and equals the first row on the guessed columns (the last one checked
+    first, the rest only if that holds), and past them no two rows that go on share their
+    next block.  Classes of one row are dropped (they share nothing).  O(rows log rows +
+    the blocks the accepted classes share); above ``MAX_HEAD_RUNS`` classes of two or more
+    rows every row goes to the trie (the loop over classes would cost more)."""
+    order = np.argsort(first_blocks, kind="stable")
+    sizes = np.diff(np.append(np.flatnonzero(_changes(first_blocks[order])), len(order)))
+    multi = sizes >= 2
+    members = order[np.repeat(multi, sizes)]  # class by class
+    sizes = sizes[multi]
+    if len(sizes) > MAX_HEAD_RUNS:
+        return [], members
+    starts = np.cumsum(sizes) - sizes
+    heads, seconds = members[starts], members[starts + 1]
+    limit = np.minimum(full[heads], full[seconds])
+    guess = _first_difference(table, rows[seconds], rows[heads], 0, int(limit.max()), limit)
+    cls = np.repeat(np.arange(len(sizes)), sizes)
+    shared, head = guess[cls], heads[cls]
+    checked = np.maximum(shared - 1, 0)
+    holds = (full[members] >= shared) & (
+        table[rows[members], checked] == table[rows[head], checked])
+    value = np.where(full[members] > shared,
+                     table[rows[members], np.minimum(shared, table.shape[1] - 1)],
+                     -1 - members)
+    key = np.sort((cls << 33) + value + (1 << 32))  # (class, next block), as one int64
+    wrong = np.zeros(len(sizes), dtype=bool)
+    wrong[cls[~holds]] = True
+    wrong[key[1:][key[1:] == key[:-1]] >> 33] = True  # two rows go on together
+    stars, rest = [], []
+    for c, (lo, n, blocks) in enumerate(zip(starts.tolist(), sizes.tolist(), guess.tolist(),
+                                            strict=True)):
+        rows_c = members[lo:lo + n]
+        if wrong[c] or (blocks > 2 and _differs(table, rows[rows_c], rows[rows_c[:1]].repeat(n),
+                                                1, blocks - 1).any()):
+            rest.append(rows_c)
+        else:
+            stars.append((rows_c, blocks))
+    return stars, np.concatenate(rest) if rest else members[:0]
 
 
 def _trie_order(table: np.ndarray, rows: np.ndarray, full: np.ndarray
