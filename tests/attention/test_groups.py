@@ -114,6 +114,51 @@ def test_every_group_truly_shares_its_blocks(spec):
         assert ((lens[members] - 1) // BS >= n).all()
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 8), st.integers(1, 16)),
+                min_size=1, max_size=24), st.integers(0, 40), st.randoms(use_true_random=False))
+def test_rows_read_through_table_rows_group_as_their_gathered_table(spec, spare, rnd):
+    """Batch row ``r`` reading row ``table_rows[r]`` of a larger table (request slots, in
+    any order, some beyond the batch's size, the other rows and each row's columns past its
+    blocks stale) groups exactly as the gathered table does, in batch rows."""
+    prefixes = [[100 * p + j for j in range(1, 9)] for p in range(4)]
+    rows = [[*prefixes[p][:k], 1000 + i] for i, (p, k, _) in enumerate(spec)]
+    lens = np.minimum(np.array([len(r) * BS - BS + fill for r, (*_, fill) in
+                                zip(rows, spec, strict=True)]), [len(r) * BS for r in rows])
+    gathered = table(rows)
+    slots = np.array(rnd.sample(range(len(rows) + spare), len(rows)))
+    big = np.random.default_rng(spare).integers(1, 8, (len(rows) + spare, 12)).astype(np.int32)
+    big[slots] = gathered  # stale ids (999) past each row's blocks, stale rows elsewhere
+    query_lens = np.array([1 if fill % 5 else 3 for *_, fill in spec])  # some prefill rows
+    want = find_groups(gathered, lens, query_lens, BS, 1)
+    got = find_groups(big, lens, query_lens, BS, 1, table_rows=slots)
+    assert set(as_sets(got)) == set(as_sets(want)) and len(got) == len(want)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from([0, 2, 5, 8]), st.integers(1, 40),
+                          st.booleans()), min_size=2, max_size=30), st.integers(1, 4))
+def test_classes_settled_at_once_group_as_the_trie_groups_them(spec, min_shared):
+    """The shortcut for first blocks whose rows all share alike (``_stars``) finds what the
+    trie alone finds, on batches mixing such classes with nested and uneven ones, and rows
+    that leave their class's prefix in its middle only."""
+    from feather_sched.attention import groups as module
+
+    prefixes = [[100 * p + j for j in range(1, 9)] for p in range(4)]
+    rows = [[*prefixes[p][:k], 1000 + i] for i, (p, k, *_) in enumerate(spec)]
+    for i, (*_, middle) in enumerate(spec):
+        if middle and len(rows[i]) > 4:
+            rows[i][2] = 2000 + i
+    lens = np.minimum(np.array([len(r) * BS - BS + fill for r, (_, _, fill, _) in
+                                zip(rows, spec, strict=True)]), [len(r) * BS for r in rows])
+    bt, decode = table(rows), np.ones(len(rows), int)
+    fast = find_groups(bt, lens, decode, BS, min_shared)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "MAX_HEAD_RUNS", -1)  # every class to the trie
+        trie = find_groups(bt, lens, decode, BS, min_shared)
+    assert set(as_sets(fast)) == set(as_sets(trie)) and len(fast) == len(trie)
+
+
 def test_min_blocks_rounds_up_to_whole_blocks():
     assert min_blocks(128) == 2 and min_blocks(16) == 16 and min_blocks(512) == 1
 

@@ -36,8 +36,9 @@ MIN_ROWS = 2
 DIRECT_COMPARE = 1 << 17
 """Up to this many ids (rows x columns) are compared at once, without probing first."""
 MAX_HEAD_RUNS = 32
-"""Up to this many classes a compare goes class by class (``_differs``); beyond, one
-gather is cheaper than the Python loop."""
+"""Up to this many classes a compare goes class by class (``_differs``), and first blocks
+of two or more rows are tried one by one as uniform groups (``_stars``); beyond, one
+gather (the trie) is cheaper than the Python loop."""
 
 
 @dataclass(frozen=True)
@@ -68,37 +69,98 @@ def min_blocks(block_size: int, min_tokens: int = MIN_SHARED_TOKENS) -> int:
 
 
 def find_groups(block_table: np.ndarray, seq_lens: np.ndarray, query_lens: np.ndarray,
-                block_size: int, min_shared_blocks: int, min_rows: int = MIN_ROWS) -> Groups:
+                block_size: int, min_shared_blocks: int, min_rows: int = MIN_ROWS,
+                table_rows: np.ndarray | None = None) -> Groups:
     """The decode rows sharing at least ``min_shared_blocks`` leading blocks, grouped.
 
-    ``block_table`` ``[rows, width]`` (int), ``seq_lens`` (tokens including this step's)
-    and ``query_lens`` (this step's new tokens) per batch row; any row order.  Rows are
+    ``seq_lens`` (tokens including this step's) and ``query_lens`` (this step's new
+    tokens) per batch row, any row order; ``block_table`` ``[table rows, width]`` (int),
+    where batch row ``r`` reads row ``table_rows[r]`` (int per batch row; by default row
+    ``r``), e.g. its request slot in a runner's table: only the rows and columns compared
+    are read, never a gather of every row.  ``Groups`` lists batch rows.  Rows are
     placed in a trie of their block ids (``_trie_order``), which compares each row only
     as far as it shares with another, and the trie's runs are split where that saves the
-    most prefix reads.  Cost: O(rows log rows + shared blocks of the candidate rows), not
-    rows x context; O(rows) for a batch whose rows all start on different blocks.
+    most prefix reads; first, the rows of each first block whose rows all share the same
+    blocks, the usual group, are settled by one compare with its first row (``_stars``).
+    Cost: O(rows log rows + shared blocks of the candidate rows), not rows x context;
+    O(rows) for a batch whose rows all start on different blocks.
     """
     decode = np.flatnonzero(query_lens == 1)
     full = (seq_lens[decode].astype(np.int64) - 1) // block_size
-    keep = full >= min_shared_blocks
+    keep = full >= max(min_shared_blocks, 1)  # a group shares at least one block
     candidates, full = decode[keep], full[keep]
-    if len(candidates) < min_rows or distinct(block_table[candidates, 0]):
+    slots = candidates if table_rows is None else table_rows[candidates]
+    first_blocks = block_table[slots, 0]
+    if len(candidates) < min_rows or distinct(first_blocks):
         return _no_groups()
-    order, common = _trie_order(block_table, candidates, full)
-    spans = _spans(common, min_shared_blocks, min_rows)
-    if not spans:
+    stars, rest = _stars(block_table, slots, full, first_blocks)
+    found = [(candidates[rows], shared) for rows, shared in stars
+             if shared >= min_shared_blocks and len(rows) >= min_rows]
+    if len(rest) >= min_rows:
+        order, common = _trie_order(block_table, slots[rest], full[rest])
+        order = candidates[rest[order]]
+        found += [(order[lo:hi + 1], shared)
+                  for lo, hi, shared in _spans(common, min_shared_blocks, min_rows)]
+    if not found:
         return _no_groups()
-    members = [order[lo:hi + 1] for lo, hi, _ in spans]
+    members = [rows for rows, _ in found]
     return Groups(np.concatenate(members), np.cumsum([0] + [len(m) for m in members]),
-                  np.array([shared for _, _, shared in spans], dtype=np.int64))
+                  np.array([shared for _, shared in found], dtype=np.int64))
+
+
+def _stars(table: np.ndarray, rows: np.ndarray, full: np.ndarray, first_blocks: np.ndarray
+           ) -> tuple[list[tuple[np.ndarray, int]], np.ndarray]:
+    """The classes of ``rows`` (rows of ``table``) by first block whose every two rows share
+    the same leading blocks (within both rows' ``full``): (positions in ``rows``, shared),
+    and the positions of the rows of every other class of two or more rows, for the trie.
+
+    A class's guess is what its first two rows share; it holds if every row has as many
+    full blocks and equals the first row on the guessed columns (the last one checked
+    first, the rest only if that holds), and past them no two rows that go on share their
+    next block.  Classes of one row are dropped (they share nothing).  O(rows log rows +
+    the blocks the accepted classes share); above ``MAX_HEAD_RUNS`` classes of two or more
+    rows every row goes to the trie (the loop over classes would cost more)."""
+    order = np.argsort(first_blocks, kind="stable")
+    sizes = np.diff(np.append(np.flatnonzero(_changes(first_blocks[order])), len(order)))
+    multi = sizes >= 2
+    members = order[np.repeat(multi, sizes)]  # class by class
+    sizes = sizes[multi]
+    if len(sizes) > MAX_HEAD_RUNS:
+        return [], members
+    starts = np.cumsum(sizes) - sizes
+    heads, seconds = members[starts], members[starts + 1]
+    limit = np.minimum(full[heads], full[seconds])
+    guess = _first_difference(table, rows[seconds], rows[heads], 0, int(limit.max()), limit)
+    cls = np.repeat(np.arange(len(sizes)), sizes)
+    shared, head = guess[cls], heads[cls]
+    checked = np.maximum(shared - 1, 0)
+    holds = (full[members] >= shared) & (
+        table[rows[members], checked] == table[rows[head], checked])
+    value = np.where(full[members] > shared,
+                     table[rows[members], np.minimum(shared, table.shape[1] - 1)],
+                     -1 - members)
+    key = np.sort((cls << 33) + value + (1 << 32))  # (class, next block), as one int64
+    wrong = np.zeros(len(sizes), dtype=bool)
+    wrong[cls[~holds]] = True
+    wrong[key[1:][key[1:] == key[:-1]] >> 33] = True  # two rows go on together
+    stars, rest = [], []
+    for c, (lo, n, blocks) in enumerate(zip(starts.tolist(), sizes.tolist(), guess.tolist(),
+                                            strict=True)):
+        rows_c = members[lo:lo + n]
+        if wrong[c] or (blocks > 2 and _differs(table, rows[rows_c], rows[rows_c[:1]].repeat(n),
+                                                1, blocks - 1).any()):
+            rest.append(rows_c)
+        else:
+            stars.append((rows_c, blocks))
+    return stars, np.concatenate(rest) if rest else members[:0]
 
 
 def _trie_order(table: np.ndarray, rows: np.ndarray, full: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """``rows`` in an order where rows sharing a prefix are adjacent, and ``common[i]``,
-    the leading blocks rows ``i`` and ``i + 1`` of that order share (ids equal, within
-    both rows' ``full`` blocks): what a lexicographic sort of the rows' full blocks gives,
-    up to the order of siblings.
+    """An order of ``rows`` (rows of ``table``; the order as positions in ``rows``) where
+    rows sharing a prefix are adjacent, and ``common[i]``, the leading blocks rows ``i``
+    and ``i + 1`` of that order share (ids equal, within both rows' ``full`` blocks): what
+    a lexicographic sort of the rows' full blocks gives, up to the order of siblings.
 
     The rows are placed in a trie of their block ids, one level a pass over every class
     at once: the rows of a class (known equal on its first columns) are compared with its
@@ -118,7 +180,7 @@ def _trie_order(table: np.ndarray, rows: np.ndarray, full: np.ndarray
     while len(active):
         order = np.lexsort((active, classes))
         active, classes, starts = active[order], classes[order], starts[order]
-        is_head = np.r_[True, classes[1:] != classes[:-1]]
+        is_head = _changes(classes)
         heads = active[is_head][np.cumsum(is_head) - 1]
         later, heads, parents = active[~is_head], heads[~is_head], classes[~is_head]
         left = _shared_with(table, rows, later, heads, full, starts[~is_head])
@@ -127,10 +189,9 @@ def _trie_order(table: np.ndarray, rows: np.ndarray, full: np.ndarray
                          -1 - later).astype(np.int64)
         order = np.lexsort((value, -left, parents))
         later, left, value, parents = later[order], left[order], value[order], parents[order]
-        new_child = np.r_[True, (parents[1:] != parents[:-1]) | (left[1:] != left[:-1]) |
-                          (value[1:] != value[:-1])]
+        new_child = _changes(parents, left, value)
         child = np.cumsum(new_child) - 1
-        first_of_parent = np.r_[True, parents[1:] != parents[:-1]]
+        first_of_parent = _changes(parents)
         rank = np.zeros(count, dtype=np.int64)
         rank[later] = child - child[first_of_parent][np.cumsum(first_of_parent) - 1] + 1
         depth = np.zeros(count, dtype=np.int64)
@@ -143,7 +204,7 @@ def _trie_order(table: np.ndarray, rows: np.ndarray, full: np.ndarray
     ranks_in_order = np.stack(ranks)[:, order]
     level = (ranks_in_order[:, 1:] != ranks_in_order[:, :-1]).argmax(axis=0)
     common = np.stack(lefts)[level, order[1:]]
-    return rows[order], common
+    return order, common
 
 
 def _shared_with(table: np.ndarray, rows: np.ndarray, later: np.ndarray, heads: np.ndarray,
@@ -197,15 +258,25 @@ def _differs(table: np.ndarray, mine: np.ndarray, theirs: np.ndarray, lo: int,
     """``table[mine, lo:hi] != table[theirs, lo:hi]``, comparing against each head's row in
     place where ``theirs`` runs in few heads (a head's row is not copied for each member:
     half the memory traffic of the plain gather).  O(len(mine) x (hi - lo))."""
-    starts = np.flatnonzero(np.r_[True, theirs[1:] != theirs[:-1]])
+    starts = np.flatnonzero(_changes(theirs))
     if len(starts) > MAX_HEAD_RUNS:
         return table[mine, lo:hi] != table[theirs, lo:hi]
     window = np.empty((len(mine), hi - lo), dtype=bool)
-    for begin, end in zip(starts.tolist(), np.r_[starts[1:], len(mine)].tolist(),
-                          strict=True):
+    for begin, end in zip(starts.tolist(), [*starts[1:].tolist(), len(mine)], strict=True):
         np.not_equal(table[mine[begin:end], lo:hi], table[theirs[begin], lo:hi],
                      out=window[begin:end])
     return window
+
+
+def _changes(*keys: np.ndarray) -> np.ndarray:
+    """True first and wherever any of ``keys`` differs from its element before (cheaper
+    than ``np.r_``'s parsing, on every step)."""
+    out = np.empty(len(keys[0]), dtype=bool)
+    out[:1] = True
+    np.not_equal(keys[0][1:], keys[0][:-1], out=out[1:])
+    for key in keys[1:]:
+        out[1:] |= key[1:] != key[:-1]
+    return out
 
 
 def distinct(first_blocks: np.ndarray | torch.Tensor) -> bool:
@@ -228,14 +299,14 @@ def _spans(common: np.ndarray, min_shared: int, min_rows: int) -> list[tuple[int
     throughout, the usual group, is settled in numpy.  O(rows) plus ``_best_spans`` over
     the runs that share unevenly."""
     cuts = np.flatnonzero(common < min_shared)
-    starts = np.r_[0, cuts + 1]
-    ends = np.r_[cuts, len(common)]  # run of pairs [start, end): rows start..end
+    starts = np.concatenate(([0], cuts + 1))
+    ends = np.append(cuts, len(common))  # run of pairs [start, end): rows start..end
     keep = (ends > starts) & (ends - starts + 1 >= min_rows)  # a pair at least
     starts, ends = starts[keep], ends[keep]
     if not len(starts):
         return []
-    bounds = np.ravel(np.c_[starts, ends])  # reduce over [start, end), then a cut's
-    padded = np.r_[common, 0]
+    bounds = np.column_stack((starts, ends)).ravel()  # reduce over [start, end), then a cut's
+    padded = np.append(common, 0)
     low = np.minimum.reduceat(padded, bounds)[::2]
     high = np.maximum.reduceat(padded, bounds)[::2]
     spans: list[tuple[int, int, int]] = []

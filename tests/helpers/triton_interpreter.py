@@ -1,0 +1,39 @@
+"""vLLM's Triton kernels in Triton's CPU interpreter, for tests on a machine without a GPU.
+
+The interpreter takes over only if TRITON_INTERPRET=1 is set before Triton is first
+imported, so such tests run in a fresh pytest process (``run_interpreted``).  vLLM's CPU
+wheel turns Triton off where Triton has no CPU backend, leaving its kernels undecorated;
+``keep_vllm_triton_on`` registers a stand-in entry (its driver is never used: the
+interpreter needs none) and must run before vLLM first imports Triton.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+ROOT = Path(__file__).parents[2]
+
+
+class _NoDriver:
+    @staticmethod
+    def is_active() -> bool:
+        return False
+
+
+def keep_vllm_triton_on() -> None:
+    assert "vllm.triton_utils" not in sys.modules, "vLLM already decided on Triton"
+    from triton.backends import Backend, backends
+
+    backends.setdefault("cpu", Backend(compiler=None, driver=_NoDriver))
+
+
+def run_interpreted(*node_ids: str) -> subprocess.CompletedProcess:
+    """``pytest node_ids`` in a fresh process under TRITON_INTERPRET=1."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *node_ids],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=ROOT, capture_output=True,
+        text=True, timeout=600)
