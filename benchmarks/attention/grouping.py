@@ -24,7 +24,7 @@ the rounds with their range.  ``--against REV`` also times ``find_groups`` as it
 git revision REV on the ``batch`` layout, side by side in the same run, and checks both
 find groups that save the same number of prefix reads or say which saves more.
 
-    .venv/bin/python benchmarks/attention/grouping.py                    # ~40 s
+    .venv/bin/python benchmarks/attention/grouping.py                    # ~10 s
     .venv/bin/python benchmarks/attention/grouping.py --against 19181e7  # beside the old
 
 Targets (issue 42, for ``half``, either layout): 1,024 rows x 32K at most 1 ms, 256 x 4K
@@ -180,7 +180,7 @@ def main() -> None:
         if old is not None:
             cells_ += ["-", "-", "-"] if "old_ms" not in r else [
                 median_and_range(r["old_ms"], "{:.3f}"),
-                f"{statistics.median(r['old_ms']) / ms:.0f}x",
+                f"{statistics.median(r['old_ms']) / ms:.1f}x",
                 f"{r['saved_reads']} ({r['old_saved_reads']})"]
         lines.append(cells_)
     text = (f"find_groups on {platform.processor() or platform.machine()}, median of "

@@ -117,7 +117,8 @@ def _stars(table: np.ndarray, rows: np.ndarray, full: np.ndarray, first_blocks: 
     A class's guess is what its first two rows share; it holds if every row has as many
     full blocks and equals the first row on the guessed columns (the last one checked
     first, the rest only if that holds), and past them no two rows that go on share their
-    next block.  Classes of one row are dropped (they share nothing).  O(rows log rows +
+    next block.  A class's rows are in the trie's order (its first row, then by next
+    block).  Classes of one row are dropped (they share nothing).  O(rows log rows +
     the blocks the accepted classes share); above ``MAX_HEAD_RUNS`` classes of two or more
     rows every row goes to the trie (the loop over classes would cost more)."""
     order = np.argsort(first_blocks, kind="stable")
@@ -136,13 +137,17 @@ def _stars(table: np.ndarray, rows: np.ndarray, full: np.ndarray, first_blocks: 
     checked = np.maximum(shared - 1, 0)
     holds = (full[members] >= shared) & (
         table[rows[members], checked] == table[rows[head], checked])
-    value = np.where(full[members] > shared,
+    value = np.where(full[members] > shared,  # the next block, or the trie's stand-in
                      table[rows[members], np.minimum(shared, table.shape[1] - 1)],
                      -1 - members)
-    key = np.sort((cls << 33) + value + (1 << 32))  # (class, next block), as one int64
+    later = members != head
     wrong = np.zeros(len(sizes), dtype=bool)
-    wrong[cls[~holds]] = True
-    wrong[key[1:][key[1:] == key[:-1]] >> 33] = True  # two rows go on together
+    wrong[cls[~holds | (later & (value == value[starts][cls]))]] = True  # or on with the first
+    # (class, first row or not, next block) as one int64: the trie's order of the class
+    key = (cls << 34) + (later.astype(np.int64) << 33) + value + (1 << 32)
+    order = np.argsort(key)
+    members, key = members[order], key[order]
+    wrong[key[1:][key[1:] == key[:-1]] >> 34] = True  # two later rows go on together
     stars, rest = [], []
     for c, (lo, n, blocks) in enumerate(zip(starts.tolist(), sizes.tolist(), guess.tolist(),
                                             strict=True)):
