@@ -128,3 +128,31 @@ def test_triton_kernels_in_the_interpreter() -> None:
     result = subprocess.run([sys.executable, "-c", INTERPRETED_CHECK, str(Path(__file__).parent)],
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+SELF_CHECK = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from test_gpu_decode_kit import kit
+out = Path(sys.argv[2])
+kit.main(["--device", "cpu", "--tiny", "--only", "self-check", "--out", str(out)])
+verdicts = json.loads((out / "self-check.json").read_text())
+assert [v["model"] for v in verdicts] == ["tiny"]
+assert max(c["error"] for c in verdicts[0]["cells"]) < 1e-4, verdicts
+assert all(c["reference_error"] < 1e-4 for c in verdicts[0]["cells"]), verdicts
+assert "per-row decode" in (out / "self-check.md").read_text()
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_self_check_runs_in_the_kit(tmp_path: Path) -> None:
+    """``--only self-check``: the engine-start check, Feather's per-row decode standing in
+    for the engine's kernel, exact against it and float64, its verdict and table written
+    (in Triton's interpreter, tiny shapes; on a GPU the same command at Llama shapes)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", SELF_CHECK, str(Path(__file__).parent),
+                             str(tmp_path)], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "tiny: Feather shared-prefix attention: " in result.stdout

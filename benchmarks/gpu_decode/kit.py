@@ -43,8 +43,10 @@ from feather_sched.telemetry import steplog
 TOLERANCE = 1e-2
 """Largest accepted relative error of one (request, head) output row vs float64."""
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-ORDERS, SHARED_PREFIX = "orders", "shared-prefix"
-"""The two studies: see the module docstring."""
+ORDERS, SHARED_PREFIX, SELF_CHECK = "orders", "shared-prefix", "self-check"
+"""The studies: see the module docstring."""
+SELF_CHECK_SHAPES = {"llama-3-8b": (32, 8, 128), "llama-2-7b": (32, 32, 128)}
+"""Query heads, KV heads and head size the self-check runs at (one rank, no TP)."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -675,6 +677,37 @@ def run(device: str = "cpu", out_dir: str | Path = DEFAULT_OUT, *,
     return report
 
 
+# --- the self-check --------------------------------------------------------------------------
+
+def run_self_check(device: str, out: Path, *, tiny: bool = False,
+                   log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """The engine-start self-check (``attention.selfcheck.check``) on this device, the
+    grouped decode against Feather's per-row decode standing in for an engine's kernel
+    (``attention.gpu_check.KitSubject``), at Llama-3-8B's and Llama-2-7B's attention
+    shapes (bf16, 16-token blocks, 256 rows, 32K context); writes ``self-check.json`` and
+    ``self-check.md``; returns the verdicts' JSON. ``tiny``: small heads and cells, for a
+    CPU under Triton's interpreter."""
+    from feather_sched.attention import selfcheck
+    from feather_sched.attention.gpu_check import KitSubject
+
+    shapes = {"tiny": (4, 2, 16)} if tiny else SELF_CHECK_SHAPES
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cells = ({"grid": (selfcheck.Cell(64, 2, 2, suffix=9), selfcheck.Cell(128, 2, 3, suffix=5)),
+              "exactness": (selfcheck.Cell(40, 1, 2, suffix=1),), "reps": 1} if tiny else {})
+    verdicts, text = [], []
+    for name, (q_heads, kv_heads, head_dim) in shapes.items():
+        subject = KitSubject(q_heads, kv_heads, head_dim, dtype, 16, 256, 32768, device)
+        verdict = selfcheck.check(subject, **cells)
+        log(f"{name}: Feather shared-prefix attention: {verdict.line()}")
+        verdicts.append({"model": name, **verdict.to_json()})
+        text.append(f"## {name}\n\n`{verdict.line()}`\n\n{selfcheck.table(verdict)}\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "self-check.json").write_text(json.dumps(verdicts, indent=1) + "\n")
+    (out / "self-check.md").write_text("# Self-check (engine stand-in: Feather's per-row "
+                                       "decode)\n\n" + "\n".join(text))
+    return verdicts
+
+
 # --- outputs --------------------------------------------------------------------------------
 
 def write_steps(path: Path, measurements: list[Measurement]) -> None:
@@ -760,16 +793,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a small subset of the sweep")
     parser.add_argument("--tiny", action="store_true",
                         help="tiny head geometries (16-dim heads) for CPU checks")
-    parser.add_argument("--only", choices=(ORDERS, SHARED_PREFIX),
-                        help="run one study (default: both)")
+    parser.add_argument("--only", choices=(SELF_CHECK, ORDERS, SHARED_PREFIX),
+                        help="run one study (default: the self-check, then both studies)")
     parser.add_argument("--seed", type=int, help="random seed (default: from the clock)")
     parser.add_argument("--reps", type=int, help="timed repetitions per batch")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
     args = parser.parse_args(argv)
+    if args.only in (None, SELF_CHECK):
+        run_self_check(args.device, args.out, tiny=args.tiny)
     chosen = [s for s in studies(args.device, quick=args.quick, tiny=args.tiny, reps=args.reps)
               if args.only in (None, s.kind)]
     try:
-        run(args.device, args.out, chosen=chosen, seed=args.seed)
+        if chosen:
+            run(args.device, args.out, chosen=chosen, seed=args.seed)
     except CheckError as error:
         sys.exit(f"correctness check failed: {error}")
 

@@ -202,6 +202,8 @@ class GroupedDecode:
         self._split_parts = self._parts.split([limits.prefix_splits, limits.suffix_splits])
         self._split_lse = self._lse.split([limits.prefix_splits, limits.suffix_splits])
         self._checked: tuple[Any, ...] | None = None
+        self._cut_rows = (device_views["suffix_rows"],
+                          torch.arange(rows, dtype=torch.int32, device=self.device))
 
     def _views(self, flat: Any) -> dict[str, Any]:
         """Each part of a flat index buffer (a tensor or its numpy view)."""
@@ -259,6 +261,18 @@ class GroupedDecode:
         if self._copied is not None:
             self._copied[self._turn].record()
         self._turn ^= 1
+
+    def cut_seq_lens(self, seq_lens: Tensor, out: Tensor) -> Tensor:
+        """``out[:n]`` = the engine's ``seq_lens`` (int32 ``[n]``, on the device) with every
+        staged grouped row cut to 1 token (the engine's kernel then spends next to nothing
+        on rows whose outputs ``run`` replaces), returned; ``out`` int32 with more than
+        ``max(n, max_rows)`` elements, its last one scratch. Device work only (a copy and an
+        index fill): no host read, the same launches whatever was staged, so a graph that
+        reads ``out`` sees each step's cut."""
+        staged, position = self._cut_rows
+        target = torch.where(position < self._counts[0], staged, out.shape[0] - 1).long()
+        out[:seq_lens.shape[0]].copy_(seq_lens)
+        return out.index_fill_(0, target, 1)[:seq_lens.shape[0]]
 
     def run(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
             scale: float, output: Tensor) -> None:

@@ -164,8 +164,9 @@ class Verdict:
     def max_error(self) -> float:
         return max((c.error for c in self.cells), default=0.0)
 
-    def line(self) -> str:
-        """The engine log's line: the verdict with its figures."""
+    def line(self, *notes: str) -> str:
+        """The engine log's line: the verdict with its figures (and ``notes``, such as the
+        engine's CUDA-graph mode)."""
         timed = [c for c in self.cells if c.speedup is not None]
         figures = [f"max error {self.max_error:.1e} vs the engine's kernel "
                    f"(tolerance {TOLERANCE.get(self.shapes.dtype, 0):.0e})"]
@@ -176,6 +177,7 @@ class Verdict:
                            f"{worst.speedup:.2f}x at {worst.cell.describe()}")
         if self.min_shared_tokens is not None:
             figures.append(f"groups from {self.min_shared_tokens} shared tokens")
+        figures.extend(notes)
         how = "cached" if self.cached else f"{self.seconds:.1f} s"
         return (f"{'on' if self.on else 'off'} (self-check on {self.shapes.device}, "
                 f"{self.shapes.describe()}: {self.reason}; {'; '.join(figures)}; {how})")

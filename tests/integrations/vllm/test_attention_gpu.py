@@ -1,28 +1,33 @@
-"""Feather's shared-prefix variant of vLLM's TRITON_ATTN backend, on a machine without a GPU.
+"""Feather's shared-prefix variants of vLLM's FLASH_ATTN and TRITON_ATTN backends, on a
+machine without a GPU.
 
-Covered: the plan's conversion to the Triton kernels' segments; the option and its default
-(auto off on GPUs, with the logged reason; on; off; configurations it refuses); the
-cudagraph support and what vLLM resolves from it; the plugin's registration and the check
-``cuda.py`` runs on a selected backend (reproduced: ``vllm.platforms.cuda`` does not import
-without CUDA); vLLM's real Triton builder producing the cut metadata and the grouped work
-from a realistic ``CommonAttentionMetadata``; and, in a fresh process under
-TRITON_INTERPRET=1, the whole forward: vLLM's own Triton kernel for the cut batch (2D and
-3D launches) and Feather's kernels for the grouped rows, against float64 attention
-and against vLLM's unmodified forward, all in fp32.
+Covered: the plugin's registration over both members (what vLLM's priority walk then picks
+without a flag); the option, and the configurations and layers it refuses, with the logged
+reason; the CUDA-graph support the backends report (vLLM's own, so FULL decode graphs stay);
+the builders on a realistic ``CommonAttentionMetadata``: groups found from the host rows
+``host_tables`` gives (rows read through a slot mapping), the cut lengths in one persistent
+buffer, the work staged into ``gpu_decode``'s persistent buffers, a graph-shaped step
+without groups (empty work, same buffers), capture metadata; that the per-step path reads
+no device tensor on the host (every device-side input on the ``meta`` device, where any
+read raises); and, in a fresh process under TRITON_INTERPRET=1, the whole forward of each
+backend in fp32: vLLM's own Triton kernel, and for FLASH_ATTN a float64 stand-in with FA3's
+signature (``tests/helpers/flash_reference``: FA3 cannot run here), for the cut batch, then
+Feather's kernels for the grouped rows, against float64 attention and vLLM's unmodified
+forward, step after step on the same buffers.
 
-Not covered (no GPU): speed, real device copies and their synchronisation, CUDA graphs,
-the model runners end to end, bf16/fp16 through vLLM's kernel (the interpreter multiplies
-bf16 wrongly; Feather's kernels are tested in bf16 in ``tests/attention``), and loading
-through the installed entry point (only its declaration in pyproject.toml is checked).
+Not covered (no GPU): speed, CUDA graphs captured and replayed (``tests/attention/
+test_gpu_decode.py`` has the CUDA-only capture test), FA3 itself, the model runners end to
+end, bf16/fp16 through vLLM's kernel (the interpreter multiplies bf16 wrongly; Feather's
+kernels are tested in bf16 in ``tests/attention``), and loading through the installed entry
+point (only its declaration in pyproject.toml is checked).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import json
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,60 +39,58 @@ import torch
 if find_spec("vllm") is None:
     pytest.skip("the vllm extra is not installed", allow_module_level=True)
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-class _NoDriver:
-    @staticmethod
-    def is_active() -> bool:
-        return False
-
+from tests.helpers.triton_interpreter import INTERPRETED, keep_vllm_triton_on, run_interpreted
 
 if INTERPRETED:
-    # vLLM's CPU wheel turns Triton off where Triton has no CPU backend, which leaves its
-    # kernels undecorated; a stand-in entry (its driver is never used: the interpreter
-    # needs none) keeps Triton on. It must precede vLLM's first import of Triton.
-    assert "vllm.triton_utils" not in sys.modules
-    from triton.backends import Backend, backends
+    keep_vllm_triton_on()
 
-    backends.setdefault("cpu", Backend(compiler=None, driver=_NoDriver))
-
-from vllm.config import (  # noqa: E402
+from vllm.config import (
     CacheConfig,
     CompilationConfig,
     CUDAGraphMode,
     ModelConfig,
     VllmConfig,
 )
-from vllm.config.compilation import CompilationMode  # noqa: E402
-from vllm.platforms.interface import DeviceCapability  # noqa: E402
-from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
-from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
-from vllm.v1.attention.backends.triton_attn import (  # noqa: E402
-    TritonAttentionImpl,
-    TritonAttentionMetadata,
-    TritonAttentionMetadataBuilder,
-)
-from vllm.v1.attention.selector import AttentionSelectorConfig  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
+from vllm.config.compilation import CompilationMode
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
+from vllm.v1.attention.backends import flash_attn
+from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder
+from vllm.v1.attention.selector import AttentionSelectorConfig
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-from feather_sched.attention.groups import find_groups, table_segments  # noqa: E402
-from feather_sched.attention.partials import reference_attention  # noqa: E402
-from feather_sched.integrations.vllm import attention_gpu as gpu  # noqa: E402
-from feather_sched.models import TINY_LLAMA  # noqa: E402
+from feather_sched.attention import gpu_decode, selfcheck
+from feather_sched.attention.partials import reference_attention
+from feather_sched.attention.selfcheck import Cell
+from feather_sched.integrations.vllm import attention_check
+from feather_sched.integrations.vllm import attention_gpu as gpu
+from feather_sched.integrations.vllm.host_tables import HostRows
+from feather_sched.models import TINY_LLAMA
+from tests.helpers.flash_reference import float64_flash_attn_varlen_func
 
 BLOCK = 16
+FEATHER = "feather_sched.integrations.vllm.FeatherScheduler"
 Q_HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
-"""The tiny model's heads with 2 KV heads (GQA 4), as vLLM's builder reads them."""
+"""The tiny model's heads with 2 KV heads (GQA 4), as vLLM's builders read them."""
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by the fresh process that "
                                  "test_forward_in_the_triton_interpreter starts")
+BUILDERS = {"flash": gpu.SharedPrefixFlashBuilder, "triton": gpu.SharedPrefixTritonBuilder}
+ENGINE_BUILDERS = {"flash": FlashAttentionMetadataBuilder,
+                   "triton": TritonAttentionMetadataBuilder}
 
 
-def make_config(feather: dict | None = None) -> VllmConfig:
+def make_config(feather: dict | None = None, graphs: bool = False) -> VllmConfig:
     model = ModelConfig(model=str(TINY_LLAMA), dtype="float32", skip_tokenizer_init=True,
                         max_model_len=2048, hf_overrides={"num_key_value_heads": KV_HEADS})
-    return VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK),
-                      additional_config={"feather": feather or {}})
+    config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=BLOCK),
+                        additional_config={"feather": feather or {}})
+    if graphs:  # what vLLM resolves on a GPU by default: FULL decode graphs up to 512 tokens
+        config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+        config.compilation_config.max_cudagraph_capture_size = 512
+        config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8, 16, 32, 64, 512]
+    return config
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +101,15 @@ def config_on() -> VllmConfig:
 @pytest.fixture(autouse=True)
 def _options_from_the_config_only(monkeypatch) -> None:
     monkeypatch.delenv("FEATHER_SHARED_PREFIX_ATTENTION", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _layers_as_the_engine_would_have_them(monkeypatch) -> None:
+    """The builders check each layer of their group; here there is no model, so the group's
+    layers are impls of the tiny model's shapes (what a test may change)."""
+    monkeypatch.setattr(gpu, "group_problem", lambda config, spec, names: (
+        gpu.decide_gpu(config, spec) or gpu.layer_problem(LAYER_IMPL[0], torch.float32,
+                                                          spec.dtype)))
 
 
 @pytest.fixture
@@ -111,57 +123,67 @@ SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD
                          dtype=torch.float32)
 
 
-# The conversion ------------------------------------------------------------------------
+def make_impl(kind: str = "triton", **options):
+    cls = gpu.SharedPrefixFlashImpl if kind == "flash" else gpu.SharedPrefixTritonImpl
+    options = {"alibi_slopes": None, "sliding_window": None, **options}
+    impl = cls(Q_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, KV_HEADS, kv_cache_dtype="auto", **options)
+    if kind == "flash":
+        impl.vllm_flash_attn_version = 3  # what FA3's build reports on Hopper
+    return impl
 
 
-def test_table_segments_read_each_prefix_once_and_each_suffix_from_its_first_token():
-    # Block size 4, groups from 2 shared blocks. Row 0, a prefill chunk of 3 tokens, and
-    # rows 1 and 3 share blocks 10-12 (row 0 does not group); rows 2, 4 and 5 share 20-21;
-    # row 6 is alone. Members index the grouped rows, in ``groups.rows`` order.
-    table = torch.tensor([[10, 11, 12, 33, 0], [10, 11, 12, 30, 0], [20, 21, 40, 0, 0],
-                          [10, 11, 12, 31, 32], [20, 21, 41, 0, 0], [20, 21, 42, 0, 0],
-                          [50, 51, 52, 0, 0]], dtype=torch.int32)
-    seq_lens = torch.tensor([15, 14, 9, 17, 10, 12, 11], dtype=torch.int32)
-    query_lens = np.array([3, 1, 1, 1, 1, 1, 1])
-    groups = find_groups(table.numpy(), seq_lens.numpy(), query_lens, 4, 2)
-    assert groups.rows.tolist() == [1, 3, 2, 5, 4]  # each group's first row, then the trie's
-    prefix, suffix = table_segments(groups, seq_lens, 4)
-    assert prefix.table_rows.tolist() == [1, 2]
-    assert prefix.starts.tolist() == [0, 0]
-    assert prefix.lengths.tolist() == [12, 8]
-    assert prefix.members.tolist() == [[0, 1, -1], [2, 3, 4]]
-    assert suffix.table_rows.tolist() == [1, 3, 2, 5, 4]
-    assert suffix.starts.tolist() == [12, 12, 8, 8, 8]
-    assert suffix.lengths.tolist() == [2, 5, 1, 4, 2]
-    assert suffix.members.tolist() == [[0], [1], [2], [3], [4]]
-    for segments in (prefix, suffix):
-        tensors = (segments.table_rows, segments.starts, segments.lengths, segments.members)
-        assert all(t.dtype == torch.int32 and t.is_contiguous() for t in tensors)
+LAYER_IMPL = [make_impl()]
 
 
-# The option, its default and the engine's CUDA graphs ------------------------------------
+# Registration, the option and what the engine resolves ---------------------------------
 
 
-def test_auto_stays_off_on_gpus_and_says_why(announced):
-    config = make_config()
-    assert gpu.decide_gpu(config, SPEC) == gpu.AUTO_OFF
-    assert gpu.AUTO_OFF == ("off: not yet verified on a GPU; shared_prefix_attention: on "
-                            "enables it")
-    builder = gpu.SharedPrefixTritonMetadataBuilder(SPEC, ["layer"], config,
-                                                    torch.device("cpu"))
-    assert announced == [gpu.AUTO_OFF]
-    assert not builder.shared_prefixes
-    assert type(builder.build(0, make_batch(decode_only=False).common)) is (
-        TritonAttentionMetadata)
+def test_the_plugin_registers_over_vllms_default_gpu_backends():
+    members = [AttentionBackendEnum[name] for name in gpu.BACKENDS]
+    for member in members:
+        member.clear_override()  # an engine built earlier in this process loaded the plugins
+    try:
+        assert gpu.register_over() == ["FLASH_ATTN", "TRITON_ATTN"]
+        assert AttentionBackendEnum.FLASH_ATTN.get_class() is gpu.SharedPrefixFlashBackend
+        assert AttentionBackendEnum.TRITON_ATTN.get_class() is gpu.SharedPrefixTritonBackend
+        selector = AttentionSelectorConfig(head_size=128, dtype=torch.bfloat16,
+                                           kv_cache_dtype="auto", block_size=16)
+        for name, backend in gpu.BACKENDS.items():
+            # cuda.py's check of each candidate of its priority walk, and the name vLLM keeps.
+            assert backend.validate_configuration(device_capability=DeviceCapability(9, 0),
+                                                  **selector._asdict()) == []
+            assert backend.get_name() == name
+        gpu.register()  # on this CPU platform: nothing more (and no error)
+        AttentionBackendEnum.TRITON_ATTN.clear_override()
+        from vllm.v1.attention.backends.registry import register_backend
+
+        register_backend(AttentionBackendEnum.TRITON_ATTN, "another.plugin.Backend")
+        assert gpu.register_over() == ["FLASH_ATTN"]  # another plugin's choice stays
+        assert AttentionBackendEnum.TRITON_ATTN.get_path() == "another.plugin.Backend"
+    finally:
+        for member in members:
+            member.clear_override()
+    pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())
+    plugins = pyproject["project"]["entry-points"]["vllm.general_plugins"]
+    assert f"{gpu.__name__}:register" in plugins.values()
 
 
-def test_on_acts_and_off_does_not(config_on, announced):
-    assert gpu.decide_gpu(config_on, SPEC) is None
-    builder = gpu.SharedPrefixTritonMetadataBuilder(SPEC, ["layer"], config_on,
-                                                    torch.device("cpu"))
-    assert builder.shared_prefixes and announced[0].startswith("on (Triton, block size 16")
-    off = make_config({"shared_prefix_attention": "off"})
-    assert gpu.decide_gpu(off, SPEC) == "off (option shared_prefix_attention)"
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_the_option_and_its_default(kind, announced, config_on):
+    builder = BUILDERS[kind]
+    auto = builder(SPEC, ["layer"], make_config(), torch.device("cpu"))
+    assert auto.decode is None
+    assert announced == ["off (auto, and the scheduler is not Feather's)"]
+    off = builder(SPEC, ["layer"], make_config({"shared_prefix_attention": "off"}),
+                  torch.device("cpu"))
+    assert off.decode is None and announced[-1] == "off (option shared_prefix_attention)"
+    on = builder(SPEC, ["layer"], config_on, torch.device("cpu"))
+    assert on.decode is not None
+    assert announced[-1] == (f"on ({builder.name}, block size 16, groups from 16 shared "
+                             "blocks; no CUDA graphs)")
+    graphed = builder(SPEC, ["layer"], make_config({"shared_prefix_attention": "on"},
+                                                   graphs=True), torch.device("cpu"))
+    assert announced[-1].endswith("FULL decode CUDA graphs kept)") and graphed.decode
 
 
 def test_configurations_it_cannot_serve_stay_off(config_on, monkeypatch):
@@ -172,6 +194,7 @@ def test_configurations_it_cannot_serve_stay_off(config_on, monkeypatch):
                                  dtype=torch.float32, sliding_window=128)
     assert gpu.decide_gpu(config_on, windowed) == ("off for sliding-window, chunked or "
                                                    "non-causal layers")
+    assert gpu.decide_gpu(config_on, SPEC) is None
     monkeypatch.setattr(config_on, "speculative_config", object())
     assert gpu.decide_gpu(config_on, SPEC) == "off with speculative decoding"
     monkeypatch.setattr(config_on.cache_config, "enable_prefix_caching", False)
@@ -179,58 +202,41 @@ def test_configurations_it_cannot_serve_stay_off(config_on, monkeypatch):
                                                "share a block)")
 
 
-def test_no_full_cuda_graphs_while_on(config_on):
-    builder, auto = gpu.SharedPrefixTritonMetadataBuilder, make_config()
-    assert builder.get_cudagraph_support(config_on, SPEC) == AttentionCGSupport.NEVER
-    assert builder.get_cudagraph_support(auto, SPEC) == AttentionCGSupport.ALWAYS  # Triton's
-    # What vLLM 0.32 then resolves: its default FULL_AND_PIECEWISE becomes PIECEWISE
-    # (attention is a splitting op), and an explicit FULL is refused.
-    def resolve(mode: CUDAGraphMode) -> CUDAGraphMode:
-        compilation = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=mode,
-                                        splitting_ops=list(CompilationConfig._attention_ops))
-        return compilation.resolve_cudagraph_mode_and_sizes(AttentionCGSupport.NEVER, "x")
-
-    assert resolve(CUDAGraphMode.FULL_AND_PIECEWISE) == CUDAGraphMode.PIECEWISE
-    with pytest.raises(ValueError, match="PIECEWISE"):
-        resolve(CUDAGraphMode.FULL)
-
-
-def test_the_plugin_registers_the_custom_backend_only():
-    custom = AttentionBackendEnum.CUSTOM
-    custom.clear_override()  # an engine built earlier in this process loaded the plugins
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_layers_the_kernels_cannot_serve_turn_their_group_off(kind, config_on, announced):
+    impl = make_impl(kind)
+    assert gpu.layer_problem(impl, torch.float32, torch.float32) is None
+    assert gpu.layer_problem(impl, torch.bfloat16, torch.float32) == (
+        "a query dtype unlike the cache's")
+    for options, problem in (({"logits_soft_cap": 30.0}, "soft-capping"),
+                             ({"sliding_window": 128}, "a sliding window"),
+                             ({"alibi_slopes": [0.5] * Q_HEADS}, "ALiBi")):
+        assert gpu.layer_problem(make_impl(kind, **options), torch.float32,
+                                 torch.float32) == problem
+    impl.sinks = torch.zeros(Q_HEADS)  # FA's own check of sinks needs FA3, absent here
+    assert gpu.layer_problem(impl, torch.float32, torch.float32) == "attention sinks"
+    LAYER_IMPL[0] = make_impl(kind, logits_soft_cap=30.0)
     try:
-        gpu.register()
-        backend = custom.get_class()
-        assert backend is gpu.SharedPrefixTritonBackend
-        assert AttentionBackendEnum.TRITON_ATTN.get_class().__module__ != gpu.__name__
-        # cuda.py's check of a selected backend (platforms/cuda.py get_attn_backend_cls).
-        selector = AttentionSelectorConfig(head_size=128, dtype=torch.bfloat16,
-                                           kv_cache_dtype="auto", block_size=16)
-        assert backend.validate_configuration(device_capability=DeviceCapability(9, 0),
-                                              **selector._asdict()) == []
-        assert AttentionBackendEnum[backend.get_name()] == AttentionBackendEnum.TRITON_ATTN
+        builder = BUILDERS[kind](SPEC, ["layer"], config_on, torch.device("cpu"))
     finally:
-        custom.clear_override()
-    pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())
-    plugins = pyproject["project"]["entry-points"]["vllm.general_plugins"]
-    assert f"{gpu.__name__}:register" in plugins.values()
+        LAYER_IMPL[0] = make_impl()
+    assert builder.decode is None and announced[-1] == "soft-capping"
 
 
-def test_layers_the_kernels_cannot_serve_say_why():
-    impl = object.__new__(gpu.SharedPrefixTritonImpl)
-    impl.attn_type, impl.sliding_window, impl.alibi_slopes = "decoder", (-1, -1), None
-    impl.logits_soft_cap, impl.sinks, impl.kv_cache_dtype = 0, None, "auto"
-    impl.head_size = 64
-    query, cache = torch.zeros(2, 8, 64), torch.zeros(3, 2, 16, 128)
-    assert impl._layer_problem(query, cache, None) is None
-    assert impl._layer_problem(query, cache, torch.ones(1)) == "fused output quantization"
-    impl.head_size = 96
-    assert impl._layer_problem(query, cache, None) == ("head size 96 (not a power of two "
-                                                       ">= 16)")
-    impl.head_size, impl.sliding_window = 64, (127, 0)
-    assert impl._layer_problem(query, cache, None) == "a sliding window"
-    impl.sliding_window, impl.kv_cache_dtype = (-1, -1), "fp8_e4m3"
-    assert impl._layer_problem(query, cache, None) == "a quantized KV cache"
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_the_backends_keep_vllms_cuda_graph_support(kind, config_on):
+    ours, engine = BUILDERS[kind], ENGINE_BUILDERS[kind]
+    assert ours.get_cudagraph_support(config_on, SPEC) == engine.get_cudagraph_support(
+        config_on, SPEC)
+    support = ours.get_cudagraph_support(config_on, SPEC)
+    assert support in (AttentionCGSupport.ALWAYS, AttentionCGSupport.UNIFORM_BATCH)
+    compilation = CompilationConfig(mode=CompilationMode.VLLM_COMPILE,
+                                    cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                                    splitting_ops=list(CompilationConfig._attention_ops))
+    # vLLM's default mode survives (it became PIECEWISE while the old path was on).
+    assert compilation.resolve_cudagraph_mode_and_sizes(support, "x") == (
+        CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert not ours.supports_update_block_table
 
 
 # A realistic step ------------------------------------------------------------------------
@@ -296,113 +302,198 @@ def make_batch(decode_only: bool, seed: int = 0) -> Batch:
     return Batch(common, kv_cache, query, contexts, groups)
 
 
-def test_the_builder_cuts_grouped_rows_and_hands_over_their_work(config_on):
+
+
+def slot_rows(batch: Batch, seed: int = 1) -> HostRows:
+    """The batch's table as MRV2 keeps it on the host: one row per request slot, the rows
+    scattered over more slots than the batch has (``req_idx``), stale rows between."""
+    table = batch.common.block_table_tensor.numpy()
+    slots = np.random.default_rng(seed).permutation(3 * len(table))[:batch.common.num_reqs]
+    host = np.random.default_rng(seed).integers(0, 160, (3 * len(table), table.shape[1]),
+                                                dtype=np.int32)
+    host[slots] = table[:batch.common.num_reqs]
+    return HostRows(host, slots)
+
+
+def staged(decode: gpu_decode.GroupedDecode) -> dict[str, list[int]]:
+    """What the last ``stage`` wrote (read back from the device buffer: a test's read)."""
+    views = decode._views(decode._index)
+    rows, segments = int(views["row_count"][0]), int(views["segment_count"][0])
+    return {"tokens": views["tokens"][:rows].tolist(),
+            "suffix_rows": views["suffix_rows"][:rows].tolist(),
+            "prefix_lengths": views["prefix_lengths"][:segments].tolist()}
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_the_builder_stages_host_groups_and_cuts_in_one_persistent_buffer(kind, config_on):
     batch = make_batch(decode_only=False)
     common = batch.common
-    metadata = gpu.SharedPrefixTritonMetadataBuilder(SPEC, ["layer"], config_on,
-                                                     torch.device("cpu")).build(0, common)
-    stock = TritonAttentionMetadataBuilder(SPEC, ["layer"], config_on,
-                                           torch.device("cpu")).build(0, common)
-    assert isinstance(metadata, gpu.SharedPrefixTritonMetadata)
-    assert torch.equal(metadata.original.block_table, stock.block_table)
-    assert torch.equal(metadata.original.seq_lens, stock.seq_lens)
+    builder = BUILDERS[kind](SPEC, ["layer"], config_on, torch.device("cpu"))
+    metadata = builder.build_with(common, False, slot_rows(batch))
+    assert isinstance(metadata, builder.metadata_cls) and metadata.work is builder.decode
+    stock = ENGINE_BUILDERS[kind](SPEC, ["layer"], config_on, torch.device("cpu")).build(0, common)
+    assert metadata.block_table is stock.block_table
     shared = {row: n for rows, n in zip(batch.groups, (18, 16), strict=True) for row in rows}
     assert sorted(shared) == [1, 2, 4, 5, 6]
-    assert metadata.block_table is stock.block_table
     assert metadata.seq_lens.tolist() == [1 if row in shared else int(length)
                                           for row, length in enumerate(common.seq_lens)]
-    work = metadata.work
-    starts = common.query_start_loc_cpu
-    grouped = work.prefix.members[work.prefix.members >= 0]
-    assert sorted(work.tokens[grouped].tolist()) == sorted(int(starts[r]) for r in shared)
-    assert work.prefix.lengths.tolist() == [18 * BLOCK, 16 * BLOCK]
-    assert work.longest == (18 * BLOCK, 300 + 40 - 18 * BLOCK)
-    rows_of_tokens = {int(starts[r]): r for r in shared}
-    for row, start, length in zip(work.suffix.table_rows.tolist(), work.suffix.starts.tolist(),
-                                  work.suffix.lengths.tolist(), strict=True):
-        assert start == shared[row] * BLOCK and start + length == int(common.seq_lens[row])
-    assert [rows_of_tokens[t] for t in work.tokens.tolist()] == work.suffix.table_rows.tolist()
+    assert metadata.seq_lens.data_ptr() == builder._cut.data_ptr()
+    work = staged(builder.decode)
+    starts = common.query_start_loc_cpu.tolist()
+    assert sorted(work["suffix_rows"]) == sorted(shared)
+    assert work["tokens"] == [starts[row] for row in work["suffix_rows"]]
+    assert work["prefix_lengths"] == [18 * BLOCK, 16 * BLOCK]
+    # The next step, rows in another order and one group fewer: the same buffers.
+    order = [0, 2, 1, 3, 5, 4, 6, 7]
+    table = common.block_table_tensor.clone()
+    table[[1, 4, 6]] = torch.arange(3 * table.shape[1], dtype=torch.int32).view(3, -1) + 200
+    second = replace(common, block_table_tensor=table[order], seq_lens=common.seq_lens[order],
+                     seq_lens_cpu_upper_bound=common.seq_lens_cpu_upper_bound[order])
+    again = builder.build_with(second, False, HostRows(table[order].numpy(), np.arange(8)))
+    assert again.seq_lens.data_ptr() == builder._cut.data_ptr()
+    assert again.seq_lens.tolist() == [1 if r in (1, 4) else int(second.seq_lens[r])
+                                       for r in range(8)]
+    assert sorted(staged(builder.decode)["suffix_rows"]) == [1, 4]  # the B rows, moved
 
 
-def test_a_step_without_groups_is_vllms_own(config_on):
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_a_step_without_groups(kind, config_on):
+    batch = make_batch(decode_only=True)
+    table = batch.common.block_table_tensor
+    table[:] = torch.arange(table.numel(), dtype=torch.int32).view_as(table)  # none shared
+    host = HostRows(table.numpy(), np.arange(batch.common.num_reqs))
+    eager = BUILDERS[kind](SPEC, ["layer"], config_on, torch.device("cpu"))
+    assert type(eager.build_with(batch.common, False, host)) is not eager.metadata_cls
+    graphed = BUILDERS[kind](SPEC, ["layer"], make_config({"shared_prefix_attention": "on"},
+                                                           graphs=True), torch.device("cpu"))
+    for source in (host, None):  # no groups, or no host rows: a graph replays empty work
+        metadata = graphed.build_with(batch.common, False, source)
+        assert metadata.work is graphed.decode and staged(graphed.decode)["tokens"] == []
+        assert metadata.seq_lens.tolist() == batch.common.seq_lens.tolist()
+        assert metadata.seq_lens.data_ptr() == graphed._cut.data_ptr()
+    captured = graphed.build_for_cudagraph_capture(make_batch(decode_only=False).common)
+    assert captured.work is graphed.decode and staged(graphed.decode)["tokens"] == []
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_the_per_step_path_reads_no_device_tensor_on_the_host(kind, monkeypatch):
+    """Every device-side input on the ``meta`` device (where a host read raises: "cannot
+    copy out of meta tensor"), the host-side ones (``query_start_loc_cpu``,
+    ``seq_lens_cpu_upper_bound``, the host rows) real: the builder groups, stages, cuts."""
+    monkeypatch.setattr(gpu_decode.GroupedDecode, "warm_up", lambda *args: None)
+    meta = torch.device("meta")
+    config = make_config({"shared_prefix_attention": "on"}, graphs=True)
+    builder = BUILDERS[kind](SPEC, ["layer"], config, meta)
     batch = make_batch(decode_only=True)
     common = batch.common
-    table = common.block_table_tensor
-    table[:] = torch.arange(table.numel(), dtype=torch.int32).view_as(table)  # none shared
-    builder = gpu.SharedPrefixTritonMetadataBuilder(SPEC, ["layer"], config_on,
-                                                    torch.device("cpu"))
-    assert type(builder.build(0, common)) is TritonAttentionMetadata
+    on_meta = replace(common, query_start_loc=common.query_start_loc.to(meta),
+                      seq_lens=common.seq_lens.to(meta),
+                      block_table_tensor=common.block_table_tensor.to(meta),
+                      slot_mapping=common.slot_mapping.to(meta))
+    with pytest.raises(NotImplementedError):
+        on_meta.seq_lens.tolist()  # what any host read of a device tensor would meet
+    metadata = builder.build_with(on_meta, False, slot_rows(batch))
+    assert metadata.work is builder.decode and metadata.seq_lens.device == meta
 
 
 # The whole forward, in Triton's interpreter ------------------------------------------------
 
 
-def test_forward_in_the_triton_interpreter():
+def test_forward_and_self_check_in_the_triton_interpreter():
     if INTERPRETED:
         pytest.skip("this is that process")
-    if find_spec("triton") is None:
-        pytest.skip("needs Triton")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         f"{__file__}::test_interpreted_forward_matches_float64_and_vllms_forward",
-         f"{__file__}::test_interpreted_layer_that_cannot_act_runs_vllms_forward"],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[3],
-        capture_output=True, text=True, timeout=600)
+    result = run_interpreted(f"{__file__}::test_interpreted_forward_matches_float64_and_vllms",
+                             f"{__file__}::test_interpreted_self_check_decides_auto")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert "3 passed" in result.stdout, result.stdout[-2000:]
+    assert "7 passed" in result.stdout, result.stdout[-2000:]
 
 
 LAYER = SimpleNamespace(_q_scale=torch.ones(1), _k_scale=torch.ones(1), _v_scale=torch.ones(1))
 
 
-def run_forward(impl: TritonAttentionImpl, batch: Batch, metadata: TritonAttentionMetadata,
-                forward=None) -> torch.Tensor:
-    output = torch.full_like(batch.query, float("nan"))
-    (forward or type(impl).forward)(impl, LAYER, batch.query, None, None, batch.kv_cache,
-                                    metadata, output)
-    return output
-
-
-def make_impl(**options) -> gpu.SharedPrefixTritonImpl:
-    return gpu.SharedPrefixTritonImpl(Q_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, KV_HEADS, None,
-                                      None, "auto", **options)
+def stand_in_for_fa3(kind: str, monkeypatch) -> None:
+    """For FLASH_ATTN, the float64 stand-in in place of FA3's call (vLLM's CPU wheel has no
+    vllm_flash_attn: its module never bound the name)."""
+    if kind == "flash":
+        monkeypatch.setattr(flash_attn, "flash_attn_varlen_func",
+                            float64_flash_attn_varlen_func, raising=False)
 
 
 @interpreted
-@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed-2d", "decode-3d"])
-def test_interpreted_forward_matches_float64_and_vllms_forward(config_on, decode_only):
-    batch = make_batch(decode_only)
-    metadata = gpu.SharedPrefixTritonMetadataBuilder(SPEC, ["layer"], config_on,
-                                                     torch.device("cpu")).build(0, batch.common)
-    assert isinstance(metadata, gpu.SharedPrefixTritonMetadata)
-    impl = make_impl()
-    ours = run_forward(impl, batch, metadata)
-    stock = run_forward(impl, batch, metadata.original, TritonAttentionImpl.forward)
-    grouped = {row for rows in batch.groups for row in rows}
-    starts = batch.common.query_start_loc_cpu.tolist()
-    worst = 0.0
-    for row, (keys, values) in enumerate(batch.contexts):
-        for token in range(starts[row], starts[row + 1]):
-            visible = len(keys) - (starts[row + 1] - 1 - token)
-            expected, _ = reference_attention(batch.query[token], keys[:visible],
-                                              values[:visible], impl.scale)
-            error = float((ours[token].double() - expected).abs().max() / expected.abs().max())
-            worst = max(worst, error)
-            if row in grouped:
-                assert torch.allclose(ours[token], stock[token], rtol=1e-5, atol=1e-6)
-            else:
-                assert torch.equal(ours[token], stock[token]), row
-    assert worst < 1e-5
-    assert impl.acts
+@pytest.mark.parametrize("kind", BUILDERS)
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
+def test_interpreted_forward_matches_float64_and_vllms(kind, decode_only, config_on,
+                                                       monkeypatch):
+    stand_in_for_fa3(kind, monkeypatch)
+    builder = BUILDERS[kind](SPEC, ["layer"], config_on, torch.device("cpu"))
+    engine = ENGINE_BUILDERS[kind](SPEC, ["layer"], config_on, torch.device("cpu"))
+    impl = make_impl(kind)
+    engine_forward = builder.engine_impl_cls.forward
+    for seed in (0, 1):  # step after step on the same buffers
+        batch = make_batch(decode_only, seed=seed)
+        metadata = builder.build_with(batch.common, False, slot_rows(batch, seed))
+        assert isinstance(metadata, builder.metadata_cls)
+        ours = torch.full_like(batch.query, float("nan"))
+        type(impl).forward(impl, LAYER, batch.query, None, None, batch.kv_cache, metadata, ours)
+        stock = torch.full_like(batch.query, float("nan"))
+        engine_forward(impl, LAYER, batch.query, None, None, batch.kv_cache,
+                       engine.build(0, batch.common), stock)
+        grouped = {row for rows in batch.groups for row in rows}
+        starts = batch.common.query_start_loc_cpu.tolist()
+        worst = 0.0
+        for row, (keys, values) in enumerate(batch.contexts):
+            for token in range(starts[row], starts[row + 1]):
+                visible = len(keys) - (starts[row + 1] - 1 - token)
+                expected, _ = reference_attention(batch.query[token], keys[:visible],
+                                                  values[:visible], impl.scale)
+                error = float((ours[token].double() - expected).abs().max()
+                              / expected.abs().max())
+                worst = max(worst, error)
+                if row in grouped:
+                    assert torch.allclose(ours[token], stock[token], rtol=1e-5, atol=1e-6)
+                else:
+                    assert torch.equal(ours[token], stock[token]), row
+        assert worst < 1e-5
+
+
+def timed_as(faster: bool):
+    """A stand-in for the self-check's timer: the path twice as fast as vLLM's kernel on
+    every cell, or twice as slow (what the check decides from is then known)."""
+    def seconds(subject, run, reps):
+        return 1.0 if (run.__name__ == "engine") is faster else 0.5
+    return seconds
 
 
 @interpreted
-def test_interpreted_layer_that_cannot_act_runs_vllms_forward(config_on):
-    batch = make_batch(decode_only=True)
-    metadata = gpu.SharedPrefixTritonMetadataBuilder(SPEC, ["layer"], config_on,
-                                                     torch.device("cpu")).build(0, batch.common)
-    impl = make_impl(logits_soft_cap=30.0)
-    ours = run_forward(impl, batch, metadata)
-    assert impl.acts is False
-    assert torch.equal(ours, run_forward(impl, batch, metadata.original,
-                                         TritonAttentionImpl.forward))
+@pytest.mark.parametrize("kind, faster", [("triton", True), ("triton", False),
+                                          ("flash", True)])
+def test_interpreted_self_check_decides_auto(kind, faster, monkeypatch, tmp_path):
+    """Auto with Feather's scheduler runs the self-check in the builder: vLLM's own
+    backend (its builder and forward; FA3's float64 stand-in) against the path on random
+    paged caches; exact on every cell, then on where it measured faster (groups from the
+    measured break-even) and off where slower, with its line."""
+    monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path))
+    stand_in_for_fa3(kind, monkeypatch)
+    monkeypatch.setattr(attention_check, "engine_layer", lambda config, names: SimpleNamespace(
+        impl=make_impl(kind), **vars(LAYER)))
+    monkeypatch.setattr(attention_check.GpuSubject, "seconds", timed_as(faster))
+    small = partial(selfcheck.check, grid=(Cell(64, 2, 2, suffix=9), Cell(96, 2, 3, suffix=20)),
+                    exactness=(Cell(40, 1, 2, suffix=1),), reps=1)
+    cached_check = selfcheck.cached_check
+    monkeypatch.setattr(selfcheck, "cached_check", lambda subject: cached_check(subject, small))
+    messages = []
+    monkeypatch.setattr(gpu, "announce", messages.append)
+    config = make_config()
+    config.scheduler_config.scheduler_cls = FEATHER
+    builder = BUILDERS[kind](SPEC, ["layer"], config, torch.device("cpu"))
+    line = messages[-1]
+    assert (builder.decode is not None) is faster, line
+    assert line.startswith(f"{'on' if faster else 'off'} (self-check on cpu, 8q/2kv/d64 "
+                           f"float32, block 16, layout {builder.name}"), line
+    verdict = selfcheck.Verdict.from_json(json.loads(next(
+        tmp_path.glob("attention-check/*.json")).read_text()))
+    assert verdict.max_error < 1e-5 and all(c.reference_error < 1e-5 for c in verdict.cells)
+    if faster:
+        assert builder.min_shared_blocks == 64 // BLOCK and "2.00x at 64 2x2" in line
+    else:
+        assert "not faster than the engine's kernel" in line

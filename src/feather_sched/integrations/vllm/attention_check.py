@@ -17,15 +17,20 @@ from __future__ import annotations
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 from vllm import _custom_ops as ops
+from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from feather_sched.attention import cpu_kernel
+from feather_sched.attention.gpu_check import PagedBatch, device_name, kernel_digest, sync_seconds
 from feather_sched.attention.groups import StepPlan, plan_step
 from feather_sched.attention.partials import reference_attention
 from feather_sched.attention.selfcheck import Cell, Shapes, median_seconds
+from feather_sched.integrations.vllm.host_tables import HostRows
 
 REFERENCE_TOKENS = 1 << 16
 """Cells whose rows x context are at most this get a float64 reference (it is slow)."""
@@ -183,3 +188,88 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+class GpuTrial:
+    """A ``gpu_check.PagedBatch`` through vLLM's own backend: the engine is its builder and
+    forward on the whole batch, the path Feather's builder and forward (the engine's
+    kernel on the batch with grouped rows cut, then the grouped decode).  Each builder
+    builds the step once, as for every layer of a step: what is timed is one layer's
+    forward."""
+
+    def __init__(self, subject: GpuSubject, batch: PagedBatch) -> None:
+        self.subject, self.batch = subject, batch
+        rows = batch.cell.rows
+        device = batch.query.device
+        starts = torch.from_numpy(batch.starts_host)
+        self.common = CommonAttentionMetadata(
+            query_start_loc=batch.starts, query_start_loc_cpu=starts, seq_lens=batch.seq_lens,
+            num_reqs=rows, num_actual_tokens=rows, max_query_len=1,
+            max_seq_len=int(batch.seq_lens_host.max()), block_table_tensor=batch.table,
+            slot_mapping=torch.zeros(rows, dtype=torch.int64, device=device),
+            seq_lens_cpu_upper_bound=torch.from_numpy(batch.seq_lens_host))
+        self.cell = batch.cell
+        self._engine = subject.engine_builder.build(0, self.common)
+        self._shared = subject.builder.build_with(self.common, False,
+                                                  HostRows(batch.table_host, np.arange(rows)))
+
+    def _forward(self, forward: Callable[..., object], metadata: object) -> torch.Tensor:
+        b, layer = self.batch, self.subject.layer
+        forward(layer.impl, layer, b.query, None, None, b.kv_cache, metadata, b.out)
+        return b.out
+
+    def engine(self) -> torch.Tensor:
+        return self._forward(self.subject.engine_forward, self._engine)
+
+    def shared(self) -> torch.Tensor:
+        return self._forward(type(self.subject.layer.impl).forward, self._shared)
+
+    def reference(self) -> torch.Tensor | None:
+        return self.batch.reference()
+
+
+class GpuSubject:
+    """vLLM's GPU attention backend (FLASH_ATTN or TRITON_ATTN, the one the engine chose)
+    at one engine's shapes, on its device, for ``selfcheck.check``; built inside
+    Feather's builder at engine start, before the KV cache is allocated."""
+
+    def __init__(self, builder: Any, vllm_config: Any, kv_cache_spec: Any,
+                 layer_names: list[str]) -> None:
+        from feather_sched.integrations.vllm.attention import versions
+
+        self.builder = builder
+        self.layer = engine_layer(vllm_config, layer_names)
+        engine_cls = builder.engine_cls
+        self.engine_builder = engine_cls(kv_cache_spec, layer_names, vllm_config,
+                                         builder.device)
+        self.engine_forward = builder.engine_impl_cls.forward
+        model = vllm_config.model_config
+        self.geometry = (model.get_num_attention_heads(vllm_config.parallel_config),
+                         kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
+                         kv_cache_spec.dtype, kv_cache_spec.block_size)
+        self.device = builder.device
+        self.shapes = Shapes(
+            device=device_name(self.device), q_heads=self.geometry[0],
+            kv_heads=self.geometry[1], head_dim=self.geometry[2],
+            dtype=str(kv_cache_spec.dtype).removeprefix("torch."),
+            block_size=kv_cache_spec.block_size, layout=builder.name,
+            max_rows=vllm_config.scheduler_config.max_num_seqs,
+            max_context=model.max_model_len,
+            versions=(*versions(), ("gpu kernel", kernel_digest()),
+                      ("cuda graphs", str(vllm_config.compilation_config.cudagraph_mode))))
+        self._seconds = sync_seconds(self.device)
+
+    def seconds(self, run: Callable[[], object], reps: int) -> float:
+        return self._seconds(run, reps)
+
+    def trial(self, cell: Cell, seed: int) -> GpuTrial:
+        return GpuTrial(self, PagedBatch(cell, *self.geometry, self.device, seed))
+
+
+def engine_layer(vllm_config: Any, layer_names: list[str]) -> Any:
+    """The first attention layer of ``layer_names`` in the engine's model (its impl is the
+    backend's, with the layer's scale and features)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    return next(iter(get_layers_from_vllm_config(vllm_config, Attention, layer_names).values()))

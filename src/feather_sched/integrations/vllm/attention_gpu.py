@@ -1,37 +1,48 @@
-"""Shared-prefix decode attention on vLLM 0.32's GPU path: a variant of its TRITON_ATTN backend
-(a vLLM general plugin, selected with ``--attention-backend CUSTOM``).  Never run on a GPU:
-``auto`` leaves it off there.
+"""Shared-prefix decode attention on vLLM 0.32's GPU path, inside vLLM's own default
+backends: FLASH_ATTN (FlashAttention 3 on Hopper, 2 on Ampere) and TRITON_ATTN.
 
-Where on, each step's builder (``SharedPrefixTritonMetadataBuilder``) finds the decode rows
-sharing leading KV blocks (``feather_sched.attention.groups``) and hands vLLM's Triton
-kernel the batch with those rows cut to one token; each layer's forward
-(``SharedPrefixTritonImpl``) then overwrites the grouped rows with the exact LSE merge of
-Feather's Triton kernels (``attention.triton_kernels``): one segment per group over its
-prefix, one per grouped row over its suffix (``attend_groups``).
+``register`` (entry point ``vllm.general_plugins``, loaded in every vLLM process before
+the model is built) points both members of vLLM's backend registry at subclasses that
+behave exactly as vLLM's own unless Feather's option ``shared_prefix_attention`` turns
+the path on: ``on``, or ``auto`` (the default) with ``FeatherScheduler`` where the
+self-check at engine start (``self_check``: this device, this engine's shapes, vLLM's own
+kernel as the reference) measured it exact and faster.  So ``feather serve`` on a GPU
+needs no attention argument, and vLLM's priority walk still picks the backend it would.
 
-Invariants: with ``auto`` (default) or ``off``, CUSTOM behaves exactly as TRITON_ATTN (same
-``get_name``, same metadata); ungrouped rows, and KV-cache groups or layers that cannot act
-(``decide_gpu``, ``_layer_problem``), keep vLLM's kernel and values exactly; while on,
-attention is never captured in a CUDA graph (``AttentionCGSupport.NEVER``).  Cost while on:
-per step that can group, one device-to-host copy of the block table's used columns (its
-synchronisation loses that step's host/GPU overlap) and one host-to-device copy of the
-grouped work.  Why each choice, and what is not verified: docs/vllm.md.
+Where on, each step's builder finds the decode rows sharing leading KV blocks from the
+block ids the runner keeps on the host (``host_tables``; never a device-to-host copy),
+stages the step's work into persistent device buffers (``attention.gpu_decode``), and
+hands vLLM's kernel the batch with the grouped rows cut to one token (a persistent
+``seq_lens`` buffer); each layer's forward runs vLLM's kernel as usual (FA3 for prefill,
+speculative rows, singletons and every row no group takes) and then overwrites the grouped
+rows with the exact LSE merge of each group's prefix, attended once for all its queries,
+and each row's suffix.  Every launch has a fixed grid and reads only device buffers, so
+it is captured in vLLM's FULL decode CUDA graphs (the backend reports vLLM's own graph
+support), and a step whose rows do not group replays the same graph with empty work.
+
+Where it cannot act, vLLM's path runs unchanged and the engine log says why, once: the
+option, the self-check's verdict (with its figures), a configuration the path does not
+serve (no prefix caching, speculative decoding, context parallelism, quantized KV, a
+layer with sliding windows, ALiBi, soft-capping or sinks), or a runner whose block ids
+``host_tables`` cannot see.  Why each choice: docs/vllm.md.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import Tensor
 from vllm.utils.torch_utils import is_quantized_kv_cache
-from vllm.v1.attention.backend import (
-    AttentionCGSupport,
-    AttentionType,
-    CommonAttentionMetadata,
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadata,
+    FlashAttentionMetadataBuilder,
 )
 from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
@@ -41,44 +52,47 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from feather_sched.attention import triton_kernels
-from feather_sched.attention.groups import (
-    MIN_ROWS,
-    MIN_SHARED_TOKENS,
-    Groups,
-    find_groups,
-    min_blocks,
-    table_segments,
-)
-from feather_sched.attention.triton_kernels import TableSegments
+from feather_sched.attention.gpu_decode import DecodeLimits, GroupedDecode
+from feather_sched.attention.groups import MIN_ROWS, MIN_SHARED_TOKENS, find_groups, min_blocks
+from feather_sched.attention.selfcheck import Verdict
+from feather_sched.integrations.vllm import host_tables
 from feather_sched.integrations.vllm.attention import announce, attention_options, decide
+from feather_sched.integrations.vllm.host_tables import HostRows
 
 logger = logging.getLogger("vllm.feather_sched")
 
-AUTO_OFF = "off: not yet verified on a GPU; shared_prefix_attention: on enables it"
-
 
 def register() -> None:
-    """Entry point: make ``--attention-backend CUSTOM`` select ``SharedPrefixTritonBackend``
-    (leaves a CUSTOM backend another plugin registered in place, with a warning)."""
+    """Entry point: on CUDA, make vLLM's FLASH_ATTN and TRITON_ATTN resolve to Feather's
+    subclasses (``register_over``) and mirror the runner's block ids on the host."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        register_over()
+        host_tables.install()
+
+
+def register_over() -> list[str]:
+    """Point each backend Feather extends at its subclass, leaving in place (with a
+    warning) a member another plugin already overrides; the names registered."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    ours = f"{__name__}.{SharedPrefixTritonBackend.__qualname__}"
-    custom = AttentionBackendEnum.CUSTOM
-    if custom.is_overridden() and custom.get_path() != ours:
-        logger.warning("Feather shared-prefix attention not registered: --attention-backend "
-                       "CUSTOM already selects %s", custom.get_path())
-        return
-    register_backend(custom, ours)
+    done = []
+    for name, ours in BACKENDS.items():
+        member = AttentionBackendEnum[name]
+        path = f"{__name__}.{ours.__qualname__}"
+        if member.is_overridden() and member.get_path() != path:
+            logger.warning("Feather shared-prefix attention not registered over %s: another "
+                           "plugin selects %s", name, member.get_path())
+            continue
+        register_backend(member, path)
+        done.append(name)
+    return done
 
 
 def decide_gpu(vllm_config: Any, kv_cache_spec: Any) -> str | None:
-    """Why a KV-cache group's attention stays on vLLM's path, or None where Feather's acts."""
-    mode, _ = attention_options(vllm_config)
-    if mode == "auto":
-        return AUTO_OFF
-    if reason := decide(vllm_config, mode):
-        return reason
+    """Why a KV-cache group's configuration keeps vLLM's path whatever the option says,
+    or None where Feather's can act."""
     parallel = vllm_config.parallel_config
     problems = {
         "off without prefix caching (no two rows can share a block)":
@@ -98,183 +112,264 @@ def decide_gpu(vllm_config: Any, kv_cache_spec: Any) -> str | None:
     return next((name for name, present in problems.items() if present), None)
 
 
-@dataclass(frozen=True)
-class GroupWork:
-    """One step's grouped rows, on the device: the Triton kernels' input."""
-
-    tokens: Tensor
-    """int32 [n]: query token (output row) of each grouped row, in ``groups.rows`` order."""
-    prefix: TableSegments
-    suffix: TableSegments
-    longest: tuple[int, int]
-    """Longest prefix and longest suffix (tokens): the split counts' bound."""
-    num_sms: int
-
-
-@dataclass
-class SharedPrefixTritonMetadata(TritonAttentionMetadata):
-    """vLLM's Triton metadata for the batch with grouped rows cut to one token, the step's
-    grouped work, and the unmodified metadata (also for layers that cannot act)."""
-
-    work: GroupWork | None = None
-    original: TritonAttentionMetadata | None = None
+def layer_problem(impl: Any, model_dtype: torch.dtype, cache_dtype: torch.dtype) -> str | None:
+    """What in one layer's attention (a vLLM FLASH_ATTN or TRITON_ATTN impl) Feather's
+    kernels do not compute, or None."""
+    size = impl.head_size
+    features = {"non-decoder attention": impl.attn_type != AttentionType.DECODER,
+                "a sliding window": tuple(impl.sliding_window or (-1, -1)) != (-1, -1),
+                "ALiBi": impl.alibi_slopes is not None,
+                "soft-capping": bool(impl.logits_soft_cap),
+                "attention sinks": getattr(impl, "sinks", None) is not None,
+                "a quantized KV cache": is_quantized_kv_cache(impl.kv_cache_dtype),
+                "a query dtype unlike the cache's": model_dtype != cache_dtype,
+                f"head size {size} (not a power of two >= 16)": size < 16 or size & size - 1}
+    return next((name for name, present in features.items() if present), None)
 
 
-class SharedPrefixTritonMetadataBuilder(TritonAttentionMetadataBuilder):
-    """vLLM's Triton builder, plus the step's prefix groups where shared prefixes are on."""
+def group_problem(vllm_config: Any, kv_cache_spec: Any, layer_names: list[str]) -> str | None:
+    """``decide_gpu``, then the first layer of the group the kernels cannot serve: the
+    whole group then keeps vLLM's path (one metadata per step serves all its layers)."""
+    if reason := decide_gpu(vllm_config, kv_cache_spec):
+        return reason
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    model_dtype = vllm_config.model_config.dtype
+    for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
+        if reason := layer_problem(layer.impl, model_dtype, kv_cache_spec.dtype):
+            return f"off for layers with {reason} ({name})"
+    return None
+
+
+class SharedPrefixBuilder:
+    """What Feather adds to a vLLM GPU metadata builder (a mixin placed before it)."""
+
+    name: ClassVar[str]
+    """The backend, as the log line names it."""
+    metadata_cls: ClassVar[type]
+    """The base metadata class with ``work``: what ``build`` returns where it acts."""
+    engine_cls: ClassVar[type]
+    engine_impl_cls: ClassVar[type]
+    """vLLM's own builder and impl: the self-check's reference."""
+    supports_update_block_table: bool = False
+    """The V1 runner's reuse of one group's metadata for another would pair this group's
+    work with another table."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        reason = decide_gpu(vllm_config, kv_cache_spec)
-        self.shared_prefixes = reason is None
-        _, min_tokens = attention_options(vllm_config)
+        self.decode: GroupedDecode | None = None
+        self.block_size = kv_cache_spec.block_size
+        mode, min_tokens = attention_options(vllm_config)
+        reason = decide(vllm_config, mode) or group_problem(vllm_config, kv_cache_spec,
+                                                            layer_names)
+        compilation = vllm_config.compilation_config
+        self._full_graphs = bool(compilation.cudagraph_mode
+                                 and compilation.cudagraph_mode.has_full_cudagraphs())
+        self._max_graph_tokens = compilation.max_cudagraph_capture_size or 0
+        if reason is None:
+            self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
+        self.min_shared_blocks = 1  # the self-check groups every prefix of its grid
+        verdict = None
+        if reason is None and mode == "auto":
+            try:
+                verdict = self_check(self, vllm_config, kv_cache_spec, layer_names)
+            except Exception as error:  # an optional check never takes the engine down
+                logger.warning("Feather's attention self-check failed", exc_info=error)
+                reason = f"off: the self-check could not run ({error})"
+            else:
+                reason = None if verdict.on else verdict.line()
+                min_tokens = min_tokens or verdict.min_shared_tokens
+        if reason is not None:
+            self.decode = None
+        if device.type == "cuda":  # the check's batches, before vLLM allocates the KV cache
+            torch.cuda.empty_cache()
         self.min_shared_blocks = min_blocks(self.block_size, min_tokens or MIN_SHARED_TOKENS)
-        if self.shared_prefixes:
-            from vllm.platforms import current_platform
+        graphs = "FULL decode CUDA graphs kept" if self._full_graphs else "no CUDA graphs"
+        announce(reason or (verdict.line(graphs) if verdict else
+                            f"on ({self.name}, block size {self.block_size}, groups from "
+                            f"{self.min_shared_blocks} shared blocks; {graphs})"))
 
-            self.num_sms = current_platform.num_compute_units(device.index or 0)
-        announce(reason or f"on (Triton, block size {self.block_size}, groups from "
-                            f"{self.min_shared_blocks} shared blocks; attention without FULL "
-                            "CUDA graphs; a device-to-host table copy per step that may group)")
+    def _grouped_decode(self, vllm_config: Any, kv_cache_spec: Any,
+                        device: torch.device) -> GroupedDecode:
+        """The persistent work buffers for this engine's largest step, and the cut
+        ``seq_lens`` buffer its graphs read (as long as the longest padded batch, plus a
+        scratch element); on a GPU, every kernel compiled (on a small cache of the engine's
+        layout), so none compiles while serving."""
+        from vllm.platforms import current_platform
 
-    @classmethod
-    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
-        """NEVER where the grouped path acts (host-side per step); TRITON_ATTN's otherwise."""
-        if decide_gpu(vllm_config, kv_cache_spec) is None:
-            return AttentionCGSupport.NEVER
-        return super().get_cudagraph_support(vllm_config, kv_cache_spec)
+        model, scheduler = vllm_config.model_config, vllm_config.scheduler_config
+        q_heads = model.get_num_attention_heads(vllm_config.parallel_config)
+        kv_heads, head_dim = kv_cache_spec.num_kv_heads, kv_cache_spec.head_size
+        num_sms = (current_platform.num_compute_units(device.index or 0)
+                   if device.type == "cuda" else 1)
+        decode = GroupedDecode(DecodeLimits.for_device(num_sms, scheduler.max_num_seqs,
+                                                       q_heads, kv_heads, head_dim), device)
+        self._cut = torch.zeros(max(scheduler.max_num_seqs, self._max_graph_tokens) + 1,
+                                dtype=torch.int32, device=device)
+        if device.type == "cuda":  # compiles happen there (Triton's interpreter has none)
+            dtype = kv_cache_spec.dtype
+            kv_cache = torch.zeros(1, self.block_size, kv_heads, 2 * head_dim, dtype=dtype,
+                                   device=device).transpose(1, 2)
+            key_cache, value_cache = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
+            query = torch.zeros(1, q_heads, head_dim, dtype=dtype, device=device)
+            decode.warm_up(query, key_cache, value_cache,
+                           torch.zeros(1, 1, dtype=torch.int32, device=device), query.clone())
+        return decode
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> TritonAttentionMetadata:
-        original = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        found = self._groups(common_attn_metadata)
-        if found is None:
-            return original
-        cut, work = self._device_work(*found, common_attn_metadata)
-        metadata = super().build(common_prefix_len, cut, fast_build)
-        values = {f.name: getattr(metadata, f.name) for f in fields(TritonAttentionMetadata)}
-        return SharedPrefixTritonMetadata(**values, work=work, original=original)
+              fast_build: bool = False) -> Any:
+        common = common_attn_metadata
+        host = None
+        if self.decode is not None and not self._capturing:
+            host = host_tables.lookup(common.block_table_tensor, common.req_idx, common.num_reqs)
+            if host is None:
+                announce("a step's block table was none Feather sees on the host (a dummy "
+                         "run, or a table host_tables does not cover): such steps run "
+                         "without groups")
+        return self.build_with(common, fast_build, host)
 
-    def _groups(self, common: CommonAttentionMetadata) -> tuple[Groups, Tensor] | None:
-        """The step's groups and the batch's host ``seq_lens``, from host copies; None,
-        without copying, where no group can form."""
-        if (not self.shared_prefixes or common.causal is not True
-                or common.mm_req_doc_ranges is not None
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> Any:
+        """vLLM's capture metadata, carrying the (empty) work where the path is on, so the
+        captured graph holds Feather's launches."""
+        self._capturing = True
+        try:
+            return super().build_for_cudagraph_capture(common_attn_metadata)
+        finally:
+            self._capturing = False
+
+    _capturing = False
+
+    def build_with(self, common: CommonAttentionMetadata, fast_build: bool,
+                   host: HostRows | None) -> Any:
+        """The step's metadata, its groups read from ``host`` (None: no host block ids)."""
+        base = super().build
+        if self.decode is None:
+            return base(0, common, fast_build)
+        graphed = self._capturing or (self._full_graphs
+                                      and common.num_actual_tokens <= self._max_graph_tokens)
+        groups = self._groups(common, host) if host is not None and not self._capturing else None
+        if groups is None and not graphed:
+            return base(0, common, fast_build)
+        if groups is None:
+            self.decode.clear()
+        else:
+            self.decode.stage(groups, self._seq_lens(common), common.query_start_loc_cpu.numpy(),
+                              self.block_size)
+        cut = replace(common, seq_lens=self.decode.cut_seq_lens(common.seq_lens, self._cut))
+        metadata = base(0, cut, fast_build)
+        values = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
+        return self.metadata_cls(**values, work=self.decode)
+
+    def _groups(self, common: CommonAttentionMetadata, host: HostRows) -> Any:
+        """The step's groups, or None where none can form (decided before any grouping
+        where the batch is too short or has too few decode rows)."""
+        if (common.causal is not True or common.mm_req_doc_ranges is not None
+                or common.seq_lens_cpu_upper_bound is None
                 or common.max_seq_len <= self.min_shared_blocks * self.block_size):
             return None
-        num_reqs = common.num_reqs
+        num_reqs = len(host.rows)
         query_lens = np.diff(common.query_start_loc_cpu[:num_reqs + 1].numpy())
         if np.count_nonzero(query_lens == 1) < MIN_ROWS:
             return None
-        width = -(-common.max_seq_len // self.block_size)
-        table = common.block_table_tensor[:num_reqs, :width].cpu()  # waits for the GPU's queue
-        seq_lens = common.seq_lens_cpu_upper_bound
-        seq_lens = (common.seq_lens if seq_lens is None else seq_lens)[:num_reqs].cpu()
-        groups = find_groups(table.numpy(), seq_lens.numpy(), query_lens, self.block_size,
-                             self.min_shared_blocks)
-        return (groups, seq_lens) if len(groups) else None
+        groups = find_groups(host.table, self._seq_lens(common)[:num_reqs], query_lens,
+                             self.block_size, self.min_shared_blocks, table_rows=host.rows)
+        return groups if len(groups) else None
 
-    def _device_work(self, groups: Groups, seq_lens: Tensor, common: CommonAttentionMetadata
-                     ) -> tuple[CommonAttentionMetadata, GroupWork]:
-        """The batch with grouped rows cut to one token, and their work, on the device."""
-        prefix, suffix = table_segments(groups, seq_lens, self.block_size)
-        tokens = common.query_start_loc_cpu.numpy()[groups.rows]
-        tokens_d, *segments = _to_device(self.device, torch.from_numpy(tokens).to(torch.int32),
-                                         *_tensors(prefix), *_tensors(suffix))
-        prefix_d, suffix_d = TableSegments(*segments[:4]), TableSegments(*segments[4:])
-        cut = common.seq_lens.index_fill(0, suffix_d.table_rows.long(), 1)
-        longest = (int(prefix.lengths.max()), int(suffix.lengths.max()))
-        work = GroupWork(tokens_d, prefix_d, suffix_d, longest, self.num_sms)
-        return replace(common, seq_lens=cut), work
+    @staticmethod
+    def _seq_lens(common: CommonAttentionMetadata) -> np.ndarray:
+        """The rows' exact lengths on the host (exact without speculative decoding, which
+        ``decide_gpu`` refuses)."""
+        return common.seq_lens_cpu_upper_bound.numpy()
 
 
-def _tensors(segments: TableSegments) -> list[Tensor]:
-    return [getattr(segments, f.name) for f in fields(TableSegments)]
-
-
-def _to_device(device: torch.device, *tensors: Tensor) -> list[Tensor]:
-    """The int32 host ``tensors`` on ``device``, in one copy."""
-    flat = torch.cat([t.flatten() for t in tensors]).to(device)
-    return [part.view(t.shape) for part, t in
-            zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
-
-
-def attend_groups(work: GroupWork, query: Tensor, key_cache: Tensor, value_cache: Tensor,
-                  block_table: Tensor, scale: float, output: Tensor) -> None:
-    """Overwrite the grouped rows of ``output`` (``[tokens, q_heads, head_dim]``) with their
-    attention over the original ``block_table``: each group's prefix once for its queries,
-    each row's suffix, merged by LSE in fp32 and cast once. Caches ``[blocks, block_size,
-    kv_heads, head_dim]``. Cost: a gather of the grouped queries, two attention launches (each
-    split-K where the grid is small, plus a merge of its splits) and one merge launch; no
-    host synchronisation."""
-    grouped = query.index_select(0, work.tokens)
-    rows, heads, head_dim = grouped.shape
-    parts = grouped.new_empty((2, rows, heads, head_dim), dtype=torch.float32)
-    lse = grouped.new_empty((2, rows, heads), dtype=torch.float32)
-    for i, (segments, longest) in enumerate(zip((work.prefix, work.suffix), work.longest,
-                                                strict=True)):
-        splits = triton_kernels.split_count(segments, grouped, key_cache.shape[2], longest,
-                                            work.num_sms)
-        triton_kernels.segment_attention(grouped, key_cache, value_cache, block_table,
-                                         segments, scale, parts[i], lse[i], splits)
-    triton_kernels.merge_partials(parts, lse, output, rows=work.tokens)
-
-
-class SharedPrefixTritonImpl(TritonAttentionImpl):
-    """vLLM's Triton attention, then the grouped rows from their prefix and suffix parts."""
-
-    acts: bool | None = None
-    """Whether this layer can act (decided at its first grouped step)."""
+class SharedPrefixImpl:
+    """What Feather adds to a vLLM GPU attention impl (a mixin placed before it)."""
 
     def forward(self, layer: Any, query: Tensor, key: Tensor, value: Tensor,
                 kv_cache: Tensor, attn_metadata: Any, output: Tensor,
                 output_scale: Tensor | None = None,
                 output_block_scale: Tensor | None = None) -> Tensor:
-        if not isinstance(attn_metadata, SharedPrefixTritonMetadata):
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                   output_scale, output_block_scale)
-        if not self._acts(query, kv_cache, output_scale):
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata.original,
-                                   output, output_scale, output_block_scale)
         super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                         output_scale, output_block_scale)
-        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-        attend_groups(attn_metadata.work, query, key_cache, value_cache,
-                      attn_metadata.original.block_table, self.scale, output)
+        work = getattr(attn_metadata, "work", None)
+        if work is not None:
+            key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+            work.run(query, key_cache, value_cache, attn_metadata.block_table, self.scale,
+                     output)
         return output
 
-    def _acts(self, query: Tensor, kv_cache: Tensor, output_scale: Tensor | None) -> bool:
-        if self.acts is None:
-            reason = self._layer_problem(query, kv_cache, output_scale)
-            self.acts = reason is None
-            if reason:
-                announce(f"off for layers with {reason} (vLLM's kernel serves them)")
-        return self.acts
 
-    def _layer_problem(self, query: Tensor, kv_cache: Tensor,
-                       output_scale: Tensor | None) -> str | None:
-        size = self.head_size
-        features = {"non-decoder attention": self.attn_type != AttentionType.DECODER,
-                    "a sliding window": self.sliding_window != (-1, -1),
-                    "ALiBi": self.alibi_slopes is not None,
-                    "soft-capping": bool(self.logits_soft_cap),
-                    "attention sinks": self.sinks is not None,
-                    "a quantized KV cache": is_quantized_kv_cache(self.kv_cache_dtype),
-                    "fused output quantization": output_scale is not None,
-                    "a query dtype unlike the cache's": query.dtype != kv_cache.dtype,
-                    f"head size {size} (not a power of two >= 16)": size < 16 or size & size - 1}
-        return next((name for name, present in features.items() if present), None)
+@dataclass
+class SharedPrefixFlashMetadata(FlashAttentionMetadata):
+    """FLASH_ATTN's metadata for the batch with grouped rows cut, and their work."""
+
+    work: GroupedDecode | None = None
+
+
+@dataclass
+class SharedPrefixTritonMetadata(TritonAttentionMetadata):
+    """TRITON_ATTN's metadata for the batch with grouped rows cut, and their work."""
+
+    work: GroupedDecode | None = None
+
+
+class SharedPrefixFlashBuilder(SharedPrefixBuilder, FlashAttentionMetadataBuilder):
+    name, metadata_cls = "FlashAttention", SharedPrefixFlashMetadata
+    engine_cls, engine_impl_cls = FlashAttentionMetadataBuilder, FlashAttentionImpl
+
+
+class SharedPrefixTritonBuilder(SharedPrefixBuilder, TritonAttentionMetadataBuilder):
+    name, metadata_cls = "Triton", SharedPrefixTritonMetadata
+    engine_cls, engine_impl_cls = TritonAttentionMetadataBuilder, TritonAttentionImpl
+
+
+class SharedPrefixFlashImpl(SharedPrefixImpl, FlashAttentionImpl):
+    pass
+
+
+class SharedPrefixTritonImpl(SharedPrefixImpl, TritonAttentionImpl):
+    pass
+
+
+class SharedPrefixFlashBackend(FlashAttentionBackend):
+    """vLLM's FLASH_ATTN backend with Feather's builder and forward (same name, so vLLM's
+    checks on the backend name still hold)."""
+
+    @staticmethod
+    def get_impl_cls() -> type[SharedPrefixFlashImpl]:
+        return SharedPrefixFlashImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[SharedPrefixFlashBuilder]:
+        return SharedPrefixFlashBuilder
 
 
 class SharedPrefixTritonBackend(TritonAttentionBackend):
-    """vLLM's TRITON_ATTN backend with Feather's builder and forward (same name, so vLLM's
-    checks on the backend name still hold)."""
+    """vLLM's TRITON_ATTN backend with Feather's builder and forward."""
 
     @staticmethod
     def get_impl_cls() -> type[SharedPrefixTritonImpl]:
         return SharedPrefixTritonImpl
 
     @staticmethod
-    def get_builder_cls() -> type[SharedPrefixTritonMetadataBuilder]:
-        return SharedPrefixTritonMetadataBuilder
+    def get_builder_cls() -> type[SharedPrefixTritonBuilder]:
+        return SharedPrefixTritonBuilder
+
+
+BACKENDS = {"FLASH_ATTN": SharedPrefixFlashBackend, "TRITON_ATTN": SharedPrefixTritonBackend}
+"""vLLM's backend names Feather extends, and its subclass of each."""
+
+
+def self_check(builder: SharedPrefixBuilder, vllm_config: Any, kv_cache_spec: Any,
+               layer_names: list[str]) -> Verdict:
+    """``auto``'s verdict for this engine: ``attention_check.GpuSubject`` (vLLM's own
+    kernel against the path, on this device, at this engine's shapes), cached per device,
+    versions and shapes, agreed by the tensor-parallel ranks."""
+    from feather_sched.attention.selfcheck import cached_check
+    from feather_sched.integrations.vllm.attention import agreed
+    from feather_sched.integrations.vllm.attention_check import GpuSubject
+
+    subject = GpuSubject(builder, vllm_config, kv_cache_spec, layer_names)
+    return agreed(cached_check(subject))
