@@ -550,8 +550,11 @@ def attention_check(
     tensor_parallel: Annotated[int, typer.Option(min=1, help="Ranks the heads are split "
                                                              "over.")] = 1,
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "bfloat16",
-    block_size: Annotated[int, typer.Option(min=16, help="KV block size (vLLM's CPU "
-                                                         "default: 128).")] = 128,
+    backend: Annotated[str, typer.Option(help="cpu (vLLM's CPU kernel), or on a GPU "
+                                              "FLASH_ATTN or TRITON_ATTN (vLLM's backend "
+                                              "the engine picks).")] = "cpu",
+    block_size: Annotated[int, typer.Option(min=16, help="KV block size (vLLM's default: "
+                                                         "128 on CPUs, 16 on GPUs).")] = 128,
     max_num_seqs: Annotated[int, typer.Option(min=1)] = 256,
     max_model_len: Annotated[int, typer.Option(min=1)] = 16384,
     threads: Annotated[int, typer.Option(min=1, help="Torch threads (vLLM's CPU worker's "
@@ -582,12 +585,21 @@ def attention_check(
         from feather_sched.integrations.vllm.attention import versions
         from feather_sched.integrations.vllm.attention_check import CpuSubject, Geometry
     except ImportError as error:
-        raise typer.BadParameter(f"the check needs vLLM's CPU build ({error}); "
-                                 "scripts/setup.sh --vllm") from None
+        raise typer.BadParameter(f"the check needs vLLM ({error}); scripts/setup.sh "
+                                 "--vllm") from None
+    geometry = Geometry(profile.heads // tensor_parallel, profile.kv_heads // tensor_parallel,
+                        profile.head_dim)
     torch.set_num_threads(threads)
-    subject = CpuSubject(Geometry(profile.heads // tensor_parallel,
-                                  profile.kv_heads // tensor_parallel, profile.head_dim),
-                         torch_dtype, block_size, max_num_seqs, max_model_len, versions())
+    if backend == "cpu":
+        subject = CpuSubject(geometry, torch_dtype, block_size, max_num_seqs, max_model_len,
+                             versions())
+    elif backend in ("FLASH_ATTN", "TRITON_ATTN"):
+        from feather_sched.integrations.vllm.attention_check import gpu_subject
+
+        subject = gpu_subject(backend, geometry, torch_dtype, block_size, max_num_seqs,
+                              max_model_len, "cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        raise typer.BadParameter("--backend: cpu, FLASH_ATTN or TRITON_ATTN")
     verdict = selfcheck.cached_check(subject) if cached else selfcheck.check(subject)
     console.print(selfcheck.table(verdict), highlight=False)
     console.print(f"\nFeather shared-prefix attention: {verdict.line()}", highlight=False)

@@ -127,8 +127,6 @@ def make_impl(kind: str = "triton", **options):
     cls = gpu.SharedPrefixFlashImpl if kind == "flash" else gpu.SharedPrefixTritonImpl
     options = {"alibi_slopes": None, "sliding_window": None, **options}
     impl = cls(Q_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, KV_HEADS, kv_cache_dtype="auto", **options)
-    if kind == "flash":
-        impl.vllm_flash_attn_version = 3  # what FA3's build reports on Hopper
     return impl
 
 
@@ -325,11 +323,15 @@ def staged(decode: gpu_decode.GroupedDecode) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("kind", BUILDERS)
-def test_the_builder_stages_host_groups_and_cuts_in_one_persistent_buffer(kind, config_on):
+def test_the_builder_stages_host_groups_and_cuts_in_one_persistent_buffer(kind, config_on,
+                                                                          monkeypatch):
     batch = make_batch(decode_only=False)
     common = batch.common
+    planned = stand_in_for_fa3(kind, monkeypatch)
     builder = BUILDERS[kind](SPEC, ["layer"], config_on, torch.device("cpu"))
     metadata = builder.build_with(common, False, slot_rows(batch))
+    if kind == "flash":  # FA3's schedule is planned for the lengths its kernel will read
+        assert planned[-1].tolist() == metadata.seq_lens.tolist()
     assert isinstance(metadata, builder.metadata_cls) and metadata.work is builder.decode
     stock = ENGINE_BUILDERS[kind](SPEC, ["layer"], config_on, torch.device("cpu")).build(0, common)
     assert metadata.block_table is stock.block_table
@@ -403,20 +405,28 @@ def test_forward_and_self_check_in_the_triton_interpreter():
     if INTERPRETED:
         pytest.skip("this is that process")
     result = run_interpreted(f"{__file__}::test_interpreted_forward_matches_float64_and_vllms",
-                             f"{__file__}::test_interpreted_self_check_decides_auto")
+                             f"{__file__}::test_interpreted_self_check_decides_auto",
+                             f"{__file__}::test_interpreted_feather_attention_check_backend")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert "7 passed" in result.stdout, result.stdout[-2000:]
+    assert "9 passed" in result.stdout, result.stdout[-2000:]
 
 
 LAYER = SimpleNamespace(_q_scale=torch.ones(1), _k_scale=torch.ones(1), _v_scale=torch.ones(1))
 
 
-def stand_in_for_fa3(kind: str, monkeypatch) -> None:
-    """For FLASH_ATTN, the float64 stand-in in place of FA3's call (vLLM's CPU wheel has no
-    vllm_flash_attn: its module never bound the name)."""
+def stand_in_for_fa3(kind: str, monkeypatch) -> list[torch.Tensor]:
+    """For FLASH_ATTN, FA3 as vLLM's module sees it on Hopper: version 3 (so its builder
+    plans FA3's ahead-of-time schedule), the schedule's call recorded (the lengths it is
+    planned for; returned), and the float64 stand-in in place of the attention call
+    (vLLM's CPU wheel has no vllm_flash_attn: its module never bound these names)."""
+    planned: list[torch.Tensor] = []
     if kind == "flash":
+        monkeypatch.setattr(flash_attn, "get_flash_attn_version", lambda *args, **kw: 3)
+        monkeypatch.setattr(flash_attn, "get_scheduler_metadata", lambda **kw: planned.append(
+            kw["cache_seqlens"].clone()), raising=False)
         monkeypatch.setattr(flash_attn, "flash_attn_varlen_func",
                             float64_flash_attn_varlen_func, raising=False)
+    return planned
 
 
 @interpreted
@@ -497,3 +507,28 @@ def test_interpreted_self_check_decides_auto(kind, faster, monkeypatch, tmp_path
         assert builder.min_shared_blocks == 64 // BLOCK and "2.00x at 64 2x2" in line
     else:
         assert "not faster than the engine's kernel" in line
+
+
+@interpreted
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "TRITON_ATTN"])
+def test_interpreted_feather_attention_check_backend(backend, monkeypatch, tmp_path):
+    """``feather attention-check --backend``: what a user runs on their own GPU (here on CPU
+    tensors in the interpreter, a small grid): vLLM's backend against the path, the grid
+    printed and the verdict written."""
+    from typer.testing import CliRunner
+
+    from feather_sched.cli import app
+
+    stand_in_for_fa3("flash" if backend == "FLASH_ATTN" else "triton", monkeypatch)
+    monkeypatch.setattr(selfcheck, "check", partial(
+        selfcheck.check, grid=(Cell(64, 2, 2, suffix=9),), exactness=(), reps=1))
+    out = tmp_path / "check.json"
+    result = CliRunner().invoke(app, ["attention-check", "--backend", backend, "--dtype",
+                                      "float32", "--block-size", "16", "--max-model-len",
+                                      "512", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "| 64 | 2 x 2 |" in result.output
+    assert "Feather shared-prefix attention: " in result.output
+    verdict = selfcheck.Verdict.from_json(json.loads(out.read_text()))
+    assert verdict.shapes.layout == ("FlashAttention" if backend == "FLASH_ATTN" else "Triton")
+    assert verdict.max_error < 1e-5 and verdict.cells[0].speedup is not None

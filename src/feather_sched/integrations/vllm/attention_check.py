@@ -234,11 +234,11 @@ class GpuSubject:
     Feather's builder at engine start, before the KV cache is allocated."""
 
     def __init__(self, builder: Any, vllm_config: Any, kv_cache_spec: Any,
-                 layer_names: list[str]) -> None:
+                 layer_names: list[str], layer: Any = None) -> None:
         from feather_sched.integrations.vllm.attention import versions
 
         self.builder = builder
-        self.layer = engine_layer(vllm_config, layer_names)
+        self.layer = layer or engine_layer(vllm_config, layer_names)
         engine_cls = builder.engine_cls
         self.engine_builder = engine_cls(kv_cache_spec, layer_names, vllm_config,
                                          builder.device)
@@ -273,3 +273,38 @@ def engine_layer(vllm_config: Any, layer_names: list[str]) -> Any:
     from vllm.model_executor.layers.attention import Attention
 
     return next(iter(get_layers_from_vllm_config(vllm_config, Attention, layer_names).values()))
+
+
+def gpu_subject(backend: str, geometry: Geometry, dtype: torch.dtype, block: int,
+                max_rows: int, max_model_len: int, device: str = "cuda") -> GpuSubject:
+    """The engine-start check of vLLM's ``backend`` ("FLASH_ATTN" or "TRITON_ATTN") at
+    these shapes, outside an engine (``feather attention-check --backend``): vLLM's config
+    for the project's tiny model with these heads, Feather's builder with the path on (no
+    check of its own), and one layer's impl with the shapes' scale."""
+    from types import SimpleNamespace
+
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from feather_sched.integrations.vllm.attention_gpu import BACKENDS
+    from feather_sched.models import TINY_LLAMA
+
+    heads, kv_heads, head_dim = geometry.q_heads, geometry.kv_heads, geometry.head_dim
+    model = ModelConfig(model=str(TINY_LLAMA), dtype=dtype, skip_tokenizer_init=True,
+                        max_model_len=max_model_len, hf_overrides={
+                            "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+                            "head_dim": head_dim, "hidden_size": heads * head_dim})
+    config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block),
+                        additional_config={"feather": {"shared_prefix_attention": "on"}})
+    config.scheduler_config.max_num_seqs = max_rows
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads, head_size=head_dim,
+                             dtype=dtype)
+    backend_cls = BACKENDS[backend]
+    builder = backend_cls.get_builder_cls()(spec, ["feather.check"], config,
+                                            torch.device(device))
+    impl = backend_cls.get_impl_cls()(heads, head_dim, head_dim ** -0.5, kv_heads,
+                                      alibi_slopes=None, sliding_window=None,
+                                      kv_cache_dtype="auto")
+    ones = torch.ones(1, device=device)
+    layer = SimpleNamespace(impl=impl, _q_scale=ones, _k_scale=ones, _v_scale=ones)
+    return GpuSubject(builder, config, spec, ["feather.check"], layer)
