@@ -8,14 +8,12 @@ TRITON_INTERPRET=1 (``test_kernels_in_the_triton_interpreter``)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.helpers.triton_interpreter import INTERPRETED, run_interpreted
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -32,7 +30,6 @@ from tests.attention.test_triton_kernels import (  # noqa: E402
     make_batch,
 )
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by the fresh process that "
                                  "test_kernels_in_the_triton_interpreter starts")
 SENTINEL = 7.0
@@ -42,10 +39,7 @@ SENTINEL = 7.0
 def test_kernels_in_the_triton_interpreter() -> None:
     if INTERPRETED:
         pytest.skip("this is that process")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[2],
-        capture_output=True, text=True, timeout=600)
+    result = run_interpreted(__file__)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
 

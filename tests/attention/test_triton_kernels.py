@@ -9,13 +9,11 @@ session may already have done; so the kernel tests run in a fresh pytest process
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
+
+from tests.helpers.triton_interpreter import INTERPRETED, run_interpreted
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -24,7 +22,6 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 from feather_sched.attention import triton_kernels as tk  # noqa: E402
 
 NAN = float("nan")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by the fresh process that "
                                  "test_kernels_in_the_triton_interpreter starts")
 
@@ -32,10 +29,7 @@ interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by the fresh proce
 def test_kernels_in_the_triton_interpreter() -> None:
     if INTERPRETED:
         pytest.skip("this is that process")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=Path(__file__).parents[2],
-        capture_output=True, text=True, timeout=600)
+    result = run_interpreted(__file__)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
 
