@@ -1,6 +1,7 @@
 """The CPU segment kernel against the float64 reference, on caches in vLLM's "vec" and
 "amx" layouts (written by ``tests/helpers/kv_layouts``, which
-``tests/integrations/vllm/test_attention.py`` checks against vLLM's own cache writer).
+``tests/integrations/vllm/test_attention.py`` checks against vLLM's own cache writer) and
+on token-major K/V buffers read through token slots ("nhd", SGLang's pool).
 """
 
 from __future__ import annotations
@@ -79,6 +80,61 @@ def test_segments_match_the_reference(kernel, layout, dtype, q_heads, kv_heads, 
             assert torch.allclose(lse[row].double(), expected_lse, atol=1e-5, rtol=1e-6)
             assert torch.equal(out[row] == 0, expected == 0)
             row += 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(4, 4, 64), (8, 2, 128),
+                                                                (6, 2, 80)])
+def test_token_slots_of_a_token_major_pool_match_the_reference(kernel, dtype, q_heads,
+                                                               kv_heads, head_dim):
+    """SGLang's pool: K and V halves of one fused allocation (one stride between slots,
+    the slots of a segment scattered and in no order), segments longer than one gathered
+    block (64 tokens), ending mid-block, or empty."""
+    torch.manual_seed(2)
+    slots = 700
+    fused = (torch.randn(2, slots, kv_heads, head_dim) * 2).to(dtype)
+    keys, values = fused[0], fused[1]
+    qkv = (torch.randn(20, q_heads + 2 * kv_heads, head_dim) * 2).to(dtype)
+    query = qkv[:, :q_heads]
+    scale = head_dim ** -0.5
+    order = torch.randperm(slots).tolist()
+    segments = [
+        ([0, 3, 5, 7, 2, 11, 13, 17, 18, 19, 4, 6, 8, 9, 10, 12, 14], order[:300], 300),
+        ([1], order[300:371], 71),
+        ([15, 16], order[371:372], 1),
+        ([14], [], 0),
+        ([9, 10, 11], order[372:500], 128),
+    ]
+    out, lse = run_segments((keys, values), query, segments, scale, "nhd")
+    row = 0
+    for seg_tokens, seg_slots, length in segments:
+        index = torch.tensor(seg_slots, dtype=torch.long)
+        for token in seg_tokens:
+            expected, expected_lse = reference_attention(query[token], keys[index],
+                                                         values[index], scale)
+            if length:
+                error = (out[row].double() - expected).norm(dim=-1) / expected.norm(dim=-1)
+                assert error.max() < 1e-5, (row, error.max())
+            assert torch.allclose(lse[row].double(), expected_lse, atol=1e-5, rtol=1e-6)
+            assert torch.equal(out[row] == 0, expected == 0)
+            row += 1
+
+
+def test_a_token_major_pool_needs_matching_packed_buffers():
+    keys = torch.randn(32, 2, 32)
+    args = (torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([0, 1]),
+            torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+            torch.empty(1, 2, 32), torch.empty(1, 2))
+    query = torch.randn(1, 2, 32)
+    with pytest.raises(TypeError, match="pair"):
+        cpu_kernel.segment_attention(keys, query, 0.1, *args, "nhd")
+    with pytest.raises(ValueError, match="one shape"):
+        cpu_kernel.segment_attention((keys, keys[:16]), query, 0.1, *args, "nhd")
+    with pytest.raises(ValueError, match="packed"):
+        cpu_kernel.segment_attention((keys, torch.randn(32, 32, 2).transpose(1, 2)), query,
+                                     0.1, *args, "nhd")
+    with pytest.raises(TypeError, match="one cache tensor"):
+        cpu_kernel.segment_attention((keys, keys), query, 0.1, *args, "vec")
 
 
 def test_a_segment_without_tokens_gives_zero_and_minus_infinity(kernel):

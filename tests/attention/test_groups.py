@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from feather_sched.attention import groups
 from feather_sched.attention.groups import find_groups, min_blocks, plan_step
 
 BS = 16
@@ -228,3 +229,89 @@ def test_the_trie_order_lists_rows_as_a_sort_would(spec):
     for i in range(len(order)):
         for j in range(i + 1, len(order)):
             assert _lcp(bt, full, order[i], order[j]) == min(common[i:j])
+
+
+class TokenPool:
+    """Token slots handed out as SGLang's allocator does: whole pages of ``page`` slots
+    (page ``p`` holds slots ``p * page ...``), pages in random order; rows of a
+    ``req_to_token`` table, at random pool rows, with stale slots past each row's end."""
+
+    def __init__(self, page: int, seed: int = 0) -> None:
+        self.page, self.rng = page, np.random.default_rng(seed)
+        self.free = self.rng.permutation(4096).tolist()
+
+    def allocate(self, tokens: int) -> list[int]:
+        pages = [self.free.pop() for _ in range(-(-tokens // self.page))]
+        return [p * self.page + i for p in pages for i in range(self.page)][:tokens]
+
+    def table(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(req_to_token, req_pool_indices, seq_lens) of a batch of these slot lists."""
+        width = max(len(r) for r in rows) + 40
+        table = self.rng.integers(0, 4096 * self.page, (3 * len(rows), width)).astype(np.int32)
+        pool_rows = self.rng.permutation(len(table))[:len(rows)]
+        for at, row in zip(pool_rows, rows, strict=True):
+            table[at, :len(row)] = row
+        return (torch.from_numpy(table), torch.from_numpy(pool_rows.astype(np.int64)),
+                torch.tensor([len(r) for r in rows], dtype=torch.int64))
+
+
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_a_token_plan_groups_rows_by_their_slots_and_attends_them_exactly(page):
+    """Groups in any row order from req_to_token rows, each sharing exactly its prefix
+    (a chunk of 16 tokens named by its first slot never counts past it), singletons and
+    short prefixes left to the engine; the kernel over the plan equals the reference."""
+    from feather_sched.attention import cpu_kernel
+    from feather_sched.attention.partials import reference_attention
+
+    pool = TokenPool(page)
+    long_a, long_b = (300, 520) if page == 1 else (320, 512)
+    a, b, short = pool.allocate(long_a), pool.allocate(long_b), pool.allocate(128)
+    rows = [a + pool.allocate(40), b + pool.allocate(7), a + pool.allocate(90),
+            pool.allocate(700), b + pool.allocate(130), a + pool.allocate(21),
+            short + pool.allocate(30), short + pool.allocate(9), b + pool.allocate(1)]
+    table, pool_rows, lens = pool.table(rows)
+    before = table.clone()
+    plan = groups.plan_token_step(table, pool_rows, lens, page, 256)
+    assert torch.equal(table, before)
+    found = {frozenset(plan.groups.rows[lo:hi].tolist()): int(n) for lo, hi, n in
+             zip(plan.groups.offsets[:-1], plan.groups.offsets[1:], plan.groups.shared,
+                 strict=True)}
+    # b's last row has only its new token past b, in the chunk (tokens 512-527) that
+    # holds b's last 8: only whole chunks before the new token's are compared
+    assert found == {frozenset({0, 2, 5}): long_a,
+                     frozenset({1, 4, 8}): 512 if page == 1 else long_b}
+    assert plan.seq_lens.tolist() == [1 if i in (0, 1, 2, 4, 5, 8) else len(r)
+                                      for i, r in enumerate(rows)]
+    torch.manual_seed(0)
+    fused = torch.randn(2, 4096 * page, 2, 32)
+    query = torch.randn(len(rows), 4, 32)
+    output = torch.full_like(query, torch.nan)
+    cpu_kernel.attend_groups(plan, query, (fused[0], fused[1]), 0.2, output, "nhd")
+    for row, slots in enumerate(rows):
+        if row in (3, 6, 7):
+            assert output[row].isnan().all()
+            continue
+        index = torch.tensor(slots)
+        expected, _ = reference_attention(query[row], fused[0, index], fused[1, index], 0.2)
+        assert torch.allclose(output[row].double(), expected, atol=1e-5), row
+
+
+def test_a_token_plan_shares_only_slots_every_row_holds():
+    """Rows naming every chunk by the same first slot but differing inside one (what
+    SGLang's tree never hands out, but a table could hold) share only up to the first
+    difference, and not at all when that is under the threshold."""
+    pool = TokenPool(1)
+    prefix = pool.allocate(600)
+    rows = [prefix + pool.allocate(5) for _ in range(3)]
+    rows[1][400] = pool.allocate(1)[0]
+    table, pool_rows, lens = pool.table(rows)
+    plan = groups.plan_token_step(table, pool_rows, lens, 1, 256)
+    assert plan is not None and plan.groups.shared.tolist() == [400]
+    rows[2][100] = pool.allocate(1)[0]
+    assert groups.plan_token_step(*pool.table(rows), 1, 256) is None
+
+
+def test_a_token_plan_is_none_where_rows_start_in_different_slots():
+    pool = TokenPool(1)
+    rows = [pool.allocate(400) for _ in range(4)]
+    assert groups.plan_token_step(*pool.table(rows), 1, 256) is None

@@ -1,8 +1,9 @@
 """The CPU segment-attention kernel: built once per machine with the host's compiler.
 
 ``cpu_prefix_kernel.cpp`` attends "segments" (a prefix group's decode queries over the
-group's shared KV blocks, or one request's suffix) straight from vLLM's CPU KV cache and
-returns fp32 partials with their log-sum-exp. It is compiled on first use with
+group's shared KV blocks, or one request's suffix) straight from vLLM's CPU KV cache, or
+from a token-major KV pool through a list of token slots (SGLang's), and returns fp32
+partials with their log-sum-exp. It is compiled on first use with
 ``c++ -O3 -march=native -fopenmp`` (vLLM's CPU build already needs a C++ compiler at run
 time, for torch.compile) into a per-user cache keyed by the source, the flags, the
 compiler and this CPU's feature flags, so a machine with another processor builds its
@@ -33,11 +34,12 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 CACHE_ENV = "FEATHER_KERNEL_CACHE"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """The cache dtypes the kernel reads (fp8 caches are not read)."""
-LAYOUT_CODES = {"vec": 0, "amx": 1}
-"""The KV layouts it reads, by vLLM's name for them (``CPUAttentionBackendImpl.isa``):
-"vec" for any of those dtypes, "amx" (vLLM's choice for bf16 where the CPU has AMX) for
-bf16."""
-MIN_SHARED_TOKENS_BY_LAYOUT = {"vec": MIN_SHARED_TOKENS, "amx": 8192}
+LAYOUT_CODES = {"vec": 0, "amx": 1, "nhd": 2}
+"""The KV layouts it reads: vLLM's, by its name for them (``CPUAttentionBackendImpl.isa``),
+"vec" for any of those dtypes and "amx" (vLLM's choice for bf16 where the CPU has AMX) for
+bf16; and "nhd", separate K and V buffers ``[slots, kv_heads, head_dim]`` read through
+each segment's token slots (SGLang's ``MHATokenToKVPool``), for any of those dtypes."""
+MIN_SHARED_TOKENS_BY_LAYOUT = {"vec": MIN_SHARED_TOKENS, "amx": 8192, "nhd": MIN_SHARED_TOKENS}
 """Shortest shared prefix worth a group, per layout. Over an "amx" cache vLLM's kernel
 multiplies in AMX tiles, several times this kernel's AVX-512 rate, so reading a prefix
 once pays only where re-reading it costs more than the arithmetic (the crossover, as
@@ -70,7 +72,7 @@ def build(march: str) -> ctypes.CDLL:
     lib.feather_kernel_vectorized.restype = _I32
     lib.feather_segment_attention.restype = _I32
     lib.feather_segment_attention.argtypes = [
-        _I32, _I32, _VOID, _VOID, _I64, _I32, _I32, _I32, _I32, ctypes.c_float, _I32,
+        _I32, _I32, _VOID, _VOID, _I64, _VOID, _I64, _I32, _I32, _I32, _I32, ctypes.c_float, _I32,
         _VOID, _VOID, _VOID, _VOID, _VOID, _VOID, _VOID, _I32]
     return lib
 
@@ -81,7 +83,12 @@ def vectorized() -> bool:
     return bool(load().feather_kernel_vectorized())
 
 
-def segment_attention(kv_cache: torch.Tensor, query: torch.Tensor, scale: float,
+KVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""One layer's KV as the kernel reads it: vLLM's CPU cache tensor ("vec", "amx"), or the
+(K, V) buffers of a token-major pool ("nhd")."""
+
+
+def segment_attention(kv_cache: KVCache, query: torch.Tensor, scale: float,
                       token_offsets: torch.Tensor, tokens: torch.Tensor,
                       block_offsets: torch.Tensor, blocks: torch.Tensor,
                       lengths: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -89,23 +96,34 @@ def segment_attention(kv_cache: torch.Tensor, query: torch.Tensor, scale: float,
     """Attend each segment over its KV blocks; write fp32 partials and natural-log LSE.
 
     ``kv_cache``: one layer's vLLM CPU cache ``[num_blocks, kv_heads, block_size,
-    2 * head_dim]`` in ``layout`` (``LAYOUT_CODES``); ``query``: ``[num_tokens, q_heads, head_dim]``
-    of the cache's dtype, rows contiguous. Segment ``s`` is attended by query tokens
+    2 * head_dim]`` in ``layout`` (``LAYOUT_CODES``), or for "nhd" its K and V buffers
+    ``[slots, kv_heads, head_dim]`` (each token's heads packed, one stride between slots
+    for both); ``query``: ``[num_tokens, q_heads, head_dim]`` of the cache's dtype, rows
+    contiguous. Segment ``s`` is attended by query tokens
     ``tokens[token_offsets[s]:token_offsets[s+1]]`` (int64) over blocks
-    ``blocks[block_offsets[s]:block_offsets[s+1]]`` (int32), its first ``lengths[s]``
-    tokens (int32); its rows of ``out`` (``[len(tokens), q_heads, head_dim]`` fp32) and
-    ``lse`` (``[len(tokens), q_heads]`` fp32) are ``token_offsets[s]`` onwards. A segment of
-    no tokens gives LSE -inf and a zero output. Cost: one pass over each segment's KV
-    per KV head, parallel over (segment, KV head) on torch's intra-op threads.
+    ``blocks[block_offsets[s]:block_offsets[s+1]]`` (int32; "nhd": token slots, one per
+    token), its first ``lengths[s]`` tokens (int32); its rows of ``out``
+    (``[len(tokens), q_heads, head_dim]`` fp32) and ``lse`` (``[len(tokens), q_heads]``
+    fp32) are ``token_offsets[s]`` onwards. A segment of no tokens gives LSE -inf and a
+    zero output. Cost: one pass over each segment's KV per KV head, parallel over
+    (segment, KV head) on torch's intra-op threads ("nhd" gathers the slots' rows into a
+    block in cache on the way).
     """
-    _, kv_heads, block_size, double_dim = kv_cache.shape
-    head_dim = double_dim // 2
+    if layout == "nhd":
+        keys, values = _token_major(kv_cache)
+        _, kv_heads, head_dim = keys.shape
+        block_size, token_stride = 1, keys.stride(0)
+    else:
+        keys = values = _cache_tensor(kv_cache, layout)
+        _, kv_heads, block_size, double_dim = keys.shape
+        head_dim, token_stride = double_dim // 2, 0
     q_heads = query.shape[1]
-    _check(kv_cache, query, out, lse, tokens, token_offsets, block_offsets, blocks, lengths,
+    _check(keys, query, out, lse, tokens, token_offsets, block_offsets, blocks, lengths,
            head_dim, layout)
     status = load().feather_segment_attention(
-        DTYPE_CODES[kv_cache.dtype], LAYOUT_CODES[layout], kv_cache.data_ptr(),
-        query.data_ptr(), query.stride(0), kv_heads, block_size, head_dim, q_heads // kv_heads,
+        DTYPE_CODES[keys.dtype], LAYOUT_CODES[layout], keys.data_ptr(), values.data_ptr(),
+        token_stride, query.data_ptr(), query.stride(0), kv_heads, block_size, head_dim,
+        q_heads // kv_heads,
         scale, len(lengths),
         token_offsets.data_ptr(), tokens.data_ptr(), block_offsets.data_ptr(),
         blocks.data_ptr(), lengths.data_ptr(), out.data_ptr(), lse.data_ptr(),
@@ -114,7 +132,7 @@ def segment_attention(kv_cache: torch.Tensor, query: torch.Tensor, scale: float,
         raise ValueError(f"segment attention failed with status {status}")
 
 
-def attend_groups(plan: StepPlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float,
+def attend_groups(plan: StepPlan, query: torch.Tensor, kv_cache: KVCache, scale: float,
                   output: torch.Tensor, layout: str = "vec") -> None:
     """Overwrite the grouped rows of ``output`` (``[tokens, q_heads, head_dim]``) with their
     attention: each group's prefix once for all its queries, each row's suffix, merged.
@@ -134,6 +152,30 @@ def attend_groups(plan: StepPlan, query: torch.Tensor, kv_cache: torch.Tensor, s
     output[plan.tokens] = merged.to(output.dtype)
 
 
+def _token_major(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The "nhd" layout's (K, V), checked: same dtype and shape, each slot's heads packed,
+    one stride between slots."""
+    if isinstance(kv_cache, torch.Tensor) or len(kv_cache) != 2:
+        raise TypeError("the nhd layout reads a (keys, values) pair of buffers")
+    keys, values = kv_cache
+    if keys.dtype != values.dtype or keys.shape != values.shape or keys.dim() != 3:
+        raise ValueError(f"keys {keys.dtype} {tuple(keys.shape)} / values {values.dtype} "
+                         f"{tuple(values.shape)}: one shape, [slots, kv_heads, head_dim]")
+    packed = (keys.shape[2], 1)
+    if keys.stride()[1:] != packed or values.stride()[1:] != packed or \
+            keys.stride(0) != values.stride(0):
+        raise ValueError("each slot's heads packed, and one stride between slots for K and V")
+    return keys, values
+
+
+def _cache_tensor(kv_cache: KVCache, layout: str) -> torch.Tensor:
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError(f"the {layout!r} layout reads one cache tensor")
+    if not kv_cache.is_contiguous():
+        raise ValueError("the cache must be contiguous")
+    return kv_cache
+
+
 def _check(kv_cache: torch.Tensor, query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
            tokens: torch.Tensor, token_offsets: torch.Tensor, block_offsets: torch.Tensor,
            blocks: torch.Tensor, lengths: torch.Tensor, head_dim: int, layout: str) -> None:
@@ -146,8 +188,8 @@ def _check(kv_cache: torch.Tensor, query: torch.Tensor, out: torch.Tensor, lse: 
     if layout == "amx" and (kv_cache.dtype != torch.bfloat16 or kv_cache.shape[2] % 16):
         raise TypeError(f"the amx layout holds bf16 in blocks of a multiple of 16 tokens, "
                         f"not {kv_cache.dtype} in blocks of {kv_cache.shape[2]}")
-    if not kv_cache.is_contiguous() or query.stride(1) != head_dim or query.stride(2) != 1:
-        raise ValueError("the cache must be contiguous and each query token's heads packed")
+    if query.stride(1) != head_dim or query.stride(2) != 1:
+        raise ValueError("each query token's heads must be packed")
     if head_dim % 16 or query.shape[2] != head_dim or query.shape[1] % kv_cache.shape[1]:
         raise ValueError(f"head_dim {head_dim} (a multiple of 16) and query {query.shape}")
     expected = ((tokens, torch.int64), (token_offsets, torch.int64),

@@ -1,10 +1,12 @@
-// Segment attention over vLLM's CPU KV cache ("vec" or "amx" layout), with log-sum-exp.
+// Segment attention over vLLM's CPU KV cache ("vec" or "amx" layout) or a token-major KV
+// pool (SGLang's, "nhd"), with log-sum-exp.
 //
-// One call attends a list of segments. A segment is a token range of KV blocks attended by
-// one or more query rows: a prefix group (all of the group's decode queries over the
-// group's shared prefix blocks) or one request's suffix. Every (segment, KV head) is one
-// work item; it reads each KV block once for all of the segment's query rows, which is
-// the point: a prefix group's KV is read once per step instead of once per request.
+// One call attends a list of segments. A segment is a token range of KV blocks (or, in a
+// token-major pool, a list of token slots) attended by one or more query rows: a prefix
+// group (all of the group's decode queries over the group's shared prefix) or one
+// request's suffix. Every (segment, KV head) is one work item; it reads each KV block once
+// for all of the segment's query rows, which is the point: a prefix group's KV is read
+// once per step instead of once per request.
 //
 // Layouts read (vLLM 0.32 CPU_ATTN): the layer cache is
 // [num_blocks, kv_heads, block_size, 2 * head_dim]; within one (block, head) the first
@@ -15,6 +17,11 @@
 //   row is the pairs of 16 tokens for two dims; V in groups of 16 dims, each
 //   [block_size / 2][16 dims] of (t, t + 1) pairs, so one 64-byte row is two tokens' 16
 //   dims interleaved.
+// * "nhd" (SGLang 0.5.23's MHATokenToKVPool): separate K and V buffers [slots, kv_heads,
+//   head_dim], a token slot every ``kv_token_stride`` elements; a segment's "blocks" are
+//   its token slots (one per token, e.g. a run of SGLang's req_to_token row). Each run of
+//   kPack tokens is gathered into one "vec" block in the work item's scratch and attended
+//   by the same block loop as vLLM's caches.
 //
 // Outputs are fp32 partials normalised over the segment's tokens plus their natural-log
 // LSE (-inf, with a zero output, for a segment of no tokens), ready for an exact merge.
@@ -32,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -41,7 +49,7 @@
 namespace {
 
 enum DType : int32_t { F32 = 0, BF16 = 1, F16 = 2 };
-enum Layout : int32_t { VEC = 0, AMX = 1 };
+enum Layout : int32_t { VEC = 0, AMX = 1, NHD = 2 };
 
 // Offsets of K(d, t) and V(t, d) from the start of a (block, head)'s K and V.
 template <int LO>
@@ -99,12 +107,19 @@ struct Geometry {
   int32_t kv_heads, block_size, head_dim, gqa;
   int64_t q_token_stride;  // elements between query tokens
   float scale;
+  int64_t kv_token_stride;  // "nhd": elements between token slots of the K and V buffers
 };
+
+constexpr int kPack = 64;  // "nhd": tokens gathered into one block of the scratch
+
+template <int DT>
+using Element = std::conditional_t<DT == F32, float, uint16_t>;
 
 // Per-row softmax state of one work item, plus scratch, reused across calls.
 struct Scratch {
   std::vector<float> q, acc, max, sum, scores;
   std::vector<int32_t> q_pairs;  // bf16 queries as (d, d+1) pairs, for vdpbf16ps
+  std::vector<float> packed;     // "nhd": one gathered block of K then V (any dtype)
 
   void reset(int rows, int head_dim, int block_size, int score_rows) {
     q.resize(static_cast<size_t>(rows) * head_dim);
@@ -474,17 +489,48 @@ constexpr int32_t kVectorized = 0;
 
 #endif
 
-// One work item: every query row of one segment, one KV head, over the segment's blocks.
-// ``following``: the first block of the item after this one, prefetched during this
-// item's last block (many short suffix segments would otherwise each start cold).
+// "nhd": the K and V of one KV head at ``n`` token slots (at most kPack), gathered into the
+// "vec" layout of one kPack-token block: K [head_dim][kPack], then V [kPack][head_dim].
+// Slots are in no order the hardware prefetcher follows, so the rows kAhead tokens on (of
+// the ``left`` the segment still holds from ``slots``) are prefetched meanwhile.
+template <int DT>
+void gather_tokens(const Geometry& g, const void* keys, const void* values, const int32_t* slots,
+                   int n, int64_t left, int kv_head, void* packed) {
+  using E = Element<DT>;
+  constexpr int kAhead = 4;
+  const int D = g.head_dim;
+  const int64_t head = static_cast<int64_t>(kv_head) * D;
+  const E* k = static_cast<const E*>(keys);
+  const E* v = static_cast<const E*>(values);
+  E* pk = static_cast<E*>(packed);
+  E* pv = pk + static_cast<int64_t>(kPack) * D;
+  for (int t = 0; t < n; ++t) {
+    if (t + kAhead < left) {
+      const int64_t ahead = slots[t + kAhead] * g.kv_token_stride + head;
+      for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(E)); byte += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k + ahead) + byte);
+        __builtin_prefetch(reinterpret_cast<const char*>(v + ahead) + byte);
+      }
+    }
+    const int64_t row = slots[t] * g.kv_token_stride + head;
+    for (int d = 0; d < D; ++d) pk[d * kPack + t] = k[row + d];
+    std::memcpy(pv + static_cast<int64_t>(t) * D, v + row, D * sizeof(E));
+  }
+}
+
+// One work item: every query row of one segment, one KV head, over the segment's blocks
+// (``cache``; "nhd": its token slots in the ``cache`` and ``values`` buffers, gathered
+// kPack at a time). ``following``: the first block of the item after this one, prefetched
+// during this item's last block (many short suffix segments would otherwise each start
+// cold).
 template <int DT, int LO>
-void attend_segment(const Geometry& g, const void* cache, const void* query,
-                    const int64_t* tokens, int num_tokens, const int32_t* blocks, int32_t length,
-                    int kv_head, int64_t out_row0, float* out, float* lse, Scratch& w,
-                    const char* following) {
+void attend_segment(const Geometry& g, const void* cache, const void* values,
+                    const void* query, const int64_t* tokens, int num_tokens,
+                    const int32_t* blocks, int32_t length, int kv_head, int64_t out_row0,
+                    float* out, float* lse, Scratch& w, const char* following) {
   const int rows = num_tokens * g.gqa;
   const int D = g.head_dim;
-  w.reset(rows, D, g.block_size, kScoreRows);
+  w.reset(rows, D, LO == NHD ? kPack : g.block_size, kScoreRows);
   for (int r = 0; r < rows; ++r) {
     const int64_t q_off = tokens[r / g.gqa] * g.q_token_stride +
                           static_cast<int64_t>(kv_head * g.gqa + r % g.gqa) * D;
@@ -497,16 +543,28 @@ void attend_segment(const Geometry& g, const void* cache, const void* query,
       }
     }
   }
-  const int64_t block_elems = static_cast<int64_t>(g.block_size) * D;
-  const int64_t block_bytes = 2 * block_elems * element_bytes<DT>();
-  for (int b = 0; b * g.block_size < length; ++b) {
-    const int n = length - b * g.block_size < g.block_size ? length - b * g.block_size
-                                                           : g.block_size;
-    const int64_t k_base = (static_cast<int64_t>(blocks[b]) * g.kv_heads + kv_head) * 2 *
-                           block_elems;
-    const bool last = (b + 1) * g.block_size >= length;
-    const char* next = last ? following : block_start<DT>(g, cache, blocks[b + 1], kv_head);
-    attend_block<DT, LO>(g, cache, w, rows, k_base, n, next, block_bytes);
+  if constexpr (LO == NHD) {
+    Geometry block = g;
+    block.block_size = kPack;
+    w.packed.resize(2 * kPack * D * element_bytes<DT>() / sizeof(float));
+    for (int t0 = 0; t0 < length; t0 += kPack) {
+      const int n = length - t0 < kPack ? length - t0 : kPack;
+      gather_tokens<DT>(g, cache, values, blocks + t0, n, length - t0, kv_head,
+                        w.packed.data());
+      attend_block<DT, VEC>(block, w.packed.data(), w, rows, 0, n, nullptr, 0);
+    }
+  } else {
+    const int64_t block_elems = static_cast<int64_t>(g.block_size) * D;
+    const int64_t block_bytes = 2 * block_elems * element_bytes<DT>();
+    for (int b = 0; b * g.block_size < length; ++b) {
+      const int n = length - b * g.block_size < g.block_size ? length - b * g.block_size
+                                                             : g.block_size;
+      const int64_t k_base = (static_cast<int64_t>(blocks[b]) * g.kv_heads + kv_head) * 2 *
+                             block_elems;
+      const bool last = (b + 1) * g.block_size >= length;
+      const char* next = last ? following : block_start<DT>(g, cache, blocks[b + 1], kv_head);
+      attend_block<DT, LO>(g, cache, w, rows, k_base, n, next, block_bytes);
+    }
   }
   const int q_heads = g.kv_heads * g.gqa;
   for (int r = 0; r < rows; ++r) {
@@ -522,7 +580,8 @@ void attend_segment(const Geometry& g, const void* cache, const void* query,
 }
 
 template <int DT, int LO>
-void attend_all(const Geometry& g, const void* cache, const void* query, int32_t num_segments,
+void attend_all(const Geometry& g, const void* cache, const void* values, const void* query,
+                int32_t num_segments,
                 const int64_t* token_offsets, const int64_t* tokens,
                 const int64_t* block_offsets, const int32_t* blocks, const int32_t* lengths,
                 float* out, float* lse, int32_t threads) {
@@ -535,12 +594,14 @@ void attend_all(const Geometry& g, const void* cache, const void* query, int32_t
       const int64_t seg = item / g.kv_heads;
       const int kv_head = static_cast<int>(item % g.kv_heads);
       const int64_t after = (item + 1) / g.kv_heads;
-      const char* following =
-          after < num_segments && lengths[after] > 0
-              ? block_start<DT>(g, cache, blocks[block_offsets[after]],
-                                static_cast<int>((item + 1) % g.kv_heads))
-              : nullptr;
-      attend_segment<DT, LO>(g, cache, query, tokens + token_offsets[seg],
+      const char* following = nullptr;
+      if constexpr (LO != NHD) {
+        if (after < num_segments && lengths[after] > 0) {
+          following = block_start<DT>(g, cache, blocks[block_offsets[after]],
+                                      static_cast<int>((item + 1) % g.kv_heads));
+        }
+      }
+      attend_segment<DT, LO>(g, cache, values, query, tokens + token_offsets[seg],
                              static_cast<int>(token_offsets[seg + 1] - token_offsets[seg]),
                              blocks + block_offsets[seg], lengths[seg], kv_head,
                              token_offsets[seg], out, lse, scratch, following);
@@ -560,11 +621,14 @@ int32_t feather_kernel_vectorized() {
 
 // Attend every segment; see the file comment. Segment s has query tokens
 // tokens[token_offsets[s] : token_offsets[s+1]] (indices into the query's first dim), KV
-// blocks blocks[block_offsets[s] : ...] and lengths[s] tokens (at most its blocks hold);
-// its outputs go to rows token_offsets[s] ... of out ([rows, q_heads, head_dim] fp32) and
-// lse ([rows, q_heads] fp32). ``layout``: 0 for vLLM's "vec", 1 for "amx" (bf16 only).
+// blocks blocks[block_offsets[s] : ...] ("nhd": token slots) and lengths[s] tokens (at
+// most its blocks hold; "nhd": one slot each); its outputs go to rows token_offsets[s] ...
+// of out ([rows, q_heads, head_dim] fp32) and lse ([rows, q_heads] fp32). ``layout``: 0
+// for vLLM's "vec", 1 for "amx" (bf16 only), 2 for "nhd" (``cache`` then holds K and
+// ``values`` V, a slot every ``kv_token_stride`` elements; both unused otherwise).
 // Returns 0, or -1 for an unknown dtype or layout.
 int32_t feather_segment_attention(int32_t dtype, int32_t layout, const void* cache,
+                                  const void* values, int64_t kv_token_stride,
                                   const void* query, int64_t q_token_stride,
                                   int32_t kv_heads, int32_t block_size, int32_t head_dim,
                                   int32_t gqa, float scale,
@@ -572,29 +636,30 @@ int32_t feather_segment_attention(int32_t dtype, int32_t layout, const void* cac
                                   const int64_t* tokens, const int64_t* block_offsets,
                                   const int32_t* blocks, const int32_t* lengths, float* out,
                                   float* lse, int32_t threads) {
-  const Geometry g{kv_heads, block_size, head_dim, gqa, q_token_stride, scale};
-  if (layout == AMX) {
-    if (dtype != BF16) return -1;
-    attend_all<BF16, AMX>(g, cache, query, num_segments, token_offsets, tokens, block_offsets,
-                          blocks, lengths, out, lse, threads);
+  using std::integral_constant;
+  const Geometry g{kv_heads, block_size, head_dim, gqa, q_token_stride, scale,
+                   kv_token_stride};
+  const auto run = [&](auto dt, auto lo) -> int32_t {
+    attend_all<decltype(dt)::value, decltype(lo)::value>(
+        g, cache, values, query, num_segments, token_offsets, tokens, block_offsets, blocks,
+        lengths, out, lse, threads);
     return 0;
-  }
-  if (layout != VEC) return -1;
-  switch (dtype) {
-    case F32:
-      attend_all<F32, VEC>(g, cache, query, num_segments, token_offsets, tokens, block_offsets,
-                      blocks, lengths, out, lse, threads);
-      return 0;
-    case BF16:
-      attend_all<BF16, VEC>(g, cache, query, num_segments, token_offsets, tokens, block_offsets,
-                       blocks, lengths, out, lse, threads);
-      return 0;
-    case F16:
-      attend_all<F16, VEC>(g, cache, query, num_segments, token_offsets, tokens, block_offsets,
-                      blocks, lengths, out, lse, threads);
-      return 0;
-    default:
-      return -1;
+  };
+  const auto any_dtype = [&](auto lo) -> int32_t {
+    switch (dtype) {
+      case F32: return run(integral_constant<int, F32>{}, lo);
+      case BF16: return run(integral_constant<int, BF16>{}, lo);
+      case F16: return run(integral_constant<int, F16>{}, lo);
+      default: return -1;
+    }
+  };
+  switch (layout) {
+    case VEC: return any_dtype(integral_constant<int, VEC>{});
+    case NHD: return any_dtype(integral_constant<int, NHD>{});
+    case AMX:
+      return dtype == BF16 ? run(integral_constant<int, BF16>{}, integral_constant<int, AMX>{})
+                           : -1;
+    default: return -1;
   }
 }
 }

@@ -16,7 +16,8 @@ shared prefix) and one per grouped row (its query over its own suffix), plus the
 sequence lengths with every grouped row cut to one token, so the engine's kernel still
 runs the whole batch in one call, spending next to nothing on the grouped rows (whose
 outputs the segments replace), and serves the rows no group takes (prefill chunks,
-speculative rows, singletons, short prefixes) exactly as before.
+speculative rows, singletons, short prefixes) exactly as before.  ``plan_token_step``
+plans a step whose KV is listed token by token (SGLang's ``req_to_token``) the same way.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ MAX_HEAD_RUNS = 32
 """Up to this many classes a compare goes class by class (``_differs``), and first blocks
 of two or more rows are tried one by one as uniform groups (``_stars``); beyond, one
 gather (the trie) is cheaper than the Python loop."""
+TOKEN_CHUNK = 16
+"""Tokens a token table's rows are compared by while groups are found (``plan_token_step``):
+the trie then walks a table this many times narrower."""
 
 
 @dataclass(frozen=True)
@@ -416,14 +420,79 @@ def plan_step(block_table: torch.Tensor, seq_lens: torch.Tensor,
     groups = find_groups(table, lens, np.diff(starts), block_size, min_shared_blocks)
     if not len(groups):
         return None
+    return _plan(groups, table, groups.rows, lens, starts[groups.rows], block_size)
+
+
+def plan_token_step(token_table: torch.Tensor, table_rows: torch.Tensor,
+                    seq_lens: torch.Tensor, page_size: int,
+                    min_shared_tokens: int) -> StepPlan | None:
+    """The plan of a decode step (one query token per row) whose KV is listed token by
+    token, or None when no rows group: row ``i``'s token ``t`` is in KV slot
+    ``token_table[table_rows[i], t]`` (SGLang's ``req_to_token`` and ``req_pool_indices``:
+    CPU int32 and int64 tensors), ``seq_lens[i]`` tokens including this step's; none is
+    modified.  The plan's blocks are token slots (block size 1: ``groups.shared`` counts
+    tokens; the kernels read "nhd" pools through them).
+
+    Groups are found over chunks of ``max(page_size, TOKEN_CHUNK)`` tokens, each named by
+    its first slot (``find_groups`` on a table that many times narrower), then each group's
+    rows' slots are compared over its whole prefix and the group shares exactly the
+    leading tokens whose slots all its rows hold (``_identical``): a token is shared only
+    where its slot is the same in every row, as vLLM's blocks are only where their ids
+    are.  Cost: O(rows x context / chunk) for the chunk table, ``find_groups``' on it, and
+    O(grouped rows x shared tokens) for the compare; a few us where the rows start in
+    different slots.
+    """
+    table = token_table.numpy()
+    rows = table_rows.numpy().astype(np.int64)
+    if distinct(table[rows, 0]):
+        return None
+    lens = seq_lens.numpy()
+    chunk = max(page_size, TOKEN_CHUNK)
+    chunks = table[:, :int(lens.max()):chunk][rows]
+    groups = find_groups(chunks, lens, np.ones(len(rows), dtype=np.int64), chunk,
+                         min_blocks(chunk, min_shared_tokens))
+    groups = _identical(Groups(groups.rows, groups.offsets, groups.shared * chunk), table,
+                        rows, min_shared_tokens)
+    if not len(groups):
+        return None
+    return _plan(groups, table, rows[groups.rows], lens, groups.rows.astype(np.int64), 1)
+
+
+def _identical(groups: Groups, table: np.ndarray, table_rows: np.ndarray,
+               min_tokens: int) -> Groups:
+    """``groups`` found on chunk names, each cut to the leading tokens whose slots in the
+    token table ``table`` all its rows share (its ``shared`` tokens at most: a chunk named
+    by its first slot can end past what is shared), and less those left under
+    ``min_tokens``.  One numpy compare per group: O(grouped rows x shared tokens)."""
+    keep, shared = [], []
+    for group, (lo, hi, tokens) in enumerate(zip(
+            groups.offsets[:-1].tolist(), groups.offsets[1:].tolist(),
+            groups.shared.tolist(), strict=True)):
+        slots = table[table_rows[groups.rows[lo:hi]], :tokens]
+        differs = (slots[1:] != slots[0]).any(axis=0)
+        common = int(differs.argmax()) if differs.any() else tokens
+        if common >= min_tokens:
+            keep.append(group)
+            shared.append(common)
+    if not keep:
+        return _no_groups()
+    members = [groups.rows[groups.offsets[g]:groups.offsets[g + 1]] for g in keep]
+    return Groups(np.concatenate(members), np.cumsum([0] + [len(m) for m in members]),
+                  np.array(shared, dtype=np.int64))
+
+
+def _plan(groups: Groups, table: np.ndarray, own_rows: np.ndarray, lens: np.ndarray,
+          tokens: np.ndarray, block_size: int) -> StepPlan:
+    """The plan of ``groups``: ``own_rows`` and ``tokens`` are each grouped row's row of
+    ``table`` and query token, in ``groups.rows`` order; ``lens`` the batch's lengths."""
     shared = groups.row_shared()
-    tokens = starts[groups.rows].astype(np.int64)
+    tokens = tokens.astype(np.int64)
     row_lens = lens[groups.rows].astype(np.int64)
     suffix_lens = row_lens - shared * block_size
     used = -(-row_lens // block_size)
-    prefix_blocks = [table[groups.rows[first], :n]
+    prefix_blocks = [table[own_rows[first], :n]
                      for first, n in zip(groups.offsets[:-1], groups.shared, strict=True)]
-    suffix_blocks = [table[row, n:end] for row, n, end in zip(groups.rows, shared, used,
+    suffix_blocks = [table[row, n:end] for row, n, end in zip(own_rows, shared, used,
                                                                strict=True)]
     segments = _segments(
         token_offsets=np.concatenate([groups.offsets, len(tokens) + 1 + np.arange(len(tokens))]),

@@ -13,6 +13,10 @@ re-imports the parent's ``__main__`` module (this one) in each child before runn
 child's target, and ``run_scheduler_process`` calls ``load_plugins()``, which applies the
 registered hooks.  The selection travels to the children as ``FEATHER_SGLANG=1`` (and
 ``FEATHER_SGLANG_OPTIONS``) in the inherited environment; without it the hooks do nothing.
+The same import points SGLang's ``torch_native`` and ``intel_amx`` attention factories at
+Feather's (``attention.register``), which build SGLang's own backend unless the option
+``shared_prefix_attention`` turns the shared-prefix decode on (also under SGLang's own
+policies, with ``FEATHER_SHARED_PREFIX_ATTENTION=on``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import sys
 from collections.abc import MutableMapping, Sequence
 
+from feather_sched.integrations.sglang import attention
 from feather_sched.integrations.sglang.scheduler import (
     BASE_POLICY,
     ENV_ENABLE,
@@ -32,6 +37,7 @@ from feather_sched.integrations.sglang.scheduler import (
 )
 
 register()  # module level on purpose: spawned SGLang processes re-import this module
+attention.register()
 
 _HELP = f"""\
 Feather options (feather_sched.integrations.sglang.launch):

@@ -1,0 +1,186 @@
+"""Shared-prefix decode inside SGLang's torch_native backend, one layer at a time, on
+SGLang's own pools (``ReqToTokenPool``, ``MHATokenToKVPool``), ``ForwardBatch`` and
+``RadixAttention``, against SGLang's own ``TorchNativeAttnBackend``."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from feather_sched.bench.cht.sglang_policy import sglang_installed
+
+if not sglang_installed():
+    pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)", allow_module_level=True)
+
+from sglang.srt.layers.attention.torch_native_backend import (
+    TorchNativeAttnBackend,
+)
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import (
+    ForwardBatch,
+    ForwardMode,
+)
+
+from feather_sched.attention.partials import reference_attention
+from feather_sched.integrations.sglang import attention
+from feather_sched.integrations.sglang.scheduler import ENV_ENABLE
+
+Q_HEADS, KV_HEADS, DIM, SLOTS = 8, 2, 64, 8192
+
+
+class Engine:
+    """SGLang's pools for one layer, filled with random KV, and a runner as the backends
+    read it."""
+
+    def __init__(self, page: int, dtype: torch.dtype, seed: int = 0) -> None:
+        self.page, self.dtype = page, dtype
+        self.rng = np.random.default_rng(seed)
+        self.free = self.rng.permutation(np.arange(1, SLOTS // page)).tolist()  # page 0: padding
+        self.kv = MHATokenToKVPool(size=SLOTS, page_size=page, dtype=dtype, head_num=KV_HEADS,
+                                   head_dim=DIM, layer_num=1, device="cpu",
+                                   enable_memory_saver=False)
+        self.req_to_token = ReqToTokenPool(size=32, max_context_len=2048, device="cpu",
+                                           enable_memory_saver=False)
+        generator = torch.Generator().manual_seed(seed)
+        for buffer in (self.kv.k_buffer[0], self.kv.v_buffer[0]):
+            buffer.copy_(torch.randn(buffer.shape, generator=generator).to(dtype))
+        self.runner = SimpleNamespace(device="cpu", req_to_token_pool=self.req_to_token,
+                                      token_to_kv_pool=self.kv, page_size=page,
+                                      use_mla_backend=False)
+        self.layer = RadixAttention(num_heads=Q_HEADS, head_dim=DIM, scaling=DIM ** -0.5,
+                                    num_kv_heads=KV_HEADS, layer_id=0)
+
+    def allocate(self, tokens: int) -> list[int]:
+        pages = [self.free.pop() for _ in range(-(-tokens // self.page))]
+        return [p * self.page + i for p in pages for i in range(self.page)][:tokens]
+
+    def decode_batch(self, rows: list[list[int]]) -> ForwardBatch:
+        """A decode step over rows of slots (each ending with this step's token's slot),
+        at shuffled pool rows whose stale tail still holds another request's slots."""
+        pool_rows = self.rng.permutation(np.arange(1, 33))[:len(rows)]
+        table = self.req_to_token.req_to_token
+        table[:] = torch.from_numpy(self.rng.integers(1, SLOTS, table.shape).astype(np.int32))
+        for at, row in zip(pool_rows, rows, strict=True):
+            table[at, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        lens = torch.tensor([len(r) for r in rows])
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=len(rows),
+            input_ids=torch.zeros(len(rows), dtype=torch.long),
+            req_pool_indices=torch.from_numpy(pool_rows.astype(np.int64)), seq_lens=lens,
+            out_cache_loc=torch.tensor([r[-1] for r in rows]), seq_lens_sum=int(lens.sum()),
+            seq_lens_cpu=lens.clone())
+
+    def step_inputs(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q as a model slices it from its fused qkv projection (strided), this step's k, v."""
+        qkv = torch.randn(rows, (Q_HEADS + 2 * KV_HEADS) * DIM).to(self.dtype)
+        q, k, v = qkv.split([Q_HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
+        return q, k.reshape(rows, KV_HEADS, DIM), v.reshape(rows, KV_HEADS, DIM)
+
+
+def mixed_rows(engine: Engine) -> tuple[list[list[int]], set[int]]:
+    """Two prefix groups (one ending mid-chunk at page size 1), a singleton, a pair under
+    the threshold, interleaved; and the rows that group."""
+    long_a = 300 if engine.page == 1 else 320
+    a, b, short = engine.allocate(long_a), engine.allocate(512), engine.allocate(96)
+    rows = [a + engine.allocate(41), b + engine.allocate(7), engine.allocate(600),
+            a + engine.allocate(90), short + engine.allocate(30), b + engine.allocate(200),
+            a + engine.allocate(17), short + engine.allocate(5), b + engine.allocate(1)]
+    return rows, {0, 1, 3, 5, 6, 8}
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_forward_decode_matches_sglangs_own_in_fp32(page):
+    engine = Engine(page, torch.float32)
+    rows, grouped = mixed_rows(engine)
+    batch = engine.decode_batch(rows)
+    q, k, v = engine.step_inputs(len(rows))
+    own = TorchNativeAttnBackend(engine.runner)
+    own.init_forward_metadata(batch)
+    expected = own.forward_decode(q, k, v, engine.layer, batch)
+    shared = attention.SharedPrefixTorchNativeBackend(engine.runner, 256)
+    shared.init_forward_metadata(batch)
+    plan = shared.step[1]
+    assert plan is not None and set(plan.groups.rows.tolist()) == grouped
+    got = shared.forward_decode(q, k, v, engine.layer, batch)
+    assert batch.seq_lens.tolist() == [len(r) for r in rows]  # SGLang's batch untouched
+    error = (got - expected).abs().view(len(rows), -1).max(dim=1).values
+    assert error.max() < 1e-5, error
+    ungrouped = [i for i in range(len(rows)) if i not in grouped]
+    assert torch.equal(got[ungrouped], expected[ungrouped])  # SGLang's kernel served them
+
+
+def test_forward_decode_in_bf16_is_as_close_to_float64_as_sglangs_own():
+    engine = Engine(1, torch.bfloat16)
+    rows, _ = mixed_rows(engine)
+    batch = engine.decode_batch(rows)
+    q, k, v = engine.step_inputs(len(rows))
+    own = TorchNativeAttnBackend(engine.runner)
+    own.init_forward_metadata(batch)
+    expected = own.forward_decode(q, k, v, engine.layer, batch).view(len(rows), Q_HEADS, DIM)
+    shared = attention.SharedPrefixTorchNativeBackend(engine.runner, 256)
+    shared.init_forward_metadata(batch)
+    got = shared.forward_decode(q, k, v, engine.layer, batch).view(len(rows), Q_HEADS, DIM)
+    keys, values = engine.kv.k_buffer[0], engine.kv.v_buffer[0]
+    for row, slots in enumerate(rows):
+        index = torch.tensor(slots)
+        reference, _ = reference_attention(q.view(len(rows), Q_HEADS, DIM)[row], keys[index],
+                                           values[index], DIM ** -0.5)
+        ours = (got[row].double() - reference).norm() / reference.norm()
+        sglangs = (expected[row].double() - reference).norm() / reference.norm()
+        assert ours < max(2 * sglangs, 1e-2), (row, ours, sglangs)
+
+
+def test_batches_it_cannot_group_run_sglangs_code_unchanged():
+    engine = Engine(1, torch.float32)
+    rows, _ = mixed_rows(engine)
+    shared = attention.SharedPrefixTorchNativeBackend(engine.runner, 256)
+    batch = engine.decode_batch(rows)
+    for mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY):
+        batch.forward_mode = mode
+        assert shared.plan(batch) is None
+    batch.forward_mode = ForwardMode.DECODE
+    assert attention.SharedPrefixTorchNativeBackend(engine.runner, 4096).plan(batch) is None
+    # a layer the kernel cannot serve, and a step planned for another batch
+    q, k, v = engine.step_inputs(len(rows))
+    own = TorchNativeAttnBackend(engine.runner)
+    own.init_forward_metadata(batch)
+    expected = own.forward_decode(q, k, v, engine.layer, batch)
+    shared.init_forward_metadata(copy.copy(batch))
+    assert torch.equal(shared.forward_decode(q, k, v, engine.layer, batch), expected)
+    capped = RadixAttention(num_heads=Q_HEADS, head_dim=DIM, scaling=DIM ** -0.5,
+                            num_kv_heads=KV_HEADS, layer_id=0, logit_cap=30.0)
+    shared.init_forward_metadata(batch)
+    assert not shared._acts(capped, q, None)
+
+
+@pytest.mark.parametrize(("name", "mode", "feather", "acts"), [
+    ("torch_native", "auto", True, True), ("torch_native", "auto", False, False),
+    ("torch_native", "on", False, True), ("torch_native", "off", True, False),
+    ("intel_amx", "auto", True, False)])
+def test_the_option_decides_per_server(name, mode, feather, acts, caplog, monkeypatch):
+    monkeypatch.setattr(attention, "_announced", set())
+    caplog.set_level(logging.INFO, logger=attention.logger.name)
+    engine = Engine(1, torch.float32)
+    environ = {"FEATHER_SHARED_PREFIX_ATTENTION": mode, **({ENV_ENABLE: "1"} if feather else {})}
+    reason = attention.decide(name, engine.runner, *attention.attention_options(environ)[:1],
+                              feather)
+    assert (reason is None) == acts, reason
+    if name == "torch_native":
+        backend = attention.create_backend(name, engine.runner, environ)
+        assert type(backend) is (attention.SharedPrefixTorchNativeBackend if acts
+                                 else TorchNativeAttnBackend)
+        assert "Feather shared-prefix attention: " + ("on" if acts else "off") in caplog.text
+
+
+def test_the_launcher_registers_feathers_factories():
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    attention.register()
+    assert ATTENTION_BACKENDS["torch_native"].__name__ == "create_feather_torch_native_backend"
+    assert ATTENTION_BACKENDS["intel_amx"].__name__ == "create_feather_intel_amx_backend"
