@@ -693,7 +693,8 @@ def run_self_check(device: str, out: Path, *, tiny: bool = False,
     shapes = {"tiny": (4, 2, 16)} if tiny else SELF_CHECK_SHAPES
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cells = ({"grid": (selfcheck.Cell(64, 2, 2, suffix=9), selfcheck.Cell(128, 2, 3, suffix=5)),
-              "exactness": (selfcheck.Cell(40, 1, 2, suffix=1),), "reps": 1} if tiny else {})
+              "exactness": (selfcheck.Cell(40, 1, 2, suffix=1),),
+              "idle": (selfcheck.Cell(64, 4, 1, suffix=9),), "reps": 1} if tiny else {})
     verdicts, text = [], []
     for name, (q_heads, kv_heads, head_dim) in shapes.items():
         subject = KitSubject(q_heads, kv_heads, head_dim, dtype, 16, 256, 32768, device)

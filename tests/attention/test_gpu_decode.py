@@ -51,12 +51,14 @@ class Geometry:
     case: Case
     prefix_splits: int
     suffix_splits: int
+    programs: int = 0
+    """``DecodeLimits.programs``: few, so each program strides over several segments."""
 
 
 GEOMETRIES = {
     # 8q/2kv: K = 64 / 4 = 16 rows a prefix segment, so the group of 20 takes two.
     "gqa4-bf16-d128": Geometry(Case(8, 2, 128, 16, torch.bfloat16, "permuted", (20, 2, 5),
-                                    (40, 100, 33), 40), 3, 2),
+                                    (40, 100, 33), 40), 3, 2, programs=5),
     "mha-fp32-d64": Geometry(Case(4, 4, 64, 16, torch.float32, "vllm", (3, 2, 7),
                                   (70, 16, 47), 30), 1, 1),
     "gqa2-fp32-d64": Geometry(Case(4, 2, 64, 16, torch.float32, "vllm", (2, 4),
@@ -118,7 +120,7 @@ def make_step(case: Case, seed: int, ungrouped: int = 5) -> Step:
 def limits_for(geometry: Geometry, max_rows: int = 40) -> DecodeLimits:
     case = geometry.case
     return DecodeLimits(max_rows, case.q_heads, case.kv_heads, case.head_dim,
-                        geometry.prefix_splits, geometry.suffix_splits)
+                        geometry.prefix_splits, geometry.suffix_splits, geometry.programs)
 
 
 def run_step(decode: GroupedDecode, step: Step, case: Case) -> torch.Tensor:
@@ -272,8 +274,9 @@ def test_run_launches_the_same_whatever_is_staged_and_reads_nothing_on_the_host(
     assert per_step[0] == per_step[1] == per_step[2]
     limits = decode.limits
     grids = [grid for _, grid, *_ in per_step[0]]
-    assert grids == [(2, limits.prefix_splits, limits.max_segments),
-                     (2, limits.suffix_splits, limits.max_rows), (limits.workspace_rows,)]
+    prefix, suffix, merge = limits.grids
+    assert grids == [(2, limits.prefix_splits, prefix), (2, limits.suffix_splits, suffix),
+                     (merge,)]
     variants = gpu_decode.variants(limits, torch.bfloat16, case.block_size)
     assert [constants for *_, constants in per_step[0]] == list(variants.values())
 
@@ -342,6 +345,9 @@ def test_splits_for_a_device_fill_it_within_the_workspace_budget() -> None:
     assert limits.members_per_segment == 16
     assert limits.workspace_bytes <= gpu_decode.WORKSPACE_BYTES
     assert (limits.prefix_splits, limits.suffix_splits) == (30, 1)  # budget-bound
+    # About 4 programs per SM a launch, whatever the most segments and rows: an empty
+    # step launches 8 x 30 x 3 + 8 x 66 + 256 programs here, not 8 x 30 x 128 + 8 x 256 + 256.
+    assert limits.grids == (3, 66, 256) and limits.max_segments == 128
     roomy = DecodeLimits.for_device(132, 256, 32, 8, 128, workspace_bytes=1 << 30)
     assert (roomy.prefix_splits, roomy.suffix_splits) == (tk.MAX_SPLITS, 1)  # 8 x 33 programs
     tiny = DecodeLimits.for_device(132, 4096, 32, 8, 128, workspace_bytes=1 << 20)

@@ -37,8 +37,10 @@ class Trial:
 class Subject:
     """Kernels whose error and speed-up per cell a test sets."""
 
-    def __init__(self, speedup, error=lambda cell: 0.0, shapes: Shapes = SHAPES) -> None:
+    def __init__(self, speedup, error=lambda cell: 0.0, shapes: Shapes = SHAPES,
+                 idle_cost: bool = False) -> None:
         self.speedup, self.error, self.shapes = speedup, error, shapes
+        self.idle_cost = idle_cost
         self.trials: list[Cell] = []
 
     def trial(self, cell: Cell, seed: int) -> Trial:
@@ -68,6 +70,23 @@ def test_a_path_measured_slower_everywhere_keeps_auto_off_with_its_figures() -> 
     assert "not faster than the engine's kernel" in verdict.line() and "0.70x at" in verdict.line()
     # within the timing margin counts as not faster
     assert not selfcheck.check(Subject(lambda c: 1 + selfcheck.MARGIN / 2)).on
+
+
+def test_a_path_that_costs_where_nothing_groups_is_measured_there_too() -> None:
+    """A GPU path launches (empty) work on every step: a subject with an idle cost is timed
+    on a batch of singletons too, and is off where that step is slower by more than the
+    margin, however fast it is where rows group; one without is never timed there."""
+    fast = lambda c: 1.0 if c.idle else 2.0  # noqa: E731
+    plain = Subject(fast)
+    assert selfcheck.check(plain).on and not any(c.idle for c in plain.trials)
+    costly = Subject(fast, idle_cost=True)
+    verdict = selfcheck.check(costly)
+    assert verdict.on and selfcheck.IDLE_CELL in costly.trials
+    assert "1.00x where nothing groups" in verdict.line()
+    slow = selfcheck.check(Subject(lambda c: 1 - 2 * selfcheck.IDLE_MARGIN if c.idle else 2.0,
+                                   idle_cost=True))
+    assert not slow.on and "on a step where nothing groups" in slow.line()
+    assert "0.90x the engine's kernel" in slow.line()
 
 
 def test_an_inexact_path_is_off_before_anything_is_timed() -> None:

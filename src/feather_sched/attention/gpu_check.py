@@ -154,6 +154,9 @@ class KitSubject:
     """The self-check where no engine is installed: Feather's per-row Triton decode stands
     in for the engine's kernel (so a speed-up here is over that kernel, not vLLM's)."""
 
+    idle_cost = True
+    """On a step where nothing groups the path still launches (empty work, in graphs)."""
+
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  block: int, max_rows: int, max_context: int, device: str) -> None:
         self.geometry = (q_heads, kv_heads, head_dim, dtype, block)

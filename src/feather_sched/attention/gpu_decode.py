@@ -30,6 +30,9 @@ from torch import Tensor
 from feather_sched.attention import triton_kernels as tk
 from feather_sched.attention.groups import MIN_ROWS, Groups
 
+PROGRAMS_PER_SM = 4
+"""Programs per SM a launch of ``DecodeLimits.for_device`` has (two waves at the two
+resident programs per SM the attend kernel's registers allow)."""
 WORKSPACE_BYTES = 128 << 20
 """Default budget of ``DecodeLimits.for_device`` for the partials workspace."""
 _ALIGN = 4
@@ -54,6 +57,10 @@ class DecodeLimits:
     head_dim: int
     prefix_splits: int = 1
     suffix_splits: int = 1
+    programs: int = 0
+    """About how many programs each launch has (0: one per segment or row, the most a step
+    can have): live segments and rows are strided over them, so a step with little or no
+    work costs a launch of this many programs, not a wave per possible segment."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_rows <= 65535 or min(self.q_heads, self.kv_heads) < 1:
@@ -84,7 +91,8 @@ class DecodeLimits:
         fits = max(2, workspace_bytes // (base.workspace_bytes // 2))  # base: 2 splits
         prefix = max(1, min(prefix, fits - suffix))
         suffix = max(1, min(suffix, fits - prefix))
-        return cls(max_rows, q_heads, kv_heads, head_dim, prefix, suffix)
+        return cls(max_rows, q_heads, kv_heads, head_dim, prefix, suffix,
+                   programs=PROGRAMS_PER_SM * num_sms)
 
     @property
     def gqa(self) -> int:
@@ -118,6 +126,18 @@ class DecodeLimits:
     def workspace_rows(self) -> int:
         """Rows of each split of the workspace: ``max_rows`` rounded up to ``_ALIGN``."""
         return _aligned(self.max_rows)
+
+    @property
+    def grids(self) -> tuple[int, int, int]:
+        """The programs of the prefix and suffix launches' last grid dimension and of the
+        merge: one per segment or row, or about ``programs`` per launch in all."""
+        if not self.programs:
+            return self.max_segments, self.max_rows, self.workspace_rows
+        per_prefix = self.kv_heads * self.tiles[0] * self.prefix_splits
+        per_suffix = self.kv_heads * self.tiles[1] * self.suffix_splits
+        return (min(self.max_segments, -(-self.programs // per_prefix)),
+                min(self.max_rows, -(-self.programs // per_suffix)),
+                min(self.workspace_rows, self.programs))
 
     @property
     def workspace_bytes(self) -> int:
@@ -296,13 +316,13 @@ class GroupedDecode:
         if layout != self._checked:
             self._check(query, key_cache, value_cache, block_table, output)
             self._checked = layout
-        rows = self._tokens
-        for segments, parts, lse, count in zip((self._prefix, self._suffix), self._split_parts,
-                                               self._split_lse, self._counts[::-1],
-                                               strict=True):
+        rows, (prefix, suffix, merge) = self._tokens, self.limits.grids
+        for segments, parts, lse, count, programs in zip(
+                (self._prefix, self._suffix), self._split_parts, self._split_lse,
+                self._counts[::-1], (prefix, suffix), strict=True):
             tk._launch_attend(query, key_cache, value_cache, block_table, segments, scale,
-                              parts, lse, query_rows=rows, count=count)
-        tk._launch_merge(self._parts, self._lse, output, None, rows, self._counts[0])
+                              parts, lse, query_rows=rows, count=count, programs=programs)
+        tk._launch_merge(self._parts, self._lse, output, None, rows, self._counts[0], merge)
 
     def _check(self, query: Tensor, key_cache: Tensor, value_cache: Tensor,
                block_table: Tensor, output: Tensor) -> None:

@@ -88,6 +88,11 @@ class Cell:
     def rows(self) -> int:
         return self.groups * self.per_group
 
+    @property
+    def idle(self) -> bool:
+        """Rows that share nothing (groups of one): the path cannot act."""
+        return self.per_group == 1
+
     def describe(self) -> str:
         return f"{_tokens(self.prefix)} {self.groups}x{self.per_group}"
 
@@ -109,6 +114,8 @@ class Subject(Protocol):
     """An engine's attention as the self-check sees it."""
 
     shapes: Shapes
+    idle_cost: bool
+    """Whether the path costs something on a step where nothing groups (``IDLE_CELL``)."""
 
     def trial(self, cell: Cell, seed: int) -> Trial: ...
 
@@ -125,6 +132,12 @@ GRID = tuple(Cell(prefix, groups, per_group) for prefix in (512, 1024, 2048, 409
              for groups, per_group in ((4, 4), (4, 16)))
 """The timed cells: prefix lengths from under to over a typical break-even, in small and
 larger groups."""
+IDLE_CELL = Cell(1024, 16, 1)
+"""A step whose rows share nothing (``Cell.idle``): what the path costs where it cannot act
+(on a GPU, its launches with no work, captured in the engine's graphs), timed for subjects
+that have such a cost (``Subject.idle_cost``)."""
+IDLE_MARGIN = 0.05
+"""The path is off where the idle step is slower than the engine's by more than this."""
 
 
 @dataclass(frozen=True)
@@ -167,7 +180,8 @@ class Verdict:
     def line(self, *notes: str) -> str:
         """The engine log's line: the verdict with its figures (and ``notes``, such as the
         engine's CUDA-graph mode)."""
-        timed = [c for c in self.cells if c.speedup is not None]
+        timed = [c for c in self.cells if c.speedup is not None and not c.cell.idle]
+        idle = [c for c in self.cells if c.speedup is not None and c.cell.idle]
         figures = [f"max error {self.max_error:.1e} vs the engine's kernel "
                    f"(tolerance {TOLERANCE.get(self.shapes.dtype, 0):.0e})"]
         if timed:
@@ -177,6 +191,7 @@ class Verdict:
                            f"{worst.speedup:.2f}x at {worst.cell.describe()}")
         if self.min_shared_tokens is not None:
             figures.append(f"groups from {self.min_shared_tokens} shared tokens")
+        figures.extend(f"{c.speedup:.2f}x where nothing groups" for c in idle)
         figures.extend(notes)
         how = "cached" if self.cached else f"{self.seconds:.1f} s"
         return (f"{'on' if self.on else 'off'} (self-check on {self.shapes.device}, "
@@ -218,9 +233,11 @@ def fitting(cells: Iterable[Cell], shapes: Shapes) -> list[Cell]:
 
 
 def check(subject: Subject, grid: Sequence[Cell] = GRID,
-          exactness: Sequence[Cell] = EXACTNESS_CELLS, reps: int = 5) -> Verdict:
-    """Exactness on every cell (``exactness`` and ``grid``), then the timed comparison
-    over ``grid``; the verdict (see the module docstring).  O(cells x reps) kernel runs."""
+          exactness: Sequence[Cell] = EXACTNESS_CELLS, idle: Sequence[Cell] = (IDLE_CELL,),
+          reps: int = 5) -> Verdict:
+    """Exactness on every cell (``exactness``, ``grid`` and, for a subject with an
+    ``idle_cost``, ``idle``), then the timed comparison over ``grid`` and ``idle``; the
+    verdict (see the module docstring).  O(cells x reps) kernel runs."""
     started = time.perf_counter()
     shapes = subject.shapes
     tolerance = TOLERANCE.get(shapes.dtype, TOLERANCE["float32"])
@@ -228,8 +245,9 @@ def check(subject: Subject, grid: Sequence[Cell] = GRID,
     if not grid:
         return _verdict(shapes, False, "no cell of the grid fits this engine", None, [],
                         started)
+    idle = fitting(idle, shapes) if subject.idle_cost else []
     results = []
-    for index, cell in enumerate([*fitting(exactness, shapes), *grid]):
+    for index, cell in enumerate([*fitting(exactness, shapes), *grid, *idle]):
         trial = subject.trial(cell, seed=index)
         expected = trial.engine().clone()  # a trial may reuse one output buffer
         output = trial.shared().clone()
@@ -240,7 +258,7 @@ def check(subject: Subject, grid: Sequence[Cell] = GRID,
         if error > tolerance or (reference_error is not None and reference_error > tolerance):
             return _verdict(shapes, False, f"not exact at {cell.describe()}", None,
                             [*results, result], started)
-        if cell in grid:
+        if cell in grid or cell in idle:
             result = replace(result, engine_s=subject.seconds(trial.engine, reps),
                              shared_s=subject.seconds(trial.shared, reps))
         results.append(result)
@@ -249,10 +267,16 @@ def check(subject: Subject, grid: Sequence[Cell] = GRID,
 
 def decide(shapes: Shapes, results: Sequence[CellResult],
            started: float | None = None) -> Verdict:
-    """The verdict from exact, timed cells: on from the break-even, the shortest timed
-    prefix from which every timed cell, that prefix and longer, is faster by ``MARGIN``;
-    off where no prefix is."""
-    timed = [r for r in results if r.speedup is not None]
+    """The verdict from exact, timed cells: off where the idle step (if timed) is slower by
+    more than ``IDLE_MARGIN``; else on from the break-even, the shortest timed prefix from
+    which every timed cell, that prefix and longer, is faster by ``MARGIN``; off where no
+    prefix is."""
+    timed = [r for r in results if r.speedup is not None and not r.cell.idle]
+    idle = [r for r in results if r.speedup is not None and r.cell.idle]
+    slowest = min(idle, key=lambda r: r.speedup, default=None)
+    if slowest is not None and slowest.speedup < 1 - IDLE_MARGIN:
+        return _verdict(shapes, False, f"exact, but {slowest.speedup:.2f}x the engine's "
+                        "kernel on a step where nothing groups", None, results, started)
     prefixes = sorted({r.cell.prefix for r in timed})
     for prefix in prefixes:
         if all(r.speedup >= 1 + MARGIN for r in timed if r.cell.prefix >= prefix):

@@ -168,6 +168,20 @@ def test_auto_is_what_the_self_check_measured(faster, grouped_rows, monkeypatch,
     assert list(tmp_path.glob("attention-check/*.json"))  # kept: a restart costs nothing
 
 
+def test_a_check_that_raises_still_votes_so_no_rank_waits_on_it(monkeypatch):
+    """Every tensor-parallel rank votes (``agreed``) whatever its own check did: a rank
+    whose check raised votes off rather than leaving the others in the all-reduce."""
+    votes = []
+    monkeypatch.setattr(vllm_attention, "agreed", lambda verdict: votes.append(verdict) or verdict)
+
+    def failing():
+        raise RuntimeError("out of memory")
+
+    assert vllm_attention.checked(failing) == (
+        None, "off: the self-check could not run (out of memory)")
+    assert votes == [None]
+
+
 def test_a_self_check_that_cannot_run_leaves_auto_off_and_the_engine_up(
         grouped_rows, monkeypatch, tmp_path):
     monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path))

@@ -468,8 +468,11 @@ def test_interpreted_forward_matches_float64_and_vllms(kind, decode_only, config
 
 def timed_as(faster: bool):
     """A stand-in for the self-check's timer: the path twice as fast as vLLM's kernel on
-    every cell, or twice as slow (what the check decides from is then known)."""
+    every cell where rows group, or twice as slow, and as fast where nothing groups (what
+    the check decides from is then known)."""
     def seconds(subject, run, reps):
+        if run.__self__.cell.idle:
+            return 1.0
         return 1.0 if (run.__name__ == "engine") is faster else 0.5
     return seconds
 
@@ -488,7 +491,7 @@ def test_interpreted_self_check_decides_auto(kind, faster, monkeypatch, tmp_path
         impl=make_impl(kind), **vars(LAYER)))
     monkeypatch.setattr(attention_check.GpuSubject, "seconds", timed_as(faster))
     small = partial(selfcheck.check, grid=(Cell(64, 2, 2, suffix=9), Cell(96, 2, 3, suffix=20)),
-                    exactness=(Cell(40, 1, 2, suffix=1),), reps=1)
+                    exactness=(Cell(40, 1, 2, suffix=1),), idle=(Cell(64, 3, 1),), reps=1)
     cached_check = selfcheck.cached_check
     monkeypatch.setattr(selfcheck, "cached_check", lambda subject: cached_check(subject, small))
     messages = []
@@ -503,6 +506,7 @@ def test_interpreted_self_check_decides_auto(kind, faster, monkeypatch, tmp_path
     verdict = selfcheck.Verdict.from_json(json.loads(next(
         tmp_path.glob("attention-check/*.json")).read_text()))
     assert verdict.max_error < 1e-5 and all(c.reference_error < 1e-5 for c in verdict.cells)
+    assert any(c.cell.idle for c in verdict.cells)  # the empty step, exact and timed too
     if faster:
         assert builder.min_shared_blocks == 64 // BLOCK and "2.00x at 64 2x2" in line
     else:
@@ -521,7 +525,7 @@ def test_interpreted_feather_attention_check_backend(backend, monkeypatch, tmp_p
 
     stand_in_for_fa3("flash" if backend == "FLASH_ATTN" else "triton", monkeypatch)
     monkeypatch.setattr(selfcheck, "check", partial(
-        selfcheck.check, grid=(Cell(64, 2, 2, suffix=9),), exactness=(), reps=1))
+        selfcheck.check, grid=(Cell(64, 2, 2, suffix=9),), exactness=(), idle=(), reps=1))
     out = tmp_path / "check.json"
     result = CliRunner().invoke(app, ["attention-check", "--backend", backend, "--dtype",
                                       "float32", "--block-size", "16", "--max-model-len",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -86,8 +87,8 @@ def decide(vllm_config: Any, mode: str) -> str | None:
 
 def self_check(vllm_config: Any, kv_cache_spec: Any, isa: str) -> Verdict:
     """``auto``'s verdict for this engine's shapes (``attention.selfcheck``: vLLM's CPU
-    kernel against the path on a random cache), cached per CPU, versions and shapes, and
-    agreed by the tensor-parallel ranks (``agreed``)."""
+    kernel against the path on a random cache), cached per CPU, versions and shapes (this
+    rank's; ``checked`` has the ranks agree)."""
     from feather_sched.integrations.vllm.attention_check import CpuSubject, Geometry
 
     model = vllm_config.model_config
@@ -99,7 +100,7 @@ def self_check(vllm_config: Any, kv_cache_spec: Any, isa: str) -> Verdict:
     if subject.shapes.layout != isa:
         raise RuntimeError(f"the self-check would measure layout {subject.shapes.layout}, "
                            f"the engine uses {isa}")
-    return agreed(cached_check(subject))
+    return cached_check(subject)
 
 
 def versions() -> tuple[tuple[str, str], ...]:
@@ -117,10 +118,28 @@ def versions() -> tuple[tuple[str, str], ...]:
             ("feather-sched", __version__), ("kernel", digest.hexdigest()[:16]))
 
 
-def agreed(verdict: Verdict) -> Verdict:
-    """One verdict for every tensor-parallel rank (each rank measured its own): on only
-    if every rank is on, from the longest break-even any rank found.  The ranks must
-    agree, or they would form different batches' attention differently."""
+def checked(measure: Callable[[], Verdict]) -> tuple[Verdict | None, str | None]:
+    """``measure()``'s verdict, agreed by the tensor-parallel ranks (``agreed``), and why
+    ``auto`` stays off (None where on).  A measurement that raises is logged and votes off,
+    never raised: an optional check never takes the engine down, and every rank votes, so
+    none waits on another's failed check."""
+    verdict, reason = None, None
+    try:
+        verdict = measure()
+    except Exception as error:
+        logger.warning("Feather's attention self-check failed", exc_info=error)
+        reason = f"off: the self-check could not run ({error})"
+    verdict = agreed(verdict)
+    if reason is None and verdict is not None and not verdict.on:
+        reason = verdict.line()
+    return verdict, reason
+
+
+def agreed(verdict: Verdict | None) -> Verdict | None:
+    """One verdict for every tensor-parallel rank (each rank measured its own; None, a
+    check that failed, votes off): on only if every rank is on, from the longest
+    break-even any rank found.  The ranks must agree, or they would form different
+    batches' attention differently."""
     from vllm.distributed import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
@@ -128,14 +147,17 @@ def agreed(verdict: Verdict) -> Verdict:
     group = parallel_state.get_tp_group()
     if group.world_size == 1:
         return verdict
-    votes = torch.tensor([0 if verdict.on else 1, verdict.min_shared_tokens or 0])
+    on = verdict is not None and verdict.on
+    votes = torch.tensor([0 if on else 1, (verdict and verdict.min_shared_tokens) or 0])
     torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.MAX,
                                  group=group.cpu_group)
     off, tokens = (int(v) for v in votes)
-    if off and verdict.on:
+    if verdict is None:
+        return None
+    if off and on:
         return replace(verdict, on=False, reason="another tensor-parallel rank found it off",
                        min_shared_tokens=None)
-    return replace(verdict, min_shared_tokens=tokens or None) if verdict.on else verdict
+    return replace(verdict, min_shared_tokens=tokens or None) if on else verdict
 
 
 @dataclass
@@ -158,14 +180,8 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         default_tokens = cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT.get(self.isa, 0)
         verdict = None
         if reason is None and mode == "auto":
-            try:
-                verdict = self_check(vllm_config, kv_cache_spec, self.isa)
-            except Exception as error:  # an optional check never takes the engine down
-                logger.warning("Feather's attention self-check failed", exc_info=error)
-                reason = f"off: the self-check could not run ({error})"
-            else:
-                reason = None if verdict.on else verdict.line()
-                default_tokens = verdict.min_shared_tokens or default_tokens
+            verdict, reason = checked(lambda: self_check(vllm_config, kv_cache_spec, self.isa))
+            default_tokens = (verdict and verdict.min_shared_tokens) or default_tokens
         self.shared_prefixes = reason is None
         self.min_shared_blocks = min_blocks(self.block_size, min_tokens or default_tokens)
         announce(reason or (verdict.line() if verdict else

@@ -159,6 +159,9 @@ class CpuBatch:
 class CpuSubject:
     """vLLM's CPU attention at one engine's shapes, for ``selfcheck.check``."""
 
+    idle_cost = False
+    """Where nothing groups the path is vLLM's kernel alone (no plan, no launch)."""
+
     def __init__(self, geometry: Geometry, dtype: torch.dtype, block: int, max_rows: int,
                  max_model_len: int, versions: tuple[tuple[str, str], ...]) -> None:
         self.geometry, self.dtype, self.block = geometry, dtype, block
@@ -233,6 +236,9 @@ class GpuSubject:
     at one engine's shapes, on its device, for ``selfcheck.check``; built inside
     Feather's builder at engine start, before the KV cache is allocated."""
 
+    idle_cost = True
+    """On a step where nothing groups the path still launches (empty work, in graphs)."""
+
     def __init__(self, builder: Any, vllm_config: Any, kv_cache_spec: Any,
                  layer_names: list[str], layer: Any = None) -> None:
         from feather_sched.integrations.vllm.attention import versions
@@ -244,8 +250,7 @@ class GpuSubject:
                                          builder.device)
         self.engine_forward = builder.engine_impl_cls.forward
         model = vllm_config.model_config
-        self.geometry = (model.get_num_attention_heads(vllm_config.parallel_config),
-                         kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
+        self.geometry = (builder.num_heads_q, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
                          kv_cache_spec.dtype, kv_cache_spec.block_size)
         self.device = builder.device
         self.shapes = Shapes(

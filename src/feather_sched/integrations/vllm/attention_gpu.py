@@ -56,7 +56,12 @@ from feather_sched.attention.gpu_decode import DecodeLimits, GroupedDecode
 from feather_sched.attention.groups import MIN_ROWS, MIN_SHARED_TOKENS, find_groups, min_blocks
 from feather_sched.attention.selfcheck import Verdict
 from feather_sched.integrations.vllm import host_tables
-from feather_sched.integrations.vllm.attention import announce, attention_options, decide
+from feather_sched.integrations.vllm.attention import (
+    announce,
+    attention_options,
+    checked,
+    decide,
+)
 from feather_sched.integrations.vllm.host_tables import HostRows
 
 logger = logging.getLogger("vllm.feather_sched")
@@ -108,6 +113,8 @@ def decide_gpu(vllm_config: Any, kv_cache_spec: Any) -> str | None:
             bool(getattr(kv_cache_spec, "sliding_window", None)
                  or getattr(kv_cache_spec, "attention_chunk_size", None)
                  or getattr(kv_cache_spec, "non_causal", False)),
+        "off for values of another head size than the keys'":
+            getattr(kv_cache_spec, "head_size_v", None) not in (None, kv_cache_spec.head_size),
     }
     return next((name for name, present in problems.items() if present), None)
 
@@ -168,19 +175,17 @@ class SharedPrefixBuilder:
         self._full_graphs = bool(compilation.cudagraph_mode
                                  and compilation.cudagraph_mode.has_full_cudagraphs())
         self._max_graph_tokens = compilation.max_cudagraph_capture_size or 0
-        if reason is None:
-            self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
         self.min_shared_blocks = 1  # the self-check groups every prefix of its grid
         verdict = None
-        if reason is None and mode == "auto":
-            try:
-                verdict = self_check(self, vllm_config, kv_cache_spec, layer_names)
-            except Exception as error:  # an optional check never takes the engine down
-                logger.warning("Feather's attention self-check failed", exc_info=error)
-                reason = f"off: the self-check could not run ({error})"
-            else:
-                reason = None if verdict.on else verdict.line()
-                min_tokens = min_tokens or verdict.min_shared_tokens
+        if reason is None and mode == "on":  # asked for: a failure here is the engine's
+            self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
+        elif reason is None:
+            def measure() -> Verdict:
+                self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
+                return self_check(self, vllm_config, kv_cache_spec, layer_names)
+
+            verdict, reason = checked(measure)
+            min_tokens = min_tokens or (verdict and verdict.min_shared_tokens)
         if reason is not None:
             self.decode = None
         if device.type == "cuda":  # the check's batches, before vLLM allocates the KV cache
@@ -199,8 +204,8 @@ class SharedPrefixBuilder:
         layout), so none compiles while serving."""
         from vllm.platforms import current_platform
 
-        model, scheduler = vllm_config.model_config, vllm_config.scheduler_config
-        q_heads = model.get_num_attention_heads(vllm_config.parallel_config)
+        scheduler = vllm_config.scheduler_config
+        q_heads = self.num_heads_q  # vLLM's own, per this group's layers
         kv_heads, head_dim = kv_cache_spec.num_kv_heads, kv_cache_spec.head_size
         num_sms = (current_platform.num_compute_units(device.index or 0)
                    if device.type == "cuda" else 1)
@@ -224,10 +229,10 @@ class SharedPrefixBuilder:
         host = None
         if self.decode is not None and not self._capturing:
             host = host_tables.lookup(common.block_table_tensor, common.req_idx, common.num_reqs)
-            if host is None:
-                announce("a step's block table was none Feather sees on the host (a dummy "
-                         "run, or a table host_tables does not cover): such steps run "
-                         "without groups")
+            if host is None and not host_tables.known(common.block_table_tensor):
+                announce(f"no groups in this {self.name} KV-cache group: its block table is "
+                         "not one whose block ids Feather sees on the host (host_tables: "
+                         "e.g. a kernel-block table, prefill context parallelism's)")
         return self.build_with(common, fast_build, host)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> Any:
@@ -366,10 +371,8 @@ def self_check(builder: SharedPrefixBuilder, vllm_config: Any, kv_cache_spec: An
                layer_names: list[str]) -> Verdict:
     """``auto``'s verdict for this engine: ``attention_check.GpuSubject`` (vLLM's own
     kernel against the path, on this device, at this engine's shapes), cached per device,
-    versions and shapes, agreed by the tensor-parallel ranks."""
+    versions and shapes (this rank's; ``checked`` has the ranks agree)."""
     from feather_sched.attention.selfcheck import cached_check
-    from feather_sched.integrations.vllm.attention import agreed
     from feather_sched.integrations.vllm.attention_check import GpuSubject
 
-    subject = GpuSubject(builder, vllm_config, kv_cache_spec, layer_names)
-    return agreed(cached_check(subject))
+    return cached_check(GpuSubject(builder, vllm_config, kv_cache_spec, layer_names))

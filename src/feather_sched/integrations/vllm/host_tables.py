@@ -97,6 +97,14 @@ def lookup(block_table: torch.Tensor, req_idx: np.ndarray | None,
     return None
 
 
+def known(block_table: torch.Tensor) -> bool:
+    """Whether ``block_table`` is a view of a table known here (``lookup`` then gives
+    None only for a dummy run or a missing ``req_idx``).  Cost as ``lookup``'s."""
+    return any(_first_row(block_table, source) is not None
+               for tables in _V2_TABLES for source in tables.input_block_tables) or any(
+        _first_row(block_table, table.block_table.gpu) is not None for table in _V1_TABLES)
+
+
 def _wrap(cls: type, name: str, after: Any) -> None:
     """``cls.name`` calls vLLM's original, then ``after`` with the same arguments."""
     original = getattr(cls, name)
