@@ -267,6 +267,12 @@ class FeatherRuntime(Generic[R]):
             if taken.admission.request_id == request_id:
                 taken.admitted = False
 
+    @property
+    def counts_service(self) -> bool:
+        """Whether ``served`` does anything (fair share is on): an adapter may skip the
+        calls otherwise."""
+        return self.queue.share is not None
+
     def served(self, request_id: RequestId, computed_tokens: int,
                generated_tokens: int) -> None:
         """A step computed ``computed_tokens`` prompt tokens for the request (a prefix-cache

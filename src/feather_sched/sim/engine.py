@@ -88,7 +88,8 @@ class SimRequest:
     @classmethod
     def create(cls, spec: RequestSpec, index: int, config: EngineConfig) -> SimRequest:
         record = RequestRecord(spec.request_id, spec.prompt.size, spec.group, spec.arrival_s,
-                               priority=spec.priority)
+                               priority=spec.priority, tenant=spec.tenant,
+                               computed_tokens=0)
         keys = BlockKeys(config.block_tokens)(spec.prompt)
         per_chunk = keys_per_chunk(config.block_tokens, config.group_tokens)
         group = group_of(keys, spec.request_id, per_chunk)
@@ -136,6 +137,9 @@ class Policy(Protocol):
     def preemption_victim(self, running: Sequence[SimRequest]) -> SimRequest: ...
 
     def __len__(self) -> int: ...
+
+    # Optional, where ``counts_service`` is true: ``served(request_id, computed_tokens,
+    # generated_tokens)`` after each step, for each request of its batch (fair share).
 
 
 def _charged_s(policy: Policy) -> float:
@@ -549,18 +553,27 @@ class SimEngine:
         return model_s + self._uncharged_s
 
     def _credit(self, batch: list[SimRequest]) -> int:
-        """Apply the step's tokens at the step's end; returns output tokens emitted."""
+        """Apply the step's tokens at the step's end; returns output tokens emitted.  The
+        service a step did is counted: on the records, and for a policy that counts it
+        (``served``)."""
         emitted = 0
         finished = False
+        served = self.policy.served if getattr(self.policy, "counts_service", False) else None
         for request in batch:
+            decoding = request.num_output_tokens > 0 and request.scheduled_tokens == 1 and \
+                request.num_computed_tokens + 1 == request.num_tokens
+            computed = 0 if decoding else request.scheduled_tokens  # prefill, recompute
+            request.record.computed_tokens += computed
             request.num_computed_tokens += request.scheduled_tokens
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a prefill chunk that does not reach the end yet
-            if request.num_output_tokens < request.spec.output_len:
+            reached = request.num_computed_tokens >= request.num_tokens  # else mid-prefill
+            generated = int(reached and request.num_output_tokens < request.spec.output_len)
+            if generated:
                 request.num_output_tokens += 1
                 request.record.token_times_s.append(self.now)
                 emitted += 1
-            if request.num_output_tokens >= request.spec.output_len:
+            if served is not None:
+                self._timed(served, request.request_id, computed, generated)
+            if reached and request.num_output_tokens >= request.spec.output_len:
                 self._finish(request)
                 finished = True
         if finished:
