@@ -598,3 +598,23 @@ def test_without_a_tenant_in_the_view_or_without_fair_share_nothing_is_charged()
     plain.enter_waiting(req("a"))
     plain.served("a", 100, 1)  # a no-op
     assert plain.queue.share is None
+
+
+def test_the_urgent_victim_is_the_least_urgent_end_of_the_order_and_pays_once() -> None:
+    rt = runtime()  # max_urgent_preemptions 1 by default
+    low_old = Req("low-old", req("low-old", 1).keys, arrival=0.0, priority=1)
+    low_new = Req("low-new", req("low-new", 2).keys, arrival=1.0, priority=1)
+    urgent_running = Req("urgent-running", req("u", 3).keys, arrival=2.0, priority=0)
+    running = [low_old, low_new, urgent_running]
+    for request in running:
+        rt.enter_waiting(request)
+    rt.begin_pass([])
+    admit_all(rt, [])
+    waiting = Req("urgent", req("urgent", 4).keys, arrival=3.0, priority=0)
+    rt.enter_waiting(waiting)
+    assert rt.urgent_victim(running, waiting) is low_new  # the end of Feather's order
+    assert rt.urgent_victim(running, waiting) is low_old  # low-new was preempted so once
+    assert rt.urgent_victim(running, waiting) is None  # same class is never a victim
+    same = Req("same", req("same", 5).keys, arrival=4.0, priority=1)
+    assert rt.urgent_victim(running, same) is None
+    assert runtime(max_urgent_preemptions=0).urgent_victim(running, waiting) is None

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from feather_sched.cli import app
 from feather_sched.core.runtime import FeatherRuntime
+from feather_sched.costmodel.cost import CostModel
 from feather_sched.costmodel.hardware import HARDWARE
 from feather_sched.costmodel.model_profiles import MODELS
 from feather_sched.gates.base import BatchLayout
@@ -25,7 +26,7 @@ from feather_sched.sim.policies import (
 )
 from feather_sched.sim.runner import BLOCK_TOKENS, SimPlan, kv_pool_blocks, simulate
 from feather_sched.sim.vtc import VtcPolicy
-from feather_sched.workloads.spec import ArrivalSpec, RequestSpec, prioritized
+from feather_sched.workloads.spec import ArrivalSpec, RequestSpec, Workload, prioritized
 from feather_sched.workloads.synthetic import (
     minority_groups,
     multi_tenant,
@@ -485,3 +486,23 @@ def test_fair_share_narrows_the_service_gap_that_prefix_order_opens() -> None:
     run = simulate(plan, "feather-model-fair")
     flood = [r for r in run.records if r.tenant == "t0"]
     assert sum(r.computed_tokens for r in flood) < sum(r.prompt_len for r in flood) / 4
+
+
+def test_an_urgent_request_preempts_a_less_urgent_one_for_kv_room() -> None:
+    """Two long class-1 requests fill the pool; a class-0 one arriving later preempts the
+    newest of them at once (its TTFT one prefill), and with the option off it waits until
+    their growth preempts one."""
+    specs = [RequestSpec(f"low{i}", list(range(1 + 1000 * i, 1001 + 1000 * i)), 400, 0.0,
+                         priority=1) for i in range(2)]
+    specs.append(RequestSpec("urgent", list(range(5000, 5500)), 4, 0.05, priority=0))
+    workload = Workload("urgent", specs)
+
+    def run(options: dict) -> dict:
+        engine = SimEngine(CostModel(HARDWARE["h100-sxm"], MODELS["llama-3-8b"]),
+                           EngineConfig(num_blocks=155, max_num_seqs=8))
+        result = engine.run(workload, make_policy("feather-model", options, engine))
+        return {r.request_id: r for r in result.records}
+
+    preempting, waiting = run({}), run({"max_urgent_preemptions": 0})
+    assert preempting["urgent"].ttft_s < 0.1 < waiting["urgent"].ttft_s
+    assert preempting["low1"].preemptions >= 1 and all(r.success for r in preempting.values())

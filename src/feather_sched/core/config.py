@@ -130,6 +130,11 @@ class FeatherConfig:
     fair_quantum_tokens: int = DEFAULT_QUANTUM_TOKENS
     """How far, in weighted tokens, a tenant may get ahead of the least served one while
     the prefix order picks it (``fairness: tenants``); 0 is VTC's own rule."""
+    max_urgent_preemptions: int = 1
+    """A waiting request that cannot be admitted for lack of KV room or a seat preempts
+    the least urgent running request of a less urgent class (``FeatherRuntime.
+    urgent_victim``: the end of Feather's order among them), each running request at most
+    this many times over its life; 0 turns it off."""
     min_passing_tokens: int = DEFAULT_MIN_PASSING_TOKENS
     """Shortest prefix shared with the running set for which a waiting request passes
     older ones in the tree's order (0: any shared chunk)."""
@@ -449,6 +454,7 @@ VALIDATORS: dict[str, Callable[[Any], Any]] = {
     "fairness": _fairness_mode,
     "tenant_weights": _weights,
     "fair_quantum_tokens": _count,
+    "max_urgent_preemptions": _count,
     "min_passing_tokens": _count,
     "order_running": _boolean,
     "stats_file": _optional_path,

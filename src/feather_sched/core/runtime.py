@@ -38,6 +38,11 @@ contract, in the style of vLLM's ``RequestQueue``::
                                   of the youngest group of the least urgent class
                                   (an engine that preempts the end of the running
                                   list Feather ordered, like vLLM, need not ask)
+    urgent_victim(running, request)
+                                  the running request to preempt for a waiting
+                                  ``request`` of a more urgent class that lacks KV
+                                  room or a seat (None: none may be); the engine
+                                  preempts it and tries again
 
 Beside the pass, what an adapter may read or ask: ``reconcile(running, waiting)`` (an
 engine that changes its queues by paths no call shows, as SGLang can), ``preempted``,
@@ -121,6 +126,8 @@ class _Tracked(Generic[R]):
     arrival_s: float
     """As the queue was given it (kept when the queue is rebuilt, ``resync``)."""
     preemptions: int = 0
+    urgent_preemptions: int = 0
+    """Times it was the ``urgent_victim``."""
 
 
 @dataclass
@@ -380,6 +387,34 @@ class FeatherRuntime(Generic[R]):
         ``order_running`` off: the latest arrival of the least urgent class. O(n log n).
         """
         return self.order(running)[-1]
+
+    def urgent_victim(self, running: Sequence[R], request: R) -> R | None:
+        """The running request to preempt for ``request``, waiting and unable to run for
+        lack of KV room or a seat: ``preemption_victim`` among the running requests of a
+        less urgent class that were urgent victims fewer than ``max_urgent_preemptions``
+        times (counted here: the engine preempts what this returns); None when there is
+        none, or the option is 0.  So a request is preempted for urgency at most
+        ``max_urgent_preemptions`` times in its life, and an urgent request waits for KV
+        room only behind requests of its own class or a more urgent one, or ones already
+        preempted so.  O(n log n)."""
+        limit = self.config.max_urgent_preemptions
+        if not limit:
+            return None
+        priority, view, tracked = self.view.priority(request), self.view, self._tracked
+
+        def may_go(candidate: R) -> bool:
+            known = tracked.get(view.request_id(candidate))
+            return view.priority(candidate) > priority and (
+                known is None or known.urgent_preemptions < limit)
+
+        candidates = list(filter(may_go, running))
+        if not candidates:
+            return None
+        victim = self.preemption_victim(candidates)
+        known = tracked.get(view.request_id(victim))
+        if known is not None:
+            known.urgent_preemptions += 1
+        return victim
 
     def age_key(self, request: R) -> tuple[int, float, float]:
         """Sorts requests by class, the most urgent first, then by age, the oldest first:

@@ -6,9 +6,11 @@ run out, the policy's victim (vLLM FCFS: the most recently admitted; vLLM's prio
 policy: the latest arrival of the least urgent class; Feather: the newest member of that
 class's youngest prefix group); then, if nothing was
 preempted, admission from the waiting policy while the token budget and ``max_num_seqs``
-allow.  The batch is laid out like vLLM's *persistent batch* (new requests take the lowest
-free slot, then ``condense`` moves the last slots into the remaining holes), which is what
-interleaves prefix groups over time; under a policy whose ``layout`` is Feather's, each group
+allow (under Feather, a candidate that lacks KV blocks or a seat preempts its
+``urgent_victim``, a running request of a less urgent class).  The batch is laid out
+like vLLM's *persistent batch* (new requests take the lowest free slot, then ``condense``
+moves the last slots into the remaining holes), which is what interleaves prefix groups
+over time; under a policy whose ``layout`` is Feather's, each group
 gathers at its first slot, as Feather's worker plugin makes vLLM's V1 runner do.
 
 Every policy drives the contract of ``feather_sched.core.runtime`` (Feather is the real
@@ -139,7 +141,9 @@ class Policy(Protocol):
     def __len__(self) -> int: ...
 
     # Optional, where ``counts_service`` is true: ``served(request_id, computed_tokens,
-    # generated_tokens)`` after each step, for each request of its batch (fair share).
+    # generated_tokens)`` after each step, for each request of its batch (fair share);
+    # and ``urgent_victim(running, request)``: whom to preempt for a waiting request that
+    # lacks KV room or a seat (None: nobody; without it, nobody is).
 
 
 def _charged_s(policy: Policy) -> float:
@@ -433,13 +437,25 @@ class SimEngine:
         self._timed(self.policy.enter_waiting, request)
 
     def _admit(self, scheduled: list[SimRequest], budget: int) -> None:
-        """Admit waiting requests while budget, seats and KV blocks last."""
+        """Admit waiting requests while budget, seats and KV blocks last; where they do not
+        and the policy names an ``urgent_victim`` for the candidate, that victim is
+        preempted (its tokens of this step given back) and admission goes on."""
         pool, block_tokens = self.pool, self.config.block_tokens
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        urgent = getattr(self.policy, "urgent_victim", None)
+        while budget > 0:
+            full = len(self.running) >= self.config.max_num_seqs
+            if full and urgent is None:
+                return
             answer = self._timed(self.policy.decide)
             if answer is None or answer.decision is Decision.STOP:
                 return
             request = self._by_id[answer.request_id]
+            if full:
+                refund = self._preempt_for(request, scheduled)
+                if refund is None:
+                    return
+                budget += refund
+                continue
             num_tokens = request.num_tokens
             # As vLLM: cached blocks are skipped, but the last token is always computed.
             hits = min(len(pool.match(request.keys)), (num_tokens - 1) // block_tokens)
@@ -447,7 +463,11 @@ class SimEngine:
             tokens = min(num_tokens - cached, budget)
             if not pool.allocate(request.request_id, request.keys[:hits], cached + tokens,
                                  query_tokens=num_tokens):
-                return
+                refund = None if urgent is None else self._preempt_for(request, scheduled)
+                if refund is None:
+                    return
+                budget += refund
+                continue
             self._timed(self.policy.admit, request)
             if request.record.cached_tokens is None:
                 request.record.cached_tokens = cached
@@ -456,6 +476,20 @@ class SimEngine:
             self.running.append(request)
             self._mark(request, tokens, scheduled)
             budget -= tokens
+
+    def _preempt_for(self, request: SimRequest, scheduled: list[SimRequest]) -> int | None:
+        """Preempt the policy's ``urgent_victim`` for waiting ``request``; the tokens it
+        had scheduled this step (taken off the batch), or None when there is no victim."""
+        victim = self._timed(self.policy.urgent_victim, self.running, request)
+        if victim is None:
+            return None
+        self.running.remove(victim)
+        refund = 0
+        if victim.step == self._step:
+            scheduled.remove(victim)
+            refund, victim.scheduled_tokens, victim.step = victim.scheduled_tokens, 0, -1
+        self._preempt(victim)
+        return refund
 
     def _mark(self, request: SimRequest, tokens: int, scheduled: list[SimRequest]) -> None:
         """Schedule ``tokens`` of the request in this step.
