@@ -28,6 +28,19 @@ def test_feather_names_carry_gate_and_order() -> None:
     assert unbounded.feather_options({})["max_stops"] is None
 
 
+def test_fair_share_and_vtc_have_names() -> None:
+    fair = parse_scheduler("feather-model-unbounded-fair")
+    assert (fair.gate, fair.bounded, fair.fair) == ("model", False, True)
+    assert fair.feather_options({})["fairness"] == "tenants"
+    assert "fairness" not in parse_scheduler("feather-model").feather_options({})
+    assert parse_scheduler("vtc").kind is SchedulerKind.VTC
+    assert not parse_scheduler("vtc").priority_policy(2)
+    with pytest.raises(ValueError, match="unknown scheduler 'vtc'"):
+        parse_scheduler("vtc", ENGINE_KINDS)
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        parse_scheduler("feather-model-fair-unbounded")
+
+
 def test_each_context_accepts_only_what_it_can_run() -> None:
     assert [n.kind for n in parse_schedulers("fcfs, fcfs-nocache,feather-always",
                                              ENGINE_KINDS)] == [

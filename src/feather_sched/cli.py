@@ -168,7 +168,10 @@ def options_of(fields_of: type, helps: dict[str, str], flags: dict[str, tuple[st
 
 WORKLOAD_HELP = {  # WorkloadArgs field -> its option's help, in --help's order
     "kind": "shared-prefix, minority (one group of --prompts-per-group, --groups - 1 groups "
-            "of --minority-size), long-docs, chat, no-sharing.",
+            "of --minority-size), long-docs, chat, no-sharing, multi-tenant (--groups "
+            "tenants: t0 floods with 4 x --prompts-per-group requests sharing a "
+            "--prefix-len prefix; the others send --prompts-per-group unshared prompts "
+            "each, or short ones with 8 x --output-len).",
     "trace": "Replay a JSONL or Mooncake trace (timestamp, input_length, output_length, "
              "hash_ids).",
     "dataset_name": "Real prompts instead of a generated workload: sharegpt or bfcl-tools "
@@ -199,10 +202,12 @@ WORKLOAD_HELP = {  # WorkloadArgs field -> its option's help, in --help's order
                            "trace's, else one). With several classes, priority and Feather "
                            "runs use the engine's priority policy; other runs get every "
                            "priority stripped to 0.",
+    "tenants": "Spread the requests over this many tenants (t0, t1, ...; a prefix group in "
+               "one tenant); 1 (default): the workload's own (a trace's, else one).",
     "seed": "Workload seed.",
 }
 AT_LEAST_ONE = ("max_requests", "dataset_output_len", "groups", "prompts_per_group",
-                "prefix_len", "suffix_len", "output_len", "minority_size")
+                "prefix_len", "suffix_len", "output_len", "minority_size", "tenants")
 WORKLOAD_OPTIONS = options_of(
     WorkloadArgs, WORKLOAD_HELP, flags={"kind": ("--workload",)},
     checks={"start": {"min": 0}, "high_priority_share": {"min": 0.0, "max": 1.0},

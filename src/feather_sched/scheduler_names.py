@@ -6,10 +6,13 @@
   ``scheduling_policy="priority"``: waiting requests by (priority, arrival), the victim of
   preemption the latest arrival of the least urgent class);
 * ``sglang-lpm``, ``sglang-dfs-weight`` - SGLang's cache-aware policies (simulator only);
+* ``vtc`` - VTC (Sheng et al., OSDI'24): fair share between tenants by a virtual token
+  counter, FIFO within a tenant, no prefix order (simulator only);
 * ``feather-<gate>`` - Feather with gate ``always``, ``chunk-loss``, ``bandit`` or
-  ``model``; ``-noorder`` keeps the engine's running order (to measure ordering's share)
-  and ``-unbounded`` turns the fairness bound off (to measure what fairness costs), in
-  that order when both are given.
+  ``model``; ``-noorder`` keeps the engine's running order (to measure ordering's share),
+  ``-unbounded`` turns the fairness bound off (to measure what fairness costs) and
+  ``-fair`` turns fair share between tenants on (``fairness: tenants``), in that order
+  when several are given.
 
 Where a workload has several priority classes, Feather names run under the engine's
 priority policy too (``SchedulerName.priority_policy``); the other names run first come
@@ -37,6 +40,7 @@ class SchedulerKind(Enum):
     PRIORITY = "priority"
     SGLANG_LPM = "sglang-lpm"
     SGLANG_DFS_WEIGHT = "sglang-dfs-weight"
+    VTC = "vtc"
     FEATHER = "feather"
 
 
@@ -44,11 +48,13 @@ ENGINE_KINDS = frozenset({SchedulerKind.FCFS, SchedulerKind.FCFS_NOCACHE,
                           SchedulerKind.PRIORITY, SchedulerKind.FEATHER})
 """What ``feather bench`` runs on the real vLLM engine."""
 SIM_KINDS = frozenset({SchedulerKind.FCFS, SchedulerKind.PRIORITY, SchedulerKind.SGLANG_LPM,
-                       SchedulerKind.SGLANG_DFS_WEIGHT, SchedulerKind.FEATHER})
+                       SchedulerKind.SGLANG_DFS_WEIGHT, SchedulerKind.VTC,
+                       SchedulerKind.FEATHER})
 """What ``feather sim`` models."""
 
 NOORDER = "-noorder"
 UNBOUNDED = "-unbounded"
+FAIR = "-fair"
 SHARED, NOSHARED = "-shared", "-noshared"
 
 
@@ -61,6 +67,8 @@ class SchedulerName:
     gate: str | None = None
     order_running: bool = True
     bounded: bool = True
+    fair: bool = False
+    """Fair share between tenants (``-fair``)."""
     shared_prefix: bool | None = None
     """Shared-prefix attention on or off; None: the context's default."""
 
@@ -71,6 +79,8 @@ class SchedulerName:
         options = {**base, "gate": self.gate, "order_running": self.order_running}
         if not self.bounded:
             options.update(max_overtakes=None, max_stops=None)
+        if self.fair:
+            options["fairness"] = "tenants"
         return options | self.attention_options()
 
     def priority_policy(self, classes: int) -> bool:
@@ -97,9 +107,10 @@ def parse_scheduler(name: str, allowed: Collection[SchedulerKind] = SIM_KINDS) -
         raise ValueError(f"unknown scheduler {name!r}: use {choices(allowed)}")
     if kind is not SchedulerKind.FEATHER:
         return SchedulerName(name, kind, shared_prefix=shared)
-    gate, bounded = _strip(base.removeprefix("feather-"), UNBOUNDED)
+    gate, unfair = _strip(base.removeprefix("feather-"), FAIR)
+    gate, bounded = _strip(gate, UNBOUNDED)
     gate, ordered = _strip(gate, NOORDER)
-    return SchedulerName(name, kind, gate, ordered, bounded, shared)
+    return SchedulerName(name, kind, gate, ordered, bounded, not unfair, shared)
 
 
 def parse_schedulers(names: str, allowed: Collection[SchedulerKind] = SIM_KINDS
@@ -115,7 +126,7 @@ def choices(allowed: Collection[SchedulerKind]) -> str:
     names = [kind.value for kind in SchedulerKind if kind in allowed and
              kind is not SchedulerKind.FEATHER]
     if SchedulerKind.FEATHER in allowed:
-        names.append(f"feather-<{'|'.join(GATE_KINDS)}>[{NOORDER}][{UNBOUNDED}]")
+        names.append(f"feather-<{'|'.join(GATE_KINDS)}>[{NOORDER}][{UNBOUNDED}][{FAIR}]")
     return ", ".join(names) + f", each optionally ending in {SHARED} or {NOSHARED}"
 
 
@@ -134,7 +145,9 @@ def _attention(name: str) -> tuple[str, bool | None]:
 
 def _kind(name: str) -> SchedulerKind | None:
     if name.startswith(SchedulerKind.FEATHER.value):
-        gate = _strip(_strip(name.removeprefix("feather-"), UNBOUNDED)[0], NOORDER)[0]
+        gate = name.removeprefix("feather-")
+        for suffix in (FAIR, UNBOUNDED, NOORDER):
+            gate = _strip(gate, suffix)[0]
         return SchedulerKind.FEATHER if gate in GATE_KINDS else None
     try:
         return SchedulerKind(name)

@@ -28,7 +28,7 @@ VLLM_KEYS = [
 ]
 GROUP_KEYS = ["worst_group_mean_ttft_ms", "worst_group_p99_ttft_ms", "ttft_by_group"]
 PRIORITY_KEYS = ["preemptions", "max_preemptions_per_request", "preemptions_by_group",
-                 "scheduling_policy", "by_priority"]
+                 "scheduling_policy", "by_priority", "by_tenant", "max_service_gap"]
 FEATHER_KEYS = ["mean_batch_size", "mean_groups_per_step", "prefix_cache_hit_rate",
                 "gate_add", "gate_stop", "gate_forced", "schedule_ms_per_call",
                 "engine_step_ms"]
@@ -372,3 +372,27 @@ def test_prefill_over_the_floor_counts_each_groups_prefix_once() -> None:
     shorter = [record(0, 0), record(0, 100), record(1, 0), record(1, 60), record(-1, 0)]
     assert prefill_over_floor(shorter, workload({0: 100, 1: 60, -1: 0})) == 1.0  # 550-100-60
     assert prefill_over_floor(shorter, even) == pytest.approx(390 / 350)
+
+
+def test_figures_per_tenant_and_the_service_gap_while_all_are_in() -> None:
+    """a (tenant x) computes 4 prompt tokens, first token at 0.1, two more at 0.2, 0.4;
+    b (tenant y) 8 prompt tokens at 0.8, then 1.0: both in over [0.5, 0.4] - never, so
+    no gap; c (y) arrives at 0.0 and runs to 1.0: both in over [0.0, 0.4]."""
+    records = [
+        RequestRecord("a", 10, 0, 0.0, [0.1, 0.2, 0.4], 0.4, True, tenant="x",
+                      computed_tokens=4),
+        RequestRecord("b", 20, 0, 0.5, [0.8, 1.0], 1.0, True, tenant="y", computed_tokens=8),
+    ]
+    run = RunResult("vtc", records, duration_s=2.0)
+    summary = summarize(run)
+    assert summary["by_tenant"]["x"]["service"] == 4 + 2 * 3
+    assert summary["by_tenant"]["y"]["service"] == 8 + 2 * 2
+    assert summary["by_tenant"]["y"]["requests"] == 1 and summary["max_service_gap"] is None
+    records.append(RequestRecord("c", 5, 0, 0.0, [0.3, 0.9], 1.0, True, tenant="y",
+                                 computed_tokens=5))
+    summary = summarize(RunResult("vtc", records, duration_s=2.0))
+    assert summary["max_service_gap"] == (4 + 2 * 3) - (5 + 2 * 1)  # in [0.0, 0.4]
+    assert "x (1 req) TTFT" in format_result_block(run, summarize(run))
+    records[2].computed_tokens = None
+    assert summarize(RunResult("vtc", records, duration_s=2.0))["max_service_gap"] is None
+    assert summarize(two_requests_and_a_failure())["by_tenant"] is None

@@ -340,3 +340,21 @@ def test_held_chunks_is_the_prefix_a_group_shares_with_any_request() -> None:
     tree.admit("b")
     assert tree.held_chunks("a") == 2  # with a running one
     assert tree.held_chunks("c") == 0
+
+
+def test_best_of_a_tenant_is_the_trees_order_among_its_requests() -> None:
+    tree = ChunkedHashTree(by_tenant=True)
+    tree.add("run", [(1,), (1, 2)], tenant="a")
+    tree.admit("run")
+    tree.add("a-old", [(9,)], tenant="a")
+    tree.add("b-old", [(8,)], tenant="b")
+    tree.add("b-shares", [(1,), (1, 2), (1, 2, 3)], tenant="b")
+    assert tree.best() == "b-shares" and tree.best_of("b") == "b-shares"
+    assert tree.best_of("a") == "a-old" and tree.tenant("a-old") == "a"
+    tree.admit("b-shares")
+    assert tree.best_of("b") == "b-old" and tree.best_of("nobody") is None
+    for i in range(300):  # stale entries are compacted as ranks move
+        tree.add(f"x{i}", [(1,), (1, 5, i)], tenant="c")
+        tree.admit(f"x{i}")
+        tree.requeue(f"x{i}")
+    assert tree.best_of("c") == "x0" and len(tree._tenant_heaps["c"]) < 4 * 300 + 64

@@ -78,6 +78,16 @@ def test_min_passing_tokens_reach_the_tree() -> None:
     assert FeatherConfig().make_queue().tree.min_rank_chunks == 2
 
 
+def test_fair_share_reaches_the_queue_with_its_weights_and_quantum() -> None:
+    assert FeatherConfig().make_queue().share is None
+    config = FeatherConfig.from_sources(
+        {"fairness": "tenants", "tenant_weights": {"gold": 2}}, environ={
+            "FEATHER_FAIR_QUANTUM_TOKENS": "512"})
+    share = config.make_queue().share
+    assert share is not None and share.quantum == 512
+    assert (share.weight("gold"), share.weight("anyone")) == (2.0, 1.0)
+
+
 def test_json_values_mean_what_the_documentation_says() -> None:
     """"off" turns a bound off in JSON as in the environment; "no" is false."""
     config = FeatherConfig.from_sources({"max_wait_s": "off", "order_running": "no",
@@ -107,6 +117,11 @@ def test_json_values_mean_what_the_documentation_says() -> None:
         ({}, {"FEATHER_CHUNK_TOKENS": "many"}, "FEATHER_CHUNK_TOKENS='many'"),
         ({}, {"FEATHER_GATE_OPTIONS": "[1]"}, "must be a JSON object"),
         ({}, {"FEATHER_ORDER_RUNNING": "maybe"}, "must be true or false"),
+        ({"fairness": "clients"}, {}, "'fairness': must be one of off, tenants"),
+        ({"tenant_weights": {"a": 0}}, {}, "'tenant_weights': tenant 'a': a weight must"),
+        ({"tenant_weights": {"a": True}}, {}, "'tenant_weights': tenant 'a'"),
+        ({"tenant_weights": [1]}, {}, "'tenant_weights': must be a JSON object"),
+        ({"fair_quantum_tokens": -1}, {}, "'fair_quantum_tokens': must be a non-negative"),
     ],
 )
 def test_bad_options_name_themselves(options, environ, message) -> None:
@@ -297,6 +312,9 @@ VALID = {
     "order_running": st.booleans(),
     "shared_prefix_attention": st.sampled_from(["auto", "on", "off"]),
     "shared_prefix_min_tokens": st.none() | st.integers(1, 65536),
+    "fairness": st.sampled_from(["off", "tenants"]),
+    "tenant_weights": st.dictionaries(st.text(max_size=4), st.floats(0.1, 10), max_size=2),
+    "fair_quantum_tokens": st.integers(0, 10**6),
     **dict.fromkeys(FILE_OPTIONS, st.none() | st.sampled_from(["f.json", "f{rank}.json"])),
 }
 """Mostly valid values (gate options anything), so that examples get past the first

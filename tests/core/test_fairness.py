@@ -18,19 +18,23 @@ class Model:
     def __init__(self) -> None:
         self.sequence: dict[str, int] = {}
         self.priority: dict[str, int] = {}
+        self.tenant: dict[str, int] = {}
         self.log: list[str] = []
         self.entered: dict[str, int] = {}
         self.held: dict[str, int] = {}
 
-    def arrive(self, rid: str, priority: int = 0) -> None:
+    def arrive(self, rid: str, priority: int = 0, tenant: int = 0) -> None:
         self.sequence[rid] = len(self.sequence)
         self.priority[rid] = priority
+        self.tenant[rid] = tenant
         self.entered[rid] = len(self.log)
 
     def overtakes(self, rid: str) -> int:
-        """Admissions since it entered of later arrivals not more urgent than it."""
+        """Admissions since it entered of later arrivals of its tenant not more urgent
+        than it."""
         return sum(self.sequence[a] > self.sequence[rid] and
-                   self.priority[a] >= self.priority[rid]
+                   self.priority[a] >= self.priority[rid] and
+                   self.tenant[a] == self.tenant[rid]
                    for a in self.log[self.entered[rid]:])
 
     def top(self) -> int:
@@ -100,10 +104,12 @@ operations = st.lists(st.tuples(st.sampled_from(["arrive", "admit", "skip", "pre
 
 
 @settings(max_examples=200, deadline=None)
-@given(operations, st.integers(0, 4), st.integers(1, 3))
-def test_counts_and_the_due_request_match_the_model(ops, limit: int, classes: int) -> None:
-    """Requests of ``classes`` priority classes: counts by later arrivals of the same or a
-    less urgent class, the due request of the most urgent class waiting."""
+@given(operations, st.integers(0, 4), st.integers(1, 3), st.integers(1, 3))
+def test_counts_and_the_due_request_match_the_model(ops, limit: int, classes: int,
+                                                    tenants: int) -> None:
+    """Requests of ``classes`` priority classes and ``tenants`` tenants: counts by later
+    arrivals of the same tenant and the same or a less urgent class, the due request of
+    the most urgent class waiting."""
     bound, model = OvertakeBound(limit), Model()
     waiting: list[str] = []
     running: list[str] = []
@@ -112,8 +118,9 @@ def test_counts_and_the_due_request_match_the_model(ops, limit: int, classes: in
     for n, (op, arg) in enumerate(ops):
         if op == "arrive":
             rid = f"r{n}"
-            bound.arrive(rid, priority=arg % classes)
-            model.arrive(rid, arg % classes)
+            tenant = arg // classes % tenants
+            bound.arrive(rid, priority=arg % classes, tenant=tenant)
+            model.arrive(rid, arg % classes, tenant)
             waiting.append(rid)
         elif op == "admit" and waiting:
             rid = waiting.pop(arg % len(waiting))

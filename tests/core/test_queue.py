@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from feather_sched.core.cht import CHTError
 from feather_sched.core.prefix import group_of
 from feather_sched.core.queue import FeatherQueue, QueueState
+from feather_sched.core.tenants import TenantShare
 from feather_sched.gates.base import BatchLayout, Decision, GateContext, Unobservant
 from feather_sched.gates.heuristic import AlwaysAddGate, ChunkLossGate
 
@@ -434,3 +435,76 @@ def test_every_request_ends_exactly_once(ops: list[tuple[str, int]]) -> None:
         running.clear()
     assert sorted(ended) == sorted(added)
     assert len(set(ended)) == len(ended)
+
+
+def fair_queue(quantum: float = 100, **options) -> FeatherQueue:
+    return FeatherQueue(AlwaysAddGate(), share=TenantShare(quantum=quantum), **options)
+
+
+def test_the_share_admits_in_prefix_order_until_a_tenant_is_a_quantum_ahead() -> None:
+    queue = fair_queue(quantum=100, max_overtakes=None)
+    queue.add("running", group_keys(0, 0), tenant="flood")
+    queue.admit("running")
+    for i in range(1, 4):
+        queue.add(f"flood{i}", group_keys(0, i), tenant="flood")
+    queue.add("other", group_keys(1, 0), tenant="other")
+    assert queue.candidate() == "flood1"  # shares the running prefix, within the quantum
+    queue.share.charge("flood", 100, 0)
+    assert queue.candidate() == "flood1"  # exactly a quantum ahead: still admitted
+    queue.share.charge("flood", 1, 0)
+    assert queue.candidate() == "other"  # over it: the least served goes first
+    assert admit_next(queue) == "other"
+    assert queue.candidate() == "flood1"  # "other" no longer waits: nobody to yield to
+
+
+def test_the_best_of_the_tenants_admitted_is_in_the_trees_order() -> None:
+    queue = fair_queue(quantum=0, max_overtakes=None)
+    queue.add("running", group_keys(0, 0), tenant="a")
+    queue.admit("running")
+    queue.add("b-plain", group_keys(5, 0), tenant="b")
+    queue.add("b-shares", group_keys(0, 1), tenant="b")
+    queue.add("a-shares", group_keys(0, 2), tenant="a")
+    queue.share.charge("a", 10, 0)
+    assert queue.candidate() == "b-shares"  # b's best by prefix, not its oldest
+
+
+def test_classes_come_before_the_share() -> None:
+    queue = fair_queue(quantum=0)
+    queue.add("rich-urgent", group_keys(0, 0), priority=0, tenant="rich")
+    queue.add("poor-later", group_keys(1, 0), priority=1, tenant="poor")
+    queue.share.charge("rich", 10**6, 0)
+    assert queue.candidate() == "rich-urgent"
+
+
+def test_within_the_share_overtakes_count_only_within_a_tenant() -> None:
+    """Another tenant's later arrivals pass by the share, not against the bound; a tenant's
+    own later arrivals still count."""
+    queue = fair_queue(quantum=0, max_overtakes=1, max_wait_s=None)
+    queue.add("running", group_keys(0, 0), tenant="a")
+    queue.admit("running")
+    queue.add("a-old", group_keys(3, 0), tenant="a")
+    queue.add("b-new", group_keys(0, 1), tenant="b")
+    queue.add("a-new", group_keys(0, 2), tenant="a")
+    queue.share.charge("a", 10, 0)
+    assert admit_next(queue) == "b-new"
+    assert queue.due() is None  # passed by b only
+    queue.share.charge("b", 100, 0)
+    assert admit_next(queue) == "a-new"  # a's prefix order passes its own old request
+    assert queue.due() == "a-old"
+    assert [queue.state(r) for r in ("a-old",)] == [QueueState.WAITING]
+
+
+def test_the_share_forgets_what_leaves_waiting() -> None:
+    queue = fair_queue(quantum=0)
+    queue.add("a", group_keys(0, 0), tenant="a")
+    queue.add("b", group_keys(1, 0), tenant="b")
+    queue.share.charge("b", 5, 0)
+    queue.hold("a")
+    assert queue.candidate() == "b"  # a, held, is not backlogged
+    queue.requeue("a")
+    assert queue.share.service("a") == 5  # lifted: its time away banked nothing
+    assert queue.share.eligible_tenants() == ["b", "a"]
+    queue.remove("a")
+    assert queue.share.eligible_tenants() == ["b"]
+    queue.clear()
+    assert queue.share.eligible_tenants() == [] and queue.share.service("b") == 5

@@ -555,3 +555,66 @@ def test_guarded_calls_contain_a_fault_and_run_the_adapters_fall_back(
 
 def _interrupt() -> None:
     raise KeyboardInterrupt
+
+
+@dataclass(eq=False)
+class TenantReq(Req):
+    tenant: str = "default"
+
+
+class TenantView(View):
+    def tenant(self, request: TenantReq) -> str:
+        return request.tenant
+
+
+def test_served_work_is_the_tenants_and_steers_the_next_admissions() -> None:
+    config = FeatherConfig.from_sources({"gate": "always", "max_wait_s": None,
+                                         "fairness": "tenants", "fair_quantum_tokens": 0},
+                                        environ={})
+    rt = FeatherRuntime(config, TenantView(), clock=lambda: 0.0)
+    flood = [TenantReq(f"f{i}", req(f"f{i}", 0).keys, tenant="flood") for i in range(3)]
+    other = TenantReq("o", req("o", 1).keys, arrival=1.0, tenant="other")
+    for request in [*flood, other]:
+        rt.enter_waiting(request)
+    running: list[Req] = []
+    rt.begin_pass(running)
+    assert [r.rid for r in admit_all(rt, running, limit=1)] == ["f0"]
+    rt.end_pass(1, running)
+    rt.served("f0", computed_tokens=300, generated_tokens=1)
+    rt.served("unknown", computed_tokens=10**6, generated_tokens=0)  # ignored
+    assert rt.queue.share.service("flood") == 302
+    assert rt.queue.share.service("other") == 0
+    rt.begin_pass(running)
+    assert [r.rid for r in admit_all(rt, running, limit=1)] == ["o"]  # the less served
+    assert [r.rid for r in rt.rank_waiting(flood[1:])] == ["f1", "f2"]
+
+
+def test_without_a_tenant_in_the_view_or_without_fair_share_nothing_is_charged() -> None:
+    rt = runtime(fairness="tenants")
+    rt.enter_waiting(req("a"))
+    rt.served("a", 100, 1)
+    assert rt.queue.tenant("a") == "default" and rt.queue.share.service("default") == 102
+    plain = runtime()
+    plain.enter_waiting(req("a"))
+    plain.served("a", 100, 1)  # a no-op
+    assert plain.queue.share is None
+
+
+def test_the_urgent_victim_is_the_least_urgent_end_of_the_order_and_pays_once() -> None:
+    rt = runtime()  # max_urgent_preemptions 1 by default
+    low_old = Req("low-old", req("low-old", 1).keys, arrival=0.0, priority=1)
+    low_new = Req("low-new", req("low-new", 2).keys, arrival=1.0, priority=1)
+    urgent_running = Req("urgent-running", req("u", 3).keys, arrival=2.0, priority=0)
+    running = [low_old, low_new, urgent_running]
+    for request in running:
+        rt.enter_waiting(request)
+    rt.begin_pass([])
+    admit_all(rt, [])
+    waiting = Req("urgent", req("urgent", 4).keys, arrival=3.0, priority=0)
+    rt.enter_waiting(waiting)
+    assert rt.urgent_victim(running, waiting) is low_new  # the end of Feather's order
+    assert rt.urgent_victim(running, waiting) is low_old  # low-new was preempted so once
+    assert rt.urgent_victim(running, waiting) is None  # same class is never a victim
+    same = Req("same", req("same", 5).keys, arrival=4.0, priority=1)
+    assert rt.urgent_victim(running, same) is None
+    assert runtime(max_urgent_preemptions=0).urgent_victim(running, waiting) is None

@@ -11,16 +11,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from feather_sched.workloads.options import WorkloadArgs
 from feather_sched.workloads.spec import (
+    DEFAULT_TENANT,
     ArrivalSpec,
     RequestSpec,
     Workload,
     arrival_times,
     prioritized,
+    tenanted,
 )
 from feather_sched.workloads.synthetic import (
     long_documents,
     minority_groups,
+    multi_tenant,
     multi_turn_chat,
     no_sharing,
     shared_prefix_groups,
@@ -46,6 +50,9 @@ GENERATORS: dict[str, Callable[..., Workload]] = {
         **kw,
     ),
     "none": lambda **kw: no_sharing(requests=20, prompt_len=64, output_len=8, **kw),
+    "tenants": lambda **kw: multi_tenant(tenants=3, requests_per_tenant=4, prefix_len=64,
+                                         suffix_len=8, output_len=4, short_prompt_len=16,
+                                         **kw),
 }
 
 
@@ -606,3 +613,64 @@ def test_a_replay_of_token_ids_takes_a_window_and_a_speed_but_no_scale(tmp_path:
 def test_a_bad_replay_is_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         Replay(**bad)
+
+
+# --------------------------------------------------------------------------- tenants
+
+
+def test_multi_tenant_floods_from_one_shared_prefix() -> None:
+    workload = GENERATORS["tenants"](arrival=POISSON)
+    assert workload.tenants == {"t0": 16, "t1": 4, "t2": 4}
+    flood = [r for r in workload if r.tenant == "t0"]
+    assert {r.group for r in flood} == {0} and all(r.shared_len == 64 for r in flood)
+    assert len({r.prompt[:64].tobytes() for r in flood}) == 1
+    unshared = [r for r in workload if r.tenant == "t1"]
+    assert all(r.group == -1 and r.prompt.size == 72 and r.output_len == 4 for r in unshared)
+    long_output = [r for r in workload if r.tenant == "t2"]
+    assert all(r.prompt.size == 16 and r.output_len == 32 for r in long_output)
+    assert "3 tenants" in workload.describe()
+    with pytest.raises(ValueError, match="2 or more tenants"):
+        multi_tenant(tenants=1, requests_per_tenant=4, prefix_len=8, suffix_len=2,
+                     output_len=1)
+
+
+def test_tenanted_keeps_a_prefix_group_in_one_tenant() -> None:
+    workload = tenanted(GENERATORS["shared"](), 3)
+    by_tenant = {g: {r.tenant for r in members} for g, members in by_group(workload).items()}
+    assert by_tenant == {0: {"t0"}, 1: {"t1"}, 2: {"t2"}, 3: {"t0"}}
+    assert tenanted(workload, 1) is workload
+    alone = tenanted(GENERATORS["none"](), 4)
+    assert [r.tenant for r in alone][:5] == ["t0", "t1", "t2", "t3", "t0"]
+    with pytest.raises(ValueError, match="tenants must be a positive integer"):
+        tenanted(workload, 0)
+
+
+def test_tenants_round_trip_and_default_when_absent(tmp_path: Path) -> None:
+    workload = GENERATORS["tenants"]()
+    save_jsonl(workload, tmp_path / "w.jsonl")
+    assert load_jsonl(tmp_path / "w.jsonl").tenants == workload.tenants
+    good = {k: v for k, v in GOOD.items() if k != "tenant"}
+    assert load_jsonl(write_lines(tmp_path / "old.jsonl", [HEADER, good])).tenants == {
+        DEFAULT_TENANT: 1}
+    with pytest.raises(ValueError, match="line 2: field 'tenant'"):
+        load_jsonl(write_lines(tmp_path / "bad.jsonl", [HEADER, good | {"tenant": 3}]))
+    with pytest.raises(ValueError, match="tenant must be a non-empty string"):
+        RequestSpec("r", [5], 3, 0.5, tenant="")
+    assert RequestSpec("r", [5], 3, 0.5, tenant="a") != RequestSpec("r", [5], 3, 0.5)
+
+
+def test_mooncake_reads_an_optional_tenant(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "mc.jsonl", [mooncake_line(0, 5, [1]),
+                                               mooncake_line(1, 5, [1]) | {"tenant": "acme"}])
+    assert [r.tenant for r in load_mooncake(path, block_tokens=12)] == [DEFAULT_TENANT, "acme"]
+
+
+def test_workload_options_spread_tenants() -> None:
+    built = WorkloadArgs(groups=4, prompts_per_group=2, prefix_len=16, suffix_len=4,
+                         output_len=2, tenants=2).build()
+    assert built.tenants == {"t0": 4, "t1": 4}
+    flood = WorkloadArgs(kind="multi-tenant", groups=3, prompts_per_group=2, prefix_len=16,
+                         suffix_len=4, output_len=2).build()
+    assert flood.tenants == {"t0": 8, "t1": 2, "t2": 2}
+    with pytest.raises(ValueError, match="leave --tenants at 1"):
+        WorkloadArgs(kind="multi-tenant", tenants=2).build()

@@ -45,6 +45,9 @@ def format_result_block(run: RunResult, summary: Summary) -> str:
     if summary["by_priority"] is not None:
         lines.append(_title("Per priority class (lower more urgent)", "-"))
         lines.extend(_priority_lines(summary))
+    if summary.get("by_tenant") is not None:
+        lines.append(_title("Per tenant", "-"))
+        lines.extend(_tenant_lines(summary))
     if summary["preemptions_by_group"] and summary["preemptions"]:
         lines.append(_title("Preemptions per prefix group (total / max)", "-"))
         lines.extend(_preemption_lines(summary))
@@ -132,6 +135,22 @@ def _priority_lines(summary: Summary) -> list[str]:
             _number(f"Class {priority} output tok/s:", c["output_throughput"]),
         ]
     return lines
+
+
+def _tenant_lines(summary: Summary) -> list[str]:
+    """Each tenant's latencies, throughput and service, then the largest service gap."""
+    lines = []
+    for tenant, t in summary["by_tenant"].items():  # type: ignore[union-attr]
+        lines += [
+            LINE.format(f"{tenant} ({t['requests']} req) TTFT mean / p99 (ms):",
+                        f"{t['mean_ttft_ms']:.2f} / {t['p99_ttft_ms']:.2f}"),
+            LINE.format(f"{tenant} E2EL mean / p99 (ms):",
+                        f"{t['mean_e2el_ms']:.2f} / {t['p99_e2el_ms']:.2f}"),
+            _number(f"{tenant} output tok/s:", t["output_throughput"]),
+            _number(f"{tenant} service (weighted tokens):", t["service"]),
+        ]
+    return [*lines, _number("Largest service gap, all in (tokens):",
+                            summary.get("max_service_gap"))]
 
 
 def _preemption_lines(summary: Summary) -> list[str]:
@@ -323,6 +342,16 @@ def report_markdown(runs: dict[str, Summary]) -> str:
                              f"{_fmt(c['mean_ttft_ms'])} / {_fmt(c['p99_ttft_ms'])} | "
                              f"{_fmt(c['mean_e2el_ms'])} / {_fmt(c['p99_e2el_ms'])} | "
                              f"{_fmt(c['output_throughput'])} |")
+    if any(s.get("by_tenant") for s in runs.values()):
+        lines += ["", "| run | tenant | requests | mean / p99 TTFT ms | mean / p99 E2EL ms | "
+                  "out tok/s | service | largest service gap |", "|---" * 8 + "|"]
+        for name, s in runs.items():
+            for tenant, t in (s.get("by_tenant") or {}).items():
+                lines.append(f"| {name} | {tenant} | {t['requests']} | "
+                             f"{_fmt(t['mean_ttft_ms'])} / {_fmt(t['p99_ttft_ms'])} | "
+                             f"{_fmt(t['mean_e2el_ms'])} / {_fmt(t['p99_e2el_ms'])} | "
+                             f"{_fmt(t['output_throughput'])} | {_fmt(t['service'])} | "
+                             f"{_fmt(s.get('max_service_gap'))} |")
     return "\n".join(lines) + "\n"
 
 

@@ -3,7 +3,7 @@
 * ``cht`` - the Chunked Hash Tree: chunk keys, waiting and running requests, the best
   candidate; ``prefix`` - the one notion of a prefix group and of a batch's shared tokens;
 * ``queue`` - ``FeatherQueue``: the tree's order, the gate, and the bounds on waiting
-  (``fairness``); requests WAITING, RUNNING or HELD;
+  (``fairness``) and between tenants (``tenants``); requests WAITING, RUNNING or HELD;
 * ``config`` - ``FeatherConfig``: every option, validated once; ``faults`` -
   ``FaultGuard``: Feather's own exceptions contained;
 * ``runtime`` - ``FeatherRuntime``: the one contract vLLM, SGLang and the simulator drive.
@@ -24,11 +24,13 @@ from feather_sched.core.faults import FaultGuard
 from feather_sched.core.prefix import describe_batch, keys_per_chunk
 from feather_sched.core.queue import Admission, QueueState
 from feather_sched.core.runtime import FeatherRuntime, RequestView
+from feather_sched.core.tenants import DEFAULT_TENANT
 from feather_sched.gates.base import Decision
 from feather_sched.gates.step_model import EngineShape
 
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
+    "DEFAULT_TENANT",
     "REPLICA_VARIABLE",
     "Admission",
     "Decision",

@@ -14,7 +14,8 @@ State, kept incrementally:
 * a lazy min-heap of (priority, -rank, arrival order): the best candidate is of the most
   urgent class (lowest value; 0 unless given), then the deepest (a depth under
   ``min_rank_chunks`` ranks as none), then the oldest.  Why depth, not the paper's fewest
-  missing chunks: docs/architecture.md.
+  missing chunks: docs/architecture.md.  With ``by_tenant``, one more such heap per
+  tenant, for the best of one tenant (``best_of``: fair share between tenants).
 
 Costs: admitting a request touches its own keys plus the waiting requests whose depth
 changes; one joining a group that already runs, only its own keys.
@@ -121,12 +122,13 @@ class PrefixGroup:
 
 
 class _Entry:
-    __slots__ = ("depth", "keys", "order", "priority", "rank", "state")
+    __slots__ = ("depth", "keys", "order", "priority", "rank", "state", "tenant")
 
-    def __init__(self, keys: list, order: int, priority: int) -> None:
+    def __init__(self, keys: list, order: int, priority: int, tenant: Hashable) -> None:
         self.keys = keys
         self.order = order
         self.priority = priority
+        self.tenant = tenant
         self.state = RequestState.WAITING
         self.depth = 0
         self.rank = -1
@@ -136,9 +138,10 @@ class _Entry:
 class ChunkedHashTree:
     """Tracks which waiting request shares most with the running set, in microseconds."""
 
-    def __init__(self, min_rank_chunks: int = 1) -> None:
+    def __init__(self, min_rank_chunks: int = 1, by_tenant: bool = False) -> None:
         """``min_rank_chunks``: the shared depth from which a waiting request ranks above
-        those sharing nothing (at least 1)."""
+        those sharing nothing (at least 1); ``by_tenant``: keep each tenant's best too
+        (``best_of``), at one more heap push per rank change."""
         if min_rank_chunks < 1:
             raise ValueError(f"min_rank_chunks must be at least 1, got {min_rank_chunks}")
         self.min_rank_chunks = min_rank_chunks
@@ -151,6 +154,9 @@ class ChunkedHashTree:
         self._by_frontier: dict[ChunkKey, set[RequestId]] = {}
         self._by_deepest: dict[ChunkKey, set[RequestId]] = {}
         self._heap: list[tuple[int, int, int, RequestId]] = []
+        self._tenant_heaps: dict[Hashable, list[tuple[int, int, int, RequestId]]] | None = \
+            {} if by_tenant else None
+        self._tenant_waiting: Counter[Hashable] = Counter()
         self._arrivals = itertools.count()
         self._num_waiting = 0
 
@@ -210,12 +216,13 @@ class ChunkedHashTree:
 
     # ---- lifecycle --------------------------------------------------------------------
 
-    def add(self, request_id: RequestId, keys: Sequence[ChunkKey], priority: int = 0) -> None:
+    def add(self, request_id: RequestId, keys: Sequence[ChunkKey], priority: int = 0,
+            tenant: Hashable = None) -> None:
         """Register a new waiting request with its chunk keys (see ``token_chunk_keys``)
-        in priority class ``priority`` (lower is more urgent)."""
+        in priority class ``priority`` (lower is more urgent), for ``tenant``."""
         if request_id in self._entries:
             raise CHTError(f"request {request_id!r} is already in the tree")
-        entry = _Entry(list(keys), next(self._arrivals), priority)
+        entry = _Entry(list(keys), next(self._arrivals), priority, tenant)
         self._entries[request_id] = entry
         self._enter_waiting(request_id, entry)
 
@@ -267,7 +274,20 @@ class ChunkedHashTree:
         """The waiting request of the most urgent priority class with the most chunks
         shared with the running set (a depth under ``min_rank_chunks`` counting as none),
         ties to the oldest."""
-        heap = self._heap
+        return self._top(self._heap)
+
+    def best_of(self, tenant: Hashable) -> RequestId | None:
+        """``best`` among the waiting requests of ``tenant`` (a tree made ``by_tenant``;
+        None when none of its requests waits).  O(1) amortised."""
+        assert self._tenant_heaps is not None, "best_of needs a tree made by_tenant"
+        return self._top(self._tenant_heaps.get(tenant, []))
+
+    def tenant(self, request_id: RequestId) -> Hashable:
+        """The request's tenant (as ``add`` was given it)."""
+        return self._entry(request_id).tenant
+
+    def _top(self, heap: list[tuple[int, int, int, RequestId]]) -> RequestId | None:
+        """The first live entry of a lazy heap of ranks, stale ones popped."""
         entries = self._entries
         while heap:
             _, negative_rank, _, request_id = heap[0]
@@ -390,6 +410,8 @@ class ChunkedHashTree:
         entry.rank = -1
         self._waiting_refs.update(entry.keys)
         self._num_waiting += 1
+        if self._tenant_heaps is not None:
+            self._tenant_waiting[entry.tenant] += 1
         self._place(request_id, entry, self._live_depth(entry.keys))
 
     def _leave_waiting(self, request_id: RequestId, entry: _Entry) -> None:
@@ -402,6 +424,8 @@ class ChunkedHashTree:
             else:
                 del refs[key]
         self._num_waiting -= 1
+        if self._tenant_heaps is not None:
+            self._tenant_waiting[entry.tenant] -= 1
 
     def _place(self, request_id: RequestId, entry: _Entry, depth: int) -> None:
         """Index a waiting request at ``depth``; offer it to the heap if its rank moved."""
@@ -415,9 +439,15 @@ class ChunkedHashTree:
         if rank == entry.rank:
             return
         entry.rank = rank
-        heapq.heappush(self._heap, (entry.priority, -rank, entry.order, request_id))
+        item = (entry.priority, -rank, entry.order, request_id)
+        heapq.heappush(self._heap, item)
         if len(self._heap) > 4 * self._num_waiting + 64:
             self._compact_heap()
+        if self._tenant_heaps is not None:
+            heap = self._tenant_heaps.setdefault(entry.tenant, [])
+            heapq.heappush(heap, item)
+            if len(heap) > 4 * self._tenant_waiting[entry.tenant] + 64:
+                self._compact_tenant_heap(entry.tenant)
 
     def _unplace(self, request_id: RequestId, entry: _Entry) -> None:
         keys = entry.keys
@@ -492,6 +522,19 @@ class ChunkedHashTree:
             if e.state is RequestState.WAITING
         ]
         heapq.heapify(self._heap)
+
+    def _compact_tenant_heap(self, tenant: Hashable) -> None:
+        """Drop a tenant heap's stale entries.  O(its length)."""
+        assert self._tenant_heaps is not None
+        entries = self._entries
+        live = []
+        for item in self._tenant_heaps[tenant]:
+            entry = entries.get(item[3])
+            if entry is not None and entry.state is RequestState.WAITING and \
+                    entry.rank == -item[1]:
+                live.append(item)
+        heapq.heapify(live)
+        self._tenant_heaps[tenant] = live
 
 
 def _discard(index: dict[ChunkKey, set[RequestId]], key: ChunkKey, request_id: RequestId) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.core.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS
 from feather_sched.core.queue import DEFAULT_MAX_WAIT_S, DEFAULT_MIN_PASSING_TOKENS, FeatherQueue
+from feather_sched.core.tenants import DEFAULT_QUANTUM_TOKENS, TenantShare
 from feather_sched.gates import GATE_KINDS, make_gate
 from feather_sched.gates.base import BatchLayout, Gate, Persistent
 from feather_sched.gates.step_model import AUTO, EngineShape, StepPrior
@@ -117,6 +118,23 @@ class FeatherConfig:
     max_wait_s: float | None = DEFAULT_MAX_WAIT_S
     """Starvation backstop: a request waiting longer is admitted whatever the gate says;
     None (or "off") turns it off."""
+    fairness: str = "off"
+    """Fair share between tenants: ``tenants`` keeps a virtual service counter per tenant
+    (VTC's weighted prompt and output tokens, computed tokens only, so a prefix-cache hit
+    is free to the tenant that earned it) and admits, in the tree's prefix order, only
+    among the backlogged tenants within ``fair_quantum_tokens`` of the least served;
+    ``off`` (the default): one queue for all (docs/fairness.md#tenants)."""
+    tenant_weights: dict[str, float] = field(default_factory=dict)
+    """Each tenant's share relative to the others, a JSON object of positive numbers
+    (``{"gold": 2}``); a tenant not named has weight 1."""
+    fair_quantum_tokens: int = DEFAULT_QUANTUM_TOKENS
+    """How far, in weighted tokens, a tenant may get ahead of the least served one while
+    the prefix order picks it (``fairness: tenants``); 0 is VTC's own rule."""
+    max_urgent_preemptions: int = 1
+    """A waiting request that cannot be admitted for lack of KV room or a seat preempts
+    the least urgent running request of a less urgent class (``FeatherRuntime.
+    urgent_victim``: the end of Feather's order among them), each running request at most
+    this many times over its life; 0 turns it off."""
     min_passing_tokens: int = DEFAULT_MIN_PASSING_TOKENS
     """Shortest prefix shared with the running set for which a waiting request passes
     older ones in the tree's order (0: any shared chunk)."""
@@ -265,10 +283,13 @@ class FeatherConfig:
         """The queue with the configured gate and bounds (``engine``: see ``make_gate``;
         ``chunk_tokens``: what a chunk key stands for where the engine's blocks round the
         configured ``chunk_tokens``)."""
+        share = None if self.fairness == "off" else \
+            TenantShare(self.tenant_weights, self.fair_quantum_tokens)
         queue = FeatherQueue(self.make_gate(engine=engine), max_overtakes=self.max_overtakes,
                              max_stops=self.max_stops, max_wait_s=self.max_wait_s,
                              chunk_tokens=chunk_tokens or self.chunk_tokens,
-                             min_passing_tokens=self.min_passing_tokens, clock=clock)
+                             min_passing_tokens=self.min_passing_tokens, clock=clock,
+                             share=share)
         queue.use_layout(self.batch_layout)
         return queue
 
@@ -366,6 +387,23 @@ def _boolean(value: Any) -> bool:
 
 
 SHARED_PREFIX_MODES = ("auto", "on", "off")
+FAIRNESS_MODES = ("off", "tenants")
+
+
+def _fairness_mode(value: Any) -> str:
+    word = value.strip().lower() if isinstance(value, str) else value
+    if word not in FAIRNESS_MODES:
+        raise ValueError(f"must be one of {', '.join(FAIRNESS_MODES)}")
+    return word
+
+
+def _weights(value: Any) -> dict[str, float]:
+    weights = _mapping(value)
+    for tenant, weight in weights.items():
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or \
+                not math.isfinite(weight) or weight <= 0:
+            raise ValueError(f"tenant {tenant!r}: a weight must be a positive number")
+    return {tenant: float(weight) for tenant, weight in weights.items()}
 
 
 def _shared_prefix_mode(value: Any) -> str:
@@ -413,6 +451,10 @@ VALIDATORS: dict[str, Callable[[Any], Any]] = {
     "max_overtakes": _optional_count,
     "max_stops": _optional_count,
     "max_wait_s": _optional_seconds,
+    "fairness": _fairness_mode,
+    "tenant_weights": _weights,
+    "fair_quantum_tokens": _count,
+    "max_urgent_preemptions": _count,
     "min_passing_tokens": _count,
     "order_running": _boolean,
     "stats_file": _optional_path,

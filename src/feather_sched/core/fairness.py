@@ -13,7 +13,9 @@ preempted waits under the bound afresh from the moment it returns.
 Priority classes (lower value more urgent, as in vLLM and SGLang): a request is overtaken
 only by later arrivals of its own class or a less urgent one (a more urgent request is
 entitled to go first), and only the most urgent class waiting can be due: the bound holds
-within a class, and across classes priority is strict.
+within a class, and across classes priority is strict.  Tenants (given where fair share
+between tenants is on, ``tenants``): a request is overtaken only by later arrivals of its
+own tenant; across tenants the share orders, and its own bound holds.
 
 Bookkeeping: each request gets a sequence number when first seen (requests that arrive at
 the same moment share one: none arrived after another); each admission is
@@ -23,7 +25,8 @@ its stops, the STOPs since it entered.  Among requests of one class waiting sinc
 arrived, the oldest always has the most of both (every admission that passes a younger one passed it
 too), so only it and the requests that re-entered waiting (preempted ones, usually few)
 need checking: ``due`` costs one vectorised count over the log for each of them (one more
-comparison per entry once two classes have been seen), and none for a request that fewer
+comparison per entry once two classes or two tenants have been seen; the oldest fresh
+request of each tenant is checked), and none for a request that fewer
 admissions than the limit have passed since it entered (the common case while the queue
 is short).
 Admissions cost O(1) amortised; the log is trimmed to what waiting requests still need.
@@ -66,18 +69,23 @@ class OvertakeBound:
         self._stops = 0
         self._sequence: dict[RequestId, int] = {}
         self._priority: dict[RequestId, int] = {}
+        self._tenant: dict[RequestId, int] = {}
         self._classes: set[int] = set()
         """Priority classes seen (one: the log's priorities need not be compared)."""
+        self._tenants: set[int] = set()
+        """Tenants seen (one: the log's tenants need not be compared)."""
         self._arrivals = itertools.count()
         self._last_arrival: float | None = None
         self._last_sequence = -1
         self._waiting: dict[RequestId, _Wait] = {}
         self._held: dict[RequestId, _Wait] = {}
-        self._fresh: dict[int, list[tuple[int, RequestId]]] = {}
-        """Per priority class, a lazy heap of requests waiting since they arrived."""
+        self._fresh: dict[tuple[int, int], list[tuple[int, RequestId]]] = {}
+        """Per priority class and tenant, a lazy heap of requests waiting since they
+        arrived."""
         self._requeued: set[RequestId] = set()
         self._log = np.zeros(1024, dtype=np.int64)
         self._log_priority = np.zeros(1024, dtype=np.int64)
+        self._log_tenant = np.zeros(1024, dtype=np.int64)
         self._log_len = 0
         self._log_base = 0
         """Global position of ``_log[0]``."""
@@ -87,24 +95,27 @@ class OvertakeBound:
     # ---- transitions (the queue reports them) -----------------------------------------
 
     def arrive(self, request_id: RequestId, arrival_s: float | None = None,
-               priority: int = 0) -> None:
-        """A new request of class ``priority`` waits.  Requests given the same
-        ``arrival_s`` arrived together: none of them counts as arriving after another
-        (default: each one after the last).
+               priority: int = 0, tenant: int = 0) -> None:
+        """A new request of class ``priority`` and tenant number ``tenant`` waits.
+        Requests given the same ``arrival_s`` arrived together: none of them counts as
+        arriving after another (default: each one after the last).
         """
         if arrival_s is None or arrival_s != self._last_arrival:
             self._last_sequence = next(self._arrivals)
         self._last_arrival = arrival_s
         self._sequence[request_id] = self._last_sequence
         self._priority[request_id] = priority
+        self._tenant[request_id] = tenant
         self._classes.add(priority)
+        self._tenants.add(tenant)
         self._enter(request_id, _Wait(self._position, fresh=True, stops=self._stops))
 
     def admit(self, request_id: RequestId) -> None:
         """A waiting (or held) request runs: it passes every older waiting request."""
         wait = self._waiting.pop(request_id, None) or self._held.pop(request_id, None)
         self._requeued.discard(request_id)
-        self._append(self._sequence[request_id], self._priority[request_id])
+        self._append(self._sequence[request_id], self._priority[request_id],
+                     self._tenant[request_id])
         self._last = (request_id, wait) if wait is not None and self._log_len else None
 
     def hold(self, request_id: RequestId, *, was_running: bool) -> None:
@@ -135,6 +146,7 @@ class OvertakeBound:
     def forget(self, request_id: RequestId) -> None:
         del self._sequence[request_id]
         del self._priority[request_id]
+        del self._tenant[request_id]
         self._waiting.pop(request_id, None)
         self._held.pop(request_id, None)
         self._requeued.discard(request_id)
@@ -144,13 +156,15 @@ class OvertakeBound:
     # ---- queries ----------------------------------------------------------------------
 
     def overtakes(self, request_id: RequestId) -> int:
-        """Later arrivals of its class or a less urgent one admitted since the waiting
-        request entered waiting."""
+        """Later arrivals of its class or a less urgent one (and of its tenant) admitted
+        since the waiting request entered waiting."""
         wait = self._waiting[request_id]
         start = wait.entered - self._log_base
         later = self._log[start:self._log_len] > self._sequence[request_id]
         if len(self._classes) > 1:
             later &= self._log_priority[start:self._log_len] >= self._priority[request_id]
+        if len(self._tenants) > 1:
+            later &= self._log_tenant[start:self._log_len] == self._tenant[request_id]
         return int(np.count_nonzero(later))
 
     def stops(self, request_id: RequestId) -> int:
@@ -189,12 +203,13 @@ class OvertakeBound:
 
     def _candidates(self, priority: int) -> list[RequestId]:
         """The class's requests that may be the first at a bound: its oldest fresh one
-        and its requeued ones."""
+        of each tenant and its requeued ones."""
         waiting = list(self._requeued) if len(self._classes) == 1 else \
             [r for r in self._requeued if self._priority[r] == priority]
-        oldest = self._oldest_fresh(priority)
-        if oldest is not None:
-            waiting.append(oldest)
+        for key in [key for key in self._fresh if key[0] == priority]:
+            oldest = self._oldest_fresh(key)
+            if oldest is not None:
+                waiting.append(oldest)
         return waiting
 
     def _at_bound(self, request_id: RequestId) -> bool:
@@ -214,13 +229,15 @@ class OvertakeBound:
     def _enter(self, request_id: RequestId, wait: _Wait) -> None:
         self._waiting[request_id] = wait
         if wait.fresh:
-            heap = self._fresh.setdefault(self._priority[request_id], [])
+            key = (self._priority[request_id], self._tenant[request_id])
+            heap = self._fresh.setdefault(key, [])
             heapq.heappush(heap, (self._sequence[request_id], request_id))
         else:
             self._requeued.add(request_id)
 
-    def _oldest_fresh(self, priority: int) -> RequestId | None:
-        heap = self._fresh.get(priority, ())
+    def _oldest_fresh(self, key: tuple[int, int]) -> RequestId | None:
+        """The oldest request waiting since it arrived, of a (class, tenant)."""
+        heap = self._fresh.get(key, ())
         while heap:
             sequence, request_id = heap[0]
             wait = self._waiting.get(request_id)
@@ -229,23 +246,24 @@ class OvertakeBound:
             heapq.heappop(heap)
         return None
 
-    def _append(self, sequence: int, priority: int) -> None:
+    def _append(self, sequence: int, priority: int, tenant: int) -> None:
         if self._log_len == len(self._log):
             self._trim()
             if self._log_len == len(self._log):
-                self._log = np.concatenate([self._log, np.zeros_like(self._log)])
-                self._log_priority = np.concatenate(
-                    [self._log_priority, np.zeros_like(self._log_priority)])
+                self._log, self._log_priority, self._log_tenant = (
+                    np.concatenate([log, np.zeros_like(log)])
+                    for log in (self._log, self._log_priority, self._log_tenant))
         self._log[self._log_len] = sequence
         self._log_priority[self._log_len] = priority
+        self._log_tenant[self._log_len] = tenant
         self._log_len += 1
 
     def _trim(self) -> None:
         """Drop log entries no waiting or held request can still count."""
         entries = [w.entered for w in self._waiting.values() if not w.fresh]
         entries += [w.entered for w in self._held.values()]
-        for priority in self._fresh:
-            oldest = self._oldest_fresh(priority)
+        for key in self._fresh:
+            oldest = self._oldest_fresh(key)
             if oldest is not None:
                 entries.append(self._waiting[oldest].entered)
         keep_from = min(entries, default=self._position) - self._log_base
@@ -253,5 +271,6 @@ class OvertakeBound:
             kept = self._log_len - keep_from
             self._log[:kept] = self._log[keep_from:self._log_len]
             self._log_priority[:kept] = self._log_priority[keep_from:self._log_len]
+            self._log_tenant[:kept] = self._log_tenant[keep_from:self._log_len]
             self._log_len = kept
             self._log_base += keep_from

@@ -13,8 +13,11 @@ pass); the oldest at its fairness bound (``max_overtakes``, ``max_stops``); whil
 engine could run everything in flight (``fits_all``), the oldest waiting request
 (``_chosen`` says when); else the tree's best, which passes an older request only for a
 shared prefix of ``min_passing_tokens`` or more.  A candidate a bound names is admitted
-whatever the gate says; after a STOP every answer is STOP until ``new_step``.  Why each
-rule, and the guarantee they make: docs/fairness.md.
+whatever the gate says; after a STOP every answer is STOP until ``new_step``.  With fair
+share between tenants (``share``, a ``TenantShare``), the last two pick only among the
+tenants the share admits now (``tenants``): the tree's best if its tenant is one, else the
+best of theirs in the tree's order; and the waiting bound counts overtakes within a
+tenant.  Why each rule, and the guarantee they make: docs/fairness.md.
 
 Costs: ``add`` is linear in the request's keys; ``admit``/``requeue``/``remove``/``hold``
 in its keys plus the waiting requests whose shared depth changes (see ``cht``);
@@ -40,6 +43,7 @@ from feather_sched.core.cht import (
 )
 from feather_sched.core.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS, OvertakeBound
 from feather_sched.core.prefix import group_of
+from feather_sched.core.tenants import DEFAULT_TENANT, TenantShare
 from feather_sched.gates.base import BatchLayout, Decision, Gate, GateContext
 from feather_sched.gates.heuristic import AlwaysAddGate
 
@@ -78,6 +82,7 @@ class _Request:
     """Order of first entry into the queue: ties between equal arrival times."""
     group: Hashable
     """Its prefix group (``prefix.group_of`` its keys)."""
+    tenant: Hashable = DEFAULT_TENANT
     age_key: tuple[int, float, int] = field(init=False)
     """(priority, arrival_s, sequence), as ``FeatherQueue.age_key`` gives it."""
 
@@ -102,7 +107,9 @@ class FeatherQueue:
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         min_passing_tokens: int = DEFAULT_MIN_PASSING_TOKENS,
         clock: Callable[[], float] = time.monotonic,
+        share: TenantShare | None = None,
     ) -> None:
+        """``share``: fair share between tenants (None: off, every tenant alike)."""
         if max_wait_s is not None and max_wait_s < 0:
             raise ValueError(f"max_wait_s must be non-negative or None, got {max_wait_s}")
         if min_passing_tokens < 0:
@@ -116,6 +123,7 @@ class FeatherQueue:
         self.min_rank_chunks = max(1, -(-min_passing_tokens // chunk_tokens))
         """The tree's ``min_rank_chunks``: ``min_passing_tokens`` in whole chunks."""
         self.clock = clock
+        self.share = share
         self.seats: int | None = None
         """The engine's cap on running requests, where its adapter knows it (the gate is
         told the seats left free)."""
@@ -139,7 +147,10 @@ class FeatherQueue:
         """Forget every request (the tree, the bounds' counts, this pass's answer); the
         gate keeps what it learned.  O(1) plus freeing the old structures."""
         self._running_epoch += 1
-        self.tree = ChunkedHashTree(self.min_rank_chunks)
+        self.tree = ChunkedHashTree(self.min_rank_chunks, by_tenant=self.share is not None)
+        if self.share is not None:
+            self.share.clear_backlog()
+        self._tenant_numbers: dict[Hashable, int] = {}
         self.bound = None
         if self.max_overtakes is not None or self.max_stops is not None:
             self.bound = OvertakeBound(self.max_overtakes, self.max_stops)
@@ -224,6 +235,10 @@ class FeatherQueue:
         """The request's priority class (lower is more urgent)."""
         return self._requests[request_id].priority
 
+    def tenant(self, request_id: RequestId) -> Hashable:
+        """The request's tenant."""
+        return self._requests[request_id].tenant
+
     def due(self) -> RequestId | None:
         """The waiting request a bound puts first now (starved, or at its overtaking or
         stop bound, in the most urgent class waiting); None when the tree's order holds."""
@@ -253,19 +268,22 @@ class FeatherQueue:
 
     def add(self, request_id: RequestId, keys: Sequence[ChunkKey],
             arrival_s: float | None = None, tokens: int | None = None,
-            priority: int = 0) -> None:
+            priority: int = 0, tenant: Hashable = DEFAULT_TENANT) -> None:
         """Enqueue a new request as waiting; ``arrival_s`` defaults to now, its prompt
         ``tokens`` to its chunks' worth, its ``priority`` class to 0."""
         if request_id in self._requests:
             raise CHTError(f"request {request_id!r} is already in the queue")
-        self.tree.add(request_id, keys, priority)
+        self.tree.add(request_id, keys, priority, tenant)
         arrival = self.clock() if arrival_s is None else arrival_s
         length = len(keys) * self.chunk_tokens if tokens is None else tokens
         self._requests[request_id] = _Request(list(keys), arrival, length, priority,
                                               next(self._sequence_numbers),
-                                              group_of(keys, request_id))
+                                              group_of(keys, request_id), tenant)
+        self._waits(request_id, True)
         if self.bound is not None:
-            self.bound.arrive(request_id, arrival, priority)
+            number = 0 if self.share is None else \
+                self._tenant_numbers.setdefault(tenant, len(self._tenant_numbers))
+            self.bound.arrive(request_id, arrival, priority, number)
         self._offer_to_guard(request_id)
         self._changed()
 
@@ -274,6 +292,7 @@ class FeatherQueue:
         admission = self._admission
         self._running_epoch += 1
         self.tree.admit(request_id)
+        self._waits(request_id, False)
         if self.bound is not None:
             self.bound.admit(request_id)
         if admission is not None and admission.forced and admission.request_id == request_id:
@@ -290,6 +309,7 @@ class FeatherQueue:
             self._enter_tree(request_id)
         else:
             raise CHTError(f"cannot requeue request {request_id!r}: it is waiting")
+        self._waits(request_id, True)
         if self.bound is not None:
             self.bound.requeue(request_id)
         self._offer_to_guard(request_id)
@@ -302,6 +322,8 @@ class FeatherQueue:
             raise CHTError(f"request {request_id!r} is already held")
         self._running_epoch += state is QueueState.RUNNING
         self.tree.remove(request_id)
+        if state is QueueState.WAITING:
+            self._waits(request_id, False)
         if self.bound is not None:
             self.bound.hold(request_id, was_running=state is QueueState.RUNNING)
         if self._forced == request_id:
@@ -325,6 +347,8 @@ class FeatherQueue:
         if state is not QueueState.HELD:
             self._running_epoch += state is QueueState.RUNNING
             self.tree.remove(request_id)
+        if state is QueueState.WAITING:
+            self._waits(request_id, False)
         if self.bound is not None:
             self.bound.forget(request_id)
         del self._requests[request_id]
@@ -418,17 +442,26 @@ class FeatherQueue:
         (``BatchLayout.FEATHER``) and the gate does not STOP there
         (``Gate.stops_in_ordered_batches``: always-add, the model gate), the oldest
         waiting request of the most urgent class if it arrived before the tree's best;
-        else the tree's best.  The gate still answers for it.  Why arrival order while
-        everything fits: docs/fairness.md.  O(requeued requests)."""
+        else the tree's best.  With a ``share``, "the tree's best" is the best of the
+        tenants it admits now, and the oldest must be of one of them.  The gate still
+        answers for it.  Why arrival order while everything fits: docs/fairness.md.
+        O(requeued requests), plus O(backlogged tenants of the class) with a share."""
         if due is not None:
             return due
         best = self.tree.best()
+        tenants = None
+        if self.share is not None:
+            tenants = self.share.eligible_tenants(self.tree.priority(best))
+            if self.tree.tenant(best) not in tenants:
+                best = min(map(self.tree.best_of, tenants), key=self.tree.rank_key)
         if self.bound is None or self.layout is not BatchLayout.FEATHER or \
                 self.gate.stops_in_ordered_batches or not self.fits_all():
             return best
         oldest = self.bound.oldest(self.tree.priority(best))
-        return oldest if oldest is not None and self.bound.arrived_before(oldest, best) \
-            else best
+        if oldest is None or not self.bound.arrived_before(oldest, best) or (
+                tenants is not None and self.tree.tenant(oldest) not in tenants):
+            return best
+        return oldest
 
     def _starved(self) -> RequestId | None:
         """The oldest waiting request of the most urgent class waiting, if it has waited
@@ -452,7 +485,14 @@ class FeatherQueue:
 
     def _enter_tree(self, request_id: RequestId) -> None:
         request = self._requests[request_id]
-        self.tree.add(request_id, request.keys, request.priority)
+        self.tree.add(request_id, request.keys, request.priority, request.tenant)
+
+    def _waits(self, request_id: RequestId, waiting: bool) -> None:
+        """Tell the share a request started (or stopped) waiting.  O(1)."""
+        if self.share is not None:
+            request = self._requests[request_id]
+            (self.share.wait if waiting else self.share.unwait)(request.tenant,
+                                                                request.priority)
 
     def _changed(self) -> None:
         """Any change may change the candidate; a STOP still holds for this pass."""

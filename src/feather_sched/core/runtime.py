@@ -27,11 +27,22 @@ contract, in the style of vLLM's ``RequestQueue``::
     rank_waiting(waiting)         the engine's waiting list as Feather would admit it
                                   (for an engine that walks its own list)
     describe_batch(rows)          a step's batch for ``end_step``, in Feather's chunks
+    served(request_id, computed, generated)
+                                  a step computed ``computed`` prompt tokens (cache
+                                  hits not, recomputation yes) and generated
+                                  ``generated`` tokens for the request: its tenant's
+                                  service under fair share (a no-op without it);
+                                  before ``discard``
     preemption_victim(running)    the running request to preempt for KV room: the
                                   end of Feather's running order, the newest member
                                   of the youngest group of the least urgent class
                                   (an engine that preempts the end of the running
                                   list Feather ordered, like vLLM, need not ask)
+    urgent_victim(running, request)
+                                  the running request to preempt for a waiting
+                                  ``request`` of a more urgent class that lacks KV
+                                  room or a seat (None: none may be); the engine
+                                  preempts it and tries again
 
 Beside the pass, what an adapter may read or ask: ``reconcile(running, waiting)`` (an
 engine that changes its queues by paths no call shows, as SGLang can), ``preempted``,
@@ -66,6 +77,7 @@ from feather_sched.core.config import FeatherConfig
 from feather_sched.core.faults import FaultGuard
 from feather_sched.core.prefix import describe_batch, gather_groups, group_of, order_by_group
 from feather_sched.core.queue import Admission, QueueState
+from feather_sched.core.tenants import DEFAULT_TENANT
 from feather_sched.gates.base import BatchLayout, Decision, GateContext, Persistent
 from feather_sched.gates.step_model import EngineShape
 from feather_sched.telemetry import prometheus as metrics
@@ -103,6 +115,9 @@ class RequestView(Protocol[R]):
     def priority(self, request: R) -> int:
         """Priority class, lower more urgent (0 where the engine has no priorities)."""
 
+    # Optional: ``tenant(request) -> Hashable``, whom the request is served for (OpenAI's
+    # ``user``, a header); a view without it puts every request in ``DEFAULT_TENANT``.
+
 
 @dataclass
 class _Tracked(Generic[R]):
@@ -111,6 +126,8 @@ class _Tracked(Generic[R]):
     arrival_s: float
     """As the queue was given it (kept when the queue is rebuilt, ``resync``)."""
     preemptions: int = 0
+    urgent_preemptions: int = 0
+    """Times it was the ``urgent_victim``."""
 
 
 @dataclass
@@ -168,6 +185,9 @@ class FeatherRuntime(Generic[R]):
             OrderedDict()
         self._mirror: _Mirror[R] | None = None
         """The engine's running list as last reconciled (``_Mirror``)."""
+        self._tenant: Callable[[R], Hashable] | None = \
+            getattr(view, "tenant", None) if self.queue.share is not None else None
+        """The view's ``tenant``, where fair share needs it and the view has it."""
 
     @property
     def wants_batches(self) -> bool:
@@ -253,6 +273,23 @@ class FeatherRuntime(Generic[R]):
         for taken in self._taken:
             if taken.admission.request_id == request_id:
                 taken.admitted = False
+
+    @property
+    def counts_service(self) -> bool:
+        """Whether ``served`` does anything (fair share is on): an adapter may skip the
+        calls otherwise."""
+        return self.queue.share is not None
+
+    def served(self, request_id: RequestId, computed_tokens: int,
+               generated_tokens: int) -> None:
+        """A step computed ``computed_tokens`` prompt tokens for the request (a prefix-cache
+        hit is not computed; a recomputation after preemption is) and generated
+        ``generated_tokens``: its tenant's service under fair share (``TenantShare.
+        charge``).  Nothing without fair share, or for a request Feather does not know
+        (call it before ``discard``).  O(1)."""
+        share = self.queue.share
+        if share is not None and request_id in self._tracked:
+            share.charge(self.queue.tenant(request_id), computed_tokens, generated_tokens)
 
     def is_running(self, request_id: RequestId) -> bool:
         """Whether Feather has the request in its running set."""
@@ -351,6 +388,34 @@ class FeatherRuntime(Generic[R]):
         """
         return self.order(running)[-1]
 
+    def urgent_victim(self, running: Sequence[R], request: R) -> R | None:
+        """The running request to preempt for ``request``, waiting and unable to run for
+        lack of KV room or a seat: ``preemption_victim`` among the running requests of a
+        less urgent class that were urgent victims fewer than ``max_urgent_preemptions``
+        times (counted here: the engine preempts what this returns); None when there is
+        none, or the option is 0.  So a request is preempted for urgency at most
+        ``max_urgent_preemptions`` times in its life, and an urgent request waits for KV
+        room only behind requests of its own class or a more urgent one, or ones already
+        preempted so.  O(n log n)."""
+        limit = self.config.max_urgent_preemptions
+        if not limit:
+            return None
+        priority, view, tracked = self.view.priority(request), self.view, self._tracked
+
+        def may_go(candidate: R) -> bool:
+            known = tracked.get(view.request_id(candidate))
+            return view.priority(candidate) > priority and (
+                known is None or known.urgent_preemptions < limit)
+
+        candidates = list(filter(may_go, running))
+        if not candidates:
+            return None
+        victim = self.preemption_victim(candidates)
+        known = tracked.get(view.request_id(victim))
+        if known is not None:
+            known.urgent_preemptions += 1
+        return victim
+
     def age_key(self, request: R) -> tuple[int, float, float]:
         """Sorts requests by class, the most urgent first, then by age, the oldest first:
         (priority class, arrival time, order of entry into the queue); a request the queue
@@ -412,18 +477,29 @@ class FeatherRuntime(Generic[R]):
         """``waiting`` (the engine's waiting list) in the order Feather would admit it:
         the candidate first (``candidate``), then the requests Feather holds waiting as
         the tree ranks them (class, shared prefix with the running set, arrival:
-        ``ChunkedHashTree.rank_key``), then the rest (running, held or unknown to
-        Feather) in their given order.  For an engine that walks its own list; the list
-        is not changed.  O(n log n)."""
+        ``ChunkedHashTree.rank_key``; under fair share, those of tenants the share admits
+        now first), then the rest (running, held or unknown to Feather) in their given
+        order.  For an engine that walks its own list; the list is not changed.
+        O(n log n), plus O(tenants) per tenant and class under fair share."""
         first = self.queue.candidate()
-        queue, view = self.queue, self.view
+        queue, view, share = self.queue, self.view, self.queue.share
+        admitted: dict[tuple[Hashable, int], bool] = {}
+
+        def held_back(request_id: RequestId) -> bool:
+            if share is None:
+                return False
+            key = (queue.tenant(request_id), queue.priority(request_id))
+            if key not in admitted:
+                admitted[key] = share.eligible(*key)
+            return not admitted[key]
 
         def rank(request: R) -> tuple:
             request_id = view.request_id(request)
             if request_id == first:
                 return (0,)
             if request_id in queue and queue.state(request_id) is QueueState.WAITING:
-                return (1, *queue.rank_key(request_id))
+                key = queue.rank_key(request_id)
+                return (1, key[0], held_back(request_id), *key[1:])
             return (2,)
 
         return sorted(waiting, key=rank)
@@ -703,8 +779,9 @@ class FeatherRuntime(Generic[R]):
         arrival = self.clock() if arrival_s is None else arrival_s
         prompt_tokens = view.prompt_tokens(request)
         self._tracked[request_id] = _Tracked(request, prompt_tokens, arrival, preemptions)
+        tenant = DEFAULT_TENANT if self._tenant is None else self._tenant(request)
         self.queue.add(request_id, view.chunk_keys(request), arrival, prompt_tokens,
-                       view.priority(request))
+                       view.priority(request), tenant)
         return request_id
 
     def _count_left(self, gone: Sequence[_Tracked[R]]) -> None:

@@ -1,12 +1,13 @@
 """What a run observes, per request and per engine step, before any statistics: the types
 the simulator produces and the benchmarks read (``RequestRecord``, ``StepRecord``,
-``RunResult``).  Imports only ``telemetry``."""
+``RunResult``).  Imports only ``telemetry`` and the workload's ``DEFAULT_TENANT``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from feather_sched.telemetry.stats import SchedulerStats
+from feather_sched.workloads.spec import DEFAULT_TENANT
 
 
 @dataclass
@@ -30,6 +31,11 @@ class RequestRecord:
     scheduler acted on it."""
     preemptions: int | None = None
     """Times the engine preempted the request, when it reports them."""
+    tenant: str = DEFAULT_TENANT
+    """The workload's tenant (whom the request is served for)."""
+    computed_tokens: int | None = None
+    """Tokens the engine computed for the request, prompt and recomputation (prefix-cache
+    hits excluded), when it reports them: the input side of the service it received."""
 
     @property
     def output_len(self) -> int:

@@ -7,11 +7,13 @@ only successful requests count; TPOT is ``(e2el - ttft) / (output_len - 1)`` for
 requests with more than one token; ITL holds one gap per streamed chunk, so ``k``
 tokens that arrive together give one gap (what vLLM's client records); an empty sample
 counts as 0 as in vLLM.  Our own keys (TTFT per prefix group, preemptions per run and per
-group, figures per priority class, batch size, prefix groups, cache hit rate, gate counts)
+group, figures per priority class and per tenant with the service each received and the
+largest service gap, batch size, prefix groups, cache hit rate, gate counts)
 come after vLLM's and are ``None`` when the run did not observe them.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -20,6 +22,7 @@ from itertools import groupby, pairwise
 
 import numpy as np
 
+from feather_sched.core.tenants import INPUT_WEIGHT, OUTPUT_WEIGHT
 from feather_sched.results.records import RequestRecord, RunResult
 from feather_sched.workloads.spec import Workload
 
@@ -90,6 +93,8 @@ def summarize(run: RunResult, percentiles: Percentiles = VLLM_PERCENTILES) -> Su
     summary.update(_preemption_keys(run))
     summary["scheduling_policy"] = run.scheduling_policy
     summary["by_priority"] = priority_classes(run, ok)
+    summary["by_tenant"] = tenants(run, ok)
+    summary["max_service_gap"] = service_gap(run)
     summary.update(_feather_keys(run, ok))
     return summary
 
@@ -152,19 +157,72 @@ def priority_classes(run: RunResult, ok: list[RequestRecord]) -> dict[str, dict]
     classes = sorted({r.priority for r in run.records})
     if len(classes) < 2:
         return None
+    return {str(priority): _part_figures(run, ok, lambda r, p=priority: r.priority == p)
+            for priority in classes}
+
+
+def tenants(run: RunResult, ok: list[RequestRecord]) -> dict[str, dict] | None:
+    """Per tenant of the workload (key: its name, in order), when the run's requests are
+    of several: ``priority_classes``'s figures, and the service it received (VTC's
+    weighted tokens: computed prompt tokens and generated ones; None where the engine
+    did not report computed tokens).  O(records)."""
+    names = sorted({r.tenant for r in run.records})
+    if len(names) < 2:
+        return None
     result = {}
-    for priority in classes:
-        mine = [r for r in ok if r.priority == priority]
-        samples = _latency_samples(mine)
-        counts = [r.preemptions for r in run.records if r.priority == priority]
-        result[str(priority)] = {
-            "requests": len(mine),
-            **_mean_p99("ttft", samples["ttft"]),
-            **_mean_p99("e2el", samples["e2el"]),
-            "output_throughput": _per_second(sum(r.output_len for r in mine), run.duration_s),
-            "preemptions": None if None in counts else sum(counts),  # type: ignore[arg-type]
-        }
+    for name in names:
+        figures = _part_figures(run, ok, lambda r, n=name: r.tenant == n)
+        mine = [r for r in run.records if r.tenant == name]
+        figures["service"] = None if any(r.computed_tokens is None for r in mine) else sum(
+            map(_service, mine))
+        result[name] = figures
     return result
+
+
+def service_gap(run: RunResult) -> float | None:
+    """The largest difference in service (``tenants``) between two tenants over the
+    interval in which every tenant had a request in the engine (from the latest first
+    arrival to the earliest last finish): a prompt's computed tokens count when its first
+    token comes, each generated token when it comes.  None with one tenant, without
+    computed tokens, or when the tenants were never in the engine together.
+    O(records + tokens)."""
+    by_tenant: dict[str, list[RequestRecord]] = {}
+    for record in run.records:
+        by_tenant.setdefault(record.tenant, []).append(record)
+    if len(by_tenant) < 2 or any(r.computed_tokens is None for r in run.records):
+        return None
+    start = max(min(r.submitted_s for r in mine) for mine in by_tenant.values())
+    end = min(max(_end_s(r) for r in mine) for mine in by_tenant.values())
+    if end <= start:
+        return None
+    received = [sum(_service(r, start, end) for r in mine) for mine in by_tenant.values()]
+    return max(received) - min(received)
+
+
+def _service(record: RequestRecord, start: float = -math.inf, end: float = math.inf
+             ) -> float:
+    """A request's service (``TenantShare.charge``'s weights) received in [start, end]."""
+    times = record.token_times_s
+    prompt = INPUT_WEIGHT * (record.computed_tokens or 0) if times and \
+        start <= times[0] <= end else 0.0
+    return prompt + OUTPUT_WEIGHT * sum(1 for t in times if start <= t <= end)
+
+
+def _part_figures(run: RunResult, ok: list[RequestRecord],
+                  member: Callable[[RequestRecord], bool]) -> dict:
+    """A part of the run's requests (a class, a tenant): requests completed, TTFT and E2E
+    latency (mean and p99, ms), output tokens/s over the run's duration, preemptions
+    (None where unobserved)."""
+    mine = [r for r in ok if member(r)]
+    samples = _latency_samples(mine)
+    counts = [r.preemptions for r in run.records if member(r)]
+    return {
+        "requests": len(mine),
+        **_mean_p99("ttft", samples["ttft"]),
+        **_mean_p99("e2el", samples["e2el"]),
+        "output_throughput": _per_second(sum(r.output_len for r in mine), run.duration_s),
+        "preemptions": None if None in counts else sum(counts),  # type: ignore[arg-type]
+    }
 
 
 def _preemption_keys(run: RunResult) -> Summary:

@@ -6,9 +6,11 @@ run out, the policy's victim (vLLM FCFS: the most recently admitted; vLLM's prio
 policy: the latest arrival of the least urgent class; Feather: the newest member of that
 class's youngest prefix group); then, if nothing was
 preempted, admission from the waiting policy while the token budget and ``max_num_seqs``
-allow.  The batch is laid out like vLLM's *persistent batch* (new requests take the lowest
-free slot, then ``condense`` moves the last slots into the remaining holes), which is what
-interleaves prefix groups over time; under a policy whose ``layout`` is Feather's, each group
+allow (under Feather, a candidate that lacks KV blocks or a seat preempts its
+``urgent_victim``, a running request of a less urgent class).  The batch is laid out
+like vLLM's *persistent batch* (new requests take the lowest free slot, then ``condense``
+moves the last slots into the remaining holes), which is what interleaves prefix groups
+over time; under a policy whose ``layout`` is Feather's, each group
 gathers at its first slot, as Feather's worker plugin makes vLLM's V1 runner do.
 
 Every policy drives the contract of ``feather_sched.core.runtime`` (Feather is the real
@@ -88,7 +90,8 @@ class SimRequest:
     @classmethod
     def create(cls, spec: RequestSpec, index: int, config: EngineConfig) -> SimRequest:
         record = RequestRecord(spec.request_id, spec.prompt.size, spec.group, spec.arrival_s,
-                               priority=spec.priority)
+                               priority=spec.priority, tenant=spec.tenant,
+                               computed_tokens=0)
         keys = BlockKeys(config.block_tokens)(spec.prompt)
         per_chunk = keys_per_chunk(config.block_tokens, config.group_tokens)
         group = group_of(keys, spec.request_id, per_chunk)
@@ -136,6 +139,11 @@ class Policy(Protocol):
     def preemption_victim(self, running: Sequence[SimRequest]) -> SimRequest: ...
 
     def __len__(self) -> int: ...
+
+    # Optional, where ``counts_service`` is true: ``served(request_id, computed_tokens,
+    # generated_tokens)`` after each step, for each request of its batch (fair share);
+    # and ``urgent_victim(running, request)``: whom to preempt for a waiting request that
+    # lacks KV room or a seat (None: nobody; without it, nobody is).
 
 
 def _charged_s(policy: Policy) -> float:
@@ -429,13 +437,25 @@ class SimEngine:
         self._timed(self.policy.enter_waiting, request)
 
     def _admit(self, scheduled: list[SimRequest], budget: int) -> None:
-        """Admit waiting requests while budget, seats and KV blocks last."""
+        """Admit waiting requests while budget, seats and KV blocks last; where they do not
+        and the policy names an ``urgent_victim`` for the candidate, that victim is
+        preempted (its tokens of this step given back) and admission goes on."""
         pool, block_tokens = self.pool, self.config.block_tokens
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        urgent = getattr(self.policy, "urgent_victim", None)
+        while budget > 0:
+            full = len(self.running) >= self.config.max_num_seqs
+            if full and urgent is None:
+                return
             answer = self._timed(self.policy.decide)
             if answer is None or answer.decision is Decision.STOP:
                 return
             request = self._by_id[answer.request_id]
+            if full:
+                refund = self._preempt_for(request, scheduled)
+                if refund is None:
+                    return
+                budget += refund
+                continue
             num_tokens = request.num_tokens
             # As vLLM: cached blocks are skipped, but the last token is always computed.
             hits = min(len(pool.match(request.keys)), (num_tokens - 1) // block_tokens)
@@ -443,7 +463,11 @@ class SimEngine:
             tokens = min(num_tokens - cached, budget)
             if not pool.allocate(request.request_id, request.keys[:hits], cached + tokens,
                                  query_tokens=num_tokens):
-                return
+                refund = None if urgent is None else self._preempt_for(request, scheduled)
+                if refund is None:
+                    return
+                budget += refund
+                continue
             self._timed(self.policy.admit, request)
             if request.record.cached_tokens is None:
                 request.record.cached_tokens = cached
@@ -452,6 +476,20 @@ class SimEngine:
             self.running.append(request)
             self._mark(request, tokens, scheduled)
             budget -= tokens
+
+    def _preempt_for(self, request: SimRequest, scheduled: list[SimRequest]) -> int | None:
+        """Preempt the policy's ``urgent_victim`` for waiting ``request``; the tokens it
+        had scheduled this step (taken off the batch), or None when there is no victim."""
+        victim = self._timed(self.policy.urgent_victim, self.running, request)
+        if victim is None:
+            return None
+        self.running.remove(victim)
+        refund = 0
+        if victim.step == self._step:
+            scheduled.remove(victim)
+            refund, victim.scheduled_tokens, victim.step = victim.scheduled_tokens, 0, -1
+        self._preempt(victim)
+        return refund
 
     def _mark(self, request: SimRequest, tokens: int, scheduled: list[SimRequest]) -> None:
         """Schedule ``tokens`` of the request in this step.
@@ -549,18 +587,27 @@ class SimEngine:
         return model_s + self._uncharged_s
 
     def _credit(self, batch: list[SimRequest]) -> int:
-        """Apply the step's tokens at the step's end; returns output tokens emitted."""
+        """Apply the step's tokens at the step's end; returns output tokens emitted.  The
+        service a step did is counted: on the records, and for a policy that counts it
+        (``served``)."""
         emitted = 0
         finished = False
+        served = self.policy.served if getattr(self.policy, "counts_service", False) else None
         for request in batch:
+            decoding = request.num_output_tokens > 0 and request.scheduled_tokens == 1 and \
+                request.num_computed_tokens + 1 == request.num_tokens
+            computed = 0 if decoding else request.scheduled_tokens  # prefill, recompute
+            request.record.computed_tokens += computed
             request.num_computed_tokens += request.scheduled_tokens
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a prefill chunk that does not reach the end yet
-            if request.num_output_tokens < request.spec.output_len:
+            reached = request.num_computed_tokens >= request.num_tokens  # else mid-prefill
+            generated = int(reached and request.num_output_tokens < request.spec.output_len)
+            if generated:
                 request.num_output_tokens += 1
                 request.record.token_times_s.append(self.now)
                 emitted += 1
-            if request.num_output_tokens >= request.spec.output_len:
+            if served is not None:
+                self._timed(served, request.request_id, computed, generated)
+            if reached and request.num_output_tokens >= request.spec.output_len:
                 self._finish(request)
                 finished = True
         if finished:

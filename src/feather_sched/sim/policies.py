@@ -1,4 +1,5 @@
-"""Schedulers for the simulator: Feather (the real FeatherRuntime), SGLang's LPM and DFS-weight.
+"""Schedulers for the simulator: Feather (the real FeatherRuntime), SGLang's LPM and
+DFS-weight, and the baselines of ``sim.fcfs`` (vLLM's own) and ``sim.vtc``.
 
 Feather reads each request's priority class from its spec, as vLLM's scheduler under
 its priority policy; vLLM FCFS and SGLang's policies ignore priorities (``sim.fcfs`` has
@@ -37,6 +38,7 @@ from feather_sched.gates.step_model import StepPrior
 from feather_sched.scheduler_names import SIM_KINDS, SchedulerKind, parse_scheduler
 from feather_sched.sim.engine import SimEngine, SimRequest
 from feather_sched.sim.fcfs import FcfsPolicy, PriorityPolicy
+from feather_sched.sim.vtc import VtcPolicy
 
 LPM_MAX_WAITING = 128
 """SGLang's WAITING_QUEUE_PREFIX_MATCH_MAX: above it LPM does no prefix matching."""
@@ -69,6 +71,9 @@ class SimRequests:
 
     def priority(self, request: SimRequest) -> int:
         return request.spec.priority
+
+    def tenant(self, request: SimRequest) -> str:
+        return request.spec.tenant
 
 
 class _SGLangPolicy(FcfsPolicy):
@@ -171,6 +176,8 @@ def make_policy(name: str, feather_options: dict[str, Any], engine: SimEngine) -
         return LpmPolicy(engine)
     if parsed.kind is SchedulerKind.SGLANG_DFS_WEIGHT:
         return DfsWeightPolicy(engine)
+    if parsed.kind is SchedulerKind.VTC:
+        return VtcPolicy()
     options = parsed.feather_options(feather_options)
     if parsed.gate == "model" and isinstance(engine.cost_model, CostModel):
         # The profile of the simulated GPU is the prior a user would give for theirs.

@@ -7,17 +7,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from feather_sched.workloads.datasets import load_dataset
-from feather_sched.workloads.spec import ArrivalSpec, Workload, prioritized
+from feather_sched.workloads.spec import ArrivalSpec, Workload, prioritized, tenanted
 from feather_sched.workloads.synthetic import (
     long_documents,
     minority_groups,
+    multi_tenant,
     multi_turn_chat,
     no_sharing,
     shared_prefix_groups,
 )
 from feather_sched.workloads.traces import Replay, load_jsonl, load_mooncake
 
-WORKLOADS = ("shared-prefix", "minority", "long-docs", "chat", "no-sharing")
+WORKLOADS = ("shared-prefix", "minority", "long-docs", "chat", "no-sharing", "multi-tenant")
 
 
 @dataclass
@@ -42,6 +43,10 @@ class WorkloadArgs:
     """In [0, 1]: a seeded random share of the requests in priority class 0 and the rest
     in class 1 (``workloads.prioritized``); 0 keeps the workload's own classes (a trace's,
     else one class)."""
+    tenants: int = 1
+    """Spread the requests over this many tenants (``workloads.tenanted``: a prefix group
+    in one tenant); 1 keeps the workload's own (a trace's, else one).  ``multi-tenant``
+    has ``groups`` tenants of its own."""
     seed: int = 0
     dataset_name: str | None = None
     """Real prompts (``datasets.DATASETS``) instead of a generator; they arrive at
@@ -62,6 +67,11 @@ class WorkloadArgs:
         if self.dataset_output_len is not None:
             workload = Workload(workload.name, [replace(r, output_len=self.dataset_output_len)
                                                 for r in workload])
+        if self.tenants > 1:
+            if self.kind == "multi-tenant" and self.trace is None and not self.dataset_name:
+                raise ValueError("multi-tenant has --groups tenants of its own; leave "
+                                 "--tenants at 1")
+            workload = tenanted(workload, self.tenants)
         if self.high_priority_share == 0:
             return workload
         return prioritized(workload, self.high_priority_share, seed=self.seed)
@@ -109,6 +119,10 @@ class WorkloadArgs:
             return no_sharing(requests=self.groups * self.prompts_per_group,
                               prompt_len=self.prefix_len + self.suffix_len,
                               jitter=self.jitter, **common)
+        if self.kind == "multi-tenant":
+            return multi_tenant(tenants=self.groups, requests_per_tenant=self.prompts_per_group,
+                                prefix_len=self.prefix_len, suffix_len=self.suffix_len,
+                                **common)
         raise ValueError(f"unknown workload {self.kind!r}; choose from {', '.join(WORKLOADS)}")
 
     def _arrival(self) -> ArrivalSpec | None:

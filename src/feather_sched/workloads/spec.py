@@ -1,11 +1,11 @@
-"""What a workload is: requests in token ids, arrivals, priority classes, and the checks
-every generator and loader applies to its parameters.
+"""What a workload is: requests in token ids, arrivals, priority classes, tenants, and the
+checks every generator and loader applies to its parameters.
 
 A scheduler only sees token ids, so workloads are built from random ids (never 0, so 0 stays
 free as a padding/sentinel id) with a controlled prefix structure: shared-prefix groups, long
 documents with many questions, multi-turn chats, and a no-sharing control. Any workload can be
-given priority classes (``prioritized``). Workloads can be saved to and loaded from JSON Lines
-traces, and Mooncake-style hash-id traces can be replayed.
+given priority classes (``prioritized``) and tenants (``tenanted``). Workloads can be saved
+to and loaded from JSON Lines traces, and Mooncake-style hash-id traces can be replayed.
 """
 
 import math
@@ -20,6 +20,8 @@ import numpy as np
 ArrivalKind = Literal["all_at_once", "poisson", "bursty"]
 
 MAX_TOKEN = np.iinfo(np.int32).max
+DEFAULT_TENANT = "default"
+"""The tenant of a request that names none."""
 
 
 # --------------------------------------------------------------------------- datatypes
@@ -32,7 +34,9 @@ class RequestSpec:
     ``group`` and ``shared_len`` describe the prefix structure the generator built in
     (``-1`` / ``0`` when the prompt shares nothing), so hit rates can be checked against
     ground truth. ``priority`` is the request's priority class, lower more urgent (vLLM's
-    convention; any integer). The prompt is stored as a read-only contiguous int32 copy.
+    convention; any integer); ``tenant`` the client it is served for (a non-empty string;
+    fair share between tenants counts work by it). The prompt is stored as a read-only
+    contiguous int32 copy.
     """
 
     request_id: str
@@ -42,6 +46,7 @@ class RequestSpec:
     group: int = -1
     shared_len: int = 0
     priority: int = 0
+    tenant: str = DEFAULT_TENANT
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -58,6 +63,8 @@ class RequestSpec:
             raise ValueError(f"group must be >= -1, got {group}")
         if not 0 <= shared_len <= prompt.size:
             raise ValueError(f"shared_len must be in [0, {prompt.size}], got {shared_len}")
+        if not isinstance(self.tenant, str) or not self.tenant:
+            raise ValueError(f"tenant must be a non-empty string, got {self.tenant!r}")
         if not (math.isfinite(arrival_s) and arrival_s >= 0):
             raise ValueError(f"arrival_s must be finite and >= 0, got {arrival_s}")
         for name, value in [
@@ -70,9 +77,9 @@ class RequestSpec:
         ]:
             object.__setattr__(self, name, value)
 
-    def _scalars(self) -> tuple[str, int, float, int, int, int]:
+    def _scalars(self) -> tuple[str, int, float, int, int, int, str]:
         return (self.request_id, self.output_len, self.arrival_s, self.group, self.shared_len,
-                self.priority)
+                self.priority, self.tenant)
 
     def __eq__(self, other: object) -> bool:
         # The generated __eq__ would compare arrays with ``==`` and fail on truthiness.
@@ -138,9 +145,14 @@ class Workload:
         """Requests per priority class, most urgent (lowest) first.  O(requests)."""
         return dict(sorted(Counter(r.priority for r in self.requests).items()))
 
+    @property
+    def tenants(self) -> dict[str, int]:
+        """Requests per tenant, by name.  O(requests)."""
+        return dict(sorted(Counter(r.tenant for r in self.requests).items()))
+
     def describe(self) -> str:
         """One-line summary: size, prefix structure, token totals and arrival span, and
-        the priority classes when there are several."""
+        the priority classes and tenants when there are several."""
         n = len(self.requests)
         prompt_tokens = self.total_prompt_tokens
         shared = sum(r.shared_len for r in self.requests)
@@ -154,6 +166,7 @@ class Workload:
             f"{prompt_tokens} prompt tokens (mean {prompt_tokens / max(n, 1):.1f}, "
             f"{shared / max(prompt_tokens, 1):.1%} in shared prefixes), "
             f"{self.total_output_tokens} output tokens, arrivals over {span:.3f}s{priorities}"
+            + ("" if len(self.tenants) < 2 else f", {len(self.tenants)} tenants")
         )
 
 
@@ -176,6 +189,20 @@ def prioritized(workload: Workload, high_share: float, seed: int = 0) -> Workloa
         high[:] = True
     return Workload(workload.name, [replace(r, priority=0 if urgent else 1)
                                     for r, urgent in zip(workload, high, strict=True)])
+
+
+def tenanted(workload: Workload, tenants: int) -> Workload:
+    """A copy of ``workload`` spread over ``tenants`` tenants ``t0``, ``t1``, ...: prefix
+    group ``g`` to tenant ``g mod tenants`` (a group stays in one tenant, as a customer's
+    template does), requests sharing nothing round robin by arrival; 1 keeps the
+    workload's own tenants.  O(requests + tokens)."""
+    if isinstance(tenants, bool) or not isinstance(tenants, int) or tenants < 1:
+        raise ValueError(f"tenants must be a positive integer, got {tenants!r}")
+    if tenants == 1:
+        return workload
+    return Workload(workload.name, [
+        replace(r, tenant=f"t{(r.group if r.group >= 0 else i) % tenants}")
+        for i, r in enumerate(workload)])
 
 
 # --------------------------------------------------------------------------- arrivals

@@ -1,6 +1,6 @@
 """Seedable generators of workloads with a controlled prefix structure: shared-prefix groups,
 minority groups, a singleton before a stream, long documents with many questions,
-multi-turn chats, and a no-sharing control (token ids never 0)."""
+multi-turn chats, tenants of unequal habits, and a no-sharing control (token ids never 0)."""
 
 import math
 from collections import Counter
@@ -10,6 +10,7 @@ from typing import Literal
 import numpy as np
 
 from feather_sched.workloads.spec import (
+    DEFAULT_TENANT,
     ArrivalSpec,
     RequestSpec,
     Workload,
@@ -69,11 +70,16 @@ def _build(
     name: str,
     parts: Sequence[tuple[np.ndarray, int, int, int]],
     arrivals: np.ndarray,
+    tenants: Sequence[str] | None = None,
 ) -> Workload:
-    """Turn (prompt, output_len, group, shared_len) tuples plus arrival times into a workload."""
+    """Turn (prompt, output_len, group, shared_len) tuples plus arrival times (and each
+    request's tenant, default ``DEFAULT_TENANT``) into a workload."""
+    tenants = tenants or [DEFAULT_TENANT] * len(parts)
     requests = [
-        RequestSpec(f"{name}-{i}", prompt, int(out), float(t), int(group), int(shared))
-        for i, ((prompt, out, group, shared), t) in enumerate(zip(parts, arrivals, strict=True))
+        RequestSpec(f"{name}-{i}", prompt, int(out), float(t), int(group), int(shared),
+                    tenant=tenant)
+        for i, ((prompt, out, group, shared), t, tenant) in enumerate(
+            zip(parts, arrivals, tenants, strict=True))
     ]
     return Workload(name, requests)
 
@@ -312,3 +318,45 @@ def no_sharing(
     outputs = _jittered(rng, output_len, jitter, requests)
     parts = [(prompt, out, -1, 0) for prompt, out in zip(prompts, outputs, strict=True)]
     return _build("no-sharing", parts, arrival_times(requests, arrival, rng))
+
+
+def multi_tenant(
+    *,
+    tenants: int,
+    requests_per_tenant: int,
+    prefix_len: int,
+    suffix_len: int,
+    output_len: int,
+    flood_factor: int = 4,
+    long_output_factor: int = 8,
+    short_prompt_len: int = 256,
+    arrival: ArrivalSpec | None = None,
+    seed: int = 0,
+    vocab_size: int = 32000,
+) -> Workload:
+    """Tenants of unequal habits, shuffled together: where prefix order alone gives one
+    tenant everything.  Tenant ``t0`` floods: ``flood_factor * requests_per_tenant``
+    requests sharing one ``prefix_len``-token prefix (group 0), each with its own suffix;
+    the others send ``requests_per_tenant`` requests each, odd ones unshared prompts of
+    ``prefix_len + suffix_len`` tokens, even ones short unshared prompts
+    (``short_prompt_len``) with ``long_output_factor`` times the output."""
+    check_positive(tenants=tenants, requests_per_tenant=requests_per_tenant,
+                   prefix_len=prefix_len, suffix_len=suffix_len, output_len=output_len,
+                   flood_factor=flood_factor, long_output_factor=long_output_factor,
+                   short_prompt_len=short_prompt_len)
+    if tenants < 2:
+        raise ValueError(f"a multi-tenant workload needs 2 or more tenants, got {tenants}")
+    check_vocab(vocab_size)
+    rng = np.random.default_rng(seed)
+    flood = flood_factor * requests_per_tenant
+    owners = np.repeat(np.arange(tenants), [flood] + [requests_per_tenant] * (tenants - 1))
+    owners = rng.permutation(owners)
+    prefix = random_tokens(rng, prefix_len, vocab_size)
+    lengths = [suffix_len if t == 0 else prefix_len + suffix_len if t % 2 else
+               short_prompt_len for t in owners]
+    unique = _distinct_sequences(rng, lengths, vocab_size)
+    parts = [(np.concatenate([prefix, own]), output_len, 0, prefix_len) if t == 0 else
+             (own, output_len * (1 if t % 2 else long_output_factor), -1, 0)
+             for t, own in zip(owners, unique, strict=True)]
+    return _build("multi-tenant", parts, arrival_times(len(parts), arrival, rng),
+                  [f"t{t}" for t in owners])

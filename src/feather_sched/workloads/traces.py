@@ -1,6 +1,6 @@
-"""Workloads from files: JSON Lines traces (``save_jsonl``/``load_jsonl``, priorities and
-all), and Mooncake-style hash-id traces replayed in a window, faster or slower, at a token
-scale (``Replay``, ``load_mooncake``)."""
+"""Workloads from files: JSON Lines traces (``save_jsonl``/``load_jsonl``, priorities,
+tenants and all), and Mooncake-style hash-id traces replayed in a window, faster or
+slower, at a token scale (``Replay``, ``load_mooncake``)."""
 
 import json
 import math
@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from feather_sched.workloads.spec import (
+    DEFAULT_TENANT,
     RequestSpec,
     Workload,
     check_positive,
@@ -70,6 +71,7 @@ def save_jsonl(workload: Workload, path: str | Path) -> None:
                 "group": r.group,
                 "shared_len": r.shared_len,
                 "priority": r.priority,
+                "tenant": r.tenant,
                 "prompt": r.prompt.tolist(),
             }
             f.write(json.dumps(record) + "\n")
@@ -80,9 +82,14 @@ def _priority(obj: dict[str, Any]) -> int:
     return _field(obj, "priority", int) if "priority" in obj else 0
 
 
+def _tenant(obj: dict[str, Any]) -> str:
+    """A trace record's optional ``tenant`` field (``DEFAULT_TENANT`` when absent)."""
+    return _field(obj, "tenant", str) if "tenant" in obj else DEFAULT_TENANT
+
+
 def load_jsonl(path: str | Path) -> Workload:
     """Read a trace written by :func:`save_jsonl`, validating every line (``priority``
-    is optional, 0 when absent)."""
+    and ``tenant`` are optional: 0 and ``DEFAULT_TENANT`` when absent)."""
     path = Path(path)
     lines = _json_lines(path)
     first = next(lines, None)
@@ -105,6 +112,7 @@ def load_jsonl(path: str | Path) -> Workload:
                     group=_field(obj, "group", int),
                     shared_len=_field(obj, "shared_len", int),
                     priority=_priority(obj),
+                    tenant=_tenant(obj),
                 )
             )
     return Workload(name, requests)
@@ -192,9 +200,9 @@ def _block(seed: int, hash_id: int, block_tokens: int, vocab_size: int) -> np.nd
 
 
 def _mooncake_record(obj: dict[str, Any],
-                     block_tokens: int) -> tuple[float, int, int, list[int], int]:
+                     block_tokens: int) -> tuple[float, int, int, list[int], int, str]:
     """Validate one Mooncake line: (timestamp, input_length, output_length, hash_ids,
-    priority)."""
+    priority, tenant)."""
     timestamp = _field(obj, "timestamp", (int, float))
     input_length = _field(obj, "input_length", int)
     output_length = _field(obj, "output_length", int)
@@ -211,7 +219,7 @@ def _mooncake_record(obj: dict[str, Any],
             f"input_length {input_length} does not fit {n} hash ids of {block_tokens} tokens "
             f"(need {(n - 1) * block_tokens} < input_length <= {n * block_tokens})"
         )
-    return timestamp, input_length, output_length, hash_ids, _priority(obj)
+    return timestamp, input_length, output_length, hash_ids, _priority(obj), _tenant(obj)
 
 
 def load_mooncake(
@@ -224,7 +232,8 @@ def load_mooncake(
     time_scale: float = 1e-3,
 ) -> Workload:
     """Replay a Mooncake-style trace (timestamp, input_length, output_length, hash_ids,
-    and an optional priority, 0 when absent) of ``block_tokens``-token hash blocks.
+    and an optional priority and tenant, 0 and ``DEFAULT_TENANT`` when absent) of
+    ``block_tokens``-token hash blocks.
 
     Every line is validated; then ``replay`` picks the window (in timestamp order), its
     speed and token scale.  Each hash id stands for one block of ``block_tokens *
@@ -255,7 +264,8 @@ def load_mooncake(
     trie: dict[int, list[Any]] = {}
     blocks: dict[int, np.ndarray] = {}
     requests = []
-    for i, (timestamp, length, output_length, hash_ids, priority) in enumerate(records):
+    for i, (timestamp, length, output_length, hash_ids, priority, tenant) in \
+            enumerate(records):
         last = length - (len(hash_ids) - 1) * block_tokens
         length = (len(hash_ids) - 1) * scaled + -(-last * scaled // block_tokens)
         shared = _shared_block_tokens(trie, hash_ids, length, scaled)
@@ -265,5 +275,5 @@ def load_mooncake(
         prompt = np.concatenate([blocks[h] for h in hash_ids])[:length]
         arrival = (timestamp - start) * time_scale / replay.speed
         requests.append(RequestSpec(f"{path.stem}-{i + replay.start}", prompt, output_length,
-                                    arrival, hash_ids[0], shared, priority))
+                                    arrival, hash_ids[0], shared, priority, tenant))
     return Workload(path.stem, requests)
