@@ -6,7 +6,10 @@ process) points SGLang's ``torch_native`` and ``intel_amx`` backend factories
 (``attention_registry.ATTENTION_BACKENDS``) at ``create_backend``, which builds SGLang's own
 backend unless Feather's option ``shared_prefix_attention`` turns the path on for this
 server: ``on``, or ``auto`` (the default) with Feather's scheduler (``--schedule-policy
-feather``) on ``torch_native``, the backend the tests verify.  Where on, the backend is a
+feather``) on ``torch_native``, the backend the tests verify, where the self-check run when
+the backend is made (``self_check``: SGLang's decode against the path on SGLang's pools at
+the server's shapes, ``attention_check``) measured the path exact and faster, from the
+measured break-even.  Where on, the backend is a
 subclass (``SharedPrefixDecode``) that, once per decode step, finds the rows whose
 ``req_to_token`` rows start with the same KV slots (``attention.groups.plan_token_step``),
 runs SGLang's own decode with those rows cut to one token, and replaces their outputs with
@@ -15,9 +18,10 @@ suffix (``attention.cpu_kernel``, "nhd" layout: SGLang's token-major pool).  Ext
 prefill, mixed and speculative batches run SGLang's code unchanged.
 
 Where it cannot act, SGLang's path runs and the log says why, once per process: the option,
-the device, an MLA model, a pool that is not SGLang's token-major ``MHATokenToKVPool``, CPU
-graphs (``--enable-torch-compile``), no C++ compiler, or a layer with cross attention,
-sliding windows, soft-capping, sinks, an fp8 cache or unequal K and V head sizes.
+the self-check's verdict (with its figures) or its failure, the device, an MLA model, a
+pool that is not SGLang's token-major ``MHATokenToKVPool``, CPU graphs
+(``--enable-torch-compile``), no C++ compiler, or a layer with cross attention, sliding
+windows, soft-capping, sinks, an fp8 cache or unequal K and V head sizes.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from typing import Any
 import torch
 
 from feather_sched.attention import cpu_kernel
+from feather_sched.attention.gpu_check import CPU_SOURCES, kernel_digest
 from feather_sched.attention.groups import StepPlan, plan_token_step
+from feather_sched.attention.selfcheck import Verdict, cached_check, check
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
 
 prepare_sglang_import()  # before the first SGLang import (see stand_ins)
@@ -198,23 +204,63 @@ BACKENDS: dict[str, tuple[type, type]] = {
 """SGLang's name -> (SGLang's backend, Feather's subclass)."""
 
 
+def self_check(name: str, runner: Any) -> Verdict:
+    """``auto``'s verdict for this server's shapes (``attention.selfcheck``: SGLang's
+    backend ``name`` against the path on SGLang's pools, ``attention_check``), cached per
+    CPU, versions and shapes.  Cold: a few seconds on the small grid; warm: one file read."""
+    import sglang
+    from sglang.srt.runtime_context import get_parallel
+
+    from feather_sched import __version__
+    from feather_sched.integrations.sglang.attention_check import (
+        EXACTNESS_CELLS,
+        GRID,
+        SglangCpuSubject,
+    )
+
+    model, pool = runner.model_config, runner.token_to_kv_pool
+    subject = SglangCpuSubject(
+        *BACKENDS[name], q_heads=model.get_num_attention_heads(get_parallel().tp_size),
+        kv_heads=pool.head_num, head_dim=pool.head_dim, dtype=pool.dtype,
+        page_size=max(1, runner.page_size or 1), max_rows=runner.req_to_token_pool.size,
+        max_context=runner.req_to_token_pool.max_context_len,
+        versions=(("torch", torch.__version__), ("sglang", sglang.__version__),
+                  ("feather-sched", __version__), ("kernel", kernel_digest(CPU_SOURCES))))
+    return cached_check(subject, lambda s: check(s, GRID, EXACTNESS_CELLS, reps=3))
+
+
 def create_backend(name: str, runner: Any, environ: Mapping[str, str] | None = None) -> Any:
     """SGLang's backend ``name`` for ``runner``, with the shared-prefix decode where this
-    server's options turn it on (``decide``); the verdict logged once."""
+    server's options turn it on (``decide``; under ``auto``, where the self-check measured
+    it exact and faster, from its break-even); the verdict logged once.  A self-check that
+    fails leaves the path off, with its reason, and the server up."""
     from feather_sched.integrations.sglang.scheduler import feather_enabled
 
     environ = os.environ if environ is None else environ
     engine, shared = BACKENDS[name]
     mode, min_tokens = attention_options(environ)
     reason = decide(name, runner, mode, feather_enabled(environ))
+    verdict = None
+    if reason is None and mode == "auto":
+        try:
+            verdict = self_check(name, runner)
+        except Exception as error:  # an optional check never takes the server down
+            logger.warning("Feather's attention self-check failed", exc_info=error)
+            reason = f"off: the self-check could not run ({error})"
+        else:
+            reason = None if verdict.on else verdict.line()
     if reason:
         announce(reason)
         return engine(runner)
-    tokens = min_tokens or cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT["nhd"]
+    tokens = min_tokens or (verdict and verdict.min_shared_tokens) or \
+        cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT["nhd"]
     backend = shared(runner, tokens)
-    announce(f"on ({mode}; {name}, {runner.token_to_kv_pool.dtype}, page size "
-             f"{backend.page_size}, {'AVX-512' if cpu_kernel.vectorized() else 'portable'} "
-             f"kernel, groups from {tokens} shared tokens)")
+    if verdict:
+        announce(verdict.line(*[f"the option groups from {tokens}"] * bool(min_tokens)))
+    else:
+        announce(f"on ({mode}; {name}, {runner.token_to_kv_pool.dtype}, page size "
+                 f"{backend.page_size}, {'AVX-512' if cpu_kernel.vectorized() else 'portable'}"
+                 f" kernel, groups from {tokens} shared tokens)")
     return backend
 
 
