@@ -97,15 +97,29 @@ def sync_seconds(device: torch.device | str) -> Callable[[Callable[[], object], 
 
 
 def device_name(device: torch.device | str) -> str:
+    """The GPU's name, or the CPU's model (``/proc/cpuinfo``; "cpu" where it says none)."""
     device = torch.device(device)
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "cpu"
+    models = [line.partition(":")[2].strip() for line in text.splitlines()
+              if line.startswith("model name")]
+    return models[0] if models else "cpu"
 
 
-def kernel_digest() -> str:
-    """A digest of the GPU path's sources, so a changed kernel is checked again."""
+GPU_SOURCES = ("triton_kernels.py", "gpu_decode.py", "groups.py")
+CPU_SOURCES = ("cpu_prefix_kernel.cpp", "cpu_kernel.py", "groups.py", "partials.py")
+
+
+def kernel_digest(sources: tuple[str, ...] = GPU_SOURCES) -> str:
+    """A digest of a path's sources (files of ``feather_sched.attention``: the GPU path's by
+    default, ``CPU_SOURCES`` for the CPU kernel's), so a changed kernel is checked again."""
     here = Path(__file__).parent
     digest = hashlib.sha256()
-    for name in ("triton_kernels.py", "gpu_decode.py", "groups.py"):
+    for name in sources:
         digest.update((here / name).read_bytes())
     return digest.hexdigest()[:16]
 

@@ -431,38 +431,52 @@ def plan_token_step(token_table: torch.Tensor, table_rows: torch.Tensor,
     ``token_table[table_rows[i], t]`` (SGLang's ``req_to_token`` and ``req_pool_indices``:
     CPU int32 and int64 tensors), ``seq_lens[i]`` tokens including this step's; none is
     modified.  The plan's blocks are token slots (block size 1: ``groups.shared`` counts
-    tokens; the kernels read "nhd" pools through them).
+    tokens; the kernels read "nhd" pools through them); its groups are
+    ``find_token_groups``'.
+    """
+    groups = find_token_groups(token_table, table_rows, seq_lens, page_size,
+                               min_shared_tokens)
+    if not len(groups):
+        return None
+    rows = table_rows.numpy().astype(np.int64)
+    return _plan(groups, token_table.numpy(), rows[groups.rows], seq_lens.numpy(),
+                 groups.rows.astype(np.int64), 1)
+
+
+def find_token_groups(token_table: torch.Tensor, table_rows: torch.Tensor,
+                      seq_lens: torch.Tensor, page_size: int, min_shared_tokens: int
+                      ) -> Groups:
+    """The decode rows of a token table (as ``plan_token_step`` takes it) that share at
+    least ``min_shared_tokens`` leading tokens, grouped; ``shared`` counts tokens, whole
+    pages of ``page_size`` (what SGLang's radix cache shares).
 
     Groups are found over chunks of ``max(page_size, TOKEN_CHUNK)`` tokens, each named by
     its first slot (``find_groups`` on a table that many times narrower), then each group's
     rows' slots are compared over its whole prefix and the group shares exactly the
-    leading tokens whose slots all its rows hold (``_identical``): a token is shared only
-    where its slot is the same in every row, as vLLM's blocks are only where their ids
-    are.  Cost: O(rows x context / chunk) for the chunk table, ``find_groups``' on it, and
-    O(grouped rows x shared tokens) for the compare; a few us where the rows start in
+    leading whole pages whose slots all its rows hold (``_identical``): a token is shared
+    only where its slot is the same in every row, as vLLM's blocks are only where their
+    ids are.  Cost: O(rows x context / chunk) for the chunk table, ``find_groups``' on it,
+    and O(grouped rows x shared tokens) for the compare; a few us where the rows start in
     different slots.
     """
     table = token_table.numpy()
     rows = table_rows.numpy().astype(np.int64)
     if distinct(table[rows, 0]):
-        return None
+        return _no_groups()
     lens = seq_lens.numpy()
     chunk = max(page_size, TOKEN_CHUNK)
     chunks = table[:, :int(lens.max()):chunk][rows]
     groups = find_groups(chunks, lens, np.ones(len(rows), dtype=np.int64), chunk,
                          min_blocks(chunk, min_shared_tokens))
-    groups = _identical(Groups(groups.rows, groups.offsets, groups.shared * chunk), table,
-                        rows, min_shared_tokens)
-    if not len(groups):
-        return None
-    return _plan(groups, table, rows[groups.rows], lens, groups.rows.astype(np.int64), 1)
+    return _identical(Groups(groups.rows, groups.offsets, groups.shared * chunk), table,
+                      rows, min_shared_tokens, page_size)
 
 
 def _identical(groups: Groups, table: np.ndarray, table_rows: np.ndarray,
-               min_tokens: int) -> Groups:
-    """``groups`` found on chunk names, each cut to the leading tokens whose slots in the
-    token table ``table`` all its rows share (its ``shared`` tokens at most: a chunk named
-    by its first slot can end past what is shared), and less those left under
+               min_tokens: int, page_size: int) -> Groups:
+    """``groups`` found on chunk names, each cut to the leading whole pages whose slots in
+    the token table ``table`` all its rows share (its ``shared`` tokens at most: a chunk
+    named by its first slot can end past what is shared), and less those left under
     ``min_tokens``.  One numpy compare per group: O(grouped rows x shared tokens)."""
     keep, shared = [], []
     for group, (lo, hi, tokens) in enumerate(zip(
@@ -470,8 +484,8 @@ def _identical(groups: Groups, table: np.ndarray, table_rows: np.ndarray,
             groups.shared.tolist(), strict=True)):
         slots = table[table_rows[groups.rows[lo:hi]], :tokens]
         differs = (slots[1:] != slots[0]).any(axis=0)
-        common = int(differs.argmax()) if differs.any() else tokens
-        if common >= min_tokens:
+        common = (int(differs.argmax()) if differs.any() else tokens) // page_size * page_size
+        if common >= max(min_tokens, 1):
             keep.append(group)
             shared.append(common)
     if not keep:

@@ -27,11 +27,28 @@ from sglang.srt.model_executor.forward_batch_info import (
     ForwardMode,
 )
 
+from feather_sched.attention import selfcheck
 from feather_sched.attention.partials import reference_attention
-from feather_sched.integrations.sglang import attention
+from feather_sched.integrations.sglang import attention, attention_check
 from feather_sched.integrations.sglang.scheduler import ENV_ENABLE
+from tests.helpers.timers import timed_as
 
 Q_HEADS, KV_HEADS, DIM, SLOTS = 8, 2, 64, 8192
+
+
+@pytest.fixture(autouse=True)
+def server_context(monkeypatch, tmp_path):
+    """What a server process has and these tests do not: SGLang's parallel context (one
+    rank), a cache directory of its own for the self-check's verdicts, and the check's
+    timer stood in (the path measured faster everywhere) unless a test stands in another;
+    SGLang's kernel and the path still run on every cell, for exactness."""
+    import sglang.srt.runtime_context
+
+    monkeypatch.setattr(sglang.srt.runtime_context, "get_parallel",
+                        lambda: SimpleNamespace(tp_size=1))
+    monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(attention_check.SglangCpuSubject, "seconds", timed_as(0))
+    monkeypatch.setattr(attention, "_announced", set())
 
 
 class Engine:
@@ -52,7 +69,8 @@ class Engine:
             buffer.copy_(torch.randn(buffer.shape, generator=generator).to(dtype))
         self.runner = SimpleNamespace(device="cpu", req_to_token_pool=self.req_to_token,
                                       token_to_kv_pool=self.kv, page_size=page,
-                                      use_mla_backend=False)
+                                      use_mla_backend=False, model_config=SimpleNamespace(
+                                          get_num_attention_heads=lambda tp: Q_HEADS // tp))
         self.layer = RadixAttention(num_heads=Q_HEADS, head_dim=DIM, scaling=DIM ** -0.5,
                                     num_kv_heads=KV_HEADS, layer_id=0)
 
@@ -184,3 +202,71 @@ def test_the_launcher_registers_feathers_factories():
     attention.register()
     assert ATTENTION_BACKENDS["torch_native"].__name__ == "create_feather_torch_native_backend"
     assert ATTENTION_BACKENDS["intel_amx"].__name__ == "create_feather_intel_amx_backend"
+
+
+FEATHER_AUTO = {ENV_ENABLE: "1"}
+"""A server with Feather's scheduler and the option at its default, ``auto``."""
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_auto_is_what_the_self_check_measured(faster, monkeypatch, tmp_path):
+    """Under auto with Feather's scheduler the backend is made after the self-check, SGLang's
+    kernel against the path on SGLang's pools at the server's shapes: on, with its line,
+    where the path measured exact and faster; off, with the figures, where slower; kept,
+    so the next start reads it."""
+    monkeypatch.setattr(attention_check.SglangCpuSubject, "seconds",
+                        timed_as(0 if faster else None))
+    messages = []
+    monkeypatch.setattr(attention, "announce", messages.append)
+    engine = Engine(1, torch.bfloat16)
+    backend = attention.create_backend("torch_native", engine.runner, FEATHER_AUTO)
+    assert type(backend) is (attention.SharedPrefixTorchNativeBackend if faster
+                             else TorchNativeAttnBackend)
+    line, = messages
+    assert line.startswith("on (self-check" if faster else "off (self-check"), line
+    assert "max error" in line and ("2.00x at" in line if faster else "0.50x at" in line)
+    assert faster or "not faster than the engine's kernel" in line
+    assert list(tmp_path.glob("attention-check/*.json"))
+    messages.clear()
+    monkeypatch.setattr(attention_check.TokenBatch, "__init__", None)  # not measured again
+    attention.create_backend("torch_native", engine.runner, FEATHER_AUTO)
+    assert messages[0].endswith("; cached)"), messages
+
+
+def test_auto_groups_from_the_measured_break_even(monkeypatch):
+    monkeypatch.setattr(attention_check.SglangCpuSubject, "seconds", timed_as(1024))
+    messages = []
+    monkeypatch.setattr(attention, "announce", messages.append)
+    backend = attention.create_backend("torch_native", Engine(16, torch.float32).runner,
+                                       FEATHER_AUTO)
+    assert backend.min_shared_tokens == 1024
+    assert messages[0].startswith("on (self-check") and \
+        "groups from 1024 shared tokens" in messages[0], messages
+
+
+def test_a_self_check_that_cannot_run_leaves_auto_off_and_the_server_up(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no pool here")
+
+    monkeypatch.setattr(attention_check.TokenBatch, "__init__", broken)
+    messages = []
+    monkeypatch.setattr(attention, "announce", messages.append)
+    backend = attention.create_backend("torch_native", Engine(1, torch.float32).runner,
+                                       FEATHER_AUTO)
+    assert type(backend) is TorchNativeAttnBackend
+    assert messages == ["off: the self-check could not run (no pool here)"]
+
+
+def test_the_check_runs_sglangs_kernel_and_the_path_on_sglangs_pools():
+    """The trials themselves (no stand-in but the timer): SGLang's decode and the path on
+    a cell whose prefix ends mid-page, against each other and float64."""
+    subject = attention_check.SglangCpuSubject(
+        *attention.BACKENDS["torch_native"], q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=DIM,
+        dtype=torch.float32, page_size=16, max_rows=32, max_context=2048, versions=())
+    trial = subject.trial(selfcheck.Cell(300, 2, 3, suffix=20), seed=0)
+    plan = trial._shared.step[1]
+    assert plan is not None and plan.groups.shared.tolist() == [288, 288]  # full pages
+    engine, shared, reference = trial.engine().clone(), trial.shared(), trial.reference()
+    assert selfcheck.relative_error(shared, engine) < 1e-5
+    assert selfcheck.relative_error(shared, reference) < 1e-5
+    assert selfcheck.relative_error(engine, reference) < 1e-5

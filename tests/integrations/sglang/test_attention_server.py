@@ -116,9 +116,9 @@ def run_server(tmp_path: Path, model: Path, mode: str) -> tuple[list[list[int]],
 
 def test_greedy_outputs_are_identical_with_the_path_on_and_off(tmp_path):
     model = checkpoint(tmp_path / "model")
-    on, on_log, on_rows = run_server(tmp_path, model, "auto")
+    on, on_log, on_rows = run_server(tmp_path, model, "on")  # auto's check: test_attention
     off, off_log, off_rows = run_server(tmp_path, model, "off")
-    assert "Feather shared-prefix attention: on (auto; torch_native" in on_log
+    assert "Feather shared-prefix attention: on (on; torch_native" in on_log
     assert "Feather shared-prefix attention: off (option" in off_log
     assert on_rows > 0 and off_rows == 0  # the path computed grouped rows, only when on
     assert [len(o) for o in on] == prompts()[1]

@@ -30,6 +30,7 @@ from feather_sched.integrations.vllm.attention import (  # noqa: E402
 )
 from feather_sched.models import TINY_LLAMA  # noqa: E402
 from tests.helpers.kv_layouts import read_tokens, write_cache  # noqa: E402
+from tests.helpers.timers import timed_as  # noqa: E402
 
 BLOCK = 128
 FEATHER = "feather_sched.integrations.vllm.FeatherScheduler"
@@ -136,17 +137,6 @@ def test_auto_stays_off_under_vllms_scheduler_and_on_turns_it_on(grouped_rows):
     generate(make_llm("bfloat16", {"shared_prefix_attention": "on", **SHORT_PREFIXES},
                       scheduler=None), prompts[:9], lengths[:9])
     assert sum(grouped_rows) > 0
-
-
-def timed_as(faster_from: int | None):
-    """A stand-in for the self-check's timer: the path twice as fast as vLLM's kernel on
-    cells of at least ``faster_from`` prefix tokens, twice as slow on the others (None:
-    everywhere slower); what the check decides from is then known."""
-    def seconds(subject, run, reps):
-        trial = run.__self__
-        faster = faster_from is not None and trial.cell.prefix >= faster_from
-        return 1.0 if (run.__name__ == "engine") is faster else 0.5
-    return seconds
 
 
 @pytest.mark.parametrize("faster", [True, False])

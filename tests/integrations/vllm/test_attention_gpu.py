@@ -69,6 +69,7 @@ from feather_sched.integrations.vllm import attention_gpu as gpu
 from feather_sched.integrations.vllm.host_tables import HostRows
 from feather_sched.models import TINY_LLAMA
 from tests.helpers.flash_reference import float64_flash_attn_varlen_func
+from tests.helpers.timers import timed_as
 
 BLOCK = 16
 FEATHER = "feather_sched.integrations.vllm.FeatherScheduler"
@@ -466,17 +467,6 @@ def test_interpreted_forward_matches_float64_and_vllms(kind, decode_only, config
         assert worst < 1e-5
 
 
-def timed_as(faster: bool):
-    """A stand-in for the self-check's timer: the path twice as fast as vLLM's kernel on
-    every cell where rows group, or twice as slow, and as fast where nothing groups (what
-    the check decides from is then known)."""
-    def seconds(subject, run, reps):
-        if run.__self__.cell.idle:
-            return 1.0
-        return 1.0 if (run.__name__ == "engine") is faster else 0.5
-    return seconds
-
-
 @interpreted
 @pytest.mark.parametrize("kind, faster", [("triton", True), ("triton", False),
                                           ("flash", True)])
@@ -489,7 +479,7 @@ def test_interpreted_self_check_decides_auto(kind, faster, monkeypatch, tmp_path
     stand_in_for_fa3(kind, monkeypatch)
     monkeypatch.setattr(attention_check, "engine_layer", lambda config, names: SimpleNamespace(
         impl=make_impl(kind), **vars(LAYER)))
-    monkeypatch.setattr(attention_check.GpuSubject, "seconds", timed_as(faster))
+    monkeypatch.setattr(attention_check.GpuSubject, "seconds", timed_as(0 if faster else None))
     small = partial(selfcheck.check, grid=(Cell(64, 2, 2, suffix=9), Cell(96, 2, 3, suffix=20)),
                     exactness=(Cell(40, 1, 2, suffix=1),), idle=(Cell(64, 3, 1),), reps=1)
     cached_check = selfcheck.cached_check

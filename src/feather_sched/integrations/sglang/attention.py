@@ -6,7 +6,10 @@ process) points SGLang's ``torch_native`` and ``intel_amx`` backend factories
 (``attention_registry.ATTENTION_BACKENDS``) at ``create_backend``, which builds SGLang's own
 backend unless Feather's option ``shared_prefix_attention`` turns the path on for this
 server: ``on``, or ``auto`` (the default) with Feather's scheduler (``--schedule-policy
-feather``) on ``torch_native``, the backend the tests verify.  Where on, the backend is a
+feather``) on ``torch_native``, the backend the tests verify, where the self-check run when
+the backend is made (``self_check``: SGLang's decode against the path on SGLang's pools at
+the server's shapes, ``attention_check``) measured the path exact and faster, from the
+measured break-even.  Where on, the backend is a
 subclass (``SharedPrefixDecode``) that, once per decode step, finds the rows whose
 ``req_to_token`` rows start with the same KV slots (``attention.groups.plan_token_step``),
 runs SGLang's own decode with those rows cut to one token, and replaces their outputs with
@@ -15,9 +18,10 @@ suffix (``attention.cpu_kernel``, "nhd" layout: SGLang's token-major pool).  Ext
 prefill, mixed and speculative batches run SGLang's code unchanged.
 
 Where it cannot act, SGLang's path runs and the log says why, once per process: the option,
-the device, an MLA model, a pool that is not SGLang's token-major ``MHATokenToKVPool``, CPU
-graphs (``--enable-torch-compile``), no C++ compiler, or a layer with cross attention,
-sliding windows, soft-capping, sinks, an fp8 cache or unequal K and V head sizes.
+the self-check's verdict (with its figures) or its failure, the device, an MLA model, a
+pool that is not SGLang's token-major ``MHATokenToKVPool``, CPU graphs
+(``--enable-torch-compile``), no C++ compiler, or a layer with cross attention, sliding
+windows, soft-capping, sinks, an fp8 cache or unequal K and V head sizes.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from typing import Any
 import torch
 
 from feather_sched.attention import cpu_kernel
+from feather_sched.attention.gpu_check import CPU_SOURCES, kernel_digest
 from feather_sched.attention.groups import StepPlan, plan_token_step
+from feather_sched.attention.selfcheck import Verdict, cached_check, check
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
 
 prepare_sglang_import()  # before the first SGLang import (see stand_ins)
@@ -78,20 +84,25 @@ def decide(name: str, runner: Any, mode: str, feather: bool) -> str | None:
         return "off (auto, and the scheduler is not Feather's)"
     if mode == "auto" and name not in VERIFIED:
         return f"off (auto: not verified on the {name} backend; 'on' turns it on)"
-    pool = runner.token_to_kv_pool
+    pool, gpu = runner.token_to_kv_pool, name in GPU_BACKENDS
     problems = {
-        f"device {runner.device} (the kernel reads host memory)": runner.device != "cpu",
+        f"device {runner.device} (the {name} path runs on CUDA devices)":
+            gpu and runner.device != "cuda",
+        f"device {runner.device} (the kernel reads host memory)":
+            not gpu and runner.device != "cpu",
         "an MLA model": runner.use_mla_backend,
         f"a {type(pool).__name__} KV pool (the kernel reads MHATokenToKVPool's)":
             type(pool) is not MHATokenToKVPool,
         f"the {getattr(pool, 'kv_cache_layout', None)!r} pool layout (it reads 'nhd')":
             getattr(pool, "kv_cache_layout", "nhd") != "nhd",
         "CPU graphs (--enable-torch-compile replays decode without Python)":
-            get_flags().capture.enable_torch_compile,
+            not gpu and get_flags().capture.enable_torch_compile,
     }
     problem = next((text for text, present in problems.items() if present), None)
     if problem:
         return f"off for {problem}"
+    if gpu:
+        return None
     try:
         cpu_kernel.vectorized()
     except cpu_kernel.KernelUnavailable as error:
@@ -114,7 +125,8 @@ class SharedPrefixDecode:
         super().__init__(model_runner)  # type: ignore[call-arg]
         self.min_shared_tokens = min_shared_tokens
         self.page_size = max(1, model_runner.page_size or 1)
-        self.step: tuple[Any, StepPlan | None] = (None, None)
+        self.step: tuple[Any, Any] = (None, None)
+        """The ``ForwardBatch`` planned for, and its plan (``plan``)."""
         self.acts: dict[int, bool] = {}
         """Per layer id: whether the path can serve it (decided at its first grouped step)."""
 
@@ -122,9 +134,9 @@ class SharedPrefixDecode:
         super().init_forward_metadata(forward_batch)  # type: ignore[misc]
         self.step = (forward_batch, self.plan(forward_batch))
 
-    def plan(self, forward_batch: Any) -> StepPlan | None:
-        """The step's groups; None for anything but a plain decode batch, or where no row
-        is long enough to hold a group's shortest prefix."""
+    def plan(self, forward_batch: Any) -> Any:
+        """The step's groups (``plan_rows``'); None for anything but a plain decode batch,
+        or where no row is long enough to hold a group's shortest prefix."""
         if not forward_batch.forward_mode.is_decode() or forward_batch.spec_info is not None \
                 or forward_batch.encoder_lens is not None:
             return None
@@ -133,6 +145,10 @@ class SharedPrefixDecode:
             seq_lens = forward_batch.seq_lens.cpu()
         if len(seq_lens) < 2 or int(seq_lens.max()) <= self.min_shared_tokens:
             return None
+        return self.plan_rows(forward_batch, seq_lens)
+
+    def plan_rows(self, forward_batch: Any, seq_lens: torch.Tensor) -> StepPlan | None:
+        """The groups of a plain decode batch with these CPU lengths, for the CPU kernel."""
         return plan_token_step(self.req_to_token_pool.req_to_token,
                                forward_batch.req_pool_indices.cpu(), seq_lens,
                                self.page_size, self.min_shared_tokens)
@@ -164,6 +180,12 @@ class SharedPrefixDecode:
                 announce(f"off for layers with {reason} (SGLang's kernel serves them)")
         return acts
 
+    HEAD_SIZES = "multiples of 16"
+
+    @staticmethod
+    def head_size_fits(head_dim: int) -> bool:
+        return head_dim % 16 == 0
+
     def _layer_problem(self, layer: Any, q: torch.Tensor, sinks: Any) -> str | None:
         keys = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         window = getattr(layer, "sliding_window_size", None)
@@ -176,8 +198,9 @@ class SharedPrefixDecode:
             "unequal K and V head sizes": layer.qk_head_dim != layer.v_head_dim,
             f"a {keys.dtype} KV cache": keys.dtype not in cpu_kernel.DTYPE_CODES,
             "a query dtype unlike the cache's": q.dtype != keys.dtype,
-            f"head size {layer.qk_head_dim} (the kernel takes multiples of 16)":
-                layer.qk_head_dim % 16 != 0,
+            f"head size {layer.qk_head_dim} (the kernel takes {self.HEAD_SIZES})":
+                not self.head_size_fits(layer.qk_head_dim),
+            f"a pool of {len(keys)} slots, not whole pages": len(keys) % self.page_size != 0,
         }
         return next((name for name, present in features.items() if present), None)
 
@@ -195,26 +218,87 @@ BACKENDS: dict[str, tuple[type, type]] = {
     "torch_native": (TorchNativeAttnBackend, SharedPrefixTorchNativeBackend),
     "intel_amx": (IntelAMXAttnBackend, SharedPrefixIntelAMXBackend),
 }
-"""SGLang's name -> (SGLang's backend, Feather's subclass)."""
+"""SGLang's CPU backends by name -> (SGLang's backend, Feather's subclass)."""
+GPU_BACKENDS = ("triton",)
+"""SGLang's GPU backends with the path (``attention_triton``), imported when one is made."""
+UNSUPPORTED = {
+    "fa3": "its decode is FlashAttention-3's fused paged kernel, with no split of rows the "
+           "path could take over here",
+    "flashinfer": "its decode wrapper plans the batch's pages itself (SGLang leaves "
+                  "FlashInfer's cascade wrapper unused)",
+}
+"""SGLang's GPU backends without the path, and why (logged when one is made)."""
+
+
+def backend_classes(name: str) -> tuple[type, type]:
+    """(SGLang's backend, Feather's subclass) for SGLang's name."""
+    if name in GPU_BACKENDS:
+        from feather_sched.integrations.sglang.attention_triton import (
+            SharedPrefixTritonBackend,
+            TritonAttnBackend,
+        )
+
+        return TritonAttnBackend, SharedPrefixTritonBackend
+    return BACKENDS[name]
+
+
+def self_check(name: str, runner: Any) -> Verdict:
+    """``auto``'s verdict for this server's shapes (``attention.selfcheck``: SGLang's
+    backend ``name`` against the path on SGLang's pools, ``attention_check``), cached per
+    CPU, versions and shapes.  Cold: a few seconds on the small grid; warm: one file read."""
+    import sglang
+    from sglang.srt.runtime_context import get_parallel
+
+    from feather_sched import __version__
+    from feather_sched.integrations.sglang.attention_check import (
+        EXACTNESS_CELLS,
+        GRID,
+        SglangCpuSubject,
+    )
+
+    model, pool = runner.model_config, runner.token_to_kv_pool
+    subject = SglangCpuSubject(
+        *BACKENDS[name], q_heads=model.get_num_attention_heads(get_parallel().tp_size),
+        kv_heads=pool.head_num, head_dim=pool.head_dim, dtype=pool.dtype,
+        page_size=max(1, runner.page_size or 1), max_rows=runner.req_to_token_pool.size,
+        max_context=runner.req_to_token_pool.max_context_len,
+        versions=(("torch", torch.__version__), ("sglang", sglang.__version__),
+                  ("feather-sched", __version__), ("kernel", kernel_digest(CPU_SOURCES))))
+    return cached_check(subject, lambda s: check(s, GRID, EXACTNESS_CELLS, reps=3))
 
 
 def create_backend(name: str, runner: Any, environ: Mapping[str, str] | None = None) -> Any:
     """SGLang's backend ``name`` for ``runner``, with the shared-prefix decode where this
-    server's options turn it on (``decide``); the verdict logged once."""
+    server's options turn it on (``decide``; under ``auto``, where the self-check measured
+    it exact and faster, from its break-even); the verdict logged once.  A self-check that
+    fails leaves the path off, with its reason, and the server up."""
     from feather_sched.integrations.sglang.scheduler import feather_enabled
 
     environ = os.environ if environ is None else environ
-    engine, shared = BACKENDS[name]
+    engine, shared = backend_classes(name)
     mode, min_tokens = attention_options(environ)
     reason = decide(name, runner, mode, feather_enabled(environ))
+    verdict = None
+    if reason is None and mode == "auto":
+        try:
+            verdict = self_check(name, runner)
+        except Exception as error:  # an optional check never takes the server down
+            logger.warning("Feather's attention self-check failed", exc_info=error)
+            reason = f"off: the self-check could not run ({error})"
+        else:
+            reason = None if verdict.on else verdict.line()
     if reason:
         announce(reason)
         return engine(runner)
-    tokens = min_tokens or cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT["nhd"]
+    tokens = min_tokens or (verdict and verdict.min_shared_tokens) or \
+        cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT["nhd"]
     backend = shared(runner, tokens)
-    announce(f"on ({mode}; {name}, {runner.token_to_kv_pool.dtype}, page size "
-             f"{backend.page_size}, {'AVX-512' if cpu_kernel.vectorized() else 'portable'} "
-             f"kernel, groups from {tokens} shared tokens)")
+    if verdict:
+        announce(verdict.line(*[f"the option groups from {tokens}"] * bool(min_tokens)))
+    else:
+        announce(f"on ({mode}; {name}, {runner.token_to_kv_pool.dtype}, page size "
+                 f"{backend.page_size}, {'AVX-512' if cpu_kernel.vectorized() else 'portable'}"
+                 f" kernel, groups from {tokens} shared tokens)")
     return backend
 
 
@@ -226,10 +310,33 @@ def _factory(name: str) -> Callable[[Any], Any]:
     return create
 
 
-def register() -> None:
-    """Point SGLang's ``torch_native`` and ``intel_amx`` factories at ``create_backend``
-    (idempotent; in each process, before its model runner builds the backend)."""
-    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+def _unsupported(name: str, sglangs: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def create(runner: Any) -> Any:
+        mode = attention_options(os.environ)[0]
+        announce("off (option shared_prefix_attention)" if mode == "off" else
+                 f"off for the {name} backend: {UNSUPPORTED[name]}; it runs in "
+                 f"{', '.join([*BACKENDS, *GPU_BACKENDS])}")
+        return create.sglangs(runner)  # type: ignore[attr-defined]
 
-    for name in BACKENDS:
+    create.__name__ = f"create_feather_{name}_backend"
+    create.sglangs = sglangs  # type: ignore[attr-defined]
+    return create
+
+
+def register() -> None:
+    """Point SGLang's ``torch_native``, ``intel_amx`` and ``triton`` factories at
+    ``create_backend``, and its ``fa3`` and ``flashinfer`` ones at SGLang's own with the
+    reason logged (idempotent; in each process, before its model runner builds the
+    backend)."""
+    from sglang.srt.layers.attention.attention_registry import (
+        ATTENTION_BACKENDS,
+        register_attention_backend,
+    )
+
+    for name in [*BACKENDS, *GPU_BACKENDS]:
         register_attention_backend(name)(_factory(name))
+    for name in UNSUPPORTED:
+        sglangs = ATTENTION_BACKENDS.get(name)
+        if sglangs is not None:
+            register_attention_backend(name)(_unsupported(name,
+                                                          getattr(sglangs, "sglangs", sglangs)))
