@@ -62,6 +62,7 @@ from vllm.v1.attention.selector import AttentionSelectorConfig
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from feather_sched.attention import gpu_decode, selfcheck
+from feather_sched.attention.gpu_check import device_name
 from feather_sched.attention.partials import reference_attention
 from feather_sched.attention.selfcheck import Cell
 from feather_sched.integrations.vllm import attention_check
@@ -491,7 +492,8 @@ def test_interpreted_self_check_decides_auto(kind, faster, monkeypatch, tmp_path
     builder = BUILDERS[kind](SPEC, ["layer"], config, torch.device("cpu"))
     line = messages[-1]
     assert (builder.decode is not None) is faster, line
-    assert line.startswith(f"{'on' if faster else 'off'} (self-check on cpu, 8q/2kv/d64 "
+    assert line.startswith(f"{'on' if faster else 'off'} (self-check on {device_name('cpu')}, "
+                           "8q/2kv/d64 "
                            f"float32, block 16, layout {builder.name}"), line
     verdict = selfcheck.Verdict.from_json(json.loads(next(
         tmp_path.glob("attention-check/*.json")).read_text()))

@@ -125,6 +125,9 @@ class SglangCpuSubject:
     """SGLang's CPU backend ``engine_cls`` and Feather's subclass of it, ``shared_cls``, at
     one server's shapes, for ``selfcheck.check``."""
 
+    idle_cost = False
+    """Where nothing groups the path is SGLang's decode alone (no plan, no launch)."""
+
     def __init__(self, engine_cls: type, shared_cls: type, q_heads: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, page_size: int, max_rows: int,
                  max_context: int, versions: tuple[tuple[str, str], ...]) -> None:
