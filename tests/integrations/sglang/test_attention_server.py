@@ -1,5 +1,7 @@
 """Shared-prefix decode on SGLang's real server (CPU, torch_native, fp32): greedy outputs
-identical with the path on and off, over prefix groups, singletons and chunked prefill."""
+identical with the path on and off, over prefix groups, singletons, chunked prefill and
+retractions (SGLang's own test switch, ``SGLANG_TEST_RETRACT``, retracts decoding requests
+every third step, and they come back through Feather's queue and SGLang's prefix cache)."""
 
 from __future__ import annotations
 
@@ -104,7 +106,7 @@ def run_server(tmp_path: Path, model: Path, mode: str) -> tuple[list[list[int]],
     sitecustomize = tmp_path / "site"
     sitecustomize.mkdir(exist_ok=True)
     (sitecustomize / "sitecustomize.py").write_text(PROBE)
-    env = {"FEATHER_TEST_PROBE": str(probe),
+    env = {"FEATHER_TEST_PROBE": str(probe), "SGLANG_TEST_RETRACT": "1",
            "PYTHONPATH": os.pathsep.join([str(sitecustomize),
                                           *filter(None, [os.environ.get("PYTHONPATH")])])}
     with serving(command, log, env) as url:
@@ -121,5 +123,9 @@ def test_greedy_outputs_are_identical_with_the_path_on_and_off(tmp_path):
     assert "Feather shared-prefix attention: on (on; torch_native" in on_log
     assert "Feather shared-prefix attention: off (option" in off_log
     assert on_rows > 0 and off_rows == 0  # the path computed grouped rows, only when on
+    for log in (on_log, off_log):  # both servers retracted decoding requests
+        retracted = [int(line.split("#retracted_reqs: ")[1].split(",")[0])
+                     for line in log.splitlines() if "Testing retraction. #retracted_reqs" in line]
+        assert sum(retracted) > 0, log[-3000:]
     assert [len(o) for o in on] == prompts()[1]
     assert on == off
