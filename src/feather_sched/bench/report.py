@@ -127,13 +127,7 @@ def _priority_lines(summary: Summary) -> list[str]:
     lines = [LINE.format("Scheduling policy:", policy or "n/a")]
     classes: dict = summary["by_priority"]  # type: ignore[assignment]
     for priority, c in classes.items():
-        lines += [
-            LINE.format(f"Class {priority} ({c['requests']} req) TTFT mean / p99 (ms):",
-                        f"{c['mean_ttft_ms']:.2f} / {c['p99_ttft_ms']:.2f}"),
-            LINE.format(f"Class {priority} E2EL mean / p99 (ms):",
-                        f"{c['mean_e2el_ms']:.2f} / {c['p99_e2el_ms']:.2f}"),
-            _number(f"Class {priority} output tok/s:", c["output_throughput"]),
-        ]
+        lines += _part_lines(f"Class {priority}", c)
     return lines
 
 
@@ -141,16 +135,20 @@ def _tenant_lines(summary: Summary) -> list[str]:
     """Each tenant's latencies, throughput and service, then the largest service gap."""
     lines = []
     for tenant, t in summary["by_tenant"].items():  # type: ignore[union-attr]
-        lines += [
-            LINE.format(f"{tenant} ({t['requests']} req) TTFT mean / p99 (ms):",
-                        f"{t['mean_ttft_ms']:.2f} / {t['p99_ttft_ms']:.2f}"),
-            LINE.format(f"{tenant} E2EL mean / p99 (ms):",
-                        f"{t['mean_e2el_ms']:.2f} / {t['p99_e2el_ms']:.2f}"),
-            _number(f"{tenant} output tok/s:", t["output_throughput"]),
-            _number(f"{tenant} service (weighted tokens):", t["service"]),
-        ]
+        lines += [*_part_lines(tenant, t),
+                  _number(f"{tenant} service (weighted tokens):", t["service"])]
     return [*lines, _number("Largest service gap, all in (tokens):",
                             summary.get("max_service_gap"))]
+
+
+def _part_lines(label: str, part: dict) -> list[str]:
+    """One part of a run's requests (a class, a tenant): its count, TTFT and E2EL means and
+    p99s, and output throughput."""
+    return [LINE.format(f"{label} ({part['requests']} req) TTFT mean / p99 (ms):",
+                        f"{part['mean_ttft_ms']:.2f} / {part['p99_ttft_ms']:.2f}"),
+            LINE.format(f"{label} E2EL mean / p99 (ms):",
+                        f"{part['mean_e2el_ms']:.2f} / {part['p99_e2el_ms']:.2f}"),
+            _number(f"{label} output tok/s:", part["output_throughput"])]
 
 
 def _preemption_lines(summary: Summary) -> list[str]:
