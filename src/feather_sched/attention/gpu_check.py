@@ -15,9 +15,7 @@ kernel (named so in every figure it produces), for a GPU with torch and Triton o
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,7 +24,13 @@ from feather_sched.attention import triton_kernels
 from feather_sched.attention.gpu_decode import DecodeLimits, GroupedDecode
 from feather_sched.attention.groups import Groups, find_groups
 from feather_sched.attention.partials import reference_attention
-from feather_sched.attention.selfcheck import Cell, Shapes, median_seconds
+from feather_sched.attention.selfcheck import (
+    Cell,
+    Shapes,
+    device_name,
+    kernel_digest,
+    median_seconds,
+)
 from feather_sched.attention.triton_kernels import TableSegments
 
 REFERENCE_TOKENS = 1 << 15
@@ -94,34 +98,6 @@ def sync_seconds(device: torch.device | str) -> Callable[[Callable[[], object], 
     """``Subject.seconds`` for ``device``: wall time with the device's queue drained."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     return lambda run, reps: median_seconds(run, reps, sync)
-
-
-def device_name(device: torch.device | str) -> str:
-    """The GPU's name, or the CPU's model (``/proc/cpuinfo``; "cpu" where it says none)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "cpu"
-    models = [line.partition(":")[2].strip() for line in text.splitlines()
-              if line.startswith("model name")]
-    return models[0] if models else "cpu"
-
-
-GPU_SOURCES = ("triton_kernels.py", "gpu_decode.py", "groups.py")
-CPU_SOURCES = ("cpu_prefix_kernel.cpp", "cpu_kernel.py", "groups.py", "partials.py")
-
-
-def kernel_digest(sources: tuple[str, ...] = GPU_SOURCES) -> str:
-    """A digest of a path's sources (files of ``feather_sched.attention``: the GPU path's by
-    default, ``CPU_SOURCES`` for the CPU kernel's), so a changed kernel is checked again."""
-    here = Path(__file__).parent
-    digest = hashlib.sha256()
-    for name in sources:
-        digest.update((here / name).read_bytes())
-    return digest.hexdigest()[:16]
 
 
 class KitTrial:

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -290,6 +291,54 @@ def _verdict(shapes: Shapes, on: bool, reason: str, min_tokens: int | None,
              results: Sequence[CellResult], started: float | None) -> Verdict:
     seconds = 0.0 if started is None else time.perf_counter() - started
     return Verdict(on, reason, min_tokens, shapes, tuple(results), seconds)
+
+
+def checked(measure: Callable[[], Verdict],
+            agree: Callable[[Verdict | None], Verdict | None] = lambda verdict: verdict
+            ) -> tuple[Verdict | None, str | None]:
+    """``measure()``'s verdict, passed through ``agree`` (the engine's tensor-parallel vote;
+    None, a check that failed, votes off), and why ``auto`` stays off (None where on).  A
+    measurement that raises is logged and votes off, never raised: an optional check never
+    takes the engine down, and every rank votes, so none waits on another's failed check."""
+    verdict, reason = None, None
+    try:
+        verdict = measure()
+    except Exception as error:
+        logger.warning("Feather's attention self-check failed", exc_info=error)
+        reason = f"off: the self-check could not run ({error})"
+    verdict = agree(verdict)
+    if reason is None and verdict is not None and not verdict.on:
+        reason = verdict.line()
+    return verdict, reason
+
+
+def device_name(device: torch.device | str) -> str:
+    """The GPU's name, or the CPU's model (``/proc/cpuinfo``; else what ``platform``
+    says): what a verdict is kept per."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    models = [line.partition(":")[2].strip() for line in text.splitlines()
+              if line.startswith("model name")]
+    return models[0] if models else platform.processor() or platform.machine()
+
+
+GPU_SOURCES = ("triton_kernels.py", "gpu_decode.py", "groups.py")
+CPU_SOURCES = ("cpu_prefix_kernel.cpp", "cpu_kernel.py", "groups.py", "partials.py")
+
+
+def kernel_digest(sources: tuple[str, ...] = GPU_SOURCES) -> str:
+    """A digest of a path's sources (files of ``feather_sched.attention``: the GPU path's by
+    default, ``CPU_SOURCES`` for the CPU kernel's), so a changed kernel is checked again."""
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for name in sources:
+        digest.update((here / name).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def cache_dir() -> Path:

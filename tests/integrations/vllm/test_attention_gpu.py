@@ -62,9 +62,8 @@ from vllm.v1.attention.selector import AttentionSelectorConfig
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from feather_sched.attention import gpu_decode, selfcheck
-from feather_sched.attention.gpu_check import device_name
 from feather_sched.attention.partials import reference_attention
-from feather_sched.attention.selfcheck import Cell
+from feather_sched.attention.selfcheck import Cell, device_name
 from feather_sched.integrations.vllm import attention_check
 from feather_sched.integrations.vllm import attention_gpu as gpu
 from feather_sched.integrations.vllm.host_tables import HostRows

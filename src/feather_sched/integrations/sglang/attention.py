@@ -35,9 +35,15 @@ from typing import Any
 import torch
 
 from feather_sched.attention import cpu_kernel
-from feather_sched.attention.gpu_check import CPU_SOURCES, kernel_digest
 from feather_sched.attention.groups import StepPlan, plan_token_step
-from feather_sched.attention.selfcheck import Verdict, cached_check, check
+from feather_sched.attention.selfcheck import (
+    CPU_SOURCES,
+    Verdict,
+    cached_check,
+    check,
+    checked,
+    kernel_digest,
+)
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
 
 prepare_sglang_import()  # before the first SGLang import (see stand_ins)
@@ -280,13 +286,7 @@ def create_backend(name: str, runner: Any, environ: Mapping[str, str] | None = N
     reason = decide(name, runner, mode, feather_enabled(environ))
     verdict = None
     if reason is None and mode == "auto":
-        try:
-            verdict = self_check(name, runner)
-        except Exception as error:  # an optional check never takes the server down
-            logger.warning("Feather's attention self-check failed", exc_info=error)
-            reason = f"off: the self-check could not run ({error})"
-        else:
-            reason = None if verdict.on else verdict.line()
+        verdict, reason = checked(lambda: self_check(name, runner))
     if reason:
         announce(reason)
         return engine(runner)

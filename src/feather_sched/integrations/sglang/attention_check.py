@@ -21,9 +21,8 @@ from typing import Any
 import torch
 
 from feather_sched.attention import cpu_kernel
-from feather_sched.attention.gpu_check import device_name
 from feather_sched.attention.partials import reference_attention
-from feather_sched.attention.selfcheck import Cell, Shapes, median_seconds
+from feather_sched.attention.selfcheck import Cell, Shapes, device_name, median_seconds
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
 
 prepare_sglang_import()  # before the first SGLang import (see stand_ins)

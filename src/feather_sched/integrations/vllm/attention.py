@@ -22,11 +22,9 @@ attention.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,9 +37,9 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.kv_cache_interface import CrossAttentionSpec, EncoderOnlyAttentionSpec
 
-from feather_sched.attention import cpu_kernel
+from feather_sched.attention import cpu_kernel, selfcheck
 from feather_sched.attention.groups import StepPlan, min_blocks, plan_step
-from feather_sched.attention.selfcheck import Verdict, cached_check
+from feather_sched.attention.selfcheck import CPU_SOURCES, Verdict, cached_check, kernel_digest
 
 logger = logging.getLogger("vllm.feather_sched")
 _announced: set[str] = set()
@@ -110,29 +108,13 @@ def versions() -> tuple[tuple[str, str], ...]:
 
     from feather_sched import __version__
 
-    here = Path(cpu_kernel.__file__).parent
-    digest = hashlib.sha256()
-    for name in ("cpu_prefix_kernel.cpp", "cpu_kernel.py", "groups.py", "partials.py"):
-        digest.update((here / name).read_bytes())
     return (("torch", torch.__version__), ("vllm", vllm.__version__),
-            ("feather-sched", __version__), ("kernel", digest.hexdigest()[:16]))
+            ("feather-sched", __version__), ("kernel", kernel_digest(CPU_SOURCES)))
 
 
 def checked(measure: Callable[[], Verdict]) -> tuple[Verdict | None, str | None]:
-    """``measure()``'s verdict, agreed by the tensor-parallel ranks (``agreed``), and why
-    ``auto`` stays off (None where on).  A measurement that raises is logged and votes off,
-    never raised: an optional check never takes the engine down, and every rank votes, so
-    none waits on another's failed check."""
-    verdict, reason = None, None
-    try:
-        verdict = measure()
-    except Exception as error:
-        logger.warning("Feather's attention self-check failed", exc_info=error)
-        reason = f"off: the self-check could not run ({error})"
-    verdict = agreed(verdict)
-    if reason is None and verdict is not None and not verdict.on:
-        reason = verdict.line()
-    return verdict, reason
+    """``selfcheck.checked`` with the tensor-parallel ranks' vote (``agreed``)."""
+    return selfcheck.checked(measure, agreed)
 
 
 def agreed(verdict: Verdict | None) -> Verdict | None:

@@ -14,7 +14,6 @@ cpu_decode.py`` times the same batches over a larger grid.
 
 from __future__ import annotations
 
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,10 +25,16 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from feather_sched.attention import cpu_kernel
-from feather_sched.attention.gpu_check import PagedBatch, device_name, kernel_digest, sync_seconds
+from feather_sched.attention.gpu_check import PagedBatch, sync_seconds
 from feather_sched.attention.groups import StepPlan, plan_step
 from feather_sched.attention.partials import reference_attention
-from feather_sched.attention.selfcheck import Cell, Shapes, median_seconds
+from feather_sched.attention.selfcheck import (
+    Cell,
+    Shapes,
+    device_name,
+    kernel_digest,
+    median_seconds,
+)
 from feather_sched.integrations.vllm.host_tables import HostRows
 
 REFERENCE_TOKENS = 1 << 16
@@ -166,7 +171,7 @@ class CpuSubject:
                  max_model_len: int, versions: tuple[tuple[str, str], ...]) -> None:
         self.geometry, self.dtype, self.block = geometry, dtype, block
         layout = _get_attn_isa(dtype, block, geometry.head_dim, "auto")
-        self.shapes = Shapes(device=cpu_name(), q_heads=geometry.q_heads,
+        self.shapes = Shapes(device=device_name("cpu"), q_heads=geometry.q_heads,
                              kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
                              dtype=str(dtype).removeprefix("torch."), block_size=block,
                              layout=layout, max_rows=max_rows, max_context=max_model_len,
@@ -179,18 +184,6 @@ class CpuSubject:
 
     def seconds(self, run: Callable[[], object], reps: int) -> float:
         return median_seconds(run, reps)
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class GpuTrial:

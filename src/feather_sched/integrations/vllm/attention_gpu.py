@@ -162,6 +162,8 @@ class SharedPrefixBuilder:
     supports_update_block_table: bool = False
     """The V1 runner's reuse of one group's metadata for another would pair this group's
     work with another table."""
+    _capturing = False
+    """Inside ``build_for_cudagraph_capture``: the work is carried, empty."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
@@ -244,8 +246,6 @@ class SharedPrefixBuilder:
         finally:
             self._capturing = False
 
-    _capturing = False
-
     def build_with(self, common: CommonAttentionMetadata, fast_build: bool,
                    host: HostRows | None) -> Any:
         """The step's metadata, its groups read from ``host`` (None: no host block ids)."""
@@ -254,7 +254,7 @@ class SharedPrefixBuilder:
             return base(0, common, fast_build)
         graphed = self._capturing or (self._full_graphs
                                       and common.num_actual_tokens <= self._max_graph_tokens)
-        groups = self._groups(common, host) if host is not None and not self._capturing else None
+        groups = self._groups(common, host) if host is not None else None  # None: capturing
         if groups is None and not graphed:
             return base(0, common, fast_build)
         if groups is None:
