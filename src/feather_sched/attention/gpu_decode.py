@@ -178,7 +178,7 @@ class GroupedDecode:
     of the step before.
 
     Memory: ``limits.workspace_bytes`` of fp32 workspace; a staged int32 index buffer of
-    about (2 + K) x ``max_segments`` + 4 x ``max_rows`` elements, on the device and twice
+    about (2 + K) x ``max_segments`` + 5 x ``max_rows`` elements, on the device and twice
     in pinned host memory (one staging buffer refilled while the other's copy may still be
     in flight); constants of ``max_segments`` + ``max_rows`` on the device.
     """
@@ -190,7 +190,7 @@ class GroupedDecode:
         sizes = {"row_count": 1, "segment_count": 1, "tokens": rows,
                  "prefix_rows": segments, "prefix_lengths": segments,
                  "prefix_members": segments * k, "suffix_rows": rows, "suffix_starts": rows,
-                 "suffix_lengths": rows}
+                 "suffix_lengths": rows, "batch_rows": rows}
         self._spans, end = {}, 0
         for name, size in sizes.items():
             self._spans[name] = (end, size)
@@ -222,7 +222,7 @@ class GroupedDecode:
         self._split_parts = self._parts.split([limits.prefix_splits, limits.suffix_splits])
         self._split_lse = self._lse.split([limits.prefix_splits, limits.suffix_splits])
         self._checked: tuple[Any, ...] | None = None
-        self._cut_rows = (device_views["suffix_rows"],
+        self._cut_rows = (device_views["batch_rows"],
                           torch.arange(rows, dtype=torch.int32, device=self.device))
 
     def _views(self, flat: Any) -> dict[str, Any]:
@@ -230,12 +230,14 @@ class GroupedDecode:
         return {name: flat[start:start + size] for name, (start, size) in self._spans.items()}
 
     def stage(self, groups: Groups, seq_lens: np.ndarray, query_starts: np.ndarray,
-              block_size: int) -> None:
+              block_size: int, table_rows: np.ndarray | None = None) -> None:
         """Make the next ``run`` (or replay) compute ``groups``: the batch's grouped rows
         over their shared prefixes and their own suffixes.
 
         ``seq_lens`` (tokens including this step's) and ``query_starts`` (first query token)
-        per batch row, as ``find_groups`` saw them. Raises ValueError, staging nothing, if
+        per batch row, as ``find_groups`` saw them; ``table_rows``: each batch row's row of
+        the block table ``run`` reads (default: the batch row itself; SGLang's
+        ``req_to_token`` is indexed by pool row). Raises ValueError, staging nothing, if
         the step has more grouped rows or prefix segments than the limits. Host work
         O(grouped rows), then one non-blocking copy of the whole index buffer."""
         limits, k = self.limits, self.limits.members_per_segment
@@ -253,13 +255,15 @@ class GroupedDecode:
         first = groups.offsets[:-1][group] + nth * k
         members = first[:, None] + np.arange(k)
         members[members >= groups.offsets[1:][group][:, None]] = -1
-        host["prefix_rows"][:count] = rows[groups.offsets[:-1]][group]
+        tables = rows if table_rows is None else np.asarray(table_rows)[rows]
+        host["prefix_rows"][:count] = tables[groups.offsets[:-1]][group]
         host["prefix_lengths"][:count] = groups.shared[group] * block_size
         host["prefix_members"][:count * k] = members.ravel()
         starts = groups.row_shared() * block_size
-        host["suffix_rows"][:n] = rows
+        host["suffix_rows"][:n] = tables
         host["suffix_starts"][:n] = starts
         host["suffix_lengths"][:n] = np.asarray(seq_lens)[rows] - starts
+        host["batch_rows"][:n] = rows
         self._upload(self._index.numel())
 
     def clear(self) -> None:

@@ -1,6 +1,9 @@
 """Shared-prefix decode in SGLang's Triton backend: on SGLang's own pools, SGLang's own
 Triton decode kernel (``decode_attention_fwd``) over the batch with grouped rows cut, then
-Feather's grouped decode over the pool, in Triton's interpreter, against float64.
+Feather's grouped decode over the pool, in Triton's interpreter, against float64: the
+kernels on their own, SGLang's backend and Feather's subclass of it eagerly and through
+SGLang's decode-graph hooks (capture, then replays of other steps), and the GPU
+self-check's subject.
 
 The cache is fp16 and the tolerance bf16's: SGLang's decode kernel returns garbage for
 bf16 in the interpreter (its bf16 arithmetic is numpy's there, not the GPU's), and
@@ -8,6 +11,8 @@ Feather's kernels are checked in bf16 on their own (``tests/attention``)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 from types import SimpleNamespace
 
@@ -16,15 +21,19 @@ import pytest
 import torch
 
 from feather_sched.bench.cht.sglang_policy import sglang_installed
+from tests.helpers.timers import timed_as
 from tests.helpers.triton_interpreter import INTERPRETED, run_interpreted
 
 if not sglang_installed():
     pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)", allow_module_level=True)
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
+from feather_sched.attention import selfcheck
 from feather_sched.attention.gpu_decode import DecodeLimits, GroupedDecode
 from feather_sched.attention.partials import reference_attention
+from feather_sched.attention.selfcheck import Cell
 from feather_sched.integrations.sglang import attention
 
 interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by the fresh process that "
@@ -56,37 +65,79 @@ def sglang_decode(q, keys, values, out, slot_rows, lens, page):
                          1.0, 1.0, page_size=page)
 
 
+class Pools:
+    """SGLang's pools for one layer (fp16, random KV, page 0 left as padding) and a free
+    list of pages to allocate rows of slots from."""
+
+    def __init__(self, page: int, kv_heads: int, seed: int, rows: int = 16,
+                 context: int = 512) -> None:
+        self.page, self.rng = page, np.random.default_rng(seed)
+        generator = torch.Generator().manual_seed(seed)
+        self.kv = MHATokenToKVPool(size=SLOTS, page_size=page, dtype=torch.float16,
+                                   head_num=kv_heads, head_dim=DIM, layer_num=1, device="cpu",
+                                   enable_memory_saver=False)
+        for buffer in (self.kv.k_buffer[0], self.kv.v_buffer[0]):
+            buffer.copy_(torch.randn(buffer.shape, generator=generator).to(torch.float16))
+        self.free = self.rng.permutation(np.arange(1, SLOTS // page)).tolist()
+        self.req_to_token = ReqToTokenPool(size=rows, max_context_len=context, device="cpu",
+                                           enable_memory_saver=False)
+        table = self.req_to_token.req_to_token
+        table[:] = torch.from_numpy(self.rng.integers(1, SLOTS, table.shape).astype(np.int32))
+
+    def allocate(self, tokens: int) -> list[int]:
+        pages = [self.free.pop() for _ in range(-(-tokens // self.page))]
+        return [p * self.page + i for p in pages for i in range(self.page)][:tokens]
+
+    def place(self, rows: list[list[int]]) -> torch.Tensor:
+        """Rows of slots written at shuffled pool rows (past them, a stale tail); the pool
+        rows, int64."""
+        pool_rows = self.rng.permutation(np.arange(1, self.req_to_token.size))[:len(rows)]
+        for at, row in zip(pool_rows.tolist(), rows, strict=True):
+            self.req_to_token.req_to_token[at, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        return torch.from_numpy(pool_rows.astype(np.int64))
+
+    def batch(self, rows: list[list[int]]) -> ForwardBatch:
+        """A decode step over rows of slots, each ending with this step's token's slot."""
+        lens = torch.tensor([len(r) for r in rows])
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=len(rows),
+            input_ids=torch.zeros(len(rows), dtype=torch.long), req_pool_indices=self.place(rows),
+            seq_lens=lens, out_cache_loc=torch.tensor([r[-1] for r in rows]),
+            seq_lens_sum=int(lens.sum()), seq_lens_cpu=lens.clone())
+
+    def reference(self, query: torch.Tensor, rows: list[list[int]]) -> list[torch.Tensor]:
+        keys, values = self.kv.k_buffer[0], self.kv.v_buffer[0]
+        return [reference_attention(query[row], keys[torch.tensor(slots)],
+                                    values[torch.tensor(slots)], DIM ** -0.5)[0]
+                for row, slots in enumerate(rows)]
+
+
+def mixed_rows(pools: Pools) -> tuple[list[list[int]], set[int]]:
+    """Two groups (one prefix ending mid-page at page 16), a singleton, interleaved; and the
+    rows that group."""
+    a, b = pools.allocate(160), pools.allocate(96)
+    rows = [a + pools.allocate(21), pools.allocate(130), b + pools.allocate(5),
+            a + pools.allocate(1), b + pools.allocate(40), a + pools.allocate(33),
+            b + pools.allocate(70)]
+    return rows, {0, 2, 3, 4, 5, 6}
+
+
+def assert_close(out: torch.Tensor, expected: list[torch.Tensor]) -> None:
+    for row, reference in enumerate(expected):
+        error = (out[row].double() - reference).norm() / reference.norm()
+        assert error < 2e-2, (row, float(error))
+
+
 @interpreted
 @pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 4), (8, 2)])
 @pytest.mark.parametrize("page", [1, 16])
 def test_grouped_rows_by_feathers_kernels_and_the_rest_by_sglangs(q_heads, kv_heads, page):
-    from feather_sched.integrations.sglang.attention_triton import TritonStep
+    from feather_sched.integrations.sglang.attention_triton import TritonStep, paged
 
-    rng = np.random.default_rng(page)
-    generator = torch.Generator().manual_seed(q_heads)
-    pool = MHATokenToKVPool(size=SLOTS, page_size=page, dtype=torch.float16,
-                            head_num=kv_heads, head_dim=DIM, layer_num=1, device="cpu",
-                            enable_memory_saver=False)
-    keys, values = pool.k_buffer[0], pool.v_buffer[0]
-    for buffer in (keys, values):
-        buffer.copy_(torch.randn(buffer.shape, generator=generator).to(torch.float16))
-    free = rng.permutation(np.arange(1, SLOTS // page)).tolist()  # page 0: padding
-
-    def allocate(tokens: int) -> list[int]:
-        pages = [free.pop() for _ in range(-(-tokens // page))]
-        return [p * page + i for p in pages for i in range(page)][:tokens]
-
-    a, b = allocate(160), allocate(96)
-    rows = [a + allocate(21), allocate(130), b + allocate(5), a + allocate(1),
-            b + allocate(40), a + allocate(33), b + allocate(70)]
-    grouped = {0, 2, 3, 4, 5, 6}
-    req_to_token = ReqToTokenPool(size=16, max_context_len=512, device="cpu",
-                                  enable_memory_saver=False)
-    table = req_to_token.req_to_token
-    table[:] = torch.from_numpy(rng.integers(1, SLOTS, table.shape).astype(np.int32))
-    pool_rows = torch.from_numpy(rng.permutation(np.arange(1, 17))[:len(rows)].astype(np.int64))
-    for at, row in zip(pool_rows.tolist(), rows, strict=True):
-        table[at, :len(row)] = torch.tensor(row, dtype=torch.int32)
+    pools = Pools(page, kv_heads, seed=page)
+    rows, grouped = mixed_rows(pools)
+    pool_rows = pools.place(rows)
+    table = pools.req_to_token.req_to_token
     lens = torch.tensor([len(r) for r in rows])
     decode = GroupedDecode(DecodeLimits.for_device(1, 16, q_heads, kv_heads, DIM), "cpu")
     step = TritonStep.plan(decode, table, pool_rows, lens, page, 64)
@@ -94,18 +145,169 @@ def test_grouped_rows_by_feathers_kernels_and_the_rest_by_sglangs(q_heads, kv_he
     assert sorted(step.groups.shared.tolist()) == [96 // page, 160 // page]  # pages
     assert step.cut_lens.tolist() == [1 if i in grouped else n for i, n in enumerate(lens)]
 
+    generator = torch.Generator().manual_seed(q_heads)
     query = torch.randn(len(rows), q_heads, DIM, generator=generator).to(torch.float16)
     out = torch.empty_like(query)
+    keys, values = pools.kv.k_buffer[0], pools.kv.v_buffer[0]
     sglang_decode(query, keys, values, out, [table[r] for r in pool_rows], step.cut_lens, page)
     sglangs = out.clone()
-    step.attend(decode, query, keys, values, DIM ** -0.5, out)
-    for row, slots in enumerate(rows):
-        index = torch.tensor(slots)
-        expected, _ = reference_attention(query[row], keys[index], values[index], DIM ** -0.5)
-        error = (out[row].double() - expected).norm() / expected.norm()
-        assert error < 2e-2, (row, float(error))
-        if row not in grouped:  # SGLang's kernel served it, untouched
-            assert torch.equal(out[row], sglangs[row])
+    decode.run(query, paged(keys, page), paged(values, page), table[:, ::page], DIM ** -0.5,
+               out)
+    assert_close(out, pools.reference(query, rows))
+    for row in set(range(len(rows))) - grouped:  # SGLang's kernel served it, untouched
+        assert torch.equal(out[row], sglangs[row])
+
+
+@pytest.fixture
+def sglang_server(monkeypatch, tmp_path):
+    """What SGLang's server process publishes and a backend reads: its server arguments and
+    parallel context (one rank); a cache directory of its own for verdicts."""
+    from sglang.srt.runtime_context import get_context, get_parallel
+
+    monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(attention, "_announced", set())
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(get_context().override_server_args(device="cpu"))
+        stack.enter_context(get_parallel().override(attn_dcp_rank=0, attn_dcp_size=1,
+                                                    attn_tp_size=1, tp_size=1))
+        yield tmp_path
+
+
+def model_runner(pools: Pools, q_heads: int, directory) -> SimpleNamespace:
+    """A model runner as SGLang's Triton backend reads it: SGLang's ``ModelConfig`` of a
+    local Llama config, the pools, SGLang's KV id translator over them."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": q_heads * DIM,
+        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": q_heads,
+        "num_key_value_heads": pools.kv.head_num, "head_dim": DIM,
+        "max_position_embeddings": pools.req_to_token.max_context_len, "vocab_size": 128,
+        "torch_dtype": "float16"}))
+    allocator = SimpleNamespace()
+    return SimpleNamespace(
+        device="cpu", gpu_id=0, page_size=pools.page, model_config=ModelConfig(str(directory)),
+        req_to_token_pool=pools.req_to_token, token_to_kv_pool=pools.kv,
+        token_to_kv_pool_allocator=allocator, sliding_window_size=None,
+        kv_cache_dtype=torch.float16, is_draft_worker=False, use_mla_backend=False,
+        spec_algorithm=SimpleNamespace(is_dspark=lambda: False),
+        decode_num_tokens_per_req=lambda: 1,
+        kv_index_translator=KVIndexTranslator(
+            req_to_token=pools.req_to_token.req_to_token, token_to_kv_pool_allocator=allocator,
+            token_to_kv_pool=pools.kv, page_size=pools.page, device="cpu"))
+
+
+def decode_step(backend, query: torch.Tensor, batch: ForwardBatch, layer) -> torch.Tensor:
+    backend.init_forward_metadata(batch)
+    out = backend.forward_decode(query.flatten(1), None, None, layer, batch,
+                                 save_kv_cache=False)
+    return out.view(query.shape)
+
+
+@interpreted
+@pytest.mark.parametrize("page", [1, 16])
+def test_the_backend_decodes_a_step_as_sglangs_own(page, sglang_server):
+    """SGLang's ``TritonAttnBackend`` and Feather's subclass of it on one step: the grouped
+    rows within bf16 tolerance of float64, the others exactly SGLang's; a step where rows
+    start in distinct slots plans nothing."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    from feather_sched.integrations.sglang.attention_triton import SharedPrefixTritonBackend
+
+    pools = Pools(page, 2, seed=3)
+    runner = model_runner(pools, 8, sglang_server / "model")
+    layer = RadixAttention(num_heads=8, head_dim=DIM, scaling=DIM ** -0.5, num_kv_heads=2,
+                           layer_id=0)
+    rows, grouped = mixed_rows(pools)
+    batch = pools.batch(rows)
+    query = torch.randn(len(rows), 8, DIM).to(torch.float16)
+    sglangs = decode_step(TritonAttnBackend(runner), query, batch, layer)
+    shared = SharedPrefixTritonBackend(runner, 64)
+    out = decode_step(shared, query, batch, layer)
+    assert set(shared.step[1].groups.rows.tolist()) == grouped
+    assert batch.seq_lens.tolist() == [len(r) for r in rows]  # SGLang's batch untouched
+    assert_close(out, pools.reference(query, rows))
+    ungrouped = sorted(set(range(len(rows))) - grouped)
+    assert torch.equal(out[ungrouped], sglangs[ungrouped])
+    alone = pools.batch([pools.allocate(200) for _ in range(3)])
+    decode_step(shared, query[:3], alone, layer)
+    assert shared.step == (alone, None)
+
+
+@interpreted
+def test_decode_graphs_replay_each_steps_groups(sglang_server):
+    """SGLang's decode-graph protocol without a GPU: ``init_cuda_graph_state``, the capture
+    hook and one forward of the captured batch (what the graph records), then for each
+    replay the hook on that step's batch and the captured batch's forward again, as the
+    replayed graph runs it (same buffers, nothing planned in it): a grouped step, a step
+    where nothing groups (the staged groups cleared), a grouped one again."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    from feather_sched.integrations.sglang.attention_triton import (
+        GRAPHED,
+        SharedPrefixTritonBackend,
+    )
+
+    pools = Pools(16, 2, seed=5)
+    runner = model_runner(pools, 8, sglang_server / "model")
+    layer = RadixAttention(num_heads=8, head_dim=DIM, scaling=DIM ** -0.5, num_kv_heads=2,
+                           layer_id=0)
+    shared = SharedPrefixTritonBackend(runner, 64)
+    bs = 7
+    shared.init_cuda_graph_state(bs, bs)
+    captured = ForwardBatch(
+        forward_mode=ForwardMode.DECODE, batch_size=bs,
+        input_ids=torch.zeros(bs, dtype=torch.long),
+        req_pool_indices=torch.zeros(bs, dtype=torch.int64), seq_lens=torch.ones(bs).long(),
+        out_cache_loc=torch.zeros(bs, dtype=torch.int64), seq_lens_sum=bs,
+        seq_lens_cpu=torch.ones(bs).long())
+    shared.init_forward_metadata_out_graph(captured, in_capture=True)
+    assert shared.step == (captured, GRAPHED)
+    query = torch.zeros(bs, 8 * DIM, dtype=torch.float16)  # the graph's input buffer
+    shared.forward_decode(query, None, None, layer, captured, save_kv_cache=False)
+    assert shared.graph_acts
+    grouped_rows, grouped = mixed_rows(pools)
+    lonely_rows = [pools.allocate(90 + 10 * i) for i in range(bs)]
+    for rows in (grouped_rows, lonely_rows, grouped_rows):
+        step = pools.batch(rows)
+        query.copy_(torch.randn(bs, 8 * DIM).to(torch.float16))
+        shared.init_forward_metadata_out_graph(step)
+        assert shared.step == (captured, GRAPHED)  # a replay plans, and runs no layer
+        cut = [1 if rows is grouped_rows and i in grouped else len(r)
+               for i, r in enumerate(rows)]
+        assert shared.forward_metadata.kv_indptr.diff().tolist() == cut  # SGLang's buffers
+        out = shared.forward_decode(query, None, None, layer, captured, save_kv_cache=False)
+        assert_close(out.view(bs, 8, DIM), pools.reference(query.view(bs, 8, DIM), rows))
+
+
+@interpreted
+def test_the_gpu_self_check_runs_sglangs_triton_backend_against_the_path(sglang_server,
+                                                                         monkeypatch):
+    """``SglangTritonSubject`` (here on the interpreter's CPU tensors): every cell exact
+    against SGLang's backend and float64, a whole step of the model's layers timed, the
+    step where nothing groups timed too (the path pays a sync there)."""
+    from feather_sched.integrations.sglang.attention_check import SglangTritonSubject
+    from feather_sched.integrations.sglang.attention_triton import SharedPrefixTritonBackend
+
+    monkeypatch.setattr(SglangTritonSubject, "seconds", timed_as(128))
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    pools = Pools(16, 2, seed=7)
+    runner = model_runner(pools, 8, sglang_server / "model")
+    subject = SglangTritonSubject(TritonAttnBackend, SharedPrefixTritonBackend, runner, 8,
+                                  layers=2, versions=(("sglang", "test"),))
+    assert subject.idle_cost and subject.shapes.layout == "nhd"
+    assert ("layers per step", "2") in subject.shapes.versions
+    verdict = selfcheck.check(subject, grid=(Cell(64, 2, 2, suffix=8), Cell(128, 1, 3, suffix=8)),
+                              exactness=(Cell(40, 2, 2, suffix=5),), idle=(Cell(64, 3, 1),),
+                              reps=1)
+    assert verdict.on and verdict.min_shared_tokens == 128, verdict.line()
+    assert all(c.error < selfcheck.TOLERANCE["float16"] for c in verdict.cells)
+    assert any(c.reference_error is not None for c in verdict.cells)
+    assert [c.cell.idle for c in verdict.cells].count(True) == 1
 
 
 def test_fa3_and_flashinfer_stay_sglangs_with_the_reason_logged(monkeypatch, caplog):
@@ -126,7 +328,27 @@ def test_fa3_and_flashinfer_stay_sglangs_with_the_reason_logged(monkeypatch, cap
 
 def test_triton_acts_only_on_a_cuda_device():
     runner = SimpleNamespace(device="cpu", use_mla_backend=False, token_to_kv_pool=None)
-    assert attention.decide("triton", runner, "on", True).startswith(
-        "off for device cpu (the triton path runs on CUDA devices)")
-    assert attention.decide("triton", runner, "auto", True).startswith(
-        "off (auto: not verified on the triton backend")
+    for mode in ("on", "auto"):
+        assert attention.decide("triton", runner, mode, True).startswith(
+            "off for device cpu (the triton path runs on CUDA devices)")
+
+
+def test_triton_stays_off_where_sglang_replays_metadata_without_python(sglang_server,
+                                                                        monkeypatch):
+    """On a CUDA runner (as ``decide`` reads it), SGLang's metadata glue graph, two-batch
+    overlap, decode context parallelism and translated KV ids each keep the path off."""
+    from sglang.srt.environ import envs
+    from sglang.srt.runtime_context import get_parallel
+
+    runner = SimpleNamespace(device="cuda", use_mla_backend=False,
+                             token_to_kv_pool=MHATokenToKVPool.__new__(MHATokenToKVPool),
+                             kv_index_translator=SimpleNamespace(is_translating=False))
+    assert attention.decide("triton", runner, "on", True) is None
+    with monkeypatch.context() as patched:
+        patched.setattr(envs.SGLANG_ENABLE_METADATA_GLUE_GRAPH, "get", lambda: True)
+        assert "metadata glue graph" in attention.decide("triton", runner, "on", True)
+    runner.kv_index_translator.is_translating = True
+    assert "translated KV ids" in attention.decide("triton", runner, "on", True)
+    runner.kv_index_translator.is_translating = False
+    with get_parallel().override(attn_dcp_size=2):
+        assert "decode context parallelism" in attention.decide("triton", runner, "on", True)

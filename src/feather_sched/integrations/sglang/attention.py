@@ -57,8 +57,10 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 
 logger = logging.getLogger("sglang.feather_sched")
 _announced: set[str] = set()
-VERIFIED = ("torch_native",)
-"""The backends ``auto`` turns the path on for (what the tests check against SGLang)."""
+VERIFIED = ("torch_native", "triton")
+"""The backends ``auto`` turns the path on for, where the self-check finds it exact and
+faster (``torch_native`` checked against SGLang by the tests, ``triton`` on the server's
+GPU); ``intel_amx`` only with ``on``."""
 
 
 def announce(message: str) -> None:
@@ -91,20 +93,21 @@ def decide(name: str, runner: Any, mode: str, feather: bool) -> str | None:
     if mode == "auto" and name not in VERIFIED:
         return f"off (auto: not verified on the {name} backend; 'on' turns it on)"
     pool, gpu = runner.token_to_kv_pool, name in GPU_BACKENDS
-    problems = {
-        f"device {runner.device} (the {name} path runs on CUDA devices)":
-            gpu and runner.device != "cuda",
-        f"device {runner.device} (the kernel reads host memory)":
-            not gpu and runner.device != "cpu",
-        "an MLA model": runner.use_mla_backend,
-        f"a {type(pool).__name__} KV pool (the kernel reads MHATokenToKVPool's)":
-            type(pool) is not MHATokenToKVPool,
-        f"the {getattr(pool, 'kv_cache_layout', None)!r} pool layout (it reads 'nhd')":
-            getattr(pool, "kv_cache_layout", "nhd") != "nhd",
-        "CPU graphs (--enable-torch-compile replays decode without Python)":
-            not gpu and get_flags().capture.enable_torch_compile,
-    }
-    problem = next((text for text, present in problems.items() if present), None)
+    problems: list[tuple[str, Callable[[], bool]]] = [
+        (f"device {runner.device} (the {name} path runs on CUDA devices)",
+         lambda: gpu and runner.device != "cuda"),
+        (f"device {runner.device} (the kernel reads host memory)",
+         lambda: not gpu and runner.device != "cpu"),
+        ("an MLA model", lambda: runner.use_mla_backend),
+        (f"a {type(pool).__name__} KV pool (the kernel reads MHATokenToKVPool's)",
+         lambda: type(pool) is not MHATokenToKVPool),
+        (f"the {getattr(pool, 'kv_cache_layout', None)!r} pool layout (it reads 'nhd')",
+         lambda: getattr(pool, "kv_cache_layout", "nhd") != "nhd"),
+        ("CPU graphs (--enable-torch-compile replays decode without Python)",
+         lambda: not gpu and get_flags().capture.enable_torch_compile),
+        *(_gpu_problems(runner) if gpu else []),
+    ]
+    problem = next((text for text, present in problems if present()), None)
     if problem:
         return f"off for {problem}"
     if gpu:
@@ -114,6 +117,23 @@ def decide(name: str, runner: Any, mode: str, feather: bool) -> str | None:
     except cpu_kernel.KernelUnavailable as error:
         return f"off: {error}"
     return None
+
+
+def _gpu_problems(runner: Any) -> list[tuple[str, Callable[[], bool]]]:
+    """What keeps the Triton path off on a CUDA runner (``attention_triton``'s docstring)."""
+    from sglang.srt.environ import envs
+    from sglang.srt.runtime_context import get_exec, get_parallel
+
+    return [
+        ("SGLang's metadata glue graph (SGLANG_ENABLE_METADATA_GLUE_GRAPH replays the "
+         "per-step metadata's device work without the host work that finds the groups)",
+         lambda: envs.SGLANG_ENABLE_METADATA_GLUE_GRAPH.get()),
+        ("two-batch overlap (--enable-two-batch-overlap)",
+         lambda: get_exec().overlap.enable_two_batch_overlap),
+        ("decode context parallelism", lambda: get_parallel().attn_dcp_size > 1),
+        ("translated KV ids (a unified or fused draft pool)",
+         lambda: getattr(runner.kv_index_translator, "is_translating", False)),
+    ]
 
 
 class SharedPrefixDecode:
@@ -251,7 +271,8 @@ def backend_classes(name: str) -> tuple[type, type]:
 def self_check(name: str, runner: Any) -> Verdict:
     """``auto``'s verdict for this server's shapes (``attention.selfcheck``: SGLang's
     backend ``name`` against the path on SGLang's pools, ``attention_check``), cached per
-    CPU, versions and shapes.  Cold: a few seconds on the small grid; warm: one file read."""
+    device, versions and shapes.  Cold: a few seconds on the CPU's small grid, on a GPU the
+    selfcheck grid at the model's layers per step; warm: one file read."""
     import sglang
     from sglang.srt.runtime_context import get_parallel
 
@@ -260,16 +281,22 @@ def self_check(name: str, runner: Any) -> Verdict:
         EXACTNESS_CELLS,
         GRID,
         SglangCpuSubject,
+        SglangTritonSubject,
     )
 
     model, pool = runner.model_config, runner.token_to_kv_pool
+    q_heads = model.get_num_attention_heads(get_parallel().tp_size)
+    versions = (("torch", torch.__version__), ("sglang", sglang.__version__),
+                ("feather-sched", __version__))
+    if name in GPU_BACKENDS:
+        return cached_check(SglangTritonSubject(*backend_classes(name), runner, q_heads,
+                                                pool.layer_num, versions))
     subject = SglangCpuSubject(
-        *BACKENDS[name], q_heads=model.get_num_attention_heads(get_parallel().tp_size),
-        kv_heads=pool.head_num, head_dim=pool.head_dim, dtype=pool.dtype,
-        page_size=max(1, runner.page_size or 1), max_rows=runner.req_to_token_pool.size,
+        *BACKENDS[name], q_heads=q_heads, kv_heads=pool.head_num, head_dim=pool.head_dim,
+        dtype=pool.dtype, page_size=max(1, runner.page_size or 1),
+        max_rows=runner.req_to_token_pool.size,
         max_context=runner.req_to_token_pool.max_context_len,
-        versions=(("torch", torch.__version__), ("sglang", sglang.__version__),
-                  ("feather-sched", __version__), ("kernel", kernel_digest(CPU_SOURCES))))
+        versions=(*versions, ("kernel", kernel_digest(CPU_SOURCES))))
     return cached_check(subject, lambda s: check(s, GRID, EXACTNESS_CELLS, reps=3))
 
 
@@ -296,9 +323,11 @@ def create_backend(name: str, runner: Any, environ: Mapping[str, str] | None = N
     if verdict:
         announce(verdict.line(*[f"the option groups from {tokens}"] * bool(min_tokens)))
     else:
+        kernel = "Triton" if name in GPU_BACKENDS else \
+            "AVX-512" if cpu_kernel.vectorized() else "portable"
         announce(f"on ({mode}; {name}, {runner.token_to_kv_pool.dtype}, page size "
-                 f"{backend.page_size}, {'AVX-512' if cpu_kernel.vectorized() else 'portable'}"
-                 f" kernel, groups from {tokens} shared tokens)")
+                 f"{backend.page_size}, {kernel} kernels, groups from {tokens} shared "
+                 "tokens)")
     return backend
 
 

@@ -1,5 +1,6 @@
-"""The self-check's subject on SGLang's CPU engine: SGLang's own decode (its ``torch_native``
-backend) against Feather's shared-prefix path, on SGLang's own pools at the server's shapes.
+"""The self-check's subjects on SGLang: SGLang's own decode (its ``torch_native`` backend on
+the CPU engine, its ``triton`` backend on a GPU) against Feather's shared-prefix path, on
+SGLang's own pools at the server's shapes.
 
 ``TokenBatch`` is one decode step of the grid (``attention.selfcheck.Cell``) on SGLang's
 ``MHATokenToKVPool`` and ``ReqToTokenPool``: random K and V in pages permuted over the pool
@@ -9,11 +10,15 @@ ending mid-page has its tail in each row's own pages), each row's suffix of its 
 shuffled pool indices.  The engine's kernel is SGLang's backend's ``forward_decode`` on the
 whole ``ForwardBatch``; the path is Feather's subclass of it on the same batch (SGLang's
 decode with the grouped rows cut, then ``cpu_kernel.attend_groups``), its groups planned
-once per step as the server plans them (``plan_token_step``), outside the timed layer.
+once per step as the server plans them.  On the CPU a trial times one layer, the plan made
+outside (host work of microseconds); on a GPU (``SglangTritonSubject``) it times a whole
+step, SGLang's metadata and the path's plan (which syncs the device) and then as many
+layers as the model has, so the per-step cost is weighed against the per-layer gain.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -21,13 +26,22 @@ from typing import Any
 import torch
 
 from feather_sched.attention import cpu_kernel
+from feather_sched.attention.gpu_check import sync_seconds
 from feather_sched.attention.partials import reference_attention
-from feather_sched.attention.selfcheck import Cell, Shapes, device_name, median_seconds
+from feather_sched.attention.selfcheck import (
+    GPU_SOURCES,
+    Cell,
+    Shapes,
+    device_name,
+    kernel_digest,
+    median_seconds,
+)
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
 
 prepare_sglang_import()  # before the first SGLang import (see stand_ins)
 
 from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
+from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import (  # noqa: E402
     ForwardBatch,
@@ -50,7 +64,7 @@ class TokenBatch:
 
     def __init__(self, subject: SglangCpuSubject, cell: Cell, seed: int) -> None:
         s = subject.shapes
-        page, dtype = s.block_size, subject.dtype
+        page, dtype, device = s.block_size, subject.dtype, subject.device
         generator = torch.Generator().manual_seed(seed)
         g, m = cell.groups, cell.per_group
         self.cell = cell
@@ -60,7 +74,7 @@ class TokenBatch:
         pages = g * shared_pages + g * m * own_pages
         self.pool = MHATokenToKVPool(size=(pages + 1) * page, page_size=page, dtype=dtype,
                                      head_num=s.kv_heads, head_dim=s.head_dim, layer_num=1,
-                                     device="cpu", enable_memory_saver=False)
+                                     device=device, enable_memory_saver=False)
         keys, values = self.pool.k_buffer[0], self.pool.v_buffer[0]
         for buffer in (keys, values):
             buffer.copy_(torch.randn(buffer.shape, generator=generator).to(dtype))
@@ -75,30 +89,36 @@ class TokenBatch:
         self.rows = [torch.cat([slots(prefixes[r // m]), slots(own[r])])[:length]
                      for r in range(g * m)]
         self.req_to_token = ReqToTokenPool(size=g * m + 1, max_context_len=length,
-                                           device="cpu", enable_memory_saver=False)
+                                           device=device, enable_memory_saver=False)
         pool_rows = 1 + torch.randperm(g * m, generator=generator)
-        self.req_to_token.req_to_token[pool_rows] = torch.stack(self.rows).int()
+        self.req_to_token.req_to_token[pool_rows.to(device)] = \
+            torch.stack(self.rows).int().to(device)
         lens = torch.full((g * m,), length)
         self.batch = ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=g * m,
-            input_ids=torch.zeros(g * m, dtype=torch.long), req_pool_indices=pool_rows,
-            seq_lens=lens, out_cache_loc=torch.stack([r[-1] for r in self.rows]),
+            input_ids=torch.zeros(g * m, dtype=torch.long, device=device),
+            req_pool_indices=pool_rows.to(device), seq_lens=lens.to(device),
+            out_cache_loc=torch.stack([r[-1] for r in self.rows]).to(device),
             seq_lens_sum=int(lens.sum()), seq_lens_cpu=lens.clone())
         self.layer = RadixAttention(num_heads=s.q_heads, head_dim=s.head_dim,
                                     scaling=s.head_dim ** -0.5, num_kv_heads=s.kv_heads,
                                     layer_id=0)
-        self.query = torch.randn(g * m, s.q_heads * s.head_dim, generator=generator).to(dtype)
-        runner = SimpleNamespace(device="cpu", req_to_token_pool=self.req_to_token,
-                                 token_to_kv_pool=self.pool, page_size=page,
-                                 use_mla_backend=False)
+        self.query = torch.randn(g * m, s.q_heads * s.head_dim, generator=generator).to(
+            device=device, dtype=dtype)
+        runner = subject.runner(self.pool, self.req_to_token)
+        self.layers = subject.step_layers
         self._engine = subject.engine_cls(runner)
-        self._engine.init_forward_metadata(self.batch)
         self._shared = subject.shared_cls(runner, 1)
-        self._shared.init_forward_metadata(self.batch)
+        if not self.layers:
+            self._engine.init_forward_metadata(self.batch)
+            self._shared.init_forward_metadata(self.batch)
 
     def _decode(self, backend: Any) -> torch.Tensor:
-        out = backend.forward_decode(self.query, None, None, self.layer, self.batch,
-                                     save_kv_cache=False)
+        if self.layers:
+            backend.init_forward_metadata(self.batch)
+        for _ in range(max(1, self.layers)):
+            out = backend.forward_decode(self.query, None, None, self.layer, self.batch,
+                                         save_kv_cache=False)
         return out.view(len(self.rows), self.layer.tp_q_head_num, self.layer.qk_head_dim)
 
     # ---- selfcheck.Trial ----------------------------------------------------------------
@@ -113,8 +133,8 @@ class TokenBatch:
         if len(self.rows) * len(self.rows[0]) > REFERENCE_TOKENS:
             return None
         heads, dim = self.layer.tp_q_head_num, self.layer.qk_head_dim
-        keys, values = self.pool.k_buffer[0], self.pool.v_buffer[0]
-        query = self.query.view(len(self.rows), heads, dim)
+        keys, values = self.pool.k_buffer[0].cpu(), self.pool.v_buffer[0].cpu()
+        query = self.query.view(len(self.rows), heads, dim).cpu()
         return torch.stack([reference_attention(query[row], keys[slots], values[slots],
                                                 self.layer.scaling)[0]
                             for row, slots in enumerate(self.rows)])
@@ -126,21 +146,74 @@ class SglangCpuSubject:
 
     idle_cost = False
     """Where nothing groups the path is SGLang's decode alone (no plan, no launch)."""
+    device = "cpu"
+    step_layers = 0
+    """Layers a trial times with the step's metadata and plan (0: one layer, planned
+    outside the timing)."""
 
     def __init__(self, engine_cls: type, shared_cls: type, q_heads: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, page_size: int, max_rows: int,
                  max_context: int, versions: tuple[tuple[str, str], ...]) -> None:
         self.engine_cls, self.shared_cls, self.dtype = engine_cls, shared_cls, dtype
         self.shapes = Shapes(
-            device=device_name("cpu"), q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-            dtype=str(dtype).removeprefix("torch."), block_size=page_size, layout="nhd",
-            max_rows=max_rows, max_context=max_context,
-            versions=(*versions, ("backend", engine_cls.__name__),
-                      ("threads", str(torch.get_num_threads())),
-                      ("kernel build", "avx512" if cpu_kernel.vectorized() else "portable")))
+            device=device_name(self.device), q_heads=q_heads, kv_heads=kv_heads,
+            head_dim=head_dim, dtype=str(dtype).removeprefix("torch."), block_size=page_size,
+            layout="nhd", max_rows=max_rows, max_context=max_context,
+            versions=(*versions, ("backend", engine_cls.__name__), *self.build()))
+
+    def build(self) -> tuple[tuple[str, str], ...]:
+        """What else the verdict depends on: the threads and the CPU kernel's build."""
+        return (("threads", str(torch.get_num_threads())),
+                ("kernel build", "avx512" if cpu_kernel.vectorized() else "portable"))
+
+    def runner(self, pool: Any, req_to_token: Any) -> Any:
+        """A model runner as SGLang's backend reads it, over a trial's pools."""
+        return SimpleNamespace(device="cpu", req_to_token_pool=req_to_token,
+                               token_to_kv_pool=pool, page_size=self.shapes.block_size,
+                               use_mla_backend=False)
 
     def trial(self, cell: Cell, seed: int) -> TokenBatch:
         return TokenBatch(self, cell, seed)
 
     def seconds(self, run: Callable[[], object], reps: int) -> float:
         return median_seconds(run, reps)
+
+
+class SglangTritonSubject(SglangCpuSubject):
+    """SGLang's Triton backend and Feather's subclass of it on the server's GPU, over
+    trial pools the size of each cell (the server's KV pool is left alone), a trial timing
+    a whole step of the model's ``layers`` (see the module docstring)."""
+
+    idle_cost = True
+    """Where nothing groups the path still copies the first slots (a sync) and, in a
+    decode graph, makes its launches with no work."""
+
+    def __init__(self, engine_cls: type, shared_cls: type, runner: Any, q_heads: int,
+                 layers: int, versions: tuple[tuple[str, str], ...]) -> None:
+        import triton
+
+        self.device, self.step_layers, self._runner = str(runner.device), layers, runner
+        pool = runner.token_to_kv_pool
+        super().__init__(engine_cls, shared_cls, q_heads, pool.head_num, pool.head_dim,
+                         pool.dtype, max(1, runner.page_size or 1),
+                         runner.req_to_token_pool.size,
+                         runner.req_to_token_pool.max_context_len,
+                         (*versions, ("triton", triton.__version__),
+                          ("kernel", kernel_digest(GPU_SOURCES))))
+
+    def build(self) -> tuple[tuple[str, str], ...]:
+        return (("layers per step", str(self.step_layers)),)
+
+    def runner(self, pool: Any, req_to_token: Any) -> Any:
+        """The server's model runner with a trial's pools (and SGLang's id translator over
+        them) in place of its own."""
+        runner = copy.copy(self._runner)
+        runner.token_to_kv_pool, runner.req_to_token_pool = pool, req_to_token
+        runner.kv_index_translator = KVIndexTranslator(
+            req_to_token=req_to_token.req_to_token,
+            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+            token_to_kv_pool=pool, page_size=self.shapes.block_size, device=self.device)
+        return runner
+
+    def seconds(self, run: Callable[[], object], reps: int) -> float:
+        return sync_seconds(self.device)(run, reps)

@@ -1,30 +1,44 @@
 """Shared-prefix decode inside SGLang 0.5.23's Triton backend (``--attention-backend
-triton``), the grouped rows by Feather's Triton kernels (``attention.gpu_decode``).
+triton``), eager and under SGLang's decode CUDA graphs, the grouped rows by Feather's
+Triton kernels (``attention.gpu_decode``).
 
-Per decode step (``init_forward_metadata``, a plain decode batch): the step's rows of
-``req_to_token`` (through ``req_pool_indices``, up to the longest row) are copied to the
-host once and grouped (``groups.find_token_groups``: identical leading slots, whole pages),
-and the groups staged into ``GroupedDecode`` with pages as its blocks (``TritonStep``);
-SGLang's metadata (``kv_indptr``/``kv_indices``, its KV splits) is built twice, for the
-batch and for the batch with the grouped rows cut to one token.  Each layer then runs
-SGLang's own decode kernel (``decode_attention_fwd``) over the cut metadata and
-``TritonStep.attend`` overwrites the grouped rows: each group's prefix read once for all
-its queries and each row's suffix, merged exactly (natural-log LSE, fp32 partials).  The
-block table is the rows' ``req_to_token`` at every page's first slot, divided by the page
-size; SGLang's K/V buffers ``[slots, kv_heads, head_dim]`` are read as ``[slots / page,
-page, kv_heads, head_dim]``.
+Reading SGLang's pool in place: Feather's kernels read a block table of block ids into a
+cache of ``[blocks, block_size, kv_heads, head_dim]``; SGLang's ``req_to_token`` holds
+slots and its K/V buffers are ``[slots, kv_heads, head_dim]``.  So the block table is
+``req_to_token`` itself at every page's first slot (the view ``req_to_token[:, ::page]``,
+rows by pool index), and each buffer is read as windows of ``page`` slots, one starting at
+every slot (``paged``): a page's first slot is its block id.  Nothing is copied or
+allocated per step and no address changes, as a CUDA graph needs.
 
-Cost per step, where the batch has rows sharing a first slot: one device-to-host copy of
-rows x longest-row int32 (a sync), the host grouping (``find_token_groups``), one staging
-copy and SGLang's metadata built a second time; per layer, three launches.  Where it cannot
-act SGLang's code runs unchanged: decode CUDA graphs (the groups are host work per step,
-which a replayed graph skips: ``--cuda-graph-backend-decode disabled`` keeps them), and the
-layer features ``attention.SharedPrefixDecode`` names.
+Per decode step, where the path is on, ``TritonStep.plan`` copies the batch's first slots
+to the host (a few bytes, but a sync) and, only where two rows start in one slot, their
+rows of ``req_to_token`` up to the longest (a second), groups them
+(``groups.find_token_groups``: identical leading slots, whole pages) and stages the groups
+into ``GroupedDecode``; SGLang's metadata is built for the batch with the grouped rows cut
+to one token.  Each layer runs SGLang's own decode kernel (``decode_attention_fwd``) over
+that metadata, then ``GroupedDecode.run`` overwrites the grouped rows: each group's prefix
+read once for all its queries and each row's suffix, merged exactly (natural-log LSE, fp32
+partials).
+
+Eager steps (``init_forward_metadata``): SGLang's metadata is built twice, for the batch
+(for layers the path cannot serve) and for the cut batch.  Decode CUDA graphs: at capture
+(``init_forward_metadata_out_graph`` with ``in_capture``) nothing is staged and each layer
+records SGLang's decode and the three fixed-grid launches; before each replay the same
+hook, which SGLang runs eagerly, plans the step and fills SGLang's graph buffers from the
+cut lengths (from the whole ones, nothing staged, where nothing groups).  Replays plan only
+if every layer captured took the path (``graph_acts``).
+
+Cost: per step one or two syncs and the host grouping; per layer three launches (in the
+graph where captured); ``GroupedDecode``'s workspace.  Where it cannot act SGLang's code
+runs unchanged: extend, prefill, speculative and idle batches, and the layer features
+``attention.SharedPrefixDecode`` names; ``attention.decide`` keeps it off for SGLang's
+metadata glue graph, two-batch overlap, decode context parallelism and translated KV ids.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +54,20 @@ prepare_sglang_import()  # before the first SGLang import (see stand_ins)
 
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
 
+GRAPHED = "graphed"
+"""``SharedPrefixDecode.step``'s plan for a batch being captured: its layers read what each
+replay staged."""
+
+
+def paged(buffer: torch.Tensor, page: int) -> torch.Tensor:
+    """SGLang's K or V buffer ``[slots, kv_heads, head_dim]`` as ``[slots - page + 1, page,
+    kv_heads, head_dim]``: block ``s`` is the ``page`` slots from slot ``s`` (overlapping
+    windows, a view), so a page's first slot is its block id."""
+    slots, heads, dim = buffer.shape
+    step = buffer.stride()
+    return buffer.as_strided((slots - page + 1, page, heads, dim),
+                             (step[0], step[0], step[1], step[2]))
+
 
 @dataclass(frozen=True)
 class TritonStep:
@@ -49,43 +77,42 @@ class TritonStep:
     """Batch rows; ``shared`` in pages."""
     cut_lens: torch.Tensor
     """The batch's sequence lengths (CPU int64) with every grouped row cut to 1 token."""
-    block_table: torch.Tensor
-    """int32 ``[rows, pages]`` on the pool's device: each batch row's page ids."""
-    page_size: int
 
     @classmethod
     def plan(cls, decode: GroupedDecode, req_to_token: torch.Tensor,
              req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
              min_shared_tokens: int) -> TritonStep | None:
-        """The step's groups staged into ``decode``, or None (nothing staged) where no rows
-        share ``min_shared_tokens`` leading slots.  ``req_to_token`` and
-        ``req_pool_indices`` on the pool's device, ``seq_lens`` CPU int (this step's token
-        included).  O(rows x longest row) copied to the host, then ``find_token_groups``."""
+        """The step's groups staged into ``decode`` (block table rows: the pool rows), or
+        None (nothing staged) where no rows share ``min_shared_tokens`` leading slots.
+        ``req_to_token`` and ``req_pool_indices`` on the pool's device, ``seq_lens`` CPU
+        int (this step's token included).  One device-to-host copy of two ints per row;
+        where two rows start in one slot, one more of rows x longest row int32, then
+        ``find_token_groups``."""
+        firsts = torch.stack([req_pool_indices.to(req_to_token.dtype),
+                              req_to_token[req_pool_indices, 0]]).cpu().numpy()
+        pool_rows, first_slots = firsts
+        if len(np.unique(first_slots)) == len(first_slots):
+            return None
         width = -(-int(seq_lens.max()) // page_size) * page_size
-        slots = req_to_token[req_pool_indices, :width]
-        host = slots.cpu()
+        host = req_to_token[req_pool_indices, :width].cpu()
         rows = torch.arange(len(seq_lens))
         groups = find_token_groups(host, rows, seq_lens, page_size, min_shared_tokens)
         if not len(groups):
             return None
         groups = Groups(groups.rows, groups.offsets, groups.shared // page_size)
         lens = seq_lens.numpy()
-        decode.stage(groups, lens, np.arange(len(lens)), page_size)
+        decode.stage(groups, lens, np.arange(len(lens)), page_size, pool_rows)
         cut = seq_lens.clone()
         cut[torch.from_numpy(groups.rows)] = 1
-        table = (slots[:, ::page_size] // page_size).to(torch.int32)
-        return cls(groups, cut, table, page_size)
+        return cls(groups, cut)
 
-    def attend(self, decode: GroupedDecode, query: torch.Tensor, key_buffer: torch.Tensor,
-               value_buffer: torch.Tensor, scale: float, output: torch.Tensor) -> None:
-        """Overwrite the grouped rows of ``output`` (``[rows, q_heads, head_dim]``) with
-        their attention over SGLang's K/V buffers ``[slots, kv_heads, head_dim]``; the
-        other rows are left as SGLang's kernel wrote them."""
-        pages = key_buffer.shape[0] // self.page_size
-        heads, dim = key_buffer.shape[1:]
-        decode.run(query, key_buffer.view(pages, self.page_size, heads, dim),
-                   value_buffer.view(pages, self.page_size, heads, dim), self.block_table,
-                   scale, output)
+    def cut(self, forward_batch: Any) -> Any:
+        """A shallow copy of ``forward_batch`` with the grouped rows cut to one token."""
+        cut = copy.copy(forward_batch)
+        cut.seq_lens = self.cut_lens.to(forward_batch.seq_lens.device,
+                                        forward_batch.seq_lens.dtype)
+        cut.seq_lens_cpu, cut.seq_lens_sum = self.cut_lens, int(self.cut_lens.sum())
+        return cut
 
 
 class SharedPrefixTritonBackend(SharedPrefixDecode, TritonAttnBackend):
@@ -99,8 +126,12 @@ class SharedPrefixTritonBackend(SharedPrefixDecode, TritonAttnBackend):
         self.decode = GroupedDecode(DecodeLimits.for_device(
             sms, self.req_to_token_pool.size, self.num_head, self.num_kv_head,
             model_runner.model_config.head_dim), device)
-        self.graphs = False
+        self.block_table = self.req_to_token[:, ::self.page_size]
         self.cut_metadata: Any = None
+        self.graph_acts = True
+        """Whether every layer captured in a decode graph took the path."""
+        if device.type == "cuda":
+            self._warm_up()
 
     HEAD_SIZES = "powers of two from 16"
 
@@ -108,46 +139,64 @@ class SharedPrefixTritonBackend(SharedPrefixDecode, TritonAttnBackend):
     def head_size_fits(head_dim: int) -> bool:
         return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
-    def init_cuda_graph_state(self, *args: Any, **kwargs: Any) -> None:
-        super().init_cuda_graph_state(*args, **kwargs)
-        self.graphs = True
-        announce("off under decode CUDA graphs (the groups are planned on the host each "
-                 "step; --cuda-graph-backend-decode disabled keeps them)")
+    def _warm_up(self) -> None:
+        """Compile the three launches for the pool's dtype and layout, before serving and
+        before any graph capture."""
+        pool = self.token_to_kv_pool
+        keys = pool.get_key_buffer(pool.start_layer)
+        values = pool.get_value_buffer(pool.start_layer)
+        query = keys.new_empty((1, self.num_head, keys.shape[-1]))
+        self.decode.warm_up(query, paged(keys, self.page_size), paged(values, self.page_size),
+                            self.block_table, torch.empty_like(query))
+
+    def plan_rows(self, forward_batch: Any, seq_lens: torch.Tensor) -> TritonStep | None:
+        return TritonStep.plan(self.decode, self.req_to_token, forward_batch.req_pool_indices,
+                               seq_lens, self.page_size, self.min_shared_tokens)
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
-        step = None if self.graphs else self.plan(forward_batch)
+        step = self.plan(forward_batch)
         if step is not None:
-            cut = copy.copy(forward_batch)
-            cut.seq_lens = step.cut_lens.to(forward_batch.seq_lens.device,
-                                            forward_batch.seq_lens.dtype)
-            cut.seq_lens_cpu, cut.seq_lens_sum = step.cut_lens, int(step.cut_lens.sum())
-            TritonAttnBackend.init_forward_metadata(self, cut)
-            self.cut_metadata = self.forward_metadata
+            TritonAttnBackend.init_forward_metadata(self, step.cut(forward_batch))
+            cut = self.forward_metadata  # its kv_indptr is SGLang's one buffer: kept apart
+            self.cut_metadata = dataclasses.replace(cut, kv_indptr=cut.kv_indptr.clone())
         TritonAttnBackend.init_forward_metadata(self, forward_batch)
         self.step = (forward_batch, step)
 
-    def plan_rows(self, forward_batch: Any, seq_lens: torch.Tensor) -> TritonStep | None:
-        return TritonStep.plan(self.decode, self.req_to_token_pool.req_to_token,
-                               forward_batch.req_pool_indices, seq_lens, self.page_size,
-                               self.min_shared_tokens)
+    def init_forward_metadata_out_graph(self, forward_batch: Any,
+                                        in_capture: bool = False) -> None:
+        step = None if in_capture or not self.graph_acts else self.plan(forward_batch)
+        if step is None:
+            self.decode.clear()
+        super().init_forward_metadata_out_graph(
+            forward_batch if step is None else step.cut(forward_batch), in_capture)
+        if in_capture:
+            self.step = (forward_batch, GRAPHED)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,
                        forward_batch: Any, save_kv_cache: bool = True,
                        **kwargs: Any) -> torch.Tensor:
         batch, step = self.step
-        if step is None or batch is not forward_batch or kwargs.get("score_mod") is not None \
-                or not self._acts(layer, q, kwargs.get("sinks")):
+        planned = step is not None and batch is forward_batch
+        if not planned or kwargs.get("score_mod") is not None or \
+                not self._acts(layer, q, kwargs.get("sinks")):
+            if planned and step is GRAPHED and self.graph_acts:
+                self.graph_acts = False
+                announce(f"off under decode CUDA graphs: layer {layer.layer_id} cannot "
+                         "take the path, and one graph serves every layer")
             return TritonAttnBackend.forward_decode(self, q, k, v, layer, forward_batch,
                                                     save_kv_cache, **kwargs)
-        metadata, self.forward_metadata = self.forward_metadata, self.cut_metadata
+        metadata = self.forward_metadata
+        if step is not GRAPHED:
+            self.forward_metadata = self.cut_metadata
         try:
             output = TritonAttnBackend.forward_decode(self, q, k, v, layer, forward_batch,
                                                       save_kv_cache, **kwargs)
         finally:
             self.forward_metadata = metadata
         heads, dim = layer.tp_q_head_num, layer.qk_head_dim
-        step.attend(self.decode, q.reshape(-1, heads, dim),
-                    self.token_to_kv_pool.get_key_buffer(layer.layer_id),
-                    self.token_to_kv_pool.get_value_buffer(layer.layer_id), layer.scaling,
-                    output.view(-1, heads, dim))
+        pool, page = self.token_to_kv_pool, self.page_size
+        self.decode.run(q.reshape(-1, heads, dim),
+                        paged(pool.get_key_buffer(layer.layer_id), page),
+                        paged(pool.get_value_buffer(layer.layer_id), page), self.block_table,
+                        layer.scaling, output.view(-1, heads, dim))
         return output
