@@ -85,13 +85,17 @@ class TritonStep:
         """The step's groups staged into ``decode`` (block table rows: the pool rows), or
         None (nothing staged) where no rows share ``min_shared_tokens`` leading slots.
         ``req_to_token`` and ``req_pool_indices`` on the pool's device, ``seq_lens`` CPU
-        int (this step's token included).  One device-to-host copy of two ints per row;
-        where two rows start in one slot, one more of rows x longest row int32, then
-        ``find_token_groups``."""
-        firsts = torch.stack([req_pool_indices.to(req_to_token.dtype),
-                              req_to_token[req_pool_indices, 0]]).cpu().numpy()
-        pool_rows, first_slots = firsts
-        if len(np.unique(first_slots)) == len(first_slots):
+        int (this step's token included).  Where two rows are longer than
+        ``min_shared_tokens`` (a graph's padding rows are not), one device-to-host copy of
+        two ints per row; where two of those start in one slot, one more of rows x longest
+        row int32, then ``find_token_groups``."""
+        long = seq_lens.numpy() > min_shared_tokens
+        if np.count_nonzero(long) < 2:
+            return None
+        pool_rows, first_slots = torch.stack([req_pool_indices.to(req_to_token.dtype),
+                                              req_to_token[req_pool_indices, 0]]).cpu().numpy()
+        candidates = first_slots[long]
+        if len(np.unique(candidates)) == len(candidates):
             return None
         width = -(-int(seq_lens.max()) // page_size) * page_size
         host = req_to_token[req_pool_indices, :width].cpu()
