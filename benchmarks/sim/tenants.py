@@ -1,18 +1,27 @@
 """Tenants in the simulator: Feather's fair share (``feather-model-fair``) against VTC, on
 the issue's workload (one tenant floods from a shared prefix, others send unshared or
-long-output requests).
+long-output requests), in two cells.
 
-    .venv/bin/python benchmarks/sim/tenants.py [--set NAME] [--seeds 3]     # ~15 s
+    .venv/bin/python benchmarks/sim/tenants.py [--set NAME] [--seeds 3]     # ~40 s
 
-Llama-3-8B on the H100 SXM profile, vLLM's limits, the device's KV pool.  The workload
-is ``workloads.synthetic.multi_tenant`` (4 tenants: t0 sends 240 requests sharing an
-8K-token prefix, t1 and t3 60 unshared 8K-token prompts each, t2 60 short prompts with
-1,024-token outputs; 128 output tokens otherwise), Poisson at 40 req/s, over FCFS's
-capacity.  Runs: ``vtc`` (VTC itself), ``feather-model`` (no fair share) and
+Llama-3-8B on the H100 SXM profile, vLLM's limits (256 seats).  The workload is
+``workloads.synthetic.multi_tenant`` (4 tenants: t0 sends 240 requests sharing an
+8K-token prefix, t1 and t3 60 requests each, t2 60 short prompts with 1,024-token
+outputs; 128 output tokens otherwise), Poisson at 40 req/s, over FCFS's capacity.  The
+cells:
+
+* ``device pool``: the device's KV pool (26,674 blocks), t1 and t3 unshared 8K-token
+  prompts.  The pool keeps t0's prefix cached under VTC too, so locality buys little.
+* ``tight pool``: where VTC's interleaving evicts prefixes: a pool of 3,000 blocks (48K
+  tokens) and t1 and t3 each drawing their prompts from 4 prefixes of 8K tokens of their
+  own (``prefixes_per_tenant=4``, DLPM's setting): 9 long prefixes, room for about five.
+
+Runs: ``vtc`` (VTC itself), ``feather-model`` (no fair share) and
 ``feather-model-fair``.  Ratios to VTC on the same seed: the largest service gap between
-tenants while all are in the engine (target <= 1.5x), output tok/s (target >= 1.5x), and
-the worst tenant's mean TTFT (target <= 1.25x); medians over the seeds with their range.
-Writes tenants.json and tenants.md into results/NAME/ (default: the commit).
+tenants while all are in the engine (target <= 1.5x), output tok/s (target >= 1.5x where
+locality matters), and the worst tenant's mean TTFT (target <= 1.25x); medians over the
+seeds with their range.  Writes tenants.json and tenants.md into results/NAME/ (default:
+the commit).
 """
 
 from __future__ import annotations
@@ -24,12 +33,19 @@ from feather_sched.workloads.synthetic import multi_tenant
 
 SCHEDULERS = ("vtc", "feather-model", "feather-model-fair")
 RATE = 40.0
-FIGURES = ("output_throughput", "mean_ttft_ms", "max_service_gap", "by_tenant")
+FIGURES = ("output_throughput", "mean_ttft_ms", "max_service_gap", "prefix_cache_hit_rate",
+           "preemptions", "by_tenant")
+CELLS = {
+    "device pool": {"prefixes_per_tenant": 0, "engine": {}},
+    "tight pool": {"prefixes_per_tenant": 4, "engine": {"num_blocks": 3000}},
+}
+"""Each cell's own prefixes for t1 and t3 and its engine options (``sim_plan``'s)."""
 
 
-def workload(seed: int) -> Workload:
+def workload(seed: int, prefixes_per_tenant: int = 0) -> Workload:
     return multi_tenant(tenants=4, requests_per_tenant=60, prefix_len=8192, suffix_len=64,
-                        output_len=128, arrival=ArrivalSpec("poisson", RATE), seed=seed)
+                        output_len=128, prefixes_per_tenant=prefixes_per_tenant,
+                        arrival=ArrivalSpec("poisson", RATE), seed=seed)
 
 
 def ratios(runs: dict, name: str) -> dict[str, float]:
@@ -45,38 +61,62 @@ def ratios(runs: dict, name: str) -> dict[str, float]:
     }
 
 
+def run_cell(study: Study, cell: str, seeds: int) -> dict:
+    """A cell's runs on every seed and their ratios to VTC."""
+    options = CELLS[cell]
+    per_seed = []
+    for seed in study.each(range(seeds), lambda s: f"{cell}, seed {s}"):
+        plan = sim_plan(workload(seed, options["prefixes_per_tenant"]), "h100-sxm",
+                        **options["engine"])
+        runs = summaries(plan, SCHEDULERS)
+        per_seed.append({name: {key: s[key] for key in FIGURES} for name, s in runs.items()})
+    return {"options": options, "runs": per_seed,
+            "ratios_to_vtc": {name: [ratios(runs, name) for runs in per_seed]
+                              for name in SCHEDULERS[1:]}}
+
+
 def main() -> None:
     args = parser(__doc__, seeds=3).parse_args()
     study = Study(__file__, set_name=args.set)
-    seeds = []
-    for seed in study.each(range(args.seeds), lambda s: f"seed {s}"):
-        runs = summaries(sim_plan(workload(seed), "h100-sxm"), SCHEDULERS)
-        seeds.append({name: {key: s[key] for key in FIGURES} for name, s in runs.items()})
-    table = {name: [ratios(runs, name) for runs in seeds] for name in SCHEDULERS[1:]}
+    cells = {cell: run_cell(study, cell, args.seeds) for cell in CELLS}
     study.save("tenants", {"hardware": "h100-sxm", "model": MODEL, "rate": RATE,
-                           "seeds": list(range(args.seeds)), "runs": seeds,
-                           "ratios_to_vtc": table}, markdown(seeds, table))
+                           "seeds": list(range(args.seeds)), "cells": cells},
+               markdown(cells, args.seeds))
 
 
-def markdown(seeds: list[dict], table: dict[str, list[dict]]) -> str:
-    keys = list(next(iter(table.values()))[0])
+def markdown(cells: dict, seeds: int) -> str:
     lines = ["# Tenants: fair share with prefix order vs VTC (simulator)", "",
              "`benchmarks/sim/tenants.py`: Llama-3-8B, H100 SXM profile, the multi-tenant "
              f"workload at {RATE:g} req/s; ratios to `vtc` on the same seed, medians over "
-             f"{len(seeds)} seeds (range). Targets: service gap <= 1.5x, throughput >= "
-             "1.5x, every tenant's mean TTFT <= 1.25x.", ""]
-    rows = [[name, *(f"{spread([r[k] for r in runs])}x" for k in keys)]
-            for name, runs in table.items()]
-    lines += [markdown_table(["run", *keys], rows), "",
-              "Per run (medians): output tok/s, largest service gap (weighted tokens), "
-              "mean TTFT per tenant (s).", ""]
-    tenants = list(seeds[0]["vtc"]["by_tenant"])
-    rows = [[name, spread([s[name]["output_throughput"] for s in seeds], "{:,.0f}"),
-             spread([s[name]["max_service_gap"] for s in seeds], "{:,.0f}"),
-             *(spread([s[name]["by_tenant"][t]["mean_ttft_ms"] / 1e3 for s in seeds])
-               for t in tenants)] for name in SCHEDULERS]
-    lines.append(markdown_table(["run", "tok/s", "service gap", *tenants], rows))
+             f"{seeds} seeds (range). Targets: service gap <= 1.5x, throughput >= "
+             "1.5x where the flood's prefix is shared, every tenant's mean TTFT <= 1.25x."]
+    for cell, result in cells.items():
+        table, per_seed = result["ratios_to_vtc"], result["runs"]
+        keys = list(next(iter(table.values()))[0])
+        lines += ["", f"## {cell}: {describe(result['options'])}", "",
+                  markdown_table(["run", *keys],
+                                 [[name, *(f"{spread([r[k] for r in runs])}x" for k in keys)]
+                                  for name, runs in table.items()]), "",
+                  "Per run (medians): output tok/s, largest service gap (weighted tokens), "
+                  "prefix-cache hit rate, preemptions, mean TTFT per tenant (s).", ""]
+        tenants = list(per_seed[0]["vtc"]["by_tenant"])
+        rows = [[name, spread([s[name]["output_throughput"] for s in per_seed], "{:,.0f}"),
+                 spread([s[name]["max_service_gap"] for s in per_seed], "{:,.0f}"),
+                 spread([s[name]["prefix_cache_hit_rate"] for s in per_seed]),
+                 spread([s[name]["preemptions"] for s in per_seed], "{:,.0f}"),
+                 *(spread([s[name]["by_tenant"][t]["mean_ttft_ms"] / 1e3 for s in per_seed])
+                   for t in tenants)] for name in SCHEDULERS]
+        lines.append(markdown_table(["run", "tok/s", "service gap", "hit rate", "preemptions",
+                                     *tenants], rows))
     return "\n".join(lines)
+
+
+def describe(options: dict) -> str:
+    pool = options["engine"].get("num_blocks")
+    prefixes = options["prefixes_per_tenant"]
+    where = "the device's KV pool" if pool is None else f"a {pool:,}-block KV pool"
+    prompts = f"behind {prefixes} 8K prefixes each" if prefixes else "unshared 8K prompts"
+    return f"{where}, t1 and t3 {prompts}"
 
 
 if __name__ == "__main__":

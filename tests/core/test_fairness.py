@@ -83,6 +83,17 @@ def test_the_oldest_waiting_request_of_a_class() -> None:
     assert bound.oldest() == "a"
 
 
+def test_the_oldest_waiting_request_of_a_tenant() -> None:
+    bound = OvertakeBound(limit=None)
+    for rid, arrival, tenant in [("a0", 1.0, 0), ("b0", 2.0, 1), ("b1", 3.0, 1)]:
+        bound.arrive(rid, arrival_s=arrival, tenant=tenant)
+    assert bound.oldest() == "a0" and bound.oldest(tenant=1) == "b0"
+    bound.admit("b0")
+    assert bound.oldest(tenant=1) == "b1" and bound.oldest(tenant=2) is None
+    bound.requeue("b0")  # preempted: first of its tenant again
+    assert bound.oldest(tenant=1) == "b0"
+
+
 def test_a_skip_undoes_its_admission_and_a_preemption_starts_afresh() -> None:
     bound = OvertakeBound(limit=1)
     for rid in ("old", "young", "other"):

@@ -508,3 +508,52 @@ def test_the_share_forgets_what_leaves_waiting() -> None:
     assert queue.share.eligible_tenants() == ["b"]
     queue.clear()
     assert queue.share.eligible_tenants() == [] and queue.share.service("b") == 5
+
+
+def test_among_requests_sharing_as_much_the_least_served_tenant_goes_first() -> None:
+    """Inside the window the tree's order picks, but between requests that share equally
+    (here nothing) the least served tenant's, not the oldest."""
+    queue = fair_queue(quantum=1000, max_overtakes=None, max_wait_s=None)
+    queue.add("a-old", group_keys(1, 0), arrival_s=0.0, tenant="a")
+    queue.add("b-new", group_keys(2, 0), arrival_s=1.0, tenant="b")
+    queue.share.charge("a", 10, 0)  # within the quantum of b
+    assert sorted(queue.share.eligible_tenants()) == ["a", "b"]
+    assert queue.candidate() == "b-new"
+    queue.add("running", group_keys(1, 1), arrival_s=2.0, tenant="a")
+    queue.admit("running")  # a-old now shares a prefix with the running set
+    assert queue.candidate() == "a-old"
+
+
+def test_while_everything_fits_arrival_order_holds_within_the_share_s_pick() -> None:
+    """Arrival order while the engine could run everything in flight is the chosen
+    tenant's: another tenant's older request does not pass the least served."""
+    queue = FeatherQueue(AlwaysAddGate(), share=TenantShare(quantum=1000), max_wait_s=None,
+                         chunk_tokens=16, min_passing_tokens=0)
+    queue.seats, queue.kv_tokens = 16, 16 * 100
+    queue.add("a-oldest", group_keys(1, 0), arrival_s=0.0, tenant="a")
+    queue.add("b-old", group_keys(2, 0), arrival_s=1.0, tenant="b")
+    queue.add("b-new", group_keys(3, 0), arrival_s=2.0, tenant="b")
+    queue.share.charge("a", 10, 0)
+    assert queue.fits_all()
+    assert queue.candidate() == "b-old"
+    queue.share.charge("b", 20, 0)
+    assert queue.candidate() == "a-oldest"
+
+
+def test_a_tenant_at_its_seat_share_yields_to_one_below_it() -> None:
+    """The flood's cached prefix makes it the least served and its requests the tree's
+    best, but it holds its share of the seats: the other tenant's request goes next."""
+    queue = fair_queue(quantum=0, max_overtakes=None)
+    queue.seats = 4
+    for i in range(2):
+        queue.add(f"flood-run{i}", group_keys(0, i), tenant="flood")
+        queue.admit(f"flood-run{i}")
+    queue.add("flood-next", group_keys(0, 9), tenant="flood")
+    queue.add("other", group_keys(1, 0), tenant="other")
+    queue.share.charge("other", 100, 0)
+    assert queue.share.seat_share("flood", 4) == 2
+    assert queue.candidate() == "other"
+    queue.seats = 5  # a share of 2.5: the flood is below it again
+    assert queue.candidate() == "flood-next"
+    queue.seats = None  # seats unknown: no seat share
+    assert queue.candidate() == "flood-next"

@@ -78,3 +78,89 @@ def test_backlogged_counters_stay_within_the_stated_gap(jobs, quantum) -> None:
         longest = max(longest, INPUT_WEIGHT * prompt + OUTPUT_WEIGHT * output)
         counters = [share.service(t) for t in range(4)]
         assert max(counters) - min(counters) <= quantum + longest
+
+
+def test_the_seat_share_splits_the_seats_the_idle_leave_by_weight() -> None:
+    share = TenantShare({"gold": 2.0})
+    for _ in range(10):
+        share.run("idle")  # running, nothing waiting: keeps what it holds
+    share.wait("gold")
+    share.wait("free")
+    assert share.seat_share("gold", 100) == 60 and share.seat_share("free", 100) == 30
+    assert share.running("idle") == 10 and share.running("gold") == 0
+
+
+def test_a_tenant_at_its_seat_share_is_not_backlogged_while_one_below_it_waits() -> None:
+    share = TenantShare(quantum=0)
+    share.wait("cheap")
+    share.wait("dear")
+    share.charge("dear", 1000, 0)
+    for _ in range(2):
+        share.run("cheap")
+    assert share.eligible_tenants() == ["cheap"]  # no seats given: counters alone
+    assert share.eligible_tenants(seats=4) == ["dear"]  # cheap holds its 2 of 4
+    assert share.least_served(seats=4) == "dear" and not share.eligible("cheap", seats=4)
+    # A share of 3: below it again, and lifted to dear's counter (nothing banked).
+    assert sorted(share.eligible_tenants(seats=6)) == ["cheap", "dear"]
+    assert share.service("cheap") == 1000
+
+
+def test_where_every_tenant_waiting_in_a_class_is_at_its_share_they_all_count() -> None:
+    """A class is never left without a candidate by the seat share (here the tenant below
+    its share waits only in a less urgent class)."""
+    share = TenantShare(quantum=0)
+    share.wait("a", priority=0)
+    share.wait("b", priority=1)
+    share.run("a")
+    assert share.eligible_tenants(0, seats=2) == ["a"]
+    assert share.eligible_tenants(1, seats=2) == ["b"]
+
+
+def test_a_tenant_whose_seat_frees_is_lifted_to_the_least_of_the_others() -> None:
+    """Held at its seat share it could not take service: none is banked."""
+    share = TenantShare(quantum=0)
+    share.wait("flood")
+    share.wait("other")
+    share.run("flood")
+    assert share.eligible_tenants(seats=2) == ["other"]
+    share.charge("other", 500, 0)
+    share.charge("flood", 20, 0)  # its running request's service
+    share.unrun("flood")  # its request ends: below its share again
+    assert sorted(share.eligible_tenants(seats=2)) == ["flood", "other"]
+    assert share.service("flood") == 500 == share.floor
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 300), st.integers(0, 30),
+                          st.integers(1, 4)), min_size=1, max_size=200),
+       st.integers(0, 1000), st.integers(2, 12))
+def test_with_seats_backlogged_counters_stay_within_the_stated_gap(jobs, quantum,
+                                                                   seats) -> None:
+    """Four always-waiting tenants on ``seats`` seats: each step admits by the share (the
+    most served eligible tenant: the worst case) while a seat is free, then serves every
+    running request a slice of its work.  Every backlogged counter stays within
+    ``Q + n * U`` of the least backlogged one, ``n`` the most one tenant ran after an
+    admission, and a tenant is never admitted at its seat share."""
+    share = TenantShare(quantum=quantum)
+    for tenant in range(4):
+        share.wait(tenant)
+    running: list[list] = []  # [tenant, prompt left, output left]
+    most = longest = 0.0
+    for _, prompt, output, slices in jobs:
+        if len(running) < seats:
+            tenant = min(share.eligible_tenants(seats=seats),
+                         key=lambda t: (-share.service(t), t))
+            assert share.running(tenant) < share.seat_share(tenant, seats)
+            share.run(tenant)
+            running.append([tenant, prompt, output])
+            longest = max(longest, INPUT_WEIGHT * prompt + OUTPUT_WEIGHT * output)
+            most = max(most, share.running(tenant))
+        for job in running:
+            computed, generated = -(-job[1] // slices), -(-job[2] // slices)
+            share.charge(job[0], computed, generated)
+            job[1], job[2] = job[1] - computed, job[2] - generated
+        for job in [j for j in running if j[1] <= 0 and j[2] <= 0]:
+            running.remove(job)
+            share.unrun(job[0])
+        backlogged = [share.service(t) for t in range(4) if t not in share._seated]
+        assert max(backlogged) - min(backlogged) <= quantum + most * longest

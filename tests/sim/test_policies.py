@@ -474,15 +474,16 @@ def tenants_flooding(seed: int = 0):
                         output_len=40, arrival=ArrivalSpec("poisson", 200), seed=seed)
 
 
-def test_fair_share_narrows_the_service_gap_that_prefix_order_opens() -> None:
+def test_fair_share_keeps_the_service_gap_within_the_target_of_vtc_s() -> None:
     """The flooding tenant's shared prefix wins the tree's ranking; fair share keeps the
-    tenants' service within a fraction of the gap (18K vs 45K weighted tokens when
-    written), and the records carry what the engine computed for each request."""
+    largest service gap between the tenants within 1.5x VTC's on the same run (1.03x
+    when written, 32 seats: the long-output tenant holds its third of them), and the
+    records carry what the engine computed for each request."""
     plan = SimPlan.from_options(tenants_flooding(), schedulers=[], num_blocks=3000,
                                 max_num_seqs=32)
     gaps = {name: summarize(simulate(plan, name))["max_service_gap"]
-            for name in ("fcfs", "feather-model", "feather-model-fair")}
-    assert gaps["feather-model-fair"] < 0.6 * min(gaps["feather-model"], gaps["fcfs"])
+            for name in ("vtc", "feather-model-fair")}
+    assert gaps["feather-model-fair"] <= 1.5 * gaps["vtc"]
     run = simulate(plan, "feather-model-fair")
     flood = [r for r in run.records if r.tenant == "t0"]
     assert sum(r.computed_tokens for r in flood) < sum(r.prompt_len for r in flood) / 4

@@ -634,6 +634,26 @@ def test_multi_tenant_floods_from_one_shared_prefix() -> None:
                      output_len=1)
 
 
+def test_multi_tenant_can_give_the_other_tenants_prefixes_of_their_own() -> None:
+    """``prefixes_per_tenant``: the odd tenants' prompts sit behind one of their own long
+    prefixes; the default workload is unchanged by the option."""
+    options = dict(tenants=4, requests_per_tenant=12, prefix_len=32, suffix_len=4,
+                   output_len=2, seed=3)
+    plain, grouped = multi_tenant(**options), multi_tenant(**options, prefixes_per_tenant=3)
+    assert [r.prompt.tobytes() for r in plain] == \
+        [r.prompt.tobytes() for r in multi_tenant(**options, prefixes_per_tenant=0)]
+    groups = {t: {r.group for r in grouped if r.tenant == t} for t in ("t1", "t3")}
+    assert groups["t1"] <= {1, 2, 3} and groups["t3"] <= {4, 5, 6} and len(groups["t1"]) > 1
+    for request in (r for r in grouped if r.tenant in groups):
+        assert request.shared_len == 32 and request.prompt.size == 36
+        siblings = [r for r in grouped if r.group == request.group]
+        assert len({r.prompt[:32].tobytes() for r in siblings}) == 1
+    assert [r.tenant for r in grouped] == [r.tenant for r in plain]
+    assert all(r.group == -1 for r in grouped if r.tenant == "t2")
+    with pytest.raises(ValueError, match="prefixes_per_tenant must be non-negative"):
+        multi_tenant(**options, prefixes_per_tenant=-1)
+
+
 def test_tenanted_keeps_a_prefix_group_in_one_tenant() -> None:
     workload = tenanted(GENERATORS["shared"](), 3)
     by_tenant = {g: {r.tenant for r in members} for g, members in by_group(workload).items()}

@@ -121,9 +121,11 @@ class FeatherConfig:
     fairness: str = "off"
     """Fair share between tenants: ``tenants`` keeps a virtual service counter per tenant
     (VTC's weighted prompt and output tokens, computed tokens only, so a prefix-cache hit
-    is free to the tenant that earned it) and admits, in the tree's prefix order, only
-    among the backlogged tenants within ``fair_quantum_tokens`` of the least served;
-    ``off`` (the default): one queue for all (docs/fairness.md#tenants)."""
+    is free to the tenant that earned it) and admits, in the tree's prefix order (the
+    least served first among requests sharing as much), only among the backlogged
+    tenants within ``fair_quantum_tokens`` of the least served, none holding its share of
+    the engine's seats while one below its share waits; ``off`` (the default): one queue
+    for all (docs/fairness.md#tenants)."""
     tenant_weights: dict[str, float] = field(default_factory=dict)
     """Each tenant's share relative to the others, a JSON object of positive numbers
     (``{"gold": 2}``); a tenant not named has weight 1."""

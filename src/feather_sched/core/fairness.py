@@ -192,10 +192,14 @@ class OvertakeBound:
                 found = request_id
         return found
 
-    def oldest(self, priority: int = 0) -> RequestId | None:
-        """The waiting request of class ``priority`` that arrived first (of several that
-        arrived together, any); None when none waits.  O(requeued requests)."""
-        return min(self._candidates(priority), key=self._sequence.__getitem__, default=None)
+    def oldest(self, priority: int = 0, tenant: int | None = None) -> RequestId | None:
+        """The waiting request of class ``priority`` (and tenant number ``tenant``, where
+        given) that arrived first (of several that arrived together, any); None when none
+        waits.  O(requeued requests)."""
+        candidates = self._candidates(priority)
+        if tenant is not None:
+            candidates = [r for r in candidates if self._tenant[r] == tenant]
+        return min(candidates, key=self._sequence.__getitem__, default=None)
 
     def arrived_before(self, first: RequestId, second: RequestId) -> bool:
         """Whether ``first`` arrived before ``second`` (not together with it).  O(1)."""

@@ -15,8 +15,9 @@ engine could run everything in flight (``fits_all``), the oldest waiting request
 shared prefix of ``min_passing_tokens`` or more.  A candidate a bound names is admitted
 whatever the gate says; after a STOP every answer is STOP until ``new_step``.  With fair
 share between tenants (``share``, a ``TenantShare``), the last two pick only among the
-tenants the share admits now (``tenants``): the tree's best if its tenant is one, else the
-best of theirs in the tree's order; and the waiting bound counts overtakes within a
+tenants the share admits now (``tenants``, given the engine's ``seats`` for their seat
+share): the first of theirs in the tree's order, the least served tenant first among
+requests sharing as much (``rank_key``); and the waiting bound counts overtakes within a
 tenant.  Why each rule, and the guarantee they make: docs/fairness.md.
 
 Costs: ``add`` is linear in the request's keys; ``admit``/``requeue``/``remove``/``hold``
@@ -254,11 +255,18 @@ class FeatherQueue:
         """The request's chunk keys."""
         return self._requests[request_id].keys
 
-    def rank_key(self, request_id: RequestId) -> tuple[int, int, int]:
-        """A waiting request's place in the tree's order (``ChunkedHashTree.rank_key``):
-        sorting waiting requests by it lists them as the tree would offer them, bounds
-        aside.  CHTError for a request not waiting (the tree holds no held one).  O(1)."""
-        return self.tree.rank_key(request_id)
+    def rank_key(self, request_id: RequestId) -> tuple[int, int, float, int]:
+        """A waiting request's place in the queue's order: (priority class, minus its
+        shared depth as the tree ranks it, its tenant's counter under fair share (else
+        0), arrival order).  Sorting waiting requests by it lists them as the queue would
+        offer them, bounds and the share's window aside: the tree's order
+        (``ChunkedHashTree.rank_key``), the least served tenant first among requests
+        sharing as much.  CHTError for a request not waiting (the tree holds no held
+        one).  O(1)."""
+        priority, depth, order = self.tree.rank_key(request_id)
+        share = self.share
+        served = 0.0 if share is None else share.service(self._requests[request_id].tenant)
+        return priority, depth, served, order
 
     def runs_exactly(self, request_ids: Set[RequestId]) -> bool:
         """Whether the running set is exactly ``request_ids``.  O(len(request_ids))."""
@@ -293,6 +301,7 @@ class FeatherQueue:
         self._running_epoch += 1
         self.tree.admit(request_id)
         self._waits(request_id, False)
+        self._runs(request_id, True)
         if self.bound is not None:
             self.bound.admit(request_id)
         if admission is not None and admission.forced and admission.request_id == request_id:
@@ -305,6 +314,7 @@ class FeatherQueue:
         if state is QueueState.RUNNING:
             self._running_epoch += 1
             self.tree.requeue(request_id)
+            self._runs(request_id, False)
         elif state is QueueState.HELD:
             self._enter_tree(request_id)
         else:
@@ -322,6 +332,8 @@ class FeatherQueue:
             raise CHTError(f"request {request_id!r} is already held")
         self._running_epoch += state is QueueState.RUNNING
         self.tree.remove(request_id)
+        if state is QueueState.RUNNING:
+            self._runs(request_id, False)
         if state is QueueState.WAITING:
             self._waits(request_id, False)
         if self.bound is not None:
@@ -337,6 +349,7 @@ class FeatherQueue:
         self._running_epoch += 1
         self._enter_tree(request_id)
         self.tree.admit(request_id)
+        self._runs(request_id, True)
         if self.bound is not None:
             self.bound.admit(request_id)
         self._changed()
@@ -347,6 +360,8 @@ class FeatherQueue:
         if state is not QueueState.HELD:
             self._running_epoch += state is QueueState.RUNNING
             self.tree.remove(request_id)
+        if state is QueueState.RUNNING:
+            self._runs(request_id, False)
         if state is QueueState.WAITING:
             self._waits(request_id, False)
         if self.bound is not None:
@@ -442,24 +457,24 @@ class FeatherQueue:
         (``BatchLayout.FEATHER``) and the gate does not STOP there
         (``Gate.stops_in_ordered_batches``: always-add, the model gate), the oldest
         waiting request of the most urgent class if it arrived before the tree's best;
-        else the tree's best.  With a ``share``, "the tree's best" is the best of the
-        tenants it admits now, and the oldest must be of one of them.  The gate still
-        answers for it.  Why arrival order while everything fits: docs/fairness.md.
-        O(requeued requests), plus O(backlogged tenants of the class) with a share."""
+        else the tree's best.  With a ``share``, "the tree's best" is the first, in
+        ``rank_key``'s order (the least served tenant first among requests sharing as
+        much), of the best of each tenant it admits now, and the oldest must be of one of
+        them.  The gate still answers for it.  Why arrival order while everything fits:
+        docs/fairness.md.  O(requeued requests), plus ``TenantShare.eligible_tenants``
+        and O(those tenants) with a share."""
         if due is not None:
             return due
         best = self.tree.best()
-        tenants = None
         if self.share is not None:
-            tenants = self.share.eligible_tenants(self.tree.priority(best))
-            if self.tree.tenant(best) not in tenants:
-                best = min(map(self.tree.best_of, tenants), key=self.tree.rank_key)
+            tenants = self.share.eligible_tenants(self.tree.priority(best), self.seats)
+            best = min(map(self.tree.best_of, tenants), key=self.rank_key)
         if self.bound is None or self.layout is not BatchLayout.FEATHER or \
                 self.gate.stops_in_ordered_batches or not self.fits_all():
             return best
-        oldest = self.bound.oldest(self.tree.priority(best))
-        if oldest is None or not self.bound.arrived_before(oldest, best) or (
-                tenants is not None and self.tree.tenant(oldest) not in tenants):
+        tenant = None if self.share is None else self._tenant_numbers[self.tree.tenant(best)]
+        oldest = self.bound.oldest(self.tree.priority(best), tenant)
+        if oldest is None or not self.bound.arrived_before(oldest, best):
             return best
         return oldest
 
@@ -493,6 +508,12 @@ class FeatherQueue:
             request = self._requests[request_id]
             (self.share.wait if waiting else self.share.unwait)(request.tenant,
                                                                 request.priority)
+
+    def _runs(self, request_id: RequestId, running: bool) -> None:
+        """Tell the share a request started (or stopped) running.  O(1)."""
+        if self.share is not None:
+            tenant = self._requests[request_id].tenant
+            (self.share.run if running else self.share.unrun)(tenant)
 
     def _changed(self) -> None:
         """Any change may change the candidate; a STOP still holds for this pass."""

@@ -476,22 +476,23 @@ class FeatherRuntime(Generic[R]):
     def rank_waiting(self, waiting: Sequence[R]) -> list[R]:
         """``waiting`` (the engine's waiting list) in the order Feather would admit it:
         the candidate first (``candidate``), then the requests Feather holds waiting as
-        the tree ranks them (class, shared prefix with the running set, arrival:
-        ``ChunkedHashTree.rank_key``; under fair share, those of tenants the share admits
-        now first), then the rest (running, held or unknown to Feather) in their given
-        order.  For an engine that walks its own list; the list is not changed.
-        O(n log n), plus O(tenants) per tenant and class under fair share."""
+        the queue ranks them (class, shared prefix with the running set, arrival:
+        ``FeatherQueue.rank_key``; under fair share, those of tenants the share admits
+        now first, and the least served tenant first among requests sharing as much),
+        then the rest (running, held or unknown to Feather) in their given order.  For an
+        engine that walks its own list; the list is not changed.  O(n log n), plus
+        ``TenantShare.eligible_tenants`` once per class under fair share."""
         first = self.queue.candidate()
         queue, view, share = self.queue, self.view, self.queue.share
-        admitted: dict[tuple[Hashable, int], bool] = {}
+        admitted: dict[int, set[Hashable]] = {}
 
         def held_back(request_id: RequestId) -> bool:
             if share is None:
                 return False
-            key = (queue.tenant(request_id), queue.priority(request_id))
-            if key not in admitted:
-                admitted[key] = share.eligible(*key)
-            return not admitted[key]
+            priority = queue.priority(request_id)
+            if priority not in admitted:
+                admitted[priority] = set(share.eligible_tenants(priority, queue.seats))
+            return queue.tenant(request_id) not in admitted[priority]
 
         def rank(request: R) -> tuple:
             request_id = view.request_id(request)

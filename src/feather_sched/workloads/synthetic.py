@@ -298,6 +298,18 @@ def multi_turn_chat(
     return _build("chat", parts, (starts[None, :] + turn_offsets).ravel())
 
 
+def _own_prefixes(rng: np.random.Generator, owners: np.ndarray,
+                  parts: list[tuple[np.ndarray, int, int, int]], k: int, prefix_len: int,
+                  vocab_size: int) -> list[tuple[np.ndarray, int, int, int]]:
+    """``multi_tenant``'s odd tenants' prompts behind one of their own ``k`` prefixes."""
+    odd = sorted({int(t) for t in owners if t % 2})
+    prefixes = {t: [random_tokens(rng, prefix_len, vocab_size) for _ in range(k)] for t in odd}
+    picks = rng.integers(k, size=len(owners))
+    return [(np.concatenate([prefixes[t][g], own]), out, 1 + odd.index(t) * k + int(g),
+             prefix_len) if t % 2 else (own, out, group, shared)
+            for t, g, (own, out, group, shared) in zip(owners, picks, parts, strict=True)]
+
+
 def no_sharing(
     *,
     requests: int,
@@ -330,6 +342,7 @@ def multi_tenant(
     flood_factor: int = 4,
     long_output_factor: int = 8,
     short_prompt_len: int = 256,
+    prefixes_per_tenant: int = 0,
     arrival: ArrivalSpec | None = None,
     seed: int = 0,
     vocab_size: int = 32000,
@@ -339,24 +352,33 @@ def multi_tenant(
     requests sharing one ``prefix_len``-token prefix (group 0), each with its own suffix;
     the others send ``requests_per_tenant`` requests each, odd ones unshared prompts of
     ``prefix_len + suffix_len`` tokens, even ones short unshared prompts
-    (``short_prompt_len``) with ``long_output_factor`` times the output."""
+    (``short_prompt_len``) with ``long_output_factor`` times the output.  With
+    ``prefixes_per_tenant`` k > 0 an odd tenant's prompts are instead one of its own k
+    ``prefix_len``-token prefixes (drawn at random per request, a group each) and a
+    ``suffix_len``-token suffix: several long shared prefixes per tenant, as in DLPM's
+    evaluation, where an order that interleaves tenants also interleaves prefixes."""
     check_positive(tenants=tenants, requests_per_tenant=requests_per_tenant,
                    prefix_len=prefix_len, suffix_len=suffix_len, output_len=output_len,
                    flood_factor=flood_factor, long_output_factor=long_output_factor,
                    short_prompt_len=short_prompt_len)
     if tenants < 2:
         raise ValueError(f"a multi-tenant workload needs 2 or more tenants, got {tenants}")
+    if prefixes_per_tenant < 0:
+        raise ValueError(f"prefixes_per_tenant must be non-negative, got {prefixes_per_tenant}")
     check_vocab(vocab_size)
     rng = np.random.default_rng(seed)
     flood = flood_factor * requests_per_tenant
     owners = np.repeat(np.arange(tenants), [flood] + [requests_per_tenant] * (tenants - 1))
     owners = rng.permutation(owners)
     prefix = random_tokens(rng, prefix_len, vocab_size)
-    lengths = [suffix_len if t == 0 else prefix_len + suffix_len if t % 2 else
-               short_prompt_len for t in owners]
+    grouped = prefixes_per_tenant > 0
+    lengths = [suffix_len if t == 0 or (t % 2 and grouped) else
+               prefix_len + suffix_len if t % 2 else short_prompt_len for t in owners]
     unique = _distinct_sequences(rng, lengths, vocab_size)
     parts = [(np.concatenate([prefix, own]), output_len, 0, prefix_len) if t == 0 else
              (own, output_len * (1 if t % 2 else long_output_factor), -1, 0)
              for t, own in zip(owners, unique, strict=True)]
+    if grouped:
+        parts = _own_prefixes(rng, owners, parts, prefixes_per_tenant, prefix_len, vocab_size)
     return _build("multi-tenant", parts, arrival_times(len(parts), arrival, rng),
                   [f"t{t}" for t in owners])
