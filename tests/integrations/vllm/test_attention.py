@@ -229,11 +229,21 @@ def test_on_groups_from_the_kv_layouts_threshold_unless_set(dtype, monkeypatch):
         messages.clear()
 
 
+def _vllm_build_has_amx() -> bool:
+    """Whether this CPU loads vLLM's AVX-512-BF16 build, the one with the AMX layout
+    (``vllm.platforms.cpu.CpuPlatform.import_kernels``)."""
+    return torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported()
+
+
 @pytest.mark.parametrize(("isa", "dtype"), [("vec", torch.float32), ("vec", torch.bfloat16),
                                             ("amx", torch.bfloat16)])
 def test_vllms_cache_writer_lays_out_what_the_kernel_reads(isa, dtype):
     """vLLM's own ``reshape_and_cache`` for each layout the kernel reads writes what
-    ``tests/helpers/kv_layouts`` (the kernel tests' caches) writes, token for token."""
+    ``tests/helpers/kv_layouts`` (the kernel tests' caches) writes, token for token.
+
+    vLLM compiles the AMX layout only into its AVX-512-BF16 build (``vllm._C``; the AVX2
+    and plain AVX-512 builds lack it): on a CPU that loads another build, vLLM must never
+    pick that layout, and its writer must refuse it."""
     from vllm import _custom_ops as ops
 
     torch.manual_seed(0)
@@ -243,8 +253,16 @@ def test_vllms_cache_writer_lays_out_what_the_kernel_reads(isa, dtype):
     cache = torch.zeros(blocks, heads, BLOCK, 2 * dim, dtype=dtype)
     key_cache, value_cache = cache.view(blocks, heads, 2 * BLOCK, dim).chunk(2, dim=2)
     slots = torch.randperm(blocks * BLOCK)  # tokens written in any order land in place
-    ops.cpu_attn_reshape_and_cache(keys[slots], values[slots], key_cache, value_cache, slots,
-                                   isa)
+    def write() -> None:
+        ops.cpu_attn_reshape_and_cache(keys[slots], values[slots], key_cache, value_cache,
+                                       slots, isa)
+
+    if isa == "amx" and not _vllm_build_has_amx():
+        assert _get_attn_isa(dtype, BLOCK, dim, "auto") != "amx"
+        with pytest.raises(RuntimeError, match="Unsupported CPU attention configuration"):
+            write()
+        return
+    write()
     assert torch.equal(cache, write_cache(keys, values, BLOCK, isa))
     read_keys, read_values = read_tokens(cache, torch.tensor([2, 0]), BLOCK + 5, isa)
     picked = torch.cat([torch.arange(2 * BLOCK, 3 * BLOCK), torch.arange(5)])
