@@ -81,6 +81,12 @@ DEFAULT_QUANTUM_TOKENS = 16384
 prefix order picks it: a few requests' worth, so a group's members still run together."""
 
 
+def service_of(computed_tokens: int, output_tokens: int) -> float:
+    """VTC's service for ``computed_tokens`` prompt tokens computed and ``output_tokens``
+    generated, before any weight."""
+    return INPUT_WEIGHT * computed_tokens + OUTPUT_WEIGHT * output_tokens
+
+
 class TenantShare:
     """Per-tenant service counters, backlog and seats, and the tenants the share admits."""
 
@@ -116,11 +122,13 @@ class TenantShare:
     def weight(self, tenant: Tenant) -> float:
         return self.weights.get(tenant, 1.0)
 
-    def charge(self, tenant: Tenant, computed_tokens: int, output_tokens: int) -> None:
+    def charge(self, tenant: Tenant, computed_tokens: int, output_tokens: int) -> float:
         """The engine computed ``computed_tokens`` prompt tokens (recomputation included,
-        cache hits not) and generated ``output_tokens`` tokens for the tenant."""
-        cost = INPUT_WEIGHT * computed_tokens + OUTPUT_WEIGHT * output_tokens
+        cache hits not) and generated ``output_tokens`` tokens for the tenant; returns
+        the service that is (``service_of``), before the tenant's weight."""
+        cost = service_of(computed_tokens, output_tokens)
         self._service[tenant] = self.service(tenant) + cost / self.weight(tenant)
+        return cost
 
     # ---- backlog and seats ------------------------------------------------------------
 
