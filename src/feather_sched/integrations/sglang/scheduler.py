@@ -9,9 +9,13 @@ then each scheduler gets a ``FeatherSGLang`` translating SGLang for ``FeatherRun
 
 * ``FeatherSGLang``: a round (``get_new_batch_prefill``) is one pass, rewarded with the
   next decode step (keyed by ``batch.forward_iter``); the running batch in Feather's order;
+  each step's computed and generated tokens counted as its requests' tenants' service;
+* ``SGLangRequests``: the view of SGLang's ``Req`` (priority class, ``custom_params``'
+  tenant);
 * ``FeatherSchedulePolicy``: SGLang's ``fcfs`` with the waiting queue in Feather's order;
 * ``FeatherPrefillAdder``: asks Feather about each request SGLang offers (STOP ends the
-  round);
+  round); SGLang's priority preemption takes Feather's urgent victim, also for a request
+  short of KV room;
 * ``HOOKS``: what each hook wraps; ``_unsupported``: the modes refused at start-up.
 
 Invariant: a fault in Feather's code never reaches SGLang (``runtime.FaultGuard``): SGLang's
