@@ -108,7 +108,8 @@ def test_tenants_service_and_urgent_preemption_on_the_real_server(tmp_path) -> N
                "--schedule-policy", "feather", "--feather-options", options,
                "--enable-priority-scheduling", "--priority-scheduling-preemption-threshold", "0",
                "--max-running-requests", "2", "--chunked-prefill-size", "64",
-               "--enable-cache-report", "--max-total-tokens", "8192", "--random-seed", "0"]
+               "--enable-mixed-chunk", "--enable-cache-report", "--max-total-tokens", "8192",
+               "--random-seed", "0"]
     paths = [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {"FEATHER_TEST_PROBE": str(probe_file), "PYTHONPATH": os.pathsep.join(paths)}
     probe = Probe(probe_file)
