@@ -116,14 +116,13 @@ def test_tenants_service_and_urgent_preemption_on_the_real_server(tmp_path) -> N
     with serving(command, tmp_path / "server.log", env) as url:
         # ---- tenants and service: what SGLang reports computing is what Feather counts
         shared = prompt(1, 150)  # chunked at 64; the second request hits its prefix
-        usage = {  # rid -> (computed prompt tokens, generated), as SGLang reports them
+        native = {
             "hdr": generate(url, "hdr", [*shared, 5, 6], 3, headers={"x-tenant-id": "team-h"},
                             custom={"tenant": "overridden"}),
             "num": generate(url, "num", [*shared, 7, 8, 9], 4, custom={"tenant": 7}),
             "none": generate(url, "none", prompt(2, 40), 2),
         }
-        usage = {rid: (r["meta_info"]["prompt_tokens"] - r["meta_info"]["cached_tokens"],
-                       r["meta_info"]["completion_tokens"]) for rid, r in usage.items()}
+        usage = {rid: reported(reply) for rid, reply in native.items()}
         for rid, body in {"user": {"user": "alice"},
                           "both": {"user": "alice", "custom_params": {"tenant": "bob"}}}.items():
             reply = post(url, "/v1/completions", {"rid": rid, "model": "m", "max_tokens": 3,
@@ -138,26 +137,28 @@ def test_tenants_service_and_urgent_preemption_on_the_real_server(tmp_path) -> N
         front = generate(url, "bad2", prompt(4, 20), 2, headers={"x-tenant-id": "x" * 300})
         assert front["status"] == 400 and "at most 256" in front["error"]["message"]
 
-        served: dict[str, list] = defaultdict(lambda: [None, 0, 0])
-        for rid, tenant, computed, generated in probe.rows("served"):
-            served[rid][0] = tenant
-            served[rid][1] += computed
-            served[rid][2] += generated
-        tenants = {"hdr": "team-h", "num": "7", "none": "default", "user": "alice",
-                   "both": "bob"}
-        assert {rid: tuple(served[rid]) for rid in tenants} == {
-            rid: (tenant, *usage[rid]) for rid, tenant in tenants.items()}
-
         # ---- urgent preemption: two seats, two long low-priority requests running
         low = {"L1": prompt(5, 48), "L2": prompt(6, 48)}
-        reference = run_together(url, low, LONG, probe)  # no preemption
+        reference = run_together(url, low, LONG, probe)  # no preemption; L2 beside L1's decode
+        usage |= {rid: reported(reply) for rid, reply in reference.items()}
         replies = run_together(url, {f"{r}x": p for r, p in low.items()}, LONG, probe,
                                lambda: urgent_scenario(url, probe))
         wait_for(lambda: stats_file.exists() and  # every request left Feather: served first
                  stats.SchedulerStats.read(stats_file).requests_left ==
                  stats.SchedulerStats.read(stats_file).requests_entered, "every request left")
         urgent = probe.rows("urgent")
-    assert [replies[f"{r}x"] for r in low] == [reference[r] for r in low]  # greedy, unchanged
+    served: dict[str, list] = defaultdict(lambda: [None, 0, 0])
+    for rid, tenant, computed, generated in probe.rows("served"):
+        served[rid][0] = tenant
+        served[rid][1] += computed
+        served[rid][2] += generated
+    tenants = {"hdr": "team-h", "num": "7", "none": "default", "user": "alice", "both": "bob",
+               "L1": "default", "L2": "default"}
+    assert {rid: tuple(served[rid]) for rid in tenants} == {
+        rid: (tenant, *usage[rid]) for rid, tenant in tenants.items()}
+
+    assert [replies[f"{r}x"]["output_ids"] for r in low] == \
+        [reference[r]["output_ids"] for r in low]  # greedy, unchanged
     victims = [victim for _, victim in urgent if victim is not None]
     assert victims == ["L2x", "L1x"]  # the youngest group's newest first; each once
     by_request = {rid: [v for r, v in urgent if r == rid] for rid in ("U1", "U2", "U3", "S")}
@@ -168,14 +169,21 @@ def test_tenants_service_and_urgent_preemption_on_the_real_server(tmp_path) -> N
     assert stats.SchedulerStats.read(stats_file).preemptions == 2
 
 
+def reported(reply: dict) -> tuple[int, int]:
+    """The prompt tokens SGLang computed (its own count, less its cache hits) and the
+    tokens it generated for a native request."""
+    meta = reply["meta_info"]
+    return meta["prompt_tokens"] - meta["cached_tokens"], meta["completion_tokens"]
+
+
 def run_together(url: str, prompts: dict[str, list[int]], max_new: int, probe: Probe,
-                 meanwhile=None) -> dict[str, list[int]]:
-    """The greedy outputs of ``prompts`` (two: ``max_running_requests``), each sent once
+                 meanwhile=None) -> dict[str, dict]:
+    """The replies to greedy ``prompts`` (two: ``max_running_requests``), each sent once
     the one before generates; ``meanwhile`` runs once both do."""
-    outputs: dict[str, list[int]] = {}
+    outputs: dict[str, dict] = {}
 
     def send(rid: str) -> None:
-        outputs[rid] = generate(url, rid, prompts[rid], max_new)["output_ids"]
+        outputs[rid] = generate(url, rid, prompts[rid], max_new)
 
     threads = [threading.Thread(target=send, args=(rid,)) for rid in prompts]
     for rid, thread in zip(prompts, threads, strict=True):
