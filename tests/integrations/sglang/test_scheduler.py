@@ -609,6 +609,18 @@ def test_an_urgent_request_preempts_feathers_victim_for_a_seat_once() -> None:
     assert runtime.meter.stats.preemptions == 2 and runtime.meter.stats.max_request_preemptions == 1
 
 
+def test_sglangs_own_victim_while_feather_is_out_of_the_round(monkeypatch,
+                                                               contained_faults) -> None:
+    """A fault as the round starts hands it to SGLang: its own priority preemption takes
+    its own victim (the latest entry, A1), and nothing is lost."""
+    engine = _running_a0_b0_a1()
+    monkeypatch.setattr(engine.feather.runtime, "begin_pass", lambda *args: 1 / 0)
+    engine.arrive(_req("C", 0, priority=20))
+    assert [r.rid for r in engine.admission_round(seats=3)] == ["C0"]
+    assert [r.rid for r in engine.waiting] == ["A1"] and not engine.waiting[0].kv.holds_kv
+    assert [where for where, _ in contained_faults] == ["begin_pass"]
+
+
 @pytest.mark.parametrize("priority", [0, 5])
 def test_no_preemption_within_a_class_or_sglangs_threshold(priority) -> None:
     """A request of the running requests' class, or more urgent by no more than SGLang's
