@@ -329,7 +329,7 @@ class FeatherSGLang:
         decoding = {id(req) for req in batch.decoding_reqs or ()}
         for i, (req, before) in enumerate(zip(batch.reqs, outputs, strict=True)):
             computed = 0 if extend_lens is None or id(req) in decoding else extend_lens[i]
-            generated = len(req.output_ids) - before
+            generated = max(len(req.output_ids) - before, 0)  # a session may cut outputs
             if computed or generated:
                 self.runtime.served(req.rid, computed, generated)
 
@@ -401,9 +401,8 @@ class FeatherSGLang:
         ``max_urgent_preemptions``) among those of ``running`` not finished and less
         urgent than ``req`` by more than SGLang's ``threshold``
         (``--priority-scheduling-preemption-threshold``, as SGLang's own priority
-        preemption); None without SGLang's priority preemption, or while Feather is out
-        of the round."""
-        if not self.priority_preemption or not self._in_round:
+        preemption); None unless ``preempts``."""
+        if not self.preempts:
             return None
         return self.faults.call("urgent_victim", self._urgent_victim, running, req, threshold)
 
@@ -417,6 +416,12 @@ class FeatherSGLang:
     def in_round(self) -> bool:
         """Whether Feather's code serves the current round (else SGLang's own)."""
         return self._in_round
+
+    @property
+    def preempts(self) -> bool:
+        """Whether a request may preempt for urgency now: SGLang's priority preemption is
+        on and Feather serves the round."""
+        return self.priority_preemption and self._in_round
 
 
 def positions(reqs: list[Req], ordered: list[Req]) -> list[int]:
@@ -533,7 +538,7 @@ class FeatherPrefillAdder(PrefillAdder):
         waiting queue; counted as a preemption.  None is preempted for a request that
         would not fit with every running request preempted."""
         feather, batch = self.feather, self.running_batch
-        if not self._could_fit(req):
+        if not feather.preempts or not feather.faults.call("could_fit", self._could_fit, req):
             return False
         victim = feather.urgent_victim(batch.reqs, req,
                                        self.priority_scheduling_preemption_threshold)
