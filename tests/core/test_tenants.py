@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feather_sched.core.tenants import INPUT_WEIGHT, OUTPUT_WEIGHT, TenantShare
+from feather_sched.core.tenants import (
+    DEFAULT_TENANT,
+    INPUT_WEIGHT,
+    MAX_TENANT_CHARS,
+    OUTPUT_WEIGHT,
+    TenantShare,
+    parse_tenant,
+)
 
 
 def test_service_is_weighted_tokens_over_the_tenants_weight() -> None:
@@ -164,3 +171,16 @@ def test_with_seats_backlogged_counters_stay_within_the_stated_gap(jobs, quantum
             share.unrun(job[0])
         backlogged = [share.service(t) for t in range(4) if t not in share._seated]
         assert max(backlogged) - min(backlogged) <= quantum + most * longest
+
+
+def test_tenant_ids_are_strings_integers_as_strings_and_none_the_default() -> None:
+    assert parse_tenant("team-a") == "team-a" and parse_tenant("x" * MAX_TENANT_CHARS)
+    assert parse_tenant(7) == parse_tenant("7") == "7" and parse_tenant(-7) == "-7"
+    assert parse_tenant(None) == DEFAULT_TENANT
+
+
+@pytest.mark.parametrize("value", ["", "x" * (MAX_TENANT_CHARS + 1), 10 ** MAX_TENANT_CHARS,
+                                   True, 1.5, ["a"], {"id": "a"}])
+def test_anything_else_is_refused_saying_what_was_given(value) -> None:
+    with pytest.raises(ValueError, match=f"tenant must be .*got {type(value).__name__} "):
+        parse_tenant(value)

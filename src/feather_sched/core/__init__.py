@@ -24,7 +24,7 @@ from feather_sched.core.faults import FaultGuard
 from feather_sched.core.prefix import describe_batch, keys_per_chunk
 from feather_sched.core.queue import Admission, QueueState
 from feather_sched.core.runtime import FeatherRuntime, RequestView
-from feather_sched.core.tenants import DEFAULT_TENANT
+from feather_sched.core.tenants import DEFAULT_TENANT, parse_tenant
 from feather_sched.gates.base import Decision
 from feather_sched.gates.step_model import EngineShape
 
@@ -45,5 +45,6 @@ __all__ = [
     "describe_batch",
     "is_true",
     "keys_per_chunk",
+    "parse_tenant",
     "token_chunk_keys",
 ]

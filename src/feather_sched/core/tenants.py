@@ -79,6 +79,26 @@ OUTPUT_WEIGHT = 2.0
 DEFAULT_QUANTUM_TOKENS = 16384
 """How far (in weighted tokens) a tenant may get ahead of the least served one while the
 prefix order picks it: a few requests' worth, so a group's members still run together."""
+MAX_TENANT_CHARS = 256
+"""The longest tenant id (a header's or a JSON field's worth, not a document)."""
+
+
+def parse_tenant(value: object) -> Tenant:
+    """A request's tenant from the raw value its engine or HTTP front carries: a non-empty
+    string of at most ``MAX_TENANT_CHARS`` characters as given, an integer as its decimal
+    string (so ``7`` and ``"7"`` are one tenant), None as ``DEFAULT_TENANT``; ValueError
+    saying what was given otherwise.  The one place a tenant id is validated.  O(1)."""
+    if value is None:
+        return DEFAULT_TENANT
+    if isinstance(value, int) and not isinstance(value, bool) and \
+            abs(value) < 10 ** (MAX_TENANT_CHARS - 1):  # sign and digits fit
+        return str(value)
+    if isinstance(value, str) and 0 < len(value) <= MAX_TENANT_CHARS:
+        return value
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise ValueError(f"tenant must be a non-empty string of at most {MAX_TENANT_CHARS} "
+                     f"characters or an integer, got {type(value).__name__} {shown}")
 
 
 def service_of(computed_tokens: int, output_tokens: int) -> float:
