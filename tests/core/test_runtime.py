@@ -618,3 +618,21 @@ def test_the_urgent_victim_is_the_least_urgent_end_of_the_order_and_pays_once() 
     same = Req("same", req("same", 5).keys, arrival=4.0, priority=1)
     assert rt.urgent_victim(running, same) is None
     assert runtime(max_urgent_preemptions=0).urgent_victim(running, waiting) is None
+
+
+def test_the_urgent_bound_holds_across_a_rebuild_and_a_grown_prompt() -> None:
+    """A request keeps its urgent preemptions when Feather's picture is rebuilt after a
+    fault (``resync``) and when it is re-keyed for a grown prompt (``_refresh``)."""
+    rt = runtime()
+    low = Req("low", req("low", 1).keys, arrival=0.0, priority=1)
+    rt.enter_waiting(low)
+    rt.begin_pass([])
+    admit_all(rt, [])
+    urgent = Req("urgent", req("urgent", 2).keys, arrival=1.0, priority=0)
+    rt.enter_waiting(urgent)
+    assert rt.urgent_victim([low], urgent) is low
+    rt.resync([low], [urgent])
+    assert rt.urgent_victim([low], urgent) is None
+    grown = Req("low", [*low.keys, ("more",)], arrival=0.0, priority=1)
+    rt.reconcile([grown], [urgent])
+    assert rt.urgent_victim([grown], urgent) is None

@@ -725,8 +725,7 @@ class FeatherRuntime(Generic[R]):
             entries.sort(key=lambda entry: (entry[0] is not QueueState.RUNNING, entry[1]))
             for state, arrival_s, request in entries:
                 old = known.get(view.request_id(request))
-                request_id = self._track(request, arrival_s,
-                                         0 if old is None else old.preemptions)
+                request_id = self._track(request, arrival_s, old)
                 if state is QueueState.RUNNING:
                     self.queue.admit(request_id)
                 elif state is QueueState.HELD:
@@ -771,21 +770,25 @@ class FeatherRuntime(Generic[R]):
         if tracked is not None and tracked.prompt_tokens == prompt_tokens:
             tracked.request = request
             return request_id
-        preemptions = 0
         if tracked is not None:
             self.queue.remove(request_id)
-            preemptions = tracked.preemptions
         else:
             self.meter.stats.requests_entered += 1
-        return self._track(request, view.arrival_s(request), preemptions)
+        return self._track(request, view.arrival_s(request), tracked)
 
-    def _track(self, request: R, arrival_s: float | None, preemptions: int) -> RequestId:
-        """Track ``request`` and add it to the queue as waiting (arrival None: now)."""
+    def _track(self, request: R, arrival_s: float | None,
+               before: _Tracked[R] | None = None) -> RequestId:
+        """Track ``request`` and add it to the queue as waiting (arrival None: now); a
+        request tracked ``before`` (re-keyed, or rebuilt after a fault) keeps its counts
+        of preemptions, so ``max_urgent_preemptions`` bounds its whole life."""
         view = self.view
         request_id = view.request_id(request)
         arrival = self.clock() if arrival_s is None else arrival_s
         prompt_tokens = view.prompt_tokens(request)
-        self._tracked[request_id] = _Tracked(request, prompt_tokens, arrival, preemptions)
+        tracked = self._tracked[request_id] = _Tracked(request, prompt_tokens, arrival)
+        if before is not None:
+            tracked.preemptions = before.preemptions
+            tracked.urgent_preemptions = before.urgent_preemptions
         tenant = DEFAULT_TENANT if self._tenant is None else self._tenant(request)
         self.queue.add(request_id, view.chunk_keys(request), arrival, prompt_tokens,
                        view.priority(request), tenant)
