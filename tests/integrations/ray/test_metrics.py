@@ -21,11 +21,12 @@ import sys
 from feather_sched.telemetry.prometheus import PrometheusSink
 sink = PrometheusSink("test")
 if sys.argv[1] == "first":
-    sink.pass_ended(asked=3, add=2, stop=1, forced=0, deferrals=[0.02, 0.3, 200.0],
+    sink.pass_ended(asked=3, add=2, stop=1, forced=0, admitted=[("t", 0.02), ("t", 0.3),
+                    ("t", 200.0)],
                     groups=2, waiting=4, running=2)
     sink.scheduled(0.003)
 else:
-    sink.pass_ended(asked=1, add=1, stop=0, forced=0, deferrals=[0.02], groups=1,
+    sink.pass_ended(asked=1, add=1, stop=0, forced=0, admitted=[("t", 0.02)], groups=1,
                     waiting=0, running=1)
 """
 
@@ -52,6 +53,7 @@ def test_the_differ_turns_cumulative_files_into_increases_and_observations(tmp_p
         ("feather:gate_decisions", (("decision", "add"), *test)): 2.0,
         ("feather:gate_decisions", (("decision", "stop"), *test)): 1.0,
         ("feather:gate_questions", test): 3.0,
+        ("feather:tenant_admissions", (*test, ("tenant", "t"))): 3.0,
     }
     assert by_name(first.values) == {("feather:num_requests_waiting", test): 4.0,
                                      ("feather:num_requests_running", test): 2.0}
@@ -69,6 +71,7 @@ def test_the_differ_turns_cumulative_files_into_increases_and_observations(tmp_p
         ("feather:gate_decisions", (("decision", "add"), *test)): 1.0,
         ("feather:gate_questions", test): 1.0,
         ("feather:homogeneous_steps", test): 1.0,  # one group this time
+        ("feather:tenant_admissions", (*test, ("tenant", "t"))): 1.0,
     }
     observed = by_name(second.observations)
     assert observed[("feather:admission_deferral_seconds", test)] == pytest.approx([0.03])
