@@ -1,5 +1,5 @@
 """TenantShare: VTC's counters over computed tokens, the lift of a returning tenant, and
-the window of tenants the share admits."""
+the window of tenants the share admits; what a tenant id is, and which a request names."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feather_sched.core.tenants import INPUT_WEIGHT, OUTPUT_WEIGHT, TenantShare
+from feather_sched.core.tenants import (
+    INPUT_WEIGHT,
+    MAX_TENANT_CHARS,
+    OUTPUT_WEIGHT,
+    TenantShare,
+    named_tenant,
+    parse_tenant,
+)
 
 
 def test_service_is_weighted_tokens_over_the_tenants_weight() -> None:
@@ -164,3 +171,39 @@ def test_with_seats_backlogged_counters_stay_within_the_stated_gap(jobs, quantum
             share.unrun(job[0])
         backlogged = [share.service(t) for t in range(4) if t not in share._seated]
         assert max(backlogged) - min(backlogged) <= quantum + most * longest
+
+
+def test_a_tenant_id_is_a_bounded_printable_string_or_an_integer() -> None:
+    assert parse_tenant("acme corp") == "acme corp"
+    assert parse_tenant(42) == "42" and parse_tenant(-7) == "-7"
+    assert parse_tenant("x" * MAX_TENANT_CHARS) == "x" * MAX_TENANT_CHARS
+    for bad, message in [
+        ("", "a tenant has 1 to 256 characters, got 0"),
+        ("x" * (MAX_TENANT_CHARS + 1), "a tenant has 1 to 256 characters, got 257"),
+        (10 ** MAX_TENANT_CHARS, "a tenant is a string or an integer of at most 256"),
+        (True, "a tenant is a string or an integer.*got bool True"),
+        (1.5, "a tenant is a string.*got float 1.5"),
+        (["a"], "a tenant is a string.*got list"),
+        ("a\nb", "a tenant has printable characters only"),
+        (" acme", "a tenant has printable.*no whitespace at either end"),
+    ]:
+        with pytest.raises(ValueError, match=f"^where: {message}"):
+            parse_tenant(bad, "where")
+
+
+def test_the_header_wins_then_the_engine_argument_then_user() -> None:
+    assert named_tenant("gw", {"tenant": "xa"}, "u") == "gw"
+    assert named_tenant(None, {"tenant": 7, "other": 1}, "u") == "7"
+    assert named_tenant(None, {"other": 1}, "u") == "u"
+    assert named_tenant(None, {"tenant": None}, "u") == "u"
+    assert named_tenant(None, "not a mapping", "u") == "u"  # the engine refuses the body
+    assert named_tenant(None, None, None) is None
+    assert named_tenant(None, None, "") is None  # an empty user names nobody
+    # only the value chosen is checked: the gateway's word stands whatever the client sent
+    assert named_tenant("gw", {"tenant": ""}, "u" * 999) == "gw"
+    with pytest.raises(ValueError, match=r"^the x-tenant-id header: a tenant has 1"):
+        named_tenant("", None, "u")
+    with pytest.raises(ValueError, match=r"^vllm_xargs\.tenant: a tenant is a string"):
+        named_tenant(None, {"tenant": [1]}, "u")
+    with pytest.raises(ValueError, match=r"^user: a tenant has 1 to 256"):
+        named_tenant(None, None, "u" * 999)

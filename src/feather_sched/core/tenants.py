@@ -1,11 +1,16 @@
 """Fair share between tenants: a virtual service counter per tenant, a share of the
-engine's seats, and which tenants may be admitted from now.
+engine's seats, and which tenants may be admitted from now; and what a tenant id is.
 
 The counter is VTC's (Sheng et al., OSDI'24): a tenant's service is ``INPUT_WEIGHT``
 per prompt token the engine computed for it plus ``OUTPUT_WEIGHT`` per token it
 generated, over the tenant's weight (``charge``).  Only computed tokens count: a
 prefix-cache hit costs the tenant nothing, so a tenant whose requests share a prefix
 pays for it once.
+
+Tenant ids.  A request names its tenant by an engine argument (``TENANT_ARG``: vLLM's
+``SamplingParams.extra_args``), which an HTTP front fills from the ``x-tenant-id`` header,
+the body's ``vllm_xargs`` or OpenAI's ``user`` (``named_tenant``); every id, wherever it
+comes from, is checked by ``parse_tenant``.
 
 Seats.  Cheap service is not cheap seats: a request whose prompt is a cache hit costs
 its tenant a few tokens at admission, then holds one of the engine's seats for its whole
@@ -71,7 +76,14 @@ from collections.abc import Hashable, Mapping
 Tenant = Hashable
 
 DEFAULT_TENANT = "default"
-"""The tenant of a request whose engine names none."""
+"""The tenant of a request that names none."""
+MAX_TENANT_CHARS = 256
+"""The longest tenant id (a hashed e-mail address or a UUID fits)."""
+TENANT_HEADER = "x-tenant-id"
+"""The HTTP header in which a gateway names a request's tenant."""
+TENANT_ARG = "tenant"
+"""The key of a request's tenant among its engine arguments: vLLM's
+``SamplingParams.extra_args`` (an OpenAI body's ``vllm_xargs``)."""
 INPUT_WEIGHT = 1.0
 """Service per computed prompt token (VTC's ``w_p``)."""
 OUTPUT_WEIGHT = 2.0
@@ -79,6 +91,48 @@ OUTPUT_WEIGHT = 2.0
 DEFAULT_QUANTUM_TOKENS = 16384
 """How far (in weighted tokens) a tenant may get ahead of the least served one while the
 prefix order picks it: a few requests' worth, so a group's members still run together."""
+
+
+_INT_LIMIT = 10 ** (MAX_TENANT_CHARS - 1)
+"""Integers below this in size have at most ``MAX_TENANT_CHARS`` characters, sign included."""
+
+
+def parse_tenant(value: object, source: str = "tenant") -> str:
+    """A tenant id as every front takes it (the one place one is checked): a string of 1
+    to ``MAX_TENANT_CHARS`` printable characters, not beginning or ending with
+    whitespace (``"alice "`` would be a tenant apart from ``"alice"``), or an integer
+    (not a bool), as its decimal string (JSON gives numeric ids as numbers).  ValueError
+    naming ``source`` (where the value came from) otherwise.  O(length)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < _INT_LIMIT:
+        return str(value)
+    if not isinstance(value, str):
+        shown = repr(value)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise ValueError(f"{source}: a tenant is a string or an integer of at most "
+                         f"{MAX_TENANT_CHARS} characters, got {type(value).__name__} {shown}")
+    if not 0 < len(value) <= MAX_TENANT_CHARS:
+        raise ValueError(f"{source}: a tenant has 1 to {MAX_TENANT_CHARS} characters, got "
+                         f"{len(value)}")
+    if not value.isprintable() or value != value.strip():
+        raise ValueError(f"{source}: a tenant has printable characters only and no "
+                         f"whitespace at either end, got {value!r}")
+    return value
+
+
+def named_tenant(header: str | None, engine_args: object, user: object) -> str | None:
+    """The tenant an HTTP request names, parsed (``parse_tenant``): the ``x-tenant-id``
+    ``header`` (a gateway's word) wins, then ``TENANT_ARG`` of the body's
+    ``engine_args`` (vLLM's ``vllm_xargs``; where it is a mapping), then OpenAI's ``user``
+    field (where not empty); None where the request names none (``DEFAULT_TENANT``'s).
+    Only the value chosen is parsed, so a client's odd ``user`` does not fail a request
+    its gateway named.  ValueError for a bad value.  O(1) plus the parse."""
+    if header is not None:
+        return parse_tenant(header, f"the {TENANT_HEADER} header")
+    if isinstance(engine_args, Mapping) and engine_args.get(TENANT_ARG) is not None:
+        return parse_tenant(engine_args[TENANT_ARG], f"vllm_xargs.{TENANT_ARG}")
+    if user is not None and user != "":
+        return parse_tenant(user, "user")
+    return None
 
 
 class TenantShare:
