@@ -1,0 +1,126 @@
+"""Tenants through vLLM's OpenAI server: ``TenantMiddleware`` names each request's tenant
+where vLLM's engine carries it to Feather's scheduler.
+
+vLLM loads it with ``--middleware feather_sched.integrations.vllm.tenants.TenantMiddleware``
+(``feather serve`` adds the flag).  For a POST to one of ``TENANT_PATHS`` whose body is a
+JSON object, the tenant the request names (``core.named_tenant``: the ``x-tenant-id``
+header, then the body's ``vllm_xargs.tenant``, then OpenAI's ``user``) is written to the
+body's ``vllm_xargs.tenant``.  vLLM's protocol classes pass ``vllm_xargs`` on as
+``SamplingParams.extra_args`` (``to_sampling_params`` of completions, chat completions and
+responses; the Anthropic messages request through its chat request), which reach the
+engine core with the request, where ``VllmRequests.tenant`` reads it.  A bad tenant is a
+400 in vLLM's error shape, before vLLM reads the body; a body that is not a JSON object
+(or whose ``vllm_xargs`` is not one) passes untouched, for vLLM to answer; any other path
+or method is not read.  A request that names no tenant is the default tenant's.
+
+Cost: the body is read once and parsed once (``json``); it is written again only where
+the tenant it carries is not the one named (a header, a ``user``, a numeric id).  vLLM
+adds ``--middleware`` classes outermost, so this runs before its API-key check: a 400 for
+a bad tenant can come before a 401.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from feather_sched.core import TENANT_ARG, TENANT_HEADER, named_tenant
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+TENANT_MIDDLEWARE = f"{__name__}.TenantMiddleware"
+"""The import path vLLM's ``--middleware`` takes."""
+TENANT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                          "/v1/messages"})
+"""vLLM 0.32's generation endpoints whose request carries ``vllm_xargs`` to the engine."""
+_HEADER = TENANT_HEADER.encode()
+
+
+def with_tenant(body: bytes, header: str | None) -> bytes:
+    """``body`` with ``vllm_xargs.tenant`` set to the tenant the request names (the
+    ``header``'s value, else the body's own), unchanged where it already says so, names
+    none, or is not a JSON object.  ValueError for a bad tenant.  O(body)."""
+    try:
+        data = json.loads(body)
+    except ValueError:  # not JSON, not UTF-8: vLLM answers it
+        return body
+    if not isinstance(data, dict):
+        return body
+    engine_args = data.get("vllm_xargs")
+    if engine_args is not None and not isinstance(engine_args, dict):
+        return body  # vLLM refuses it
+    tenant = named_tenant(header, engine_args, data.get("user"))
+    if tenant is None or (engine_args or {}).get(TENANT_ARG) == tenant:
+        return body
+    data["vllm_xargs"] = {**(engine_args or {}), TENANT_ARG: tenant}
+    return json.dumps(data).encode()
+
+
+class TenantMiddleware:
+    """A pure ASGI middleware: see the module docstring."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        if scope["type"] != "http" or scope.get("method") != "POST" or \
+                path not in TENANT_PATHS:
+            return await self.app(scope, receive, send)
+        body = await _read_body(receive)
+        if body is None:
+            return None  # the client left while sending
+        header = next((value.decode("latin-1") for name, value in scope["headers"]
+                       if name == _HEADER), None)
+        try:
+            named = with_tenant(body, header)
+        except ValueError as error:
+            return await _bad_request(send, str(error))
+        if named is not body:
+            scope = {**scope, "headers": [
+                *((name, value) for name, value in scope["headers"]
+                  if name != b"content-length"),
+                (b"content-length", str(len(named)).encode())]}
+        return await self.app(scope, _replay(named, receive), send)
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The whole request body, or None if the client disconnected first."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives ``body`` whole, then whatever the client sends next (a
+    disconnect)."""
+    given = False
+
+    async def replayed() -> Message:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
+
+
+async def _bad_request(send: Send, message: str) -> None:
+    """A 400 as vLLM's server words one (its ``ErrorResponse``)."""
+    content = json.dumps({"error": {"message": message, "type": "BadRequestError",
+                                    "param": TENANT_ARG, "code": 400}}).encode()
+    await send({"type": "http.response.start", "status": 400,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(content)).encode())]})
+    await send({"type": "http.response.body", "body": content})
