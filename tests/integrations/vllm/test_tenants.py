@@ -15,6 +15,9 @@ def test_the_body_carries_the_tenant_named_and_is_rewritten_only_to_change_it() 
     body = json.dumps({"prompt": [1], "user": "u", "vllm_xargs": {"k": 1}}).encode()
     assert json.loads(with_tenant(body, None))["vllm_xargs"] == {"k": 1, "tenant": "u"}
     assert json.loads(with_tenant(body, "gw"))["vllm_xargs"] == {"k": 1, "tenant": "gw"}
+    for bare, header in [(b' \n{"prompt": [1], "user": "u"}', None), (b"{ }", "gw")]:
+        named = json.loads(with_tenant(bare, header))  # the key prepended to the bytes
+        assert named == {**json.loads(bare), "vllm_xargs": {"tenant": header or "u"}}
     for untouched, header in [
         (b'{"prompt": [1], "vllm_xargs": {"tenant": "a"}}', None),  # it says so already
         (b'{"prompt": [1]}', None),  # names none: the default tenant
