@@ -2,8 +2,9 @@
 
 Load with ``--scheduler-cls feather_sched.integrations.vllm.FeatherScheduler`` (server) or
 ``LLM(..., scheduler_cls=FeatherScheduler)``.  The scheduler subclass is thin (``_Hooks``):
-it forwards ``schedule``, ``update_from_output``, ``_free_request`` and ``shutdown`` to one
-component, ``VllmFeather``, which translates vLLM's types for ``FeatherRuntime``:
+it forwards ``schedule``, ``update_from_output``, ``_update_request_with_output`` (under
+fair share), ``_free_request`` and ``shutdown`` to one component, ``VllmFeather``, which
+translates vLLM's types for ``FeatherRuntime``:
 
 * ``VllmRequests``: how Feather reads a vLLM request (chunk keys from its block hashes,
   its tenant from ``SamplingParams.extra_args["tenant"]``);
