@@ -12,7 +12,7 @@ run:
 test:
 	scripts/setup.sh --vllm --sglang --ray --datasets
 	.venv/bin/ruff check src tests
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 	$(MKDOCS) build --strict --site-dir site
 
 lint:

@@ -121,8 +121,8 @@ def test_json_values_mean_what_the_documentation_says() -> None:
         ({"tenant_weights": {"a": 0}}, {}, "'tenant_weights': tenant 'a': a weight must"),
         ({"tenant_weights": {"a": True}}, {}, "'tenant_weights': tenant 'a'"),
         ({"tenant_weights": [1]}, {}, "'tenant_weights': must be a JSON object"),
-        ({"tenant_weights": {" a": 1}}, {}, "'tenant_weights': a tenant weight's name: a "
-         "tenant has printable"),
+        ({"tenant_weights": {" a": 1}}, {}, "'tenant_weights': a tenant weight's name must be a "
+         "non-empty string"),
         ({"fair_quantum_tokens": -1}, {}, "'fair_quantum_tokens': must be a non-negative"),
     ],
 )

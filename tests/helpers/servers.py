@@ -19,6 +19,10 @@ from typer.testing import CliRunner
 from feather_sched.cli import app
 
 READY_TIMEOUT_S = 240
+BOUNDED_POOL = ["--max-total-tokens", "32768"]
+"""SGLang's KV pool for a test server: on a CPU SGLang sizes it from the machine's free
+memory (13 GB here), which two servers started side by side (``pytest -n 2``) do not
+both get."""
 
 
 def wait_for(condition: Callable[[], object], what: str, timeout_s: float = 60,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,10 +37,15 @@ print(generate_latest(registry).decode())
 """
 
 
+def multiprocess_env(directory: Path) -> dict[str, str]:
+    """A child's environment: multiprocess mode in ``directory``, the same import path."""
+    return {"PROMETHEUS_MULTIPROC_DIR": str(directory), "PATH": "/usr/bin:/bin",
+            **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}}
+
+
 def test_metrics_reach_a_multiprocess_registry(tmp_path) -> None:
-    env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          env=env, check=True, cwd=Path(__file__).parents[2])
+                          env=multiprocess_env(tmp_path), check=True, cwd=Path(__file__).parents[2])
     text = done.stdout
     assert "# HELP feather:gate_decisions_total Admissions by outcome" in text
     assert 'feather:gate_decisions_total{decision="add",scheduler="test"} 3.0' in text
@@ -52,3 +58,54 @@ def test_metrics_reach_a_multiprocess_registry(tmp_path) -> None:
     assert 'feather:preempted_group_size_sum{scheduler="test"} 2.0' in text
     assert 'feather:request_preemptions_sum{scheduler="test"} 1.0' in text
     assert 'feather:request_preemptions_count{scheduler="test"} 2.0' in text
+
+
+TENANT_SCRIPT = """
+from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+from feather_sched.core.config import FeatherConfig
+from feather_sched.core.runtime import FeatherRuntime
+from feather_sched.gates.base import Decision
+from tests.core.test_runtime import TenantReq, TenantView, req
+
+config = FeatherConfig.from_sources({"gate": "always", "fairness": "tenants",
+                                     "max_tenant_labels": 2}, environ={})
+rt = FeatherRuntime(config, TenantView(), clock=lambda: 4.0, name="test")
+requests = [TenantReq(f"{tenant}{i}", req(f"{tenant}{i}", 0).keys, arrival=1.0,
+                      priority=int(tenant == "c"), tenant=tenant)
+            for tenant in "abc" for i in range(2)]
+for request in requests:
+    rt.enter_waiting(request)
+running = []
+rt.begin_pass(running)
+while (answer := rt.decide()) is not None and answer.decision is Decision.ADD:
+    running.append(rt.request(answer.request_id))
+    rt.admit(running[-1])
+rt.end_pass(1, running)
+for request in running:
+    rt.served(request.rid, computed_tokens=10, generated_tokens=1)
+urgent = TenantReq("u", req("u", 1).keys, arrival=3.0, tenant="a")
+rt.enter_waiting(urgent)
+assert rt.urgent_victim(running, urgent).tenant == "c"
+registry = CollectorRegistry()
+multiprocess.MultiProcessCollector(registry)
+print(generate_latest(registry).decode())
+"""
+
+
+def test_tenant_series_name_at_most_the_cap_and_count_urgent_preemptions(tmp_path) -> None:
+    """Six requests of three tenants, two tenant labels: the first two tenants seen are
+    named, the third is ``other``; each admission, its wait and its service land on its
+    tenant's series; an urgent preemption is counted by the victim's class."""
+    done = subprocess.run([sys.executable, "-c", TENANT_SCRIPT], capture_output=True,
+                          text=True, env=multiprocess_env(tmp_path), check=True,
+                          cwd=Path(__file__).parents[2])
+    text = done.stdout
+    for tenant in ("a", "b", "other"):
+        assert f'feather:tenant_admissions_total{{scheduler="test",tenant="{tenant}"}} 2.0' \
+            in text
+        assert ('feather:tenant_admission_deferral_seconds_sum'
+                f'{{scheduler="test",tenant="{tenant}"}} 6.0') in text
+        assert ('feather:tenant_service_tokens_total'
+                f'{{scheduler="test",tenant="{tenant}"}} 24.0') in text
+    assert 'tenant="c"' not in text
+    assert 'feather:urgent_preemptions_total{priority="1",scheduler="test"} 1.0' in text

@@ -9,14 +9,15 @@ share its arrival time).
 
 A request's priority class goes in the body's ``priority`` field (vLLM's; sent only when it
 is not 0, which vLLM accepts under any policy).  Its tenant goes in ``vllm_xargs.tenant``
-(sent only when it is not the default tenant, so a one-tenant body is what any OpenAI
-server takes): vLLM carries ``vllm_xargs`` to ``SamplingParams.extra_args``, where
-Feather's scheduler reads the tenant, on any vLLM server (``feather serve``, its Ray
-endpoint, a plain ``vllm serve --scheduler-cls``), whereas OpenAI's ``user`` field names
-the tenant only where a front maps it (``feather serve`` and its Ray endpoint do).  The
-prompt tokens the server computed for a request are its prompt less the cached tokens
-its usage reports (``RequestRecord.prefill_cached``).  A server reports no preemptions per
-request; ``server_preemptions`` reads the run's total from vLLM's ``/metrics``.
+(SGLang's ``/generate``: ``sampling_params.custom_params.tenant``; sent only when it is not
+the default tenant, so a one-tenant body is what any server takes): vLLM carries
+``vllm_xargs`` to ``SamplingParams.extra_args``, where Feather's scheduler reads the
+tenant, on any vLLM server (``feather serve``, its Ray endpoint, a plain ``vllm serve
+--scheduler-cls``), whereas OpenAI's ``user`` field names the tenant only where a front
+maps it (``feather serve`` and its Ray endpoint do).  The prompt tokens the server
+computed for a request are its prompt less the cached tokens its usage reports
+(``RequestRecord.prefill_cached``).  A server reports no preemptions per request;
+``server_preemptions`` reads the run's total from vLLM's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -177,8 +178,7 @@ def _payload(spec: RequestSpec, model: str) -> dict[str, Any]:
     default one (module docstring)."""
     return {
         **({"priority": spec.priority} if spec.priority else {}),
-        **({"vllm_xargs": {TENANT_ARG: spec.tenant}} if spec.tenant != DEFAULT_TENANT
-           else {}),
+        **_tenant_arg("vllm_xargs", spec),
         "model": model,
         "prompt": spec.prompt.tolist(),
         "max_tokens": spec.output_len,
@@ -191,14 +191,22 @@ def _payload(spec: RequestSpec, model: str) -> dict[str, Any]:
 
 
 def _generate_payload(spec: RequestSpec, model: str) -> dict[str, Any]:
-    """The same request for SGLang's native ``/generate`` (token ids in, token ids out)."""
+    """The same request for SGLang's native ``/generate`` (token ids in, token ids out),
+    its tenant in the sampling parameters' ``custom_params`` unless it is the default
+    one (where SGLang carries it to Feather's scheduler)."""
     return {
         "input_ids": spec.prompt.tolist(),
         # ignore_eos fixes the length; SGLang refuses min_new_tokens without a tokenizer.
         "sampling_params": {"max_new_tokens": spec.output_len, "ignore_eos": True,
-                            "temperature": 0},
+                            "temperature": 0, **_tenant_arg("custom_params", spec)},
         "stream": True,
     }
+
+
+def _tenant_arg(field: str, spec: RequestSpec) -> dict[str, Any]:
+    """``{field: {"tenant": ...}}`` for a request of a tenant other than the default one,
+    else nothing (a one-tenant body stays what any server takes)."""
+    return {field: {TENANT_ARG: spec.tenant}} if spec.tenant != DEFAULT_TENANT else {}
 
 
 async def _send(

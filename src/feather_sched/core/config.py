@@ -159,6 +159,10 @@ class FeatherConfig:
     under ``auto`` the break-even the self-check measured; under ``on`` the kernel's
     default for the engine's KV layout, ``attention.cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT``:
     256 tokens over vLLM's ``vec`` CPU layout, 8192 over ``amx``)."""
+    max_tenant_labels: int = 32
+    """Tenants named on the ``feather:tenant_*`` series of ``/metrics``: the first this many
+    a scheduler process sees; every later one is labelled ``other``, so an unbounded set
+    of tenants cannot multiply Prometheus's series."""
     max_faults: int = 8
     """Faults of Feather's own code in a row (no clean scheduling pass between them) that
     turn Feather off for the engine, which keeps its own order from then on."""
@@ -464,6 +468,7 @@ VALIDATORS: dict[str, Callable[[Any], Any]] = {
     "step_log": _optional_path,
     "shared_prefix_attention": _shared_prefix_mode,
     "shared_prefix_min_tokens": _optional_positive_integer,
+    "max_tenant_labels": _positive_integer,
     "max_faults": _positive_integer,
     "save_every_s": _positive_seconds,
 }

@@ -177,7 +177,8 @@ class FeatherRuntime(Generic[R]):
                                state_file=config.state_file,
                                gate=gate if isinstance(gate, Persistent) else None,
                                admissions=self.counts, save_every_s=config.save_every_s,
-                               sink=metrics.PrometheusSink(name) if metrics.enabled() else None)
+                               sink=metrics.PrometheusSink(name, config.max_tenant_labels)
+                               if metrics.enabled() else None)
         self.faults = FaultGuard(name, config.max_faults, self.meter)
         self._tracked: dict[RequestId, _Tracked[R]] = {}
         self._taken: list[_Taken] = []
@@ -289,7 +290,10 @@ class FeatherRuntime(Generic[R]):
         (call it before ``discard``).  O(1)."""
         share = self.queue.share
         if share is not None and request_id in self._tracked:
-            share.charge(self.queue.tenant(request_id), computed_tokens, generated_tokens)
+            tenant = self.queue.tenant(request_id)
+            service = share.charge(tenant, computed_tokens, generated_tokens)
+            if self.meter.sink is not None:
+                self.meter.sink.served(tenant, service)
 
     def is_running(self, request_id: RequestId) -> bool:
         """Whether Feather has the request in its running set."""
@@ -414,6 +418,7 @@ class FeatherRuntime(Generic[R]):
         known = tracked.get(view.request_id(victim))
         if known is not None:
             known.urgent_preemptions += 1
+        self.meter.urgent_preempted(view.priority(victim))
         return victim
 
     def age_key(self, request: R) -> tuple[int, float, float]:
@@ -565,7 +570,8 @@ class FeatherRuntime(Generic[R]):
             now = self.clock()
             self.meter.sink.pass_ended(
                 asked=len(self._taken), add=len(admitted) - forced, stop=stops, forced=forced,
-                deferrals=[now - self.queue.arrival_s(r) for r in admitted],
+                admitted=[(self.queue.tenant(r), now - self.queue.arrival_s(r))
+                          for r in admitted],
                 groups=len({self.group(r) for r in running}), waiting=stats.waiting,
                 running=stats.running)
         self._taken.clear()

@@ -7,10 +7,10 @@ generated, over the tenant's weight (``charge``).  Only computed tokens count: a
 prefix-cache hit costs the tenant nothing, so a tenant whose requests share a prefix
 pays for it once.
 
-Tenant ids.  A request names its tenant by an engine argument (``TENANT_ARG``: vLLM's
-``SamplingParams.extra_args``), which an HTTP front fills from the ``x-tenant-id`` header,
-the body's ``vllm_xargs`` or OpenAI's ``user`` (``named_tenant``); every id, wherever it
-comes from, is checked by ``parse_tenant``.
+Tenant ids.  A request names its tenant by an engine argument (``TENANT_ARG`` of vLLM's
+``SamplingParams.extra_args``, of SGLang's ``custom_params``), which an HTTP front fills
+from the ``x-tenant-id`` header, the body's own or OpenAI's ``user`` (``named_tenant``);
+every id, wherever it comes from, is checked by ``parse_tenant``.
 
 Seats.  Cheap service is not cheap seats: a request whose prompt is a cache hit costs
 its tenant a few tokens at admission, then holds one of the engine's seats for its whole
@@ -93,30 +93,36 @@ DEFAULT_QUANTUM_TOKENS = 16384
 prefix order picks it: a few requests' worth, so a group's members still run together."""
 
 
+def service_of(computed_tokens: int, output_tokens: int) -> float:
+    """VTC's service for ``computed_tokens`` prompt tokens computed and ``output_tokens``
+    generated, before any weight."""
+    return INPUT_WEIGHT * computed_tokens + OUTPUT_WEIGHT * output_tokens
+
+
 _INT_LIMIT = 10 ** (MAX_TENANT_CHARS - 1)
 """Integers below this in size have at most ``MAX_TENANT_CHARS`` characters, sign included."""
 
 
 def parse_tenant(value: object, source: str = "tenant") -> str:
-    """A tenant id as every front takes it (the one place one is checked): a string of 1
-    to ``MAX_TENANT_CHARS`` printable characters, not beginning or ending with
-    whitespace (``"alice "`` would be a tenant apart from ``"alice"``), or an integer
-    (not a bool), as its decimal string (JSON gives numeric ids as numbers).  ValueError
-    naming ``source`` (where the value came from) otherwise.  O(length)."""
+    """A request's tenant from the raw value its engine or HTTP front carries (the one
+    place a tenant id is checked): a string of 1 to ``MAX_TENANT_CHARS`` printable
+    characters as given, not beginning or ending with whitespace (``"alice "`` would be
+    a tenant apart from ``"alice"``); an integer (not a bool) as its decimal string (so
+    ``7`` and ``"7"`` are one tenant: JSON gives numeric ids as numbers); None as
+    ``DEFAULT_TENANT``.  ValueError naming ``source`` (where the value came from) and
+    saying what was given otherwise.  O(length)."""
+    if value is None:
+        return DEFAULT_TENANT
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) < _INT_LIMIT:
         return str(value)
-    if not isinstance(value, str):
-        shown = repr(value)
-        shown = shown if len(shown) <= 40 else shown[:37] + "..."
-        raise ValueError(f"{source}: a tenant is a string or an integer of at most "
-                         f"{MAX_TENANT_CHARS} characters, got {type(value).__name__} {shown}")
-    if not 0 < len(value) <= MAX_TENANT_CHARS:
-        raise ValueError(f"{source}: a tenant has 1 to {MAX_TENANT_CHARS} characters, got "
-                         f"{len(value)}")
-    if not value.isprintable() or value != value.strip():
-        raise ValueError(f"{source}: a tenant has printable characters only and no "
-                         f"whitespace at either end, got {value!r}")
-    return value
+    if isinstance(value, str) and 0 < len(value) <= MAX_TENANT_CHARS and \
+            value.isprintable() and value == value.strip():
+        return value
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise ValueError(f"{source} must be a non-empty string of at most {MAX_TENANT_CHARS} "
+                     "printable characters, no whitespace at either end, or an integer; "
+                     f"got {type(value).__name__} {shown}")
 
 
 def named_tenant(header: str | None, engine_args: object, user: object) -> str | None:
@@ -170,11 +176,13 @@ class TenantShare:
     def weight(self, tenant: Tenant) -> float:
         return self.weights.get(tenant, 1.0)
 
-    def charge(self, tenant: Tenant, computed_tokens: int, output_tokens: int) -> None:
+    def charge(self, tenant: Tenant, computed_tokens: int, output_tokens: int) -> float:
         """The engine computed ``computed_tokens`` prompt tokens (recomputation included,
-        cache hits not) and generated ``output_tokens`` tokens for the tenant."""
-        cost = INPUT_WEIGHT * computed_tokens + OUTPUT_WEIGHT * output_tokens
+        cache hits not) and generated ``output_tokens`` tokens for the tenant; returns
+        the service that is (``service_of``), before the tenant's weight."""
+        cost = service_of(computed_tokens, output_tokens)
         self._service[tenant] = self.service(tenant) + cost / self.weight(tenant)
+        return cost
 
     # ---- backlog and seats ------------------------------------------------------------
 

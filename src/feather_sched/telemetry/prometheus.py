@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -25,7 +25,8 @@ DEFERRAL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
 SCHEDULE_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 PREEMPTION_BUCKETS = (0.5, 1, 2, 3, 4, 6, 8, 16)
 """Positive bounds (Ray's metrics relay refuses 0); le=0.5 counts the never preempted."""
-
+OTHER_TENANTS = "other"
+"""The tenant label of every tenant past ``max_tenant_labels``."""
 
 
 def enabled() -> bool:
@@ -46,7 +47,11 @@ class _Metrics:
     preemptions: Counter
     request_preemptions: Histogram
     preempted_group: Histogram
+    urgent_preemptions: Counter
     faults: Counter
+    tenant_admissions: Counter
+    tenant_deferral: Histogram
+    tenant_service: Counter
 
 
 @functools.cache
@@ -81,17 +86,54 @@ def _registered() -> _Metrics:
                                   "victim's prefix group (itself included) at each "
                                   "preemption: 1 is a singleton or minority request.", labels,
                                   buckets=GROUP_BUCKETS),
+        urgent_preemptions=Counter("feather:urgent_preemptions", "Running requests "
+                                   "preempted for a waiting request of a more urgent class "
+                                   "(each request at most max_urgent_preemptions times), by "
+                                   "the victim's priority class.", [*labels, "priority"]),
         faults=Counter("feather:faults", "Exceptions in Feather's own code, each contained by "
                        "its scheduling pass falling back to the engine's own order, by where "
                        "they arose.", [*labels, "where"]),
+        tenant_admissions=Counter("feather:tenant_admissions", "Requests admitted, by "
+                                  "tenant (past max_tenant_labels tenants: 'other').",
+                                  [*labels, "tenant"]),
+        tenant_deferral=Histogram("feather:tenant_admission_deferral_seconds", "Time from a "
+                                  "request's arrival to its admission, by tenant.",
+                                  [*labels, "tenant"], buckets=DEFERRAL_BUCKETS),
+        tenant_service=Counter("feather:tenant_service_tokens", "Service each tenant "
+                               "received under fair share: 1 per prompt token computed "
+                               "(cache hits free), 2 per token generated, before its "
+                               "weight.", [*labels, "tenant"]),
     )
 
 
-class PrometheusSink:
-    """One scheduler's metrics (label ``scheduler``)."""
+class TenantLabels:
+    """The label value of each tenant, with a cap on how many there are: the first
+    ``limit`` tenants seen keep their name, every later one is ``OTHER_TENANTS``, so an
+    unbounded set of tenants adds at most ``limit + 1`` values to a series (per process:
+    each scheduler process labels the tenants it saw first).  O(1) a call."""
 
-    def __init__(self, scheduler: str) -> None:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._named: dict[Hashable, str] = {}
+
+    def __call__(self, tenant: Hashable) -> str:
+        label = self._named.get(tenant)
+        if label is not None:
+            return label
+        if len(self._named) >= self.limit:
+            return OTHER_TENANTS
+        label = self._named[tenant] = str(tenant)
+        return label
+
+
+class PrometheusSink:
+    """One scheduler's metrics (label ``scheduler``; ``tenant`` on the per-tenant series,
+    at most ``max_tenant_labels`` names and ``OTHER_TENANTS``)."""
+
+    def __init__(self, scheduler: str, max_tenant_labels: int = 32) -> None:
         metrics = _registered()
+        self._metrics = metrics
+        self._tenant = TenantLabels(max_tenant_labels)
         self._decisions = {d: metrics.decisions.labels(scheduler, d)
                            for d in ("add", "stop", "forced")}
         self._questions = metrics.questions.labels(scheduler)
@@ -108,16 +150,22 @@ class PrometheusSink:
         self._faults = metrics.faults
 
     def pass_ended(self, *, asked: int, add: int, stop: int, forced: int,
-                   deferrals: Iterable[float], groups: int, waiting: int,
+                   admitted: Iterable[tuple[Hashable, float]], groups: int, waiting: int,
                    running: int) -> None:
-        """One scheduling pass: its decisions, its admissions' waits, the batch it left."""
+        """One scheduling pass: its decisions, its admissions (each its tenant and how
+        long it waited), the batch it left."""
         for decision, count in (("add", add), ("stop", stop), ("forced", forced)):
             if count:
                 self._decisions[decision].inc(count)
         if asked:
             self._questions.inc(asked)
-        for seconds in deferrals:
-            self._deferral.observe(max(0.0, seconds))
+        metrics = self._metrics
+        for tenant, seconds in admitted:
+            seconds = max(0.0, seconds)
+            self._deferral.observe(seconds)
+            label = self._tenant(tenant)
+            metrics.tenant_admissions.labels(self._scheduler, label).inc()
+            metrics.tenant_deferral.labels(self._scheduler, label).observe(seconds)
         if groups:
             self._groups.observe(groups)
             if groups == 1:
@@ -133,6 +181,16 @@ class PrometheusSink:
         self._preemptions.labels(self._scheduler, str(priority)).inc()
         if group_size is not None:
             self._preempted_group.observe(group_size)
+
+    def urgent_preempted(self, priority: int) -> None:
+        """One preemption for a more urgent waiting request: the victim's class."""
+        self._metrics.urgent_preemptions.labels(self._scheduler, str(priority)).inc()
+
+    def served(self, tenant: Hashable, service: float) -> None:
+        """The tenant received ``service`` (weighted tokens, before its weight)."""
+        if service:
+            self._metrics.tenant_service.labels(self._scheduler, self._tenant(tenant)) \
+                .inc(service)
 
     def fault(self, where: str) -> None:
         """A fault of Feather's own code in ``where`` (``runtime.FaultGuard``)."""

@@ -69,6 +69,8 @@ class SchedulerStats:
     max_request_preemptions: int = 0
     """Preemptions (KV room taken back from a running request), and the most any one
     request suffered."""
+    urgent_preemptions: int = 0
+    """Of those, the ones for a waiting request of a more urgent class."""
     faults: int = 0
     """Exceptions in Feather's own code, each contained by its scheduling pass falling
     back to the engine's own order (``runtime.FaultGuard``)."""
@@ -151,6 +153,13 @@ class StepMeter:
                                             request_preemptions)
         if self.sink is not None:
             self.sink.preempted(priority, group_size)
+
+    def urgent_preempted(self, priority: int) -> None:
+        """A running request of class ``priority`` is preempted for a more urgent waiting
+        request (counted here; ``preempted`` counts it as a preemption too)."""
+        self.stats.urgent_preemptions += 1
+        if self.sink is not None:
+            self.sink.urgent_preempted(priority)
 
     def save(self) -> None:
         """Write the stats file and the gate's table (those configured); never raises."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from feather_sched.bench.cht.sglang_policy import sglang_installed
-from tests.helpers.servers import serving
+from tests.helpers.servers import BOUNDED_POOL, serving
 
 if not sglang_installed():
     pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)", allow_module_level=True)
@@ -102,7 +102,7 @@ def run_server(tmp_path: Path, model: Path, mode: str) -> tuple[list[list[int]],
                "--device", "cpu", "--skip-tokenizer-init", "--dtype", "float32",
                "--attention-backend", "torch_native", "--schedule-policy", "feather",
                "--feather-options", options, "--chunked-prefill-size", "256",
-               "--random-seed", "0"]
+               "--random-seed", "0", *BOUNDED_POOL]
     sitecustomize = tmp_path / "site"
     sitecustomize.mkdir(exist_ok=True)
     (sitecustomize / "sitecustomize.py").write_text(PROBE)

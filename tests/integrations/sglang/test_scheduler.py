@@ -122,13 +122,14 @@ class Engine:
     ``priority``, ``low_first``: SGLang's ``--enable-priority-scheduling`` (with its
     preemption) and ``--schedule-low-priority-values-first``; ``max_queued``:
     ``--max-queued-requests``; ``kv``: running requests hold KV rows (a real
-    ``ReqToTokenPool`` and ``RadixCache``), as priority preemption needs.
+    ``ReqToTokenPool`` and ``RadixCache``), as priority preemption needs; ``fairness``:
+    Feather's option.
     """
 
     def __init__(self, gate: str = "chunk-loss", gate_options: dict | None = None,
                  feather: bool = True, pool_tokens: int = 1 << 16, *, priority: bool = False,
                  low_first: bool = False, max_queued: int | None = None,
-                 kv: bool = False) -> None:
+                 kv: bool = False, fairness: str = "off") -> None:
         self.allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", None, False)
         self.kv = kv
         if kv:
@@ -147,9 +148,11 @@ class Engine:
             strict = gate_options is STRICT  # to see STOP alone: no fairness bound
             bounds = {"max_overtakes": None, "max_stops": None} if strict else {}
             config = FeatherConfig(gate=gate, gate_options=gate_options or {},
-                                   chunk_tokens=CHUNK, min_passing_tokens=PREFIX, **bounds)
+                                   chunk_tokens=CHUNK, min_passing_tokens=PREFIX,
+                                   fairness=fairness, **bounds)
             self.feather = FeatherSGLang(config, priority_scheduling=priority,
-                                         low_priority_values_first=low_first)
+                                         low_priority_values_first=low_first,
+                                         priority_preemption=priority)
             self.policy = FeatherSchedulePolicy(
                 self.feather, self.tree_cache, False, priority, low_first,
                 chunked_req=lambda: None)
@@ -540,12 +543,11 @@ def _full_batch_of_a(gate: str, options: dict | None = None) -> Engine:
     return engine
 
 
-def test_sglangs_priority_preemption_leaves_feathers_picture_exact() -> None:
-    """SGLang's ``PrefillAdder.preempt_to_schedule`` releases, for the urgent request, the
-    victim of its own rule, the least urgent class's latest entry (A1, not the latest
-    arrival A2; with one group running, Feather's rule names it too); A1 waits again in
-    both pictures and, as its group still runs and it arrived first, comes before A3 in
-    Feather's order."""
+def test_priority_preemption_leaves_feathers_picture_exact() -> None:
+    """Priority preemption (``PrefillAdder.preempt_to_schedule``) releases, for the urgent
+    request, Feather's urgent victim, the newest member of the least urgent class's
+    youngest group (A1, not the more urgent A2); A1 waits again in both pictures and, as
+    its group still runs and it arrived first, comes before A3 in Feather's order."""
     engine = _full_batch_of_a("always")
     runtime = engine.feather.runtime
     assert runtime.preemption_victim(engine.running).rid == "A1"
@@ -570,6 +572,85 @@ def test_no_priority_preemption_for_a_request_feather_stops() -> None:
     assert engine.feather.runtime.counts.stop == 1
 
 
+def _running_a0_b0_a1(pool_tokens: int = 1 << 16) -> Engine:
+    """A0, B0 and A1 (priority 0, in that order) hold KV in SGLang's running batch."""
+    engine = Engine(gate="always", priority=True, kv=True, pool_tokens=pool_tokens)
+    engine.arrive(_req("A", 0, priority=0), _req("B", 0, priority=0), _req("A", 1, priority=0))
+    assert len(engine.admission_round()) == 3
+    return engine
+
+
+def _by_rid(reqs: list[Req], rid: str) -> Req:
+    return next(req for req in reqs if req.rid == rid)
+
+
+def test_an_urgent_request_preempts_feathers_victim_for_a_seat_once() -> None:
+    """Every seat taken, an urgent request preempts Feather's victim through SGLang's own
+    release: B0, the newest member of the youngest group (SGLang's own rule would take
+    the latest entry, A1).  B0 gives its KV back, waits again and runs again; then it has
+    been preempted ``max_urgent_preemptions`` (1) times, and the next urgent request
+    takes A1 instead."""
+    engine = _running_a0_b0_a1()
+    engine.arrive(_req("C", 0, priority=20))
+    assert [r.rid for r in engine.admission_round(seats=3)] == ["C0"]
+    b0 = _by_rid(engine.waiting, "B0")
+    assert not b0.kv.holds_kv and {r.rid for r in engine.running} == {"A0", "A1", "C0"}
+    runtime = engine.feather.runtime
+    assert runtime.queue.state("B0") is QueueState.WAITING
+    assert runtime.meter.stats.preemptions == 1
+
+    engine.finish(_by_rid(engine.running, "C0"))
+    engine.batch.filter_batch()  # SGLang drops finished requests from the running batch
+    assert [r.rid for r in engine.admission_round(seats=3)] == ["B0"]
+    assert runtime.preemption_victim(engine.running).rid == "B0"  # the bound spares it
+    engine.arrive(_req("C", 1, priority=20))
+    assert [r.rid for r in engine.admission_round(seats=3)] == ["C1"]
+    assert [r.rid for r in engine.waiting] == ["A1"]
+    assert runtime.meter.stats.preemptions == 2 and runtime.meter.stats.max_request_preemptions == 1
+
+
+def test_sglangs_own_victim_while_feather_is_out_of_the_round(monkeypatch,
+                                                               contained_faults) -> None:
+    """A fault as the round starts hands it to SGLang: its own priority preemption takes
+    its own victim (the latest entry, A1), and nothing is lost."""
+    engine = _running_a0_b0_a1()
+    monkeypatch.setattr(engine.feather.runtime, "begin_pass", lambda *args: 1 / 0)
+    engine.arrive(_req("C", 0, priority=20))
+    assert [r.rid for r in engine.admission_round(seats=3)] == ["C0"]
+    assert [r.rid for r in engine.waiting] == ["A1"] and not engine.waiting[0].kv.holds_kv
+    assert [where for where, _ in contained_faults] == ["begin_pass"]
+
+
+@pytest.mark.parametrize("priority", [0, 5])
+def test_no_preemption_within_a_class_or_sglangs_threshold(priority) -> None:
+    """A request of the running requests' class, or more urgent by no more than SGLang's
+    ``--priority-scheduling-preemption-threshold`` (10), waits for a seat."""
+    engine = _running_a0_b0_a1()
+    engine.arrive(_req("C", 0, priority=priority))
+    assert engine.admission_round(seats=3) == []
+    assert all(req.kv.holds_kv for req in engine.running) and len(engine.running) == 3
+    assert engine.feather.runtime.meter.stats.preemptions == 0
+
+
+def test_an_urgent_request_without_kv_room_preempts_until_it_fits() -> None:
+    """Seats to spare but no KV room: SGLang's own admission refuses the urgent request
+    (``AddReqResult.NO_TOKEN``, where SGLang would not preempt); Feather's victim goes,
+    and SGLang's admission, tried again, takes it.  A request that would not fit with
+    every running request preempted preempts none."""
+    engine = _running_a0_b0_a1(pool_tokens=256)
+    urgent = _req("C", 0, priority=20)
+    engine.arrive(urgent)
+    assert [r.rid for r in engine.admission_round()] == ["C0"]
+    assert [r.rid for r in engine.waiting] == ["B0"] and urgent.kv.holds_kv
+
+    huge = Req("huge", "", array("q", range(9000, 9000 + 1000)),
+               SamplingParams(max_new_tokens=8), priority=20)
+    engine.arrive(huge)
+    assert engine.admission_round() == []
+    assert {r.rid for r in engine.running} == {"A0", "A1", "C0"}
+    assert engine.feather.runtime.meter.stats.preemptions == 1
+
+
 def test_queue_limit_aborts_the_least_urgent_waiting_request() -> None:
     """With ``--max-queued-requests`` full, SGLang aborts the latest least urgent waiting
     request for a more urgent arrival; Feather forgets it and admits the urgent one first."""
@@ -591,6 +672,34 @@ def test_hooks_install_feather_under_priority_scheduling(monkeypatch) -> None:
     assert scheduler.policy.enable_priority_scheduling
     view = scheduler.feather.runtime.view
     assert view.priority(_req("A", 0, priority=3)) < view.priority(_req("A", 1, priority=4))
+
+
+# ---- tenants ----------------------------------------------------------------------------
+
+
+def test_the_tenant_is_custom_params_and_a_bad_one_is_refused_as_sglang_refuses() -> None:
+    """Under fair share a request's tenant is its ``SamplingParams.custom_params["tenant"]``
+    (an integer as its string, none the default tenant); an invalid one aborts the
+    request as it enters SGLang's queue, with SGLang's own bad-request abort saying why,
+    and it is still admitted once, to finish."""
+    engine = Engine(gate="always", fairness="tenants")
+    named = [(7, "7"), ("team-a", "team-a"), (None, "default"), (["x"], "default")]
+    reqs = [Req(f"R{i}", "", _prompt("A", i),
+                SamplingParams(max_new_tokens=8, custom_params=None if raw is None else
+                               {"tenant": raw, "other": 1}))
+            for i, (raw, _) in enumerate(named)]
+    from sglang.srt.runtime_context import get_parallel
+
+    with get_parallel().override(tp_rank=0):  # a scheduler process's (its abort logs on 0)
+        engine.arrive(*reqs)
+    queue = engine.feather.runtime.queue
+    assert [queue.tenant(req.rid) for req in reqs] == [tenant for _, tenant in named]
+    assert [req.to_finish is None for req in reqs] == [True, True, True, False]
+    assert reqs[3].to_finish.message.startswith("Invalid request: tenant must be a non-empty")
+    assert reqs[3].to_finish.status_code == 400
+    assert [r.rid for r in engine.admission_round()] == ["R0", "R1", "R2", "R3"]
+    engine.feather.runtime.served("R1", 10, 1)  # what a step counts (the server: served)
+    assert queue.share.service("team-a") == 10 + 2 * 1
 
 
 # ---- faults of Feather's own code -------------------------------------------------------

@@ -15,7 +15,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from feather_sched.core.cht import ChunkedHashTree  # noqa: E402
-from feather_sched.core.tenants import INPUT_WEIGHT, OUTPUT_WEIGHT  # noqa: E402
+from feather_sched.core.tenants import service_of  # noqa: E402
 from feather_sched.integrations.vllm.scheduler import (  # noqa: E402
     FeatherScheduler,
     FeatherSyncScheduler,
@@ -216,8 +216,8 @@ def test_fair_share_seats_a_second_tenant_before_a_flood_drains_and_counts_its_w
     charge = share.charge
 
     def spying_charge(tenant, computed_tokens, output_tokens):
-        charged[tenant] += INPUT_WEIGHT * computed_tokens + OUTPUT_WEIGHT * output_tokens
-        charge(tenant, computed_tokens, output_tokens)
+        charged[tenant] += service_of(computed_tokens, output_tokens)
+        return charge(tenant, computed_tokens, output_tokens)
 
     share.charge = spying_charge
     rng = np.random.default_rng(3)
@@ -239,9 +239,8 @@ def test_fair_share_seats_a_second_tenant_before_a_flood_drains_and_counts_its_w
     assert scheduler.preemptions == 0 and len(finished) == len(prompts)
     done: Counter[str] = Counter()
     for out in finished:
-        done[out.request_id.rstrip("0123456789")] += \
-            INPUT_WEIGHT * (len(out.prompt_token_ids) - out.num_cached_tokens) + \
-            OUTPUT_WEIGHT * len(out.outputs[0].token_ids)
+        done[out.request_id.rstrip("0123456789")] += service_of(
+            len(out.prompt_token_ids) - out.num_cached_tokens, len(out.outputs[0].token_ids))
     assert charged == done
     assert sum(o.num_cached_tokens for o in finished) >= 8 * 4 * BLOCK  # the flood's hits
     assert all(share.service(tenant) >= done[tenant] for tenant in done)  # lifts add

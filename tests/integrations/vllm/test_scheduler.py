@@ -899,7 +899,7 @@ class ServiceLedger:
         def spying_charge(tenant, computed_tokens, output_tokens):
             self.charged[tenant, "computed"] += computed_tokens
             self.charged[tenant, "generated"] += output_tokens
-            charge(tenant, computed_tokens, output_tokens)
+            return charge(tenant, computed_tokens, output_tokens)
 
         share.charge = spying_charge
         schedule = harness.scheduler.schedule

@@ -16,22 +16,28 @@ registered hooks.  The selection travels to the children as ``FEATHER_SGLANG=1``
 The same import points SGLang's ``torch_native`` and ``intel_amx`` attention factories at
 Feather's (``attention.register``), which build SGLang's own backend unless the option
 ``shared_prefix_attention`` turns the shared-prefix decode on (also under SGLang's own
-policies, with ``FEATHER_SHARED_PREFIX_ATTENTION=on``).
+policies, with ``FEATHER_SHARED_PREFIX_ATTENTION=on``).  With Feather selected, the
+launcher adds ``tenant_front.TenantMiddleware`` to SGLang's HTTP app (``x-tenant-id`` and
+OpenAI's ``user`` become the request's tenant) when one HTTP process serves it: with
+``--tokenizer-worker-num`` above 1 each worker re-imports SGLang's app, and a tenant is
+named in the body's ``custom_params`` only.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from collections.abc import MutableMapping, Sequence
 
-from feather_sched.integrations.sglang import attention
+from feather_sched.integrations.sglang import attention, tenant_front
 from feather_sched.integrations.sglang.scheduler import (
     BASE_POLICY,
     ENV_ENABLE,
     ENV_OPTIONS,
     POLICY_NAME,
+    feather_enabled,
     feather_options,
     register,
 )
@@ -122,10 +128,26 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     load_plugins()
     server_args = prepare_server_args(sglang_argv)
+    if feather_enabled():
+        serve_tenants(server_args.tokenizer_worker_num)
     try:
         run_server(server_args)
     finally:
         kill_process_tree(os.getpid(), include_parent=False)
+
+
+def serve_tenants(http_workers: int) -> None:
+    """Map ``x-tenant-id`` and ``user`` at SGLang's HTTP front (``tenant_front``), which
+    this process serves when it is the only HTTP worker; else say why not."""
+    if http_workers > 1:
+        logging.getLogger("sglang.feather_sched").warning(
+            "Feather: with --tokenizer-worker-num %d the x-tenant-id header and OpenAI's "
+            "user field do not name a request's tenant (each HTTP worker re-imports "
+            "SGLang's app); name it in custom_params", http_workers)
+        return
+    from sglang.srt.entrypoints import http_server
+
+    tenant_front.install(http_server.app)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,13 @@ then each scheduler gets a ``FeatherSGLang`` translating SGLang for ``FeatherRun
 
 * ``FeatherSGLang``: a round (``get_new_batch_prefill``) is one pass, rewarded with the
   next decode step (keyed by ``batch.forward_iter``); the running batch in Feather's order;
+  each step's computed and generated tokens counted as its requests' tenants' service;
+* ``SGLangRequests``: the view of SGLang's ``Req`` (priority class, ``custom_params``'
+  tenant);
 * ``FeatherSchedulePolicy``: SGLang's ``fcfs`` with the waiting queue in Feather's order;
 * ``FeatherPrefillAdder``: asks Feather about each request SGLang offers (STOP ends the
-  round);
+  round); SGLang's priority preemption takes Feather's urgent victim, also for a request
+  short of KV room;
 * ``HOOKS``: what each hook wraps; ``_unsupported``: the modes refused at start-up.
 
 Invariant: a fault in Feather's code never reaches SGLang (``runtime.FaultGuard``): SGLang's
@@ -36,6 +40,7 @@ from feather_sched.core import (
     FeatherConfigError,
     FeatherRuntime,
     is_true,
+    parse_tenant,
     token_chunk_keys,
 )
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
@@ -45,6 +50,7 @@ prepare_sglang_import()  # before the first SGLang import (see stand_ins)
 
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
 from sglang.srt.managers.schedule_policy import (  # noqa: E402
+    CLIP_MAX_NEW_TOKENS,
     AddReqResult,
     PrefillAdder,
     SchedulePolicy,
@@ -74,9 +80,14 @@ def feather_options(environ: Mapping[str, str] = os.environ, *, dp_rank: int = 0
                                       source=ENV_OPTIONS)
 
 
+TENANT_PARAM = "tenant"
+"""The key of a request's tenant in its sampling params' ``custom_params``."""
+
+
 class SGLangRequests:
     """``RequestView`` of SGLang's ``Req``: chunk keys from ``origin_input_ids``, priority
-    classes from ``Req.priority`` as the scheduler's settings rank it."""
+    classes from ``Req.priority`` as the scheduler's settings rank it, the tenant from
+    ``custom_params``."""
 
     def __init__(self, chunk_tokens: int, *, priority_scheduling: bool = False,
                  low_priority_values_first: bool = False) -> None:
@@ -114,6 +125,31 @@ class SGLangRequests:
             return sys.maxsize
         return value if self.low_priority_values_first else ~value
 
+    def tenant(self, req: Req) -> Hashable:
+        """``custom_params["tenant"]`` of the request's ``SamplingParams`` (``parse_tenant``),
+        the one field SGLang carries from every front to the scheduler's ``Req``: native
+        ``/generate``'s ``sampling_params``, the OpenAI endpoints' ``custom_params``, the
+        Python ``Engine``'s sampling params; the launcher fills it from the ``x-tenant-id``
+        header or OpenAI's ``user`` (``tenant_front``).  A value ``tenant_error`` refuses
+        reads as the default tenant: its request was aborted as it entered the queue."""
+        try:
+            return parse_tenant(self._raw_tenant(req))
+        except ValueError:
+            return parse_tenant(None)
+
+    def tenant_error(self, req: Req) -> str | None:
+        """Why the request's tenant is invalid, or None."""
+        try:
+            parse_tenant(self._raw_tenant(req))
+        except ValueError as error:
+            return str(error)
+        return None
+
+    @staticmethod
+    def _raw_tenant(req: Req) -> object:
+        params = req.sampling_params.custom_params
+        return params.get(TENANT_PARAM) if isinstance(params, dict) else None
+
 
 def is_decode_step(batch: ScheduleBatch) -> bool:
     """A batch that decodes the running requests (mixed chunked prefill included)."""
@@ -127,18 +163,23 @@ class FeatherSGLang:
     def __init__(self, config: FeatherConfig | None = None, *,
                  seats: int | None = None, kv_tokens: int | None = None,
                  engine: EngineShape | None = None, priority_scheduling: bool = False,
-                 low_priority_values_first: bool = False) -> None:
+                 low_priority_values_first: bool = False,
+                 priority_preemption: bool = False) -> None:
         """``seats``: SGLang's ``max_running_requests``; ``kv_tokens``: its
         ``max_total_num_tokens`` (the KV pool); ``engine``: its device and model
         (``engine_shape``); each where known.  ``priority_scheduling`` and
         ``low_priority_values_first``: the scheduler's ``enable_priority_scheduling`` and
-        ``schedule_low_priority_values_first`` (how ``Req.priority`` ranks)."""
+        ``schedule_low_priority_values_first`` (how ``Req.priority`` ranks);
+        ``priority_preemption``: its ``enable_priority_preemption`` (priority scheduling
+        without ``--disable-priority-preemption``): urgent preemption is on."""
         self.config = config if config is not None else FeatherConfig()
-        view = SGLangRequests(self.config.chunk_tokens, priority_scheduling=priority_scheduling,
-                              low_priority_values_first=low_priority_values_first)
+        self.requests = SGLangRequests(self.config.chunk_tokens,
+                                       priority_scheduling=priority_scheduling,
+                                       low_priority_values_first=low_priority_values_first)
         self.runtime: FeatherRuntime[Req] = FeatherRuntime(
-            self.config, view, name="FeatherSGLang", seats=seats, kv_tokens=kv_tokens,
-            engine=engine)
+            self.config, self.requests, name="FeatherSGLang", seats=seats,
+            kv_tokens=kv_tokens, engine=engine)
+        self.priority_preemption = priority_preemption
         self._bound: list[Req] | None = None
         self._cursor = 0
         self._next_decode = 0
@@ -248,22 +289,49 @@ class FeatherSGLang:
             if entries is not None:
                 self._batches[batch.forward_iter] = entries
 
-    def processed(self, batch: ScheduleBatch, seconds: float) -> None:
-        """A batch's result was processed: finished requests leave; the step is rewarded
-        (while a fault is pending, the next round's rebuild lets them leave)."""
+    def outputs(self, batch: ScheduleBatch) -> list[int] | None:
+        """Each request's output length before SGLang processes its batch's result, for
+        ``processed`` to count the step's service; None where none is counted (fair
+        share off, or Feather off).  O(batch)."""
+        if not self.runtime.counts_service or not self.faults.active:
+            return None
+        return [len(req.output_ids) for req in batch.reqs]
+
+    def processed(self, batch: ScheduleBatch, seconds: float,
+                  outputs: list[int] | None = None) -> None:
+        """A batch's result was processed: the step's service is counted (``outputs``:
+        the requests' output lengths before), finished requests leave, the step is
+        rewarded (while a fault is pending, the next round's rebuild lets them leave)."""
         launch = batch.forward_iter
         key: Hashable = self._decodes.pop(launch, ("prefill", launch))
         entries = self._batches.pop(launch, None)
         if self.faults.active:
-            self.faults.attempt("step", self._processed, batch, key, seconds, entries)
+            self.faults.attempt("step", self._processed, batch, key, seconds, entries,
+                                outputs)
 
     def _processed(self, batch: ScheduleBatch, key: Hashable, seconds: float,
-                   entries: list[BatchEntry] | None) -> None:
+                   entries: list[BatchEntry] | None, outputs: list[int] | None) -> None:
+        if outputs is not None:
+            self._serve(batch, outputs)
         if not self.faults.dirty:
             for req in batch.reqs:
                 if req.finished():
                     self.runtime.discard(req.rid)
         self.runtime.end_step(key, batch.batch_size(), seconds, entries)
+
+    def _serve(self, batch: ScheduleBatch, outputs: list[int]) -> None:
+        """The step's service per request (``FeatherRuntime.served``), before a finished
+        one leaves: the prompt tokens it computed, its entry in the ``extend_lens`` SGLang
+        fixed when it prepared an extend or mixed batch (radix-cache hits excluded, each
+        prefill chunk its own tokens, a retracted request's recomputation included; none
+        for a decode row), and the tokens its result appended to ``output_ids``."""
+        extend_lens = batch.extend_lens if batch.forward_mode.is_extend() else None
+        decoding = {id(req) for req in batch.decoding_reqs or ()}
+        for i, (req, before) in enumerate(zip(batch.reqs, outputs, strict=True)):
+            computed = 0 if extend_lens is None or id(req) in decoding else extend_lens[i]
+            generated = max(len(req.output_ids) - before, 0)  # a session may cut outputs
+            if computed or generated:
+                self.runtime.served(req.rid, computed, generated)
 
     def batch_entries(self, batch: ScheduleBatch) -> list[BatchEntry]:
         """The batch in its order, as the step log describes it
@@ -317,6 +385,43 @@ class FeatherSGLang:
         """SGLang put ``req`` at the end of its waiting queue."""
         if self.faults.serving:
             self.faults.attempt("enter_waiting", self.runtime.enter_waiting, req)
+
+    def refuse_bad_tenant(self, req: Req) -> None:
+        """Under fair share, a request entering SGLang's queue whose tenant is invalid is
+        aborted the way SGLang refuses bad input (``Req.set_finish_with_abort``: a 400
+        saying why), and is then finished like any other."""
+        if self.runtime.counts_service and self.faults.active and req.to_finish is None:
+            error = self.faults.call("tenant", self.requests.tenant_error, req)
+            if error is not None:
+                req.set_finish_with_abort(f"Invalid request: {error}")
+
+    def urgent_victim(self, running: list[Req], req: Req, threshold: int) -> Req | None:
+        """The running request to preempt for waiting ``req``, which lacks a seat or KV
+        room: ``FeatherRuntime.urgent_victim`` (Feather's order, the bound
+        ``max_urgent_preemptions``) among those of ``running`` not finished and less
+        urgent than ``req`` by more than SGLang's ``threshold``
+        (``--priority-scheduling-preemption-threshold``, as SGLang's own priority
+        preemption); None unless ``preempts``."""
+        if not self.preempts:
+            return None
+        return self.faults.call("urgent_victim", self._urgent_victim, running, req, threshold)
+
+    def _urgent_victim(self, running: list[Req], req: Req, threshold: int) -> Req | None:
+        priority = self.requests.priority
+        urgency = priority(req)
+        beyond = [r for r in running if not r.finished() and priority(r) - urgency > threshold]
+        return self.runtime.urgent_victim(beyond, req)
+
+    @property
+    def in_round(self) -> bool:
+        """Whether Feather's code serves the current round (else SGLang's own)."""
+        return self._in_round
+
+    @property
+    def preempts(self) -> bool:
+        """Whether a request may preempt for urgency now: SGLang's priority preemption is
+        on and Feather serves the round."""
+        return self.priority_preemption and self._in_round
 
 
 def positions(reqs: list[Req], ordered: list[Req]) -> list[int]:
@@ -392,19 +497,72 @@ class FeatherPrefillAdder(PrefillAdder):
     """Set on the per-scheduler subclass (``FeatherSGLang.adder_class``)."""
 
     def add_one_req(self, req: Req, has_chunked_req: bool, truncation_align_size: int | None):
+        """SGLang's admission of the request it offers, if Feather admits it; where there
+        is no KV room for it, Feather's urgent victims are preempted one at a time and
+        SGLang's admission tried again (its prefix matched afresh: a release may evict
+        what it had matched), until it fits or none is left."""
         feather = self.feather
         if feather.stops(req):
             return AddReqResult.OTHER
         result = super().add_one_req(req, has_chunked_req, truncation_align_size)
-        if self.can_run_list and self.can_run_list[-1] is req:
+        while result is AddReqResult.NO_TOKEN and not self._added(req) and \
+                self._preempt_for(req):
+            req.init_next_round_input(self.tree_cache)
+            result = super().add_one_req(req, has_chunked_req, truncation_align_size)
+        if self._added(req):
             feather.admitted(req)
         return result
 
+    def _added(self, req: Req) -> bool:
+        return bool(self.can_run_list) and self.can_run_list[-1] is req
+
     def preempt_to_schedule(self, req: Req) -> bool:
-        """SGLang's priority preemption for ``req`` (the batch is full), only if Feather
-        would admit it: on STOP nothing is preempted and SGLang's round ends, as it would
-        at ``add_one_req``, instead of releasing running requests for nothing."""
-        return not self.feather.stops(req) and super().preempt_to_schedule(req)
+        """SGLang's priority preemption for ``req`` (every seat is taken), only if Feather
+        would admit it (on STOP nothing is preempted and SGLang's round ends, as it would
+        at ``add_one_req``), and then of Feather's urgent victim, which frees a seat
+        (``add_one_req`` then makes KV room the same way); SGLang's own victims while
+        Feather is out of the round."""
+        feather = self.feather
+        if feather.stops(req):
+            return False
+        if not feather.in_round:
+            return super().preempt_to_schedule(req)
+        return self._preempt_for(req)
+
+    def _preempt_for(self, req: Req) -> bool:
+        """Preempt Feather's urgent victim for ``req`` (False: none) by SGLang's own
+        mechanics, as its ``preempt_to_schedule`` releases each of its victims: its
+        reserved output tokens given back to the budget, its KV released (its prefix to
+        the radix cache) by ``ScheduleBatch.release_req``, out of the running batch by
+        ``filter_batch``, into ``preempt_list``, which SGLang's round puts back in the
+        waiting queue; counted as a preemption.  None is preempted for a request that
+        would not fit with every running request preempted."""
+        feather, batch = self.feather, self.running_batch
+        if not feather.preempts or not feather.faults.call("could_fit", self._could_fit, req):
+            return False
+        victim = feather.urgent_victim(batch.reqs, req,
+                                       self.priority_scheduling_preemption_threshold)
+        if victim is None:
+            return False
+        at = batch.reqs.index(victim)
+        self.memory_budget.total_offset -= self._get_running_request_total_token_offset(victim)
+        batch.release_req(at, len(batch.reqs) - 1)
+        batch.filter_batch(keep_indices=[i for i in range(len(batch.reqs)) if i != at])
+        self.preempt_list.append(victim)
+        self.req_states = None  # add_one_req_ignore_eos's picture of the running batch
+        feather.retracted([victim])
+        return True
+
+    def _could_fit(self, req: Req) -> bool:
+        """Whether ``req`` could fit were every running request preempted: the tokens
+        SGLang's ``preempt_to_schedule`` finds it short of, against what the running
+        requests hold in KV and reserve for their outputs.  O(running)."""
+        short = (len(req.full_untruncated_fill_ids) - req.prefix_len
+                 + min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+                 + self._request_slot_reserve_for_req(req) - self.rem_total_tokens)
+        return short <= sum(len(r.origin_input_ids) + len(r.output_ids)
+                            + self._get_running_request_total_token_offset(r)
+                            for r in self.running_batch.reqs if not r.finished())
 
 
 # ---- scheduler hooks (applied by SGLang's HookRegistry) ------------------------------
@@ -461,7 +619,9 @@ def _hook_init_schedule_policy(original: Callable, scheduler: Any, *args: Any, *
                             kv_tokens=getattr(scheduler, "max_total_num_tokens", None),
                             engine=engine_shape(scheduler),
                             priority_scheduling=scheduler.enable_priority_scheduling,
-                            low_priority_values_first=scheduler.schedule_low_priority_values_first)
+                            low_priority_values_first=scheduler.schedule_low_priority_values_first,
+                            priority_preemption=getattr(scheduler, "enable_priority_preemption",
+                                                        False))
     scheduler.feather = _process_feather = feather
     scheduler.policy = FeatherSchedulePolicy(
         feather,
@@ -484,8 +644,10 @@ def _hook_get_prefill_adder_class(original: Callable, scheduler: Any, *args: Any
 
 def _hook_add_request_to_queue(original: Callable, scheduler: Any, req: Any, *args: Any,
                                **kwargs: Any):
-    result = original(scheduler, req, *args, **kwargs)
     feather = getattr(scheduler, "feather", None)
+    if feather is not None:
+        feather.refuse_bad_tenant(req)
+    result = original(scheduler, req, *args, **kwargs)
     if feather is not None:
         waiting = scheduler.waiting_queue
         if waiting and waiting[-1] is req:
@@ -526,11 +688,12 @@ def _hook_run_batch(original: Callable, scheduler: Any, batch: Any, *args: Any, 
 
 def _hook_process_batch_result(original: Callable, scheduler: Any, batch: Any, *args: Any,
                                **kwargs: Any):
-    result = original(scheduler, batch, *args, **kwargs)
     feather = getattr(scheduler, "feather", None)
+    outputs = None if feather is None else feather.outputs(batch)
+    result = original(scheduler, batch, *args, **kwargs)
     launched = getattr(batch, "launch_ts", None)
     if feather is not None and launched is not None:
-        feather.processed(batch, time.monotonic() - launched)
+        feather.processed(batch, time.monotonic() - launched, outputs)
     return result
 
 
