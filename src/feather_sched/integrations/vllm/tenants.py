@@ -24,16 +24,9 @@ a bad tenant can come before a 401.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 
 from feather_sched.core import TENANT_ARG, TENANT_HEADER, named_tenant
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+from feather_sched.integrations import asgi
 
 TENANT_MIDDLEWARE = f"{__name__}.TenantMiddleware"
 """The import path vLLM's ``--middleware`` takes."""
@@ -70,15 +63,15 @@ def with_tenant(body: bytes, header: str | None) -> bytes:
 class TenantMiddleware:
     """A pure ASGI middleware: see the module docstring."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: asgi.ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
         if scope["type"] != "http" or scope.get("method") != "POST" or \
                 path not in TENANT_PATHS:
             return await self.app(scope, receive, send)
-        body = await _read_body(receive)
+        body = await asgi.read_body(receive)
         if body is None:
             return None  # the client left while sending
         header = next((value.decode("latin-1") for name, value in scope["headers"]
@@ -86,47 +79,8 @@ class TenantMiddleware:
         try:
             named = with_tenant(body, header)
         except ValueError as error:
-            return await _bad_request(send, str(error))
+            return await asgi.bad_request(send, str(error), TENANT_ARG)
         if named is not body:
-            scope = {**scope, "headers": [
-                *((name, value) for name, value in scope["headers"]
-                  if name != b"content-length"),
-                (b"content-length", str(len(named)).encode())]}
-        return await self.app(scope, _replay(named, receive), send)
+            scope = asgi.with_length(scope, named)
+        return await self.app(scope, asgi.replay(named, receive), send)
 
-
-async def _read_body(receive: Receive) -> bytes | None:
-    """The whole request body, or None if the client disconnected first."""
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A ``receive`` that gives ``body`` whole, then whatever the client sends next (a
-    disconnect)."""
-    given = False
-
-    async def replayed() -> Message:
-        nonlocal given
-        if given:
-            return await receive()
-        given = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replayed
-
-
-async def _bad_request(send: Send, message: str) -> None:
-    """A 400 as vLLM's server words one (its ``ErrorResponse``)."""
-    content = json.dumps({"error": {"message": message, "type": "BadRequestError",
-                                    "param": TENANT_ARG, "code": 400}}).encode()
-    await send({"type": "http.response.start", "status": 400,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(content)).encode())]})
-    await send({"type": "http.response.body", "body": content})
