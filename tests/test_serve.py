@@ -13,6 +13,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -84,17 +86,26 @@ def test_a_metrics_port_without_replicas_is_refused() -> None:
     assert result.exit_code == 2 and "--metrics-port is for --replicas" in result.output
 
 
-def test_feather_serve_answers_feather_bench(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def feather_server(tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    """One ``feather serve`` (bandit gate, fair share between tenants, vLLM logging each
+    request's sampling parameters) for the module: its URL and its log."""
     pytest.importorskip("vllm", reason="the vllm extra is not installed")
-    log = tmp_path / "server.log"
-    command = ["feather_sched.cli", "serve", "--gate", "bandit", "--enforce-eager",
-               "--kv-cache-gib", "1"]
+    log = tmp_path_factory.mktemp("feather-serve") / "server.log"
+    command = ["feather_sched.cli", "serve", "--gate", "bandit", "--feather-options",
+               '{"fairness": "tenants"}', "--enforce-eager", "--kv-cache-gib", "1",
+               "--enable-log-requests"]
     with serving(command, log, {"PROMETHEUS_MULTIPROC_DIR": ""}) as url:
-        summary = bench_server(url, tmp_path / "server.json", "feather-server",
-                               "--max-concurrency", "4")
-        metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-        replay = bench_server(url, tmp_path / "replay.json", "replay", "--trace",
-                              str(write_trace(tmp_path / "trace.jsonl")), *REPLAY_FLAGS)
+        yield url, log
+
+
+def test_feather_serve_answers_feather_bench(feather_server, tmp_path) -> None:
+    url, log = feather_server
+    summary = bench_server(url, tmp_path / "server.json", "feather-server",
+                           "--max-concurrency", "4")
+    metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    replay = bench_server(url, tmp_path / "replay.json", "replay", "--trace",
+                          str(write_trace(tmp_path / "trace.jsonl")), *REPLAY_FLAGS)
     # the trace's requests with their own lengths and times, its sharing in the cache
     assert replay["completed"] == len(REQUESTS)
     assert replay["prefix_cache_hit_rate"] == pytest.approx(implied_hit_rate(), abs=0.02)
@@ -110,14 +121,70 @@ def test_feather_serve_answers_feather_bench(tmp_path) -> None:
     assert "vllm:num_requests_running" in metrics
 
 
-def post(url: str, path: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
-    request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+def post(url: str, path: str, body: dict | bytes, timeout: float = 60,
+         headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(f"{url}{path}", data=data, headers={
+        "Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read() or b"{}")
+
+
+def test_feather_serve_names_each_requests_tenant(feather_server, tmp_path) -> None:
+    """The ``x-tenant-id`` header wins, then ``vllm_xargs.tenant``, then OpenAI's ``user``:
+    vLLM hands its engine the tenant named in the sampling parameters' ``extra_args`` (its
+    request log says so); a bad tenant is a 400 saying why; a body that is not JSON is
+    vLLM's own 400; feather bench's multi-tenant workload comes back per tenant."""
+    url, log = feather_server
+    prompt = {"prompt": [5, 6, 7], "max_tokens": 2}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    named = [
+        ("/v1/completions", {"x-tenant-id": "gw"},
+         {**prompt, "user": "u", "vllm_xargs": {"tenant": "x", "k": 1}},
+         "extra_args={'tenant': 'gw', 'k': 1}"),
+        ("/v1/completions", {}, {**prompt, "user": "u", "vllm_xargs": {"tenant": 7}},
+         "extra_args={'tenant': '7'}"),
+        ("/v1/completions", {}, {**prompt, "user": "u"}, "extra_args={'tenant': 'u'}"),
+        ("/v1/completions", {}, prompt, "extra_args=None"),
+        ("/v1/chat/completions", {}, {**chat, "user": "chat user"},
+         "extra_args={'tenant': 'chat user'}"),
+    ]
+    for path, headers, body, logged in named:
+        status, answer = post(url, path, body, headers=headers)
+        assert status == 200, answer
+        received = [line for line in log.read_text().splitlines()
+                    if f"Received request {answer['id']}" in line]
+        assert len(received) == 1 and logged in received[0], (logged, received)
+    refused = [
+        ("/v1/completions", {"x-tenant-id": "t" * 300}, prompt,
+         "the x-tenant-id header must be a non-empty string of at most 256"),
+        ("/v1/completions", {}, {**prompt, "vllm_xargs": {"tenant": [1]}},
+         "vllm_xargs.tenant must be a non-empty string"),
+        ("/v1/chat/completions", {}, {**chat, "user": "u" * 300},
+         "user must be a non-empty string"),
+    ]
+    for path, headers, body, message in refused:
+        status, answer = post(url, path, body, headers=headers)
+        assert status == 400 and answer["error"]["message"].startswith(message), answer
+    status, answer = post(url, "/v1/completions", b'{"prompt": [5, 6', headers={
+        "x-tenant-id": "t" * 300})
+    assert status == 400 and "tenant" not in json.dumps(answer)  # vLLM's own answer
+    summary = bench_server(url, tmp_path / "tenants.json", "tenants", "--workload",
+                           "multi-tenant", "--suffix-len", "16")
+    tenants = summary["by_tenant"]
+    assert {name: t["requests"] for name, t in tenants.items()} == {"t0": 12, "t1": 3}
+    received = "\n".join(line for line in log.read_text().splitlines()
+                         if "Received request" in line)
+    assert "extra_args={'tenant': 't0'}" in received
+    assert "extra_args={'tenant': 't1'}" in received
+    # the flood's shared prefix costs it once: its service is well under full prompts
+    flood_prompts = 12 * (256 + 16)
+    assert 256 + 12 * 16 <= tenants["t0"]["service"] - 2 * 12 * 5 < flood_prompts
+    assert tenants["t1"]["service"] == 3 * (256 + 16) + 2 * 3 * 5  # nothing shared
+    assert summary["max_service_gap"] is not None
 
 
 def test_a_server_no_client_or_disk_can_take_down(tmp_path) -> None:

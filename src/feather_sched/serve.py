@@ -11,6 +11,9 @@ What ``feather serve`` adds to the user's vLLM arguments, and why:
   explicit ``--kv-cache-memory-bytes`` is passed through as given, and on a CPU without
   either, 4 GiB.  vLLM's legacy ``VLLM_CPU_KVCACHE_SPACE`` overrides both on CPU, so it
   is refused beside them;
+* ``--middleware`` ``TenantMiddleware`` (``feather_sched.integrations.vllm.tenants``):
+  each request's tenant, from the ``x-tenant-id`` header, ``vllm_xargs.tenant`` or
+  OpenAI's ``user``, reaches Feather's scheduler (a bad one is a 400);
 * ``--shutdown-timeout`` (default ``SHUTDOWN_TIMEOUT_S``): on SIGTERM vLLM stops taking
   requests, lets running ones finish for up to that long, then the engine shuts down,
   Feather saves its files, and the server exits; vLLM's own default (0) kills the engine
@@ -32,6 +35,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from feather_sched.core.config import FeatherConfig
+from feather_sched.integrations.vllm.tenants import TENANT_MIDDLEWARE
 from feather_sched.models import TINY_LLAMA
 
 SCHEDULER_CLS = "feather_sched.integrations.vllm.FeatherScheduler"
@@ -80,6 +84,8 @@ def vllm_server_args(model: str | None, feather: dict, passthrough: list[str], *
     command += _kv_cache_args(passthrough, kv_cache_gib, on_cpu, environ)
     if not _given(passthrough, "--shutdown-timeout"):
         command += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+    if not {TENANT_MIDDLEWARE, f"--middleware={TENANT_MIDDLEWARE}"} & set(passthrough):
+        command += ["--middleware", TENANT_MIDDLEWARE]
     if "--enable-prompt-tokens-details" not in passthrough:
         command.append("--enable-prompt-tokens-details")  # cached tokens, for feather bench
     return command + passthrough

@@ -243,6 +243,24 @@ def test_cached_tokens_come_from_usage(report: bool) -> None:
     assert [r.cached_tokens for r in records] == [expected, expected]
 
 
+def test_tenants_go_in_vllm_xargs_and_stay_in_the_records() -> None:
+    """Beside each record's tenant, the prompt tokens computed (less the cached ones):
+    the input side of its service in the report."""
+    server = FakeServer()
+    load = Workload("t", [RequestSpec(f"r{i}", [1, 2, 3, 4 + i], 2, 0.0,
+                                      tenant=("acme", "default")[i % 2]) for i in range(4)])
+    records, _ = run(server, load)
+    sent = {body["prompt"][-1] - 4: body.get("vllm_xargs") for body in server.bodies}
+    assert sent == {0: {"tenant": "acme"}, 1: None, 2: {"tenant": "acme"}, 3: None}
+    assert [r.tenant for r in records] == ["acme", "default"] * 2
+    assert [r.computed_tokens for r in records] == [4 - 4 // 2] * 4  # less the cached half
+    from feather_sched.bench.client import APIS
+
+    generate = APIS["sglang"][1]  # SGLang's /generate: in its sampling params
+    assert [generate(spec, MODEL)["sampling_params"].get("custom_params") for spec in load] \
+        == [{"tenant": "acme"}, None] * 2
+
+
 def test_sglang_generate_chunks_count_tokens_from_meta_info() -> None:
     from feather_sched.bench.client import APIS, _fold_generate_chunk
     from feather_sched.results.records import RequestRecord

@@ -121,6 +121,8 @@ def test_json_values_mean_what_the_documentation_says() -> None:
         ({"tenant_weights": {"a": 0}}, {}, "'tenant_weights': tenant 'a': a weight must"),
         ({"tenant_weights": {"a": True}}, {}, "'tenant_weights': tenant 'a'"),
         ({"tenant_weights": [1]}, {}, "'tenant_weights': must be a JSON object"),
+        ({"tenant_weights": {" a": 1}}, {}, "'tenant_weights': a tenant weight's name must be a "
+         "non-empty string"),
         ({"fair_quantum_tokens": -1}, {}, "'fair_quantum_tokens': must be a non-negative"),
     ],
 )
@@ -313,7 +315,8 @@ VALID = {
     "shared_prefix_attention": st.sampled_from(["auto", "on", "off"]),
     "shared_prefix_min_tokens": st.none() | st.integers(1, 65536),
     "fairness": st.sampled_from(["off", "tenants"]),
-    "tenant_weights": st.dictionaries(st.text(max_size=4), st.floats(0.1, 10), max_size=2),
+    "tenant_weights": st.dictionaries(st.text("abc", min_size=1, max_size=4),
+                                      st.floats(0.1, 10), max_size=2),
     "fair_quantum_tokens": st.integers(0, 10**6),
     **dict.fromkeys(FILE_OPTIONS, st.none() | st.sampled_from(["f.json", "f{rank}.json"])),
 }

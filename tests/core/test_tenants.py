@@ -1,5 +1,5 @@
 """TenantShare: VTC's counters over computed tokens, the lift of a returning tenant, and
-the window of tenants the share admits."""
+the window of tenants the share admits; what a tenant id is, and which a request names."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from feather_sched.core.tenants import (
     MAX_TENANT_CHARS,
     OUTPUT_WEIGHT,
     TenantShare,
+    named_tenant,
     parse_tenant,
 )
 
@@ -175,12 +176,33 @@ def test_with_seats_backlogged_counters_stay_within_the_stated_gap(jobs, quantum
 
 def test_tenant_ids_are_strings_integers_as_strings_and_none_the_default() -> None:
     assert parse_tenant("team-a") == "team-a" and parse_tenant("x" * MAX_TENANT_CHARS)
+    assert parse_tenant("acme corp") == "acme corp" and parse_tenant("café") == "café"
     assert parse_tenant(7) == parse_tenant("7") == "7" and parse_tenant(-7) == "-7"
     assert parse_tenant(None) == DEFAULT_TENANT
 
 
 @pytest.mark.parametrize("value", ["", "x" * (MAX_TENANT_CHARS + 1), 10 ** MAX_TENANT_CHARS,
-                                   True, 1.5, ["a"], {"id": "a"}])
+                                   True, 1.5, ["a"], {"id": "a"}, "a\nb", " acme", "acme\t"])
 def test_anything_else_is_refused_saying_what_was_given(value) -> None:
-    with pytest.raises(ValueError, match=f"tenant must be .*got {type(value).__name__} "):
+    with pytest.raises(ValueError, match=f"^tenant must be .*got {type(value).__name__} "):
         parse_tenant(value)
+    with pytest.raises(ValueError, match=r"^where it came from must be a non-empty string"):
+        parse_tenant(value, "where it came from")
+
+
+def test_the_header_wins_then_the_engine_argument_then_user() -> None:
+    assert named_tenant("gw", {"tenant": "xa"}, "u") == "gw"
+    assert named_tenant(None, {"tenant": 7, "other": 1}, "u") == "7"
+    assert named_tenant(None, {"other": 1}, "u") == "u"
+    assert named_tenant(None, {"tenant": None}, "u") == "u"
+    assert named_tenant(None, "not a mapping", "u") == "u"  # the engine refuses the body
+    assert named_tenant(None, None, None) is None
+    assert named_tenant(None, None, "") is None  # an empty user names nobody
+    # only the value chosen is checked: the gateway's word stands whatever the client sent
+    assert named_tenant("gw", {"tenant": ""}, "u" * 999) == "gw"
+    with pytest.raises(ValueError, match=r"^the x-tenant-id header must be .*got str ''"):
+        named_tenant("", None, "u")
+    with pytest.raises(ValueError, match=r"^vllm_xargs\.tenant must be .*got list"):
+        named_tenant(None, {"tenant": [1]}, "u")
+    with pytest.raises(ValueError, match=r"^user must be .*got str 'uuu"):
+        named_tenant(None, None, "u" * 999)

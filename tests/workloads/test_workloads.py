@@ -672,8 +672,10 @@ def test_tenants_round_trip_and_default_when_absent(tmp_path: Path) -> None:
     good = {k: v for k, v in GOOD.items() if k != "tenant"}
     assert load_jsonl(write_lines(tmp_path / "old.jsonl", [HEADER, good])).tenants == {
         DEFAULT_TENANT: 1}
-    with pytest.raises(ValueError, match="line 2: field 'tenant'"):
-        load_jsonl(write_lines(tmp_path / "bad.jsonl", [HEADER, good | {"tenant": 3}]))
+    assert load_jsonl(write_lines(tmp_path / "id.jsonl", [HEADER, good | {"tenant": 3}])
+                      ).tenants == {"3": 1}  # a numeric id, as every front takes it
+    with pytest.raises(ValueError, match="line 2: field 'tenant' must be a non-empty string"):
+        load_jsonl(write_lines(tmp_path / "bad.jsonl", [HEADER, good | {"tenant": True}]))
     with pytest.raises(ValueError, match="tenant must be a non-empty string"):
         RequestSpec("r", [5], 3, 0.5, tenant="")
     assert RequestSpec("r", [5], 3, 0.5, tenant="a") != RequestSpec("r", [5], 3, 0.5)

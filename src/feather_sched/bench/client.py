@@ -8,8 +8,16 @@ final usage chunk's ``completion_tokens`` fixes the output length (tokens bundle
 share its arrival time).
 
 A request's priority class goes in the body's ``priority`` field (vLLM's; sent only when it
-is not 0, which vLLM accepts under any policy).  A server reports no preemptions per
-request; ``server_preemptions`` reads the run's total from vLLM's ``/metrics``.
+is not 0, which vLLM accepts under any policy).  Its tenant goes in ``vllm_xargs.tenant``
+(SGLang's ``/generate``: ``sampling_params.custom_params.tenant``; sent only when it is not
+the default tenant, so a one-tenant body is what any server takes): vLLM carries
+``vllm_xargs`` to ``SamplingParams.extra_args``, where Feather's scheduler reads the
+tenant, on any vLLM server (``feather serve``, its Ray endpoint, a plain ``vllm serve
+--scheduler-cls``), whereas OpenAI's ``user`` field names the tenant only where a front
+maps it (``feather serve`` and its Ray endpoint do).  The prompt tokens the server
+computed for a request are its prompt less the cached tokens its usage reports
+(``RequestRecord.prefill_cached``).  A server reports no preemptions per request;
+``server_preemptions`` reads the run's total from vLLM's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from feather_sched.core.tenants import DEFAULT_TENANT, TENANT_ARG
 from feather_sched.results.records import RequestRecord
 from feather_sched.workloads.spec import RequestSpec, Workload
 
@@ -165,9 +174,11 @@ async def _first_model(session: aiohttp.ClientSession, base_url: str) -> str:
 
 def _payload(spec: RequestSpec, model: str) -> dict[str, Any]:
     """A streamed greedy completion of exactly ``output_len`` tokens of a token-id prompt,
-    with the request's priority class unless it is 0."""
+    with the request's priority class unless it is 0, and its tenant unless it is the
+    default one (module docstring)."""
     return {
         **({"priority": spec.priority} if spec.priority else {}),
+        **_tenant_arg("vllm_xargs", spec),
         "model": model,
         "prompt": spec.prompt.tolist(),
         "max_tokens": spec.output_len,
@@ -180,14 +191,22 @@ def _payload(spec: RequestSpec, model: str) -> dict[str, Any]:
 
 
 def _generate_payload(spec: RequestSpec, model: str) -> dict[str, Any]:
-    """The same request for SGLang's native ``/generate`` (token ids in, token ids out)."""
+    """The same request for SGLang's native ``/generate`` (token ids in, token ids out),
+    its tenant in the sampling parameters' ``custom_params`` unless it is the default
+    one (where SGLang carries it to Feather's scheduler)."""
     return {
         "input_ids": spec.prompt.tolist(),
         # ignore_eos fixes the length; SGLang refuses min_new_tokens without a tokenizer.
         "sampling_params": {"max_new_tokens": spec.output_len, "ignore_eos": True,
-                            "temperature": 0},
+                            "temperature": 0, **_tenant_arg("custom_params", spec)},
         "stream": True,
     }
+
+
+def _tenant_arg(field: str, spec: RequestSpec) -> dict[str, Any]:
+    """``{field: {"tenant": ...}}`` for a request of a tenant other than the default one,
+    else nothing (a one-tenant body stays what any server takes)."""
+    return {field: {TENANT_ARG: spec.tenant}} if spec.tenant != DEFAULT_TENANT else {}
 
 
 async def _send(
@@ -201,7 +220,7 @@ async def _send(
     """Send one request and record its token arrivals; failures end up in the record."""
     record = RequestRecord(
         spec.request_id, spec.prompt.size, spec.group, time.perf_counter() - start,
-        priority=spec.priority,
+        priority=spec.priority, tenant=spec.tenant,
     )
     try:
         async with session.post(url, json=payload) as response:
@@ -256,7 +275,7 @@ def _fold_chunk(record: RequestRecord, data: dict[str, Any], now_s: float) -> No
         record.prompt_len = int(usage["prompt_tokens"])
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     if cached is not None:
-        record.cached_tokens = int(cached)
+        record.prefill_cached(int(cached))
 
 
 def _fold_generate_chunk(record: RequestRecord, data: dict[str, Any], now_s: float) -> None:
@@ -268,7 +287,7 @@ def _fold_generate_chunk(record: RequestRecord, data: dict[str, Any], now_s: flo
     if meta.get("prompt_tokens") is not None:
         record.prompt_len = int(meta["prompt_tokens"])
     if meta.get("cached_tokens") is not None:
-        record.cached_tokens = int(meta["cached_tokens"])
+        record.prefill_cached(int(meta["cached_tokens"]))
 
 
 def _chunk_tokens(choice: dict[str, Any], usage: dict[str, Any], seen: int) -> int:

@@ -6,6 +6,12 @@ when each output token reaches the client.  Both sides of a comparison use vLLM'
 scheduler code: the FCFS baseline runs ``InstrumentedScheduler`` (vLLM's scheduler with
 step accounting only), Feather runs ``FeatherScheduler``.
 
+Tenants: each request names the workload's tenant (``SamplingParams.extra_args``, which
+Feather's scheduler reads under fair share), and its record keeps it with the prompt
+tokens the engine computed for it (``RequestRecord.prefill_cached``: vLLM reports the
+cache hits of a request's first prefill only, so a recomputation after a preemption is
+not counted here, where the simulator counts it).
+
 Priorities: a run under vLLM's priority policy (``priority``, and Feather on a workload of
 several classes; ``SchedulerName.priority_policy``) submits each request with its class; a
 run under FCFS submits every request with priority 0, which is all vLLM accepts there.
@@ -25,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from feather_sched.core.tenants import TENANT_ARG
 from feather_sched.results.records import RequestRecord, RunResult, StepRecord
 from feather_sched.scheduler_names import ENGINE_KINDS, SchedulerKind, parse_scheduler
 from feather_sched.telemetry.stats import SchedulerStats
@@ -155,12 +162,12 @@ def _drive(engine: Any, workload: Workload,
 def _submit(engine: Any, spec: RequestSpec, now: float, priorities: bool, sampling,
             tokens_prompt) -> RequestRecord:
     params = sampling(max_tokens=spec.output_len, min_tokens=spec.output_len,
-                      ignore_eos=True, temperature=0.0)
+                      ignore_eos=True, temperature=0.0, extra_args={TENANT_ARG: spec.tenant})
     prompt = tokens_prompt(prompt_token_ids=spec.prompt.tolist())
     engine.add_request(spec.request_id, prompt, params,
                        priority=spec.priority if priorities else 0)
     return RequestRecord(spec.request_id, len(spec.prompt), spec.group, submitted_s=now,
-                         priority=spec.priority)
+                         priority=spec.priority, tenant=spec.tenant)
 
 
 def _observe(outputs: list, records: dict[str, RequestRecord], now: float,
@@ -178,7 +185,7 @@ def _observe(outputs: list, records: dict[str, RequestRecord], now: float,
         if output.finished:
             record.finished_s = now
             record.success = True
-            record.cached_tokens = output.num_cached_tokens
+            record.prefill_cached(output.num_cached_tokens)
             if output.metrics is not None:
                 record.preemptions = output.metrics.num_preemptions
             if on_done:

@@ -24,7 +24,13 @@ from feather_sched.core.faults import FaultGuard
 from feather_sched.core.prefix import describe_batch, keys_per_chunk
 from feather_sched.core.queue import Admission, QueueState
 from feather_sched.core.runtime import FeatherRuntime, RequestView
-from feather_sched.core.tenants import DEFAULT_TENANT, parse_tenant
+from feather_sched.core.tenants import (
+    DEFAULT_TENANT,
+    TENANT_ARG,
+    TENANT_HEADER,
+    named_tenant,
+    parse_tenant,
+)
 from feather_sched.gates.base import Decision
 from feather_sched.gates.step_model import EngineShape
 
@@ -32,6 +38,8 @@ __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "DEFAULT_TENANT",
     "REPLICA_VARIABLE",
+    "TENANT_ARG",
+    "TENANT_HEADER",
     "Admission",
     "Decision",
     "EngineShape",
@@ -45,6 +53,7 @@ __all__ = [
     "describe_batch",
     "is_true",
     "keys_per_chunk",
+    "named_tenant",
     "parse_tenant",
     "token_chunk_keys",
 ]

@@ -32,7 +32,7 @@ from typing import Any
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.core.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS
 from feather_sched.core.queue import DEFAULT_MAX_WAIT_S, DEFAULT_MIN_PASSING_TOKENS, FeatherQueue
-from feather_sched.core.tenants import DEFAULT_QUANTUM_TOKENS, TenantShare
+from feather_sched.core.tenants import DEFAULT_QUANTUM_TOKENS, TenantShare, parse_tenant
 from feather_sched.gates import GATE_KINDS, make_gate
 from feather_sched.gates.base import BatchLayout, Gate, Persistent
 from feather_sched.gates.step_model import AUTO, EngineShape, StepPrior
@@ -409,7 +409,8 @@ def _weights(value: Any) -> dict[str, float]:
         if isinstance(weight, bool) or not isinstance(weight, int | float) or \
                 not math.isfinite(weight) or weight <= 0:
             raise ValueError(f"tenant {tenant!r}: a weight must be a positive number")
-    return {tenant: float(weight) for tenant, weight in weights.items()}
+    return {parse_tenant(tenant, "a tenant weight's name"): float(weight)
+            for tenant, weight in weights.items()}
 
 
 def _shared_prefix_mode(value: Any) -> str:

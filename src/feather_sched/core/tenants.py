@@ -1,11 +1,16 @@
 """Fair share between tenants: a virtual service counter per tenant, a share of the
-engine's seats, and which tenants may be admitted from now.
+engine's seats, and which tenants may be admitted from now; and what a tenant id is.
 
 The counter is VTC's (Sheng et al., OSDI'24): a tenant's service is ``INPUT_WEIGHT``
 per prompt token the engine computed for it plus ``OUTPUT_WEIGHT`` per token it
 generated, over the tenant's weight (``charge``).  Only computed tokens count: a
 prefix-cache hit costs the tenant nothing, so a tenant whose requests share a prefix
 pays for it once.
+
+Tenant ids.  A request names its tenant by an engine argument (``TENANT_ARG`` of vLLM's
+``SamplingParams.extra_args``, of SGLang's ``custom_params``), which an HTTP front fills
+from the ``x-tenant-id`` header, the body's own or OpenAI's ``user`` (``named_tenant``);
+every id, wherever it comes from, is checked by ``parse_tenant``.
 
 Seats.  Cheap service is not cheap seats: a request whose prompt is a cache hit costs
 its tenant a few tokens at admission, then holds one of the engine's seats for its whole
@@ -71,7 +76,14 @@ from collections.abc import Hashable, Mapping
 Tenant = Hashable
 
 DEFAULT_TENANT = "default"
-"""The tenant of a request whose engine names none."""
+"""The tenant of a request that names none."""
+MAX_TENANT_CHARS = 256
+"""The longest tenant id (a hashed e-mail address or a UUID fits)."""
+TENANT_HEADER = "x-tenant-id"
+"""The HTTP header in which a gateway names a request's tenant."""
+TENANT_ARG = "tenant"
+"""The key of a request's tenant among its engine arguments: vLLM's
+``SamplingParams.extra_args`` (an OpenAI body's ``vllm_xargs``)."""
 INPUT_WEIGHT = 1.0
 """Service per computed prompt token (VTC's ``w_p``)."""
 OUTPUT_WEIGHT = 2.0
@@ -79,32 +91,54 @@ OUTPUT_WEIGHT = 2.0
 DEFAULT_QUANTUM_TOKENS = 16384
 """How far (in weighted tokens) a tenant may get ahead of the least served one while the
 prefix order picks it: a few requests' worth, so a group's members still run together."""
-MAX_TENANT_CHARS = 256
-"""The longest tenant id (a header's or a JSON field's worth, not a document)."""
-
-
-def parse_tenant(value: object) -> Tenant:
-    """A request's tenant from the raw value its engine or HTTP front carries: a non-empty
-    string of at most ``MAX_TENANT_CHARS`` characters as given, an integer as its decimal
-    string (so ``7`` and ``"7"`` are one tenant), None as ``DEFAULT_TENANT``; ValueError
-    saying what was given otherwise.  The one place a tenant id is validated.  O(1)."""
-    if value is None:
-        return DEFAULT_TENANT
-    if isinstance(value, int) and not isinstance(value, bool) and \
-            abs(value) < 10 ** (MAX_TENANT_CHARS - 1):  # sign and digits fit
-        return str(value)
-    if isinstance(value, str) and 0 < len(value) <= MAX_TENANT_CHARS:
-        return value
-    shown = repr(value)
-    shown = shown if len(shown) <= 80 else shown[:77] + "..."
-    raise ValueError(f"tenant must be a non-empty string of at most {MAX_TENANT_CHARS} "
-                     f"characters or an integer, got {type(value).__name__} {shown}")
 
 
 def service_of(computed_tokens: int, output_tokens: int) -> float:
     """VTC's service for ``computed_tokens`` prompt tokens computed and ``output_tokens``
     generated, before any weight."""
     return INPUT_WEIGHT * computed_tokens + OUTPUT_WEIGHT * output_tokens
+
+
+_INT_LIMIT = 10 ** (MAX_TENANT_CHARS - 1)
+"""Integers below this in size have at most ``MAX_TENANT_CHARS`` characters, sign included."""
+
+
+def parse_tenant(value: object, source: str = "tenant") -> str:
+    """A request's tenant from the raw value its engine or HTTP front carries (the one
+    place a tenant id is checked): a string of 1 to ``MAX_TENANT_CHARS`` printable
+    characters as given, not beginning or ending with whitespace (``"alice "`` would be
+    a tenant apart from ``"alice"``); an integer (not a bool) as its decimal string (so
+    ``7`` and ``"7"`` are one tenant: JSON gives numeric ids as numbers); None as
+    ``DEFAULT_TENANT``.  ValueError naming ``source`` (where the value came from) and
+    saying what was given otherwise.  O(length)."""
+    if value is None:
+        return DEFAULT_TENANT
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < _INT_LIMIT:
+        return str(value)
+    if isinstance(value, str) and 0 < len(value) <= MAX_TENANT_CHARS and \
+            value.isprintable() and value == value.strip():
+        return value
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise ValueError(f"{source} must be a non-empty string of at most {MAX_TENANT_CHARS} "
+                     "printable characters, no whitespace at either end, or an integer; "
+                     f"got {type(value).__name__} {shown}")
+
+
+def named_tenant(header: str | None, engine_args: object, user: object) -> str | None:
+    """The tenant an HTTP request names, parsed (``parse_tenant``): the ``x-tenant-id``
+    ``header`` (a gateway's word) wins, then ``TENANT_ARG`` of the body's
+    ``engine_args`` (vLLM's ``vllm_xargs``; where it is a mapping), then OpenAI's ``user``
+    field (where not empty); None where the request names none (``DEFAULT_TENANT``'s).
+    Only the value chosen is parsed, so a client's odd ``user`` does not fail a request
+    its gateway named.  ValueError for a bad value.  O(1) plus the parse."""
+    if header is not None:
+        return parse_tenant(header, f"the {TENANT_HEADER} header")
+    if isinstance(engine_args, Mapping) and engine_args.get(TENANT_ARG) is not None:
+        return parse_tenant(engine_args[TENANT_ARG], f"vllm_xargs.{TENANT_ARG}")
+    if user is not None and user != "":
+        return parse_tenant(user, "user")
+    return None
 
 
 class TenantShare:

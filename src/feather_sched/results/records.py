@@ -37,6 +37,13 @@ class RequestRecord:
     """Tokens the engine computed for the request, prompt and recomputation (prefix-cache
     hits excluded), when it reports them: the input side of the service it received."""
 
+    def prefill_cached(self, cached_tokens: int) -> None:
+        """The engine served ``cached_tokens`` of the prompt from its prefix cache at its
+        prefill, and computed the rest (all a client learns: a recomputation after a
+        preemption is not reported)."""
+        self.cached_tokens = cached_tokens
+        self.computed_tokens = self.prompt_len - cached_tokens
+
     @property
     def output_len(self) -> int:
         return len(self.token_times_s)

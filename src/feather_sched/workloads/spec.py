@@ -17,11 +17,11 @@ from typing import Any, Literal
 
 import numpy as np
 
+from feather_sched.core.tenants import DEFAULT_TENANT, parse_tenant
+
 ArrivalKind = Literal["all_at_once", "poisson", "bursty"]
 
 MAX_TOKEN = np.iinfo(np.int32).max
-DEFAULT_TENANT = "default"
-"""The tenant of a request that names none."""
 
 
 # --------------------------------------------------------------------------- datatypes
@@ -34,9 +34,9 @@ class RequestSpec:
     ``group`` and ``shared_len`` describe the prefix structure the generator built in
     (``-1`` / ``0`` when the prompt shares nothing), so hit rates can be checked against
     ground truth. ``priority`` is the request's priority class, lower more urgent (vLLM's
-    convention; any integer); ``tenant`` the client it is served for (a non-empty string;
-    fair share between tenants counts work by it). The prompt is stored as a read-only
-    contiguous int32 copy.
+    convention; any integer); ``tenant`` the client it is served for (an id as
+    ``core.tenants.parse_tenant`` takes it; fair share between tenants counts work by
+    it). The prompt is stored as a read-only contiguous int32 copy.
     """
 
     request_id: str
@@ -63,8 +63,7 @@ class RequestSpec:
             raise ValueError(f"group must be >= -1, got {group}")
         if not 0 <= shared_len <= prompt.size:
             raise ValueError(f"shared_len must be in [0, {prompt.size}], got {shared_len}")
-        if not isinstance(self.tenant, str) or not self.tenant:
-            raise ValueError(f"tenant must be a non-empty string, got {self.tenant!r}")
+        tenant = parse_tenant(self.tenant)
         if not (math.isfinite(arrival_s) and arrival_s >= 0):
             raise ValueError(f"arrival_s must be finite and >= 0, got {arrival_s}")
         for name, value in [
@@ -74,6 +73,7 @@ class RequestSpec:
             ("shared_len", shared_len),
             ("priority", priority),
             ("arrival_s", arrival_s),
+            ("tenant", tenant),
         ]:
             object.__setattr__(self, name, value)
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from feather_sched.core.tenants import DEFAULT_TENANT, parse_tenant
 from feather_sched.workloads.spec import (
-    DEFAULT_TENANT,
     RequestSpec,
     Workload,
     check_positive,
@@ -83,8 +83,10 @@ def _priority(obj: dict[str, Any]) -> int:
 
 
 def _tenant(obj: dict[str, Any]) -> str:
-    """A trace record's optional ``tenant`` field (``DEFAULT_TENANT`` when absent)."""
-    return _field(obj, "tenant", str) if "tenant" in obj else DEFAULT_TENANT
+    """A trace record's optional ``tenant`` field (``DEFAULT_TENANT`` when absent; an
+    integer as its decimal string, ``parse_tenant``)."""
+    return parse_tenant(obj["tenant"], "field 'tenant'") if "tenant" in obj else \
+        DEFAULT_TENANT
 
 
 def load_jsonl(path: str | Path) -> Workload:

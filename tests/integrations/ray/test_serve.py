@@ -27,7 +27,13 @@ from ray import serve
 
 from feather_sched.gates.bandit import UCBBanditGate
 from feather_sched.gates.base import Decision, GateContext
-from feather_sched.integrations.ray.app import REPLICA_HEADER, build_app, unserved_server_flags
+from feather_sched.integrations.ray.app import (
+    REPLICA_HEADER,
+    ChatRequest,
+    CompletionRequest,
+    build_app,
+    unserved_server_flags,
+)
 from feather_sched.models import TINY_LLAMA
 from feather_sched.serve import serve_replicas, vllm_server_args
 from feather_sched.telemetry.stats import SchedulerStats
@@ -390,6 +396,39 @@ def test_chat_completions_render_the_given_chat_template_and_stream(url) -> None
     assert post(url, "/v1/chat/completions", {**chat, "max_completion_tokens": 0})[0] == 400
 
 
+def test_the_ingress_names_each_requests_tenant_as_feather_serve_does(url, expected) -> None:
+    """The tenant a request names (the header, then ``vllm_xargs.tenant``, then ``user``)
+    is in the sampling parameters the replica builds its request from, beside any other
+    ``vllm_xargs``; the replicas serve such requests as any other; a bad tenant is a 400
+    saying why."""
+    body = {"prompt": [5, 6], "user": "u", "vllm_xargs": {"tenant": "x", "k": 1}}
+    for header, tenant in [(None, "x"), ("gw", "gw")]:
+        request = CompletionRequest.model_validate(body)
+        request.name_tenant(header)
+        assert request.sampling_params()["extra_args"] == {"tenant": tenant, "k": 1}
+    request = CompletionRequest.model_validate({"prompt": [5, 6], "user": "u"})
+    request.name_tenant(None)
+    assert request.sampling_params()["extra_args"] == {"tenant": "u"}
+    request = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    request.name_tenant(None)
+    assert "extra_args" not in request.sampling_params()  # the default tenant's
+    status, answer, _ = complete(url, GROUPS["a"][1], LENGTHS["a"], user="u",
+                                 vllm_xargs={"tenant": 7, "k": 1})
+    assert status == 200 and answer["choices"][0]["token_ids"] == expected["a", 1]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert post(url, "/v1/chat/completions", chat, {**AUTH, "x-tenant-id": "gw"})[0] == 200
+    for path, sent, headers, message in [
+        ("/v1/completions", {"prompt": [5, 6], "max_tokens": 1}, {"x-tenant-id": "t" * 300},
+         "the x-tenant-id header must be a non-empty string"),
+        ("/v1/chat/completions", {**chat, "vllm_xargs": {"tenant": [1]}}, {},
+         "vllm_xargs.tenant must be a non-empty string"),
+        ("/v1/chat/completions", {**chat, "user": "u" * 300}, {},
+         "user must be a non-empty string"),
+    ]:
+        status, answer, _ = post(url, path, sent, {**AUTH, **headers})
+        assert status == 400 and answer["error"]["message"].startswith(message), answer
+
+
 def test_the_api_key_guards_every_endpoint(url) -> None:
     completion = {"prompt": [5, 6], "max_tokens": 1}
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -410,6 +449,8 @@ def test_server_options_the_endpoint_would_drop_are_refused_before_anything_star
         tmp_path) -> None:
     argv = vllm_server_args(None, {}, [], kv_cache_gib=KV_GIB, environ={})
     assert unserved_server_flags([*argv, "--port", "9000", "--api-key", "k"]) == ([], [])
+    # feather serve's tenant middleware is the ingress's own work; another is not done
+    assert unserved_server_flags([*argv, "--middleware", "x.Y"]) == (["--middleware"], [])
     dropped = [*argv, "--ssl-keyfile", "key.pem", "--root-path", "/x", "--max-log-len", "9"]
     refused, ignored = unserved_server_flags(dropped)
     assert sorted(refused) == ["--root-path", "--ssl-keyfile"] and ignored == ["--max-log-len"]

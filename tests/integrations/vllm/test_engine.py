@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
 
@@ -14,6 +15,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from feather_sched.core.cht import ChunkedHashTree  # noqa: E402
+from feather_sched.core.tenants import service_of  # noqa: E402
 from feather_sched.integrations.vllm.scheduler import (  # noqa: E402
     FeatherScheduler,
     FeatherSyncScheduler,
@@ -44,8 +46,9 @@ class RecordingScheduler(FeatherSyncScheduler):
         return output
 
 
-def make_llm(scheduler_cls=None, feather: dict | None = None, kv_blocks: int = 512) -> LLM:
-    extra = {}
+def make_llm(scheduler_cls=None, feather: dict | None = None, kv_blocks: int = 512,
+             **engine) -> LLM:
+    extra = dict(engine)
     if scheduler_cls is not None:
         extra["scheduler_cls"] = scheduler_cls
     if feather is not None:
@@ -196,6 +199,51 @@ def test_every_request_ends_once_with_aborts_and_preemption() -> None:
     assert scheduler.preemptions > 0
     runtime = scheduler.feather.runtime
     assert len(runtime) == 0 and runtime.queue.num_running == 0 and not runtime._tracked
+
+
+def test_fair_share_seats_a_second_tenant_before_a_flood_drains_and_counts_its_work(
+        ) -> None:
+    """Ten requests of one tenant behind one 512-token prefix, then three of another
+    sharing nothing, four seats, fair share on: the other tenant's requests are all
+    admitted before the flood's last.  The runtime is charged, per tenant, exactly the
+    prompt tokens vLLM reports it did not serve from its prefix cache and the tokens it
+    generated (no preemption here: nothing recomputed)."""
+    llm = make_llm(RecordingScheduler, {"gate": "always", "fairness": "tenants"},
+                   max_num_seqs=4)
+    scheduler = scheduler_of(llm)
+    share = scheduler.feather.runtime.queue.share
+    charged: Counter[str] = Counter()
+    charge = share.charge
+
+    def spying_charge(tenant, computed_tokens, output_tokens):
+        charged[tenant] += service_of(computed_tokens, output_tokens)
+        return charge(tenant, computed_tokens, output_tokens)
+
+    share.charge = spying_charge
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(1, 32000, 4 * BLOCK).tolist()
+    prompts = {f"flood{i}": prefix + rng.integers(1, 32000, 20).tolist() for i in range(10)}
+    prompts |= {f"other{i}": rng.integers(1, 32000, 300).tolist() for i in range(3)}
+    engine = llm.llm_engine
+    for rid, prompt in prompts.items():
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                extra_args={"tenant": rid.rstrip("0123456789")})
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [out for out in engine.step() if out.finished]
+    admitted = list(dict.fromkeys(external_id(r) for step in scheduler.running_per_step
+                                  for r in step))
+    assert max(admitted.index(f"other{i}") for i in range(3)) < admitted.index(admitted[-1])
+    assert admitted[-1].startswith("flood"), admitted
+    assert scheduler.preemptions == 0 and len(finished) == len(prompts)
+    done: Counter[str] = Counter()
+    for out in finished:
+        done[out.request_id.rstrip("0123456789")] += service_of(
+            len(out.prompt_token_ids) - out.num_cached_tokens, len(out.outputs[0].token_ids))
+    assert charged == done
+    assert sum(o.num_cached_tokens for o in finished) >= 8 * 4 * BLOCK  # the flood's hits
+    assert all(share.service(tenant) >= done[tenant] for tenant in done)  # lifts add
 
 
 def test_bad_feather_options_fail_at_startup() -> None:

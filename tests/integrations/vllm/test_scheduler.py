@@ -8,6 +8,8 @@ does on GPUs.  After every ``schedule()`` Feather's running set must be vLLM's.
 
 from __future__ import annotations
 
+import logging
+import logging.handlers
 import os
 import random
 import time
@@ -23,6 +25,7 @@ import torch
 from vllm.engine.arg_utils import EngineArgs
 from vllm.lora.request import LoRARequest
 from vllm.platforms import current_platform
+from vllm.pooling_params import PoolingParams
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import (
@@ -37,7 +40,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
@@ -95,10 +98,9 @@ class Harness:
                  feather: dict | None = None, v2_runner: bool = False,
                  scheduler_cls: type = FeatherScheduler,
                  clock: Callable[[], float] | None = None, **engine: object) -> None:
-        engine = {"max_num_seqs": 16, **engine}
+        engine = {"max_num_seqs": 16, "max_num_batched_tokens": 512, **engine}
         args = EngineArgs(model=str(TINY_LLAMA), skip_tokenizer_init=True, load_format="dummy",
-                          block_size=BLOCK, max_model_len=2048,
-                          max_num_batched_tokens=512, enable_prefix_caching=True,
+                          block_size=BLOCK, max_model_len=2048, enable_prefix_caching=True,
                           async_scheduling=async_scheduling,
                           additional_config={"feather": {
                               "gate": "always", "min_passing_tokens": PREFIX_BLOCKS * BLOCK,
@@ -832,3 +834,189 @@ def test_faults_in_a_row_turn_feather_off_for_the_engine(monkeypatch, contained_
     assert admitted == [r.request_id for r in requests]  # arrival order, every pass
     off = [r for r in caplog.records if "Feather is off" in r.getMessage()]
     assert len(off) == 1 and off[0].levelname == "ERROR"
+
+
+# ---- tenants: who a request is served for, and the service its tenant is charged ------
+
+FAIR = {"fairness": "tenants"}
+
+
+def for_tenant(tenant: object, max_tokens: int = 4) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                          extra_args={"tenant": tenant})
+
+
+def tenant_of(request: Request) -> str:
+    return str(request.sampling_params.extra_args["tenant"])
+
+
+def test_the_tenant_is_the_requests_extra_arg(monkeypatch) -> None:
+    """Named by ``extra_args["tenant"]`` (an int as its str); none named, or a pooling
+    request: the default tenant; a bad id (the offline API lets one through) is served
+    as the default tenant, logged once, never raised into the engine."""
+    harness = Harness(feather=FAIR)
+    lines = logging.handlers.BufferingHandler(capacity=1000)
+    monkeypatch.setattr(logging.getLogger("vllm.feather_sched"), "handlers", [lines])
+    view = VllmRequests(BLOCK, 128)
+    named = harness.request("a", 0, sampling_params=for_tenant("acme"))
+    numbered = harness.request("n", 0, sampling_params=for_tenant(7))
+    plain = harness.request("p", 0)
+    pooling = Request(request_id="pool", prompt_token_ids=[1, 2, 3], sampling_params=None,
+                      pooling_params=PoolingParams(), arrival_time=0.0)
+    assert [view.tenant(r) for r in (named, numbered, plain, pooling)] == \
+        ["acme", "7", "default", "default"]
+    bad = [harness.request(f"b{i}", 0, sampling_params=for_tenant(value))
+           for i, value in enumerate(["", [1], "x" * 300])]
+    assert [view.tenant(r) for r in bad] == ["default"] * 3
+
+    def logged() -> list[str]:
+        return [r.getMessage() for r in lines.buffer if "bad tenant" in r.getMessage()]
+
+    assert len(logged()) == 1 and "request b0: extra_args['tenant']" in logged()[0]
+    lines.flush()
+    harness.add(named, *bad)  # the engine serves them all, and says so once
+    harness.drain()
+    assert len(logged()) == 1
+    assert harness.runtime.queue.share.service("acme") > 0
+    harness.assert_empty()
+
+
+class ServiceLedger:
+    """What fair share is charged per tenant (``TenantShare.charge``, spied on) beside
+    what vLLM's own accounts say it should be: each admission's known tokens past the
+    cache hit vLLM reports for it (the prompt, and a resumed request's recomputation;
+    a lone last token is a decode's input, as the simulator counts), and every token
+    vLLM appends to a request's output."""
+
+    def __init__(self, harness: Harness) -> None:
+        self.harness = harness
+        self.charged: Counter[tuple[str, str]] = Counter()
+        self.expected: Counter[tuple[str, str]] = Counter()
+        self.resumed = self.chunked = self.drafts = 0
+        share = harness.runtime.queue.share
+        charge = share.charge
+
+        def spying_charge(tenant, computed_tokens, output_tokens):
+            self.charged[tenant, "computed"] += computed_tokens
+            self.charged[tenant, "generated"] += output_tokens
+            return charge(tenant, computed_tokens, output_tokens)
+
+        share.charge = spying_charge
+        schedule = harness.scheduler.schedule
+
+        def reading_schedule(*args, **kwargs):
+            output = schedule(*args, **kwargs)
+            self.scheduled(output)
+            return output
+
+        harness.scheduler.schedule = reading_schedule
+
+    def scheduled(self, output) -> None:
+        """Read a step's admissions as it is scheduled (before its result frees any)."""
+        requests = self.harness.scheduler.requests
+        for new in output.scheduled_new_reqs:
+            self.admitted(requests[new.req_id], new.num_computed_tokens)
+        cached = output.scheduled_cached_reqs
+        for rid, before in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            request = requests[rid]
+            if rid in cached.resumed_req_ids:
+                self.resumed += 1
+                self.admitted(request, before)
+            elif before < request.num_prompt_tokens:
+                self.chunked += 1  # a later chunk of a prompt
+        self.drafts += sum(map(len, output.scheduled_spec_decode_tokens.values()))
+
+    def admitted(self, request: Request, hit: int) -> None:
+        known = request.num_tokens - hit
+        if not (known == 1 and request.num_output_tokens):
+            self.expected[tenant_of(request), "computed"] += known
+
+    def generated(self, request: Request) -> None:
+        self.expected[tenant_of(request), "generated"] += request.max_tokens
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("case", ["chunked", "preempted"])
+def test_fair_share_is_charged_what_each_step_computes_and_generates(
+        async_scheduling: bool, case: str) -> None:
+    """Two tenants of shared prefixes: the share is charged each admission's prompt past
+    its cache hit, in chunks where a prompt is longer than a step's budget, each
+    recomputation after a preemption, and every generated token, before vLLM frees the
+    request, whether the result of a step comes before the next is scheduled or after."""
+    chunked = case == "chunked"
+    harness = Harness(async_scheduling=async_scheduling, feather=FAIR,
+                      num_blocks=256 if chunked else 40,
+                      max_num_batched_tokens=256 if chunked else 512)
+    ledger = ServiceLedger(harness)
+    requests = [harness.request(f"r{i}", group=i % 3, suffix=300 if chunked else 5,
+                                sampling_params=for_tenant(f"t{i % 2}", 12 if chunked else 60))
+                for i in range(8)]
+    harness.add(*requests)
+    harness.drain()
+    for request in requests:
+        ledger.generated(request)
+    assert ledger.charged == ledger.expected
+    assert ledger.expected["t0", "computed"] < sum(r.num_prompt_tokens for r in requests[::2])
+    assert (ledger.chunked if chunked else ledger.resumed) > 0
+    harness.assert_empty()
+
+
+def test_rejected_drafts_are_not_generated_tokens() -> None:
+    """Speculative decoding (two drafts a step, the first accepted, the second rejected):
+    the share is charged the prompt past its hit and the tokens vLLM appends, not the
+    draft positions the step computed."""
+    harness = Harness(feather=FAIR, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+        "prompt_lookup_min": 1})
+    ledger = ServiceLedger(harness)
+    scheduler = harness.scheduler
+
+    def accept_one_draft(output) -> ModelRunnerOutput:
+        ids = list(output.num_scheduled_tokens)
+        drafts = output.scheduled_spec_decode_tokens
+        sampled = []
+        for rid in ids:
+            request = scheduler.requests[rid]
+            done = request.num_computed_tokens >= request.num_tokens
+            sampled.append([7, 7][: 1 + len(drafts.get(rid, ())) // 2] if done else [])
+        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                 sampled_token_ids=sampled)
+
+    harness.fake_output = accept_one_draft
+    update = scheduler.update_from_output
+
+    def drafting_update(output, result):
+        outputs = update(output, result)
+        running = [r.request_id for r in scheduler.running]
+        scheduler.update_draft_token_ids(DraftTokenIds(running, [[9, 9] for _ in running]))
+        return outputs
+
+    scheduler.update_from_output = drafting_update
+    requests = [harness.request(f"r{i}", group=i % 2, sampling_params=for_tenant(f"t{i % 2}", 9))
+                for i in range(4)]
+    harness.add(*requests)
+    harness.drain()
+    for request in requests:
+        ledger.generated(request)
+    assert ledger.drafts > 0 and ledger.charged == ledger.expected
+    harness.assert_empty()
+
+
+@pytest.mark.parametrize("fairness", ["off", "tenants"])
+def test_a_flooding_tenant_does_not_hold_every_seat(fairness: str) -> None:
+    """Twelve requests of one tenant behind one prefix, then three of another sharing
+    nothing, four seats: Feather's prefix order alone admits the flood first; under
+    fair share the other tenant is admitted before the flood drains."""
+    harness = Harness(max_num_seqs=4, feather={"fairness": fairness})
+    flood = [harness.request(f"flood{i}", group=0, sampling_params=for_tenant("flood", 8))
+             for i in range(12)]
+    other = [harness.request(f"other{i}", group=1 + i, sampling_params=for_tenant("other", 8))
+             for i in range(3)]
+    harness.add(*flood, *other)
+    admitted = []
+    while harness.scheduler.has_requests():
+        admitted += [r.req_id for r in harness.step().scheduled_new_reqs]
+    last_flood = max(i for i, rid in enumerate(admitted) if rid.startswith("flood"))
+    last_other = max(i for i, rid in enumerate(admitted) if rid.startswith("other"))
+    assert (last_other < last_flood) is (fairness == "tenants"), admitted
+    harness.assert_empty()

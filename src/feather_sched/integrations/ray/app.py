@@ -8,7 +8,10 @@
   once a one-block probe prompt has run.
 * ``OpenAIIngress``: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` and
   ``/feather/router``; it tokenizes text once and calls the replicas through a handle
-  whose request router is ``FeatherRequestRouter`` (or another, for comparisons).
+  whose request router is ``FeatherRequestRouter`` (or another, for comparisons).  It
+  names each request's tenant as ``feather serve``'s middleware does (``named_tenant``:
+  the ``x-tenant-id`` header, then ``vllm_xargs.tenant``, then ``user``; a bad one is a
+  400) in the sampling parameters' ``extra_args``, where the replica's scheduler reads it.
 * ``build_app``: both, as ``feather serve --replicas`` runs them.
 
 Invariants: a request whose replica died is resent only before any of its output reached
@@ -42,9 +45,10 @@ from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from feather_sched.core import REPLICA_VARIABLE
+from feather_sched.core import REPLICA_VARIABLE, TENANT_ARG, TENANT_HEADER, named_tenant
 from feather_sched.integrations.ray.metrics import MetricsRelay
 from feather_sched.integrations.ray.router import ROUTER_CLASS, register_kv_events, router_states
+from feather_sched.integrations.vllm.tenants import TENANT_MIDDLEWARE
 from feather_sched.telemetry import prometheus as metrics
 
 RAY_ROUTERS = {
@@ -167,6 +171,9 @@ SERVED_SERVER_FLAGS = frozenset({"host", "port", "api_key", "chat_template",
                                  "enable_prompt_tokens_details", "model_tag", "config"})
 """``vllm serve`` options beyond the engine's that the replicas' endpoint applies (the
 ingress always reports cached prompt tokens)."""
+SERVED_DEFAULTS = {"middleware": [TENANT_MIDDLEWARE]}
+"""``vllm serve`` options as ``feather serve`` sets them whose work the endpoint does
+itself (the ingress names each request's tenant)."""
 LOGGING_SERVER_FLAGS = frozenset({
     "uvicorn_log_level", "disable_uvicorn_access_log", "disable_access_log_for_endpoints",
     "max_log_len", "enable_log_outputs", "enable_log_deltas", "log_error_stack",
@@ -187,7 +194,8 @@ def unserved_server_flags(argv: list[str]) -> tuple[list[str], list[str]]:
     engine = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     unserved = [name for name, value in args.items()
                 if name not in engine and name not in SERVED_SERVER_FLAGS
-                and value != parser.get_default(name)]
+                and value != parser.get_default(name)
+                and not (name in SERVED_DEFAULTS and value == SERVED_DEFAULTS[name])]
     refused = [name for name in unserved if name not in LOGGING_SERVER_FLAGS]
     ignored = [name for name in unserved if name in LOGGING_SERVER_FLAGS]
     return _flags(refused), _flags(ignored)
@@ -286,11 +294,12 @@ class VLLMReplica:
 
 class _GenerationRequest(BaseModel):
     """The OpenAI fields both endpoints serve (one choice); the rest are sampling
-    parameters, passed to ``vllm.SamplingParams`` when given."""
+    parameters, passed to ``vllm.SamplingParams`` when given (``vllm_xargs`` as its
+    ``extra_args``)."""
 
     model_config = ConfigDict(extra="forbid")
     _NOT_SAMPLING: ClassVar[frozenset[str]] = frozenset(
-        {"model", "n", "stream", "stream_options", "user", "session_id"})
+        {"model", "n", "stream", "stream_options", "user", "session_id", "vllm_xargs"})
 
     model: str | None = None
     min_tokens: int | None = None
@@ -306,11 +315,21 @@ class _GenerationRequest(BaseModel):
     user: str | None = None
     session_id: str | None = None
     """vLLM's field: related requests (a conversation, an agent's session)."""
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    """vLLM's field: arguments for extensions, the engine's ``extra_args`` (the tenant)."""
 
     def sampling(self, own: frozenset[str]) -> dict[str, Any]:
         """The sampling parameters given, less this request's own non-sampling ``own``."""
         fields = set(self.model_fields_set) - self._NOT_SAMPLING - own
-        return self.model_dump(include=fields, exclude_none=True)
+        given = self.model_dump(include=fields, exclude_none=True)
+        return {**given, "extra_args": dict(self.vllm_xargs)} if self.vllm_xargs else given
+
+    def name_tenant(self, header: str | None) -> None:
+        """Put the tenant the request names (``named_tenant``) in ``vllm_xargs``, as
+        ``feather serve``'s middleware does; ValueError for a bad one."""
+        tenant = named_tenant(header, self.vllm_xargs, self.user)
+        if tenant is not None:
+            self.vllm_xargs = {**(self.vllm_xargs or {}), TENANT_ARG: tenant}
 
 
 class CompletionRequest(_GenerationRequest):
@@ -393,14 +412,19 @@ class OpenAIIngress:
 
     async def _admit(self, request: Request,
                      model: type[RequestModel]) -> RequestModel | JSONResponse:
-        """The request's body as ``model`` once its API key is checked (before the body,
-        as vLLM's server does), else the error to answer."""
+        """The request's body as ``model``, its tenant named, once its API key is checked
+        (before the body, as vLLM's server does), else the error to answer."""
         if (refused := self._unauthorized(request)) is not None:
             return refused
         try:
-            return model.model_validate_json(await request.body())
+            body = model.model_validate_json(await request.body())
         except ValidationError as error:
             return _error(400, str(error.errors(include_url=False)))
+        try:
+            body.name_tenant(request.headers.get(TENANT_HEADER))
+        except ValueError as error:
+            return _error(400, str(error))
+        return body
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> Any:

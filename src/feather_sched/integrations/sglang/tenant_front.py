@@ -16,20 +16,14 @@ read only where something may change it).
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from feather_sched.core import parse_tenant
+from feather_sched.core import TENANT_HEADER, parse_tenant
+from feather_sched.integrations import asgi
 from feather_sched.integrations.sglang.scheduler import TENANT_PARAM
 
-TENANT_HEADER = "x-tenant-id"
 NATIVE_ROUTES = frozenset({"/generate"})
 OPENAI_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 
 def carry_tenant(body: dict, header: str | None, *, native: bool) -> bool:
@@ -72,10 +66,10 @@ class TenantMiddleware:
     A body that is not a JSON object, or is compressed, passes untouched (SGLang answers
     it as it would)."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+    def __init__(self, app: asgi.ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
         path = scope.get("path") if scope["type"] == "http" and \
             scope.get("method") == "POST" else None
         native = path in NATIVE_ROUTES
@@ -86,7 +80,9 @@ class TenantMiddleware:
         header = headers.get(TENANT_HEADER)
         if (native and header is None) or "content-encoding" in headers:
             return await self.app(scope, receive, send)
-        raw = await _read_body(receive)
+        raw = await asgi.read_body(receive)
+        if raw is None:
+            return None  # the client left while sending
         try:
             body = json.loads(raw)
         except ValueError:
@@ -95,51 +91,14 @@ class TenantMiddleware:
             try:
                 changed = carry_tenant(body, header, native=native)
             except ValueError as error:
-                return await _bad_request(send, str(error))
+                return await asgi.bad_request(send, str(error), TENANT_PARAM)
             if changed:
                 raw = json.dumps(body).encode()
-                scope = {**scope, "headers": [
-                    (k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"
-                ] + [(b"content-length", str(len(raw)).encode())]}
-        await self.app(scope, _replay(raw, receive), send)
+                scope = asgi.with_length(scope, raw)
+        await self.app(scope, asgi.replay(raw, receive), send)
 
 
 def install(app: Any) -> None:
     """Add ``TenantMiddleware`` to SGLang's FastAPI ``app`` (before it starts)."""
     app.add_middleware(TenantMiddleware)
 
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":  # the client went away
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """``receive`` that hands the app ``body`` whole, then defers to the server's."""
-    pending = True
-
-    async def replayed() -> Message:
-        nonlocal pending
-        if pending:
-            pending = False
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replayed
-
-
-async def _bad_request(send: Send, message: str) -> None:
-    """A 400 in SGLang's own error shape (OpenAI's)."""
-    body = json.dumps({"error": {"message": message, "type": "BadRequestError",
-                                 "param": TENANT_PARAM, "code": 400}}).encode()
-    await send({"type": "http.response.start", "status": 400,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})

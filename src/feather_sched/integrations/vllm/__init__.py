@@ -2,7 +2,8 @@
 variant and the instrumented baselines), ``batch_order`` (the worker-side batch layout),
 ``attention`` and ``attention_gpu`` (the shared-prefix attention backends),
 ``attention_check`` (the self-check's subject on vLLM's CPU kernel), ``block_hash``
-and ``kv_events`` (vLLM's block hashes and KV events, for the router).
+and ``kv_events`` (vLLM's block hashes and KV events, for the router), ``tenants`` (the
+server middleware that names each request's tenant).
 
 The public path ``feather_sched.integrations.vllm.FeatherScheduler`` (vLLM's
 ``--scheduler-cls``) resolves here lazily, so the plugins vLLM loads in every process

@@ -2,9 +2,12 @@
 
 Load with ``--scheduler-cls feather_sched.integrations.vllm.FeatherScheduler`` (server) or
 ``LLM(..., scheduler_cls=FeatherScheduler)``.  The scheduler subclass is thin (``_Hooks``):
-it forwards ``schedule``, ``update_from_output``, ``_free_request`` and ``shutdown`` to one
-component, ``VllmFeather``, which translates vLLM's types for ``FeatherRuntime``:
+it forwards ``schedule``, ``update_from_output``, ``_update_request_with_output`` (under
+fair share), ``_free_request`` and ``shutdown`` to one component, ``VllmFeather``, which
+translates vLLM's types for ``FeatherRuntime``:
 
+* ``VllmRequests``: how Feather reads a vLLM request (chunk keys from its block hashes,
+  its tenant from ``SamplingParams.extra_args["tenant"]``);
 * ``FeatherWaitingQueue``: vLLM's ``RequestQueue`` over the runtime; its truth value is
   the gate's ADD/STOP, ``peek``/``pop`` serve the runtime's candidate;
 * ``KvHoldingQueue``: vLLM's ``kv_holding_waiting``, under Feather's waiting bound;
@@ -14,7 +17,9 @@ component, ``VllmFeather``, which translates vLLM's types for ``FeatherRuntime``
 
 Invariants: each ``schedule()`` is one pass, rewarded with the step of its own scheduler
 output; every pass takes vLLM's ``running`` list as the truth and puts it in Feather's
-order, whose end vLLM preempts; a request leaves Feather exactly once.  A fault in
+order, whose end vLLM preempts; a request leaves Feather exactly once; under fair share
+every token a step computes for a request (past its cache hit, recomputation included)
+or generates is counted to its tenant before the request leaves (``served``).  A fault in
 Feather's code never reaches ``schedule()``: vLLM's own ``PriorityRequestQueue`` and
 admission serve until the next pass rebuilds Feather's picture.  Options:
 ``--additional-config '{"feather": {...}}'`` or ``FEATHER_*``.  docs/vllm.md.
@@ -41,6 +46,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from feather_sched.core import (
+    DEFAULT_TENANT,
+    TENANT_ARG,
     Admission,
     Decision,
     EngineShape,
@@ -50,6 +57,7 @@ from feather_sched.core import (
     block_chunk_keys,
     describe_batch,
     keys_per_chunk,
+    parse_tenant,
     token_chunk_keys,
 )
 from feather_sched.telemetry.stats import StepMeter
@@ -95,13 +103,15 @@ def feather_options(vllm_config: Any) -> FeatherConfig:
 
 
 class VllmRequests:
-    """``RequestView`` of vLLM requests: chunk keys from the engine's own block hashes."""
+    """``RequestView`` of vLLM requests: chunk keys from the engine's own block hashes,
+    the tenant from the request's ``SamplingParams.extra_args``."""
 
     def __init__(self, hash_block_size: int, chunk_tokens: int) -> None:
         self.hash_block_size = hash_block_size
         self.blocks_per_chunk = keys_per_chunk(hash_block_size, chunk_tokens)
         self.chunk_tokens = self.blocks_per_chunk * hash_block_size
         """Tokens a chunk key stands for: ``chunk_tokens`` in whole blocks (at least one)."""
+        self._bad_tenant_logged = False
 
     request_id = attrgetter("request_id")
     """The request's id (an attrgetter: the runtime maps it over the running list)."""
@@ -122,6 +132,26 @@ class VllmRequests:
 
     def priority(self, request: Request) -> int:
         return request.priority
+
+    def tenant(self, request: Request) -> str:
+        """``extra_args["tenant"]`` (an OpenAI body's ``vllm_xargs``, which ``feather
+        serve`` fills from the ``x-tenant-id`` header or ``user``), as ``parse_tenant``
+        takes it; ``DEFAULT_TENANT`` where none is named, as for a pooling request (no
+        sampling parameters).  A bad id can only come by the offline API (the HTTP fronts
+        refuse it with a 400), and the scheduler cannot refuse a request: it is served as
+        the default tenant, and the first such id is logged."""
+        params = request.sampling_params
+        named = params.extra_args.get(TENANT_ARG) if params and params.extra_args else None
+        if named is None:
+            return DEFAULT_TENANT
+        try:
+            return parse_tenant(named, f"request {request.request_id}: extra_args['tenant']")
+        except ValueError as error:
+            if not self._bad_tenant_logged:
+                self._bad_tenant_logged = True
+                logger.warning("%s; served as the default tenant (further bad tenant ids "
+                               "are not logged)", error)
+            return DEFAULT_TENANT
 
     def prompt_hashes(self, request: Request) -> list:
         """The block hashes of the prompt's full blocks."""
@@ -441,6 +471,12 @@ class VllmMeter:
     def freed(self, request: Request) -> None:
         """Nothing to forget without Feather."""
 
+    counts_service = False
+    """Whether ``generated`` is wanted (Feather's fair share)."""
+
+    def generated(self, request: Request, tokens: int) -> None:
+        """Nothing to count without Feather's fair share."""
+
     def close(self) -> None:
         self.faults.attempt("close", self.meter.close)
 
@@ -460,6 +496,21 @@ class VllmMeter:
         return describe_batch(((rid, view.chunk_keys(requests[rid]),
                                 requests[rid].num_computed_tokens, scheduled[rid])
                                for rid in order), view.chunk_tokens)
+
+
+def prompt_tokens_computed(request: Request, scheduled: int, drafts: int) -> int:
+    """Of the ``scheduled`` tokens a step has just scheduled for ``request`` (``drafts``
+    of them speculative), those the step computes that are prompt, or output recomputed
+    after a preemption: positions the request knows (``num_tokens``: not async
+    scheduling's placeholders, not drafts) from where its computed tokens stood (past
+    prefix-cache hits), but a decode's one input, the token sampled last, which its
+    generated token pays for (the simulator's count).  Right after ``schedule()``, which
+    has advanced ``num_computed_tokens`` by ``scheduled``.  O(1)."""
+    start = request.num_computed_tokens - scheduled
+    known = request.num_tokens
+    computed = max(0, min(start + scheduled - drafts, known) - start)
+    decoding = computed == 1 and start + 1 == known and request.num_output_tokens > 0
+    return 0 if decoding else computed
 
 
 def engine_shape(vllm_config: Any) -> EngineShape:
@@ -488,6 +539,8 @@ class VllmFeather(VllmMeter):
                                       engine=engine_shape(scheduler.vllm_config),
                                       chunk_tokens=view.chunk_tokens)
         super().__init__(scheduler, config, self.runtime.meter, self.runtime.faults)
+        self._computed: OrderedDict[int, list[tuple[str, int]]] = OrderedDict()
+        """Under fair share, each step in flight's prompt tokens computed, per request."""
         self.queue = FeatherWaitingQueue(self.runtime, scheduler)
         scheduler.waiting = self.queue
         scheduler.kv_holding_waiting = KvHoldingQueue(scheduler.kv_holding_waiting,
@@ -508,6 +561,8 @@ class VllmFeather(VllmMeter):
         if self.queue.feathers_pass:
             self.faults.attempt("end_pass", self._end_pass, output)
         self.faults.attempt("meter", self.measure, output)
+        if self.runtime.counts_service:
+            self.faults.attempt("served", self._note_computed, output)
 
     def _end_pass(self, output: Any) -> None:
         self.runtime.end_pass(id(output), self.scheduler.running)
@@ -527,6 +582,39 @@ class VllmFeather(VllmMeter):
                    if r.request_id in scheduled]
         if len(ordered) == len(scheduled) and ordered != list(scheduled):
             output.num_scheduled_tokens = {rid: scheduled[rid] for rid in ordered}
+
+    # ---- service under fair share (``FeatherRuntime.served``) ---------------------------
+    # A step's computed prompt tokens are counted when its result arrives (before vLLM's
+    # ``update_from_output``), its generated tokens as vLLM appends them (inside it, before
+    # it frees a finished request), so both reach the runtime before ``discard``.
+
+    def _note_computed(self, output: Any) -> None:
+        requests, drafts = self.scheduler.requests, output.scheduled_spec_decode_tokens
+        self._computed[id(output)] = [
+            (rid, computed) for rid, scheduled in output.num_scheduled_tokens.items()
+            if (computed := prompt_tokens_computed(requests[rid], scheduled,
+                                                   len(drafts.get(rid, ()))))]
+        while len(self._computed) > MAX_STEPS_IN_FLIGHT:
+            self._computed.popitem(last=False)
+
+    def step_done(self, output: Any) -> None:
+        super().step_done(output)
+        computed = self._computed.pop(id(output), None)
+        if computed and self.faults.active:
+            self.faults.attempt("served", self._serve_computed, computed)
+
+    def _serve_computed(self, computed: list[tuple[str, int]]) -> None:
+        for request_id, tokens in computed:
+            self.runtime.served(request_id, tokens, 0)
+
+    @property
+    def counts_service(self) -> bool:  # type: ignore[override]
+        return self.faults.active and self.runtime.counts_service
+
+    def generated(self, request: Request, tokens: int) -> None:
+        """vLLM appended ``tokens`` sampled tokens to ``request`` (accepted drafts and the
+        bonus token; rejected drafts are not appended)."""
+        self.faults.attempt("served", self.runtime.served, request.request_id, 0, tokens)
 
     @property
     def wants_batches(self) -> bool:
@@ -567,7 +655,8 @@ class VllmFeather(VllmMeter):
 
 
 class _Hooks:
-    """The scheduler calls Feather needs, each handed to ``self.feather``.
+    """The scheduler calls Feather needs, each handed to ``self.feather`` (vLLM appending
+    a step's sampled tokens, ``_update_request_with_output``, only under fair share).
 
     ``component`` is the class of ``self.feather``; ``sync_variant`` the class to build
     instead when async scheduling is off (for the class that names it, not for subclasses,
@@ -606,6 +695,14 @@ class _Hooks:
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
         self.feather.step_done(scheduler_output)
         return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _update_request_with_output(self, request: Request, new_token_ids: list[int],
+                                    *args: Any, **kwargs: Any) -> tuple[list[int], bool]:
+        new_token_ids, stopped = super()._update_request_with_output(
+            request, new_token_ids, *args, **kwargs)
+        if new_token_ids and self.feather.counts_service:
+            self.feather.generated(request, len(new_token_ids))
+        return new_token_ids, stopped
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
         self.feather.freed(request)
