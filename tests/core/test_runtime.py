@@ -618,3 +618,32 @@ def test_the_urgent_victim_is_the_least_urgent_end_of_the_order_and_pays_once() 
     same = Req("same", req("same", 5).keys, arrival=4.0, priority=1)
     assert rt.urgent_victim(running, same) is None
     assert runtime(max_urgent_preemptions=0).urgent_victim(running, waiting) is None
+
+
+def test_urgent_victims_are_the_fewest_in_feathers_order_that_make_room() -> None:
+    """The engine says which sets make room: here the KV blocks each frees (the two
+    youngest little, a prefix held by a request that stays; the oldest much). The run of
+    Feather's order that makes room is all three; the two it does without stay, and the
+    one that goes pays its bound, after which nothing makes room and nobody goes."""
+    rt = runtime()
+    running = [Req(rid, req(rid, i).keys, arrival=float(i), priority=1)
+               for i, rid in enumerate(("old", "mid", "young"))]
+    for request in running:
+        rt.enter_waiting(request)
+    rt.begin_pass([])
+    admit_all(rt, [])
+    waiting = Req("urgent", req("urgent", 9).keys, arrival=5.0, priority=0)
+    rt.enter_waiting(waiting)
+    frees = {"old": 5, "mid": 1, "young": 1}
+    tried: list[list[str]] = []
+
+    def makes_room(victims: list[Req]) -> bool:
+        tried.append([v.rid for v in victims])
+        return sum(frees[v.rid] for v in victims) >= 5
+
+    assert [v.rid for v in rt.urgent_victims(running, waiting, makes_room)] == ["old"]
+    assert tried == [["young"], ["young", "mid"], ["young", "mid", "old"],
+                     ["young", "old"], ["old"]]
+    assert rt.urgent_victims(running, waiting, makes_room) == []
+    assert rt.urgent_victim(running, waiting) is running[-1]  # one seat: the end
+    assert runtime(max_urgent_preemptions=0).urgent_victims(running, waiting, bool) == []
