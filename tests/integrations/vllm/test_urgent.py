@@ -16,6 +16,7 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
+from vllm.v1.request import RequestStatus
 
 from feather_sched.models import TINY_LLAMA
 from tests.integrations.vllm.test_scheduler import Harness
@@ -119,6 +120,21 @@ def test_an_urgent_request_takes_only_the_kv_blocks_it_needs(async_scheduling: b
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_victim_whose_prefix_stays_held_is_not_preempted_for_kv_room(
+        async_scheduling: bool) -> None:
+    """The end of Feather's class-1 order shares its 8-block prefix with a running class-0
+    request, so preempting it frees only its own 3 blocks, too few for the urgent request's
+    9 (4 free); the older class-1 request frees 11. Only that one gives way."""
+    harness = urgent_harness(async_scheduling, 1, num_blocks=30)
+    running = [harness.request("anchor", group=0, max_tokens=60, priority=0),
+               harness.request("loner", group=1, max_tokens=60, priority=1),
+               harness.request("sharer", group=0, max_tokens=60, priority=1)]
+    result = run(harness, {0: running, 30: [harness.request("urgent", group=2, priority=0)]})
+    assert [v for v in result["victims"] if v] == [["loner"]]
+    assert result["first"]["urgent"] == 31
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_no_request_gives_way_to_its_own_class_nor_beyond_the_bound(
         async_scheduling: bool) -> None:
     """Two seats. A class-1 arrival does not preempt class 1; class-0 arrivals preempt
@@ -137,6 +153,28 @@ def test_no_request_gives_way_to_its_own_class_nor_beyond_the_bound(
     assert result["first"]["u0"] == 6 and result["first"]["u1"] == 9
     assert result["first"]["u2"] > 35  # after u0 or u1 finished
     assert result["first"]["late-low"] > result["first"]["u2"]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_less_urgent_held_request_does_not_take_the_urgent_ones_seat(
+        async_scheduling: bool) -> None:
+    """Two seats: a class-1 decode, and a class-1 streaming session between turns (it
+    keeps its seat). Its next turn and a class-0 request arrive together: the session,
+    back in ``kv_holding_waiting``, which vLLM drains first, would take the one seat; the
+    urgent request goes first instead, in the step it arrives, and nobody is preempted."""
+    harness = urgent_harness(async_scheduling, 1, max_num_seqs=2)
+    session = harness.request("session", group=1, max_tokens=2, priority=1, resumable=True)
+    harness.add(harness.request("low", group=0, max_tokens=40, priority=1), session)
+    while session.status is not RequestStatus.WAITING_FOR_STREAMING_REQ:
+        harness.step()
+    harness.add(harness.request("session", group=1, priority=1, resumable=True, suffix=40),
+                harness.request("urgent", group=2, priority=0))
+    output = harness.step()
+    assert "urgent" in output.num_scheduled_tokens
+    assert "session" not in output.num_scheduled_tokens and not output.preempted_req_ids
+    harness.scheduler.finish_requests("session", RequestStatus.FINISHED_ABORTED)
+    harness.drain()
+    harness.assert_empty()
 
 
 def test_a_fault_in_urgent_preemption_hands_the_pass_to_vllm(monkeypatch,

@@ -321,9 +321,9 @@ class KvHoldingQueue(RequestQueue):
     while Feather's queue holds a request that a bound has made due (``FeatherQueue.due``)
     and the head of this queue would pass it (a later arrival of its class, or a less
     urgent one), this queue reads as empty, so vLLM turns to Feather's queue and the due
-    request goes first.  So too while a less urgent head would take the room urgent
-    preemption made in this pass for a request not yet admitted (``UrgentRoom.
-    holds_back``).  Not while nothing runs: KV the held requests keep might be what
+    request goes first.  So too while a less urgent head would take the room there is in
+    this pass for an urgent request not yet admitted (``UrgentRoom.holds_back``).  Not
+    while nothing runs: KV the held requests keep might be what
     the due request lacks, and this queue must then drain.  Its admissions count for the
     bound like any other (Feather sees them run).  Not while Feather is out of the pass
     (a fault, or off) either.

@@ -7,7 +7,10 @@ before vLLM's pass (``VllmFeather.before_schedule``, after Feather's running ord
 when Feather's next admission (its ADD for the candidate of the most urgent class waiting)
 lacks a seat or KV blocks and a running request of a less urgent class exists, it preempts
 ``FeatherRuntime.urgent_victims`` (the core's order and bound, ``max_urgent_preemptions``:
-the fewest in Feather's order that make room), then vLLM's own pass admits it.
+the fewest in Feather's order that make room), then vLLM's own pass admits it. Where there
+is room, made or found, ``kv_holding_waiting``, which vLLM drains first and which ``Room``
+does not count, keeps its less urgent requests back until the urgent one is in
+(``KvHoldingQueue``).
 
 Why before the pass: vLLM admits waiting requests only in a pass that preempted nothing
 (``if not preempted_reqs``), and a request its running loop scheduled cannot be taken back
@@ -62,7 +65,7 @@ class UrgentRoom:
         self.under_priority = \
             SchedulingPolicy(scheduler.scheduler_config.policy) is SchedulingPolicy.PRIORITY
         self.request: Request | None = None
-        """The request room was made for in this pass, until vLLM admits it."""
+        """The urgent request there is room for in this pass (made or found)."""
         self.victims: set[str] = set()
         """Requests preempted for urgency in this pass (reported in its output)."""
 
@@ -72,20 +75,14 @@ class UrgentRoom:
         serves the pass."""
         self.request, self.victims = None, set()
         candidate = self._candidate()
-        if candidate is None:
-            return
-        room = Room(self.scheduler, candidate)
-        if room.made_by(()) or not self._admitted(candidate):
-            return
-        for victim in self.runtime.urgent_victims(self.scheduler.running, candidate,
-                                                  room.made_by):
-            self._preempt(victim)
+        if candidate is not None and self._room_for(candidate):
             self.request = candidate
 
     def holds_back(self, request: Request) -> bool:
         """Whether ``request`` (the head of ``kv_holding_waiting``, which vLLM drains
-        first) must wait for the request room was made for: it is of a less urgent class
-        and that one is not admitted yet."""
+        first, ungated) must wait for the urgent request there is room for in this pass,
+        lest it take that room: it is of a less urgent class and that one is not admitted
+        yet. For one pass at most."""
         urgent = self.request
         return urgent is not None and urgent.status is not RequestStatus.RUNNING and \
             request.priority > urgent.priority
@@ -104,6 +101,20 @@ class UrgentRoom:
                 candidate.priority >= max(map(_PRIORITY, scheduler.running)):
             return None
         return candidate if self._schedulable(candidate) else None
+
+    def _room_for(self, candidate: Request) -> bool:
+        """Whether there is room for ``candidate`` in this pass: found, or made by
+        preempting the victims the core names, if Feather admits it."""
+        room = Room(self.scheduler, candidate)
+        if room.made_by(()):
+            return True
+        if not self._admitted(candidate):
+            return False
+        victims = self.runtime.urgent_victims(self.scheduler.running, candidate,
+                                              room.made_by)
+        for victim in victims:
+            self._preempt(victim)
+        return bool(victims)
 
     def _schedulable(self, request: Request) -> bool:
         """Whether vLLM's waiting loop would try to allocate for ``request`` rather than
