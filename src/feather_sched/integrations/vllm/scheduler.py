@@ -323,10 +323,10 @@ class KvHoldingQueue(RequestQueue):
     urgent one), this queue reads as empty, so vLLM turns to Feather's queue and the due
     request goes first.  So too while a less urgent head would take the room there is in
     this pass for an urgent request not yet admitted (``UrgentRoom.holds_back``).  Not
-    while nothing runs: KV the held requests keep might be what
-    the due request lacks, and this queue must then drain.  Its admissions count for the
-    bound like any other (Feather sees them run).  Not while Feather is out of the pass
-    (a fault, or off) either.
+    while nothing runs: KV the held requests keep might be what the due request lacks,
+    and this queue must then drain.  Its admissions count for the bound like any other
+    (Feather sees them run).  Not while Feather is out of the pass (a fault, or off)
+    either.
     """
 
     def __init__(self, inner: RequestQueue, waiting: FeatherWaitingQueue,
@@ -516,6 +516,7 @@ class VllmFeather(VllmMeter):
 
     def before_schedule(self) -> None:
         super().before_schedule()
+        self.urgent.forget()
         self.queue.begin_pass()
         if self.queue.feathers_pass and self.faults.active:
             self.faults.attempt("urgent", self.urgent.make)

@@ -69,11 +69,15 @@ class UrgentRoom:
         self.victims: set[str] = set()
         """Requests preempted for urgency in this pass (reported in its output)."""
 
-    def make(self) -> None:
-        """Before vLLM's pass: make room for Feather's next admission if it is more urgent
-        than a running request and lacks a seat or KV blocks. Call only while Feather
-        serves the pass."""
+    def forget(self) -> None:
+        """A new pass: no urgent request and no victims yet (whether or not ``make``
+        runs in it)."""
         self.request, self.victims = None, set()
+
+    def make(self) -> None:
+        """Before vLLM's pass, after ``forget``: make room for Feather's next admission if
+        it is more urgent than a running request and lacks a seat or KV blocks. Call only
+        while Feather serves the pass."""
         candidate = self._candidate()
         if candidate is not None and self._room_for(candidate):
             self.request = candidate
