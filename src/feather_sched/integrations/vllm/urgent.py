@@ -34,8 +34,9 @@ vLLM is paused, only under vLLM's priority policy, never for a request vLLM woul
 (grammar not compiled, stale output in flight, no LoRA slot); a victim whose blocks a KV
 connector's deferred free holds frees none now (vLLM's own rule), and while a connector
 has block frees pending KV room is not lacking (vLLM waits for them too). Cost: nothing
-unless an urgent request waits behind a less urgent running one; then O(running) and
-O(victims' blocks) per set of victims tried.
+outside vLLM's priority policy; under it, a class check in O(running) a pass while
+requests wait, and only where Feather's candidate is more urgent than a running request
+the room test, O(running), then O(victims' blocks) per set of victims tried.
 """
 
 from __future__ import annotations
