@@ -30,8 +30,8 @@ GROUP_KEYS = ["worst_group_mean_ttft_ms", "worst_group_p99_ttft_ms", "ttft_by_gr
 PRIORITY_KEYS = ["preemptions", "max_preemptions_per_request", "preemptions_by_group",
                  "scheduling_policy", "by_priority", "by_tenant", "max_service_gap"]
 FEATHER_KEYS = ["mean_batch_size", "mean_groups_per_step", "prefix_cache_hit_rate",
-                "gate_add", "gate_stop", "gate_forced", "schedule_ms_per_call",
-                "engine_step_ms"]
+                "gate_add", "gate_stop", "gate_forced", "urgent_preemptions",
+                "schedule_ms_per_call", "engine_step_ms"]
 
 
 def record(rid: str, prompt_len: int, submitted: float, tokens: list[float],

@@ -600,18 +600,25 @@ def test_without_a_tenant_in_the_view_or_without_fair_share_nothing_is_charged()
     assert plain.queue.share is None
 
 
-def test_the_urgent_victim_is_the_least_urgent_end_of_the_order_and_pays_once() -> None:
-    rt = runtime()  # max_urgent_preemptions 1 by default
-    low_old = Req("low-old", req("low-old", 1).keys, arrival=0.0, priority=1)
-    low_new = Req("low-new", req("low-new", 2).keys, arrival=1.0, priority=1)
-    urgent_running = Req("urgent-running", req("u", 3).keys, arrival=2.0, priority=0)
-    running = [low_old, low_new, urgent_running]
+def urgent_waits_behind(running: list[Req]) -> tuple[FeatherRuntime, Req]:
+    """A runtime (``max_urgent_preemptions`` 1 by default) that runs ``running``, admitted
+    in one pass, when a class-0 request of a group of its own arrives: (it, the request)."""
+    rt = runtime()
     for request in running:
         rt.enter_waiting(request)
     rt.begin_pass([])
     admit_all(rt, [])
-    waiting = Req("urgent", req("urgent", 4).keys, arrival=3.0, priority=0)
+    waiting = Req("urgent", req("urgent", 9).keys, arrival=9.0, priority=0)
     rt.enter_waiting(waiting)
+    return rt, waiting
+
+
+def test_the_urgent_victim_is_the_least_urgent_end_of_the_order_and_pays_once() -> None:
+    low_old = Req("low-old", req("low-old", 1).keys, arrival=0.0, priority=1)
+    low_new = Req("low-new", req("low-new", 2).keys, arrival=1.0, priority=1)
+    urgent_running = Req("urgent-running", req("u", 3).keys, arrival=2.0, priority=0)
+    running = [low_old, low_new, urgent_running]
+    rt, waiting = urgent_waits_behind(running)
     assert rt.urgent_victim(running, waiting) is low_new  # the end of Feather's order
     assert rt.urgent_victim(running, waiting) is low_old  # low-new was preempted so once
     assert rt.urgent_victim(running, waiting) is None  # same class is never a victim
@@ -636,3 +643,26 @@ def test_the_urgent_bound_holds_across_a_rebuild_and_a_grown_prompt() -> None:
     grown = Req("low", [*low.keys, ("more",)], arrival=0.0, priority=1)
     rt.reconcile([grown], [urgent])
     assert rt.urgent_victim([grown], urgent) is None
+
+
+def test_urgent_victims_are_the_fewest_in_feathers_order_that_make_room() -> None:
+    """The engine says which sets make room: here the KV blocks each frees (the two
+    youngest little, a prefix held by a request that stays; the oldest much). The run of
+    Feather's order that makes room is all three; the two it does without stay, and the
+    one that goes pays its bound, after which nothing makes room and nobody goes."""
+    running = [Req(rid, req(rid, i).keys, arrival=float(i), priority=1)
+               for i, rid in enumerate(("old", "mid", "young"))]
+    rt, waiting = urgent_waits_behind(running)
+    frees = {"old": 5, "mid": 1, "young": 1}
+    tried: list[list[str]] = []
+
+    def makes_room(victims: list[Req]) -> bool:
+        tried.append([v.rid for v in victims])
+        return sum(frees[v.rid] for v in victims) >= 5
+
+    assert [v.rid for v in rt.urgent_victims(running, waiting, makes_room)] == ["old"]
+    assert tried == [["young"], ["young", "mid"], ["young", "mid", "old"],
+                     ["young", "old"], ["old"]]
+    assert rt.urgent_victims(running, waiting, makes_room) == []
+    assert rt.urgent_victim(running, waiting) is running[-1]  # one seat: the end
+    assert runtime(max_urgent_preemptions=0).urgent_victims(running, waiting, bool) == []

@@ -85,7 +85,9 @@ for request in running:
     rt.served(request.rid, computed_tokens=10, generated_tokens=1)
 urgent = TenantReq("u", req("u", 1).keys, arrival=3.0, tenant="a")
 rt.enter_waiting(urgent)
-assert rt.urgent_victim(running, urgent).tenant == "c"
+victim = rt.urgent_victim(running, urgent)
+assert victim.tenant == "c"
+rt.preempted(victim, urgent=True)  # the engine preempts it
 registry = CollectorRegistry()
 multiprocess.MultiProcessCollector(registry)
 print(generate_latest(registry).decode())

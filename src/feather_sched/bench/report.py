@@ -176,6 +176,7 @@ def _feather_lines(run: RunResult, summary: Summary) -> list[str]:
         LINE.format("Preemptions (total / max a request):",
                     f"{_or_na(summary['preemptions'])} / "
                     f"{_or_na(summary['max_preemptions_per_request'])}"),
+        LINE.format("Of them, for a more urgent request:", _or_na(summary["urgent_preemptions"])),
         _number("Scheduler time per step (ms):", summary["schedule_ms_per_call"]),
         _number("Engine step time (ms):", summary["engine_step_ms"]),
         *(_number(f"{key.replace('_', ' ').capitalize()}:", summary[key]) for key in run.extra),

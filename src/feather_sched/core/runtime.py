@@ -43,6 +43,9 @@ contract, in the style of vLLM's ``RequestQueue``::
                                   ``request`` of a more urgent class that lacks KV
                                   room or a seat (None: none may be); the engine
                                   preempts it and tries again
+    urgent_victims(running, request, makes_room)
+                                  the fewest to preempt together, where the engine
+                                  can tell whether a set of victims makes room
 
 Beside the pass, what an adapter may read or ask: ``reconcile(running, waiting)`` (an
 engine that changes its queues by paths no call shows, as SGLang can), ``preempted``,
@@ -400,10 +403,26 @@ class FeatherRuntime(Generic[R]):
         none, or the option is 0.  So a request is preempted for urgency at most
         ``max_urgent_preemptions`` times in its life, and an urgent request waits for KV
         room only behind requests of its own class or a more urgent one, or ones already
-        preempted so.  O(n log n)."""
+        preempted so.  ``urgent_victims`` with any one victim making room.  O(n log n)."""
+        victims = self.urgent_victims(running, request, bool)
+        return victims[0] if victims else None
+
+    def urgent_victims(self, running: Sequence[R], request: R,
+                       makes_room: Callable[[list[R]], bool]) -> list[R]:
+        """The running requests to preempt together for ``request``, waiting and unable to
+        run for lack of KV room or a seat, where the engine can tell whether a set of
+        victims makes room (``makes_room(victims)``: a seat, and KV blocks, which a
+        prefix shared with a request that stays does not free): among those that may give
+        way (as for ``urgent_victim``), the shortest run of ``preemption_victim``'s order
+        (the end of Feather's order first) that makes room, less each member, the latest
+        first, that the others make room without.  So no more go than the request needs:
+        one for a seat; for KV room, not a group's members whose prefix stays held.
+        Each is counted as an urgent victim (the engine preempts them all); [] when even
+        all of them leave no room, or the option is 0.  O(k n log n) for a run of k, and
+        up to 2k calls of ``makes_room``."""
         limit = self.config.max_urgent_preemptions
         if not limit:
-            return None
+            return []
         priority, view, tracked = self.view.priority(request), self.view, self._tracked
 
         def may_go(candidate: R) -> bool:
@@ -411,15 +430,22 @@ class FeatherRuntime(Generic[R]):
             return view.priority(candidate) > priority and (
                 known is None or known.urgent_preemptions < limit)
 
-        candidates = list(filter(may_go, running))
-        if not candidates:
-            return None
-        victim = self.preemption_victim(candidates)
-        known = tracked.get(view.request_id(victim))
-        if known is not None:
-            known.urgent_preemptions += 1
-        self.meter.urgent_preempted(view.priority(victim))
-        return victim
+        remaining, victims, room = list(filter(may_go, running)), [], False
+        while remaining and not room:
+            victims.append(self.preemption_victim(remaining))
+            remaining.remove(victims[-1])
+            room = makes_room(victims)
+        if not room:
+            return []
+        for victim in victims[-2::-1]:
+            rest = [v for v in victims if v is not victim]
+            if makes_room(rest):
+                victims = rest
+        for victim in victims:
+            known = tracked.get(view.request_id(victim))
+            if known is not None:
+                known.urgent_preemptions += 1
+        return victims
 
     def age_key(self, request: R) -> tuple[int, float, float]:
         """Sorts requests by class, the most urgent first, then by age, the oldest first:
@@ -433,9 +459,10 @@ class FeatherRuntime(Generic[R]):
         return (self.view.priority(request), self.clock() if arrival is None else arrival,
                 float("inf"))
 
-    def preempted(self, request: R) -> None:
-        """The engine preempted ``request`` (its own victim choice, reported afterwards):
-        counted per request and per class, with its group's running size. O(running)."""
+    def preempted(self, request: R, *, urgent: bool = False) -> None:
+        """The engine preempted ``request`` (its own victim choice, reported afterwards;
+        ``urgent``: as the ``urgent_victim`` of a more urgent request): counted per
+        request and per class, with its group's running size. O(running)."""
         request_id = self._refresh(request)
         tracked = self._tracked[request_id]
         tracked.preemptions += 1
@@ -444,7 +471,7 @@ class FeatherRuntime(Generic[R]):
         siblings = sum(1 for r in queue.running_ids()
                        if r != request_id and queue.group(r) == group)
         self.meter.preempted(tracked.preemptions, priority=queue.priority(request_id),
-                             group_size=siblings + 1)
+                             group_size=siblings + 1, urgent=urgent)
 
     def passes_due(self, request: R) -> bool:
         """Whether running ``request`` now, by a path that bypasses Feather's queue, would

@@ -325,6 +325,7 @@ def _feather_keys(run: RunResult, ok: list[RequestRecord]) -> Summary:
         "mean_groups_per_step": _mean([s.groups for s in steps]),
         "prefix_cache_hit_rate": _hit_rate(run, ok),
         **{f"gate_{key}": gates.get(key) for key in GATE_KEYS},
+        "urgent_preemptions": stats.urgent_preemptions if stats else None,
         "schedule_ms_per_call": stats.schedule_ms_per_call if stats else None,
         "engine_step_ms": stats.step_ms if stats else None,
         **run.extra,

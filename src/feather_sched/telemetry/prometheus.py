@@ -176,15 +176,15 @@ class PrometheusSink:
     def scheduled(self, seconds: float) -> None:
         self._schedule.observe(seconds)
 
-    def preempted(self, priority: int, group_size: int | None) -> None:
-        """One preemption: the victim's class, and its group's running size."""
+    def preempted(self, priority: int, group_size: int | None, *,
+                  urgent: bool = False) -> None:
+        """One preemption: the victim's class, its group's running size, and whether it
+        was for a waiting request of a more urgent class."""
         self._preemptions.labels(self._scheduler, str(priority)).inc()
+        if urgent:
+            self._metrics.urgent_preemptions.labels(self._scheduler, str(priority)).inc()
         if group_size is not None:
             self._preempted_group.observe(group_size)
-
-    def urgent_preempted(self, priority: int) -> None:
-        """One preemption for a more urgent waiting request: the victim's class."""
-        self._metrics.urgent_preemptions.labels(self._scheduler, str(priority)).inc()
 
     def served(self, tenant: Hashable, service: float) -> None:
         """The tenant received ``service`` (weighted tokens, before its weight)."""

@@ -67,10 +67,11 @@ class SchedulerStats:
     """Feather's waiting and running requests at the last scheduling pass."""
     preemptions: int = 0
     max_request_preemptions: int = 0
-    """Preemptions (KV room taken back from a running request), and the most any one
+    """Preemptions (a running request's KV room taken back), and the most any one
     request suffered."""
     urgent_preemptions: int = 0
-    """Of those, the ones for a waiting request of a more urgent class."""
+    """Of those, preemptions for a waiting request of a more urgent class (at most
+    ``max_urgent_preemptions`` per request)."""
     faults: int = 0
     """Exceptions in Feather's own code, each contained by its scheduling pass falling
     back to the engine's own order (``runtime.FaultGuard``)."""
@@ -144,22 +145,18 @@ class StepMeter:
             self.save()
 
     def preempted(self, request_preemptions: int, *, priority: int = 0,
-                  group_size: int | None = None) -> None:
+                  group_size: int | None = None, urgent: bool = False) -> None:
         """A request was preempted, its ``request_preemptions``-th time; it was of class
-        ``priority`` and one of ``group_size`` running requests of its prefix group."""
+        ``priority`` and one of ``group_size`` running requests of its prefix group;
+        ``urgent``: for a waiting request of a more urgent class, not for KV room of a
+        running one (counted in both ``preemptions`` and ``urgent_preemptions``)."""
         stats = self.stats
         stats.preemptions += 1
+        stats.urgent_preemptions += int(urgent)
         stats.max_request_preemptions = max(stats.max_request_preemptions,
                                             request_preemptions)
         if self.sink is not None:
-            self.sink.preempted(priority, group_size)
-
-    def urgent_preempted(self, priority: int) -> None:
-        """A running request of class ``priority`` is preempted for a more urgent waiting
-        request (counted here; ``preempted`` counts it as a preemption too)."""
-        self.stats.urgent_preemptions += 1
-        if self.sink is not None:
-            self.sink.urgent_preempted(priority)
+            self.sink.preempted(priority, group_size, urgent=urgent)
 
     def save(self) -> None:
         """Write the stats file and the gate's table (those configured); never raises."""

@@ -640,10 +640,12 @@ def test_an_old_singleton_is_not_preempted_for_a_stream_of_majority_requests(
 def test_no_request_is_preempted_for_a_group_of_younger_requests(seed: int,
                                                                  classes: int) -> None:
     """Random arrivals, lengths and aborts in 3 groups and singletons, a KV cache that
-    forces preemption, the default gate, sync and async: every victim is the newest member
-    of the youngest group (by its oldest running member) of the least urgent class; with
-    two classes under vLLM's priority policy, no request is admitted from the waiting
-    queue while a more urgent one that waited since the pass began still waits."""
+    forces preemption, the default gate, sync and async: every victim of vLLM's own
+    preemption is the newest member of the youngest group (by its oldest running member)
+    of the least urgent class; with two classes under vLLM's priority policy, no request
+    is admitted from the waiting queue while a more urgent one that waited since the pass
+    began still waits, and one preempted for urgency gave way to a more urgent request
+    admitted in the same pass."""
     rng = random.Random(seed)
     policy = {"scheduling_policy": "priority"} if classes > 1 else {}
     harness = Harness(num_blocks=36, async_scheduling=bool(seed % 2), feather={}, **policy)
@@ -669,9 +671,12 @@ def test_no_request_is_preempted_for_a_group_of_younger_requests(seed: int,
         output = harness.step()
         preempted += len(output.preempted_req_ids)
         running = harness.scheduled_from
-        assert preempted_by_feathers_rule(output.preempted_req_ids, running, order, groups), \
-            (output.preempted_req_ids, running)
+        urgent = harness.scheduler.feather.urgent.victims
+        own = output.preempted_req_ids - urgent
+        assert preempted_by_feathers_rule(own, running, order, groups), (own, running)
         admitted = [r.req_id for r in output.scheduled_new_reqs]
+        assert all(any(order[rid][0] < order[victim][0] for rid in admitted)
+                   for victim in urgent), (urgent, admitted)
         still = [rid for rid in waited if rid in harness.runtime.queue and
                  harness.runtime.queue.state(rid) is QueueState.WAITING]
         for rid in admitted:

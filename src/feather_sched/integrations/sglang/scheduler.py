@@ -371,15 +371,16 @@ class FeatherSGLang:
     def _retraction_positions(self, reqs: list[Req]) -> list[int]:
         return positions(reqs, self.runtime.order(reqs))
 
-    def retracted(self, reqs: Iterable[Req]) -> None:
-        """SGLang retracted ``reqs`` for KV room: preemptions, counted per request, class
-        and group (``FeatherRuntime.preempted``)."""
+    def retracted(self, reqs: Iterable[Req], *, urgent: bool = False) -> None:
+        """SGLang retracted ``reqs`` for KV room (``urgent``: each for a waiting request
+        of a more urgent class): preemptions, counted per request, class and group
+        (``FeatherRuntime.preempted``)."""
         if self.faults.serving:
-            self.faults.attempt("preempted", self._retracted, list(reqs))
+            self.faults.attempt("preempted", self._retracted, list(reqs), urgent)
 
-    def _retracted(self, reqs: list[Req]) -> None:
+    def _retracted(self, reqs: list[Req], urgent: bool) -> None:
         for req in reqs:
-            self.runtime.preempted(req)
+            self.runtime.preempted(req, urgent=urgent)
 
     def entered(self, req: Req) -> None:
         """SGLang put ``req`` at the end of its waiting queue."""
@@ -550,7 +551,7 @@ class FeatherPrefillAdder(PrefillAdder):
         batch.filter_batch(keep_indices=[i for i in range(len(batch.reqs)) if i != at])
         self.preempt_list.append(victim)
         self.req_states = None  # add_one_req_ignore_eos's picture of the running batch
-        feather.retracted([victim])
+        feather.retracted([victim], urgent=True)
         return True
 
     def _could_fit(self, req: Req) -> bool:

@@ -11,6 +11,8 @@ translates vLLM's types for ``FeatherRuntime``:
 * ``FeatherWaitingQueue``: vLLM's ``RequestQueue`` over the runtime; its truth value is
   the gate's ADD/STOP, ``peek``/``pop`` serve the runtime's candidate;
 * ``KvHoldingQueue``: vLLM's ``kv_holding_waiting``, under Feather's waiting bound;
+* ``UrgentRoom`` (``urgent``): before each pass, a less urgent running request preempted
+  for Feather's next admission where it lacks a seat or KV blocks (vLLM's priority policy);
 * ``VllmMeter``: the measurements, which the FCFS baseline (``InstrumentedScheduler``)
   takes too;
 * ``FeatherScheduler`` / ``FeatherSyncScheduler``: async scheduling on / off.
@@ -60,6 +62,7 @@ from feather_sched.core import (
     parse_tenant,
     token_chunk_keys,
 )
+from feather_sched.integrations.vllm.urgent import UrgentRoom
 from feather_sched.telemetry.stats import StepMeter
 from feather_sched.telemetry.steplog import BatchEntry
 
@@ -348,17 +351,20 @@ class KvHoldingQueue(RequestQueue):
     while Feather's queue holds a request that a bound has made due (``FeatherQueue.due``)
     and the head of this queue would pass it (a later arrival of its class, or a less
     urgent one), this queue reads as empty, so vLLM turns to Feather's queue and the due
-    request goes first.  Not while nothing runs: KV the held requests keep might be what
-    the due request lacks, and this queue must then drain.  Its admissions count for the
-    bound like any other (Feather sees them run).  Not while Feather is out of the pass
-    (a fault, or off) either.
+    request goes first.  So too while a less urgent head would take the room there is in
+    this pass for an urgent request not yet admitted (``UrgentRoom.holds_back``).  Not
+    while nothing runs: KV the held requests keep might be what the due request lacks,
+    and this queue must then drain.  Its admissions count for the bound like any other
+    (Feather sees them run).  Not while Feather is out of the pass (a fault, or off)
+    either.
     """
 
     def __init__(self, inner: RequestQueue, waiting: FeatherWaitingQueue,
-                 scheduler: Scheduler) -> None:
+                 scheduler: Scheduler, urgent: UrgentRoom) -> None:
         self.inner = inner
         self.waiting = waiting
         self.scheduler = scheduler
+        self.urgent = urgent
 
     def __bool__(self) -> bool:
         if not self.inner:
@@ -367,8 +373,11 @@ class KvHoldingQueue(RequestQueue):
         if not scheduler.running or scheduler.pause_state != PauseState.UNPAUSED or \
                 not self.waiting.feathers_pass:
             return True
+        head = self.inner.peek_request()
+        if self.urgent.holds_back(head):
+            return False
         passes = self.waiting.faults.call("passes_due", self.waiting.runtime.passes_due,
-                                          self.inner.peek_request(), default=False)
+                                          head, default=False)
         return not passes
 
     def __len__(self) -> int:
@@ -442,7 +451,7 @@ class VllmMeter:
         for request_id in output.preempted_req_ids or ():
             request = requests.get(request_id)
             if request is not None:
-                self.preempted(request)
+                self.preempted(request, urgent=self.preempted_for_urgency(request_id))
         batch = self.batch(output) if self.wants_batches else None
         self._in_flight[id(output)] = (output, now, batch)
         while len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
@@ -464,9 +473,15 @@ class VllmMeter:
         if not self.scheduler.has_unfinished_requests():
             self.meter.save()  # drained: a run's end is on file even if shutdown is cut short
 
-    def preempted(self, request: Request) -> None:
-        """vLLM preempted ``request`` in this pass (counted once per preemption)."""
-        self.meter.preempted(request.num_preemptions, priority=request.priority)
+    def preempted(self, request: Request, *, urgent: bool = False) -> None:
+        """vLLM preempted ``request`` in this pass (counted once per preemption);
+        ``urgent``: for a waiting request of a more urgent class."""
+        self.meter.preempted(request.num_preemptions, priority=request.priority,
+                             urgent=urgent)
+
+    def preempted_for_urgency(self, request_id: str) -> bool:
+        """Whether this pass preempted the request for a more urgent one (never here)."""
+        return False
 
     def freed(self, request: Request) -> None:
         """Nothing to forget without Feather."""
@@ -542,9 +557,10 @@ class VllmFeather(VllmMeter):
         self._computed: OrderedDict[int, list[tuple[str, int]]] = OrderedDict()
         """Under fair share, each step in flight's prompt tokens computed, per request."""
         self.queue = FeatherWaitingQueue(self.runtime, scheduler)
+        self.urgent = UrgentRoom(scheduler, self.runtime)
         scheduler.waiting = self.queue
         scheduler.kv_holding_waiting = KvHoldingQueue(scheduler.kv_holding_waiting,
-                                                      self.queue, scheduler)
+                                                      self.queue, scheduler, self.urgent)
         note, acts = self.order_note()
         logger.info("Feather scheduler: %s; %s", config, note)
         if not acts:
@@ -553,7 +569,10 @@ class VllmFeather(VllmMeter):
 
     def before_schedule(self) -> None:
         super().before_schedule()
+        self.urgent.forget()
         self.queue.begin_pass()
+        if self.queue.feathers_pass and self.faults.active:
+            self.faults.attempt("urgent", self.urgent.make)
 
     def after_schedule(self, output: Any) -> None:
         if not self.faults.active:
@@ -624,11 +643,14 @@ class VllmFeather(VllmMeter):
                     batch: list[BatchEntry] | None) -> None:
         self.runtime.end_step(id(output), size, seconds, batch)
 
-    def preempted(self, request: Request) -> None:
+    def preempted(self, request: Request, *, urgent: bool = False) -> None:
         if self.queue.feathers_pass:
-            self.runtime.preempted(request)
+            self.runtime.preempted(request, urgent=urgent)
         else:
-            super().preempted(request)
+            super().preempted(request, urgent=urgent)
+
+    def preempted_for_urgency(self, request_id: str) -> bool:
+        return request_id in self.urgent.victims
 
     def freed(self, request: Request) -> None:
         if self.queue.feathers_pass:  # otherwise rebuilt before its next pass
