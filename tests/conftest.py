@@ -4,6 +4,7 @@ that did not ask for faults, so containment never hides a bug."""
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 
@@ -41,3 +42,14 @@ def _contained_faults_fail_the_test(request: pytest.FixtureRequest,
     if seen and not allowed:
         pytest.fail(f"Feather contained {len(seen)} fault(s), the first in {seen[0][0]}: "
                     f"{seen[0][1]!r}")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _engines_of_a_module_end_with_it():
+    """Shut down the in-process vLLM engines a test module dropped, once it is done
+    (``tests/helpers/vllm_engines``): frozen garbage otherwise, shut down by a later
+    collection under another module's live engine (seen with pytest-xdist, where a
+    worker runs the files in another order)."""
+    yield
+    gc.unfreeze()
+    gc.collect()

@@ -31,6 +31,7 @@ from feather_sched.integrations.vllm.attention import (  # noqa: E402
 from feather_sched.models import TINY_LLAMA  # noqa: E402
 from tests.helpers.kv_layouts import read_tokens, write_cache  # noqa: E402
 from tests.helpers.timers import timed_as  # noqa: E402
+from tests.helpers.vllm_engines import shut_down  # noqa: E402
 
 BLOCK = 128
 FEATHER = "feather_sched.integrations.vllm.FeatherScheduler"
@@ -96,7 +97,7 @@ def stock_fp32_outputs():
     prompts, lengths = mixed_prompts()
     llm = make_llm("float32", scheduler=None, kv_blocks=30, batched_tokens=512)
     outputs = generate(llm, prompts, lengths)
-    del llm
+    shut_down(llm)
     return prompts, lengths, outputs
 
 

@@ -23,6 +23,7 @@ from feather_sched.integrations.vllm.scheduler import (  # noqa: E402
 from feather_sched.models import TINY_LLAMA  # noqa: E402
 from feather_sched.telemetry.prometheus import PrometheusSink  # noqa: E402
 from tests.helpers.faults import Injector  # noqa: E402
+from tests.helpers.vllm_engines import shut_down  # noqa: E402
 
 BLOCK = 128
 KV_BYTES_PER_TOKEN = 2 * 8 * 64 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16
@@ -101,7 +102,7 @@ def default_outputs():
     prompts = [p for _, p in group_prompts(groups=3, per_group=6)]
     llm = make_llm()
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy(12))
-    del llm
+    shut_down(llm)
     return prompts, [list(o.outputs[0].token_ids) for o in outputs]
 
 
@@ -178,7 +179,7 @@ def test_stop_holds_other_groups_back_until_the_batch_drains() -> None:
         sizes = [len(step) for step in steps]
         if name == "feather":
             assert max(sizes) == 6, sizes
-        del llm
+        shut_down(llm)
     assert groups_seen == {"always": 2, "feather": 1}
 
 

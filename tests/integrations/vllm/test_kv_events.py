@@ -24,6 +24,7 @@ from feather_sched.integrations.vllm.kv_events import KVEventSubscriber  # noqa:
 from feather_sched.models import TINY_LLAMA  # noqa: E402
 from feather_sched.routing.cache_index import CacheIndex  # noqa: E402
 from tests.helpers.servers import free_port  # noqa: E402
+from tests.helpers.vllm_engines import shut_down  # noqa: E402
 
 BLOCK = 128
 KV_BYTES_PER_TOKEN = 2 * 8 * 64 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16
@@ -41,7 +42,7 @@ def engine():
               kv_cache_memory_bytes=KV_BLOCKS * BLOCK * KV_BYTES_PER_TOKEN,
               kv_events_config=events)
     yield llm, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
-    del llm
+    shut_down(llm)
 
 
 def cached(llm: LLM) -> set[int]:

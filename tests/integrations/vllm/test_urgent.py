@@ -19,6 +19,7 @@ from vllm.inputs import TokensPrompt
 from vllm.v1.request import RequestStatus
 
 from feather_sched.models import TINY_LLAMA
+from tests.helpers.vllm_engines import shut_down
 from tests.integrations.vllm.test_scheduler import Harness
 
 
@@ -214,7 +215,7 @@ def engine():
               kv_cache_memory_bytes=26 * BLOCK * KV_BYTES_PER_TOKEN,
               scheduler_cls="feather_sched.integrations.vllm.FeatherScheduler")
     yield llm
-    del llm
+    shut_down(llm)
 
 
 def generate(llm: LLM, urgent: int, arrivals: dict[int, list[tuple]]) -> dict:
