@@ -122,6 +122,8 @@ def test_json_values_mean_what_the_documentation_says() -> None:
         ({"tenant_weights": {"a": True}}, {}, "'tenant_weights': tenant 'a'"),
         ({"tenant_weights": [1]}, {}, "'tenant_weights': must be a JSON object"),
         ({"fair_quantum_tokens": -1}, {}, "'fair_quantum_tokens': must be a non-negative"),
+        ({"fair_hit_weight": 1.5}, {}, "'fair_hit_weight': must be a number from 0 to 1"),
+        ({}, {"FEATHER_FAIR_HIT_WEIGHT": "nan"}, "must be a number from 0 to 1"),
     ],
 )
 def test_bad_options_name_themselves(options, environ, message) -> None:
@@ -315,6 +317,7 @@ VALID = {
     "fairness": st.sampled_from(["off", "tenants"]),
     "tenant_weights": st.dictionaries(st.text(max_size=4), st.floats(0.1, 10), max_size=2),
     "fair_quantum_tokens": st.integers(0, 10**6),
+    "fair_hit_weight": st.floats(0, 1),
     **dict.fromkeys(FILE_OPTIONS, st.none() | st.sampled_from(["f.json", "f{rank}.json"])),
 }
 """Mostly valid values (gate options anything), so that examples get past the first

@@ -438,7 +438,8 @@ def test_every_request_ends_exactly_once(ops: list[tuple[str, int]]) -> None:
 
 
 def fair_queue(quantum: float = 100, **options) -> FeatherQueue:
-    return FeatherQueue(AlwaysAddGate(), share=TenantShare(quantum=quantum), **options)
+    return FeatherQueue(AlwaysAddGate(), share=TenantShare(quantum=quantum, hit_weight=0),
+                        **options)
 
 
 def test_the_share_admits_in_prefix_order_until_a_tenant_is_a_quantum_ahead() -> None:

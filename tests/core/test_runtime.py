@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from feather_sched.core.config import FeatherConfig
 from feather_sched.core.queue import QueueState
 from feather_sched.core.runtime import FeatherRuntime
+from feather_sched.core.tenants import DEFAULT_HIT_WEIGHT
 from feather_sched.gates.base import BatchLayout, Decision, GateContext, Unobservant
 
 
@@ -582,15 +583,35 @@ def test_served_work_is_the_tenants_and_steers_the_next_admissions() -> None:
     rt.end_pass(1, running)
     rt.served("f0", computed_tokens=300, generated_tokens=1)
     rt.served("unknown", computed_tokens=10**6, generated_tokens=0)  # ignored
-    assert rt.queue.share.service("flood") == 302
+    prompt, hits = len(flood[0].keys), DEFAULT_HIT_WEIGHT  # its prompt, charged at admission
+    assert rt.queue.share.service("flood") == hits * prompt + (1 - hits) * 300 + 2
     assert rt.queue.share.service("other") == 0
     rt.begin_pass(running)
     assert [r.rid for r in admit_all(rt, running, limit=1)] == ["o"]  # the less served
     assert [r.rid for r in rt.rank_waiting(flood[1:])] == ["f1", "f2"]
 
 
+def test_an_admission_the_engine_skips_is_refunded_and_charged_when_it_runs() -> None:
+    """vLLM pops a request and may skip it (no KV room) in the same pass: its tenant pays
+    for the prompt once, when it is admitted and runs."""
+    rt = runtime(fairness="tenants", fair_hit_weight=1)
+    request = req("a")
+    rt.enter_waiting(request)
+    rt.begin_pass([])
+    assert rt.decide().decision is Decision.ADD
+    rt.admit(request)
+    assert rt.queue.share.service("default") == len(request.keys)
+    rt.hold("a")  # skipped
+    rt.end_pass(1, [])
+    assert rt.queue.share.service("default") == 0
+    rt.enter_waiting(request)
+    rt.begin_pass([])
+    assert [r.rid for r in admit_all(rt, [])] == ["a"]
+    assert rt.queue.share.service("default") == len(request.keys)
+
+
 def test_without_a_tenant_in_the_view_or_without_fair_share_nothing_is_charged() -> None:
-    rt = runtime(fairness="tenants")
+    rt = runtime(fairness="tenants", fair_hit_weight=0)
     rt.enter_waiting(req("a"))
     rt.served("a", 100, 1)
     assert rt.queue.tenant("a") == "default" and rt.queue.share.service("default") == 102

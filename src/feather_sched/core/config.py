@@ -32,7 +32,7 @@ from typing import Any
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.core.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS
 from feather_sched.core.queue import DEFAULT_MAX_WAIT_S, DEFAULT_MIN_PASSING_TOKENS, FeatherQueue
-from feather_sched.core.tenants import DEFAULT_QUANTUM_TOKENS, TenantShare
+from feather_sched.core.tenants import DEFAULT_HIT_WEIGHT, DEFAULT_QUANTUM_TOKENS, TenantShare
 from feather_sched.gates import GATE_KINDS, make_gate
 from feather_sched.gates.base import BatchLayout, Gate, Persistent
 from feather_sched.gates.step_model import AUTO, EngineShape, StepPrior
@@ -120,18 +120,22 @@ class FeatherConfig:
     None (or "off") turns it off."""
     fairness: str = "off"
     """Fair share between tenants: ``tenants`` keeps a virtual service counter per tenant
-    (VTC's weighted prompt and output tokens, computed tokens only, so a prefix-cache hit
-    is free to the tenant that earned it) and admits, in the tree's prefix order (the
-    least served first among requests sharing as much), only among the backlogged
-    tenants within ``fair_quantum_tokens`` of the least served, none holding its share of
-    the engine's seats while one below its share waits; ``off`` (the default): one queue
-    for all (docs/fairness.md#tenants)."""
+    (VTC's weighted prompt and output tokens, a prefix-cache hit at ``fair_hit_weight`` of
+    a computed token, so sharing a prefix pays the tenant that shares it) and admits, in
+    the tree's prefix order (the least served first among requests sharing as much), only
+    among the backlogged tenants within ``fair_quantum_tokens`` of the least served, none
+    holding its share of the engine's seats while one below its share waits; ``off`` (the
+    default): one queue for all (docs/fairness.md#tenants)."""
     tenant_weights: dict[str, float] = field(default_factory=dict)
     """Each tenant's share relative to the others, a JSON object of positive numbers
     (``{"gold": 2}``); a tenant not named has weight 1."""
     fair_quantum_tokens: int = DEFAULT_QUANTUM_TOKENS
     """How far, in weighted tokens, a tenant may get ahead of the least served one while
     the prefix order picks it (``fairness: tenants``); 0 is VTC's own rule."""
+    fair_hit_weight: float = DEFAULT_HIT_WEIGHT
+    """What a prompt token served from the prefix cache costs its tenant under fair share,
+    relative to one the engine computes, from 0 (computed tokens only: a hit is free) to
+    1 (VTC's: the whole prompt, whoever computed it)."""
     max_urgent_preemptions: int = 1
     """A waiting request that cannot be admitted for lack of KV room or a seat preempts
     the least urgent running request of a less urgent class (``FeatherRuntime.
@@ -290,7 +294,7 @@ class FeatherConfig:
         ``chunk_tokens``: what a chunk key stands for where the engine's blocks round the
         configured ``chunk_tokens``)."""
         share = None if self.fairness == "off" else \
-            TenantShare(self.tenant_weights, self.fair_quantum_tokens)
+            TenantShare(self.tenant_weights, self.fair_quantum_tokens, self.fair_hit_weight)
         queue = FeatherQueue(self.make_gate(engine=engine), max_overtakes=self.max_overtakes,
                              max_stops=self.max_stops, max_wait_s=self.max_wait_s,
                              chunk_tokens=chunk_tokens or self.chunk_tokens,
@@ -367,6 +371,15 @@ def _optional_seconds(value: Any) -> float | None:
     number = float(value)
     if not math.isfinite(number) or number < 0:
         raise ValueError("must be a non-negative number of seconds or \"off\"")
+    return number
+
+
+def _fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError("must be a number from 0 to 1")
+    number = float(value)
+    if not 0 <= number <= 1:
+        raise ValueError("must be a number from 0 to 1")
     return number
 
 
@@ -460,6 +473,7 @@ VALIDATORS: dict[str, Callable[[Any], Any]] = {
     "fairness": _fairness_mode,
     "tenant_weights": _weights,
     "fair_quantum_tokens": _count,
+    "fair_hit_weight": _fraction,
     "max_urgent_preemptions": _count,
     "min_passing_tokens": _count,
     "order_running": _boolean,

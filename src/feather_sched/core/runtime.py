@@ -16,9 +16,13 @@ contract, in the style of vLLM's ``RequestQueue``::
                                   ``order_running`` off)
     decide(offered=None)          the admission for the current candidate (the engine's
                                   offered request, or the queue's own); asked once
-    admit(request)                the engine admits the request of the last ADD
+    admit(request)                the engine admits the request of the last ADD (under
+                                  fair share its tenant is charged for its prompt's
+                                  cache hits, ``TenantShare.admitted``)
     hold(request_id)              the engine took it out of the waiting queue without
-                                  running it (skipped this pass, or parked elsewhere)
+                                  running it (skipped this pass, or parked elsewhere;
+                                  an admission of it in this pass is void, and its
+                                  charge refunded)
     end_pass(step, running)       the pass formed step ``step``: the running set is
                                   reconciled again and the decisions that took effect
                                   are bound to ``step`` and counted
@@ -77,7 +81,7 @@ from feather_sched.core.config import FeatherConfig
 from feather_sched.core.faults import FaultGuard
 from feather_sched.core.prefix import describe_batch, gather_groups, group_of, order_by_group
 from feather_sched.core.queue import Admission, QueueState
-from feather_sched.core.tenants import DEFAULT_TENANT
+from feather_sched.core.tenants import DEFAULT_TENANT, service_of
 from feather_sched.gates.base import BatchLayout, Decision, GateContext, Persistent
 from feather_sched.gates.step_model import EngineShape
 from feather_sched.telemetry import prometheus as metrics
@@ -136,6 +140,9 @@ class _Taken:
 
     admission: Admission
     admitted: bool = False
+    charged: float = 0.0
+    """What the admission charged its tenant under fair share (``TenantShare.admitted``),
+    refunded if the engine does not run the request after all."""
 
 
 @dataclass
@@ -266,14 +273,18 @@ class FeatherRuntime(Generic[R]):
         """The engine took a request out of Feather's waiting queue without running it.
 
         It is no candidate until the engine returns it (``enter_waiting``) or runs it
-        (seen at the next reconciliation); an admission of it in this pass is void.
+        (seen at the next reconciliation); an admission of it in this pass is void, and
+        what it charged the tenant is refunded (``TenantShare.refund``).
         """
         if self.queue.state(request_id) is QueueState.HELD:
             return
         self.queue.hold(request_id)
+        share = self.queue.share
         for taken in self._taken:
-            if taken.admission.request_id == request_id:
+            if taken.admission.request_id == request_id and taken.admitted:
                 taken.admitted = False
+                if share is not None:
+                    share.refund(self.queue.tenant(request_id), taken.charged)
 
     @property
     def counts_service(self) -> bool:
@@ -291,9 +302,9 @@ class FeatherRuntime(Generic[R]):
         share = self.queue.share
         if share is not None and request_id in self._tracked:
             tenant = self.queue.tenant(request_id)
-            service = share.charge(tenant, computed_tokens, generated_tokens)
+            share.charge(tenant, computed_tokens, generated_tokens)
             if self.meter.sink is not None:
-                self.meter.sink.served(tenant, service)
+                self.meter.sink.served(tenant, service_of(computed_tokens, generated_tokens))
 
     def is_running(self, request_id: RequestId) -> bool:
         """Whether Feather has the request in its running set."""
@@ -531,7 +542,9 @@ class FeatherRuntime(Generic[R]):
         return None if request_id is None else self.request(request_id)
 
     def admit(self, request: R) -> None:
-        """The engine admits ``request``; it must be the subject of the last ADD."""
+        """The engine admits ``request``; it must be the subject of the last ADD.  Under
+        fair share its tenant is charged ``TenantShare.admitted`` for its prompt (given
+        back by ``hold`` if the engine skips it in this pass)."""
         request_id = self.view.request_id(request)
         last = self._taken[-1] if self._taken else None
         if last is None or last.admission.request_id != request_id or \
@@ -540,6 +553,10 @@ class FeatherRuntime(Generic[R]):
         mirror = self._current_mirror()
         self.queue.admit(request_id)
         last.admitted = True
+        share = self.queue.share
+        if share is not None:
+            last.charged = share.admitted(self.queue.tenant(request_id),
+                                          self._tracked[request_id].prompt_tokens)
         if mirror is not None:
             self._mirror_appends(mirror, request, request_id)
 
