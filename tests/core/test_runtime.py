@@ -621,6 +621,58 @@ def test_without_a_tenant_in_the_view_or_without_fair_share_nothing_is_charged()
     assert plain.queue.share is None
 
 
+def fair_runtime(**options) -> FeatherRuntime:
+    config = FeatherConfig.from_sources({"gate": "always", "max_wait_s": None,
+                                         "fairness": "tenants", "fair_hit_weight": 0,
+                                         **options}, environ={})
+    return FeatherRuntime(config, TenantView(), clock=lambda: 0.0)
+
+
+def test_under_fair_share_the_most_served_tenant_is_preempted_first() -> None:
+    """Each tenant's requests in Feather's order, the tenants by their counters as the
+    pass began, the most served last: its newest member of its youngest group is the
+    victim, though the other tenant's singleton is younger; the batch still lays each
+    group out in one run."""
+    rt = fair_runtime()
+    flood = [TenantReq(f"f{i}", [(0,), (0, i)], arrival=float(i), tenant="flood")
+             for i in range(3)]
+    shared = TenantReq("shared", [(0,), (0, "o")], arrival=4.0, tenant="other")
+    solo = TenantReq("solo", [(1,), (1, "s")], arrival=5.0, tenant="other")
+    running = [*flood, solo, shared]
+    for request in running:
+        rt.enter_waiting(request)
+    rt.begin_pass([])
+    admit_all(rt, [])
+    rt.served("f0", 100, 0)
+    ordered = rt.begin_pass(running)
+    assert [r.rid for r in ordered] == ["shared", "solo", "f0", "f1", "f2"]
+    assert rt.preemption_victim(ordered) is flood[2]
+    assert [r.rid for r in rt.batch_order(ordered)] == ["shared", "f0", "f1", "f2", "solo"]
+    rt.served("solo", 200, 0)  # other is now the most served: re-sorted at the next pass
+    assert [r.rid for r in rt.begin_pass(ordered)] == ["f0", "f1", "f2", "shared", "solo"]
+    assert rt.preemption_victim(ordered) is solo
+    unordered = fair_runtime(order_running=False)  # the engine's rule: the latest arrival
+    for request in running:
+        unordered.enter_waiting(request)
+    assert unordered.begin_pass(running) == running
+    assert unordered.preemption_victim(running) is solo
+
+
+def test_with_one_tenant_fair_share_keeps_feathers_order() -> None:
+    plain, fair = runtime(), fair_runtime()
+    requests = [TenantReq(f"r{i}", [(i % 3,), (i % 3, i)], arrival=float(7 * i % 5),
+                          priority=i % 2)
+                for i in range(9)]
+    for rt in (plain, fair):
+        for request in requests:
+            rt.enter_waiting(request)
+        rt.begin_pass([])
+        admit_all(rt, [])
+        rt.served("r0", 50, 1)
+    assert fair.begin_pass(requests) == plain.begin_pass(requests)
+    assert fair.batch_order(requests) == plain.batch_order(requests)
+
+
 def test_the_urgent_victim_is_the_least_urgent_end_of_the_order_and_pays_once() -> None:
     rt = runtime()  # max_urgent_preemptions 1 by default
     low_old = Req("low-old", req("low-old", 1).keys, arrival=0.0, priority=1)

@@ -40,6 +40,7 @@ contract, in the style of vLLM's ``RequestQueue``::
     preemption_victim(running)    the running request to preempt for KV room: the
                                   end of Feather's running order, the newest member
                                   of the youngest group of the least urgent class
+                                  (under fair share, of its most served tenant)
                                   (an engine that preempts the end of the running
                                   list Feather ordered, like vLLM, need not ask)
     urgent_victim(running, request)
@@ -196,6 +197,9 @@ class FeatherRuntime(Generic[R]):
         self._tenant: Callable[[R], Hashable] | None = \
             getattr(view, "tenant", None) if self.queue.share is not None else None
         """The view's ``tenant``, where fair share needs it and the view has it."""
+        self._places: dict[Hashable, int] | None = None
+        """Under fair share with ``order_running``, each tenant's place in the running
+        order as the pass began (``TenantShare.ranking``: the most served last)."""
 
     @property
     def wants_batches(self) -> bool:
@@ -337,8 +341,13 @@ class FeatherRuntime(Generic[R]):
         self.queue.new_step()
         self._taken.clear()
         mirror = self._mirror
-        if not self.config.order_running or mirror.ordered:
+        if not self.config.order_running:
             return list(running)
+        share = self.queue.share
+        places = None if share is None else share.ranking()
+        if mirror.ordered and places == self._places:
+            return list(running)
+        self._places = places
         ranked = self._ranking(running, ids, gathered=False)
         mirror.requests = list(map(running.__getitem__, ranked))
         mirror.ids = list(map(ids.__getitem__, ranked))
@@ -350,7 +359,12 @@ class FeatherRuntime(Generic[R]):
         first): by priority class, then each prefix group contiguous, groups by their
         oldest member's arrival, members by arrival (``prefix.order_by_group``). With
         ``order_running`` off, or while no group runs two members, simply by class and
-        arrival. O(n log n); the arrival sort alone on a list already sorted is O(n).
+        arrival.  Under fair share (with ``order_running``) each class is ordered so by
+        tenant, the tenants by their counters as the pass began, the most served last
+        (``TenantShare.ranking``): the engine preempts the most served tenant's requests
+        first, and a tenant whose requests share nothing no longer pays for every
+        preemption because its singletons are the youngest groups.  O(n log n); the
+        arrival sort alone on a list already sorted is O(n).
         """
         return self._ordered(running, self._ids(running), gathered=False)
 
@@ -370,26 +384,52 @@ class FeatherRuntime(Generic[R]):
 
     def _ranking(self, running: Sequence[R], ids: list[RequestId], *,
                  gathered: bool) -> Sequence[int]:
-        """The indices of ``running`` in ``_ordered``'s order."""
+        """The indices of ``running`` in ``_ordered``'s order: sorted by ``_order_keys``,
+        each group contiguous within its block (its class, and tenant under fair share),
+        and with ``gathered`` each group gathered across blocks."""
+        queue = self.queue
+        keys = self._order_keys(running, ids)
+        if not self.config.order_running or (
+                not queue.has_running_group() and len(running) == queue.num_running):
+            return sorted(range(len(running)), key=keys.__getitem__)
+        try:
+            groups = queue.groups(ids)
+        except KeyError:
+            groups = [self.group(request) for request in running]
+        block = itemgetter(0) if self._places is None else itemgetter(0, 1)
+        blocks = list(map(block, keys))
+        one_block = len(set(blocks)) == 1
+        ranked = order_by_group(range(len(running)), groups if one_block else
+                                list(zip(blocks, groups, strict=True)), keys)
+        if gathered and not one_block:
+            ranked = gather_groups(ranked, [groups[i] for i in ranked])
+        return ranked
+
+    def _order_keys(self, running: Sequence[R], ids: list[RequestId]) -> list[tuple]:
+        """What ``order`` sorts ``running`` (whose ids are ``ids``) by: the ``age_key``s,
+        under fair share with each tenant's place (``_places``) after the class.  O(n),
+        in C without fair share."""
         queue = self.queue
         try:
             ages = queue.age_keys(ids)
         except KeyError:  # a request the queue never saw
             ages = [self.age_key(request) for request in running]
-        if not self.config.order_running or (
-                not queue.has_running_group() and len(running) == queue.num_running):
-            return sorted(range(len(running)), key=ages.__getitem__)
-        try:
-            groups = queue.groups(ids)
-        except KeyError:
-            groups = [self.group(request) for request in running]
-        one_class = len(set(map(itemgetter(0), ages))) == 1
-        ranked = order_by_group(range(len(running)), groups if one_class else
-                                [(age[0], group) for age, group in zip(ages, groups, strict=True)],
-                                ages)
-        if gathered and not one_class:
-            ranked = gather_groups(ranked, [groups[i] for i in ranked])
-        return ranked
+        places = self._places
+        if places is None:
+            return ages
+        tenants = [queue.tenant(i) if i in queue else self._tenant_of(r)
+                   for i, r in zip(ids, running, strict=True)]
+        last = len(places)
+        return [(age[0], places.get(tenant, last), *age[1:])
+                for age, tenant in zip(ages, tenants, strict=True)]
+
+    def _order_key(self, request_id: RequestId) -> tuple:
+        """``_order_keys`` of one request the queue knows.  O(1)."""
+        queue, places = self.queue, self._places
+        age = queue.age_key(request_id)
+        if places is None:
+            return age
+        return (age[0], places.get(queue.tenant(request_id), len(places)), *age[1:])
 
     def preemption_victim(self, running: Sequence[R]) -> R:
         """The request to preempt when the engine runs out of KV blocks: the end of
@@ -398,8 +438,10 @@ class FeatherRuntime(Generic[R]):
         frees its prefix when the last goes, and a request is preempted only while every
         other running group of its class or a less urgent one has a member that arrived
         before its own group's oldest: never for a group made only of younger requests
-        (an old singleton never pays for a stream of young majority requests). With
-        ``order_running`` off: the latest arrival of the least urgent class. O(n log n).
+        (an old singleton never pays for a stream of young majority requests). Under
+        fair share, all that among the requests of the class's most served tenant
+        (``order``). With ``order_running`` off: the latest arrival of the least urgent
+        class. O(n log n).
         """
         return self.order(running)[-1]
 
@@ -679,7 +721,7 @@ class FeatherRuntime(Generic[R]):
         the list's last: a new group that ranks last. O(1)."""
         queue = self.queue
         mirror.ordered = mirror.ordered and queue.group_runners(request_id) <= 1 and (
-            not mirror.ids or queue.age_key(mirror.ids[-1]) <= queue.age_key(request_id))
+            not mirror.ids or self._order_key(mirror.ids[-1]) <= self._order_key(request_id))
         mirror.requests.append(request)
         mirror.ids.append(request_id)
         mirror.epoch = queue.running_epoch
@@ -704,9 +746,13 @@ class FeatherRuntime(Generic[R]):
         del mirror.requests[at], ids[at]
         return True
 
-    def _run_key(self, request_id: RequestId) -> tuple[int, Hashable]:
-        """What ``order`` keeps contiguous: the class and prefix group. O(1)."""
-        return self.queue.priority(request_id), self.queue.group(request_id)
+    def _run_key(self, request_id: RequestId) -> tuple:
+        """What ``order`` keeps contiguous: the class (and tenant, under fair share) and
+        the prefix group. O(1)."""
+        queue = self.queue
+        if self._places is None:
+            return queue.priority(request_id), queue.group(request_id)
+        return *self._order_key(request_id)[:2], queue.group(request_id)
 
     def _ids(self, requests: Sequence[R]) -> list[RequestId]:
         """The requests' ids; C speed where the view's ``request_id`` is an attrgetter."""
@@ -806,10 +852,15 @@ class FeatherRuntime(Generic[R]):
         if before is not None:
             tracked.preemptions = before.preemptions
             tracked.urgent_preemptions = before.urgent_preemptions
-        tenant = DEFAULT_TENANT if self._tenant is None else self._tenant(request)
+        tenant = self._tenant_of(request)
         self.queue.add(request_id, view.chunk_keys(request), arrival, prompt_tokens,
                        view.priority(request), tenant)
         return request_id
+
+    def _tenant_of(self, request: R) -> Hashable:
+        """The request's tenant as the view names it (``DEFAULT_TENANT`` where it names
+        none, or fair share is off)."""
+        return DEFAULT_TENANT if self._tenant is None else self._tenant(request)
 
     def _count_left(self, gone: Sequence[_Tracked[R]]) -> None:
         """Count requests out (they left the engine): the stats, then the sink."""

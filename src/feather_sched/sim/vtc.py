@@ -32,7 +32,7 @@ class VtcPolicy(FcfsPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self.share = TenantShare(quantum=0)
+        self.share = TenantShare(quantum=0, hit_weight=1)
         self._queues: dict[Hashable, deque[SimRequest]] = {}
         self._tenants: dict[Hashable, Hashable] = {}
         """Each request's tenant, from its first wait until it is discarded."""
@@ -57,12 +57,13 @@ class VtcPolicy(FcfsPolicy):
     def admit(self, request: SimRequest) -> None:
         super().admit(request)
         self.share.unwait(request.spec.tenant)
-        self.share.charge(request.spec.tenant, request.prompt_len, 0)
+        self.share.admitted(request.spec.tenant, request.prompt_len)
 
     def served(self, request_id: Hashable, computed_tokens: int,
                generated_tokens: int) -> None:
-        """Generated tokens only: the prompt was charged whole at admission."""
-        self.share.charge(self._tenants[request_id], 0, generated_tokens)
+        """Generated tokens only: the prompt was charged whole at admission (hit weight
+        1: computed tokens cost nothing more)."""
+        self.share.charge(self._tenants[request_id], computed_tokens, generated_tokens)
 
     def _head(self) -> SimRequest:
         return self._queues[self.share.least_served()][0]
