@@ -658,6 +658,27 @@ def test_under_fair_share_the_most_served_tenant_is_preempted_first() -> None:
     assert unordered.preemption_victim(running) is solo
 
 
+def test_vtc_keeps_the_engines_order_and_charges_each_admission_its_whole_prompt() -> None:
+    """VTC's victim is vLLM FCFS's, the latest admitted (the end of the engine's list);
+    a preempted request pays its prompt again when readmitted, as VTC charges."""
+    rt = fair_runtime(fairness="vtc")
+    requests = [TenantReq(f"r{i}", [(0,), (0, i)], arrival=float(i), tenant="t")
+                for i in range(3)]
+    for request in requests:
+        rt.enter_waiting(request)
+    rt.begin_pass([])
+    running = admit_all(rt, [])
+    assert rt.queue.share.service("t") == 3 * 2
+    engine_order = [running[2], running[0], running[1]]
+    assert rt.begin_pass(engine_order) == engine_order
+    assert rt.order(engine_order) == engine_order == rt.batch_order(engine_order)
+    assert rt.preemption_victim(engine_order) is running[1]
+    rt.enter_waiting(running[1])  # preempted
+    rt.begin_pass(engine_order[:2])
+    assert admit_all(rt, engine_order[:2]) == [running[1]]
+    assert rt.queue.share.service("t") == 4 * 2
+
+
 def test_with_one_tenant_fair_share_keeps_feathers_order() -> None:
     plain, fair = runtime(), fair_runtime()
     requests = [TenantReq(f"r{i}", [(i % 3,), (i % 3, i)], arrival=float(7 * i % 5),

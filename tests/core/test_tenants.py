@@ -12,6 +12,7 @@ from feather_sched.core.tenants import (
     INPUT_WEIGHT,
     MAX_TENANT_CHARS,
     OUTPUT_WEIGHT,
+    TenantFifo,
     TenantShare,
     parse_tenant,
 )
@@ -221,3 +222,28 @@ def test_tenant_ids_are_strings_integers_as_strings_and_none_the_default() -> No
 def test_anything_else_is_refused_saying_what_was_given(value) -> None:
     with pytest.raises(ValueError, match=f"tenant must be .*got {type(value).__name__} "):
         parse_tenant(value)
+
+
+def test_the_fifo_serves_each_tenant_in_order_a_returning_request_first() -> None:
+    fifo = TenantFifo()
+    for name in ("a1", "a2", "a3"):
+        fifo.enter(name, "a")
+    fifo.enter("b1", "b")
+    fifo.enter("urgent", "a", priority=-1)
+    assert fifo.head("a") == "a1" and fifo.head("b") == "b1" and fifo.head("a", -1) == "urgent"
+    fifo.leave("a1")
+    fifo.leave("a2")
+    fifo.enter("a1", "a", front=True)  # preempted: back at the head
+    fifo.enter("a2", "a", front=True)  # the latest to return goes first, as vLLM prepends
+    assert fifo.head("a") == "a2" and fifo.place("a2") < fifo.place("a1") < fifo.place("a3")
+    fifo.leave("a2")
+    assert fifo.head("a") == "a1" and fifo.head("c") is None
+
+
+def test_the_fifo_forgets_what_left_without_growing() -> None:
+    fifo = TenantFifo()
+    fifo.enter("keep", "a")
+    for i in range(1000):
+        fifo.enter(i, "a")
+        fifo.leave(i)
+    assert fifo.head("a") == "keep" and len(fifo._heaps[0, "a"]) <= 2 * 2 + 64

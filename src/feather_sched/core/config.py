@@ -35,6 +35,7 @@ from feather_sched.core.queue import DEFAULT_MAX_WAIT_S, DEFAULT_MIN_PASSING_TOK
 from feather_sched.core.tenants import DEFAULT_HIT_WEIGHT, DEFAULT_QUANTUM_TOKENS, TenantShare
 from feather_sched.gates import GATE_KINDS, make_gate
 from feather_sched.gates.base import BatchLayout, Gate, Persistent
+from feather_sched.gates.heuristic import AlwaysAddGate
 from feather_sched.gates.step_model import AUTO, EngineShape, StepPrior
 from feather_sched.telemetry.stats import SAVE_EVERY_S
 
@@ -124,8 +125,12 @@ class FeatherConfig:
     a computed token, so sharing a prefix pays the tenant that shares it) and admits, in
     the tree's prefix order (the least served first among requests sharing as much), only
     among the backlogged tenants within ``fair_quantum_tokens`` of the least served, none
-    holding its share of the engine's seats while one below its share waits; ``off`` (the
-    default): one queue for all (docs/fairness.md#tenants)."""
+    holding its share of the engine's seats while one below its share waits; ``vtc`` is
+    VTC itself, the baseline: the same counters charging each prompt whole when admitted,
+    the least served tenant's oldest request next, no prefix order, seat share, gate
+    (every answer ADD) or waiting bound, the engine's own running order and victim (the
+    options of those do not apply); ``off`` (the default): one queue for all
+    (docs/fairness.md#tenants)."""
     tenant_weights: dict[str, float] = field(default_factory=dict)
     """Each tenant's share relative to the others, a JSON object of positive numbers
     (``{"gold": 2}``); a tenant not named has weight 1."""
@@ -242,8 +247,15 @@ class FeatherConfig:
     @property
     def batch_layout(self) -> BatchLayout:
         """The batch layout ``order_running`` asks for (an adapter may find that the
-        engine keeps its own: ``FeatherRuntime.engine_keeps_its_order``)."""
-        return BatchLayout.FEATHER if self.order_running else BatchLayout.ENGINE
+        engine keeps its own: ``FeatherRuntime.engine_keeps_its_order``); VTC's is the
+        engine's."""
+        return BatchLayout.FEATHER if self.order_running and not self.is_vtc else \
+            BatchLayout.ENGINE
+
+    @property
+    def is_vtc(self) -> bool:
+        """``fairness: vtc``: VTC itself, no prefix order, gate or waiting bound."""
+        return self.fairness == "vtc"
 
     def make_gate(self, *, announce: bool = True, engine: EngineShape | None = None) -> Gate:
         """The configured gate; a bandit warm-starts from ``state_file`` when it exists, a
@@ -293,13 +305,21 @@ class FeatherConfig:
         """The queue with the configured gate and bounds (``engine``: see ``make_gate``;
         ``chunk_tokens``: what a chunk key stands for where the engine's blocks round the
         configured ``chunk_tokens``)."""
-        share = None if self.fairness == "off" else \
-            TenantShare(self.tenant_weights, self.fair_quantum_tokens, self.fair_hit_weight)
-        queue = FeatherQueue(self.make_gate(engine=engine), max_overtakes=self.max_overtakes,
-                             max_stops=self.max_stops, max_wait_s=self.max_wait_s,
-                             chunk_tokens=chunk_tokens or self.chunk_tokens,
-                             min_passing_tokens=self.min_passing_tokens, clock=clock,
-                             share=share)
+        chunk_tokens = chunk_tokens or self.chunk_tokens
+        if self.is_vtc:
+            queue = FeatherQueue(AlwaysAddGate(), max_overtakes=None, max_stops=None,
+                                 max_wait_s=None, chunk_tokens=chunk_tokens, clock=clock,
+                                 share=TenantShare(self.tenant_weights, quantum=0,
+                                                   hit_weight=1, shares_seats=False),
+                                 prefix_order=False)
+        else:
+            share = None if self.fairness == "off" else TenantShare(
+                self.tenant_weights, self.fair_quantum_tokens, self.fair_hit_weight)
+            queue = FeatherQueue(self.make_gate(engine=engine),
+                                 max_overtakes=self.max_overtakes, max_stops=self.max_stops,
+                                 max_wait_s=self.max_wait_s, chunk_tokens=chunk_tokens,
+                                 min_passing_tokens=self.min_passing_tokens, clock=clock,
+                                 share=share)
         queue.use_layout(self.batch_layout)
         return queue
 
@@ -406,7 +426,7 @@ def _boolean(value: Any) -> bool:
 
 
 SHARED_PREFIX_MODES = ("auto", "on", "off")
-FAIRNESS_MODES = ("off", "tenants")
+FAIRNESS_MODES = ("off", "tenants", "vtc")
 
 
 def _fairness_mode(value: Any) -> str:

@@ -341,7 +341,7 @@ class FeatherRuntime(Generic[R]):
         self.queue.new_step()
         self._taken.clear()
         mirror = self._mirror
-        if not self.config.order_running:
+        if not self.config.order_running or self.config.is_vtc:
             return list(running)
         share = self.queue.share
         places = None if share is None else share.ranking()
@@ -363,8 +363,10 @@ class FeatherRuntime(Generic[R]):
         tenant, the tenants by their counters as the pass began, the most served last
         (``TenantShare.ranking``): the engine preempts the most served tenant's requests
         first, and a tenant whose requests share nothing no longer pays for every
-        preemption because its singletons are the youngest groups.  O(n log n); the
-        arrival sort alone on a list already sorted is O(n).
+        preemption because its singletons are the youngest groups.  Under ``fairness:
+        vtc``, the engine's own order as given (its end, the latest admitted, is VTC's
+        victim, as under vLLM's FCFS).  O(n log n); the arrival sort alone on a list
+        already sorted is O(n).
         """
         return self._ordered(running, self._ids(running), gathered=False)
 
@@ -387,6 +389,8 @@ class FeatherRuntime(Generic[R]):
         """The indices of ``running`` in ``_ordered``'s order: sorted by ``_order_keys``,
         each group contiguous within its block (its class, and tenant under fair share),
         and with ``gathered`` each group gathered across blocks."""
+        if self.config.is_vtc:
+            return range(len(running))
         queue = self.queue
         keys = self._order_keys(running, ids)
         if not self.config.order_running or (

@@ -65,6 +65,10 @@ what lets the in-flight term in, and the seat share is what makes ``n`` a share 
 seats rather than all of them.  The seat share is a guarantee of its own: while a tenant
 below its share waits in the class, no tenant at its share is admitted there.
 
+VTC itself (``fairness: vtc``) is this share at quantum 0, hit weight 1 and no seat
+share (``shares_seats`` off), with ``TenantFifo``'s order in place of the tree's: the least
+served tenant's oldest request next.
+
 Preemption.  The share also says whom the engine preempts first: ``ranking`` orders the
 tenants by counter, and the runtime's running order, whose end vLLM preempts and SGLang
 retracts, puts the most served tenant's requests last in each class
@@ -79,7 +83,10 @@ waiting (the seat shares), O(tenants backlogged in the class) without seats.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
+from collections import Counter
 from collections.abc import Hashable, Mapping
 
 Tenant = Hashable
@@ -129,10 +136,11 @@ class TenantShare:
 
     def __init__(self, weights: Mapping[Tenant, float] | None = None,
                  quantum: float = DEFAULT_QUANTUM_TOKENS,
-                 hit_weight: float = DEFAULT_HIT_WEIGHT) -> None:
+                 hit_weight: float = DEFAULT_HIT_WEIGHT, shares_seats: bool = True) -> None:
         """``weights``: a tenant's share relative to others (a tenant not named: 1);
         ``quantum``: in weighted tokens, non-negative; ``hit_weight``: what a cache hit
-        costs relative to a computed prompt token, in [0, 1]."""
+        costs relative to a computed prompt token, in [0, 1]; ``shares_seats``: whether a
+        tenant at its share of the seats yields (off: counters alone, as VTC)."""
         weights = dict(weights or {})
         for tenant, weight in weights.items():
             if not (isinstance(weight, int | float) and math.isfinite(weight) and weight > 0):
@@ -145,6 +153,7 @@ class TenantShare:
         self.weights = weights
         self.quantum = float(quantum)
         self.hit_weight = float(hit_weight)
+        self.shares_seats = shares_seats
         self._service: dict[Tenant, float] = {}
         self._backlog: dict[int, dict[Tenant, int]] = {}
         """Per priority class, waiting requests of each tenant with one waiting there."""
@@ -257,7 +266,7 @@ class TenantShare:
         that reaches it leaves the backlog, one that falls below it joins it again, lifted
         to the least counter of the others (as ``unwait`` and ``wait``).  O(T)."""
         seated: set[Tenant] = set()
-        if seats is not None and self._running and self._waiting:
+        if seats is not None and self.shares_seats and self._running and self._waiting:
             per_weight = self._seats_per_weight(seats)
             seated = {t for t in self._waiting if self.running(t) >= per_weight * self.weight(t)}
         if seated == self._seated:
@@ -307,3 +316,51 @@ class TenantShare:
             return []
         limit = min(map(self.service, backlogged)) + self.quantum
         return [tenant for tenant in backlogged if self.service(tenant) <= limit]
+
+
+class TenantFifo:
+    """VTC's order within a tenant: per class, first come first served, a request that
+    returns (preempted, or skipped by the engine) at the head, as vLLM's FCFS queue
+    prepends it.  ``enter`` and ``leave`` O(log n) amortised (lazy heaps, compacted when
+    half stale), ``head`` amortised O(log n)."""
+
+    def __init__(self) -> None:
+        self._heaps: dict[tuple[int, Tenant], list[tuple[int, Hashable]]] = {}
+        self._places: dict[Hashable, tuple[int, Tenant, int]] = {}
+        """Each waiting request's (class, tenant, place); the smallest place is the head."""
+        self._waiting: Counter[tuple[int, Tenant]] = Counter()
+        self._entries = itertools.count(1)
+
+    def enter(self, request_id: Hashable, tenant: Tenant, priority: int = 0,
+              front: bool = False) -> None:
+        """The request waits: at its tenant's tail in its class, or at the head."""
+        entry = next(self._entries)
+        place = -entry if front else entry
+        self._places[request_id] = (priority, tenant, place)
+        queue = (priority, tenant)
+        self._waiting[queue] += 1
+        heap = self._heaps.setdefault(queue, [])
+        heapq.heappush(heap, (place, request_id))
+        if len(heap) > 2 * self._waiting[queue] + 64:
+            self._heaps[queue] = [(p, r) for p, r in heap if self._places.get(r) ==
+                                  (*queue, p)]
+            heapq.heapify(self._heaps[queue])
+
+    def leave(self, request_id: Hashable) -> None:
+        """The request stops waiting."""
+        priority, tenant, _ = self._places.pop(request_id)
+        self._waiting[priority, tenant] -= 1
+
+    def place(self, request_id: Hashable) -> int:
+        """The waiting request's place in its tenant's queue (smaller: nearer the head)."""
+        return self._places[request_id][2]
+
+    def head(self, tenant: Tenant, priority: int = 0) -> Hashable | None:
+        """The tenant's first waiting request in class ``priority``; None if none."""
+        heap = self._heaps.get((priority, tenant))
+        while heap:
+            place, request_id = heap[0]
+            if self._places.get(request_id) == (priority, tenant, place):
+                return request_id
+            heapq.heappop(heap)
+        return None
