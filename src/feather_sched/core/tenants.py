@@ -65,8 +65,8 @@ what lets the in-flight term in, and the seat share is what makes ``n`` a share 
 seats rather than all of them.  The seat share is a guarantee of its own: while a tenant
 below its share waits in the class, no tenant at its share is admitted there.
 
-VTC itself (``fairness: vtc``) is this share at quantum 0, hit weight 1 and no seat
-share (``shares_seats`` off), with ``TenantFifo``'s order in place of the tree's: the least
+VTC itself (``fairness: vtc``) is this share at quantum 0, hit weight 1 and no seat share
+(``shares_seats`` off), with ``TenantFifo``'s order in place of the tree's: the least
 served tenant's oldest request next.
 
 Preemption.  The share also says whom the engine preempts first: ``ranking`` orders the
@@ -75,10 +75,10 @@ retracts, puts the most served tenant's requests last in each class
 (``FeatherRuntime.order``).  Preempting charges nobody, so the bound stands as stated.
 
 Costs: ``charge``, ``admitted``, ``refund``, ``wait``, ``unwait``, ``run`` and ``unrun``
-O(1) (a tenant's first waiting request O(backlogged tenants), for the lift); ``ranking``
-O(T log T); ``eligible_tenants``,
-``least_served`` and ``eligible`` O(T), ``T`` the tenants with a request running or
-waiting (the seat shares), O(tenants backlogged in the class) without seats.
+O(1) (a tenant's first waiting request O(backlogged tenants), for the lift);
+``eligible_tenants``, ``least_served`` and ``eligible`` O(T), ``T`` the tenants with a
+request running or waiting (the seat shares), O(tenants backlogged in the class) without
+seats; ``ranking`` O(T log T).
 """
 
 from __future__ import annotations
