@@ -33,10 +33,13 @@ def test_fair_share_and_vtc_have_names() -> None:
     assert (fair.gate, fair.bounded, fair.fair) == ("model", False, True)
     assert fair.feather_options({})["fairness"] == "tenants"
     assert "fairness" not in parse_scheduler("feather-model").feather_options({})
-    assert parse_scheduler("vtc").kind is SchedulerKind.VTC
+    for context in (ENGINE_KINDS, SIM_KINDS):
+        assert parse_scheduler("vtc", context).kind is SchedulerKind.VTC
     assert not parse_scheduler("vtc").priority_policy(2)
-    with pytest.raises(ValueError, match="unknown scheduler 'vtc'"):
-        parse_scheduler("vtc", ENGINE_KINDS)
+    assert parse_scheduler("vtc").feather_options({"gate": "bandit"}) == {
+        "gate": "bandit", "fairness": "vtc"}  # Feather's runtime; the gate does not apply
+    assert parse_scheduler("vtc-noshared").feather_options({})[
+        "shared_prefix_attention"] == "off"
     with pytest.raises(ValueError, match="unknown scheduler"):
         parse_scheduler("feather-model-fair-unbounded")
 
@@ -46,7 +49,7 @@ def test_each_context_accepts_only_what_it_can_run() -> None:
                                              ENGINE_KINDS)] == [
         SchedulerKind.FCFS, SchedulerKind.FCFS_NOCACHE, SchedulerKind.FEATHER]
     with pytest.raises(ValueError, match="unknown scheduler 'sglang-lpm': use fcfs, "
-                                         "fcfs-nocache, priority, feather-"):
+                                         "fcfs-nocache, priority, vtc, feather-"):
         parse_scheduler("sglang-lpm", ENGINE_KINDS)
     with pytest.raises(ValueError, match="unknown scheduler 'fcfs-nocache'"):
         parse_scheduler("fcfs-nocache", SIM_KINDS)

@@ -12,31 +12,46 @@ cells:
 
 * ``device pool``: the device's KV pool (26,674 blocks), t1 and t3 unshared 8K-token
   prompts.  The pool keeps t0's prefix cached under VTC too, so locality buys little.
+* ``device pool, cascade``: the same with a decode kernel that reads each group's prefix
+  once a step (the cost model's cascade term, ``--cascade``), for every run: what
+  grouping t0's requests could buy where no prefix is evicted.
 * ``tight pool``: where VTC's interleaving evicts prefixes: a pool of 3,000 blocks (48K
   tokens) and t1 and t3 each drawing their prompts from 4 prefixes of 8K tokens of their
   own (``prefixes_per_tenant=4``, DLPM's setting): 9 long prefixes, room for about five.
 
-Runs: ``vtc`` (VTC itself), ``feather-model`` (no fair share) and
-``feather-model-fair``.  Ratios to VTC on the same seed: the largest service gap between
-tenants while all are in the engine (target <= 1.5x), output tok/s (target >= 1.5x where
-locality matters), and the worst tenant's mean TTFT (target <= 1.25x); medians over the
-seeds with their range.  Writes tenants.json and tenants.md into results/NAME/ (default:
-the commit).
+Runs: ``vtc`` (VTC itself, ``fairness: vtc``), ``feather-model`` (no fair share),
+``feather-model-fair`` (a cache hit at half a computed token's price, the default), and
+the same with hits free (``fair_hit_weight`` 0: computed tokens only) and at VTC's price
+(1).  Ratios to VTC on the same seed: the largest service gap between tenants while all
+are in the engine (target <= 1.5x), output tok/s (target >= 1.5x where locality
+matters), and the worst tenant's mean TTFT (target <= 1.25x); medians over the seeds
+with their range.  Writes tenants.json and tenants.md into results/NAME/ (default: the
+commit).
 """
 
 from __future__ import annotations
 
-from feather_sched.bench.study import MODEL, Study, markdown_table, parser, sim_plan, summaries
+from feather_sched.bench.study import MODEL, Study, markdown_table, parser, sim_plan
 from feather_sched.results.summary import median_and_range as spread
+from feather_sched.results.summary import summarize
+from feather_sched.sim.runner import simulate
 from feather_sched.workloads.spec import ArrivalSpec, Workload
 from feather_sched.workloads.synthetic import multi_tenant
 
-SCHEDULERS = ("vtc", "feather-model", "feather-model-fair")
+RUNS = {
+    "vtc": ("vtc", {}),
+    "feather-model": ("feather-model", {}),
+    "feather-model-fair": ("feather-model-fair", {}),
+    "feather-model-fair, hits free": ("feather-model-fair", {"fair_hit_weight": 0}),
+    "feather-model-fair, hits at VTC's price": ("feather-model-fair", {"fair_hit_weight": 1}),
+}
+"""Each run's label: its scheduler and Feather options."""
 RATE = 40.0
 FIGURES = ("output_throughput", "mean_ttft_ms", "max_service_gap", "prefix_cache_hit_rate",
            "preemptions", "by_tenant")
 CELLS = {
     "device pool": {"prefixes_per_tenant": 0, "engine": {}},
+    "device pool, cascade": {"prefixes_per_tenant": 0, "engine": {"cascade": True}},
     "tight pool": {"prefixes_per_tenant": 4, "engine": {"num_blocks": 3000}},
 }
 """Each cell's own prefixes for t1 and t3 and its engine options (``sim_plan``'s)."""
@@ -66,13 +81,16 @@ def run_cell(study: Study, cell: str, seeds: int) -> dict:
     options = CELLS[cell]
     per_seed = []
     for seed in study.each(range(seeds), lambda s: f"{cell}, seed {s}"):
-        plan = sim_plan(workload(seed, options["prefixes_per_tenant"]), "h100-sxm",
-                        **options["engine"])
-        runs = summaries(plan, SCHEDULERS)
-        per_seed.append({name: {key: s[key] for key in FIGURES} for name, s in runs.items()})
+        runs = {}
+        for label, (name, feather_options) in RUNS.items():
+            plan = sim_plan(workload(seed, options["prefixes_per_tenant"]), "h100-sxm",
+                            feather_options=feather_options, **options["engine"])
+            summary = summarize(simulate(plan, name))
+            runs[label] = {key: summary[key] for key in FIGURES}
+        per_seed.append(runs)
     return {"options": options, "runs": per_seed,
-            "ratios_to_vtc": {name: [ratios(runs, name) for runs in per_seed]
-                              for name in SCHEDULERS[1:]}}
+            "ratios_to_vtc": {label: [ratios(runs, label) for runs in per_seed]
+                              for label in list(RUNS)[1:]}}
 
 
 def main() -> None:
@@ -80,7 +98,10 @@ def main() -> None:
     study = Study(__file__, set_name=args.set)
     cells = {cell: run_cell(study, cell, args.seeds) for cell in CELLS}
     study.save("tenants", {"hardware": "h100-sxm", "model": MODEL, "rate": RATE,
-                           "seeds": list(range(args.seeds)), "cells": cells},
+                           "seeds": list(range(args.seeds)),
+                           "runs": {label: {"scheduler": name, "options": options}
+                                    for label, (name, options) in RUNS.items()},
+                           "cells": cells},
                markdown(cells, args.seeds))
 
 
@@ -105,7 +126,7 @@ def markdown(cells: dict, seeds: int) -> str:
                  spread([s[name]["prefix_cache_hit_rate"] for s in per_seed]),
                  spread([s[name]["preemptions"] for s in per_seed], "{:,.0f}"),
                  *(spread([s[name]["by_tenant"][t]["mean_ttft_ms"] / 1e3 for s in per_seed])
-                   for t in tenants)] for name in SCHEDULERS]
+                   for t in tenants)] for name in RUNS]
         lines.append(markdown_table(["run", "tok/s", "service gap", "hit rate", "preemptions",
                                      *tenants], rows))
     return "\n".join(lines)
@@ -116,7 +137,9 @@ def describe(options: dict) -> str:
     prefixes = options["prefixes_per_tenant"]
     where = "the device's KV pool" if pool is None else f"a {pool:,}-block KV pool"
     prompts = f"behind {prefixes} 8K prefixes each" if prefixes else "unshared 8K prompts"
-    return f"{where}, t1 and t3 {prompts}"
+    kernel = ", a decode kernel reading each prefix once a step (cascade), every run" \
+        if options["engine"].get("cascade") else ""
+    return f"{where}, t1 and t3 {prompts}{kernel}"
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
   preemption the latest arrival of the least urgent class);
 * ``sglang-lpm``, ``sglang-dfs-weight`` - SGLang's cache-aware policies (simulator only);
 * ``vtc`` - VTC (Sheng et al., OSDI'24): fair share between tenants by a virtual token
-  counter, FIFO within a tenant, no prefix order (simulator only);
+  counter, FIFO within a tenant, no prefix order: Feather's runtime in ``fairness: vtc``,
+  the same code in the simulator and on the engine;
 * ``feather-<gate>`` - Feather with gate ``always``, ``chunk-loss``, ``bandit`` or
   ``model``; ``-noorder`` keeps the engine's running order (to measure ordering's share),
   ``-unbounded`` turns the fairness bound off (to measure what fairness costs) and
@@ -45,7 +46,7 @@ class SchedulerKind(Enum):
 
 
 ENGINE_KINDS = frozenset({SchedulerKind.FCFS, SchedulerKind.FCFS_NOCACHE,
-                          SchedulerKind.PRIORITY, SchedulerKind.FEATHER})
+                          SchedulerKind.PRIORITY, SchedulerKind.VTC, SchedulerKind.FEATHER})
 """What ``feather bench`` runs on the real vLLM engine."""
 SIM_KINDS = frozenset({SchedulerKind.FCFS, SchedulerKind.PRIORITY, SchedulerKind.SGLANG_LPM,
                        SchedulerKind.SGLANG_DFS_WEIGHT, SchedulerKind.VTC,
@@ -73,7 +74,10 @@ class SchedulerName:
     """Shared-prefix attention on or off; None: the context's default."""
 
     def feather_options(self, base: Mapping[str, Any]) -> dict[str, Any]:
-        """Feather's options for this name on top of the user's (Feather names only)."""
+        """Feather's options for this name on top of the user's (Feather names, and
+        ``vtc``: Feather's runtime in ``fairness: vtc``)."""
+        if self.kind is SchedulerKind.VTC:
+            return {**base, "fairness": "vtc"} | self.attention_options()
         if self.kind is not SchedulerKind.FEATHER:
             raise ValueError(f"{self.name!r} is not a Feather scheduler")
         options = {**base, "gate": self.gate, "order_running": self.order_running}

@@ -27,6 +27,15 @@ def test_scheduler_names_map_to_engine_configurations() -> None:
         scheduler_specs(["lpm"], {})
 
 
+def test_vtc_is_feathers_scheduler_in_fairness_vtc_under_fcfs() -> None:
+    vtc, shared = scheduler_specs(["vtc", "vtc-shared"], {"tenant_weights": {"a": 2}},
+                                  classes=2)
+    assert vtc.scheduler_cls.endswith(".FeatherScheduler") and vtc.prefix_caching
+    assert vtc.feather == {"tenant_weights": {"a": 2}, "fairness": "vtc",
+                           "shared_prefix_attention": "off"}
+    assert vtc.scheduling_policy == "fcfs" and shared.feather["shared_prefix_attention"] == "on"
+
+
 def test_the_priority_policy_follows_the_name_and_the_workloads_classes() -> None:
     names = ["fcfs", "priority", "feather-model"]
     one = {s.name: s.scheduling_policy for s in scheduler_specs(names, {}, classes=1)}
@@ -42,13 +51,13 @@ def test_bench_runs_each_scheduler_and_writes_vllm_keys(tmp_path) -> None:
     out, chart = tmp_path / "bench.json", tmp_path / "bench.png"
     result = CliRunner().invoke(app, [
         "bench", "--groups", "2", "--prompts-per-group", "3", "--prefix-len", "256",
-        "--output-len", "4", "--schedulers", "fcfs,feather-chunk-loss",
+        "--output-len", "4", "--schedulers", "fcfs,feather-chunk-loss,vtc",
         "--engine-arg", "enforce_eager=true", "--kv-cache-gib", "0.25",
         "--json", str(out), "--plot", str(chart)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "Serving Benchmark Result" in result.output
     runs = json.loads(out.read_text())["runs"]
-    assert list(runs) == ["fcfs", "feather-chunk-loss"]
+    assert list(runs) == ["fcfs", "feather-chunk-loss", "vtc"]
     for summary in runs.values():
         assert summary["completed"] == 6 and summary["failed"] == 0
         assert summary["total_output_tokens"] == 24
@@ -56,6 +65,7 @@ def test_bench_runs_each_scheduler_and_writes_vllm_keys(tmp_path) -> None:
     assert runs["fcfs"]["gate_add"] is None
     assert runs["feather-chunk-loss"]["gate_add"] >= 1
     assert runs["feather-chunk-loss"]["prefix_cache_hit_rate"] > 0.3
+    assert runs["vtc"]["gate_add"] == 6 and runs["vtc"]["gate_stop"] == 0  # VTC: always ADD
     assert chart.stat().st_size > 0
 
 

@@ -88,6 +88,18 @@ def test_fair_share_reaches_the_queue_with_its_weights_and_quantum() -> None:
     assert (share.weight("gold"), share.weight("anyone")) == (2.0, 1.0)
 
 
+def test_vtc_is_the_share_without_prefix_order_gate_or_waiting_bound() -> None:
+    config = FeatherConfig.from_sources(
+        {"fairness": "vtc", "tenant_weights": {"gold": 2}, "gate": "bandit",
+         "fair_hit_weight": 0, "fair_quantum_tokens": 512}, environ={})
+    queue = config.make_queue()
+    share = queue.share
+    assert share is not None and not queue.prefix_order and queue.gate.always_adds
+    assert (share.quantum, share.hit_weight, share.shares_seats) == (0, 1, False)
+    assert share.weight("gold") == 2.0 and queue.bound is None and queue.max_wait_s is None
+    assert config.batch_layout is BatchLayout.ENGINE and queue.layout is BatchLayout.ENGINE
+
+
 def test_json_values_mean_what_the_documentation_says() -> None:
     """"off" turns a bound off in JSON as in the environment; "no" is false."""
     config = FeatherConfig.from_sources({"max_wait_s": "off", "order_running": "no",
@@ -117,13 +129,15 @@ def test_json_values_mean_what_the_documentation_says() -> None:
         ({}, {"FEATHER_CHUNK_TOKENS": "many"}, "FEATHER_CHUNK_TOKENS='many'"),
         ({}, {"FEATHER_GATE_OPTIONS": "[1]"}, "must be a JSON object"),
         ({}, {"FEATHER_ORDER_RUNNING": "maybe"}, "must be true or false"),
-        ({"fairness": "clients"}, {}, "'fairness': must be one of off, tenants"),
+        ({"fairness": "clients"}, {}, "'fairness': must be one of off, tenants, vtc"),
         ({"tenant_weights": {"a": 0}}, {}, "'tenant_weights': tenant 'a': a weight must"),
         ({"tenant_weights": {"a": True}}, {}, "'tenant_weights': tenant 'a'"),
         ({"tenant_weights": [1]}, {}, "'tenant_weights': must be a JSON object"),
         ({"tenant_weights": {" a": 1}}, {}, "'tenant_weights': a tenant weight's name must be a "
          "non-empty string"),
         ({"fair_quantum_tokens": -1}, {}, "'fair_quantum_tokens': must be a non-negative"),
+        ({"fair_hit_weight": 1.5}, {}, "'fair_hit_weight': must be a number from 0 to 1"),
+        ({}, {"FEATHER_FAIR_HIT_WEIGHT": "nan"}, "must be a number from 0 to 1"),
     ],
 )
 def test_bad_options_name_themselves(options, environ, message) -> None:
@@ -314,10 +328,11 @@ VALID = {
     "order_running": st.booleans(),
     "shared_prefix_attention": st.sampled_from(["auto", "on", "off"]),
     "shared_prefix_min_tokens": st.none() | st.integers(1, 65536),
-    "fairness": st.sampled_from(["off", "tenants"]),
+    "fairness": st.sampled_from(["off", "tenants", "vtc"]),
     "tenant_weights": st.dictionaries(st.text("abc", min_size=1, max_size=4),
                                       st.floats(0.1, 10), max_size=2),
     "fair_quantum_tokens": st.integers(0, 10**6),
+    "fair_hit_weight": st.floats(0, 1),
     **dict.fromkeys(FILE_OPTIONS, st.none() | st.sampled_from(["f.json", "f{rank}.json"])),
 }
 """Mostly valid values (gate options anything), so that examples get past the first

@@ -438,7 +438,8 @@ def test_every_request_ends_exactly_once(ops: list[tuple[str, int]]) -> None:
 
 
 def fair_queue(quantum: float = 100, **options) -> FeatherQueue:
-    return FeatherQueue(AlwaysAddGate(), share=TenantShare(quantum=quantum), **options)
+    return FeatherQueue(AlwaysAddGate(), share=TenantShare(quantum=quantum, hit_weight=0),
+                        **options)
 
 
 def test_the_share_admits_in_prefix_order_until_a_tenant_is_a_quantum_ahead() -> None:
@@ -508,6 +509,34 @@ def test_the_share_forgets_what_leaves_waiting() -> None:
     assert queue.share.eligible_tenants() == ["b"]
     queue.clear()
     assert queue.share.eligible_tenants() == [] and queue.share.service("b") == 5
+
+
+def vtc_queue() -> FeatherQueue:
+    return FeatherQueue(AlwaysAddGate(), max_overtakes=None, max_stops=None, max_wait_s=None,
+                        share=TenantShare(quantum=0, hit_weight=1, shares_seats=False),
+                        prefix_order=False)
+
+
+def test_without_prefix_order_the_least_served_tenants_oldest_goes_first() -> None:
+    """VTC's order: the shared prefix of b2 counts for nothing, the returning a1 goes back
+    to its tenant's head, and the ranking lists what the queue would offer."""
+    queue = vtc_queue()
+    queue.add("running", group_keys(0, 0), tenant="b")
+    queue.admit("running")
+    queue.add("a1", group_keys(1, 0), tenant="a")
+    queue.add("a2", group_keys(2, 0), tenant="a")
+    queue.add("b2", group_keys(0, 1), tenant="b")
+    queue.share.admitted("b", 10)
+    assert queue.candidate() == "a1"
+    queue.admit("a1")
+    queue.share.admitted("a", 20)
+    assert queue.candidate() == "b2"
+    queue.requeue("a1")  # preempted
+    queue.share.admitted("b", 20)
+    assert queue.candidate() == "a1"
+    assert sorted(queue.waiting_ids(), key=queue.rank_key) == ["a1", "a2", "b2"]
+    with pytest.raises(ValueError, match="give a share"):
+        FeatherQueue(prefix_order=False)
 
 
 def test_among_requests_sharing_as_much_the_least_served_tenant_goes_first() -> None:

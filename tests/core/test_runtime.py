@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from feather_sched.core.config import FeatherConfig
 from feather_sched.core.queue import QueueState
 from feather_sched.core.runtime import FeatherRuntime
+from feather_sched.core.tenants import DEFAULT_HIT_WEIGHT
 from feather_sched.gates.base import BatchLayout, Decision, GateContext, Unobservant
 
 
@@ -582,15 +583,35 @@ def test_served_work_is_the_tenants_and_steers_the_next_admissions() -> None:
     rt.end_pass(1, running)
     rt.served("f0", computed_tokens=300, generated_tokens=1)
     rt.served("unknown", computed_tokens=10**6, generated_tokens=0)  # ignored
-    assert rt.queue.share.service("flood") == 302
+    prompt, hits = len(flood[0].keys), DEFAULT_HIT_WEIGHT  # its prompt, charged at admission
+    assert rt.queue.share.service("flood") == hits * prompt + (1 - hits) * 300 + 2
     assert rt.queue.share.service("other") == 0
     rt.begin_pass(running)
     assert [r.rid for r in admit_all(rt, running, limit=1)] == ["o"]  # the less served
     assert [r.rid for r in rt.rank_waiting(flood[1:])] == ["f1", "f2"]
 
 
+def test_an_admission_the_engine_skips_is_refunded_and_charged_when_it_runs() -> None:
+    """vLLM pops a request and may skip it (no KV room) in the same pass: its tenant pays
+    for the prompt once, when it is admitted and runs."""
+    rt = runtime(fairness="tenants", fair_hit_weight=1)
+    request = req("a")
+    rt.enter_waiting(request)
+    rt.begin_pass([])
+    assert rt.decide().decision is Decision.ADD
+    rt.admit(request)
+    assert rt.queue.share.service("default") == len(request.keys)
+    rt.hold("a")  # skipped
+    rt.end_pass(1, [])
+    assert rt.queue.share.service("default") == 0
+    rt.enter_waiting(request)
+    rt.begin_pass([])
+    assert [r.rid for r in admit_all(rt, [])] == ["a"]
+    assert rt.queue.share.service("default") == len(request.keys)
+
+
 def test_without_a_tenant_in_the_view_or_without_fair_share_nothing_is_charged() -> None:
-    rt = runtime(fairness="tenants")
+    rt = runtime(fairness="tenants", fair_hit_weight=0)
     rt.enter_waiting(req("a"))
     rt.served("a", 100, 1)
     assert rt.queue.tenant("a") == "default" and rt.queue.share.service("default") == 102
@@ -598,6 +619,79 @@ def test_without_a_tenant_in_the_view_or_without_fair_share_nothing_is_charged()
     plain.enter_waiting(req("a"))
     plain.served("a", 100, 1)  # a no-op
     assert plain.queue.share is None
+
+
+def fair_runtime(**options) -> FeatherRuntime:
+    config = FeatherConfig.from_sources({"gate": "always", "max_wait_s": None,
+                                         "fairness": "tenants", "fair_hit_weight": 0,
+                                         **options}, environ={})
+    return FeatherRuntime(config, TenantView(), clock=lambda: 0.0)
+
+
+def test_under_fair_share_the_most_served_tenant_is_preempted_first() -> None:
+    """Each tenant's requests in Feather's order, the tenants by their counters as the
+    pass began, the most served last: its newest member of its youngest group is the
+    victim, though the other tenant's singleton is younger; the batch still lays each
+    group out in one run."""
+    rt = fair_runtime()
+    flood = [TenantReq(f"f{i}", [(0,), (0, i)], arrival=float(i), tenant="flood")
+             for i in range(3)]
+    shared = TenantReq("shared", [(0,), (0, "o")], arrival=4.0, tenant="other")
+    solo = TenantReq("solo", [(1,), (1, "s")], arrival=5.0, tenant="other")
+    running = [*flood, solo, shared]
+    for request in running:
+        rt.enter_waiting(request)
+    rt.begin_pass([])
+    admit_all(rt, [])
+    rt.served("f0", 100, 0)
+    ordered = rt.begin_pass(running)
+    assert [r.rid for r in ordered] == ["shared", "solo", "f0", "f1", "f2"]
+    assert rt.preemption_victim(ordered) is flood[2]
+    assert [r.rid for r in rt.batch_order(ordered)] == ["shared", "f0", "f1", "f2", "solo"]
+    rt.served("solo", 200, 0)  # other is now the most served: re-sorted at the next pass
+    assert [r.rid for r in rt.begin_pass(ordered)] == ["f0", "f1", "f2", "shared", "solo"]
+    assert rt.preemption_victim(ordered) is solo
+    unordered = fair_runtime(order_running=False)  # the engine's rule: the latest arrival
+    for request in running:
+        unordered.enter_waiting(request)
+    assert unordered.begin_pass(running) == running
+    assert unordered.preemption_victim(running) is solo
+
+
+def test_vtc_keeps_the_engines_order_and_charges_each_admission_its_whole_prompt() -> None:
+    """VTC's victim is vLLM FCFS's, the latest admitted (the end of the engine's list);
+    a preempted request pays its prompt again when readmitted, as VTC charges."""
+    rt = fair_runtime(fairness="vtc")
+    requests = [TenantReq(f"r{i}", [(0,), (0, i)], arrival=float(i), tenant="t")
+                for i in range(3)]
+    for request in requests:
+        rt.enter_waiting(request)
+    rt.begin_pass([])
+    running = admit_all(rt, [])
+    assert rt.queue.share.service("t") == 3 * 2
+    engine_order = [running[2], running[0], running[1]]
+    assert rt.begin_pass(engine_order) == engine_order
+    assert rt.order(engine_order) == engine_order == rt.batch_order(engine_order)
+    assert rt.preemption_victim(engine_order) is running[1]
+    rt.enter_waiting(running[1])  # preempted
+    rt.begin_pass(engine_order[:2])
+    assert admit_all(rt, engine_order[:2]) == [running[1]]
+    assert rt.queue.share.service("t") == 4 * 2
+
+
+def test_with_one_tenant_fair_share_keeps_feathers_order() -> None:
+    plain, fair = runtime(), fair_runtime()
+    requests = [TenantReq(f"r{i}", [(i % 3,), (i % 3, i)], arrival=float(7 * i % 5),
+                          priority=i % 2)
+                for i in range(9)]
+    for rt in (plain, fair):
+        for request in requests:
+            rt.enter_waiting(request)
+        rt.begin_pass([])
+        admit_all(rt, [])
+        rt.served("r0", 50, 1)
+    assert fair.begin_pass(requests) == plain.begin_pass(requests)
+    assert fair.batch_order(requests) == plain.batch_order(requests)
 
 
 def urgent_waits_behind(running: list[Req]) -> tuple[FeatherRuntime, Req]:

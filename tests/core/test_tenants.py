@@ -12,22 +12,55 @@ from feather_sched.core.tenants import (
     INPUT_WEIGHT,
     MAX_TENANT_CHARS,
     OUTPUT_WEIGHT,
+    TenantFifo,
     TenantShare,
     named_tenant,
     parse_tenant,
 )
 
 
-def test_service_is_weighted_tokens_over_the_tenants_weight() -> None:
-    share = TenantShare({"gold": 2.0})
-    share.charge("gold", computed_tokens=100, output_tokens=10)
-    share.charge("free", computed_tokens=100, output_tokens=10)
-    cost = INPUT_WEIGHT * 100 + OUTPUT_WEIGHT * 10
-    assert share.service("gold") == cost / 2 and share.service("free") == cost
+@pytest.mark.parametrize("hit_weight", [0.0, 0.5, 1.0])
+def test_service_is_weighted_tokens_over_the_tenants_weight(hit_weight) -> None:
+    """A prompt of 100 tokens, 60 of them cache hits: the hits cost ``hit_weight`` of a
+    computed token, charged with the whole prompt at admission and the rest as the 40
+    are computed."""
+    share = TenantShare({"gold": 2.0}, hit_weight=hit_weight)
+    for tenant in ("gold", "free"):
+        share.admitted(tenant, prompt_tokens=100)
+        share.charge(tenant, computed_tokens=40, output_tokens=10)
+    cost = INPUT_WEIGHT * (40 + hit_weight * 60) + OUTPUT_WEIGHT * 10
+    assert share.service("gold") == pytest.approx(cost / 2)
+    assert share.service("free") == pytest.approx(cost)
+
+
+def test_a_void_admission_is_refunded_but_not_below_the_floor() -> None:
+    share = TenantShare(hit_weight=1.0)
+    share.wait("a")
+    charged = share.admitted("a", 300)
+    share.refund("a", charged)
+    assert charged == 300 and share.service("a") == 0
+    share.wait("b")
+    share.charge("b", 0, 100)  # b: 200
+    charged = share.admitted("a", 300)  # a: 300, the floor then b's 200
+    share.unwait("b")
+    share.refund("a", charged)
+    assert share.floor == 200 == share.service("a")
+
+
+def test_tenants_rank_by_counter_the_least_served_first() -> None:
+    share = TenantShare(hit_weight=0)
+    share.run("a")
+    share.wait("b")
+    share.wait("c")
+    share.charge("a", 50, 0)
+    share.charge("c", 10, 0)
+    assert share.ranking() == {"b": 0, "c": 1, "a": 2}
+    share.charge("c", 40, 0)  # a tie with a: a, seen first, goes first
+    assert share.ranking() == {"b": 0, "a": 1, "c": 2}
 
 
 def test_only_tenants_within_the_quantum_of_the_least_served_are_admitted() -> None:
-    share = TenantShare(quantum=100)
+    share = TenantShare(quantum=100, hit_weight=0)
     for tenant in ("a", "b", "c"):
         share.wait(tenant)
     share.charge("a", 50, 0)
@@ -40,7 +73,7 @@ def test_only_tenants_within_the_quantum_of_the_least_served_are_admitted() -> N
 
 
 def test_backlog_is_per_class() -> None:
-    share = TenantShare(quantum=0)
+    share = TenantShare(quantum=0, hit_weight=0)
     share.wait("a", priority=0)
     share.wait("b", priority=1)
     share.charge("a", 1000, 0)
@@ -50,7 +83,7 @@ def test_backlog_is_per_class() -> None:
 
 def test_a_tenant_that_returns_is_lifted_to_the_least_backlogged_counter() -> None:
     """Idle time banks no credit: otherwise a returning tenant would monopolise."""
-    share = TenantShare()
+    share = TenantShare(hit_weight=0)
     share.wait("busy")
     share.charge("busy", 5000, 0)
     share.wait("idle")
@@ -67,22 +100,26 @@ def test_bad_weights_and_quanta_are_refused() -> None:
         TenantShare({"a": 0})
     with pytest.raises(ValueError, match="quantum must be a non-negative"):
         TenantShare(quantum=-1)
+    with pytest.raises(ValueError, match=r"hit_weight must be a number in \[0, 1\]"):
+        TenantShare(hit_weight=1.5)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 400), st.integers(0, 40)),
-                min_size=1, max_size=300),
-       st.integers(0, 2000))
-def test_backlogged_counters_stay_within_the_stated_gap(jobs, quantum) -> None:
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 400), st.integers(0, 40),
+                          st.floats(0, 1)), min_size=1, max_size=300),
+       st.integers(0, 2000), st.sampled_from([0.0, 0.5, 1.0]))
+def test_backlogged_counters_stay_within_the_stated_gap(jobs, quantum, hit_weight) -> None:
     """A work-conserving server of four always-backlogged tenants, one request at a time
-    (n = 1), admitting by the share: every counter stays within Q + U of the least."""
-    share = TenantShare(quantum=quantum)
+    (n = 1), admitting by the share, some of each prompt a cache hit: every counter stays
+    within Q + U of the least."""
+    share = TenantShare(quantum=quantum, hit_weight=hit_weight)
     for tenant in range(4):
         share.wait(tenant)
     longest = 0.0
-    for _, prompt, output in jobs:
+    for _, prompt, output, hit in jobs:
         tenant = min(share.eligible_tenants(), key=lambda t: (-share.service(t), t))
-        share.charge(tenant, prompt, output)  # the most served eligible: the worst case
+        share.admitted(tenant, prompt)  # the most served eligible: the worst case
+        share.charge(tenant, prompt - int(hit * prompt), output)
         longest = max(longest, INPUT_WEIGHT * prompt + OUTPUT_WEIGHT * output)
         counters = [share.service(t) for t in range(4)]
         assert max(counters) - min(counters) <= quantum + longest
@@ -99,7 +136,7 @@ def test_the_seat_share_splits_the_seats_the_idle_leave_by_weight() -> None:
 
 
 def test_a_tenant_at_its_seat_share_is_not_backlogged_while_one_below_it_waits() -> None:
-    share = TenantShare(quantum=0)
+    share = TenantShare(quantum=0, hit_weight=0)
     share.wait("cheap")
     share.wait("dear")
     share.charge("dear", 1000, 0)
@@ -126,7 +163,7 @@ def test_where_every_tenant_waiting_in_a_class_is_at_its_share_they_all_count() 
 
 def test_a_tenant_whose_seat_frees_is_lifted_to_the_least_of_the_others() -> None:
     """Held at its seat share it could not take service: none is banked."""
-    share = TenantShare(quantum=0)
+    share = TenantShare(quantum=0, hit_weight=0)
     share.wait("flood")
     share.wait("other")
     share.run("flood")
@@ -141,15 +178,15 @@ def test_a_tenant_whose_seat_frees_is_lifted_to_the_least_of_the_others() -> Non
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 300), st.integers(0, 30),
                           st.integers(1, 4)), min_size=1, max_size=200),
-       st.integers(0, 1000), st.integers(2, 12))
-def test_with_seats_backlogged_counters_stay_within_the_stated_gap(jobs, quantum,
-                                                                   seats) -> None:
+       st.integers(0, 1000), st.integers(2, 12), st.sampled_from([0.0, 0.5, 1.0]))
+def test_with_seats_backlogged_counters_stay_within_the_stated_gap(jobs, quantum, seats,
+                                                                   hit_weight) -> None:
     """Four always-waiting tenants on ``seats`` seats: each step admits by the share (the
     most served eligible tenant: the worst case) while a seat is free, then serves every
     running request a slice of its work.  Every backlogged counter stays within
     ``Q + n * U`` of the least backlogged one, ``n`` the most one tenant ran after an
     admission, and a tenant is never admitted at its seat share."""
-    share = TenantShare(quantum=quantum)
+    share = TenantShare(quantum=quantum, hit_weight=hit_weight)
     for tenant in range(4):
         share.wait(tenant)
     running: list[list] = []  # [tenant, prompt left, output left]
@@ -160,6 +197,7 @@ def test_with_seats_backlogged_counters_stay_within_the_stated_gap(jobs, quantum
                          key=lambda t: (-share.service(t), t))
             assert share.running(tenant) < share.seat_share(tenant, seats)
             share.run(tenant)
+            share.admitted(tenant, prompt)
             running.append([tenant, prompt, output])
             longest = max(longest, INPUT_WEIGHT * prompt + OUTPUT_WEIGHT * output)
             most = max(most, share.running(tenant))
@@ -206,3 +244,28 @@ def test_the_header_wins_then_the_engine_argument_then_user() -> None:
         named_tenant(None, {"tenant": [1]}, "u")
     with pytest.raises(ValueError, match=r"^user must be .*got str 'uuu"):
         named_tenant(None, None, "u" * 999)
+
+
+def test_the_fifo_serves_each_tenant_in_order_a_returning_request_first() -> None:
+    fifo = TenantFifo()
+    for name in ("a1", "a2", "a3"):
+        fifo.enter(name, "a")
+    fifo.enter("b1", "b")
+    fifo.enter("urgent", "a", priority=-1)
+    assert fifo.head("a") == "a1" and fifo.head("b") == "b1" and fifo.head("a", -1) == "urgent"
+    fifo.leave("a1")
+    fifo.leave("a2")
+    fifo.enter("a1", "a", front=True)  # preempted: back at the head
+    fifo.enter("a2", "a", front=True)  # the latest to return goes first, as vLLM prepends
+    assert fifo.head("a") == "a2" and fifo.place("a2") < fifo.place("a1") < fifo.place("a3")
+    fifo.leave("a2")
+    assert fifo.head("a") == "a1" and fifo.head("c") is None
+
+
+def test_the_fifo_forgets_what_left_without_growing() -> None:
+    fifo = TenantFifo()
+    fifo.enter("keep", "a")
+    for i in range(1000):
+        fifo.enter(i, "a")
+        fifo.leave(i)
+    assert fifo.head("a") == "keep" and len(fifo._heaps[0, "a"]) <= 2 * 2 + 64

@@ -25,7 +25,6 @@ from feather_sched.sim.policies import (
     make_policy,
 )
 from feather_sched.sim.runner import BLOCK_TOKENS, SimPlan, kv_pool_blocks, simulate
-from feather_sched.sim.vtc import VtcPolicy
 from feather_sched.workloads.spec import ArrivalSpec, RequestSpec, Workload, prioritized
 from feather_sched.workloads.synthetic import (
     minority_groups,
@@ -453,19 +452,27 @@ def tenant_request(index: int, tenant: str, prompt_len: int = 3) -> SimRequest:
 
 
 def test_vtc_admits_the_least_served_tenants_oldest_charging_prompts_whole() -> None:
-    policy = VtcPolicy()
+    """The simulator's ``vtc`` is Feather's runtime in ``fairness: vtc``: what vLLM's
+    runs too."""
+    policy = make_policy("vtc", {}, SimEngine(None, EngineConfig()))
+    assert isinstance(policy, FeatherRuntime) and policy.config.fairness == "vtc"
+    assert policy.layout is BatchLayout.ENGINE
     requests = [tenant_request(0, "a", 100), tenant_request(1, "a"), tenant_request(2, "b"),
                 tenant_request(3, "b")]
     for request in requests:
         policy.enter_waiting(request)
-    order = []
+    order: list[SimRequest] = []
+    policy.begin_pass(order)
     while (answer := policy.decide()) is not None:
-        policy.admit(next(r for r in requests if r.request_id == answer.request_id))
-        order.append(answer.request_id)
-    assert order == ["a0", "b2", "b3", "a1"]  # a0's 100 prompt tokens put a behind
-    assert policy.share.service("a") == 103 and policy.share.service("b") == 6
+        request = next(r for r in requests if r.request_id == answer.request_id)
+        policy.admit(request)
+        order.append(request)
+    assert [r.request_id for r in order] == ["a0", "b2", "b3", "a1"]  # a0's 100 tokens
+    share = policy.queue.share
+    assert share.service("a") == 103 and share.service("b") == 6
     policy.served("b2", computed_tokens=50, generated_tokens=2)  # the prompt counted once
-    assert policy.share.service("b") == 10
+    assert share.service("b") == 10
+    assert policy.preemption_victim(order) is order[-1]  # vLLM FCFS's: the latest admitted
     assert policy.discard("b2") and not policy.discard("b2")
 
 

@@ -68,17 +68,22 @@ def scheduler_specs(names: list[str], feather_options: dict[str, Any],
 
 def _spec(name: str, label: str, feather_options: dict[str, Any],
           classes: int) -> SchedulerSpec:
-    """vLLM's own scheduler runs vLLM's own attention unless the name ends in -shared."""
+    """vLLM's own scheduler, and VTC (Feather's scheduler in ``fairness: vtc``, under
+    FCFS), run vLLM's own attention unless the name ends in -shared."""
     parsed = parse_scheduler(name, ENGINE_KINDS)
     policy = "priority" if parsed.priority_policy(classes) else "fcfs"
-    if parsed.kind is not SchedulerKind.FEATHER:
-        attention = "on" if parsed.shared_prefix else "off"
-        return SchedulerSpec(label, f"{INTEGRATION}.InstrumentedScheduler",
-                             {"shared_prefix_attention": attention},
-                             prefix_caching=parsed.kind is not SchedulerKind.FCFS_NOCACHE,
+    feather = f"{INTEGRATION}.FeatherScheduler"
+    if parsed.kind is SchedulerKind.FEATHER:
+        return SchedulerSpec(label, feather, parsed.feather_options(feather_options),
                              scheduling_policy=policy)
-    return SchedulerSpec(label, f"{INTEGRATION}.FeatherScheduler",
-                         parsed.feather_options(feather_options), scheduling_policy=policy)
+    attention = {"shared_prefix_attention": "on" if parsed.shared_prefix else "off"}
+    if parsed.kind is SchedulerKind.VTC:
+        return SchedulerSpec(label, feather,
+                             {**parsed.feather_options(feather_options), **attention},
+                             scheduling_policy=policy)
+    return SchedulerSpec(label, f"{INTEGRATION}.InstrumentedScheduler", attention,
+                         prefix_caching=parsed.kind is not SchedulerKind.FCFS_NOCACHE,
+                         scheduling_policy=policy)
 
 
 def engine_kwargs(spec: SchedulerSpec, stats_file: Path, model: str,

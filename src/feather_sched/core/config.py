@@ -32,9 +32,15 @@ from typing import Any
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.core.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS
 from feather_sched.core.queue import DEFAULT_MAX_WAIT_S, DEFAULT_MIN_PASSING_TOKENS, FeatherQueue
-from feather_sched.core.tenants import DEFAULT_QUANTUM_TOKENS, TenantShare, parse_tenant
+from feather_sched.core.tenants import (
+    DEFAULT_HIT_WEIGHT,
+    DEFAULT_QUANTUM_TOKENS,
+    TenantShare,
+    parse_tenant,
+)
 from feather_sched.gates import GATE_KINDS, make_gate
 from feather_sched.gates.base import BatchLayout, Gate, Persistent
+from feather_sched.gates.heuristic import AlwaysAddGate
 from feather_sched.gates.step_model import AUTO, EngineShape, StepPrior
 from feather_sched.telemetry.stats import SAVE_EVERY_S
 
@@ -120,18 +126,26 @@ class FeatherConfig:
     None (or "off") turns it off."""
     fairness: str = "off"
     """Fair share between tenants: ``tenants`` keeps a virtual service counter per tenant
-    (VTC's weighted prompt and output tokens, computed tokens only, so a prefix-cache hit
-    is free to the tenant that earned it) and admits, in the tree's prefix order (the
-    least served first among requests sharing as much), only among the backlogged
-    tenants within ``fair_quantum_tokens`` of the least served, none holding its share of
-    the engine's seats while one below its share waits; ``off`` (the default): one queue
-    for all (docs/fairness.md#tenants)."""
+    (VTC's weighted prompt and output tokens, a prefix-cache hit at ``fair_hit_weight`` of
+    a computed token, so sharing a prefix pays the tenant that shares it) and admits, in
+    the tree's prefix order (the least served first among requests sharing as much), only
+    among the backlogged tenants within ``fair_quantum_tokens`` of the least served, none
+    holding its share of the engine's seats while one below its share waits; ``vtc`` is
+    VTC itself, the baseline: the same counters charging each prompt whole when admitted,
+    the least served tenant's oldest request next, no prefix order, seat share, gate
+    (every answer ADD) or waiting bound, the engine's own running order and victim (the
+    options of those do not apply); ``off`` (the default): one queue for all
+    (docs/fairness.md#tenants)."""
     tenant_weights: dict[str, float] = field(default_factory=dict)
     """Each tenant's share relative to the others, a JSON object of positive numbers
     (``{"gold": 2}``); a tenant not named has weight 1."""
     fair_quantum_tokens: int = DEFAULT_QUANTUM_TOKENS
     """How far, in weighted tokens, a tenant may get ahead of the least served one while
     the prefix order picks it (``fairness: tenants``); 0 is VTC's own rule."""
+    fair_hit_weight: float = DEFAULT_HIT_WEIGHT
+    """What a prompt token served from the prefix cache costs its tenant under fair share,
+    relative to one the engine computes, from 0 (computed tokens only: a hit is free) to
+    1 (VTC's: the whole prompt, whoever computed it)."""
     max_urgent_preemptions: int = 1
     """A waiting request that cannot be admitted for lack of KV room or a seat preempts
     the least urgent running request of a less urgent class (``FeatherRuntime.
@@ -238,8 +252,15 @@ class FeatherConfig:
     @property
     def batch_layout(self) -> BatchLayout:
         """The batch layout ``order_running`` asks for (an adapter may find that the
-        engine keeps its own: ``FeatherRuntime.engine_keeps_its_order``)."""
-        return BatchLayout.FEATHER if self.order_running else BatchLayout.ENGINE
+        engine keeps its own: ``FeatherRuntime.engine_keeps_its_order``); VTC's is the
+        engine's."""
+        return BatchLayout.FEATHER if self.order_running and not self.is_vtc else \
+            BatchLayout.ENGINE
+
+    @property
+    def is_vtc(self) -> bool:
+        """``fairness: vtc``: VTC itself, no prefix order, gate or waiting bound."""
+        return self.fairness == "vtc"
 
     def make_gate(self, *, announce: bool = True, engine: EngineShape | None = None) -> Gate:
         """The configured gate; a bandit warm-starts from ``state_file`` when it exists, a
@@ -289,13 +310,21 @@ class FeatherConfig:
         """The queue with the configured gate and bounds (``engine``: see ``make_gate``;
         ``chunk_tokens``: what a chunk key stands for where the engine's blocks round the
         configured ``chunk_tokens``)."""
-        share = None if self.fairness == "off" else \
-            TenantShare(self.tenant_weights, self.fair_quantum_tokens)
-        queue = FeatherQueue(self.make_gate(engine=engine), max_overtakes=self.max_overtakes,
-                             max_stops=self.max_stops, max_wait_s=self.max_wait_s,
-                             chunk_tokens=chunk_tokens or self.chunk_tokens,
-                             min_passing_tokens=self.min_passing_tokens, clock=clock,
-                             share=share)
+        chunk_tokens = chunk_tokens or self.chunk_tokens
+        if self.is_vtc:
+            queue = FeatherQueue(AlwaysAddGate(), max_overtakes=None, max_stops=None,
+                                 max_wait_s=None, chunk_tokens=chunk_tokens, clock=clock,
+                                 share=TenantShare(self.tenant_weights, quantum=0,
+                                                   hit_weight=1, shares_seats=False),
+                                 prefix_order=False)
+        else:
+            share = None if self.fairness == "off" else TenantShare(
+                self.tenant_weights, self.fair_quantum_tokens, self.fair_hit_weight)
+            queue = FeatherQueue(self.make_gate(engine=engine),
+                                 max_overtakes=self.max_overtakes, max_stops=self.max_stops,
+                                 max_wait_s=self.max_wait_s, chunk_tokens=chunk_tokens,
+                                 min_passing_tokens=self.min_passing_tokens, clock=clock,
+                                 share=share)
         queue.use_layout(self.batch_layout)
         return queue
 
@@ -370,6 +399,15 @@ def _optional_seconds(value: Any) -> float | None:
     return number
 
 
+def _fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError("must be a number from 0 to 1")
+    number = float(value)
+    if not 0 <= number <= 1:
+        raise ValueError("must be a number from 0 to 1")
+    return number
+
+
 def _positive_seconds(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError("must be a positive number of seconds")
@@ -393,7 +431,7 @@ def _boolean(value: Any) -> bool:
 
 
 SHARED_PREFIX_MODES = ("auto", "on", "off")
-FAIRNESS_MODES = ("off", "tenants")
+FAIRNESS_MODES = ("off", "tenants", "vtc")
 
 
 def _fairness_mode(value: Any) -> str:
@@ -461,6 +499,7 @@ VALIDATORS: dict[str, Callable[[Any], Any]] = {
     "fairness": _fairness_mode,
     "tenant_weights": _weights,
     "fair_quantum_tokens": _count,
+    "fair_hit_weight": _fraction,
     "max_urgent_preemptions": _count,
     "min_passing_tokens": _count,
     "order_running": _boolean,

@@ -18,7 +18,9 @@ share between tenants (``share``, a ``TenantShare``), the last two pick only amo
 tenants the share admits now (``tenants``, given the engine's ``seats`` for their seat
 share): the first of theirs in the tree's order, the least served tenant first among
 requests sharing as much (``rank_key``); and the waiting bound counts overtakes within a
-tenant.  Why each rule, and the guarantee they make: docs/fairness.md.
+tenant.  Without ``prefix_order`` (VTC itself) the candidate is instead the head of the
+least served tenant's first-come-first-served queue (``TenantFifo``).  Why each rule, and
+the guarantee they make: docs/fairness.md.
 
 Costs: ``add`` is linear in the request's keys; ``admit``/``requeue``/``remove``/``hold``
 in its keys plus the waiting requests whose shared depth changes (see ``cht``);
@@ -44,7 +46,7 @@ from feather_sched.core.cht import (
 )
 from feather_sched.core.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS, OvertakeBound
 from feather_sched.core.prefix import group_of
-from feather_sched.core.tenants import DEFAULT_TENANT, TenantShare
+from feather_sched.core.tenants import DEFAULT_TENANT, TenantFifo, TenantShare
 from feather_sched.gates.base import BatchLayout, Decision, Gate, GateContext
 from feather_sched.gates.heuristic import AlwaysAddGate
 
@@ -109,8 +111,13 @@ class FeatherQueue:
         min_passing_tokens: int = DEFAULT_MIN_PASSING_TOKENS,
         clock: Callable[[], float] = time.monotonic,
         share: TenantShare | None = None,
+        prefix_order: bool = True,
     ) -> None:
-        """``share``: fair share between tenants (None: off, every tenant alike)."""
+        """``share``: fair share between tenants (None: off, every tenant alike);
+        ``prefix_order`` off (with a ``share``): VTC's order, the least served tenant's
+        oldest request first (``TenantFifo``), a returning one at its tenant's head."""
+        if not prefix_order and share is None:
+            raise ValueError("an order without prefixes is a share's: give a share")
         if max_wait_s is not None and max_wait_s < 0:
             raise ValueError(f"max_wait_s must be non-negative or None, got {max_wait_s}")
         if min_passing_tokens < 0:
@@ -125,6 +132,7 @@ class FeatherQueue:
         """The tree's ``min_rank_chunks``: ``min_passing_tokens`` in whole chunks."""
         self.clock = clock
         self.share = share
+        self.prefix_order = prefix_order
         self.seats: int | None = None
         """The engine's cap on running requests, where its adapter knows it (the gate is
         told the seats left free)."""
@@ -151,6 +159,7 @@ class FeatherQueue:
         self.tree = ChunkedHashTree(self.min_rank_chunks, by_tenant=self.share is not None)
         if self.share is not None:
             self.share.clear_backlog()
+        self.fifo = None if self.prefix_order else TenantFifo()
         self._tenant_numbers: dict[Hashable, int] = {}
         self.bound = None
         if self.max_overtakes is not None or self.max_stops is not None:
@@ -261,11 +270,14 @@ class FeatherQueue:
         0), arrival order).  Sorting waiting requests by it lists them as the queue would
         offer them, bounds and the share's window aside: the tree's order
         (``ChunkedHashTree.rank_key``), the least served tenant first among requests
-        sharing as much.  CHTError for a request not waiting (the tree holds no held
+        sharing as much.  Without ``prefix_order``: (class, 0, the counter, its place in
+        its tenant's queue).  CHTError for a request not waiting (the tree holds no held
         one).  O(1)."""
         priority, depth, order = self.tree.rank_key(request_id)
         share = self.share
         served = 0.0 if share is None else share.service(self._requests[request_id].tenant)
+        if self.fifo is not None:
+            return priority, 0, served, self.fifo.place(request_id)
         return priority, depth, served, order
 
     def runs_exactly(self, request_ids: Set[RequestId]) -> bool:
@@ -319,7 +331,7 @@ class FeatherQueue:
             self._enter_tree(request_id)
         else:
             raise CHTError(f"cannot requeue request {request_id!r}: it is waiting")
-        self._waits(request_id, True)
+        self._waits(request_id, True, returning=True)
         if self.bound is not None:
             self.bound.requeue(request_id)
         self._offer_to_guard(request_id)
@@ -460,12 +472,16 @@ class FeatherQueue:
         else the tree's best.  With a ``share``, "the tree's best" is the first, in
         ``rank_key``'s order (the least served tenant first among requests sharing as
         much), of the best of each tenant it admits now, and the oldest must be of one of
-        them.  The gate still answers for it.  Why arrival order while everything fits:
-        docs/fairness.md.  O(requeued requests), plus ``TenantShare.eligible_tenants``
-        and O(those tenants) with a share."""
+        them; without ``prefix_order``, the head of the least served tenant's queue
+        (``TenantFifo``) in the most urgent class.  The gate still answers for it.  Why
+        arrival order while everything fits: docs/fairness.md.  O(requeued requests),
+        plus ``TenantShare.eligible_tenants`` and O(those tenants) with a share."""
         if due is not None:
             return due
         best = self.tree.best()
+        if self.fifo is not None:
+            priority = self.tree.priority(best)
+            return self.fifo.head(self.share.least_served(priority, self.seats), priority)
         if self.share is not None:
             tenants = self.share.eligible_tenants(self.tree.priority(best), self.seats)
             best = min(map(self.tree.best_of, tenants), key=self.rank_key)
@@ -502,12 +518,20 @@ class FeatherQueue:
         request = self._requests[request_id]
         self.tree.add(request_id, request.keys, request.priority, request.tenant)
 
-    def _waits(self, request_id: RequestId, waiting: bool) -> None:
-        """Tell the share a request started (or stopped) waiting.  O(1)."""
+    def _waits(self, request_id: RequestId, waiting: bool, returning: bool = False) -> None:
+        """Tell the share a request started (or stopped) waiting, and ``fifo``: at its
+        tenant's head if it is ``returning`` (preempted or skipped).  O(1), O(log n)
+        with ``fifo``."""
         if self.share is not None:
             request = self._requests[request_id]
             (self.share.wait if waiting else self.share.unwait)(request.tenant,
                                                                 request.priority)
+            if self.fifo is None:
+                return
+            if waiting:
+                self.fifo.enter(request_id, request.tenant, request.priority, returning)
+            else:
+                self.fifo.leave(request_id)
 
     def _runs(self, request_id: RequestId, running: bool) -> None:
         """Tell the share a request started (or stopped) running.  O(1)."""

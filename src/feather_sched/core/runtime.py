@@ -16,9 +16,13 @@ contract, in the style of vLLM's ``RequestQueue``::
                                   ``order_running`` off)
     decide(offered=None)          the admission for the current candidate (the engine's
                                   offered request, or the queue's own); asked once
-    admit(request)                the engine admits the request of the last ADD
+    admit(request)                the engine admits the request of the last ADD (under
+                                  fair share its tenant is charged for its prompt's
+                                  cache hits, ``TenantShare.admitted``)
     hold(request_id)              the engine took it out of the waiting queue without
-                                  running it (skipped this pass, or parked elsewhere)
+                                  running it (skipped this pass, or parked elsewhere;
+                                  an admission of it in this pass is void, and its
+                                  charge refunded)
     end_pass(step, running)       the pass formed step ``step``: the running set is
                                   reconciled again and the decisions that took effect
                                   are bound to ``step`` and counted
@@ -36,6 +40,7 @@ contract, in the style of vLLM's ``RequestQueue``::
     preemption_victim(running)    the running request to preempt for KV room: the
                                   end of Feather's running order, the newest member
                                   of the youngest group of the least urgent class
+                                  (under fair share, of its most served tenant)
                                   (an engine that preempts the end of the running
                                   list Feather ordered, like vLLM, need not ask)
     urgent_victim(running, request)
@@ -80,7 +85,7 @@ from feather_sched.core.config import FeatherConfig
 from feather_sched.core.faults import FaultGuard
 from feather_sched.core.prefix import describe_batch, gather_groups, group_of, order_by_group
 from feather_sched.core.queue import Admission, QueueState
-from feather_sched.core.tenants import DEFAULT_TENANT
+from feather_sched.core.tenants import DEFAULT_TENANT, service_of
 from feather_sched.gates.base import BatchLayout, Decision, GateContext, Persistent
 from feather_sched.gates.step_model import EngineShape
 from feather_sched.telemetry import prometheus as metrics
@@ -139,6 +144,9 @@ class _Taken:
 
     admission: Admission
     admitted: bool = False
+    charged: float = 0.0
+    """What the admission charged its tenant under fair share (``TenantShare.admitted``),
+    refunded if the engine does not run the request after all."""
 
 
 @dataclass
@@ -192,6 +200,9 @@ class FeatherRuntime(Generic[R]):
         self._tenant: Callable[[R], Hashable] | None = \
             getattr(view, "tenant", None) if self.queue.share is not None else None
         """The view's ``tenant``, where fair share needs it and the view has it."""
+        self._places: dict[Hashable, int] | None = None
+        """Under fair share with ``order_running``, each tenant's place in the running
+        order as the pass began (``TenantShare.ranking``: the most served last)."""
 
     @property
     def wants_batches(self) -> bool:
@@ -269,14 +280,18 @@ class FeatherRuntime(Generic[R]):
         """The engine took a request out of Feather's waiting queue without running it.
 
         It is no candidate until the engine returns it (``enter_waiting``) or runs it
-        (seen at the next reconciliation); an admission of it in this pass is void.
+        (seen at the next reconciliation); an admission of it in this pass is void, and
+        what it charged the tenant is refunded (``TenantShare.refund``).
         """
         if self.queue.state(request_id) is QueueState.HELD:
             return
         self.queue.hold(request_id)
+        share = self.queue.share
         for taken in self._taken:
-            if taken.admission.request_id == request_id:
+            if taken.admission.request_id == request_id and taken.admitted:
                 taken.admitted = False
+                if share is not None:
+                    share.refund(self.queue.tenant(request_id), taken.charged)
 
     @property
     def counts_service(self) -> bool:
@@ -294,9 +309,9 @@ class FeatherRuntime(Generic[R]):
         share = self.queue.share
         if share is not None and request_id in self._tracked:
             tenant = self.queue.tenant(request_id)
-            service = share.charge(tenant, computed_tokens, generated_tokens)
+            share.charge(tenant, computed_tokens, generated_tokens)
             if self.meter.sink is not None:
-                self.meter.sink.served(tenant, service)
+                self.meter.sink.served(tenant, service_of(computed_tokens, generated_tokens))
 
     def is_running(self, request_id: RequestId) -> bool:
         """Whether Feather has the request in its running set."""
@@ -329,8 +344,13 @@ class FeatherRuntime(Generic[R]):
         self.queue.new_step()
         self._taken.clear()
         mirror = self._mirror
-        if not self.config.order_running or mirror.ordered:
+        if not self.config.order_running or self.config.is_vtc:
             return list(running)
+        share = self.queue.share
+        places = None if share is None else share.ranking()
+        if mirror.ordered and places == self._places:
+            return list(running)
+        self._places = places
         ranked = self._ranking(running, ids, gathered=False)
         mirror.requests = list(map(running.__getitem__, ranked))
         mirror.ids = list(map(ids.__getitem__, ranked))
@@ -342,7 +362,14 @@ class FeatherRuntime(Generic[R]):
         first): by priority class, then each prefix group contiguous, groups by their
         oldest member's arrival, members by arrival (``prefix.order_by_group``). With
         ``order_running`` off, or while no group runs two members, simply by class and
-        arrival. O(n log n); the arrival sort alone on a list already sorted is O(n).
+        arrival.  Under fair share (with ``order_running``) each class is ordered so by
+        tenant, the tenants by their counters as the pass began, the most served last
+        (``TenantShare.ranking``): the engine preempts the most served tenant's requests
+        first, and a tenant whose requests share nothing no longer pays for every
+        preemption because its singletons are the youngest groups.  Under ``fairness:
+        vtc``, the engine's own order as given (its end, the latest admitted, is VTC's
+        victim, as under vLLM's FCFS).  O(n log n); the arrival sort alone on a list
+        already sorted is O(n).
         """
         return self._ordered(running, self._ids(running), gathered=False)
 
@@ -362,26 +389,54 @@ class FeatherRuntime(Generic[R]):
 
     def _ranking(self, running: Sequence[R], ids: list[RequestId], *,
                  gathered: bool) -> Sequence[int]:
-        """The indices of ``running`` in ``_ordered``'s order."""
+        """The indices of ``running`` in ``_ordered``'s order: sorted by ``_order_keys``,
+        each group contiguous within its block (its class, and tenant under fair share),
+        and with ``gathered`` each group gathered across blocks."""
+        if self.config.is_vtc:
+            return range(len(running))
+        queue = self.queue
+        keys = self._order_keys(running, ids)
+        if not self.config.order_running or (
+                not queue.has_running_group() and len(running) == queue.num_running):
+            return sorted(range(len(running)), key=keys.__getitem__)
+        try:
+            groups = queue.groups(ids)
+        except KeyError:
+            groups = [self.group(request) for request in running]
+        block = itemgetter(0) if self._places is None else itemgetter(0, 1)
+        blocks = list(map(block, keys))
+        one_block = len(set(blocks)) == 1
+        ranked = order_by_group(range(len(running)), groups if one_block else
+                                list(zip(blocks, groups, strict=True)), keys)
+        if gathered and not one_block:
+            ranked = gather_groups(ranked, [groups[i] for i in ranked])
+        return ranked
+
+    def _order_keys(self, running: Sequence[R], ids: list[RequestId]) -> list[tuple]:
+        """What ``order`` sorts ``running`` (whose ids are ``ids``) by: the ``age_key``s,
+        under fair share with each tenant's place (``_places``) after the class.  O(n),
+        in C without fair share."""
         queue = self.queue
         try:
             ages = queue.age_keys(ids)
         except KeyError:  # a request the queue never saw
             ages = [self.age_key(request) for request in running]
-        if not self.config.order_running or (
-                not queue.has_running_group() and len(running) == queue.num_running):
-            return sorted(range(len(running)), key=ages.__getitem__)
-        try:
-            groups = queue.groups(ids)
-        except KeyError:
-            groups = [self.group(request) for request in running]
-        one_class = len(set(map(itemgetter(0), ages))) == 1
-        ranked = order_by_group(range(len(running)), groups if one_class else
-                                [(age[0], group) for age, group in zip(ages, groups, strict=True)],
-                                ages)
-        if gathered and not one_class:
-            ranked = gather_groups(ranked, [groups[i] for i in ranked])
-        return ranked
+        places = self._places
+        if places is None:
+            return ages
+        tenants = [queue.tenant(i) if i in queue else self._tenant_of(r)
+                   for i, r in zip(ids, running, strict=True)]
+        last = len(places)
+        return [(age[0], places.get(tenant, last), *age[1:])
+                for age, tenant in zip(ages, tenants, strict=True)]
+
+    def _order_key(self, request_id: RequestId) -> tuple:
+        """``_order_keys`` of one request the queue knows.  O(1)."""
+        queue, places = self.queue, self._places
+        age = queue.age_key(request_id)
+        if places is None:
+            return age
+        return (age[0], places.get(queue.tenant(request_id), len(places)), *age[1:])
 
     def preemption_victim(self, running: Sequence[R]) -> R:
         """The request to preempt when the engine runs out of KV blocks: the end of
@@ -390,8 +445,10 @@ class FeatherRuntime(Generic[R]):
         frees its prefix when the last goes, and a request is preempted only while every
         other running group of its class or a less urgent one has a member that arrived
         before its own group's oldest: never for a group made only of younger requests
-        (an old singleton never pays for a stream of young majority requests). With
-        ``order_running`` off: the latest arrival of the least urgent class. O(n log n).
+        (an old singleton never pays for a stream of young majority requests). Under
+        fair share, all that among the requests of the class's most served tenant
+        (``order``). With ``order_running`` off: the latest arrival of the least urgent
+        class. O(n log n).
         """
         return self.order(running)[-1]
 
@@ -558,7 +615,9 @@ class FeatherRuntime(Generic[R]):
         return None if request_id is None else self.request(request_id)
 
     def admit(self, request: R) -> None:
-        """The engine admits ``request``; it must be the subject of the last ADD."""
+        """The engine admits ``request``; it must be the subject of the last ADD.  Under
+        fair share its tenant is charged ``TenantShare.admitted`` for its prompt (given
+        back by ``hold`` if the engine skips it in this pass)."""
         request_id = self.view.request_id(request)
         last = self._taken[-1] if self._taken else None
         if last is None or last.admission.request_id != request_id or \
@@ -567,6 +626,10 @@ class FeatherRuntime(Generic[R]):
         mirror = self._current_mirror()
         self.queue.admit(request_id)
         last.admitted = True
+        share = self.queue.share
+        if share is not None:
+            last.charged = share.admitted(self.queue.tenant(request_id),
+                                          self._tracked[request_id].prompt_tokens)
         if mirror is not None:
             self._mirror_appends(mirror, request, request_id)
 
@@ -689,7 +752,7 @@ class FeatherRuntime(Generic[R]):
         the list's last: a new group that ranks last. O(1)."""
         queue = self.queue
         mirror.ordered = mirror.ordered and queue.group_runners(request_id) <= 1 and (
-            not mirror.ids or queue.age_key(mirror.ids[-1]) <= queue.age_key(request_id))
+            not mirror.ids or self._order_key(mirror.ids[-1]) <= self._order_key(request_id))
         mirror.requests.append(request)
         mirror.ids.append(request_id)
         mirror.epoch = queue.running_epoch
@@ -714,9 +777,13 @@ class FeatherRuntime(Generic[R]):
         del mirror.requests[at], ids[at]
         return True
 
-    def _run_key(self, request_id: RequestId) -> tuple[int, Hashable]:
-        """What ``order`` keeps contiguous: the class and prefix group. O(1)."""
-        return self.queue.priority(request_id), self.queue.group(request_id)
+    def _run_key(self, request_id: RequestId) -> tuple:
+        """What ``order`` keeps contiguous: the class (and tenant, under fair share) and
+        the prefix group. O(1)."""
+        queue = self.queue
+        if self._places is None:
+            return queue.priority(request_id), queue.group(request_id)
+        return *self._order_key(request_id)[:2], queue.group(request_id)
 
     def _ids(self, requests: Sequence[R]) -> list[RequestId]:
         """The requests' ids; C speed where the view's ``request_id`` is an attrgetter."""
@@ -816,10 +883,15 @@ class FeatherRuntime(Generic[R]):
         if before is not None:
             tracked.preemptions = before.preemptions
             tracked.urgent_preemptions = before.urgent_preemptions
-        tenant = DEFAULT_TENANT if self._tenant is None else self._tenant(request)
+        tenant = self._tenant_of(request)
         self.queue.add(request_id, view.chunk_keys(request), arrival, prompt_tokens,
                        view.priority(request), tenant)
         return request_id
+
+    def _tenant_of(self, request: R) -> Hashable:
+        """The request's tenant as the view names it (``DEFAULT_TENANT`` where it names
+        none, or fair share is off)."""
+        return DEFAULT_TENANT if self._tenant is None else self._tenant(request)
 
     def _count_left(self, gone: Sequence[_Tracked[R]]) -> None:
         """Count requests out (they left the engine): the stats, then the sink."""

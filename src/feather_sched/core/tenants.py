@@ -1,11 +1,19 @@
 """Fair share between tenants: a virtual service counter per tenant, a share of the
 engine's seats, and which tenants may be admitted from now; and what a tenant id is.
 
-The counter is VTC's (Sheng et al., OSDI'24): a tenant's service is ``INPUT_WEIGHT``
-per prompt token the engine computed for it plus ``OUTPUT_WEIGHT`` per token it
-generated, over the tenant's weight (``charge``).  Only computed tokens count: a
-prefix-cache hit costs the tenant nothing, so a tenant whose requests share a prefix
-pays for it once.
+The counter is VTC's (Sheng et al., OSDI'24): a tenant's service is ``INPUT_WEIGHT`` per
+prompt token and ``OUTPUT_WEIGHT`` per token generated for it, over the tenant's weight;
+a prompt token the prefix cache serves costs ``hit_weight`` of one the engine computes.
+So the share charges ``hit_weight`` of the whole prompt when a request is admitted
+(``admitted``; ``refund`` where the engine does not run it after all) and the rest,
+``1 - hit_weight`` of ``INPUT_WEIGHT``, per prompt token as the engine computes it, with
+each generated token (``charge``; a recomputation after preemption is computed again).
+``hit_weight`` 0 charges computed tokens only: a tenant whose requests share a prefix
+pays for it once.  1 is VTC's own charge, the whole prompt at admission whoever computed
+it.  Between them (``DEFAULT_HIT_WEIGHT``) a hit costs half a computed token: sharing
+still pays the tenant that shares, but its requests are not near-free, and near-free
+requests are what let a tenant whose prompts hit the cache fill the KV pool while one
+whose requests share nothing waits (docs/fairness.md#tenants).
 
 Tenant ids.  A request names its tenant by an engine argument (``TENANT_ARG`` of vLLM's
 ``SamplingParams.extra_args``, of SGLang's ``custom_params``), which an HTTP front fills
@@ -45,32 +53,45 @@ service they receive in it, each over its weight, differs by at most::
     2 * (Q + n * U)
 
 ``Q`` the quantum, ``U = INPUT_WEIGHT * L_in + OUTPUT_WEIGHT * L_out`` the most service
-one request receives (``L_in`` and ``L_out`` the longest prompt and output, a preempted
-request's recomputation counted in), ``n`` the most requests one tenant has running after
-an admission: it was below its seat share before, so ``n <= ceil(S * w / W)`` (``w`` its
-weight, ``W`` the weight of the tenants waiting then: ``S / k`` for ``k`` equal tenants
-all waiting), and ``n <= S`` where the seats are unknown.  Why: the least counter ``m``
-of the backlogged tenants never decreases (counters only grow, a tenant leaving raises
-it, a joiner is lifted to it); a tenant is admitted only while backlogged and within
-``Q`` of ``m``, and after its last admission its counter grows only by its running
-requests' service, ``n * U`` at most, whether it stays backlogged or not; so every
-backlogged counter stays within ``[m, m + Q + n * U]``, and the difference over an
-interval is that of two such gaps.  VTC states ``2 * max(w_p * L_in, w_q * M)`` (``M`` a
-batch's token capacity) for charging a prompt whole at admission; charging computed
-tokens as they are computed is what lets the in-flight term in, and the seat share is
-what makes ``n`` a share of the seats rather than all of them.  The seat share is a
-guarantee of its own: while a tenant below its share waits in the class, no tenant at
-its share is admitted there.
+one request is charged (``L_in`` and ``L_out`` the longest prompt and output, a preempted
+request's readmission and recomputation counted in), ``n`` the most requests one tenant
+has running after an admission: it was below its seat share before, so ``n <= ceil(S *
+w / W)`` (``w`` its weight, ``W`` the weight of the tenants waiting then: ``S / k`` for
+``k`` equal tenants all waiting), and ``n <= S`` where the seats are unknown.  Why: the
+least counter ``m`` of the backlogged tenants never decreases (counters only grow but
+for a refund, which stops at the floor; a tenant leaving raises ``m``, a joiner is lifted
+to it); a tenant is admitted only while backlogged and within ``Q`` of ``m``, and from
+then its counter grows only by its running requests' service, the admission's charge
+included, ``n * U`` at most, whether it stays backlogged or not; so every backlogged
+counter stays within ``[m, m + Q + n * U]``, and the difference over an interval is that
+of two such gaps.  VTC states ``2 * max(w_p * L_in, w_q * M)`` (``M`` a batch's token
+capacity) for charging a prompt whole at admission; charging it as it is computed is
+what lets the in-flight term in, and the seat share is what makes ``n`` a share of the
+seats rather than all of them.  The seat share is a guarantee of its own: while a tenant
+below its share waits in the class, no tenant at its share is admitted there.
 
-Costs: ``charge``, ``wait``, ``unwait``, ``run`` and ``unrun`` O(1) (a tenant's first
-waiting request O(backlogged tenants), for the lift); ``eligible_tenants``,
-``least_served`` and ``eligible`` O(T), ``T`` the tenants with a request running or
-waiting (the seat shares), O(tenants backlogged in the class) without seats.
+VTC itself (``fairness: vtc``) is this share at quantum 0, hit weight 1 and no seat share
+(``shares_seats`` off), with ``TenantFifo``'s order in place of the tree's: the least
+served tenant's oldest request next.
+
+Preemption.  The share also says whom the engine preempts first: ``ranking`` orders the
+tenants by counter, and the runtime's running order, whose end vLLM preempts and SGLang
+retracts, puts the most served tenant's requests last in each class
+(``FeatherRuntime.order``).  Preempting charges nobody, so the bound stands as stated.
+
+Costs: ``charge``, ``admitted``, ``refund``, ``wait``, ``unwait``, ``run`` and ``unrun``
+O(1) (a tenant's first waiting request O(backlogged tenants), for the lift);
+``eligible_tenants``, ``least_served`` and ``eligible`` O(T), ``T`` the tenants with a
+request running or waiting (the seat shares), O(tenants backlogged in the class) without
+seats; ``ranking`` O(T log T).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
+from collections import Counter
 from collections.abc import Hashable, Mapping
 
 Tenant = Hashable
@@ -91,6 +112,9 @@ OUTPUT_WEIGHT = 2.0
 DEFAULT_QUANTUM_TOKENS = 16384
 """How far (in weighted tokens) a tenant may get ahead of the least served one while the
 prefix order picks it: a few requests' worth, so a group's members still run together."""
+DEFAULT_HIT_WEIGHT = 0.5
+"""What a prompt token served from the prefix cache costs its tenant, relative to one the
+engine computes: half (``TenantShare``: 0 charges computed tokens only, 1 is VTC's)."""
 
 
 def service_of(computed_tokens: int, output_tokens: int) -> float:
@@ -145,9 +169,12 @@ class TenantShare:
     """Per-tenant service counters, backlog and seats, and the tenants the share admits."""
 
     def __init__(self, weights: Mapping[Tenant, float] | None = None,
-                 quantum: float = DEFAULT_QUANTUM_TOKENS) -> None:
+                 quantum: float = DEFAULT_QUANTUM_TOKENS,
+                 hit_weight: float = DEFAULT_HIT_WEIGHT, shares_seats: bool = True) -> None:
         """``weights``: a tenant's share relative to others (a tenant not named: 1);
-        ``quantum``: in weighted tokens, non-negative."""
+        ``quantum``: in weighted tokens, non-negative; ``hit_weight``: what a cache hit
+        costs relative to a computed prompt token, in [0, 1]; ``shares_seats``: whether a
+        tenant at its share of the seats yields (off: counters alone, as VTC)."""
         weights = dict(weights or {})
         for tenant, weight in weights.items():
             if not (isinstance(weight, int | float) and math.isfinite(weight) and weight > 0):
@@ -155,8 +182,12 @@ class TenantShare:
                                  f"got {weight!r}")
         if not (math.isfinite(quantum) and quantum >= 0):
             raise ValueError(f"quantum must be a non-negative number, got {quantum!r}")
+        if not 0 <= hit_weight <= 1:
+            raise ValueError(f"hit_weight must be a number in [0, 1], got {hit_weight!r}")
         self.weights = weights
         self.quantum = float(quantum)
+        self.hit_weight = float(hit_weight)
+        self.shares_seats = shares_seats
         self._service: dict[Tenant, float] = {}
         self._backlog: dict[int, dict[Tenant, int]] = {}
         """Per priority class, waiting requests of each tenant with one waiting there."""
@@ -178,11 +209,30 @@ class TenantShare:
 
     def charge(self, tenant: Tenant, computed_tokens: int, output_tokens: int) -> float:
         """The engine computed ``computed_tokens`` prompt tokens (recomputation included,
-        cache hits not) and generated ``output_tokens`` tokens for the tenant; returns
-        the service that is (``service_of``), before the tenant's weight."""
-        cost = service_of(computed_tokens, output_tokens)
+        cache hits not) and generated ``output_tokens`` tokens for the tenant: each
+        computed token ``1 - hit_weight`` of ``INPUT_WEIGHT`` (the rest was charged at
+        admission), each generated one ``OUTPUT_WEIGHT``.  Returns the charge, before
+        the tenant's weight."""
+        cost = (1 - self.hit_weight) * INPUT_WEIGHT * computed_tokens + \
+            OUTPUT_WEIGHT * output_tokens
         self._service[tenant] = self.service(tenant) + cost / self.weight(tenant)
         return cost
+
+    def admitted(self, tenant: Tenant, prompt_tokens: int) -> float:
+        """A request of the tenant with ``prompt_tokens`` prompt tokens was admitted (again,
+        after a preemption): ``hit_weight`` of its whole prompt.  Returns the charge,
+        before the tenant's weight (what ``refund`` takes back)."""
+        cost = self.hit_weight * INPUT_WEIGHT * prompt_tokens
+        self._service[tenant] = self.service(tenant) + cost / self.weight(tenant)
+        return cost
+
+    def refund(self, tenant: Tenant, cost: float) -> None:
+        """An admission charged ``cost`` (``admitted``) did not take effect: the engine
+        did not run the request.  The counter goes back down, but not below the floor
+        (where it was not already), so the least backlogged counter never decreases."""
+        service = self.service(tenant)
+        self._service[tenant] = max(service - cost / self.weight(tenant),
+                                    min(service, self.floor))
 
     # ---- backlog and seats ------------------------------------------------------------
 
@@ -222,6 +272,13 @@ class TenantShare:
         """The tenant's running requests."""
         return self._running.get(tenant, 0)
 
+    def ranking(self) -> dict[Tenant, int]:
+        """The tenants with a request running or waiting, numbered by counter, the least
+        served 0 (equal counters: the one first seen running, then waiting, first): the
+        preemption order's tenants (``FeatherRuntime.order``).  O(T log T)."""
+        tenants = sorted(dict.fromkeys([*self._running, *self._waiting]), key=self.service)
+        return {tenant: place for place, tenant in enumerate(tenants)}
+
     def clear_backlog(self) -> None:
         """Nothing waits or runs any more (the queue was rebuilt); the counters stay."""
         self._backlog.clear()
@@ -243,7 +300,7 @@ class TenantShare:
         that reaches it leaves the backlog, one that falls below it joins it again, lifted
         to the least counter of the others (as ``unwait`` and ``wait``).  O(T)."""
         seated: set[Tenant] = set()
-        if seats is not None and self._running and self._waiting:
+        if seats is not None and self.shares_seats and self._running and self._waiting:
             per_weight = self._seats_per_weight(seats)
             seated = {t for t in self._waiting if self.running(t) >= per_weight * self.weight(t)}
         if seated == self._seated:
@@ -293,3 +350,51 @@ class TenantShare:
             return []
         limit = min(map(self.service, backlogged)) + self.quantum
         return [tenant for tenant in backlogged if self.service(tenant) <= limit]
+
+
+class TenantFifo:
+    """VTC's order within a tenant: per class, first come first served, a request that
+    returns (preempted, or skipped by the engine) at the head, as vLLM's FCFS queue
+    prepends it.  ``enter`` and ``leave`` O(log n) amortised (lazy heaps, compacted when
+    half stale), ``head`` amortised O(log n)."""
+
+    def __init__(self) -> None:
+        self._heaps: dict[tuple[int, Tenant], list[tuple[int, Hashable]]] = {}
+        self._places: dict[Hashable, tuple[int, Tenant, int]] = {}
+        """Each waiting request's (class, tenant, place); the smallest place is the head."""
+        self._waiting: Counter[tuple[int, Tenant]] = Counter()
+        self._entries = itertools.count(1)
+
+    def enter(self, request_id: Hashable, tenant: Tenant, priority: int = 0,
+              front: bool = False) -> None:
+        """The request waits: at its tenant's tail in its class, or at the head."""
+        entry = next(self._entries)
+        place = -entry if front else entry
+        self._places[request_id] = (priority, tenant, place)
+        queue = (priority, tenant)
+        self._waiting[queue] += 1
+        heap = self._heaps.setdefault(queue, [])
+        heapq.heappush(heap, (place, request_id))
+        if len(heap) > 2 * self._waiting[queue] + 64:
+            self._heaps[queue] = [(p, r) for p, r in heap if self._places.get(r) ==
+                                  (*queue, p)]
+            heapq.heapify(self._heaps[queue])
+
+    def leave(self, request_id: Hashable) -> None:
+        """The request stops waiting."""
+        priority, tenant, _ = self._places.pop(request_id)
+        self._waiting[priority, tenant] -= 1
+
+    def place(self, request_id: Hashable) -> int:
+        """The waiting request's place in its tenant's queue (smaller: nearer the head)."""
+        return self._places[request_id][2]
+
+    def head(self, tenant: Tenant, priority: int = 0) -> Hashable | None:
+        """The tenant's first waiting request in class ``priority``; None if none."""
+        heap = self._heaps.get((priority, tenant))
+        while heap:
+            place, request_id = heap[0]
+            if self._places.get(request_id) == (priority, tenant, place):
+                return request_id
+            heapq.heappop(heap)
+        return None

@@ -1,13 +1,14 @@
-"""Schedulers for the simulator: Feather (the real FeatherRuntime), SGLang's LPM and
-DFS-weight, and the baselines of ``sim.fcfs`` (vLLM's own) and ``sim.vtc``.
+"""Schedulers for the simulator: Feather and VTC (the real FeatherRuntime), SGLang's LPM
+and DFS-weight, and the baselines of ``sim.fcfs`` (vLLM's own).
 
 Feather reads each request's priority class from its spec, as vLLM's scheduler under
-its priority policy; vLLM FCFS and SGLang's policies ignore priorities (``sim.fcfs`` has
-vLLM's own priority policy).
+its priority policy; vLLM FCFS, VTC and SGLang's policies ignore priorities (``sim.fcfs``
+has vLLM's own priority policy).
 
 Every policy drives the contract of ``feather_sched.core.runtime``.  Feather *is* the
 ``FeatherRuntime`` the vLLM and SGLang adapters use, reading simulated requests through
-``SimRequests`` (chunk keys from the simulated pool's block keys) on the simulated clock.
+``SimRequests`` (chunk keys from the simulated pool's block keys) on the simulated clock;
+so is VTC (``fairness: vtc``), as ``feather bench``'s ``vtc`` on vLLM.
 The SGLang policies follow ``SchedulePolicy.calc_priority`` of SGLang 0.5.23: once per
 pass they order the queue by cached prefix (LPM: longest first, falling back to FCFS above
 128 waiting requests, in-batch de-prioritisation of requests sharing 32+ tokens with one
@@ -38,7 +39,6 @@ from feather_sched.gates.step_model import StepPrior
 from feather_sched.scheduler_names import SIM_KINDS, SchedulerKind, parse_scheduler
 from feather_sched.sim.engine import SimEngine, SimRequest
 from feather_sched.sim.fcfs import FcfsPolicy, PriorityPolicy
-from feather_sched.sim.vtc import VtcPolicy
 
 LPM_MAX_WAITING = 128
 """SGLang's WAITING_QUEUE_PREFIX_MATCH_MAX: above it LPM does no prefix matching."""
@@ -52,10 +52,12 @@ SGLANG_MATCH_S = 18e-6
 class SimRequests:
     """``RequestView`` of simulated requests for ``FeatherRuntime``: keys per chunk."""
 
-    def __init__(self, block_tokens: int, chunk_tokens: int) -> None:
+    def __init__(self, block_tokens: int, chunk_tokens: int, priorities: bool = True) -> None:
+        """``priorities`` off: every request in class 0 (a scheduler that ignores them)."""
         self.blocks_per_chunk = keys_per_chunk(block_tokens, chunk_tokens)
         self.chunk_tokens = self.blocks_per_chunk * block_tokens
         """Tokens a chunk key stands for: ``chunk_tokens`` in whole blocks (at least one)."""
+        self.priorities = priorities
 
     request_id = attrgetter("spec.request_id")
     """The request's id (an attrgetter: the runtime maps it over the running list)."""
@@ -70,7 +72,7 @@ class SimRequests:
         return request.spec.arrival_s
 
     def priority(self, request: SimRequest) -> int:
-        return request.spec.priority
+        return request.spec.priority if self.priorities else 0
 
     def tenant(self, request: SimRequest) -> str:
         return request.spec.tenant
@@ -176,8 +178,6 @@ def make_policy(name: str, feather_options: dict[str, Any], engine: SimEngine) -
         return LpmPolicy(engine)
     if parsed.kind is SchedulerKind.SGLANG_DFS_WEIGHT:
         return DfsWeightPolicy(engine)
-    if parsed.kind is SchedulerKind.VTC:
-        return VtcPolicy()
     options = parsed.feather_options(feather_options)
     if parsed.gate == "model" and isinstance(engine.cost_model, CostModel):
         # The profile of the simulated GPU is the prior a user would give for theirs.
@@ -185,7 +185,8 @@ def make_policy(name: str, feather_options: dict[str, Any], engine: SimEngine) -
         gate_options.setdefault("prior", StepPrior.of(engine.cost_model))
         options["gate_options"] = gate_options
     config = FeatherConfig.from_sources(options, environ={})
-    view = SimRequests(engine.config.block_tokens, config.chunk_tokens)
+    view = SimRequests(engine.config.block_tokens, config.chunk_tokens,
+                       priorities=parsed.kind is SchedulerKind.FEATHER)
     return FeatherRuntime(config, view, clock=engine.clock, name=name,
                           seats=engine.config.max_num_seqs,
                           kv_tokens=engine.config.num_blocks * engine.config.block_tokens,

@@ -698,8 +698,10 @@ def test_the_tenant_is_custom_params_and_a_bad_one_is_refused_as_sglang_refuses(
     assert reqs[3].to_finish.message.startswith("Invalid request: tenant must be a non-empty")
     assert reqs[3].to_finish.status_code == 400
     assert [r.rid for r in engine.admission_round()] == ["R0", "R1", "R2", "R3"]
-    engine.feather.runtime.served("R1", 10, 1)  # what a step counts (the server: served)
-    assert queue.share.service("team-a") == 10 + 2 * 1
+    runtime = engine.feather.runtime
+    runtime.served("R1", 10, 1)  # what a step counts (the server: served)
+    hits, prompt = queue.share.hit_weight, runtime.view.prompt_tokens(reqs[1])
+    assert queue.share.service("team-a") == hits * prompt + (1 - hits) * 10 + 2 * 1
 
 
 # ---- faults of Feather's own code -------------------------------------------------------
