@@ -204,13 +204,16 @@ WORKLOAD_HELP = {  # WorkloadArgs field -> its option's help, in --help's order
                            "priority stripped to 0.",
     "tenants": "Spread the requests over this many tenants (t0, t1, ...; a prefix group in "
                "one tenant); 1 (default): the workload's own (a trace's, else one).",
+    "prefixes_per_tenant": "multi-tenant: the odd tenants draw their prompts from this many "
+                           "--prefix-len prefixes of their own each (0: unshared prompts).",
     "seed": "Workload seed.",
 }
 AT_LEAST_ONE = ("max_requests", "dataset_output_len", "groups", "prompts_per_group",
                 "prefix_len", "suffix_len", "output_len", "minority_size", "tenants")
 WORKLOAD_OPTIONS = options_of(
     WorkloadArgs, WORKLOAD_HELP, flags={"kind": ("--workload",)},
-    checks={"start": {"min": 0}, "high_priority_share": {"min": 0.0, "max": 1.0},
+    checks={"start": {"min": 0}, "prefixes_per_tenant": {"min": 0},
+            "high_priority_share": {"min": 0.0, "max": 1.0},
             **{name: {"min": 1} for name in AT_LEAST_ONE}},
     types={"tokenizer": str | None})  # a name or a path: the option takes text
 """Every field of ``WorkloadArgs`` is an option of both commands, declared once here."""

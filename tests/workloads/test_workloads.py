@@ -696,3 +696,16 @@ def test_workload_options_spread_tenants() -> None:
     assert flood.tenants == {"t0": 8, "t1": 2, "t2": 2}
     with pytest.raises(ValueError, match="leave --tenants at 1"):
         WorkloadArgs(kind="multi-tenant", tenants=2).build()
+
+
+def test_workload_options_give_the_odd_tenants_prefixes_of_their_own() -> None:
+    """``--prefixes-per-tenant``: t1's prompts start with one of its own 2 prefixes, a
+    group each; a knob of multi-tenant only."""
+    args = dict(kind="multi-tenant", groups=2, prompts_per_group=8, prefix_len=16,
+                suffix_len=4, output_len=2)
+    own = WorkloadArgs(**args, prefixes_per_tenant=2).build()
+    groups = {r.group for r in own if r.tenant == "t1"}
+    assert len(groups) == 2 and -1 not in groups
+    assert {r.group for r in WorkloadArgs(**args).build() if r.tenant == "t1"} == {-1}
+    with pytest.raises(ValueError, match="prefixes per tenant are multi-tenant's"):
+        WorkloadArgs(prefixes_per_tenant=2).build()

@@ -47,6 +47,9 @@ class WorkloadArgs:
     """Spread the requests over this many tenants (``workloads.tenanted``: a prefix group
     in one tenant); 1 keeps the workload's own (a trace's, else one).  ``multi-tenant``
     has ``groups`` tenants of its own."""
+    prefixes_per_tenant: int = 0
+    """``multi-tenant``: the odd tenants draw their prompts from this many long prefixes
+    of their own each (DLPM's setting; 0: unshared prompts)."""
     seed: int = 0
     dataset_name: str | None = None
     """Real prompts (``datasets.DATASETS``) instead of a generator; they arrive at
@@ -93,6 +96,8 @@ class WorkloadArgs:
         if replay != Replay() or self.dataset_path or self.dataset_output_len:
             raise ValueError("start, max requests, trace speed, token scale, dataset path and "
                              "dataset output length are for traces and datasets")
+        if self.prefixes_per_tenant and self.kind != "multi-tenant":
+            raise ValueError("prefixes per tenant are multi-tenant's")
         arrival = self._arrival()
         common = {"output_len": self.output_len, "arrival": arrival, "seed": self.seed}
         if self.kind == "shared-prefix":
@@ -122,7 +127,7 @@ class WorkloadArgs:
         if self.kind == "multi-tenant":
             return multi_tenant(tenants=self.groups, requests_per_tenant=self.prompts_per_group,
                                 prefix_len=self.prefix_len, suffix_len=self.suffix_len,
-                                **common)
+                                prefixes_per_tenant=self.prefixes_per_tenant, **common)
         raise ValueError(f"unknown workload {self.kind!r}; choose from {', '.join(WORKLOADS)}")
 
     def _arrival(self) -> ArrivalSpec | None:
