@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Tenants on the real vLLM 0.32.0 CPU engine (embedded model): the simulator's tight-pool
+# cell (benchmarks/sim/tenants.py) scaled to this machine. Four tenants, all at once (over
+# the engine's capacity, as the simulator's 40 req/s): t0 floods with 64 requests behind one
+# 4K-token prefix, t1 and t3 send 16 requests each drawn from 4 4K-token prefixes of their
+# own, t2 16 short prompts with 512-token outputs; a KV cache of 0.1 GiB (26K tokens) holds
+# about 6 of the 9 prefixes, so an order that interleaves tenants also evicts prefixes and
+# runs fewer requests at once (DLPM's setting). Three rounds, interleaved, of
+#   vtc                 VTC (fairness: vtc) with vLLM's own attention,
+#   feather-model-fair  Feather with fair share (fairness: tenants) and its defaults,
+#   vtc-shared          VTC with Feather's shared-prefix attention (the kernel's share).
+# tenants_table.py gives the per-round ratios to vtc: the largest service gap between
+# tenants (target <= 1.5x), output tok/s (>= 1.5x) and each tenant's mean TTFT (<= 1.25x).
+# Results go into benchmarks/vllm/results/$SET/ (default: tenants-<commit>).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=$(benchmarks/run_set.sh vllm tenants-)
+.venv/bin/feather bench --workload multi-tenant --groups 4 --prompts-per-group 16 \
+    --prefix-len 4096 --suffix-len 32 --output-len 64 --prefixes-per-tenant 4 \
+    --seed 0 --kv-cache-gib 0.1 \
+    --schedulers vtc,feather-model-fair,vtc-shared,vtc,feather-model-fair,vtc-shared,vtc,feather-model-fair,vtc-shared \
+    --json "$out/tenants.json" | tee "$out/tenants.txt"
+.venv/bin/python benchmarks/vllm/tenants_table.py "$out/tenants.json" | tee "$out/tenants.md"
