@@ -8,16 +8,19 @@
 # runs fewer requests at once (DLPM's setting). Three rounds, interleaved, of
 #   vtc                 VTC (fairness: vtc) with vLLM's own attention,
 #   feather-model-fair  Feather with fair share (fairness: tenants) and its defaults,
-#   vtc-shared          VTC with Feather's shared-prefix attention (the kernel's share).
+#   vtc-shared          VTC with Feather's shared-prefix attention (the kernel's share);
+# and the same in a roomy cell (4 GiB of KV: every prefix stays cached under any order).
 # tenants_table.py gives the per-round ratios to vtc: the largest service gap between
 # tenants (target <= 1.5x), output tok/s (>= 1.5x) and each tenant's mean TTFT (<= 1.25x).
 # Results go into benchmarks/vllm/results/$SET/ (default: tenants-<commit>).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=$(benchmarks/run_set.sh vllm tenants-)
-.venv/bin/feather bench --workload multi-tenant --groups 4 --prompts-per-group 16 \
-    --prefix-len 4096 --suffix-len 32 --output-len 64 --prefixes-per-tenant 4 \
-    --seed 0 --kv-cache-gib 0.1 \
-    --schedulers vtc,feather-model-fair,vtc-shared,vtc,feather-model-fair,vtc-shared,vtc,feather-model-fair,vtc-shared \
-    --json "$out/tenants.json" | tee "$out/tenants.txt"
-.venv/bin/python benchmarks/vllm/tenants_table.py "$out/tenants.json" | tee "$out/tenants.md"
+bench=(.venv/bin/feather bench --workload multi-tenant --groups 4 --prompts-per-group 16
+       --prefix-len 4096 --suffix-len 32 --output-len 64 --prefixes-per-tenant 4 --seed 0
+       --schedulers vtc,feather-model-fair,vtc-shared,vtc,feather-model-fair,vtc-shared,vtc,feather-model-fair,vtc-shared)
+for cell in tight roomy; do
+    kv=$([ $cell = tight ] && echo 0.1 || echo 4)
+    "${bench[@]}" --kv-cache-gib $kv --json "$out/$cell.json" | tee "$out/$cell.txt"
+    .venv/bin/python benchmarks/vllm/tenants_table.py "$out/$cell.json" | tee "$out/$cell.md"
+done

@@ -569,6 +569,25 @@ def test_while_everything_fits_arrival_order_holds_within_the_share_s_pick() -> 
     assert queue.candidate() == "a-oldest"
 
 
+def test_while_everything_fits_the_least_served_tenant_goes_before_a_deeper_prefix() -> None:
+    """Where the engine could run everything in flight prefix order buys nothing: a tenant
+    whose waiting requests share the running prefix (the tree's best) is not admitted
+    again, within the quantum, while another tenant is less served (it was, one tenant
+    after another, each until a quantum ahead: a tenant of unshared short prompts last)."""
+    queue = FeatherQueue(AlwaysAddGate(), share=TenantShare(quantum=1000), max_wait_s=None,
+                         chunk_tokens=16, min_passing_tokens=0)
+    queue.seats, queue.kv_tokens = 16, 16 * 100
+    queue.add("a-running", group_keys(0, 0), arrival_s=0.0, tenant="a")
+    queue.admit("a-running")
+    queue.add("a-next", group_keys(0, 1), arrival_s=0.0, tenant="a")
+    queue.add("b-plain", group_keys(1, 0), arrival_s=1.0, tenant="b")
+    queue.share.charge("a", 10, 0)
+    assert queue.fits_all() and queue.tree.best() == "a-next"
+    assert queue.candidate() == "b-plain"
+    queue.share.charge("b", 20, 0)
+    assert queue.candidate() == "a-next"
+
+
 def test_a_tenant_at_its_seat_share_yields_to_one_below_it() -> None:
     """The flood's cached prefix makes it the least served and its requests the tree's
     best, but it holds its share of the seats: the other tenant's request goes next."""

@@ -471,10 +471,12 @@ class FeatherQueue:
         waiting request of the most urgent class if it arrived before the tree's best;
         else the tree's best.  With a ``share``, "the tree's best" is the first, in
         ``rank_key``'s order (the least served tenant first among requests sharing as
-        much), of the best of each tenant it admits now, and the oldest must be of one of
-        them; without ``prefix_order``, the head of the least served tenant's queue
-        (``TenantFifo``) in the most urgent class.  The gate still answers for it.  Why
-        arrival order while everything fits: docs/fairness.md.  O(requeued requests),
+        much), of the best of each tenant it admits now, and while everything fits the
+        oldest of the least served tenant (prefix order buys nothing then; choosing the
+        tenant of the tree's best instead admitted one tenant after another, each until
+        it was a quantum ahead); without ``prefix_order``, the head of the least served
+        tenant's queue (``TenantFifo``) in the most urgent class.  The gate still answers
+        for it.  Why arrival order while everything fits: docs/fairness.md.  O(requeued requests),
         plus ``TenantShare.eligible_tenants`` and O(those tenants) with a share."""
         if due is not None:
             return due
@@ -488,8 +490,12 @@ class FeatherQueue:
         if self.bound is None or self.layout is not BatchLayout.FEATHER or \
                 self.gate.stops_in_ordered_batches or not self.fits_all():
             return best
-        tenant = None if self.share is None else self._tenant_numbers[self.tree.tenant(best)]
-        oldest = self.bound.oldest(self.tree.priority(best), tenant)
+        priority = self.tree.priority(best)
+        if self.share is not None:  # everything fits: the least served tenant's oldest
+            tenant = self.share.least_served(priority, self.seats)
+            oldest = self.bound.oldest(priority, self._tenant_numbers[tenant])
+            return best if oldest is None else oldest
+        oldest = self.bound.oldest(priority)
         if oldest is None or not self.bound.arrived_before(oldest, best):
             return best
         return oldest
