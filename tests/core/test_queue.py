@@ -94,6 +94,31 @@ def test_stop_closes_the_queue_until_the_next_pass() -> None:
     assert gate.steps == 1 and admit_next(queue) == "b0"
 
 
+def test_a_promised_admission_holds_while_victims_return_until_it_runs() -> None:
+    """The engine preempted for b0 and promised it: b0 stays the candidate, its answer
+    ADD whatever the gate said (here STOP), the gate not asked again, as the victim comes
+    back waiting; admitted, the promise ends and the pass's STOP applies again."""
+    gate = ScriptedGate()
+    queue = FeatherQueue(gate, max_wait_s=None)
+    for rid, group in [("a0", 0), ("a1", 0), ("b0", 1)]:
+        queue.add(rid, group_keys(group, int(rid[1])))
+    assert admit_next(queue) == "a0" and admit_next(queue) == "a1"
+    assert queue.decide().decision is Decision.STOP
+    with pytest.raises(CHTError, match="not waiting"):
+        queue.promise("a1")
+    queue.promise("b0")
+    asked = len(gate.asked)
+    queue.requeue("a1")
+    admission = queue.decide()
+    assert (admission.request_id, admission.decision) == ("b0", Decision.ADD)
+    assert queue.candidate() == "b0" and len(gate.asked) == asked
+    queue.admit("b0")
+    assert queue.decide().decision is Decision.STOP
+    queue.new_step()
+    queue.requeue("b0")
+    assert queue.decide().request_id == "a1"  # no promise survives the pass
+
+
 def test_the_gate_is_told_the_candidates_group_and_the_seats_left() -> None:
     gate = ScriptedGate()
     queue = FeatherQueue(gate, max_wait_s=None)

@@ -171,6 +171,8 @@ class FeatherQueue:
         self._closed = False
         self._forced: RequestId | None = None
         """The request the starvation guard admitted in this pass."""
+        self._promised: RequestId | None = None
+        """The request the engine preempted running requests for in this pass."""
         self._admission: Admission | None = None
         self._asked_for: RequestId | None = None
 
@@ -416,11 +418,22 @@ class FeatherQueue:
             return None
         return self._chosen(self.due())
 
+    def promise(self, request_id: RequestId) -> None:
+        """The engine preempted running requests to make room for waiting ``request_id``
+        on its ADD: it stays the candidate and its answer ADD (the gate not asked again,
+        a STOP not applied) until it leaves the waiting set or the pass ends, so the
+        requeued victims cannot turn that answer and waste their preemption.  O(1)."""
+        if self.state(request_id) is not QueueState.WAITING:
+            raise CHTError(f"cannot promise request {request_id!r}: it is not waiting")
+        self._promised = request_id
+        self._changed()
+
     def new_step(self) -> None:
         """Start a scheduling pass: a STOP of the previous pass no longer holds."""
         self.gate.end_step()
         self._closed = False
         self._forced = None
+        self._promised = None
         self._admission = None
 
     # ---- internals --------------------------------------------------------------------
@@ -428,6 +441,8 @@ class FeatherQueue:
     def _answer(self, request_id: RequestId, forced: bool) -> Admission:
         """The answer for waiting ``request_id``; the gate is shown what admitting it
         would do (``GateContext``) unless the answer is settled without it."""
+        if request_id == self._promised:
+            return Admission(request_id, Decision.ADD, forced=False, context=None)
         if self._closed:
             return Admission(request_id, Decision.STOP, forced=False, context=None)
         if forced or self.gate.always_adds:
@@ -463,10 +478,10 @@ class FeatherQueue:
             self.tree.chunks_held() * self.chunk_tokens <= self.kv_tokens
 
     def _chosen(self, due: RequestId | None) -> RequestId:
-        """The candidate, while a request waits: the request a bound made ``due``; else,
-        while the fairness bound is on (``bound``), the engine could run everything in
-        flight (``fits_all``), lays its batch out in Feather's order
-        (``BatchLayout.FEATHER``) and the gate does not STOP there
+        """The candidate, while a request waits: the ``promise``d request; else the request
+        a bound made ``due``; else, while the fairness bound is on (``bound``), the
+        engine could run everything in flight (``fits_all``), lays its batch out in
+        Feather's order (``BatchLayout.FEATHER``) and the gate does not STOP there
         (``Gate.stops_in_ordered_batches``: always-add, the model gate), the oldest
         waiting request of the most urgent class if it arrived before the tree's best;
         else the tree's best.  With a ``share``, "the tree's best" is the first, in
@@ -478,6 +493,8 @@ class FeatherQueue:
         tenant's queue (``TenantFifo``) in the most urgent class.  The gate still answers
         for it.  Why arrival order while everything fits: docs/fairness.md.  O(requeued requests),
         plus ``TenantShare.eligible_tenants`` and O(those tenants) with a share."""
+        if self._promised is not None:
+            return self._promised
         if due is not None:
             return due
         best = self.tree.best()
@@ -528,6 +545,8 @@ class FeatherQueue:
         """Tell the share a request started (or stopped) waiting, and ``fifo``: at its
         tenant's head if it is ``returning`` (preempted or skipped).  O(1), O(log n)
         with ``fifo``."""
+        if not waiting and request_id == self._promised:
+            self._promised = None
         if self.share is not None:
             request = self._requests[request_id]
             (self.share.wait if waiting else self.share.unwait)(request.tenant,

@@ -51,6 +51,8 @@ contract, in the style of vLLM's ``RequestQueue``::
     urgent_victims(running, request, makes_room)
                                   the fewest to preempt together, where the engine
                                   can tell whether a set of victims makes room
+    promise(request)              after preempting them for its ADD: that ADD holds
+                                  for the pass, whatever the victims' return changes
 
 Beside the pass, what an adapter may read or ask: ``reconcile(running, waiting)`` (an
 engine that changes its queues by paths no call shows, as SGLang can), ``preempted``,
@@ -561,6 +563,13 @@ class FeatherRuntime(Generic[R]):
             self.counts.asked += 1
             self._taken.append(_Taken(admission))
         return admission
+
+    def promise(self, request: R) -> None:
+        """The engine preempted running requests (``urgent_victims``) to make room for
+        waiting ``request`` on its ADD: that ADD holds until it runs or the pass ends,
+        the gate not asked again as the victims return to waiting
+        (``FeatherQueue.promise``).  O(1)."""
+        self.queue.promise(self.view.request_id(request))
 
     def rank_waiting(self, waiting: Sequence[R]) -> list[R]:
         """``waiting`` (the engine's waiting list) in the order Feather would admit it:

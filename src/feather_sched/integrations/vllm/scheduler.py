@@ -45,7 +45,7 @@ from vllm.v1.core.sched.request_queue import (
     SchedulingPolicy,
 )
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from feather_sched.core import (
     DEFAULT_TENANT,
@@ -310,14 +310,15 @@ class FeatherWaitingQueue(RequestQueue):
     def settle(self) -> None:
         """Hold the last popped request if vLLM skipped it instead of running it.
 
-        vLLM appends an admitted request to ``running`` right after popping it; a skipped
-        one goes to a list of its own, handed back after the loop.
+        vLLM marks an admitted request ``RUNNING`` right after popping it; a skipped one
+        keeps its waiting status and goes to a list of its own, handed back after the
+        loop.  (Not ``running[-1]``: a request holding KV blocks, such as one preempted
+        for an urgent request in this pass, may be admitted after it.)
         """
         popped, self._popped = self._popped, None
         if popped is None or not self.runtime.is_running(popped.request_id):
             return
-        running = self.scheduler.running
-        if not (running and running[-1] is popped):
+        if popped.status is not RequestStatus.RUNNING:
             self.runtime.hold(popped.request_id)
 
     def _discard(self, requests: list[Request]) -> None:

@@ -117,9 +117,12 @@ class UrgentRoom:
             return False
         victims = self.runtime.urgent_victims(self.scheduler.running, candidate,
                                               room.made_by)
+        if not victims:
+            return False
         for victim in victims:
             self._preempt(victim)
-        return bool(victims)
+        self.runtime.promise(candidate)
+        return True
 
     def _schedulable(self, request: Request) -> bool:
         """Whether vLLM's waiting loop would try to allocate for ``request`` rather than
