@@ -485,12 +485,15 @@ def test_a_more_urgent_request_goes_before_any_less_urgent_one() -> None:
     harness.assert_empty()
 
 
-def test_preemption_takes_the_least_urgent_class_first() -> None:
-    """As under vLLM's priority policy, the least urgent class gives way, however old:
-    Feather's running order puts it last."""
-    harness = Harness(scheduling_policy="priority", num_blocks=30, feather={})
-    harness.add(harness.request("old-low", group=0, max_tokens=120, priority=1),
-                *(harness.request(f"high{i}", group=1, max_tokens=120, priority=0)
+@pytest.mark.parametrize("feather", [{}, {"fairness": "vtc"}])
+def test_preemption_takes_the_least_urgent_class_first(feather: dict) -> None:
+    """As under vLLM's priority policy, the least urgent class gives way, however old and
+    though admitted first: Feather's running order puts it last; under ``fairness: vtc``,
+    which keeps vLLM's running order, vLLM's own priority rule picks it."""
+    harness = Harness(scheduling_policy="priority", num_blocks=30, feather=feather)
+    harness.add(harness.request("old-low", group=0, max_tokens=120, priority=1))
+    harness.step()
+    harness.add(*(harness.request(f"high{i}", group=1, max_tokens=120, priority=0)
                   for i in range(3)))
     victims: list[str] = []
     while harness.scheduler.has_requests():

@@ -280,7 +280,8 @@ class FeatherWaitingQueue(RequestQueue):
         Under vLLM's priority policy the classes are kept: Feather's order puts the least
         urgent last.  With ``order_running`` off ``running`` keeps vLLM's order and the
         policy is set to PRIORITY, whose victim, ``max(running, key=(priority,
-        arrival_time))``, is Feather's: the latest arrival of the least urgent class."""
+        arrival_time))``, is Feather's: the latest arrival of the least urgent class.
+        Under ``fairness: vtc`` vLLM's order and policy stay (``_victim_policy``)."""
         self._peeked = self._popped = None
         if self.faults.active:
             self.faults.attempt("begin_pass", self._begin_pass)
@@ -294,8 +295,18 @@ class FeatherWaitingQueue(RequestQueue):
                                      held=self.scheduler.kv_holding_waiting)
         self._fallback = None
         running[:] = ordered
-        self.scheduler.policy = SchedulingPolicy.FCFS if runtime.config.order_running \
-            else SchedulingPolicy.PRIORITY  # the victim: the end, or the latest arrival
+        self.scheduler.policy = self._victim_policy()
+
+    def _victim_policy(self) -> SchedulingPolicy:
+        """The policy whose victim rule is Feather's (``begin_pass``): FCFS, the end of
+        Feather's order; PRIORITY, the latest arrival of the least urgent class, with
+        ``order_running`` off; vLLM's own under ``fairness: vtc``, which keeps vLLM's
+        running order (the end is VTC's victim under FCFS; the classes stay under
+        PRIORITY)."""
+        config = self.runtime.config
+        if config.is_vtc:
+            return self._engine_policy
+        return SchedulingPolicy.FCFS if config.order_running else SchedulingPolicy.PRIORITY
 
     def _fall_back(self, where: str) -> None:
         """After a fault in Feather's code (``FaultGuard.on_fault``): vLLM's own order and
