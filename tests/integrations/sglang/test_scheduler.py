@@ -651,6 +651,26 @@ def test_an_urgent_request_without_kv_room_preempts_until_it_fits() -> None:
     assert engine.feather.runtime.meter.stats.preemptions == 1
 
 
+def test_no_preemption_where_a_hybrid_model_lacks_mamba_slots(monkeypatch) -> None:
+    """SGLang's adder for a hybrid Mamba model counts its free state slots once, when built
+    (``rem_mamba_slots``): with none left its NO_TOKEN is not a lack of KV room, and no
+    release this round cures it, so nobody is preempted (every eligible one was)."""
+    engine = _running_a0_b0_a1(pool_tokens=256)
+    built = engine.adder_class.__init__
+
+    def without_mamba_slots(adder, *args, **kwargs):
+        built(adder, *args, **kwargs)
+        adder.rem_mamba_slots, adder._mamba_slot_cost = 0, 1
+
+    monkeypatch.setattr(engine.adder_class, "__init__", without_mamba_slots)
+    monkeypatch.setattr(engine.adder_class, "_mamba_gap_budget_for_req",
+                        lambda adder, req, include_host_hit=False: 1)
+    engine.arrive(_req("C", 0, priority=20))
+    assert engine.admission_round() == []
+    assert {r.rid for r in engine.running} == {"A0", "B0", "A1"}
+    assert engine.feather.runtime.meter.stats.preemptions == 0
+
+
 def test_queue_limit_aborts_the_least_urgent_waiting_request() -> None:
     """With ``--max-queued-requests`` full, SGLang aborts the latest least urgent waiting
     request for a more urgent arrival; Feather forgets it and admits the urgent one first."""

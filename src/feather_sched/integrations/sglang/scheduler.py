@@ -507,12 +507,22 @@ class FeatherPrefillAdder(PrefillAdder):
             return AddReqResult.OTHER
         result = super().add_one_req(req, has_chunked_req, truncation_align_size)
         while result is AddReqResult.NO_TOKEN and not self._added(req) and \
-                self._preempt_for(req):
+                self._has_mamba_slots(req) and self._preempt_for(req):
             req.init_next_round_input(self.tree_cache)
             result = super().add_one_req(req, has_chunked_req, truncation_align_size)
         if self._added(req):
             feather.admitted(req)
         return result
+
+    def _has_mamba_slots(self, req: Req) -> bool:
+        """Whether ``req``'s NO_TOKEN may be a lack of KV room, which a preemption cures
+        (SGLang's budget reads the pool live), rather than of the Mamba state slots of a
+        hybrid model, which SGLang's adder counted when built (``rem_mamba_slots``, its
+        own test in ``add_one_req``) and no release gives back to it this round."""
+        if self.rem_mamba_slots is None:
+            return True
+        reserve = self._mamba_gap_budget_for_req(req, include_host_hit=True)
+        return reserve // self._mamba_slot_cost <= self.rem_mamba_slots
 
     def _added(self, req: Req) -> bool:
         return bool(self.can_run_list) and self.can_run_list[-1] is req
