@@ -242,8 +242,11 @@ def test_the_header_wins_then_the_engine_argument_then_user() -> None:
         named_tenant("", None, "u")
     with pytest.raises(ValueError, match=r"^vllm_xargs\.tenant must be .*got list"):
         named_tenant(None, {"tenant": [1]}, "u")
-    with pytest.raises(ValueError, match=r"^user must be .*got str 'uuu"):
-        named_tenant(None, None, "u" * 999)
+    with pytest.raises(ValueError, match=r"^custom_params\.tenant must be .*got str ''"):
+        named_tenant(None, {"tenant": ""}, "u", "custom_params")
+    # OpenAI's user is free-form: one that is no tenant id names none, never an error
+    for user in ("u" * 999, "alice ", "a\nb", [1], True):
+        assert named_tenant(None, None, user) is None
 
 
 def test_the_fifo_serves_each_tenant_in_order_a_returning_request_first() -> None:

@@ -149,20 +149,32 @@ def parse_tenant(value: object, source: str = "tenant") -> str:
                      f"got {type(value).__name__} {shown}")
 
 
-def named_tenant(header: str | None, engine_args: object, user: object) -> str | None:
+def named_tenant(header: str | None, engine_args: object, user: object,
+                 args_field: str = "vllm_xargs") -> str | None:
     """The tenant an HTTP request names, parsed (``parse_tenant``): the ``x-tenant-id``
     ``header`` (a gateway's word) wins, then ``TENANT_ARG`` of the body's
-    ``engine_args`` (vLLM's ``vllm_xargs``; where it is a mapping), then OpenAI's ``user``
-    field (where not empty); None where the request names none (``DEFAULT_TENANT``'s).
-    Only the value chosen is parsed, so a client's odd ``user`` does not fail a request
-    its gateway named.  ValueError for a bad value.  O(1) plus the parse."""
+    ``engine_args`` (its field ``args_field``: vLLM's ``vllm_xargs``, SGLang's
+    ``custom_params``; where it is a mapping), then OpenAI's ``user`` (``user_tenant``);
+    None where the request names none (``DEFAULT_TENANT``'s).  Only the value chosen is
+    parsed, so a client's own word does not fail a request its gateway named.
+    ValueError for a bad header or engine argument, Feather's own fields.  O(1) plus the
+    parse."""
     if header is not None:
         return parse_tenant(header, f"the {TENANT_HEADER} header")
     if isinstance(engine_args, Mapping) and engine_args.get(TENANT_ARG) is not None:
-        return parse_tenant(engine_args[TENANT_ARG], f"vllm_xargs.{TENANT_ARG}")
-    if user is not None and user != "":
-        return parse_tenant(user, "user")
-    return None
+        return parse_tenant(engine_args[TENANT_ARG], f"{args_field}.{TENANT_ARG}")
+    return user_tenant(user)
+
+
+def user_tenant(user: object) -> str | None:
+    """OpenAI's ``user`` as a tenant: a free-form end-user id in OpenAI's API, so a value
+    that is not a tenant id (empty, whitespace at an end, over ``MAX_TENANT_CHARS``, not
+    a string or integer) names none, and the request is the default tenant's, rather
+    than a valid request failing.  O(length)."""
+    try:
+        return None if user is None or user == "" else parse_tenant(user, "user")
+    except ValueError:
+        return None
 
 
 class TenantShare:

@@ -28,6 +28,10 @@ def test_the_header_wins_then_the_bodys_tenant_then_openais_user() -> None:
     assert carry_tenant(completion, None, native=False)
     assert completion["custom_params"] == {"tenant": "42"}
     assert not carry_tenant({"prompt": [1]}, None, native=False)
+    for user in ("", "alice ", "u" * 300):  # OpenAI's user, free-form: no tenant id, none
+        assert not carry_tenant({"prompt": [1], "user": user}, None, native=False)
+    odd = {"prompt": [1], "custom_params": {"tenant": [1]}}  # only the chosen is checked
+    assert carry_tenant(odd, "gw", native=False) and odd["custom_params"] == {"tenant": "gw"}
 
 
 def test_a_native_batch_takes_the_header_in_every_sampling_params() -> None:
@@ -40,12 +44,11 @@ def test_a_native_batch_takes_the_header_in_every_sampling_params() -> None:
     assert bare["sampling_params"] == {"custom_params": {"tenant": "t"}}
 
 
-@pytest.mark.parametrize("body, header", [({"prompt": [1], "user": ""}, None),
-                                          ({"prompt": [1]}, "x" * 300),
+@pytest.mark.parametrize("body, header", [({"prompt": [1]}, "x" * 300),
                                           ({"prompt": [1], "custom_params": {"tenant": [1]}},
                                            None)])
 def test_an_invalid_tenant_is_refused_saying_why(body, header) -> None:
-    with pytest.raises(ValueError, match="tenant must be"):
+    with pytest.raises(ValueError, match="must be a non-empty string"):
         carry_tenant(body, header, native=False)
 
 
@@ -94,6 +97,7 @@ def test_the_middleware_rewrites_only_what_names_a_tenant() -> None:
     assert status == 200 and seen["body"] == body
     status, _, seen = call("/health", b"not json", {"x-tenant-id": "t1"})
     assert seen["body"] == b"not json"  # another route: untouched
-    status, reply, seen = call("/v1/completions", json.dumps({"user": ""}).encode(), {})
+    status, reply, seen = call("/v1/completions",
+                               json.dumps({"custom_params": {"tenant": ""}}).encode(), {})
     assert status == 400 and not seen
     assert "tenant must be a non-empty string" in json.loads(reply)["error"]["message"]

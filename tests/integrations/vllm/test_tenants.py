@@ -15,20 +15,23 @@ def test_the_body_carries_the_tenant_named_and_is_rewritten_only_to_change_it() 
     body = json.dumps({"prompt": [1], "user": "u", "vllm_xargs": {"k": 1}}).encode()
     assert json.loads(with_tenant(body, None))["vllm_xargs"] == {"k": 1, "tenant": "u"}
     assert json.loads(with_tenant(body, "gw"))["vllm_xargs"] == {"k": 1, "tenant": "gw"}
-    for bare, header in [(b' \n{"prompt": [1], "user": "u"}', None), (b"{ }", "gw")]:
-        named = json.loads(with_tenant(bare, header))  # the key prepended to the bytes
+    for bare, header in [(b' \n{"prompt": [1], "user": "u"}', None), (b"{ }", "gw"),
+                         (b'{"prompt": [1], "vllm_xargs": null}', "gw")]:
+        named = json.loads(with_tenant(bare, header))  # the key prepended, or rewritten
         assert named == {**json.loads(bare), "vllm_xargs": {"tenant": header or "u"}}
     for untouched, header in [
         (b'{"prompt": [1], "vllm_xargs": {"tenant": "a"}}', None),  # it says so already
         (b'{"prompt": [1]}', None),  # names none: the default tenant
+        (b'{"prompt": [1], "user": "alice "}', None),  # a user that is no tenant id: none
         (b'{"prompt": [1', "gw"),  # not JSON: vLLM answers it
         (b"\xff\xfe", "gw"),  # not UTF-8 either
         (b'[{"user": "u"}]', "gw"),  # not an object
         (b'{"user": "u", "vllm_xargs": [1]}', "gw"),  # vLLM refuses its vllm_xargs
     ]:
         assert with_tenant(untouched, header) is untouched
-    with pytest.raises(ValueError, match=r"^user must be a non-empty string"):
-        with_tenant(json.dumps({"user": "u" * 300}).encode(), None)
+    with pytest.raises(ValueError, match=r"^vllm_xargs\.tenant must be a non-empty string"):
+        with_tenant(json.dumps({"user": "u", "vllm_xargs": {"tenant": "u" * 300}}).encode(),
+                    None)
 
 
 class Recorder:
@@ -78,13 +81,14 @@ def test_generation_requests_reach_vllm_naming_their_tenant() -> None:
 
 
 def test_other_requests_pass_unread_and_a_bad_tenant_is_a_400() -> None:
-    body = json.dumps({"user": "u" * 300}).encode()
+    body = json.dumps({"user": "u", "vllm_xargs": {"tenant": "u" * 300}}).encode()
     for path, method in [("/v1/embeddings", "POST"), ("/v1/completions", "GET")]:
         app, _ = call(path, [body], method=method)
         assert app.calls[0][1] == body
     app, sent = call("/v1/completions", [body])
     assert not app.calls and sent[0]["status"] == 400
     error = json.loads(sent[1]["body"])["error"]
-    assert error["type"] == "BadRequestError" and error["message"].startswith("user must be")
+    assert error["type"] == "BadRequestError" and error["message"].startswith(
+        "vllm_xargs.tenant must be")
     app, sent = call("/v1/completions", [body[:3]], disconnect=True)
     assert not app.calls and not sent  # the client left mid-body: nothing to answer

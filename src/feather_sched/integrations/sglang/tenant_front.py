@@ -6,19 +6,19 @@ the one per-request field that reaches the scheduler's ``Req`` from every endpoi
 ``SamplingParams.custom_params`` (native ``/generate``: ``sampling_params.custom_params``;
 ``/v1/completions`` and ``/v1/chat/completions``: the body's ``custom_params``), where
 Feather's view reads ``custom_params["tenant"]`` (``scheduler.SGLangRequests.tenant``).
-``TenantMiddleware``, an ASGI middleware the launcher adds to SGLang's FastAPI app, fills
-it on those three routes: the ``x-tenant-id`` header wins, then a tenant the body names
-already, then OpenAI's ``user``; an invalid one (``parse_tenant``) is answered 400 saying
-why.  Other routes, and a native request without the header, pass untouched (the body is
-read only where something may change it).
-"""
+``TenantMiddleware``, an ASGI middleware the launcher adds to SGLang's FastAPI app, fills it
+on those three routes: the ``x-tenant-id`` header wins, then a tenant the body names
+already, then OpenAI's ``user`` where it is a valid tenant id (``core.named_tenant``, the
+rule vLLM's middleware follows); an invalid header or body tenant, where chosen, is answered
+400 saying why. Other routes, and a native request without the header, pass untouched (the
+body is read only where something may change it)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from feather_sched.core import TENANT_HEADER, parse_tenant
+from feather_sched.core import TENANT_HEADER, named_tenant, parse_tenant
 from feather_sched.integrations import asgi
 from feather_sched.integrations.sglang.scheduler import TENANT_PARAM
 
@@ -28,36 +28,37 @@ OPENAI_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 def carry_tenant(body: dict, header: str | None, *, native: bool) -> bool:
     """Name the request's tenant in ``body`` (a parsed request of a native or an OpenAI
-    route) where it names none itself or the header overrides it; True if ``body``
-    changed.  ValueError (``parse_tenant``'s) for an invalid header, body tenant or
-    ``user``.  O(sampling params)."""
-    header_tenant = None if header is None else parse_tenant(header)
+    route): on an OpenAI route the one ``named_tenant`` chooses (the header, the body's
+    ``custom_params.tenant``, OpenAI's ``user``); on a native one the header's, in every
+    ``sampling_params``.  True if ``body`` changed; a ``custom_params`` that is not an
+    object is left for SGLang to answer.  ValueError for an invalid header or body
+    tenant, where chosen.  O(sampling params)."""
     if not native:
-        user = body.get("user")
-        fallback = header_tenant or (None if user is None else parse_tenant(user))
-        return _name(body, "custom_params", fallback, overrides=header_tenant is not None)
+        tenant = named_tenant(header, body.get("custom_params"), body.get("user"),
+                              "custom_params")
+        return tenant is not None and _name(body, tenant)
+    if header is None:
+        return False
+    tenant = parse_tenant(header, f"the {TENANT_HEADER} header")
     params = body.get("sampling_params")
     if params is None:
         params = body["sampling_params"] = {}
     changed = False
     for one in params if isinstance(params, list) else [params]:
         if isinstance(one, dict):
-            changed |= _name(one, "custom_params", header_tenant, overrides=True)
+            changed |= _name(one, tenant)
     return changed
 
 
-def _name(holder: dict, key: str, tenant: str | None, *, overrides: bool) -> bool:
-    """Put ``tenant`` in ``holder[key]["tenant"]`` if it overrides or none is named there
-    (the one named is validated all the same); True if ``holder`` changed."""
-    custom = holder.get(key)
-    named = custom.get(TENANT_PARAM) if isinstance(custom, dict) else None
-    if named is not None:
-        parse_tenant(named)
-        if not overrides:
-            return False
-    if tenant is None or tenant == named:
+def _name(holder: dict, tenant: str) -> bool:
+    """Put ``tenant`` in ``holder["custom_params"]["tenant"]``; True if ``holder``
+    changed."""
+    custom = holder.get("custom_params")
+    if custom is None:
+        custom = {}
+    if not isinstance(custom, dict) or custom.get(TENANT_PARAM) == tenant:
         return False
-    holder[key] = {**(custom if isinstance(custom, dict) else {}), TENANT_PARAM: tenant}
+    holder["custom_params"] = {**custom, TENANT_PARAM: tenant}
     return True
 
 

@@ -2,23 +2,23 @@
 where vLLM's engine carries it to Feather's scheduler.
 
 vLLM loads it with ``--middleware feather_sched.integrations.vllm.tenants.TenantMiddleware``
-(``feather serve`` adds the flag).  For a POST to one of ``TENANT_PATHS`` whose body is a
+(``feather serve`` adds the flag). For a POST to one of ``TENANT_PATHS`` whose body is a
 JSON object, the tenant the request names (``core.named_tenant``: the ``x-tenant-id``
-header, then the body's ``vllm_xargs.tenant``, then OpenAI's ``user``) is written to the
-body's ``vllm_xargs.tenant``.  vLLM's protocol classes pass ``vllm_xargs`` on as
-``SamplingParams.extra_args`` (``to_sampling_params`` of completions, chat completions and
-responses; the Anthropic messages request through its chat request), which reach the
-engine core with the request, where ``VllmRequests.tenant`` reads it.  A bad tenant is a
-400 in vLLM's error shape, before vLLM reads the body; a body that is not a JSON object
-(or whose ``vllm_xargs`` is not one) passes untouched, for vLLM to answer; any other path
-or method is not read.  A request that names no tenant is the default tenant's.
+header, then the body's ``vllm_xargs.tenant``, then OpenAI's ``user`` where it is a valid
+tenant id) is written to the body's ``vllm_xargs.tenant``. vLLM's protocol classes pass
+``vllm_xargs`` on as ``SamplingParams.extra_args`` (``to_sampling_params`` of completions,
+chat completions and responses; the Anthropic messages request through its chat request),
+which reach the engine core with the request, where ``VllmRequests.tenant`` reads it. A bad
+header or ``vllm_xargs.tenant`` is a 400 in vLLM's error shape, before vLLM reads the body;
+a body that is not a JSON object (or whose ``vllm_xargs`` is not one) passes untouched, for
+vLLM to answer; any other path or method is not read. A request that names no tenant is the
+default tenant's.
 
 Cost: the body is read once and parsed once (``json``: about 0.8 ms for an 8K-token
 prompt here); where the tenant it carries is not the one named (a header, a ``user``, a
 numeric id) the key is prepended to the bytes, or the body written again where it has a
-``vllm_xargs`` already.  vLLM
-adds ``--middleware`` classes outermost, so this runs before its API-key check: a 400 for
-a bad tenant can come before a 401.
+``vllm_xargs`` key already. vLLM adds ``--middleware`` classes outermost, so this runs
+before its API-key check: a 400 for a bad tenant can come before a 401.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def with_tenant(body: bytes, header: str | None) -> bytes:
     if tenant is None or (engine_args or {}).get(TENANT_ARG) == tenant:
         return body
     opened = body.lstrip()
-    if engine_args is None and opened.startswith(b"{"):  # no key to replace: prepend one
+    if "vllm_xargs" not in data and opened.startswith(b"{"):  # no key to replace: prepend
         head = json.dumps({"vllm_xargs": {TENANT_ARG: tenant}}).encode()[:-1]
         return head + (b", " if data else b"") + opened[1:]
     data["vllm_xargs"] = {**(engine_args or {}), TENANT_ARG: tenant}
