@@ -156,10 +156,10 @@ class Harness:
         for request in requests:
             self.scheduler.add_request(request)
 
-    def step(self) -> object:
+    def step(self, throttle_prefills: bool = False) -> object:
         """One engine step: schedule, check the picture, hand in the (oldest) output."""
         scheduler = self.scheduler
-        output = scheduler.schedule()
+        output = scheduler.schedule(throttle_prefills)
         self.scheduled_from = [r.request_id for r in scheduler.running]
         self.steps += 1
         self.check()

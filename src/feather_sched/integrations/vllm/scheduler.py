@@ -448,7 +448,8 @@ class VllmMeter:
         """Whether each step's batch is described (for the step log)."""
         return self.config.step_log is not None
 
-    def before_schedule(self) -> None:
+    def before_schedule(self, throttle_prefills: bool = False) -> None:
+        """Before vLLM's pass (``throttle_prefills``: as vLLM's ``schedule`` is told)."""
         self._started = time.perf_counter()
 
     def after_schedule(self, output: Any) -> None:
@@ -579,11 +580,11 @@ class VllmFeather(VllmMeter):
             logger.warning("Feather's batch ordering cannot act: %s", note)
             self.runtime.engine_keeps_its_order()
 
-    def before_schedule(self) -> None:
+    def before_schedule(self, throttle_prefills: bool = False) -> None:
         super().before_schedule()
         self.urgent.forget()
         self.queue.begin_pass()
-        if self.queue.feathers_pass and self.faults.active:
+        if self.queue.feathers_pass and self.faults.active and not throttle_prefills:
             self.faults.attempt("urgent", self.urgent.make)
 
     def after_schedule(self, output: Any) -> None:
@@ -720,9 +721,9 @@ class _Hooks:
                 "InstrumentedScheduler), which picks the variant the engine needs")
         self.feather = self.component(self, feather_options(self.vllm_config))
 
-    def schedule(self, *args: Any, **kwargs: Any):
-        self.feather.before_schedule()
-        output = super().schedule(*args, **kwargs)
+    def schedule(self, throttle_prefills: bool = False):
+        self.feather.before_schedule(throttle_prefills)
+        output = super().schedule(throttle_prefills)
         self.feather.after_schedule(output)
         return output
 
