@@ -726,8 +726,8 @@ def test_the_model_gate_learns_from_vllms_own_steps_when_ordering_is_off() -> No
     gate.decide, gate.observe = recording_decide, recording_observe
     schedule, executed = harness.scheduler.schedule, []
 
-    def counting_schedule():
-        output = schedule()
+    def counting_schedule(throttle_prefills: bool = False):
+        output = schedule(throttle_prefills)
         executed.extend([output] if output.num_scheduled_tokens else [])
         return output
 
