@@ -402,6 +402,21 @@ def test_a_forced_admission_the_engine_skips_frees_the_slot() -> None:
     assert second.forced and second.request_id == "old1"
 
 
+def test_a_promised_starved_request_stays_forced_one_a_pass() -> None:
+    """The engine preempted for the starved request and promised it: its admission is
+    still the pass's forced one, so no second request is forced past the gate after it."""
+    clock = FakeClock()
+    queue = FeatherQueue(ScriptedGate(), max_wait_s=1.0, clock=clock)
+    for rid, group in [("a0", 0), ("b0", 1), ("c0", 2)]:
+        queue.add(rid, group_keys(group, 0))
+    clock.now = 5.0
+    queue.promise(queue.candidate())
+    first = queue.decide()
+    assert first.forced and first.request_id == "a0"
+    queue.admit("a0")
+    assert not queue.decide().forced  # one a pass: the gate answers for the next
+
+
 operations = st.lists(st.tuples(st.sampled_from(["add", "step", "finish", "requeue", "abort",
                                                  "hold", "release"]),
                                 st.integers(0, 3)), max_size=80)

@@ -442,7 +442,7 @@ class FeatherQueue:
         """The answer for waiting ``request_id``; the gate is shown what admitting it
         would do (``GateContext``) unless the answer is settled without it."""
         if request_id == self._promised:
-            return Admission(request_id, Decision.ADD, forced=False, context=None)
+            return Admission(request_id, Decision.ADD, forced=forced, context=None)
         if self._closed:
             return Admission(request_id, Decision.STOP, forced=False, context=None)
         if forced or self.gate.always_adds:

@@ -651,10 +651,11 @@ def test_an_urgent_request_without_kv_room_preempts_until_it_fits() -> None:
     assert engine.feather.runtime.meter.stats.preemptions == 1
 
 
-def test_no_preemption_where_a_hybrid_model_lacks_mamba_slots(monkeypatch) -> None:
+@pytest.mark.parametrize("seats", [None, 3])
+def test_no_preemption_where_a_hybrid_model_lacks_mamba_slots(monkeypatch, seats) -> None:
     """SGLang's adder for a hybrid Mamba model counts its free state slots once, when built
-    (``rem_mamba_slots``): with none left its NO_TOKEN is not a lack of KV room, and no
-    release this round cures it, so nobody is preempted (every eligible one was)."""
+    (``rem_mamba_slots``): with none left, no release this round gives the urgent request
+    one, so nobody is preempted, for KV room (every eligible one was) or for a seat."""
     engine = _running_a0_b0_a1(pool_tokens=256)
     built = engine.adder_class.__init__
 
@@ -666,7 +667,7 @@ def test_no_preemption_where_a_hybrid_model_lacks_mamba_slots(monkeypatch) -> No
     monkeypatch.setattr(engine.adder_class, "_mamba_gap_budget_for_req",
                         lambda adder, req, include_host_hit=False: 1)
     engine.arrive(_req("C", 0, priority=20))
-    assert engine.admission_round() == []
+    assert engine.admission_round(seats=seats) == []
     assert {r.rid for r in engine.running} == {"A0", "B0", "A1"}
     assert engine.feather.runtime.meter.stats.preemptions == 0
 

@@ -42,6 +42,9 @@ def test_a_native_batch_takes_the_header_in_every_sampling_params() -> None:
     bare = {"input_ids": [1]}
     assert carry_tenant(bare, "t", native=True)
     assert bare["sampling_params"] == {"custom_params": {"tenant": "t"}}
+    odd = {"input_ids": [1], "sampling_params": {"custom_params": []}}  # SGLang would take it
+    with pytest.raises(ValueError, match="custom_params must be a JSON object"):
+        carry_tenant(odd, "t", native=True)
 
 
 @pytest.mark.parametrize("body, header", [({"prompt": [1]}, "x" * 300),

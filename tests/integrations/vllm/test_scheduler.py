@@ -858,6 +858,24 @@ def tenant_of(request: Request) -> str:
     return str(request.sampling_params.extra_args["tenant"])
 
 
+def test_a_request_skipped_and_handed_back_is_refunded_its_admission() -> None:
+    """vLLM pops a request and skips it; its loop may end without asking the queue again
+    (in ``kv_holding_waiting``) and hand it back: the admission's charge to its tenant is
+    taken back (``settle`` holds it first), as when the next question settles it."""
+    harness = Harness(feather=FAIR)
+    harness.add(harness.request("r", 0, sampling_params=for_tenant("acme")))
+    queue, share = harness.scheduler.waiting, harness.runtime.queue.share
+    queue.begin_pass()
+    assert queue and share.service("acme") == 0
+    popped = queue.pop_request()
+    assert share.service("acme") > 0  # charged at admission
+    queue.prepend_requests([popped])
+    assert share.service("acme") == 0
+    assert harness.runtime.queue.state("r") is QueueState.WAITING
+    harness.drain()
+    harness.assert_empty()
+
+
 def test_the_tenant_is_the_requests_extra_arg(monkeypatch) -> None:
     """Named by ``extra_args["tenant"]`` (an int as its str); none named, or a pooling
     request: the default tenant; a bad id (the offline API lets one through) is served

@@ -135,20 +135,29 @@ def test_a_victim_whose_prefix_stays_held_is_not_preempted_for_kv_room(
     assert result["first"]["urgent"] == 31
 
 
-def test_no_room_is_made_in_a_pass_whose_prefills_vllm_may_defer() -> None:
+@pytest.mark.parametrize("saturated", [False, True])
+def test_no_room_is_made_in_a_pass_whose_prefills_vllm_defers(saturated: bool) -> None:
     """Under data parallelism vLLM throttles prefills on some steps (its DP prefill
-    balancing), deferring them while decodes run: nobody is preempted for an urgent request
-    then, and in the next pass room is made and it runs."""
+    balancing), deferring them while decodes run unless its last pass left requests
+    waiting for capacity: then nobody is preempted for an urgent request, and in the next
+    pass room is made and it runs. Saturated (a third request waits for a seat), vLLM
+    admits on the throttled step too, and so the urgent request goes at once."""
     harness = urgent_harness(False, 1, max_num_seqs=2)
     harness.add(*(harness.request(f"low{i}", group=i, max_tokens=60, priority=1)
-                  for i in range(2)))
+                  for i in range(2 + saturated)))
     for _ in range(3):
         harness.step()
-    harness.add(harness.request("urgent", group=2, priority=0))
+    assert harness.scheduler.prefill_capacity_bound is saturated
+    harness.add(harness.request("urgent", group=3, priority=0))
     throttled = harness.step(throttle_prefills=True)
-    assert not throttled.preempted_req_ids and "urgent" not in throttled.num_scheduled_tokens
-    output = harness.step()
-    assert output.preempted_req_ids == {"low1"} and "urgent" in output.num_scheduled_tokens
+    if saturated:
+        assert throttled.preempted_req_ids == {"low1"}
+        assert "urgent" in throttled.num_scheduled_tokens
+    else:
+        assert not throttled.preempted_req_ids
+        assert "urgent" not in throttled.num_scheduled_tokens
+        output = harness.step()
+        assert output.preempted_req_ids == {"low1"} and "urgent" in output.num_scheduled_tokens
     harness.drain()
     harness.assert_empty()
 

@@ -507,7 +507,7 @@ class FeatherPrefillAdder(PrefillAdder):
             return AddReqResult.OTHER
         result = super().add_one_req(req, has_chunked_req, truncation_align_size)
         while result is AddReqResult.NO_TOKEN and not self._added(req) and \
-                self._has_mamba_slots(req) and self._preempt_for(req):
+                self._preempt_for(req):
             req.init_next_round_input(self.tree_cache)
             result = super().add_one_req(req, has_chunked_req, truncation_align_size)
         if self._added(req):
@@ -515,11 +515,13 @@ class FeatherPrefillAdder(PrefillAdder):
         return result
 
     def _has_mamba_slots(self, req: Req) -> bool:
-        """Whether ``req``'s NO_TOKEN may be a lack of KV room, which a preemption cures
-        (SGLang's budget reads the pool live), rather than of the Mamba state slots of a
-        hybrid model, which SGLang's adder counted when built (``rem_mamba_slots``, its
-        own test in ``add_one_req``) and no release gives back to it this round."""
-        if self.rem_mamba_slots is None:
+        """Whether ``req`` has the Mamba state slots of a hybrid model that SGLang's
+        ``add_one_req`` asks for (not on its ignore-EOS path without a radix cache, which
+        asks none): the adder counted them when built (``rem_mamba_slots``) and no release
+        gives any back to it this round, so preempting for a request short of them frees
+        nothing it can use."""
+        if self.rem_mamba_slots is None or (req.sampling_params.ignore_eos and
+                                            getattr(self.tree_cache, "disable", True)):
             return True
         reserve = self._mamba_gap_budget_for_req(req, include_host_hit=True)
         return reserve // self._mamba_slot_cost <= self.rem_mamba_slots
@@ -547,7 +549,7 @@ class FeatherPrefillAdder(PrefillAdder):
         the radix cache) by ``ScheduleBatch.release_req``, out of the running batch by
         ``filter_batch``, into ``preempt_list``, which SGLang's round puts back in the
         waiting queue; counted as a preemption.  None is preempted for a request that
-        would not fit with every running request preempted."""
+        would not fit with every running request preempted (``_could_fit``)."""
         feather, batch = self.feather, self.running_batch
         if not feather.preempts or not feather.faults.call("could_fit", self._could_fit, req):
             return False
@@ -565,9 +567,12 @@ class FeatherPrefillAdder(PrefillAdder):
         return True
 
     def _could_fit(self, req: Req) -> bool:
-        """Whether ``req`` could fit were every running request preempted: the tokens
+        """Whether ``req`` could fit were every running request preempted: its Mamba state
+        slots, which no preemption frees for it (``_has_mamba_slots``), and the tokens
         SGLang's ``preempt_to_schedule`` finds it short of, against what the running
         requests hold in KV and reserve for their outputs.  O(running)."""
+        if not self._has_mamba_slots(req):
+            return False
         short = (len(req.full_untruncated_fill_ids) - req.prefix_len
                  + min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS)
                  + self._request_slot_reserve_for_req(req) - self.rem_total_tokens)

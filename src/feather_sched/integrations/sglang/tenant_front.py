@@ -30,9 +30,10 @@ def carry_tenant(body: dict, header: str | None, *, native: bool) -> bool:
     """Name the request's tenant in ``body`` (a parsed request of a native or an OpenAI
     route): on an OpenAI route the one ``named_tenant`` chooses (the header, the body's
     ``custom_params.tenant``, OpenAI's ``user``); on a native one the header's, in every
-    ``sampling_params``.  True if ``body`` changed; a ``custom_params`` that is not an
-    object is left for SGLang to answer.  ValueError for an invalid header or body
-    tenant, where chosen.  O(sampling params)."""
+    ``sampling_params``.  True if ``body`` changed.  ValueError for an invalid header or
+    body tenant, where chosen, or a ``custom_params`` that is not an object where the
+    tenant must go (SGLang's native route would take it and lose the tenant).
+    O(sampling params)."""
     if not native:
         tenant = named_tenant(header, body.get("custom_params"), body.get("user"),
                               "custom_params")
@@ -52,11 +53,14 @@ def carry_tenant(body: dict, header: str | None, *, native: bool) -> bool:
 
 def _name(holder: dict, tenant: str) -> bool:
     """Put ``tenant`` in ``holder["custom_params"]["tenant"]``; True if ``holder``
-    changed."""
+    changed; ValueError if ``custom_params`` is there and not an object."""
     custom = holder.get("custom_params")
     if custom is None:
         custom = {}
-    if not isinstance(custom, dict) or custom.get(TENANT_PARAM) == tenant:
+    if not isinstance(custom, dict):
+        raise ValueError("custom_params must be a JSON object to carry the tenant, got "
+                         f"{type(custom).__name__}")
+    if custom.get(TENANT_PARAM) == tenant:
         return False
     holder["custom_params"] = {**custom, TENANT_PARAM: tenant}
     return True

@@ -193,7 +193,15 @@ class FeatherWaitingQueue(RequestQueue):
         if self._fallback is not None:
             self._fallback.add_request(request)
             return
-        self.faults.attempt("enter_waiting", self.runtime.enter_waiting, request)
+        self.faults.attempt("enter_waiting", self._enter_waiting, request)
+
+    def _enter_waiting(self, request: Request) -> None:
+        """A request comes (back) to waiting: one popped and skipped is settled first (held,
+        its admission's charge refunded), since vLLM's loop can end in
+        ``kv_holding_waiting`` without asking this queue again."""
+        if request is self._popped:
+            self.settle()
+        self.runtime.enter_waiting(request)
 
     def prepend_request(self, request: Request) -> None:
         """A preempted request, or one the admission loop skipped, comes back."""
@@ -584,8 +592,17 @@ class VllmFeather(VllmMeter):
         super().before_schedule()
         self.urgent.forget()
         self.queue.begin_pass()
-        if self.queue.feathers_pass and self.faults.active and not throttle_prefills:
+        if self.queue.feathers_pass and self.faults.active and \
+                not self.defers_prefills(throttle_prefills):
             self.faults.attempt("urgent", self.urgent.make)
+
+    def defers_prefills(self, throttle_prefills: bool) -> bool:
+        """Whether vLLM's coming pass defers every prefill (data-parallel prefill balancing
+        on a throttled step, unless the engine is prefill-bound, while a decode runs:
+        vLLM's own test at the top of ``schedule()``), so no room is made for one."""
+        scheduler = self.scheduler
+        return throttle_prefills and not scheduler.prefill_capacity_bound and \
+            any(not request.is_prefill_chunk for request in scheduler.running)
 
     def after_schedule(self, output: Any) -> None:
         if not self.faults.active:

@@ -31,15 +31,15 @@ hits (its first chunk under chunked prefill), the watermark, and the blocks the 
 requests that stay take first in this pass
 (``KVCacheCoordinator.get_num_blocks_to_allocate``, as ``allocate_slots`` asks it). Not
 after a fault (Feather's code out of the pass), not while vLLM is paused, not in a pass
-whose prefills vLLM may defer (data-parallel prefill balancing:
-``schedule(throttle_prefills=True)``; the next pass tries again), only under vLLM's
-priority policy, never for a request vLLM would skip (grammar not compiled, stale output
-in flight, no LoRA slot); a victim whose blocks a KV connector's deferred free holds frees
-none now (vLLM's own rule), and while a connector has block frees pending KV room is not
-lacking (vLLM waits for them too). Cost: nothing outside vLLM's priority policy; under it,
-a class check in O(running) a pass while requests wait, and only where Feather's candidate
-is more urgent than a running request the room test, O(running), then O(victims' blocks)
-per set of victims tried."""
+whose prefills vLLM defers (data-parallel prefill balancing,
+``VllmFeather.defers_prefills``; the next pass tries again), only under vLLM's priority
+policy, never for a request vLLM would skip (grammar not compiled, stale output in flight,
+no LoRA slot); a victim whose blocks a KV connector's deferred free holds frees none now
+(vLLM's own rule), and while a connector has block frees pending KV room is not lacking
+(vLLM waits for them too). Cost: nothing outside vLLM's priority policy; under it, a class
+check in O(running) a pass while requests wait, and only where Feather's candidate is more
+urgent than a running request the room test, O(running), then O(victims' blocks) per set
+of victims tried."""
 
 from __future__ import annotations
 
