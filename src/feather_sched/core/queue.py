@@ -543,8 +543,8 @@ class FeatherQueue:
 
     def _waits(self, request_id: RequestId, waiting: bool, returning: bool = False) -> None:
         """Tell the share a request started (or stopped) waiting, and ``fifo``: at its
-        tenant's head if it is ``returning`` (preempted or skipped).  O(1), O(log n)
-        with ``fifo``."""
+        tenant's head if it is ``returning`` (preempted or skipped); a request that stops
+        waiting ends its ``promise``.  O(1), O(log n) with ``fifo``."""
         if not waiting and request_id == self._promised:
             self._promised = None
         if self.share is not None:

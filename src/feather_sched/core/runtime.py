@@ -423,22 +423,23 @@ class FeatherRuntime(Generic[R]):
             ages = queue.age_keys(ids)
         except KeyError:  # a request the queue never saw
             ages = [self.age_key(request) for request in running]
-        places = self._places
-        if places is None:
+        if self._places is None:
             return ages
         tenants = [queue.tenant(i) if i in queue else self._tenant_of(r)
                    for i, r in zip(ids, running, strict=True)]
-        last = len(places)
-        return [(age[0], places.get(tenant, last), *age[1:])
-                for age, tenant in zip(ages, tenants, strict=True)]
+        return list(map(self._placed, ages, tenants))
 
     def _order_key(self, request_id: RequestId) -> tuple:
         """``_order_keys`` of one request the queue knows.  O(1)."""
-        queue, places = self.queue, self._places
+        queue = self.queue
         age = queue.age_key(request_id)
-        if places is None:
-            return age
-        return (age[0], places.get(queue.tenant(request_id), len(places)), *age[1:])
+        return age if self._places is None else self._placed(age, queue.tenant(request_id))
+
+    def _placed(self, age: tuple, tenant: Hashable) -> tuple:
+        """``age`` (an ``age_key``) with the tenant's place in ``_places`` after the class
+        (a tenant the ranking did not see last).  O(1)."""
+        places = self._places
+        return (age[0], places.get(tenant, len(places)), *age[1:])
 
     def preemption_victim(self, running: Sequence[R]) -> R:
         """The request to preempt when the engine runs out of KV blocks: the end of

@@ -219,16 +219,14 @@ class TenantShare:
     def weight(self, tenant: Tenant) -> float:
         return self.weights.get(tenant, 1.0)
 
-    def charge(self, tenant: Tenant, computed_tokens: int, output_tokens: int) -> float:
+    def charge(self, tenant: Tenant, computed_tokens: int, output_tokens: int) -> None:
         """The engine computed ``computed_tokens`` prompt tokens (recomputation included,
         cache hits not) and generated ``output_tokens`` tokens for the tenant: each
         computed token ``1 - hit_weight`` of ``INPUT_WEIGHT`` (the rest was charged at
-        admission), each generated one ``OUTPUT_WEIGHT``.  Returns the charge, before
-        the tenant's weight."""
+        admission), each generated one ``OUTPUT_WEIGHT``."""
         cost = (1 - self.hit_weight) * INPUT_WEIGHT * computed_tokens + \
             OUTPUT_WEIGHT * output_tokens
         self._service[tenant] = self.service(tenant) + cost / self.weight(tenant)
-        return cost
 
     def admitted(self, tenant: Tenant, prompt_tokens: int) -> float:
         """A request of the tenant with ``prompt_tokens`` prompt tokens was admitted (again,
