@@ -242,28 +242,48 @@ def check(subject: Subject, grid: Sequence[Cell] = GRID,
     started = time.perf_counter()
     shapes = subject.shapes
     tolerance = TOLERANCE.get(shapes.dtype, TOLERANCE["float32"])
-    grid = fitting(grid, shapes)
-    if not grid:
+    cells = cells_to_run(shapes, grid, exactness, idle, subject.idle_cost)
+    if not any(cell in grid for cell in cells):
         return _verdict(shapes, False, "no cell of the grid fits this engine", None, [],
                         started)
-    idle = fitting(idle, shapes) if subject.idle_cost else []
+    timed = {*grid, *idle}
     results = []
-    for index, cell in enumerate([*fitting(exactness, shapes), *grid, *idle]):
-        trial = subject.trial(cell, seed=index)
-        expected = trial.engine().clone()  # a trial may reuse one output buffer
-        output = trial.shared().clone()
-        error = relative_error(output, expected)
-        reference = trial.reference()
-        reference_error = None if reference is None else relative_error(output, reference)
-        result = CellResult(cell, error, reference_error)
-        if error > tolerance or (reference_error is not None and reference_error > tolerance):
-            return _verdict(shapes, False, f"not exact at {cell.describe()}", None,
-                            [*results, result], started)
-        if cell in grid or cell in idle:
-            result = replace(result, engine_s=subject.seconds(trial.engine, reps),
-                             shared_s=subject.seconds(trial.shared, reps))
+    for index, cell in enumerate(cells):
+        result = _run_cell(subject, cell, index, cell in timed, reps)
         results.append(result)
+        if result.error > tolerance or (result.reference_error or 0) > tolerance:
+            return _verdict(shapes, False, f"not exact at {cell.describe()}", None, results,
+                            started)
     return decide(shapes, results, started)
+
+
+def cells_to_run(shapes: Shapes, grid: Sequence[Cell] = GRID,
+                 exactness: Sequence[Cell] = EXACTNESS_CELLS,
+                 idle: Sequence[Cell] = (IDLE_CELL,), idle_cost: bool = True) -> list[Cell]:
+    """The cells ``check`` runs for these shapes, in order: the exactness cells, the grid
+    and (``idle_cost``) the idle step, each where the engine can hold it; none where no
+    grid cell fits."""
+    grid = fitting(grid, shapes)
+    if not grid:
+        return []
+    return [*fitting(exactness, shapes), *grid, *(fitting(idle, shapes) if idle_cost else [])]
+
+
+def _run_cell(subject: Subject, cell: Cell, seed: int, timed: bool, reps: int) -> CellResult:
+    """One cell's exactness (and timing, where ``timed``). Its trial lives only here: one
+    cell's memory at a time, whatever the grid."""
+    trial = subject.trial(cell, seed=seed)
+    expected = trial.engine().clone()  # a trial may reuse one output buffer
+    output = trial.shared().clone()
+    error = relative_error(output, expected)
+    reference = trial.reference()
+    reference_error = None if reference is None else relative_error(output, reference)
+    result = CellResult(cell, error, reference_error)
+    tolerance = TOLERANCE.get(subject.shapes.dtype, TOLERANCE["float32"])
+    if timed and error <= tolerance and (reference_error or 0) <= tolerance:
+        result = replace(result, engine_s=subject.seconds(trial.engine, reps),
+                         shared_s=subject.seconds(trial.shared, reps))
+    return result
 
 
 def decide(shapes: Shapes, results: Sequence[CellResult],
@@ -312,6 +332,29 @@ def checked(measure: Callable[[], Verdict],
     return verdict, reason
 
 
+def agreed(verdict: Verdict | None, group: object | None) -> Verdict | None:
+    """One verdict for every tensor-parallel rank of ``group`` (a ``torch.distributed``
+    process group on the host, gloo: the engine's; None or one rank: ``verdict`` as it
+    is). Each rank measured its own; None, a check that failed, votes off: on only if
+    every rank is on, from the longest break-even any rank found. The ranks must agree,
+    or they would compute different batches' attention differently. The one place vLLM's
+    and SGLang's adapters vote; every rank calls it, whatever its check did."""
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return verdict
+    on = verdict is not None and verdict.on
+    votes = torch.tensor([0 if on else 1, (verdict and verdict.min_shared_tokens) or 0])
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
+    off, tokens = (int(v) for v in votes)
+    if verdict is None:
+        return None
+    if off and on:
+        return replace(verdict, on=False, reason="another tensor-parallel rank found it off",
+                       min_shared_tokens=None)
+    return replace(verdict, min_shared_tokens=tokens or None) if on else verdict
+
+
 def device_name(device: torch.device | str) -> str:
     """The GPU's name, or the CPU's model (``/proc/cpuinfo``; else what ``platform``
     says): what a verdict is kept per."""
@@ -351,11 +394,33 @@ def cache_dir() -> Path:
     return Path(base) / "feather-sched" / "attention-check"
 
 
+_measured: dict[Path, Verdict] = {}
+"""Verdicts this process measured or read, by their cache file (the cache directory and
+the shapes): an engine that builds its attention builders twice at start (vLLM's Model
+Runner V2) checks once, even where the directory cannot be written."""
+_failed: dict[Path, Exception] = {}
+"""Checks that raised in this process, by cache file: raised again, not run again."""
+
+
 def cached_check(subject: Subject, run: Callable[[Subject], Verdict] = check) -> Verdict:
-    """The verdict for ``subject``'s shapes: the cached one, else ``run(subject)``, kept
-    for next time (a file that cannot be read is measured again; one that cannot be
-    written is logged, never raised)."""
+    """The verdict for ``subject``'s shapes (``subject``: anything with ``shapes``, e.g.
+    an ``isolation.Recipe``, that ``run`` measures): this process's, else the cached
+    one, else ``run(subject)``, kept for next time (a file that cannot be read is
+    measured again; one that cannot be written is logged, never raised)."""
     path = cache_dir() / f"{subject.shapes.key()}.json"
+    if path in _failed:
+        raise _failed[path]
+    if path in _measured and _measured[path].shapes == subject.shapes:
+        return replace(_measured[path], cached=True)
+    try:
+        _measured[path] = verdict = _kept_or_run(subject, run, path)
+    except Exception as error:  # failed once, failed for this process (no second hang)
+        _failed[path] = error
+        raise
+    return verdict
+
+
+def _kept_or_run(subject: Subject, run: Callable[[Subject], Verdict], path: Path) -> Verdict:
     try:
         verdict = Verdict.from_json(read_json(path))
         if verdict.shapes == subject.shapes:
