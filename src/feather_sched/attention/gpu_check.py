@@ -27,10 +27,12 @@ from feather_sched.attention.partials import reference_attention
 from feather_sched.attention.selfcheck import (
     Cell,
     Shapes,
+    device_facts,
     device_name,
     kernel_digest,
     median_seconds,
 )
+from feather_sched.attention.timing import GraphTimer
 from feather_sched.attention.triton_kernels import TableSegments
 
 REFERENCE_TOKENS = 1 << 15
@@ -136,6 +138,14 @@ def sync_seconds(device: torch.device | str) -> Callable[[Callable[[], object], 
     return lambda run, reps: median_seconds(run, reps, sync)
 
 
+def graph_timer(device: torch.device | str) -> GraphTimer | None:
+    """How a subject on ``device`` times as the engine runs: graph replays and eager host
+    cost on a GPU (``timing.GraphTimer``); None elsewhere (wall time, ``sync_seconds``)."""
+    if torch.device(device).type != "cuda":
+        return None
+    return GraphTimer(torch.cuda.synchronize)
+
+
 class KitTrial:
     """A ``PagedBatch`` with Feather's per-row decode as the engine and the grouped decode
     as the path (the per-row decode on the batch with grouped rows cut, then the groups).
@@ -182,6 +192,7 @@ class KitSubject:
 
     idle_cost = True
     """On a step where nothing groups the path still launches (empty work, in graphs)."""
+    host_seconds: Callable[[Callable[[], object], int], float] | None = None
 
     def __init__(self, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  block: int, max_rows: int, max_context: int, device: str) -> None:
@@ -191,16 +202,15 @@ class KitSubject:
                    if torch.device(device).type == "cuda" else 1)
         self.decode = GroupedDecode(DecodeLimits.for_device(num_sms, max_rows, q_heads,
                                                             kv_heads, head_dim), device)
-        import triton
-
         self.shapes = Shapes(device=device_name(device), q_heads=q_heads, kv_heads=kv_heads,
                              head_dim=head_dim, dtype=str(dtype).removeprefix("torch."),
                              block_size=block, layout="vllm-gpu (Feather's per-row decode "
                              "as the engine)", max_rows=max_rows, max_context=max_context,
-                             versions=(("torch", torch.__version__),
-                                       ("triton", triton.__version__),
+                             versions=(("torch", torch.__version__), *device_facts(device),
                                        ("kernel", kernel_digest())))
-        self.seconds = sync_seconds(device)
+        timer = graph_timer(device)
+        self.seconds = timer.seconds if timer else sync_seconds(device)
+        self.host_seconds = timer and timer.host_seconds
 
     def trial(self, cell: Cell, seed: int) -> KitTrial:
         return KitTrial(PagedBatch(cell, *self.geometry, self.device, seed), self.decode)

@@ -1,25 +1,32 @@
 """The self-check run where a fault cannot reach the engine: in a child process started
-fresh (``spawn``: a new interpreter sharing no CUDA context, memory or lock with the
+fresh (a new interpreter, not a fork: it shares no CUDA context, memory or lock with the
 engine's worker), under a timeout.
 
 A device fault (an illegal address) poisons the CUDA context of the process it happens
 in, and a host out-of-memory kill is a SIGKILL: neither can be caught where it happens.
-So the worker hands the child a ``Recipe`` (how to build the check's subject there, and
-the shapes the verdict is kept for), and reads back the verdict as JSON; a child that
-crashes, is killed, hangs past the timeout or raises gives ``CheckFailed`` with the
-reason, which ``selfcheck.checked`` turns into "off" and the engine's log line. The
-child's device memory is all freed when it exits, before the engine allocates its KV
-cache. Engine-agnostic: the recipe names the engine adapter's factory.
+So the worker hands the child (a fresh interpreter, ``run_isolated``) a ``Recipe`` (how
+to build the check's subject there, and the shapes the verdict is kept for), and reads
+back the verdict as JSON; a child that crashes, is killed, hangs past the timeout or
+raises gives ``CheckFailed`` with the reason, which ``selfcheck.checked`` turns into
+"off" and the engine's log line. The child's device memory is all freed when it exits,
+before the engine allocates its KV cache. Engine-agnostic: the recipe names the engine
+adapter's factory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-import multiprocessing
+import json
+import os
+import pickle
 import signal
-import time
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from feather_sched.attention.selfcheck import Shapes, Verdict
@@ -48,45 +55,43 @@ class Recipe:
 def run_isolated(recipe: Recipe, timeout_s: float = TIMEOUT_S) -> Verdict:
     """The verdict ``recipe``'s check gives in a child process (see the module
     docstring), its shapes replaced by ``recipe.shapes``; ``CheckFailed`` where the
-    child gives none. The caller is never touched by what happens in the child."""
-    context = multiprocessing.get_context("spawn")
-    receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_child, args=(recipe, sender), daemon=True,
-                              name="feather-attention-check")
-    process.start()
-    sender.close()  # the child holds the only writer: its death ends the pipe
-    started = time.monotonic()
-    message = None
-    try:
-        if receiver.poll(timeout_s):
-            message = receiver.recv()
-    except (EOFError, OSError):
-        message = None
-    finally:
-        receiver.close()
-    timed_out = message is None and time.monotonic() - started >= timeout_s
-    _reap(process)
-    if message is None:
-        raise CheckFailed(_why_no_verdict(process.exitcode, timed_out, timeout_s))
-    kind, payload = message
-    if kind != "verdict":
-        raise CheckFailed(f"the self-check raised in its process: {payload}")
-    verdict = Verdict.from_json(payload)
-    return replace(verdict, shapes=recipe.shapes)
+    child gives none. The caller is never touched by what happens in the child.
+
+    The child is a fresh interpreter (``python -m feather_sched.attention.isolation``,
+    this process's ``sys.path``), not a ``multiprocessing`` child: an engine's worker
+    may be a daemonic process, which may not have those. It reads the pickled recipe
+    from a file and writes its answer to another; its own session, so a timeout ends it
+    and whatever it started."""
+    with tempfile.TemporaryDirectory(prefix="feather-check-") as folder:
+        given, answer = Path(folder) / "recipe.pickle", Path(folder) / "answer.json"
+        given.write_bytes(pickle.dumps(recipe))
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        child = subprocess.Popen([sys.executable, "-m", __name__, str(given), str(answer)],
+                                 env=environment, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
+        try:
+            code = child.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            _end(child)
+            raise CheckFailed(f"the self-check's process gave no verdict in {timeout_s:.0f} "
+                              "s (killed)") from None
+        message = json.loads(answer.read_text()) if answer.exists() else None
+    if message is None or code != 0:
+        raise CheckFailed(_why_no_verdict(code))
+    if message["kind"] != "verdict":
+        raise CheckFailed(f"the self-check raised in its process: {message['payload']}")
+    return replace(Verdict.from_json(message["payload"]), shapes=recipe.shapes)
 
 
-def _reap(process: multiprocessing.process.BaseProcess) -> None:
-    """End the child: give it a moment to exit, then kill it."""
-    process.join(5)
-    if process.is_alive():
-        process.kill()
-        process.join()
+def _end(child: subprocess.Popen) -> None:
+    """Kill the child's session (it and whatever it started), and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
 
 
-def _why_no_verdict(exitcode: int | None, timed_out: bool, timeout_s: float) -> str:
-    if timed_out:
-        return f"the self-check's process gave no verdict in {timeout_s:.0f} s (killed)"
-    if exitcode is not None and exitcode < 0:
+def _why_no_verdict(exitcode: int) -> str:
+    if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
         except ValueError:
@@ -95,19 +100,23 @@ def _why_no_verdict(exitcode: int | None, timed_out: bool, timeout_s: float) -> 
     return f"the self-check's process exited with code {exitcode} before its verdict"
 
 
-def _child(recipe: Recipe, sender: Any) -> None:
-    """The child's work: build the subject, run the check, send the verdict (or why not)."""
+def child_main(recipe_path: str, answer_path: str) -> None:
+    """The child's work: build the subject, run the check, write the verdict (or why
+    not) as JSON."""
     try:
+        recipe = pickle.loads(Path(recipe_path).read_bytes())
         subject = resolve(recipe.factory)(**recipe.kwargs)
-        verdict = resolve(recipe.run)(subject)
-        sender.send(("verdict", verdict.to_json()))
+        message = {"kind": "verdict", "payload": resolve(recipe.run)(subject).to_json()}
     except Exception as error:  # reported to the parent, which decides
-        sender.send(("error", f"{type(error).__name__}: {error}"))
-    finally:
-        sender.close()
+        message = {"kind": "error", "payload": f"{type(error).__name__}: {error}"}
+    Path(answer_path).write_text(json.dumps(message))
 
 
 def resolve(path: str) -> Callable[..., Any]:
     """The function a "module:function" path names."""
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+if __name__ == "__main__":
+    child_main(*sys.argv[1:3])

@@ -122,7 +122,9 @@ class Subject(Protocol):
 
     def seconds(self, run: Callable[[], object], reps: int) -> float:
         """Median seconds of ``run`` over ``reps`` calls (after a warm-up call), timed as
-        the device needs (a GPU synchronises)."""
+        the engine runs it: on a GPU a CUDA graph replay (``timing.GraphTimer``), else
+        wall time. A subject may also have ``host_seconds`` (same signature): the host
+        cost of an eager call, for steps the engine does not replay as one graph."""
 
 
 EXACTNESS_CELLS = (Cell(300, 3, 5, suffix=33), Cell(1024, 1, 2, suffix=1),
@@ -150,12 +152,33 @@ class CellResult:
     """Largest per-row relative difference of the path from float64 (where checked)."""
     engine_s: float | None = None
     shared_s: float | None = None
+    """Seconds per call as the engine runs it (a graph replay where it replays graphs)."""
+    engine_host_s: float | None = None
+    shared_host_s: float | None = None
+    """Host seconds to issue an eager call (steps the engine does not replay as a whole
+    graph), where the subject measures it (``timing.GraphTimer.host_seconds``)."""
 
     @property
     def speedup(self) -> float | None:
         if self.engine_s is None or not self.shared_s:
             return None
         return self.engine_s / self.shared_s
+
+    @property
+    def extra_host_s(self) -> float | None:
+        """What the path's eager launches add on the host, where measured."""
+        if self.engine_host_s is None or self.shared_host_s is None:
+            return None
+        return self.shared_host_s - self.engine_host_s
+
+    @property
+    def faster(self) -> bool:
+        """Faster by ``MARGIN``, and (where eager host time is measured) saving more
+        device time than its launches add on the host: a step run eagerly pays both."""
+        if self.speedup is None or self.speedup < 1 + MARGIN:
+            return False
+        extra = self.extra_host_s
+        return extra is None or self.engine_s - self.shared_s >= extra
 
 
 @dataclass(frozen=True)
@@ -193,6 +216,9 @@ class Verdict:
         if self.min_shared_tokens is not None:
             figures.append(f"groups from {self.min_shared_tokens} shared tokens")
         figures.extend(f"{c.speedup:.2f}x where nothing groups" for c in idle)
+        extra = [c.extra_host_s for c in timed if c.extra_host_s is not None]
+        if extra:
+            figures.append(f"eager launches +{1e6 * max(extra):.0f} us on the host")
         figures.extend(notes)
         how = "cached" if self.cached else f"{self.seconds:.1f} s"
         return (f"{'on' if self.on else 'off'} (self-check on {self.shapes.device}, "
@@ -283,6 +309,10 @@ def _run_cell(subject: Subject, cell: Cell, seed: int, timed: bool, reps: int) -
     if timed and error <= tolerance and (reference_error or 0) <= tolerance:
         result = replace(result, engine_s=subject.seconds(trial.engine, reps),
                          shared_s=subject.seconds(trial.shared, reps))
+        host_seconds = getattr(subject, "host_seconds", None)
+        if host_seconds is not None:
+            result = replace(result, engine_host_s=host_seconds(trial.engine, reps),
+                             shared_host_s=host_seconds(trial.shared, reps))
     return result
 
 
@@ -300,7 +330,7 @@ def decide(shapes: Shapes, results: Sequence[CellResult],
                         "kernel on a step where nothing groups", None, results, started)
     prefixes = sorted({r.cell.prefix for r in timed})
     for prefix in prefixes:
-        if all(r.speedup >= 1 + MARGIN for r in timed if r.cell.prefix >= prefix):
+        if all(r.faster for r in timed if r.cell.prefix >= prefix):
             return _verdict(shapes, True, "exact, and faster from the break-even", prefix,
                             results, started)
     return _verdict(shapes, False, "exact, but not faster than the engine's kernel", None,
@@ -368,6 +398,38 @@ def device_name(device: torch.device | str) -> str:
     models = [line.partition(":")[2].strip() for line in text.splitlines()
               if line.startswith("model name")]
     return models[0] if models else platform.processor() or platform.machine()
+
+
+def device_facts(device: torch.device | str) -> tuple[tuple[str, str], ...]:
+    """What else a verdict on ``device`` depends on, for its key: Triton's version (the
+    kernels' compiler) and, on a GPU, its SM count (a MIG slice shares the GPU's name) and
+    the driver's version."""
+    facts = []
+    try:
+        import triton
+
+        facts.append(("triton", triton.__version__))
+    except ImportError:
+        pass
+    device = torch.device(device)
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        facts += [("sms", str(properties.multi_processor_count)),
+                  ("driver", driver_version())]
+    return tuple(facts)
+
+
+def driver_version() -> str:
+    """The CUDA driver's version (``cuDriverGetVersion``), or "unknown"."""
+    import ctypes
+
+    try:
+        version = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0:
+            return str(version.value)
+    except OSError:
+        pass
+    return "unknown"
 
 
 GPU_SOURCES = ("triton_kernels.py", "gpu_decode.py", "groups.py")
