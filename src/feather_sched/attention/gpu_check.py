@@ -16,6 +16,8 @@ kernel (named so in every figure it produces), for a GPU with torch and Triton o
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +29,8 @@ from feather_sched.attention.partials import reference_attention
 from feather_sched.attention.selfcheck import (
     Cell,
     Shapes,
+    Verdict,
+    check,
     device_facts,
     device_name,
     kernel_digest,
@@ -214,3 +218,17 @@ class KitSubject:
 
     def trial(self, cell: Cell, seed: int) -> KitTrial:
         return KitTrial(PagedBatch(cell, *self.geometry, self.device, seed), self.decode)
+
+
+def check_measuring_memory(subject: Any, **options: Any) -> Verdict:
+    """``selfcheck.check`` of a subject on a GPU, with the peak device memory it
+    allocated (torch's allocator, from a reset) in the verdict; as ``check`` elsewhere."""
+    cuda = torch.device(subject.device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(subject.device)
+        before = torch.cuda.memory_allocated(subject.device)
+    verdict = check(subject, **options)
+    if not cuda:
+        return verdict
+    peak = torch.cuda.max_memory_allocated(subject.device) - before
+    return replace(verdict, peak_device_bytes=int(peak))

@@ -44,12 +44,15 @@ class Recipe:
     """How the child builds the check: ``factory`` ("module:function", called with
     ``kwargs``, all picklable) returns the ``selfcheck.Subject``; ``run`` ("module:
     function") measures it (default ``selfcheck.check``). ``shapes``: what the verdict is
-    kept for, as the engine sees them."""
+    kept for, as the engine sees them (``cached_check`` reads them)."""
 
-    shapes: Shapes
+    shapes: Shapes | None
+    """None: the verdict keeps the shapes the child's subject has."""
     factory: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     run: str = "feather_sched.attention.selfcheck:check"
+    run_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Passed to ``run`` after the subject (e.g. a smaller grid)."""
 
 
 def run_isolated(recipe: Recipe, timeout_s: float = TIMEOUT_S) -> Verdict:
@@ -80,7 +83,8 @@ def run_isolated(recipe: Recipe, timeout_s: float = TIMEOUT_S) -> Verdict:
         raise CheckFailed(_why_no_verdict(code))
     if message["kind"] != "verdict":
         raise CheckFailed(f"the self-check raised in its process: {message['payload']}")
-    return replace(Verdict.from_json(message["payload"]), shapes=recipe.shapes)
+    verdict = Verdict.from_json(message["payload"])
+    return verdict if recipe.shapes is None else replace(verdict, shapes=recipe.shapes)
 
 
 def _end(child: subprocess.Popen) -> None:
@@ -106,7 +110,8 @@ def child_main(recipe_path: str, answer_path: str) -> None:
     try:
         recipe = pickle.loads(Path(recipe_path).read_bytes())
         subject = resolve(recipe.factory)(**recipe.kwargs)
-        message = {"kind": "verdict", "payload": resolve(recipe.run)(subject).to_json()}
+        verdict = resolve(recipe.run)(subject, **recipe.run_kwargs)
+        message = {"kind": "verdict", "payload": verdict.to_json()}
     except Exception as error:  # reported to the parent, which decides
         message = {"kind": "error", "payload": f"{type(error).__name__}: {error}"}
     Path(answer_path).write_text(json.dumps(message))

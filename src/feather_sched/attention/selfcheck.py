@@ -196,6 +196,9 @@ class Verdict:
     """How long the check took."""
     cached: bool = field(default=False, compare=False)
     """Read from the cache rather than measured now."""
+    peak_device_bytes: int | None = None
+    """The device memory the check allocated at its peak, where measured (a GPU:
+    ``gpu_check.check_measuring_memory``), to compare with ``check_memory``'s plan."""
 
     @property
     def max_error(self) -> float:
@@ -219,6 +222,8 @@ class Verdict:
         extra = [c.extra_host_s for c in timed if c.extra_host_s is not None]
         if extra:
             figures.append(f"eager launches +{1e6 * max(extra):.0f} us on the host")
+        if self.peak_device_bytes is not None:
+            figures.append(f"peak device memory {self.peak_device_bytes / (1 << 20):.0f} MiB")
         figures.extend(notes)
         how = "cached" if self.cached else f"{self.seconds:.1f} s"
         return (f"{'on' if self.on else 'off'} (self-check on {self.shapes.device}, "
@@ -239,7 +244,8 @@ class Verdict:
             cells = tuple(CellResult(**{**c, "cell": Cell(**c["cell"])}) for c in data["cells"])
             return cls(on=bool(data["on"]), reason=str(data["reason"]),
                        min_shared_tokens=data["min_shared_tokens"], shapes=shapes,
-                       cells=cells, seconds=float(data["seconds"]))
+                       cells=cells, seconds=float(data["seconds"]),
+                       peak_device_bytes=data.get("peak_device_bytes"))
         except (KeyError, TypeError) as error:
             raise ValueError(f"malformed {FORMAT} file: {error}") from None
 

@@ -202,6 +202,25 @@ def test_configurations_it_cannot_serve_stay_off(config_on, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", BUILDERS)
+def test_fused_output_quantization_and_batch_invariance_are_refused_by_name(
+        kind, announced, monkeypatch):
+    """Where the path cannot be exact it stays off even when asked for, and the line says
+    why: a quantized output (the merge would store unscaled values into it) and vLLM's
+    batch-invariant mode (a grouped row's numerics would depend on its neighbours)."""
+    fused = make_config({"shared_prefix_attention": "on"})
+    fused.compilation_config.pass_config.fuse_attn_quant = True
+    assert BUILDERS[kind](SPEC, ["layer"], fused, torch.device("cpu")).decode is None
+    assert announced[-1].startswith("off with fused output quantization (compilation_config"
+                                    ".pass_config.fuse_attn_quant")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    invariant = make_config({"shared_prefix_attention": "on"})
+    assert BUILDERS[kind](SPEC, ["layer"], invariant, torch.device("cpu")).decode is None
+    assert announced[-1].startswith("off in batch-invariant mode (VLLM_BATCH_INVARIANT")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert BUILDERS[kind](SPEC, ["layer"], invariant, torch.device("cpu")).decode is not None
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
 def test_layers_the_kernels_cannot_serve_turn_their_group_off(kind, config_on, announced):
     impl = make_impl(kind)
     assert gpu.layer_problem(impl, torch.float32, torch.float32) is None

@@ -289,7 +289,8 @@ def gpu_recipe(builder: Any, vllm_config: Any, kv_cache_spec: Any) -> Recipe:
                    "max_rows": vllm_config.scheduler_config.max_num_seqs,
                    "max_model_len": vllm_config.model_config.max_model_len,
                    "device": str(builder.device),
-                   "kv_layout": resolved_layout(vllm_config)})
+                   "kv_layout": resolved_layout(vllm_config)},
+                  run="feather_sched.attention.gpu_check:check_measuring_memory")
 
 
 def engine_check(builder: Any, vllm_config: Any, kv_cache_spec: Any,

@@ -98,8 +98,16 @@ def register_over() -> list[str]:
 def decide_gpu(vllm_config: Any, kv_cache_spec: Any) -> str | None:
     """Why a KV-cache group's configuration keeps vLLM's path whatever the option says,
     or None where Feather's can act."""
+    import vllm.envs as envs
+
     parallel = vllm_config.parallel_config
+    pass_config = getattr(vllm_config.compilation_config, "pass_config", None)
     problems = {
+        "off with fused output quantization (compilation_config.pass_config."
+        "fuse_attn_quant: the output is quantized, the path writes it unscaled)":
+            bool(getattr(pass_config, "fuse_attn_quant", False)),
+        "off in batch-invariant mode (VLLM_BATCH_INVARIANT: a grouped row's numerics "
+        "would depend on its neighbours)": bool(envs.VLLM_BATCH_INVARIANT),
         "off without prefix caching (no two rows can share a block)":
             not vllm_config.cache_config.enable_prefix_caching,
         "off with speculative decoding": vllm_config.speculative_config is not None,
