@@ -18,6 +18,7 @@ from feather_sched.attention.check_memory import cell_memory
 from feather_sched.attention.gpu_check import PagedBatch
 from feather_sched.attention.selfcheck import Cell, Shapes
 from feather_sched.cli import app
+from tests.helpers.selfcheck_fakes import ExactTrial
 
 LLAMA_3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
               "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
@@ -96,21 +97,12 @@ def test_the_check_holds_one_cell_at_a_time() -> None:
     alive: list[weakref.ref] = []
     most = []
 
-    class Trial:
+    class Trial(ExactTrial):
         def __init__(self, cell: Cell) -> None:
             gc.collect()
             most.append(sum(ref() is not None for ref in alive))
             alive.append(weakref.ref(self))
-            self.cell, self.out = cell, torch.ones(cell.rows, 4, 16)
-
-        def engine(self) -> torch.Tensor:
-            return self.out
-
-        def shared(self) -> torch.Tensor:
-            return self.out
-
-        def reference(self) -> None:
-            return None
+            super().__init__(cell)
 
     class Subject:
         shapes = Shapes(device="cpu", q_heads=4, kv_heads=2, head_dim=16, dtype="float32",

@@ -9,30 +9,15 @@ import signal
 import time
 
 import pytest
-import torch
 
 from feather_sched.attention import selfcheck
 from feather_sched.attention.isolation import CheckFailed, Recipe, run_isolated
 from feather_sched.attention.selfcheck import Cell, Shapes
+from tests.helpers.selfcheck_fakes import ExactTrial
 
 SHAPES = Shapes(device="test CPU", q_heads=4, kv_heads=2, head_dim=16, dtype="float32",
                 block_size=16, layout="vec", max_rows=64, max_context=16384)
 HERE = __name__
-
-
-class Trial:
-    def __init__(self, cell: Cell) -> None:
-        self.cell = cell
-        self.out = torch.ones(cell.rows, 4, 16)
-
-    def engine(self) -> torch.Tensor:
-        return self.out
-
-    def shared(self) -> torch.Tensor:
-        return self.out
-
-    def reference(self) -> None:
-        return None
 
 
 class FasterSubject:
@@ -40,8 +25,8 @@ class FasterSubject:
 
     shapes, idle_cost = SHAPES, False
 
-    def trial(self, cell: Cell, seed: int) -> Trial:
-        return Trial(cell)
+    def trial(self, cell: Cell, seed: int) -> ExactTrial:
+        return ExactTrial(cell)
 
     def seconds(self, run, reps: int) -> float:
         return 2.0 if run.__name__ == "engine" else 1.0
