@@ -47,6 +47,8 @@ ORDERS, SHARED_PREFIX, SELF_CHECK = "orders", "shared-prefix", "self-check"
 """The studies: see the module docstring."""
 SELF_CHECK_SHAPES = {"llama-3-8b": (32, 8, 128), "llama-2-7b": (32, 32, 128)}
 """Query heads, KV heads and head size the self-check runs at (one rank, no TP)."""
+SELF_CHECK_TIMEOUT_S = 140
+"""Seconds each shape's check may take in its process: both within 5 minutes."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -739,7 +741,7 @@ def _isolated_self_check(heads: tuple[int, int, int], dtype: torch.dtype, device
                     run="feather_sched.attention.gpu_check:check_measuring_memory",
                     run_kwargs=cells)
     try:
-        verdict = run_isolated(recipe, timeout_s=240)
+        verdict = run_isolated(recipe, timeout_s=SELF_CHECK_TIMEOUT_S)
     except CheckFailed as error:
         return {**record, "failure": str(error)}
     return {**record, **verdict.to_json(), "line": verdict.line(),
