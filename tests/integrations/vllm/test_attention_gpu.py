@@ -398,6 +398,49 @@ def test_a_step_without_groups(kind, config_on):
 
 
 @pytest.mark.parametrize("kind", BUILDERS)
+def test_a_step_without_groups_does_only_what_a_full_replay_needs(kind, monkeypatch):
+    """Under FULL_AND_PIECEWISE a mixed batch runs PIECEWISE (attention eagerly): without
+    groups it gets vLLM's own metadata, and Feather stages, clears, cuts and launches
+    nothing, reading nothing on the host (every device input on ``meta``). A uniform
+    decode step without groups is replayed as a FULL graph: only the empty work it
+    captured; where mixed batches are FULL graphs too (mode FULL), so is a mixed step."""
+    monkeypatch.setattr(gpu_decode.GroupedDecode, "warm_up", lambda *args: None)
+    meta = torch.device("meta")
+    config = make_config({"shared_prefix_attention": "on"}, graphs=True)
+    builder = BUILDERS[kind](SPEC, ["layer"], config, meta)
+    work = []
+
+    def recorded(name: str):
+        def call(*args):
+            work.append(name)
+            return args[0] if args else None  # cut_seq_lens: the lengths as given
+
+        return call
+
+    for name in ("clear", "stage", "cut_seq_lens", "run"):
+        monkeypatch.setattr(builder.decode, name, recorded(name))
+
+    def unshared(decode_only: bool):
+        common = make_batch(decode_only).common
+        table = common.block_table_tensor
+        table[:] = torch.arange(table.numel(), dtype=torch.int32).view_as(table)
+        host = HostRows(table.numpy(), np.arange(common.num_reqs))
+        return replace(common, query_start_loc=common.query_start_loc.to(meta),
+                       seq_lens=common.seq_lens.to(meta), block_table_tensor=table.to(meta),
+                       slot_mapping=common.slot_mapping.to(meta)), host
+
+    mixed, host = unshared(decode_only=False)
+    assert mixed.max_query_len > 1
+    metadata = builder.build_with(mixed, False, host)
+    assert type(metadata) is not builder.metadata_cls and work == []
+    decode, host = unshared(decode_only=True)
+    assert builder.build_with(decode, False, host).work is builder.decode
+    assert work == ["clear", "cut_seq_lens"]
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
+    assert builder.build_with(mixed, False, host).work is builder.decode
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
 def test_the_per_step_path_reads_no_device_tensor_on_the_host(kind, monkeypatch):
     """Every device-side input on the ``meta`` device (where a host read raises: "cannot
     copy out of meta tensor"), the host-side ones (``query_start_loc_cpu``,
@@ -426,9 +469,10 @@ def test_forward_and_self_check_in_the_triton_interpreter():
         pytest.skip("this is that process")
     result = run_interpreted(f"{__file__}::test_interpreted_forward_matches_float64_and_vllms",
                              f"{__file__}::test_interpreted_self_check_decides_auto",
-                             f"{__file__}::test_interpreted_feather_attention_check_backend")
+                             f"{__file__}::test_interpreted_feather_attention_check_backend",
+                             f"{__file__}::test_interpreted_engine_check_in_its_own_process")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert "9 passed" in result.stdout, result.stdout[-2000:]
+    assert "10 passed" in result.stdout, result.stdout[-2000:]
 
 
 LAYER = SimpleNamespace(_q_scale=torch.ones(1), _k_scale=torch.ones(1), _v_scale=torch.ones(1))
@@ -546,3 +590,24 @@ def test_interpreted_feather_attention_check_backend(backend, monkeypatch, tmp_p
     verdict = selfcheck.Verdict.from_json(json.loads(out.read_text()))
     assert verdict.shapes.layout == ("FlashAttention" if backend == "FLASH_ATTN" else "Triton")
     assert verdict.max_error < 1e-5 and verdict.cells[0].speedup is not None
+
+
+@interpreted
+def test_interpreted_engine_check_in_its_own_process(config_on, tmp_path):
+    """What a GPU worker runs under ``auto``: the engine's check rebuilt in a fresh
+    process from its recipe (``gpu_recipe``: vLLM's TRITON_ATTN, its real kernel in
+    Triton's interpreter here), the verdict handed back exact and kept for the engine's
+    own shapes (its versions, the resolved KV layout, no CUDA-graph mode)."""
+    from feather_sched.attention.isolation import run_isolated
+
+    builder = BUILDERS["triton"](SPEC, ["layer"], config_on, torch.device("cpu"))
+    recipe = attention_check.gpu_recipe(builder, config_on, SPEC)
+    assert recipe.kwargs["backend"] == "TRITON_ATTN" and recipe.kwargs["device"] == "cpu"
+    versions = dict(recipe.shapes.versions)
+    assert versions["kv layout"].startswith("NHD") and "cuda graphs" not in versions
+    assert {"flash-attn", "triton", "vllm", "gpu kernel"} <= set(versions)
+    small = replace(recipe, run_kwargs={"grid": (Cell(64, 2, 2, suffix=9),), "exactness": (),
+                                        "idle": (Cell(64, 3, 1),), "reps": 1})
+    verdict = run_isolated(small, timeout_s=400)
+    assert verdict.shapes == recipe.shapes and verdict.max_error < 1e-5
+    assert [c.cell for c in verdict.cells] == [Cell(64, 2, 2, suffix=9), Cell(64, 3, 1)]

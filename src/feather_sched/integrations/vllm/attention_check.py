@@ -24,7 +24,7 @@ from vllm import _custom_ops as ops
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from feather_sched.attention import cpu_kernel
+from feather_sched.attention import cpu_kernel, selfcheck
 from feather_sched.attention.gpu_check import PagedBatch, graph_timer, sync_seconds
 from feather_sched.attention.groups import StepPlan, plan_step
 from feather_sched.attention.isolation import Recipe, run_isolated
@@ -33,7 +33,6 @@ from feather_sched.attention.selfcheck import (
     Cell,
     Shapes,
     Verdict,
-    cached_check,
     device_facts,
     device_name,
     kernel_digest,
@@ -300,8 +299,10 @@ def engine_check(builder: Any, vllm_config: Any, kv_cache_spec: Any,
     kill there leaves the worker up, the verdict off with its reason), elsewhere (CPU
     tensors in Triton's interpreter) in this process, on ``builder``'s own decode."""
     if builder.device.type == "cuda":
-        return cached_check(gpu_recipe(builder, vllm_config, kv_cache_spec), run_isolated)
-    return cached_check(GpuSubject(builder, vllm_config, kv_cache_spec, layer_names))
+        return selfcheck.cached_check(gpu_recipe(builder, vllm_config, kv_cache_spec),
+                                      run_isolated)
+    return selfcheck.cached_check(GpuSubject(builder, vllm_config, kv_cache_spec,
+                                             layer_names))
 
 
 def resolved_layout(vllm_config: Any) -> str:
