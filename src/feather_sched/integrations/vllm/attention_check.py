@@ -362,7 +362,8 @@ def gpu_subject(backend: str, geometry: Geometry, dtype: torch.dtype, block: int
     model = ModelConfig(model=str(TINY_LLAMA), dtype=dtype, skip_tokenizer_init=True,
                         max_model_len=max_model_len, hf_overrides={
                             "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-                            "head_dim": head_dim, "hidden_size": heads * head_dim})
+                            "head_dim": head_dim, "hidden_size": heads * head_dim,
+                            "max_position_embeddings": max(max_model_len, 32768)})
     config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block),
                         additional_config={"feather": {"shared_prefix_attention": "on"}})
     config.scheduler_config.max_num_seqs = max_rows
