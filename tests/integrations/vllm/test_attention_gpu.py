@@ -625,8 +625,10 @@ def test_interpreted_engine_check_in_its_own_process(config_on, tmp_path):
     versions = dict(recipe.shapes.versions)
     assert versions["kv layout"].startswith("NHD") and "cuda graphs" not in versions
     assert {"flash-attn", "triton", "vllm", "gpu kernel"} <= set(versions)
-    small = replace(recipe, run_kwargs={"grid": (Cell(64, 2, 2, suffix=9),), "exactness": (),
-                                        "idle": (Cell(64, 3, 1),), "reps": 1})
+    small = replace(recipe, factory="tests.helpers.triton_interpreter:with_vllm_triton_on",
+                    kwargs={"factory": recipe.factory, "kwargs": recipe.kwargs},
+                    run_kwargs={"grid": (Cell(64, 2, 2, suffix=9),), "exactness": (),
+                                "idle": (Cell(64, 3, 1),), "reps": 1})
     verdict = run_isolated(small, timeout_s=400)
     assert verdict.shapes == recipe.shapes and verdict.max_error < 1e-5
     assert [c.cell for c in verdict.cells] == [Cell(64, 2, 2, suffix=9), Cell(64, 3, 1)]

@@ -280,16 +280,23 @@ def gpu_recipe(builder: Any, vllm_config: Any, kv_cache_spec: Any) -> Recipe:
     at this engine's shapes, backend, KV layout and device, kept for ``gpu_shapes``."""
     backend = "FLASH_ATTN" if builder.name == "FlashAttention" else "TRITON_ATTN"
     return Recipe(gpu_shapes(builder, vllm_config, kv_cache_spec),
-                  f"{__name__}:gpu_subject",
+                  f"{__name__}:recipe_subject",
                   {"backend": backend,
-                   "geometry": Geometry(builder.num_heads_q, kv_cache_spec.num_kv_heads,
-                                        kv_cache_spec.head_size),
-                   "dtype": kv_cache_spec.dtype, "block": kv_cache_spec.block_size,
+                   "geometry": (builder.num_heads_q, kv_cache_spec.num_kv_heads,
+                                kv_cache_spec.head_size),
+                   "dtype": str(kv_cache_spec.dtype).removeprefix("torch."),
+                   "block": kv_cache_spec.block_size,
                    "max_rows": vllm_config.scheduler_config.max_num_seqs,
                    "max_model_len": vllm_config.model_config.max_model_len,
                    "device": str(builder.device),
                    "kv_layout": resolved_layout(vllm_config)},
                   run="feather_sched.attention.gpu_check:check_measuring_memory")
+
+
+def recipe_subject(geometry: tuple[int, int, int], dtype: str, **options: Any) -> GpuSubject:
+    """``gpu_subject`` from a recipe's plain values (unpickling them imports nothing of
+    vLLM's, so the child can prepare its process before vLLM loads)."""
+    return gpu_subject(geometry=Geometry(*geometry), dtype=getattr(torch, dtype), **options)
 
 
 def engine_check(builder: Any, vllm_config: Any, kv_cache_spec: Any,
