@@ -39,9 +39,9 @@ from feather_sched.core import (
     FeatherConfig,
     FeatherConfigError,
     FeatherRuntime,
+    Isolation,
     is_true,
     parse_tenant,
-    Isolation,
     token_keys,
 )
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
