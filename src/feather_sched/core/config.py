@@ -276,6 +276,20 @@ class FeatherConfig:
         HTTP fronts name tenants only then."""
         return self.fairness != "off" or self.isolate_tenants
 
+    @classmethod
+    def tenant_header_of(cls, options: Mapping[str, Any] | None,
+                         environ: Mapping[str, str] = os.environ) -> str | None:
+        """``tenant_front_header`` of the options ``from_sources`` reads, reading only
+        those it needs (``option``: no file checked).  FeatherConfigError for a bad one."""
+        return cls(**{name: cls.option(name, options, environ) for name in (
+            "fairness", "isolate_tenants", "tenant_header")}).tenant_front_header
+
+    @property
+    def tenant_front_header(self) -> str | None:
+        """The header the HTTP fronts read tenants from, None where tenants are not used:
+        every request then passes them untouched, as the engine's own server takes it."""
+        return self.tenant_header if self.uses_tenants else None
+
     @property
     def isolation(self) -> Isolation:
         """The namespaces of this engine's requests' prefix keys (``isolation``)."""
