@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from feather_sched.core.cht import token_chunk_keys
 from feather_sched.core.isolation import Namespace
-from feather_sched.routing.cache_index import PreciseIndex
 from feather_sched.routing.baselines import (
     ROUTER_CLASSES,
     CacheAwareRouter,
@@ -17,6 +16,7 @@ from feather_sched.routing.baselines import (
     RoundRobinRouter,
     make_router,
 )
+from feather_sched.routing.cache_index import PreciseIndex
 from feather_sched.routing.feather import FeatherRouter
 from feather_sched.routing.prefix_index import PrefixIndex
 from feather_sched.routing.router import RouterError
