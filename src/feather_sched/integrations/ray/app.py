@@ -210,6 +210,19 @@ class VLLMReplica:
         await self.engine.check_health()
 
 
+# Helpers first: serve.ingress pickles the ingress class where it is defined.
+def _tokenizer(name: str, options: dict[str, Any]) -> Any:
+    """The Hugging Face tokenizer the ingress routes by, None where it cannot load."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name, **options)
+    except (OSError, ValueError) as error:
+        logger.warning("feather serve --replicas: no tokenizer to route by (%s): requests "
+                       "route by load", error)
+        return None
+
+
 api = FastAPI(title="feather serve --replicas")
 
 
@@ -278,18 +291,6 @@ class OpenAIIngress:
         except BaseException:  # the client left: abort on the replica
             rest.cancel()
             raise
-
-
-def _tokenizer(name: str, options: dict[str, Any]) -> Any:
-    """The Hugging Face tokenizer the ingress routes by, None where it cannot load."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(name, **options)
-    except (OSError, ValueError) as error:
-        logger.warning("feather serve --replicas: no tokenizer to route by (%s): requests "
-                       "route by load", error)
-        return None
 
 
 def build_app(argv: list[str], *, replicas: int, router: str = "feather",
