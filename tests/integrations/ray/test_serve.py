@@ -496,7 +496,10 @@ def single(tmp_path_factory) -> Iterator[str]:
 
 
 def shape(value: object) -> object:
-    """A JSON value's shape: its keys and the types of its leaves (not their values)."""
+    """A JSON value's shape: its keys and the types of its leaves (not their values); a
+    map of tokens to log probabilities by its size (its keys are the tokens drawn)."""
+    if isinstance(value, dict) and value and all(isinstance(v, float) for v in value.values()):
+        return f"{{token: float}} x {len(value)}"
     if isinstance(value, dict):
         return {key: shape(item) for key, item in value.items()}
     if isinstance(value, list):
