@@ -262,3 +262,53 @@ def test_a_server_no_client_or_disk_can_take_down(tmp_path) -> None:
     assert results and all(code == 200 for code in results), results  # drained, not cut
     assert json.loads(state.read_text())["format"] == "feather-bandit"  # saved at exit
     assert json.loads(stats.read_text())["steps"] > 0
+
+
+def _steps_and_groups(url: str) -> tuple[float, float]:
+    """``feather:prefix_groups_per_step``'s count and sum so far (steps, groups in them)."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return tuple(sum(float(value) for value in re.findall(
+        rf"^feather:prefix_groups_per_step_{part}\{{.*\}} ([0-9.e+]+)$", text, re.M))
+        for part in ("count", "sum"))
+
+
+def _together(url: str, bodies: list[dict]) -> tuple[float, float]:
+    """Send ``bodies`` at once; the steps they ran and the prefix groups per step."""
+    before = _steps_and_groups(url)
+    answers: list = [None] * len(bodies)
+    threads = [threading.Thread(target=lambda i=i, body=body: answers.__setitem__(
+        i, post(url, "/v1/completions", body))) for i, body in enumerate(bodies)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [status for status, _ in answers] == [200] * len(bodies), answers
+    steps, groups = (after - was for after, was in zip(_steps_and_groups(url), before,
+                                                          strict=True))
+    return steps, groups / steps
+
+
+def test_feather_serve_keeps_cache_salts_apart_and_vllms_api_as_it_is(tmp_path) -> None:
+    """With prefix caching off (Feather keys by tokens then), two requests of one 2K prefix
+    under two ``cache_salt`` values run as two prefix groups every step, unsalted as one
+    (probes 38/39 of the newcomer review); with tenants off, a tenant header vLLM takes is
+    taken (a 300-character one: 200); the embedded model is served as ``tiny-llama``."""
+    pytest.importorskip("vllm", reason="the vllm extra is not installed")
+    command = ["feather_sched.cli", "serve", "--enforce-eager", "--kv-cache-gib", "1",
+               "--no-enable-prefix-caching"]
+    with serving(command, tmp_path / "server.log", {"PROMETHEUS_MULTIPROC_DIR": ""}) as url:
+        models = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=10).read())
+        assert [model["id"] for model in models["data"]] == ["tiny-llama"]
+        for header in ("t" * 300, "", "a\tb", "default"):
+            status, answer = post(url, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2},
+                                  headers={"x-tenant-id": header})
+            assert status == 200, answer
+        prompt = {"prompt": list(range(100, 100 + 2048)), "max_tokens": 32,
+                  "ignore_eos": True, "model": "tiny-llama"}
+        salted_steps, salted = _together(url, [{**prompt, "cache_salt": salt}
+                                               for salt in ("tenantA", "tenantB")])
+        plain_steps, plain = _together(url, [prompt, prompt])
+    print(f"groups per step: salted {salted:.2f} over {salted_steps:.0f} steps, "
+          f"unsalted {plain:.2f} over {plain_steps:.0f}")
+    assert plain == 1.0 and plain_steps < 1.5 * 32  # together, as one group
+    assert salted >= 1.9  # two groups (a step or two may hold one request alone)

@@ -4,6 +4,7 @@
   candidate; ``prefix`` - the one notion of a prefix group and of a batch's shared tokens;
 * ``queue`` - ``FeatherQueue``: the tree's order, the gate, and the bounds on waiting
   (``fairness``) and between tenants (``tenants``); requests WAITING, RUNNING or HELD;
+* ``isolation`` - the namespace of a request's prefix keys (what must never be shared);
 * ``config`` - ``FeatherConfig``: every option, validated once; ``faults`` -
   ``FaultGuard``: Feather's own exceptions contained;
 * ``runtime`` - ``FeatherRuntime``: the one contract vLLM, SGLang and the simulator drive.
@@ -21,6 +22,7 @@ from feather_sched.core.config import (
     is_true,
 )
 from feather_sched.core.faults import FaultGuard
+from feather_sched.core.isolation import SHARED, Isolation, Namespace, engine_keys, token_keys
 from feather_sched.core.prefix import describe_batch, keys_per_chunk
 from feather_sched.core.queue import Admission, QueueState
 from feather_sched.core.runtime import FeatherRuntime, RequestView
@@ -38,6 +40,7 @@ __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "DEFAULT_TENANT",
     "REPLICA_VARIABLE",
+    "SHARED",
     "TENANT_ARG",
     "TENANT_HEADER",
     "Admission",
@@ -47,13 +50,17 @@ __all__ = [
     "FeatherConfig",
     "FeatherConfigError",
     "FeatherRuntime",
+    "Isolation",
+    "Namespace",
     "QueueState",
     "RequestView",
     "block_chunk_keys",
     "describe_batch",
+    "engine_keys",
     "is_true",
     "keys_per_chunk",
     "named_tenant",
     "parse_tenant",
     "token_chunk_keys",
+    "token_keys",
 ]

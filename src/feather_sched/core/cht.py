@@ -52,7 +52,8 @@ class RequestState(Enum):
 
 
 def token_chunk_keys(
-    tokens: np.ndarray | Sequence[int] | bytes, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    tokens: np.ndarray | Sequence[int] | bytes, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    seed: int = 0,
 ) -> list[int]:
     """Cumulative 64-bit keys of every full chunk of ``chunk_tokens`` tokens.
 
@@ -61,7 +62,9 @@ def token_chunk_keys(
     equal keys mean equal prefixes.  A trailing partial chunk gets no key (as an engine's
     KV block hashes cover only full blocks).  Pass a contiguous int32 numpy array for the
     fast path; ``bytes`` are taken as int32 tokens already packed.  An empty prompt is an
-    error (a prompt shorter than one chunk is not: it shares nothing).
+    error (a prompt shorter than one chunk is not: it shares nothing).  ``seed`` starts
+    the digest: keys of different seeds are disjoint (``isolation.token_keys``: a
+    namespace's keys; 0, the default, is the shared namespace's).
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
@@ -75,7 +78,7 @@ def token_chunk_keys(
         raise CHTError("empty prompt: a request needs at least one token")
     stride = chunk_tokens * 4
     full_chunks = len(buffer) // stride
-    digest = xxhash.xxh3_64()
+    digest = xxhash.xxh3_64(seed=seed)
     keys = []
     for end in range(stride, (full_chunks + 1) * stride, stride):
         digest.update(buffer[end - stride : end])

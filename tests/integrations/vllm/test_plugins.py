@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import vllm
-from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 from feather_sched.integrations.vllm import plugins
 from feather_sched.models import TINY_LLAMA
@@ -93,9 +93,7 @@ def registry_restored():
     yield member
     member.clear_override()
     if before is not None:
-        from vllm.v1.attention.backends.registry import register_backend
-
-        register_backend(member, before)
+        register_backend(member, before)  # imported before a test removes it
 
 
 def warnings_of(caplog) -> list[str]:
