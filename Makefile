@@ -18,9 +18,9 @@ test:
 lint:
 	.venv/bin/ruff check src tests
 
-# The options page is generated from the code (tests/test_docs.py fails while it is stale).
+# The options page and the contract table are generated from the code (tests/test_docs.py fails while one is stale).
 docs:
-	.venv/bin/python -m feather_sched.docs --out docs/options.md
+	.venv/bin/python -m feather_sched.docs --out docs/options.md --contract docs/architecture.md
 	$(MKDOCS) build --strict --site-dir site
 
 docs-serve:

@@ -6,7 +6,8 @@
   (``fairness``) and between tenants (``tenants``); requests WAITING, RUNNING or HELD;
 * ``config`` - ``FeatherConfig``: every option, validated once; ``faults`` -
   ``FaultGuard``: Feather's own exceptions contained;
-* ``runtime`` - ``FeatherRuntime``: the one contract vLLM, SGLang and the simulator drive.
+* ``runtime`` - ``FeatherRuntime``: the one contract vLLM, SGLang and the simulator drive;
+  ``contract`` - ``RuntimeContract``: that contract's members, each with its contract.
 
 This package's exports (``__all__``) are the engine adapters' surface: an adapter imports
 ``feather_sched.core``, never a module beneath it (``tests/test_imports.py``).  Imports
@@ -20,6 +21,7 @@ from feather_sched.core.config import (
     FeatherConfigError,
     is_true,
 )
+from feather_sched.core.contract import RuntimeContract
 from feather_sched.core.faults import FaultGuard
 from feather_sched.core.prefix import describe_batch, keys_per_chunk
 from feather_sched.core.queue import Admission, QueueState
@@ -49,6 +51,7 @@ __all__ = [
     "FeatherRuntime",
     "QueueState",
     "RequestView",
+    "RuntimeContract",
     "block_chunk_keys",
     "describe_batch",
     "is_true",
