@@ -41,6 +41,10 @@ def test_the_package_keeps_every_import_rule() -> None:
      "Adapters use the core's public surface"),
     ("integrations/vllm/scheduler.py", "from feather_sched.gates.base import GateContext",
      "Adapters use the core's public surface"),
+    ("workloads/spec.py", "from feather_sched.core.queue import FeatherQueue",
+     "Workloads import the embedded model and core.tenants only"),
+    ("results/summary.py", "from feather_sched.routing import router",
+     "Results import telemetry, workloads and core.tenants only"),
 ])
 def test_a_forbidden_import_breaks_its_rule(tmp_path: Path, module: str, line: str,
                                             rule: str) -> None:
