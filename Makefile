@@ -19,7 +19,7 @@ test:
 # marks those `engine`).
 check:
 	.venv/bin/ruff check src tests
-	.venv/bin/python -m pytest -q -n 2 -m "not engine"
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not engine"
 
 lint:
 	.venv/bin/ruff check src tests
