@@ -23,6 +23,7 @@ os.environ["FEATHER_CACHE_DIR"] = tempfile.mkdtemp(prefix="feather-cache-")
 
 ENGINE_MODULES = frozenset({
     "bench/test_offline.py",  # a real vLLM engine per scheduler
+    "bench/test_soak.py",  # a real feather serve under load and a restart
     "bench/test_trace_replay.py",  # a trace replayed on the real vLLM engine
     "integrations/ray/test_serve.py",  # Ray Serve with vLLM replicas
     "integrations/sglang/test_attention_server.py",  # an SGLang server
