@@ -24,7 +24,7 @@ from feather_sched.serve import (
     KV_FLAG,
     SCHEDULER_CLS,
     SHUTDOWN_TIMEOUT_S,
-    vllm_server_command,
+    vllm_server_args,
 )
 from tests.helpers.replay_trace import REPLAY_FLAGS, REQUESTS, implied_hit_rate, write_trace
 from tests.helpers.servers import (
@@ -41,9 +41,9 @@ def flag(command: list[str], name: str) -> str | None:
 
 
 def test_command_merges_feather_options_into_additional_config() -> None:
-    command = vllm_server_command(None, {"gate": "bandit"},
-                                  ["--additional-config", '{"other": 1}', "--port", "9"],
-                                  environ={})
+    command = vllm_server_args(None, {"gate": "bandit"},
+                               ["--additional-config", '{"other": 1}', "--port", "9"],
+                               environ={})
     config = json.loads(flag(command, "--additional-config"))
     assert config == {"other": 1, "feather": {"gate": "bandit"}}
     assert flag(command, "--scheduler-cls") == SCHEDULER_CLS
@@ -53,31 +53,31 @@ def test_command_merges_feather_options_into_additional_config() -> None:
 
 
 def test_the_kv_cache_is_the_size_asked_for() -> None:
-    assert flag(vllm_server_command(None, {}, [], kv_cache_gib=0.25, environ={}),
+    assert flag(vllm_server_args(None, {}, [], kv_cache_gib=0.25, environ={}),
                 KV_FLAG) == str(2**28)
-    explicit = vllm_server_command(None, {}, [KV_FLAG, "268435456"], environ={})
+    explicit = vllm_server_args(None, {}, [KV_FLAG, "268435456"], environ={})
     assert explicit.count(KV_FLAG) == 1 and explicit[-2:] == [KV_FLAG, "268435456"]
-    assert flag(vllm_server_command(None, {}, [], environ={}), KV_FLAG) == str(4 * 2**30)
-    assert KV_FLAG not in vllm_server_command(None, {}, [], on_cpu=False, environ={})
+    assert flag(vllm_server_args(None, {}, [], environ={}), KV_FLAG) == str(4 * 2**30)
+    assert KV_FLAG not in vllm_server_args(None, {}, [], on_cpu=False, environ={})
     with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE is set"):
-        vllm_server_command(None, {}, [], kv_cache_gib=1, environ={"VLLM_CPU_KVCACHE_SPACE": "4"})
+        vllm_server_args(None, {}, [], kv_cache_gib=1, environ={"VLLM_CPU_KVCACHE_SPACE": "4"})
     with pytest.raises(ValueError, match="not both"):
-        vllm_server_command(None, {}, [KV_FLAG, "1"], kv_cache_gib=1, environ={})
-    kept = vllm_server_command(None, {}, ["--shutdown-timeout", "5"], environ={})
+        vllm_server_args(None, {}, [KV_FLAG, "1"], kv_cache_gib=1, environ={})
+    kept = vllm_server_args(None, {}, ["--shutdown-timeout", "5"], environ={})
     assert kept.count("--shutdown-timeout") == 1 and kept[-1] == "5"
 
 
 def test_bad_options_fail_before_the_server_starts(tmp_path) -> None:
     with pytest.raises(ValueError, match="feather option 'gate'"):
-        vllm_server_command(None, {"gate": "sometimes"}, [], environ={})
+        vllm_server_args(None, {"gate": "sometimes"}, [], environ={})
     with pytest.raises(ValueError, match="FEATHER_MAX_WAIT_S='soon'"):
-        vllm_server_command(None, {}, [], environ={"FEATHER_MAX_WAIT_S": "soon"})
+        vllm_server_args(None, {}, [], environ={"FEATHER_MAX_WAIT_S": "soon"})
     with pytest.raises(ValueError, match=r"'state_file'.*does not exist"):
-        vllm_server_command(None, {"gate": "bandit",
-                                   "state_file": str(tmp_path / "no" / "t.json")}, [],
-                            environ={})
+        vllm_server_args(None, {"gate": "bandit",
+                                "state_file": str(tmp_path / "no" / "t.json")}, [],
+                         environ={})
     with pytest.raises(ValueError, match="sets --scheduler-cls itself"):
-        vllm_server_command(None, {}, ["--scheduler-cls", "x.Y"], environ={})
+        vllm_server_args(None, {}, ["--scheduler-cls", "x.Y"], environ={})
 
 
 def test_a_metrics_port_without_replicas_is_refused() -> None:

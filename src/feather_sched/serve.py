@@ -51,15 +51,6 @@ KV_FLAG = "--kv-cache-memory-bytes"
 LEGACY_KV_VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
 
 
-def vllm_server_command(model: str | None, feather: dict, passthrough: list[str], *,
-                        kv_cache_gib: float | None = None, on_cpu: bool = True,
-                        environ: Mapping[str, str] = os.environ) -> list[str]:
-    """``python -m vllm.entrypoints.openai.api_server`` with ``vllm_server_args``."""
-    return server_command(vllm_server_args(model, feather, passthrough,
-                                           kv_cache_gib=kv_cache_gib, on_cpu=on_cpu,
-                                           environ=environ))
-
-
 def server_command(argv: list[str]) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server`` with ``argv``."""
     return [sys.executable, "-m", SERVER_MODULE, *argv]

@@ -7,7 +7,8 @@
 * ``isolation`` - the namespace of a request's prefix keys (what must never be shared);
 * ``config`` - ``FeatherConfig``: every option, validated once; ``faults`` -
   ``FaultGuard``: Feather's own exceptions contained;
-* ``runtime`` - ``FeatherRuntime``: the one contract vLLM, SGLang and the simulator drive.
+* ``runtime`` - ``FeatherRuntime``: the one contract vLLM, SGLang and the simulator drive;
+  ``contract`` - ``RuntimeContract``: that contract's members, each with its contract.
 
 This package's exports (``__all__``) are the engine adapters' surface: an adapter imports
 ``feather_sched.core``, never a module beneath it (``tests/test_imports.py``).  Imports
@@ -21,6 +22,7 @@ from feather_sched.core.config import (
     FeatherConfigError,
     is_true,
 )
+from feather_sched.core.contract import RuntimeContract
 from feather_sched.core.faults import FaultGuard
 from feather_sched.core.isolation import SHARED, Isolation, Namespace, engine_keys, token_keys
 from feather_sched.core.prefix import describe_batch, keys_per_chunk
@@ -54,6 +56,7 @@ __all__ = [
     "Namespace",
     "QueueState",
     "RequestView",
+    "RuntimeContract",
     "block_chunk_keys",
     "describe_batch",
     "engine_keys",

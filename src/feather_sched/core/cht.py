@@ -116,14 +116,6 @@ class Candidate:
         return 0 if self.shared_before is None else self.shared_before - self.shared_after
 
 
-@dataclass(frozen=True)
-class PrefixGroup:
-    """Waiting requests that share at least their first chunk (for reports)."""
-
-    size: int
-    shared_chunks: int
-
-
 class _Entry:
     __slots__ = ("depth", "keys", "order", "priority", "rank", "state", "tenant")
 
@@ -185,10 +177,6 @@ class ChunkedHashTree:
     def priority(self, request_id: RequestId) -> int:
         """The request's priority class (lower is more urgent)."""
         return self._entry(request_id).priority
-
-    def arrival_order(self, request_id: RequestId) -> int:
-        """The request's place in arrival order (ties of the best candidate go to the lower)."""
-        return self._entry(request_id).order
 
     def missing_chunks(self, request_id: RequestId) -> int:
         """Chunks of a waiting request that no running request holds."""
@@ -354,21 +342,6 @@ class ChunkedHashTree:
         first = self._entries[next(iter(self._running))]
         return self._all_running_depth(first)
 
-    def waiting_groups(self) -> list[PrefixGroup]:
-        """Waiting requests grouped by first chunk, largest group first (reports only)."""
-        firsts: dict[ChunkKey, list[_Entry]] = {}
-        ungrouped = 0
-        for entry in self._entries.values():
-            if entry.state is not RequestState.WAITING:
-                continue
-            if entry.keys:
-                firsts.setdefault(entry.keys[0], []).append(entry)
-            else:
-                ungrouped += 1
-        groups = [self._group_of(members) for members in firsts.values()]
-        groups += [PrefixGroup(size=1, shared_chunks=0)] * ungrouped
-        return sorted(groups, key=lambda g: (-g.size, -g.shared_chunks))
-
     # ---- internals --------------------------------------------------------------------
 
     def _entry(self, request_id: RequestId) -> _Entry:
@@ -400,13 +373,6 @@ class ChunkedHashTree:
         if chunks == 0:
             return self._num_waiting
         return self._waiting_refs.get(entry.keys[chunks - 1], 0)
-
-    def _group_of(self, members: list[_Entry]) -> PrefixGroup:
-        refs = self._waiting_refs
-        size = len(members)
-        keys = members[0].keys
-        shared = bisect_left(keys, True, key=lambda k: refs[k] != size)
-        return PrefixGroup(size=size, shared_chunks=shared)
 
     def _enter_waiting(self, request_id: RequestId, entry: _Entry) -> None:
         entry.state = RequestState.WAITING

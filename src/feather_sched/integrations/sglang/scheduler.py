@@ -18,7 +18,7 @@ then each scheduler gets a ``FeatherSGLang`` translating SGLang for ``FeatherRun
   short of KV room;
 * ``HOOKS``: what each hook wraps; ``_unsupported``: the modes refused at start-up.
 
-Invariant: a fault in Feather's code never reaches SGLang (``runtime.FaultGuard``): SGLang's
+Invariant: a fault in Feather's code never reaches SGLang (``core.faults.FaultGuard``): SGLang's
 own admission and ``fcfs`` order serve until Feather's picture is rebuilt from SGLang's
 queues.  Options: ``FEATHER_*`` or ``FEATHER_SGLANG_OPTIONS`` (JSON).  docs/sglang.md.
 """
