@@ -627,8 +627,7 @@ def attention_check(
                        "float16": torch.float16}[dtype]
     except KeyError:
         raise typer.BadParameter("--dtype: float32, bfloat16 or float16") from None
-    from feather_sched.integrations.vllm.attention import versions
-    from feather_sched.integrations.vllm.attention_check import CpuSubject, Geometry
+    from feather_sched.integrations.vllm.attention_check import CpuSubject, Geometry, versions
     geometry = Geometry(profile.heads // tensor_parallel, profile.kv_heads // tensor_parallel,
                         profile.head_dim)
     torch.set_num_threads(threads)
@@ -636,7 +635,7 @@ def attention_check(
         subject = CpuSubject(geometry, torch_dtype, block_size, max_num_seqs, max_model_len,
                              versions())
     elif backend in ("FLASH_ATTN", "TRITON_ATTN"):
-        from feather_sched.integrations.vllm.attention_check import gpu_subject
+        from feather_sched.integrations.vllm.attention_gpu import gpu_subject
 
         subject = gpu_subject(backend, geometry, torch_dtype, block_size, max_num_seqs,
                               max_model_len, "cuda" if torch.cuda.is_available() else "cpu")

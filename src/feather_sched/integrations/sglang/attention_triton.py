@@ -31,7 +31,7 @@ if every layer captured took the path (``graph_acts``).
 Cost: per step one or two syncs and the host grouping; per layer three launches (in the
 graph where captured); ``GroupedDecode``'s workspace.  Where it cannot act SGLang's code
 runs unchanged: extend, prefill, speculative and idle batches, and the layer features
-``attention.SharedPrefixDecode`` names; ``attention.decide`` keeps it off for SGLang's
+``shared_decode.SharedPrefixDecode`` names; ``attention.decide`` keeps it off for SGLang's
 metadata glue graph, two-batch overlap, decode context parallelism and translated KV ids.
 """
 
@@ -47,7 +47,7 @@ import torch
 
 from feather_sched.attention.gpu_decode import DecodeLimits, GroupedDecode
 from feather_sched.attention.groups import Groups, find_token_groups
-from feather_sched.integrations.sglang.attention import SharedPrefixDecode, announce
+from feather_sched.integrations.sglang.shared_decode import SharedPrefixDecode, announce
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
 
 prepare_sglang_import()  # before the first SGLang import (see stand_ins)

@@ -39,7 +39,7 @@ from vllm.v1.kv_cache_interface import CrossAttentionSpec, EncoderOnlyAttentionS
 
 from feather_sched.attention import cpu_kernel
 from feather_sched.attention.groups import StepPlan, min_blocks, plan_step
-from feather_sched.attention.selfcheck import CPU_SOURCES, Verdict, cached_check, kernel_digest
+from feather_sched.attention.selfcheck import Verdict, cached_check
 from feather_sched.integrations.vllm import compat
 from feather_sched.integrations.vllm.attention_choice import (
     announce,
@@ -54,7 +54,7 @@ def self_check(vllm_config: Any, kv_cache_spec: Any, isa: str) -> Verdict:
     """``auto``'s verdict for this engine's shapes (``attention.selfcheck``: vLLM's CPU
     kernel against the path on a random cache), cached per CPU, versions and shapes (this
     rank's; ``checked`` has the ranks agree)."""
-    from feather_sched.integrations.vllm.attention_check import CpuSubject, Geometry
+    from feather_sched.integrations.vllm.attention_check import CpuSubject, Geometry, versions
 
     model = vllm_config.model_config
     geometry = Geometry(model.get_num_attention_heads(vllm_config.parallel_config),
@@ -66,17 +66,6 @@ def self_check(vllm_config: Any, kv_cache_spec: Any, isa: str) -> Verdict:
         raise RuntimeError(f"the self-check would measure layout {subject.shapes.layout}, "
                            f"the engine uses {isa}")
     return cached_check(subject)
-
-
-def versions() -> tuple[tuple[str, str], ...]:
-    """What the kernels come from: torch, vLLM, Feather and a digest of its kernel's
-    sources (so a changed kernel is checked again)."""
-    import vllm
-
-    from feather_sched import __version__
-
-    return (("torch", torch.__version__), ("vllm", vllm.__version__),
-            ("feather-sched", __version__), ("kernel", kernel_digest(CPU_SOURCES)))
 
 
 @dataclass

@@ -29,6 +29,7 @@ from feather_sched.attention.groups import StepPlan, plan_step
 from feather_sched.attention.isolation import Recipe, run_isolated
 from feather_sched.attention.partials import reference_attention
 from feather_sched.attention.selfcheck import (
+    CPU_SOURCES,
     Cell,
     Shapes,
     Verdict,
@@ -39,6 +40,18 @@ from feather_sched.attention.selfcheck import (
 )
 from feather_sched.integrations.vllm.compat import cpu_ops
 from feather_sched.integrations.vllm.host_tables import HostRows
+
+
+def versions() -> tuple[tuple[str, str], ...]:
+    """What the CPU kernels come from: torch, vLLM, Feather and a digest of its kernel's
+    sources (so a changed kernel is checked again)."""
+    import vllm
+
+    from feather_sched import __version__
+
+    return (("torch", torch.__version__), ("vllm", vllm.__version__),
+            ("feather-sched", __version__), ("kernel", kernel_digest(CPU_SOURCES)))
+
 
 REFERENCE_TOKENS = 1 << 16
 """Cells whose rows x context are at most this get a float64 reference (it is slow)."""
@@ -280,7 +293,7 @@ def gpu_recipe(builder: Any, vllm_config: Any, kv_cache_spec: Any) -> Recipe:
     at this engine's shapes, backend, KV layout and device, kept for ``gpu_shapes``."""
     backend = "FLASH_ATTN" if builder.name == "FlashAttention" else "TRITON_ATTN"
     return Recipe(gpu_shapes(builder, vllm_config, kv_cache_spec),
-                  f"{__name__}:recipe_subject",
+                  "feather_sched.integrations.vllm.attention_gpu:recipe_subject",
                   {"backend": backend,
                    "geometry": (builder.num_heads_q, kv_cache_spec.num_kv_heads,
                                 kv_cache_spec.head_size),
@@ -291,12 +304,6 @@ def gpu_recipe(builder: Any, vllm_config: Any, kv_cache_spec: Any) -> Recipe:
                    "device": str(builder.device),
                    "kv_layout": resolved_layout(vllm_config)},
                   run="feather_sched.attention.gpu_check:check_measuring_memory")
-
-
-def recipe_subject(geometry: tuple[int, int, int], dtype: str, **options: Any) -> GpuSubject:
-    """``gpu_subject`` from a recipe's plain values (unpickling them imports nothing of
-    vLLM's, so the child can prepare its process before vLLM loads)."""
-    return gpu_subject(geometry=Geometry(*geometry), dtype=getattr(torch, dtype), **options)
 
 
 def engine_check(builder: Any, vllm_config: Any, kv_cache_spec: Any,
@@ -329,8 +336,6 @@ def gpu_versions(builder: Any, kv_cache_spec: Any, kv_layout: str
     kernels, the FlashAttention version the builder runs (FA2, FA3 and FA4 share a
     backend name), Triton's version, the SM count and driver, and the resolved KV
     layout. Not the CUDA-graph mode: vLLM resolves it after the builders are made."""
-    from feather_sched.integrations.vllm.attention import versions
-
     flash = "-"
     if builder.name == "FlashAttention":
         from vllm.v1.attention.backends import flash_attn
@@ -348,43 +353,3 @@ def engine_layer(vllm_config: Any, layer_names: list[str]) -> Any:
     from vllm.model_executor.layers.attention import Attention
 
     return next(iter(get_layers_from_vllm_config(vllm_config, Attention, layer_names).values()))
-
-
-def gpu_subject(backend: str, geometry: Geometry, dtype: torch.dtype, block: int,
-                max_rows: int, max_model_len: int, device: str = "cuda",
-                kv_layout: str | None = None) -> GpuSubject:
-    """The engine-start check of vLLM's ``backend`` ("FLASH_ATTN" or "TRITON_ATTN") at
-    these shapes, outside an engine (``feather attention-check --backend``): vLLM's config
-    for the project's tiny model with these heads, Feather's builder with the path on (no
-    check of its own), and one layer's impl with the shapes' scale."""
-    from types import SimpleNamespace
-
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    from feather_sched.integrations.vllm.attention_gpu import BACKENDS
-    from feather_sched.models import TINY_LLAMA
-
-    heads, kv_heads, head_dim = geometry.q_heads, geometry.kv_heads, geometry.head_dim
-    model = ModelConfig(model=str(TINY_LLAMA), dtype=dtype, skip_tokenizer_init=True,
-                        max_model_len=max_model_len, hf_overrides={
-                            "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-                            "head_dim": head_dim, "hidden_size": heads * head_dim,
-                            "max_position_embeddings": max(max_model_len, 32768)})
-    config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block),
-                        additional_config={"feather": {"shared_prefix_attention": "on"}})
-    config.scheduler_config.max_num_seqs = max_rows
-    spec = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads, head_size=head_dim,
-                             dtype=dtype)
-    backend_cls = BACKENDS[backend]
-    builder = backend_cls.get_builder_cls()(spec, ["feather.check"], config,
-                                            torch.device(device))
-    impl = backend_cls.get_impl_cls()(heads, head_dim, head_dim ** -0.5, kv_heads,
-                                      alibi_slopes=None, sliding_window=None,
-                                      kv_cache_dtype="auto")
-    ones = torch.ones(1, device=device)
-    layer = SimpleNamespace(impl=impl, _q_scale=ones, _k_scale=ones, _v_scale=ones,
-                            _q_scale_float=1.0, _k_scale_float=1.0, _v_scale_float=1.0)
-    subject = GpuSubject(builder, config, spec, ["feather.check"], layer)
-    subject.kv_layout = kv_layout or subject.kv_layout  # the engine's, where it has one
-    return subject

@@ -1,0 +1,125 @@
+"""The shared-prefix decode over an SGLang attention backend (``SharedPrefixDecode``),
+which Feather's CPU backends (``attention``) and its Triton backend (``attention_triton``)
+place before SGLang's own, and the one log line per process that says what it decided."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+
+from feather_sched.attention import cpu_kernel
+from feather_sched.attention.groups import StepPlan, plan_token_step
+from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
+
+prepare_sglang_import()  # before the first SGLang import (see stand_ins)
+
+from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
+
+logger = logging.getLogger("sglang.feather_sched")
+_announced: set[str] = set()
+
+
+def announce(message: str) -> None:
+    """Log ``message`` once per process (every layer decides the same)."""
+    if message not in _announced:
+        _announced.add(message)
+        logger.info("Feather shared-prefix attention: %s", message)
+
+
+
+class SharedPrefixDecode:
+    """Over an SGLang backend whose ``forward_decode`` reads the step's rows from the
+    ``ForwardBatch`` (``req_pool_indices``, ``seq_lens``) and writes this step's KV into
+    ``token_to_kv_pool`` before attending: the grouped rows from their prefix and suffix
+    parts.  The plan is made once per step (``init_forward_metadata``, O(rows x context /
+    16) where rows share first slots, a few us where none do) and used only by the layers
+    of that step's ``ForwardBatch``."""
+
+    req_to_token_pool: Any
+    token_to_kv_pool: Any
+
+    def __init__(self, model_runner: Any, min_shared_tokens: int) -> None:
+        super().__init__(model_runner)  # type: ignore[call-arg]
+        self.min_shared_tokens = min_shared_tokens
+        self.page_size = max(1, model_runner.page_size or 1)
+        self.step: tuple[Any, Any] = (None, None)
+        """The ``ForwardBatch`` planned for, and its plan (``plan``)."""
+        self.acts: dict[int, bool] = {}
+        """Per layer id: whether the path can serve it (decided at its first grouped step)."""
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        super().init_forward_metadata(forward_batch)  # type: ignore[misc]
+        self.step = (forward_batch, self.plan(forward_batch))
+
+    def plan(self, forward_batch: Any) -> Any:
+        """The step's groups (``plan_rows``'); None for anything but a plain decode batch,
+        or where no row is long enough to hold a group's shortest prefix."""
+        if not forward_batch.forward_mode.is_decode() or forward_batch.spec_info is not None \
+                or forward_batch.encoder_lens is not None:
+            return None
+        seq_lens = forward_batch.seq_lens_cpu
+        if seq_lens is None:
+            seq_lens = forward_batch.seq_lens.cpu()
+        if len(seq_lens) < 2 or int(seq_lens.max()) <= self.min_shared_tokens:
+            return None
+        return self.plan_rows(forward_batch, seq_lens)
+
+    def plan_rows(self, forward_batch: Any, seq_lens: torch.Tensor) -> StepPlan | None:
+        """The groups of a plain decode batch with these CPU lengths, for the CPU kernel."""
+        return plan_token_step(self.req_to_token_pool.req_to_token,
+                               forward_batch.req_pool_indices.cpu(), seq_lens,
+                               self.page_size, self.min_shared_tokens)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,
+                       forward_batch: Any, save_kv_cache: bool = True,
+                       **kwargs: Any) -> torch.Tensor:
+        decode = super().forward_decode  # type: ignore[misc]
+        batch, plan = self.step
+        if plan is None or batch is not forward_batch or \
+                not self._acts(layer, q, kwargs.get("sinks")):
+            return decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        cut = copy.copy(forward_batch)
+        cut.seq_lens = plan.seq_lens.to(forward_batch.seq_lens.dtype)
+        output = decode(q, k, v, layer, cut, save_kv_cache, **kwargs)
+        heads, dim = layer.tp_q_head_num, layer.qk_head_dim
+        cache = (self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                 self.token_to_kv_pool.get_value_buffer(layer.layer_id))
+        cpu_kernel.attend_groups(plan, q.reshape(-1, heads, dim), cache, layer.scaling,
+                                 output.view(-1, heads, dim), "nhd")
+        return output
+
+    def _acts(self, layer: Any, q: torch.Tensor, sinks: Any) -> bool:
+        acts = self.acts.get(layer.layer_id)
+        if acts is None:
+            reason = self._layer_problem(layer, q, sinks)
+            self.acts[layer.layer_id] = acts = reason is None
+            if reason:
+                announce(f"off for layers with {reason} (SGLang's kernel serves them)")
+        return acts
+
+    HEAD_SIZES = "multiples of 16"
+
+    @staticmethod
+    def head_size_fits(head_dim: int) -> bool:
+        return head_dim % 16 == 0
+
+    def _layer_problem(self, layer: Any, q: torch.Tensor, sinks: Any) -> str | None:
+        keys = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        window = getattr(layer, "sliding_window_size", None)
+        features = {
+            "cross or non-decoder attention": layer.is_cross_attention
+                or getattr(layer, "attn_type", AttentionType.DECODER) != AttentionType.DECODER,
+            "a sliding window": window is not None and window > -1,
+            "soft-capping": bool(getattr(layer, "logit_cap", 0)),
+            "attention sinks": sinks is not None,
+            "unequal K and V head sizes": layer.qk_head_dim != layer.v_head_dim,
+            f"a {keys.dtype} KV cache": keys.dtype not in cpu_kernel.DTYPE_CODES,
+            "a query dtype unlike the cache's": q.dtype != keys.dtype,
+            f"head size {layer.qk_head_dim} (the kernel takes {self.HEAD_SIZES})":
+                not self.head_size_fits(layer.qk_head_dim),
+            f"a pool of {len(keys)} slots, not whole pages": len(keys) % self.page_size != 0,
+        }
+        return next((name for name, present in features.items() if present), None)
