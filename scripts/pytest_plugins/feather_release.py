@@ -1,12 +1,11 @@
 """pytest plugin for tests run against a vLLM release installed from its CUDA wheel without
 its kernels (``scripts/drift.sh exec`` loads it through ``PYTEST_PLUGINS``).
 
-Where the V1 model runner is gone (vLLM 0.34), the x86 CPU platform refuses to build any
-``VllmConfig`` without Triton ("vLLM on x86 CPUs requires Triton (triton-cpu)"), which has
-no build on PyPI: Model Runner V2 JITs Triton kernels on CPU. The tests here build configs
-and run the scheduler's Python, never a kernel, so the plugin says Triton is present.
-Where the V1 runner exists (0.32, 0.33) it changes nothing: there the flag would make the
-V1 runner import the real ``triton``.
+vLLM 0.34's x86 CPU platform refuses to check any config without Triton ("vLLM on x86 CPUs
+requires Triton (triton-cpu)"; 0.32 and 0.33 only warn), and triton-cpu has no build on
+PyPI. The tests here build configs and run the scheduler's Python, never a kernel, so
+while the platform checks a config it is told Triton is present; nowhere else (Model
+Runner V2's modules, imported for its batch order, build Triton kernels where it is).
 """
 
 from __future__ import annotations
@@ -15,8 +14,19 @@ from importlib.util import find_spec
 
 
 def pytest_configure(config) -> None:
-    if find_spec("vllm") is None or find_spec("vllm.v1.worker.gpu_model_runner") is not None:
+    if find_spec("vllm") is None:
         return
     import vllm.triton_utils
+    from vllm.platforms.cpu import CpuPlatform
 
-    vllm.triton_utils.HAS_TRITON = True
+    checks = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        present = vllm.triton_utils.HAS_TRITON
+        vllm.triton_utils.HAS_TRITON = True
+        try:
+            checks(cls, vllm_config)
+        finally:
+            vllm.triton_utils.HAS_TRITON = present
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)

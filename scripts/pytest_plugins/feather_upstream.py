@@ -99,11 +99,12 @@ REWRITES = {"ModelConfig": _local_model, "Request": _eos_into_sampling_params}
 def _feather_scheduler(real):
     """A stand-in for ``real`` (vLLM's Scheduler or AsyncScheduler) whose calls build
     FeatherScheduler: its async variant for AsyncScheduler, its sync one for Scheduler. The
-    variant follows the config, so the config is made to say what the test's class is (the
-    CPU platform turns async scheduling off in every config, where a GPU one keeps what the
-    test asked for). The stand-in is a subclass of ``real``, so that a test building a
-    scheduler by hand, without a constructor (``object.__new__(Scheduler)``), gets vLLM's
-    own: nothing of Feather's exists without one."""
+    variant follows the config, so while it is built the config says what the test's class
+    is (the CPU platform turns async scheduling off in every config, where a GPU one keeps
+    what the test asked for); then the config is as vLLM's scheduler sees it. The stand-in
+    is a subclass of ``real``, so that a test building a scheduler by hand, without a
+    constructor (``object.__new__(Scheduler)``), gets vLLM's own: nothing of Feather's
+    exists without one."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
     from feather_sched.integrations.vllm import FeatherScheduler
@@ -114,12 +115,16 @@ def _feather_scheduler(real):
     class BuildsFeather(type(real)):
         def __call__(cls, *args, **kwargs):
             vllm_config = kwargs.get("vllm_config", args[0] if args else None)
-            vllm_config.scheduler_config.async_scheduling = is_async
             if options:
                 extra = dict(vllm_config.additional_config or {})
                 extra["feather"] = dict(options)
                 vllm_config.additional_config = extra
-            return FeatherScheduler(*args, **kwargs)
+            config = vllm_config.scheduler_config
+            platforms, config.async_scheduling = config.async_scheduling, is_async
+            try:
+                return FeatherScheduler(*args, **kwargs)
+            finally:
+                config.async_scheduling = platforms
 
     return BuildsFeather(real.__name__, (real,), {"__module__": real.__module__,
                                                   "__wrapped__": real})
