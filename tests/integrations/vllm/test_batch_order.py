@@ -125,7 +125,7 @@ def test_a_worker_reads_only_whether_to_order(tmp_path, ordered: bool) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     from feather_sched.core.config import FILE_OPTIONS, FeatherConfigError
-    from feather_sched.integrations.vllm.batch_order import _ordering_enabled
+    from feather_sched.integrations.vllm.batch_order import _feather_runner
     from feather_sched.integrations.vllm.scheduler import FeatherScheduler, feather_options
     from feather_sched.models import TINY_LLAMA
 
@@ -135,6 +135,6 @@ def test_a_worker_reads_only_whether_to_order(tmp_path, ordered: bool) -> None:
     config = EngineArgs(model=str(TINY_LLAMA), skip_tokenizer_init=True, load_format="dummy",
                         max_model_len=2048, scheduler_cls=FeatherScheduler,
                         additional_config={"feather": feather}).create_engine_config()
-    assert _ordering_enabled(SimpleNamespace(vllm_config=config)) is ordered
+    assert _feather_runner(SimpleNamespace(vllm_config=config)) is ordered
     with pytest.raises(FeatherConfigError, match=f"directory {head_node_only} does not exist"):
         feather_options(config)

@@ -17,6 +17,7 @@ they make, in the order they make them).
 from __future__ import annotations
 
 from importlib.util import find_spec
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -121,6 +122,8 @@ def test_install_is_idempotent(make_tables):
 def test_lookup_finds_the_v1_runners_host_copy(make_tables):
     table = BlockTable(16, MAX_REQS, 8, 64, pin_memory=False, device=torch.device("cpu"),
                        cp_kv_cache_interleave_size=1)
+    assert host_tables.lookup(table.get_device_tensor(4), None, 3) is None  # not noted yet
+    host_tables.note_v1(SimpleNamespace(block_tables=[table]))  # a runner's tables
     found = host_tables.lookup(table.get_device_tensor(4), None, 3)
     assert found.table is table.block_table.np and found.rows.tolist() == [0, 1, 2]
     found = host_tables.lookup(table.block_table.gpu[2:5], None, 2)

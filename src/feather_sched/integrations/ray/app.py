@@ -144,10 +144,11 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def _vllm_parser() -> Any:
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    return make_arg_parser(FlexibleArgumentParser())
+    from feather_sched.integrations.vllm.compat import make_arg_parser
+
+    return make_arg_parser()(FlexibleArgumentParser())
 
 
 def parse_vllm_args(argv: list[str]) -> Any:

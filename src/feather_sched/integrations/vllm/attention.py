@@ -1,9 +1,11 @@
-"""Shared-prefix decode attention inside vLLM 0.32's CPU backend (a vLLM general plugin).
+"""Shared-prefix decode attention inside vLLM's CPU backend (vLLM 0.32-0.34).
 
-``register`` (entry point ``vllm.general_plugins``, loaded in every vLLM process before
-the model is built) points vLLM's ``CPU_ATTN`` backend at ``SharedPrefixCPUBackend``, a
-subclass that behaves exactly as vLLM's own unless Feather's option
-``shared_prefix_attention`` turns it on: ``on``, or ``auto`` (the default) with
+The plug-in ``plugins.register_attention`` points vLLM's ``CPU_ATTN`` backend, by name,
+at ``SharedPrefixCPUBackend`` (this module is imported only when vLLM resolves that
+backend, under an engine's configuration): a subclass whose builders behave exactly as
+vLLM's own in an engine that did not choose Feather (``choice.feather_chosen``), and
+otherwise unless Feather's option ``shared_prefix_attention`` turns it on: ``on``, or
+``auto`` (the default) with
 ``FeatherScheduler`` where the self-check at engine start (``self_check``) measured the
 path exact and faster than vLLM's kernel at the engine's shapes.  Where on, each step's
 builder finds the decode rows that share leading KV blocks
@@ -22,8 +24,6 @@ attention.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -37,50 +37,17 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.kv_cache_interface import CrossAttentionSpec, EncoderOnlyAttentionSpec
 
-from feather_sched.attention import cpu_kernel, selfcheck
+from feather_sched.attention import cpu_kernel
 from feather_sched.attention.groups import StepPlan, min_blocks, plan_step
 from feather_sched.attention.selfcheck import CPU_SOURCES, Verdict, cached_check, kernel_digest
-
-logger = logging.getLogger("vllm.feather_sched")
-_announced: set[str] = set()
-
-
-def register() -> None:
-    """Entry point: make vLLM's CPU_ATTN resolve to ``SharedPrefixCPUBackend`` (CPU only)."""
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    if current_platform.is_cpu():
-        register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.SharedPrefixCPUBackend")
-
-
-def announce(message: str) -> None:
-    """Log ``message`` once per process (every builder and layer decides the same)."""
-    if message not in _announced:
-        _announced.add(message)
-        logger.info("Feather shared-prefix attention: %s", message)
-
-
-def attention_options(vllm_config: Any) -> tuple[str, int | None]:
-    """The engine's ``shared_prefix_attention`` option (``auto``, ``on`` or ``off``) and
-    its ``shared_prefix_min_tokens``."""
-    from feather_sched.integrations.vllm.scheduler import feather_options
-
-    options = feather_options(vllm_config)
-    return options.shared_prefix_attention, options.shared_prefix_min_tokens
-
-
-def decide(vllm_config: Any, mode: str) -> str | None:
-    """Why option ``mode`` leaves vLLM's path alone, or None when it asks for shared
-    prefixes."""
-    from feather_sched.integrations.vllm.scheduler import is_feather_scheduler
-
-    if mode == "off":
-        return "off (option shared_prefix_attention)"
-    scheduler = vllm_config.scheduler_config.get_scheduler_cls()
-    if mode == "auto" and not is_feather_scheduler(scheduler):
-        return "off (auto, and the scheduler is not Feather's)"
-    return None
+from feather_sched.integrations.vllm import compat
+from feather_sched.integrations.vllm.attention_choice import (
+    announce,
+    attention_options,
+    checked,
+    decide,
+)
+from feather_sched.integrations.vllm.choice import feather_chosen
 
 
 def self_check(vllm_config: Any, kv_cache_spec: Any, isa: str) -> Verdict:
@@ -112,36 +79,6 @@ def versions() -> tuple[tuple[str, str], ...]:
             ("feather-sched", __version__), ("kernel", kernel_digest(CPU_SOURCES)))
 
 
-def checked(measure: Callable[[], Verdict]) -> tuple[Verdict | None, str | None]:
-    """``selfcheck.checked`` with the tensor-parallel ranks' vote (``agreed``)."""
-    return selfcheck.checked(measure, agreed)
-
-
-def agreed(verdict: Verdict | None) -> Verdict | None:
-    """One verdict for every tensor-parallel rank (each rank measured its own; None, a
-    check that failed, votes off): on only if every rank is on, from the longest
-    break-even any rank found.  The ranks must agree, or they would form different
-    batches' attention differently."""
-    from vllm.distributed import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return verdict
-    group = parallel_state.get_tp_group()
-    if group.world_size == 1:
-        return verdict
-    on = verdict is not None and verdict.on
-    votes = torch.tensor([0 if on else 1, (verdict and verdict.min_shared_tokens) or 0])
-    torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.MAX,
-                                 group=group.cpu_group)
-    off, tokens = (int(v) for v in votes)
-    if verdict is None:
-        return None
-    if off and on:
-        return replace(verdict, on=False, reason="another tensor-parallel rank found it off",
-                       min_shared_tokens=None)
-    return replace(verdict, min_shared_tokens=tokens or None) if on else verdict
-
-
 @dataclass
 class SharedPrefixMetadata(CPUAttentionMetadata):
     """vLLM's CPU metadata for the batch with grouped rows cut to one token, the step's
@@ -154,10 +91,22 @@ class SharedPrefixMetadata(CPUAttentionMetadata):
 class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     """vLLM's builder, plus the step's prefix groups where shared prefixes are on."""
 
+    shared_prefixes = False
+    """Whether this engine's steps are grouped (never where it did not choose Feather)."""
+
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        mode, min_tokens = attention_options(vllm_config)
+        if feather_chosen(vllm_config):
+            self._choose(vllm_config, kv_cache_spec)
+
+    def _choose(self, vllm_config: Any, kv_cache_spec: Any) -> None:
+        """Decide, once, whether this engine's steps are grouped, and say so."""
+        try:
+            mode, min_tokens = attention_options(vllm_config)
+        except ValueError as error:
+            announce(f"off: {error}")
+            return
         reason = decide(vllm_config, mode) or self._layout_problem(kv_cache_spec)
         default_tokens = cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT.get(self.isa, 0)
         verdict = None
@@ -244,7 +193,7 @@ class SharedPrefixCPUImpl(CPUAttentionBackendImpl):
                     "ALiBi": self.alibi_slopes is not None,
                     "soft-capping": bool(self.logits_soft_cap),
                     "attention sinks": self.sinks is not None,
-                    "a quantized KV cache": self.is_fp8_kv_cache,
+                    "a quantized KV cache": compat.is_quantized_kv_cache(self.kv_cache_dtype),
                     f"KV layout '{getattr(layer, 'isa', None)}'":
                         getattr(layer, "isa", None) not in cpu_kernel.LAYOUT_CODES,
                     "a strided KV cache": not kv_cache.is_contiguous(),

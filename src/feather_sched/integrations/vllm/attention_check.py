@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from vllm import _custom_ops as ops
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -35,6 +34,7 @@ from feather_sched.attention.selfcheck import (
     kernel_digest,
     median_seconds,
 )
+from feather_sched.integrations.vllm.compat import cpu_ops
 from feather_sched.integrations.vllm.host_tables import HostRows
 
 REFERENCE_TOKENS = 1 << 16
@@ -113,12 +113,12 @@ class CpuBatch:
         slots = (blocks.long()[:, None] * block + torch.arange(block)).flatten()[:len(key)]
         view = self.cache.view(len(self.cache), heads, 2 * block, dim)
         key_cache, value_cache = view.chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, self.isa)
+        cpu_ops().cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, self.isa)
 
     def metadata(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """vLLM's CPU scheduler metadata for the batch with these sequence lengths."""
         g = self.geometry
-        return ops.cpu_attn_get_scheduler_metadata(
+        return cpu_ops().cpu_attn_get_scheduler_metadata(
             num_reqs=len(seq_lens), num_heads=g.q_heads, num_kv_heads=g.kv_heads,
             head_dim=g.head_dim, seq_lens=seq_lens, dtype=self.dtype,
             query_start_loc=self.starts, causal=True, sliding_window_size=-1, isa=self.isa,
@@ -131,7 +131,7 @@ class CpuBatch:
         heads, dim = self.geometry.kv_heads, self.geometry.head_dim
         key_cache, value_cache = self.cache.view(len(self.cache), heads, 2 * self.block,
                                                  dim).chunk(2, dim=2)
-        ops.cpu_attention_with_kv_cache(
+        cpu_ops().cpu_attention_with_kv_cache(
             query=self.query, key_cache=key_cache, value_cache=value_cache, output=self.out,
             query_start_loc=self.starts, seq_lens=seq_lens, scale=self.scale, causal=True,
             alibi_slopes=None, sliding_window=-1,
@@ -304,5 +304,6 @@ def gpu_subject(backend: str, geometry: Geometry, dtype: torch.dtype, block: int
                                       alibi_slopes=None, sliding_window=None,
                                       kv_cache_dtype="auto")
     ones = torch.ones(1, device=device)
-    layer = SimpleNamespace(impl=impl, _q_scale=ones, _k_scale=ones, _v_scale=ones)
+    layer = SimpleNamespace(impl=impl, _q_scale=ones, _k_scale=ones, _v_scale=ones,
+                            _q_scale_float=1.0, _k_scale_float=1.0, _v_scale_float=1.0)
     return GpuSubject(builder, config, spec, ["feather.check"], layer)

@@ -1,10 +1,13 @@
-"""Shared-prefix decode attention on vLLM 0.32's GPU path, inside vLLM's own default
-backends: FLASH_ATTN (FlashAttention 3 on Hopper, 2 on Ampere) and TRITON_ATTN.
+"""Shared-prefix decode attention on vLLM's GPU path (0.32-0.34), inside vLLM's own
+default backends: FLASH_ATTN (FlashAttention 3 on Hopper, 2 on Ampere) and TRITON_ATTN.
 
-``register`` (entry point ``vllm.general_plugins``, loaded in every vLLM process before
-the model is built) points both members of vLLM's backend registry at subclasses that
-behave exactly as vLLM's own unless Feather's option ``shared_prefix_attention`` turns
-the path on: ``on``, or ``auto`` (the default) with ``FeatherScheduler`` where the
+The plug-in ``plugins.register_attention_gpu`` points both members of vLLM's backend
+registry, by name, at the subclasses here (this module, and with it vLLM's FlashAttention
+and Triton backends, is imported only when vLLM resolves one of them, under an engine's
+configuration).  Their builders behave exactly as vLLM's own in an engine that did not
+choose Feather (``choice.feather_chosen``: no option read, no mirror, no log line), and
+otherwise unless Feather's option ``shared_prefix_attention`` turns the path on: ``on``,
+or ``auto`` (the default) with ``FeatherScheduler`` where the
 self-check at engine start (``self_check``: this device, this engine's shapes, vLLM's own
 kernel as the reference) measured it exact and faster.  So ``feather serve`` on a GPU
 needs no attention argument, and vLLM's priority walk still picks the backend it would.
@@ -36,7 +39,6 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from torch import Tensor
-from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend,
@@ -56,43 +58,17 @@ from feather_sched.attention.gpu_decode import DecodeLimits, GroupedDecode
 from feather_sched.attention.groups import MIN_ROWS, MIN_SHARED_TOKENS, find_groups, min_blocks
 from feather_sched.attention.selfcheck import Verdict
 from feather_sched.integrations.vllm import host_tables
-from feather_sched.integrations.vllm.attention import (
+from feather_sched.integrations.vllm.attention_choice import (
     announce,
     attention_options,
     checked,
     decide,
 )
+from feather_sched.integrations.vllm.choice import feather_chosen
+from feather_sched.integrations.vllm.compat import is_quantized_kv_cache
 from feather_sched.integrations.vllm.host_tables import HostRows
 
 logger = logging.getLogger("vllm.feather_sched")
-
-
-def register() -> None:
-    """Entry point: on CUDA, make vLLM's FLASH_ATTN and TRITON_ATTN resolve to Feather's
-    subclasses (``register_over``) and mirror the runner's block ids on the host."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cuda():
-        register_over()
-        host_tables.install()
-
-
-def register_over() -> list[str]:
-    """Point each backend Feather extends at its subclass, leaving in place (with a
-    warning) a member another plugin already overrides; the names registered."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    done = []
-    for name, ours in BACKENDS.items():
-        member = AttentionBackendEnum[name]
-        path = f"{__name__}.{ours.__qualname__}"
-        if member.is_overridden() and member.get_path() != path:
-            logger.warning("Feather shared-prefix attention not registered over %s: another "
-                           "plugin selects %s", name, member.get_path())
-            continue
-        register_backend(member, path)
-        done.append(name)
-    return done
 
 
 def decide_gpu(vllm_config: Any, kv_cache_spec: Any) -> str | None:
@@ -159,18 +135,26 @@ class SharedPrefixBuilder:
     engine_cls: ClassVar[type]
     engine_impl_cls: ClassVar[type]
     """vLLM's own builder and impl: the self-check's reference."""
-    supports_update_block_table: bool = False
-    """The V1 runner's reuse of one group's metadata for another would pair this group's
-    work with another table."""
+    decode: GroupedDecode | None = None
+    """The step's work buffers where the path is on (None: vLLM's builder, exactly)."""
     _capturing = False
     """Inside ``build_for_cudagraph_capture``: the work is carried, empty."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.decode: GroupedDecode | None = None
+        if feather_chosen(vllm_config):
+            self._choose(vllm_config, kv_cache_spec, layer_names, device)
+
+    def _choose(self, vllm_config: Any, kv_cache_spec: Any, layer_names: list[str],
+                device: torch.device) -> None:
+        """Decide, once, whether this engine's decode steps are grouped, and say so."""
+        try:
+            mode, min_tokens = attention_options(vllm_config)
+        except ValueError as error:
+            announce(f"off: {error}")
+            return
         self.block_size = kv_cache_spec.block_size
-        mode, min_tokens = attention_options(vllm_config)
         reason = decide(vllm_config, mode) or group_problem(vllm_config, kv_cache_spec,
                                                             layer_names)
         compilation = vllm_config.compilation_config
@@ -188,10 +172,15 @@ class SharedPrefixBuilder:
 
             verdict, reason = checked(measure)
             min_tokens = min_tokens or (verdict and verdict.min_shared_tokens)
+            if device.type == "cuda":  # the check's batches, before vLLM allocates the KV
+                torch.cuda.empty_cache()
         if reason is not None:
             self.decode = None
-        if device.type == "cuda":  # the check's batches, before vLLM allocates the KV cache
-            torch.cuda.empty_cache()
+        else:
+            # The V1 runner's reuse of one group's metadata for another would pair this
+            # group's work with another table; MRV2's block ids mirrored on the host.
+            self.supports_update_block_table = False
+            host_tables.install()
         self.min_shared_blocks = min_blocks(self.block_size, min_tokens or MIN_SHARED_TOKENS)
         graphs = "FULL decode CUDA graphs kept" if self._full_graphs else "no CUDA graphs"
         announce(reason or (verdict.line(graphs) if verdict else
@@ -227,11 +216,14 @@ class SharedPrefixBuilder:
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> Any:
+        if self.decode is None:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
         common = common_attn_metadata
         host = None
-        if self.decode is not None and not self._capturing:
+        if not self._capturing:
             host = host_tables.lookup(common.block_table_tensor, common.req_idx, common.num_reqs)
-            if host is None and not host_tables.known(common.block_table_tensor):
+            if host is None and host_tables.seen_any() \
+                    and not host_tables.known(common.block_table_tensor):
                 announce(f"no groups in this {self.name} KV-cache group: its block table is "
                          "not one whose block ids Feather sees on the host (host_tables: "
                          "e.g. a kernel-block table, prefill context parallelism's)")

@@ -1,62 +1,71 @@
-"""Keep each prefix group contiguous in vLLM's V1 model runner's batch (a vLLM general plugin).
+"""Keep each prefix group contiguous in vLLM's V1 model runner's batch (vLLM 0.32, 0.33).
 
 The decode-attention kernel walks the batch in order, so requests of one prefix group
 placed back to back re-read their shared KV blocks while they are still in cache.
 ``FeatherScheduler`` keeps its running list ordered by prefix group; Model Runner V2 (the
-GPU default) batches decodes in that order by itself, but the V1 runner (CPU, and GPU
-modes V2 does not support) keeps a persistent batch that fills freed slots with whatever
-request comes next, interleaving groups over time.  This module, registered as a
-``vllm.general_plugins`` entry point (vLLM loads those in every process), wraps the V1
-runner's ``_may_reorder_batch`` hook and gathers each group (rows sharing their first KV
-block) where its first row stands, members in the scheduler's order
-(``scheduler_output.num_scheduled_tokens``), moving no other row.  It acts only when the
-engine runs ``FeatherScheduler`` with ``order_running`` on, and never under V2 (which
-does not call the hook); requests stay in the decode/extend/prefill regions that
-attention backends with a reorder threshold (e.g. FlashInfer, MLA) require.
+GPU default, and from 0.34 the only runner) batches decodes in that order by itself, but
+the V1 runner (CPU, and GPU modes V2 does not support) keeps a persistent batch that
+fills freed slots with whatever request comes next, interleaving groups over time.
+
+``install`` (set by the plug-in ``plugins.register_batch_order`` to run when vLLM imports
+the V1 runner) wraps the runner's ``_may_reorder_batch`` hook.  For a runner whose engine
+did not choose Feather the wrapper only calls vLLM's hook (decided once per runner, no
+option read).  For one that did, it records the runner's block tables on the host
+(``host_tables.note_v1``) and, with ``order_running`` on, gathers each group (rows sharing
+their first KV block) where its first row stands, members in the scheduler's order
+(``scheduler_output.num_scheduled_tokens``), moving no other row; requests stay in the
+decode/extend/prefill regions that attention backends with a reorder threshold (e.g.
+FlashInfer, MLA) require.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from feather_sched.attention.groups import distinct
+from feather_sched.integrations.vllm import host_tables
+from feather_sched.integrations.vllm.choice import feather_scheduler, worker_option
 
 _PATCHED = "_feather_batch_order"
 
 
-def register() -> None:
-    """Entry point: wrap the GPU/CPU model runner's batch-reorder hook once per process."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    original = GPUModelRunner._may_reorder_batch
+def install(runner_module: ModuleType) -> None:
+    """Wrap ``runner_module.GPUModelRunner._may_reorder_batch`` once per process."""
+    runner_cls = runner_module.GPUModelRunner
+    original = runner_cls._may_reorder_batch
     if getattr(original, _PATCHED, False):
         return
 
     def _may_reorder_batch(self: Any, scheduler_output: Any) -> None:
-        if _ordering_enabled(self):
-            order_by_schedule(self.input_batch, scheduler_output, self.reorder_batch_threshold)
+        feather = _feather_runner(self)
+        if feather is not None:
+            host_tables.note_v1(self.input_batch.block_table)
+            if feather:
+                order_by_schedule(self.input_batch, scheduler_output,
+                                  self.reorder_batch_threshold)
         original(self, scheduler_output)
 
     setattr(_may_reorder_batch, _PATCHED, True)
-    GPUModelRunner._may_reorder_batch = _may_reorder_batch
+    runner_cls._may_reorder_batch = _may_reorder_batch
 
 
-def _ordering_enabled(runner: Any) -> bool:
-    """Decided once per runner from the engine's own configuration, of which it reads only
-    ``order_running``: a worker may run on a node without the scheduler's files, and the
-    scheduler checks the rest."""
-    enabled = getattr(runner, _PATCHED, None)
-    if enabled is None:
-        from feather_sched.core import FeatherConfig
-        from feather_sched.integrations.vllm.scheduler import feather_mapping, is_feather_scheduler
-
-        config = runner.vllm_config
-        scheduler_cls = config.scheduler_config.get_scheduler_cls()
-        enabled = is_feather_scheduler(scheduler_cls) and \
-            FeatherConfig.option("order_running", feather_mapping(config))
-        setattr(runner, _PATCHED, enabled)
+def _feather_runner(runner: Any) -> bool | None:
+    """None where the runner's engine did not choose Feather's scheduler, else whether it
+    orders its batch (``order_running``); decided once per runner, reading only that
+    option (a worker may run on a node without the scheduler's files, and the scheduler
+    checks the rest; a bad value leaves the batch as vLLM orders it)."""
+    if hasattr(runner, _PATCHED):
+        return getattr(runner, _PATCHED)
+    enabled = None
+    if feather_scheduler(runner.vllm_config):
+        try:
+            enabled = bool(worker_option(runner.vllm_config, "order_running"))
+        except ValueError:
+            enabled = False
+    setattr(runner, _PATCHED, enabled)
     return enabled
 
 

@@ -1,4 +1,4 @@
-"""vLLM's prefix-cache block hashes, computed at the router exactly as vLLM 0.32 does.
+"""vLLM's prefix-cache block hashes, computed at the router exactly as vLLM 0.32-0.34 do.
 
 vLLM names each full KV block of a prompt ``hash_fn((parent, tuple(block_tokens), None))``
 (``kv_cache_utils.hash_block_tokens``; the first block's parent is ``NONE_HASH =

@@ -1,4 +1,4 @@
-"""The block tables of vLLM 0.32's model runners, on the host: a step's groups are found
+"""The block tables of vLLM's model runners (0.32-0.34), on the host: a step's groups are found
 without reading the device (a device-to-host copy would wait for the GPU's queue and end
 async scheduling's overlap).
 
@@ -7,9 +7,11 @@ runner's tables) and returns the host table that holds the same block ids and th
 it each batch row reads, or None where the tensor is no table known here (the caller then
 turns its path off; it never reads the device instead):
 
-* Model Runner V2 (the GPU default) keeps its tables on the device only: ``install``
-  wraps its ``BlockTables`` so every write it stages (``append_block_ids``: new, resumed
-  and streaming re-added requests with ``overwrite``, appended blocks, reused slots,
+* Model Runner V2 (the GPU default; the only runner from 0.34) keeps its tables on the
+  device only: ``install`` (called by a GPU builder whose engine chose Feather and whose
+  path is on, before the runner builds its ``BlockTables``) wraps its ``BlockTables`` so
+  every write it stages (``append_block_ids``: new, resumed and streaming re-added
+  requests with ``overwrite``, appended blocks, reused slots,
   ``redirect_writes_to_null_block``) is written into a host mirror too, one table per
   KV-cache group, equal to the device's per-slot table (``block_tables[i].gpu``) once
   vLLM applies its writes.  Batch rows read slot ``req_idx[row]``, as vLLM's
@@ -17,15 +19,18 @@ turns its path off; it never reads the device instead):
   builders see; dummy runs (profiling, capture, data-parallel padding) zero or fabricate
   those rows instead, so from ``get_dummy_block_tables`` to the next gather the lookup
   says None.
-* The V1 runner keeps a host copy beside each device table (``BlockTable.block_table``,
-  committed to the device each step): batch row ``r`` of a view starting at row ``k``
-  reads host row ``k + r``.  ``install`` only records the tables, to find them again.
+* The V1 runner (0.32, 0.33) keeps a host copy beside each device table
+  (``BlockTable.block_table``, committed to the device each step): batch row ``r`` of a
+  view starting at row ``k`` reads host row ``k + r``.  ``note_v1`` records a runner's
+  tables, to find them again (``batch_order``'s hook, once per step of a runner whose
+  engine chose Feather).
 
 Not covered (None): tables vLLM builds elsewhere for a step, such as prefill context
 parallelism's local tables, kernel-block tables (``AttentionGroup.kernel_block_table``,
 where the kernel's block size differs from the KV manager's) and encoder-only zeros.
-Device-side rewrites of the slot tables outside ``append_block_ids`` would not be seen;
-vLLM 0.32 has none.
+Device-side rewrites of the slot tables outside ``append_block_ids`` would not be seen:
+vLLM 0.32 has none; 0.33 and 0.34 null the leading blocks of sliding-window groups on the
+device at gather time, groups Feather's GPU path refuses.
 """
 
 from __future__ import annotations
@@ -54,8 +59,7 @@ class HostRows(NamedTuple):
 
 
 def install() -> None:
-    """Mirror Model Runner V2's block tables and record the V1 runner's, in this process
-    (idempotent; the project's vLLM general plugin calls it).
+    """Mirror Model Runner V2's block tables in this process (idempotent).
 
     Cost per MRV2 ``append_block_ids``: one numpy write per KV-cache group of the ids vLLM
     staged.  Memory: per ``BlockTables``, one ``max_num_reqs x max_num_blocks`` int32 table
@@ -63,17 +67,26 @@ def install() -> None:
     16-token blocks), allocated at its first write, its pages resident only as rows are
     written.
     """
-    from vllm.v1.worker.block_table import BlockTable
     from vllm.v1.worker.gpu.block_table import BlockTables
 
     if getattr(BlockTables.__init__, _PATCHED, False):
         return
-    _wrap(BlockTable, "__init__", lambda table, *_, **__: _V1_TABLES.add(table))
     _wrap(BlockTables, "__init__", lambda tables, *_, **__: _V2_TABLES.add(tables))
     _wrap(BlockTables, "append_block_ids", _mirror_append)
     _wrap(BlockTables, "gather_block_tables", _note_gather)
     _wrap(BlockTables, "get_dummy_block_tables",
           lambda tables, *_, **__: setattr(tables, _GATHERED, False))
+
+
+def note_v1(tables: Any) -> None:
+    """Record the V1 runner's ``BlockTable`` objects (its ``MultiGroupBlockTable``'s)."""
+    _V1_TABLES.update(tables.block_tables)
+
+
+def seen_any() -> bool:
+    """Whether any runner's tables are known here (before a runner's first step, a dummy
+    run's table is no sign of a table Feather cannot see)."""
+    return bool(_V2_TABLES) or bool(_V1_TABLES)
 
 
 def lookup(block_table: torch.Tensor, req_idx: np.ndarray | None,

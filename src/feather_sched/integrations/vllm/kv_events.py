@@ -1,6 +1,6 @@
 """vLLM's KV cache events, received over ZMQ and applied to the router's cache index.
 
-vLLM 0.32's publisher (``vllm.distributed.kv_events.ZmqEventPublisher``, enabled with
+vLLM's publisher (0.32-0.34: ``vllm.distributed.kv_events.ZmqEventPublisher``, enabled with
 ``--kv-events-config``) sends each scheduler step's events as one msgpack
 ``KVEventBatch`` on a PUB socket, framed ``(topic, 8-byte big-endian sequence number,
 payload)``, and keeps the last ``buffer_steps`` batches for a ROUTER replay socket: a

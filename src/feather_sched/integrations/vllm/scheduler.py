@@ -1,4 +1,4 @@
-"""Feather inside vLLM's V1 engine (pinned: vLLM 0.32.0).
+"""Feather inside vLLM's V1 engine (vLLM 0.32-0.34; their differences: ``compat``).
 
 Load with ``--scheduler-cls feather_sched.integrations.vllm.FeatherScheduler`` (server) or
 ``LLM(..., scheduler_cls=FeatherScheduler)``.  The scheduler subclass is thin (``_Hooks``):
@@ -62,6 +62,8 @@ from feather_sched.core import (
     parse_tenant,
     token_chunk_keys,
 )
+from feather_sched.integrations.vllm import compat
+from feather_sched.integrations.vllm.choice import feather_mapping
 from feather_sched.integrations.vllm.urgent import UrgentRoom
 from feather_sched.telemetry.stats import StepMeter
 from feather_sched.telemetry.steplog import BatchEntry
@@ -86,12 +88,6 @@ _core_logs_through_vllm()
 
 MAX_STEPS_IN_FLIGHT = 64
 """Scheduler outputs awaiting their result; more means the engine dropped some."""
-
-
-def feather_mapping(vllm_config: Any) -> Any:
-    """The ``"feather"`` entry of ``--additional-config`` (None without one)."""
-    additional = vllm_config.additional_config
-    return additional.get("feather") if isinstance(additional, dict) else None
 
 
 def feather_options(vllm_config: Any) -> FeatherConfig:
@@ -579,6 +575,7 @@ class VllmFeather(VllmMeter):
         """Under fair share, each step in flight's prompt tokens computed, per request."""
         self.queue = FeatherWaitingQueue(self.runtime, scheduler)
         self.urgent = UrgentRoom(scheduler, self.runtime)
+        compat.disable_cache_aware_admission(scheduler)
         scheduler.waiting = self.queue
         scheduler.kv_holding_waiting = KvHoldingQueue(scheduler.kv_holding_waiting,
                                                       self.queue, scheduler, self.urgent)
@@ -593,7 +590,7 @@ class VllmFeather(VllmMeter):
         self.urgent.forget()
         self.queue.begin_pass()
         if self.queue.feathers_pass and self.faults.active and \
-                not self.defers_prefills(throttle_prefills):
+                not compat.prefills_deferred(self.scheduler, throttle_prefills):
             self.faults.attempt("urgent", self.urgent.make)
 
     def defers_prefills(self, throttle_prefills: bool) -> bool:
@@ -692,12 +689,14 @@ class VllmFeather(VllmMeter):
         if not self.config.order_running:
             return "batch ordering off (order_running false)", True
         vllm_config = self.scheduler.vllm_config
-        if self.scheduler.use_v2_model_runner:
+        if compat.uses_v2_runner(self.scheduler):
             if vllm_config.parallel_config.prefill_context_parallel_size > 1:
                 return ("Model Runner V2 with prefill context parallelism reorders each "
                         "rank's rows itself"), False
             return ("Model Runner V2: the running list's order by prefix group is the "
                     "batch's decode order"), True
+        if not compat.has_v1_runner():
+            return "V1 model runner, absent from this vLLM", False
         if not plugin_allowed(BATCH_ORDER_PLUGIN):
             return (f"V1 model runner, but the worker plugin {BATCH_ORDER_PLUGIN!r} is not "
                     "installed or not in VLLM_PLUGINS"), False
@@ -789,7 +788,7 @@ class FeatherScheduler(_Hooks, AsyncScheduler):
 
 
 BATCH_ORDER_PLUGIN = "feather_batch_order"
-"""This package's ``vllm.general_plugins`` entry point (``batch_order.register``)."""
+"""This package's ``vllm.general_plugins`` entry point (``plugins.register_batch_order``)."""
 
 
 def plugin_allowed(name: str) -> bool:

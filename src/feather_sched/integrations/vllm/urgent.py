@@ -1,4 +1,4 @@
-"""Urgent preemption in vLLM 0.32: room for a waiting request of a more urgent class.
+"""Urgent preemption in vLLM (0.32-0.34): room for a waiting request of a more urgent class.
 
 vLLM preempts only to give a RUNNING request KV blocks (``Scheduler.schedule()``, its
 running loop; vLLM issue #40004): under its priority policy a waiting request of a more
@@ -20,8 +20,9 @@ Each victim goes through vLLM's own ``_preempt_request`` (blocks and encoder cac
 ``num_computed_tokens`` 0, in-flight output marked stale under async scheduling, back to
 the waiting queue, its id in this pass's ``preempted_req_ids`` for the workers), as
 ``reset_prefix_cache`` preempts outside the loop; its id leaves
-``prev_step_scheduled_req_ids`` as there, so a resume in this very pass carries its tokens
-to the V1 runner.
+``prev_step_scheduled_req_ids`` as there where vLLM keeps that set (0.32, 0.33:
+``compat.forget_prev_step``), so a resume in this very pass carries its tokens to the V1
+runner.
 
 ``Room`` replays vLLM's arithmetic with its pure queries: a seat is
 ``max_num_active_reqs`` less paused streaming sessions; KV room is the free blocks, plus
@@ -32,7 +33,7 @@ requests that stay take first in this pass
 (``KVCacheCoordinator.get_num_blocks_to_allocate``, as ``allocate_slots`` asks it). Not
 after a fault (Feather's code out of the pass), not while vLLM is paused, not in a pass
 whose prefills vLLM defers (data-parallel prefill balancing,
-``VllmFeather.defers_prefills``; the next pass tries again), only under vLLM's priority
+``compat.prefills_deferred``; the next pass tries again), only under vLLM's priority
 policy, never for a request vLLM would skip (grammar not compiled, stale output in flight,
 no LoRA slot); a victim whose blocks a KV connector's deferred free holds frees none now
 (vLLM's own rule), and while a connector has block frees pending KV room is not lacking
@@ -54,6 +55,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from feather_sched.core import Decision, FeatherRuntime
+from feather_sched.integrations.vllm import compat
 
 _PRIORITY = attrgetter("priority")
 
@@ -157,7 +159,7 @@ class UrgentRoom:
         scheduler.running.remove(victim)
         scheduler._preempt_request(victim, time.monotonic(),
                                    drop_stale_output=scheduler.requires_kv_delivery)
-        scheduler.prev_step_scheduled_req_ids.discard(victim.request_id)
+        compat.forget_prev_step(scheduler, victim.request_id)
         self.victims.add(victim.request_id)
 
 
