@@ -8,7 +8,7 @@
 #                                          tests (tests/v1/core, from its sdist; 0.32.0 too)
 #
 # .venv-drift holds the pure-Python dependencies of vLLM 0.33-0.34 and CPU torch
-# (requirements/vllm-drift.txt); each release's CUDA wheel is installed --no-deps into its
+# (requirements/vllm-drift.txt) and this package (editable); each release's CUDA wheel is installed --no-deps into its
 # own directory, .venv-drift/releases/RELEASE, which `exec` puts first on PYTHONPATH (with
 # src/ and the pytest plugin scripts/pytest_plugins/feather_release.py, which it loads), so
 # one environment holds every release. Only vLLM's Python runs there: the CUDA kernels do
@@ -35,13 +35,19 @@ known() {  # known RELEASE: fails unless one of the releases above
     return 2
 }
 
-environment() {  # the venv with vLLM's dependencies (re-installed when the list changes)
+environment() {  # the venv with vLLM's dependencies and this package, editable (its
+    # vllm.general_plugins entry points registered, as where a user installs it); each
+    # re-installed when its list changes
     local python=${PYTHON:-python3.11}
     command -v "$python" >/dev/null || python=python3
     [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
     if ! cmp -s "$requirements" "$venv/requirements.txt"; then
         "$venv/bin/python" -m pip --disable-pip-version-check -q install -r "$requirements"
         cp "$requirements" "$venv/requirements.txt"
+    fi
+    if ! cmp -s "$root/pyproject.toml" "$venv/pyproject.toml"; then
+        "$venv/bin/python" -m pip --disable-pip-version-check -q install --no-deps -e "$root"
+        cp "$root/pyproject.toml" "$venv/pyproject.toml"
     fi
 }
 

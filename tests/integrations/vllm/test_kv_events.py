@@ -70,6 +70,7 @@ def settle(subscriber: KVEventSubscriber, replica: str, index: CacheIndex,
         time.sleep(0.05)
 
 
+@pytest.mark.real_engine
 def test_the_index_holds_exactly_what_the_engine_caches_through_evictions(engine) -> None:
     llm, endpoint, replay = engine
     index, lock = CacheIndex(), threading.Lock()
@@ -103,6 +104,7 @@ def test_the_index_holds_exactly_what_the_engine_caches_through_evictions(engine
         subscriber.close()
 
 
+@pytest.mark.real_engine
 def test_a_router_hashing_otherwise_is_told_and_applies_nothing(engine) -> None:
     llm, endpoint, replay = engine
     index, lock = CacheIndex(), threading.Lock()
