@@ -56,8 +56,8 @@ def record(out: str, release: str, selection: str, options: str, *paths: str) ->
     document = {"release": release, "selection": selection, "options": json.loads(options),
                 "feather_commit": commit or None,
                 "recorded": time.strftime("%Y-%m-%d", time.gmtime()),
-                "command": f"benchmarks/vllm/upstream_tests.sh --release {release} "
-                           "--mode both --record FILE",
+                "command": f"benchmarks/vllm/upstream_tests.sh --release {release} --mode both "
+                           f"--options '{options}' --record FILE",
                 "counts": {Path(p).stem: counts(load(p)) for p in paths},
                 "runs": {Path(p).stem: load(p) for p in paths}}
     Path(out).write_text(json.dumps(document, indent=1) + "\n")
