@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up .venv first (idempotent).
-.PHONY: run test lint docs docs-serve
+.PHONY: run test check lint docs docs-serve
 
 # Material for MkDocs prints an end-of-life banner on every build; --quiet would hide
 # warnings from --strict too (mkdocs then counts none), so the banner is turned off instead.
@@ -15,12 +15,18 @@ test:
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 	$(MKDOCS) build --strict --site-dir site
 
+# The fast tier: ruff, then every test that starts no engine process (tests/conftest.py
+# marks those `engine`).
+check:
+	.venv/bin/ruff check src tests
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not engine"
+
 lint:
 	.venv/bin/ruff check src tests
 
-# The options page is generated from the code (tests/test_docs.py fails while it is stale).
+# The options page and the contract table are generated from the code (tests/test_docs.py fails while one is stale).
 docs:
-	.venv/bin/python -m feather_sched.docs --out docs/options.md
+	.venv/bin/python -m feather_sched.docs --out docs/options.md --contract docs/architecture.md
 	$(MKDOCS) build --strict --site-dir site
 
 docs-serve:

@@ -1,12 +1,14 @@
 """Test-wide set-up: SGLang's scheduler code imports on this CPU machine as in the product
 (``feather_sched.integrations.sglang.stand_ins``); a fault Feather contains fails the test
-that did not ask for faults, so containment never hides a bug."""
+that did not ask for faults, so containment never hides a bug; the modules that start an
+engine process are marked ``engine`` (``make check`` runs every other test)."""
 
 from __future__ import annotations
 
 import gc
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,36 @@ prepare_sglang_import()
 # The attention self-check's verdicts: one cache for the session (each engine after the
 # first with the same shapes starts without measuring), never the user's ~/.cache.
 os.environ["FEATHER_CACHE_DIR"] = tempfile.mkdtemp(prefix="feather-cache-")
+
+
+ENGINE_MODULES = frozenset({
+    "bench/test_offline.py",  # a real vLLM engine per scheduler
+    "bench/test_soak.py",  # a real feather serve under load and a restart
+    "bench/test_trace_replay.py",  # a trace replayed on the real vLLM engine
+    "integrations/ray/test_serve.py",  # Ray Serve with vLLM replicas
+    "integrations/sglang/test_attention_server.py",  # an SGLang server
+    "integrations/sglang/test_server.py",
+    "integrations/sglang/test_tenants_server.py",
+    "integrations/vllm/test_attention.py",  # vLLM engines (LLM), Feather's backend on/off
+    "integrations/vllm/test_batch_order.py",  # the order's effect in a real engine
+    "integrations/vllm/test_engine.py",
+    "integrations/vllm/test_kv_events.py",
+    "integrations/vllm/test_releases.py",  # pytest processes against each release (.venv-drift)
+    "integrations/vllm/test_urgent.py",
+    "test_serve.py",  # feather serve's real servers
+})
+"""Test modules (relative to ``tests/``) that start an engine process: marked ``engine``,
+so ``pytest -m "not engine"`` (``make check``) runs the rest."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    missing = sorted(name for name in ENGINE_MODULES if not (tests / name).is_file())
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py's ENGINE_MODULES names no module: {missing}")
+    for item in items:
+        if item.path.relative_to(tests).as_posix() in ENGINE_MODULES:
+            item.add_marker(pytest.mark.engine)
 
 
 @pytest.fixture

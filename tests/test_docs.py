@@ -2,7 +2,8 @@
 
 The options page must be what the generator produces from the code now: a new option, a
 changed default or docstring fails here until the page is regenerated with
-``python -m feather_sched.docs --out docs/options.md`` (or ``make docs``).  Every path and
+``python -m feather_sched.docs --out docs/options.md`` (or ``make docs``); so does
+docs/architecture.md's table of the runtime contract (``core.contract``).  Every path and
 ``feather_sched`` module the README and the pages in ``docs/`` name must exist, the package
 map and the metrics page must name everything there is, and the README keeps its shape.
 Links between pages and their anchors are checked by ``mkdocs build --strict``, which
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from feather_sched import docs
-from feather_sched.core import config
+from feather_sched.core import config, contract
 from feather_sched.core.config import FeatherConfig, FeatherConfigError
 from feather_sched.gates import GATE_KINDS, make_gate
 from feather_sched.telemetry import prometheus, steplog
@@ -30,7 +31,7 @@ SRC = ROOT / "src"
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 PAGES = [README, *sorted(DOCS.rglob("*.md"))]
-REGENERATE = "python -m feather_sched.docs --out docs/options.md"
+REGENERATE = "python -m feather_sched.docs --out docs/options.md --contract docs/architecture.md"
 
 
 def text(path: Path) -> str:
@@ -100,9 +101,31 @@ def test_every_gate_option_listed_is_one_its_gate_takes_with_that_default() -> N
 
 
 def test_the_generator_runs_as_one_command(tmp_path) -> None:
-    out = tmp_path / "options.md"
-    docs.main(["--out", str(out)])
+    out, page = tmp_path / "options.md", tmp_path / "architecture.md"
+    page.write_text(f"before\n{docs.CONTRACT_BEGIN}\nstale\n{docs.CONTRACT_END}\nafter\n")
+    docs.main(["--out", str(out), "--contract", str(page)])
     assert text(out) == docs.options_page()
+    assert text(page) == f"before\n{docs.contract_table()}\nafter\n"
+
+
+# ---- the generated contract table ----------------------------------------------------
+
+
+def test_the_committed_contract_table_is_what_the_contract_says_now() -> None:
+    page = text(DOCS / "architecture.md")
+    assert page == docs.with_contract(page), \
+        f"docs/architecture.md's contract table is stale: regenerate it with `{REGENERATE}`"
+
+
+def test_the_contract_table_has_a_row_per_member_with_its_docstring() -> None:
+    table = docs.contract_table()
+    rows = [row for row in table.splitlines() if row.startswith("| `")]
+    assert len(rows) == len(contract.members())
+    assert "| `begin_pass(running, waiting=None, held=())` | A pass starts" in table
+    assert "| `len(runtime)` | Requests waiting in Feather's queue. |" in table
+    assert "| `counts` | The admission decisions counted so far (read only). |" in table
+    with pytest.raises(ValueError, match="no generated contract table"):
+        docs.with_contract("a page without the markers")
 
 
 # ---- paths and modules the pages name ------------------------------------------------

@@ -24,7 +24,7 @@ from feather_sched.serve import (
     KV_FLAG,
     SCHEDULER_CLS,
     SHUTDOWN_TIMEOUT_S,
-    vllm_server_command,
+    vllm_server_args,
 )
 from tests.helpers.replay_trace import REPLAY_FLAGS, REQUESTS, implied_hit_rate, write_trace
 from tests.helpers.servers import (
@@ -41,9 +41,9 @@ def flag(command: list[str], name: str) -> str | None:
 
 
 def test_command_merges_feather_options_into_additional_config() -> None:
-    command = vllm_server_command(None, {"gate": "bandit"},
-                                  ["--additional-config", '{"other": 1}', "--port", "9"],
-                                  environ={})
+    command = vllm_server_args(None, {"gate": "bandit"},
+                               ["--additional-config", '{"other": 1}', "--port", "9"],
+                               environ={})
     config = json.loads(flag(command, "--additional-config"))
     assert config == {"other": 1, "feather": {"gate": "bandit"}}
     assert flag(command, "--scheduler-cls") == SCHEDULER_CLS
@@ -53,31 +53,31 @@ def test_command_merges_feather_options_into_additional_config() -> None:
 
 
 def test_the_kv_cache_is_the_size_asked_for() -> None:
-    assert flag(vllm_server_command(None, {}, [], kv_cache_gib=0.25, environ={}),
+    assert flag(vllm_server_args(None, {}, [], kv_cache_gib=0.25, environ={}),
                 KV_FLAG) == str(2**28)
-    explicit = vllm_server_command(None, {}, [KV_FLAG, "268435456"], environ={})
+    explicit = vllm_server_args(None, {}, [KV_FLAG, "268435456"], environ={})
     assert explicit.count(KV_FLAG) == 1 and explicit[-2:] == [KV_FLAG, "268435456"]
-    assert flag(vllm_server_command(None, {}, [], environ={}), KV_FLAG) == str(4 * 2**30)
-    assert KV_FLAG not in vllm_server_command(None, {}, [], on_cpu=False, environ={})
+    assert flag(vllm_server_args(None, {}, [], environ={}), KV_FLAG) == str(4 * 2**30)
+    assert KV_FLAG not in vllm_server_args(None, {}, [], on_cpu=False, environ={})
     with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE is set"):
-        vllm_server_command(None, {}, [], kv_cache_gib=1, environ={"VLLM_CPU_KVCACHE_SPACE": "4"})
+        vllm_server_args(None, {}, [], kv_cache_gib=1, environ={"VLLM_CPU_KVCACHE_SPACE": "4"})
     with pytest.raises(ValueError, match="not both"):
-        vllm_server_command(None, {}, [KV_FLAG, "1"], kv_cache_gib=1, environ={})
-    kept = vllm_server_command(None, {}, ["--shutdown-timeout", "5"], environ={})
+        vllm_server_args(None, {}, [KV_FLAG, "1"], kv_cache_gib=1, environ={})
+    kept = vllm_server_args(None, {}, ["--shutdown-timeout", "5"], environ={})
     assert kept.count("--shutdown-timeout") == 1 and kept[-1] == "5"
 
 
 def test_bad_options_fail_before_the_server_starts(tmp_path) -> None:
     with pytest.raises(ValueError, match="feather option 'gate'"):
-        vllm_server_command(None, {"gate": "sometimes"}, [], environ={})
+        vllm_server_args(None, {"gate": "sometimes"}, [], environ={})
     with pytest.raises(ValueError, match="FEATHER_MAX_WAIT_S='soon'"):
-        vllm_server_command(None, {}, [], environ={"FEATHER_MAX_WAIT_S": "soon"})
+        vllm_server_args(None, {}, [], environ={"FEATHER_MAX_WAIT_S": "soon"})
     with pytest.raises(ValueError, match=r"'state_file'.*does not exist"):
-        vllm_server_command(None, {"gate": "bandit",
-                                   "state_file": str(tmp_path / "no" / "t.json")}, [],
-                            environ={})
+        vllm_server_args(None, {"gate": "bandit",
+                                "state_file": str(tmp_path / "no" / "t.json")}, [],
+                         environ={})
     with pytest.raises(ValueError, match="sets --scheduler-cls itself"):
-        vllm_server_command(None, {}, ["--scheduler-cls", "x.Y"], environ={})
+        vllm_server_args(None, {}, ["--scheduler-cls", "x.Y"], environ={})
 
 
 def test_a_metrics_port_without_replicas_is_refused() -> None:
@@ -262,3 +262,53 @@ def test_a_server_no_client_or_disk_can_take_down(tmp_path) -> None:
     assert results and all(code == 200 for code in results), results  # drained, not cut
     assert json.loads(state.read_text())["format"] == "feather-bandit"  # saved at exit
     assert json.loads(stats.read_text())["steps"] > 0
+
+
+def _steps_and_groups(url: str) -> tuple[float, float]:
+    """``feather:prefix_groups_per_step``'s count and sum so far (steps, groups in them)."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return tuple(sum(float(value) for value in re.findall(
+        rf"^feather:prefix_groups_per_step_{part}\{{.*\}} ([0-9.e+]+)$", text, re.M))
+        for part in ("count", "sum"))
+
+
+def _together(url: str, bodies: list[dict]) -> tuple[float, float]:
+    """Send ``bodies`` at once; the steps they ran and the prefix groups per step."""
+    before = _steps_and_groups(url)
+    answers: list = [None] * len(bodies)
+    threads = [threading.Thread(target=lambda i=i, body=body: answers.__setitem__(
+        i, post(url, "/v1/completions", body))) for i, body in enumerate(bodies)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [status for status, _ in answers] == [200] * len(bodies), answers
+    steps, groups = (after - was for after, was in zip(_steps_and_groups(url), before,
+                                                          strict=True))
+    return steps, groups / steps
+
+
+def test_feather_serve_keeps_cache_salts_apart_and_vllms_api_as_it_is(tmp_path) -> None:
+    """With prefix caching off (Feather keys by tokens then), two requests of one 2K prefix
+    under two ``cache_salt`` values run as two prefix groups every step, unsalted as one
+    (probes 38/39 of the newcomer review); with tenants off, a tenant header vLLM takes is
+    taken (a 300-character one: 200); the embedded model is served as ``tiny-llama``."""
+    pytest.importorskip("vllm", reason="the vllm extra is not installed")
+    command = ["feather_sched.cli", "serve", "--enforce-eager", "--kv-cache-gib", "1",
+               "--no-enable-prefix-caching"]
+    with serving(command, tmp_path / "server.log", {"PROMETHEUS_MULTIPROC_DIR": ""}) as url:
+        models = json.loads(urllib.request.urlopen(f"{url}/v1/models", timeout=10).read())
+        assert [model["id"] for model in models["data"]] == ["tiny-llama"]
+        for header in ("t" * 300, "", "a\tb", "default"):
+            status, answer = post(url, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2},
+                                  headers={"x-tenant-id": header})
+            assert status == 200, answer
+        prompt = {"prompt": list(range(100, 100 + 2048)), "max_tokens": 32,
+                  "ignore_eos": True, "model": "tiny-llama"}
+        salted_steps, salted = _together(url, [{**prompt, "cache_salt": salt}
+                                               for salt in ("tenantA", "tenantB")])
+        plain_steps, plain = _together(url, [prompt, prompt])
+    print(f"groups per step: salted {salted:.2f} over {salted_steps:.0f} steps, "
+          f"unsalted {plain:.2f} over {plain_steps:.0f}")
+    assert plain == 1.0 and plain_steps < 1.5 * 32  # together, as one group
+    assert salted >= 1.9  # two groups (a step or two may hold one request alone)

@@ -47,6 +47,8 @@ ORDERS, SHARED_PREFIX, SELF_CHECK = "orders", "shared-prefix", "self-check"
 """The studies: see the module docstring."""
 SELF_CHECK_SHAPES = {"llama-3-8b": (32, 8, 128), "llama-2-7b": (32, 32, 128)}
 """Query heads, KV heads and head size the self-check runs at (one rank, no TP)."""
+SELF_CHECK_TIMEOUT_S = 140
+"""Seconds each shape's check may take in its process: both within 5 minutes."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -684,11 +686,14 @@ def run_self_check(device: str, out: Path, *, tiny: bool = False,
     """The engine-start self-check (``attention.selfcheck.check``) on this device, the
     grouped decode against Feather's per-row decode standing in for an engine's kernel
     (``attention.gpu_check.KitSubject``), at Llama-3-8B's and Llama-2-7B's attention
-    shapes (bf16, 16-token blocks, 256 rows, 32K context); writes ``self-check.json`` and
-    ``self-check.md``; returns the verdicts' JSON. ``tiny``: small heads and cells, for a
-    CPU under Triton's interpreter."""
+    shapes (bf16, 16-token blocks, 256 rows, 32K context), each in its own process as an
+    engine runs it (``attention.isolation``: a fault there is reported, not fatal), timed
+    as graph replays on a GPU; with each, the memory plan ``feather attention-check
+    --plan`` prints (``attention.check_memory``) and, on a GPU, the peak device memory the
+    check really allocated. Writes ``self-check.json`` and ``self-check.md``; returns the
+    verdicts' JSON. ``tiny``: small heads and cells, for a CPU under Triton's
+    interpreter."""
     from feather_sched.attention import selfcheck
-    from feather_sched.attention.gpu_check import KitSubject
 
     shapes = {"tiny": (4, 2, 16)} if tiny else SELF_CHECK_SHAPES
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -696,17 +701,52 @@ def run_self_check(device: str, out: Path, *, tiny: bool = False,
               "exactness": (selfcheck.Cell(40, 1, 2, suffix=1),),
               "idle": (selfcheck.Cell(64, 4, 1, suffix=9),), "reps": 1} if tiny else {})
     verdicts, text = [], []
-    for name, (q_heads, kv_heads, head_dim) in shapes.items():
-        subject = KitSubject(q_heads, kv_heads, head_dim, dtype, 16, 256, 32768, device)
-        verdict = selfcheck.check(subject, **cells)
-        log(f"{name}: Feather shared-prefix attention: {verdict.line()}")
-        verdicts.append({"model": name, **verdict.to_json()})
-        text.append(f"## {name}\n\n`{verdict.line()}`\n\n{selfcheck.table(verdict)}\n")
+    for name, heads in shapes.items():
+        record = _isolated_self_check(heads, dtype, device, cells)
+        line = record.get("line") or f"off (the self-check failed: {record['failure']})"
+        log(f"{name}: Feather shared-prefix attention: {line}")
+        verdicts.append({"model": name, **record})
+        text.append(f"## {name}\n\n`{line}`\n\n{record.get('table', '')}\n\n"
+                    f"memory: planned peak host {record['plan']['peak_host_bytes']} B, device "
+                    f"{record['plan']['peak_device_bytes']} B; measured peak device "
+                    f"{record.get('measured_peak_device_bytes')}\n")
     out.mkdir(parents=True, exist_ok=True)
     (out / "self-check.json").write_text(json.dumps(verdicts, indent=1) + "\n")
     (out / "self-check.md").write_text("# Self-check (engine stand-in: Feather's per-row "
                                        "decode)\n\n" + "\n".join(text))
     return verdicts
+
+
+def _isolated_self_check(heads: tuple[int, int, int], dtype: torch.dtype, device: str,
+                         cells: dict[str, Any]) -> dict[str, Any]:
+    """One shape's check in a child process, with its memory plan: the verdict's JSON,
+    line and table, or the failure."""
+    from feather_sched.attention import check_memory, selfcheck
+    from feather_sched.attention.gpu_decode import DecodeLimits
+    from feather_sched.attention.isolation import CheckFailed, Recipe, run_isolated
+
+    q_heads, kv_heads, head_dim = heads
+    kwargs = {"q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": dtype,
+              "block": 16, "max_rows": 256, "max_context": 32768, "device": device}
+    shapes = selfcheck.Shapes(device="planned", q_heads=q_heads, kv_heads=kv_heads,
+                              head_dim=head_dim, dtype=str(dtype).removeprefix("torch."),
+                              block_size=16, layout="NHD", max_rows=256, max_context=32768)
+    chosen = {k: v for k, v in cells.items() if k in ("grid", "exactness", "idle")}
+    plan = check_memory.memory_plan(
+        shapes, selfcheck.cells_to_run(shapes, **chosen),
+        DecodeLimits.for_device(check_memory.PLAN_SMS, 256, q_heads, kv_heads, head_dim))
+    record: dict[str, Any] = {"plan": {k: v for k, v in plan.to_json().items()
+                                       if k != "cells"}}
+    recipe = Recipe(None, "feather_sched.attention.gpu_check:KitSubject", kwargs,
+                    run="feather_sched.attention.gpu_check:check_measuring_memory",
+                    run_kwargs=cells)
+    try:
+        verdict = run_isolated(recipe, timeout_s=SELF_CHECK_TIMEOUT_S)
+    except CheckFailed as error:
+        return {**record, "failure": str(error)}
+    return {**record, **verdict.to_json(), "line": verdict.line(),
+            "table": selfcheck.table(verdict),
+            "measured_peak_device_bytes": verdict.peak_device_bytes}
 
 
 # --- outputs --------------------------------------------------------------------------------

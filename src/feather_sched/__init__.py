@@ -16,7 +16,9 @@ The package map, bottom up; each layer imports only the layers above it in this 
   generators, traces, datasets and options; routing over replicas; what a run records;
   the scheduler names a comparison run takes.
 * ``sim`` - the serving simulator, driving the same runtime; never an engine.
-* ``integrations`` - ``vllm``, ``sglang``, ``ray``: the adapters, which translate types.
+* ``integrations`` - ``vllm``, ``sglang``, ``ray``: the adapters, which translate types and
+  replay the engine's own arithmetic (KV blocks, who may be preempted); the rules live in
+  ``core``.
 * ``bench``, ``cli``, ``serve``, ``docs`` - the benchmark drivers, the ``feather`` command,
   and the generator of the documentation's reference pages (``docs/options.md``).
 

@@ -576,16 +576,20 @@ def pretrain(
 
 @app.command("attention-check")
 def attention_check(
-    model: Annotated[str, typer.Option(help="Model profile name: its query and KV heads and "
-                                            "head size.")] = "tiny-llama",
-    tensor_parallel: Annotated[int, typer.Option(min=1, help="Ranks the heads are split "
-                                                             "over.")] = 1,
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "bfloat16",
+    model: Annotated[str, typer.Option(help="Model profile name (its query and KV heads and "
+                                            "head size), or with --plan a model directory "
+                                            "holding a config.json.")] = "tiny-llama",
+    tensor_parallel: Annotated[int, typer.Option(
+        "--tensor-parallel", "--tensor-parallel-size", min=1,
+        help="Ranks the heads are split over.")] = 1,
+    dtype: Annotated[str | None, typer.Option(
+        help="float32, bfloat16 or float16 (default bfloat16; with --plan the model's)."
+    )] = None,
     backend: Annotated[str, typer.Option(help="cpu (vLLM's CPU kernel), or on a GPU "
                                               "FLASH_ATTN or TRITON_ATTN (vLLM's backend "
                                               "the engine picks).")] = "cpu",
-    block_size: Annotated[int, typer.Option(min=16, help="KV block size (vLLM's default: "
-                                                         "128 on CPUs, 16 on GPUs).")] = 128,
+    block_size: Annotated[int | None, typer.Option(
+        min=16, help="KV block size (default vLLM's: 128 for --backend cpu, else 16).")] = None,
     max_num_seqs: Annotated[int, typer.Option(min=1)] = 256,
     max_model_len: Annotated[int, typer.Option(min=1)] = 16384,
     threads: Annotated[int, typer.Option(min=1, help="Torch threads (vLLM's CPU worker's "
@@ -593,6 +597,10 @@ def attention_check(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the verdict and "
                                                                   "its grid.")] = None,
     cached: Annotated[bool, typer.Option(help="Use a verdict kept for these shapes.")] = False,
+    plan: Annotated[bool, typer.Option(help="Print the cells the GPU check would run for "
+                                            "--model (a directory with a config.json) and "
+                                            "its peak host and device memory, running no "
+                                            "kernel (--json: write them).")] = False,
 ) -> None:
     """Measure Feather's shared-prefix attention against the engine's own kernel on this
     machine, at a model's shapes: exactness first, then the grid; print the table and the
@@ -603,6 +611,12 @@ def attention_check(
     from feather_sched.attention import selfcheck
     from feather_sched.costmodel.model_profiles import MODELS
 
+    block_size = block_size or (128 if backend == "cpu" and not plan else 16)
+    if plan:
+        _attention_plan(Path(model), tensor_parallel, dtype, block_size, max_num_seqs,
+                        max_model_len, json_path)
+        return
+    dtype = dtype or "bfloat16"
     if model not in MODELS:
         raise typer.BadParameter(f"unknown model {model!r}; one of {', '.join(MODELS)}")
     profile = MODELS[model]
@@ -634,6 +648,41 @@ def attention_check(
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(verdict.to_json(), indent=1) + "\n")
+
+
+def _attention_plan(model_dir: Path, tensor_parallel: int, dtype: str | None, block_size: int,
+                    max_num_seqs: int, max_model_len: int, json_path: Path | None) -> None:
+    """``attention-check --plan``: the GPU check's cells and peak memory for a model
+    directory, computed (``attention.check_memory``), nothing run."""
+    from feather_sched.attention import check_memory, selfcheck
+    from feather_sched.attention.gpu_decode import DecodeLimits
+    from feather_sched.models.attention_shapes import read_attention_shapes
+
+    try:
+        model = read_attention_shapes(model_dir, tensor_parallel, dtype)
+        limits = DecodeLimits.for_device(check_memory.PLAN_SMS, max_num_seqs, model.q_heads,
+                                         model.kv_heads, model.head_dim)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    shapes = selfcheck.Shapes(device="planned", q_heads=model.q_heads,
+                              kv_heads=model.kv_heads, head_dim=model.head_dim,
+                              dtype=model.dtype, block_size=block_size, layout="NHD",
+                              max_rows=max_num_seqs,
+                              max_context=min(max_model_len, model.max_context))
+    plan = check_memory.memory_plan(shapes, selfcheck.cells_to_run(shapes), limits)
+    console.print(check_memory.table(plan), highlight=False)
+    console.print(f"\n{shapes.describe()}, TP {tensor_parallel}, {max_num_seqs} rows: peak "
+                  f"host {_mib(plan.peak_host_bytes)} (limit {_mib(check_memory.HOST_LIMIT)}), "
+                  f"peak device {_mib(plan.peak_device_bytes)}, freed before the KV cache "
+                  "is allocated", highlight=False)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(plan.to_json(), indent=1) + "\n")
+
+
+def _mib(count: int) -> str:
+    return f"{count / (1 << 20):.1f} MiB"
+
 
 if __name__ == "__main__":
     app()

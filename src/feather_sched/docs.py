@@ -7,8 +7,13 @@ message, the one a bad value gets at start-up), its default and Python type (the
 field's docstring); then each gate's keyword options (``gate_options``), read from the
 signature of the class ``make_gate`` builds.
 
-Regenerate with ``python -m feather_sched.docs --out docs/options.md`` (or ``make docs``);
-``tests/test_docs.py`` fails while the committed page differs from what this produces.
+``contract_table()`` is the runtime contract's table in ``docs/architecture.md``, between
+``CONTRACT_BEGIN`` and ``CONTRACT_END``: each member of ``core.contract.RuntimeContract``
+with its docstring.
+
+Regenerate both with ``python -m feather_sched.docs --out docs/options.md --contract
+docs/architecture.md`` (or ``make docs``); ``tests/test_docs.py`` fails while a committed
+page differs from what this produces.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from feather_sched.core import config
+from feather_sched.core import config, contract
 from feather_sched.gates import GATE_KINDS
 from feather_sched.gates.bandit import UCBBanditGate
 from feather_sched.gates.heuristic import ChunkLossGate
@@ -206,12 +211,56 @@ def options_page() -> str:
     return re.sub(r"[ \t]+$", "", page, flags=re.MULTILINE)
 
 
+CONTRACT_BEGIN = ("<!-- The table is generated from src/feather_sched/core/contract.py by "
+                  "`python -m feather_sched.docs --contract docs/architecture.md` (or `make "
+                  "docs`): do not edit it by hand; tests/test_docs.py fails while it is "
+                  "stale. -->")
+CONTRACT_END = "<!-- End of the generated table. -->"
+
+
+def _call(name: str) -> str:
+    """How an adapter spells a use of member ``name``: ``begin_pass(running, ...)``."""
+    member = inspect.getattr_static(contract.RuntimeContract, name, None)
+    if member is None or isinstance(member, property):
+        return f"`{name}`"
+    parameters = list(inspect.signature(member).parameters.values())[1:]
+    bare = inspect.Signature([p.replace(annotation=p.empty) for p in parameters])
+    return "`len(runtime)`" if name == "__len__" else f"`{name}{bare}`"
+
+
+def contract_table() -> str:
+    """The runtime contract as a Markdown table, between its two markers."""
+    docs = attribute_docstrings(contract.RuntimeContract)
+    lines = [CONTRACT_BEGIN, "", "| member | contract |", "|---|---|"]
+    for name in contract.members():
+        member = inspect.getattr_static(contract.RuntimeContract, name, None)
+        doc = docs[name] if member is None else inspect.getdoc(member)
+        if not doc:
+            raise ValueError(f"RuntimeContract.{name} has no docstring")
+        lines.append(f"| {_call(name)} | {_joined(doc)} |")
+    return "\n".join([*lines, "", CONTRACT_END])
+
+
+def with_contract(page: str) -> str:
+    """``page`` with the text between the contract's markers replaced by the table."""
+    begin, end = page.find(CONTRACT_BEGIN), page.find(CONTRACT_END)
+    if begin < 0 or end < begin:
+        raise ValueError("the page has no generated contract table (its markers: "
+                         f"{CONTRACT_BEGIN!r} ... {CONTRACT_END!r})")
+    return page[:begin] + contract_table() + page[end + len(CONTRACT_END):]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m feather_sched.docs",
         description="Print the generated options page (docs/options.md).")
     parser.add_argument("--out", type=Path, help="write the page here instead of stdout")
+    parser.add_argument("--contract", type=Path, metavar="PAGE",
+                        help="also regenerate the runtime contract's table in PAGE "
+                             "(docs/architecture.md)")
     arguments = parser.parse_args(argv)
+    if arguments.contract is not None:
+        arguments.contract.write_text(with_contract(arguments.contract.read_text()))
     page = options_page()
     if arguments.out is None:
         sys.stdout.write(page)

@@ -6,7 +6,9 @@ What ``feather serve`` adds to the user's vLLM arguments, and why:
   user's own additional config); Feather's options, ``FEATHER_*`` variables included,
   are validated here, before the engine spends half a minute starting;
 * the embedded model by default (random weights, its own tokenizer, so vLLM checks
-  token ids against the vocabulary and text prompts work);
+  token ids against the vocabulary and text prompts work), served as ``tiny-llama``; a
+  local model directory is served by its name (``served_name``) unless
+  ``--served-model-name`` says otherwise;
 * an exact KV cache size: ``--kv-cache-gib`` becomes ``--kv-cache-memory-bytes``, an
   explicit ``--kv-cache-memory-bytes`` is passed through as given, and on a CPU without
   either, 4 GiB.  vLLM's legacy ``VLLM_CPU_KVCACHE_SPACE`` overrides both on CPU, so it
@@ -32,6 +34,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from feather_sched.core.config import FeatherConfig
@@ -46,15 +49,6 @@ CPU_KV_CACHE_GIB = 4.0
 SHUTDOWN_TIMEOUT_S = 20
 KV_FLAG = "--kv-cache-memory-bytes"
 LEGACY_KV_VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
-
-
-def vllm_server_command(model: str | None, feather: dict, passthrough: list[str], *,
-                        kv_cache_gib: float | None = None, on_cpu: bool = True,
-                        environ: Mapping[str, str] = os.environ) -> list[str]:
-    """``python -m vllm.entrypoints.openai.api_server`` with ``vllm_server_args``."""
-    return server_command(vllm_server_args(model, feather, passthrough,
-                                           kv_cache_gib=kv_cache_gib, on_cpu=on_cpu,
-                                           environ=environ))
 
 
 def server_command(argv: list[str]) -> list[str]:
@@ -79,6 +73,9 @@ def vllm_server_args(model: str | None, feather: dict, passthrough: list[str], *
     command = ["--model", model or str(TINY_LLAMA),
                "--scheduler-cls", SCHEDULER_CLS,
                "--additional-config", json.dumps(additional)]
+    name = served_name(model)
+    if name is not None and not _given(passthrough, "--served-model-name"):
+        command += ["--served-model-name", name]
     if model is None:
         command += EMBEDDED_MODEL_ARGS
     command += _kv_cache_args(passthrough, kv_cache_gib, on_cpu, environ)
@@ -89,6 +86,14 @@ def vllm_server_args(model: str | None, feather: dict, passthrough: list[str], *
     if "--enable-prompt-tokens-details" not in passthrough:
         command.append("--enable-prompt-tokens-details")  # cached tokens, for feather bench
     return command + passthrough
+
+
+def served_name(model: str | None) -> str | None:
+    """The model id served by default: the embedded model's or a local model directory's
+    name (``tiny-llama``, as ``vllm serve --served-model-name`` gives), rather than a
+    filesystem path; None (vLLM's own: the id as given) for a hub id."""
+    path = TINY_LLAMA if model is None else Path(model).expanduser()
+    return (path.resolve().name or None) if path.is_dir() else None
 
 
 def _kv_cache_args(passthrough: list[str], kv_cache_gib: float | None, on_cpu: bool,

@@ -152,3 +152,38 @@ def test_relative_error_is_per_row_and_infinite_for_nan() -> None:
     assert selfcheck.relative_error(output, expected) == pytest.approx(0.1)
     output[2, 0, 0] = float("nan")
     assert selfcheck.relative_error(output, expected) == float("inf")
+
+
+def _vote(rank: int, store: str, on: bool, tokens: int | None, answers) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    verdict = None if tokens is None else Verdict(on, "test", tokens if on else None, SHAPES)
+    agreed = selfcheck.agreed(verdict, dist.group.WORLD)
+    answers.put((rank, None if agreed is None else (agreed.on, agreed.min_shared_tokens,
+                                                    agreed.reason)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("votes, expected", [
+    (((True, 512), (True, 2048)), {(True, 2048, "test")}),
+    (((True, 512), (False, 0)), {(False, None, "another tensor-parallel rank found it off"),
+                                 (False, None, "test")}),
+    (((True, 512), (False, None)), {(False, None, "another tensor-parallel rank found it off"),
+                                    None})], ids=["both-on", "one-off", "one-failed"])
+def test_tensor_parallel_ranks_agree_on_one_verdict(votes, expected, tmp_path) -> None:
+    """Two real ranks (gloo, as the engines' host-side groups): on only if both are, from
+    the longer break-even; a rank whose check failed (None) votes off."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    answers = context.Queue()
+    ranks = [context.Process(target=_vote, args=(rank, str(tmp_path / "store"), on, tokens,
+                                                 answers))
+             for rank, (on, tokens) in enumerate(votes)]
+    for rank in ranks:
+        rank.start()
+    got = dict(answers.get(timeout=120) for _ in ranks)
+    for rank in ranks:
+        rank.join(30)
+    assert set(got.values()) == expected

@@ -33,6 +33,38 @@ def test_kernels_in_the_triton_interpreter() -> None:
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
 
+@pytest.mark.skipif(INTERPRETED, reason="no device here to run out of resources")
+def test_a_variant_too_large_for_the_device_falls_back_to_a_smaller_tile(monkeypatch) -> None:
+    """A GPU with little shared memory (sm_75) raises OutOfResources at the first launch
+    of the tuned variant: one stage, then half the token tile, is tried and remembered, so
+    the next launch (and a graph capture after the warm-up) goes straight to it; a device
+    that fits none raises."""
+    from triton.runtime.errors import OutOfResources
+
+    launches = []
+
+    class Kernel:
+        def __init__(self, fits) -> None:
+            self.fits = fits
+
+        def __getitem__(self, grid):
+            def launch(*args, **options):
+                launches.append((options["num_stages"], options["BLOCK_T"]))
+                if not self.fits(options):
+                    raise OutOfResources(98304, 65536, "shared memory")
+            return launch
+
+    monkeypatch.setattr(tk, "_fitted", {})
+    small = Kernel(lambda options: options["num_stages"] == 1 and options["BLOCK_T"] <= 32)
+    tk._launch_fitting(small, (1,), (), {"BLOCK_T": 64, "BLOCK_Q": 64})
+    assert launches == [(2, 64), (1, 64), (1, 32)]
+    tk._launch_fitting(small, (1,), (), {"BLOCK_T": 64, "BLOCK_Q": 64})
+    assert launches[3:] == [(1, 32)]
+    with pytest.raises(OutOfResources):
+        tk._launch_fitting(Kernel(lambda options: False), (1,), (), {"BLOCK_T": 64,
+                                                                     "BLOCK_Q": 16})
+
+
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter's kernels do not specialise")
 def test_no_compile_waits_on_the_index_arrays_alignment() -> None:
     """The segment index arrays are views into one packed buffer, whose 16-byte alignment

@@ -17,7 +17,6 @@ from hypothesis.stateful import (
 from feather_sched.core.cht import (
     CHTError,
     ChunkedHashTree,
-    PrefixGroup,
     RequestState,
     block_chunk_keys,
     token_chunk_keys,
@@ -87,17 +86,6 @@ class ReferenceModel:
         return sum(1 for r in others if self.keys[r][:chunks] == prefix and
                    len(self.keys[r]) >= chunks)
 
-    def groups(self) -> list[PrefixGroup]:
-        by_first: dict = {}
-        singles = 0
-        for r in self.waiting():
-            if self.keys[r]:
-                by_first.setdefault(self.keys[r][0], []).append(self.keys[r])
-            else:
-                singles += 1
-        groups = [PrefixGroup(len(m), common_prefix(m)) for m in by_first.values()]
-        groups += [PrefixGroup(1, 0)] * singles
-        return sorted(groups, key=lambda g: (-g.size, -g.shared_chunks))
 
 
 paths = st.lists(st.integers(0, 2), min_size=0, max_size=5).map(tuple)
@@ -204,7 +192,6 @@ class TreeMachine(RuleBasedStateMachine):
             assert candidate.shared_after == model.shared_after(rid)
             assert candidate.sharing_waiters == model.sharing_waiters(
                 rid, candidate.shared_after)
-        assert tree.waiting_groups() == model.groups()
 
     @invariant()
     def every_request_is_in_exactly_one_place(self) -> None:

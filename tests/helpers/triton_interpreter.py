@@ -31,6 +31,15 @@ def keep_vllm_triton_on() -> None:
     backends.setdefault("cpu", Backend(compiler=None, driver=_NoDriver))
 
 
+def with_vllm_triton_on(factory: str, kwargs: dict) -> object:
+    """A self-check subject factory for a child process under the interpreter
+    (``isolation.Recipe``): vLLM's Triton kept on, then ``factory(**kwargs)``."""
+    from feather_sched.attention.isolation import resolve
+
+    keep_vllm_triton_on()
+    return resolve(factory)(**kwargs)
+
+
 def run_interpreted(*node_ids: str) -> subprocess.CompletedProcess:
     """``pytest node_ids`` in a fresh process under TRITON_INTERPRET=1."""
     return subprocess.run(

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from feather_sched.core.cht import token_chunk_keys
+from feather_sched.core.isolation import Namespace
 from feather_sched.routing.baselines import (
     ROUTER_CLASSES,
     CacheAwareRouter,
@@ -15,6 +16,7 @@ from feather_sched.routing.baselines import (
     RoundRobinRouter,
     make_router,
 )
+from feather_sched.routing.cache_index import PreciseIndex
 from feather_sched.routing.feather import FeatherRouter
 from feather_sched.routing.prefix_index import PrefixIndex
 from feather_sched.routing.router import RouterError
@@ -75,6 +77,24 @@ def test_a_hot_group_spreads_to_a_second_replica_and_balances_over_its_holders()
     router.finished("r0")
     router.finished("r1")
     assert router.route("r6", group(0, 6)) == home  # now the less loaded holder (1 < 2)
+
+
+def test_a_prefix_routes_only_requests_of_its_own_namespace() -> None:
+    """A salted request never follows another salt's (or an unsalted) prefix: the router's
+    keys live in the request's namespace, with either index."""
+    prompt = np.arange(1024, dtype=np.int32)
+    salted = [Namespace((("cache_salt", salt),)) for salt in "ab"]
+    for router in (FeatherRouter(range(4)),
+                   FeatherRouter(range(4), index=PreciseIndex(lambda t, b=(): [
+                       (b, int(x)) for x in token_chunk_keys(t, 16)]))):
+        first = router.route("a0", router.keys(prompt, salted[0]))
+        assert router.route("a1", router.keys(prompt, salted[0])) == first
+        others = {router.route("b0", router.keys(prompt, salted[1])),
+                  router.route("p0", router.keys(prompt))}
+        assert first not in others and len(others) == 2
+    tenant = Namespace(tenant="acme")  # the engine's keys paired with the tenant's seed
+    assert PreciseIndex(lambda t: [1, 2]).keys(prompt, tenant) == [(tenant.seed, 1),
+                                                                   (tenant.seed, 2)]
 
 
 def test_finishing_releases_the_load_and_keeps_the_prefix_warm() -> None:

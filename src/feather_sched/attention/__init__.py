@@ -11,5 +11,7 @@ capture them); ``selfcheck`` measures the path against an engine's own kernel (e
 then speed over a grid) for the verdict ``auto`` takes, ``gpu_check`` its batches in
 vLLM's GPU layout and its subject where no engine is installed. Engine adapters
 (``integrations.vllm.attention``, ``integrations.vllm.attention_gpu``,
-``integrations.sglang.attention``) only translate.
+``integrations.sglang.attention``) translate the engine's cache layouts and metadata and
+decide where in that engine the path may run (which layers, which batches); the grouping
+and the kernels live here.
 """

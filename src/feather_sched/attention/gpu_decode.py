@@ -224,6 +224,11 @@ class GroupedDecode:
         self._checked: tuple[Any, ...] | None = None
         self._cut_rows = (device_views["batch_rows"],
                           torch.arange(rows, dtype=torch.int32, device=self.device))
+        self.device_bytes = sum(t.nbytes for t in (self._index, fixed, self._parts, self._lse,
+                                                   self._cut_rows[1]))
+        """Device memory the buffers hold (the workspace, the index and its constants)."""
+        self.host_bytes = sum(t.nbytes for t in self._staging)
+        """Host memory the buffers hold (the two staging buffers, pinned on a GPU)."""
 
     def _views(self, flat: Any) -> dict[str, Any]:
         """Each part of a flat index buffer (a tensor or its numpy view)."""

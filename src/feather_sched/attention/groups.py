@@ -27,8 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from feather_sched.attention.triton_kernels import TableSegments
-
 MIN_SHARED_TOKENS = 256
 """Shortest prefix worth a group: below it, the extra suffix pass and merge cost more than
 the prefix reads they save (cascade kernels lose below ~256-512 shared tokens)."""
@@ -527,31 +525,3 @@ def _segments(token_offsets: np.ndarray, tokens: np.ndarray, blocks: list[np.nda
         block_offsets=torch.from_numpy(block_offsets.astype(np.int64)),
         blocks=torch.from_numpy(np.concatenate(blocks).astype(np.int32)),
         lengths=torch.from_numpy(lengths.astype(np.int32)))
-
-
-def table_segments(groups: Groups, seq_lens: torch.Tensor,
-                   block_size: int) -> tuple[TableSegments, TableSegments]:
-    """The groups' work as the Triton kernels' input (``triton_kernels``): CPU int32 tensors.
-
-    ``seq_lens``: the batch's own (uncut) lengths. Prefix: one segment per group, read
-    through its first row's block-table row from token 0 over its shared blocks. Suffix: one
-    segment per grouped row, from its first suffix token (shared blocks x ``block_size``) to
-    its ``seq_len``. Members index the grouped rows in ``groups.rows`` order (the queries
-    ``query[plan.tokens]``), a group's padded with -1, so partials have ``len(groups.rows)``
-    rows rather than one per batch token. Cost: O(rows + groups x largest group).
-    """
-    firsts, sizes = groups.offsets[:-1], groups.sizes()
-    slots = np.arange(sizes.max())
-    members = np.where(slots < sizes[:, None], firsts[:, None] + slots, -1)
-    shared = groups.shared * block_size
-    suffix_starts = groups.row_shared() * block_size
-    prefix = TableSegments(_int32(groups.rows[firsts]), _int32(np.zeros(len(groups))),
-                           _int32(shared), _int32(members))
-    suffix = TableSegments(_int32(groups.rows), _int32(suffix_starts),
-                           _int32(seq_lens.numpy()[groups.rows] - suffix_starts),
-                           _int32(np.arange(len(groups.rows))[:, None]))
-    return prefix, suffix
-
-
-def _int32(values: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32))

@@ -122,7 +122,9 @@ class Subject(Protocol):
 
     def seconds(self, run: Callable[[], object], reps: int) -> float:
         """Median seconds of ``run`` over ``reps`` calls (after a warm-up call), timed as
-        the device needs (a GPU synchronises)."""
+        the engine runs it: on a GPU a CUDA graph replay (``timing.GraphTimer``), else
+        wall time. A subject may also have ``host_seconds`` (same signature): the host
+        cost of an eager call, for steps the engine does not replay as one graph."""
 
 
 EXACTNESS_CELLS = (Cell(300, 3, 5, suffix=33), Cell(1024, 1, 2, suffix=1),
@@ -150,12 +152,33 @@ class CellResult:
     """Largest per-row relative difference of the path from float64 (where checked)."""
     engine_s: float | None = None
     shared_s: float | None = None
+    """Seconds per call as the engine runs it (a graph replay where it replays graphs)."""
+    engine_host_s: float | None = None
+    shared_host_s: float | None = None
+    """Host seconds to issue an eager call (steps the engine does not replay as a whole
+    graph), where the subject measures it (``timing.GraphTimer.host_seconds``)."""
 
     @property
     def speedup(self) -> float | None:
         if self.engine_s is None or not self.shared_s:
             return None
         return self.engine_s / self.shared_s
+
+    @property
+    def extra_host_s(self) -> float | None:
+        """What the path's eager launches add on the host, where measured."""
+        if self.engine_host_s is None or self.shared_host_s is None:
+            return None
+        return self.shared_host_s - self.engine_host_s
+
+    @property
+    def faster(self) -> bool:
+        """Faster by ``MARGIN``, and (where eager host time is measured) saving more
+        device time than its launches add on the host: a step run eagerly pays both."""
+        if self.speedup is None or self.speedup < 1 + MARGIN:
+            return False
+        extra = self.extra_host_s
+        return extra is None or self.engine_s - self.shared_s >= extra
 
 
 @dataclass(frozen=True)
@@ -173,6 +196,9 @@ class Verdict:
     """How long the check took."""
     cached: bool = field(default=False, compare=False)
     """Read from the cache rather than measured now."""
+    peak_device_bytes: int | None = None
+    """The device memory the check allocated at its peak, where measured (a GPU:
+    ``gpu_check.check_measuring_memory``), to compare with ``check_memory``'s plan."""
 
     @property
     def max_error(self) -> float:
@@ -193,6 +219,11 @@ class Verdict:
         if self.min_shared_tokens is not None:
             figures.append(f"groups from {self.min_shared_tokens} shared tokens")
         figures.extend(f"{c.speedup:.2f}x where nothing groups" for c in idle)
+        extra = [c.extra_host_s for c in timed if c.extra_host_s is not None]
+        if extra:
+            figures.append(f"eager launches +{1e6 * max(extra):.0f} us on the host")
+        if self.peak_device_bytes is not None:
+            figures.append(f"peak device memory {self.peak_device_bytes / (1 << 20):.0f} MiB")
         figures.extend(notes)
         how = "cached" if self.cached else f"{self.seconds:.1f} s"
         return (f"{'on' if self.on else 'off'} (self-check on {self.shapes.device}, "
@@ -213,7 +244,8 @@ class Verdict:
             cells = tuple(CellResult(**{**c, "cell": Cell(**c["cell"])}) for c in data["cells"])
             return cls(on=bool(data["on"]), reason=str(data["reason"]),
                        min_shared_tokens=data["min_shared_tokens"], shapes=shapes,
-                       cells=cells, seconds=float(data["seconds"]))
+                       cells=cells, seconds=float(data["seconds"]),
+                       peak_device_bytes=data.get("peak_device_bytes"))
         except (KeyError, TypeError) as error:
             raise ValueError(f"malformed {FORMAT} file: {error}") from None
 
@@ -242,28 +274,52 @@ def check(subject: Subject, grid: Sequence[Cell] = GRID,
     started = time.perf_counter()
     shapes = subject.shapes
     tolerance = TOLERANCE.get(shapes.dtype, TOLERANCE["float32"])
-    grid = fitting(grid, shapes)
-    if not grid:
+    cells = cells_to_run(shapes, grid, exactness, idle, subject.idle_cost)
+    if not any(cell in grid for cell in cells):
         return _verdict(shapes, False, "no cell of the grid fits this engine", None, [],
                         started)
-    idle = fitting(idle, shapes) if subject.idle_cost else []
+    timed = {*grid, *idle}
     results = []
-    for index, cell in enumerate([*fitting(exactness, shapes), *grid, *idle]):
-        trial = subject.trial(cell, seed=index)
-        expected = trial.engine().clone()  # a trial may reuse one output buffer
-        output = trial.shared().clone()
-        error = relative_error(output, expected)
-        reference = trial.reference()
-        reference_error = None if reference is None else relative_error(output, reference)
-        result = CellResult(cell, error, reference_error)
-        if error > tolerance or (reference_error is not None and reference_error > tolerance):
-            return _verdict(shapes, False, f"not exact at {cell.describe()}", None,
-                            [*results, result], started)
-        if cell in grid or cell in idle:
-            result = replace(result, engine_s=subject.seconds(trial.engine, reps),
-                             shared_s=subject.seconds(trial.shared, reps))
+    for index, cell in enumerate(cells):
+        result = _run_cell(subject, cell, index, cell in timed, reps)
         results.append(result)
+        if result.error > tolerance or (result.reference_error or 0) > tolerance:
+            return _verdict(shapes, False, f"not exact at {cell.describe()}", None, results,
+                            started)
     return decide(shapes, results, started)
+
+
+def cells_to_run(shapes: Shapes, grid: Sequence[Cell] = GRID,
+                 exactness: Sequence[Cell] = EXACTNESS_CELLS,
+                 idle: Sequence[Cell] = (IDLE_CELL,), idle_cost: bool = True) -> list[Cell]:
+    """The cells ``check`` runs for these shapes, in order: the exactness cells, the grid
+    and (``idle_cost``) the idle step, each where the engine can hold it; none where no
+    grid cell fits."""
+    grid = fitting(grid, shapes)
+    if not grid:
+        return []
+    return [*fitting(exactness, shapes), *grid, *(fitting(idle, shapes) if idle_cost else [])]
+
+
+def _run_cell(subject: Subject, cell: Cell, seed: int, timed: bool, reps: int) -> CellResult:
+    """One cell's exactness (and timing, where ``timed``). Its trial lives only here: one
+    cell's memory at a time, whatever the grid."""
+    trial = subject.trial(cell, seed=seed)
+    expected = trial.engine().clone()  # a trial may reuse one output buffer
+    output = trial.shared().clone()
+    error = relative_error(output, expected)
+    reference = trial.reference()
+    reference_error = None if reference is None else relative_error(output, reference)
+    result = CellResult(cell, error, reference_error)
+    tolerance = TOLERANCE.get(subject.shapes.dtype, TOLERANCE["float32"])
+    if timed and error <= tolerance and (reference_error or 0) <= tolerance:
+        result = replace(result, engine_s=subject.seconds(trial.engine, reps),
+                         shared_s=subject.seconds(trial.shared, reps))
+        host_seconds = getattr(subject, "host_seconds", None)
+        if host_seconds is not None:
+            result = replace(result, engine_host_s=host_seconds(trial.engine, reps),
+                             shared_host_s=host_seconds(trial.shared, reps))
+    return result
 
 
 def decide(shapes: Shapes, results: Sequence[CellResult],
@@ -280,7 +336,7 @@ def decide(shapes: Shapes, results: Sequence[CellResult],
                         "kernel on a step where nothing groups", None, results, started)
     prefixes = sorted({r.cell.prefix for r in timed})
     for prefix in prefixes:
-        if all(r.speedup >= 1 + MARGIN for r in timed if r.cell.prefix >= prefix):
+        if all(r.faster for r in timed if r.cell.prefix >= prefix):
             return _verdict(shapes, True, "exact, and faster from the break-even", prefix,
                             results, started)
     return _verdict(shapes, False, "exact, but not faster than the engine's kernel", None,
@@ -312,6 +368,29 @@ def checked(measure: Callable[[], Verdict],
     return verdict, reason
 
 
+def agreed(verdict: Verdict | None, group: object | None) -> Verdict | None:
+    """One verdict for every tensor-parallel rank of ``group`` (a ``torch.distributed``
+    process group on the host, gloo: the engine's; None or one rank: ``verdict`` as it
+    is). Each rank measured its own; None, a check that failed, votes off: on only if
+    every rank is on, from the longest break-even any rank found. The ranks must agree,
+    or they would compute different batches' attention differently. The one place vLLM's
+    and SGLang's adapters vote; every rank calls it, whatever its check did."""
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return verdict
+    on = verdict is not None and verdict.on
+    votes = torch.tensor([0 if on else 1, (verdict and verdict.min_shared_tokens) or 0])
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
+    off, tokens = (int(v) for v in votes)
+    if verdict is None:
+        return None
+    if off and on:
+        return replace(verdict, on=False, reason="another tensor-parallel rank found it off",
+                       min_shared_tokens=None)
+    return replace(verdict, min_shared_tokens=tokens or None) if on else verdict
+
+
 def device_name(device: torch.device | str) -> str:
     """The GPU's name, or the CPU's model (``/proc/cpuinfo``; else what ``platform``
     says): what a verdict is kept per."""
@@ -325,6 +404,38 @@ def device_name(device: torch.device | str) -> str:
     models = [line.partition(":")[2].strip() for line in text.splitlines()
               if line.startswith("model name")]
     return models[0] if models else platform.processor() or platform.machine()
+
+
+def device_facts(device: torch.device | str) -> tuple[tuple[str, str], ...]:
+    """What else a verdict on ``device`` depends on, for its key: Triton's version (the
+    kernels' compiler) and, on a GPU, its SM count (a MIG slice shares the GPU's name) and
+    the driver's version."""
+    facts = []
+    try:
+        import triton
+
+        facts.append(("triton", triton.__version__))
+    except ImportError:
+        pass
+    device = torch.device(device)
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        facts += [("sms", str(properties.multi_processor_count)),
+                  ("driver", driver_version())]
+    return tuple(facts)
+
+
+def driver_version() -> str:
+    """The CUDA driver's version (``cuDriverGetVersion``), or "unknown"."""
+    import ctypes
+
+    try:
+        version = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0:
+            return str(version.value)
+    except OSError:
+        pass
+    return "unknown"
 
 
 GPU_SOURCES = ("triton_kernels.py", "gpu_decode.py", "groups.py")
@@ -351,11 +462,33 @@ def cache_dir() -> Path:
     return Path(base) / "feather-sched" / "attention-check"
 
 
+_measured: dict[Path, Verdict] = {}
+"""Verdicts this process measured or read, by their cache file (the cache directory and
+the shapes): an engine that builds its attention builders twice at start (vLLM's Model
+Runner V2) checks once, even where the directory cannot be written."""
+_failed: dict[Path, Exception] = {}
+"""Checks that raised in this process, by cache file: raised again, not run again."""
+
+
 def cached_check(subject: Subject, run: Callable[[Subject], Verdict] = check) -> Verdict:
-    """The verdict for ``subject``'s shapes: the cached one, else ``run(subject)``, kept
-    for next time (a file that cannot be read is measured again; one that cannot be
-    written is logged, never raised)."""
+    """The verdict for ``subject``'s shapes (``subject``: anything with ``shapes``, e.g.
+    an ``isolation.Recipe``, that ``run`` measures): this process's, else the cached
+    one, else ``run(subject)``, kept for next time (a file that cannot be read is
+    measured again; one that cannot be written is logged, never raised)."""
     path = cache_dir() / f"{subject.shapes.key()}.json"
+    if path in _failed:
+        raise _failed[path]
+    if path in _measured and _measured[path].shapes == subject.shapes:
+        return replace(_measured[path], cached=True)
+    try:
+        _measured[path] = verdict = _kept_or_run(subject, run, path)
+    except Exception as error:  # failed once, failed for this process (no second hang)
+        _failed[path] = error
+        raise
+    return verdict
+
+
+def _kept_or_run(subject: Subject, run: Callable[[Subject], Verdict], path: Path) -> Verdict:
     try:
         verdict = Verdict.from_json(read_json(path))
         if verdict.shapes == subject.shapes:

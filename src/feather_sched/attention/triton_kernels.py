@@ -173,15 +173,53 @@ def _launch_attend(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_
     gqa = query.shape[1] // kv_heads
     block_q, tiles = _row_tiles(segments, gqa, head_dim)
     splits = parts.shape[0]
-    _kernels()[0][(kv_heads, tiles * splits, programs or len(segments))](
-        query, *query.stride(), segments.lengths if query_rows is None else query_rows,
-        key_cache, *key_cache.stride(), value_cache, *value_cache.stride(), block_table,
-        *block_table.stride(), segments.table_rows, segments.starts, segments.lengths,
-        segments.members, segments.members.shape[1], segments.lengths if count is None
-        else count, tiles, splits, parts.shape[1], parts, lse, scale,
-        **attend_constants(query.dtype, kv_heads, gqa, head_dim, key_cache.shape[1], block_q,
-                           by_member_slot, query_rows is not None, count is not None),
-        num_warps=4, num_stages=2)
+    _launch_fitting(
+        _kernels()[0], (kv_heads, tiles * splits, programs or len(segments)),
+        (query, *query.stride(), segments.lengths if query_rows is None else query_rows,
+         key_cache, *key_cache.stride(), value_cache, *value_cache.stride(), block_table,
+         *block_table.stride(), segments.table_rows, segments.starts, segments.lengths,
+         segments.members, segments.members.shape[1], segments.lengths if count is None
+         else count, tiles, splits, parts.shape[1], parts, lse, scale),
+        attend_constants(query.dtype, kv_heads, gqa, head_dim, key_cache.shape[1], block_q,
+                         by_member_slot, query_rows is not None, count is not None))
+
+
+_fitted: dict[tuple, dict[str, Any]] = {}
+"""Per attend variant (its constexprs), the launch options that fit this device."""
+
+
+def _fallbacks(constants: dict[str, Any]) -> list[dict[str, Any]]:
+    """The attend kernel's launch options, from the tuned to the smallest: two pipeline
+    stages, one, then half the token tile (at least 16, ``tl.dot``'s least): what a GPU
+    with little shared memory (sm_75's 64 KB) can hold. Each is exact: the token tile
+    only sets where a split's range is cut, and the splits merge by LSE."""
+    tuned = {"num_warps": 4, "num_stages": 2, **constants}
+    return [tuned, {**tuned, "num_stages": 1},
+            {**tuned, "num_stages": 1, "BLOCK_T": max(16, constants["BLOCK_T"] // 2)}]
+
+
+def _launch_fitting(kernel: Any, grid: tuple[int, ...], args: tuple,
+                    constants: dict[str, Any]) -> None:
+    """Launch ``kernel`` with the first options of ``_fallbacks`` that fit the device
+    (Triton raises ``OutOfResources`` at the first launch of one that does not, before
+    anything runs), remembered per variant: later launches, and graph captures after a
+    warm-up, use it at once. The last failure is raised."""
+    key = tuple(sorted(constants.items(), key=lambda item: item[0]))
+    if key in _fitted:
+        kernel[grid](*args, **_fitted[key])
+        return
+    from triton.runtime.errors import OutOfResources
+
+    options = _fallbacks(constants)
+    for index, option in enumerate(options):
+        try:
+            kernel[grid](*args, **option)
+        except OutOfResources:
+            if index == len(options) - 1:
+                raise
+            continue
+        _fitted[key] = option
+        return
 
 
 def attend_constants(dtype: torch.dtype, kv_heads: int, gqa: int, head_dim: int,

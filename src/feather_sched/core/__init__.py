@@ -4,9 +4,11 @@
   candidate; ``prefix`` - the one notion of a prefix group and of a batch's shared tokens;
 * ``queue`` - ``FeatherQueue``: the tree's order, the gate, and the bounds on waiting
   (``fairness``) and between tenants (``tenants``); requests WAITING, RUNNING or HELD;
+* ``isolation`` - the namespace of a request's prefix keys (what must never be shared);
 * ``config`` - ``FeatherConfig``: every option, validated once; ``faults`` -
   ``FaultGuard``: Feather's own exceptions contained;
-* ``runtime`` - ``FeatherRuntime``: the one contract vLLM, SGLang and the simulator drive.
+* ``runtime`` - ``FeatherRuntime``: the one contract vLLM, SGLang and the simulator drive;
+  ``contract`` - ``RuntimeContract``: that contract's members, each with its contract.
 
 This package's exports (``__all__``) are the engine adapters' surface: an adapter imports
 ``feather_sched.core``, never a module beneath it (``tests/test_imports.py``).  Imports
@@ -20,7 +22,9 @@ from feather_sched.core.config import (
     FeatherConfigError,
     is_true,
 )
+from feather_sched.core.contract import RuntimeContract
 from feather_sched.core.faults import FaultGuard
+from feather_sched.core.isolation import SHARED, Isolation, Namespace, engine_keys, token_keys
 from feather_sched.core.prefix import describe_batch, keys_per_chunk
 from feather_sched.core.queue import Admission, QueueState
 from feather_sched.core.runtime import FeatherRuntime, RequestView
@@ -38,6 +42,7 @@ __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "DEFAULT_TENANT",
     "REPLICA_VARIABLE",
+    "SHARED",
     "TENANT_ARG",
     "TENANT_HEADER",
     "Admission",
@@ -47,13 +52,18 @@ __all__ = [
     "FeatherConfig",
     "FeatherConfigError",
     "FeatherRuntime",
+    "Isolation",
+    "Namespace",
     "QueueState",
     "RequestView",
+    "RuntimeContract",
     "block_chunk_keys",
     "describe_batch",
+    "engine_keys",
     "is_true",
     "keys_per_chunk",
     "named_tenant",
     "parse_tenant",
     "token_chunk_keys",
+    "token_keys",
 ]

@@ -52,7 +52,8 @@ class RequestState(Enum):
 
 
 def token_chunk_keys(
-    tokens: np.ndarray | Sequence[int] | bytes, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    tokens: np.ndarray | Sequence[int] | bytes, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    seed: int = 0,
 ) -> list[int]:
     """Cumulative 64-bit keys of every full chunk of ``chunk_tokens`` tokens.
 
@@ -61,7 +62,9 @@ def token_chunk_keys(
     equal keys mean equal prefixes.  A trailing partial chunk gets no key (as an engine's
     KV block hashes cover only full blocks).  Pass a contiguous int32 numpy array for the
     fast path; ``bytes`` are taken as int32 tokens already packed.  An empty prompt is an
-    error (a prompt shorter than one chunk is not: it shares nothing).
+    error (a prompt shorter than one chunk is not: it shares nothing).  ``seed`` starts
+    the digest: keys of different seeds are disjoint (``isolation.token_keys``: a
+    namespace's keys; 0, the default, is the shared namespace's).
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
@@ -75,7 +78,7 @@ def token_chunk_keys(
         raise CHTError("empty prompt: a request needs at least one token")
     stride = chunk_tokens * 4
     full_chunks = len(buffer) // stride
-    digest = xxhash.xxh3_64()
+    digest = xxhash.xxh3_64(seed=seed)
     keys = []
     for end in range(stride, (full_chunks + 1) * stride, stride):
         digest.update(buffer[end - stride : end])
@@ -111,14 +114,6 @@ class Candidate:
     def chunk_loss(self) -> int:
         """How many chunks of running-set homogeneity admitting the candidate gives up."""
         return 0 if self.shared_before is None else self.shared_before - self.shared_after
-
-
-@dataclass(frozen=True)
-class PrefixGroup:
-    """Waiting requests that share at least their first chunk (for reports)."""
-
-    size: int
-    shared_chunks: int
 
 
 class _Entry:
@@ -182,10 +177,6 @@ class ChunkedHashTree:
     def priority(self, request_id: RequestId) -> int:
         """The request's priority class (lower is more urgent)."""
         return self._entry(request_id).priority
-
-    def arrival_order(self, request_id: RequestId) -> int:
-        """The request's place in arrival order (ties of the best candidate go to the lower)."""
-        return self._entry(request_id).order
 
     def missing_chunks(self, request_id: RequestId) -> int:
         """Chunks of a waiting request that no running request holds."""
@@ -351,21 +342,6 @@ class ChunkedHashTree:
         first = self._entries[next(iter(self._running))]
         return self._all_running_depth(first)
 
-    def waiting_groups(self) -> list[PrefixGroup]:
-        """Waiting requests grouped by first chunk, largest group first (reports only)."""
-        firsts: dict[ChunkKey, list[_Entry]] = {}
-        ungrouped = 0
-        for entry in self._entries.values():
-            if entry.state is not RequestState.WAITING:
-                continue
-            if entry.keys:
-                firsts.setdefault(entry.keys[0], []).append(entry)
-            else:
-                ungrouped += 1
-        groups = [self._group_of(members) for members in firsts.values()]
-        groups += [PrefixGroup(size=1, shared_chunks=0)] * ungrouped
-        return sorted(groups, key=lambda g: (-g.size, -g.shared_chunks))
-
     # ---- internals --------------------------------------------------------------------
 
     def _entry(self, request_id: RequestId) -> _Entry:
@@ -397,13 +373,6 @@ class ChunkedHashTree:
         if chunks == 0:
             return self._num_waiting
         return self._waiting_refs.get(entry.keys[chunks - 1], 0)
-
-    def _group_of(self, members: list[_Entry]) -> PrefixGroup:
-        refs = self._waiting_refs
-        size = len(members)
-        keys = members[0].keys
-        shared = bisect_left(keys, True, key=lambda k: refs[k] != size)
-        return PrefixGroup(size=size, shared_chunks=shared)
 
     def _enter_waiting(self, request_id: RequestId, entry: _Entry) -> None:
         entry.state = RequestState.WAITING

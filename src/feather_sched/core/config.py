@@ -31,10 +31,12 @@ from typing import Any
 
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.core.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS
+from feather_sched.core.isolation import Isolation
 from feather_sched.core.queue import DEFAULT_MAX_WAIT_S, DEFAULT_MIN_PASSING_TOKENS, FeatherQueue
 from feather_sched.core.tenants import (
     DEFAULT_HIT_WEIGHT,
     DEFAULT_QUANTUM_TOKENS,
+    TENANT_HEADER,
     TenantShare,
     parse_tenant,
 )
@@ -146,6 +148,17 @@ class FeatherConfig:
     """What a prompt token served from the prefix cache costs its tenant under fair share,
     relative to one the engine computes, from 0 (computed tokens only: a hit is free) to
     1 (VTC's: the whole prompt, whoever computed it)."""
+    isolate_tenants: bool = False
+    """Each named tenant its own prefix namespace: requests of two tenants are never
+    grouped, ranked or ordered by each other's prefixes, as requests of two
+    ``cache_salt`` values never are (docs/isolation.md).  Off by default: tenants that
+    share a public prefix (one system prompt) keep running as one group; a gateway that
+    must isolate tenants sets ``cache_salt`` per tenant (the engine's cache then isolates
+    them too) or turns this on."""
+    tenant_header: str = TENANT_HEADER
+    """The HTTP header in which a gateway names a request's tenant; the fronts read it
+    (and refuse a bad one) only where tenants are used (``fairness`` or
+    ``isolate_tenants``), otherwise every request passes untouched."""
     max_urgent_preemptions: int = 1
     """A waiting request that cannot be admitted for lack of KV room or a seat preempts
     the least urgent running request of a less urgent class (``FeatherRuntime.
@@ -256,6 +269,31 @@ class FeatherConfig:
         engine's."""
         return BatchLayout.FEATHER if self.order_running and not self.is_vtc else \
             BatchLayout.ENGINE
+
+    @property
+    def uses_tenants(self) -> bool:
+        """Whether requests' tenants change anything (fair share or tenant isolation): the
+        HTTP fronts name tenants only then."""
+        return self.fairness != "off" or self.isolate_tenants
+
+    @classmethod
+    def tenant_header_of(cls, options: Mapping[str, Any] | None,
+                         environ: Mapping[str, str] = os.environ) -> str | None:
+        """``tenant_front_header`` of the options ``from_sources`` reads, reading only
+        those it needs (``option``: no file checked).  FeatherConfigError for a bad one."""
+        return cls(**{name: cls.option(name, options, environ) for name in (
+            "fairness", "isolate_tenants", "tenant_header")}).tenant_front_header
+
+    @property
+    def tenant_front_header(self) -> str | None:
+        """The header the HTTP fronts read tenants from, None where tenants are not used:
+        every request then passes them untouched, as the engine's own server takes it."""
+        return self.tenant_header if self.uses_tenants else None
+
+    @property
+    def isolation(self) -> Isolation:
+        """The namespaces of this engine's requests' prefix keys (``isolation``)."""
+        return Isolation(self.isolate_tenants)
 
     @property
     def is_vtc(self) -> bool:
@@ -451,6 +489,16 @@ def _weights(value: Any) -> dict[str, float]:
             for tenant, weight in weights.items()}
 
 
+_HEADER_CHARS = frozenset(string.ascii_lowercase + string.digits + "!#$%&'*+-.^_`|~")
+
+
+def _header_name(value: Any) -> str:
+    word = value.strip().lower() if isinstance(value, str) else value
+    if not isinstance(word, str) or not word or not set(word) <= _HEADER_CHARS:
+        raise ValueError("must be an HTTP header name (letters, digits, '-' ...)")
+    return word
+
+
 def _shared_prefix_mode(value: Any) -> str:
     word = value.strip().lower() if isinstance(value, str) else value
     if word in SHARED_PREFIX_MODES:
@@ -500,6 +548,8 @@ VALIDATORS: dict[str, Callable[[Any], Any]] = {
     "tenant_weights": _weights,
     "fair_quantum_tokens": _count,
     "fair_hit_weight": _fraction,
+    "isolate_tenants": _boolean,
+    "tenant_header": _header_name,
     "max_urgent_preemptions": _count,
     "min_passing_tokens": _count,
     "order_running": _boolean,

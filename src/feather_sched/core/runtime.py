@@ -2,65 +2,9 @@
 
 It holds all of Feather's state for one scheduler (options, the ``FeatherQueue``,
 admission counts, the ``StepMeter`` with stats, step log and saved gate state) behind one
-contract, in the style of vLLM's ``RequestQueue``::
-
-    enter_waiting(request)        the engine holds it in the waiting queue Feather orders
-                                  (idempotent: new, preempted, skipped or resumed alike)
-    discard(request_id)           the engine let go of it: finished, aborted, rejected
-                                  (any state; True the first time, False after)
-    begin_pass(running, waiting=None, held=()) -> order
-                                  a scheduling pass starts: after a fault Feather's
-                                  picture is rebuilt from the engine's sets; the running
-                                  set becomes the engine's; returns the running list in
-                                  Feather's order (as the engine has it with
-                                  ``order_running`` off)
-    decide(offered=None)          the admission for the current candidate (the engine's
-                                  offered request, or the queue's own); asked once
-    admit(request)                the engine admits the request of the last ADD (under
-                                  fair share its tenant is charged for its prompt's
-                                  cache hits, ``TenantShare.admitted``)
-    hold(request_id)              the engine took it out of the waiting queue without
-                                  running it (skipped this pass, or parked elsewhere;
-                                  an admission of it in this pass is void, and its
-                                  charge refunded)
-    end_pass(step, running)       the pass formed step ``step``: the running set is
-                                  reconciled again and the decisions that took effect
-                                  are bound to ``step`` and counted
-    end_step(step, size, seconds) step ``step`` ran: its reward reaches exactly the
-                                  decisions bound to it
-    rank_waiting(waiting)         the engine's waiting list as Feather would admit it
-                                  (for an engine that walks its own list)
-    describe_batch(rows)          a step's batch for ``end_step``, in Feather's chunks
-    served(request_id, computed, generated)
-                                  a step computed ``computed`` prompt tokens (cache
-                                  hits not, recomputation yes) and generated
-                                  ``generated`` tokens for the request: its tenant's
-                                  service under fair share (a no-op without it);
-                                  before ``discard``
-    preemption_victim(running)    the running request to preempt for KV room: the
-                                  end of Feather's running order, the newest member
-                                  of the youngest group of the least urgent class
-                                  (under fair share, of its most served tenant)
-                                  (an engine that preempts the end of the running
-                                  list Feather ordered, like vLLM, need not ask)
-    urgent_victim(running, request)
-                                  the running request to preempt for a waiting
-                                  ``request`` of a more urgent class that lacks KV
-                                  room or a seat (None: none may be); the engine
-                                  preempts it and tries again
-    urgent_victims(running, request, makes_room)
-                                  the fewest to preempt together, where the engine
-                                  can tell whether a set of victims makes room
-    promise(request)              after preempting them for its ADD: that ADD holds
-                                  for the pass, whatever the victims' return changes
-
-Beside the pass, what an adapter may read or ask: ``reconcile(running, waiting)`` (an
-engine that changes its queues by paths no call shows, as SGLang can), ``preempted``,
-``candidate``, ``order`` and ``batch_order`` (the running and the batch order),
-``batch_has_groups``, ``passes_due`` (whether running a request by a path that bypasses
-Feather's queue would pass one a bound made due), ``request``, ``is_running``, ``wants_batches``,
-``engine_keeps_its_order`` and ``layout``; and its parts ``config``, ``faults`` and
-``meter``.  Nothing else: adapters never reach the queue or the view.
+contract: ``core.contract.RuntimeContract`` declares every member an adapter may use,
+each with its contract (docs/architecture.md's table is generated from it); adapters
+never reach the queue or the view.
 
 Invariants: the running set is never assumed from admissions: ``begin_pass`` and
 ``end_pass`` each take what the engine reports as running, so a request it skipped, parked
@@ -167,7 +111,7 @@ class _Mirror(Generic[R]):
 
 
 class FeatherRuntime(Generic[R]):
-    """Feather's admission for one scheduler, behind the contract in the module docstring."""
+    """Feather's admission for one scheduler, behind ``core.contract.RuntimeContract``."""
 
     def __init__(self, config: FeatherConfig, view: RequestView[R], *,
                  clock: Callable[[], float] = time.monotonic, name: str = "feather",

@@ -94,10 +94,16 @@ import math
 from collections import Counter
 from collections.abc import Hashable, Mapping
 
+from feather_sched.telemetry.prometheus import OTHER_TENANTS
+
 Tenant = Hashable
 
 DEFAULT_TENANT = "default"
 """The tenant of a request that names none."""
+RESERVED_TENANTS = frozenset({DEFAULT_TENANT, OTHER_TENANTS})
+"""Names a request cannot give its tenant: the bucket of requests that name none, and the
+metrics' label of the tenants past ``max_tenant_labels`` (``named_tenant`` refuses them,
+so a client cannot pass for either)."""
 MAX_TENANT_CHARS = 256
 """The longest tenant id (a hashed e-mail address or a UUID fits)."""
 TENANT_HEADER = "x-tenant-id"
@@ -150,20 +156,33 @@ def parse_tenant(value: object, source: str = "tenant") -> str:
 
 
 def named_tenant(header: str | None, engine_args: object, user: object,
-                 args_field: str = "vllm_xargs") -> str | None:
-    """The tenant an HTTP request names, parsed (``parse_tenant``): the ``x-tenant-id``
-    ``header`` (a gateway's word) wins, then ``TENANT_ARG`` of the body's
-    ``engine_args`` (its field ``args_field``: vLLM's ``vllm_xargs``, SGLang's
-    ``custom_params``; where it is a mapping), then OpenAI's ``user`` (``user_tenant``);
-    None where the request names none (``DEFAULT_TENANT``'s).  Only the value chosen is
-    parsed, so a client's own word does not fail a request its gateway named.
-    ValueError for a bad header or engine argument, Feather's own fields.  O(1) plus the
-    parse."""
+                 args_field: str = "vllm_xargs", header_name: str = TENANT_HEADER
+                 ) -> str | None:
+    """The tenant an HTTP request names, parsed (``parse_tenant``): the tenant ``header``
+    (a gateway's word; ``header_name``, ``x-tenant-id`` unless configured) wins, then
+    ``TENANT_ARG`` of the body's ``engine_args`` (its field ``args_field``: vLLM's
+    ``vllm_xargs``, SGLang's ``custom_params``; where it is a mapping), then OpenAI's
+    ``user`` (``user_tenant``); None where the request names none (``DEFAULT_TENANT``'s).
+    Only the value chosen is parsed, so a client's own word does not fail a request its
+    gateway named. ValueError for a bad header or engine argument, Feather's own fields, or
+    one that is a ``RESERVED_TENANTS`` name (a ``user`` of that name names none).  O(1)
+    plus the parse."""
     if header is not None:
-        return parse_tenant(header, f"the {TENANT_HEADER} header")
+        source = f"the {header_name} header"
+        return _unreserved(parse_tenant(header, source), source)
     if isinstance(engine_args, Mapping) and engine_args.get(TENANT_ARG) is not None:
-        return parse_tenant(engine_args[TENANT_ARG], f"{args_field}.{TENANT_ARG}")
-    return user_tenant(user)
+        return _unreserved(parse_tenant(engine_args[TENANT_ARG], f"{args_field}.{TENANT_ARG}"),
+                           f"{args_field}.{TENANT_ARG}")
+    tenant = user_tenant(user)
+    return None if tenant in RESERVED_TENANTS else tenant
+
+
+def _unreserved(tenant: str, source: str) -> str:
+    if tenant in RESERVED_TENANTS:
+        raise ValueError(f"{source}: the tenant name {tenant!r} is reserved (Feather's "
+                         f"names for {' and '.join(sorted(RESERVED_TENANTS))}); leave the "
+                         "tenant out for the default one")
+    return tenant
 
 
 def user_tenant(user: object) -> str | None:

@@ -95,10 +95,6 @@ class StepCost:
         """Share of KV bytes served from L2."""
         return self.l2_bytes / self.kv_bytes if self.kv_bytes else 0.0
 
-    @property
-    def compute_bound(self) -> bool:
-        return self.compute_s > self.memory_s
-
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 

@@ -113,15 +113,6 @@ class UCBBanditGate(Unobservant):
     def end_step(self) -> None:
         """Decisions wait for their batch's reward; nothing to do here."""
 
-    def greedy(self, context: GateContext) -> Decision:
-        """The learned best action, without exploring (for inspection and reports)."""
-        if must_add(context):
-            return Decision.ADD
-        arms = self.table.get(self.context_of(context))
-        if not arms or any(arm.pulls == 0 for arm in arms.values()):
-            return Decision.ADD
-        return max(arms, key=lambda d: arms[d].mean)
-
     # ---- warm start -------------------------------------------------------------------
 
     @property

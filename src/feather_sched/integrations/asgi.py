@@ -29,6 +29,20 @@ async def read_body(receive: Receive) -> bytes | None:
             return b"".join(chunks)
 
 
+def header(scope: Scope, name: str) -> str | None:
+    """The value of header ``name`` (lower case) as UTF-8 text, None where absent;
+    ValueError where it is given more than once (which one counts would be a guess) or is
+    not UTF-8.  O(headers)."""
+    wanted = name.encode("latin-1")
+    values = [value for key, value in scope.get("headers", ()) if key.lower() == wanted]
+    if len(values) > 1:
+        raise ValueError(f"the {name} header is given {len(values)} times; give it once")
+    try:
+        return values[0].decode("utf-8") if values else None
+    except UnicodeDecodeError:
+        raise ValueError(f"the {name} header is not UTF-8 text") from None
+
+
 def replay(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that gives the app ``body`` whole, then whatever the client sends
     next (a disconnect)."""

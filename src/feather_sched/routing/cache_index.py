@@ -23,6 +23,7 @@ from itertools import accumulate, repeat
 from operator import and_
 from typing import Any, NamedTuple
 
+from feather_sched.core.isolation import SHARED, Namespace, engine_keys
 from feather_sched.routing.prefix_index import PrefixIndex, Replica
 
 BlockHash = Hashable
@@ -52,8 +53,11 @@ class AllBlocksCleared(NamedTuple):
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-BlockHasher = Callable[[Sequence[int]], Sequence[BlockHash]]
-"""A prompt's chained block hashes exactly as its engine computes them (full blocks only)."""
+BlockHasher = Callable[..., Sequence[BlockHash]]
+"""A prompt's chained block hashes exactly as its engine computes them (full blocks only):
+``hasher(tokens)``, and ``hasher(tokens, boundary)`` for a request whose engine cache
+boundary (``isolation.Namespace.boundary``) is not empty, ValueError where it cannot be
+modelled."""
 
 
 class CacheIndex:
@@ -299,8 +303,10 @@ class PreciseIndex:
     ``PrefixIndex`` over every ``chunk_blocks``-th block hash (a chunk), requests counted
     while in flight and up to ``max_idle_keys`` chunks kept after.
 
-    ``keys(tokens)`` are the engine's block hashes (``hasher``).  Depths are half-blocks
-    (compared only): ``2 * blocks``, plus one for a replica the prefix was routed to before.
+    ``keys(tokens, namespace)`` are the engine's block hashes (``hasher``, given the
+    namespace's engine boundary), in the rest of the namespace (``isolation.engine_keys``).
+    Depths are half-blocks (compared only): ``2 * blocks``, plus one for a replica the
+    prefix was routed to before.
     Cost per request: the hasher, ``CacheIndex.depths`` by chunks, and O(chunks) on route
     and finish.
     """
@@ -316,8 +322,11 @@ class PreciseIndex:
         self.cache = CacheIndex()
         self.routed_chunks = PrefixIndex(max_idle_keys)
 
-    def keys(self, tokens: Sequence[int]) -> Sequence[BlockHash]:
-        return self.hasher(tokens)
+    def keys(self, tokens: Sequence[int], namespace: Namespace = SHARED
+             ) -> Sequence[BlockHash]:
+        hashes = self.hasher(tokens, namespace.boundary) if namespace.boundary else \
+            self.hasher(tokens)
+        return engine_keys(hashes, namespace.beyond_engine())
 
     def _chunks(self, keys: Sequence[BlockHash]) -> Sequence[BlockHash]:
         step = self.chunk_blocks

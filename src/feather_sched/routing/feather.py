@@ -10,7 +10,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Protocol, cast
 
-from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS, token_chunk_keys
+from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
+from feather_sched.core.isolation import SHARED, Namespace, token_keys
 from feather_sched.routing.prefix_index import (
     ChunkKey,
     PrefixIndex,
@@ -26,8 +27,9 @@ class RouterIndex(Protocol):
 
     name: str
 
-    def keys(self, tokens: Sequence[int]) -> Sequence[ChunkKey]:
-        """A prompt's keys (computed once per request)."""
+    def keys(self, tokens: Sequence[int], namespace: Namespace = SHARED
+             ) -> Sequence[ChunkKey]:
+        """A prompt's keys in its ``namespace`` (computed once per request)."""
         ...
 
     def depths(self, keys: Sequence[ChunkKey]) -> dict[Replica, int]:
@@ -63,8 +65,9 @@ class ApproximateIndex:
         self.chunk_tokens = chunk_tokens
         self.prefixes = PrefixIndex(max_idle_keys)
 
-    def keys(self, tokens: Sequence[int]) -> Sequence[ChunkKey]:
-        return token_chunk_keys(tokens, self.chunk_tokens)
+    def keys(self, tokens: Sequence[int], namespace: Namespace = SHARED
+             ) -> Sequence[ChunkKey]:
+        return token_keys(tokens, self.chunk_tokens, namespace)
 
     def depths(self, keys: Sequence[ChunkKey]) -> dict[Replica, int]:
         depth, holders = self.prefixes.match(keys)
@@ -138,8 +141,9 @@ class FeatherRouter(Router):
         """Where each recent session went last, least recent first."""
         super().__init__(replicas, seed=seed, chunk_tokens=chunk_tokens)
 
-    def keys(self, tokens: Sequence[int]) -> Sequence[ChunkKey]:
-        return self.index.keys(tokens)
+    def keys(self, tokens: Sequence[int], namespace: Namespace = SHARED
+             ) -> Sequence[ChunkKey]:
+        return self.index.keys(tokens, namespace)
 
     def _choose(self, keys: Sequence[ChunkKey], session: SessionId | None) -> Replica:
         replica = self._rule(keys, session)

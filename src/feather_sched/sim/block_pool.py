@@ -22,7 +22,7 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from feather_sched.core.cht import token_chunk_keys
+from feather_sched.core.isolation import Namespace, token_keys
 from feather_sched.routing.cache_index import BlockRemoved, BlockStored, KVEvent
 
 BlockKey = Hashable
@@ -32,12 +32,13 @@ RequestId = Hashable
 @dataclass(frozen=True)
 class BlockKeys:
     """A prompt's block keys as the simulated engine names its blocks (its "block
-    hashes"): ``token_chunk_keys`` at ``block_size`` tokens."""
+    hashes"): ``token_chunk_keys`` at ``block_size`` tokens, in the namespace of the
+    request's cache ``boundary`` (``core.isolation``)."""
 
     block_size: int
 
-    def __call__(self, tokens: Sequence[int]) -> list[int]:
-        return token_chunk_keys(tokens, self.block_size)
+    def __call__(self, tokens: Sequence[int], boundary: tuple = ()) -> list[int]:
+        return token_keys(tokens, self.block_size, Namespace(boundary))
 
 
 def blocks_for(num_tokens: int, block_tokens: int) -> int:

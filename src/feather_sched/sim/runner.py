@@ -161,7 +161,7 @@ def pretrain_bandit(plan: SimPlan, state_file: str, rounds: int,
             workload = workload_of(*shape, round_index)
             policy = make_policy("feather-bandit", options, engine)
             engine.run(workload, policy)
-            policy.queue.gate.save(state_file)
-            pulls = sum(arm.pulls for arms in policy.queue.gate.table.values()
+            policy.meter.gate.save(state_file)
+            pulls = sum(arm.pulls for arms in policy.meter.gate.table.values()
                         for arm in arms.values())
     return pulls

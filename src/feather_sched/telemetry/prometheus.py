@@ -193,7 +193,7 @@ class PrometheusSink:
                 .inc(service)
 
     def fault(self, where: str) -> None:
-        """A fault of Feather's own code in ``where`` (``runtime.FaultGuard``)."""
+        """A fault of Feather's own code in ``where`` (``core.faults.FaultGuard``)."""
         self._faults.labels(self._scheduler, where).inc()
 
     def request_left(self, preemptions: int) -> None:

@@ -74,7 +74,7 @@ class SchedulerStats:
     ``max_urgent_preemptions`` per request)."""
     faults: int = 0
     """Exceptions in Feather's own code, each contained by its scheduling pass falling
-    back to the engine's own order (``runtime.FaultGuard``)."""
+    back to the engine's own order (``core.faults.FaultGuard``)."""
     admissions: AdmissionCounts | None = None
     """Feather's counts; None for a scheduler without Feather."""
 
@@ -108,7 +108,7 @@ class StepMeter:
     """A gate with ``save(path)`` (the bandit), written to ``state_file``."""
     admissions: AdmissionCounts | None = None
     sink: Any = None
-    """A ``metrics.PrometheusSink`` the measurements also go to, if any."""
+    """A ``telemetry.prometheus.PrometheusSink`` the measurements also go to, if any."""
     save_every_s: float = SAVE_EVERY_S
     """Seconds between saves while steps or passes go on (``FeatherConfig.save_every_s``)."""
     stats: SchedulerStats = field(init=False)

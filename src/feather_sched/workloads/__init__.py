@@ -3,5 +3,6 @@ parameter checks), ``synthetic`` (seedable generators), ``traces`` (JSON Lines a
 Mooncake traces), ``datasets`` (ShareGPT and BFCL prompt text) and ``options``
 (``WorkloadArgs``: the options ``feather bench`` and ``feather sim`` share).
 
-Imports ``models`` (the embedded tokenizer) only.
+Imports ``models`` (the embedded tokenizer) and ``core.tenants`` (what a tenant id is)
+only (an import-linter contract in ``pyproject.toml``, ``tests/test_imports.py``).
 """

@@ -41,10 +41,10 @@ class WorkloadArgs:
     has ``prompts_per_group``)."""
     high_priority_share: float = 0.0
     """In [0, 1]: a seeded random share of the requests in priority class 0 and the rest
-    in class 1 (``workloads.prioritized``); 0 keeps the workload's own classes (a trace's,
+    in class 1 (``workloads.spec.prioritized``); 0 keeps the workload's own classes (a trace's,
     else one class)."""
     tenants: int = 1
-    """Spread the requests over this many tenants (``workloads.tenanted``: a prefix group
+    """Spread the requests over this many tenants (``workloads.spec.tenanted``: a prefix group
     in one tenant); 1 keeps the workload's own (a trace's, else one).  ``multi-tenant``
     has ``groups`` tenants of its own."""
     prefixes_per_tenant: int = 0

@@ -29,8 +29,6 @@ from feather_sched.gates.bandit import UCBBanditGate
 from feather_sched.gates.base import Decision, GateContext
 from feather_sched.integrations.ray.app import (
     REPLICA_HEADER,
-    ChatRequest,
-    CompletionRequest,
     build_app,
     unserved_server_flags,
 )
@@ -38,7 +36,7 @@ from feather_sched.models import TINY_LLAMA
 from feather_sched.serve import serve_replicas, vllm_server_args
 from feather_sched.telemetry.stats import SchedulerStats
 from feather_sched.telemetry.steplog import read_steps
-from tests.helpers.servers import free_port
+from tests.helpers.servers import free_port, serving
 
 vllm = pytest.importorskip("vllm", reason="the vllm extra is not installed")
 
@@ -85,6 +83,13 @@ CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'forbidden' %}"
 """Given with ``--chat-template``, in place of the model's own."""
 
 
+def chat_template(tmp_path_factory) -> Path:
+    """``CHAT_TEMPLATE`` in a file (one for the module)."""
+    template = tmp_path_factory.getbasetemp() / "template.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    return template
+
+
 @pytest.fixture(scope="module")
 def metrics_port() -> int:
     """Where the module's Ray cluster exports metrics for Prometheus."""
@@ -109,12 +114,12 @@ def files(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def url(expected, tmp_path_factory, metrics_port, files) -> Iterator[str]:
     """Ray (2 CPUs) with the app of two replicas (an API key, a chat template file, the
-    same Feather file names), started after ``expected`` (whose engine is gone by then);
-    torn down after the module."""
-    template = tmp_path_factory.mktemp("chat") / "template.jinja"
-    template.write_text(CHAT_TEMPLATE)
+    same Feather file names, fair share between tenants), started after ``expected``
+    (whose engine is gone by then); torn down after the module."""
+    template = chat_template(tmp_path_factory)
     feather = {"gate": "bandit", "state_file": str(files / "bandit.json"),
-               "stats_file": str(files / "stats.json"), "step_log": str(files / "steps.csv")}
+               "stats_file": str(files / "stats.json"), "step_log": str(files / "steps.csv"),
+               "fairness": "tenants"}
     argv = vllm_server_args(None, feather, [
         "--enforce-eager", "--api-key", API_KEY, "--chat-template", str(template)],
         kv_cache_gib=KV_GIB, environ={})
@@ -295,7 +300,9 @@ def test_a_killed_replica_loses_no_request_and_its_replacement_is_routed_by_even
 def test_the_endpoint_speaks_openai(url) -> None:
     models = json.loads(urllib.request.urlopen(
         urllib.request.Request(f"{url}/v1/models", headers=AUTH), timeout=30).read())
-    assert models["data"][0]["id"] == str(TINY_LLAMA)
+    assert models["data"][0]["id"] == "tiny-llama"
+    with urllib.request.urlopen(f"{url}/health", timeout=30) as health:
+        assert health.status == 200
     status, body, _ = complete(url, "Hello there, a text prompt", 4)
     assert status == 200 and body["usage"]["completion_tokens"] == 4
     assert body["usage"]["prompt_tokens"] > 4 and isinstance(body["choices"][0]["text"], str)
@@ -373,8 +380,8 @@ def test_chat_completions_render_the_given_chat_template_and_stream(url) -> None
     assert status == 200 and replica and body["object"] == "chat.completion", body
     message = body["choices"][0]["message"]
     assert message["role"] == "assistant" and body["usage"]["completion_tokens"] == 6
-    rendered = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Hello there"}]
+    rendered = [{"role": "system", "content": "Be brief."},  # vLLM joins text parts so
+                {"role": "user", "content": "Hello \nthere"}]
     ids = AutoTokenizer.from_pretrained(str(TINY_LLAMA)).apply_chat_template(
         rendered, chat_template=CHAT_TEMPLATE, add_generation_prompt=True, tokenize=True,
         return_dict=True)["input_ids"]  # --chat-template's, not the model's
@@ -389,29 +396,17 @@ def test_chat_completions_render_the_given_chat_template_and_stream(url) -> None
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]
     assert post(url, "/v1/chat/completions", {"messages": image})[0] == 400
-    assert post(url, "/v1/chat/completions", {"messages": []})[0] == 400
     status, refused, _ = post(url, "/v1/chat/completions", {
         "messages": [{"role": "forbidden", "content": "x"}]})
     assert status == 400 and "no forbidden role" in json.dumps(refused)
     assert post(url, "/v1/chat/completions", {**chat, "max_completion_tokens": 0})[0] == 400
 
 
-def test_the_ingress_names_each_requests_tenant_as_feather_serve_does(url, expected) -> None:
-    """The tenant a request names (the header, then ``vllm_xargs.tenant``, then ``user``)
-    is in the sampling parameters the replica builds its request from, beside any other
-    ``vllm_xargs``; the replicas serve such requests as any other; a bad tenant is a 400
-    saying why, and a ``user`` that is no tenant id names none."""
-    body = {"prompt": [5, 6], "user": "u", "vllm_xargs": {"tenant": "x", "k": 1}}
-    for header, tenant in [(None, "x"), ("gw", "gw")]:
-        request = CompletionRequest.model_validate(body)
-        request.name_tenant(header)
-        assert request.sampling_params()["extra_args"] == {"tenant": tenant, "k": 1}
-    request = CompletionRequest.model_validate({"prompt": [5, 6], "user": "u"})
-    request.name_tenant(None)
-    assert request.sampling_params()["extra_args"] == {"tenant": "u"}
-    request = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
-    request.name_tenant(None)
-    assert "extra_args" not in request.sampling_params()  # the default tenant's
+def test_the_replicas_name_each_requests_tenant_as_feather_serve_does(url, expected) -> None:
+    """With fair share on, each replica's vLLM app runs Feather's tenant middleware: the
+    tenant a request names (the header, then ``vllm_xargs.tenant``, then ``user``) reaches
+    its engine, such requests are served as any other, and a bad tenant is a 400 saying
+    why; a ``user`` that is no tenant id names none."""
     status, answer, _ = complete(url, GROUPS["a"][1], LENGTHS["a"], user="u",
                                  vllm_xargs={"tenant": 7, "k": 1})
     assert status == 200 and answer["choices"][0]["token_ids"] == expected["a", 1]
@@ -448,14 +443,14 @@ def test_the_api_key_guards_every_endpoint(url) -> None:
 def test_server_options_the_endpoint_would_drop_are_refused_before_anything_starts(
         tmp_path) -> None:
     argv = vllm_server_args(None, {}, [], kv_cache_gib=KV_GIB, environ={})
-    assert unserved_server_flags([*argv, "--port", "9000", "--api-key", "k"]) == ([], [])
-    # feather serve's tenant middleware is the ingress's own work; another is not done
-    assert unserved_server_flags([*argv, "--middleware", "x.Y"]) == (["--middleware"], [])
-    dropped = [*argv, "--ssl-keyfile", "key.pem", "--root-path", "/x", "--max-log-len", "9"]
+    served = [*argv, "--port", "9000", "--api-key", "k", "--middleware", "x.Y",
+              "--max-log-len", "9", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    assert unserved_server_flags(served) == ([], [])  # each replica runs vLLM's own app
+    dropped = [*argv, "--ssl-keyfile", "key.pem", "--root-path", "/x",
+               "--uvicorn-log-level", "debug"]
     refused, ignored = unserved_server_flags(dropped)
-    assert sorted(refused) == ["--root-path", "--ssl-keyfile"] and ignored == ["--max-log-len"]
-    with pytest.raises(ValueError, match="--tokenizer-mode 'mistral'"):
-        build_app([*argv, "--tokenizer-mode", "mistral"], replicas=2)
+    assert sorted(refused) == ["--root-path", "--ssl-keyfile"]
+    assert ignored == ["--uvicorn-log-level"]
     with pytest.raises(ValueError, match="does not apply --ssl-keyfile"):
         build_app([*argv, "--ssl-keyfile", "key.pem"], replicas=2)
     with pytest.raises(ValueError, match="--chat-template"):
@@ -485,3 +480,83 @@ def test_feathers_router_turns_the_replicas_kv_events_on_unless_told_not_to() ->
     assert "--kv-events-config" not in engine and "kv_events" not in router
     with pytest.raises(ValueError, match="precise or approximate"):
         build_app(argv, replicas=2, router_options={"index": "exact"})
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Iterator[str]:
+    """One ``feather serve`` (no replicas) with the replicas' server options (but the API
+    key, which its readiness probe lacks; vLLM ignores the header without one)."""
+    template = chat_template(tmp_path_factory)
+    command = ["feather_sched.cli", "serve", "--enforce-eager", "--kv-cache-gib", str(KV_GIB),
+               "--chat-template", str(template), "--feather-options",
+               json.dumps({"fairness": "tenants"})]
+    log = tmp_path_factory.mktemp("single") / "server.log"
+    with serving(command, log, {"PROMETHEUS_MULTIPROC_DIR": ""}) as address:
+        yield address
+
+
+def shape(value: object) -> object:
+    """A JSON value's shape: its keys and the types of its leaves (not their values); a
+    map of tokens to log probabilities by its size (its keys are the tokens drawn)."""
+    if isinstance(value, dict) and value and all(isinstance(v, float) for v in value.values()):
+        return f"{{token: float}} x {len(value)}"
+    if isinstance(value, dict):
+        return {key: shape(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [shape(item) for item in value]
+    return type(value).__name__
+
+
+def answered(base: str, method: str, path: str, body: dict | None) -> tuple[int, object]:
+    """(status, shape of the JSON or event stream answered) of one request."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{base}{path}", data=data, method=method, headers=AUTH)
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as error:
+        status, raw = error.code, error.read()
+    if raw.startswith(b"data: "):
+        events = [line.removeprefix(b"data: ") for line in raw.splitlines()
+                  if line.startswith(b"data: ")]
+        return status, [shape(json.loads(e)) if e != b"[DONE]" else "[DONE]" for e in events]
+    return status, shape(json.loads(raw)) if raw.strip() else None
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+HI = [{"role": "user", "content": "What is the weather in Paris?"}]
+SAME_BODIES = [
+    ("GET", "/health", None, 200),
+    ("GET", "/v1/models", None, 200),
+    ("POST", "/v1/chat/completions", {"messages": HI, "tools": TOOLS, "tool_choice": "none",
+                                      "max_tokens": 4}, 200),
+    ("POST", "/v1/chat/completions", {"messages": HI, "tools": TOOLS, "max_tokens": 4},
+     400),  # tool_choice auto needs --enable-auto-tool-choice: vLLM's own 400
+    ("POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "logprobs": 2,
+                                 "priority": 1, "cache_salt": "tenant-a",
+                                 "presence_penalty": 0.5}, 200),
+    ("POST", "/v1/chat/completions", {"messages": HI, "max_completion_tokens": 4,
+                                      "logprobs": True, "top_logprobs": 2,
+                                      "response_format": {"type": "json_object"},
+                                      "seed": 1, "n": 2}, 200),
+    ("POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "stream": True,
+                                 "stream_options": {"include_usage": True},
+                                 "echo": True}, 200),
+    ("POST", "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "model": "gpt-4"}, 404),
+    ("POST", "/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "beam_width": 3}, 200),
+    ("POST", "/tokenize", {"prompt": "Hello there"}, 200),
+]
+"""Requests as clients send them, each with the status ``vllm serve`` gives it."""
+
+
+def test_the_replicas_answer_every_body_as_the_single_server_does(url, single) -> None:
+    """Every field vLLM's server takes reaches the replicas' engine: the same request gets
+    the same status and the same response shape from ``feather serve --replicas 2`` as
+    from ``feather serve``, on every path (``/health`` included)."""
+    for method, path, body, status in SAME_BODIES:
+        one = answered(single, method, path, body)
+        assert one[0] == status, (path, body, one)
+        assert answered(url, method, path, body) == one, (path, body)

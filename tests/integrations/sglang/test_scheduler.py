@@ -122,14 +122,15 @@ class Engine:
     ``priority``, ``low_first``: SGLang's ``--enable-priority-scheduling`` (with its
     preemption) and ``--schedule-low-priority-values-first``; ``max_queued``:
     ``--max-queued-requests``; ``kv``: running requests hold KV rows (a real
-    ``ReqToTokenPool`` and ``RadixCache``), as priority preemption needs; ``fairness``:
-    Feather's option.
+    ``ReqToTokenPool`` and ``RadixCache``), as priority preemption needs; ``fairness``,
+    ``isolate_tenants``: Feather's options.
     """
 
     def __init__(self, gate: str = "chunk-loss", gate_options: dict | None = None,
                  feather: bool = True, pool_tokens: int = 1 << 16, *, priority: bool = False,
                  low_first: bool = False, max_queued: int | None = None,
-                 kv: bool = False, fairness: str = "off") -> None:
+                 kv: bool = False, fairness: str = "off", isolate_tenants: bool = False
+                 ) -> None:
         self.allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", None, False)
         self.kv = kv
         if kv:
@@ -149,7 +150,8 @@ class Engine:
             bounds = {"max_overtakes": None, "max_stops": None} if strict else {}
             config = FeatherConfig(gate=gate, gate_options=gate_options or {},
                                    chunk_tokens=CHUNK, min_passing_tokens=PREFIX,
-                                   fairness=fairness, **bounds)
+                                   fairness=fairness, isolate_tenants=isolate_tenants,
+                                   **bounds)
             self.feather = FeatherSGLang(config, priority_scheduling=priority,
                                          low_priority_values_first=low_first,
                                          priority_preemption=priority)
@@ -981,6 +983,65 @@ def test_the_model_gate_gets_sglangs_model_for_its_prior(monkeypatch) -> None:
     assert isinstance(gate, ModelGate) and gate.model.prior is None
     assert gate.layout is BatchLayout.ENGINE
     assert feather_sglang.engine_shape(_stub_scheduler(None)) is None
+
+# ---- isolation ------------------------------------------------------------------------
+
+
+def _bounded(rid: str, index: int, tenant: str | None = None, **boundary: str) -> Req:
+    """Group A's prompt ``index`` with SGLang's cache boundary fields (``cache_salt``,
+    ``extra_key``, ``lora_id``) and a tenant (``custom_params``) where given."""
+    params = SamplingParams(max_new_tokens=8,
+                            custom_params=None if tenant is None else {"tenant": tenant})
+    return Req(rid, "", _prompt("A", index), params, **boundary)
+
+
+def _groups_and_shared(engine: Engine, reqs: list[Req]) -> tuple[dict, dict]:
+    """Each request's prefix group, and the tokens it shares in one batch of ``reqs``
+    (what the step log and ``feather:prefix_groups_per_step`` count)."""
+    runtime = engine.feather.runtime
+    entries = runtime.describe_batch([(req, len(req.origin_input_ids), 1) for req in reqs])
+    return ({req.rid: runtime.group(req) for req in reqs},
+            {req.rid: entry.shared_tokens for req, entry in zip(reqs, entries, strict=True)})
+
+
+@pytest.mark.parametrize("field", ["cache_salt", "extra_key", "lora_id"])
+def test_requests_across_a_cache_boundary_are_never_one_group(field: str) -> None:
+    engine = Engine(gate="always")
+    reqs = [_bounded("P0", 0), _bounded("P1", 1),
+            _bounded("S0", 0, **{field: "tenant-a"}), _bounded("S1", 1, **{field: "tenant-b"}),
+            _bounded("S2", 2, **{field: "tenant-a"})]
+    engine.arrive(*reqs)
+    assert len(engine.admission_round()) == 5
+    groups, shared = _groups_and_shared(engine, reqs)
+    assert groups["P0"] == groups["P1"] and shared["P0"] == shared["P1"] == PREFIX
+    assert groups["S0"] == groups["S2"] and shared["S0"] == shared["S2"] == PREFIX
+    assert len({groups["P0"], groups["S0"], groups["S1"]}) == 3 and shared["S1"] == 0
+
+
+def test_a_waiting_request_is_not_ranked_by_a_prefix_across_a_boundary() -> None:
+    for salts, expected in ((("a", "b", "a"), ["a2"]), ((None, None, None), ["b1", "a2"])):
+        engine = Engine(gate="chunk-loss", gate_options=STRICT)
+        first, other, same = (_bounded(f"{name}{i}", i, cache_salt=salt)
+                              for i, (name, salt) in enumerate(zip("aba", salts, strict=True)))
+        engine.arrive(first)
+        assert engine.admission_round(max_requests=1) == [first]
+        engine.arrive(other, same)
+        # Salted: b1 shares nothing with the running a0 (the gate stops at it), and a2
+        # passes it; unsalted, all three are one group and both are admitted in order.
+        assert [req.rid for req in engine.admission_round()] == expected
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_isolate_tenants_gives_each_named_tenant_its_own_namespace(isolate: bool) -> None:
+    engine = Engine(gate="always", isolate_tenants=isolate)
+    reqs = [_bounded("A0", 0, "alice"), _bounded("A1", 1, "alice"), _bounded("B0", 0, "bob"),
+            _bounded("U0", 0), _bounded("U1", 1)]
+    engine.arrive(*reqs)
+    engine.admission_round()
+    groups, _ = _groups_and_shared(engine, reqs)
+    assert groups["A0"] == groups["A1"] and groups["U0"] == groups["U1"]
+    assert (len({groups["A0"], groups["B0"], groups["U0"]}) == 3) is isolate
+
 
 # ---- launcher -------------------------------------------------------------------------
 

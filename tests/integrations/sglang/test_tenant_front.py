@@ -55,8 +55,10 @@ def test_an_invalid_tenant_is_refused_saying_why(body, header) -> None:
         carry_tenant(body, header, native=False)
 
 
-def call(path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes, dict]:
-    """``TenantMiddleware`` over an app that echoes the body and headers it received."""
+def call(path: str, body: bytes, headers: dict[str, str] | list[tuple[bytes, bytes]],
+         header_name: str = "x-tenant-id") -> tuple[int, bytes, dict]:
+    """``TenantMiddleware`` (reading ``header_name``) over an app that echoes the body and
+    headers it received."""
     seen: dict = {}
 
     async def echo(scope, receive, send) -> None:
@@ -79,9 +81,10 @@ def call(path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes, d
         async def send(message):
             sent.append(message)
 
-        scope = {"type": "http", "method": "POST", "path": path,
-                 "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
-        await TenantMiddleware(echo)(scope, receive, send)
+        pairs = headers if isinstance(headers, list) else \
+            [(k.encode(), v.encode()) for k, v in headers.items()]
+        scope = {"type": "http", "method": "POST", "path": path, "headers": pairs}
+        await TenantMiddleware(echo, header_name)(scope, receive, send)
 
     asyncio.run(run())
     reply = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
@@ -104,3 +107,38 @@ def test_the_middleware_rewrites_only_what_names_a_tenant() -> None:
                                json.dumps({"custom_params": {"tenant": ""}}).encode(), {})
     assert status == 400 and not seen
     assert "tenant must be a non-empty string" in json.loads(reply)["error"]["message"]
+
+
+def test_the_header_is_one_utf8_unreserved_name_of_the_configured_header() -> None:
+    body = json.dumps({"prompt": [1]}).encode()
+
+    def named(headers: list[tuple[bytes, bytes]], header_name: str = "x-tenant-id"):
+        status, reply, seen = call("/v1/completions", body, headers, header_name)
+        return json.loads(seen["body"])["custom_params"]["tenant"] if status == 200 else \
+            json.loads(reply)["error"]["message"]
+
+    assert named([(b"x-tenant-id", "café".encode())]) == "café"
+    assert "given 2 times" in named([(b"x-tenant-id", b"a"), (b"x-tenant-id", b"b")])
+    assert "not UTF-8" in named([(b"x-tenant-id", b"\xff")])
+    assert "reserved" in named([(b"x-tenant-id", b"other")])
+    assert "reserved" in named([(b"x-tenant-id", b"default")])
+    assert named([(b"x-tenant-id", b"a"), (b"x-org", b"gw")], "x-org") == "gw"
+
+
+def test_the_launcher_adds_the_front_only_where_tenants_are_used(monkeypatch) -> None:
+    from feather_sched.integrations.sglang import launch
+
+    installed: list[str] = []
+    monkeypatch.setattr(launch, "serve_tenants", lambda workers, name: installed.append(name))
+    monkeypatch.setattr("sglang.launch_server.run_server", lambda args: None)
+    monkeypatch.setattr("sglang.srt.utils.kill_process_tree", lambda *a, **k: None)
+    for name in ("FEATHER_SGLANG", "FEATHER_SGLANG_OPTIONS"):  # the launcher sets them
+        monkeypatch.setenv(name, "")  # restored (removed) after the test
+    for options, expected in [({}, []), ({"fairness": "tenants"}, ["x-tenant-id"]),
+                              ({"isolate_tenants": True, "tenant_header": "X-Org"}, ["x-org"])]:
+        installed.clear()
+        for name in ("FEATHER_SGLANG", "FEATHER_SGLANG_OPTIONS"):
+            monkeypatch.delenv(name, raising=False)
+        launch.main(["--model-path", "m", "--schedule-policy", "feather",
+                     "--feather-options", json.dumps(options)])
+        assert installed == expected

@@ -221,6 +221,25 @@ def test_configurations_it_cannot_serve_stay_off(config_on, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", BUILDERS)
+def test_fused_output_quantization_and_batch_invariance_are_refused_by_name(
+        kind, announced, monkeypatch):
+    """Where the path cannot be exact it stays off even when asked for, and the line says
+    why: a quantized output (the merge would store unscaled values into it) and vLLM's
+    batch-invariant mode (a grouped row's numerics would depend on its neighbours)."""
+    fused = make_config({"shared_prefix_attention": "on"})
+    fused.compilation_config.pass_config.fuse_attn_quant = True
+    assert BUILDERS[kind](SPEC, ["layer"], fused, torch.device("cpu")).decode is None
+    assert announced[-1].startswith("off with fused output quantization (compilation_config"
+                                    ".pass_config.fuse_attn_quant")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    invariant = make_config({"shared_prefix_attention": "on"})
+    assert BUILDERS[kind](SPEC, ["layer"], invariant, torch.device("cpu")).decode is None
+    assert announced[-1].startswith("off in batch-invariant mode (VLLM_BATCH_INVARIANT")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert BUILDERS[kind](SPEC, ["layer"], invariant, torch.device("cpu")).decode is not None
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
 def test_layers_the_kernels_cannot_serve_turn_their_group_off(kind, config_on, announced):
     impl = make_impl(kind)
     assert gpu.layer_problem(impl, torch.float32, torch.float32) is None
@@ -398,6 +417,49 @@ def test_a_step_without_groups(kind, config_on):
 
 
 @pytest.mark.parametrize("kind", BUILDERS)
+def test_a_step_without_groups_does_only_what_a_full_replay_needs(kind, monkeypatch):
+    """Under FULL_AND_PIECEWISE a mixed batch runs PIECEWISE (attention eagerly): without
+    groups it gets vLLM's own metadata, and Feather stages, clears, cuts and launches
+    nothing, reading nothing on the host (every device input on ``meta``). A uniform
+    decode step without groups is replayed as a FULL graph: only the empty work it
+    captured; where mixed batches are FULL graphs too (mode FULL), so is a mixed step."""
+    monkeypatch.setattr(gpu_decode.GroupedDecode, "warm_up", lambda *args: None)
+    meta = torch.device("meta")
+    config = make_config({"shared_prefix_attention": "on"}, graphs=True)
+    builder = BUILDERS[kind](SPEC, ["layer"], config, meta)
+    work = []
+
+    def recorded(name: str):
+        def call(*args):
+            work.append(name)
+            return args[0] if args else None  # cut_seq_lens: the lengths as given
+
+        return call
+
+    for name in ("clear", "stage", "cut_seq_lens", "run"):
+        monkeypatch.setattr(builder.decode, name, recorded(name))
+
+    def unshared(decode_only: bool):
+        common = make_batch(decode_only).common
+        table = common.block_table_tensor
+        table[:] = torch.arange(table.numel(), dtype=torch.int32).view_as(table)
+        host = HostRows(table.numpy(), np.arange(common.num_reqs))
+        return replace(common, query_start_loc=common.query_start_loc.to(meta),
+                       seq_lens=common.seq_lens.to(meta), block_table_tensor=table.to(meta),
+                       slot_mapping=common.slot_mapping.to(meta)), host
+
+    mixed, host = unshared(decode_only=False)
+    assert mixed.max_query_len > 1
+    metadata = builder.build_with(mixed, False, host)
+    assert type(metadata) is not builder.metadata_cls and work == []
+    decode, host = unshared(decode_only=True)
+    assert builder.build_with(decode, False, host).work is builder.decode
+    assert work == ["clear", "cut_seq_lens"]
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
+    assert builder.build_with(mixed, False, host).work is builder.decode
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
 def test_the_per_step_path_reads_no_device_tensor_on_the_host(kind, monkeypatch):
     """Every device-side input on the ``meta`` device (where a host read raises: "cannot
     copy out of meta tensor"), the host-side ones (``query_start_loc_cpu``,
@@ -426,9 +488,10 @@ def test_forward_and_self_check_in_the_triton_interpreter():
         pytest.skip("this is that process")
     result = run_interpreted(f"{__file__}::test_interpreted_forward_matches_float64_and_vllms",
                              f"{__file__}::test_interpreted_self_check_decides_auto",
-                             f"{__file__}::test_interpreted_feather_attention_check_backend")
+                             f"{__file__}::test_interpreted_feather_attention_check_backend",
+                             f"{__file__}::test_interpreted_engine_check_in_its_own_process")
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert "9 passed" in result.stdout, result.stdout[-2000:]
+    assert "10 passed" in result.stdout, result.stdout[-2000:]
 
 
 LAYER = SimpleNamespace(_q_scale=torch.ones(1), _k_scale=torch.ones(1), _v_scale=torch.ones(1))
@@ -546,3 +609,26 @@ def test_interpreted_feather_attention_check_backend(backend, monkeypatch, tmp_p
     verdict = selfcheck.Verdict.from_json(json.loads(out.read_text()))
     assert verdict.shapes.layout == ("FlashAttention" if backend == "FLASH_ATTN" else "Triton")
     assert verdict.max_error < 1e-5 and verdict.cells[0].speedup is not None
+
+
+@interpreted
+def test_interpreted_engine_check_in_its_own_process(config_on, tmp_path):
+    """What a GPU worker runs under ``auto``: the engine's check rebuilt in a fresh
+    process from its recipe (``gpu_recipe``: vLLM's TRITON_ATTN, its real kernel in
+    Triton's interpreter here), the verdict handed back exact and kept for the engine's
+    own shapes (its versions, the resolved KV layout, no CUDA-graph mode)."""
+    from feather_sched.attention.isolation import run_isolated
+
+    builder = BUILDERS["triton"](SPEC, ["layer"], config_on, torch.device("cpu"))
+    recipe = attention_check.gpu_recipe(builder, config_on, SPEC)
+    assert recipe.kwargs["backend"] == "TRITON_ATTN" and recipe.kwargs["device"] == "cpu"
+    versions = dict(recipe.shapes.versions)
+    assert versions["kv layout"].startswith("NHD") and "cuda graphs" not in versions
+    assert {"flash-attn", "triton", "vllm", "gpu kernel"} <= set(versions)
+    small = replace(recipe, factory="tests.helpers.triton_interpreter:with_vllm_triton_on",
+                    kwargs={"factory": recipe.factory, "kwargs": recipe.kwargs},
+                    run_kwargs={"grid": (Cell(64, 2, 2, suffix=9),), "exactness": (),
+                                "idle": (Cell(64, 3, 1),), "reps": 1})
+    verdict = run_isolated(small, timeout_s=400)
+    assert verdict.shapes == recipe.shapes and verdict.max_error < 1e-5
+    assert [c.cell for c in verdict.cells] == [Cell(64, 2, 2, suffix=9), Cell(64, 3, 1)]

@@ -85,3 +85,33 @@ def test_the_check_tells_a_differing_engine_and_passes_what_it_cannot_recompute(
         VLLMBlockHasher(16, "xxhash")
     with pytest.raises(ValueError, match="unknown"):
         VLLMBlockHasher(16, "md5")
+
+
+@pytest.mark.parametrize("fields", [{"cache_salt": "tenant-a"},
+                                    {"lora_name": "adapter"},
+                                    {"cache_salt": "s", "lora_name": "adapter"}])
+def test_a_salted_or_adapted_requests_hashes_are_vllms(fields: dict, monkeypatch) -> None:
+    """The router names the blocks of a request with a cache boundary as vLLM's engine does
+    (its own ``Request`` and block hasher), so the precise index matches salted and LoRA
+    requests only with their own kind."""
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from feather_sched.integrations.vllm.scheduler import boundary
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    function = get_hash_fn_by_name("sha256")
+    kv_cache_utils.init_none_hash(function)
+    lora = fields.get("lora_name")
+    prompt = tokens(7)
+    request = Request("r", prompt, SamplingParams(max_tokens=1), None, arrival_time=0.0,
+                      cache_salt=fields.get("cache_salt"),
+                      lora_request=lora and LoRARequest(lora, 1, "/adapters/a"),
+                      block_hasher=kv_cache_utils.get_request_block_hasher(16, function))
+    hasher = VLLMBlockHasher(16, int_hashes=False)
+    assert hasher(prompt, boundary(request)) == request.block_hashes
+    assert hasher(prompt, boundary(request)) == request.block_hashes  # memoized: the same
+    assert hasher(prompt)[0] != request.block_hashes[0]  # the plain prompt's differ
+    with pytest.raises(ValueError, match="'mm'"):
+        hasher(prompt, (("mm", "image-hash", 0),))

@@ -113,9 +113,10 @@ class Harness:
                  feather: dict | None = None, v2_runner: bool | None = None,
                  scheduler_cls: type = FeatherScheduler,
                  clock: Callable[[], float] | None = None, **engine: object) -> None:
-        engine = {"max_num_seqs": 16, "max_num_batched_tokens": 512, **engine}
+        engine = {"max_num_seqs": 16, "max_num_batched_tokens": 512,
+                  "enable_prefix_caching": True, **engine}
         args = EngineArgs(model=str(TINY_LLAMA), skip_tokenizer_init=True, load_format="dummy",
-                          block_size=BLOCK, max_model_len=2048, enable_prefix_caching=True,
+                          block_size=BLOCK, max_model_len=2048,
                           async_scheduling=async_scheduling,
                           additional_config={"feather": {
                               "gate": "always", "min_passing_tokens": PREFIX_BLOCKS * BLOCK,
@@ -152,7 +153,8 @@ class Harness:
         assert v2_runner is None or compat.uses_v2_runner(self.scheduler) is v2_runner
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
-        self.hasher = get_request_block_hasher(hash_block_size, hash_fn)
+        self.hasher = get_request_block_hasher(hash_block_size, hash_fn) \
+            if config.cache_config.enable_prefix_caching else None  # as vLLM's engine
         feather = getattr(self.scheduler, "feather", None)
         self.runtime = feather.runtime if feather is not None else None
         self.in_flight: list[tuple] = []
@@ -1080,3 +1082,53 @@ def test_a_flooding_tenant_does_not_hold_every_seat(fairness: str) -> None:
     last_other = max(i for i, rid in enumerate(admitted) if rid.startswith("other"))
     assert (last_other < last_flood) is (fairness == "tenants"), admitted
     harness.assert_empty()
+
+
+# ---- isolation ------------------------------------------------------------------------
+
+
+def _groups_and_shared(harness: Harness, requests: list[Request]) -> tuple[dict, dict]:
+    """Each request's prefix group, and the tokens it shares in one batch of ``requests``
+    (what the step log and ``feather:prefix_groups_per_step`` count)."""
+    runtime = harness.runtime
+    entries = runtime.describe_batch([(r, r.num_prompt_tokens, 1) for r in requests])
+    return ({r.request_id: runtime.group(r) for r in requests},
+            {r.request_id: e.shared_tokens for r, e in zip(requests, entries, strict=True)})
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_requests_across_a_cache_boundary_are_never_one_group(caching: bool) -> None:
+    """vLLM's cache boundary (cache_salt, LoRA adapter) splits groups with prefix caching
+    on (its block hashes) and off (Feather's token keys, in the request's namespace)."""
+    harness = Harness(enable_prefix_caching=caching, enable_lora=True, max_loras=4,
+                      max_lora_rank=8)
+    adapter = LoRARequest("adapter", 1, "/adapters/0")
+    requests = [harness.request("p0", 0), harness.request("p1", 0),
+                harness.request("s0", 0, cache_salt="a"), harness.request("s1", 0, cache_salt="b"),
+                harness.request("s2", 0, cache_salt="a"),
+                harness.request("l0", 0, lora_request=adapter),
+                harness.request("l1", 0, lora_request=adapter)]
+    assert bool(requests[0].block_hashes) is caching
+    harness.add(*requests)
+    harness.step()
+    groups, shared = _groups_and_shared(harness, requests)
+    prefix = PREFIX_BLOCKS * BLOCK
+    for same in (("p0", "p1"), ("s0", "s2"), ("l0", "l1")):
+        assert groups[same[0]] == groups[same[1]] and shared[same[0]] >= prefix
+    assert len({groups[r] for r in ("p0", "s0", "s1", "l0")}) == 4 and shared["s1"] == 0
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_isolate_tenants_gives_each_named_tenant_its_own_namespace(caching: bool) -> None:
+    for isolate in (False, True):
+        harness = Harness(enable_prefix_caching=caching,
+                          feather={"isolate_tenants": isolate})
+        requests = [harness.request(f"a{i}", 0, sampling_params=for_tenant("acme"))
+                    for i in range(2)]
+        requests += [harness.request("b0", 0, sampling_params=for_tenant("bob")),
+                     harness.request("u0", 0), harness.request("u1", 0)]
+        harness.add(*requests)
+        harness.step()
+        groups, _ = _groups_and_shared(harness, requests)
+        assert groups["a0"] == groups["a1"] and groups["u0"] == groups["u1"]
+        assert (len({groups["a0"], groups["b0"], groups["u0"]}) == 3) is isolate

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -47,10 +48,15 @@ class Recorder:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
+TENANTS_ON = {"fairness": "tenants"}
+
+
 def call(path: str, chunks: list[bytes], headers: list[tuple[bytes, bytes]] = (),
-         method: str = "POST", disconnect: bool = False) -> tuple[Recorder, list[dict]]:
+         method: str = "POST", disconnect: bool = False,
+         options: dict | None = TENANTS_ON) -> tuple[Recorder, list[dict]]:
     """One request through the middleware, its body in ``chunks`` (the client leaving
-    after them with ``disconnect``)."""
+    after them with ``disconnect``), on a server whose Feather ``options`` are these (in
+    vLLM's app state, as ``--additional-config`` puts them)."""
     app, sent = Recorder(), []
     messages = [{"type": "http.request", "body": chunk,
                  "more_body": disconnect or i < len(chunks) - 1}
@@ -64,8 +70,10 @@ def call(path: str, chunks: list[bytes], headers: list[tuple[bytes, bytes]] = ()
     async def send(message):
         sent.append(message)
 
+    config = SimpleNamespace(additional_config={"feather": options})
     scope = {"type": "http", "method": method, "path": path, "root_path": "",
-             "headers": [(b"content-length", b"1"), *headers]}
+             "headers": [(b"content-length", b"1"), *headers],
+             "app": SimpleNamespace(state=SimpleNamespace(vllm_config=config))}
     asyncio.run(TenantMiddleware(app)(scope, receive, send))
     return app, sent
 
@@ -92,3 +100,38 @@ def test_other_requests_pass_unread_and_a_bad_tenant_is_a_400() -> None:
         "vllm_xargs.tenant must be")
     app, sent = call("/v1/completions", [body[:3]], disconnect=True)
     assert not app.calls and not sent  # the client left mid-body: nothing to answer
+
+
+def test_with_tenants_off_every_request_passes_untouched_as_vllm_takes_it() -> None:
+    body = json.dumps({"prompt": [1], "user": "u", "vllm_xargs": {"tenant": [1]}}).encode()
+    for header in [b"t" * 300, b"", b"a\tb", b"other", b"\xff"]:
+        for options in (None, {}, {"fairness": "off", "tenant_header": "x-org"}):
+            app, sent = call("/v1/completions", [body], options=options,
+                             headers=[(b"x-tenant-id", header), (b"x-tenant-id", b"b")])
+            (scope, handed), = app.calls
+            assert handed == body and dict(scope["headers"])[b"content-length"] == b"1"
+            assert sent[0]["status"] == 200
+
+
+def _named(options: dict, headers: list[tuple[bytes, bytes]]) -> str | int:
+    """The tenant a completion's body is handed on with, or the status refusing it."""
+    app, sent = call("/v1/completions", [b'{"prompt": [1]}'], headers=headers,
+                     options=options)
+    return json.loads(app.calls[0][1])["vllm_xargs"]["tenant"] if app.calls else \
+        sent[0]["status"]
+
+
+def test_with_tenants_on_the_header_is_one_utf8_unreserved_name_of_the_configured_header(
+        ) -> None:
+    assert _named(TENANTS_ON, [(b"x-tenant-id", "café".encode())]) == "café"
+    assert _named({"isolate_tenants": True}, [(b"x-tenant-id", b"acme")]) == "acme"
+    assert _named(TENANTS_ON, [(b"x-tenant-id", b"a"), (b"x-tenant-id", b"b")]) == 400
+    assert _named(TENANTS_ON, [(b"x-tenant-id", b"\xff")]) == 400
+    for reserved in (b"default", b"other"):
+        assert _named(TENANTS_ON, [(b"x-tenant-id", reserved)]) == 400
+    org = {**TENANTS_ON, "tenant_header": "X-Org"}
+    assert _named(org, [(b"x-tenant-id", b"acme"), (b"x-org", b"gw")]) == "gw"
+    _, sent = call("/v1/completions", [b'{"prompt": [1]}'], options=org,
+                     headers=[(b"x-org", b"")])
+    assert json.loads(sent[1]["body"])["error"]["message"].startswith(
+        "the x-org header must be a non-empty string")

@@ -41,7 +41,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from feather_sched.core import DEFAULT_CHUNK_TOKENS, keys_per_chunk
+from feather_sched.core import DEFAULT_CHUNK_TOKENS, SHARED, Namespace, keys_per_chunk
 from feather_sched.routing.cache_index import PreciseIndex
 from feather_sched.routing.feather import FeatherRouter
 
@@ -330,8 +330,8 @@ class FeatherRequestRouter(RequestRouter):
                      "approximate index)", replica, why)
 
     def _prompt_keys(self, request: PendingRequest) -> Sequence[Any]:
-        """The prompt's keys (the core's: chunk keys or block hashes); none (least
-        loaded) when it has no usable prompt."""
+        """The prompt's keys (the core's: chunk keys or block hashes) in the request's
+        namespace (``namespace_of``); none (least loaded) when it has no usable prompt."""
         prompt = prompt_of(request)
         try:
             if isinstance(prompt, str):
@@ -339,7 +339,7 @@ class FeatherRequestRouter(RequestRouter):
             if prompt is None:
                 return ()
             assert self.core is not None
-            return self.core.keys(np.asarray(prompt, dtype=np.int32))
+            return self.core.keys(np.asarray(prompt, dtype=np.int32), namespace_of(request))
         except (ValueError, OverflowError, OSError) as error:
             logger.warning("Feather router: routing a request by load only: %s", error)
             return ()
@@ -360,8 +360,18 @@ def prompt_of(request: PendingRequest) -> list[int] | str | None:
     for arg in [*request.args, *request.kwargs.values()]:
         for field in ("prompt_token_ids", "prompt"):
             value = arg.get(field) if isinstance(arg, dict) else getattr(arg, field, None)
-            if isinstance(value, str) and field == "prompt":
+            if isinstance(value, str) and field == "prompt" and value:
                 return value
             if isinstance(value, list | tuple) and all(isinstance(t, int) for t in value):
                 return list(value)
     return None
+
+
+def namespace_of(request: PendingRequest) -> Namespace:
+    """A call's isolation namespace (``core.isolation``): the ``namespace`` of the first
+    argument carrying one (the ingress's ``forward.HttpCall``); the shared one without."""
+    for arg in [*request.args, *request.kwargs.values()]:
+        namespace = getattr(arg, "namespace", None)
+        if isinstance(namespace, Namespace):
+            return namespace
+    return SHARED

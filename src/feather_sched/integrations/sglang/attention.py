@@ -39,6 +39,7 @@ from feather_sched.attention.groups import StepPlan, plan_token_step
 from feather_sched.attention.selfcheck import (
     CPU_SOURCES,
     Verdict,
+    agreed,
     cached_check,
     check,
     checked,
@@ -300,6 +301,16 @@ def self_check(name: str, runner: Any) -> Verdict:
     return cached_check(subject, lambda s: check(s, GRID, EXACTNESS_CELLS, reps=3))
 
 
+def tp_agreed(verdict: Verdict | None) -> Verdict | None:
+    """``selfcheck.agreed`` over SGLang's tensor-parallel group (its host-side group;
+    none before SGLang's model parallelism is set up): every rank takes one answer."""
+    from sglang.srt.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return verdict
+    return agreed(verdict, parallel_state.get_tp_group().cpu_group)
+
+
 def create_backend(name: str, runner: Any, environ: Mapping[str, str] | None = None) -> Any:
     """SGLang's backend ``name`` for ``runner``, with the shared-prefix decode where this
     server's options turn it on (``decide``; under ``auto``, where the self-check measured
@@ -313,7 +324,7 @@ def create_backend(name: str, runner: Any, environ: Mapping[str, str] | None = N
     reason = decide(name, runner, mode, feather_enabled(environ))
     verdict = None
     if reason is None and mode == "auto":
-        verdict, reason = checked(lambda: self_check(name, runner))
+        verdict, reason = checked(lambda: self_check(name, runner), tp_agreed)
     if reason:
         announce(reason)
         return engine(runner)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from feather_sched.attention import cpu_kernel
-from feather_sched.attention.gpu_check import sync_seconds
+from feather_sched.attention.gpu_check import random_source, sync_seconds
 from feather_sched.attention.partials import reference_attention
 from feather_sched.attention.selfcheck import (
     GPU_SOURCES,
@@ -75,9 +75,9 @@ class TokenBatch:
         self.pool = MHATokenToKVPool(size=(pages + 1) * page, page_size=page, dtype=dtype,
                                      head_num=s.kv_heads, head_dim=s.head_dim, layer_num=1,
                                      device=device, enable_memory_saver=False)
-        keys, values = self.pool.k_buffer[0], self.pool.v_buffer[0]
-        for buffer in (keys, values):
-            buffer.copy_(torch.randn(buffer.shape, generator=generator).to(dtype))
+        source = random_source(device, seed)  # drawn where kept, in its dtype
+        for buffer in (self.pool.k_buffer[0], self.pool.v_buffer[0]):
+            buffer.normal_(generator=source)
         ids = (1 + torch.randperm(pages, generator=generator)).long()  # page 0: padding
         offsets = torch.arange(page)
 

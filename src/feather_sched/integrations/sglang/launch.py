@@ -16,9 +16,10 @@ registered hooks.  The selection travels to the children as ``FEATHER_SGLANG=1``
 The same import points SGLang's ``torch_native`` and ``intel_amx`` attention factories at
 Feather's (``attention.register``), which build SGLang's own backend unless the option
 ``shared_prefix_attention`` turns the shared-prefix decode on (also under SGLang's own
-policies, with ``FEATHER_SHARED_PREFIX_ATTENTION=on``).  With Feather selected, the
-launcher adds ``tenant_front.TenantMiddleware`` to SGLang's HTTP app (``x-tenant-id`` and
-OpenAI's ``user`` become the request's tenant) when one HTTP process serves it: with
+policies, with ``FEATHER_SHARED_PREFIX_ATTENTION=on``).  With Feather selected and
+its options using tenants (``fairness``, ``isolate_tenants``), the launcher adds
+``tenant_front.TenantMiddleware`` to SGLang's HTTP app (the ``tenant_header`` and OpenAI's
+``user`` become the request's tenant) when one HTTP process serves it: with
 ``--tokenizer-worker-num`` above 1 each worker re-imports SGLang's app, and a tenant is
 named in the body's ``custom_params`` only.
 """
@@ -128,17 +129,20 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     load_plugins()
     server_args = prepare_server_args(sglang_argv)
-    if feather_enabled():
-        serve_tenants(server_args.tokenizer_worker_num)
+    header_name = feather_options().tenant_front_header if feather_enabled() else None
+    if header_name is not None:
+        serve_tenants(server_args.tokenizer_worker_num, header_name)
     try:
         run_server(server_args)
     finally:
         kill_process_tree(os.getpid(), include_parent=False)
 
 
-def serve_tenants(http_workers: int) -> None:
-    """Map ``x-tenant-id`` and ``user`` at SGLang's HTTP front (``tenant_front``), which
-    this process serves when it is the only HTTP worker; else say why not."""
+def serve_tenants(http_workers: int, header_name: str) -> None:
+    """Map the tenant header (``header_name``) and ``user`` at SGLang's HTTP front
+    (``tenant_front``), which this process serves when it is the only HTTP worker; else say
+    why not.  Only where Feather's options use tenants: otherwise SGLang's API is left as
+    it is."""
     if http_workers > 1:
         logging.getLogger("sglang.feather_sched").warning(
             "Feather: with --tokenizer-worker-num %d the x-tenant-id header and OpenAI's "
@@ -147,7 +151,7 @@ def serve_tenants(http_workers: int) -> None:
         return
     from sglang.srt.entrypoints import http_server
 
-    tenant_front.install(http_server.app)
+    tenant_front.install(http_server.app, header_name)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ then each scheduler gets a ``FeatherSGLang`` translating SGLang for ``FeatherRun
   short of KV room;
 * ``HOOKS``: what each hook wraps; ``_unsupported``: the modes refused at start-up.
 
-Invariant: a fault in Feather's code never reaches SGLang (``runtime.FaultGuard``): SGLang's
+Invariant: a fault in Feather's code never reaches SGLang (``core.faults.FaultGuard``): SGLang's
 own admission and ``fcfs`` order serve until Feather's picture is rebuilt from SGLang's
 queues.  Options: ``FEATHER_*`` or ``FEATHER_SGLANG_OPTIONS`` (JSON).  docs/sglang.md.
 """
@@ -39,9 +39,10 @@ from feather_sched.core import (
     FeatherConfig,
     FeatherConfigError,
     FeatherRuntime,
+    Isolation,
     is_true,
     parse_tenant,
-    token_chunk_keys,
+    token_keys,
 )
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
 from feather_sched.telemetry.steplog import BatchEntry
@@ -90,10 +91,13 @@ class SGLangRequests:
     ``custom_params``."""
 
     def __init__(self, chunk_tokens: int, *, priority_scheduling: bool = False,
-                 low_priority_values_first: bool = False) -> None:
+                 low_priority_values_first: bool = False,
+                 isolation: Isolation | None = None) -> None:
         """``priority_scheduling``, ``low_priority_values_first``: SGLang's
-        ``enable_priority_scheduling`` and ``schedule_low_priority_values_first``."""
+        ``enable_priority_scheduling`` and ``schedule_low_priority_values_first``;
+        ``isolation``: Feather's (``FeatherConfig.isolation``)."""
         self.chunk_tokens = chunk_tokens
+        self.isolation = isolation or Isolation()
         self.priority_scheduling = priority_scheduling
         self.low_priority_values_first = low_priority_values_first
 
@@ -101,9 +105,16 @@ class SGLangRequests:
     """The request's id (an attrgetter: the runtime maps it over the running list)."""
 
     def chunk_keys(self, req: Req) -> list:
+        """Token chunks of ``origin_input_ids`` in the request's namespace
+        (``core.isolation``): SGLang's radix cache keys by ``extra_key`` (which carries
+        the LoRA id) and ``cache_salt`` besides the tokens (``RadixKey``), and so does
+        Feather (multimodal items are in the tokens: SGLang pads them with their hashes)."""
         if not len(req.origin_input_ids):
             return []  # an empty prompt shares nothing (SGLang decides what to do with it)
-        return token_chunk_keys(req.origin_input_ids, self.chunk_tokens)
+        boundary = (("extra_key", req.extra_key) if req.extra_key is not None else None,
+                    ("cache_salt", req.cache_salt) if req.cache_salt is not None else None)
+        namespace = self.isolation.namespace(boundary, lambda: self.tenant(req))
+        return token_keys(req.origin_input_ids, self.chunk_tokens, namespace)
 
     def prompt_tokens(self, req: Req) -> int:
         return len(req.origin_input_ids)
@@ -175,7 +186,8 @@ class FeatherSGLang:
         self.config = config if config is not None else FeatherConfig()
         self.requests = SGLangRequests(self.config.chunk_tokens,
                                        priority_scheduling=priority_scheduling,
-                                       low_priority_values_first=low_priority_values_first)
+                                       low_priority_values_first=low_priority_values_first,
+                                       isolation=self.config.isolation)
         self.runtime: FeatherRuntime[Req] = FeatherRuntime(
             self.config, self.requests, name="FeatherSGLang", seats=seats,
             kv_tokens=kv_tokens, engine=engine)

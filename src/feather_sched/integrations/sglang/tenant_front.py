@@ -10,15 +10,18 @@ Feather's view reads ``custom_params["tenant"]`` (``scheduler.SGLangRequests.ten
 on those three routes: the ``x-tenant-id`` header wins, then a tenant the body names
 already, then OpenAI's ``user`` where it is a valid tenant id (``core.named_tenant``, the
 rule vLLM's middleware follows); an invalid header or body tenant, where chosen, is answered
-400 saying why. Other routes, and a native request without the header, pass untouched (the
-body is read only where something may change it)."""
+400 saying why, as is the header given twice; it is read as UTF-8. Other routes, and a
+native request without the header, pass untouched (the body is read only where something
+may change it). The launcher installs it only where Feather's options use tenants
+(``fairness`` or ``isolate_tenants``), reading the ``tenant_header`` option's header; the
+header is client input that only a gateway should set (docs/isolation.md)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from feather_sched.core import TENANT_HEADER, named_tenant, parse_tenant
+from feather_sched.core import TENANT_HEADER, named_tenant
 from feather_sched.integrations import asgi
 from feather_sched.integrations.sglang.scheduler import TENANT_PARAM
 
@@ -26,7 +29,8 @@ NATIVE_ROUTES = frozenset({"/generate"})
 OPENAI_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
-def carry_tenant(body: dict, header: str | None, *, native: bool) -> bool:
+def carry_tenant(body: dict, header: str | None, *, native: bool,
+                 header_name: str = TENANT_HEADER) -> bool:
     """Name the request's tenant in ``body`` (a parsed request of a native or an OpenAI
     route): on an OpenAI route the one ``named_tenant`` chooses (the header, the body's
     ``custom_params.tenant``, OpenAI's ``user``); on a native one the header's, in every
@@ -36,11 +40,11 @@ def carry_tenant(body: dict, header: str | None, *, native: bool) -> bool:
     O(sampling params)."""
     if not native:
         tenant = named_tenant(header, body.get("custom_params"), body.get("user"),
-                              "custom_params")
+                              "custom_params", header_name)
         return tenant is not None and _name(body, tenant)
     if header is None:
         return False
-    tenant = parse_tenant(header, f"the {TENANT_HEADER} header")
+    tenant = named_tenant(header, None, None, header_name=header_name)
     params = body.get("sampling_params")
     if params is None:
         params = body["sampling_params"] = {}
@@ -71,8 +75,9 @@ class TenantMiddleware:
     A body that is not a JSON object, or is compressed, passes untouched (SGLang answers
     it as it would)."""
 
-    def __init__(self, app: asgi.ASGIApp) -> None:
+    def __init__(self, app: asgi.ASGIApp, header_name: str = TENANT_HEADER) -> None:
         self.app = app
+        self.header_name = header_name
 
     async def __call__(self, scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
         path = scope.get("path") if scope["type"] == "http" and \
@@ -80,10 +85,12 @@ class TenantMiddleware:
         native = path in NATIVE_ROUTES
         if not native and path not in OPENAI_ROUTES:
             return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                   for k, v in scope.get("headers", ())}
-        header = headers.get(TENANT_HEADER)
-        if (native and header is None) or "content-encoding" in headers:
+        try:
+            header = asgi.header(scope, self.header_name)
+        except ValueError as error:
+            return await asgi.bad_request(send, str(error), TENANT_PARAM)
+        encoded = any(key.lower() == b"content-encoding" for key, _ in scope.get("headers", ()))
+        if (native and header is None) or encoded:
             return await self.app(scope, receive, send)
         raw = await asgi.read_body(receive)
         if raw is None:
@@ -103,7 +110,8 @@ class TenantMiddleware:
         await self.app(scope, asgi.replay(raw, receive), send)
 
 
-def install(app: Any) -> None:
-    """Add ``TenantMiddleware`` to SGLang's FastAPI ``app`` (before it starts)."""
-    app.add_middleware(TenantMiddleware)
+def install(app: Any, header_name: str = TENANT_HEADER) -> None:
+    """Add ``TenantMiddleware`` reading ``header_name`` to SGLang's FastAPI ``app`` (before
+    it starts)."""
+    app.add_middleware(TenantMiddleware, header_name=header_name)
 

@@ -23,13 +23,16 @@ import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from feather_sched.attention import cpu_kernel
-from feather_sched.attention.gpu_check import PagedBatch, sync_seconds
+from feather_sched.attention import cpu_kernel, selfcheck
+from feather_sched.attention.gpu_check import PagedBatch, graph_timer, sync_seconds
 from feather_sched.attention.groups import StepPlan, plan_step
+from feather_sched.attention.isolation import Recipe, run_isolated
 from feather_sched.attention.partials import reference_attention
 from feather_sched.attention.selfcheck import (
     Cell,
     Shapes,
+    Verdict,
+    device_facts,
     device_name,
     kernel_digest,
     median_seconds,
@@ -231,37 +234,111 @@ class GpuSubject:
 
     idle_cost = True
     """On a step where nothing groups the path still launches (empty work, in graphs)."""
+    host_seconds: Callable[[Callable[[], object], int], float] | None = None
+    """On a GPU: the host cost of an eager call (``timing.GraphTimer``)."""
 
     def __init__(self, builder: Any, vllm_config: Any, kv_cache_spec: Any,
                  layer_names: list[str], layer: Any = None) -> None:
-        from feather_sched.integrations.vllm.attention import versions
-
         self.builder = builder
         self.layer = layer or engine_layer(vllm_config, layer_names)
         engine_cls = builder.engine_cls
         self.engine_builder = engine_cls(kv_cache_spec, layer_names, vllm_config,
                                          builder.device)
         self.engine_forward = builder.engine_impl_cls.forward
-        model = vllm_config.model_config
         self.geometry = (builder.num_heads_q, kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
                          kv_cache_spec.dtype, kv_cache_spec.block_size)
         self.device = builder.device
-        self.shapes = Shapes(
-            device=device_name(self.device), q_heads=self.geometry[0],
-            kv_heads=self.geometry[1], head_dim=self.geometry[2],
-            dtype=str(kv_cache_spec.dtype).removeprefix("torch."),
-            block_size=kv_cache_spec.block_size, layout=builder.name,
-            max_rows=vllm_config.scheduler_config.max_num_seqs,
-            max_context=model.max_model_len,
-            versions=(*versions(), ("gpu kernel", kernel_digest()),
-                      ("cuda graphs", str(vllm_config.compilation_config.cudagraph_mode))))
-        self._seconds = sync_seconds(self.device)
+        self.kv_layout = resolved_layout(vllm_config)
+        self.shapes = gpu_shapes(builder, vllm_config, kv_cache_spec)
+        timer = graph_timer(self.device)
+        self._seconds = timer.seconds if timer else sync_seconds(self.device)
+        self.host_seconds = timer and timer.host_seconds
 
     def seconds(self, run: Callable[[], object], reps: int) -> float:
         return self._seconds(run, reps)
 
     def trial(self, cell: Cell, seed: int) -> GpuTrial:
-        return GpuTrial(self, PagedBatch(cell, *self.geometry, self.device, seed))
+        physical = "HND" if self.kv_layout.startswith("HND") else "NHD"
+        return GpuTrial(self, PagedBatch(cell, *self.geometry, self.device, seed, physical))
+
+
+def gpu_shapes(builder: Any, vllm_config: Any, kv_cache_spec: Any) -> Shapes:
+    """The shapes (and versions) a GPU verdict is kept for: this engine's, read from its
+    configuration; nothing allocated, nothing run."""
+    return Shapes(
+        device=device_name(builder.device), q_heads=builder.num_heads_q,
+        kv_heads=kv_cache_spec.num_kv_heads, head_dim=kv_cache_spec.head_size,
+        dtype=str(kv_cache_spec.dtype).removeprefix("torch."),
+        block_size=kv_cache_spec.block_size, layout=builder.name,
+        max_rows=vllm_config.scheduler_config.max_num_seqs,
+        max_context=vllm_config.model_config.max_model_len,
+        versions=gpu_versions(builder, kv_cache_spec, resolved_layout(vllm_config)))
+
+
+def gpu_recipe(builder: Any, vllm_config: Any, kv_cache_spec: Any) -> Recipe:
+    """The engine's check as a child process builds it (``isolation``): ``gpu_subject``
+    at this engine's shapes, backend, KV layout and device, kept for ``gpu_shapes``."""
+    backend = "FLASH_ATTN" if builder.name == "FlashAttention" else "TRITON_ATTN"
+    return Recipe(gpu_shapes(builder, vllm_config, kv_cache_spec),
+                  f"{__name__}:recipe_subject",
+                  {"backend": backend,
+                   "geometry": (builder.num_heads_q, kv_cache_spec.num_kv_heads,
+                                kv_cache_spec.head_size),
+                   "dtype": str(kv_cache_spec.dtype).removeprefix("torch."),
+                   "block": kv_cache_spec.block_size,
+                   "max_rows": vllm_config.scheduler_config.max_num_seqs,
+                   "max_model_len": vllm_config.model_config.max_model_len,
+                   "device": str(builder.device),
+                   "kv_layout": resolved_layout(vllm_config)},
+                  run="feather_sched.attention.gpu_check:check_measuring_memory")
+
+
+def recipe_subject(geometry: tuple[int, int, int], dtype: str, **options: Any) -> GpuSubject:
+    """``gpu_subject`` from a recipe's plain values (unpickling them imports nothing of
+    vLLM's, so the child can prepare its process before vLLM loads)."""
+    return gpu_subject(geometry=Geometry(*geometry), dtype=getattr(torch, dtype), **options)
+
+
+def engine_check(builder: Any, vllm_config: Any, kv_cache_spec: Any,
+                 layer_names: list[str]) -> Verdict:
+    """``auto``'s verdict for this engine: kept per device, versions and shapes; measured
+    on a GPU in a child process (``isolation.run_isolated``: a device fault, a hang or a
+    kill there leaves the worker up, the verdict off with its reason), elsewhere (CPU
+    tensors in Triton's interpreter) in this process, on ``builder``'s own decode."""
+    if builder.device.type == "cuda":
+        return selfcheck.cached_check(gpu_recipe(builder, vllm_config, kv_cache_spec),
+                                      run_isolated)
+    return selfcheck.cached_check(GpuSubject(builder, vllm_config, kv_cache_spec,
+                                             layer_names))
+
+
+def resolved_layout(vllm_config: Any) -> str:
+    """vLLM's resolved KV-cache layout as the check lays its cache out: "NHD" (tokens,
+    then heads, in a block) or "HND", with vLLM's name ("NHD (LBNHC)")."""
+    try:
+        layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    except (AttributeError, ValueError):  # not resolved: vLLM's default for these backends
+        return "NHD (default)"
+    heads, tokens = layout.value.index(2), layout.value.index(3)
+    return f"{'NHD' if tokens < heads else 'HND'} ({layout.name})"
+
+
+def gpu_versions(builder: Any, kv_cache_spec: Any, kv_layout: str
+                 ) -> tuple[tuple[str, str], ...]:
+    """What a GPU verdict depends on beyond its shapes: vLLM's and Feather's versions and
+    kernels, the FlashAttention version the builder runs (FA2, FA3 and FA4 share a
+    backend name), Triton's version, the SM count and driver, and the resolved KV
+    layout. Not the CUDA-graph mode: vLLM resolves it after the builders are made."""
+    from feather_sched.integrations.vllm.attention import versions
+
+    flash = "-"
+    if builder.name == "FlashAttention":
+        from vllm.v1.attention.backends import flash_attn
+
+        flash = str(flash_attn.get_flash_attn_version(
+            head_size=kv_cache_spec.head_size, kv_cache_block_size=kv_cache_spec.block_size))
+    return (*versions(), ("gpu kernel", kernel_digest()), ("flash-attn", flash),
+            *device_facts(builder.device), ("kv layout", kv_layout))
 
 
 def engine_layer(vllm_config: Any, layer_names: list[str]) -> Any:
@@ -274,7 +351,8 @@ def engine_layer(vllm_config: Any, layer_names: list[str]) -> Any:
 
 
 def gpu_subject(backend: str, geometry: Geometry, dtype: torch.dtype, block: int,
-                max_rows: int, max_model_len: int, device: str = "cuda") -> GpuSubject:
+                max_rows: int, max_model_len: int, device: str = "cuda",
+                kv_layout: str | None = None) -> GpuSubject:
     """The engine-start check of vLLM's ``backend`` ("FLASH_ATTN" or "TRITON_ATTN") at
     these shapes, outside an engine (``feather attention-check --backend``): vLLM's config
     for the project's tiny model with these heads, Feather's builder with the path on (no
@@ -291,7 +369,8 @@ def gpu_subject(backend: str, geometry: Geometry, dtype: torch.dtype, block: int
     model = ModelConfig(model=str(TINY_LLAMA), dtype=dtype, skip_tokenizer_init=True,
                         max_model_len=max_model_len, hf_overrides={
                             "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-                            "head_dim": head_dim, "hidden_size": heads * head_dim})
+                            "head_dim": head_dim, "hidden_size": heads * head_dim,
+                            "max_position_embeddings": max(max_model_len, 32768)})
     config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block),
                         additional_config={"feather": {"shared_prefix_attention": "on"}})
     config.scheduler_config.max_num_seqs = max_rows
@@ -306,4 +385,6 @@ def gpu_subject(backend: str, geometry: Geometry, dtype: torch.dtype, block: int
     ones = torch.ones(1, device=device)
     layer = SimpleNamespace(impl=impl, _q_scale=ones, _k_scale=ones, _v_scale=ones,
                             _q_scale_float=1.0, _k_scale_float=1.0, _v_scale_float=1.0)
-    return GpuSubject(builder, config, spec, ["feather.check"], layer)
+    subject = GpuSubject(builder, config, spec, ["feather.check"], layer)
+    subject.kv_layout = kv_layout or subject.kv_layout  # the engine's, where it has one
+    return subject

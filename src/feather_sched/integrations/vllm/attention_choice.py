@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
-
-import torch
 
 from feather_sched.attention import selfcheck
 from feather_sched.attention.selfcheck import Verdict
@@ -53,27 +50,10 @@ def checked(measure: Callable[[], Verdict]) -> tuple[Verdict | None, str | None]
 
 
 def agreed(verdict: Verdict | None) -> Verdict | None:
-    """One verdict for every tensor-parallel rank (each rank measured its own; None, a
-    check that failed, votes off): on only if every rank is on, from the longest
-    break-even any rank found.  The ranks must agree, or they would form different
-    batches' attention differently."""
+    """``selfcheck.agreed`` over vLLM's tensor-parallel group (its host-side gloo group;
+    none before vLLM's model parallelism is set up): every rank takes one answer."""
     from vllm.distributed import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
         return verdict
-    group = parallel_state.get_tp_group()
-    if group.world_size == 1:
-        return verdict
-    on = verdict is not None and verdict.on
-    votes = torch.tensor([0 if on else 1, (verdict and verdict.min_shared_tokens) or 0])
-    torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.MAX,
-                                 group=group.cpu_group)
-    off, tokens = (int(v) for v in votes)
-    if verdict is None:
-        return None
-    if off and on:
-        return replace(verdict, on=False, reason="another tensor-parallel rank found it off",
-                       min_shared_tokens=None)
-    return replace(verdict, min_shared_tokens=tokens or None) if on else verdict
-
-
+    return selfcheck.agreed(verdict, parallel_state.get_tp_group().cpu_group)

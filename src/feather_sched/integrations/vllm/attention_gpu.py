@@ -74,8 +74,16 @@ logger = logging.getLogger("vllm.feather_sched")
 def decide_gpu(vllm_config: Any, kv_cache_spec: Any) -> str | None:
     """Why a KV-cache group's configuration keeps vLLM's path whatever the option says,
     or None where Feather's can act."""
+    import vllm.envs as envs
+
     parallel = vllm_config.parallel_config
+    pass_config = getattr(vllm_config.compilation_config, "pass_config", None)
     problems = {
+        "off with fused output quantization (compilation_config.pass_config."
+        "fuse_attn_quant: the output is quantized, the path writes it unscaled)":
+            bool(getattr(pass_config, "fuse_attn_quant", False)),
+        "off in batch-invariant mode (VLLM_BATCH_INVARIANT: a grouped row's numerics "
+        "would depend on its neighbours)": bool(envs.VLLM_BATCH_INVARIANT),
         "off without prefix caching (no two rows can share a block)":
             not vllm_config.cache_config.enable_prefix_caching,
         "off with speculative decoding": vllm_config.speculative_config is not None,
@@ -157,7 +165,7 @@ class SharedPrefixBuilder:
         self.block_size = kv_cache_spec.block_size
         reason = decide(vllm_config, mode) or group_problem(vllm_config, kv_cache_spec,
                                                             layer_names)
-        compilation = vllm_config.compilation_config
+        self._compilation = compilation = vllm_config.compilation_config
         self._full_graphs = bool(compilation.cudagraph_mode
                                  and compilation.cudagraph_mode.has_full_cudagraphs())
         self._max_graph_tokens = compilation.max_cudagraph_capture_size or 0
@@ -166,11 +174,8 @@ class SharedPrefixBuilder:
         if reason is None and mode == "on":  # asked for: a failure here is the engine's
             self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
         elif reason is None:
-            def measure() -> Verdict:
-                self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
-                return self_check(self, vllm_config, kv_cache_spec, layer_names)
-
-            verdict, reason = checked(measure)
+            verdict, reason = checked(lambda: self._self_check(vllm_config, kv_cache_spec,
+                                                               layer_names, device))
             min_tokens = min_tokens or (verdict and verdict.min_shared_tokens)
             if device.type == "cuda":  # the check's batches, before vLLM allocates the KV
                 torch.cuda.empty_cache()
@@ -186,6 +191,19 @@ class SharedPrefixBuilder:
         announce(reason or (verdict.line(graphs) if verdict else
                             f"on ({self.name}, block size {self.block_size}, groups from "
                             f"{self.min_shared_blocks} shared blocks; {graphs})"))
+
+    def _self_check(self, vllm_config: Any, kv_cache_spec: Any, layer_names: list[str],
+                    device: torch.device) -> Verdict:
+        """``auto``'s verdict (``self_check``), and the grouped decode where it is on. On
+        a GPU the check runs in its own process, so Feather's kernels first compile and
+        run in this worker only once they measured exact there; elsewhere (Triton's
+        interpreter) it runs here, on this builder's decode."""
+        if device.type != "cuda":
+            self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
+        verdict = self_check(self, vllm_config, kv_cache_spec, layer_names)
+        if verdict.on and self.decode is None:
+            self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
+        return verdict
 
     def _grouped_decode(self, vllm_config: Any, kv_cache_spec: Any,
                         device: torch.device) -> GroupedDecode:
@@ -244,11 +262,9 @@ class SharedPrefixBuilder:
         base = super().build
         if self.decode is None:
             return base(0, common, fast_build)
-        graphed = self._capturing or (self._full_graphs
-                                      and common.num_actual_tokens <= self._max_graph_tokens)
         groups = self._groups(common, host) if host is not None else None  # None: capturing
-        if groups is None and not graphed:
-            return base(0, common, fast_build)
+        if groups is None and not (self._capturing or self._replayed_whole(common)):
+            return base(0, common, fast_build)  # no group, no graph that needs the work
         if groups is None:
             self.decode.clear()
         else:
@@ -258,6 +274,21 @@ class SharedPrefixBuilder:
         metadata = base(0, cut, fast_build)
         values = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
         return self.metadata_cls(**values, work=self.decode)
+
+    def _replayed_whole(self, common: CommonAttentionMetadata) -> bool:
+        """Whether vLLM replays this step as one FULL CUDA graph, whose captured launches
+        read the (empty) work: a uniform decode batch (one query token a row) under a mode
+        whose decode graphs are FULL, any batch where mixed ones are too, within the
+        captured sizes. Read at each step: vLLM resolves the mode after the builders are
+        made. Every other step (PIECEWISE or eager) without groups needs nothing of
+        Feather's."""
+        mode = self._compilation.cudagraph_mode
+        if not mode or common.num_actual_tokens > (
+                self._compilation.max_cudagraph_capture_size or 0):
+            return False
+        full = type(mode).FULL
+        uniform = common.max_query_len == 1 and common.num_actual_tokens == common.num_reqs
+        return mode.mixed_mode() == full or (uniform and mode.decode_mode() == full)
 
     def _groups(self, common: CommonAttentionMetadata, host: HostRows) -> Any:
         """The step's groups, or None where none can form (decided before any grouping
@@ -361,10 +392,10 @@ BACKENDS = {"FLASH_ATTN": SharedPrefixFlashBackend, "TRITON_ATTN": SharedPrefixT
 
 def self_check(builder: SharedPrefixBuilder, vllm_config: Any, kv_cache_spec: Any,
                layer_names: list[str]) -> Verdict:
-    """``auto``'s verdict for this engine: ``attention_check.GpuSubject`` (vLLM's own
-    kernel against the path, on this device, at this engine's shapes), cached per device,
-    versions and shapes (this rank's; ``checked`` has the ranks agree)."""
-    from feather_sched.attention.selfcheck import cached_check
-    from feather_sched.integrations.vllm.attention_check import GpuSubject
+    """``auto``'s verdict for this engine (``attention_check.engine_check``: vLLM's own
+    kernel against the path, on this device, at this engine's shapes; on a GPU in a child
+    process), kept per device, versions and shapes (this rank's; ``checked`` has the ranks
+    agree)."""
+    from feather_sched.integrations.vllm.attention_check import engine_check
 
-    return cached_check(GpuSubject(builder, vllm_config, kv_cache_spec, layer_names))
+    return engine_check(builder, vllm_config, kv_cache_spec, layer_names)

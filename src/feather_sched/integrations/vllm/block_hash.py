@@ -1,9 +1,10 @@
 """vLLM's prefix-cache block hashes, computed at the router exactly as vLLM 0.32-0.34 do.
 
-vLLM names each full KV block of a prompt ``hash_fn((parent, tuple(block_tokens), None))``
+vLLM names each full KV block of a prompt ``hash_fn((parent, tuple(block_tokens), extra))``
 (``kv_cache_utils.hash_block_tokens``; the first block's parent is ``NONE_HASH =
-hash_fn(seed)``), with ``hash_fn`` its ``--prefix-caching-hash-algo``: ``sha256`` (the
-default: SHA-256 of the triple pickled with the highest protocol), ``sha256_cbor``
+hash_fn(seed)``; ``extra`` is None for a plain request), with ``hash_fn`` its
+``--prefix-caching-hash-algo``: ``sha256`` (the default: SHA-256 of the triple pickled
+with the highest protocol), ``sha256_cbor``
 (SHA-256 of canonical CBOR), ``xxhash`` / ``xxhash_cbor`` (XXH3-128 of either).  The seed
 is ``PYTHONHASHSEED`` where the engine's process has it set, else ``"vllm-none-hash"``
 for the SHA-256 algorithms and a random one for the XXH3 ones (which no router can then
@@ -15,8 +16,12 @@ as an int (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, on by default) or the whole 
 digest of their tokens, so a prompt whose prefix came before
 costs that digest and a dict look-up per chunk; ``check`` recomputes a ``BlockStored``
 event's hashes to catch a router and an engine that disagree (block size, algorithm,
-seed).  Plain requests only: LoRA, multimodal, cache-salted and prompt-embedding requests
-hash extra keys this does not model.
+seed).  A request's cache boundary (``scheduler.boundary``: vLLM's own extra keys) is
+modelled where it is a LoRA adapter (``("lora", name, path)``, in every block's extra
+keys) or a ``cache_salt`` (``("cache_salt", salt)``, in the first block's), as
+``generate_block_hash_extra_keys`` puts them; multimodal and prompt-embedding requests are
+a ValueError (their extra keys depend on content the router does not see), and the router
+routes them by load.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import cbor2
 import numpy as np
 import xxhash
 
-from feather_sched.core import token_chunk_keys
+from feather_sched.core import Namespace, token_keys
 from feather_sched.routing.cache_index import BlockStored
 
 DEFAULT_SEED = "vllm-none-hash"
@@ -51,6 +56,18 @@ def _pickle(value: Any) -> bytes:
 
 def _cbor(value: Any) -> bytes:
     return cbor2.dumps(value, canonical=True)
+
+
+def extra_keys(boundary: tuple) -> tuple[tuple | None, tuple | None]:
+    """vLLM's extra keys of a request's first block and of the others, given its cache
+    ``boundary`` (LoRA, then the salt, as vLLM orders them; None where there are none).
+    ValueError for a part it cannot model (multimodal items, prompt embeddings)."""
+    unknown = [part for part in boundary if part[0] not in ("lora", "cache_salt")]
+    if unknown:
+        raise ValueError(f"the router cannot hash blocks with extra keys {unknown[0][0]!r}")
+    lora = tuple(part for part in boundary if part[0] == "lora")
+    salt = tuple(part for part in boundary if part[0] == "cache_salt")
+    return lora + salt or None, lora or None
 
 
 class VLLMBlockHasher:
@@ -95,18 +112,24 @@ class VLLMBlockHasher:
     def _name(self, digest: bytes) -> Any:
         return int.from_bytes(digest[-8:], "big") if self.int_hashes else digest
 
-    def full_hashes(self, tokens: Sequence[int], parent: bytes | None = None) -> list[bytes]:
+    def full_hashes(self, tokens: Sequence[int], parent: bytes | None = None,
+                    boundary: tuple = ()) -> list[bytes]:
         """Whole digests of the full blocks of ``tokens``, chained from ``parent`` (None:
-        a prompt's start).  No memo."""
+        a prompt's start) with the extra keys of ``boundary`` (``extra_keys``).  No memo."""
         size = self.block_size
         values = tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens)
+        first, rest = extra_keys(boundary)
+        extra = first if parent is None else rest
         hash_block, chain, out = self._hash, self.none_hash if parent is None else parent, []
         for start in range(0, len(values) // size * size, size):
-            chain = hash_block((chain, tuple(values[start:start + size]), None))
+            chain = hash_block((chain, tuple(values[start:start + size]), extra))
             out.append(chain)
+            extra = rest
         return out
 
-    def __call__(self, tokens: Sequence[int]) -> list[Any]:
+    def __call__(self, tokens: Sequence[int], boundary: tuple = ()) -> list[Any]:
+        """Names of the full blocks of ``tokens`` for a request of cache ``boundary``."""
+        extra_keys(boundary)  # ValueError before any work for one not modelled
         array = np.ascontiguousarray(tokens, dtype=np.int32)
         per_chunk = self.memo_blocks
         chunk_tokens = per_chunk * self.block_size
@@ -114,7 +137,8 @@ class VLLMBlockHasher:
         names: list[Any] = []
         parent: bytes | None = None
         done = 0  # tokens whose blocks are named
-        keys = token_chunk_keys(array, chunk_tokens) if len(array) >= chunk_tokens else []
+        keys = token_keys(array, chunk_tokens, Namespace(boundary)) \
+            if len(array) >= chunk_tokens else []
         for key in keys:
             known = memo.get(key)
             if known is None:
@@ -122,7 +146,7 @@ class VLLMBlockHasher:
             parent = known[0]
             names.extend(known[1])
             done += chunk_tokens
-        rest = self.full_hashes(array[done:], parent)
+        rest = self.full_hashes(array[done:], parent, boundary)
         if rest:
             for j, key in enumerate(keys[done // chunk_tokens:]):
                 chunk = rest[j * per_chunk:(j + 1) * per_chunk]

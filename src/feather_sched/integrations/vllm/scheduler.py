@@ -56,11 +56,13 @@ from feather_sched.core import (
     FaultGuard,
     FeatherConfig,
     FeatherRuntime,
+    Isolation,
     block_chunk_keys,
     describe_batch,
+    engine_keys,
     keys_per_chunk,
     parse_tenant,
-    token_chunk_keys,
+    token_keys,
 )
 from feather_sched.integrations.vllm import compat
 from feather_sched.integrations.vllm.choice import feather_mapping
@@ -105,23 +107,32 @@ class VllmRequests:
     """``RequestView`` of vLLM requests: chunk keys from the engine's own block hashes,
     the tenant from the request's ``SamplingParams.extra_args``."""
 
-    def __init__(self, hash_block_size: int, chunk_tokens: int) -> None:
+    def __init__(self, hash_block_size: int, chunk_tokens: int,
+                 isolation: Isolation | None = None) -> None:
         self.hash_block_size = hash_block_size
         self.blocks_per_chunk = keys_per_chunk(hash_block_size, chunk_tokens)
         self.chunk_tokens = self.blocks_per_chunk * hash_block_size
         """Tokens a chunk key stands for: ``chunk_tokens`` in whole blocks (at least one)."""
+        self.isolation = isolation or Isolation()
         self._bad_tenant_logged = False
 
     request_id = attrgetter("request_id")
     """The request's id (an attrgetter: the runtime maps it over the running list)."""
 
     def chunk_keys(self, request: Request) -> list:
-        """Every k-th prompt block hash (no re-hashing), or token chunks without hashes."""
+        """Keys in the request's namespace (``core.isolation``): every k-th prompt block
+        hash (no re-hashing; vLLM's hashes hold its boundary, ``boundary``), or, without
+        hashes (prefix caching off), token chunks digested in the whole namespace.  A
+        prompt of embeddings has no keys without hashes (its token ids are placeholders)."""
+        namespace = self.isolation.namespace(boundary(request),
+                                             lambda: self.tenant(request))
         if request.block_hashes:
-            return block_chunk_keys(self.prompt_hashes(request), self.blocks_per_chunk)
-        if request.prompt_token_ids is None:
+            return engine_keys(block_chunk_keys(self.prompt_hashes(request),
+                                                self.blocks_per_chunk),
+                               namespace.beyond_engine())
+        if request.prompt_token_ids is None or request.prompt_embeds is not None:
             return []
-        return token_chunk_keys(request.prompt_token_ids, self.chunk_tokens)
+        return token_keys(request.prompt_token_ids, self.chunk_tokens, namespace)
 
     def prompt_tokens(self, request: Request) -> int:
         return request.num_prompt_tokens
@@ -155,6 +166,20 @@ class VllmRequests:
     def prompt_hashes(self, request: Request) -> list:
         """The block hashes of the prompt's full blocks."""
         return request.block_hashes[: request.num_prompt_tokens // self.hash_block_size]
+
+
+def boundary(request: Request) -> tuple:
+    """What vLLM's prefix cache keys a request by besides its tokens, as its first block's
+    extra keys (``kv_cache_utils.generate_block_hash_extra_keys``): the LoRA adapter,
+    every multimodal item (its hash and place), the ``cache_salt``; () for a plain
+    request.  Prompt embeddings are left out: such a request has no token keys."""
+    lora = request.lora_request
+    parts: list = [("lora", lora.lora_name, lora.lora_path)] if lora else []
+    parts += [("mm", feature.identifier, feature.mm_position.offset)
+              for feature in request.mm_features]
+    if request.cache_salt:
+        parts.append(("cache_salt", request.cache_salt))
+    return tuple(parts)
 
 
 class FeatherWaitingQueue(RequestQueue):
@@ -805,7 +830,7 @@ def plugin_allowed(name: str) -> bool:
 def requests_view(scheduler: Scheduler, config: FeatherConfig) -> VllmRequests:
     """How Feather reads this scheduler's requests (block hashes of its hash block size)."""
     hash_block_size = getattr(scheduler, "hash_block_size", None) or scheduler.block_size
-    return VllmRequests(hash_block_size, config.chunk_tokens)
+    return VllmRequests(hash_block_size, config.chunk_tokens, config.isolation)
 
 
 def is_feather_scheduler(scheduler_cls: type) -> bool:

@@ -2,17 +2,22 @@
 where vLLM's engine carries it to Feather's scheduler.
 
 vLLM loads it with ``--middleware feather_sched.integrations.vllm.tenants.TenantMiddleware``
-(``feather serve`` adds the flag). For a POST to one of ``TENANT_PATHS`` whose body is a
-JSON object, the tenant the request names (``core.named_tenant``: the ``x-tenant-id``
-header, then the body's ``vllm_xargs.tenant``, then OpenAI's ``user`` where it is a valid
-tenant id) is written to the body's ``vllm_xargs.tenant``. vLLM's protocol classes pass
-``vllm_xargs`` on as ``SamplingParams.extra_args`` (``to_sampling_params`` of completions,
-chat completions and responses; the Anthropic messages request through its chat request),
-which reach the engine core with the request, where ``VllmRequests.tenant`` reads it. A bad
-header or ``vllm_xargs.tenant`` is a 400 in vLLM's error shape, before vLLM reads the body;
-a body that is not a JSON object (or whose ``vllm_xargs`` is not one) passes untouched, for
-vLLM to answer; any other path or method is not read. A request that names no tenant is the
-default tenant's.
+(``feather serve`` adds the flag). It acts only where the server's Feather options use
+tenants (``fairness`` or ``isolate_tenants``: ``FeatherConfig.tenant_header_of``, read once
+from vLLM's app state, else ``FEATHER_*``); otherwise every request passes untouched, as
+``vllm serve`` would take it. The header is the ``tenant_header`` option's
+(``x-tenant-id``), read as UTF-8; given twice it is a 400. It is client input: only a
+gateway that sets or strips it should let it through (docs/isolation.md). For a POST to
+one of ``TENANT_PATHS`` whose body is a JSON object, the tenant the request names
+(``core.named_tenant``: the header, then the body's ``vllm_xargs.tenant``, then OpenAI's
+``user`` where it is a valid tenant id) is written to the body's ``vllm_xargs.tenant``.
+vLLM's protocol classes pass ``vllm_xargs`` on as ``SamplingParams.extra_args``
+(``to_sampling_params`` of completions, chat completions and responses; the Anthropic
+messages request through its chat request), which reach the engine core with the request,
+where ``VllmRequests.tenant`` reads it. A bad header or ``vllm_xargs.tenant`` is a 400 in
+vLLM's error shape, before vLLM reads the body; a body that is not a JSON object (or whose
+``vllm_xargs`` is not one) passes untouched, for vLLM to answer; any other path or method
+is not read. A request that names no tenant is the default tenant's.
 
 Cost: the body is read once and parsed once (``json``: about 0.8 ms for an 8K-token
 prompt here); where the tenant it carries is not the one named (a header, a ``user``, a
@@ -24,19 +29,23 @@ before its API-key check: a 400 for a bad tenant can come before a 401.
 from __future__ import annotations
 
 import json
+import logging
+from typing import Any
 
-from feather_sched.core import TENANT_ARG, TENANT_HEADER, named_tenant
+from feather_sched.core import TENANT_ARG, TENANT_HEADER, FeatherConfig, named_tenant
 from feather_sched.integrations import asgi
+
+logger = logging.getLogger("vllm.feather_sched")
 
 TENANT_MIDDLEWARE = f"{__name__}.TenantMiddleware"
 """The import path vLLM's ``--middleware`` takes."""
 TENANT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
                           "/v1/messages"})
 """vLLM 0.32's generation endpoints whose request carries ``vllm_xargs`` to the engine."""
-_HEADER = TENANT_HEADER.encode()
+_UNREAD = object()
 
 
-def with_tenant(body: bytes, header: str | None) -> bytes:
+def with_tenant(body: bytes, header: str | None, header_name: str = TENANT_HEADER) -> bytes:
     """``body`` with ``vllm_xargs.tenant`` set to the tenant the request names (the
     ``header``'s value, else the body's own), unchanged where it already says so, names
     none, or is not a JSON object.  ValueError for a bad tenant.  O(body)."""
@@ -49,7 +58,7 @@ def with_tenant(body: bytes, header: str | None) -> bytes:
     engine_args = data.get("vllm_xargs")
     if engine_args is not None and not isinstance(engine_args, dict):
         return body  # vLLM refuses it
-    tenant = named_tenant(header, engine_args, data.get("user"))
+    tenant = named_tenant(header, engine_args, data.get("user"), header_name=header_name)
     if tenant is None or (engine_args or {}).get(TENANT_ARG) == tenant:
         return body
     opened = body.lstrip()
@@ -65,22 +74,38 @@ class TenantMiddleware:
 
     def __init__(self, app: asgi.ASGIApp) -> None:
         self.app = app
+        self._header: Any = _UNREAD
+        """The tenant header's name, None where tenants are off; read at the first request
+        (vLLM's app state holds its config only once the server starts)."""
 
     async def __call__(self, scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
         if scope["type"] != "http" or scope.get("method") != "POST" or \
-                path not in TENANT_PATHS:
+                path not in TENANT_PATHS or (header_name := self.header_name(scope)) is None:
             return await self.app(scope, receive, send)
         body = await asgi.read_body(receive)
         if body is None:
             return None  # the client left while sending
-        header = next((value.decode("latin-1") for name, value in scope["headers"]
-                       if name == _HEADER), None)
         try:
-            named = with_tenant(body, header)
+            named = with_tenant(body, asgi.header(scope, header_name), header_name)
         except ValueError as error:
             return await asgi.bad_request(send, str(error), TENANT_ARG)
         if named is not body:
             scope = asgi.with_length(scope, named)
         return await self.app(scope, asgi.replay(named, receive), send)
 
+    def header_name(self, scope: asgi.Scope) -> str | None:
+        """The tenant header of this server's Feather options (its ``--additional-config``,
+        else ``FEATHER_*``), None where they use no tenants or are bad (the engine says
+        why as it starts)."""
+        if self._header is _UNREAD:
+            state = getattr(scope.get("app"), "state", None)
+            additional = getattr(getattr(state, "vllm_config", None), "additional_config",
+                                 None)
+            options = additional.get("feather") if isinstance(additional, dict) else None
+            try:
+                self._header = FeatherConfig.tenant_header_of(options)
+            except ValueError as error:
+                logger.warning("Feather's tenant middleware is off: %s", error)
+                self._header = None
+        return self._header

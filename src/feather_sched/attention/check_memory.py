@@ -1,0 +1,125 @@
+"""The self-check's memory, worked out before anything runs: what an operator reads before
+the first start (``feather attention-check --plan``), and the bound the check keeps.
+
+The check holds one cell at a time (``selfcheck.check``): that cell's paged batch
+(``gpu_check.PagedBatch``: the cache, query and output on the device in the engine's
+dtype; the block table and the step's groups on the host), the check's copies of both
+paths' outputs, and, for small cells only, a float64 reference computed one row at a time
+on the host. Beside it, for the whole check, the grouped decode's buffers
+(``gpu_decode.GroupedDecode``) and an allowance for the engine's own attention builder
+(vLLM's Triton backend keeps split-softmax scratch of up to ``ENGINE_ALLOWANCE``). The
+peaks are the fixed part plus the largest cell. Engine-agnostic: torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from feather_sched.attention.gpu_check import REFERENCE_TOKENS
+from feather_sched.attention.gpu_decode import DecodeLimits, GroupedDecode
+from feather_sched.attention.selfcheck import Cell, Shapes
+
+HOST_LIMIT = 1 << 30
+"""The most host memory the check may use (1 GiB), whatever the model."""
+ENGINE_ALLOWANCE = 256 << 20
+"""Device memory allowed for the engine's attention builder and its per-batch scratch
+(vLLM's Triton backend: split-softmax buffers sized by its 3D-launch threshold; FA3: its
+scheduler metadata and split-KV accumulators)."""
+PLAN_SMS = 256
+"""SMs assumed where the device is not known yet (a plan): more than any GPU has, so the
+grouped decode's split-K workspace is at its largest."""
+HOST_GROUPING_BYTES = 64
+"""Host bytes per block-table entry while the step's groups are found (the table, its
+sorted copies and masks)."""
+
+
+@dataclass(frozen=True)
+class CellMemory:
+    """One cell's memory at its peak."""
+
+    cell: Cell
+    host_bytes: int
+    device_bytes: int
+    reference: bool
+    """Whether the cell has a float64 reference (small cells only)."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The check's cells and its peak memory, on the host and on the device."""
+
+    shapes: Shapes
+    cells: tuple[CellMemory, ...]
+    fixed_host_bytes: int
+    fixed_device_bytes: int
+
+    @property
+    def peak_host_bytes(self) -> int:
+        return self.fixed_host_bytes + max((c.host_bytes for c in self.cells), default=0)
+
+    @property
+    def peak_device_bytes(self) -> int:
+        return self.fixed_device_bytes + max((c.device_bytes for c in self.cells), default=0)
+
+    def to_json(self) -> dict:
+        return {"shapes": asdict(self.shapes), "peak_host_bytes": self.peak_host_bytes,
+                "peak_device_bytes": self.peak_device_bytes,
+                "host_limit_bytes": HOST_LIMIT,
+                "cells": [{**asdict(c.cell), "rows": c.cell.rows, "host_bytes": c.host_bytes,
+                           "device_bytes": c.device_bytes, "reference": c.reference}
+                          for c in self.cells]}
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype named as ``Shapes.dtype`` names it."""
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def cell_memory(cell: Cell, shapes: Shapes) -> CellMemory:
+    """What one cell holds (see the module docstring), in bytes."""
+    size, block = itemsize(shapes.dtype), shapes.block_size
+    q, kv, d, rows = shapes.q_heads, shapes.kv_heads, shapes.head_dim, cell.rows
+    length = cell.prefix + cell.suffix + 1
+    shared = cell.prefix // block
+    own = -(-(length - shared * block) // block)
+    blocks = cell.groups * shared + rows * own
+    columns = shared + own
+    outputs = rows * q * d
+    device = (blocks * block * kv * 2 * d * size   # the cache
+              + 4 * outputs * size                 # query, output, the check's two copies
+              + 3 * outputs * 8                    # the relative error in float64
+              + rows * q * (d + 1) * 4             # a stand-in engine's fp32 partials
+              + rows * (columns + 16) * 8)         # table, lengths, slots, segments
+    host = HOST_GROUPING_BYTES * rows * columns + 12 * blocks + 64 * rows
+    reference = rows * length <= REFERENCE_TOKENS
+    if reference:
+        context = length * kv * 2 * d
+        device += context * size                   # one row's context gathered
+        host += (outputs * (size + 8)              # the query on the host, the reference
+                 + context * (size + 8)            # one row's context, and in float64
+                 + 2 * q * length * 8)             # its scores and probabilities
+    return CellMemory(cell, host, device, reference)
+
+
+def memory_plan(shapes: Shapes, cells: Sequence[Cell], limits: DecodeLimits) -> MemoryPlan:
+    """The check's peak memory for ``shapes`` over ``cells`` (``selfcheck.cells_to_run``)
+    with the grouped decode of ``limits``; allocates nothing (the decode's buffers are
+    sized on the ``meta`` device)."""
+    decode = GroupedDecode(limits, "meta")
+    return MemoryPlan(shapes, tuple(cell_memory(cell, shapes) for cell in cells),
+                      fixed_host_bytes=decode.host_bytes,
+                      fixed_device_bytes=decode.device_bytes + ENGINE_ALLOWANCE)
+
+
+def table(plan: MemoryPlan) -> str:
+    """The plan's cells as a markdown table: cell, rows, host and device MiB, reference."""
+    lines = ["| prefix | groups x rows | suffix | host MiB | device MiB | float64 reference |",
+             "|---|---|---|---|---|---|"]
+    lines.extend(f"| {c.cell.prefix} | {c.cell.groups} x {c.cell.per_group} | "
+                 f"{c.cell.suffix} | {c.host_bytes / (1 << 20):.1f} | "
+                 f"{c.device_bytes / (1 << 20):.1f} | {'yes' if c.reference else 'no'} |"
+                 for c in plan.cells)
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""Isolation: the namespace of a request's prefix keys, so that requests whose KV must not
+be shared are never grouped, ranked or ordered by each other's prefixes.
+
+Feather orders requests by the prefixes they share (the tree's admission rank, the
+running order, each step's groups), and a request's speed follows that order.  A prefix
+matched across an isolation boundary is therefore a channel: one tenant's order and speed
+would reveal another's prompt even where the engine never shares their KV
+(docs/isolation.md).  The rule, one for every engine and path: a request's keys live in
+its **namespace**, and keys of two namespaces never match (bar a 64-bit collision).  A
+request's namespace is
+
+* its engine's **boundary**: whatever besides the tokens the engine's own prefix cache
+  keys by, as the adapter reads it (vLLM: ``cache_salt``, the LoRA adapter, multimodal
+  items, prompt embeddings; SGLang: ``extra_key``, which carries the LoRA id, and
+  ``cache_salt``); empty for a plain request;
+* its **tenant**, under ``isolate_tenants``, where it names one (requests naming none,
+  ``DEFAULT_TENANT``'s, share one namespace).
+
+Keys come in two kinds: token keys Feather digests itself (``token_keys``: the namespace
+seeds the digest), and an engine's own keys (``engine_keys``: vLLM's block hashes, which
+hold vLLM's boundary already; the tenant, where isolated, is paired with each key).  The
+shared namespace's keys are exactly those without isolation: plain requests pay nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import xxhash
+
+from feather_sched.core.cht import ChunkKey, token_chunk_keys
+from feather_sched.core.tenants import DEFAULT_TENANT
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Where a request's prefix keys live: its engine ``boundary`` (the parts of it the
+    request has, each a hashable with a deterministic ``repr``, e.g. ``("cache_salt",
+    "s")``) and its ``tenant`` where tenants are isolated (else None)."""
+
+    boundary: tuple[Hashable, ...] = ()
+    tenant: Hashable | None = None
+
+    @property
+    def shared(self) -> bool:
+        """The namespace of plain requests (no boundary, no isolated tenant)."""
+        return not self.boundary and self.tenant is None
+
+    @cached_property
+    def seed(self) -> int:
+        """A 64-bit digest of the namespace (0 for the shared one): the same in every
+        process, as it digests the parts' ``repr``."""
+        return 0 if self.shared else xxhash.xxh3_64_intdigest(repr(self).encode()) or 1
+
+    def beyond_engine(self) -> Namespace:
+        """What an engine's own keys do not hold of this namespace: its tenant."""
+        return Namespace((), self.tenant)
+
+
+SHARED = Namespace()
+
+
+def token_keys(tokens: np.ndarray | Sequence[int], chunk_tokens: int,
+               namespace: Namespace = SHARED) -> list[int]:
+    """``cht.token_chunk_keys`` of ``tokens`` inside ``namespace`` (its seed starts the
+    digest).  O(tokens)."""
+    return token_chunk_keys(tokens, chunk_tokens, namespace.seed)
+
+
+def engine_keys(keys: Sequence[ChunkKey], namespace: Namespace) -> list:
+    """An engine's own keys inside ``namespace``: unchanged where it is shared, else each
+    paired with its seed.  ``namespace`` is what the keys do not hold already
+    (``Namespace.beyond_engine``).  O(keys)."""
+    if namespace.shared:
+        return list(keys)
+    seed = namespace.seed
+    return [(seed, key) for key in keys]
+
+
+class Isolation:
+    """The namespaces of one engine's requests: its boundary, and its tenant where
+    ``isolate_tenants`` (Feather's option) says so."""
+
+    def __init__(self, isolate_tenants: bool = False) -> None:
+        self.isolate_tenants = isolate_tenants
+
+    def namespace(self, boundary: Iterable[Hashable] = (),
+                  tenant_of: Callable[[], Hashable] | None = None) -> Namespace:
+        """A request's namespace: the ``boundary`` parts it has (None parts dropped) and,
+        under ``isolate_tenants``, the tenant ``tenant_of()`` names (None and
+        ``DEFAULT_TENANT`` name none; it is called only then)."""
+        tenant = tenant_of() if self.isolate_tenants and tenant_of is not None else None
+        return Namespace(tuple(part for part in boundary if part is not None),
+                         None if tenant == DEFAULT_TENANT else tenant)

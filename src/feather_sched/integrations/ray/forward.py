@@ -1,0 +1,144 @@
+"""Requests forwarded whole from the replicas' ingress to vLLM's own OpenAI server.
+
+The ingress does not re-model a request: it hands the replica the HTTP request as it came
+(``HttpCall``: method, path, query, headers, body), and the replica answers it with vLLM's
+own FastAPI app over its engine (``answer``), so every endpoint and field ``vllm serve``
+takes (tools, response_format, logprobs, priority, cache_salt, ...) gets the engine's
+answer, errors included.  What the ingress adds is what its router needs (``Hints``): the
+prompt's token ids where it can tell them (a completion's prompt, a chat's messages through
+the chat template), and the request's isolation namespace (``core.isolation``: its
+``cache_salt``, its LoRA adapter, its tenant under ``isolate_tenants``).  A hint it cannot
+work out routes the request by load; it never fails one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from feather_sched.core import SHARED, FeatherConfig, Isolation, Namespace, named_tenant
+from feather_sched.integrations import asgi
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class HttpCall:
+    """One HTTP request as the ingress forwards it, and its routing hints (routers read
+    ``prompt_token_ids``, ``prompt`` and ``namespace``)."""
+
+    method: str
+    path: str
+    query: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    prompt_token_ids: list[int] | None = None
+    """The prompt's token ids where the ingress could tell them (None: route by load)."""
+    prompt: str = ""
+    """The prompt's text, for text-matching routers ("": none)."""
+    namespace: Namespace = SHARED
+    session_id: str = ""
+    """The request's session, for routers that keep sessions together ("": none)."""
+
+
+async def answer(app: asgi.ASGIApp, call: HttpCall) -> AsyncIterator[dict[str, Any] | bytes]:
+    """``app``'s answer to ``call``: first ``{"status", "headers"}``, then the body's
+    pieces as the app sends them (an event stream's events one by one).  Cancelling the
+    iteration cancels the app's handling (vLLM then aborts the request).  The app reads
+    the body whole, then no disconnect (the client's leaving is this cancellation)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": call.method, "scheme": "http", "path": call.path,
+             "raw_path": call.path.encode(), "query_string": call.query, "root_path": "",
+             "headers": call.headers, "client": None, "server": None}
+    sent: asyncio.Queue = asyncio.Queue()
+    task = asyncio.create_task(app(scope, asgi.replay(call.body, asyncio.Event().wait),
+                                   sent.put))
+    task.add_done_callback(lambda _: sent.put_nowait(None))
+    try:
+        while (message := await sent.get()) is not None:
+            if message["type"] == "http.response.start":
+                yield {"status": message["status"], "headers": list(message["headers"])}
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield bytes(message["body"])
+                if not message.get("more_body", False):
+                    break
+        await task
+    except Exception:  # Starlette answers a handler's exception (500), then re-raises it
+        logger.exception("vLLM's server failed a forwarded request")
+    finally:
+        task.cancel()
+
+
+class Hints:
+    """What the router needs from a forwarded request (module docstring).
+
+    ``tokenizer``: a Hugging Face tokenizer (None: no token ids); ``chat_template``: the
+    server's (None: the model's); ``adapters``: the LoRA adapters by served name
+    (``--lora-modules``) with their paths, as vLLM keys their blocks; ``options``: Feather's
+    options (``isolate_tenants``, ``tenant_header``).
+    """
+
+    def __init__(self, tokenizer: Any, chat_template: str | None,
+                 adapters: Mapping[str, str], options: Mapping[str, Any] | None) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.adapters = dict(adapters)
+        self.isolation = Isolation(FeatherConfig.option("isolate_tenants", options))
+        self.tenant_header = FeatherConfig.option("tenant_header", options)
+
+    def __call__(self, call: HttpCall, headers: Mapping[str, str]) -> None:
+        """Fill ``call``'s hints from its JSON body; a body or part the ingress cannot read
+        leaves them unset (vLLM answers the request as it would)."""
+        try:
+            body = json.loads(call.body) if call.method == "POST" and call.body else None
+        except ValueError:
+            return
+        if not isinstance(body, dict):
+            return
+        session = body.get("session_id")
+        call.session_id = session if isinstance(session, str) else ""
+        call.namespace = self.isolation.namespace(
+            self._boundary(body), lambda: self._tenant(body, headers))
+        try:
+            call.prompt_token_ids, call.prompt = self._prompt(body)
+        except Exception as error:
+            logger.debug("Feather ingress: routing by load (%s)", error)
+
+    def _boundary(self, body: dict) -> tuple:
+        """The request's cache boundary as vLLM's engine will key it (``vllm.scheduler.
+        boundary``): its LoRA adapter, its ``cache_salt``."""
+        model, salt = body.get("model"), body.get("cache_salt")
+        lora = ("lora", model, self.adapters[model]) \
+            if isinstance(model, str) and model in self.adapters else None
+        return lora, ("cache_salt", salt) if isinstance(salt, str) and salt else None
+
+    def _tenant(self, body: dict, headers: Mapping[str, str]) -> str | None:
+        try:
+            return named_tenant(headers.get(self.tenant_header), body.get("vllm_xargs"),
+                                body.get("user"), header_name=self.tenant_header)
+        except ValueError:
+            return None  # the replica refuses the request, saying why
+
+    def _prompt(self, body: dict) -> tuple[list[int] | None, str]:
+        """The prompt's token ids and text: a completion's (its first, of several), a chat's
+        messages rendered as the server would (its template, the tools)."""
+        encode: Callable[..., list[int]] | None = getattr(self.tokenizer, "encode", None)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt, " ".join(map(str, prompt))
+        if isinstance(prompt, str):
+            return (encode(prompt) if encode else None), prompt
+        messages = body.get("messages")
+        if not isinstance(messages, list) or encode is None:
+            return None, ""
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=body.get("tools"), chat_template=self.chat_template,
+            add_generation_prompt=True, tokenize=False)
+        return encode(text, add_special_tokens=False), text
