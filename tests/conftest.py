@@ -33,6 +33,7 @@ ENGINE_MODULES = frozenset({
     "integrations/vllm/test_batch_order.py",  # the order's effect in a real engine
     "integrations/vllm/test_engine.py",
     "integrations/vllm/test_kv_events.py",
+    "integrations/vllm/test_releases.py",  # pytest processes against each release (.venv-drift)
     "integrations/vllm/test_urgent.py",
     "test_serve.py",  # feather serve's real servers
 })

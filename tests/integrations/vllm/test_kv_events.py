@@ -1,6 +1,8 @@
-"""vLLM's KV events from the real engine (CPU, tiny model, in-process) into the router's
-cache index over ZMQ: the index holds exactly the blocks the engine's pool caches, through
-evictions; the router's own hashes name them; a router whose hashes differ is told."""
+"""vLLM's KV events into the router's cache index over ZMQ, from the real engine (CPU, tiny
+model, in-process) and from vLLM's own scheduler driven without one (fabricated model
+outputs, so on every release): the index holds exactly the blocks the engine's pool
+caches, through evictions; the router's own hashes name them; a router whose hashes
+differ is told."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from feather_sched.models import TINY_LLAMA  # noqa: E402
 from feather_sched.routing.cache_index import CacheIndex  # noqa: E402
 from tests.helpers.servers import free_port  # noqa: E402
 from tests.helpers.vllm_engines import shut_down  # noqa: E402
+from tests.integrations.vllm.test_scheduler import Harness  # noqa: E402
 
 BLOCK = 128
 KV_BYTES_PER_TOKEN = 2 * 8 * 64 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16
@@ -34,20 +37,30 @@ KV_BLOCKS = 24  # fewer than the prompts' blocks: the pool evicts
 @pytest.fixture(scope="module")
 def engine():
     """The engine publishing on free ports; its endpoints."""
-    pub, replay = free_port(), free_port()
-    events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                            endpoint=f"tcp://*:{pub}", replay_endpoint=f"tcp://*:{replay}")
+    events, endpoint, replay = publishing()
     llm = LLM(model=str(TINY_LLAMA), load_format="dummy", skip_tokenizer_init=True,
               enforce_eager=True, seed=0, max_model_len=2048, block_size=BLOCK,
               kv_cache_memory_bytes=KV_BLOCKS * BLOCK * KV_BYTES_PER_TOKEN,
               kv_events_config=events)
-    yield llm, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+    yield llm, endpoint, replay
     shut_down(llm)
 
 
-def cached(llm: LLM) -> set[int]:
-    """The block hashes the engine's pool caches now, as its events name them."""
-    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+def publishing() -> tuple[KVEventsConfig, str, str]:
+    """vLLM's ZMQ publisher on free ports; the endpoints to subscribe to."""
+    pub, replay = free_port(), free_port()
+    events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                            endpoint=f"tcp://*:{pub}", replay_endpoint=f"tcp://*:{replay}")
+    return events, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+
+
+def scheduler_of(llm: LLM):
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def cached(scheduler) -> set[int]:
+    """The block hashes the scheduler's pool caches now, as its events name them."""
+    pool = scheduler.kv_cache_manager.block_pool
     return {maybe_convert_block_hash(get_block_hash(key))
             for key in pool.cached_block_hash_to_block._cache}
 
@@ -70,6 +83,7 @@ def settle(subscriber: KVEventSubscriber, replica: str, index: CacheIndex,
         time.sleep(0.05)
 
 
+@pytest.mark.real_engine
 def test_the_index_holds_exactly_what_the_engine_caches_through_evictions(engine) -> None:
     llm, endpoint, replay = engine
     index, lock = CacheIndex(), threading.Lock()
@@ -87,12 +101,14 @@ def test_the_index_holds_exactly_what_the_engine_caches_through_evictions(engine
         llm.generate([TokensPrompt(prompt_token_ids=prompts(0)[0])],
                      SamplingParams(max_tokens=1))  # before the router subscribed
         subscriber.add("r", endpoint, replay)
-        assert settle(subscriber, "r", index, lock, cached(llm)) == cached(llm)
+        assert settle(subscriber, "r", index, lock, cached(scheduler_of(llm))) == \
+            cached(scheduler_of(llm))
         for seed in (1, 2, 3):  # 12 prefix blocks a round: the pool of 24 evicts
             batch = prompts(seed)
             llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch],
                          SamplingParams(max_tokens=4, ignore_eos=True))
-            assert settle(subscriber, "r", index, lock, cached(llm)) == cached(llm)
+            assert settle(subscriber, "r", index, lock, cached(scheduler_of(llm))) == \
+            cached(scheduler_of(llm))
         feed = subscriber.feeds["r"]
         assert feed.clears == 0 and feed.replayed >= 1  # the first batch came by replay
         last = batch[-1]
@@ -103,6 +119,7 @@ def test_the_index_holds_exactly_what_the_engine_caches_through_evictions(engine
         subscriber.close()
 
 
+@pytest.mark.real_engine
 def test_a_router_hashing_otherwise_is_told_and_applies_nothing(engine) -> None:
     llm, endpoint, replay = engine
     index, lock = CacheIndex(), threading.Lock()
@@ -122,3 +139,36 @@ def test_a_router_hashing_otherwise_is_told_and_applies_nothing(engine) -> None:
             assert index.blocks("r") == 0
     finally:
         subscriber.close()
+
+
+def test_the_schedulers_own_events_reach_the_index_without_an_engine() -> None:
+    """vLLM's own scheduler and block pool, no model (``Harness``: fabricated outputs),
+    publishing through vLLM's own ZMQ publisher: what the pool caches is what the index
+    holds, wave after wave of new prefix groups (40 blocks: the pool evicts), and the
+    router's hashes agree. No compiled op of vLLM's: this runs on every release."""
+    events, endpoint, replay = publishing()
+    harness = Harness(num_blocks=40, kv_events_config=events)
+    index, lock = CacheIndex(), threading.Lock()
+    hasher = VLLMBlockHasher(16)
+    checked: list[str | None] = []
+
+    def check(event) -> str | None:
+        checked.append(hasher.check(event))
+        return checked[-1]
+
+    subscriber = KVEventSubscriber(index, lock, check)
+    try:
+        subscriber.add("r", endpoint, replay)
+        evicted = False
+        for wave in range(4):
+            before = cached(harness.scheduler)
+            harness.add(*(harness.request(f"w{wave}-{i}", group=2 * wave + i % 2,
+                                          max_tokens=3) for i in range(4)))
+            harness.drain()
+            now = cached(harness.scheduler)
+            evicted |= bool(before - now)
+            assert settle(subscriber, "r", index, lock, now) == now
+        assert evicted and checked == [None]
+    finally:
+        subscriber.close()
+        harness.scheduler.shutdown()

@@ -15,7 +15,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 
@@ -50,6 +50,7 @@ from feather_sched.core.queue import QueueState
 from feather_sched.gates.base import BatchLayout, Decision, GateContext, Unobservant
 from feather_sched.gates.model import ModelGate
 from feather_sched.gates.step_model import StepPrior
+from feather_sched.integrations.vllm import compat
 from feather_sched.integrations.vllm.scheduler import (
     BATCH_ORDER_PLUGIN,
     FeatherScheduler,
@@ -69,6 +70,16 @@ STRICT = {"gate": "chunk-loss", "max_wait_s": None,
           "gate_options": {"max_loss": 0, "max_loss_loaded": 0, "floor_start": 0,
                            "floor_step": 0}}
 """A gate that stops at the first candidate costing the running batch any shared chunk."""
+NO_V1_RUNNER = "this vLLM has no V1 model runner (0.34 removed it)"
+
+
+def runner_output(ids: list[str], sampled: list[list[int]]) -> ModelRunnerOutput:
+    """vLLM's model-runner output for the requests ``ids`` (in that order), each having
+    sampled its list of ``sampled``; ``req_id_to_index`` where the release has it (0.34
+    indexes by ``req_ids`` alone)."""
+    index = ({"req_id_to_index": {r: i for i, r in enumerate(ids)}}
+             if "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)} else {})
+    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **index)
 
 
 class RecordingGate(Unobservant):
@@ -92,10 +103,14 @@ class RecordingGate(Unobservant):
 
 
 class Harness:
-    """A Feather scheduler and the engine loop around it, with fabricated outputs."""
+    """A Feather scheduler and the engine loop around it, with fabricated outputs.
+
+    ``v2_runner``: the model runner the scheduler is told the workers run (None: vLLM's
+    default; V2 is the only one where the V1 runner is gone, and a test asking for V1 is
+    skipped there)."""
 
     def __init__(self, *, async_scheduling: bool = False, num_blocks: int = 256,
-                 feather: dict | None = None, v2_runner: bool = False,
+                 feather: dict | None = None, v2_runner: bool | None = None,
                  scheduler_cls: type = FeatherScheduler,
                  clock: Callable[[], float] | None = None, **engine: object) -> None:
         engine = {"max_num_seqs": 16, "max_num_batched_tokens": 512,
@@ -118,7 +133,10 @@ class Harness:
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache, config)
         # V2 needs Triton to validate; the scheduler reads the choice when it is built
         # (VllmConfig.use_v2_model_runner reads the variable until the engine caches it).
-        v2 = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if v2_runner else {}
+        # Without the V1 runner there is no choice (and the variable set to 0 raises).
+        if v2_runner is False and not compat.has_v1_runner():
+            pytest.skip(NO_V1_RUNNER)
+        v2 = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if v2_runner and compat.has_v1_runner() else {}
         if clock is not None:  # Feather's clock (the schedulers pick their variant)
             sync = scheduler_cls.__dict__.get("sync_variant")
             scheduler_cls = type(scheduler_cls.__name__, (scheduler_cls,), {
@@ -132,7 +150,7 @@ class Harness:
                 vllm_config=config, kv_cache_config=kv_cache,
                 structured_output_manager=StructuredOutputManager(config),
                 block_size=block_size, hash_block_size=hash_block_size, log_stats=True)
-        assert self.scheduler.use_v2_model_runner is v2_runner
+        assert v2_runner is None or compat.uses_v2_runner(self.scheduler) is v2_runner
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self.hasher = get_request_block_hasher(hash_block_size, hash_fn) \
@@ -196,8 +214,7 @@ class Harness:
             done = request.num_computed_tokens - request.num_output_placeholders >= \
                 request.num_tokens - int(isinstance(scheduler, AsyncScheduler))
             sampled.append([7] if done else [])
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=sampled)
+        return runner_output(ids, sampled)
 
     def assert_empty(self) -> None:
         assert len(self.runtime) == 0 and not self.runtime._tracked
@@ -234,15 +251,18 @@ def test_the_queue_counts_chunks_as_the_view_keys_them() -> None:
     assert runtime.queue.chunk_tokens == runtime.view.chunk_tokens == 2 * BLOCK
 
 
-def test_the_engine_log_says_how_ordering_acts(monkeypatch) -> None:
-    v1 = Harness().scheduler.feather.order_note()
-    assert v1 == (f"V1 model runner: the worker plugin {BATCH_ORDER_PLUGIN!r} gathers each "
-                  "prefix group in the persistent batch", True)
+def test_the_engine_log_says_how_ordering_acts_under_model_runner_v2() -> None:
     v2 = Harness(v2_runner=True).scheduler.feather.order_note()
     assert v2[0].startswith("Model Runner V2") and v2[1]
+
+
+def test_the_engine_log_says_how_ordering_acts_under_the_v1_runner(monkeypatch) -> None:
+    v1 = Harness(v2_runner=False).scheduler.feather.order_note()
+    assert v1 == (f"V1 model runner: the worker plugin {BATCH_ORDER_PLUGIN!r} gathers each "
+                  "prefix group in the persistent batch", True)
     assert plugin_allowed(BATCH_ORDER_PLUGIN)
     monkeypatch.setenv("VLLM_PLUGINS", "some_other_plugin")
-    unordered = Harness(feather={"gate": "model"}).scheduler.feather
+    unordered = Harness(v2_runner=False, feather={"gate": "model"}).scheduler.feather
     note, acts = unordered.order_note()
     assert not acts and "not installed or not in VLLM_PLUGINS" in note
     # the model gate then prices the engine's own order, and learns from its steps
@@ -251,7 +271,7 @@ def test_the_engine_log_says_how_ordering_acts(monkeypatch) -> None:
     assert unordered.runtime.wants_batches
     assert unordered.runtime.layout is BatchLayout.ENGINE  # admission order is the layout
     monkeypatch.delenv("VLLM_PLUGINS")
-    ordered = Harness(feather={"gate": "model"}).scheduler.feather.runtime.queue
+    ordered = Harness(v2_runner=False, feather={"gate": "model"}).scheduler.feather.runtime.queue
     assert ordered.gate.layout is BatchLayout.FEATHER and ordered.layout is BatchLayout.FEATHER
 
 
@@ -398,9 +418,21 @@ def test_the_oldest_always_skipped_request_does_not_take_the_starvation_slot() -
     harness.assert_empty()
 
 
-def admissions(output) -> int:
+def resumed_req_ids(output, requests: dict[str, Request]) -> set[str]:
+    """The preempted requests a step resumed: those its cached requests list as resumed,
+    or, where vLLM re-sends a resumed request in full like a new one (0.34, whose cached
+    requests list none), its new requests that were preempted before."""
+    cached = output.scheduled_cached_reqs
+    if hasattr(cached, "resumed_req_ids"):
+        return set(cached.resumed_req_ids)
+    return {new.req_id for new in output.scheduled_new_reqs
+            if requests[new.req_id].num_preemptions}
+
+
+def admissions(output, requests: dict[str, Request]) -> int:
     """Requests a step took from waiting: new ones and preempted ones resumed."""
-    return len(output.scheduled_new_reqs) + len(output.scheduled_cached_reqs.resumed_req_ids)
+    return len({new.req_id for new in output.scheduled_new_reqs} |
+               resumed_req_ids(output, requests))
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -413,7 +445,7 @@ def test_preemption_and_aborts_leave_nothing_behind(async_scheduling: bool) -> N
         harness.add(request)
         output = harness.step()
         preempted += len(output.preempted_req_ids)
-        admitted += admissions(output)
+        admitted += admissions(output, harness.scheduler.requests)
         if n == 5:
             harness.scheduler.finish_requests(["r1", "r4"], RequestStatus.FINISHED_ABORTED)
     while harness.scheduler.has_requests() or harness.in_flight:
@@ -422,7 +454,7 @@ def test_preemption_and_aborts_leave_nothing_behind(async_scheduling: bool) -> N
             continue
         output = harness.step()
         preempted += len(output.preempted_req_ids)
-        admitted += admissions(output)
+        admitted += admissions(output, harness.scheduler.requests)
         assert harness.steps < 800
     assert preempted > 0
     counts = harness.runtime.counts  # what happened, not how often the gate was asked
@@ -481,7 +513,8 @@ def test_a_more_urgent_request_goes_before_any_less_urgent_one() -> None:
     admitted: list[str] = []
     while harness.scheduler.has_requests():
         output = harness.step()
-        admitted += [r.req_id for r in output.scheduled_new_reqs]
+        resumed = resumed_req_ids(output, harness.scheduler.requests)
+        admitted += [r.req_id for r in output.scheduled_new_reqs if r.req_id not in resumed]
     assert admitted[0] == "urgent"
     assert admitted[1:] == ["more0", "more1", "more2", "lone"]
     harness.assert_empty()
@@ -942,12 +975,14 @@ class ServiceLedger:
     def scheduled(self, output) -> None:
         """Read a step's admissions as it is scheduled (before its result frees any)."""
         requests = self.harness.scheduler.requests
+        resumed = resumed_req_ids(output, requests)
         for new in output.scheduled_new_reqs:
+            self.resumed += new.req_id in resumed
             self.admitted(requests[new.req_id], new.num_computed_tokens)
         cached = output.scheduled_cached_reqs
         for rid, before in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
             request = requests[rid]
-            if rid in cached.resumed_req_ids:
+            if rid in resumed:
                 self.resumed += 1
                 self.admitted(request, before)
             elif before < request.num_prompt_tokens:
@@ -1007,8 +1042,7 @@ def test_rejected_drafts_are_not_generated_tokens() -> None:
             request = scheduler.requests[rid]
             done = request.num_computed_tokens >= request.num_tokens
             sampled.append([7, 7][: 1 + len(drafts.get(rid, ())) // 2] if done else [])
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=sampled)
+        return runner_output(ids, sampled)
 
     harness.fake_output = accept_one_draft
     update = scheduler.update_from_output

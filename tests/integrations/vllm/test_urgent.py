@@ -279,6 +279,7 @@ def prompt(seed: int, length: int) -> list[int]:
     return [(seed * 7919 + 31 * t) % 31000 + 1 for t in range(length)]
 
 
+@pytest.mark.real_engine
 @pytest.mark.parametrize("lacking", ["seat", "blocks"])
 def test_the_real_engine_lets_an_urgent_request_in_and_the_victim_finishes_the_same(
         engine: LLM, lacking: str) -> None:
