@@ -34,8 +34,9 @@ class FaultGuard:
     (a request the runtime tracks that the queue lost), and every later call into a
     half-updated picture could raise again, each a fault of its own; an empty one
     answers every call (a request it does not know is not charged, not discarded twice),
-    so one fault counts once.  While ``dirty``, the adapter rebuilds Feather's picture from the engine's before the
-    next pass (``FeatherRuntime.begin_pass`` does, given the engine's queues).  ``fault``
+    so one fault counts once.  While ``dirty``, the adapter rebuilds Feather's picture
+    from the engine's before the next pass (``FeatherRuntime.begin_pass`` does, given the
+    engine's queues).  ``fault``
     logs the traceback the first time, then one line at most every
     ``LOG_FAULTS_EVERY_S``, and counts (``SchedulerStats.faults``, ``feather:faults``);
     ``limit`` faults in a row, i.e. with neither a pass that decided admissions nor
