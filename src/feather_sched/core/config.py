@@ -175,8 +175,8 @@ class FeatherConfig:
     256 tokens over vLLM's ``vec`` CPU layout, 8192 over ``amx``)."""
     max_tenant_labels: int = 32
     """Tenants named on the ``feather:tenant_*`` series of ``/metrics``: the first this many
-    a scheduler process sees; every later one is labelled ``other``, so an unbounded set
-    of tenants cannot multiply Prometheus's series."""
+    a scheduler process sees, besides ``default``; every later one is labelled ``other``,
+    so an unbounded set of tenants cannot multiply Prometheus's series."""
     max_faults: int = 8
     """Faults of Feather's own code in a row (no clean scheduling pass between them) that
     turn Feather off for the engine, which keeps its own order from then on."""

@@ -35,8 +35,9 @@ contract, in the style of vLLM's ``RequestQueue``::
                                   a step computed ``computed`` prompt tokens (cache
                                   hits not, recomputation yes) and generated
                                   ``generated`` tokens for the request: its tenant's
-                                  service under fair share (a no-op without it);
-                                  before ``discard``
+                                  service, under fair share and on the metrics (a
+                                  no-op without either, ``counts_service``); before
+                                  ``discard``
     preemption_victim(running)    the running request to preempt for KV room: the
                                   end of Feather's running order, the newest member
                                   of the youngest group of the least urgent class
@@ -192,7 +193,8 @@ class FeatherRuntime(Generic[R]):
                                state_file=config.state_file,
                                gate=gate if isinstance(gate, Persistent) else None,
                                admissions=self.counts, save_every_s=config.save_every_s,
-                               sink=metrics.PrometheusSink(name, config.max_tenant_labels)
+                               sink=metrics.PrometheusSink(name, config.max_tenant_labels,
+                                                           tenants=(DEFAULT_TENANT,))
                                if metrics.enabled() else None)
         self.faults = FaultGuard(name, config.max_faults, self.meter, reset=self.drop)
         self._tracked: dict[RequestId, _Tracked[R]] = {}
@@ -205,9 +207,9 @@ class FeatherRuntime(Generic[R]):
             OrderedDict()
         self._mirror: _Mirror[R] | None = None
         """The engine's running list as last reconciled (``_Mirror``)."""
-        self._tenant: Callable[[R], Hashable] | None = \
-            getattr(view, "tenant", None) if self.queue.share is not None else None
-        """The view's ``tenant``, where fair share needs it and the view has it."""
+        self._tenant: Callable[[R], Hashable] | None = getattr(view, "tenant", None)
+        """The view's ``tenant``, where it has one: fair share's, and the per-tenant
+        series' whether fair share is on or off."""
         self._places: dict[Hashable, int] | None = None
         """Under fair share with ``order_running``, each tenant's place in the running
         order as the pass began (``TenantShare.ranking``: the most served last)."""
@@ -304,26 +306,34 @@ class FeatherRuntime(Generic[R]):
                     share.refund(self.queue.tenant(request_id), taken.charged)
 
     @property
-    def counts_service(self) -> bool:
-        """Whether ``served`` does anything (fair share is on): an adapter may skip the
-        calls otherwise."""
+    def fair_share(self) -> bool:
+        """Whether fair share between tenants is on (``fairness``: ``tenants``, ``vtc``)."""
         return self.queue.share is not None
+
+    @property
+    def counts_service(self) -> bool:
+        """Whether ``served`` does anything: fair share is on, or the metrics sink counts
+        each named tenant's service; an adapter may skip the calls otherwise."""
+        return self.queue.share is not None or (
+            self.meter.sink is not None and self._tenant is not None)
 
     def served(self, request_id: RequestId, computed_tokens: int,
                generated_tokens: int) -> None:
         """A step computed ``computed_tokens`` prompt tokens for the request (a prefix-cache
         hit is not computed; a recomputation after preemption is) and generated
-        ``generated_tokens``: its tenant's service under fair share (``TenantShare.
-        charge``).  Nothing without fair share, or for a request Feather does not know
+        ``generated_tokens``: its tenant's service, under fair share (``TenantShare.
+        charge``) and on its metrics series.  Nothing for a request Feather does not know
         (call it before ``discard``), as after a fault until the rebuild (``drop``).
         O(1)."""
-        share = self.queue.share
         tracked = self._tracked.get(request_id)
-        if share is not None and tracked is not None:
-            tenant = tracked.tenant
-            share.charge(tenant, computed_tokens, generated_tokens)
-            if self.meter.sink is not None:
-                self.meter.sink.served(tenant, service_of(computed_tokens, generated_tokens))
+        if tracked is None:
+            return
+        share = self.queue.share
+        if share is not None:
+            share.charge(tracked.tenant, computed_tokens, generated_tokens)
+        if self.meter.sink is not None:
+            self.meter.sink.served(tracked.tenant,
+                                   service_of(computed_tokens, generated_tokens))
 
     def is_running(self, request_id: RequestId) -> bool:
         """Whether Feather has the request in its running set."""
@@ -935,7 +945,7 @@ class FeatherRuntime(Generic[R]):
 
     def _tenant_of(self, request: R) -> Hashable:
         """The request's tenant as the view names it (``DEFAULT_TENANT`` where it names
-        none, or fair share is off)."""
+        none)."""
         return DEFAULT_TENANT if self._tenant is None else self._tenant(request)
 
     def _count_left(self, gone: Sequence[_Tracked[R]]) -> None:
