@@ -12,6 +12,7 @@ from feather_sched.core.queue import FeatherQueue, QueueState
 from feather_sched.core.tenants import TenantShare
 from feather_sched.gates.base import BatchLayout, Decision, GateContext, Unobservant
 from feather_sched.gates.heuristic import AlwaysAddGate, ChunkLossGate
+from tests.core.test_tenants import served_alike
 
 
 class FakeClock:
@@ -489,10 +490,11 @@ def test_the_share_admits_in_prefix_order_until_a_tenant_is_a_quantum_ahead() ->
     for i in range(1, 4):
         queue.add(f"flood{i}", group_keys(0, i), tenant="flood")
     queue.add("other", group_keys(1, 0), tenant="other")
+    served_alike(queue.share, ["flood", "other"], tokens=100)  # each its whole quantum
     assert queue.candidate() == "flood1"  # shares the running prefix, within the quantum
-    queue.share.charge("flood", 100, 0)
-    assert queue.candidate() == "flood1"  # exactly a quantum ahead: still admitted
-    queue.share.charge("flood", 1, 0)
+    queue.share.charge("flood", 99, 0)
+    assert queue.candidate() == "flood1"  # still within the quantum (99.75 now)
+    queue.share.charge("flood", 2, 0)
     assert queue.candidate() == "other"  # over it: the least served goes first
     assert admit_next(queue) == "other"
     assert queue.candidate() == "flood1"  # "other" no longer waits: nobody to yield to
@@ -657,6 +659,7 @@ def test_among_requests_sharing_as_much_the_least_served_tenant_goes_first() -> 
     queue = fair_queue(quantum=1000, max_overtakes=None, max_wait_s=None)
     queue.add("a-old", group_keys(1, 0), arrival_s=0.0, tenant="a")
     queue.add("b-new", group_keys(2, 0), arrival_s=1.0, tenant="b")
+    served_alike(queue.share, "ab", tokens=100)  # each its whole quantum
     queue.share.charge("a", 10, 0)  # within the quantum of b
     assert sorted(queue.share.eligible_tenants()) == ["a", "b"]
     assert queue.candidate() == "b-new"

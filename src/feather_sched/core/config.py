@@ -141,7 +141,8 @@ class FeatherConfig:
     (``{"gold": 2}``); a tenant not named has weight 1."""
     fair_quantum_tokens: int = DEFAULT_QUANTUM_TOKENS
     """How far, in weighted tokens, a tenant may get ahead of the least served one while
-    the prefix order picks it (``fairness: tenants``); 0 is VTC's own rule."""
+    the prefix order picks it (``fairness: tenants``); ahead of a light tenant, only its
+    part of it (its part of the recent service over its fair part); 0 is VTC's own rule."""
     fair_hit_weight: float = DEFAULT_HIT_WEIGHT
     """What a prompt token served from the prefix cache costs its tenant under fair share,
     relative to one the engine computes, from 0 (computed tokens only: a hit is free) to
