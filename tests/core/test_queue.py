@@ -553,6 +553,15 @@ def test_the_share_forgets_what_leaves_waiting() -> None:
     assert queue.share.eligible_tenants() == [] and queue.share.service("b") == 5
 
 
+def flood_holds_two_of_four_seats(queue: FeatherQueue) -> None:
+    """Four seats; tenant "flood" runs two requests of group 0 (its seat share, once a
+    second tenant waits)."""
+    queue.seats = 4
+    for i in range(2):
+        queue.add(f"flood-run{i}", group_keys(0, i), tenant="flood")
+        queue.admit(f"flood-run{i}")
+
+
 @pytest.mark.parametrize("bound", [{"max_overtakes": 0}, {"max_stops": 0},
                                    {"max_overtakes": 1}])
 def test_a_request_a_bound_made_due_takes_its_tenants_turn(bound: dict) -> None:
@@ -561,10 +570,7 @@ def test_a_request_a_bound_made_due_takes_its_tenants_turn(bound: dict) -> None:
     tenant below its share goes first, then the due one when its tenant's turn comes;
     a bound at 0 is arrival order within the share's window, never across it."""
     queue = fair_queue(quantum=10**6, max_wait_s=None, **bound)
-    queue.seats = 4
-    for i in range(2):
-        queue.add(f"run{i}", group_keys(0, i), tenant="flood")
-        queue.admit(f"run{i}")
+    flood_holds_two_of_four_seats(queue)
     queue.add("flood-old", group_keys(3, 0), tenant="flood")
     queue.add("flood-new", group_keys(0, 9), tenant="flood")
     queue.add("light", group_keys(5, 0), tenant="light")
@@ -707,10 +713,7 @@ def test_a_tenant_at_its_seat_share_yields_to_one_below_it() -> None:
     """The flood's cached prefix makes it the least served and its requests the tree's
     best, but it holds its share of the seats: the other tenant's request goes next."""
     queue = fair_queue(quantum=0, max_overtakes=None)
-    queue.seats = 4
-    for i in range(2):
-        queue.add(f"flood-run{i}", group_keys(0, i), tenant="flood")
-        queue.admit(f"flood-run{i}")
+    flood_holds_two_of_four_seats(queue)
     queue.add("flood-next", group_keys(0, 9), tenant="flood")
     queue.add("other", group_keys(1, 0), tenant="other")
     queue.share.charge("other", 100, 0)
