@@ -28,15 +28,18 @@ bench=(.venv/bin/feather bench --workload multi-tenant --groups 4 --prompts-per-
        --prefix-len 4096 --suffix-len 32 --output-len 64 --prefixes-per-tenant 4 --seed 0
        --schedulers vtc,feather-model-fair,vtc-shared,vtc,feather-model-fair,vtc-shared,vtc,feather-model-fair,vtc-shared)
 interactive() {
+    local trace
+    trace=$(mktemp --suffix .jsonl)  # 5 MB, the same from the seed each time: not kept
     .venv/bin/python -c "
 from feather_sched.workloads.synthetic import document_tenants
 from feather_sched.workloads.traces import save_jsonl
 save_jsonl(document_tenants(documents_per_tenant=6, doc_len=8192, doc_output_len=64,
                             doc_rate=1.5, chat_prompt_len=256, chat_output_len=512,
-                            chat_rate=0.4, duration_s=30.0, seed=0), '$out/interactive.jsonl')"
-    .venv/bin/feather bench --trace "$out/interactive.jsonl" --kv-cache-gib 0.2 \
+                            chat_rate=0.4, duration_s=30.0, seed=0), '$trace')"
+    .venv/bin/feather bench --trace "$trace" --kv-cache-gib 0.2 \
         --schedulers vtc,feather-model-fair,vtc,feather-model-fair,vtc,feather-model-fair \
         --json "$out/interactive.json" | tee "$out/interactive.txt"
+    rm -f "$trace"
 }
 cells=("$@")
 [ ${#cells[@]} -gt 0 ] || cells=(tight roomy interactive)
