@@ -34,6 +34,7 @@ from tests.helpers.servers import (
     wait_for,
     wait_until_serving,
 )
+from tests.telemetry.test_prometheus import documented_series, exposed_series
 
 
 def flag(command: list[str], name: str) -> str | None:
@@ -97,6 +98,19 @@ def feather_server(tmp_path_factory) -> Iterator[tuple[str, Path]]:
                "--enable-log-requests"]
     with serving(command, log, {"PROMETHEUS_MULTIPROC_DIR": ""}) as url:
         yield url, log
+
+
+def test_a_fresh_feather_serve_lists_every_documented_counter(feather_server) -> None:
+    """Before its first request, the server's /metrics lists every ``feather:`` counter
+    docs/metrics.md documents, with HELP and TYPE, at zero (the engine-core process's
+    scheduler, collected by vLLM's server)."""
+    url, _ = feather_server
+    metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    counters = documented_series("counter")
+    assert "feather:faults_total" in counters and "feather:preemptions_total" in counters
+    assert exposed_series(metrics, counters) == set(counters)
+    assert re.search(r'^feather:tenant_service_tokens_total\{.*tenant="default".*\} 0\.0$',
+                     metrics, re.M)
 
 
 def test_feather_serve_answers_feather_bench(feather_server, tmp_path) -> None:

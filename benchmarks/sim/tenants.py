@@ -1,6 +1,7 @@
 """Tenants in the simulator: Feather's fair share (``feather-model-fair``) against VTC, on
 the issue's workload (one tenant floods from a shared prefix, others send unshared or
-long-output requests), in two cells.
+long-output requests), in three cells, and beside tenants flooding with documents, a
+light interactive one.
 
     .venv/bin/python benchmarks/sim/tenants.py [--set NAME] [--seeds 3]     # ~40 s
 
@@ -18,6 +19,13 @@ cells:
 * ``tight pool``: where VTC's interleaving evicts prefixes: a pool of 3,000 blocks (48K
   tokens) and t1 and t3 each drawing their prompts from 4 prefixes of 8K tokens of their
   own (``prefixes_per_tenant=4``, DLPM's setting): 9 long prefixes, room for about five.
+* ``interactive beside documents``: ``workloads.synthetic.document_tenants`` in a 12 GiB
+  KV pool (6,144 blocks, 96K tokens): tenants docs0 and docs1 ask questions (16-64
+  tokens, 256-token answers) about their own 16 private 8K-token documents each (each
+  set larger than the pool), Poisson at 2.5 req/s each, while tenant chat sends 256-token
+  unshared prompts with 1,024-token outputs at 0.5 req/s; 60 s.  The light interactive
+  tenant is the one fair share must protect; targets: every tenant's mean TTFT <= 1.25x
+  VTC's, throughput >= 1.3x, service gap <= 1x.
 
 Runs: ``vtc`` (VTC itself, ``fairness: vtc``), ``feather-model`` (no fair share),
 ``feather-model-fair`` (a cache hit at half a computed token's price, the default), and
@@ -36,7 +44,7 @@ from feather_sched.results.summary import median_and_range as spread
 from feather_sched.results.summary import summarize
 from feather_sched.sim.runner import simulate
 from feather_sched.workloads.spec import ArrivalSpec, Workload
-from feather_sched.workloads.synthetic import multi_tenant
+from feather_sched.workloads.synthetic import document_tenants, multi_tenant
 
 RUNS = {
     "vtc": ("vtc", {}),
@@ -49,17 +57,27 @@ RUNS = {
 RATE = 40.0
 FIGURES = ("output_throughput", "mean_ttft_ms", "max_service_gap", "prefix_cache_hit_rate",
            "preemptions", "by_tenant")
+DOCUMENTS = {"documents_per_tenant": 16, "doc_len": 8192, "doc_output_len": 256,
+             "doc_rate": 2.5, "chat_prompt_len": 256, "chat_output_len": 1024,
+             "chat_rate": 0.5, "duration_s": 60.0}
+"""The interactive cell's workload (``document_tenants``)."""
 CELLS = {
     "device pool": {"prefixes_per_tenant": 0, "engine": {}},
     "device pool, cascade": {"prefixes_per_tenant": 0, "engine": {"cascade": True}},
     "tight pool": {"prefixes_per_tenant": 4, "engine": {"num_blocks": 3000}},
+    "interactive beside documents": {"documents": DOCUMENTS,
+                                     "engine": {"kv_cache_gib": 12}},
 }
-"""Each cell's own prefixes for t1 and t3 and its engine options (``sim_plan``'s)."""
+"""Each cell's workload (the multi-tenant one with its own prefixes for t1 and t3, or
+``documents``) and its engine options (``sim_plan``'s)."""
 
 
-def workload(seed: int, prefixes_per_tenant: int = 0) -> Workload:
+def workload(seed: int, options: dict) -> Workload:
+    """The cell's workload (``options``: a ``CELLS`` entry) on ``seed``."""
+    if "documents" in options:
+        return document_tenants(**options["documents"], seed=seed)
     return multi_tenant(tenants=4, requests_per_tenant=60, prefix_len=8192, suffix_len=64,
-                        output_len=128, prefixes_per_tenant=prefixes_per_tenant,
+                        output_len=128, prefixes_per_tenant=options["prefixes_per_tenant"],
                         arrival=ArrivalSpec("poisson", RATE), seed=seed)
 
 
@@ -83,7 +101,7 @@ def run_cell(study: Study, cell: str, seeds: int) -> dict:
     for seed in study.each(range(seeds), lambda s: f"{cell}, seed {s}"):
         runs = {}
         for label, (name, feather_options) in RUNS.items():
-            plan = sim_plan(workload(seed, options["prefixes_per_tenant"]), "h100-sxm",
+            plan = sim_plan(workload(seed, options), "h100-sxm",
                             feather_options=feather_options, **options["engine"])
             summary = summarize(simulate(plan, name))
             runs[label] = {key: summary[key] for key in FIGURES}
@@ -108,9 +126,11 @@ def main() -> None:
 def markdown(cells: dict, seeds: int) -> str:
     lines = ["# Tenants: fair share with prefix order vs VTC (simulator)", "",
              "`benchmarks/sim/tenants.py`: Llama-3-8B, H100 SXM profile, the multi-tenant "
-             f"workload at {RATE:g} req/s; ratios to `vtc` on the same seed, medians over "
-             f"{seeds} seeds (range). Targets: service gap <= 1.5x, throughput >= "
-             "1.5x where the flood's prefix is shared, every tenant's mean TTFT <= 1.25x."]
+             f"workload at {RATE:g} req/s (the last cell: its own); ratios to `vtc` on the "
+             f"same seed, medians over {seeds} seeds (range). Targets: service gap <= 1.5x, "
+             "throughput >= 1.5x where the flood's prefix is shared, every tenant's mean "
+             "TTFT <= 1.25x. The scheduler's wall-clock time is charged to the simulated "
+             "clock (the simulator's default)."]
     for cell, result in cells.items():
         table, per_seed = result["ratios_to_vtc"], result["runs"]
         keys = list(next(iter(table.values()))[0])
@@ -133,6 +153,14 @@ def markdown(cells: dict, seeds: int) -> str:
 
 
 def describe(options: dict) -> str:
+    if "documents" in options:
+        docs = options["documents"]
+        return (f"a {options['engine']['kv_cache_gib']:g} GiB KV pool, docs0 and docs1 asking "
+                f"about {docs['documents_per_tenant']} private "
+                f"{docs['doc_len'] // 1024}K-token documents each at {docs['doc_rate']:g} "
+                f"req/s, chat: {docs['chat_prompt_len']}-token unshared prompts, "
+                f"{docs['chat_output_len']}-token outputs at {docs['chat_rate']:g} req/s; "
+                "targets here: throughput >= 1.3x, service gap <= 1x")
     pool = options["engine"].get("num_blocks")
     prefixes = options["prefixes_per_tenant"]
     where = "the device's KV pool" if pool is None else f"a {pool:,}-block KV pool"

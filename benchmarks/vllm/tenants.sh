@@ -12,6 +12,14 @@
 # and the same in a roomy cell (4 GiB of KV: every prefix stays cached under any order).
 # tenants_table.py gives the per-round ratios to vtc: the largest service gap between
 # tenants (target <= 1.5x), output tok/s (>= 1.5x) and each tenant's mean TTFT (<= 1.25x).
+# The cell `interactive`: the simulator's interactive cell sized down to a few minutes a
+# round: tenants docs0 and docs1 ask questions (16-64 tokens, 64-token answers) about their
+# own 6 private 8K-token documents each at 1.5 req/s each, tenant chat sends 256-token
+# unshared prompts with 512-token outputs at 0.4 req/s, for 30 s, replayed from a trace
+# (workloads.synthetic.document_tenants), in 0.2 GiB of KV (about 6 of the 12
+# documents); vtc and feather-model-fair, three rounds (targets: throughput >= 1.3x, the
+# service gap <= 1x, each tenant's mean TTFT <= 1.25x).
+# tenants.sh [CELL...] runs the cells named (default: tight roomy interactive).
 # Results go into benchmarks/vllm/results/$SET/ (default: tenants-<commit>).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,8 +27,28 @@ out=$(benchmarks/run_set.sh vllm tenants-)
 bench=(.venv/bin/feather bench --workload multi-tenant --groups 4 --prompts-per-group 16
        --prefix-len 4096 --suffix-len 32 --output-len 64 --prefixes-per-tenant 4 --seed 0
        --schedulers vtc,feather-model-fair,vtc-shared,vtc,feather-model-fair,vtc-shared,vtc,feather-model-fair,vtc-shared)
-for cell in tight roomy; do
-    kv=$([ $cell = tight ] && echo 0.1 || echo 4)
-    "${bench[@]}" --kv-cache-gib $kv --json "$out/$cell.json" | tee "$out/$cell.txt"
+interactive() {
+    local trace
+    trace=$(mktemp --suffix .jsonl)  # 5 MB, the same from the seed each time: not kept
+    .venv/bin/python -c "
+from feather_sched.workloads.synthetic import document_tenants
+from feather_sched.workloads.traces import save_jsonl
+save_jsonl(document_tenants(documents_per_tenant=6, doc_len=8192, doc_output_len=64,
+                            doc_rate=1.5, chat_prompt_len=256, chat_output_len=512,
+                            chat_rate=0.4, duration_s=30.0, seed=0), '$trace')"
+    .venv/bin/feather bench --trace "$trace" --kv-cache-gib 0.2 \
+        --schedulers vtc,feather-model-fair,vtc,feather-model-fair,vtc,feather-model-fair \
+        --json "$out/interactive.json" | tee "$out/interactive.txt"
+    rm -f "$trace"
+}
+cells=("$@")
+[ ${#cells[@]} -gt 0 ] || cells=(tight roomy interactive)
+for cell in "${cells[@]}"; do
+    if [ "$cell" = interactive ]; then
+        interactive
+    else
+        kv=$([ "$cell" = tight ] && echo 0.1 || echo 4)
+        "${bench[@]}" --kv-cache-gib $kv --json "$out/$cell.json" | tee "$out/$cell.txt"
+    fi
     .venv/bin/python benchmarks/vllm/tenants_table.py "$out/$cell.json" | tee "$out/$cell.md"
 done

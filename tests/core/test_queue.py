@@ -12,6 +12,7 @@ from feather_sched.core.queue import FeatherQueue, QueueState
 from feather_sched.core.tenants import TenantShare
 from feather_sched.gates.base import BatchLayout, Decision, GateContext, Unobservant
 from feather_sched.gates.heuristic import AlwaysAddGate, ChunkLossGate
+from tests.core.test_tenants import served_alike
 
 
 class FakeClock:
@@ -489,10 +490,11 @@ def test_the_share_admits_in_prefix_order_until_a_tenant_is_a_quantum_ahead() ->
     for i in range(1, 4):
         queue.add(f"flood{i}", group_keys(0, i), tenant="flood")
     queue.add("other", group_keys(1, 0), tenant="other")
+    served_alike(queue.share, ["flood", "other"], tokens=100)  # each its whole quantum
     assert queue.candidate() == "flood1"  # shares the running prefix, within the quantum
-    queue.share.charge("flood", 100, 0)
-    assert queue.candidate() == "flood1"  # exactly a quantum ahead: still admitted
-    queue.share.charge("flood", 1, 0)
+    queue.share.charge("flood", 99, 0)
+    assert queue.candidate() == "flood1"  # still within the quantum (99.75 now)
+    queue.share.charge("flood", 2, 0)
     assert queue.candidate() == "other"  # over it: the least served goes first
     assert admit_next(queue) == "other"
     assert queue.candidate() == "flood1"  # "other" no longer waits: nobody to yield to
@@ -551,6 +553,84 @@ def test_the_share_forgets_what_leaves_waiting() -> None:
     assert queue.share.eligible_tenants() == [] and queue.share.service("b") == 5
 
 
+def flood_holds_two_of_four_seats(queue: FeatherQueue) -> None:
+    """Four seats; tenant "flood" runs two requests of group 0 (its seat share, once a
+    second tenant waits)."""
+    queue.seats = 4
+    for i in range(2):
+        queue.add(f"flood-run{i}", group_keys(0, i), tenant="flood")
+        queue.admit(f"flood-run{i}")
+
+
+@pytest.mark.parametrize("bound", [{"max_overtakes": 0}, {"max_stops": 0},
+                                   {"max_overtakes": 1}])
+def test_a_request_a_bound_made_due_takes_its_tenants_turn(bound: dict) -> None:
+    """The tenant "flood" holds its seat share (two of four seats, two tenants waiting) and
+    its oldest request is due at its bound (at 0, every request is): the request of the
+    tenant below its share goes first, then the due one when its tenant's turn comes;
+    a bound at 0 is arrival order within the share's window, never across it."""
+    queue = fair_queue(quantum=10**6, max_wait_s=None, **bound)
+    flood_holds_two_of_four_seats(queue)
+    queue.add("flood-old", group_keys(3, 0), tenant="flood")
+    queue.add("flood-new", group_keys(0, 9), tenant="flood")
+    queue.add("light", group_keys(5, 0), tenant="light")
+    if bound.get("max_overtakes") == 1:  # flood-new passes flood-old once: due
+        queue.remove("light")
+        assert admit_next(queue) == "flood-new"
+        queue.remove("flood-new")
+        queue.add("light", group_keys(5, 0), tenant="light")
+    assert queue.due() != "flood-old"  # due by its bound, but its tenant holds its share
+    assert admit_next(queue) == "light"
+    assert queue.due() == "flood-old" and admit_next(queue) == "flood-old"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_every_admission_keeps_the_seat_share_and_the_fair_order(data) -> None:
+    """Random workloads (three weighted tenants, two classes, shared and unshared
+    prefixes, service charged as steps run, exits, a gate that STOPs, every setting of
+    the bounds, 0 included): every admission is of a tenant the share admits in the
+    class then (``TenantShare.eligible_tenants``: backlogged, so below its seat share
+    unless all are at theirs, and within the quantum of the least served), whether the
+    tree, the fits-all rule or a bound chose it; and every request is admitted once."""
+    bounds = {"max_overtakes": data.draw(st.sampled_from([0, 1, 3, 32, None])),
+              "max_stops": data.draw(st.sampled_from([0, 1, 4, None]))}
+    seats = data.draw(st.integers(1, 6))
+    gate = data.draw(st.sampled_from([AlwaysAddGate(), ScriptedGate()]))
+    share = TenantShare({"a": 1, "b": 2, "c": 1}, quantum=data.draw(st.sampled_from(
+        [0, 40, 16384])), hit_weight=data.draw(st.sampled_from([0, 0.5, 1])))
+    queue = FeatherQueue(gate, max_wait_s=None, share=share, **bounds)
+    queue.seats = seats
+    queue.kv_tokens = data.draw(st.sampled_from([None, 10**6]))  # everything fits, or not
+    running: list[str] = []
+    admitted: list[str] = []
+    events = data.draw(st.lists(st.tuples(st.sampled_from(["arrive", "arrive", "pass",
+                                                           "finish", "serve"]),
+                                          st.sampled_from("abc"), st.integers(0, 5),
+                                          st.integers(0, 1)), min_size=20, max_size=120))
+    for n, (kind, tenant, group, priority) in enumerate(events):
+        if kind == "arrive":
+            queue.add(f"r{n}", group_keys(group, n) if group < 3 else [(tenant, n)],
+                      arrival_s=float(n), priority=priority, tenant=tenant)
+        elif kind == "serve":
+            for rid in running:
+                share.charge(queue.tenant(rid), group * 10, 1)
+        elif kind == "finish" and running:
+            queue.remove(running.pop(group % len(running)))
+        elif kind == "pass":
+            queue.new_step()
+            while len(running) < seats and (answer := queue.decide()) is not None and \
+                    answer.decision is Decision.ADD:
+                rid = answer.request_id
+                allowed = share.eligible_tenants(queue.priority(rid), seats)
+                assert queue.tenant(rid) in allowed, (rid, answer.forced, allowed)
+                share.admitted(queue.tenant(rid), 30)
+                queue.admit(rid)
+                running.append(rid)
+                admitted.append(rid)
+    assert len(admitted) == len(set(admitted))
+
+
 def vtc_queue() -> FeatherQueue:
     return FeatherQueue(AlwaysAddGate(), max_overtakes=None, max_stops=None, max_wait_s=None,
                         share=TenantShare(quantum=0, hit_weight=1, shares_seats=False),
@@ -585,6 +665,7 @@ def test_among_requests_sharing_as_much_the_least_served_tenant_goes_first() -> 
     queue = fair_queue(quantum=1000, max_overtakes=None, max_wait_s=None)
     queue.add("a-old", group_keys(1, 0), arrival_s=0.0, tenant="a")
     queue.add("b-new", group_keys(2, 0), arrival_s=1.0, tenant="b")
+    served_alike(queue.share, "ab", tokens=100)  # each its whole quantum
     queue.share.charge("a", 10, 0)  # within the quantum of b
     assert sorted(queue.share.eligible_tenants()) == ["a", "b"]
     assert queue.candidate() == "b-new"
@@ -632,10 +713,7 @@ def test_a_tenant_at_its_seat_share_yields_to_one_below_it() -> None:
     """The flood's cached prefix makes it the least served and its requests the tree's
     best, but it holds its share of the seats: the other tenant's request goes next."""
     queue = fair_queue(quantum=0, max_overtakes=None)
-    queue.seats = 4
-    for i in range(2):
-        queue.add(f"flood-run{i}", group_keys(0, i), tenant="flood")
-        queue.admit(f"flood-run{i}")
+    flood_holds_two_of_four_seats(queue)
     queue.add("flood-next", group_keys(0, 9), tenant="flood")
     queue.add("other", group_keys(1, 0), tenant="other")
     queue.share.charge("other", 100, 0)

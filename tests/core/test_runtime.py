@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from feather_sched.core.cht import ChunkedHashTree
 from feather_sched.core.config import FeatherConfig
 from feather_sched.core.queue import QueueState
 from feather_sched.core.runtime import FeatherRuntime
@@ -760,3 +761,57 @@ def test_urgent_victims_are_the_fewest_in_feathers_order_that_make_room() -> Non
     assert rt.urgent_victims(running, waiting, makes_room) == []
     assert rt.urgent_victim(running, waiting) is running[-1]  # one seat: the end
     assert runtime(max_urgent_preemptions=0).urgent_victims(running, waiting, bool) == []
+
+
+@pytest.mark.parametrize("fairness", ["tenants", "vtc"])
+def test_a_fault_in_the_rebuild_leaves_the_picture_empty_and_counts_once(
+        fairness: str, monkeypatch, contained_faults) -> None:
+    """Under fair share, twelve requests running: a fault empties Feather's picture, and a
+    second one in the rebuild that follows (at its fifth request) leaves it empty again,
+    not half-rebuilt. Meanwhile every call an adapter makes (the step's service, a
+    request's exit) is answered without a fault, so the two faults count two and Feather
+    stays on; the next rebuild is whole, and each request is counted in and out once."""
+    config = FeatherConfig.from_sources({"gate": "always", "max_wait_s": None,
+                                         "fairness": fairness}, environ={})
+    rt = FeatherRuntime(config, TenantView(), clock=lambda: 0.0)
+    requests = [TenantReq(f"r{i}", req(f"r{i}", i).keys, arrival=float(i),
+                          tenant="ab"[i % 2]) for i in range(15)]
+    for request in requests:
+        rt.enter_waiting(request)
+    rt.begin_pass([])
+    running = admit_all(rt, [], limit=12)
+    rt.end_pass(1, running)
+    waiting = requests[12:]
+    share, guard = rt.queue.share, rt.faults
+
+    def adapter_calls(step: int) -> None:  # as an engine's step result makes them
+        for request in running:
+            guard.attempt("served", rt.served, request.rid, 0, 1)
+        gone = running.pop()
+        assert guard.call("discard", rt.discard, gone.rid) is True
+        assert guard.call("discard", rt.discard, gone.rid) is False
+        guard.attempt("step", rt.end_step, step, len(running), 0.01)
+
+    guard.fault("decide", RuntimeError("the first"))
+    assert not rt._tracked and len(rt) == 0 and rt.queue.num_running == 0
+    adapter_calls(1)
+    add = ChunkedHashTree.add
+    calls = iter(range(100))
+    monkeypatch.setattr(ChunkedHashTree, "add", lambda *args: add(*args) if next(calls) != 4
+                        else 1 / 0)
+    assert not guard.attempt("begin_pass", rt.begin_pass, running, waiting)
+    assert not rt._tracked and len(rt) == 0 and rt.queue.num_running == 0
+    adapter_calls(2)
+    monkeypatch.undo()
+    served = {tenant: share.service(tenant) for tenant in "ab"}
+    assert guard.attempt("begin_pass", rt.begin_pass, running, waiting)
+    assert running_ids(rt) == {r.rid for r in running} and len(rt) == 3
+    for request in running:
+        rt.served(request.rid, 0, 1)
+    assert all(share.service(t) > served[t] for t in "ab")
+    assert [where for where, _ in contained_faults] == ["decide", "begin_pass"]
+    assert rt.meter.stats.faults == 2 and guard.active and not guard.dirty
+    for request in [*running, *waiting]:
+        rt.discard(request.rid)
+    stats = rt.meter.stats
+    assert stats.requests_entered == stats.requests_left == 15

@@ -3,6 +3,8 @@ the window of tenants the share admits; what a tenant id is, and which a request
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,6 +14,7 @@ from feather_sched.core.tenants import (
     INPUT_WEIGHT,
     MAX_TENANT_CHARS,
     OUTPUT_WEIGHT,
+    RecentService,
     TenantFifo,
     TenantShare,
     named_tenant,
@@ -59,10 +62,20 @@ def test_tenants_rank_by_counter_the_least_served_first() -> None:
     assert share.ranking() == {"b": 0, "a": 1, "c": 2}
 
 
+def served_alike(share: TenantShare, tenants: Iterable[str], tokens: int = 1,
+                 rounds: int = 100) -> None:
+    """Each of ``tenants`` served as much lately, in turns (each its fair part of the
+    recent service: its whole quantum)."""
+    for _ in range(rounds):
+        for tenant in tenants:
+            share.charge(tenant, 0, tokens)
+
+
 def test_only_tenants_within_the_quantum_of_the_least_served_are_admitted() -> None:
     share = TenantShare(quantum=100, hit_weight=0)
     for tenant in ("a", "b", "c"):
         share.wait(tenant)
+    served_alike(share, "abc")
     share.charge("a", 50, 0)
     share.charge("b", 101, 0)
     assert share.least_served() == "c"
@@ -272,3 +285,43 @@ def test_the_fifo_forgets_what_left_without_growing() -> None:
         fifo.enter(i, "a")
         fifo.leave(i)
     assert fifo.head("a") == "keep" and len(fifo._heaps[0, "a"]) <= 2 * 2 + 64
+
+
+def test_a_light_tenant_holds_the_others_to_its_own_part_of_the_quantum() -> None:
+    """Two tenants served alike lately and a light one (a hundredth of their service):
+    the light one's quantum is its part of the recent service times the three tenants
+    waiting, of the whole, so while it waits no tenant more than that ahead of it is
+    admitted, though within the whole quantum; with it gone, the others' whole quantum
+    holds again. A tenant never served has none: VTC's rule while it waits."""
+    share = TenantShare(quantum=3000, hit_weight=0)
+    served_alike(share, "ab", tokens=50)
+    share.charge("light", 0, 50)
+    for tenant in ("a", "b", "light"):
+        share.wait(tenant)
+    light = share.quantum_of("light")
+    assert light == pytest.approx(3000 * 3 * share.recent.part("light"))
+    assert share.recent.part("light") == pytest.approx(100 / 20100, rel=0.2)
+    assert share.quantum_of("a") == share.quantum_of("b") == 3000
+    share.charge("b", int(light / 2), 0)  # within the light tenant's quantum
+    assert share.eligible_tenants() == ["a", "b", "light"]
+    share.charge("b", int(light), 0)  # past it, though within the whole quantum
+    assert share.eligible_tenants() == ["a", "light"]
+    share.unwait("light")
+    assert share.eligible_tenants() == ["a", "b"]
+    share.wait("new")
+    assert share.quantum_of("new") == 0 and share.eligible_tenants() == ["a", "new"]
+
+
+def test_recent_service_decays_by_service_not_time() -> None:
+    """A tenant's part of the recent service halves with each half-life of service to the
+    others, and stays exact past the rescaling (64 half-lives)."""
+    recent = RecentService(half_life=100)
+    recent.add("old", 100)
+    recent.add("new", 100)  # old's 100 now counts 50
+    assert recent.part("old") == pytest.approx(50 / 150)
+    for _ in range(70):
+        recent.add("new", 100)
+    assert recent.part("old") < 1e-9 and recent.part("new") == pytest.approx(1)
+    recent.add("old", 100)
+    recent.add("old", -100)  # refunded
+    assert recent.part("old") == pytest.approx(0, abs=1e-9) and recent.part("x") == 0

@@ -10,6 +10,7 @@ import pytest
 
 from feather_sched.core import runtime
 from feather_sched.core.cht import ChunkedHashTree
+from feather_sched.core.tenants import TenantShare
 from feather_sched.gates.bandit import UCBBanditGate
 from feather_sched.telemetry.prometheus import PrometheusSink
 from feather_sched.telemetry.stats import StepMeter
@@ -28,6 +29,27 @@ FEATHER_CODE: tuple[tuple[object, str, str], ...] = (
 )
 """(owner, attribute, label): the tree, the bandit gate, the meter, the metrics sink and
 the running order, as the runtime reaches them."""
+
+REBUILD: tuple[tuple[object, str, str], ...] = ((runtime.FeatherRuntime, "_track", "rebuild"),)
+"""The rebuild after a fault, at each request it tracks again (aimed at by
+``Injector.next_pass(rebuilding=True)``); also a new request's tracking."""
+SHARE: tuple[tuple[object, str, str], ...] = (
+    (TenantShare, "charge", "share"),
+    (TenantShare, "eligible_tenants", "share"),
+    (TenantShare, "least_served", "share"),
+)
+"""Under fair share: the tenant share's charge and the tenants it admits."""
+
+
+def fault_targets(fairness: str) -> tuple[tuple[object, str, str], ...]:
+    """What a random fault test injects into under ``fairness``: Feather's code as the
+    runtime reaches it in that mode (under ``vtc`` no gate is asked and the running
+    order is the engine's), the rebuild, and the share under fair share."""
+    if fairness == "off":
+        return FEATHER_CODE + REBUILD
+    reached = FEATHER_CODE if fairness == "tenants" else \
+        tuple(t for t in FEATHER_CODE if t[2] not in ("gate", "order"))
+    return reached + REBUILD + SHARE
 
 
 class InjectedFault(RuntimeError):
@@ -71,13 +93,18 @@ class Injector:
         for owner, name, label in targets:
             self.target(owner, name, label)
 
-    def next_pass(self) -> None:
-        """A new pass: maybe choose the next fault (one not met yet still waits)."""
+    def next_pass(self, rebuilding: bool = False) -> None:
+        """A new pass: maybe choose the next fault (one not met yet still waits);
+        ``rebuilding`` (the pass starts with a rebuild after a fault): a fault
+        chosen then is in the rebuild half of the time (at one of its first requests),
+        where ``rebuild`` is a target."""
         rng = self.rng
         if not self.armed:
             self._pending = None
         elif self._pending is None and rng.random() < self.rate:
-            self._pending = (rng.choice(self._labels), rng.randrange(3), rng.random() < 0.5)
+            label = "rebuild" if rebuilding and "rebuild" in self._labels and \
+                rng.random() < 0.5 else rng.choice(self._labels)
+            self._pending = (label, rng.randrange(3), rng.random() < 0.5)
 
     def _due(self, label: str) -> bool | None:
         """None: no fault now; else whether it comes after the call's work."""

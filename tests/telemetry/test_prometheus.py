@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 SCRIPT = """
 import json
@@ -61,13 +64,14 @@ def test_metrics_reach_a_multiprocess_registry(tmp_path) -> None:
 
 
 TENANT_SCRIPT = """
+import sys
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from feather_sched.core.config import FeatherConfig
 from feather_sched.core.runtime import FeatherRuntime
 from feather_sched.gates.base import Decision
 from tests.core.test_runtime import TenantReq, TenantView, req
 
-config = FeatherConfig.from_sources({"gate": "always", "fairness": "tenants",
+config = FeatherConfig.from_sources({"gate": "always", "fairness": sys.argv[1],
                                      "max_tenant_labels": 2}, environ={})
 rt = FeatherRuntime(config, TenantView(), clock=lambda: 4.0, name="test")
 requests = [TenantReq(f"{tenant}{i}", req(f"{tenant}{i}", 0).keys, arrival=1.0,
@@ -94,11 +98,14 @@ print(generate_latest(registry).decode())
 """
 
 
-def test_tenant_series_name_at_most_the_cap_and_count_urgent_preemptions(tmp_path) -> None:
-    """Six requests of three tenants, two tenant labels: the first two tenants seen are
-    named, the third is ``other``; each admission, its wait and its service land on its
-    tenant's series; an urgent preemption is counted by the victim's class."""
-    done = subprocess.run([sys.executable, "-c", TENANT_SCRIPT], capture_output=True,
+@pytest.mark.parametrize("fairness", ["tenants", "off"])
+def test_tenant_series_name_at_most_the_cap_and_count_urgent_preemptions(
+        tmp_path, fairness: str) -> None:
+    """Six requests of three tenants, two tenant labels (the default tenant besides them),
+    fair share on or off: the first two tenants seen are named, the third is ``other``;
+    each admission, its wait and its service land on its tenant's series; an urgent
+    preemption is counted by the victim's class."""
+    done = subprocess.run([sys.executable, "-c", TENANT_SCRIPT, fairness], capture_output=True,
                           text=True, env=multiprocess_env(tmp_path), check=True,
                           cwd=Path(__file__).parents[2])
     text = done.stdout
@@ -111,3 +118,53 @@ def test_tenant_series_name_at_most_the_cap_and_count_urgent_preemptions(tmp_pat
                 f'{{scheduler="test",tenant="{tenant}"}} 24.0') in text
     assert 'tenant="c"' not in text
     assert 'feather:urgent_preemptions_total{priority="1",scheduler="test"} 1.0' in text
+
+
+FRESH_SCRIPT = """
+from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+from feather_sched.core.config import FeatherConfig
+from feather_sched.core.runtime import FeatherRuntime
+from tests.core.test_runtime import View
+
+FeatherRuntime(FeatherConfig(gate="always"), View(), name="fresh")
+registry = CollectorRegistry()
+multiprocess.MultiProcessCollector(registry)
+print(generate_latest(registry).decode())
+"""
+
+
+def documented_series(kind: str | None = None) -> dict[str, str]:
+    """The ``feather:`` series docs/metrics.md lists (of ``kind``, where given): name ->
+    type."""
+    table = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    rows = re.findall(r"^\| `(feather:[a-z_]+)` \| (counter|gauge|histogram) \|", table, re.M)
+    return {name: type_ for name, type_ in rows if kind in (None, type_)}
+
+
+def exposed_series(text: str, documented: dict[str, str]) -> set[str]:
+    """Those of ``documented`` that ``text`` (a /metrics page) serves with HELP, TYPE and
+    a sample."""
+    found = set()
+    for name, type_ in documented.items():
+        sample = f"{name}_bucket{{" if type_ == "histogram" else f"{name}{{"
+        if f"# HELP {name} " in text and f"# TYPE {name} {type_}" in text and \
+                sample in text:
+            found.add(name)
+    return found
+
+
+def test_a_fresh_scheduler_serves_every_documented_series_at_zero(tmp_path) -> None:
+    """Before any request: every ``feather:`` series docs/metrics.md lists is on the
+    registry with its HELP and TYPE, the counters at zero (the default tenant's
+    per-tenant series, the preemptions of class 0, the faults of a pass's parts)."""
+    done = subprocess.run([sys.executable, "-c", FRESH_SCRIPT], capture_output=True,
+                          text=True, env=multiprocess_env(tmp_path), check=True,
+                          cwd=Path(__file__).parents[2])
+    documented = documented_series()
+    assert len(documented_series("counter")) >= 8 and len(documented) >= 15
+    assert exposed_series(done.stdout, documented) == set(documented)
+    for counter in documented_series("counter"):
+        values = re.findall(rf"^{counter}{{.*}} ([0-9.e+-]+)$", done.stdout, re.M)
+        assert values and all(float(v) == 0 for v in values), counter
+    assert 'feather:tenant_service_tokens_total{scheduler="fresh",tenant="default"} 0.0' \
+        in done.stdout

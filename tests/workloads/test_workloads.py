@@ -22,6 +22,7 @@ from feather_sched.workloads.spec import (
     tenanted,
 )
 from feather_sched.workloads.synthetic import (
+    document_tenants,
     long_documents,
     minority_groups,
     multi_tenant,
@@ -652,6 +653,31 @@ def test_multi_tenant_can_give_the_other_tenants_prefixes_of_their_own() -> None
     assert all(r.group == -1 for r in grouped if r.tenant == "t2")
     with pytest.raises(ValueError, match="prefixes_per_tenant must be non-negative"):
         multi_tenant(**options, prefixes_per_tenant=-1)
+
+
+def test_document_tenants_ask_about_private_documents_beside_a_light_interactive_one(
+        ) -> None:
+    """Each document tenant's questions sit behind one of its own documents (a group, its
+    prefix shared only within it); the interactive tenant's prompts share nothing and
+    have the long outputs; each stream at its own rate, merged in arrival order."""
+    workload = document_tenants(documents_per_tenant=3, doc_len=32, question_len=(2, 4),
+                                doc_output_len=4, doc_rate=20.0, chat_prompt_len=8,
+                                chat_output_len=40, chat_rate=2.0, duration_s=5.0, seed=1)
+    assert workload.tenants == {"docs0": 100, "docs1": 100, "chat": 10}
+    arrivals = [r.arrival_s for r in workload]
+    assert arrivals == sorted(arrivals)
+    groups = {t: {r.group for r in workload if r.tenant == t} for t in ("docs0", "docs1")}
+    assert groups["docs0"] <= {0, 1, 2} and groups["docs1"] <= {3, 4, 5}
+    for request in (r for r in workload if r.tenant != "chat"):
+        assert request.shared_len == 32 and 34 <= request.prompt.size <= 36
+        assert request.output_len == 4
+        siblings = [r for r in workload if r.group == request.group]
+        assert len({r.prompt[:32].tobytes() for r in siblings}) == 1
+    chat = [r for r in workload if r.tenant == "chat"]
+    assert all(r.group == -1 and r.prompt.size == 8 and r.output_len == 40 for r in chat)
+    with pytest.raises(ValueError, match="chat_rate must be finite and > 0"):
+        document_tenants(documents_per_tenant=1, doc_len=8, doc_output_len=1, doc_rate=1.0,
+                         chat_prompt_len=1, chat_output_len=1, chat_rate=0.0, duration_s=1.0)
 
 
 def test_tenanted_keeps_a_prefix_group_in_one_tenant() -> None:

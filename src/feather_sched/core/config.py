@@ -143,7 +143,8 @@ class FeatherConfig:
     (``{"gold": 2}``); a tenant not named has weight 1."""
     fair_quantum_tokens: int = DEFAULT_QUANTUM_TOKENS
     """How far, in weighted tokens, a tenant may get ahead of the least served one while
-    the prefix order picks it (``fairness: tenants``); 0 is VTC's own rule."""
+    the prefix order picks it (``fairness: tenants``); ahead of a light tenant, only its
+    part of it (its part of the recent service over its fair part); 0 is VTC's own rule."""
     fair_hit_weight: float = DEFAULT_HIT_WEIGHT
     """What a prompt token served from the prefix cache costs its tenant under fair share,
     relative to one the engine computes, from 0 (computed tokens only: a hit is free) to
@@ -188,8 +189,8 @@ class FeatherConfig:
     256 tokens over vLLM's ``vec`` CPU layout, 8192 over ``amx``)."""
     max_tenant_labels: int = 32
     """Tenants named on the ``feather:tenant_*`` series of ``/metrics``: the first this many
-    a scheduler process sees; every later one is labelled ``other``, so an unbounded set
-    of tenants cannot multiply Prometheus's series."""
+    a scheduler process sees, besides ``default``; every later one is labelled ``other``,
+    so an unbounded set of tenants cannot multiply Prometheus's series."""
     max_faults: int = 8
     """Faults of Feather's own code in a row (no clean scheduling pass between them) that
     turn Feather off for the engine, which keeps its own order from then on."""

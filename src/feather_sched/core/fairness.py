@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable
+from collections.abc import Hashable, Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -182,11 +182,14 @@ class OvertakeBound:
             return None
         return max(0, self.stop_limit - max(self.stops(r) for r in waiting))
 
-    def due(self, priority: int = 0) -> RequestId | None:
+    def due(self, priority: int = 0, tenants: Set[int] | None = None) -> RequestId | None:
         """The oldest waiting request of class ``priority`` (the most urgent class
-        waiting) at either bound.  O(requeued requests)."""
+        waiting) at either bound; ``tenants``: only theirs (tenant numbers), where given.
+        O(requeued requests)."""
         found: RequestId | None = None
         for request_id in self._candidates(priority):
+            if tenants is not None and self._tenant[request_id] not in tenants:
+                continue
             if self._at_bound(request_id) and (
                     found is None or self._sequence[request_id] < self._sequence[found]):
                 found = request_id

@@ -30,8 +30,13 @@ class FaultGuard:
     sink, running order) through ``call`` or ``attempt``: an exception is handed to
     ``fault``, which counts and logs it and then runs the adapter's ``on_fault``, its
     fall-back: the engine's own order and admission for the rest of the scheduling pass.
-    While ``dirty``, the adapter rebuilds Feather's picture from the engine's before the
-    next pass (``FeatherRuntime.begin_pass`` does, given the engine's queues).  ``fault``
+    Before that, ``reset`` empties Feather's picture: a fault may leave it half-updated
+    (a request the runtime tracks that the queue lost), and every later call into a
+    half-updated picture could raise again, each a fault of its own; an empty one
+    answers every call (a request it does not know is not charged, not discarded twice),
+    so one fault counts once.  While ``dirty``, the adapter rebuilds Feather's picture
+    from the engine's before the next pass (``FeatherRuntime.begin_pass`` does, given the
+    engine's queues).  ``fault``
     logs the traceback the first time, then one line at most every
     ``LOG_FAULTS_EVERY_S``, and counts (``SchedulerStats.faults``, ``feather:faults``);
     ``limit`` faults in a row, i.e. with neither a pass that decided admissions nor
@@ -40,7 +45,10 @@ class FaultGuard:
     engine to its own order.  O(1).
     """
 
-    def __init__(self, name: str, limit: int, meter: StepMeter) -> None:
+    def __init__(self, name: str, limit: int, meter: StepMeter,
+                 reset: Callable[[], None] | None = None) -> None:
+        """``reset``: empties Feather's picture (``FeatherRuntime.drop``), run first
+        after each fault, so until the rebuild every call finds it whole or empty."""
         self.name = name
         self.limit = limit
         self.meter = meter
@@ -51,6 +59,7 @@ class FaultGuard:
         self._served = 0
         """Passes served without a fault since the last fault."""
         self._logged_at: float | None = None
+        self.reset = reset
         self.on_fault: Callable[[str], None] | None = None
         """The adapter's fall-back, run after each fault with its ``where``: what the
         engine serves instead for the rest of the pass."""
@@ -88,6 +97,9 @@ class FaultGuard:
         self.in_a_row += 1
         self._served = 0
         self.dirty = True
+        if self.reset is not None:
+            with contextlib.suppress(Exception):  # the rebuild clears the queue again
+                self.reset()
         if self.meter.sink is not None:
             with contextlib.suppress(Exception):  # the sink may be what fails: stats count
                 self.meter.sink.fault(where)

@@ -17,10 +17,13 @@ whatever the gate says; after a STOP every answer is STOP until ``new_step``.  W
 share between tenants (``share``, a ``TenantShare``), the last two pick only among the
 tenants the share admits now (``tenants``, given the engine's ``seats`` for their seat
 share): the first of theirs in the tree's order, the least served tenant first among
-requests sharing as much (``rank_key``); and the waiting bound counts overtakes within a
-tenant.  Without ``prefix_order`` (VTC itself) the candidate is instead the head of the
-least served tenant's first-come-first-served queue (``TenantFifo``).  Why each rule, and
-the guarantee they make: docs/fairness.md.
+requests sharing as much (``rank_key``); the waiting bound counts overtakes within a
+tenant, and a request at its overtaking or stop bound is due only while the share admits
+its tenant (it takes its tenant's turn: ``due``), so no setting of the bounds turns the
+share off; only the starvation backstop and a ``promise`` are above the share.  Without
+``prefix_order`` (VTC itself) the candidate is instead the head of the least served
+tenant's first-come-first-served queue (``TenantFifo``).  Why each rule, and the
+guarantee they make: docs/fairness.md.
 
 Costs: ``add`` is linear in the request's keys; ``admit``/``requeue``/``remove``/``hold``
 in its keys plus the waiting requests whose shared depth changes (see ``cht``);
@@ -253,14 +256,24 @@ class FeatherQueue:
 
     def due(self) -> RequestId | None:
         """The waiting request a bound puts first now (starved, or at its overtaking or
-        stop bound, in the most urgent class waiting); None when the tree's order holds."""
+        stop bound, in the most urgent class waiting); None when the tree's order holds.
+        With a ``share``, one at its overtaking or stop bound only among the tenants the
+        share admits now: it takes its own tenant's turn, it does not jump the share
+        (so ``max_overtakes`` or ``max_stops`` 0 is arrival order within the share's
+        window, never across it).  O(requeued requests), plus
+        ``TenantShare.eligible_tenants`` with a share."""
         best = self.tree.best()
         if best is None:
             return None
         starved = self._starved()
         if starved is not None or self.bound is None:
             return starved
-        return self.bound.due(self.tree.priority(best))
+        priority = self.tree.priority(best)
+        if self.share is None:
+            return self.bound.due(priority)
+        numbers = self._tenant_numbers
+        return self.bound.due(priority, {numbers[t] for t in
+                                         self.share.eligible_tenants(priority, self.seats)})
 
     def keys(self, request_id: RequestId) -> list:
         """The request's chunk keys."""

@@ -82,6 +82,8 @@ class _Tracked(Generic[R]):
     preemptions: int = 0
     urgent_preemptions: int = 0
     """Times it was the ``urgent_victim``."""
+    tenant: Hashable = DEFAULT_TENANT
+    """As the queue was given it: ``served`` charges it without asking the queue."""
 
 
 @dataclass
@@ -134,18 +136,23 @@ class FeatherRuntime(Generic[R]):
                                state_file=config.state_file,
                                gate=gate if isinstance(gate, Persistent) else None,
                                admissions=self.counts, save_every_s=config.save_every_s,
-                               sink=metrics.PrometheusSink(name, config.max_tenant_labels)
+                               sink=metrics.PrometheusSink(name, config.max_tenant_labels,
+                                                           tenants=(DEFAULT_TENANT,))
                                if metrics.enabled() else None)
-        self.faults = FaultGuard(name, config.max_faults, self.meter)
+        self.faults = FaultGuard(name, config.max_faults, self.meter, reset=self.drop)
         self._tracked: dict[RequestId, _Tracked[R]] = {}
+        self._unsettled: dict[RequestId, _Tracked[R]] = {}
+        """Requests tracked when a fault emptied the picture (``drop``), until the rebuild
+        (``resync``) or their ``discard``: so each is still counted out once, and keeps
+        its arrival and preemption counts."""
         self._taken: list[_Taken] = []
         self._open_steps: OrderedDict[Hashable, list[tuple[GateContext, Decision]]] = \
             OrderedDict()
         self._mirror: _Mirror[R] | None = None
         """The engine's running list as last reconciled (``_Mirror``)."""
-        self._tenant: Callable[[R], Hashable] | None = \
-            getattr(view, "tenant", None) if self.queue.share is not None else None
-        """The view's ``tenant``, where fair share needs it and the view has it."""
+        self._tenant: Callable[[R], Hashable] | None = getattr(view, "tenant", None)
+        """The view's ``tenant``, where it has one: fair share's, and the per-tenant
+        series' whether fair share is on or off."""
         self._places: dict[Hashable, int] | None = None
         """Under fair share with ``order_running``, each tenant's place in the running
         order as the pass began (``TenantShare.ranking``: the most served last)."""
@@ -208,15 +215,17 @@ class FeatherRuntime(Generic[R]):
         Returns True when Feather knew it, False otherwise, so every exit path of an
         engine may call this and a request still leaves exactly once.
         """
-        tracked = self._tracked.pop(request_id, None)
+        tracked = self._tracked.pop(request_id, None) or \
+            self._unsettled.pop(request_id, None)
         if tracked is None:
             return False
         self._count_left([tracked])
-        mirror = self._current_mirror()
-        in_mirror = mirror is not None and self._mirror_drops(mirror, request_id)
-        self.queue.remove(request_id)
-        if in_mirror:
-            mirror.epoch = self.queue.running_epoch
+        if request_id in self.queue:  # not after a fault emptied the picture (``drop``)
+            mirror = self._current_mirror()
+            in_mirror = mirror is not None and self._mirror_drops(mirror, request_id)
+            self.queue.remove(request_id)
+            if in_mirror:
+                mirror.epoch = self.queue.running_epoch
         self._count_states()
         if not self._tracked:
             self.meter.save()  # drained: a run's end is on file even if shutdown is cut short
@@ -240,24 +249,34 @@ class FeatherRuntime(Generic[R]):
                     share.refund(self.queue.tenant(request_id), taken.charged)
 
     @property
-    def counts_service(self) -> bool:
-        """Whether ``served`` does anything (fair share is on): an adapter may skip the
-        calls otherwise."""
+    def fair_share(self) -> bool:
+        """Whether fair share between tenants is on (``fairness``: ``tenants``, ``vtc``)."""
         return self.queue.share is not None
+
+    @property
+    def counts_service(self) -> bool:
+        """Whether ``served`` does anything: fair share is on, or the metrics sink counts
+        each named tenant's service; an adapter may skip the calls otherwise."""
+        return self.queue.share is not None or (
+            self.meter.sink is not None and self._tenant is not None)
 
     def served(self, request_id: RequestId, computed_tokens: int,
                generated_tokens: int) -> None:
         """A step computed ``computed_tokens`` prompt tokens for the request (a prefix-cache
         hit is not computed; a recomputation after preemption is) and generated
-        ``generated_tokens``: its tenant's service under fair share (``TenantShare.
-        charge``).  Nothing without fair share, or for a request Feather does not know
-        (call it before ``discard``).  O(1)."""
+        ``generated_tokens``: its tenant's service, under fair share (``TenantShare.
+        charge``) and on its metrics series.  Nothing for a request Feather does not know
+        (call it before ``discard``), as after a fault until the rebuild (``drop``).
+        O(1)."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return
         share = self.queue.share
-        if share is not None and request_id in self._tracked:
-            tenant = self.queue.tenant(request_id)
-            share.charge(tenant, computed_tokens, generated_tokens)
-            if self.meter.sink is not None:
-                self.meter.sink.served(tenant, service_of(computed_tokens, generated_tokens))
+        if share is not None:
+            share.charge(tracked.tenant, computed_tokens, generated_tokens)
+        if self.meter.sink is not None:
+            self.meter.sink.served(tracked.tenant,
+                                   service_of(computed_tokens, generated_tokens))
 
     def is_running(self, request_id: RequestId) -> bool:
         """Whether Feather has the request in its running set."""
@@ -750,9 +769,11 @@ class FeatherRuntime(Generic[R]):
         ``held`` outside both (parked in a queue of its own), in arrival order (each keeps
         its arrival time and preemption count; the gate keeps what it learned; the
         waiting bounds count afresh); a request Feather knew that is in none left unseen
-        and is counted out once.  Clears ``faults.dirty``.  O(their keys + n log n)."""
-        view, stats = self.view, self.meter.stats
-        known, self._tracked = self._tracked, {}
+        and is counted out once.  Clears ``faults.dirty``.  A fault midway leaves the
+        picture empty (``drop``), to be rebuilt again.  O(their keys + n log n)."""
+        view = self.view
+        known = {**self._unsettled, **self._tracked}
+        self._tracked, self._unsettled = {}, known
         now = self.clock()
 
         def arrival(request: R) -> float:
@@ -763,8 +784,7 @@ class FeatherRuntime(Generic[R]):
             return now if given is None else given
 
         try:
-            self._taken.clear()
-            self.queue.clear()
+            self._clear()
             entries = [(state, arrival(request), request)
                        for state, requests in ((QueueState.RUNNING, running),
                                                (QueueState.WAITING, waiting),
@@ -779,12 +799,30 @@ class FeatherRuntime(Generic[R]):
                 elif state is QueueState.HELD:
                     self.queue.hold(request_id)
         except BaseException:
-            self._tracked = known  # requests count in and out only when a rebuild completes
+            self.drop()  # those it did not see again count out when a rebuild completes
             raise
-        stats.requests_entered += sum(1 for r in self._tracked if r not in known)
+        self._unsettled = {}
         self._count_states()
         self.faults.dirty = False
         self._count_left([old for r, old in known.items() if r not in self._tracked])
+
+    def drop(self) -> None:
+        """Empty Feather's picture after a fault (``FaultGuard.reset``): a fault may leave
+        the queue half-updated, where a call could raise again; an empty picture answers
+        every call an adapter makes until the rebuild (``served`` charges nobody,
+        ``discard`` counts a request out once, from ``_unsettled``), so a fault counts
+        once.  The tenants' counters and the gate keep what they had.  O(tracked)."""
+        self._unsettled.update(self._tracked)
+        self._tracked = {}
+        self._clear()
+        self._count_states()
+
+    def _clear(self) -> None:
+        """The queue, this pass's answers and the running list's mirror, forgotten."""
+        self._taken.clear()
+        self._mirror = None
+        self._places = None
+        self.queue.clear()
 
     # ---- order ------------------------------------------------------------------------
 
@@ -818,33 +856,39 @@ class FeatherRuntime(Generic[R]):
         if tracked is not None and tracked.prompt_tokens == prompt_tokens:
             tracked.request = request
             return request_id
+        arrival = view.arrival_s(request)
         if tracked is not None:
             self.queue.remove(request_id)
-        else:
-            self.meter.stats.requests_entered += 1
-        return self._track(request, view.arrival_s(request), tracked)
+        elif (tracked := self._unsettled.pop(request_id, None)) is not None and \
+                tracked.prompt_tokens == prompt_tokens:  # known before a fault (``drop``)
+            arrival = tracked.arrival_s
+        return self._track(request, arrival, tracked)
 
     def _track(self, request: R, arrival_s: float | None,
                before: _Tracked[R] | None = None) -> RequestId:
         """Track ``request`` and add it to the queue as waiting (arrival None: now); a
         request tracked ``before`` (re-keyed, or rebuilt after a fault) keeps its counts
-        of preemptions, so ``max_urgent_preemptions`` bounds its whole life."""
+        of preemptions, so ``max_urgent_preemptions`` bounds its whole life; one that was
+        not is counted in (once: tracked, it is counted out once, ``_count_left``)."""
         view = self.view
         request_id = view.request_id(request)
         arrival = self.clock() if arrival_s is None else arrival_s
         prompt_tokens = view.prompt_tokens(request)
-        tracked = self._tracked[request_id] = _Tracked(request, prompt_tokens, arrival)
-        if before is not None:
+        tenant = self._tenant_of(request)
+        tracked = self._tracked[request_id] = _Tracked(request, prompt_tokens, arrival,
+                                                       tenant=tenant)
+        if before is None:
+            self.meter.stats.requests_entered += 1
+        else:
             tracked.preemptions = before.preemptions
             tracked.urgent_preemptions = before.urgent_preemptions
-        tenant = self._tenant_of(request)
         self.queue.add(request_id, view.chunk_keys(request), arrival, prompt_tokens,
                        view.priority(request), tenant)
         return request_id
 
     def _tenant_of(self, request: R) -> Hashable:
         """The request's tenant as the view names it (``DEFAULT_TENANT`` where it names
-        none, or fair share is off)."""
+        none)."""
         return DEFAULT_TENANT if self._tenant is None else self._tenant(request)
 
     def _count_left(self, gone: Sequence[_Tracked[R]]) -> None:

@@ -43,7 +43,13 @@ is within ``quantum`` of the least counter among the tenants backlogged in the c
 DLPM's deficit idea (Cao et al., arXiv 2501.14312): inside that window the queue admits
 in the tree's prefix order, the least served tenant first among requests sharing as much
 (``FeatherQueue.rank_key``), and outside it no tenant gets ahead.  Quantum 0 is VTC's
-rule (only the least served, ties aside).
+rule (only the least served, ties aside).  The window is the tightest any backlogged
+tenant ``f`` sets: no tenant more than ``Q_f = quantum_of(f)`` ahead of ``f`` is admitted,
+``Q_f`` the quantum scaled by ``f``'s part of the recent service over its fair part
+(``RecentService``; at most the whole quantum).  The quantum buys the tenants ahead
+locality with the waits of those behind; a light tenant (an interactive one, a few
+requests that share nothing) gains nothing from it, so it is held back by little more
+than its own part.
 
 The bound.  For tenants ``f`` and ``g`` backlogged throughout an interval in which only
 one class has requests waiting (and none of theirs admitted over the share: by the
@@ -64,9 +70,13 @@ to it); a tenant is admitted only while backlogged and within ``Q`` of ``m``, an
 then its counter grows only by its running requests' service, the admission's charge
 included, ``n * U`` at most, whether it stays backlogged or not; so every backlogged
 counter stays within ``[m, m + Q + n * U]``, and the difference over an interval is that
-of two such gaps.  VTC states ``2 * max(w_p * L_in, w_q * M)`` (``M`` a batch's token
-capacity) for charging a prompt whole at admission; charging it as it is computed is
-what lets the in-flight term in, and the seat share is what makes ``n`` a share of the
+of two such gaps.  A tenant's own quantum is at most ``Q``, so the window is never wider
+than the bound's; and while ``f`` is backlogged no tenant more than ``Q_f`` ahead of it
+is admitted in its class (the light tenant's guarantee: its requests go before another
+tenant's once that one is ``Q_f`` ahead, however much that one's requests share).  VTC
+states ``2 * max(w_p * L_in, w_q * M)`` (``M`` a batch's token capacity) for charging a
+prompt whole at admission; charging it as it is computed is what lets the in-flight
+term in, and the seat share is what makes ``n`` a share of the
 seats rather than all of them.  The seat share is a guarantee of its own: while a tenant
 below its share waits in the class, no tenant at its share is admitted there.
 
@@ -118,6 +128,9 @@ OUTPUT_WEIGHT = 2.0
 DEFAULT_QUANTUM_TOKENS = 16384
 """How far (in weighted tokens) a tenant may get ahead of the least served one while the
 prefix order picks it: a few requests' worth, so a group's members still run together."""
+RECENT_QUANTA = 16
+"""The half-life of ``RecentService``, in quanta of service to all tenants: what a
+tenant's recent part of the service is measured over."""
 DEFAULT_HIT_WEIGHT = 0.5
 """What a prompt token served from the prefix cache costs its tenant, relative to one the
 engine computes: half (``TenantShare``: 0 charges computed tokens only, 1 is VTC's)."""
@@ -230,6 +243,8 @@ class TenantShare:
         """Waiting tenants at their seat share when last seen (``_seat``); not backlogged."""
         self.floor = 0.0
         """The least counter of the backlogged tenants as last seen (never decreases)."""
+        self.recent = RecentService(RECENT_QUANTA * max(self.quantum, 1.0))
+        """Each tenant's part of the recent service (``quantum_of``)."""
 
     def service(self, tenant: Tenant) -> float:
         """The tenant's counter: its weighted service so far (lifts included)."""
@@ -245,14 +260,14 @@ class TenantShare:
         admission), each generated one ``OUTPUT_WEIGHT``."""
         cost = (1 - self.hit_weight) * INPUT_WEIGHT * computed_tokens + \
             OUTPUT_WEIGHT * output_tokens
-        self._service[tenant] = self.service(tenant) + cost / self.weight(tenant)
+        self._add(tenant, cost / self.weight(tenant))
 
     def admitted(self, tenant: Tenant, prompt_tokens: int) -> float:
         """A request of the tenant with ``prompt_tokens`` prompt tokens was admitted (again,
         after a preemption): ``hit_weight`` of its whole prompt.  Returns the charge,
         before the tenant's weight (what ``refund`` takes back)."""
         cost = self.hit_weight * INPUT_WEIGHT * prompt_tokens
-        self._service[tenant] = self.service(tenant) + cost / self.weight(tenant)
+        self._add(tenant, cost / self.weight(tenant))
         return cost
 
     def refund(self, tenant: Tenant, cost: float) -> None:
@@ -260,8 +275,26 @@ class TenantShare:
         did not run the request.  The counter goes back down, but not below the floor
         (where it was not already), so the least backlogged counter never decreases."""
         service = self.service(tenant)
-        self._service[tenant] = max(service - cost / self.weight(tenant),
-                                    min(service, self.floor))
+        refunded = max(service - cost / self.weight(tenant), min(service, self.floor))
+        self._service[tenant] = refunded
+        self.recent.add(tenant, refunded - service)
+
+    def _add(self, tenant: Tenant, weighted: float) -> None:
+        self._service[tenant] = self.service(tenant) + weighted
+        self.recent.add(tenant, weighted)
+
+    def quantum_of(self, tenant: Tenant) -> float:
+        """How far ahead of ``tenant``, while it is backlogged, another tenant may be
+        admitted: ``quantum`` scaled by its recent part of the service over its fair
+        part (``RecentService``), at most 1: the whole quantum for a tenant served its
+        share or more, less for a lighter one, 0 for one not served lately.  The
+        quantum lets the tenants ahead run what shares a prefix together; it is
+        locality bought with the waits of those behind, and a light tenant (a few
+        interactive requests that share nothing) has little to gain from it.  O(T)."""
+        if not self.quantum:
+            return 0.0
+        active = max(1, len(self._running.keys() | self._waiting.keys()))
+        return self.quantum * min(1.0, active * self.recent.part(tenant))
 
     # ---- backlog and seats ------------------------------------------------------------
 
@@ -375,10 +408,43 @@ class TenantShare:
         return self._window(self._backlogged(priority, seats))
 
     def _window(self, backlogged: list[Tenant]) -> list[Tenant]:
+        """The backlogged tenants no more than ``quantum_of`` any of them ahead of it
+        (the least served always among them).  O(T)."""
         if not backlogged:
             return []
-        limit = min(map(self.service, backlogged)) + self.quantum
+        limit = min(self.service(t) + self.quantum_of(t) for t in backlogged)
         return [tenant for tenant in backlogged if self.service(tenant) <= limit]
+
+
+class RecentService:
+    """Each tenant's part of the recent service: the service it was charged (weighted),
+    decayed by half every ``half_life`` of service charged to all tenants, over the
+    total so decayed.  Decayed by service, not time, so it reads the same on any engine;
+    O(1) a charge (the decay is folded into a growing scale, rescaled now and then)."""
+
+    def __init__(self, half_life: float) -> None:
+        self.half_life = half_life
+        self._scaled: dict[Tenant, float] = {}
+        self._total = 0.0
+        self._since = 0.0
+        """Service charged since the scale was last reset."""
+
+    def add(self, tenant: Tenant, service: float) -> None:
+        """The tenant was charged ``service`` (negative: refunded)."""
+        amount = service * 2.0 ** (self._since / self.half_life)
+        scaled = max(self._scaled.get(tenant, 0.0) + amount, 0.0)
+        self._total += scaled - self._scaled.get(tenant, 0.0)
+        self._scaled[tenant] = scaled
+        self._since += max(service, 0.0)
+        if self._since > 64 * self.half_life:  # rescale before the scale overflows
+            factor = 2.0 ** (-self._since / self.half_life)
+            self._scaled = {t: v * factor for t, v in self._scaled.items() if v * factor > 1e-12}
+            self._total = sum(self._scaled.values())
+            self._since = 0.0
+
+    def part(self, tenant: Tenant) -> float:
+        """The tenant's part of the recent service, in [0, 1] (0 before any)."""
+        return self._scaled.get(tenant, 0.0) / self._total if self._total > 0 else 0.0
 
 
 class TenantFifo:

@@ -27,6 +27,8 @@ PREEMPTION_BUCKETS = (0.5, 1, 2, 3, 4, 6, 8, 16)
 """Positive bounds (Ray's metrics relay refuses 0); le=0.5 counts the never preempted."""
 OTHER_TENANTS = "other"
 """The tenant label of every tenant past ``max_tenant_labels``."""
+FAULT_SITES = ("begin_pass", "decide", "admit", "end_pass")
+"""The ``where`` of ``feather:faults`` present at zero from the start: a pass's parts."""
 
 
 def enabled() -> bool:
@@ -100,9 +102,9 @@ def _registered() -> _Metrics:
                                   "request's arrival to its admission, by tenant.",
                                   [*labels, "tenant"], buckets=DEFERRAL_BUCKETS),
         tenant_service=Counter("feather:tenant_service_tokens", "Service each tenant "
-                               "received under fair share: 1 per prompt token computed "
-                               "(cache hits free), 2 per token generated, before its "
-                               "weight.", [*labels, "tenant"]),
+                               "received: 1 per prompt token computed (cache hits free), 2 "
+                               "per token generated, before its weight.",
+                               [*labels, "tenant"]),
     )
 
 
@@ -110,17 +112,19 @@ class TenantLabels:
     """The label value of each tenant, with a cap on how many there are: the first
     ``limit`` tenants seen keep their name, every later one is ``OTHER_TENANTS``, so an
     unbounded set of tenants adds at most ``limit + 1`` values to a series (per process:
-    each scheduler process labels the tenants it saw first).  O(1) a call."""
+    each scheduler process labels the tenants it saw first), besides the tenants named
+    from the start (``always``: the default tenant).  O(1) a call."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, always: Iterable[Hashable] = ()) -> None:
         self.limit = limit
-        self._named: dict[Hashable, str] = {}
+        self._named: dict[Hashable, str] = {tenant: str(tenant) for tenant in always}
+        self._always = len(self._named)
 
     def __call__(self, tenant: Hashable) -> str:
         label = self._named.get(tenant)
         if label is not None:
             return label
-        if len(self._named) >= self.limit:
+        if len(self._named) - self._always >= self.limit:
             return OTHER_TENANTS
         label = self._named[tenant] = str(tenant)
         return label
@@ -128,12 +132,18 @@ class TenantLabels:
 
 class PrometheusSink:
     """One scheduler's metrics (label ``scheduler``; ``tenant`` on the per-tenant series,
-    at most ``max_tenant_labels`` names and ``OTHER_TENANTS``)."""
+    at most ``max_tenant_labels`` names and ``OTHER_TENANTS``).  Every series is present
+    from the start, a counter at zero (with its HELP and TYPE): the decisions, the
+    preemptions of class 0, the faults of each of ``FAULT_SITES``, and the per-tenant
+    series of each of ``tenants`` (the default tenant, named besides the cap), so a
+    dashboard or an alert sees a zero rather than nothing before the first event."""
 
-    def __init__(self, scheduler: str, max_tenant_labels: int = 32) -> None:
+    def __init__(self, scheduler: str, max_tenant_labels: int = 32,
+                 tenants: Iterable[Hashable] = ()) -> None:
         metrics = _registered()
         self._metrics = metrics
-        self._tenant = TenantLabels(max_tenant_labels)
+        tenants = tuple(tenants)
+        self._tenant = TenantLabels(max_tenant_labels, tenants)
         self._decisions = {d: metrics.decisions.labels(scheduler, d)
                            for d in ("add", "stop", "forced")}
         self._questions = metrics.questions.labels(scheduler)
@@ -148,6 +158,15 @@ class PrometheusSink:
         self._request_preemptions = metrics.request_preemptions.labels(scheduler)
         self._preempted_group = metrics.preempted_group.labels(scheduler)
         self._faults = metrics.faults
+        for counter in (metrics.preemptions, metrics.urgent_preemptions):
+            counter.labels(scheduler, "0")
+        for where in FAULT_SITES:
+            metrics.faults.labels(scheduler, where)
+        for tenant in tenants:
+            label = self._tenant(tenant)
+            for series in (metrics.tenant_admissions, metrics.tenant_deferral,
+                           metrics.tenant_service):
+                series.labels(scheduler, label)
 
     def pass_ended(self, *, asked: int, add: int, stop: int, forced: int,
                    admitted: Iterable[tuple[Hashable, float]], groups: int, waiting: int,

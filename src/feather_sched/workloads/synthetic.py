@@ -1,6 +1,7 @@
 """Seedable generators of workloads with a controlled prefix structure: shared-prefix groups,
 minority groups, a singleton before a stream, long documents with many questions,
-multi-turn chats, tenants of unequal habits, and a no-sharing control (token ids never 0)."""
+multi-turn chats, tenants of unequal habits, document tenants beside an interactive one,
+and a no-sharing control (token ids never 0)."""
 
 import math
 from collections import Counter
@@ -382,3 +383,59 @@ def multi_tenant(
         parts = _own_prefixes(rng, owners, parts, prefixes_per_tenant, prefix_len, vocab_size)
     return _build("multi-tenant", parts, arrival_times(len(parts), arrival, rng),
                   [f"t{t}" for t in owners])
+
+
+def document_tenants(
+    *,
+    doc_tenants: int = 2,
+    documents_per_tenant: int,
+    doc_len: int,
+    question_len: tuple[int, int] = (16, 64),
+    doc_output_len: int,
+    doc_rate: float,
+    chat_prompt_len: int,
+    chat_output_len: int,
+    chat_rate: float,
+    duration_s: float,
+    seed: int = 0,
+    vocab_size: int = 32000,
+) -> Workload:
+    """Tenants ``docs0``, ``docs1``, ... each ask questions (``question_len`` tokens, both
+    ends inclusive) about one of their own ``documents_per_tenant`` private documents of
+    ``doc_len`` tokens (drawn at random per request; a group each), Poisson at
+    ``doc_rate`` req/s each; beside them tenant ``chat`` sends short unshared prompts
+    (``chat_prompt_len``) with long outputs (``chat_output_len``), Poisson at the low
+    ``chat_rate``: the light interactive tenant that fair share must protect from
+    tenants flooding with document sets larger than the KV pool.  Each tenant's stream
+    lasts about ``duration_s``."""
+    check_positive(doc_tenants=doc_tenants, documents_per_tenant=documents_per_tenant,
+                   doc_len=doc_len, doc_output_len=doc_output_len,
+                   chat_prompt_len=chat_prompt_len, chat_output_len=chat_output_len)
+    check_range("question_len", question_len)
+    for name, value in (("doc_rate", doc_rate), ("chat_rate", chat_rate),
+                        ("duration_s", duration_s)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be finite and > 0, got {value}")
+    check_vocab(vocab_size)
+    rng = np.random.default_rng(seed)
+    docs = _distinct_sequences(rng, [doc_len] * (doc_tenants * documents_per_tenant),
+                               vocab_size)
+    streams: list[tuple[float, str, tuple[np.ndarray, int, int, int]]] = []
+    for tenant in range(doc_tenants):
+        n = max(1, round(doc_rate * duration_s))
+        picks = tenant * documents_per_tenant + rng.integers(documents_per_tenant, size=n)
+        questions = _distinct_sequences(
+            rng, rng.integers(question_len[0], question_len[1], size=n, endpoint=True),
+            vocab_size)
+        times = arrival_times(n, ArrivalSpec("poisson", doc_rate), rng)
+        streams += [(t, f"docs{tenant}", (np.concatenate([docs[d], q]), doc_output_len,
+                                          int(d), doc_len))
+                    for t, d, q in zip(times, picks, questions, strict=True)]
+    n = max(1, round(chat_rate * duration_s))
+    prompts = _distinct_sequences(rng, [chat_prompt_len] * n, vocab_size)
+    times = arrival_times(n, ArrivalSpec("poisson", chat_rate), rng)
+    streams += [(t, "chat", (prompt, chat_output_len, -1, 0))
+                for t, prompt in zip(times, prompts, strict=True)]
+    streams.sort(key=lambda entry: entry[0])
+    return _build("document-tenants", [part for _, _, part in streams],
+                  np.array([t for t, _, _ in streams]), [tenant for _, tenant, _ in streams])

@@ -44,6 +44,7 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -62,7 +63,7 @@ from feather_sched.integrations.sglang.scheduler import (
 )
 from feather_sched.models import TINY_LLAMA
 from feather_sched.telemetry.prometheus import PrometheusSink
-from tests.helpers.faults import Injector
+from tests.helpers.faults import InjectedFault, Injector, fault_targets
 
 CHUNK = 16
 PREFIX = 4 * CHUNK
@@ -250,15 +251,21 @@ class Engine:
         return set(self.feather.runtime.queue.running_ids())
 
     def finish(self, *reqs: Req, reason=None) -> None:
-        """A batch result finished ``reqs``: Feather's process_batch_result hook sees it."""
+        """A decode step's result finished ``reqs``: Feather's process_batch_result hook sees
+        it (under fair share, the running requests' service)."""
         for req in reqs:
             req.finished_reason = reason or FINISH_LENGTH(length=8)
         self.steps += 1
-        batch = ScheduleBatch(reqs=list(self.running), forward_iter=self.steps)
+        batch = ScheduleBatch(reqs=list(self.running), forward_iter=self.steps,
+                              forward_mode=ForwardMode.DECODE)
         batch.launch_ts = time.monotonic() - 0.01
         scheduler = SimpleNamespace(feather=self.feather)
-        feather_sglang._hook_process_batch_result(lambda scheduler, batch, result: None,
-                                                  scheduler, batch, None)
+
+        def decoded(scheduler, batch, result) -> None:  # a token each, as a decode step's
+            for req in batch.reqs:
+                req.output_ids.append(7)
+
+        feather_sglang._hook_process_batch_result(decoded, scheduler, batch, None)
         self.running = [req for req in self.running if not req.finished()]
 
 
@@ -788,24 +795,29 @@ def test_the_retraction_order_is_sglangs_own_on_a_fault(monkeypatch, contained_f
     assert [where for where, _ in contained_faults] == ["retraction_order"]
 
 
+@pytest.mark.parametrize("fairness", ["off", "tenants", "vtc"])
 @pytest.mark.parametrize("seed", range(3))
-def test_random_faults_in_feathers_code_lose_no_request(seed: int, monkeypatch,
-                                                        contained_faults) -> None:
-    """Exceptions from the tree, the gate, the meter, the metrics sink and the running
-    order at random rounds: every request is admitted exactly once and leaves Feather
-    once, and each fault is counted once."""
+def test_random_faults_in_feathers_code_lose_no_request(seed: int, fairness: str,
+                                                        monkeypatch, contained_faults) -> None:
+    """Exceptions from the tree, the gate, the meter, the metrics sink, the running order,
+    the rebuild after a fault (aimed at it) and the tenant share at random rounds, with
+    fair share off and on (each step's service counted): every request is admitted
+    exactly once and leaves Feather once, and each fault is counted once (every fault
+    contained is one injected: none follows from another)."""
     rng = random.Random(seed)
-    engine = Engine(gate="bandit")
+    engine = Engine(gate="bandit", fairness=fairness)
     runtime = engine.feather.runtime
-    runtime.meter.sink = PrometheusSink(f"sglang-faults{seed}")
+    runtime.meter.sink = PrometheusSink(f"sglang-faults{seed}{fairness}")
     injector = Injector(monkeypatch, seed, rate=0.4)
-    injector.target_all()
+    injector.target_all(fault_targets(fairness))
     requests, admitted = _interleaved(400), []
+    for req in requests:
+        req.sampling_params.custom_params = {"tenant": rng.choice("abc")}
     while requests or engine.waiting or engine.running:
         count = rng.randrange(6)
         engine.arrive(*requests[:count])
         requests = requests[count:]
-        injector.next_pass()
+        injector.next_pass(rebuilding=runtime.faults.dirty)
         admitted += engine.admission_round(max_requests=rng.randrange(1, 9))
         engine.finish(*rng.sample(engine.running, min(len(engine.running), rng.randrange(6))))
         assert len(admitted) < 4000, "admission stalled"
@@ -813,10 +825,13 @@ def test_random_faults_in_feathers_code_lose_no_request(seed: int, monkeypatch,
     engine.admission_round()  # an idle round: Feather rebuilt once more, empty
     assert Counter(r.rid for r in admitted) == Counter(r.rid for r in _interleaved(400))
     assert len(injector.raised) == len(contained_faults) == runtime.meter.stats.faults > 10
-    assert set(injector.raised) == {"tree", "gate", "meter", "sink", "order"}
+    assert all(isinstance(error, InjectedFault) for _, error in contained_faults)
+    assert set(injector.raised) == {label for _, _, label in fault_targets(fairness)}
     assert runtime.faults.active and not runtime._tracked and len(runtime) == 0
     stats = runtime.meter.stats
     assert stats.requests_entered == stats.requests_left  # those Feather saw: each once
+    if fairness != "off":
+        assert all(runtime.queue.share.service(tenant) > 0 for tenant in "abc")
 
 
 def test_faults_in_a_row_turn_feather_off_in_the_scheduler(monkeypatch, contained_faults,

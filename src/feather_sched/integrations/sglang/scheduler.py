@@ -403,7 +403,7 @@ class FeatherSGLang:
         """Under fair share, a request entering SGLang's queue whose tenant is invalid is
         aborted the way SGLang refuses bad input (``Req.set_finish_with_abort``: a 400
         saying why), and is then finished like any other."""
-        if self.runtime.counts_service and self.faults.active and req.to_finish is None:
+        if self.runtime.fair_share and self.faults.active and req.to_finish is None:
             error = self.faults.call("tenant", self.requests.tenant_error, req)
             if error is not None:
                 req.set_finish_with_abort(f"Invalid request: {error}")
