@@ -71,9 +71,14 @@ class RuntimeContract(Protocol[R]):
     # ---- service under fair share -----------------------------------------------------
 
     @property
+    def fair_share(self) -> bool:
+        """Whether fair share between tenants is on (``fairness``: ``tenants`` or ``vtc``):
+        only then is a request's tenant checked where it enters."""
+
+    @property
     def counts_service(self) -> bool:
-        """Whether ``served`` does anything (fair share is on): the adapter may skip the
-        calls otherwise."""
+        """Whether ``served`` does anything (fair share is on, or the metrics count each
+        named tenant's service): the adapter may skip the calls otherwise."""
 
     def served(self, request_id: RequestId, computed_tokens: int,
                generated_tokens: int) -> None:
