@@ -378,7 +378,6 @@ def serve(
     and of vLLM's server arguments --host, --port, --api-key and --chat-template (others
     are refused).
     """
-    import os
     import shlex
 
     require("vllm", "serve")
@@ -410,11 +409,17 @@ def serve(
         except ValueError as error:
             raise typer.BadParameter(str(error)) from None
         return
-    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        # Feather's metrics live in the engine-core process: vLLM's /metrics collects them
-        # from this directory (prometheus multiprocess mode; see telemetry.prometheus).
-        import tempfile
+    _exec_server(command)
 
+
+def _exec_server(command: list[str]) -> None:
+    """Become vLLM's server, its metrics collected from a fresh directory: Feather's live
+    in the engine-core process, and vLLM's /metrics collects them from there (prometheus
+    multiprocess mode; see telemetry.prometheus)."""
+    import os
+    import tempfile
+
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="feather-metrics-")
     os.execv(command[0], command)
 
@@ -609,14 +614,31 @@ def attention_check(
     import torch
 
     from feather_sched.attention import selfcheck
-    from feather_sched.costmodel.model_profiles import MODELS
 
     block_size = block_size or (128 if backend == "cpu" and not plan else 16)
     if plan:
         _attention_plan(Path(model), tensor_parallel, dtype, block_size, max_num_seqs,
                         max_model_len, json_path)
         return
-    dtype = dtype or "bfloat16"
+    torch.set_num_threads(threads)
+    subject = _check_subject(model, tensor_parallel, dtype or "bfloat16", backend, block_size,
+                             max_num_seqs, max_model_len)
+    verdict = selfcheck.cached_check(subject) if cached else selfcheck.check(subject)
+    console.print(selfcheck.table(verdict), highlight=False)
+    console.print(f"\nFeather shared-prefix attention: {verdict.line()}", highlight=False)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(verdict.to_json(), indent=1) + "\n")
+
+def _check_subject(model: str, tensor_parallel: int, dtype: str, backend: str,
+                   block_size: int, max_num_seqs: int, max_model_len: int) -> Any:
+    """The self-check's subject for a model profile's heads over ``tensor_parallel`` ranks,
+    on vLLM's CPU kernel or one of its GPU backends (a bad argument: BadParameter)."""
+    import torch
+
+    from feather_sched.costmodel.model_profiles import MODELS
+    from feather_sched.integrations.vllm.attention_check import CpuSubject, Geometry, versions
+
     if model not in MODELS:
         raise typer.BadParameter(f"unknown model {model!r}; one of {', '.join(MODELS)}")
     profile = MODELS[model]
@@ -627,26 +649,17 @@ def attention_check(
                        "float16": torch.float16}[dtype]
     except KeyError:
         raise typer.BadParameter("--dtype: float32, bfloat16 or float16") from None
-    from feather_sched.integrations.vllm.attention_check import CpuSubject, Geometry, versions
     geometry = Geometry(profile.heads // tensor_parallel, profile.kv_heads // tensor_parallel,
                         profile.head_dim)
-    torch.set_num_threads(threads)
     if backend == "cpu":
-        subject = CpuSubject(geometry, torch_dtype, block_size, max_num_seqs, max_model_len,
-                             versions())
-    elif backend in ("FLASH_ATTN", "TRITON_ATTN"):
+        return CpuSubject(geometry, torch_dtype, block_size, max_num_seqs, max_model_len,
+                          versions())
+    if backend in ("FLASH_ATTN", "TRITON_ATTN"):
         from feather_sched.integrations.vllm.attention_gpu import gpu_subject
 
-        subject = gpu_subject(backend, geometry, torch_dtype, block_size, max_num_seqs,
-                              max_model_len, "cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        raise typer.BadParameter("--backend: cpu, FLASH_ATTN or TRITON_ATTN")
-    verdict = selfcheck.cached_check(subject) if cached else selfcheck.check(subject)
-    console.print(selfcheck.table(verdict), highlight=False)
-    console.print(f"\nFeather shared-prefix attention: {verdict.line()}", highlight=False)
-    if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(verdict.to_json(), indent=1) + "\n")
+        return gpu_subject(backend, geometry, torch_dtype, block_size, max_num_seqs,
+                           max_model_len, "cuda" if torch.cuda.is_available() else "cpu")
+    raise typer.BadParameter("--backend: cpu, FLASH_ATTN or TRITON_ATTN")
 
 
 def _attention_plan(model_dir: Path, tensor_parallel: int, dtype: str | None, block_size: int,
