@@ -48,7 +48,7 @@ def server_context(monkeypatch, tmp_path):
                         lambda: SimpleNamespace(tp_size=1))
     monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(attention_check.SglangCpuSubject, "seconds", timed_as(0))
-    monkeypatch.setattr(shared_decode, "_announced", set())
+    monkeypatch.setattr(shared_decode.announce, "said", set())
 
 
 class Engine:
@@ -182,7 +182,7 @@ def test_batches_it_cannot_group_run_sglangs_code_unchanged():
     ("torch_native", "on", False, True), ("torch_native", "off", True, False),
     ("intel_amx", "auto", True, False)])
 def test_the_option_decides_per_server(name, mode, feather, acts, caplog, monkeypatch):
-    monkeypatch.setattr(shared_decode, "_announced", set())
+    monkeypatch.setattr(shared_decode.announce, "said", set())
     caplog.set_level(logging.INFO, logger=attention.logger.name)
     engine = Engine(1, torch.float32)
     environ = {"FEATHER_SHARED_PREFIX_ATTENTION": mode, **({ENV_ENABLE: "1"} if feather else {})}

@@ -165,7 +165,7 @@ def sglang_server(monkeypatch, tmp_path):
     from sglang.srt.runtime_context import get_context, get_parallel
 
     monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(shared_decode, "_announced", set())
+    monkeypatch.setattr(shared_decode.announce, "said", set())
     with contextlib.ExitStack() as stack:
         stack.enter_context(get_context().override_server_args(device="cpu"))
         stack.enter_context(get_parallel().override(attn_dcp_rank=0, attn_dcp_size=1,
@@ -313,7 +313,7 @@ def test_the_gpu_self_check_runs_sglangs_triton_backend_against_the_path(sglang_
 def test_fa3_and_flashinfer_stay_sglangs_with_the_reason_logged(monkeypatch, caplog):
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
-    monkeypatch.setattr(shared_decode, "_announced", set())
+    monkeypatch.setattr(shared_decode.announce, "said", set())
     caplog.set_level(logging.INFO, logger=attention.logger.name)
     attention.register()
     attention.register()  # idempotent: SGLang's factory stays the one wrapped

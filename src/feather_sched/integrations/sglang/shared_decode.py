@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from feather_sched.attention import cpu_kernel
+from feather_sched.attention.announce import Announcer
 from feather_sched.attention.groups import StepPlan, plan_token_step
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
 
@@ -18,15 +19,8 @@ prepare_sglang_import()  # before the first SGLang import (see stand_ins)
 
 from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 
-logger = logging.getLogger("sglang.feather_sched")
-_announced: set[str] = set()
-
-
-def announce(message: str) -> None:
-    """Log ``message`` once per process (every layer decides the same)."""
-    if message not in _announced:
-        _announced.add(message)
-        logger.info("Feather shared-prefix attention: %s", message)
+announce = Announcer(logging.getLogger("sglang.feather_sched"))
+"""Log a decision once per process (every layer decides the same)."""
 
 
 

@@ -13,18 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 from feather_sched.attention import selfcheck
+from feather_sched.attention.announce import Announcer
 from feather_sched.attention.selfcheck import Verdict
 from feather_sched.integrations.vllm.choice import feather_scheduler, worker_option
 
-logger = logging.getLogger("vllm.feather_sched")
-_announced: set[str] = set()
-
-
-def announce(message: str) -> None:
-    """Log ``message`` once per process (every builder and layer decides the same)."""
-    if message not in _announced:
-        _announced.add(message)
-        logger.info("Feather shared-prefix attention: %s", message)
+announce = Announcer(logging.getLogger("vllm.feather_sched"))
+"""Log a decision once per process (every builder and layer decides the same)."""
 
 
 def attention_options(vllm_config: Any) -> tuple[str, int | None]:
