@@ -69,11 +69,14 @@ def _supported_here() -> bool:
 
 def _may_choose_feather() -> bool:
     """False only where a vLLM configuration is current and did not choose Feather (at
-    plug-in load there is usually none: the decision then falls to Feather's classes)."""
+    plug-in load there is usually none: the decision then falls to Feather's classes, and
+    nothing of Feather's core is imported here)."""
+    config = compat.current_config()
+    if config is None:
+        return True
     from feather_sched.integrations.vllm.choice import feather_chosen
 
-    config = compat.current_config()
-    return config is None or feather_chosen(config)
+    return feather_chosen(config)
 
 
 @entry_point("feather_batch_order")
