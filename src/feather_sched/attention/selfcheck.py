@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -389,6 +389,18 @@ def agreed(verdict: Verdict | None, group: object | None) -> Verdict | None:
         return replace(verdict, on=False, reason="another tensor-parallel rank found it off",
                        min_shared_tokens=None)
     return replace(verdict, min_shared_tokens=tokens or None) if on else verdict
+
+
+def tp_vote(verdict: Verdict | None, parallel_state: Any) -> Verdict | None:
+    """``agreed`` over an engine's tensor-parallel group: ``parallel_state`` is vLLM's
+    ``vllm.distributed.parallel_state`` or SGLang's ``sglang.srt.distributed.
+    parallel_state`` (both have ``model_parallel_is_initialized`` and ``get_tp_group().
+    cpu_group``, the host-side group); before the engine's model parallelism is set up,
+    ``verdict`` as it is. Both adapters vote through here, the same way: every rank runs
+    its own check (in its own process, on its own GPU) and takes the one answer."""
+    if not parallel_state.model_parallel_is_initialized():
+        return verdict
+    return agreed(verdict, parallel_state.get_tp_group().cpu_group)
 
 
 def device_name(device: torch.device | str) -> str:

@@ -37,11 +37,11 @@ from feather_sched.attention import cpu_kernel
 from feather_sched.attention.selfcheck import (
     CPU_SOURCES,
     Verdict,
-    agreed,
     cached_check,
     check,
     checked,
     kernel_digest,
+    tp_vote,
 )
 from feather_sched.integrations.sglang.shared_decode import SharedPrefixDecode, announce
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
@@ -167,43 +167,50 @@ def backend_classes(name: str) -> tuple[type, type]:
 def self_check(name: str, runner: Any) -> Verdict:
     """``auto``'s verdict for this server's shapes (``attention.selfcheck``: SGLang's
     backend ``name`` against the path on SGLang's pools, ``attention_check``), cached per
-    device, versions and shapes.  Cold: a few seconds on the CPU's small grid, on a GPU the
-    selfcheck grid at the model's layers per step; warm: one file read."""
+    device, versions and shapes.  On the CPU it runs here, on its small grid (a few
+    seconds cold); on a GPU in a process of its own (``isolation.run_isolated``, from
+    plain shapes: a device fault, a hang or a kill there leaves this server up and the
+    verdict off with its reason), the selfcheck grid at the model's layers per step.
+    Warm: one file read."""
     import sglang
     from sglang.srt.runtime_context import get_parallel
 
     from feather_sched import __version__
+    from feather_sched.attention.isolation import run_isolated
     from feather_sched.integrations.sglang.attention_check import (
         EXACTNESS_CELLS,
         GRID,
         SglangCpuSubject,
-        SglangTritonSubject,
+        TritonShapes,
+        triton_recipe,
     )
 
     model, pool = runner.model_config, runner.token_to_kv_pool
     q_heads = model.get_num_attention_heads(get_parallel().tp_size)
+    page_size = max(1, runner.page_size or 1)
     versions = (("torch", torch.__version__), ("sglang", sglang.__version__),
                 ("feather-sched", __version__))
     if name in GPU_BACKENDS:
-        return cached_check(SglangTritonSubject(*backend_classes(name), runner, q_heads,
-                                                pool.layer_num, versions))
+        shapes = TritonShapes(q_heads, pool.head_num, pool.head_dim,
+                              str(pool.dtype).removeprefix("torch."), page_size,
+                              pool.layer_num, runner.req_to_token_pool.size,
+                              runner.req_to_token_pool.max_context_len,
+                              str(torch.device(runner.device, runner.gpu_id)))
+        return cached_check(triton_recipe(shapes, versions), run_isolated)
     subject = SglangCpuSubject(
         *BACKENDS[name], q_heads=q_heads, kv_heads=pool.head_num, head_dim=pool.head_dim,
-        dtype=pool.dtype, page_size=max(1, runner.page_size or 1),
-        max_rows=runner.req_to_token_pool.size,
+        dtype=pool.dtype, page_size=page_size, max_rows=runner.req_to_token_pool.size,
         max_context=runner.req_to_token_pool.max_context_len,
         versions=(*versions, ("kernel", kernel_digest(CPU_SOURCES))))
     return cached_check(subject, lambda s: check(s, GRID, EXACTNESS_CELLS, reps=3))
 
 
 def tp_agreed(verdict: Verdict | None) -> Verdict | None:
-    """``selfcheck.agreed`` over SGLang's tensor-parallel group (its host-side group;
+    """``selfcheck.tp_agreed`` over SGLang's tensor-parallel group (its host-side group;
     none before SGLang's model parallelism is set up): every rank takes one answer."""
     from sglang.srt.distributed import parallel_state
 
-    if not parallel_state.model_parallel_is_initialized():
-        return verdict
-    return agreed(verdict, parallel_state.get_tp_group().cpu_group)
+    return tp_vote(verdict, parallel_state)
 
 
 def create_backend(name: str, runner: Any, environ: Mapping[str, str] | None = None) -> Any:

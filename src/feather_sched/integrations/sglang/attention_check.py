@@ -20,18 +20,21 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from feather_sched.attention import cpu_kernel
-from feather_sched.attention.gpu_check import random_source, sync_seconds
+from feather_sched.attention.gpu_check import graph_timer, random_source, sync_seconds
+from feather_sched.attention.isolation import Recipe
 from feather_sched.attention.partials import reference_attention
 from feather_sched.attention.selfcheck import (
     GPU_SOURCES,
     Cell,
     Shapes,
+    device_facts,
     device_name,
     kernel_digest,
     median_seconds,
@@ -180,33 +183,33 @@ class SglangCpuSubject:
 
 
 class SglangTritonSubject(SglangCpuSubject):
-    """SGLang's Triton backend and Feather's subclass of it on the server's GPU, over
-    trial pools the size of each cell (the server's KV pool is left alone), a trial timing
-    a whole step of the model's ``layers`` (see the module docstring)."""
+    """SGLang's Triton backend and Feather's subclass of it on a GPU, over trial pools the
+    size of each cell, a trial timing a whole step of the model's ``layers`` (see the
+    module docstring); built from plain shapes (``triton_subject``, in the check's own
+    process: no live model runner), timed as CUDA graph replays on a GPU (SGLang replays
+    its decode steps as graphs), by the wall clock elsewhere (the interpreter)."""
 
     idle_cost = True
     """Where nothing groups the path still copies the first slots (a sync) and, in a
     decode graph, makes its launches with no work."""
+    host_seconds: Callable[[Callable[[], object], int], float] | None = None
 
-    def __init__(self, engine_cls: type, shared_cls: type, runner: Any, q_heads: int,
-                 layers: int, versions: tuple[tuple[str, str], ...]) -> None:
-        import triton
-
-        self.device, self.step_layers, self._runner = str(runner.device), layers, runner
-        pool = runner.token_to_kv_pool
-        super().__init__(engine_cls, shared_cls, q_heads, pool.head_num, pool.head_dim,
-                         pool.dtype, max(1, runner.page_size or 1),
-                         runner.req_to_token_pool.size,
-                         runner.req_to_token_pool.max_context_len,
-                         (*versions, ("triton", triton.__version__),
-                          ("kernel", kernel_digest(GPU_SOURCES))))
+    def __init__(self, engine_cls: type, shared_cls: type, runner: Any, shapes: TritonShapes,
+                 versions: tuple[tuple[str, str], ...]) -> None:
+        self.device, self.step_layers, self._runner = shapes.device, shapes.layers, runner
+        super().__init__(engine_cls, shared_cls, shapes.q_heads, shapes.kv_heads,
+                         shapes.head_dim, getattr(torch, shapes.dtype), shapes.page_size,
+                         shapes.max_rows, shapes.max_context, versions)
+        timer = graph_timer(self.device)
+        self._seconds = timer.seconds if timer else sync_seconds(self.device)
+        self.host_seconds = timer and timer.host_seconds
 
     def build(self) -> tuple[tuple[str, str], ...]:
         return (("layers per step", str(self.step_layers)),)
 
     def runner(self, pool: Any, req_to_token: Any) -> Any:
-        """The server's model runner with a trial's pools (and SGLang's id translator over
-        them) in place of its own."""
+        """The stand-in model runner with a trial's pools (and SGLang's id translator over
+        them)."""
         runner = copy.copy(self._runner)
         runner.token_to_kv_pool, runner.req_to_token_pool = pool, req_to_token
         runner.kv_index_translator = KVIndexTranslator(
@@ -216,4 +219,103 @@ class SglangTritonSubject(SglangCpuSubject):
         return runner
 
     def seconds(self, run: Callable[[], object], reps: int) -> float:
-        return sync_seconds(self.device)(run, reps)
+        return self._seconds(run, reps)
+
+
+@dataclass(frozen=True)
+class TritonShapes:
+    """A server's attention shapes on one rank, as plain values a child process unpickles
+    without importing SGLang (``triton_recipe``)."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    page_size: int
+    layers: int
+    max_rows: int
+    max_context: int
+    device: str
+
+
+def triton_versions(shapes: TritonShapes, versions: tuple[tuple[str, str], ...]
+                    ) -> tuple[tuple[str, str], ...]:
+    """What a Triton verdict depends on beyond its shapes: ``versions`` (torch, SGLang,
+    Feather), Feather's GPU kernels, Triton's version, the SM count and driver."""
+    return (*versions, ("kernel", kernel_digest(GPU_SOURCES)), *device_facts(shapes.device))
+
+
+def triton_recipe(shapes: TritonShapes, versions: tuple[tuple[str, str], ...]) -> Recipe:
+    """The server's check as its own process builds it (``isolation.run_isolated``:
+    ``triton_subject`` at ``shapes``), kept for the shapes that subject has."""
+    versions = triton_versions(shapes, versions)
+    return Recipe(triton_subject_shapes(shapes, versions), f"{__name__}:isolated_subject",
+                  {"shapes": shapes, "versions": versions},
+                  run="feather_sched.attention.gpu_check:check_measuring_memory")
+
+
+def triton_subject_shapes(shapes: TritonShapes, versions: tuple[tuple[str, str], ...]
+                          ) -> Shapes:
+    """The ``selfcheck.Shapes`` ``triton_subject`` has for these shapes (the verdict's
+    key), without building it."""
+    return Shapes(device=device_name(shapes.device), q_heads=shapes.q_heads,
+                  kv_heads=shapes.kv_heads, head_dim=shapes.head_dim, dtype=shapes.dtype,
+                  block_size=shapes.page_size, layout="nhd", max_rows=shapes.max_rows,
+                  max_context=shapes.max_context,
+                  versions=(*versions, ("backend", "TritonAttnBackend"),
+                            ("layers per step", str(shapes.layers))))
+
+
+def isolated_subject(shapes: TritonShapes, versions: tuple[tuple[str, str], ...]
+                     ) -> SglangTritonSubject:
+    """``triton_subject`` in the check's own process, where no SGLang server has set up
+    SGLang's runtime context: one rank's, on ``shapes.device``, set first (for good: the
+    process only checks)."""
+    from sglang.srt.runtime_context import get_context, get_parallel
+
+    get_context().override_server_args(device=torch.device(shapes.device).type).install()
+    get_parallel().override_permanently(attn_dcp_rank=0, attn_dcp_size=1, attn_tp_size=1,
+                                        tp_size=1)
+    return triton_subject(shapes, versions)
+
+
+def triton_subject(shapes: TritonShapes, versions: tuple[tuple[str, str], ...]
+                   ) -> SglangTritonSubject:
+    """The check's subject from plain shapes (no live model runner): SGLang's
+    ``ModelConfig`` of the project's tiny Llama with these heads, a model runner stand-in
+    with what SGLang's Triton backend reads, and the subject over SGLang's
+    ``TritonAttnBackend`` and Feather's subclass of it."""
+    from feather_sched.integrations.sglang.attention_triton import (
+        SharedPrefixTritonBackend,
+        TritonAttnBackend,
+    )
+
+    return SglangTritonSubject(TritonAttnBackend, SharedPrefixTritonBackend,
+                               runner_stand_in(shapes), shapes, versions)
+
+
+def runner_stand_in(shapes: TritonShapes) -> SimpleNamespace:
+    """A model runner as SGLang's Triton backend reads it when made (its pools are each
+    trial's, ``SglangTritonSubject.runner``)."""
+    import json
+
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from feather_sched.models import TINY_LLAMA
+
+    model = ModelConfig(str(TINY_LLAMA), context_length=shapes.max_context,
+                        model_override_args=json.dumps({
+                            "num_attention_heads": shapes.q_heads,
+                            "num_key_value_heads": shapes.kv_heads,
+                            "head_dim": shapes.head_dim,
+                            "hidden_size": shapes.q_heads * shapes.head_dim,
+                            "num_hidden_layers": shapes.layers,
+                            "max_position_embeddings": shapes.max_context}))
+    device = torch.device(shapes.device)
+    return SimpleNamespace(
+        device=device.type, gpu_id=device.index or 0, page_size=shapes.page_size,
+        model_config=model, token_to_kv_pool_allocator=SimpleNamespace(),
+        sliding_window_size=None, kv_cache_dtype=getattr(torch, shapes.dtype),
+        is_draft_worker=False, use_mla_backend=False,
+        spec_algorithm=SimpleNamespace(is_dspark=lambda: False),
+        decode_num_tokens_per_req=lambda: 1)

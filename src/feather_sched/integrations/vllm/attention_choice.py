@@ -44,10 +44,8 @@ def checked(measure: Callable[[], Verdict]) -> tuple[Verdict | None, str | None]
 
 
 def agreed(verdict: Verdict | None) -> Verdict | None:
-    """``selfcheck.agreed`` over vLLM's tensor-parallel group (its host-side gloo group;
-    none before vLLM's model parallelism is set up): every rank takes one answer."""
+    """``selfcheck.tp_vote`` over vLLM's tensor-parallel group: every rank takes one
+    answer."""
     from vllm.distributed import parallel_state
 
-    if not parallel_state.model_parallel_is_initialized():
-        return verdict
-    return selfcheck.agreed(verdict, parallel_state.get_tp_group().cpu_group)
+    return selfcheck.tp_vote(verdict, parallel_state)
