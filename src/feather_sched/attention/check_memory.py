@@ -1,7 +1,10 @@
 """The self-check's memory, worked out before anything runs: what an operator reads before
 the first start (``feather attention-check --plan``), and the bound the check keeps.
 
-The check holds one cell at a time (``selfcheck.check``): that cell's paged batch
+The check runs in a process of its own (``isolation``): the host peak counts that whole
+process, its interpreter with what the subject imports (``CHILD_INTERPRETER_BYTES``) and,
+on a GPU, the CUDA context's host side (``CUDA_HOST_ALLOWANCE``), on each tensor-parallel
+rank (each runs its own). The check holds one cell at a time (``selfcheck.check``): that cell's paged batch
 (``gpu_check.PagedBatch``: the cache, query and output on the device in the engine's
 dtype; the block table and the step's groups on the host), the check's copies of both
 paths' outputs, and, for small cells only, a float64 reference computed one row at a time
@@ -31,6 +34,19 @@ scheduler metadata and split-KV accumulators)."""
 PLAN_SMS = 256
 """SMs assumed where the device is not known yet (a plan): more than any GPU has, so the
 grouped decode's split-K workspace is at its largest."""
+CHILD_INTERPRETER_BYTES = 640 << 20
+"""The check process's own peak resident memory before any cell's data: a fresh Python
+with torch, Triton, Feather's kernels and the engine's modules the subject imports.
+Measured with ``resource.getrusage(RUSAGE_CHILDREN).ru_maxrss`` around a real child
+(``isolation.run_isolated``, tiny cells, torch 2.13 CPU, Triton's interpreter, on the
+project's 2-core CPU machine): SGLang 0.5.23's Triton subject 620 MiB, vLLM 0.32's
+TRITON_ATTN subject 613 MiB (importing torch alone: 220 MiB); rounded up.
+``tests/integrations/sglang/test_attention_triton.py`` measures it again."""
+CUDA_HOST_ALLOWANCE = 256 << 20
+"""Host memory a CUDA context and the CUDA build's libraries add to the check's process:
+an estimate, NOT measured (no GPU has run the check yet); the kit
+(``benchmarks/gpu_decode/kit.py``) records the child's real peak on a GPU
+(``measured_child_peak_host_bytes``) to check it."""
 HOST_GROUPING_BYTES = 64
 """Host bytes per block-table entry while the step's groups are found (the table, its
 sorted copies and masks)."""
@@ -54,6 +70,7 @@ class MemoryPlan:
     shapes: Shapes
     cells: tuple[CellMemory, ...]
     fixed_host_bytes: int
+    """The grouped decode's host buffers and the check process itself."""
     fixed_device_bytes: int
 
     @property
@@ -67,7 +84,7 @@ class MemoryPlan:
     def to_json(self) -> dict:
         return {"shapes": asdict(self.shapes), "peak_host_bytes": self.peak_host_bytes,
                 "peak_device_bytes": self.peak_device_bytes,
-                "host_limit_bytes": HOST_LIMIT,
+                "host_limit_bytes": HOST_LIMIT, "fixed_host_bytes": self.fixed_host_bytes,
                 "cells": [{**asdict(c.cell), "rows": c.cell.rows, "host_bytes": c.host_bytes,
                            "device_bytes": c.device_bytes, "reference": c.reference}
                           for c in self.cells]}
@@ -104,13 +121,16 @@ def cell_memory(cell: Cell, shapes: Shapes) -> CellMemory:
     return CellMemory(cell, host, device, reference)
 
 
-def memory_plan(shapes: Shapes, cells: Sequence[Cell], limits: DecodeLimits) -> MemoryPlan:
+def memory_plan(shapes: Shapes, cells: Sequence[Cell], limits: DecodeLimits,
+                cuda: bool = True) -> MemoryPlan:
     """The check's peak memory for ``shapes`` over ``cells`` (``selfcheck.cells_to_run``)
-    with the grouped decode of ``limits``; allocates nothing (the decode's buffers are
-    sized on the ``meta`` device)."""
+    with the grouped decode of ``limits``, its process included (``cuda``: on a GPU, with
+    a CUDA context); allocates nothing (the decode's buffers are sized on the ``meta``
+    device)."""
     decode = GroupedDecode(limits, "meta")
+    process = CHILD_INTERPRETER_BYTES + (CUDA_HOST_ALLOWANCE if cuda else 0)
     return MemoryPlan(shapes, tuple(cell_memory(cell, shapes) for cell in cells),
-                      fixed_host_bytes=decode.host_bytes,
+                      fixed_host_bytes=decode.host_bytes + process,
                       fixed_device_bytes=decode.device_bytes + ENGINE_ALLOWANCE)
 
 
