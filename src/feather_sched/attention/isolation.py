@@ -55,7 +55,7 @@ class Recipe:
     """Passed to ``run`` after the subject (e.g. a smaller grid)."""
 
 
-def run_isolated(recipe: Recipe, timeout_s: float = TIMEOUT_S) -> Verdict:
+def run_isolated(recipe: Recipe, timeout_s: float | None = None) -> Verdict:
     """The verdict ``recipe``'s check gives in a child process (see the module
     docstring), its shapes replaced by ``recipe.shapes``; ``CheckFailed`` where the
     child gives none. The caller is never touched by what happens in the child.
@@ -64,7 +64,8 @@ def run_isolated(recipe: Recipe, timeout_s: float = TIMEOUT_S) -> Verdict:
     this process's ``sys.path``), not a ``multiprocessing`` child: an engine's worker
     may be a daemonic process, which may not have those. It reads the pickled recipe
     from a file and writes its answer to another; its own session, so a timeout ends it
-    and whatever it started."""
+    and whatever it started. ``timeout_s``: ``TIMEOUT_S`` where None."""
+    timeout_s = TIMEOUT_S if timeout_s is None else timeout_s
     with tempfile.TemporaryDirectory(prefix="feather-check-") as folder:
         given, answer = Path(folder) / "recipe.pickle", Path(folder) / "answer.json"
         given.write_bytes(pickle.dumps(recipe))

@@ -14,6 +14,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import subprocess
+import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -22,7 +26,7 @@ import torch
 
 from feather_sched.bench.cht.sglang_policy import sglang_installed
 from tests.helpers.timers import timed_as
-from tests.helpers.triton_interpreter import INTERPRETED, run_interpreted
+from tests.helpers.triton_interpreter import INTERPRETED, ROOT, run_interpreted
 
 if not sglang_installed():
     pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)", allow_module_level=True)
@@ -283,31 +287,103 @@ def test_decode_graphs_replay_each_steps_groups(sglang_server):
         assert_close(out.view(bs, 8, DIM), pools.reference(query.view(bs, 8, DIM), rows))
 
 
+TINY = {"grid": (Cell(64, 2, 2, suffix=8), Cell(128, 1, 3, suffix=8)),
+        "exactness": (Cell(40, 2, 2, suffix=5),), "idle": (Cell(64, 3, 1),), "reps": 1}
+"""Cells small enough for Triton's interpreter."""
+
+
 @interpreted
 def test_the_gpu_self_check_runs_sglangs_triton_backend_against_the_path(sglang_server,
                                                                          monkeypatch):
-    """``SglangTritonSubject`` (here on the interpreter's CPU tensors): every cell exact
+    """``SglangTritonSubject`` from plain shapes (``triton_subject``: SGLang's pools and
+    a model runner stand-in, here on the interpreter's CPU tensors): every cell exact
     against SGLang's backend and float64, a whole step of the model's layers timed, the
-    step where nothing groups timed too (the path pays a sync there)."""
-    from feather_sched.integrations.sglang.attention_check import SglangTritonSubject
-    from feather_sched.integrations.sglang.attention_triton import SharedPrefixTritonBackend
+    step where nothing groups timed too (the path pays a sync there); its shapes are the
+    ones its recipe names."""
+    from feather_sched.integrations.sglang.attention_check import (
+        SglangTritonSubject,
+        TritonShapes,
+        triton_recipe,
+        triton_subject,
+    )
 
     monkeypatch.setattr(SglangTritonSubject, "seconds", timed_as(128))
-    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
-
-    pools = Pools(16, 2, seed=7)
-    runner = model_runner(pools, 8, sglang_server / "model")
-    subject = SglangTritonSubject(TritonAttnBackend, SharedPrefixTritonBackend, runner, 8,
-                                  layers=2, versions=(("sglang", "test"),))
+    shapes = TritonShapes(8, 2, DIM, "float16", 16, 2, 64, 4096, "cpu")
+    subject = triton_subject(shapes, (("sglang", "test"),))
     assert subject.idle_cost and subject.shapes.layout == "nhd"
     assert ("layers per step", "2") in subject.shapes.versions
-    verdict = selfcheck.check(subject, grid=(Cell(64, 2, 2, suffix=8), Cell(128, 1, 3, suffix=8)),
-                              exactness=(Cell(40, 2, 2, suffix=5),), idle=(Cell(64, 3, 1),),
-                              reps=1)
+    assert subject.shapes.versions[-2:] == (("backend", "TritonAttnBackend"),
+                                            ("layers per step", "2"))
+    recipe = triton_recipe(shapes, (("sglang", "test"),))
+    assert recipe.shapes == triton_subject(shapes, recipe.kwargs["versions"]).shapes
+    verdict = selfcheck.check(subject, **TINY)
     assert verdict.on and verdict.min_shared_tokens == 128, verdict.line()
     assert all(c.error < selfcheck.TOLERANCE["float16"] for c in verdict.cells)
     assert any(c.reference_error is not None for c in verdict.cells)
     assert [c.cell.idle for c in verdict.cells].count(True) == 1
+
+
+CHILD_RSS = """
+import json, resource, sys
+from dataclasses import replace
+from feather_sched.attention.isolation import run_isolated
+from feather_sched.integrations.sglang.attention_check import TritonShapes, triton_recipe
+from tests.integrations.sglang.test_attention_triton import TINY
+recipe = replace(triton_recipe(TritonShapes(8, 2, 64, "float16", 16, 2, 64, 4096, "cpu"), ()),
+                 run_kwargs=TINY)
+verdict = run_isolated(recipe, timeout_s=400)
+print(json.dumps({"error": verdict.max_error,
+                  "rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
+"""
+
+
+def test_the_isolated_check_runs_and_stays_in_its_memory_plan() -> None:
+    """The server's check as a GPU server runs it, in its own process from plain shapes
+    (``triton_recipe``; SGLang's real Triton kernels in the interpreter on CPU tensors
+    there): exact, and the child's peak resident memory (``getrusage``, in a process whose
+    only child it is) within the plan (``check_memory``, its process included, no CUDA
+    context on a CPU)."""
+    from feather_sched.attention import check_memory
+    from feather_sched.attention.gpu_decode import DecodeLimits
+    from feather_sched.integrations.sglang.attention_check import TritonShapes, triton_recipe
+
+    result = subprocess.run([sys.executable, "-c", CHILD_RSS], capture_output=True,
+                            text=True, timeout=500, cwd=ROOT,
+                            env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.splitlines()[-1])
+    assert measured["error"] < selfcheck.TOLERANCE["float16"]
+    shapes = triton_recipe(TritonShapes(8, 2, 64, "float16", 16, 2, 64, 4096, "cpu"),
+                           ()).shapes
+    cells = selfcheck.cells_to_run(shapes, TINY["grid"], TINY["exactness"], TINY["idle"])
+    plan = check_memory.memory_plan(shapes, cells, DecodeLimits.for_device(1, 64, 8, 2, 64),
+                                    cuda=False)
+    assert 300 << 20 < measured["rss"] <= plan.peak_host_bytes, (measured, plan.peak_host_bytes)
+
+
+@pytest.mark.parametrize("fault, reason", [("killed", "killed by SIGKILL"),
+                                           ("hangs", "gave no verdict in 20 s (killed)")])
+def test_a_gpu_servers_check_that_dies_leaves_it_up_and_auto_off(fault, reason, sglang_server,
+                                                                 monkeypatch, caplog):
+    """``create_backend``'s route on a GPU server (``self_check`` -> its recipe ->
+    ``run_isolated`` -> ``checked`` with the TP vote): a child killed, or hung past its
+    timeout, after SGLang's subject was built there, leaves this process up and the
+    verdict off with the reason."""
+    from feather_sched.attention import isolation
+    from feather_sched.integrations.sglang import attention_check
+
+    real = attention_check.triton_recipe
+    monkeypatch.setattr(attention_check, "triton_recipe", lambda *args: replace(
+        real(*args), factory="tests.attention.test_isolation:after",
+        kwargs={"fault": fault, "factory": real(*args).factory,
+                "kwargs": real(*args).kwargs}))
+    monkeypatch.setattr(isolation, "TIMEOUT_S", 20.0)
+    pools = Pools(16, 2, seed=11)
+    runner = model_runner(pools, 8, sglang_server / "model")
+    verdict, why = selfcheck.checked(lambda: attention.self_check("triton", runner),
+                                     attention.tp_agreed)
+    assert verdict is None and why.startswith("off: the self-check could not run (")
+    assert reason in why, why
 
 
 def test_fa3_and_flashinfer_stay_sglangs_with_the_reason_logged(monkeypatch, caplog):
