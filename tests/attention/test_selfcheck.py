@@ -7,6 +7,8 @@ import json
 import logging
 from dataclasses import replace
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -159,7 +161,10 @@ def _vote(rank: int, store: str, on: bool, tokens: int | None, answers) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     verdict = None if tokens is None else Verdict(on, "test", tokens if on else None, SHAPES)
-    agreed = selfcheck.agreed(verdict, dist.group.WORLD)
+    group = SimpleNamespace(cpu_group=dist.group.WORLD)  # an engine's TP group, as both have
+    engine = SimpleNamespace(model_parallel_is_initialized=lambda: True,
+                             get_tp_group=lambda: group)
+    agreed = selfcheck.tp_vote(verdict, engine)
     answers.put((rank, None if agreed is None else (agreed.on, agreed.min_shared_tokens,
                                                     agreed.reason)))
     dist.destroy_process_group()
@@ -172,8 +177,9 @@ def _vote(rank: int, store: str, on: bool, tokens: int | None, answers) -> None:
     (((True, 512), (False, None)), {(False, None, "another tensor-parallel rank found it off"),
                                     None})], ids=["both-on", "one-off", "one-failed"])
 def test_tensor_parallel_ranks_agree_on_one_verdict(votes, expected, tmp_path) -> None:
-    """Two real ranks (gloo, as the engines' host-side groups): on only if both are, from
-    the longer break-even; a rank whose check failed (None) votes off."""
+    """Two real ranks (gloo, as the engines' host-side groups) through ``tp_vote``, where
+    vLLM's and SGLang's adapters vote: on only if both are, from the longer break-even; a
+    rank whose check failed (None) votes off."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
@@ -187,3 +193,9 @@ def test_tensor_parallel_ranks_agree_on_one_verdict(votes, expected, tmp_path) -
     for rank in ranks:
         rank.join(30)
     assert set(got.values()) == expected
+
+
+def test_before_an_engines_parallel_groups_exist_a_verdict_stands_alone() -> None:
+    verdict = Verdict(True, "test", 512, SHAPES)
+    engine = SimpleNamespace(model_parallel_is_initialized=lambda: False)
+    assert selfcheck.tp_vote(verdict, engine) is verdict

@@ -270,3 +270,17 @@ def test_the_check_runs_sglangs_kernel_and_the_path_on_sglangs_pools():
     assert selfcheck.relative_error(shared, engine) < 1e-5
     assert selfcheck.relative_error(shared, reference) < 1e-5
     assert selfcheck.relative_error(engine, reference) < 1e-5
+
+
+def test_the_ranks_vote_where_vllms_do(monkeypatch):
+    """SGLang's tensor-parallel vote is ``selfcheck.tp_vote`` over SGLang's parallel state
+    (as vLLM's adapter over vLLM's: one place, one way)."""
+    from sglang.srt.distributed import parallel_state
+
+    from feather_sched.attention import selfcheck
+
+    assert attention.tp_vote is selfcheck.tp_vote
+    votes = []
+    monkeypatch.setattr(attention, "tp_vote", lambda verdict, state: votes.append(state))
+    attention.tp_agreed(None)
+    assert votes == [parallel_state]

@@ -336,3 +336,16 @@ def test_the_plugin_points_vllms_cpu_backend_at_feathers():
     path = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip().splitlines()[-1]
     assert path == f"{vllm_attention.__name__}.SharedPrefixCPUBackend"
+
+
+def test_the_ranks_vote_where_sglangs_do(monkeypatch):
+    """vLLM's tensor-parallel vote is ``selfcheck.tp_vote`` over vLLM's parallel state (as
+    SGLang's adapter over SGLang's: one place, one way)."""
+    from vllm.distributed import parallel_state
+
+    from feather_sched.attention import selfcheck
+
+    votes = []
+    monkeypatch.setattr(selfcheck, "tp_vote", lambda verdict, state: votes.append(state))
+    attention_choice.agreed(None)
+    assert votes == [parallel_state]
