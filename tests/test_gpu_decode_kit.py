@@ -133,26 +133,42 @@ def test_triton_kernels_in_the_interpreter() -> None:
 SELF_CHECK = """
 import json, sys
 from pathlib import Path
+if sys.argv[3] == "hidden":
+    sys.modules["sglang"] = None  # as on the lent GPU machine: torch and Triton only
 sys.path.insert(0, sys.argv[1])
 from test_gpu_decode_kit import kit
 out = Path(sys.argv[2])
 kit.main(["--device", "cpu", "--tiny", "--only", "self-check", "--out", str(out)])
-verdicts = json.loads((out / "self-check.json").read_text())
-assert [v["model"] for v in verdicts] == ["tiny"]
-assert max(c["error"] for c in verdicts[0]["cells"]) < 1e-4, verdicts
-assert all(c["reference_error"] < 1e-4 for c in verdicts[0]["cells"]), verdicts
+records = json.loads((out / "self-check.json").read_text())
+assert [(r["model"], r["engine"]) for r in records] == [("tiny", "kit"), ("tiny", "sglang")]
+ran = records if sys.argv[3] == "present" else records[:1]
+for record in ran:
+    assert max(c["error"] for c in record["cells"]) < 1e-4, record
+    assert any(c["reference_error"] is not None for c in record["cells"]), record
+    assert 0 < record["measured_child_peak_host_bytes"], record
+    assert record["measured_child_peak_host_bytes"] <= record["plan"]["peak_host_bytes"]
+if sys.argv[3] == "hidden":
+    assert records[1]["skipped"].startswith("SGLang is not installed"), records[1]
+    assert "cells" not in records[1]
 assert "per-row decode" in (out / "self-check.md").read_text()
 """
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-def test_the_self_check_runs_in_the_kit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sglang", ["hidden", "present"])
+def test_the_self_check_runs_in_the_kit(sglang: str, tmp_path: Path) -> None:
     """``--only self-check``: the engine-start check, Feather's per-row decode standing in
-    for the engine's kernel, exact against it and float64, its verdict and table written
-    (in Triton's interpreter, tiny shapes; on a GPU the same command at Llama shapes)."""
+    for the engine's kernel, and SGLang's Triton subject where SGLang is installed (else
+    skipped with the reason, as on a machine with torch and Triton only), each exact
+    against its engine's kernel and float64, within its memory plan, its verdict and table
+    written (in Triton's interpreter, tiny shapes; on a GPU the same command at Llama
+    shapes)."""
+    if sglang == "present" and importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-c", SELF_CHECK, str(Path(__file__).parent),
-                             str(tmp_path)], env=env, capture_output=True, text=True,
-                            timeout=300)
+                             str(tmp_path), sglang], env=env, capture_output=True,
+                            text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "tiny: Feather shared-prefix attention: " in result.stdout
+    assert "tiny (kit): Feather shared-prefix attention: " in result.stdout
+    assert "tiny (sglang): Feather shared-prefix attention: " in result.stdout

@@ -47,8 +47,11 @@ ORDERS, SHARED_PREFIX, SELF_CHECK = "orders", "shared-prefix", "self-check"
 """The studies: see the module docstring."""
 SELF_CHECK_SHAPES = {"llama-3-8b": (32, 8, 128), "llama-2-7b": (32, 32, 128)}
 """Query heads, KV heads and head size the self-check runs at (one rank, no TP)."""
-SELF_CHECK_TIMEOUT_S = 140
-"""Seconds each shape's check may take in its process: both within 5 minutes."""
+SELF_CHECK_BUDGET_S = 280
+"""Seconds all the self-check's processes may take together (each gets an equal share of
+what is left): the section within 5 minutes."""
+SGLANG_SHAPE = "llama-3-8b"
+"""The shape SGLang's Triton subject runs at, where SGLang is installed (32 layers)."""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -683,67 +686,121 @@ def run(device: str = "cpu", out_dir: str | Path = DEFAULT_OUT, *,
 
 def run_self_check(device: str, out: Path, *, tiny: bool = False,
                    log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """The engine-start self-check (``attention.selfcheck.check``) on this device, the
+    """The engine-start self-check (``attention.selfcheck.check``) on this device: the
     grouped decode against Feather's per-row decode standing in for an engine's kernel
-    (``attention.gpu_check.KitSubject``), at Llama-3-8B's and Llama-2-7B's attention
-    shapes (bf16, 16-token blocks, 256 rows, 32K context), each in its own process as an
-    engine runs it (``attention.isolation``: a fault there is reported, not fatal), timed
-    as graph replays on a GPU; with each, the memory plan ``feather attention-check
-    --plan`` prints (``attention.check_memory``) and, on a GPU, the peak device memory the
-    check really allocated. Writes ``self-check.json`` and ``self-check.md``; returns the
-    verdicts' JSON. ``tiny``: small heads and cells, for a CPU under Triton's
-    interpreter."""
-    from feather_sched.attention import selfcheck
-
+    (``attention.gpu_check.KitSubject``) at Llama-3-8B's and Llama-2-7B's attention shapes
+    (bf16, 16-token blocks, 256 rows, 32K context), and, where SGLang is installed,
+    SGLang's Triton subject (its own decode kernel as the engine's, a 32-layer step) at
+    Llama-3-8B's; else that subject is skipped with the reason. Each in its own process as
+    an engine runs it (``attention.isolation``: a fault there is reported, not fatal),
+    all within ``SELF_CHECK_BUDGET_S``, timed as graph replays on a GPU; with each, the
+    memory plan ``feather attention-check --plan`` prints (``attention.check_memory``)
+    and what the check really used: on a GPU its peak device memory, and the peak resident
+    memory of the largest check process so far. Writes ``self-check.json`` and
+    ``self-check.md``; returns the records. ``tiny``: small heads and cells, for a CPU
+    under Triton's interpreter."""
     shapes = {"tiny": (4, 2, 16)} if tiny else SELF_CHECK_SHAPES
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    cells = ({"grid": (selfcheck.Cell(64, 2, 2, suffix=9), selfcheck.Cell(128, 2, 3, suffix=5)),
-              "exactness": (selfcheck.Cell(40, 1, 2, suffix=1),),
-              "idle": (selfcheck.Cell(64, 4, 1, suffix=9),), "reps": 1} if tiny else {})
-    verdicts, text = [], []
-    for name, heads in shapes.items():
-        record = _isolated_self_check(heads, dtype, device, cells)
-        line = record.get("line") or f"off (the self-check failed: {record['failure']})"
-        log(f"{name}: Feather shared-prefix attention: {line}")
-        verdicts.append({"model": name, **record})
-        text.append(f"## {name}\n\n`{line}`\n\n{record.get('table', '')}\n\n"
-                    f"memory: planned peak host {record['plan']['peak_host_bytes']} B, device "
-                    f"{record['plan']['peak_device_bytes']} B; measured peak device "
-                    f"{record.get('measured_peak_device_bytes')}\n")
+    checks = [(name, "kit", heads) for name, heads in shapes.items()]
+    checks.append(("tiny" if tiny else SGLANG_SHAPE, "sglang",
+                   shapes["tiny" if tiny else SGLANG_SHAPE]))
+    deadline = time.monotonic() + SELF_CHECK_BUDGET_S
+    records, text = [], []
+    for left, (name, engine, heads) in zip(range(len(checks), 0, -1), checks,
+                                                  strict=True):
+        timeout = max(1.0, (deadline - time.monotonic()) / left)
+        record = _isolated_self_check(engine, heads, dtype, device, tiny, timeout)
+        line = record.get("line") or (f"skipped ({record['skipped']})" if "skipped" in record
+                                      else f"off (the self-check failed: {record['failure']})")
+        log(f"{name} ({engine}): Feather shared-prefix attention: {line}")
+        records.append({"model": name, "engine": engine, **record})
+        text.append(_self_check_text(name, engine, line, record))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "self-check.json").write_text(json.dumps(verdicts, indent=1) + "\n")
-    (out / "self-check.md").write_text("# Self-check (engine stand-in: Feather's per-row "
-                                       "decode)\n\n" + "\n".join(text))
-    return verdicts
+    (out / "self-check.json").write_text(json.dumps(records, indent=1) + "\n")
+    (out / "self-check.md").write_text("# Self-check (kit: Feather's per-row decode as the "
+                                       "engine's kernel; sglang: SGLang's Triton decode)\n\n"
+                                       + "\n".join(text))
+    return records
 
 
-def _isolated_self_check(heads: tuple[int, int, int], dtype: torch.dtype, device: str,
-                         cells: dict[str, Any]) -> dict[str, Any]:
-    """One shape's check in a child process, with its memory plan: the verdict's JSON,
-    line and table, or the failure."""
-    from feather_sched.attention import check_memory, selfcheck
-    from feather_sched.attention.gpu_decode import DecodeLimits
-    from feather_sched.attention.isolation import CheckFailed, Recipe, run_isolated
+def _self_check_text(name: str, engine: str, line: str, record: dict[str, Any]) -> str:
+    plan = record.get("plan")
+    memory = "" if plan is None else (
+        f"memory: planned peak host {plan['peak_host_bytes']} B, device "
+        f"{plan['peak_device_bytes']} B; measured peak device "
+        f"{record.get('measured_peak_device_bytes')} B, largest check process so far "
+        f"{record.get('measured_child_peak_host_bytes')} B resident\n")
+    return f"## {name} ({engine})\n\n`{line}`\n\n{record.get('table', '')}\n\n{memory}"
+
+
+def _tiny_cells() -> dict[str, Any]:
+    from feather_sched.attention.selfcheck import Cell
+
+    return {"grid": (Cell(64, 2, 2, suffix=9), Cell(128, 2, 3, suffix=5)),
+            "exactness": (Cell(40, 1, 2, suffix=1),), "idle": (Cell(64, 4, 1, suffix=9),),
+            "reps": 1}
+
+
+def _recipe(engine: str, heads: tuple[int, int, int], dtype: torch.dtype, device: str,
+            cells: dict[str, Any]) -> Any:
+    """The check's recipe: the kit's subject, or SGLang's Triton subject (None where
+    SGLang is not installed)."""
+    from dataclasses import replace as replaced
+    from importlib.util import find_spec
+
+    from feather_sched.attention.isolation import Recipe
 
     q_heads, kv_heads, head_dim = heads
-    kwargs = {"q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": dtype,
-              "block": 16, "max_rows": 256, "max_context": 32768, "device": device}
+    if engine == "kit":
+        return Recipe(None, "feather_sched.attention.gpu_check:KitSubject",
+                      {"q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
+                       "dtype": dtype, "block": 16, "max_rows": 256, "max_context": 32768,
+                       "device": device},
+                      run="feather_sched.attention.gpu_check:check_measuring_memory",
+                      run_kwargs=cells)
+    if find_spec("sglang") is None:
+        return None
+    from feather_sched.integrations.sglang.attention_check import TritonShapes, triton_recipe
+
+    shapes = TritonShapes(q_heads, kv_heads, head_dim, str(dtype).removeprefix("torch."),
+                          16, 2 if cells else 32, 256, 32768, device)
+    return replaced(triton_recipe(shapes, (("torch", torch.__version__),)), run_kwargs=cells)
+
+
+def _isolated_self_check(engine: str, heads: tuple[int, int, int], dtype: torch.dtype,
+                         device: str, tiny: bool, timeout_s: float) -> dict[str, Any]:
+    """One check in a child process, with its memory plan: the verdict's JSON, line and
+    table, or the failure, or why it was skipped."""
+    import resource
+
+    from feather_sched.attention import check_memory, selfcheck
+    from feather_sched.attention.gpu_decode import DecodeLimits
+    from feather_sched.attention.isolation import CheckFailed, run_isolated
+
+    cells = _tiny_cells() if tiny else {}
+    recipe = _recipe(engine, heads, dtype, device, cells)
+    if recipe is None:
+        return {"skipped": "SGLang is not installed: its Triton subject did not run"}
+    q_heads, kv_heads, head_dim = heads
     shapes = selfcheck.Shapes(device="planned", q_heads=q_heads, kv_heads=kv_heads,
                               head_dim=head_dim, dtype=str(dtype).removeprefix("torch."),
                               block_size=16, layout="NHD", max_rows=256, max_context=32768)
     chosen = {k: v for k, v in cells.items() if k in ("grid", "exactness", "idle")}
     plan = check_memory.memory_plan(
         shapes, selfcheck.cells_to_run(shapes, **chosen),
-        DecodeLimits.for_device(check_memory.PLAN_SMS, 256, q_heads, kv_heads, head_dim))
+        DecodeLimits.for_device(check_memory.PLAN_SMS, 256, q_heads, kv_heads, head_dim),
+        cuda=device == "cuda")
     record: dict[str, Any] = {"plan": {k: v for k, v in plan.to_json().items()
                                        if k != "cells"}}
-    recipe = Recipe(None, "feather_sched.attention.gpu_check:KitSubject", kwargs,
-                    run="feather_sched.attention.gpu_check:check_measuring_memory",
-                    run_kwargs=cells)
     try:
-        verdict = run_isolated(recipe, timeout_s=SELF_CHECK_TIMEOUT_S)
+        verdict = run_isolated(recipe, timeout_s=timeout_s)
     except CheckFailed as error:
-        return {**record, "failure": str(error)}
+        record["failure"] = str(error)
+        verdict = None
+    record["measured_child_peak_host_bytes"] = \
+        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    if verdict is None:
+        return record
     return {**record, **verdict.to_json(), "line": verdict.line(),
             "table": selfcheck.table(verdict),
             "measured_peak_device_bytes": verdict.peak_device_bytes}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import replace
-
 from types import SimpleNamespace
 
 import pytest

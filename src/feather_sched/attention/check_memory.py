@@ -4,14 +4,14 @@ the first start (``feather attention-check --plan``), and the bound the check ke
 The check runs in a process of its own (``isolation``): the host peak counts that whole
 process, its interpreter with what the subject imports (``CHILD_INTERPRETER_BYTES``) and,
 on a GPU, the CUDA context's host side (``CUDA_HOST_ALLOWANCE``), on each tensor-parallel
-rank (each runs its own). The check holds one cell at a time (``selfcheck.check``): that cell's paged batch
-(``gpu_check.PagedBatch``: the cache, query and output on the device in the engine's
-dtype; the block table and the step's groups on the host), the check's copies of both
-paths' outputs, and, for small cells only, a float64 reference computed one row at a time
-on the host. Beside it, for the whole check, the grouped decode's buffers
-(``gpu_decode.GroupedDecode``) and an allowance for the engine's own attention builder
-(vLLM's Triton backend keeps split-softmax scratch of up to ``ENGINE_ALLOWANCE``). The
-peaks are the fixed part plus the largest cell. Engine-agnostic: torch only.
+rank (each runs its own). The check holds one cell at a time (``selfcheck.check``): that
+cell's paged batch (``gpu_check.PagedBatch``: the cache, query and output on the device
+in the engine's dtype; the block table and the step's groups on the host), the check's
+copies of both paths' outputs, and, for small cells only, a float64 reference computed
+one row at a time on the host. Beside it, for the whole check, the grouped decode's
+buffers (``gpu_decode.GroupedDecode``) and an allowance for the engine's own attention
+builder (vLLM's Triton backend keeps split-softmax scratch of up to ``ENGINE_ALLOWANCE``).
+The peaks are the fixed part plus the largest cell. Engine-agnostic: torch only.
 """
 
 from __future__ import annotations
