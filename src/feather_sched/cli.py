@@ -685,8 +685,9 @@ def _attention_plan(model_dir: Path, tensor_parallel: int, dtype: str | None, bl
     console.print(check_memory.table(plan), highlight=False)
     console.print(f"\n{shapes.describe()}, TP {tensor_parallel}, {max_num_seqs} rows: peak "
                   f"host {_mib(plan.peak_host_bytes)} (limit {_mib(check_memory.HOST_LIMIT)}; "
-                  f"the check's process {_mib(check_memory.CHILD_INTERPRETER_BYTES)} and a "
-                  f"CUDA context's {_mib(check_memory.CUDA_HOST_ALLOWANCE)}, estimated), "
+                  f"the check's process {_mib(check_memory.CHILD_INTERPRETER_BYTES)} measured "
+                  f"on a CPU, a CUDA context's {_mib(check_memory.CUDA_HOST_ALLOWANCE)} "
+                  "estimated), "
                   f"peak device {_mib(plan.peak_device_bytes)}, freed before the KV cache "
                   "is allocated", highlight=False)
     if json_path is not None:
