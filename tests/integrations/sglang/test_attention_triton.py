@@ -321,6 +321,51 @@ def test_the_gpu_self_check_runs_sglangs_triton_backend_against_the_path(sglang_
     assert all(c.error < selfcheck.TOLERANCE["float16"] for c in verdict.cells)
     assert any(c.reference_error is not None for c in verdict.cells)
     assert [c.cell.idle for c in verdict.cells].count(True) == 1
+    monkeypatch.undo()  # the subject's own timing, with a fake GPU clock
+
+
+def test_on_a_gpu_a_step_is_its_eager_host_part_then_its_layers_replayed(monkeypatch):
+    """``SglangTritonSubject.seconds`` with a CUDA timer: the step's metadata and plan
+    (a sync: never captured) by the wall clock, then only its layers captured and
+    replayed, as SGLang's decode graphs run them."""
+    from feather_sched.attention.timing import GraphTimer
+    from feather_sched.integrations.sglang.attention_check import SglangTritonSubject
+
+    calls = []
+
+    class Trial:
+        def backend(self, name):
+            return name
+
+        def prepare(self, backend):
+            calls.append(("prepare", backend))
+
+        def run_layers(self, backend):
+            calls.append(("layers", backend))
+
+        def shared(self):
+            raise AssertionError("the whole step is never captured")
+
+    class Graph:
+        def replay(self):
+            calls.append("replay")
+
+    class Event:
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 2.0  # ms
+
+    subject = SglangTritonSubject.__new__(SglangTritonSubject)
+    subject._wall = lambda run, reps: (run(), 0.5)[1]
+    subject._timer = GraphTimer(lambda: None, Graph, Event, lambda graph, run: run())
+    assert subject.seconds(Trial().shared, 3) == pytest.approx(0.5 + 2e-3)
+    assert calls[0] == ("prepare", "shared") and calls.count("replay") == 4
+    assert ("layers", "shared") in calls
 
 
 CHILD_RSS = """

@@ -116,13 +116,25 @@ class TokenBatch:
             self._engine.init_forward_metadata(self.batch)
             self._shared.init_forward_metadata(self.batch)
 
-    def _decode(self, backend: Any) -> torch.Tensor:
-        if self.layers:
-            backend.init_forward_metadata(self.batch)
+    def backend(self, name: str) -> Any:
+        """The backend a ``selfcheck.Trial`` method named ``name`` runs."""
+        return self._engine if name == "engine" else self._shared
+
+    def prepare(self, backend: Any) -> None:
+        """The step's host part: SGLang's metadata (and the path's plan, a sync)."""
+        backend.init_forward_metadata(self.batch)
+
+    def run_layers(self, backend: Any) -> torch.Tensor:
+        """The step's layers (what SGLang's decode graphs replay)."""
         for _ in range(max(1, self.layers)):
             out = backend.forward_decode(self.query, None, None, self.layer, self.batch,
                                          save_kv_cache=False)
         return out.view(len(self.rows), self.layer.tp_q_head_num, self.layer.qk_head_dim)
+
+    def _decode(self, backend: Any) -> torch.Tensor:
+        if self.layers:
+            self.prepare(backend)
+        return self.run_layers(backend)
 
     # ---- selfcheck.Trial ----------------------------------------------------------------
 
@@ -192,7 +204,6 @@ class SglangTritonSubject(SglangCpuSubject):
     idle_cost = True
     """Where nothing groups the path still copies the first slots (a sync) and, in a
     decode graph, makes its launches with no work."""
-    host_seconds: Callable[[Callable[[], object], int], float] | None = None
 
     def __init__(self, engine_cls: type, shared_cls: type, runner: Any, shapes: TritonShapes,
                  versions: tuple[tuple[str, str], ...]) -> None:
@@ -200,9 +211,8 @@ class SglangTritonSubject(SglangCpuSubject):
         super().__init__(engine_cls, shared_cls, shapes.q_heads, shapes.kv_heads,
                          shapes.head_dim, getattr(torch, shapes.dtype), shapes.page_size,
                          shapes.max_rows, shapes.max_context, versions)
-        timer = graph_timer(self.device)
-        self._seconds = timer.seconds if timer else sync_seconds(self.device)
-        self.host_seconds = timer and timer.host_seconds
+        self._timer = graph_timer(self.device)
+        self._wall = sync_seconds(self.device)
 
     def build(self) -> tuple[tuple[str, str], ...]:
         return (("layers per step", str(self.step_layers)),)
@@ -219,7 +229,16 @@ class SglangTritonSubject(SglangCpuSubject):
         return runner
 
     def seconds(self, run: Callable[[], object], reps: int) -> float:
-        return self._seconds(run, reps)
+        """A step as SGLang runs it: on a GPU its host part eagerly (wall time, the
+        device drained: the plan syncs, so it cannot be captured) and then its layers
+        as a CUDA graph replay (``timing.GraphTimer``, as SGLang's decode graphs); else
+        the whole step by the wall clock."""
+        if self._timer is None:
+            return self._wall(run, reps)
+        trial = run.__self__  # type: ignore[attr-defined]
+        backend = trial.backend(run.__name__)
+        host = self._wall(lambda: trial.prepare(backend), reps)
+        return host + self._timer.seconds(lambda: trial.run_layers(backend), reps)
 
 
 @dataclass(frozen=True)
