@@ -199,7 +199,7 @@ class Harness:
     def check(self) -> None:
         """Feather's running set is exactly vLLM's running list (vLLM's own scheduler, or a
         pass Feather's code was out of after a fault: no check)."""
-        if self.runtime is None or not self.scheduler.feather.queue.feathers_pass:
+        if self.runtime is None or not self.scheduler.feather.faults.serves:
             return
         assert set(self.runtime.queue.running_ids()) == \
             {r.request_id for r in self.scheduler.running}
@@ -799,11 +799,11 @@ def test_a_fault_hands_the_pass_to_vllms_own_order(monkeypatch, contained_faults
                                 lambda *args: 1 / 0)  # this tree only: a rebuild drops it
         output = harness.step()
         if fault:
-            assert not harness.scheduler.feather.queue.feathers_pass
+            assert not harness.runtime.faults.serves
             assert harness.runtime.meter.stats.faults == 1 and harness.runtime.faults.dirty
         harness.add(harness.request("a2", group=0, max_tokens=2))
         harness.drain()
-        assert harness.scheduler.feather.queue.feathers_pass and harness.runtime.faults.active
+        assert harness.runtime.faults.serves and harness.runtime.faults.active
         harness.assert_empty()
         return output.scheduled_new_reqs[0].req_id
 
