@@ -5,7 +5,9 @@ the AROUND hooks of ``HOOKS`` into SGLang's ``HookRegistry``, and ``load_plugins
 every scheduler process calls first, applies them there (``register()`` runs there because
 the launcher, ``feather_sched.integrations.sglang.launch``, calls it at import, and
 'spawn' re-imports it in each child).  The hooks are inert unless ``FEATHER_SGLANG=1``;
-then each scheduler gets a ``FeatherSGLang`` translating SGLang for ``FeatherRuntime``:
+then each scheduler gets a ``FeatherSGLang``, which translates SGLang's types for
+``FeatherRuntime`` and replays SGLang's arithmetic (the adder's preemption); the rules live
+in ``core``:
 
 * ``FeatherSGLang``: a round (``get_new_batch_prefill``) is one pass, rewarded with the
   next decode step (keyed by ``batch.forward_iter``); the running batch in Feather's order;
@@ -18,9 +20,10 @@ then each scheduler gets a ``FeatherSGLang`` translating SGLang for ``FeatherRun
   short of KV room;
 * ``HOOKS``: what each hook wraps; ``_unsupported``: the modes refused at start-up.
 
-Invariant: a fault in Feather's code never reaches SGLang (``core.faults.FaultGuard``): SGLang's
-own admission and ``fcfs`` order serve until Feather's picture is rebuilt from SGLang's
-queues.  Options: ``FEATHER_*`` or ``FEATHER_SGLANG_OPTIONS`` (JSON).  docs/sglang.md.
+Invariant: a fault in Feather's code never reaches SGLang (``core.faults.FaultGuard``):
+every call asks ``faults.serves``, and after a fault SGLang's own admission and ``fcfs``
+order serve until Feather's picture is rebuilt from SGLang's queues.  Options:
+``FEATHER_*`` or ``FEATHER_SGLANG_OPTIONS`` (JSON).  docs/sglang.md.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from operator import attrgetter
 from typing import Any
 
 from feather_sched.core import (
+    TENANT_ARG,
     Decision,
     EngineShape,
     FeatherConfig,
@@ -79,10 +83,6 @@ def feather_options(environ: Mapping[str, str] = os.environ, *, dp_rank: int = 0
     return FeatherConfig.from_sources(None, environ, dp_rank=dp_rank, dp_ranks=dp_ranks,
                                       json_text=environ.get(ENV_OPTIONS) or None,
                                       source=ENV_OPTIONS)
-
-
-TENANT_PARAM = "tenant"
-"""The key of a request's tenant in its sampling params' ``custom_params``."""
 
 
 class SGLangRequests:
@@ -159,7 +159,7 @@ class SGLangRequests:
     @staticmethod
     def _raw_tenant(req: Req) -> object:
         params = req.sampling_params.custom_params
-        return params.get(TENANT_PARAM) if isinstance(params, dict) else None
+        return params.get(TENANT_ARG) if isinstance(params, dict) else None
 
 
 def is_decode_step(batch: ScheduleBatch) -> bool:

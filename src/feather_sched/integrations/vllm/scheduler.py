@@ -3,8 +3,9 @@
 Load with ``--scheduler-cls feather_sched.integrations.vllm.FeatherScheduler`` (server) or
 ``LLM(..., scheduler_cls=FeatherScheduler)``.  The scheduler subclass is thin (``_Hooks``):
 it forwards ``schedule``, ``update_from_output``, ``_update_request_with_output`` (under
-fair share), ``_free_request`` and ``shutdown`` to one component, ``VllmFeather``, which
-translates vLLM's types for ``FeatherRuntime``:
+fair share), ``_free_request`` and ``shutdown`` to one component (``SchedulerComponent``),
+``VllmFeather``, which translates vLLM's types for ``FeatherRuntime`` and replays vLLM's
+arithmetic behind named modules (``urgent``); the rules live in ``core``:
 
 * ``VllmRequests``: how Feather reads a vLLM request (chunk keys from its block hashes,
   its tenant from ``SamplingParams.extra_args["tenant"]``);
@@ -13,8 +14,8 @@ translates vLLM's types for ``FeatherRuntime``:
 * ``KvHoldingQueue``: vLLM's ``kv_holding_waiting``, under Feather's waiting bound;
 * ``UrgentRoom`` (``urgent``): before each pass, a less urgent running request preempted
   for Feather's next admission where it lacks a seat or KV blocks (vLLM's priority policy);
-* ``VllmMeter``: the measurements, which the FCFS baseline (``InstrumentedScheduler``)
-  takes too;
+* ``VllmMeter``: the measurements, the FCFS baseline's (``InstrumentedScheduler``)
+  component, held by ``VllmFeather``;
 * ``FeatherScheduler`` / ``FeatherSyncScheduler``: async scheduling on / off.
 
 Invariants: each ``schedule()`` is one pass, rewarded with the step of its own scheduler
@@ -22,8 +23,9 @@ output; every pass takes vLLM's ``running`` list as the truth and puts it in Fea
 order, whose end vLLM preempts; a request leaves Feather exactly once; under fair share
 every token a step computes for a request (past its cache hit, recomputation included)
 or generates is counted to its tenant before the request leaves (``served``).  A fault in
-Feather's code never reaches ``schedule()``: vLLM's own ``PriorityRequestQueue`` and
-admission serve until the next pass rebuilds Feather's picture.  Options:
+Feather's code never reaches ``schedule()``: every call asks ``faults.serves``, and after
+a fault vLLM's own ``PriorityRequestQueue`` and admission serve until the next pass
+rebuilds Feather's picture.  Options:
 ``--additional-config '{"feather": {...}}'`` or ``FEATHER_*``.  docs/vllm.md.
 """
 
