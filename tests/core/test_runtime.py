@@ -65,10 +65,10 @@ def req(rid: str, group: int = 0, chunks: int = 3) -> Req:
     return Req(rid, [(group,) + (i,) * (i > 0) for i in range(chunks - 1)] + [(group, rid)])
 
 
-def runtime(gate=None, **options) -> FeatherRuntime:
+def runtime(gate=None, on_fault=None, **options) -> FeatherRuntime:
     config = FeatherConfig.from_sources({"gate": "always", "max_wait_s": None, **options},
                                         environ={})
-    rt = FeatherRuntime(config, View(), clock=lambda: 0.0)
+    rt = FeatherRuntime(config, View(), clock=lambda: 0.0, on_fault=on_fault)
     if gate is not None:
         rt.queue.gate = gate
     return rt
@@ -542,15 +542,14 @@ def test_begin_pass_after_a_fault_rebuilds_from_the_engines_queues(contained_fau
 
 def test_guarded_calls_contain_a_fault_and_run_the_adapters_fall_back(
         contained_faults) -> None:
-    rt = runtime()
     fell_back: list[str] = []
-    rt.faults.on_fault = fell_back.append
+    rt = runtime(on_fault=fell_back.append)
     assert rt.faults.call("decide", lambda x: x + 1, 1) == 2
     assert rt.faults.attempt("admit", lambda: None) is True
     assert rt.faults.call("decide", lambda: {}["missing"], default="engine's") == "engine's"
     assert rt.faults.attempt("admit", rt.admit, req("never-decided")) is False
     assert fell_back == ["decide", "admit"] == [where for where, _ in contained_faults]
-    assert rt.meter.stats.faults == 2 and not rt.faults.serving
+    assert rt.meter.stats.faults == 2 and not rt.faults.serves
     with pytest.raises(KeyboardInterrupt):
         rt.faults.call("decide", _interrupt)
 

@@ -120,3 +120,38 @@ class Injector:
     def _raise(self, label: str) -> None:
         self.raised.append(label)
         raise InjectedFault(label)
+
+
+SERVING = ("enter_waiting", "discard", "begin_pass", "reconcile", "decide", "candidate",
+           "admit", "hold", "end_pass", "preempted", "passes_due", "rank_waiting", "order",
+           "batch_order", "urgent_victim", "urgent_victims")
+"""The runtime's members that serve a pass; its measurements (``served``, ``end_step``,
+``describe_batch``) run whenever Feather is on, a pass it left included."""
+
+
+class ServingSpy:
+    """Watches an adapter ask ``faults.serves``: ``strays`` lists each call of a serving
+    member of ``runtime`` made while its guard says Feather does not serve, and
+    ``break_next(name, times)`` makes serving member ``name`` raise ``InjectedFault`` at
+    its next ``times`` calls."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, runtime: object) -> None:
+        self.strays: list[str] = []
+        self._runtime = runtime
+        self._breaking: dict[str, int] = {}
+        for name in SERVING:
+            original = getattr(runtime, name)
+            monkeypatch.setattr(runtime, name, functools.wraps(original)(
+                functools.partial(self._watched, name, original)))
+
+    def _watched(self, name: str, original: Callable, *args, **kwargs):
+        if not self._runtime.faults.serves:
+            self.strays.append(name)
+        if self._breaking.get(name):
+            self._breaking[name] -= 1
+            raise InjectedFault(name)
+        return original(*args, **kwargs)
+
+    def break_next(self, name: str, times: int = 1) -> None:
+        assert name in SERVING
+        self._breaking[name] = times

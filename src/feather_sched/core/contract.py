@@ -178,8 +178,10 @@ class RuntimeContract(Protocol[R]):
     config: FeatherConfig
     """The options, validated (read only)."""
     faults: FaultGuard
-    """Containment: the adapter calls Feather's code through ``faults.call``/``attempt``
-    and passes the engine's queues to ``begin_pass`` while ``faults.dirty``."""
+    """Containment: the adapter opens each pass with ``faults.open_pass``, asks
+    ``faults.serves`` before each piece of Feather's serving, calls Feather's code through
+    ``faults.call``/``attempt``, and passes the engine's queues to ``begin_pass`` while
+    ``faults.dirty``."""
     meter: StepMeter
     """Stats, step log and saved gate state: the adapter reports each engine call to it
     (``meter.scheduled``)."""

@@ -2,7 +2,8 @@
 
 Whatever Feather's tree, queue, gate, meter or metrics sink raises, the engine keeps
 serving: the adapter hands the exception to the guard, serves the engine's own order for
-the rest of the pass, and Feather rebuilds its picture before the next.
+the rest of the pass, and Feather rebuilds its picture before the next.  The guard owns
+the one answer adapters ask before each piece of Feather's serving: ``serves``.
 """
 
 from __future__ import annotations
@@ -43,12 +44,21 @@ class FaultGuard:
     ``limit`` passes served without a fault between them (``served``), turn Feather off
     for good, with one error line: ``active`` is then False and the adapter leaves the
     engine to its own order.  O(1).
+
+    The pass state is the guard's: ``open_pass`` as each engine pass starts, a fault
+    leaves it, and ``serves`` is the one predicate for "Feather serves this call", in the
+    pass and between passes alike.  ``active`` says only whether Feather is on at all (its
+    measurements and service accounting still run on a pass a fault left); ``dirty``,
+    whether its picture waits for the rebuild.
     """
 
     def __init__(self, name: str, limit: int, meter: StepMeter,
-                 reset: Callable[[], None] | None = None) -> None:
+                 reset: Callable[[], None] | None = None,
+                 on_fault: Callable[[str], None] | None = None) -> None:
         """``reset``: empties Feather's picture (``FeatherRuntime.drop``), run first
-        after each fault, so until the rebuild every call finds it whole or empty."""
+        after each fault, so until the rebuild every call finds it whole or empty;
+        ``on_fault``: the adapter's fall-back, run last after each fault with its
+        ``where``: what the engine serves instead for the rest of the pass."""
         self.name = name
         self.limit = limit
         self.meter = meter
@@ -60,15 +70,21 @@ class FaultGuard:
         """Passes served without a fault since the last fault."""
         self._logged_at: float | None = None
         self.reset = reset
-        self.on_fault: Callable[[str], None] | None = None
-        """The adapter's fall-back, run after each fault with its ``where``: what the
-        engine serves instead for the rest of the pass."""
+        self.on_fault = on_fault
+        self._serves = True
 
     @property
-    def serving(self) -> bool:
-        """Whether Feather's picture can be relied on: it is on and no fault happened
-        since the last rebuild (an engine call between passes checks this)."""
-        return self.active and not self.dirty
+    def serves(self) -> bool:
+        """Whether Feather serves the engine's current call: it is on and no fault
+        happened since the pass opened (``open_pass``); else the engine's own order and
+        admission serve, to the next pass that opens without a fault."""
+        return self._serves
+
+    def open_pass(self) -> bool:
+        """An engine pass starts: Feather serves it if it is on (a fault in the adapter's
+        rebuild, which follows, leaves it to the engine); returns ``serves``."""
+        self._serves = self.active
+        return self._serves
 
     def call(self, where: str, action: Callable[..., T], *args: object,
              default: T | None = None) -> T | None:
@@ -97,6 +113,7 @@ class FaultGuard:
         self.in_a_row += 1
         self._served = 0
         self.dirty = True
+        self._serves = False
         if self.reset is not None:
             with contextlib.suppress(Exception):  # the rebuild clears the queue again
                 self.reset()

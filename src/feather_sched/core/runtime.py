@@ -11,10 +11,11 @@ Invariants: the running set is never assumed from admissions: ``begin_pass`` and
 or ran by a path Feather does not see is placed where the engine has it.  An ADD counts
 (and is rewarded) only when its request runs at the end of the pass; a STOP counts and is
 rewarded with the step it shaped.  An exception in any call is contained by the adapter
-calling through ``faults`` (``FaultGuard.call``/``attempt``; ``on_fault`` is its
-fall-back), and the next ``begin_pass``, given the engine's own queues, rebuilds Feather's
-picture.  Adapters read requests through a ``RequestView``; nothing here imports an
-engine.  The contract with an example loop: docs/architecture.md.
+calling through ``faults`` (``FaultGuard.call``/``attempt``; ``faults.serves`` says
+whether Feather serves the pass; ``on_fault``, given here, is the adapter's fall-back),
+and the next ``begin_pass``, given the engine's own queues, rebuilds Feather's picture.
+Adapters read requests through a ``RequestView``; nothing here imports an engine.  The
+contract with an example loop: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -118,11 +119,13 @@ class FeatherRuntime(Generic[R]):
     def __init__(self, config: FeatherConfig, view: RequestView[R], *,
                  clock: Callable[[], float] = time.monotonic, name: str = "feather",
                  seats: int | None = None, kv_tokens: int | None = None,
-                 engine: EngineShape | None = None, chunk_tokens: int | None = None) -> None:
+                 engine: EngineShape | None = None, chunk_tokens: int | None = None,
+                 on_fault: Callable[[str], None] | None = None) -> None:
         """``seats``: the engine's cap on running requests, ``kv_tokens``: its KV cache in
         tokens, where the adapter knows them; ``engine``: its device and model, for the
         model gate's prior; ``chunk_tokens``: the tokens one of ``view``'s chunk keys
-        stands for, where the engine's blocks round the configured size."""
+        stands for, where the engine's blocks round the configured size; ``on_fault``:
+        the adapter's fall-back after a fault (``FaultGuard``)."""
         self.name = name
         self.config = config
         self.view = view
@@ -139,7 +142,8 @@ class FeatherRuntime(Generic[R]):
                                sink=metrics.PrometheusSink(name, config.max_tenant_labels,
                                                            tenants=(DEFAULT_TENANT,))
                                if metrics.enabled() else None)
-        self.faults = FaultGuard(name, config.max_faults, self.meter, reset=self.drop)
+        self.faults = FaultGuard(name, config.max_faults, self.meter, reset=self.drop,
+                                 on_fault=on_fault)
         self._tracked: dict[RequestId, _Tracked[R]] = {}
         self._unsettled: dict[RequestId, _Tracked[R]] = {}
         """Requests tracked when a fault emptied the picture (``drop``), until the rebuild

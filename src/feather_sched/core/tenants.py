@@ -120,7 +120,8 @@ TENANT_HEADER = "x-tenant-id"
 """The HTTP header in which a gateway names a request's tenant."""
 TENANT_ARG = "tenant"
 """The key of a request's tenant among its engine arguments: vLLM's
-``SamplingParams.extra_args`` (an OpenAI body's ``vllm_xargs``)."""
+``SamplingParams.extra_args`` (an OpenAI body's ``vllm_xargs``), SGLang's
+``custom_params``."""
 INPUT_WEIGHT = 1.0
 """Service per computed prompt token (VTC's ``w_p``)."""
 OUTPUT_WEIGHT = 2.0

@@ -19,6 +19,7 @@ import sys
 import time
 from array import array
 from collections import Counter
+from collections.abc import Callable
 from contextlib import redirect_stdout
 from types import SimpleNamespace
 
@@ -63,7 +64,7 @@ from feather_sched.integrations.sglang.scheduler import (
 )
 from feather_sched.models import TINY_LLAMA
 from feather_sched.telemetry.prometheus import PrometheusSink
-from tests.helpers.faults import InjectedFault, Injector, fault_targets
+from tests.helpers.faults import InjectedFault, Injector, ServingSpy, fault_targets
 
 CHUNK = 16
 PREFIX = 4 * CHUNK
@@ -793,6 +794,79 @@ def test_the_retraction_order_is_sglangs_own_on_a_fault(monkeypatch, contained_f
     monkeypatch.setattr(engine.feather.runtime, "order", lambda reqs: 1 / 0)
     assert feather_sglang._hook_decode_retraction_order(sglangs, batch) == [1, 0]
     assert [where for where, _ in contained_faults] == ["retraction_order"]
+
+
+def _rounds(engine: Engine, requests: list[Req], rounds: int,
+            watch: Callable[[int, str], None]) -> list[Req]:
+    """``rounds`` rounds of two arrivals, an admission round of up to two and the oldest
+    running request finishing (``watch(n, step)`` before round ``n`` and past each of its
+    steps), then rounds until every request has finished; the requests admitted."""
+    admitted: list[Req] = []
+    for n in range(rounds):
+        watch(n, "start")
+        engine.arrive(*requests[2 * n: 2 * n + 2])
+        watch(n, "arrived")
+        admitted += engine.admission_round(max_requests=2)
+        watch(n, "admitted")
+        engine.finish(*engine.running[:1])
+        watch(n, "finished")
+    while engine.waiting or engine.running:
+        admitted += engine.admission_round()
+        engine.finish(*engine.running)
+    return admitted
+
+
+@pytest.mark.parametrize(("member", "where"), [
+    ("enter_waiting", "enter_waiting"), ("begin_pass", "begin_pass"),
+    ("rank_waiting", "order"), ("decide", "decide"), ("admit", "admit"),
+    ("end_pass", "end_pass"), ("discard", "step")])
+def test_a_fault_at_each_hook_leaves_the_round_to_sglang_and_the_next_is_feathers(
+        member: str, where: str, monkeypatch, contained_faults) -> None:
+    """Every call of the adapter into Feather asks the guard's one predicate
+    (``faults.serves``): after a fault at any of them no serving call reaches Feather
+    until the next round opens (SGLang's own admission and order serve), and that round
+    is Feather's again, its picture rebuilt and exact (``Engine.admission_round``)."""
+    engine = Engine(gate="always")
+    faults = engine.feather.faults
+    spy = ServingSpy(monkeypatch, engine.feather.runtime)
+    left_in: list = []
+    back: list[bool] = []
+
+    def watch(n: int, step: str) -> None:
+        if n == 3 and not left_in:
+            spy.break_next(member)
+            left_in.append(-1)
+        elif contained_faults and len(left_in) == 1:
+            assert not faults.serves and faults.dirty
+            left_in.append((n, step))
+        elif len(left_in) == 2 and step == "admitted" and (n, step) != left_in[1] and \
+                not back:  # the first round after the fault
+            back.append(faults.serves and not faults.dirty)
+
+    requests = _interleaved(24)
+    admitted = _rounds(engine, requests, 12, watch)
+    assert [w for w, _ in contained_faults] == [where] and spy.strays == [] and back == [True]
+    assert Counter(r.rid for r in admitted) == Counter(r.rid for r in requests)
+
+
+def test_while_feathers_rebuild_fails_sglang_serves_every_call(monkeypatch,
+                                                               contained_faults) -> None:
+    """Five rounds whose rebuild raises, with arrivals, admissions and exits in them: no
+    call reaches Feather's serving code (each asks ``faults.serves``); the next round is
+    Feather's again and every request is admitted once."""
+    engine = Engine(gate="always")
+    runtime = engine.feather.runtime
+    spy = ServingSpy(monkeypatch, runtime)
+
+    def watch(n: int, step: str) -> None:
+        if (n, step) == (2, "start"):
+            spy.break_next("begin_pass", times=5)
+
+    requests = _interleaved(24)
+    admitted = _rounds(engine, requests, 12, watch)
+    assert [w for w, _ in contained_faults] == ["begin_pass"] * 5 and spy.strays == []
+    assert Counter(r.rid for r in admitted) == Counter(r.rid for r in requests)
+    assert runtime.faults.serves and len(runtime) == 0
 
 
 @pytest.mark.parametrize("fairness", ["off", "tenants", "vtc"])

@@ -61,7 +61,7 @@ from feather_sched.integrations.vllm.scheduler import (
 )
 from feather_sched.models import TINY_LLAMA
 from feather_sched.telemetry.prometheus import PrometheusSink
-from tests.helpers.faults import InjectedFault, Injector, fault_targets
+from tests.helpers.faults import InjectedFault, Injector, ServingSpy, fault_targets
 
 BLOCK = 16
 PREFIX_BLOCKS = 8
@@ -199,7 +199,7 @@ class Harness:
     def check(self) -> None:
         """Feather's running set is exactly vLLM's running list (vLLM's own scheduler, or a
         pass Feather's code was out of after a fault: no check)."""
-        if self.runtime is None or not self.scheduler.feather.queue.feathers_pass:
+        if self.runtime is None or not self.scheduler.feather.faults.serves:
             return
         assert set(self.runtime.queue.running_ids()) == \
             {r.request_id for r in self.scheduler.running}
@@ -799,17 +799,78 @@ def test_a_fault_hands_the_pass_to_vllms_own_order(monkeypatch, contained_faults
                                 lambda *args: 1 / 0)  # this tree only: a rebuild drops it
         output = harness.step()
         if fault:
-            assert not harness.scheduler.feather.queue.feathers_pass
+            assert not harness.runtime.faults.serves
             assert harness.runtime.meter.stats.faults == 1 and harness.runtime.faults.dirty
         harness.add(harness.request("a2", group=0, max_tokens=2))
         harness.drain()
-        assert harness.scheduler.feather.queue.feathers_pass and harness.runtime.faults.active
+        assert harness.runtime.faults.serves and harness.runtime.faults.active
         harness.assert_empty()
         return output.scheduled_new_reqs[0].req_id
 
     assert second_admission(fault=False) == "a1"
     assert second_admission(fault=True) == "b0"
     assert [where for where, _ in contained_faults] == ["decide"]
+
+
+@pytest.mark.parametrize(("member", "where"), [
+    ("enter_waiting", "enter_waiting"), ("begin_pass", "begin_pass"), ("decide", "decide"),
+    ("admit", "admit"), ("end_pass", "end_pass"), ("preempted", "meter"),
+    ("discard", "discard")])
+def test_a_fault_at_each_hook_leaves_the_pass_to_vllm_and_the_next_is_feathers(
+        member: str, where: str, monkeypatch, contained_faults) -> None:
+    """Every call of the adapter into Feather asks the guard's one predicate
+    (``faults.serves``): after a fault at any of them no serving call reaches Feather
+    until the next pass opens (vLLM's own queue and victims serve), and that pass is
+    Feather's again, its picture rebuilt and exact (``Harness.check``)."""
+    harness = Harness(num_blocks=32, max_num_seqs=6)  # 3 groups' prefixes take 24 blocks
+    runtime = harness.runtime
+    spy = ServingSpy(monkeypatch, runtime)
+    requests = [harness.request(f"r{i}", group=i % 3, max_tokens=20 + i) for i in range(18)]
+    left_at = back = None
+
+    def watch() -> None:
+        nonlocal left_at, back
+        if contained_faults and left_at is None:
+            assert not runtime.faults.serves and runtime.faults.dirty
+            left_at = harness.steps
+        elif left_at is not None and back is None and harness.steps > left_at:
+            back = runtime.faults.serves and not runtime.faults.dirty
+
+    for step in range(9):
+        if step == 3:
+            spy.break_next(member)
+        harness.add(*requests[2 * step: 2 * step + 2])
+        watch()
+        harness.step()
+        watch()
+    while harness.scheduler.has_requests() or harness.in_flight:
+        harness.step() if harness.scheduler.has_requests() else \
+            harness.scheduler.update_from_output(*harness.in_flight.pop(0))
+        watch()
+    assert [w for w, _ in contained_faults] == [where] and spy.strays == [] and back
+    harness.assert_empty()
+
+
+def test_while_feathers_rebuild_fails_vllm_serves_every_call(monkeypatch,
+                                                              contained_faults) -> None:
+    """Fourteen passes whose rebuild raises, with preemptions and exits among them: no
+    call reaches Feather's serving code (each asks ``faults.serves``), vLLM's own queue
+    and victims serve; the next pass is Feather's again and every request finishes once."""
+    harness = Harness(num_blocks=32, max_num_seqs=6, feather={"max_faults": 32})
+    runtime = harness.runtime
+    spy = ServingSpy(monkeypatch, runtime)
+    requests = [harness.request(f"r{i}", group=i % 3, max_tokens=20 + i) for i in range(24)]
+    for step in range(24):
+        if step == 8:  # every seat taken, 18 waiting; preemptions from step 12, exits 19
+            spy.break_next("begin_pass", times=14)
+        harness.add(*requests[4 * step: 4 * step + 4])
+        harness.step()
+        assert runtime.faults.serves is not (8 <= step < 22)
+    harness.drain()
+    assert [w for w, _ in contained_faults] == ["begin_pass"] * 14 and spy.strays == []
+    stats = runtime.meter.stats
+    assert stats.preemptions > 0 and stats.requests_left == 24 and runtime.faults.active
+    harness.assert_empty()
 
 
 @pytest.mark.parametrize("fairness", ["off", "tenants", "vtc"])

@@ -5,7 +5,9 @@ the AROUND hooks of ``HOOKS`` into SGLang's ``HookRegistry``, and ``load_plugins
 every scheduler process calls first, applies them there (``register()`` runs there because
 the launcher, ``feather_sched.integrations.sglang.launch``, calls it at import, and
 'spawn' re-imports it in each child).  The hooks are inert unless ``FEATHER_SGLANG=1``;
-then each scheduler gets a ``FeatherSGLang`` translating SGLang for ``FeatherRuntime``:
+then each scheduler gets a ``FeatherSGLang``, which translates SGLang's types for
+``FeatherRuntime`` and replays SGLang's arithmetic (the adder's preemption); the rules live
+in ``core``:
 
 * ``FeatherSGLang``: a round (``get_new_batch_prefill``) is one pass, rewarded with the
   next decode step (keyed by ``batch.forward_iter``); the running batch in Feather's order;
@@ -18,9 +20,10 @@ then each scheduler gets a ``FeatherSGLang`` translating SGLang for ``FeatherRun
   short of KV room;
 * ``HOOKS``: what each hook wraps; ``_unsupported``: the modes refused at start-up.
 
-Invariant: a fault in Feather's code never reaches SGLang (``core.faults.FaultGuard``): SGLang's
-own admission and ``fcfs`` order serve until Feather's picture is rebuilt from SGLang's
-queues.  Options: ``FEATHER_*`` or ``FEATHER_SGLANG_OPTIONS`` (JSON).  docs/sglang.md.
+Invariant: a fault in Feather's code never reaches SGLang (``core.faults.FaultGuard``):
+every call asks ``faults.serves``, and after a fault SGLang's own admission and ``fcfs``
+order serve until Feather's picture is rebuilt from SGLang's queues.  Options:
+``FEATHER_*`` or ``FEATHER_SGLANG_OPTIONS`` (JSON).  docs/sglang.md.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from operator import attrgetter
 from typing import Any
 
 from feather_sched.core import (
+    TENANT_ARG,
     Decision,
     EngineShape,
     FeatherConfig,
@@ -79,10 +83,6 @@ def feather_options(environ: Mapping[str, str] = os.environ, *, dp_rank: int = 0
     return FeatherConfig.from_sources(None, environ, dp_rank=dp_rank, dp_ranks=dp_ranks,
                                       json_text=environ.get(ENV_OPTIONS) or None,
                                       source=ENV_OPTIONS)
-
-
-TENANT_PARAM = "tenant"
-"""The key of a request's tenant in its sampling params' ``custom_params``."""
 
 
 class SGLangRequests:
@@ -159,7 +159,7 @@ class SGLangRequests:
     @staticmethod
     def _raw_tenant(req: Req) -> object:
         params = req.sampling_params.custom_params
-        return params.get(TENANT_PARAM) if isinstance(params, dict) else None
+        return params.get(TENANT_ARG) if isinstance(params, dict) else None
 
 
 def is_decode_step(batch: ScheduleBatch) -> bool:
@@ -205,9 +205,8 @@ class FeatherSGLang:
         )
         """``PrefillAdder`` subclass that consults this runtime (what the scheduler builds)."""
         self.faults = self.runtime.faults
-        self.faults.on_fault = self._leave_round
-        self._in_round = False
-        """Feather's code serves this round (no fault in it; Feather not off)."""
+        """Containment; ``faults.serves``: whether Feather serves the round (a round is a
+        pass: ``begin_round`` opens it) and the calls after it, else SGLang's own order."""
 
     # ---- rounds -----------------------------------------------------------------------
 
@@ -215,8 +214,7 @@ class FeatherSGLang:
         """A round starts: after a fault, Feather's picture is rebuilt from SGLang's
         running and waiting requests first; a fault here leaves the round to SGLang."""
         self._bound = None
-        self._in_round = self.faults.active
-        if self._in_round:
+        if self.faults.open_pass():
             self.faults.attempt("begin_pass", self._begin_round, list(running), list(waiting))
 
     def _begin_round(self, running: list[Req], waiting: list[Req]) -> None:
@@ -225,14 +223,15 @@ class FeatherSGLang:
             self.runtime.reconcile(running, waiting)
         self.runtime.begin_pass(running, waiting)
 
-    def order(self, waiting: list[Req], running: Iterable[Req]) -> bool:
+    def rank_waiting(self, waiting: list[Req], running: Iterable[Req]) -> bool:
         """Reconcile with SGLang's queues, then sort ``waiting`` in place in the order
         Feather would admit it (``FeatherRuntime.rank_waiting``: the candidate, then as
         the tree ranks them) and remember it for this round.  False, and ``waiting`` as it
         was, when Feather is out of the round (a fault, here or before; or off)."""
-        return self._in_round and self.faults.attempt("order", self._order, waiting, running)
+        return self.faults.serves and self.faults.attempt("order", self._rank_waiting,
+                                                          waiting, running)
 
-    def _order(self, waiting: list[Req], running: Iterable[Req]) -> None:
+    def _rank_waiting(self, waiting: list[Req], running: Iterable[Req]) -> None:
         self.runtime.reconcile(running, waiting)
         self._bound, self._cursor = waiting, 0
         waiting[:] = self.runtime.rank_waiting(waiting)
@@ -240,14 +239,14 @@ class FeatherSGLang:
     def stops(self, req: Req) -> bool:
         """Whether Feather's answer for the request SGLang offers is STOP (never while
         Feather is out of the round: SGLang's own admission then)."""
-        if not self._in_round:
+        if not self.faults.serves:
             return False
         answer = self.faults.call("decide", self.runtime.decide, req)
         return answer is not None and answer.decision is Decision.STOP
 
     def admitted(self, req: Req) -> None:
         """SGLang admitted ``req``: the runtime admits it; the next best comes up."""
-        if self._in_round:
+        if self.faults.serves:
             self.faults.attempt("admit", self._admitted, req)
 
     def _admitted(self, req: Req) -> None:
@@ -275,19 +274,12 @@ class FeatherSGLang:
         """The round, begun at ``started`` (``time.perf_counter``), formed the next decode
         step's batch."""
         self._bound = None
-        if self._in_round:
+        if self.faults.serves:
             self.faults.attempt("end_pass", self.runtime.end_pass, self._next_decode,
                                 list(running))
         if self.faults.active:
             self.faults.attempt("meter", self.runtime.meter.scheduled,
                                 time.perf_counter() - started)
-
-    def _leave_round(self, where: str) -> None:
-        """After a fault in Feather's code (``FaultGuard.on_fault``): SGLang's own
-        admission for the rest of the round, its own order from the next round until
-        Feather's picture is rebuilt (``begin_round``)."""
-        self._in_round = False
-        self._bound = None
 
     # ---- steps ------------------------------------------------------------------------
 
@@ -325,7 +317,7 @@ class FeatherSGLang:
                    entries: list[BatchEntry] | None, outputs: list[int] | None) -> None:
         if outputs is not None:
             self._serve(batch, outputs)
-        if not self.faults.dirty:
+        if self.faults.serves:
             for req in batch.reqs:
                 if req.finished():
                     self.runtime.discard(req.rid)
@@ -361,7 +353,7 @@ class FeatherSGLang:
     def order_running(self, batch: ScheduleBatch) -> None:
         """Put the running decode batch in Feather's order, if it is not already and a
         group runs (SGLang's order while a fault is pending or Feather is off)."""
-        if len(batch.reqs) < 2 or not self.faults.serving or not self.runtime.batch_has_groups:
+        if len(batch.reqs) < 2 or not self.faults.serves or not self.runtime.batch_has_groups:
             return
         order = self.faults.call("order_running", self._batch_positions, batch.reqs)
         if order is None or order == list(range(len(order))):
@@ -376,7 +368,7 @@ class FeatherSGLang:
         """The indices of ``reqs`` in Feather's retraction order, which is its running
         order (the end first); None while a fault is pending or Feather is off (SGLang's
         own order then)."""
-        if not self.faults.serving:
+        if not self.faults.serves:
             return None
         return self.faults.call("retraction_order", self._retraction_positions, reqs)
 
@@ -387,7 +379,7 @@ class FeatherSGLang:
         """SGLang retracted ``reqs`` for KV room (``urgent``: each for a waiting request
         of a more urgent class): preemptions, counted per request, class and group
         (``FeatherRuntime.preempted``)."""
-        if self.faults.serving:
+        if self.faults.serves:
             self.faults.attempt("preempted", self._retracted, list(reqs), urgent)
 
     def _retracted(self, reqs: list[Req], urgent: bool) -> None:
@@ -396,7 +388,7 @@ class FeatherSGLang:
 
     def entered(self, req: Req) -> None:
         """SGLang put ``req`` at the end of its waiting queue."""
-        if self.faults.serving:
+        if self.faults.serves:
             self.faults.attempt("enter_waiting", self.runtime.enter_waiting, req)
 
     def refuse_bad_tenant(self, req: Req) -> None:
@@ -427,14 +419,15 @@ class FeatherSGLang:
 
     @property
     def in_round(self) -> bool:
-        """Whether Feather's code serves the current round (else SGLang's own)."""
-        return self._in_round
+        """Whether Feather's code serves the current round (``faults.serves``; else
+        SGLang's own)."""
+        return self.faults.serves
 
     @property
     def preempts(self) -> bool:
         """Whether a request may preempt for urgency now: SGLang's priority preemption is
         on and Feather serves the round."""
-        return self.priority_preemption and self._in_round
+        return self.priority_preemption and self.faults.serves
 
 
 def positions(reqs: list[Req], ordered: list[Req]) -> list[int]:
@@ -490,8 +483,8 @@ class FeatherSchedulePolicy(SchedulePolicy):
         processed_tokens: int = 0,
     ) -> None:
         super().calc_priority(waiting_queue, running_batch, processed_tokens)
-        if not self.feather.order(waiting_queue,
-                                  running_requests(running_batch, chunked=self.chunked_req())):
+        if not self.feather.rank_waiting(waiting_queue, running_requests(
+                running_batch, chunked=self.chunked_req())):
             waiting_queue.sort(key=self.fcfs_key)  # SGLang's own order, which Feather undid
 
     def fcfs_key(self, req: Req) -> tuple[int, float]:

@@ -21,9 +21,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from feather_sched.core import TENANT_HEADER, named_tenant
+from feather_sched.core import TENANT_ARG, TENANT_HEADER, named_tenant
 from feather_sched.integrations import asgi
-from feather_sched.integrations.sglang.scheduler import TENANT_PARAM
 
 NATIVE_ROUTES = frozenset({"/generate"})
 OPENAI_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -64,9 +63,9 @@ def _name(holder: dict, tenant: str) -> bool:
     if not isinstance(custom, dict):
         raise ValueError("custom_params must be a JSON object to carry the tenant, got "
                          f"{type(custom).__name__}")
-    if custom.get(TENANT_PARAM) == tenant:
+    if custom.get(TENANT_ARG) == tenant:
         return False
-    holder["custom_params"] = {**custom, TENANT_PARAM: tenant}
+    holder["custom_params"] = {**custom, TENANT_ARG: tenant}
     return True
 
 
@@ -88,7 +87,7 @@ class TenantMiddleware:
         try:
             header = asgi.header(scope, self.header_name)
         except ValueError as error:
-            return await asgi.bad_request(send, str(error), TENANT_PARAM)
+            return await asgi.bad_request(send, str(error), TENANT_ARG)
         encoded = any(key.lower() == b"content-encoding" for key, _ in scope.get("headers", ()))
         if (native and header is None) or encoded:
             return await self.app(scope, receive, send)
@@ -103,7 +102,7 @@ class TenantMiddleware:
             try:
                 changed = carry_tenant(body, header, native=native)
             except ValueError as error:
-                return await asgi.bad_request(send, str(error), TENANT_PARAM)
+                return await asgi.bad_request(send, str(error), TENANT_ARG)
             if changed:
                 raw = json.dumps(body).encode()
                 scope = asgi.with_length(scope, raw)

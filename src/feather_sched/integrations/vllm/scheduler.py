@@ -3,8 +3,9 @@
 Load with ``--scheduler-cls feather_sched.integrations.vllm.FeatherScheduler`` (server) or
 ``LLM(..., scheduler_cls=FeatherScheduler)``.  The scheduler subclass is thin (``_Hooks``):
 it forwards ``schedule``, ``update_from_output``, ``_update_request_with_output`` (under
-fair share), ``_free_request`` and ``shutdown`` to one component, ``VllmFeather``, which
-translates vLLM's types for ``FeatherRuntime``:
+fair share), ``_free_request`` and ``shutdown`` to one component (``SchedulerComponent``),
+``VllmFeather``, which translates vLLM's types for ``FeatherRuntime`` and replays vLLM's
+arithmetic behind named modules (``urgent``); the rules live in ``core``:
 
 * ``VllmRequests``: how Feather reads a vLLM request (chunk keys from its block hashes,
   its tenant from ``SamplingParams.extra_args["tenant"]``);
@@ -13,8 +14,8 @@ translates vLLM's types for ``FeatherRuntime``:
 * ``KvHoldingQueue``: vLLM's ``kv_holding_waiting``, under Feather's waiting bound;
 * ``UrgentRoom`` (``urgent``): before each pass, a less urgent running request preempted
   for Feather's next admission where it lacks a seat or KV blocks (vLLM's priority policy);
-* ``VllmMeter``: the measurements, which the FCFS baseline (``InstrumentedScheduler``)
-  takes too;
+* ``VllmMeter``: the measurements, the FCFS baseline's (``InstrumentedScheduler``)
+  component, held by ``VllmFeather``;
 * ``FeatherScheduler`` / ``FeatherSyncScheduler``: async scheduling on / off.
 
 Invariants: each ``schedule()`` is one pass, rewarded with the step of its own scheduler
@@ -22,8 +23,9 @@ output; every pass takes vLLM's ``running`` list as the truth and puts it in Fea
 order, whose end vLLM preempts; a request leaves Feather exactly once; under fair share
 every token a step computes for a request (past its cache hit, recomputation included)
 or generates is counted to its tenant before the request leaves (``served``).  A fault in
-Feather's code never reaches ``schedule()``: vLLM's own ``PriorityRequestQueue`` and
-admission serve until the next pass rebuilds Feather's picture.  Options:
+Feather's code never reaches ``schedule()``: every call asks ``faults.serves``, and after
+a fault vLLM's own ``PriorityRequestQueue`` and admission serve until the next pass
+rebuilds Feather's picture.  Options:
 ``--additional-config '{"feather": {...}}'`` or ``FEATHER_*``.  docs/vllm.md.
 """
 
@@ -34,7 +36,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from operator import attrgetter
-from typing import Any
+from typing import Any, Protocol
 
 from vllm.platforms import current_platform
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -187,9 +189,10 @@ class FeatherWaitingQueue(RequestQueue):
 
     Every request vLLM puts in the queue is also kept in a dict of its own (O(1) per
     call), apart from Feather's tree, so the requests never depend on Feather's code:
-    when that raises (``_fall_back``), vLLM's own ``PriorityRequestQueue`` over them serves
-    the rest of the pass, and every pass once Feather is off: (priority, arrival) order,
-    which is arrival order under the FCFS policy (every priority 0).  ``pop_request``
+    while Feather does not serve (``faults.serves``: a fault since the pass opened, or
+    Feather off), vLLM's own ``PriorityRequestQueue`` over them (``fall_back``) serves:
+    (priority, arrival) order, which is arrival order under the FCFS policy (every
+    priority 0).  ``pop_request``
     returns the request of the last ``peek_request``, the one vLLM has just given KV.
     """
 
@@ -197,11 +200,11 @@ class FeatherWaitingQueue(RequestQueue):
         self.runtime = runtime
         self.scheduler = scheduler
         self.faults = runtime.faults
-        self.faults.on_fault = self._fall_back
         self._members: dict[str, Request] = {}
         """Every request in the queue, by id, whatever Feather's state."""
         self._fallback: PriorityRequestQueue | None = None
-        """vLLM's own queue over the members while Feather's code is out of the pass."""
+        """vLLM's own queue over the members, built by ``fall_back``: it serves while
+        ``faults.serves`` is False."""
         self._engine_policy = scheduler.policy
         """vLLM's policy as configured: its victim rule while Feather is out."""
         self._peeked: Request | None = None
@@ -211,7 +214,7 @@ class FeatherWaitingQueue(RequestQueue):
 
     def add_request(self, request: Request) -> None:
         self._members[request.request_id] = request
-        if self._fallback is not None:
+        if not self.faults.serves:
             self._fallback.add_request(request)
             return
         self.faults.attempt("enter_waiting", self._enter_waiting, request)
@@ -240,7 +243,7 @@ class FeatherWaitingQueue(RequestQueue):
         requests = list(requests)
         for request in requests:
             self._members.pop(request.request_id, None)
-        if self._fallback is not None:
+        if not self.faults.serves:
             self._fallback.remove_requests(requests)
             return
         self.faults.attempt("discard", self._discard, requests)
@@ -251,7 +254,7 @@ class FeatherWaitingQueue(RequestQueue):
         When vLLM has no seat left it asks this first and then stops on its own check:
         the gate is not asked then, since its answer could not shape the step.
         """
-        if self._fallback is None:
+        if self.faults.serves:
             admits = self.faults.call("decide", self._admits)
             if admits is not None:
                 return admits
@@ -260,7 +263,7 @@ class FeatherWaitingQueue(RequestQueue):
     def peek_request(self) -> Request:
         if not self._members:
             raise IndexError("peek from an empty FeatherWaitingQueue")
-        if self._fallback is None:
+        if self.faults.serves:
             self._peeked = self.faults.call("decide", self._candidate)
             if self._peeked is not None:
                 return self._peeked
@@ -273,8 +276,8 @@ class FeatherWaitingQueue(RequestQueue):
             request = self.peek_request()
         self._peeked = None
         del self._members[request.request_id]
-        fallback = self._fallback
-        if fallback is not None:
+        if not self.faults.serves:
+            fallback = self._fallback
             if fallback.peek_request() is request:
                 fallback.pop_request()
             else:  # peeked from Feather's queue before the fall-back: O(waiting)
@@ -293,11 +296,6 @@ class FeatherWaitingQueue(RequestQueue):
 
     # ---- Feather's side ---------------------------------------------------------------
 
-    @property
-    def feathers_pass(self) -> bool:
-        """Whether Feather's code has served the pass so far (no fault, not off)."""
-        return self._fallback is None
-
     def begin_pass(self) -> None:
         """Before vLLM's pass: Feather resumes after a fault, rebuilt from vLLM's running
         list and this queue's members; a fault here keeps vLLM's order for this pass.
@@ -312,7 +310,7 @@ class FeatherWaitingQueue(RequestQueue):
         arrival_time))``, is Feather's: the latest arrival of the least urgent class.
         Under ``fairness: vtc`` vLLM's order and policy stay (``_victim_policy``)."""
         self._peeked = self._popped = None
-        if self.faults.active:
+        if self.faults.open_pass():
             self.faults.attempt("begin_pass", self._begin_pass)
 
     def _begin_pass(self) -> None:
@@ -337,9 +335,10 @@ class FeatherWaitingQueue(RequestQueue):
             return self._engine_policy
         return SchedulingPolicy.FCFS if config.order_running else SchedulingPolicy.PRIORITY
 
-    def _fall_back(self, where: str) -> None:
-        """After a fault in Feather's code (``FaultGuard.on_fault``): vLLM's own order and
-        victim rule serve until the next pass resumes Feather.  O(waiting log waiting)."""
+    def fall_back(self) -> None:
+        """After a fault in Feather's code (``VllmFeather``'s ``on_fault``): vLLM's own
+        order and victim rule serve until the next pass resumes Feather.  O(waiting log
+        waiting) at the first fault after a pass Feather served, O(1) after that."""
         self.scheduler.policy = self._engine_policy
         if self._fallback is None:
             self._fallback = PriorityRequestQueue()
@@ -412,7 +411,7 @@ class KvHoldingQueue(RequestQueue):
             return False
         scheduler = self.scheduler
         if not scheduler.running or scheduler.pause_state != PauseState.UNPAUSED or \
-                not self.waiting.feathers_pass:
+                not self.waiting.faults.serves:
             return True
         head = self.inner.peek_request()
         if self.urgent.holds_back(head):
@@ -449,13 +448,45 @@ class KvHoldingQueue(RequestQueue):
         self.inner.remove_requests(requests)
 
 
+class SchedulerComponent(Protocol):
+    """What the scheduler's hooks (``_Hooks``) call on their component: ``VllmMeter`` for
+    the FCFS baseline, ``VllmFeather`` for Feather."""
+
+    def before_schedule(self, throttle_prefills: bool = False) -> None:
+        """Before vLLM's pass (``throttle_prefills``: as vLLM's ``schedule`` is told)."""
+
+    def after_schedule(self, output: Any) -> None:
+        """vLLM's pass formed ``output``."""
+
+    def step_done(self, output: Any) -> None:
+        """The step of ``output`` ran; its result is about to update vLLM's requests."""
+
+    @property
+    def counts_service(self) -> bool:
+        """Whether ``generated`` is wanted (Feather's fair share)."""
+
+    def generated(self, request: Request, tokens: int) -> None:
+        """vLLM appended ``tokens`` sampled tokens to ``request``."""
+
+    def freed(self, request: Request) -> None:
+        """vLLM frees ``request`` (finished or aborted)."""
+
+    def close(self) -> None:
+        """The scheduler shuts down."""
+
+
+StepRecord = Callable[[Any, int, float, "list[BatchEntry] | None"], None]
+"""Where a step ran goes: (its ``SchedulerOutput``, its size, its seconds, its batch)."""
+
+
 class VllmMeter:
     """A vLLM scheduler's measurements: ``schedule()`` time, step times, the step log.
 
-    The part of Feather's component the FCFS baseline runs too, so both are measured
-    alike.  A step is keyed by its ``SchedulerOutput`` (kept until its result arrives).
-    An exception in the measurements is contained (``faults``): counted, logged, never
-    raised into vLLM.
+    The FCFS baseline (``InstrumentedScheduler``) runs it as its component; Feather's
+    component holds one and tells it, per call, where preemptions and steps go, so both
+    are measured alike.  A step is keyed by its ``SchedulerOutput`` (kept until its result
+    arrives).  An exception in the measurements is contained (``faults``): counted,
+    logged, never raised into vLLM.
     """
 
     def __init__(self, scheduler: Scheduler, config: FeatherConfig,
@@ -478,33 +509,37 @@ class VllmMeter:
         return self.config.step_log is not None
 
     def before_schedule(self, throttle_prefills: bool = False) -> None:
-        """Before vLLM's pass (``throttle_prefills``: as vLLM's ``schedule`` is told)."""
+        """Before vLLM's pass: its ``schedule()`` time starts."""
         self._started = time.perf_counter()
 
     def after_schedule(self, output: Any) -> None:
-        if self.faults.active and self.faults.attempt("meter", self.measure, output):
+        if self.faults.active and self.faults.attempt("meter", self.measure, output,
+                                                      self.preempted, self.wants_batches):
             self.faults.served(decided=True)  # the baseline's whole pass
 
-    def measure(self, output: Any) -> None:
-        """The pass that formed ``output``: its time, its preemptions, its step kept."""
+    def measure(self, output: Any, preempted: Callable[[Request], None],
+                batches: bool) -> None:
+        """The pass that formed ``output``: its time; each request it preempted handed to
+        ``preempted``; its step kept (with its batch if ``batches``)."""
         now = time.perf_counter()
         self.meter.scheduled(now - self._started)
         requests = self.scheduler.requests
         for request_id in output.preempted_req_ids or ():
             request = requests.get(request_id)
             if request is not None:
-                self.preempted(request, urgent=self.preempted_for_urgency(request_id))
-        batch = self.batch(output) if self.wants_batches else None
+                preempted(request)
+        batch = self.batch(output) if batches else None
         self._in_flight[id(output)] = (output, now, batch)
         while len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
             self._in_flight.popitem(last=False)
 
-    def step_done(self, output: Any) -> None:
+    def step_done(self, output: Any, record: StepRecord | None = None) -> None:
+        """The step of ``output`` ran: ``record`` (else ``record_step``) takes it."""
         entry = self._in_flight.pop(id(output), None)
         if entry is None or not self.faults.active:
             return
         _, started, batch = entry
-        self.faults.attempt("step", self.record_step, output,
+        self.faults.attempt("step", record or self.record_step, output,
                             len(output.num_scheduled_tokens), time.perf_counter() - started,
                             batch)
 
@@ -521,22 +556,17 @@ class VllmMeter:
         self.meter.preempted(request.num_preemptions, priority=request.priority,
                              urgent=urgent)
 
-    def preempted_for_urgency(self, request_id: str) -> bool:
-        """Whether this pass preempted the request for a more urgent one (never here)."""
-        return False
-
     def freed(self, request: Request) -> None:
         """Nothing to forget without Feather."""
 
     counts_service = False
-    """Whether ``generated`` is wanted (Feather's fair share)."""
+    """Without Feather no service is counted."""
 
     def generated(self, request: Request, tokens: int) -> None:
         """Nothing to count without Feather's fair share."""
 
     def close(self) -> None:
         self.faults.attempt("close", self.meter.close)
-
     def batch(self, output: Any) -> list[BatchEntry]:
         """The step's batch as the step log describes it (``describe_batch``, in Feather's
         chunks), in the runner's decode order.
@@ -584,18 +614,24 @@ def kv_cache_tokens(scheduler: Scheduler) -> int | None:
     return None if not blocks else blocks * scheduler.block_size
 
 
-class VllmFeather(VllmMeter):
-    """Feather's component of a vLLM scheduler: the runtime behind vLLM's calls."""
+class VllmFeather:
+    """Feather's component of a vLLM scheduler: the runtime behind vLLM's calls, measured
+    by a ``VllmMeter`` as the baseline is.  Each call asks ``faults.serves`` whether
+    Feather serves it (else vLLM's own order and victim rule, ``FeatherWaitingQueue``)."""
 
     def __init__(self, scheduler: Scheduler, config: FeatherConfig) -> None:
+        self.scheduler = scheduler
+        self.config = config
         view = requests_view(scheduler, config)
         self.runtime = FeatherRuntime(config, view, clock=scheduler.feather_clock,
                                       name=type(scheduler).__name__,
                                       seats=scheduler.max_num_active_reqs,
                                       kv_tokens=kv_cache_tokens(scheduler),
                                       engine=engine_shape(scheduler.vllm_config),
-                                      chunk_tokens=view.chunk_tokens)
-        super().__init__(scheduler, config, self.runtime.meter, self.runtime.faults)
+                                      chunk_tokens=view.chunk_tokens,
+                                      on_fault=self._fall_back)
+        self.faults = self.runtime.faults
+        self.metering = VllmMeter(scheduler, config, self.runtime.meter, self.faults)
         self._computed: OrderedDict[int, list[tuple[str, int]]] = OrderedDict()
         """Under fair share, each step in flight's prompt tokens computed, per request."""
         self.queue = FeatherWaitingQueue(self.runtime, scheduler)
@@ -610,30 +646,38 @@ class VllmFeather(VllmMeter):
             logger.warning("Feather's batch ordering cannot act: %s", note)
             self.runtime.engine_keeps_its_order()
 
+    def _fall_back(self, where: str) -> None:
+        """After a fault (the runtime's ``on_fault``): vLLM's own queue and victim rule."""
+        self.queue.fall_back()
+
     def before_schedule(self, throttle_prefills: bool = False) -> None:
-        super().before_schedule()
+        self.metering.before_schedule()
         self.urgent.forget()
         self.queue.begin_pass()
-        if self.queue.feathers_pass and self.faults.active and \
-                not compat.prefills_deferred(self.scheduler, throttle_prefills):
+        if self.faults.serves and not compat.prefills_deferred(self.scheduler,
+                                                               throttle_prefills):
             self.faults.attempt("urgent", self.urgent.make)
-
-    def defers_prefills(self, throttle_prefills: bool) -> bool:
-        """Whether vLLM's coming pass defers every prefill (data-parallel prefill balancing
-        on a throttled step, unless the engine is prefill-bound, while a decode runs:
-        vLLM's own test at the top of ``schedule()``), so no room is made for one."""
-        scheduler = self.scheduler
-        return throttle_prefills and not scheduler.prefill_capacity_bound and \
-            any(not request.is_prefill_chunk for request in scheduler.running)
 
     def after_schedule(self, output: Any) -> None:
         if not self.faults.active:
             return
-        if self.queue.feathers_pass:
+        if self.faults.serves:
             self.faults.attempt("end_pass", self._end_pass, output)
-        self.faults.attempt("meter", self.measure, output)
+        self.faults.attempt("meter", self._measure, output)
         if self.runtime.counts_service:
             self.faults.attempt("served", self._note_computed, output)
+
+    def _measure(self, output: Any) -> None:
+        self.metering.measure(output, self._preempted, self.runtime.wants_batches)
+
+    def _preempted(self, request: Request) -> None:
+        """vLLM preempted ``request`` in this pass (for an urgent request if it is one of
+        ``urgent``'s victims): the runtime counts it, or the meter while Feather is out."""
+        urgent = request.request_id in self.urgent.victims
+        if self.faults.serves:
+            self.runtime.preempted(request, urgent=urgent)
+        else:
+            self.metering.preempted(request, urgent=urgent)
 
     def _end_pass(self, output: Any) -> None:
         self.runtime.end_pass(id(output), self.scheduler.running)
@@ -669,7 +713,7 @@ class VllmFeather(VllmMeter):
             self._computed.popitem(last=False)
 
     def step_done(self, output: Any) -> None:
-        super().step_done(output)
+        self.metering.step_done(output, self._end_step)
         computed = self._computed.pop(id(output), None)
         if computed and self.faults.active:
             self.faults.attempt("served", self._serve_computed, computed)
@@ -678,8 +722,12 @@ class VllmFeather(VllmMeter):
         for request_id, tokens in computed:
             self.runtime.served(request_id, tokens, 0)
 
+    def _end_step(self, output: Any, size: int, seconds: float,
+                  batch: list[BatchEntry] | None) -> None:
+        self.runtime.end_step(id(output), size, seconds, batch)
+
     @property
-    def counts_service(self) -> bool:  # type: ignore[override]
+    def counts_service(self) -> bool:
         return self.faults.active and self.runtime.counts_service
 
     def generated(self, request: Request, tokens: int) -> None:
@@ -687,26 +735,12 @@ class VllmFeather(VllmMeter):
         bonus token; rejected drafts are not appended)."""
         self.faults.attempt("served", self.runtime.served, request.request_id, 0, tokens)
 
-    @property
-    def wants_batches(self) -> bool:
-        return self.runtime.wants_batches
-
-    def record_step(self, output: Any, size: int, seconds: float,
-                    batch: list[BatchEntry] | None) -> None:
-        self.runtime.end_step(id(output), size, seconds, batch)
-
-    def preempted(self, request: Request, *, urgent: bool = False) -> None:
-        if self.queue.feathers_pass:
-            self.runtime.preempted(request, urgent=urgent)
-        else:
-            super().preempted(request, urgent=urgent)
-
-    def preempted_for_urgency(self, request_id: str) -> bool:
-        return request_id in self.urgent.victims
-
     def freed(self, request: Request) -> None:
-        if self.queue.feathers_pass:  # otherwise rebuilt before its next pass
+        if self.faults.serves:  # otherwise rebuilt before its next pass
             self.faults.attempt("discard", self.runtime.discard, request.request_id)
+
+    def close(self) -> None:
+        self.metering.close()
 
     def order_note(self) -> tuple[str, bool]:
         """Which model runner the workers use and how batch ordering acts there; and
@@ -739,7 +773,7 @@ class _Hooks:
     which would lose their own overrides: those must match the engine's mode).
     """
 
-    component: type[VllmMeter] = VllmMeter
+    component: Callable[[Scheduler, FeatherConfig], SchedulerComponent] = VllmMeter
     sync_variant: type | None = None
     feather_clock: Callable[[], float] = staticmethod(time.time)
     """The clock Feather's waiting bounds read: vLLM's own (``Request.arrival_time`` is
@@ -760,7 +794,8 @@ class _Hooks:
                 f"{type(self).__name__} does not match async scheduling "
                 f"{'on' if is_async else 'off'}: use FeatherScheduler (or "
                 "InstrumentedScheduler), which picks the variant the engine needs")
-        self.feather = self.component(self, feather_options(self.vllm_config))
+        self.feather: SchedulerComponent = self.component(self,
+                                                          feather_options(self.vllm_config))
 
     def schedule(self, throttle_prefills: bool = False):
         self.feather.before_schedule(throttle_prefills)
