@@ -133,8 +133,7 @@ class UrgentRoom:
             return True
         if not self._admitted(candidate):
             return False
-        victims = self.runtime.urgent_victims(self.scheduler.running, candidate,
-                                              room.made_by)
+        victims = self.runtime.urgent_victims(self.scheduler.running, candidate, room)
         if not victims:
             return False
         for victim in victims:
