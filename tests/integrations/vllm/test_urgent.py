@@ -232,8 +232,9 @@ def test_a_vllm_without_a_private_member_leaves_urgent_preemption_off(monkeypatc
     when the scheduler is built, naming it, and the urgent request waits for a seat as
     under vLLM's own priority policy; nothing raises."""
     monkeypatch.setattr(urgent, "PRIVATE", (*urgent.PRIVATE, "_gone_in_this_release"))
-    with caplog.at_level(logging.WARNING, logger="vllm.feather_sched"):
-        harness = urgent_harness(False, 1, max_num_seqs=2)
+    # a logger of the test's own: an engine's logging set-up may have disabled Feather's
+    monkeypatch.setattr(urgent, "logger", logging.getLogger("tests.vllm_urgent"))
+    harness = urgent_harness(False, 1, max_num_seqs=2)
     low = [harness.request(f"low{i}", group=i, max_tokens=30, priority=1) for i in range(2)]
     result = run(harness, {0: low, 3: [harness.request("urgent", group=2, priority=0)]})
     warned = [r.getMessage() for r in caplog.records
