@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -707,18 +708,56 @@ def urgent_waits_behind(running: list[Req]) -> tuple[FeatherRuntime, Req]:
     return rt, waiting
 
 
+class Frees:
+    """A fake engine ``Room``: a set of victims makes room when what they free (each
+    ``frees[rid]``, default 1) reaches ``needed``; one seat is ``Frees()``.  Records the
+    sets it was asked about (``tried``)."""
+
+    def __init__(self, needed: int = 1, frees: dict[str, int] | None = None) -> None:
+        self.needed, self.frees = needed, frees or {}
+        self.tried: list[list[str]] = []
+
+    def made_by(self, victims: Sequence[Req]) -> bool:
+        self.tried.append([v.rid for v in victims])
+        return sum(self.frees.get(v.rid, 1) for v in victims) >= self.needed
+
+
+def victims(rt: FeatherRuntime, running: list[Req], waiting: Req, room: Frees | None = None
+            ) -> list[str]:
+    return [v.rid for v in rt.urgent_victims(running, waiting, room or Frees())]
+
+
 def test_the_urgent_victim_is_the_least_urgent_end_of_the_order_and_pays_once() -> None:
     low_old = Req("low-old", req("low-old", 1).keys, arrival=0.0, priority=1)
     low_new = Req("low-new", req("low-new", 2).keys, arrival=1.0, priority=1)
     urgent_running = Req("urgent-running", req("u", 3).keys, arrival=2.0, priority=0)
     running = [low_old, low_new, urgent_running]
     rt, waiting = urgent_waits_behind(running)
-    assert rt.urgent_victim(running, waiting) is low_new  # the end of Feather's order
-    assert rt.urgent_victim(running, waiting) is low_old  # low-new was preempted so once
-    assert rt.urgent_victim(running, waiting) is None  # same class is never a victim
+    assert victims(rt, running, waiting) == ["low-new"]  # the end of Feather's order
+    assert victims(rt, running, waiting) == ["low-old"]  # low-new was preempted so once
+    assert victims(rt, running, waiting) == []  # same class is never a victim
     same = Req("same", req("same", 5).keys, arrival=4.0, priority=1)
-    assert rt.urgent_victim(running, same) is None
-    assert runtime(max_urgent_preemptions=0).urgent_victim(running, waiting) is None
+    assert victims(rt, running, same) == []
+    assert victims(runtime(max_urgent_preemptions=0), running, waiting) == []
+
+
+def test_the_urgent_bound_is_max_urgent_preemptions_per_request() -> None:
+    """With ``max_urgent_preemptions`` 2, a request gives way twice, then never again; a
+    set that makes room only with one at its bound is not named."""
+    low = Req("low", req("low", 1).keys, arrival=0.0, priority=1)
+    other = Req("other", req("other", 2).keys, arrival=1.0, priority=1)
+    rt = runtime(max_urgent_preemptions=2)
+    for request in (low, other):
+        rt.enter_waiting(request)
+    rt.begin_pass([])
+    admit_all(rt, [])
+    urgent = Req("urgent", req("urgent", 9).keys, arrival=9.0, priority=0)
+    rt.enter_waiting(urgent)
+    both = Frees(needed=2)
+    assert victims(rt, [low, other], urgent, both) == ["other", "low"]
+    assert victims(rt, [low, other], urgent, both) == ["other", "low"]
+    assert victims(rt, [low, other], urgent, both) == []  # each at its bound
+    assert len(both.tried) == 6  # the room was not asked the third time: nobody may go
 
 
 def test_the_urgent_bound_holds_across_a_rebuild_and_a_grown_prompt() -> None:
@@ -731,35 +770,29 @@ def test_the_urgent_bound_holds_across_a_rebuild_and_a_grown_prompt() -> None:
     admit_all(rt, [])
     urgent = Req("urgent", req("urgent", 2).keys, arrival=1.0, priority=0)
     rt.enter_waiting(urgent)
-    assert rt.urgent_victim([low], urgent) is low
+    assert victims(rt, [low], urgent) == ["low"]
     rt.resync([low], [urgent])
-    assert rt.urgent_victim([low], urgent) is None
+    assert victims(rt, [low], urgent) == []
     grown = Req("low", [*low.keys, ("more",)], arrival=0.0, priority=1)
     rt.reconcile([grown], [urgent])
-    assert rt.urgent_victim([grown], urgent) is None
+    assert victims(rt, [grown], urgent) == []
 
 
 def test_urgent_victims_are_the_fewest_in_feathers_order_that_make_room() -> None:
-    """The engine says which sets make room: here the KV blocks each frees (the two
+    """The engine's ``Room`` says which sets make room: here the KV each frees (the two
     youngest little, a prefix held by a request that stays; the oldest much). The run of
     Feather's order that makes room is all three; the two it does without stay, and the
     one that goes pays its bound, after which nothing makes room and nobody goes."""
     running = [Req(rid, req(rid, i).keys, arrival=float(i), priority=1)
                for i, rid in enumerate(("old", "mid", "young"))]
     rt, waiting = urgent_waits_behind(running)
-    frees = {"old": 5, "mid": 1, "young": 1}
-    tried: list[list[str]] = []
-
-    def makes_room(victims: list[Req]) -> bool:
-        tried.append([v.rid for v in victims])
-        return sum(frees[v.rid] for v in victims) >= 5
-
-    assert [v.rid for v in rt.urgent_victims(running, waiting, makes_room)] == ["old"]
-    assert tried == [["young"], ["young", "mid"], ["young", "mid", "old"],
-                     ["young", "old"], ["old"]]
-    assert rt.urgent_victims(running, waiting, makes_room) == []
-    assert rt.urgent_victim(running, waiting) is running[-1]  # one seat: the end
-    assert runtime(max_urgent_preemptions=0).urgent_victims(running, waiting, bool) == []
+    room = Frees(needed=5, frees={"old": 5, "mid": 1, "young": 1})
+    assert victims(rt, running, waiting, room) == ["old"]
+    assert room.tried == [["young"], ["young", "mid"], ["young", "mid", "old"],
+                          ["young", "old"], ["old"]]
+    assert victims(rt, running, waiting, room) == []
+    assert victims(rt, running, waiting) == ["young"]  # one seat: the end
+    assert victims(runtime(max_urgent_preemptions=0), running, waiting) == []
 
 
 @pytest.mark.parametrize("fairness", ["tenants", "vtc"])

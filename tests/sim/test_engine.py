@@ -6,6 +6,7 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from itertools import groupby
 from types import SimpleNamespace
 
@@ -15,7 +16,8 @@ import pytest
 from feather_sched.core.prefix import order_by_group
 from feather_sched.gates.base import BatchLayout
 from feather_sched.sim.engine import EngineConfig, SimEngine, SimRequest, SimResult, SimState
-from feather_sched.sim.fcfs import FcfsPolicy
+from feather_sched.sim.fcfs import FcfsPolicy, PriorityPolicy
+from feather_sched.sim.policies import make_policy
 from feather_sched.workloads.spec import RequestSpec, Workload
 
 
@@ -316,3 +318,88 @@ def test_no_admission_in_a_step_that_preempted() -> None:
     assert (r1.context_tokens, r1.new_tokens) == (7, 3)  # 4 cached prompt tokens + a chunk
     assert engine.requests[1].preemptions == result.num_preemptions == 2
     assert result.records[1].cached_tokens == 0  # the first admission's hit, as vLLM
+
+
+# ---- urgent preemption: vLLM's protocol, before the pass ------------------------------
+
+
+class Recorded:
+    """Feather (``make_policy``, gate ``always``) with its pass calls recorded in order."""
+
+    CALLS = ("begin_pass", "urgent_victims", "promise", "admit")
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.runtime = make_policy("feather-always", {}, engine)
+        self.calls: list[tuple[str, object]] = []
+        self.tried: list[list[str]] = []
+        """Each set of victims the engine's room was asked about."""
+
+    def room(self, room):
+        def made_by(victims):
+            self.tried.append([v.request_id for v in victims])
+            return room.made_by(victims)
+        return SimpleNamespace(made_by=made_by)
+
+    def wrap(self):
+        runtime = self.runtime
+        for name in self.CALLS:
+            method = getattr(runtime, name)
+
+            def call(*args, _name=name, _method=method):
+                if _name == "urgent_victims":
+                    args = (*args[:2], self.room(args[2]))
+                result = _method(*args)
+                shown = [v.request_id for v in result] if _name == "urgent_victims" else \
+                    getattr(args[0], "request_id", None)
+                self.calls.append((_name, shown))
+                return result
+
+            setattr(runtime, name, call)
+        return runtime
+
+
+def urgent_run(specs: list[RequestSpec], **config: int) -> tuple[SimEngine, Recorded]:
+    engine = make_engine(**config)
+    recorded = Recorded(engine)
+    engine.run(Workload("urgent", specs), recorded.wrap())
+    return engine, recorded
+
+
+def test_an_urgent_request_without_a_seat_preempts_one_victim_before_the_pass() -> None:
+    """Both seats held by class 1: the class-0 arrival preempts the end of Feather's order
+    (the newer one) before the running loop, and is admitted in that same pass."""
+    low = [replace(spec(f"low{i}", out=30, at=0.0), priority=1) for i in range(2)]
+    urgent = replace(spec("urgent", out=2, at=0.003), priority=0)
+    engine, recorded = urgent_run([*low, urgent], max_num_seqs=2)
+    at = recorded.calls.index(("urgent_victims", ["low1"]))
+    assert recorded.calls[at - 1][0] == "begin_pass"  # before the pass's running loop
+    assert recorded.calls[at + 1:at + 3] == [("promise", "urgent"), ("admit", "urgent")]
+    assert [r.preemptions for r in engine.requests] == [0, 1, 0]
+
+
+def test_urgent_victims_are_pruned_to_the_fewest_that_free_the_blocks() -> None:
+    """KV pressure: group A (A0, A1, sharing a 40-token prefix) is the youngest group, so
+    A1 then A0 lead Feather's order, but both free fewer blocks than the urgent request
+    needs; B, the oldest, frees enough alone.  vLLM's protocol preempts B only (the run
+    A1, A0, B pruned), where one victim at a time would have taken all three."""
+    b = replace(spec("B", suffix=80, out=20), priority=1)
+    a = [replace(spec(f"A{i}", group=0, prefix=40, out=20), priority=1) for i in range(2)]
+    urgent = replace(spec("urgent", suffix=64, out=2, at=0.001), priority=0)
+    engine, recorded = urgent_run([b, *a, urgent], num_blocks=34)
+    assert recorded.tried == [["A1"], ["A1", "A0"], ["A1", "A0", "B"], ["A1", "B"], ["B"]]
+    at = recorded.calls.index(("urgent_victims", ["B"]))
+    assert recorded.calls[at - 1][0] == "begin_pass"
+    assert recorded.calls[at + 1:at + 3] == [("promise", "urgent"), ("admit", "urgent")]
+    assert {r.request_id: r.preemptions for r in engine.requests} == \
+        {"B": 1, "A0": 0, "A1": 0, "urgent": 0}
+    engine.pool.check()
+
+
+def test_a_baseline_never_preempts_for_urgency() -> None:
+    """vLLM's own priority policy (``sim.fcfs``) has no ``UrgentPreemption``: the urgent
+    request waits for a seat."""
+    low = [replace(spec(f"low{i}", out=30), priority=1) for i in range(2)]
+    urgent = replace(spec("urgent", out=2, at=0.003), priority=0)
+    result, _ = simulate([*low, urgent], PriorityPolicy(), max_num_seqs=2)
+    assert result.num_preemptions == 0
+    assert result.records[2].token_times_s[0] > max(r.finished_s for r in result.records[:1])

@@ -65,6 +65,7 @@ def test_metrics_reach_a_multiprocess_registry(tmp_path) -> None:
 
 TENANT_SCRIPT = """
 import sys
+from types import SimpleNamespace
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from feather_sched.core.config import FeatherConfig
 from feather_sched.core.runtime import FeatherRuntime
@@ -89,7 +90,7 @@ for request in running:
     rt.served(request.rid, computed_tokens=10, generated_tokens=1)
 urgent = TenantReq("u", req("u", 1).keys, arrival=3.0, tenant="a")
 rt.enter_waiting(urgent)
-victim = rt.urgent_victim(running, urgent)
+victim, = rt.urgent_victims(running, urgent, SimpleNamespace(made_by=bool))
 assert victim.tenant == "c"
 rt.preempted(victim, urgent=True)  # the engine preempts it
 registry = CollectorRegistry()

@@ -8,7 +8,10 @@
 * ``config`` - ``FeatherConfig``: every option, validated once; ``faults`` -
   ``FaultGuard``: Feather's own exceptions contained;
 * ``runtime`` - ``FeatherRuntime``: the one contract vLLM, SGLang and the simulator drive;
-  ``contract`` - ``RuntimeContract``: that contract's members, each with its contract.
+  ``contract`` - ``RuntimeContract``: that contract's members, each with its contract;
+* ``urgent`` - urgent preemption's protocol: ``Room``, the engine's room arithmetic that
+  ``FeatherRuntime.urgent_victims`` asks, and ``engine_members``, the check of the
+  engine-private members an adapter's replay reads.
 
 This package's exports (``__all__``) are the engine adapters' surface: an adapter imports
 ``feather_sched.core``, never a module beneath it (``tests/test_imports.py``).  Imports
@@ -35,6 +38,7 @@ from feather_sched.core.tenants import (
     named_tenant,
     parse_tenant,
 )
+from feather_sched.core.urgent import Room, engine_members
 from feather_sched.gates.base import Decision
 from feather_sched.gates.step_model import EngineShape
 
@@ -56,10 +60,12 @@ __all__ = [
     "Namespace",
     "QueueState",
     "RequestView",
+    "Room",
     "RuntimeContract",
     "block_chunk_keys",
     "describe_batch",
     "engine_keys",
+    "engine_members",
     "is_true",
     "keys_per_chunk",
     "named_tenant",

@@ -162,9 +162,9 @@ class FeatherConfig:
     ``isolate_tenants``), otherwise every request passes untouched."""
     max_urgent_preemptions: int = 1
     """A waiting request that cannot be admitted for lack of KV room or a seat preempts
-    the least urgent running request of a less urgent class (``FeatherRuntime.
-    urgent_victim``: the end of Feather's order among them), each running request at most
-    this many times over its life; 0 turns it off."""
+    the fewest running requests of a less urgent class that make room
+    (``FeatherRuntime.urgent_victims``: the end of Feather's order among them first),
+    each running request at most this many times over its life; 0 turns it off."""
     min_passing_tokens: int = DEFAULT_MIN_PASSING_TOKENS
     """Shortest prefix shared with the running set for which a waiting request passes
     older ones in the tree's order (0: any shared chunk)."""

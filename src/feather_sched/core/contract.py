@@ -14,13 +14,14 @@ then ``end_step`` once the step ran; ``discard`` whenever a request leaves the e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Protocol
 
 from feather_sched.core.config import FeatherConfig
 from feather_sched.core.faults import FaultGuard
 from feather_sched.core.queue import Admission
 from feather_sched.core.runtime import R, RequestId
+from feather_sched.core.urgent import Room
 from feather_sched.gates.base import BatchLayout
 from feather_sched.telemetry.stats import AdmissionCounts, StepMeter
 from feather_sched.telemetry.steplog import BatchEntry
@@ -105,15 +106,12 @@ class RuntimeContract(Protocol[R]):
         (an engine that preempts the end of the list ``begin_pass`` returned need not
         ask)."""
 
-    def urgent_victim(self, running: Sequence[R], request: R) -> R | None:
-        """The one running request to preempt for waiting ``request`` of a more urgent
-        class that lacks KV room or a seat, counted as an urgent victim; None when none
-        may give way."""
-
-    def urgent_victims(self, running: Sequence[R], request: R,
-                       makes_room: Callable[[list[R]], bool]) -> list[R]:
-        """The fewest running requests to preempt together for waiting ``request``, where
-        ``makes_room(victims)`` tells whether a set makes room; [] when none does."""
+    def urgent_victims(self, running: Sequence[R], request: R, room: Room[R]) -> list[R]:
+        """The fewest running requests to preempt together for waiting ``request`` of a
+        more urgent class, which lacks a seat or KV room, where the engine's
+        ``room.made_by(victims)`` tells whether a set makes room: the end of Feather's
+        order first, each counted as an urgent victim (at most ``max_urgent_preemptions``
+        times); [] when none does."""
 
     def promise(self, request: R) -> None:
         """The engine preempted ``urgent_victims`` for ``request``'s ADD: that ADD holds

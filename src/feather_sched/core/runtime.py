@@ -33,6 +33,7 @@ from feather_sched.core.faults import FaultGuard
 from feather_sched.core.prefix import describe_batch, gather_groups, group_of, order_by_group
 from feather_sched.core.queue import Admission, QueueState
 from feather_sched.core.tenants import DEFAULT_TENANT, service_of
+from feather_sched.core.urgent import Room
 from feather_sched.gates.base import BatchLayout, Decision, GateContext, Persistent
 from feather_sched.gates.step_model import EngineShape
 from feather_sched.telemetry import prometheus as metrics
@@ -82,7 +83,7 @@ class _Tracked(Generic[R]):
     """As the queue was given it (kept when the queue is rebuilt, ``resync``)."""
     preemptions: int = 0
     urgent_preemptions: int = 0
-    """Times it was the ``urgent_victim``."""
+    """Times it was one of ``urgent_victims``."""
     tenant: Hashable = DEFAULT_TENANT
     """As the queue was given it: ``served`` charges it without asking the queue."""
 
@@ -422,31 +423,22 @@ class FeatherRuntime(Generic[R]):
         """
         return self.order(running)[-1]
 
-    def urgent_victim(self, running: Sequence[R], request: R) -> R | None:
-        """The running request to preempt for ``request``, waiting and unable to run for
-        lack of KV room or a seat: ``preemption_victim`` among the running requests of a
-        less urgent class that were urgent victims fewer than ``max_urgent_preemptions``
-        times (counted here: the engine preempts what this returns); None when there is
-        none, or the option is 0.  So a request is preempted for urgency at most
-        ``max_urgent_preemptions`` times in its life, and an urgent request waits for KV
-        room only behind requests of its own class or a more urgent one, or ones already
-        preempted so.  ``urgent_victims`` with any one victim making room.  O(n log n)."""
-        victims = self.urgent_victims(running, request, bool)
-        return victims[0] if victims else None
-
-    def urgent_victims(self, running: Sequence[R], request: R,
-                       makes_room: Callable[[list[R]], bool]) -> list[R]:
+    def urgent_victims(self, running: Sequence[R], request: R, room: Room[R]) -> list[R]:
         """The running requests to preempt together for ``request``, waiting and unable to
-        run for lack of KV room or a seat, where the engine can tell whether a set of
-        victims makes room (``makes_room(victims)``: a seat, and KV blocks, which a
-        prefix shared with a request that stays does not free): among those that may give
-        way (as for ``urgent_victim``), the shortest run of ``preemption_victim``'s order
-        (the end of Feather's order first) that makes room, less each member, the latest
-        first, that the others make room without.  So no more go than the request needs:
-        one for a seat; for KV room, not a group's members whose prefix stays held.
-        Each is counted as an urgent victim (the engine preempts them all); [] when even
-        all of them leave no room, or the option is 0.  O(k n log n) for a run of k, and
-        up to 2k calls of ``makes_room``."""
+        run for lack of KV room or a seat, where the engine's ``room`` tells whether a
+        set of victims makes room (``Room.made_by``: a seat, and KV room, which a prefix
+        shared with a request that stays does not free).  Those that may give way are
+        the running requests of a less urgent class that were urgent victims fewer than
+        ``max_urgent_preemptions`` times; among them, the shortest run of
+        ``preemption_victim``'s order (the end of Feather's order first) that makes room,
+        less each member, the latest first, that the others make room without.  So no
+        more go than the request needs: one for a seat; for KV room, not a group's
+        members whose prefix stays held.  Each is counted as an urgent victim (the
+        engine preempts them all), so a request is preempted for urgency at most
+        ``max_urgent_preemptions`` times in its life, and an urgent request waits for
+        room only behind requests of its own class or a more urgent one, or ones already
+        preempted so.  [] when even all of them leave no room, or the option is 0.
+        O(k n log n) for a run of k, and up to 2k calls of ``room.made_by``."""
         limit = self.config.max_urgent_preemptions
         if not limit:
             return []
@@ -457,16 +449,17 @@ class FeatherRuntime(Generic[R]):
             return view.priority(candidate) > priority and (
                 known is None or known.urgent_preemptions < limit)
 
-        remaining, victims, room = list(filter(may_go, running)), [], False
-        while remaining and not room:
+        made_by = room.made_by
+        remaining, victims, found = list(filter(may_go, running)), [], False
+        while remaining and not found:
             victims.append(self.preemption_victim(remaining))
             remaining.remove(victims[-1])
-            room = makes_room(victims)
-        if not room:
+            found = made_by(victims)
+        if not found:
             return []
         for victim in victims[-2::-1]:
             rest = [v for v in victims if v is not victim]
-            if makes_room(rest):
+            if made_by(rest):
                 victims = rest
         for victim in victims:
             known = tracked.get(view.request_id(victim))
@@ -488,7 +481,7 @@ class FeatherRuntime(Generic[R]):
 
     def preempted(self, request: R, *, urgent: bool = False) -> None:
         """The engine preempted ``request`` (its own victim choice, reported afterwards;
-        ``urgent``: as the ``urgent_victim`` of a more urgent request): counted per
+        ``urgent``: as one of the ``urgent_victims`` of a more urgent request): counted per
         request and per class, with its group's running size. O(running)."""
         request_id = self._refresh(request)
         tracked = self._tracked[request_id]

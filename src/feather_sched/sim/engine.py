@@ -5,9 +5,12 @@ Each step follows the shape of vLLM's ``Scheduler.schedule()``: running requests
 run out, the policy's victim (vLLM FCFS: the most recently admitted; vLLM's priority
 policy: the latest arrival of the least urgent class; Feather: the newest member of that
 class's youngest prefix group); then, if nothing was
-preempted, admission from the waiting policy while the token budget and ``max_num_seqs``
-allow (under Feather, a candidate that lacks KV blocks or a seat preempts its
-``urgent_victim``, a running request of a less urgent class).  The batch is laid out
+preempted, admission from the waiting policy while the token budget, ``max_num_seqs``
+and the KV blocks allow.  Under Feather, before the pass, urgent preemption as Feather's
+vLLM adapter does it (``integrations.vllm.urgent.UrgentRoom``): when the candidate of the
+most urgent class waiting lacks a seat or KV blocks and a less urgent request runs, the
+fewest running requests that make room (``urgent_victims``, asking a ``PoolRoom``) are
+preempted together, then the pass admits it.  The batch is laid out
 like vLLM's *persistent batch* (new requests take the lowest free slot, then ``condense``
 moves the last slots into the remaining holes), which is what interleaves prefix groups
 over time; under a policy whose ``layout`` is Feather's, each group
@@ -34,14 +37,15 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.core.prefix import SharedPrefixes, describe_batch, group_of, keys_per_chunk
+from feather_sched.core.urgent import Room
 from feather_sched.costmodel.cost import StepCost
 from feather_sched.gates.base import BatchLayout, Decision
 from feather_sched.results.records import RequestRecord, RunResult, StepRecord
@@ -113,7 +117,13 @@ class Answer(Protocol):
 
 
 class Policy(Protocol):
-    """A scheduler as the simulated engine drives it: the contract of ``runtime``."""
+    """A scheduler as the simulated engine drives it: the contract of ``runtime``.
+
+    Optional, and read once per run (``SimEngine.start``): ``UrgentPreemption``'s calls,
+    vLLM's urgent-preemption protocol (Feather has them; without them, as for the
+    baselines, nothing is preempted for urgency); and, where ``counts_service`` is true,
+    ``served(request_id, computed_tokens, generated_tokens)`` after each step for each
+    request of its batch (fair share)."""
 
     name: str
     layout: BatchLayout
@@ -140,10 +150,82 @@ class Policy(Protocol):
 
     def __len__(self) -> int: ...
 
-    # Optional, where ``counts_service`` is true: ``served(request_id, computed_tokens,
-    # generated_tokens)`` after each step, for each request of its batch (fair share);
-    # and ``urgent_victim(running, request)``: whom to preempt for a waiting request that
-    # lacks KV room or a seat (None: nobody; without it, nobody is).
+
+@runtime_checkable
+class UrgentPreemption(Policy, Protocol):
+    """The optional part of ``Policy`` with which the engine preempts for a waiting request
+    of a more urgent class (``SimEngine._make_room``), as ``FeatherRuntime`` declares it
+    (``core.contract``)."""
+
+    def candidate(self) -> SimRequest | None:
+        """The request ``decide()`` would judge next (the most urgent class waiting)."""
+
+    def urgent_victims(self, running: Sequence[SimRequest], request: SimRequest,
+                       room: Room[SimRequest]) -> list[SimRequest]:
+        """The fewest running requests, in the policy's order, whose preemption makes
+        ``room`` for waiting ``request`` ([] where none may go or none makes room)."""
+
+    def promise(self, request: SimRequest) -> None:
+        """Victims were preempted for ``request``'s ADD: it holds for this pass."""
+
+
+class PoolRoom(Room[SimRequest]):
+    """The simulator's ``core.Room``: whether preempting a set of running requests lets
+    ``request`` into this step's admission, by the engine's own arithmetic (``_schedule``)
+    from a snapshot taken before the pass: a seat (``max_num_seqs``), token budget left
+    after the running requests' tokens, and the blocks the running requests take first
+    (``BlockPool.grow``) plus the request's after its prefix-cache hits
+    (``BlockPool.allocate``), against the pool's free and evictable blocks and those the
+    victims free (a block frees only with its last holder).  Cost: O(running) to build,
+    O(victims' blocks) per set asked."""
+
+    def __init__(self, pool: BlockPool, running: Sequence[SimRequest], request: SimRequest,
+                 config: EngineConfig) -> None:
+        self.pool, self.request, self.config = pool, request, config
+        self.seats = config.max_num_seqs - len(running)
+        self.free = pool.num_free
+        self.needs = {r.request_id: self._next_step(r) for r in running}
+        """Per running request, the (blocks, tokens) the running loop gives it first."""
+        self.running_blocks = sum(blocks for blocks, _ in self.needs.values())
+        self.running_tokens = sum(tokens for _, tokens in self.needs.values())
+        block_tokens = config.block_tokens
+        hits = pool.match(request.keys)[:(request.num_tokens - 1) // block_tokens]
+        self.hits, self.cached = set(hits), len(hits) * block_tokens
+        self.revived = sum(1 for block in hits if not pool.ref_count(block))
+        """Hits now evictable: counted free, but the request takes them."""
+
+    def made_by(self, victims: Sequence[SimRequest]) -> bool:
+        """Whether ``request`` gets a seat, budget and its blocks once ``victims`` are
+        preempted.  O(victims' blocks)."""
+        if self.seats + len(victims) < 1:
+            return False
+        blocks = tokens = 0
+        for victim in victims:
+            victim_blocks, victim_tokens = self.needs[victim.request_id]
+            blocks += victim_blocks
+            tokens += victim_tokens
+        budget = self.config.max_num_batched_tokens - self.running_tokens + tokens
+        if budget <= 0:
+            return False
+        request, freed = self.request, self._freed(victims)
+        new = min(request.num_tokens - self.cached, budget)
+        own = blocks_for(self.cached + new, self.config.block_tokens) - len(self.hits)
+        needed = own + self.revived + len(freed & self.hits) + self.running_blocks - blocks
+        return needed <= self.free + len(freed)
+
+    def _freed(self, victims: Sequence[SimRequest]) -> set[int]:
+        """The blocks every holder of which is a victim: they return to the pool."""
+        pool, held = self.pool, Counter()
+        for victim in victims:
+            held.update(pool.blocks_of(victim.request_id))
+        return {block for block, count in held.items() if pool.ref_count(block) <= count}
+
+    def _next_step(self, running: SimRequest) -> tuple[int, int]:
+        """The blocks and tokens the running loop gives a running request this step."""
+        tokens = running.num_tokens - running.num_computed_tokens
+        held = len(self.pool.blocks_of(running.request_id))
+        blocks = blocks_for(running.num_computed_tokens + tokens, self.config.block_tokens)
+        return max(blocks - held, 0), tokens
 
 
 def _charged_s(policy: Policy) -> float:
@@ -275,6 +357,8 @@ class SimEngine:
         ``result``): a fresh pool and clock, ``specs`` (in arrival order) to come, and
         ``on_done`` called once for each request as it ends."""
         self.policy = policy
+        self._urgent = policy if isinstance(policy, UrgentPreemption) else None
+        """The policy, where it preempts for urgency (``_make_room``)."""
         self._reset(specs, on_done)
 
     def add(self, spec: RequestSpec) -> None:
@@ -389,6 +473,7 @@ class SimEngine:
         """One ``schedule()``: running requests first, then admissions; returns the batch."""
         self._step += 1
         self.running = self._timed(self.policy.begin_pass, self.running)
+        self._make_room()
         budget = self.config.max_num_batched_tokens
         scheduled: list[SimRequest] = []
         preempted = self._schedule_running(scheduled, budget)
@@ -436,26 +521,41 @@ class SimEngine:
         self.num_preemptions += 1
         self._timed(self.policy.enter_waiting, request)
 
+    def _make_room(self) -> None:
+        """Before the pass, vLLM's urgent-preemption protocol as Feather's adapter drives it
+        (``integrations.vllm.urgent.UrgentRoom``): when the policy's candidate is of a
+        more urgent class than a running request, lacks room (``PoolRoom``) and is its
+        ADD, the policy's ``urgent_victims`` are preempted together and the ADD promised;
+        the pass then admits it.  Only for a policy with ``UrgentPreemption``'s calls."""
+        policy = self._urgent
+        if policy is None or not self.running or not len(policy):
+            return
+        candidate = self._timed(policy.candidate)
+        if candidate is None or \
+                candidate.spec.priority >= max(r.spec.priority for r in self.running):
+            return
+        room = PoolRoom(self.pool, self.running, candidate, self.config)
+        if room.made_by(()):
+            return
+        answer = self._timed(policy.decide)
+        if answer is None or answer.decision is not Decision.ADD or \
+                answer.request_id != candidate.request_id:
+            return
+        victims = self._timed(policy.urgent_victims, list(self.running), candidate, room)
+        for victim in victims:
+            self.running.remove(victim)
+            self._preempt(victim)
+        if victims:
+            self._timed(policy.promise, candidate)
+
     def _admit(self, scheduled: list[SimRequest], budget: int) -> None:
-        """Admit waiting requests while budget, seats and KV blocks last; where they do not
-        and the policy names an ``urgent_victim`` for the candidate, that victim is
-        preempted (its tokens of this step given back) and admission goes on."""
+        """Admit waiting requests while budget, seats and KV blocks last."""
         pool, block_tokens = self.pool, self.config.block_tokens
-        urgent = getattr(self.policy, "urgent_victim", None)
-        while budget > 0:
-            full = len(self.running) >= self.config.max_num_seqs
-            if full and urgent is None:
-                return
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
             answer = self._timed(self.policy.decide)
             if answer is None or answer.decision is Decision.STOP:
                 return
             request = self._by_id[answer.request_id]
-            if full:
-                refund = self._preempt_for(request, scheduled)
-                if refund is None:
-                    return
-                budget += refund
-                continue
             num_tokens = request.num_tokens
             # As vLLM: cached blocks are skipped, but the last token is always computed.
             hits = min(len(pool.match(request.keys)), (num_tokens - 1) // block_tokens)
@@ -463,11 +563,7 @@ class SimEngine:
             tokens = min(num_tokens - cached, budget)
             if not pool.allocate(request.request_id, request.keys[:hits], cached + tokens,
                                  query_tokens=num_tokens):
-                refund = None if urgent is None else self._preempt_for(request, scheduled)
-                if refund is None:
-                    return
-                budget += refund
-                continue
+                return
             self._timed(self.policy.admit, request)
             if request.record.cached_tokens is None:
                 request.record.cached_tokens = cached
@@ -476,20 +572,6 @@ class SimEngine:
             self.running.append(request)
             self._mark(request, tokens, scheduled)
             budget -= tokens
-
-    def _preempt_for(self, request: SimRequest, scheduled: list[SimRequest]) -> int | None:
-        """Preempt the policy's ``urgent_victim`` for waiting ``request``; the tokens it
-        had scheduled this step (taken off the batch), or None when there is no victim."""
-        victim = self._timed(self.policy.urgent_victim, self.running, request)
-        if victim is None:
-            return None
-        self.running.remove(victim)
-        refund = 0
-        if victim.step == self._step:
-            scheduled.remove(victim)
-            refund, victim.scheduled_tokens, victim.step = victim.scheduled_tokens, 0, -1
-        self._preempt(victim)
-        return refund
 
     def _mark(self, request: SimRequest, tokens: int, scheduled: list[SimRequest]) -> None:
         """Schedule ``tokens`` of the request in this step.

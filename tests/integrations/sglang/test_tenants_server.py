@@ -5,7 +5,7 @@ and generating; an urgent request preempts Feather's victim when every seat is t
 most once per victim, never within a class, and the victim's greedy output is unchanged.
 
 What Feather did is read in the server's scheduler process by a ``sitecustomize`` probe
-(as ``test_attention_server``'s) around ``FeatherRuntime.served`` and ``urgent_victim``.
+(as ``test_attention_server``'s) around ``FeatherRuntime.served`` and ``urgent_victims``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ PROBE = '''\
 import json, os
 if os.environ.get("FEATHER_TEST_PROBE"):
     from feather_sched.core.runtime import FeatherRuntime
-    _served, _urgent = FeatherRuntime.served, FeatherRuntime.urgent_victim
+    _served, _urgent = FeatherRuntime.served, FeatherRuntime.urgent_victims
     def _write(*row):
         with open(os.environ["FEATHER_TEST_PROBE"], "a") as probe:
             probe.write(json.dumps(row) + "\\n")
@@ -41,11 +41,11 @@ if os.environ.get("FEATHER_TEST_PROBE"):
         tenant = self.queue.tenant(request_id) if request_id in self else None
         _write("served", request_id, tenant, computed, generated)
         return _served(self, request_id, computed, generated)
-    def urgent_victim(self, running, request):
-        victim = _urgent(self, running, request)
-        _write("urgent", request.rid, victim and victim.rid)
-        return victim
-    FeatherRuntime.served, FeatherRuntime.urgent_victim = served, urgent_victim
+    def urgent_victims(self, running, request, room):
+        victims = _urgent(self, running, request, room)
+        _write("urgent", request.rid, [victim.rid for victim in victims])
+        return victims
+    FeatherRuntime.served, FeatherRuntime.urgent_victims = served, urgent_victims
 '''
 LOW, URGENT = 0, 10
 """Priorities (SGLang's default: higher values first; threshold 0)."""
@@ -159,12 +159,12 @@ def test_tenants_service_and_urgent_preemption_on_the_real_server(tmp_path) -> N
 
     assert [replies[f"{r}x"]["output_ids"] for r in low] == \
         [reference[r]["output_ids"] for r in low]  # greedy, unchanged
-    victims = [victim for _, victim in urgent if victim is not None]
-    assert victims == ["L2x", "L1x"]  # the youngest group's newest first; each once
+    victims = [victims for _, victims in urgent if victims]
+    assert victims == [["L2x"], ["L1x"]]  # the youngest group's newest first; each once
     by_request = {rid: [v for r, v in urgent if r == rid] for rid in ("U1", "U2", "U3", "S")}
-    assert by_request["U1"] == ["L2x"] and by_request["U2"] == ["L1x"]
-    assert set(by_request["U3"]) == {None}  # both preempted once already: the bound
-    assert set(by_request["S"]) <= {None}  # its own class: never
+    assert by_request["U1"] == [["L2x"]] and by_request["U2"] == [["L1x"]]
+    assert by_request["U3"] and not any(by_request["U3"])  # both preempted once: the bound
+    assert not any(by_request["S"])  # its own class: never
     assert [probe.generated(rid) for rid in ("L1x", "L2x", "S")] == [LONG, LONG, 2]  # once
     assert stats.SchedulerStats.read(stats_file).preemptions == 2
 

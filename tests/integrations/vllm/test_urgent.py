@@ -6,6 +6,7 @@ that a victim finishes as if never preempted."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter, defaultdict
 from dataclasses import replace
@@ -18,6 +19,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.v1.request import RequestStatus
 
+from feather_sched.integrations.vllm import urgent
 from feather_sched.models import TINY_LLAMA
 from tests.helpers.vllm_engines import shut_down
 from tests.integrations.vllm.test_scheduler import Harness
@@ -222,6 +224,23 @@ def test_a_fault_in_urgent_preemption_hands_the_pass_to_vllm(monkeypatch,
     result = run(harness, {0: low, 3: [harness.request("urgent", group=2, priority=0)]})
     assert [where for where, _ in contained_faults] == ["urgent"]
     assert result["first"]["urgent"] == 5 and result["stats"].urgent_preemptions == 1
+
+
+def test_a_vllm_without_a_private_member_leaves_urgent_preemption_off(monkeypatch,
+                                                                       caplog) -> None:
+    """A vLLM release without one of the members ``urgent.PRIVATE`` names: one warning
+    when the scheduler is built, naming it, and the urgent request waits for a seat as
+    under vLLM's own priority policy; nothing raises."""
+    monkeypatch.setattr(urgent, "PRIVATE", (*urgent.PRIVATE, "_gone_in_this_release"))
+    # a logger of the test's own: an engine's logging set-up may have disabled Feather's
+    monkeypatch.setattr(urgent, "logger", logging.getLogger("tests.vllm_urgent"))
+    harness = urgent_harness(False, 1, max_num_seqs=2)
+    low = [harness.request(f"low{i}", group=i, max_tokens=30, priority=1) for i in range(2)]
+    result = run(harness, {0: low, 3: [harness.request("urgent", group=2, priority=0)]})
+    warned = [r.getMessage() for r in caplog.records
+              if r.levelno == logging.WARNING and "urgent preemption" in r.getMessage()]
+    assert len(warned) == 1 and "_gone_in_this_release" in warned[0]
+    assert result["first"]["urgent"] > 25 and result["stats"].preemptions == 0
 
 
 # ---- the real engine ---------------------------------------------------------------------

@@ -16,8 +16,8 @@ in ``core``:
   tenant);
 * ``FeatherSchedulePolicy``: SGLang's ``fcfs`` with the waiting queue in Feather's order;
 * ``FeatherPrefillAdder``: asks Feather about each request SGLang offers (STOP ends the
-  round); SGLang's priority preemption takes Feather's urgent victim, also for a request
-  short of KV room;
+  round); SGLang's priority preemption takes Feather's urgent victims, also for a request
+  short of KV room (SGLang's arithmetic and release replayed in ``preemption``);
 * ``HOOKS``: what each hook wraps; ``_unsupported``: the modes refused at start-up.
 
 Invariant: a fault in Feather's code never reaches SGLang (``core.faults.FaultGuard``):
@@ -48,6 +48,8 @@ from feather_sched.core import (
     parse_tenant,
     token_keys,
 )
+from feather_sched.integrations.sglang import preemption
+from feather_sched.integrations.sglang.preemption import Room
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
 from feather_sched.telemetry.steplog import BatchEntry
 
@@ -55,7 +57,6 @@ prepare_sglang_import()  # before the first SGLang import (see stand_ins)
 
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
 from sglang.srt.managers.schedule_policy import (  # noqa: E402
-    CLIP_MAX_NEW_TOKENS,
     AddReqResult,
     PrefillAdder,
     SchedulePolicy,
@@ -400,22 +401,25 @@ class FeatherSGLang:
             if error is not None:
                 req.set_finish_with_abort(f"Invalid request: {error}")
 
-    def urgent_victim(self, running: list[Req], req: Req, threshold: int) -> Req | None:
-        """The running request to preempt for waiting ``req``, which lacks a seat or KV
-        room: ``FeatherRuntime.urgent_victim`` (Feather's order, the bound
-        ``max_urgent_preemptions``) among those of ``running`` not finished and less
-        urgent than ``req`` by more than SGLang's ``threshold``
-        (``--priority-scheduling-preemption-threshold``, as SGLang's own priority
-        preemption); None unless ``preempts``."""
+    def urgent_victims(self, running: list[Req], req: Req, threshold: int,
+                       room: Room) -> list[Req]:
+        """The running requests to preempt together for waiting ``req``, which lacks a seat
+        or KV room: ``FeatherRuntime.urgent_victims`` (the fewest in Feather's order that
+        make ``room``, each at most ``max_urgent_preemptions`` times) among those of
+        ``running`` not finished and less urgent than ``req`` by more than SGLang's
+        ``threshold`` (``--priority-scheduling-preemption-threshold``, as SGLang's own
+        priority preemption); [] unless ``preempts``."""
         if not self.preempts:
-            return None
-        return self.faults.call("urgent_victim", self._urgent_victim, running, req, threshold)
+            return []
+        return self.faults.call("urgent_victims", self._urgent_victims, running, req,
+                                threshold, room, default=[])
 
-    def _urgent_victim(self, running: list[Req], req: Req, threshold: int) -> Req | None:
+    def _urgent_victims(self, running: list[Req], req: Req, threshold: int,
+                        room: Room) -> list[Req]:
         priority = self.requests.priority
         urgency = priority(req)
         beyond = [r for r in running if not r.finished() and priority(r) - urgency > threshold]
-        return self.runtime.urgent_victim(beyond, req)
+        return self.runtime.urgent_victims(beyond, req, room)
 
     @property
     def in_round(self) -> bool:
@@ -504,32 +508,20 @@ class FeatherPrefillAdder(PrefillAdder):
 
     def add_one_req(self, req: Req, has_chunked_req: bool, truncation_align_size: int | None):
         """SGLang's admission of the request it offers, if Feather admits it; where there
-        is no KV room for it, Feather's urgent victims are preempted one at a time and
-        SGLang's admission tried again (its prefix matched afresh: a release may evict
-        what it had matched), until it fits or none is left."""
+        is no KV room for it, Feather's urgent victims are preempted together and SGLang's
+        admission tried once more (its prefix matched afresh: a release may evict what it
+        had matched)."""
         feather = self.feather
         if feather.stops(req):
             return AddReqResult.OTHER
         result = super().add_one_req(req, has_chunked_req, truncation_align_size)
-        while result is AddReqResult.NO_TOKEN and not self._added(req) and \
-                self._preempt_for(req):
+        if result is AddReqResult.NO_TOKEN and not self._added(req) and \
+                self._preempt_for(req, seat=False):
             req.init_next_round_input(self.tree_cache)
             result = super().add_one_req(req, has_chunked_req, truncation_align_size)
         if self._added(req):
             feather.admitted(req)
         return result
-
-    def _has_mamba_slots(self, req: Req) -> bool:
-        """Whether ``req`` has the Mamba state slots of a hybrid model that SGLang's
-        ``add_one_req`` asks for (not on its ignore-EOS path without a radix cache, which
-        asks none): the adder counted them when built (``rem_mamba_slots``) and no release
-        gives any back to it this round, so preempting for a request short of them frees
-        nothing it can use."""
-        if self.rem_mamba_slots is None or (req.sampling_params.ignore_eos and
-                                            getattr(self.tree_cache, "disable", True)):
-            return True
-        reserve = self._mamba_gap_budget_for_req(req, include_host_hit=True)
-        return reserve // self._mamba_slot_cost <= self.rem_mamba_slots
 
     def _added(self, req: Req) -> bool:
         return bool(self.can_run_list) and self.can_run_list[-1] is req
@@ -537,53 +529,33 @@ class FeatherPrefillAdder(PrefillAdder):
     def preempt_to_schedule(self, req: Req) -> bool:
         """SGLang's priority preemption for ``req`` (every seat is taken), only if Feather
         would admit it (on STOP nothing is preempted and SGLang's round ends, as it would
-        at ``add_one_req``), and then of Feather's urgent victim, which frees a seat
-        (``add_one_req`` then makes KV room the same way); SGLang's own victims while
-        Feather is out of the round."""
+        at ``add_one_req``), and then of Feather's urgent victims, which free a seat and
+        the tokens SGLang's arithmetic asks for it; SGLang's own victims while Feather is
+        out of the round."""
         feather = self.feather
         if feather.stops(req):
             return False
         if not feather.in_round:
             return super().preempt_to_schedule(req)
-        return self._preempt_for(req)
+        return self._preempt_for(req, seat=True)
 
-    def _preempt_for(self, req: Req) -> bool:
-        """Preempt Feather's urgent victim for ``req`` (False: none) by SGLang's own
-        mechanics, as its ``preempt_to_schedule`` releases each of its victims: its
-        reserved output tokens given back to the budget, its KV released (its prefix to
-        the radix cache) by ``ScheduleBatch.release_req``, out of the running batch by
-        ``filter_batch``, into ``preempt_list``, which SGLang's round puts back in the
-        waiting queue; counted as a preemption.  None is preempted for a request that
-        would not fit with every running request preempted (``_could_fit``)."""
-        feather, batch = self.feather, self.running_batch
-        if not feather.preempts or not feather.faults.call("could_fit", self._could_fit, req):
+    def _preempt_for(self, req: Req, seat: bool) -> bool:
+        """Preempt Feather's urgent victims for ``req`` (False: none), those that make
+        ``preemption.Room`` (``seat``: one is needed), with SGLang's own release
+        (``preemption.preempt``); counted as preemptions."""
+        feather = self.feather
+        if not feather.preempts or not preemption.usable(self):
             return False
-        victim = feather.urgent_victim(batch.reqs, req,
-                                       self.priority_scheduling_preemption_threshold)
-        if victim is None:
+        room = feather.faults.call("urgent_room", preemption.Room, self, req, seat)
+        if room is None:
             return False
-        at = batch.reqs.index(victim)
-        self.memory_budget.total_offset -= self._get_running_request_total_token_offset(victim)
-        batch.release_req(at, len(batch.reqs) - 1)
-        batch.filter_batch(keep_indices=[i for i in range(len(batch.reqs)) if i != at])
-        self.preempt_list.append(victim)
-        self.req_states = None  # add_one_req_ignore_eos's picture of the running batch
-        feather.retracted([victim], urgent=True)
+        victims = feather.urgent_victims(self.running_batch.reqs, req,
+                                         self.priority_scheduling_preemption_threshold, room)
+        if not victims:
+            return False
+        preemption.preempt(self, victims)
+        feather.retracted(victims, urgent=True)
         return True
-
-    def _could_fit(self, req: Req) -> bool:
-        """Whether ``req`` could fit were every running request preempted: its Mamba state
-        slots, which no preemption frees for it (``_has_mamba_slots``), and the tokens
-        SGLang's ``preempt_to_schedule`` finds it short of, against what the running
-        requests hold in KV and reserve for their outputs.  O(running)."""
-        if not self._has_mamba_slots(req):
-            return False
-        short = (len(req.full_untruncated_fill_ids) - req.prefix_len
-                 + min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS)
-                 + self._request_slot_reserve_for_req(req) - self.rem_total_tokens)
-        return short <= sum(len(r.origin_input_ids) + len(r.output_ids)
-                            + self._get_running_request_total_token_offset(r)
-                            for r in self.running_batch.reqs if not r.finished())
 
 
 # ---- scheduler hooks (applied by SGLang's HookRegistry) ------------------------------

@@ -40,10 +40,16 @@ no LoRA slot); a victim whose blocks a KV connector's deferred free holds frees 
 (vLLM waits for them too). Cost: nothing outside vLLM's priority policy; under it, a class
 check in O(running) a pass while requests wait, and only where Feather's candidate is more
 urgent than a running request the room test, O(running), then O(victims' blocks) per set
-of victims tried."""
+of victims tried.
+
+``Room`` is vLLM's ``core.Room`` (the core's rule asks it, ``core/urgent.py``).  The
+vLLM-private members this module reads are ``PRIVATE``, checked once per scheduler where
+``UrgentRoom`` is built: a vLLM release without one leaves urgent preemption off, with one
+warning."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -54,10 +60,15 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from feather_sched.core import Decision, FeatherRuntime
+from feather_sched import core
+from feather_sched.core import Decision, FeatherRuntime, engine_members
 from feather_sched.integrations.vllm import compat
 
+logger = logging.getLogger("vllm.feather_sched")
 _PRIORITY = attrgetter("priority")
+PRIVATE = ("_preempt_request", "_request_blocks_can_be_freed")
+"""The members of vLLM's ``Scheduler`` this module reads that vLLM keeps private (its
+own preemption, and whether a request's blocks free now)."""
 
 
 class UrgentRoom:
@@ -68,7 +79,10 @@ class UrgentRoom:
         self.scheduler = scheduler
         self.runtime = runtime
         self.under_priority = \
-            SchedulingPolicy(scheduler.scheduler_config.policy) is SchedulingPolicy.PRIORITY
+            SchedulingPolicy(scheduler.scheduler_config.policy) is SchedulingPolicy.PRIORITY \
+            and engine_members(scheduler, PRIVATE, "Feather's urgent preemption", logger)
+        """vLLM's priority policy, and every member of ``PRIVATE`` there: urgent
+        preemption may act."""
         self.request: Request | None = None
         """The urgent request there is room for in this pass (made or found)."""
         self.victims: set[str] = set()
@@ -119,8 +133,7 @@ class UrgentRoom:
             return True
         if not self._admitted(candidate):
             return False
-        victims = self.runtime.urgent_victims(self.scheduler.running, candidate,
-                                              room.made_by)
+        victims = self.runtime.urgent_victims(self.scheduler.running, candidate, room)
         if not victims:
             return False
         for victim in victims:
@@ -163,9 +176,10 @@ class UrgentRoom:
         self.victims.add(victim.request_id)
 
 
-class Room:
-    """Whether preempting a set of running requests lets ``request`` into the coming pass
-    (``made_by``), from a snapshot of vLLM's scheduler taken before it."""
+class Room(core.Room[Request]):
+    """vLLM's ``core.Room``: whether preempting a set of running requests lets
+    ``request`` into the coming pass (``made_by``), from a snapshot of vLLM's scheduler
+    taken before it."""
 
     def __init__(self, scheduler: Scheduler, request: Request) -> None:
         self.scheduler = scheduler
