@@ -124,7 +124,7 @@ class Injector:
 
 SERVING = ("enter_waiting", "discard", "begin_pass", "reconcile", "decide", "candidate",
            "admit", "hold", "end_pass", "preempted", "passes_due", "rank_waiting", "order",
-           "batch_order", "urgent_victim", "urgent_victims")
+           "batch_order", "urgent_victims")
 """The runtime's members that serve a pass; its measurements (``served``, ``end_step``,
 ``describe_batch``) run whenever Feather is on, a pass it left included."""
 
