@@ -29,7 +29,16 @@ from torch import Tensor
 
 MAX_SPLITS = 32
 """Most split-K partitions of one segment's token range."""
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""The query and cache dtypes the kernels read (one for all three)."""
+HEAD_SIZES = "powers of two from 16"
+"""The head sizes the kernels read (``head_size_fits``), as a log line names them."""
+
+
+def head_size_fits(head_dim: int) -> bool:
+    """Whether the kernels read heads of ``head_dim`` (``HEAD_SIZES``: a tile's
+    ``tl.arange`` is a power of two, ``tl.dot`` at least 16 wide)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -237,11 +246,11 @@ def _check(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: T
            segments: TableSegments, parts: Tensor, lse: Tensor) -> None:
     """The shapes and dtypes the kernel assumes; a violation is a caller's bug, so it raises."""
     head_dim = query.shape[2]
-    if query.dtype not in _DTYPES or {key_cache.dtype, value_cache.dtype} != {query.dtype}:
+    if query.dtype not in DTYPES or {key_cache.dtype, value_cache.dtype} != {query.dtype}:
         raise TypeError(f"query {query.dtype}, caches {key_cache.dtype}/{value_cache.dtype}: "
                         "one of bf16, fp16, fp32 for all three")
     if (key_cache.shape != value_cache.shape or key_cache.shape[3] != head_dim
-            or query.shape[1] % key_cache.shape[2] or head_dim < 16 or head_dim & head_dim - 1):
+            or query.shape[1] % key_cache.shape[2] or not head_size_fits(head_dim)):
         raise ValueError(f"query {tuple(query.shape)}, caches {tuple(key_cache.shape)}: "
                          "head_dim a power of two >= 16, q_heads a multiple of kv_heads")
     int32 = (block_table, segments.table_rows, segments.starts, segments.lengths,
