@@ -11,7 +11,8 @@ tokens plus their natural-log log-sum-exp (vLLM's ``merge_attn_states`` conventi
 
 The KV cache is vLLM's per-layer GPU view: ``key_cache`` and ``value_cache`` each
 ``[num_blocks, block_size, kv_heads, head_dim]`` with any strides. Only torch is imported
-here; Triton is imported on the first launch, so importing this module never needs it.
+here; the kernels' source, ``triton_jit``, and with it Triton, is imported on the first
+launch, so importing this module never needs it.
 With ``TRITON_INTERPRET=1`` set before Triton is first imported, the kernels run in
 Triton's CPU interpreter, whose bf16 multiplication is wrong, so there the dot products
 run in fp32.
