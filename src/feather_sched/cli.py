@@ -380,36 +380,52 @@ def serve(
     """
     import shlex
 
+    on_ray = replicas > 1 or address is not None
     require("vllm", "serve")
-    if replicas > 1 or address is not None:
+    if on_ray:
         require("ray", "serve --replicas")
-    from feather_sched.serve import serve_replicas, server_command, vllm_server_args
+    from feather_sched.serve import server_command
 
-    if metrics_port is not None and replicas == 1 and address is None:
+    if metrics_port is not None and not on_ray:
         raise typer.BadParameter("--metrics-port is for --replicas N > 1 (or --address): one "
                                  "engine serves its metrics at its own /metrics")
+    argv = _server_argv(model, gate, feather_options, kv_cache_gib, list(ctx.args))
+    command = server_command(argv)
+    if dry_run:
+        console.print(shlex.join(command), highlight=False)
+    elif on_ray:
+        _serve_replicas(argv, replicas=replicas, address=address, router=router,
+                        router_options=router_options, cpus_per_replica=cpus_per_replica,
+                        metrics_port=metrics_port, ingresses=ingresses)
+    else:
+        _exec_server(command)
+
+
+def _server_argv(model: str | None, gate: str | None, feather_options: str,
+                 kv_cache_gib: float | None, extra: list[str]) -> list[str]:
+    """vLLM's server arguments for ``serve``'s options (``extra``: its pass-through ones)."""
+    from feather_sched.serve import vllm_server_args
+
     options = _json_option(feather_options, "--feather-options")
     if gate:
         options["gate"] = gate
     try:
-        argv = vllm_server_args(model, options, list(ctx.args), kv_cache_gib=kv_cache_gib,
+        return vllm_server_args(model, options, extra, kv_cache_gib=kv_cache_gib,
                                 on_cpu=_on_cpu())
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
-    command = server_command(argv)
-    if dry_run:
-        console.print(shlex.join(command), highlight=False)
-        return
-    if replicas > 1 or address is not None:
-        try:
-            serve_replicas(argv, replicas=replicas, address=address, router=router,
-                           router_options=_json_option(router_options, "--router-options"),
-                           cpus_per_replica=cpus_per_replica, metrics_port=metrics_port,
-                           ingresses=ingresses)
-        except ValueError as error:
-            raise typer.BadParameter(str(error)) from None
-        return
-    _exec_server(command)
+
+
+def _serve_replicas(argv: list[str], router_options: str, **options: Any) -> None:
+    """``serve --replicas``: the engines on Ray Serve (``serve.serve_replicas``), a bad
+    option as the CLI's error."""
+    from feather_sched.serve import serve_replicas
+
+    try:
+        serve_replicas(argv, router_options=_json_option(router_options, "--router-options"),
+                       **options)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
 
 
 def _exec_server(command: list[str]) -> None:

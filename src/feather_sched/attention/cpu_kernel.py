@@ -44,6 +44,8 @@ MIN_SHARED_TOKENS_BY_LAYOUT = {"vec": MIN_SHARED_TOKENS, "amx": 8192, "nhd": MIN
 multiplies in AMX tiles, several times this kernel's AVX-512 rate, so reading a prefix
 once pays only where re-reading it costs more than the arithmetic (the crossover, as
 measured: docs/results.md#shared-prefix-attention)."""
+HEAD_SIZES = "multiples of 16"
+"""The head sizes the kernel reads (``head_size_fits``), as a log line names them."""
 BUILD_TIMEOUT_S = 300
 
 _I64, _I32, _VOID = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
@@ -75,6 +77,12 @@ def build(march: str) -> ctypes.CDLL:
         _I32, _I32, _VOID, _VOID, _I64, _VOID, _I64, _I32, _I32, _I32, _I32, ctypes.c_float, _I32,
         _VOID, _VOID, _VOID, _VOID, _VOID, _VOID, _VOID, _I32]
     return lib
+
+
+def head_size_fits(head_dim: int) -> bool:
+    """Whether the kernel reads heads of ``head_dim`` (``HEAD_SIZES``: its AVX-512 loop
+    takes 16 lanes at a time)."""
+    return head_dim > 0 and head_dim % 16 == 0
 
 
 def vectorized() -> bool:
@@ -190,8 +198,9 @@ def _check(kv_cache: torch.Tensor, query: torch.Tensor, out: torch.Tensor, lse: 
                         f"not {kv_cache.dtype} in blocks of {kv_cache.shape[2]}")
     if query.stride(1) != head_dim or query.stride(2) != 1:
         raise ValueError("each query token's heads must be packed")
-    if head_dim % 16 or query.shape[2] != head_dim or query.shape[1] % kv_cache.shape[1]:
-        raise ValueError(f"head_dim {head_dim} (a multiple of 16) and query {query.shape}")
+    if not head_size_fits(head_dim) or query.shape[2] != head_dim or \
+            query.shape[1] % kv_cache.shape[1]:
+        raise ValueError(f"head_dim {head_dim} ({HEAD_SIZES}) and query {query.shape}")
     expected = ((tokens, torch.int64), (token_offsets, torch.int64),
                 (block_offsets, torch.int64), (blocks, torch.int32), (lengths, torch.int32),
                 (out, torch.float32), (lse, torch.float32))

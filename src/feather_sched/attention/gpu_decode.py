@@ -65,7 +65,7 @@ class DecodeLimits:
     def __post_init__(self) -> None:
         if not 1 <= self.max_rows <= 65535 or min(self.q_heads, self.kv_heads) < 1:
             raise ValueError("max_rows 1..65535 (a CUDA grid dimension); heads positive")
-        if self.q_heads % self.kv_heads or self.head_dim < 16 or self.head_dim & self.head_dim - 1:
+        if self.q_heads % self.kv_heads or not tk.head_size_fits(self.head_dim):
             raise ValueError(f"{self.q_heads} query heads, {self.kv_heads} KV heads, head_dim "
                              f"{self.head_dim}: q_heads a multiple of kv_heads, head_dim a "
                              "power of two >= 16")

@@ -450,7 +450,7 @@ def driver_version() -> str:
     return "unknown"
 
 
-GPU_SOURCES = ("triton_kernels.py", "gpu_decode.py", "groups.py")
+GPU_SOURCES = ("triton_kernels.py", "triton_jit.py", "gpu_decode.py", "groups.py")
 CPU_SOURCES = ("cpu_prefix_kernel.cpp", "cpu_kernel.py", "groups.py", "partials.py")
 
 

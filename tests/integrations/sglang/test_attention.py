@@ -177,6 +177,31 @@ def test_batches_it_cannot_group_run_sglangs_code_unchanged():
     assert not shared._acts(capped, q, None)
 
 
+def test_sglangs_layers_are_translated_for_the_one_rule():
+    """``SharedPrefixDecode._layer_problem`` reads each term off SGLang's
+    ``RadixAttention`` (``attention.eligibility`` words it)."""
+    engine = Engine(1, torch.float32)
+    shared = attention.SharedPrefixTorchNativeBackend(engine.runner, 256)
+    q, _, _ = engine.step_inputs(2)
+
+    def layer(**options):
+        return RadixAttention(num_heads=Q_HEADS, head_dim=DIM, scaling=DIM ** -0.5,
+                              num_kv_heads=KV_HEADS, layer_id=0, **options)
+
+    assert shared._layer_problem(layer(), q, None) is None
+    for options, problem in (({"is_cross_attention": True}, "cross or non-decoder attention"),
+                             ({"sliding_window_size": 128}, "a sliding window"),
+                             ({"logit_cap": 30.0}, "soft-capping"),
+                             ({"v_head_dim": DIM // 2}, "unequal K and V head sizes")):
+        assert shared._layer_problem(layer(**options), q, None) == problem
+    assert shared._layer_problem(layer(), q, torch.zeros(Q_HEADS)) == "attention sinks"
+    assert shared._layer_problem(layer(), q.bfloat16(), None) == (
+        "a query dtype unlike the cache's")
+    grok = layer()
+    grok.xai_temperature_len = 1024  # as SGLang's Grok sets it
+    assert shared._layer_problem(grok, q, None) == "a per-position query temperature"
+
+
 @pytest.mark.parametrize(("name", "mode", "feather", "acts"), [
     ("torch_native", "auto", True, True), ("torch_native", "auto", False, False),
     ("torch_native", "on", False, True), ("torch_native", "off", True, False),

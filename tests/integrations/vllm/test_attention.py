@@ -318,6 +318,7 @@ def test_layers_the_kernel_cannot_serve_say_why():
     impl = object.__new__(SharedPrefixCPUImpl)
     impl.attn_type, impl.sliding_window, impl.alibi_slopes = "decoder", 4096, None
     impl.logits_soft_cap, impl.sinks, impl.kv_cache_dtype = 0, None, "auto"
+    impl.head_size = 64
     layer = type("Layer", (), {"isa": "vec"})()
     query, cache = torch.zeros(2, 4, 64), torch.zeros(3, 4, 32, 128)
     assert impl._layer_problem(layer, query, cache) == "a sliding window"

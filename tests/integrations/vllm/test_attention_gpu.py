@@ -250,6 +250,8 @@ def test_layers_the_kernels_cannot_serve_turn_their_group_off(kind, config_on, a
                              ({"alibi_slopes": [0.5] * Q_HEADS}, "ALiBi")):
         assert gpu.layer_problem(make_impl(kind, **options), torch.float32,
                                  torch.float32) == problem
+    assert gpu.layer_problem(impl, torch.float32, torch.float32, v_head_size=HEAD_DIM // 2) == (
+        "unequal K and V head sizes")
     impl.sinks = torch.zeros(Q_HEADS)  # FA's own check of sinks needs FA3, absent here
     assert gpu.layer_problem(impl, torch.float32, torch.float32) == "attention sinks"
     LAYER_IMPL[0] = make_impl(kind, logits_soft_cap=30.0)

@@ -294,6 +294,41 @@ class OpenAIIngress:
             raise
 
 
+def _check_arguments(argv: list[str], *, replicas: int, router: str,
+                     cpus_per_replica: float, ingresses: int) -> None:
+    """``build_app``'s ValueError for a bad argument or a server flag it cannot apply,
+    and its warning for those it ignores."""
+    if router not in RAY_ROUTERS:
+        raise ValueError(f"unknown router {router!r}: use {', '.join(RAY_ROUTERS)}")
+    refused, ignored = unserved_server_flags(argv)
+    if refused:
+        raise ValueError(f"feather serve --replicas does not apply {', '.join(refused)}: "
+                         "Ray Serve's proxy listens in place of vLLM's server (--host and "
+                         "--port say where)")
+    if ignored:
+        logger.warning("feather serve --replicas ignores %s (Ray Serve's proxy keeps its "
+                       "own logs)", ", ".join(ignored))
+    if replicas < 1 or ingresses < 1 or not cpus_per_replica > 0:
+        raise ValueError(f"need replicas >= 1, ingresses >= 1 and cpus_per_replica > 0, got "
+                         f"{replicas}, {ingresses} and {cpus_per_replica}")
+
+
+def _feather_router_options(options: dict[str, Any], argv: list[str], args: Any,
+                            tokenizer: str) -> list[str]:
+    """Fill in Feather's router ``options`` (its tokenizer; ``index`` becomes
+    ``kv_events``), and ``argv`` with the replicas' KV events turned on where the precise
+    index needs them and ``argv`` (parsed: ``args``) does not turn them on itself."""
+    options.setdefault("tokenizer", tokenizer)
+    index = options.pop("index", "precise")
+    if index not in ("precise", "approximate"):
+        raise ValueError(f"router option index: precise or approximate, not {index!r}")
+    options["kv_events"] = index == "precise"
+    events = args.kv_events_config
+    if options["kv_events"] and not (events and events.enable_kv_cache_events):
+        return [*argv, "--kv-events-config", json.dumps(KV_EVENTS)]
+    return argv
+
+
 def build_app(argv: list[str], *, replicas: int, router: str = "feather",
               router_options: dict[str, Any] | None = None,
               cpus_per_replica: float = 1.0, ingresses: int = 1,
@@ -313,19 +348,8 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
     ValueError rather than silently dropped.  ValueError on a bad argument, before
     anything starts.
     """
-    if router not in RAY_ROUTERS:
-        raise ValueError(f"unknown router {router!r}: use {', '.join(RAY_ROUTERS)}")
-    refused, ignored = unserved_server_flags(argv)
-    if refused:
-        raise ValueError(f"feather serve --replicas does not apply {', '.join(refused)}: "
-                         "Ray Serve's proxy listens in place of vLLM's server (--host and "
-                         "--port say where)")
-    if ignored:
-        logger.warning("feather serve --replicas ignores %s (Ray Serve's proxy keeps its "
-                       "own logs)", ", ".join(ignored))
-    if replicas < 1 or ingresses < 1 or not cpus_per_replica > 0:
-        raise ValueError(f"need replicas >= 1, ingresses >= 1 and cpus_per_replica > 0, got "
-                         f"{replicas}, {ingresses} and {cpus_per_replica}")
+    _check_arguments(argv, replicas=replicas, router=router,
+                     cpus_per_replica=cpus_per_replica, ingresses=ingresses)
     from vllm.exceptions import VLLMClientError
     from vllm.renderers.chat_utils import load_chat_template
 
@@ -341,14 +365,7 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
                          "use_fast": args.tokenizer_mode != "slow"}
     options = dict(router_options or {})
     if router == "feather":
-        options.setdefault("tokenizer", tokenizer)
-        index = options.pop("index", "precise")
-        if index not in ("precise", "approximate"):
-            raise ValueError(f"router option index: precise or approximate, not {index!r}")
-        options["kv_events"] = index == "precise"
-        events = args.kv_events_config
-        if options["kv_events"] and not (events and events.enable_kv_cache_events):
-            argv = [*argv, "--kv-events-config", json.dumps(KV_EVENTS)]
+        argv = _feather_router_options(options, argv, args, tokenizer)
     threads = str(max(1, int(cpus_per_replica)))
     replica_env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": threads,
                    "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from feather_sched.attention.eligibility import TRITON_KERNEL
 from feather_sched.attention.gpu_decode import DecodeLimits, GroupedDecode
 from feather_sched.attention.groups import Groups, find_token_groups
 from feather_sched.integrations.sglang.shared_decode import SharedPrefixDecode, announce
@@ -137,11 +138,7 @@ class SharedPrefixTritonBackend(SharedPrefixDecode, TritonAttnBackend):
         if device.type == "cuda":
             self._warm_up()
 
-    HEAD_SIZES = "powers of two from 16"
-
-    @staticmethod
-    def head_size_fits(head_dim: int) -> bool:
-        return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    kernel = TRITON_KERNEL
 
     def _warm_up(self) -> None:
         """Compile the three launches for the pool's dtype and layout, before serving and

@@ -12,6 +12,7 @@ import torch
 
 from feather_sched.attention import cpu_kernel
 from feather_sched.attention.announce import Announcer
+from feather_sched.attention.eligibility import CPU_KERNEL, Kernel, LayerTraits, layer_problem
 from feather_sched.attention.groups import StepPlan, plan_token_step
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
 
@@ -21,7 +22,6 @@ from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 
 announce = Announcer(logging.getLogger("sglang.feather_sched"))
 """Log a decision once per process (every layer decides the same)."""
-
 
 
 class SharedPrefixDecode:
@@ -94,26 +94,20 @@ class SharedPrefixDecode:
                 announce(f"off for layers with {reason} (SGLang's kernel serves them)")
         return acts
 
-    HEAD_SIZES = "multiples of 16"
-
-    @staticmethod
-    def head_size_fits(head_dim: int) -> bool:
-        return head_dim % 16 == 0
+    kernel: Kernel = CPU_KERNEL
+    """The kernel that serves the grouped rows (``eligibility``)."""
 
     def _layer_problem(self, layer: Any, q: torch.Tensor, sinks: Any) -> str | None:
+        """What in this layer (a ``RadixAttention``) the kernel does not compute
+        (``eligibility``), or None."""
         keys = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         window = getattr(layer, "sliding_window_size", None)
-        features = {
-            "cross or non-decoder attention": layer.is_cross_attention
-                or getattr(layer, "attn_type", AttentionType.DECODER) != AttentionType.DECODER,
-            "a sliding window": window is not None and window > -1,
-            "soft-capping": bool(getattr(layer, "logit_cap", 0)),
-            "attention sinks": sinks is not None,
-            "unequal K and V head sizes": layer.qk_head_dim != layer.v_head_dim,
-            f"a {keys.dtype} KV cache": keys.dtype not in cpu_kernel.DTYPE_CODES,
-            "a query dtype unlike the cache's": q.dtype != keys.dtype,
-            f"head size {layer.qk_head_dim} (the kernel takes {self.HEAD_SIZES})":
-                not self.head_size_fits(layer.qk_head_dim),
-            f"a pool of {len(keys)} slots, not whole pages": len(keys) % self.page_size != 0,
-        }
-        return next((name for name, present in features.items() if present), None)
+        return layer_problem(LayerTraits(
+            head_size=layer.qk_head_dim, cache_dtype=keys.dtype, query_dtype=q.dtype,
+            decoder_self_attention=not layer.is_cross_attention
+                and getattr(layer, "attn_type", AttentionType.DECODER) == AttentionType.DECODER,
+            sliding_window=window is not None and window > -1,
+            soft_cap=bool(getattr(layer, "logit_cap", 0)), sinks=sinks is not None,
+            query_temperature=(getattr(layer, "xai_temperature_len", -1) or -1) > 0,
+            v_head_size=layer.v_head_dim, kv_layout="nhd", pool_slots=len(keys),
+            page_size=self.page_size), self.kernel)

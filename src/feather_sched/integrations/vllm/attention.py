@@ -18,8 +18,8 @@ Where it cannot act, vLLM's path runs unchanged and the engine log says why, onc
 option is off, the KV cache is in neither layout the kernel reads ("vec", and "amx",
 vLLM's bf16 layout on CPUs with AMX; NEON and other ISAs prepack it their own way), an
 fp8 KV cache, no C++ compiler to build the kernel, the self-check's verdict (with its
-figures), or a layer with sliding windows, ALiBi, soft-capping, sinks or non-decoder
-attention.
+figures), or a layer the kernel does not serve (``attention.eligibility``: sliding
+windows, ALiBi, soft-capping, sinks, cross or non-decoder attention and the like).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.kv_cache_interface import CrossAttentionSpec, EncoderOnlyAttentionSpec
 
 from feather_sched.attention import cpu_kernel
+from feather_sched.attention.eligibility import CPU_KERNEL, LayerTraits, layer_problem
 from feather_sched.attention.groups import StepPlan, min_blocks, plan_step
 from feather_sched.attention.selfcheck import Verdict, cached_check
 from feather_sched.integrations.vllm import compat
@@ -177,19 +178,16 @@ class SharedPrefixCPUImpl(CPUAttentionBackendImpl):
         return self.acts
 
     def _layer_problem(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
-        features = {"non-decoder attention": self.attn_type != AttentionType.DECODER,
-                    "a sliding window": self.sliding_window != -1,
-                    "ALiBi": self.alibi_slopes is not None,
-                    "soft-capping": bool(self.logits_soft_cap),
-                    "attention sinks": self.sinks is not None,
-                    "a quantized KV cache": compat.is_quantized_kv_cache(self.kv_cache_dtype),
-                    f"KV layout '{getattr(layer, 'isa', None)}'":
-                        getattr(layer, "isa", None) not in cpu_kernel.LAYOUT_CODES,
-                    "a strided KV cache": not kv_cache.is_contiguous(),
-                    "a query dtype unlike the cache's": query.dtype != kv_cache.dtype,
-                    "query heads not packed": query.stride(2) != 1
-                        or query.stride(1) != query.shape[2]}
-        return next((name for name, present in features.items() if present), None)
+        """What in this layer the CPU kernel does not compute (``eligibility``), or None."""
+        return layer_problem(LayerTraits(
+            head_size=self.head_size, cache_dtype=kv_cache.dtype, query_dtype=query.dtype,
+            decoder_self_attention=self.attn_type == AttentionType.DECODER,
+            sliding_window=self.sliding_window != -1, alibi=self.alibi_slopes is not None,
+            soft_cap=bool(self.logits_soft_cap), sinks=self.sinks is not None,
+            quantized_kv=compat.is_quantized_kv_cache(self.kv_cache_dtype),
+            kv_layout=getattr(layer, "isa", None), cache_contiguous=kv_cache.is_contiguous(),
+            query_packed=query.stride(2) == 1 and query.stride(1) == query.shape[2]),
+            CPU_KERNEL)
 
 
 class SharedPrefixCPUBackend(CPUAttentionBackend):

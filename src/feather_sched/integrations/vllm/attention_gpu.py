@@ -26,7 +26,7 @@ support), and a step whose rows do not group replays the same graph with empty w
 Where it cannot act, vLLM's path runs unchanged and the engine log says why, once: the
 option, the self-check's verdict (with its figures), a configuration the path does not
 serve (no prefix caching, speculative decoding, context parallelism, quantized KV, a
-layer with sliding windows, ALiBi, soft-capping or sinks), or a runner whose block ids
+layer the kernels do not serve: ``attention.eligibility``), or a runner whose block ids
 ``host_tables`` cannot see.  Why each choice: docs/vllm.md.
 """
 
@@ -54,6 +54,8 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from feather_sched.attention.eligibility import TRITON_KERNEL, LayerTraits
+from feather_sched.attention.eligibility import layer_problem as layer_problem_of
 from feather_sched.attention.gpu_decode import DecodeLimits, GroupedDecode
 from feather_sched.attention.groups import MIN_ROWS, MIN_SHARED_TOKENS, find_groups, min_blocks
 from feather_sched.attention.selfcheck import Verdict
@@ -97,25 +99,22 @@ def decide_gpu(vllm_config: Any, kv_cache_spec: Any) -> str | None:
             bool(getattr(kv_cache_spec, "sliding_window", None)
                  or getattr(kv_cache_spec, "attention_chunk_size", None)
                  or getattr(kv_cache_spec, "non_causal", False)),
-        "off for values of another head size than the keys'":
-            getattr(kv_cache_spec, "head_size_v", None) not in (None, kv_cache_spec.head_size),
     }
     return next((name for name, present in problems.items() if present), None)
 
 
-def layer_problem(impl: Any, model_dtype: torch.dtype, cache_dtype: torch.dtype) -> str | None:
+def layer_problem(impl: Any, model_dtype: torch.dtype, cache_dtype: torch.dtype,
+                  v_head_size: int | None = None) -> str | None:
     """What in one layer's attention (a vLLM FLASH_ATTN or TRITON_ATTN impl) Feather's
-    kernels do not compute, or None."""
-    size = impl.head_size
-    features = {"non-decoder attention": impl.attn_type != AttentionType.DECODER,
-                "a sliding window": tuple(impl.sliding_window or (-1, -1)) != (-1, -1),
-                "ALiBi": impl.alibi_slopes is not None,
-                "soft-capping": bool(impl.logits_soft_cap),
-                "attention sinks": getattr(impl, "sinks", None) is not None,
-                "a quantized KV cache": is_quantized_kv_cache(impl.kv_cache_dtype),
-                "a query dtype unlike the cache's": model_dtype != cache_dtype,
-                f"head size {size} (not a power of two >= 16)": size < 16 or size & size - 1}
-    return next((name for name, present in features.items() if present), None)
+    Triton kernels do not compute (``eligibility``), or None."""
+    return layer_problem_of(LayerTraits(
+        head_size=impl.head_size, cache_dtype=cache_dtype, query_dtype=model_dtype,
+        decoder_self_attention=impl.attn_type == AttentionType.DECODER,
+        sliding_window=tuple(impl.sliding_window or (-1, -1)) != (-1, -1),
+        alibi=impl.alibi_slopes is not None, soft_cap=bool(impl.logits_soft_cap),
+        sinks=getattr(impl, "sinks", None) is not None,
+        quantized_kv=is_quantized_kv_cache(impl.kv_cache_dtype), v_head_size=v_head_size),
+        TRITON_KERNEL)
 
 
 def group_problem(vllm_config: Any, kv_cache_spec: Any, layer_names: list[str]) -> str | None:
@@ -128,7 +127,8 @@ def group_problem(vllm_config: Any, kv_cache_spec: Any, layer_names: list[str]) 
 
     model_dtype = vllm_config.model_config.dtype
     for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
-        if reason := layer_problem(layer.impl, model_dtype, kv_cache_spec.dtype):
+        if reason := layer_problem(layer.impl, model_dtype, kv_cache_spec.dtype,
+                                   getattr(kv_cache_spec, "head_size_v", None)):
             return f"off for layers with {reason} ({name})"
     return None
 
