@@ -1,8 +1,8 @@
 """Shared-prefix decode attention inside SGLang 0.5.23's CPU backends (``torch_native``,
-and ``intel_amx`` where SGLang's CPU kernels are installed).
+and ``intel_amx`` where SGLang's CPU kernels are installed) and its GPU ``triton`` backend.
 
 ``register`` (called by the launcher, ``integrations.sglang.launch``, in every SGLang
-process) points SGLang's ``torch_native`` and ``intel_amx`` backend factories
+process) points SGLang's ``torch_native``, ``intel_amx`` and ``triton`` backend factories
 (``attention_registry.ATTENTION_BACKENDS``) at ``create_backend``, which builds SGLang's own
 backend unless Feather's option ``shared_prefix_attention`` turns the path on for this
 server: ``on``, or ``auto`` (the default) with Feather's scheduler (``--schedule-policy
@@ -20,8 +20,10 @@ prefill, mixed and speculative batches run SGLang's code unchanged.
 Where it cannot act, SGLang's path runs and the log says why, once per process: the option,
 the self-check's verdict (with its figures) or its failure, the device, an MLA model, a
 pool that is not SGLang's token-major ``MHATokenToKVPool``, CPU graphs
-(``--enable-torch-compile``), no C++ compiler, or a layer with cross attention, sliding
-windows, soft-capping, sinks, an fp8 cache or unequal K and V head sizes.
+(``--enable-torch-compile``), no C++ compiler, or a layer the kernel cannot serve (the one
+rule, ``attention.eligibility.layer_problem``; SGLang's layer translated in
+``shared_decode``).  On a GPU (``triton``) the self-check runs in its own process
+(``attention.isolation``) and its verdict is agreed over the tensor-parallel ranks.
 """
 
 from __future__ import annotations
