@@ -105,13 +105,13 @@ def test_a_check_that_dies_or_raises_leaves_the_caller_up_and_the_verdict_off(
     assert time.monotonic() - started < 100  # a death is seen at once, not at the timeout
 
 
-@ENGINES
-def test_a_hung_check_is_killed_at_its_timeout(engine) -> None:
-    hung = recipe("hangs", engine)
+def test_a_hung_check_is_killed_at_its_timeout() -> None:
+    """The timeout is ``run_isolated``'s, whatever the subject (the deaths above are also
+    seen after SGLang's subject was built in the child)."""
     started = time.monotonic()
-    verdict, why = selfcheck.checked(lambda: run_isolated(hung, timeout_s=30))
-    assert verdict is None and "gave no verdict in 30 s (killed)" in why, why
-    assert time.monotonic() - started < 60
+    verdict, why = selfcheck.checked(lambda: run_isolated(recipe("hangs"), timeout_s=10))
+    assert verdict is None and "gave no verdict in 10 s (killed)" in why, why
+    assert time.monotonic() - started < 40
 
 
 def test_a_failed_check_is_not_run_again_in_the_process(monkeypatch, tmp_path) -> None:

@@ -406,14 +406,14 @@ def test_the_isolated_check_runs_and_stays_in_its_memory_plan() -> None:
     assert 300 << 20 < measured["rss"] <= plan.peak_host_bytes, (measured, plan.peak_host_bytes)
 
 
-@pytest.mark.parametrize("fault, reason", [("killed", "killed by SIGKILL"),
-                                           ("hangs", "gave no verdict in 20 s (killed)")])
-def test_a_gpu_servers_check_that_dies_leaves_it_up_and_auto_off(fault, reason, sglang_server,
-                                                                 monkeypatch, caplog):
+def test_a_gpu_servers_check_that_dies_leaves_it_up_and_auto_off(sglang_server, monkeypatch,
+                                                                 caplog):
     """``create_backend``'s route on a GPU server (``self_check`` -> its recipe ->
-    ``run_isolated`` -> ``checked`` with the TP vote): a child killed, or hung past its
-    timeout, after SGLang's subject was built there, leaves this process up and the
-    verdict off with the reason."""
+    ``run_isolated`` -> ``checked`` with the TP vote): a child killed after SGLang's
+    subject was built there leaves this process up and the verdict off with the reason
+    (a hung child is killed at ``run_isolated``'s timeout whatever its subject:
+    tests/attention/test_isolation.py)."""
+    fault, reason = "killed", "killed by SIGKILL"
     from feather_sched.attention import isolation
     from feather_sched.integrations.sglang import attention_check
 
