@@ -145,7 +145,7 @@ ran = records if sys.argv[3] == "present" else records[:1]
 for record in ran:
     assert max(c["error"] for c in record["cells"]) < 1e-4, record
     assert any(c["reference_error"] is not None for c in record["cells"]), record
-    assert 0 < record["measured_child_peak_host_bytes"], record
+    assert 150 << 20 < record["measured_child_peak_host_bytes"], record  # torch was in it
     assert record["measured_child_peak_host_bytes"] <= record["plan"]["peak_host_bytes"]
 if sys.argv[3] == "hidden":
     assert records[1]["skipped"].startswith("SGLang is not installed"), records[1]
@@ -160,8 +160,10 @@ def test_the_self_check_runs_in_the_kit(sglang: str, tmp_path: Path) -> None:
     """``--only self-check``: the engine-start check, Feather's per-row decode standing in
     for the engine's kernel, and SGLang's Triton subject where SGLang is installed (else
     skipped with the reason, as on a machine with torch and Triton only), each exact
-    against its engine's kernel and float64, within its memory plan, its verdict and table
-    written (in Triton's interpreter, tiny shapes; on a GPU the same command at Llama
+    against its engine's kernel and float64, its check process's peak resident memory
+    (``getrusage``) within its memory plan (``check_memory``, that process included; the
+    SGLang server's own route, ``triton_recipe`` through ``run_isolated``), its verdict and
+    table written (in Triton's interpreter, tiny shapes; on a GPU the same command at Llama
     shapes)."""
     if sglang == "present" and importlib.util.find_spec("sglang") is None:
         pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)")

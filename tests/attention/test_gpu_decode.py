@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 
-from tests.helpers.triton_interpreter import INTERPRETED, run_interpreted
+from tests.helpers.triton_interpreter import INTERPRETED, only_interpreted, run_interpreted
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -30,8 +30,7 @@ from tests.attention.test_triton_kernels import (  # noqa: E402
     make_batch,
 )
 
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by the fresh process that "
-                                 "test_kernels_in_the_triton_interpreter starts")
+interpreted = only_interpreted("test_kernels_in_the_triton_interpreter")
 SENTINEL = 7.0
 """What every output row holds before a run: a row the run must not touch keeps it."""
 

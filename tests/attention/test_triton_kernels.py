@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.helpers.triton_interpreter import INTERPRETED, run_interpreted
+from tests.helpers.triton_interpreter import INTERPRETED, only_interpreted, run_interpreted
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -22,8 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 from feather_sched.attention import triton_kernels as tk  # noqa: E402
 
 NAN = float("nan")
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by the fresh process that "
-                                 "test_kernels_in_the_triton_interpreter starts")
+interpreted = only_interpreted("test_kernels_in_the_triton_interpreter")
 
 
 def test_kernels_in_the_triton_interpreter() -> None:

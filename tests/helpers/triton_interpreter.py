@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 ROOT = Path(__file__).parents[2]
@@ -40,9 +43,20 @@ def with_vllm_triton_on(factory: str, kwargs: dict) -> object:
     return resolve(factory)(**kwargs)
 
 
+def only_interpreted(starter: str) -> Callable[[Callable], Callable]:
+    """A decorator for a test that runs only under the interpreter: marked
+    ``interpreted`` (what ``run_interpreted`` selects) and skipped elsewhere, naming
+    ``starter``, the test that starts that process."""
+    skip = pytest.mark.skipif(not INTERPRETED,
+                              reason=f"run by the fresh process that {starter} starts")
+    return lambda test: pytest.mark.interpreted(skip(test))
+
+
 def run_interpreted(*node_ids: str) -> subprocess.CompletedProcess:
-    """``pytest node_ids`` in a fresh process under TRITON_INTERPRET=1."""
+    """The ``interpreted`` tests of ``pytest node_ids`` in a fresh process under
+    TRITON_INTERPRET=1 (the file's other tests ran in this one already)."""
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *node_ids],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "interpreted",
+         *node_ids],
         env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=ROOT, capture_output=True,
         text=True, timeout=600)

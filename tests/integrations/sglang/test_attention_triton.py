@@ -14,9 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -26,7 +23,7 @@ import torch
 
 from feather_sched.bench.cht.sglang_policy import sglang_installed
 from tests.helpers.timers import timed_as
-from tests.helpers.triton_interpreter import INTERPRETED, ROOT, run_interpreted
+from tests.helpers.triton_interpreter import INTERPRETED, only_interpreted, run_interpreted
 
 if not sglang_installed():
     pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)", allow_module_level=True)
@@ -40,8 +37,7 @@ from feather_sched.attention.partials import reference_attention
 from feather_sched.attention.selfcheck import Cell
 from feather_sched.integrations.sglang import attention, shared_decode
 
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by the fresh process that "
-                                 "test_kernels_in_the_triton_interpreter starts")
+interpreted = only_interpreted("test_kernels_in_the_triton_interpreter")
 DIM, SLOTS = 64, 4096
 
 
@@ -366,44 +362,6 @@ def test_on_a_gpu_a_step_is_its_eager_host_part_then_its_layers_replayed(monkeyp
     assert subject.seconds(Trial().shared, 3) == pytest.approx(0.5 + 2e-3)
     assert calls[0] == ("prepare", "shared") and calls.count("replay") == 4
     assert ("layers", "shared") in calls
-
-
-CHILD_RSS = """
-import json, resource, sys
-from dataclasses import replace
-from feather_sched.attention.isolation import run_isolated
-from feather_sched.integrations.sglang.attention_check import TritonShapes, triton_recipe
-from tests.integrations.sglang.test_attention_triton import TINY
-recipe = replace(triton_recipe(TritonShapes(8, 2, 64, "float16", 16, 2, 64, 4096, "cpu"), ()),
-                 run_kwargs=TINY)
-verdict = run_isolated(recipe, timeout_s=400)
-print(json.dumps({"error": verdict.max_error,
-                  "rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
-"""
-
-
-def test_the_isolated_check_runs_and_stays_in_its_memory_plan() -> None:
-    """The server's check as a GPU server runs it, in its own process from plain shapes
-    (``triton_recipe``; SGLang's real Triton kernels in the interpreter on CPU tensors
-    there): exact, and the child's peak resident memory (``getrusage``, in a process whose
-    only child it is) within the plan (``check_memory``, its process included, no CUDA
-    context on a CPU)."""
-    from feather_sched.attention import check_memory
-    from feather_sched.attention.gpu_decode import DecodeLimits
-    from feather_sched.integrations.sglang.attention_check import TritonShapes, triton_recipe
-
-    result = subprocess.run([sys.executable, "-c", CHILD_RSS], capture_output=True,
-                            text=True, timeout=500, cwd=ROOT,
-                            env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    measured = json.loads(result.stdout.splitlines()[-1])
-    assert measured["error"] < selfcheck.TOLERANCE["float16"]
-    shapes = triton_recipe(TritonShapes(8, 2, 64, "float16", 16, 2, 64, 4096, "cpu"),
-                           ()).shapes
-    cells = selfcheck.cells_to_run(shapes, TINY["grid"], TINY["exactness"], TINY["idle"])
-    plan = check_memory.memory_plan(shapes, cells, DecodeLimits.for_device(1, 64, 8, 2, 64),
-                                    cuda=False)
-    assert 300 << 20 < measured["rss"] <= plan.peak_host_bytes, (measured, plan.peak_host_bytes)
 
 
 def test_a_gpu_servers_check_that_dies_leaves_it_up_and_auto_off(sglang_server, monkeypatch,

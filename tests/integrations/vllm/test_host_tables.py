@@ -29,6 +29,7 @@ if find_spec("vllm") is None:
 from tests.helpers.triton_interpreter import (
     INTERPRETED,
     keep_vllm_triton_on,
+    only_interpreted,
     run_interpreted,
 )
 
@@ -43,8 +44,7 @@ from feather_sched.integrations.vllm import host_tables
 
 MAX_REQS = 6
 WIDTHS = (12, 5)
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by the fresh process that "
-                                 "test_against_vllms_kernels_in_the_triton_interpreter starts")
+interpreted = only_interpreted("test_against_vllms_kernels_in_the_triton_interpreter")
 
 
 @pytest.fixture
