@@ -366,27 +366,26 @@ def test_on_a_gpu_a_step_is_its_eager_host_part_then_its_layers_replayed(monkeyp
 
 def test_a_gpu_servers_check_that_dies_leaves_it_up_and_auto_off(sglang_server, monkeypatch,
                                                                  caplog):
-    """``create_backend``'s route on a GPU server (``self_check`` -> its recipe ->
-    ``run_isolated`` -> ``checked`` with the TP vote): a child killed after SGLang's
-    subject was built there leaves this process up and the verdict off with the reason
-    (a hung child is killed at ``run_isolated``'s timeout whatever its subject:
-    tests/attention/test_isolation.py)."""
-    fault, reason = "killed", "killed by SIGKILL"
+    """``create_backend``'s route on a GPU server (``self_check`` -> its recipe, the
+    server's shapes -> ``run_isolated`` -> ``checked`` with the TP vote): a check process
+    that is killed leaves this process up and the verdict off with the reason (a death or
+    hang after SGLang's subject was built in the child: tests/attention/test_isolation.py)."""
     from feather_sched.attention import isolation
     from feather_sched.integrations.sglang import attention_check
 
     real = attention_check.triton_recipe
-    monkeypatch.setattr(attention_check, "triton_recipe", lambda *args: replace(
-        real(*args), factory="tests.attention.test_isolation:after",
-        kwargs={"fault": fault, "factory": real(*args).factory,
-                "kwargs": real(*args).kwargs}))
+    shapes = []
+    monkeypatch.setattr(attention_check, "triton_recipe", lambda *args: shapes.append(
+        real(*args).shapes) or replace(real(*args), factory="tests.attention.test_isolation:killed",
+                                        kwargs={}))
     monkeypatch.setattr(isolation, "TIMEOUT_S", 20.0)
     pools = Pools(16, 2, seed=11)
     runner = model_runner(pools, 8, sglang_server / "model")
     verdict, why = selfcheck.checked(lambda: attention.self_check("triton", runner),
                                      attention.tp_agreed)
     assert verdict is None and why.startswith("off: the self-check could not run (")
-    assert reason in why, why
+    assert "killed by SIGKILL" in why, why
+    assert shapes and shapes[0].q_heads == runner.model_config.get_num_attention_heads(1)
 
 
 def test_fa3_and_flashinfer_stay_sglangs_with_the_reason_logged(monkeypatch, caplog):
