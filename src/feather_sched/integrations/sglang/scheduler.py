@@ -422,12 +422,6 @@ class FeatherSGLang:
         return self.runtime.urgent_victims(beyond, req, room)
 
     @property
-    def in_round(self) -> bool:
-        """Whether Feather's code serves the current round (``faults.serves``; else
-        SGLang's own)."""
-        return self.faults.serves
-
-    @property
     def preempts(self) -> bool:
         """Whether a request may preempt for urgency now: SGLang's priority preemption is
         on and Feather serves the round."""
@@ -535,7 +529,7 @@ class FeatherPrefillAdder(PrefillAdder):
         feather = self.feather
         if feather.stops(req):
             return False
-        if not feather.in_round:
+        if not feather.faults.serves:
             return super().preempt_to_schedule(req)
         return self._preempt_for(req, seat=True)
 
