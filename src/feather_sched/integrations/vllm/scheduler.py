@@ -567,6 +567,7 @@ class VllmMeter:
 
     def close(self) -> None:
         self.faults.attempt("close", self.meter.close)
+
     def batch(self, output: Any) -> list[BatchEntry]:
         """The step's batch as the step log describes it (``describe_batch``, in Feather's
         chunks), in the runner's decode order.
