@@ -254,6 +254,26 @@ def test_requeued_request_keeps_its_arrival_for_the_guard() -> None:
     assert admission.forced and admission.request_id == "early"
 
 
+def test_the_guard_breaks_ties_in_arrival_as_the_age_order_does() -> None:
+    """Requests arriving at the same instant (a trace's whole-second stamps) are starved in
+    the order they first entered, as ``age_key`` (the victim order) ranks them, however
+    often one returns: a preempted first entrant is forced again before a later one.  (A
+    guard that ranked a returning request after its peers ping-ponged them under KV
+    pressure: admitted, preempted as the youngest, re-admitted, 70 times one request.)"""
+    clock = FakeClock()
+    queue = FeatherQueue(max_wait_s=1.0, clock=clock)
+    for name in ("first", "second"):
+        queue.add(name, [(name,)], arrival_s=0.0)
+    queue.admit("first")
+    clock.now = 5.0
+    assert queue.decide().request_id == "second"  # the guard passes the running one
+    queue.requeue("first")
+    queue.new_step()
+    admission = queue.decide()
+    assert admission.forced and admission.request_id == "first"
+    assert queue.age_key("first") < queue.age_key("second")
+
+
 def test_the_guard_forces_one_starved_request_a_pass() -> None:
     """In overload every request is old; the rest of the pass still follows the tree."""
     clock = FakeClock()

@@ -170,7 +170,6 @@ class FeatherQueue:
         self._requests: dict[RequestId, _Request] = {}
         self._sequence_numbers = itertools.count()
         self._oldest: list[tuple[int, float, int, RequestId]] = []
-        self._sequence = 0
         self._closed = False
         self._forced: RequestId | None = None
         """The request the starvation guard admitted in this pass."""
@@ -545,9 +544,8 @@ class FeatherQueue:
 
     def _offer_to_guard(self, request_id: RequestId) -> None:
         if self.max_wait_s is not None:
-            self._sequence += 1
             request = self._requests[request_id]
-            entry = (request.priority, request.arrival_s, self._sequence, request_id)
+            entry = (*request.age_key, request_id)
             heapq.heappush(self._oldest, entry)
 
     def _enter_tree(self, request_id: RequestId) -> None:
