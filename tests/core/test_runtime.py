@@ -301,6 +301,29 @@ def test_the_victim_is_the_newest_member_of_the_youngest_group() -> None:
     assert rt.preemption_victim([tied, old, first, young]) is tied  # the latest arrival
 
 
+def test_a_member_at_the_preemption_bound_goes_after_its_group() -> None:
+    """Preempted ``max_preemptions`` times, a request leads its group in the order (its
+    siblings go first), the group keeps its place (by its oldest member), and the
+    order returns to age once it leaves."""
+    rt = runtime(max_preemptions=2)
+    solo = Req("solo", [(9,)], arrival=1.0)
+    members = [Req(f"a{i}", [(0,), (0, i)], arrival=2.0 + i) for i in range(3)]
+    for request in (solo, *members):
+        rt.enter_waiting(request)
+    running = rt.begin_pass([solo, *members])
+    assert rt.preemption_victim(running) is members[2]
+    rt.preempted(members[2])
+    assert rt.preemption_victim(running) is members[2]  # below the bound still
+    rt.preempted(members[2])
+    ordered = rt.begin_pass(running)
+    assert [r.rid for r in ordered] == ["solo", "a2", "a0", "a1"]
+    assert rt.preemption_victim(ordered) is members[1]
+    assert rt.begin_pass(ordered) == ordered  # the same order from the mirror
+    rt.discard("a2")
+    assert [r.rid for r in rt.begin_pass(ordered[:1] + ordered[2:])] == ["solo", "a0", "a1"]
+    assert runtime(max_preemptions=None).config.max_preemptions is None
+
+
 def test_the_batch_order_gathers_a_group_across_classes() -> None:
     """Preemption keeps classes apart (the least urgent last); a batch lays each group
     out in one run, where its first member stands."""
@@ -462,7 +485,8 @@ def test_any_engine_history_keeps_the_picture_exact(history, seats: int) -> None
             if event == "finish":
                 rt.discard(request.rid)
                 left.append(request.rid)
-            elif event == "preempt":
+            elif event == "preempt":  # reported: past the bound, it orders differently
+                rt.preempted(request)
                 waiting.insert(0, request)
                 rt.enter_waiting(request)
             else:

@@ -318,9 +318,11 @@ def is_the_latest_arrival(victim: SimRequest, running: Sequence[SimRequest]) -> 
 
 
 def is_the_newest_of_the_youngest_group(victim: SimRequest,
-                                        running: Sequence[SimRequest]) -> bool:
+                                        running: Sequence[SimRequest],
+                                        bound: int = 2) -> bool:
     """Feather's rule: in the least urgent class, the group whose oldest running member
-    arrived last, and its newest member."""
+    arrived last, and its newest member among those preempted fewer than ``bound``
+    (``max_preemptions``) times, or of them all where every member is at the bound."""
     if any(r.spec.priority > victim.spec.priority for r in running):
         return False
     oldest: dict = {}
@@ -329,8 +331,9 @@ def is_the_newest_of_the_youngest_group(victim: SimRequest,
             oldest[r.group] = min(oldest.get(r.group, math.inf), r.spec.arrival_s)
     members = [r for r in running
                if r.group == victim.group and r.spec.priority == victim.spec.priority]
+    exposed = [r for r in members if r.preemptions < bound] or members
     return oldest[victim.group] == max(oldest.values()) and \
-        victim.spec.arrival_s == max(r.spec.arrival_s for r in members)
+        victim.spec.arrival_s == max(r.spec.arrival_s for r in exposed)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -165,6 +165,11 @@ class FeatherConfig:
     the fewest running requests of a less urgent class that make room
     (``FeatherRuntime.urgent_victims``: the end of Feather's order among them first),
     each running request at most this many times over its life; 0 turns it off."""
+    max_preemptions: int | None = 2
+    """A running request preempted this many times (for KV room or urgency) goes after
+    every other running member of its prefix group in Feather's victim order: it is
+    preempted again only once they are gone (groups still give way youngest first;
+    docs/fairness.md, "Under KV pressure").  None: no bound."""
     min_passing_tokens: int = DEFAULT_MIN_PASSING_TOKENS
     """Shortest prefix shared with the running set for which a waiting request passes
     older ones in the tree's order (0: any shared chunk)."""
@@ -552,6 +557,7 @@ VALIDATORS: dict[str, Callable[[Any], Any]] = {
     "isolate_tenants": _boolean,
     "tenant_header": _header_name,
     "max_urgent_preemptions": _count,
+    "max_preemptions": _optional_positive_integer,
     "min_passing_tokens": _count,
     "order_running": _boolean,
     "stats_file": _optional_path,

@@ -161,6 +161,9 @@ class FeatherRuntime(Generic[R]):
         self._places: dict[Hashable, int] | None = None
         """Under fair share with ``order_running``, each tenant's place in the running
         order as the pass began (``TenantShare.ranking``: the most served last)."""
+        self._spent: set[RequestId] = set()
+        """Requests preempted ``max_preemptions`` times: last of their group to go
+        (``_spent_first``)."""
 
     @property
     def wants_batches(self) -> bool:
@@ -224,6 +227,7 @@ class FeatherRuntime(Generic[R]):
             self._unsettled.pop(request_id, None)
         if tracked is None:
             return False
+        self._spent.discard(request_id)
         self._count_left([tracked])
         if request_id in self.queue:  # not after a fault emptied the picture (``drop``)
             mirror = self._current_mirror()
@@ -376,8 +380,8 @@ class FeatherRuntime(Generic[R]):
         block = itemgetter(0) if self._places is None else itemgetter(0, 1)
         blocks = list(map(block, keys))
         one_block = len(set(blocks)) == 1
-        ranked = order_by_group(range(len(running)), groups if one_block else
-                                list(zip(blocks, groups, strict=True)), keys)
+        runs = groups if one_block else list(zip(blocks, groups, strict=True))
+        ranked = self._spent_first(order_by_group(range(len(running)), runs, keys), ids, runs)
         if gathered and not one_block:
             ranked = gather_groups(ranked, [groups[i] for i in ranked])
         return ranked
@@ -409,6 +413,20 @@ class FeatherRuntime(Generic[R]):
         places = self._places
         return (age[0], places.get(tenant, len(places)), *age[1:])
 
+    def _spent_first(self, ranked: list[int], ids: list[RequestId],
+                     groups: Sequence[Hashable]) -> list[int]:
+        """``ranked`` (indices into ``ids``, each group contiguous) with, inside each
+        group, its members at ``max_preemptions`` moved to the front: the group's
+        newest other members go before them.  O(n log n); ``ranked`` as is while none
+        is at the bound."""
+        spent = self._spent
+        if not spent or not any(ids[i] in spent for i in ranked):
+            return ranked
+        where: dict[Hashable, int] = {}
+        for place, i in enumerate(ranked):
+            where.setdefault(groups[i], place)
+        return sorted(ranked, key=lambda i: (where[groups[i]], ids[i] not in spent))
+
     def preemption_victim(self, running: Sequence[R]) -> R:
         """The request to preempt when the engine runs out of KV blocks: the end of
         ``order(running)``, the newest member of the youngest group (by its oldest running
@@ -419,7 +437,8 @@ class FeatherRuntime(Generic[R]):
         (an old singleton never pays for a stream of young majority requests). Under
         fair share, all that among the requests of the class's most served tenant
         (``order``). With ``order_running`` off: the latest arrival of the least urgent
-        class. O(n log n).
+        class; within its group, a member at ``max_preemptions`` goes after the others
+        (``_spent_first``). O(n log n).
         """
         return self.order(running)[-1]
 
@@ -482,10 +501,16 @@ class FeatherRuntime(Generic[R]):
     def preempted(self, request: R, *, urgent: bool = False) -> None:
         """The engine preempted ``request`` (its own victim choice, reported afterwards;
         ``urgent``: as one of the ``urgent_victims`` of a more urgent request): counted per
-        request and per class, with its group's running size. O(running)."""
+        request and per class, with its group's running size; at ``max_preemptions`` it
+        goes after its group's other members from then on (``order``). O(running)."""
         request_id = self._refresh(request)
         tracked = self._tracked[request_id]
         tracked.preemptions += 1
+        limit = self.config.max_preemptions
+        if limit is not None and tracked.preemptions >= limit:
+            self._spent.add(request_id)
+            if self._mirror is not None:
+                self._mirror.ordered = False  # its group's order changes (``_spent_first``)
         group = self.group(request)
         queue = self.queue
         siblings = sum(1 for r in queue.running_ids()
@@ -740,7 +765,9 @@ class FeatherRuntime(Generic[R]):
         except ValueError:  # never expected: the next pass reconciles in full
             self._mirror = None
             return False
-        if mirror.ordered and at + 1 < len(ids):
+        if self._spent:  # a group's members may stand out of age order (``_spent_first``)
+            mirror.ordered = False
+        elif mirror.ordered and at + 1 < len(ids):
             key = self._run_key
             mirror.ordered = key(ids[at]) != key(ids[at + 1]) or \
                 (at > 0 and key(ids[at - 1]) == key(ids[at]))

@@ -359,6 +359,9 @@ class SimEngine:
         self.policy = policy
         self._urgent = policy if isinstance(policy, UrgentPreemption) else None
         """The policy, where it preempts for urgency (``_make_room``)."""
+        self._told: Callable[..., None] | None = getattr(policy, "preempted", None)
+        """The policy's ``preempted(request, urgent=)``, where it counts preemptions
+        (Feather: its ``max_preemptions`` bound), told before the victim waits again."""
         self._reset(specs, on_done)
 
     def add(self, spec: RequestSpec) -> None:
@@ -512,8 +515,13 @@ class SimEngine:
             i += 1
         return preempted
 
-    def _preempt(self, request: SimRequest) -> None:
-        """vLLM's recompute preemption: drop the KV, keep the output, back to waiting."""
+    def _preempt(self, request: SimRequest, urgent: bool = False) -> None:
+        """vLLM's recompute preemption: drop the KV, keep the output, back to waiting (the
+        policy told first where it counts preemptions; ``urgent``: for a more urgent
+        request)."""
+        told = self._told
+        if told is not None:
+            self._timed(lambda: told(request, urgent=urgent))
         self.pool.free(request.request_id)
         request.state = SimState.WAITING
         request.num_computed_tokens = 0
@@ -544,7 +552,7 @@ class SimEngine:
         victims = self._timed(policy.urgent_victims, list(self.running), candidate, room)
         for victim in victims:
             self.running.remove(victim)
-            self._preempt(victim)
+            self._preempt(victim, urgent=True)
         if victims:
             self._timed(policy.promise, candidate)
 
