@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner
 
-from feather_sched.bench.report import format_ratio_table, format_result_block, plot, write_json
+from feather_sched.bench.report import (
+    format_ratio_table,
+    format_result_block,
+    plot,
+    preempted_text,
+    report_markdown,
+    write_json,
+)
+from feather_sched.cli import app
 from feather_sched.results.records import RequestRecord, RunResult, StepRecord
 from feather_sched.results.summary import (
     Percentiles,
@@ -27,7 +37,8 @@ VLLM_KEYS = [
     "mean_e2el_ms", "median_e2el_ms", "std_e2el_ms",
 ]
 GROUP_KEYS = ["worst_group_mean_ttft_ms", "worst_group_p99_ttft_ms", "ttft_by_group"]
-PRIORITY_KEYS = ["preemptions", "max_preemptions_per_request", "preemptions_by_group",
+PRIORITY_KEYS = ["preemptions", "max_preemptions_per_request", "recomputed_tokens",
+                 "preemptions_by_group",
                  "scheduling_policy", "by_priority", "by_tenant", "max_service_gap"]
 FEATHER_KEYS = ["mean_batch_size", "mean_groups_per_step", "prefix_cache_hit_rate",
                 "gate_add", "gate_stop", "gate_forced", "urgent_preemptions",
@@ -119,13 +130,14 @@ def test_the_block_prints_classes_policy_and_preemptions() -> None:
         "{:<40} {:<10}".format("Class 1 E2EL mean / p99 (ms):", "1500.00 / 1990.00"),
         "{:<40} {:<10.2f}".format("Class 1 output tok/s:", 1.0),
         "{:<40} {:<10}".format("Group 0:", "2 / 2"),
-        "{:<40} {:<10}".format("Preemptions (total / max a request):", "3 / 2"),
+        "{:<40} {:<10}".format("Preempted (total / max / recomp. tok):", "3 / 2 / n/a"),
     ):
         assert line in lines
     plain = two_requests_and_a_failure()
     block = format_result_block(plain, summarize(plain))
     assert "priority class" not in block and "Preemptions per prefix group" not in block
-    assert "{:<40} {:<10}".format("Preemptions (total / max a request):", "n/a / n/a") in block
+    assert "{:<40} {:<10}".format("Preempted (total / max / recomp. tok):",
+                                  "n/a / n/a / n/a") in block
 
 
 def test_detailed_json_holds_every_request(tmp_path) -> None:
@@ -274,6 +286,35 @@ def test_ratio_table_shows_value_over_baseline() -> None:
     assert "75.00 (0.38x)" in text  # feather mean TTFT 75 ms against 200 ms
 
 
+def thrashed() -> RunResult:
+    """``faster_run`` where b was preempted 3 times and recomputed 1,500 tokens."""
+    run = faster_run()
+    for r, preempted, computed in zip(run.records, (0, 3), (10, 1520), strict=True):
+        r.preemptions, r.cached_tokens, r.computed_tokens = preempted, 0, computed
+    return run
+
+
+def test_every_schedulers_row_shows_its_preemptions_beside_ttft() -> None:
+    summaries = {"fcfs": summarize(two_requests_and_a_failure()),
+                 "feather": summarize(thrashed())}
+    console = Console(record=True, width=250)
+    console.print(format_ratio_table(summaries, baseline="fcfs"))
+    lines = console.export_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if "┃ Scheduler" in line)
+    assert [line.split("┃")[7].strip() for line in lines[at - 2:at + 1]] == [
+        "Preempted", "(total / max /", "recomputed tok)"]  # beside P99 TTFT
+    assert "P99 TTFT" in lines[at].split("┃")[6] and "Mean TPOT" in lines[at].split("┃")[8]
+    assert "n/a / n/a / n/a" in next(line for line in lines if "│ fcfs" in line)
+    assert "3 / 3 / 1,500" in next(line for line in lines if "│ feather" in line)
+    narrow = Console(record=True, width=100)  # a terminal's width: others wrap, not these
+    narrow.print(format_ratio_table(summaries, baseline="fcfs"))
+    text = narrow.export_text()
+    assert "│ feather " in text and "3 / 3 / 1,500" in text
+    table = report_markdown(summaries).splitlines()
+    assert "preempted (total / max / recomputed tok)" in table[0]
+    assert "| 3 / 3 / 1,500 |" in table[3]
+
+
 def test_ratio_table_rejects_unknown_baseline() -> None:
     with pytest.raises(KeyError):
         format_ratio_table({"fcfs": summarize(faster_run())}, baseline="vllm")
@@ -396,3 +437,21 @@ def test_figures_per_tenant_and_the_service_gap_while_all_are_in() -> None:
     records[2].computed_tokens = None
     assert summarize(RunResult("vtc", records, duration_s=2.0))["max_service_gap"] is None
     assert summarize(two_requests_and_a_failure())["by_tenant"] is None
+
+
+def test_feather_sim_reports_every_schedulers_preemptions(tmp_path) -> None:
+    """A KV pool too small for the batch: each scheduler's row, block and JSON carry its
+    preemptions and the tokens they recomputed."""
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(app, [
+        "sim", "--groups", "4", "--prompts-per-group", "8", "--prefix-len", "1024",
+        "--output-len", "200", "--schedulers", "fcfs,feather-model", "--kv-cache-gib", "0.6",
+        "--json", str(out)], env={"COLUMNS": "130"})
+    assert result.exit_code == 0, result.output
+    runs = json.loads(out.read_text())["runs"]
+    for name, summary in runs.items():
+        figures = preempted_text(summary)
+        assert summary["preemptions"] > 0 and summary["recomputed_tokens"] > 0, name
+        assert "{:<40} {:<10}".format("Preempted (total / max / recomp. tok):", figures) \
+            in result.output
+        assert re.search(rf"│ {name} +│.*│ +{figures} │", result.output)

@@ -101,11 +101,21 @@ def test_the_ratio_table_gives_medians_and_per_round_ratios_to_the_base() -> Non
             "feather": [summary(110.0), summary(60.0), summary(96.0)]}
     lines = study.ratio_table(runs, "output_throughput").splitlines()
     assert lines[0] == ("| scheduler | runs | median output_throughput | min - max | "
-                        "median ratio to fcfs (per round) | ratio min - max |")
-    assert lines[2] == "| fcfs | 3 | 80.0 | 50.0 - 100.0 | 1.000x | 1.000 - 1.000 |"
-    assert lines[3] == "| feather | 3 | 96.0 | 60.0 - 110.0 | 1.200x | 1.100 - 1.200 |"
+                        "median ratio to fcfs (per round) | ratio min - max | "
+                        "median preempted (total / max / recomputed tok) |")
+    assert lines[2] == ("| fcfs | 3 | 80.0 | 50.0 - 100.0 | 1.000x | 1.000 - 1.000 | "
+                        "n/a / n/a / n/a |")
+    assert lines[3].startswith("| feather | 3 | 96.0 | 60.0 - 110.0 | 1.200x | 1.100 - 1.200 |")
     other = study.ratio_table(runs, "output_throughput", base="feather").splitlines()
-    assert other[2].endswith("| 0.833x | 0.833 - 0.909 |")
+    assert other[2].endswith("| 0.833x | 0.833 - 0.909 | n/a / n/a / n/a |")
+
+
+def test_the_ratio_table_gives_each_schedulers_median_preemptions() -> None:
+    figures = [(0, 0, 0), (4, 2, 1200), (6, 3, 2100)]
+    runs = {"feather": [{**summary(100.0), **dict(zip(study.PREEMPTION_KEYS, f, strict=True))}
+                        for f in figures]}
+    assert study.ratio_table(runs, "output_throughput").splitlines()[2].endswith(
+        "| 4 / 2 / 1,200 |")
     with pytest.raises(ValueError, match="no scheduler 'lpm'"):
         study.ratio_table(runs, "output_throughput", base="lpm")
 

@@ -29,6 +29,10 @@ RATIO_COLUMNS = (
     ("mean_tpot_ms", "Mean TPOT ms"),
     ("mean_e2el_ms", "Mean E2EL ms"),
 )
+PREEMPTED = "Preempted (total / max / recomputed tok)"
+"""The comparison table's preemption column, after ``PREEMPTED_AFTER``'s: beside TTFT, so
+a thrash shows in every scheduler's row."""
+PREEMPTED_AFTER = "p99_ttft_ms"
 
 
 # ---- text block -------------------------------------------------------------------------
@@ -173,9 +177,7 @@ def _feather_lines(run: RunResult, summary: Summary) -> list[str]:
         _number("Prefix groups per step:", summary["mean_groups_per_step"]),
         _number("Prefix-cache hit rate (%):", None if rate is None else rate * 100),
         LINE.format("Gate ADD / STOP / forced:", gate_text),
-        LINE.format("Preemptions (total / max a request):",
-                    f"{_or_na(summary['preemptions'])} / "
-                    f"{_or_na(summary['max_preemptions_per_request'])}"),
+        LINE.format("Preempted (total / max / recomp. tok):", preempted_text(summary)),
         LINE.format("Of them, for a more urgent request:", _or_na(summary["urgent_preemptions"])),
         _number("Scheduler time per step (ms):", summary["schedule_ms_per_call"]),
         _number("Engine step time (ms):", summary["engine_step_ms"]),
@@ -187,20 +189,37 @@ def _or_na(value: float | int | None) -> str:
     return "n/a" if value is None else str(value)
 
 
+def preempted_text(summary: Summary) -> str:
+    """``total / max / recomputed`` of a run's preemptions (``n/a`` where unobserved; a
+    summary saved before ``recomputed_tokens`` existed reads ``n/a``)."""
+    recomputed = summary.get("recomputed_tokens")
+    return " / ".join([_or_na(summary.get("preemptions")),
+                     _or_na(summary.get("max_preemptions_per_request")),
+                     "n/a" if recomputed is None else f"{recomputed:,}"])
+
+
 # ---- comparison table -------------------------------------------------------------------
 
 
 def format_ratio_table(summaries: dict[str, Summary], baseline: str) -> Table:
-    """One row per scheduler: each metric's value and its ratio value / baseline value."""
+    """One row per scheduler: each metric's value and its ratio value / baseline value,
+    and beside TTFT its preemptions (``PREEMPTED``, no ratio)."""
     if baseline not in summaries:
         raise KeyError(f"baseline {baseline!r} is not among {sorted(summaries)}")
     table = Table(title=f"Schedulers against {baseline} (ratio = value / {baseline})")
-    table.add_column("Scheduler")
-    for _, label in RATIO_COLUMNS:
+    table.add_column("Scheduler", no_wrap=True)  # a name cut short reads as another
+    for key, label in RATIO_COLUMNS:
         table.add_column(f"{label} (x vs {baseline})", justify="right")
+        if key == PREEMPTED_AFTER:  # its own line breaks, each figure on one line
+            table.add_column(PREEMPTED.replace(" (", "\n(").replace("max / ", "max /\n"),
+                             justify="right", no_wrap=True)
     base = summaries[baseline]
     for name, summary in summaries.items():
-        cells = [_ratio_cell(summary.get(key), base.get(key)) for key, _ in RATIO_COLUMNS]
+        cells = []
+        for key, _ in RATIO_COLUMNS:
+            cells.append(_ratio_cell(summary.get(key), base.get(key)))
+            if key == PREEMPTED_AFTER:
+                cells.append(preempted_text(summary))
         table.add_row(name, *cells)
     return table
 
@@ -317,13 +336,15 @@ def load_runs(paths: Sequence[str | Path]) -> dict[str, Summary]:
 
 
 def report_markdown(runs: dict[str, Summary]) -> str:
-    """Per run: throughput, TTFT and TPOT; then TTFT per prefix group; then, where runs
-    have several priority classes, each class's TTFT, E2E latency and throughput."""
-    lines = ["| run | out tok/s | mean TTFT ms | p99 TTFT ms | mean TPOT ms | worst group "
-             "mean / p99 TTFT ms |", "|---|---|---|---|---|---|"]
+    """Per run: throughput, TTFT, preemptions (``PREEMPTED``) and TPOT; then TTFT per
+    prefix group; then, where runs have several priority classes, each class's TTFT, E2E
+    latency and throughput."""
+    lines = [f"| run | out tok/s | mean TTFT ms | p99 TTFT ms | {PREEMPTED.lower()} | "
+             "mean TPOT ms | worst group mean / p99 TTFT ms |", "|---" * 7 + "|"]
     for name, s in runs.items():
         lines.append(f"| {name} | {_fmt(s.get('output_throughput'))} | "
                      f"{_fmt(s.get('mean_ttft_ms'))} | {_fmt(s.get('p99_ttft_ms'))} | "
+                     f"{preempted_text(s)} | "
                      f"{_fmt(s.get('mean_tpot_ms'))} | {_fmt(s.get('worst_group_mean_ttft_ms'))}"
                      f" / {_fmt(s.get('worst_group_p99_ttft_ms'))} |")
     lines += ["", "| run | group | requests | mean TTFT ms | p99 TTFT ms |",

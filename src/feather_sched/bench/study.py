@@ -156,13 +156,15 @@ def fairness_cells(groups: Mapping[str, Mapping[str, float]],
 
 
 def ratio_table(runs: Runs, metric: str, base: str | None = None) -> str:
-    """Per scheduler: its runs, the median ``metric`` with its range, and the median (range)
-    of its per-round ratio to ``base`` (default: the first scheduler)."""
+    """Per scheduler: its runs, the median ``metric`` with its range, the median (range)
+    of its per-round ratio to ``base`` (default: the first scheduler), and its median
+    preemptions (``preempted_medians``)."""
     base = base or next(iter(runs))
     if base not in runs:
         raise ValueError(f"no scheduler {base!r}: {', '.join(runs)}")
     header = ["scheduler", "runs", f"median {metric}", "min - max",
-              f"median ratio to {base} (per round)", "ratio min - max"]
+              f"median ratio to {base} (per round)", "ratio min - max",
+              "median preempted (total / max / recomputed tok)"]
     rows = []
     for name, summaries_ in runs.items():
         values = [run[metric] for run in summaries_]
@@ -170,8 +172,24 @@ def ratio_table(runs: Runs, metric: str, base: str | None = None) -> str:
         rows.append([name, str(len(values)), f"{statistics.median(values):.1f}",
                      f"{min(values):.1f} - {max(values):.1f}",
                      f"{statistics.median(per_round):.3f}x",
-                     f"{min(per_round):.3f} - {max(per_round):.3f}"])
+                     f"{min(per_round):.3f} - {max(per_round):.3f}",
+                     preempted_medians(summaries_)])
     return markdown_table(header, rows)
+
+
+PREEMPTION_KEYS = ("preemptions", "max_preemptions_per_request", "recomputed_tokens")
+"""A summary's preemption figures: total, the most on one request, tokens recomputed."""
+
+
+def preempted_medians(runs: Sequence[Mapping[str, Any]]) -> str:
+    """``total / max / recomputed`` of a scheduler's runs, each the median over them;
+    ``n/a`` for a figure some run did not observe (or saved before it existed)."""
+    parts = []
+    for key in PREEMPTION_KEYS:
+        values = [run.get(key) for run in runs]
+        parts.append("n/a" if not values or None in values
+                     else f"{statistics.median(values):,.0f}")
+    return " / ".join(parts)
 
 
 # ---- the simulator ------------------------------------------------------------------------

@@ -36,13 +36,17 @@ class RequestRecord:
     computed_tokens: int | None = None
     """Tokens the engine computed for the request, prompt and recomputation (prefix-cache
     hits excluded), when it reports them: the input side of the service it received."""
+    counts_recompute: bool = True
+    """Whether ``computed_tokens`` counts what preemptions made the engine compute again
+    (the simulator's do); ``prefill_cached``, a client's first-prefill figure, clears it."""
 
     def prefill_cached(self, cached_tokens: int) -> None:
         """The engine served ``cached_tokens`` of the prompt from its prefix cache at its
         prefill, and computed the rest (all a client learns: a recomputation after a
-        preemption is not reported)."""
+        preemption is not reported, so ``counts_recompute`` is cleared)."""
         self.cached_tokens = cached_tokens
         self.computed_tokens = self.prompt_len - cached_tokens
+        self.counts_recompute = False
 
     @property
     def output_len(self) -> int:

@@ -7,9 +7,9 @@ only successful requests count; TPOT is ``(e2el - ttft) / (output_len - 1)`` for
 requests with more than one token; ITL holds one gap per streamed chunk, so ``k``
 tokens that arrive together give one gap (what vLLM's client records); an empty sample
 counts as 0 as in vLLM.  Our own keys (TTFT per prefix group, preemptions per run and per
-group, figures per priority class and per tenant with the service each received and the
-largest service gap, batch size, prefix groups, cache hit rate, gate counts)
-come after vLLM's and are ``None`` when the run did not observe them.
+group and the tokens they recomputed, figures per priority class and per tenant with the
+service each received and the largest service gap, batch size, prefix groups, cache hit
+rate, gate counts) come after vLLM's and are ``None`` when the run did not observe them.
 """
 from __future__ import annotations
 
@@ -227,20 +227,46 @@ def _part_figures(run: RunResult, ok: list[RequestRecord],
 
 def _preemption_keys(run: RunResult) -> Summary:
     """Preemptions of the run and of each prefix group (total and the most any one
-    request took), from the records where all have a count, else the run's total."""
+    request took), from the records where all have a count, else the run's total; and the
+    tokens they made the engine compute again (``recomputed_tokens``)."""
     counts = [r.preemptions for r in run.records]
+    recomputed = recomputed_tokens(run.records)
     if not counts or None in counts:
         return {"preemptions": run.preemptions, "max_preemptions_per_request": None,
-                "preemptions_by_group": None}
+                "recomputed_tokens": recomputed, "preemptions_by_group": None}
     by_group = {group: [r.preemptions or 0 for r in records]
                 for group, records in _by_group(run.records).items()}
     return {
         "preemptions": sum(c or 0 for c in counts),
         "max_preemptions_per_request": max(c or 0 for c in counts),
+        "recomputed_tokens": recomputed,
         "preemptions_by_group": {group: {"preemptions": sum(values),
                                          "max_per_request": max(values)}
                                  for group, values in by_group.items()},
     }
+
+
+def recomputed_tokens(records: Iterable[RequestRecord]) -> int | None:
+    """Tokens the engine computed again because of preemptions, summed over ``records``
+    (failed ones too: the work was done): per request, what it computed beyond its first
+    prefill, ``computed_tokens - (prompt_len - cached_tokens)`` (``cached_tokens``: at its
+    first admission), at least 0; 0 for a request never preempted.  A preemption is by
+    recompute (vLLM's), so each re-prefill counts whole: the prompt less what the prefix
+    cache still held, plus every output so far, the last of which (not yet in the KV when
+    preempted; a decode would have computed it) puts the figure above the work redone by
+    at most one token a preemption.  None where a preempted request's recomputation was
+    not observed (``counts_recompute`` false: a real engine's client sees the first
+    prefill only; or no counts).  O(records)."""
+    total = 0
+    for record in records:
+        if record.preemptions == 0:
+            continue
+        if not record.counts_recompute or record.computed_tokens is None or \
+                record.cached_tokens is None:
+            return None
+        first = record.prompt_len - record.cached_tokens
+        total += max(record.computed_tokens - first, 0)
+    return total
 
 
 def worst_group_ratios(groups: dict[str, dict], baseline: dict[str, dict]) -> tuple[float, float]:
