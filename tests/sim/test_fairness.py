@@ -17,7 +17,7 @@ from feather_sched.workloads.synthetic import shared_prefix_groups
 from tests.sim.test_engine import StubCost
 
 PREEMPTION_BOUND = 2
-"""``max_preemptions`` in these runs (its default)."""
+"""``max_preemptions`` in these runs (below its default, so the rule acts often)."""
 
 
 class Witness:

@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from feather_sched.cli import app
+from feather_sched.core.config import FeatherConfig
 from feather_sched.core.runtime import FeatherRuntime
 from feather_sched.costmodel.cost import CostModel
 from feather_sched.costmodel.hardware import HARDWARE
@@ -319,7 +320,7 @@ def is_the_latest_arrival(victim: SimRequest, running: Sequence[SimRequest]) -> 
 
 def is_the_newest_of_the_youngest_group(victim: SimRequest,
                                         running: Sequence[SimRequest],
-                                        bound: int = 2) -> bool:
+                                        bound: int | None = None) -> bool:
     """Feather's rule: in the least urgent class, the group whose oldest running member
     arrived last, and its newest member among those preempted fewer than ``bound``
     (``max_preemptions``) times, or of them all where every member is at the bound."""
@@ -331,6 +332,7 @@ def is_the_newest_of_the_youngest_group(victim: SimRequest,
             oldest[r.group] = min(oldest.get(r.group, math.inf), r.spec.arrival_s)
     members = [r for r in running
                if r.group == victim.group and r.spec.priority == victim.spec.priority]
+    bound = FeatherConfig().max_preemptions if bound is None else bound
     exposed = [r for r in members if r.preemptions < bound] or members
     return oldest[victim.group] == max(oldest.values()) and \
         victim.spec.arrival_s == max(r.spec.arrival_s for r in exposed)

@@ -165,11 +165,11 @@ class FeatherConfig:
     the fewest running requests of a less urgent class that make room
     (``FeatherRuntime.urgent_victims``: the end of Feather's order among them first),
     each running request at most this many times over its life; 0 turns it off."""
-    max_preemptions: int | None = 2
+    max_preemptions: int | None = 8
     """A running request preempted this many times (for KV room or urgency) goes after
     every other running member of its prefix group in Feather's victim order: it is
-    preempted again only once they are gone (groups still give way youngest first;
-    docs/fairness.md, "Under KV pressure").  None: no bound."""
+    preempted again only once they are gone or at the bound too (groups still give way
+    youngest first; docs/fairness.md, "Under KV pressure").  None: no bound."""
     min_passing_tokens: int = DEFAULT_MIN_PASSING_TOKENS
     """Shortest prefix shared with the running set for which a waiting request passes
     older ones in the tree's order (0: any shared chunk)."""
