@@ -46,10 +46,10 @@ in the tree's prefix order, the least served tenant first among requests sharing
 rule (only the least served, ties aside).  The window is the tightest any backlogged
 tenant ``f`` sets: no tenant more than ``Q_f = quantum_of(f)`` ahead of ``f`` is admitted,
 ``Q_f`` the quantum scaled by ``f``'s part of the recent service over its fair part
-(``RecentService``; at most the whole quantum).  The quantum buys the tenants ahead
-locality with the waits of those behind; a light tenant (an interactive one, a few
-requests that share nothing) gains nothing from it, so it is held back by little more
-than its own part.
+(``RecentService``; at most the whole quantum; the whole for a newcomer).  The quantum
+buys the tenants ahead locality with the waits of those behind; a light tenant (an
+interactive one, a few requests that share nothing) gains nothing from it, so it is
+held back by little more than its own part.
 
 The bound.  For tenants ``f`` and ``g`` backlogged throughout an interval in which only
 one class has requests waiting (and none of theirs admitted over the share: by the
@@ -89,11 +89,15 @@ tenants by counter, and the runtime's running order, whose end vLLM preempts and
 retracts, puts the most served tenant's requests last in each class
 (``FeatherRuntime.order``).  Preempting charges nobody, so the bound stands as stated.
 
-Costs: ``charge``, ``admitted``, ``refund``, ``wait``, ``unwait``, ``run`` and ``unrun``
-O(1) (a tenant's first waiting request O(backlogged tenants), for the lift);
-``eligible_tenants``, ``least_served`` and ``eligible`` O(T), ``T`` the tenants with a
-request running or waiting (the seat shares), O(tenants backlogged in the class) without
-seats; ``ranking`` O(T log T).
+Queries are read-only (``window``, ``eligible_tenants``, ``least_served``, ``eligible``):
+lifts happen where the state changes (``wait``, ``refresh`` at a pass's start, ``unrun``;
+docs/fairness.md#tenants).  A newcomer (no recent service) has the whole quantum.
+
+Costs, ``T`` the tenants seen (each a slot in numpy arrays): ``charge``, ``admitted``,
+``refund`` O(1); ``wait``, ``unwait``, ``run``, ``unrun`` O(1), O(T) in C where one lifts
+or moves the floor; the queries and ``refresh`` O(T) in C; ``ranking`` O(T log T) in C.
+Measured: one admission decision at 10,000 backlogged tenants 0.19 ms on a 2-core AMD
+EPYC (``benchmarks/core/``).
 """
 
 from __future__ import annotations
