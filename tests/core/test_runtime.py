@@ -871,3 +871,37 @@ def test_a_fault_in_the_rebuild_leaves_the_picture_empty_and_counts_once(
         rt.discard(request.rid)
     stats = rt.meter.stats
     assert stats.requests_entered == stats.requests_left == 15
+
+
+def test_under_fair_share_the_share_decides_who_takes_a_seat_urgency_freed() -> None:
+    """Four seats, tenants x and y each running two class-1 requests (their seat share)
+    and each with a class-0 request waiting; y's is the candidate (x is the more
+    served). The victim is x's (the most served tenant's, the end of the order), which
+    takes x below its share while y stays at its own: the share gives the freed seat to
+    x's urgent request, not to y's the preemption was asked for."""
+    rt = fair_runtime(fair_quantum_tokens=0)
+    rt.queue.seats = 4
+    low = [TenantReq(f"{t}{i}", [(t, i)], arrival=float(i), priority=1, tenant=t)
+           for t in "xy" for i in range(2)]
+    for request in low:
+        rt.enter_waiting(request)
+    rt.begin_pass([])
+    running = admit_all(rt, [])
+    urgent = {t: TenantReq(f"{t}-urgent", [(t, "u")], arrival=9.0, priority=0, tenant=t)
+              for t in "xy"}
+    for request in urgent.values():
+        rt.enter_waiting(request)
+    rt.served("x0", 100, 0)
+    running = rt.begin_pass(running)
+    assert rt.candidate() is urgent["y"] and rt.decide().decision is Decision.ADD
+    victims = rt.urgent_victims(running, urgent["y"], Frees())
+    assert [v.tenant for v in victims] == ["x"]
+    for victim in victims:  # the engine preempts them: back to waiting
+        running.remove(victim)
+        rt.preempted(victim, urgent=True)
+        rt.enter_waiting(victim)
+    rt.promise(urgent["y"])
+    answer = rt.decide()
+    assert answer.request_id == "x-urgent" and answer.decision is Decision.ADD
+    rt.admit(urgent["x"])
+    assert rt.queue.share.running("x") == rt.queue.share.running("y") == 2

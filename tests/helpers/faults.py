@@ -35,7 +35,7 @@ REBUILD: tuple[tuple[object, str, str], ...] = ((runtime.FeatherRuntime, "_track
 ``Injector.next_pass(rebuilding=True)``); also a new request's tracking."""
 SHARE: tuple[tuple[object, str, str], ...] = (
     (TenantShare, "charge", "share"),
-    (TenantShare, "eligible_tenants", "share"),
+    (TenantShare, "window", "share"),
     (TenantShare, "least_served", "share"),
 )
 """Under fair share: the tenant share's charge and the tenants it admits."""

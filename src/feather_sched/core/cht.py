@@ -152,6 +152,8 @@ class ChunkedHashTree:
         self._tenant_heaps: dict[Hashable, list[tuple[int, int, int, RequestId]]] | None = \
             {} if by_tenant else None
         self._tenant_waiting: Counter[Hashable] = Counter()
+        self._touched: set[Hashable] = set()
+        """Tenants whose best (``best_of``) may have changed since ``touched``."""
         self._arrivals = itertools.count()
         self._num_waiting = 0
 
@@ -272,6 +274,12 @@ class ChunkedHashTree:
         None when none of its requests waits).  O(1) amortised."""
         assert self._tenant_heaps is not None, "best_of needs a tree made by_tenant"
         return self._top(self._tenant_heaps.get(tenant, []))
+
+    def touched(self) -> set[Hashable]:
+        """The tenants whose ``best_of`` may have changed since the last call (a tree made
+        ``by_tenant``), and forget them.  O(1)."""
+        touched, self._touched = self._touched, set()
+        return touched
 
     def tenant(self, request_id: RequestId) -> Hashable:
         """The request's tenant (as ``add`` was given it)."""
@@ -395,6 +403,7 @@ class ChunkedHashTree:
         self._num_waiting -= 1
         if self._tenant_heaps is not None:
             self._tenant_waiting[entry.tenant] -= 1
+            self._touched.add(entry.tenant)
 
     def _place(self, request_id: RequestId, entry: _Entry, depth: int) -> None:
         """Index a waiting request at ``depth``; offer it to the heap if its rank moved."""
@@ -413,6 +422,7 @@ class ChunkedHashTree:
         if len(self._heap) > 4 * self._num_waiting + 64:
             self._compact_heap()
         if self._tenant_heaps is not None:
+            self._touched.add(entry.tenant)
             heap = self._tenant_heaps.setdefault(entry.tenant, [])
             heapq.heappush(heap, item)
             if len(heap) > 4 * self._tenant_waiting[entry.tenant] + 64:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Set
+from collections.abc import Container, Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -182,7 +182,8 @@ class OvertakeBound:
             return None
         return max(0, self.stop_limit - max(self.stops(r) for r in waiting))
 
-    def due(self, priority: int = 0, tenants: Set[int] | None = None) -> RequestId | None:
+    def due(self, priority: int = 0, tenants: Container[int] | None = None
+            ) -> RequestId | None:
         """The oldest waiting request of class ``priority`` (the most urgent class
         waiting) at either bound; ``tenants``: only theirs (tenant numbers), where given.
         O(requeued requests)."""

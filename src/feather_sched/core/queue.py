@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from operator import attrgetter
 
+import numpy as np
+
 from feather_sched.core.cht import (
     DEFAULT_CHUNK_TOKENS,
     CHTError,
@@ -136,9 +138,7 @@ class FeatherQueue:
         self.clock = clock
         self.share = share
         self.prefix_order = prefix_order
-        self.seats: int | None = None
-        """The engine's cap on running requests, where its adapter knows it (the gate is
-        told the seats left free)."""
+        self._seats: int | None = None
         self.kv_tokens: int | None = None
         """The engine's KV cache in tokens, where its adapter knows it: with ``seats``,
         what tells whether the engine could run every request in flight at once
@@ -149,6 +149,18 @@ class FeatherQueue:
         by side even when everything fits."""
         self._running_epoch = 0
         self.clear()
+
+    @property
+    def seats(self) -> int | None:
+        """The engine's cap on running requests, where its adapter knows it (the gate is
+        told the seats left free; the share's seat shares follow it, ``refresh``)."""
+        return self._seats
+
+    @seats.setter
+    def seats(self, seats: int | None) -> None:
+        self._seats = seats
+        if self.share is not None:
+            self.share.refresh(seats)
 
     def use_layout(self, layout: BatchLayout) -> None:
         """The engine lays its batch out so from now on; the gate is told too. O(1)."""
@@ -163,7 +175,7 @@ class FeatherQueue:
         if self.share is not None:
             self.share.clear_backlog()
         self.fifo = None if self.prefix_order else TenantFifo()
-        self._tenant_numbers: dict[Hashable, int] = {}
+        self._bests = _TenantBests()
         self.bound = None
         if self.max_overtakes is not None or self.max_stops is not None:
             self.bound = OvertakeBound(self.max_overtakes, self.max_stops)
@@ -260,7 +272,7 @@ class FeatherQueue:
         share admits now: it takes its own tenant's turn, it does not jump the share
         (so ``max_overtakes`` or ``max_stops`` 0 is arrival order within the share's
         window, never across it).  O(requeued requests), plus
-        ``TenantShare.eligible_tenants`` with a share."""
+        ``TenantShare.window`` with a share."""
         best = self.tree.best()
         if best is None:
             return None
@@ -270,9 +282,7 @@ class FeatherQueue:
         priority = self.tree.priority(best)
         if self.share is None:
             return self.bound.due(priority)
-        numbers = self._tenant_numbers
-        return self.bound.due(priority, {numbers[t] for t in
-                                         self.share.eligible_tenants(priority, self.seats)})
+        return self.bound.due(priority, _Slots(self.share.window(priority)))
 
     def keys(self, request_id: RequestId) -> list:
         """The request's chunk keys."""
@@ -315,8 +325,7 @@ class FeatherQueue:
                                               group_of(keys, request_id), tenant)
         self._waits(request_id, True)
         if self.bound is not None:
-            number = 0 if self.share is None else \
-                self._tenant_numbers.setdefault(tenant, len(self._tenant_numbers))
+            number = 0 if self.share is None else self.share.slot(tenant)
             self.bound.arrive(request_id, arrival, priority, number)
         self._offer_to_guard(request_id)
         self._changed()
@@ -434,15 +443,33 @@ class FeatherQueue:
         """The engine preempted running requests to make room for waiting ``request_id``
         on its ADD: it stays the candidate and its answer ADD (the gate not asked again,
         a STOP not applied) until it leaves the waiting set or the pass ends, so the
-        requeued victims cannot turn that answer and waste their preemption.  O(1)."""
+        requeued victims cannot turn that answer and waste their preemption.  Under a
+        ``share`` the share decides who takes the freed seat (``_seat_taker``): where the
+        victims' tenant fell below its seat share and the request's is not admitted
+        now, the share's own pick is promised instead.  O(1), ``_seat_taker`` under a
+        share."""
         if self.state(request_id) is not QueueState.WAITING:
             raise CHTError(f"cannot promise request {request_id!r}: it is not waiting")
-        self._promised = request_id
+        self._promised = None
         self._changed()
+        self._promised = self._seat_taker(request_id)
+
+    def _seat_taker(self, request_id: RequestId) -> RequestId:
+        """Who takes the seats a preemption for ``request_id`` freed: it, unless under a
+        ``share`` the preemption took a tenant below its seat share while its own tenant
+        is not (no longer admitted in its class); then the share decides, the request
+        ``_chosen`` picks now (the victims' tenant's, where it has one waiting there).
+        O(1) without a share, else ``TenantShare.window`` and ``_chosen``."""
+        share = self.share
+        if share is None or share.eligible(self.tenant(request_id), self.priority(request_id)):
+            return request_id
+        return self._chosen(self.due())
 
     def new_step(self) -> None:
         """Start a scheduling pass: a STOP of the previous pass no longer holds."""
         self.gate.end_step()
+        if self.share is not None:
+            self.share.refresh(self.seats)
         self._closed = False
         self._forced = None
         self._promised = None
@@ -503,8 +530,8 @@ class FeatherQueue:
         tenant of the tree's best instead admitted one tenant after another, each until
         it was a quantum ahead); without ``prefix_order``, the head of the least served
         tenant's queue (``TenantFifo``) in the most urgent class.  The gate still answers
-        for it.  Why arrival order while everything fits: docs/fairness.md.  O(requeued requests),
-        plus ``TenantShare.eligible_tenants`` and O(those tenants) with a share."""
+        for it.  Why arrival order while everything fits: docs/fairness.md.  O(requeued
+        requests), plus ``_TenantBests.first`` with a share."""
         if self._promised is not None:
             return self._promised
         if due is not None:
@@ -512,17 +539,16 @@ class FeatherQueue:
         best = self.tree.best()
         if self.fifo is not None:
             priority = self.tree.priority(best)
-            return self.fifo.head(self.share.least_served(priority, self.seats), priority)
+            return self.fifo.head(self.share.least_served(priority), priority)
         if self.share is not None:
-            tenants = self.share.eligible_tenants(self.tree.priority(best), self.seats)
-            best = min(map(self.tree.best_of, tenants), key=self.rank_key)
+            best = self._bests.first(self.tree, self.share, self.tree.priority(best))
         if self.bound is None or self.layout is not BatchLayout.FEATHER or \
                 self.gate.stops_in_ordered_batches or not self.fits_all():
             return best
         priority = self.tree.priority(best)
         if self.share is not None:  # everything fits: the least served tenant's oldest
-            tenant = self.share.least_served(priority, self.seats)
-            oldest = self.bound.oldest(priority, self._tenant_numbers[tenant])
+            tenant = self.share.least_served(priority)
+            oldest = self.bound.oldest(priority, self.share.slot(tenant))
             return best if oldest is None else oldest
         oldest = self.bound.oldest(priority)
         if oldest is None or not self.bound.arrived_before(oldest, best):
@@ -578,3 +604,54 @@ class FeatherQueue:
     def _changed(self) -> None:
         """Any change may change the candidate; a STOP still holds for this pass."""
         self._admission = None
+
+
+class _Slots:
+    """The tenant slots a mask marks (``TenantShare.window``), as a container."""
+
+    def __init__(self, mask: np.ndarray) -> None:
+        self.mask = mask
+
+    def __contains__(self, slot: object) -> bool:
+        return bool(self.mask[slot])
+
+
+class _TenantBests:
+    """Each tenant's best waiting request's place in the tree's order (``rank_key`` less
+    the counter), by the share's slot, brought up to date from the tenants the tree
+    ``touched``: so the first of the tenants in the share's window is found in O(T) in
+    C, not by asking the tree for each tenant's best."""
+
+    def __init__(self) -> None:
+        self.depth = np.zeros(0, dtype=np.int64)
+        """Minus the best's shared depth as ranked."""
+        self.order = np.zeros(0, dtype=np.int64)
+        """The best's arrival order in the tree."""
+
+    def first(self, tree: ChunkedHashTree, share: TenantShare, priority: int) -> RequestId:
+        """The first, in ``FeatherQueue.rank_key``'s order, of the best requests of the
+        tenants ``share`` admits now in class ``priority`` (the most urgent waiting):
+        the deepest, then the least served, then the oldest.  O(T) in C, plus O(log n)
+        per tenant touched since the last call."""
+        self._update(tree, share)
+        slots = np.flatnonzero(share.window(priority))
+        slots = slots[self.depth[slots] == self.depth[slots].min()]
+        services = share.services()[slots]
+        slots = slots[services == services.min()]
+        slot = int(slots[np.argmin(self.order[slots])])
+        best = tree.best_of(share.tenant_of(slot))
+        assert best is not None
+        return best
+
+    def _update(self, tree: ChunkedHashTree, share: TenantShare) -> None:
+        for tenant in tree.touched():
+            slot = share.slot(tenant)
+            if slot >= len(self.depth):
+                size = max(64, 2 * slot + 1)
+                self.depth = np.concatenate([self.depth, np.zeros(size - len(self.depth),
+                                                                  np.int64)])
+                self.order = np.concatenate([self.order, np.zeros(size - len(self.order),
+                                                                  np.int64)])
+            best = tree.best_of(tenant)
+            if best is not None:
+                _, self.depth[slot], self.order[slot] = tree.rank_key(best)

@@ -575,7 +575,7 @@ class FeatherRuntime(Generic[R]):
                 return False
             priority = queue.priority(request_id)
             if priority not in admitted:
-                admitted[priority] = set(share.eligible_tenants(priority, queue.seats))
+                admitted[priority] = set(share.eligible_tenants(priority))
             return queue.tenant(request_id) not in admitted[priority]
 
         def rank(request: R) -> tuple:
