@@ -20,10 +20,16 @@
 #             the engine's cache sees exactly the trace's sharing), sped up 3.7x (20 s of
 #             arrivals, over this CPU's capacity), 0.06 GiB of KV (15.7K tokens; the
 #             slice's longest prompt is 12K).
+#   conversations  the Mooncake *conversation* trace (benchmarks/traces/mooncake-conversation.jsonl:
+#             multi-turn chats, each turn's prompt the previous one's plus its answer and a
+#             new question), its first 300 requests, 512-token hash blocks scaled to 32 as
+#             above, every output 64 tokens (its own average 343 would take the CPU
+#             minutes), sped up 4.4x (20 s of arrivals, over this CPU's capacity), 0.03 GiB
+#             of KV (7.9K tokens: a few conversations' turns).
 # kv_pressure_table.py gives per scheduler the medians (ranges) of mean and p99 TTFT,
 # output tok/s, preemptions (total, most on one request) and the ratios to fcfs. About 4
 # minutes a round per cell on the 2-core AMD EPYC (most of it two engine starts).
-# kv_pressure.sh [CELL...] runs the cells named (default: chat mooncake); VENV names the
+# kv_pressure.sh [CELL...] runs the cells named (default: chat conversations mooncake); VENV names the
 # virtual environment (default .venv). Results go into benchmarks/vllm/results/$SET/
 # (default: kv-pressure-<commit>): CELL.json, CELL.txt, and kv-pressure.md for the cells.
 set -euo pipefail
@@ -42,11 +48,17 @@ mooncake() {
         --max-requests 300 --token-scale 0.0625 --engine-arg block_size=32 \
         --trace-speed 3.7 --kv-cache-gib 0.06 "$@"
 }
+conversations() {
+    "${bench[@]}" --trace benchmarks/traces/mooncake-conversation.jsonl --max-requests 300 \
+        --token-scale 0.0625 --engine-arg block_size=32 --trace-speed 4.4 \
+        --dataset-output-len 64 --kv-cache-gib 0.03 "$@"
+}
 cells=("$@")
-[ ${#cells[@]} -gt 0 ] || cells=(chat mooncake)
+[ ${#cells[@]} -gt 0 ] || cells=(chat conversations mooncake)
 results=()
 for cell in "${cells[@]}"; do
-    case $cell in chat | mooncake) ;; *) echo "unknown cell $cell (chat, mooncake)" >&2; exit 2 ;; esac
+    case $cell in chat | conversations | mooncake) ;;
+        *) echo "unknown cell $cell (chat, conversations, mooncake)" >&2; exit 2 ;; esac
     "$cell" --json "$out/$cell.json" | tee "$out/$cell.txt"
     results+=("$out/$cell.json")
 done
