@@ -10,10 +10,7 @@ over rounds; the target is the issue's: the urgent class's mean and p99 TTFT <= 
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
-from feather_sched.bench.study import Figure, load_rounds, markdown_table, ratios
+from feather_sched.bench.study import Figure, markdown_table, ratios, result_files
 from feather_sched.results.summary import median_and_range
 
 BASE, OURS = "priority", "feather-model"
@@ -29,12 +26,8 @@ FIGURES = [("class-0 mean TTFT", of_class("0", "mean_ttft_ms")),
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("results", type=Path, nargs="+")
-    args = parser.parse_args()
     rows = []
-    for path in args.results:
-        runs = load_rounds(path)
+    for path, runs in result_files(__doc__):
         urgent = [run["urgent_preemptions"] for run in runs[OURS]]
         rows.append([path.stem, str(len(urgent)),
                      *(median_and_range(ratios(runs[OURS], runs[BASE], figure), "{:.2f}",

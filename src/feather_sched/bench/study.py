@@ -104,6 +104,14 @@ def ratio(ours: Sequence[Mapping[str, Any]], base: Sequence[Mapping[str, Any]],
     return median_and_range(ratios(ours, base, figure, strict=strict), fmt, unit, sep)
 
 
+def result_files(doc: str | None) -> list[tuple[Path, Runs]]:
+    """A table script's arguments: the ``feather bench --json`` files named on its command
+    line (``doc``'s first line its description), each with its rounds, in order."""
+    arguments = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    arguments.add_argument("results", type=Path, nargs="+")
+    return [(path, load_rounds(path)) for path in arguments.parse_args().results]
+
+
 def pooled(sets: Iterable[Runs]) -> Runs:
     """The rounds of several sets as one: each set's rounds keep their pairs, so ratios
     are still taken round by round."""

@@ -416,9 +416,9 @@ class FeatherRuntime(Generic[R]):
     def _spent_first(self, ranked: list[int], ids: list[RequestId],
                      groups: Sequence[Hashable]) -> list[int]:
         """``ranked`` (indices into ``ids``, each group contiguous) with, inside each
-        group, its members at ``max_preemptions`` moved to the front: the group's
-        newest other members go before them.  O(n log n); ``ranked`` as is while none
-        is at the bound."""
+        group, its members at ``max_preemptions`` moved to the front, so that the
+        group's other members are preempted before them.  O(n log n); ``ranked`` as is
+        while none is at the bound."""
         spent = self._spent
         if not spent or not any(ids[i] in spent for i in ranked):
             return ranked

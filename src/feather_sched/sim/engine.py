@@ -121,7 +121,8 @@ class Policy(Protocol):
 
     Optional, and read once per run (``SimEngine.start``): ``UrgentPreemption``'s calls,
     vLLM's urgent-preemption protocol (Feather has them; without them, as for the
-    baselines, nothing is preempted for urgency); and, where ``counts_service`` is true,
+    baselines, nothing is preempted for urgency); ``preempted(request, urgent=)``, told
+    of each preemption (Feather's ``max_preemptions``); and, where ``counts_service`` is true,
     ``served(request_id, computed_tokens, generated_tokens)`` after each step for each
     request of its batch (fair share)."""
 
