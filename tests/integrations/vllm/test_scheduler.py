@@ -633,6 +633,41 @@ def test_running_is_kept_grouped_by_age_and_preemption_takes_the_youngest_group(
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
 
+def bound_breaches(bound: int | None, seed: int) -> tuple[int, int]:
+    """One group in a KV cache that forces preemption, arrivals every few steps, vLLM's
+    own preemption under Feather with ``max_preemptions`` ``bound``: (the times a
+    request preempted once already was preempted again while a member of its group that
+    never was ran on after the pass, the preemptions in all), counted from outside."""
+    rng = random.Random(seed)
+    harness = Harness(num_blocks=20, feather={"max_preemptions": bound})
+    counts: dict[str, int] = {}
+    breaches = total = 0
+    for step in range(300):
+        if step < 60 and rng.random() < 0.4:
+            harness.add(harness.request(f"r{step}", group=0, max_tokens=rng.randrange(20, 60)))
+        if not harness.scheduler.has_requests():
+            continue
+        output = harness.step()
+        for rid in output.preempted_req_ids:
+            spared = [r for r in harness.scheduled_from if counts.get(r, 0) < 1]
+            breaches += bool(counts.get(rid, 0) >= 1 and spared)
+            counts[rid] = counts.get(rid, 0) + 1
+            total += 1
+    harness.drain(limit=2000)
+    harness.assert_empty()
+    return breaches, total
+
+
+def test_a_request_at_the_preemption_bound_goes_after_the_rest_of_its_group() -> None:
+    """vLLM preempts the end of the running list Feather orders: with ``max_preemptions``
+    1, a request preempted once goes after every member of its group never preempted;
+    without the bound, vLLM's victims include such repeat victims."""
+    assert sum(bound_breaches(None, seed)[0] for seed in range(3)) > 0
+    for seed in range(3):
+        breaches, total = bound_breaches(1, seed)
+        assert breaches == 0 and total > 0
+
+
 def singleton_against_a_stream(harness: Harness) -> tuple[int, int, int]:
     """A singleton arrives first, then a majority request every other step, under a KV
     cache too small for them all: (the singleton's preemptions, the step it finished,
