@@ -11,6 +11,7 @@ unconditionally: a broken or missing Ray install fails this module.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import urllib.error
@@ -507,8 +508,27 @@ def shape(value: object) -> object:
     return type(value).__name__
 
 
+PER_EVENT = ("finish_reason", "stop_reason", "prompt_token_ids")
+"""Choice fields whose type depends on which token event carries them: the reasons are
+``str`` on the event that ends the stream, the prompt's ids (``echo``) a list on the
+first; how many tokens each event carries depends on the engine's pace."""
+
+
+def token_event(event: object) -> object:
+    """A stream event's shape with each choice's ``PER_EVENT`` fields as one type."""
+    if isinstance(event, dict) and isinstance(event.get("choices"), list):
+        event["choices"] = [{**choice, **{key: "per event" for key in PER_EVENT
+                                          if key in choice}}
+                            if isinstance(choice, dict) else choice
+                            for choice in event["choices"]]
+    return event
+
+
 def answered(base: str, method: str, path: str, body: dict | None) -> tuple[int, object]:
-    """(status, shape of the JSON or event stream answered) of one request."""
+    """(status, shape of the JSON or event stream answered) of one request; a stream's
+    token events alike (``token_event``) and repeats of one event shape in a row counted
+    once: how many token events vLLM sends depends on the engine's pace (the echo
+    stream came as one token event or two, 1 run in 3)."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(f"{base}{path}", data=data, method=method, headers=AUTH)
     try:
@@ -519,7 +539,9 @@ def answered(base: str, method: str, path: str, body: dict | None) -> tuple[int,
     if raw.startswith(b"data: "):
         events = [line.removeprefix(b"data: ") for line in raw.splitlines()
                   if line.startswith(b"data: ")]
-        return status, [shape(json.loads(e)) if e != b"[DONE]" else "[DONE]" for e in events]
+        shapes = [token_event(shape(json.loads(e))) if e != b"[DONE]" else "[DONE]"
+                  for e in events]
+        return status, [one for one, _ in itertools.groupby(shapes)]
     return status, shape(json.loads(raw)) if raw.strip() else None
 
 
