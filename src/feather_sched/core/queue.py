@@ -51,7 +51,7 @@ from feather_sched.core.cht import (
 )
 from feather_sched.core.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS, OvertakeBound
 from feather_sched.core.prefix import group_of
-from feather_sched.core.tenants import DEFAULT_TENANT, TenantFifo, TenantShare
+from feather_sched.core.tenants import DEFAULT_TENANT, TenantFifo, TenantShare, grown
 from feather_sched.gates.base import BatchLayout, Decision, Gate, GateContext
 from feather_sched.gates.heuristic import AlwaysAddGate
 
@@ -646,12 +646,7 @@ class _TenantBests:
     def _update(self, tree: ChunkedHashTree, share: TenantShare) -> None:
         for tenant in tree.touched():
             slot = share.slot(tenant)
-            if slot >= len(self.depth):
-                size = max(64, 2 * slot + 1)
-                self.depth = np.concatenate([self.depth, np.zeros(size - len(self.depth),
-                                                                  np.int64)])
-                self.order = np.concatenate([self.order, np.zeros(size - len(self.order),
-                                                                  np.int64)])
+            self.depth, self.order = grown(self.depth, slot), grown(self.order, slot)
             best = tree.best_of(tenant)
             if best is not None:
                 _, self.depth[slot], self.order[slot] = tree.rank_key(best)

@@ -216,6 +216,15 @@ def user_tenant(user: object) -> str | None:
         return None
 
 
+def grown(array: np.ndarray, slot: int) -> np.ndarray:
+    """``array`` (one entry a tenant slot) with room for ``slot``: itself where it has
+    it, else doubled (at least 64 entries), the new entries 0.  O(1) amortised."""
+    if slot < len(array):
+        return array
+    size = max(64, 2 * slot + 1, 2 * len(array))
+    return np.concatenate([array, np.zeros(size - len(array), array.dtype)])
+
+
 class TenantShare:
     """Per-tenant service counters, backlog and seats, and the tenants the share admits.
 
@@ -278,12 +287,10 @@ class TenantShare:
         slot = self._slots[tenant] = len(self._names)
         self._names.append(tenant)
         if slot == len(self._service):
-            size = max(64, 2 * slot)
-            grow = lambda a: np.concatenate([a, np.zeros(size - len(a), a.dtype)])  # noqa: E731
-            self._service, self._weight = grow(self._service), grow(self._weight)
-            self._running, self._waiting = grow(self._running), grow(self._waiting)
-            self._seated = grow(self._seated)
-            self._backlog = {p: grow(b) for p, b in self._backlog.items()}
+            self._service, self._weight = grown(self._service, slot), grown(self._weight, slot)
+            self._running, self._waiting = grown(self._running, slot), grown(self._waiting, slot)
+            self._seated = grown(self._seated, slot)
+            self._backlog = {p: grown(b, slot) for p, b in self._backlog.items()}
         self._weight[slot] = self.weights.get(tenant, 1.0)
         return slot
 
@@ -542,9 +549,7 @@ class RecentService:
 
     def add(self, slot: int, service: float) -> None:
         """Slot ``slot`` was charged ``service`` (negative: refunded)."""
-        if slot >= len(self._scaled):
-            self._scaled = np.concatenate([self._scaled, np.zeros(max(slot + 1,
-                                                                      len(self._scaled)))])
+        self._scaled = grown(self._scaled, slot)
         amount = service * 2.0 ** (self._since / self.half_life)
         before = float(self._scaled[slot])
         scaled = max(before + amount, 0.0)
