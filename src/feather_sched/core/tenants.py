@@ -348,15 +348,10 @@ class TenantShare:
 
     def quantum_of(self, tenant: Tenant) -> float:
         """How far ahead of ``tenant``, while it is backlogged, another tenant may be
-        admitted (``quanta``, for one tenant).  O(1)."""
+        admitted: its entry of ``quanta`` (a tenant never seen: the whole quantum).  O(T)
+        in C."""
         slot = self._slots.get(tenant)
-        part = 0.0 if slot is None else self.recent.part(slot)
-        return self._quantum(part)
-
-    def _quantum(self, part: float) -> float:
-        if part <= 0:
-            return self.quantum  # a newcomer: no part measured yet (docs/fairness.md)
-        return self.quantum * min(1.0, max(1, self._active) * part)
+        return self.quantum if slot is None else float(self.quanta()[slot])
 
     def quanta(self) -> np.ndarray:
         """Every slot's quantum: ``quantum`` scaled by its recent part of the service over
