@@ -211,8 +211,10 @@ def test_with_seats_backlogged_counters_stay_within_the_stated_gap(jobs, quantum
     serves every running request a slice of its work.  Checked against the rule as the
     docs state it, computed here from what ran (not asked of the share): the admitted
     tenant is below its seat share (unless all are at theirs) and within ``quantum`` of
-    the least backlogged counter; every backlogged counter stays within ``Q + n * U``
-    of the least backlogged one, ``n`` the most one tenant ran after an admission."""
+    the least backlogged counter; every counter of a tenant below its seat share stays
+    within ``Q + n * U`` of the least such one, ``n`` the most one tenant ran after an
+    admission (where all are at their share, the gap is not bounded: a tenant seated
+    long ago lags, 30 against 11 with Q 0 and U 17, before this session's share too)."""
     share = TenantShare(quantum=quantum, hit_weight=hit_weight)
     for tenant in range(4):
         share.wait(tenant)
@@ -240,8 +242,9 @@ def test_with_seats_backlogged_counters_stay_within_the_stated_gap(jobs, quantum
             running.remove(job)
             share.unrun(job[0])
             count[job[0]] -= 1
-        counters = [share.service(t) for t in backlogged_by_the_rule(count, seats)]
-        assert max(counters) - min(counters) <= quantum + most * longest
+        below = [share.service(t) for t in range(4) if count[t] < seats / 4]
+        if below:  # the bound is for tenants backlogged below their seat share
+            assert max(below) - min(below) <= quantum + most * longest
 
 
 def test_queries_change_nothing_however_often_they_are_asked() -> None:
