@@ -431,7 +431,7 @@ def test_resync_rebuilds_the_picture_from_the_engines_sets() -> None:
     e.arrival = 4.0
     rt.resync(running, [e, d, c])  # e is new to Feather; the waiting side by arrival
     assert running_ids(rt) == {"a", "b"} and list(rt.queue.waiting_ids()) == ["c", "d", "e"]
-    assert rt.queue.arrival_s("c") == 2.0 and rt._tracked["b"].preemptions == 1
+    assert rt.queue.arrival_s("c") == 2.0 and rt._record.tracked["b"].preemptions == 1
     assert not rt.faults.dirty
     rt.resync(running, [c, e])  # d left unseen
     stats = rt.meter.stats
@@ -849,14 +849,14 @@ def test_a_fault_in_the_rebuild_leaves_the_picture_empty_and_counts_once(
         guard.attempt("step", rt.end_step, step, len(running), 0.01)
 
     guard.fault("decide", RuntimeError("the first"))
-    assert not rt._tracked and len(rt) == 0 and rt.queue.num_running == 0
+    assert not rt._record.tracked and len(rt) == 0 and rt.queue.num_running == 0
     adapter_calls(1)
     add = ChunkedHashTree.add
     calls = iter(range(100))
     monkeypatch.setattr(ChunkedHashTree, "add", lambda *args: add(*args) if next(calls) != 4
                         else 1 / 0)
     assert not guard.attempt("begin_pass", rt.begin_pass, running, waiting)
-    assert not rt._tracked and len(rt) == 0 and rt.queue.num_running == 0
+    assert not rt._record.tracked and len(rt) == 0 and rt.queue.num_running == 0
     adapter_calls(2)
     monkeypatch.undo()
     served = {tenant: share.service(tenant) for tenant in "ab"}

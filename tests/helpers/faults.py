@@ -8,8 +8,9 @@ from collections.abc import Callable
 
 import pytest
 
-from feather_sched.core import runtime
+from feather_sched.core import order
 from feather_sched.core.cht import ChunkedHashTree
+from feather_sched.core.record import Record
 from feather_sched.core.tenants import TenantShare
 from feather_sched.gates.bandit import UCBBanditGate
 from feather_sched.telemetry.prometheus import PrometheusSink
@@ -25,12 +26,12 @@ FEATHER_CODE: tuple[tuple[object, str, str], ...] = (
     (StepMeter, "step", "meter"),
     (PrometheusSink, "pass_ended", "sink"),
     (PrometheusSink, "request_left", "sink"),
-    (runtime, "order_by_group", "order"),
+    (order, "order_by_group", "order"),
 )
 """(owner, attribute, label): the tree, the bandit gate, the meter, the metrics sink and
 the running order, as the runtime reaches them."""
 
-REBUILD: tuple[tuple[object, str, str], ...] = ((runtime.FeatherRuntime, "_track", "rebuild"),)
+REBUILD: tuple[tuple[object, str, str], ...] = ((Record, "track", "rebuild"),)
 """The rebuild after a fault, at each request it tracks again (aimed at by
 ``Injector.next_pass(rebuilding=True)``); also a new request's tracking."""
 SHARE: tuple[tuple[object, str, str], ...] = (

@@ -7,10 +7,15 @@
 * ``isolation`` - the namespace of a request's prefix keys (what must never be shared);
 * ``config`` - ``FeatherConfig``: every option, validated once; ``faults`` -
   ``FaultGuard``: Feather's own exceptions contained;
-* ``runtime`` - ``FeatherRuntime``: the one contract vLLM, SGLang and the simulator drive;
-  ``contract`` - ``RuntimeContract``: that contract's members, each with its contract;
-* ``urgent`` - urgent preemption's protocol: ``Room``, the engine's room arithmetic that
-  ``FeatherRuntime.urgent_victims`` asks, and ``engine_members``, the check of the
+* ``runtime`` - ``FeatherRuntime``: the one contract vLLM, SGLang and the simulator drive,
+  a composition of rooms: ``view`` (``RequestView``, all an adapter implements),
+  ``record`` (the requests the engine holds), ``order`` (its running and waiting lists in
+  Feather's order), ``ledger`` (this pass's admissions, the steps awaiting reward),
+  ``recovery`` (the picture emptied and rebuilt after a fault); ``contract`` -
+  ``RuntimeContract``: that contract's members, each with its contract;
+* ``urgent`` - urgent preemption, once: the rule (``fewest_victims``), ``make_room`` (the
+  protocol vLLM's adapter and the simulator run before their pass), ``Room``, the
+  engine's room arithmetic it asks, and ``engine_members``, the check of the
   engine-private members an adapter's replay reads.
 
 This package's exports (``__all__``) are the engine adapters' surface: an adapter imports
@@ -38,7 +43,7 @@ from feather_sched.core.tenants import (
     named_tenant,
     parse_tenant,
 )
-from feather_sched.core.urgent import Room, engine_members
+from feather_sched.core.urgent import Room, engine_members, make_room
 from feather_sched.gates.base import Decision
 from feather_sched.gates.step_model import EngineShape
 
@@ -68,6 +73,7 @@ __all__ = [
     "engine_members",
     "is_true",
     "keys_per_chunk",
+    "make_room",
     "named_tenant",
     "parse_tenant",
     "token_chunk_keys",

@@ -20,8 +20,8 @@ from typing import Protocol
 from feather_sched.core.config import FeatherConfig
 from feather_sched.core.faults import FaultGuard
 from feather_sched.core.queue import Admission
-from feather_sched.core.runtime import R, RequestId
 from feather_sched.core.urgent import Room
+from feather_sched.core.view import R, RequestId
 from feather_sched.gates.base import BatchLayout
 from feather_sched.telemetry.stats import AdmissionCounts, StepMeter
 from feather_sched.telemetry.steplog import BatchEntry

@@ -45,7 +45,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.core.prefix import SharedPrefixes, describe_batch, group_of, keys_per_chunk
-from feather_sched.core.urgent import Room
+from feather_sched.core.urgent import Room, make_room
 from feather_sched.costmodel.cost import StepCost
 from feather_sched.gates.base import BatchLayout, Decision
 from feather_sched.results.records import RequestRecord, RunResult, StepRecord
@@ -227,6 +227,31 @@ class PoolRoom(Room[SimRequest]):
         held = len(self.pool.blocks_of(running.request_id))
         blocks = blocks_for(running.num_computed_tokens + tokens, self.config.block_tokens)
         return max(blocks - held, 0), tokens
+
+
+class SimUrgency:
+    """The simulator as ``core.urgent.make_room``'s ``Engine``: its request type, its
+    room (``PoolRoom``, a snapshot of the engine now) and its recompute preemption."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+
+    @staticmethod
+    def priority(request: SimRequest) -> int:
+        return request.spec.priority
+
+    @staticmethod
+    def request_id(request: SimRequest) -> Hashable:
+        return request.request_id
+
+    def room(self, request: SimRequest) -> PoolRoom:
+        engine = self.engine
+        return PoolRoom(engine.pool, engine.running, request, engine.config)
+
+    def preempt(self, victim: SimRequest) -> None:
+        """Out of the running list, then ``SimEngine._preempt`` for urgency."""
+        self.engine.running.remove(victim)
+        self.engine._preempt(victim, urgent=True)
 
 
 def _charged_s(policy: Policy) -> float:
@@ -531,31 +556,11 @@ class SimEngine:
         self._timed(self.policy.enter_waiting, request)
 
     def _make_room(self) -> None:
-        """Before the pass, vLLM's urgent-preemption protocol as Feather's adapter drives it
-        (``integrations.vllm.urgent.UrgentRoom``): when the policy's candidate is of a
-        more urgent class than a running request, lacks room (``PoolRoom``) and is its
-        ADD, the policy's ``urgent_victims`` are preempted together and the ADD promised;
-        the pass then admits it.  Only for a policy with ``UrgentPreemption``'s calls."""
-        policy = self._urgent
-        if policy is None or not self.running or not len(policy):
-            return
-        candidate = self._timed(policy.candidate)
-        if candidate is None or \
-                candidate.spec.priority >= max(r.spec.priority for r in self.running):
-            return
-        room = PoolRoom(self.pool, self.running, candidate, self.config)
-        if room.made_by(()):
-            return
-        answer = self._timed(policy.decide)
-        if answer is None or answer.decision is not Decision.ADD or \
-                answer.request_id != candidate.request_id:
-            return
-        victims = self._timed(policy.urgent_victims, list(self.running), candidate, room)
-        for victim in victims:
-            self.running.remove(victim)
-            self._preempt(victim, urgent=True)
-        if victims:
-            self._timed(policy.promise, candidate)
+        """Before the pass, urgent preemption as Feather's vLLM adapter runs it
+        (``core.urgent.make_room``, with ``SimUrgency`` as its engine), each policy call
+        timed; only for a policy with ``UrgentPreemption``'s calls."""
+        if self._urgent is not None:
+            make_room(self._urgent, self.running, SimUrgency(self), self._timed)
 
     def _admit(self, scheduled: list[SimRequest], budget: int) -> None:
         """Admit waiting requests while budget, seats and KV blocks last."""

@@ -384,7 +384,7 @@ def test_every_request_is_admitted_once_and_the_tree_empties(gate, options) -> N
     assert Counter(admitted) == Counter(req.rid for req in requests)
     runtime = engine.feather.runtime
     assert len(runtime) == 0 and runtime.queue.num_running == 0
-    assert not runtime._tracked
+    assert not runtime._record.tracked
     assert runtime.meter.stats.steps == rounds
 
 
@@ -901,7 +901,7 @@ def test_random_faults_in_feathers_code_lose_no_request(seed: int, fairness: str
     assert len(injector.raised) == len(contained_faults) == runtime.meter.stats.faults > 10
     assert all(isinstance(error, InjectedFault) for _, error in contained_faults)
     assert set(injector.raised) == {label for _, _, label in fault_targets(fairness)}
-    assert runtime.faults.active and not runtime._tracked and len(runtime) == 0
+    assert runtime.faults.active and not runtime._record.tracked and len(runtime) == 0
     stats = runtime.meter.stats
     assert stats.requests_entered == stats.requests_left  # those Feather saw: each once
     if fairness != "off":

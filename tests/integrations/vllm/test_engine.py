@@ -199,7 +199,7 @@ def test_every_request_ends_once_with_aborts_and_preemption() -> None:
     scheduler = scheduler_of(llm)
     assert scheduler.preemptions > 0
     runtime = scheduler.feather.runtime
-    assert len(runtime) == 0 and runtime.queue.num_running == 0 and not runtime._tracked
+    assert len(runtime) == 0 and runtime.queue.num_running == 0 and not runtime._record.tracked
 
 
 def test_fair_share_seats_a_second_tenant_before_a_flood_drains_and_counts_its_work(

@@ -217,7 +217,7 @@ class Harness:
         return runner_output(ids, sampled)
 
     def assert_empty(self) -> None:
-        assert len(self.runtime) == 0 and not self.runtime._tracked
+        assert len(self.runtime) == 0 and not self.runtime._record.tracked
         assert self.runtime.queue.num_running == 0
 
 
@@ -475,7 +475,7 @@ def test_each_reward_reaches_the_decisions_of_its_own_step(async_scheduling: boo
 
     def spying_end_pass(step, running):
         end_pass(step, running)
-        bound[step] = list(runtime._open_steps.get(step, []))
+        bound[step] = runtime._ledger.bound(step)
 
     runtime.end_pass = spying_end_pass
     kept, sizes = [], {}  # outputs kept alive: a step's key is its output's identity

@@ -61,11 +61,10 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from feather_sched import core
-from feather_sched.core import Decision, FeatherRuntime, engine_members
+from feather_sched.core import FeatherRuntime, engine_members
 from feather_sched.integrations.vllm import compat
 
 logger = logging.getLogger("vllm.feather_sched")
-_PRIORITY = attrgetter("priority")
 PRIVATE = ("_preempt_request", "_request_blocks_can_be_freed")
 """The members of vLLM's ``Scheduler`` this module reads that vLLM keeps private (its
 own preemption, and whether a request's blocks free now)."""
@@ -95,11 +94,13 @@ class UrgentRoom:
 
     def make(self) -> None:
         """Before vLLM's pass, after ``forget``: make room for Feather's next admission if
-        it is more urgent than a running request and lacks a seat or KV blocks. Call only
-        while Feather serves the pass."""
-        candidate = self._candidate()
-        if candidate is not None and self._room_for(candidate):
-            self.request = candidate
+        it is more urgent than a running request and lacks a seat or KV blocks (the
+        core's ``make_room``, with this as its ``Engine``). Call only while Feather
+        serves the pass."""
+        scheduler, runtime = self.scheduler, self.runtime
+        if self.under_priority and runtime.config.max_urgent_preemptions and \
+                scheduler.pause_state == PauseState.UNPAUSED:
+            self.request = core.make_room(runtime, scheduler.running, self)
 
     def holds_back(self, request: Request) -> bool:
         """Whether ``request`` (the head of ``kv_holding_waiting``, which vLLM drains
@@ -110,36 +111,14 @@ class UrgentRoom:
         return urgent is not None and urgent.status is not RequestStatus.RUNNING and \
             request.priority > urgent.priority
 
-    def _candidate(self) -> Request | None:
-        """Feather's candidate if urgent preemption may act for it: on, vLLM admitting new
-        requests, a less urgent class running, and nothing that would make vLLM skip
-        it. O(running)."""
-        scheduler, runtime = self.scheduler, self.runtime
-        if not (self.under_priority and runtime.config.max_urgent_preemptions and
-                scheduler.running and len(runtime) and
-                scheduler.pause_state == PauseState.UNPAUSED):
-            return None
-        candidate = runtime.candidate()
-        if candidate is None or \
-                candidate.priority >= max(map(_PRIORITY, scheduler.running)):
-            return None
-        return candidate if self._schedulable(candidate) else None
+    # ---- ``core.urgent.Engine``: vLLM's types, room arithmetic and preemption ----------
 
-    def _room_for(self, candidate: Request) -> bool:
-        """Whether there is room for ``candidate`` in this pass: found, or made by
-        preempting the victims the core names, if Feather admits it."""
-        room = Room(self.scheduler, candidate)
-        if room.made_by(()):
-            return True
-        if not self._admitted(candidate):
-            return False
-        victims = self.runtime.urgent_victims(self.scheduler.running, candidate, room)
-        if not victims:
-            return False
-        for victim in victims:
-            self._preempt(victim)
-        self.runtime.promise(candidate)
-        return True
+    priority = staticmethod(attrgetter("priority"))
+    request_id = staticmethod(attrgetter("request_id"))
+
+    def room(self, request: Request) -> Room | None:
+        """vLLM's ``Room`` for ``request``, or None where vLLM would skip it."""
+        return Room(self.scheduler, request) if self._schedulable(request) else None
 
     def _schedulable(self, request: Request) -> bool:
         """Whether vLLM's waiting loop would try to allocate for ``request`` rather than
@@ -156,13 +135,7 @@ class UrgentRoom:
         loaded = {r.lora_request.lora_int_id for r in scheduler.running if r.lora_request}
         return lora.lora_int_id in loaded or len(loaded) < scheduler.lora_config.max_loras
 
-    def _admitted(self, candidate: Request) -> bool:
-        """Whether Feather admits ``candidate`` now (the gate's ADD, or a bound's)."""
-        answer = self.runtime.decide()
-        return answer is not None and answer.decision is Decision.ADD and \
-            answer.request_id == candidate.request_id
-
-    def _preempt(self, victim: Request) -> None:
+    def preempt(self, victim: Request) -> None:
         """vLLM's own preemption of running ``victim``, outside its loop: out of
         ``running``, then ``_preempt_request`` (dropping the in-flight output only where
         a KV connector needs it delivered, as vLLM's loop does)."""
