@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from feather_sched.core.queue import Admission, FeatherQueue
 from feather_sched.core.view import RequestId
 from feather_sched.gates.base import Decision, GateContext
-from feather_sched.telemetry.stats import AdmissionCounts
+from feather_sched.telemetry.prometheus import PrometheusSink
+from feather_sched.telemetry.stats import AdmissionCounts, SchedulerStats
 
 MAX_OPEN_STEPS = 64
 """Steps formed but not yet reported; older ones are dropped unrewarded (an engine that
@@ -117,6 +118,17 @@ class PassLedger:
         counts.stop, counts.forced, counts.add = (counts.stop + stops, counts.forced + forced,
                                                   counts.add + len(admitted) - forced)
         return Settled(len(self.taken), admitted, stops, forced, credit)
+
+    def report(self, sink: PrometheusSink, settled: Settled, now: float, groups: int,
+               stats: SchedulerStats) -> None:
+        """The pass's answers on the metrics ``sink`` (``pass_ended``), with the running
+        prefix ``groups`` and the waiting and running counts of ``stats``."""
+        queue = self.queue
+        sink.pass_ended(
+            asked=settled.asked, add=len(settled.admitted) - settled.forced,
+            stop=settled.stops, forced=settled.forced,
+            admitted=[(queue.tenant(r), now - queue.arrival_s(r)) for r in settled.admitted],
+            groups=groups, waiting=stats.waiting, running=stats.running)
 
     def close(self, step: Hashable, credit: Credit) -> None:
         """The pass formed ``step``: its answers are forgotten, ``credit`` bound to it."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
+from operator import is_, itemgetter
 from typing import Generic
 
 from feather_sched.core.config import FeatherConfig
@@ -165,6 +165,13 @@ class Order(Generic[R]):
             return self.queue.group(request_id)
         return group_of(self.view.chunk_keys(request), request_id)
 
+    def group_size(self, request: R, request_id: RequestId) -> int:
+        """The running requests of ``request``'s prefix group, counting it once whether
+        or not it runs.  O(running)."""
+        group, queue = self.group(request), self.queue
+        return 1 + sum(1 for r in queue.running_ids()
+                       if r != request_id and queue.group(r) == group)
+
     def spend(self, request_id: RequestId) -> None:
         """The request reached ``max_preemptions``: it goes last of its group from now on."""
         self.spent.add(request_id)
@@ -178,6 +185,15 @@ class Order(Generic[R]):
         mirror = self.mirror
         return mirror if mirror is not None and \
             mirror.epoch == self.queue.running_epoch else None
+
+    def unchanged(self, running: Sequence[R]) -> list[RequestId] | None:
+        """The mirror's ids where ``running`` is the current mirror's very list (nothing to
+        reconcile), else None.  O(running), in C."""
+        mirror = self.current()
+        if mirror is not None and len(running) == len(mirror.requests) and \
+                all(map(is_, running, mirror.requests)):
+            return mirror.ids
+        return None
 
     def reconciled(self, running: Sequence[R], ids: list[RequestId]) -> None:
         """The queue's running set was made ``running``'s (whose ids are ``ids``)."""

@@ -10,14 +10,16 @@ queue as waiting; moving it between states is the runtime's.  O(1) a call unless
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic
 
-from feather_sched.core.queue import FeatherQueue
-from feather_sched.core.tenants import DEFAULT_TENANT
+from feather_sched.core.prefix import describe_batch
+from feather_sched.core.queue import FeatherQueue, QueueState
+from feather_sched.core.tenants import DEFAULT_TENANT, service_of
 from feather_sched.core.view import R, RequestId, RequestView
 from feather_sched.telemetry.stats import StepMeter
+from feather_sched.telemetry.steplog import BatchEntry
 
 
 @dataclass
@@ -103,6 +105,21 @@ class Record(Generic[R]):
         self.count_left([tracked])
         return True
 
+    def stale(self, request: R) -> bool:
+        """Whether the engine's waiting ``request`` must be entered (``enter_waiting``):
+        new to Feather, re-keyed (its prompt grew), or not waiting in the queue."""
+        request_id = self.view.request_id(request)
+        known = self.tracked.get(request_id)
+        return known is None or known.prompt_tokens != self.view.prompt_tokens(request) or \
+            self.queue.state(request_id) is not QueueState.WAITING
+
+    def unseen(self, running: set[RequestId], waiting: set[RequestId]) -> list[RequestId]:
+        """The tracked requests in neither the engine's ``running`` nor its ``waiting``:
+        they left it by a path Feather did not see.  O(tracked) where there may be one."""
+        if len(self.tracked) <= len(running) + len(waiting):
+            return []
+        return [r for r in self.tracked if r not in running and r not in waiting]
+
     def unsettle(self) -> None:
         """A fault emptied the queue: every tracked request waits, unsettled, for the
         rebuild or its exit.  O(tracked)."""
@@ -115,6 +132,41 @@ class Record(Generic[R]):
         if self.meter.sink is not None:
             for tracked in gone:
                 self.meter.sink.request_left(tracked.preemptions)
+
+    def served(self, request_id: RequestId, computed_tokens: int,
+               generated_tokens: int) -> None:
+        """A step computed ``computed_tokens`` prompt tokens for the request and generated
+        ``generated_tokens``: its tenant's service, under fair share (``TenantShare.
+        charge``) and on its metrics series.  Nothing for a request not tracked (as
+        after a fault until the rebuild).  O(1)."""
+        tracked = self.tracked.get(request_id)
+        if tracked is None:
+            return
+        share = self.queue.share
+        if share is not None:
+            share.charge(tracked.tenant, computed_tokens, generated_tokens)
+        if self.meter.sink is not None:
+            self.meter.sink.served(tracked.tenant,
+                                   service_of(computed_tokens, generated_tokens))
+
+    def describe_batch(self, rows: Iterable[tuple[R, int, int]]) -> list[BatchEntry]:
+        """A step's batch: ``rows`` of (request, context tokens, new tokens) described in
+        Feather's chunks (``prefix.describe_batch``), the same in every engine; a request
+        not tracked is keyed by the view.  O(keys of the batch)."""
+        queue, view, tracked = self.queue, self.view, self.tracked
+        described = []
+        for request, context, new in rows:
+            request_id = view.request_id(request)
+            keys = queue.keys(request_id) if request_id in tracked else \
+                view.chunk_keys(request)
+            described.append((request_id, keys, context, new))
+        return describe_batch(described, queue.chunk_tokens)
+
+    def preempted(self, request_id: RequestId) -> int:
+        """The engine preempted the tracked request: its preemptions, counted."""
+        tracked = self.tracked[request_id]
+        tracked.preemptions += 1
+        return tracked.preemptions
 
     def may_give_way(self, request: R, priority: int, limit: int) -> bool:
         """Whether running ``request`` may be an urgent victim for a request of class

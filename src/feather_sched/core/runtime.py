@@ -2,36 +2,30 @@
 
 A thin composition of rooms, each with one job and its own state, behind one contract
 (``core.contract.RuntimeContract``: every member an adapter may use, each with its
-contract; docs/architecture.md's table is generated from it): the ``FeatherQueue``; the
-``Record`` of the requests the engine holds; the ``Order`` of its running and waiting
-lists; the ``PassLedger`` of this pass's admissions and the steps awaiting their reward;
-``Recovery`` after a fault; urgent preemption's rule (``core.urgent``); and the
-``StepMeter`` with stats, step log and saved gate state.  Adapters never reach the rooms.
-
-Invariants: the running set is never assumed from admissions: ``begin_pass`` and
-``end_pass`` each take what the engine reports as running, so a request it skipped, parked
-or ran by a path Feather does not see is placed where the engine has it.  An exception in
-any call is contained by the adapter calling through ``faults`` (``FaultGuard``), and the
-next ``begin_pass``, given the engine's own queues, rebuilds Feather's picture.  Nothing
-here imports an engine.  The contract with an example loop: docs/architecture.md.
+contract; docs/architecture.md's table is generated from it): the ``FeatherQueue``, the
+``Record`` of the requests the engine holds, the ``Order`` of its lists, the
+``PassLedger`` of this pass's admissions, ``Recovery`` after a fault, urgent preemption's
+rule (``core.urgent``) and the ``StepMeter``.  Adapters never reach the rooms.  The
+running set is never assumed from admissions: ``begin_pass`` and ``end_pass`` each take
+what the engine reports as running.  An exception in any call is contained by the adapter
+calling through ``faults`` (``FaultGuard``), and the next ``begin_pass``, given the
+engine's own queues, rebuilds the picture.  The contract's loop: docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from operator import is_
 from typing import Generic
 
 from feather_sched.core.config import FeatherConfig
 from feather_sched.core.faults import FaultGuard
 from feather_sched.core.ledger import PassLedger
 from feather_sched.core.order import Order
-from feather_sched.core.prefix import describe_batch
 from feather_sched.core.queue import Admission, QueueState
 from feather_sched.core.record import Record
 from feather_sched.core.recovery import Recovery
-from feather_sched.core.tenants import DEFAULT_TENANT, service_of
+from feather_sched.core.tenants import DEFAULT_TENANT
 from feather_sched.core.urgent import Room, fewest_victims
 from feather_sched.core.view import R, RequestId, RequestView
 from feather_sched.gates.base import BatchLayout, Persistent
@@ -39,8 +33,6 @@ from feather_sched.gates.step_model import EngineShape
 from feather_sched.telemetry import prometheus as metrics
 from feather_sched.telemetry.stats import SchedulerStats, StepMeter
 from feather_sched.telemetry.steplog import BatchEntry
-
-__all__ = ["FeatherRuntime", "R", "RequestId", "RequestView"]
 
 
 class FeatherRuntime(Generic[R]):
@@ -52,11 +44,10 @@ class FeatherRuntime(Generic[R]):
                  seats: int | None = None, kv_tokens: int | None = None,
                  engine: EngineShape | None = None, chunk_tokens: int | None = None,
                  on_fault: Callable[[str], None] | None = None) -> None:
-        """``seats``: the engine's cap on running requests, ``kv_tokens``: its KV cache in
-        tokens, where the adapter knows them; ``engine``: its device and model, for the
-        model gate's prior; ``chunk_tokens``: the tokens one of ``view``'s chunk keys
-        stands for, where the engine's blocks round the configured size; ``on_fault``:
-        the adapter's fall-back after a fault (``FaultGuard``)."""
+        """``seats``, ``kv_tokens``: the engine's cap on running requests and its KV cache
+        in tokens, where known; ``engine``: its device and model (the model gate's prior);
+        ``chunk_tokens``: the tokens of one of ``view``'s chunk keys, where the engine's
+        blocks round the configured size; ``on_fault``: the adapter's fall-back."""
         self.name, self.config, self.view, self.clock = name, config, view, clock
         self.queue = queue = config.make_queue(clock=clock, engine=engine,
                                                chunk_tokens=chunk_tokens)
@@ -148,17 +139,8 @@ class FeatherRuntime(Generic[R]):
 
     def served(self, request_id: RequestId, computed_tokens: int,
                generated_tokens: int) -> None:
-        """Charged to the request's tenant (``TenantShare.charge``) and its series;
-        nothing for a request Feather does not know.  O(1)."""
-        tracked = self._record.tracked.get(request_id)
-        if tracked is None:
-            return
-        share = self.queue.share
-        if share is not None:
-            share.charge(tracked.tenant, computed_tokens, generated_tokens)
-        if self.meter.sink is not None:
-            self.meter.sink.served(tracked.tenant,
-                                   service_of(computed_tokens, generated_tokens))
+        """``Record.served``.  O(1)."""
+        self._record.served(request_id, computed_tokens, generated_tokens)
 
     def is_running(self, request_id: RequestId) -> bool:
         """Whether Feather has the request in its running set."""
@@ -211,17 +193,13 @@ class FeatherRuntime(Generic[R]):
         """Counted per request and class, with its group's running size; at
         ``max_preemptions`` it goes last of its group (``Order.spend``). O(running)."""
         request_id = self._record.refresh(request)
-        tracked = self._record.tracked[request_id]
-        tracked.preemptions += 1
+        preemptions = self._record.preempted(request_id)
         limit = self.config.max_preemptions
-        if limit is not None and tracked.preemptions >= limit:
+        if limit is not None and preemptions >= limit:
             self._order.spend(request_id)
-        group = self.group(request)
-        queue = self.queue
-        siblings = sum(1 for r in queue.running_ids()
-                       if r != request_id and queue.group(r) == group)
-        self.meter.preempted(tracked.preemptions, priority=queue.priority(request_id),
-                             group_size=siblings + 1, urgent=urgent)
+        self.meter.preempted(preemptions, priority=self.queue.priority(request_id),
+                             group_size=self._order.group_size(request, request_id),
+                             urgent=urgent)
 
     def passes_due(self, request: R) -> bool:
         """``Order.passes_due``.  O(requeued requests)."""
@@ -248,16 +226,8 @@ class FeatherRuntime(Generic[R]):
         return self._order.rank_waiting(waiting)
 
     def describe_batch(self, rows: Iterable[tuple[R, int, int]]) -> list[BatchEntry]:
-        """In Feather's chunks (``prefix.describe_batch``); a request Feather does not
-        track keyed by the view.  O(keys of the batch)."""
-        queue, view, tracked = self.queue, self.view, self._record.tracked
-        described = []
-        for request, context, new in rows:
-            request_id = view.request_id(request)
-            keys = queue.keys(request_id) if request_id in tracked else \
-                view.chunk_keys(request)
-            described.append((request_id, keys, context, new))
-        return describe_batch(described, queue.chunk_tokens)
+        """``Record.describe_batch``.  O(keys of the batch)."""
+        return self._record.describe_batch(rows)
 
     def candidate(self) -> R | None:
         """The queue's candidate, without asking the gate."""
@@ -282,14 +252,8 @@ class FeatherRuntime(Generic[R]):
         settled = self._ledger.settle(self.is_running)
         stats = self._count_states()
         if self.meter.sink is not None:
-            now, queue = self.clock(), self.queue
-            self.meter.sink.pass_ended(
-                asked=settled.asked, add=len(settled.admitted) - settled.forced,
-                stop=settled.stops, forced=settled.forced,
-                admitted=[(queue.tenant(r), now - queue.arrival_s(r))
-                          for r in settled.admitted],
-                groups=len({self.group(r) for r in running}), waiting=stats.waiting,
-                running=stats.running)
+            self._ledger.report(self.meter.sink, settled, self.clock(),
+                                len({self.group(r) for r in running}), stats)
         self._ledger.close(step, settled.credit)
         self.faults.served(decided)
 
@@ -316,27 +280,20 @@ class FeatherRuntime(Generic[R]):
         ids = self._reconcile_running(running)
         if waiting is None:
             return
-        queue, view, tracked = self.queue, self.view, self._record.tracked
         running_ids, waiting_ids = set(ids), set()
         for request in waiting:
-            request_id = view.request_id(request)
-            waiting_ids.add(request_id)
-            known = tracked.get(request_id)
-            if known is None or known.prompt_tokens != view.prompt_tokens(request) or \
-                    queue.state(request_id) is not QueueState.WAITING:
+            waiting_ids.add(self.view.request_id(request))
+            if self._record.stale(request):
                 self.enter_waiting(request)
-        if len(self._record.tracked) > len(running_ids) + len(waiting_ids):
-            for request_id in [r for r in self._record.tracked
-                               if r not in running_ids and r not in waiting_ids]:
-                self.discard(request_id)
+        for request_id in self._record.unseen(running_ids, waiting_ids):
+            self.discard(request_id)
 
     def _reconcile_running(self, running: Sequence[R]) -> list[RequestId]:
         """``reconcile``'s running half; returns ``running``'s request ids, in order.
         Nothing to do for the mirror's list (``order.Mirror``)."""
-        mirror = self._order.current()
-        if mirror is not None and len(running) == len(mirror.requests) and \
-                all(map(is_, running, mirror.requests)):
-            return mirror.ids
+        ids = self._order.unchanged(running)
+        if ids is not None:
+            return ids
         queue = self.queue
         ids = list(map(self.view.request_id, running))
         running_ids = set(ids)
