@@ -6,8 +6,8 @@ run out, the policy's victim (vLLM FCFS: the most recently admitted; vLLM's prio
 policy: the latest arrival of the least urgent class; Feather: the newest member of that
 class's youngest prefix group); then, if nothing was
 preempted, admission from the waiting policy while the token budget, ``max_num_seqs``
-and the KV blocks allow.  Under Feather, before the pass, urgent preemption as Feather's
-vLLM adapter does it (``integrations.vllm.urgent.UrgentRoom``): when the candidate of the
+and the KV blocks allow.  Under Feather, before the pass, urgent preemption by the very
+protocol Feather's vLLM adapter runs (``core.urgent.make_room``): when the candidate of the
 most urgent class waiting lacks a seat or KV blocks and a less urgent request runs, the
 fewest running requests that make room (``urgent_victims``, asking a ``PoolRoom``) are
 preempted together, then the pass admits it.  The batch is laid out
@@ -252,6 +252,22 @@ class SimUrgency:
         """Out of the running list, then ``SimEngine._preempt`` for urgency."""
         self.engine.running.remove(victim)
         self.engine._preempt(victim, urgent=True)
+
+
+def condense(slots: list[SimRequest | None], holes: list[int]) -> None:
+    """vLLM's input batch ``condense``: move the last occupied slot into the lowest hole
+    (``holes``, a heap of the empty slots' indices) until no hole is left."""
+    while holes:
+        while slots and slots[-1] is None:
+            slots.pop()
+        hole = heapq.heappop(holes)
+        if hole < len(slots):
+            request = slots.pop()
+            assert request is not None
+            slots[hole] = request
+            request.slot = hole
+    while slots and slots[-1] is None:
+        slots.pop()
 
 
 def _charged_s(policy: Policy) -> float:
@@ -628,7 +644,7 @@ class SimEngine:
                     slots.append(request)
                 else:
                     slots[request.slot] = request
-        self._condense()
+        condense(slots, holes)
         if self.policy.layout is BatchLayout.FEATHER:
             place = {id(request): index for index, request in enumerate(scheduled)}
             anchor: dict[Hashable, int] = {}
@@ -638,21 +654,6 @@ class SimEngine:
             for index, request in enumerate(slots):
                 request.slot = index
         return [r for r in slots if r is not None]  # condensed: every slot is occupied
-
-    def _condense(self) -> None:
-        """Move the last occupied slot into the lowest hole until no hole is left."""
-        slots, holes = self._slots, self._holes
-        while holes:
-            while slots and slots[-1] is None:
-                slots.pop()
-            hole = heapq.heappop(holes)
-            if hole < len(slots):
-                request = slots.pop()
-                assert request is not None
-                slots[hole] = request
-                request.slot = hole
-        while slots and slots[-1] is None:
-            slots.pop()
 
     # ---- execution --------------------------------------------------------------------
 

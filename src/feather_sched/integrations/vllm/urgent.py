@@ -7,7 +7,9 @@ before vLLM's pass (``VllmFeather.before_schedule``, after Feather's running ord
 when Feather's next admission (its ADD for the candidate of the most urgent class waiting)
 lacks a seat or KV blocks and a running request of a less urgent class exists, it preempts
 ``FeatherRuntime.urgent_victims`` (the core's order and bound, ``max_urgent_preemptions``:
-the fewest in Feather's order that make room), then vLLM's own pass admits it. Where there
+the fewest in Feather's order that make room), then vLLM's own pass admits it. That
+decision is the core's ``make_room`` (the simulator's too); ``UrgentRoom`` gives it vLLM's
+types, ``Room`` and preemption (``core.urgent.Engine``). Where there
 is room, made or found, ``kv_holding_waiting``, which vLLM drains first and which ``Room``
 does not count, keeps its less urgent requests back until the urgent one is in
 (``KvHoldingQueue``).
