@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feather_sched.core.cht import ChunkedHashTree
 from feather_sched.core.config import FeatherConfig
 from feather_sched.core.queue import QueueState
 from feather_sched.core.runtime import FeatherRuntime
@@ -137,44 +136,6 @@ def test_a_pass_over_the_same_list_still_sees_what_changed_between_passes() -> N
     assert rt.begin_pass([b, c, a]) == [a, c, b]
 
 
-def test_admissions_and_exits_between_passes_keep_the_order_exact() -> None:
-    """Between passes Feather follows the engine's list through the admissions and exits
-    it is told of; the next pass still returns Feather's order where they change it:
-    a group's oldest member leaving re-ranks the group, a member joining its group or an
-    older request admitted last moves into place."""
-    rt = runtime()
-    a1, b1, a2, c1, b2 = req("a1", 0), req("b1", 1), req("a2", 0), req("c1", 2), req("b2", 1)
-    for arrival, request in enumerate((a1, b1, a2, c1)):
-        request.arrival = float(arrival)
-        rt.enter_waiting(request)
-    running = rt.begin_pass([])
-    admit_all(rt, running)
-    rt.end_pass(1, running)
-    running = rt.begin_pass(running)
-    assert [r.rid for r in running] == ["a1", "a2", "b1", "c1"]
-    running.remove(a1)  # finished: group a now ranks by a2, after b1
-    rt.discard("a1")
-    running = rt.begin_pass(running)
-    assert [r.rid for r in running] == ["b1", "a2", "c1"]
-    running.remove(c1)  # a group of one leaving changes no rank
-    rt.discard("c1")
-    assert rt.begin_pass(running) == running
-    b2.arrival = 4.0
-    rt.enter_waiting(b2)
-    admit_all(rt, running)
-    rt.end_pass(2, running)
-    assert [r.rid for r in running] == ["b1", "a2", "b2"]  # appended: b2 joins group b
-    running = rt.begin_pass(running)
-    assert [r.rid for r in running] == ["b1", "b2", "a2"]
-    d = req("d", 3)
-    d.arrival = 1.5  # older than a2: its group ranks before a's
-    rt.enter_waiting(d)
-    running = rt.begin_pass(running)
-    admit_all(rt, running)
-    rt.end_pass(3, running)
-    assert [r.rid for r in rt.begin_pass(running)] == ["b1", "b2", "d", "a2"]
-
-
 def test_an_engine_running_a_request_feather_never_admitted_is_believed() -> None:
     rt = runtime()
     a, b = req("a"), req("b")
@@ -262,114 +223,6 @@ def test_admit_requires_an_add_for_that_request() -> None:
         rt.admit(b)
 
 
-def test_begin_pass_returns_the_running_list_grouped_by_age() -> None:
-    rt = runtime()
-    running = [req("b1", 1), req("a1", 0), req("a2", 0)]
-    for arrival, request in enumerate(running):
-        request.arrival = float(arrival)
-        rt.enter_waiting(request)
-    assert [r.rid for r in rt.begin_pass(running)] == ["b1", "a1", "a2"]
-    assert [r.rid for r in rt.begin_pass(running[::-1])] == ["b1", "a1", "a2"]
-    rt = runtime(order_running=False)
-    for request in running:
-        rt.enter_waiting(request)
-    as_given = [running[2], running[0], running[1]]
-    assert rt.begin_pass(as_given) == as_given  # the engine's order
-    assert [r.rid for r in rt.order(as_given)] == ["b1", "a1", "a2"]  # by arrival only
-    assert rt.preemption_victim(as_given) is running[2]  # the latest arrival
-
-
-def test_the_victim_is_the_newest_member_of_the_youngest_group() -> None:
-    rt = runtime()
-    old = Req("solo", [(9,)], arrival=1.0)
-    first, young = Req("maj-1", [(0,)], arrival=2.0), Req("maj-2", [(0,)], arrival=3.0)
-    tied = Req("maj-3", [(0,), (0, "t")], arrival=3.0)  # same time, entered later
-    for request in (old, first, young, tied):
-        rt.enter_waiting(request)
-    ordered = rt.begin_pass([young, tied, old, first])
-    assert [r.rid for r in ordered] == ["solo", "maj-1", "maj-2", "maj-3"]
-    assert rt.preemption_victim(ordered) is tied  # the old singleton never pays
-    assert rt.preemption_victim([old, first]) is first
-    later = Req("late", [(5,)], arrival=1.5)  # a singleton older than the group's oldest
-    rt.enter_waiting(later)
-    assert rt.preemption_victim([old, later, first, young]) is young
-    stranger = Req("never-seen", arrival=0.5)  # not in the queue: its own arrival counts
-    assert rt.preemption_victim([stranger, old]) is old
-    rt = runtime(order_running=False)
-    for request in (old, first, young, tied):
-        rt.enter_waiting(request)
-    assert rt.preemption_victim([tied, old, first, young]) is tied  # the latest arrival
-
-
-def test_a_member_at_the_preemption_bound_goes_after_its_group() -> None:
-    """Preempted ``max_preemptions`` times, a request leads its group in the order (its
-    siblings go first), the group keeps its place (by its oldest member), and the
-    order returns to age once it leaves."""
-    rt = runtime(max_preemptions=2)
-    solo = Req("solo", [(9,)], arrival=1.0)
-    members = [Req(f"a{i}", [(0,), (0, i)], arrival=2.0 + i) for i in range(3)]
-    for request in (solo, *members):
-        rt.enter_waiting(request)
-    running = rt.begin_pass([solo, *members])
-    assert rt.preemption_victim(running) is members[2]
-    rt.preempted(members[2])
-    assert rt.preemption_victim(running) is members[2]  # below the bound still
-    rt.preempted(members[2])
-    ordered = rt.begin_pass(running)
-    assert [r.rid for r in ordered] == ["solo", "a2", "a0", "a1"]
-    assert rt.preemption_victim(ordered) is members[1]
-    assert rt.begin_pass(ordered) == ordered  # the same order from the mirror
-    rt.discard("a2")
-    assert [r.rid for r in rt.begin_pass(ordered[:1] + ordered[2:])] == ["solo", "a0", "a1"]
-    assert runtime(max_preemptions=None).config.max_preemptions is None
-
-
-def test_the_batch_order_gathers_a_group_across_classes() -> None:
-    """Preemption keeps classes apart (the least urgent last); a batch lays each group
-    out in one run, where its first member stands."""
-    rt = runtime()
-    a_low = Req("a-low", [(1,), (1, "x")], arrival=1.0, priority=1)
-    b_high = Req("b-high", [(2,), (2, "y")], arrival=2.0, priority=0)
-    a_high = Req("a-high", [(1,), (1, "z")], arrival=3.0, priority=0)
-    for request in (a_low, b_high, a_high):
-        rt.enter_waiting(request)
-    running = rt.begin_pass([a_low, b_high, a_high])
-    assert [r.rid for r in running] == ["b-high", "a-high", "a-low"]
-    assert [r.rid for r in rt.batch_order(running)] == ["b-high", "a-high", "a-low"]
-    assert [r.rid for r in rt.order([a_low, a_high, b_high])] == ["b-high", "a-high", "a-low"]
-    c_high = Req("c-high", [(1,), (1, "w")], arrival=0.5, priority=0)  # group 1, oldest
-    rt.enter_waiting(c_high)
-    running = rt.begin_pass([a_low, b_high, a_high, c_high])
-    assert [r.rid for r in running] == ["c-high", "a-high", "b-high", "a-low"]
-    assert [r.rid for r in rt.batch_order(running)] == ["c-high", "a-high", "a-low", "b-high"]
-
-
-def test_the_least_urgent_class_gives_way_first_however_old() -> None:
-    rt = runtime()
-    old_low = Req("old-low", [(1,)], arrival=1.0, priority=1)
-    young_high = Req("young-high", [(2,)], arrival=5.0, priority=0)
-    for request in (old_low, young_high):
-        rt.enter_waiting(request)
-    assert rt.preemption_victim([young_high, old_low]) is old_low
-    stranger = Req("never-seen", arrival=9.0, priority=0)
-    assert rt.preemption_victim([stranger, old_low]) is old_low
-
-
-def test_a_bypassing_admission_passes_a_due_request_only_if_it_arrived_later() -> None:
-    """What an engine's own side queue (vLLM's kv_holding_waiting) may run before a due
-    request: earlier arrivals, and more urgent ones; never a later one of its class."""
-    rt = runtime(max_overtakes=0)
-    assert not rt.passes_due(Req("alone", arrival=9.0))  # nothing waits: nothing due
-    rt.enter_waiting(Req("due", [(1,)], arrival=2.0, priority=1))
-    assert rt.passes_due(Req("later", arrival=3.0, priority=1))
-    assert rt.passes_due(Req("less-urgent", arrival=1.0, priority=2))
-    assert not rt.passes_due(Req("earlier", arrival=1.0, priority=1))
-    assert not rt.passes_due(Req("urgent", arrival=3.0, priority=0))
-    patient = runtime(max_overtakes=5)
-    patient.enter_waiting(Req("waits", [(1,)], arrival=2.0, priority=1))
-    assert not patient.passes_due(Req("later", arrival=3.0, priority=1))  # not due yet
-
-
 def test_stats_are_written_and_a_failed_write_keeps_the_runtime_alive(tmp_path, caplog) -> None:
     stats = tmp_path / "stats.json"
     rt = runtime(stats_file=str(stats))
@@ -411,33 +264,6 @@ def test_faults_are_counted_logged_once_and_n_in_a_row_turn_feather_off(
     assert "3 faults in a row" in caplog.text and "the latest in end_pass" in caplog.text
     assert [where for where, _ in contained_faults] == ["decide", "admit", "begin_pass",
                                                         "decide", "end_pass"]
-
-
-def test_resync_rebuilds_the_picture_from_the_engines_sets() -> None:
-    """After a fault the queue may hold anything: resync rebuilds it from what the engine
-    runs and holds waiting, keeping arrivals and preemption counts, counting each request
-    in once and out once."""
-    rt = runtime(gate=RecordingGate())
-    a, b, c, d = req("a", 0), req("b", 0), req("c", 1), req("d", 2)
-    for arrival, request in enumerate((a, b, c, d)):
-        request.arrival = float(arrival)
-        rt.enter_waiting(request)
-    rt.begin_pass([])
-    running = admit_all(rt, [], limit=2)
-    rt.end_pass(1, running)
-    rt.preempted(running[1])
-    rt.queue.tree.remove("c")  # a fault left the tree half-updated
-    e = req("e", 1)
-    e.arrival = 4.0
-    rt.resync(running, [e, d, c])  # e is new to Feather; the waiting side by arrival
-    assert running_ids(rt) == {"a", "b"} and list(rt.queue.waiting_ids()) == ["c", "d", "e"]
-    assert rt.queue.arrival_s("c") == 2.0 and rt._record.tracked["b"].preemptions == 1
-    assert not rt.faults.dirty
-    rt.resync(running, [c, e])  # d left unseen
-    stats = rt.meter.stats
-    assert (stats.requests_entered, stats.requests_left) == (5, 1)
-    rt.begin_pass(running)
-    assert rt.decide().request_id == "c"  # the older of the two, both of group 1
 
 
 events = st.lists(st.tuples(st.sampled_from(["arrive", "pass", "finish", "preempt", "park",
@@ -519,29 +345,6 @@ def test_the_queue_learns_the_engines_size_and_who_lays_out_the_batch() -> None:
 # ---- the verbs every adapter shares ---------------------------------------------------
 
 
-def test_rank_waiting_puts_the_candidate_first_then_the_trees_rank() -> None:
-    """The engine's waiting list as Feather would admit it: the candidate, then what the
-    tree ranks (a running group's members before strangers, strangers by arrival), then
-    requests Feather does not hold waiting, in their given order."""
-    rt = runtime(min_passing_tokens=0)
-    running = [req("r", 1)]
-    long_stranger = Req("long", [("long", i) for i in range(9)], arrival=1.0)
-    short_stranger = Req("short", [("short", 0)], arrival=2.0)
-    sibling, held = req("sibling", 1), req("held", 2)
-    for request in (*running, long_stranger, sibling, short_stranger, held):
-        rt.enter_waiting(request)
-    rt.begin_pass([])
-    admit_all(rt, [], limit=1)  # "r", the oldest
-    rt.end_pass(1, running)
-    rt.begin_pass(running)
-    rt.hold("held")
-    unknown = req("unknown", 3)
-    waiting = [unknown, held, short_stranger, long_stranger, sibling]
-    ranked = rt.rank_waiting(waiting)
-    assert [r.rid for r in ranked] == ["sibling", "long", "short", "unknown", "held"]
-    assert ranked[0] is rt.candidate() and waiting[0] is unknown  # the list is not changed
-
-
 def test_describe_batch_counts_shared_chunks_in_feathers_chunks() -> None:
     rt = runtime(chunk_tokens=16)
     a, b, stranger = req("a", 7, chunks=4), req("b", 7, chunks=4), req("x", 8, chunks=2)
@@ -551,18 +354,6 @@ def test_describe_batch_counts_shared_chunks_in_feathers_chunks() -> None:
     assert [e.group for e in entries] == [(7,), (7,), (8,)]
     assert [e.shared_tokens for e in entries] == [3 * 16, 3 * 16 - 8, 0]
     assert [(e.context_tokens, e.new_tokens) for e in entries] == [(70, 1), (40, 8), (30, 1)]
-
-
-def test_begin_pass_after_a_fault_rebuilds_from_the_engines_queues(contained_faults) -> None:
-    rt = runtime()
-    a, b = req("a", 0), req("b", 1)
-    rt.enter_waiting(a)
-    rt.faults.fault("decide", KeyError("a"))
-    with pytest.raises(ValueError, match="waiting queue"):
-        rt.begin_pass([])
-    assert rt.faults.dirty
-    rt.begin_pass([a], [b])  # the engine runs a and holds b waiting
-    assert not rt.faults.dirty and running_ids(rt) == {"a"} and len(rt) == 1 and "b" in rt
 
 
 def test_guarded_calls_contain_a_fault_and_run_the_adapters_fall_back(
@@ -817,60 +608,6 @@ def test_urgent_victims_are_the_fewest_in_feathers_order_that_make_room() -> Non
     assert victims(rt, running, waiting, room) == []
     assert victims(rt, running, waiting) == ["young"]  # one seat: the end
     assert victims(runtime(max_urgent_preemptions=0), running, waiting) == []
-
-
-@pytest.mark.parametrize("fairness", ["tenants", "vtc"])
-def test_a_fault_in_the_rebuild_leaves_the_picture_empty_and_counts_once(
-        fairness: str, monkeypatch, contained_faults) -> None:
-    """Under fair share, twelve requests running: a fault empties Feather's picture, and a
-    second one in the rebuild that follows (at its fifth request) leaves it empty again,
-    not half-rebuilt. Meanwhile every call an adapter makes (the step's service, a
-    request's exit) is answered without a fault, so the two faults count two and Feather
-    stays on; the next rebuild is whole, and each request is counted in and out once."""
-    config = FeatherConfig.from_sources({"gate": "always", "max_wait_s": None,
-                                         "fairness": fairness}, environ={})
-    rt = FeatherRuntime(config, TenantView(), clock=lambda: 0.0)
-    requests = [TenantReq(f"r{i}", req(f"r{i}", i).keys, arrival=float(i),
-                          tenant="ab"[i % 2]) for i in range(15)]
-    for request in requests:
-        rt.enter_waiting(request)
-    rt.begin_pass([])
-    running = admit_all(rt, [], limit=12)
-    rt.end_pass(1, running)
-    waiting = requests[12:]
-    share, guard = rt.queue.share, rt.faults
-
-    def adapter_calls(step: int) -> None:  # as an engine's step result makes them
-        for request in running:
-            guard.attempt("served", rt.served, request.rid, 0, 1)
-        gone = running.pop()
-        assert guard.call("discard", rt.discard, gone.rid) is True
-        assert guard.call("discard", rt.discard, gone.rid) is False
-        guard.attempt("step", rt.end_step, step, len(running), 0.01)
-
-    guard.fault("decide", RuntimeError("the first"))
-    assert not rt._record.tracked and len(rt) == 0 and rt.queue.num_running == 0
-    adapter_calls(1)
-    add = ChunkedHashTree.add
-    calls = iter(range(100))
-    monkeypatch.setattr(ChunkedHashTree, "add", lambda *args: add(*args) if next(calls) != 4
-                        else 1 / 0)
-    assert not guard.attempt("begin_pass", rt.begin_pass, running, waiting)
-    assert not rt._record.tracked and len(rt) == 0 and rt.queue.num_running == 0
-    adapter_calls(2)
-    monkeypatch.undo()
-    served = {tenant: share.service(tenant) for tenant in "ab"}
-    assert guard.attempt("begin_pass", rt.begin_pass, running, waiting)
-    assert running_ids(rt) == {r.rid for r in running} and len(rt) == 3
-    for request in running:
-        rt.served(request.rid, 0, 1)
-    assert all(share.service(t) > served[t] for t in "ab")
-    assert [where for where, _ in contained_faults] == ["decide", "begin_pass"]
-    assert rt.meter.stats.faults == 2 and guard.active and not guard.dirty
-    for request in [*running, *waiting]:
-        rt.discard(request.rid)
-    stats = rt.meter.stats
-    assert stats.requests_entered == stats.requests_left == 15
 
 
 def test_under_fair_share_the_share_decides_who_takes_a_seat_urgency_freed() -> None:
