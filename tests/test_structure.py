@@ -66,11 +66,12 @@ def test_a_class_is_counted_whole_and_a_nested_one_on_its_own(tmp_path):
     package = tmp_path / "pkg"
     package.mkdir()
     body = [f"x{i} = {i}" for i in range(398)]
-    source = ["class Fits:", *indent(body[1:], 1), "    def method(self):", "        pass",  # 400
-              "class Long:", *indent(body, 1), "    class Inner:", *indent(body, 2)]
+    source = ["class Fits:", *indent(body[1:], 1), "    def method(self):", "        pass",
+              "class Long:", *indent(body, 1),
+              "    class Inner:", *indent([*body, "y = 0", "z = 0"], 2)]
     (package / "mod.py").write_text("\n".join(source) + "\n")
     assert long_functions(package, MAX_CLASS_LINES, (ast.ClassDef,)) == \
-        {"pkg.mod.Long": 798, "pkg.mod.Long.Inner": 399}
+        {"pkg.mod.Long": 800, "pkg.mod.Long.Inner": 401}  # Fits: 400 lines
 
 
 def indent(lines: list[str], levels: int) -> list[str]:
