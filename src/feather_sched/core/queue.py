@@ -282,7 +282,7 @@ class FeatherQueue:
         priority = self.tree.priority(best)
         if self.share is None:
             return self.bound.due(priority)
-        return self.bound.due(priority, _Slots(self.share.window(priority)))
+        return self.bound.due(priority, self.share.window(priority))
 
     def keys(self, request_id: RequestId) -> list:
         """The request's chunk keys."""
@@ -604,16 +604,6 @@ class FeatherQueue:
     def _changed(self) -> None:
         """Any change may change the candidate; a STOP still holds for this pass."""
         self._admission = None
-
-
-class _Slots:
-    """The tenant slots a mask marks (``TenantShare.window``), as a container."""
-
-    def __init__(self, mask: np.ndarray) -> None:
-        self.mask = mask
-
-    def __contains__(self, slot: object) -> bool:
-        return bool(self.mask[slot])
 
 
 class _TenantBests:

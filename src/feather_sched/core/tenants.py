@@ -216,13 +216,13 @@ def user_tenant(user: object) -> str | None:
         return None
 
 
-def grown(array: np.ndarray, slot: int) -> np.ndarray:
+def grown(array: np.ndarray, slot: int, fill: int = 0) -> np.ndarray:
     """``array`` (one entry a tenant slot) with room for ``slot``: itself where it has
-    it, else doubled (at least 64 entries), the new entries 0.  O(1) amortised."""
+    it, else doubled (at least 64 entries), the new entries ``fill``.  O(1) amortised."""
     if slot < len(array):
         return array
     size = max(64, 2 * slot + 1, 2 * len(array))
-    return np.concatenate([array, np.zeros(size - len(array), array.dtype)])
+    return np.concatenate([array, np.full(size - len(array), fill, array.dtype)])
 
 
 class TenantShare:
