@@ -244,16 +244,20 @@ class OvertakeBound:
             found = head
         return found
 
-    def oldest(self, priority: int = 0, tenant: int | None = None) -> RequestId | None:
-        """The waiting request of class ``priority`` (and tenant number ``tenant``, where
-        given) that arrived first (of several that arrived together, any); None when none
-        waits.  O(T) in C plus O(requeued requests)."""
+    def oldest(self, priority: int = 0, tenant: int | None = None,
+               tenants: np.ndarray | None = None) -> RequestId | None:
+        """The waiting request of class ``priority`` that arrived first (of several that
+        arrived together, any), of tenant number ``tenant`` or of the ``tenants`` a mask
+        marks, where given; None when none waits.  O(T) in C plus O(requeued)."""
         candidates = [r for r in self._requeued_in(priority)
-                      if tenant is None or self._tenant[r] == tenant]
+                      if (tenant is None or self._tenant[r] == tenant) and
+                      (tenants is None or _marked(tenants, self._tenant[r]))]
         heads = self._heads.get(priority)
         if heads is not None:
-            first = int(np.argmin(heads.sequence)) if tenant is None else tenant
-            if first < len(heads.sequence) and heads.sequence[first] != _NONE:
+            sequence = heads.sequence if tenants is None else \
+                np.where(_aligned(tenants, len(heads.sequence)), heads.sequence, _NONE)
+            first = int(np.argmin(sequence)) if tenant is None else tenant
+            if first < len(sequence) and sequence[first] != _NONE:
                 candidates.append(self._oldest_fresh((priority, first)))
         return min(candidates, key=self._sequence.__getitem__, default=None)
 
