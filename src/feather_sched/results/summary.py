@@ -179,6 +179,19 @@ def tenants(run: RunResult, ok: list[RequestRecord]) -> dict[str, dict] | None:
     return result
 
 
+def pool_tenants(by_tenant: dict[str, dict], prefix: str, label: str) -> dict[str, dict]:
+    """``tenants``' figures with the tenants named ``prefix``... taken together as
+    ``label`` (appended; none: unchanged): their requests, and their mean TTFT over all
+    their requests.  For the tables of workloads of many light tenants.  O(tenants)."""
+    pooled = {k: v for k, v in by_tenant.items() if k.startswith(prefix)}
+    kept = {k: v for k, v in by_tenant.items() if k not in pooled}
+    requests = sum(v["requests"] for v in pooled.values())
+    if requests:
+        kept[label] = {"requests": requests, "mean_ttft_ms": sum(
+            v["requests"] * v["mean_ttft_ms"] for v in pooled.values()) / requests}
+    return kept
+
+
 def service_gap(run: RunResult) -> float | None:
     """The largest difference in service (``tenants``) between two tenants over the
     interval in which every tenant had a request in the engine (from the latest first
