@@ -11,8 +11,8 @@ unpins the blocks itself.  The rule (docs/sessions.md):
   finished turn's prompt and output: some leading key of the request is that turn's last
   full-block key.  Both only within one namespace (tenant and ``cache_salt``).
 * **Hold.** A turn that ends with its session expected to go on (finish reason
-  ``tool_calls``, or a session that came back before after a turn without one) is held for ``ttl = min(
-  max_ttl_s, gap, breakeven)``: ``gap`` the ``gap_quantile`` of the session's own
+  ``tool_calls``, or a session that came back before after a turn without one) is
+  held for ``ttl = min(max_ttl_s, gap, breakeven)``: ``gap`` the ``gap_quantile`` of the session's own
   gaps (else its namespace's, else ``default_gap_s``), ``breakeven = reload_s * pool /
   blocks`` (holding ``blocks`` of ``pool`` for ``t`` costs others at most
   ``blocks / pool * t`` engine-seconds; recomputing costs ``reload_s``).  No hold where

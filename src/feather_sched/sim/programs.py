@@ -36,7 +36,7 @@ from feather_sched.core.isolation import Namespace
 from feather_sched.core.runtime import FeatherRuntime
 from feather_sched.core.sessions import Hold, RetentionConfig, Sessions
 from feather_sched.results.records import RequestRecord
-from feather_sched.sim.block_pool import BlockKeys, blocks_for
+from feather_sched.sim.block_pool import BlockKeys
 from feather_sched.sim.engine import SimEngine, SimRequest, SimResult, StepCostModel
 from feather_sched.sim.fcfs import PriorityPolicy
 from feather_sched.sim.policies import SimRequests

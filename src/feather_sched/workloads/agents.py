@@ -140,7 +140,7 @@ def agent_programs(*, programs: int, arrival: ArrivalSpec | None = None,
 
 def _program(rng: np.random.Generator, index: int, agent_type: int, system: np.ndarray,
              start_s: float, shape: AgentShape, vocab_size: int) -> AgentProgram:
-    count = int(round(shape.turns.draw(rng, 1)[0]))
+    count = int(np.rint(shape.turns.draw(rng, 1)[0]))
     outputs = shape.output_tokens.draw(rng, count).round().astype(int)
     tool_outputs = shape.tool_output_tokens.draw(rng, count).round().astype(int)
     tools = shape.tool_s.draw(rng, count)
