@@ -12,10 +12,11 @@ unpins the blocks itself.  The rule (docs/sessions.md):
   full-block key.  Both only within one namespace (tenant and ``cache_salt``).
 * **Hold.** A turn that ends with its session expected to go on (finish reason
   ``tool_calls``, or a session that came back before after a turn without one) is
-  held for ``ttl = min(max_ttl_s, gap, breakeven)``: ``gap`` the ``gap_quantile`` of the session's own
-  gaps (else its namespace's, else ``default_gap_s``), ``breakeven = reload_s * pool /
-  blocks`` (holding ``blocks`` of ``pool`` for ``t`` costs others at most
-  ``blocks / pool * t`` engine-seconds; recomputing costs ``reload_s``).  No hold where
+  held for ``ttl = min(max_ttl_s, gap, breakeven)``: ``gap`` the ``gap_quantile``
+  of the session's own gaps (else its namespace's, else ``default_gap_s``),
+  ``breakeven = reload_s * pool / blocks`` (holding ``blocks`` of ``pool`` for ``t``
+  costs others at most ``blocks / pool * t`` engine-seconds; recomputing costs
+  ``reload_s``).  No hold where
   ``gap`` exceeds ``breakeven``: holding would lose in expectation.
 * **Bound.** Held blocks never exceed ``max_held_share`` of the pool: a new hold first
   displaces less valuable ones, else it is refused.  A hold's value is its reload
