@@ -56,7 +56,7 @@ def test_ttl_is_the_gap_quantile_capped_by_breakeven_and_max_ttl():
     session = sessions.session_of("t0")
     # 100 blocks over 1,000 tokens: reload 1 s, breakeven 1 s * 1000 / 100 = 10 s.
     assert sessions.ttl_s(session, 1000, 100) == 4.0
-    assert sessions.ttl_s(session, 1000, 400) is None  # breakeven 2.5 s < the 4 s gap
+    assert sessions.ttl_s(session, 1000, 400) == 2.5  # capped at breakeven: 1 s * 1000 / 400
     session.gaps.extend([1.0, 2.0, 3.0, 8.0])
     assert sessions.ttl_s(session, 1000, 100) == 8.0  # the 0.9 quantile of its own gaps
     assert table(max_ttl_s=0.5).ttl_s(session, 1000, 100) == 0.5

@@ -13,11 +13,12 @@ unpins the blocks itself.  The rule (docs/sessions.md):
 * **Hold.** A turn that ends with its session expected to go on (finish reason
   ``tool_calls``, or a session that came back before after a turn without one) is
   held for ``ttl = min(max_ttl_s, gap, breakeven)``: ``gap`` the ``gap_quantile``
-  of the session's own gaps (else its namespace's, else ``default_gap_s``),
+  of the session's own gaps once it has ``own_gaps`` (else its namespace's, else
+  ``default_gap_s``),
   ``breakeven = reload_s * pool / blocks`` (holding ``blocks`` of ``pool`` for ``t``
   costs others at most ``blocks / pool * t`` engine-seconds; recomputing costs
-  ``reload_s``).  No hold where
-  ``gap`` exceeds ``breakeven``: holding would lose in expectation.
+  ``reload_s``): ski rental, so a session that never returns costs others at most
+  what one reload would have cost it.
 * **Bound.** Held blocks never exceed ``max_held_share`` of the pool: a new hold first
   displaces less valuable ones, else it is refused.  A hold's value is its reload
   seconds per block, scaled by the share of its TTL left (the oldest is worth least).
@@ -50,6 +51,8 @@ class RetentionConfig:
     """The gap assumed for a session and namespace with none seen yet."""
     history: int = 32
     """Gaps kept per session and per namespace."""
+    own_gaps: int = 8
+    """Gaps a session must have shown before its own quantile replaces its namespace's."""
     max_sessions: int = 65536
     """Sessions remembered (least recently active forgotten first)."""
 
@@ -61,8 +64,8 @@ class RetentionConfig:
         for name in ("max_ttl_s", "default_gap_s"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
-        if self.history < 1 or self.max_sessions < 1:
-            raise ValueError("history and max_sessions must be positive")
+        if min(self.history, self.max_sessions, self.own_gaps) < 1:
+            raise ValueError("history, max_sessions and own_gaps must be positive")
 
 
 @dataclass(frozen=True)
@@ -258,12 +261,12 @@ class Sessions:
         return finish_reason == TOOL_CALLS or session.returns_untold > 0
 
     def ttl_s(self, session: Session, tokens: int, blocks: int) -> float | None:
-        """The rule's TTL for holding ``blocks`` over ``tokens`` (None: do not hold)."""
-        gaps = session.gaps or self._namespace_gaps.get(session.namespace)
+        """The rule's TTL for holding ``blocks`` over ``tokens`` (None: do not hold, as
+        where ``max_ttl_s`` is 0)."""
+        gaps = session.gaps if len(session.gaps) >= self.config.own_gaps else \
+            self._namespace_gaps.get(session.namespace) or session.gaps
         gap = quantile(gaps, self.config.gap_quantile) if gaps else self.config.default_gap_s
         breakeven = self.reload_s(tokens) * self.pool_blocks / max(blocks, 1)
-        if gap > breakeven:
-            return None
         ttl = min(self.config.max_ttl_s, breakeven, gap)
         return ttl if ttl > 0 else None
 

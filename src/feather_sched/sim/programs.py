@@ -15,9 +15,9 @@ next turn can hit prompt and output); then:
   nothing can run; admission program-level FCFS (``ProgramFcfsPolicy``);
 * ``SessionRetention`` is Feather's rule (``core.sessions``): recognised by prefix match,
   held within ``max_held_share`` of the pool, released at expiry, at the next turn, under
-  pressure (a running request's growth, or nothing able to run); a continuing turn
-  whose blocks are held enters Feather's queue in class 0, others in class 1
-  (``SessionView``), so it is admitted first within Feather's bounds.
+  pressure (nothing able to run; optionally a running request's growth); a continuing
+  turn whose prefix is warm (held, or half its blocks still cached) enters Feather's
+  queue in class 0, others in class 1 (``SessionView``), so it is admitted first.
 """
 
 from __future__ import annotations
@@ -227,7 +227,8 @@ class SessionRetention(_Holding):
         self.sessions = Sessions(config or RetentionConfig(), engine.config.num_blocks,
                                  reload_s)
         self.warm: set[str] = set()
-        """Turns that arrived while their session's blocks were held."""
+        """Continuing turns that arrived with their prefix resident: their session's
+        blocks held, or at least half their prompt's blocks still cached."""
         self.continuing: set[str] = set()
         """Turns that continue a session."""
 
@@ -236,12 +237,13 @@ class SessionRetention(_Holding):
 
     def arrived(self, spec: RequestSpec) -> None:
         namespace = Namespace((), spec.tenant)
-        if self.sessions.arrived(spec.request_id, namespace, self.keys(spec.prompt),
-                                 spec.arrival_s):
-            self.warm.add(spec.request_id)
+        keys = self.keys(spec.prompt)
+        held = self.sessions.arrived(spec.request_id, namespace, keys, spec.arrival_s)
         session = self.sessions.session_of(spec.request_id)
         if session is not None and session.ended_s is not None:
             self.continuing.add(spec.request_id)
+            if held or 2 * len(self.engine.pool.match(keys)) >= len(keys):
+                self.warm.add(spec.request_id)
 
     def finished(self, request: SimRequest) -> bool:
         super().finished(request)
