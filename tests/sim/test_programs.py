@@ -13,8 +13,9 @@ from feather_sched.sim import programs
 from feather_sched.sim.engine import SimEngine
 from feather_sched.sim.policies import make_policy
 from feather_sched.sim.runner import SimPlan
-from feather_sched.workloads.agents import AgentShape, LogNormal, agent_programs
+from feather_sched.workloads.agents import AgentShape, AgentWorkload, LogNormal, agent_programs
 from feather_sched.workloads.spec import ArrivalSpec
+from feather_sched.workloads.synthetic import shared_prefix_groups
 
 SMALL = AgentShape(agent_types=2, system_tokens=LogNormal(512, 0.2, 256, 1024),
                    task_tokens=LogNormal(200, 0.5, 32, 800),
@@ -98,3 +99,23 @@ def test_ttl_pins_are_released_and_the_pool_stays_consistent():
     assert counts["released_at_next_turn"] + counts["expiries"] + \
         counts["released_when_stalled"] > 0
     engine.pool.check()
+
+
+def test_without_sessions_feather_with_sessions_is_feather():
+    """No loss where there are no sessions: single-turn requests are never held nor
+    promoted, so every request's times are Feather's own."""
+    workload = shared_prefix_groups(groups=6, prompts_per_group=10, prefix_len=900,
+                                    suffix_len=120, output_len=24,
+                                    arrival=ArrivalSpec("poisson", 40.0), seed=2)
+    plan = SimPlan.from_options(workload, num_blocks=700, charge_scheduler_time=False)
+    plain = SimEngine(plan.cost_model("fcfs"), plan.engine_config())
+    expected = plain.run(workload, make_policy("feather-always", {}, plain)).records
+    engine = SimEngine(plan.cost_model("fcfs"), plan.engine_config())
+    agents = AgentWorkload.single_turns(workload)
+    retention = programs.SessionRetention(engine, programs.Turns.of(agents),
+                                          programs.reload_seconds(engine.cost_model, 8192))
+    policy = programs.feather_with_sessions(engine, retention, {"gate": "always"}, "s")
+    got = programs.run_programs(engine, policy, agents, retention).records
+    assert [(r.request_id, r.token_times_s) for r in got] == \
+        [(r.request_id, r.token_times_s) for r in expected]
+    assert retention.counts()["held"] == 0

@@ -106,6 +106,14 @@ class AgentWorkload:
     name: str
     programs: list[AgentProgram]
 
+    @classmethod
+    def single_turns(cls, workload: Workload) -> AgentWorkload:
+        """Each request of ``workload`` a program of one turn that ends in ``stop``: a
+        workload without sessions, for the closed-loop driver."""
+        empty = np.zeros(0, dtype=np.int32)
+        return cls(workload.name, [AgentProgram(i, 0, (AgentTurn(spec, 0.0, STOP, empty),))
+                                   for i, spec in enumerate(workload.requests)])
+
     def open_loop(self) -> Workload:
         """All turns at their open-loop times (for description and open-loop replay)."""
         return Workload(self.name, [t.spec for p in self.programs for t in p.turns])
