@@ -270,11 +270,35 @@ def condense(slots: list[SimRequest | None], holes: list[int]) -> None:
         slots.pop()
 
 
+def step_seconds(config: EngineConfig, model_s: float, uncharged_s: float) -> float:
+    """A step's length: its model time and the scheduler time not yet charged
+    (``uncharged_s``), the longer of the two where they overlap, else their sum."""
+    if not config.charge_scheduler_time:
+        return model_s
+    if config.overlap_scheduler:
+        return max(model_s, uncharged_s)
+    return model_s + uncharged_s
+
+
 def _charged_s(policy: Policy) -> float:
     """A policy's optional ``charged_s``: modelled scheduler seconds of the current step
     (e.g. SGLang's prefix matching, which the simulator does far cheaper), reset by the
     policy in ``new_step`` and read once per step."""
     return getattr(policy, "charged_s", 0.0)
+
+
+class Retention(Protocol):
+    """Keeps finished requests' blocks for what comes next (``sim.programs``)."""
+
+    def tick(self) -> None:
+        """Before each step: release what is due."""
+
+    def finished(self, request: SimRequest) -> bool:
+        """A request finished: True where its blocks were kept (else the engine frees
+        them)."""
+
+    def stalled(self) -> bool:
+        """Nothing runs and nothing was admitted: release held blocks; True if any."""
 
 
 class StepCostModel(Protocol):
@@ -370,6 +394,9 @@ class SimEngine:
         self.kv_events: Callable[[list[KVEvent]], None] | None = None
         """Where each step's KV cache events go, as vLLM publishes a batch per
         ``schedule()`` (set before ``start``; None: the pool emits none)."""
+        self.retention: Retention | None = None
+        """What happens to a finished request's blocks, and when held ones go back
+        (``sim.programs``; set before ``start``; None: freed to the LRU cache, as vLLM)."""
         self._reset([], None)
 
     def clock(self) -> float:
@@ -433,13 +460,15 @@ class SimEngine:
         if self._step >= self.config.max_steps:
             raise RuntimeError(
                 f"simulation did not finish within {self.config.max_steps} steps")
+        if self.retention is not None:
+            self.retention.tick()
         self._arrive()
         batch, preempted = self._schedule()
         if self.kv_events is not None and (events := self.pool.take_events()):
             self.kv_events(events)
         if batch:
             self._execute(batch)
-        elif not (preempted or self.running):
+        elif not (preempted or self.running or self._unstalled()):
             self._wait_for_arrival()
 
     def _reset(
@@ -665,23 +694,13 @@ class SimEngine:
               r.scheduled_tokens) for r in batch), config.block_tokens,
             keys_per_chunk(config.block_tokens, config.group_tokens), shared=self._shared)
         cost = self.cost_model.step(entries)
-        seconds = self._step_seconds(cost.seconds)
+        seconds = step_seconds(self.config, cost.seconds, self._uncharged_s)
         self._uncharged_s = 0.0
         self.now += seconds
         self.steps.append(StepRecord(batch_size=len(batch), groups=len({r.group for r in batch})))
         emitted = self._credit(batch)
         self.costs.add(cost, emitted)
         self._timed(self.policy.end_step, self._step, len(batch), seconds, entries)
-
-    def _step_seconds(self, model_s: float) -> float:
-        """The step's length: its model time and the scheduler time not yet charged,
-        the longer of the two where they overlap, else their sum."""
-        config = self.config
-        if not config.charge_scheduler_time:
-            return model_s
-        if config.overlap_scheduler:
-            return max(model_s, self._uncharged_s)
-        return model_s + self._uncharged_s
 
     def _credit(self, batch: list[SimRequest]) -> int:
         """Apply the step's tokens at the step's end; returns output tokens emitted.  The
@@ -711,8 +730,14 @@ class SimEngine:
             self.running = [r for r in self.running if r.state is SimState.RUNNING]
         return emitted
 
+    def _unstalled(self) -> bool:
+        """Nothing runs: held blocks go back where some are held and a request waits
+        (True: the next step may admit it)."""
+        return self.retention is not None and len(self.policy) > 0 and self.retention.stalled()
+
     def _finish(self, request: SimRequest) -> None:
-        self.pool.free(request.request_id)
+        if self.retention is None or not self.retention.finished(request):
+            self.pool.free(request.request_id)
         request.record.success = True
         self._end(request, SimState.FINISHED, self.now)
         self._timed(self.policy.discard, request.request_id)
