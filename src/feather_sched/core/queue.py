@@ -2,9 +2,8 @@
 
 The Chunked Hash Tree (``cht``) ranks waiting requests by the prefix they share with the
 running set; an ADD/STOP gate answers for the candidate; bounds on waiting override both.
-Each request the queue knows is WAITING (a candidate, in the tree's waiting set), RUNNING
-(in the running set the tree tracks) or HELD (known, but neither: the engine took it out
-of the waiting queue without running it, e.g. skipped it, or parked it elsewhere).
+The requests, their states (WAITING, RUNNING, HELD) and their moves are the queue's book
+(``book.QueueBook``); this module decides on top of it.
 
 Invariants.  Priority classes (``add(..., priority=)``, lower more urgent) are strict:
 nothing is admitted while a more urgent request waits, and all below acts within the most
@@ -20,38 +19,32 @@ share): the first of theirs in the tree's order, the least served tenant first a
 requests sharing as much (``rank_key``); the waiting bound counts overtakes within a
 tenant, and a request at its overtaking or stop bound is due only while the share admits
 its tenant (it takes its tenant's turn: ``due``), so no setting of the bounds turns the
-share off; only the starvation backstop and a ``promise`` are above the share.  Without
+share off; the starvation backstop likewise acts in its tenant's turn; only a
+``promise`` is above the share.  Without
 ``prefix_order`` (VTC itself) the candidate is instead the head of the least served
 tenant's first-come-first-served queue (``TenantFifo``).  Why each rule, and the
 guarantee they make: docs/fairness.md.
 
-Costs: ``add`` is linear in the request's keys; ``admit``/``requeue``/``remove``/``hold``
-in its keys plus the waiting requests whose shared depth changes (see ``cht``);
-``decide`` is cached per candidate until the next change.
+Costs: the moves as ``QueueBook``'s; ``decide`` is cached per candidate until the next
+change.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence, Set
-from dataclasses import dataclass, field
-from enum import Enum
-from operator import attrgetter
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 import numpy as np
 
+from feather_sched.core.book import QueueBook, QueueState
 from feather_sched.core.cht import (
     DEFAULT_CHUNK_TOKENS,
     CHTError,
     ChunkedHashTree,
-    ChunkKey,
-    RequestState,
 )
-from feather_sched.core.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS, OvertakeBound
-from feather_sched.core.prefix import group_of
-from feather_sched.core.tenants import DEFAULT_TENANT, TenantFifo, TenantShare, grown
+from feather_sched.core.fairness import DEFAULT_MAX_OVERTAKES, DEFAULT_MAX_STOPS
+from feather_sched.core.tenants import TenantShare, grown
 from feather_sched.gates.base import BatchLayout, Decision, Gate, GateContext
 from feather_sched.gates.heuristic import AlwaysAddGate
 
@@ -59,12 +52,6 @@ RequestId = Hashable
 
 DEFAULT_MAX_WAIT_S = 30.0
 DEFAULT_MIN_PASSING_TOKENS = 256
-
-
-class QueueState(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    HELD = "held"
 
 
 @dataclass(frozen=True)
@@ -80,29 +67,7 @@ class Admission:
     a gate that always adds)."""
 
 
-@dataclass
-class _Request:
-    keys: list
-    arrival_s: float
-    tokens: int
-    priority: int
-    sequence: int
-    """Order of first entry into the queue: ties between equal arrival times."""
-    group: Hashable
-    """Its prefix group (``prefix.group_of`` its keys)."""
-    tenant: Hashable = DEFAULT_TENANT
-    age_key: tuple[int, float, int] = field(init=False)
-    """(priority, arrival_s, sequence), as ``FeatherQueue.age_key`` gives it."""
-
-    def __post_init__(self) -> None:
-        self.age_key = (self.priority, self.arrival_s, self.sequence)
-
-
-_AGE_KEY = attrgetter("age_key")
-_GROUP = attrgetter("group")
-
-
-class FeatherQueue:
+class FeatherQueue(QueueBook):
     """A waiting queue ordered by shared prefix with the running set, gated per pass."""
 
     def __init__(
@@ -128,16 +93,6 @@ class FeatherQueue:
         if min_passing_tokens < 0:
             raise ValueError(f"min_passing_tokens must be non-negative, got {min_passing_tokens}")
         self.gate: Gate = gate if gate is not None else AlwaysAddGate()
-        self.max_overtakes = max_overtakes
-        self.max_stops = max_stops
-        self.max_wait_s = max_wait_s
-        self.chunk_tokens = chunk_tokens
-        """Tokens a chunk key stands for (what the gate is told in tokens)."""
-        self.min_rank_chunks = max(1, -(-min_passing_tokens // chunk_tokens))
-        """The tree's ``min_rank_chunks``: ``min_passing_tokens`` in whole chunks."""
-        self.clock = clock
-        self.share = share
-        self.prefix_order = prefix_order
         self._seats: int | None = None
         self.kv_tokens: int | None = None
         """The engine's KV cache in tokens, where its adapter knows it: with ``seats``,
@@ -147,8 +102,10 @@ class FeatherQueue:
         """How the engine lays its batch out (``use_layout``); in the engine's own layout
         admission order is the batch's, and the tree's order keeps a group's members side
         by side even when everything fits."""
-        self._running_epoch = 0
-        self.clear()
+        super().__init__(max_overtakes=max_overtakes, max_stops=max_stops,
+                         max_wait_s=max_wait_s, chunk_tokens=chunk_tokens,
+                         min_rank_chunks=max(1, -(-min_passing_tokens // chunk_tokens)),
+                         clock=clock, share=share, prefix_order=prefix_order)
 
     @property
     def seats(self) -> int | None:
@@ -168,20 +125,9 @@ class FeatherQueue:
         self.gate.use_layout(layout)
 
     def clear(self) -> None:
-        """Forget every request (the tree, the bounds' counts, this pass's answer); the
-        gate keeps what it learned.  O(1) plus freeing the old structures."""
-        self._running_epoch += 1
-        self.tree = ChunkedHashTree(self.min_rank_chunks, by_tenant=self.share is not None)
-        if self.share is not None:
-            self.share.clear_backlog()
-        self.fifo = None if self.prefix_order else TenantFifo()
+        """Forget every request (``QueueBook.clear``) and this pass's answer; the gate
+        keeps what it learned."""
         self._bests = _TenantBests()
-        self.bound = None
-        if self.max_overtakes is not None or self.max_stops is not None:
-            self.bound = OvertakeBound(self.max_overtakes, self.max_stops)
-        self._requests: dict[RequestId, _Request] = {}
-        self._sequence_numbers = itertools.count()
-        self._oldest: list[tuple[int, float, int, RequestId]] = []
         self._closed = False
         self._forced: RequestId | None = None
         """The request the starvation guard admitted in this pass."""
@@ -189,81 +135,9 @@ class FeatherQueue:
         """The request the engine preempted running requests for in this pass."""
         self._admission: Admission | None = None
         self._asked_for: RequestId | None = None
+        super().clear()
 
-    # ---- contents ---------------------------------------------------------------------
-
-    def __len__(self) -> int:
-        """Waiting requests."""
-        return self.tree.num_waiting
-
-    def __contains__(self, request_id: object) -> bool:
-        """Whether the queue knows the request, in any state."""
-        return request_id in self._requests
-
-    @property
-    def num_running(self) -> int:
-        return self.tree.num_running
-
-    @property
-    def running_epoch(self) -> int:
-        """A number that changes whenever the running set does (admit, run, requeue or
-        hold of a running request, removal of one, ``clear``) and never returns to an
-        earlier value: two equal readings bracket no change, even one that raised midway
-        (it moves before the tree does).  O(1)."""
-        return self._running_epoch
-
-    def state(self, request_id: RequestId) -> QueueState:
-        """WAITING, RUNNING or HELD; CHTError for an unknown request."""
-        if request_id not in self._requests:
-            raise CHTError(f"unknown request {request_id!r}")
-        if request_id not in self.tree:
-            return QueueState.HELD
-        waiting = self.tree.state(request_id) is RequestState.WAITING
-        return QueueState.WAITING if waiting else QueueState.RUNNING
-
-    def waiting_ids(self) -> Iterator[RequestId]:
-        """Waiting request ids in arrival order."""
-        return self.tree.waiting_ids()
-
-    def running_ids(self) -> Iterator[RequestId]:
-        return self.tree.running_ids()
-
-    def has_running_group(self) -> bool:
-        """Whether a prefix group runs with two or more members.  O(1)."""
-        return self.tree.has_running_group()
-
-    def arrival_s(self, request_id: RequestId) -> float:
-        return self._requests[request_id].arrival_s
-
-    def age_key(self, request_id: RequestId) -> tuple[int, float, int]:
-        """Sorts requests by class, the most urgent first, then by age, the oldest first:
-        (priority, arrival time, order of entry). KeyError for an unknown request. O(1)."""
-        return self._requests[request_id].age_key
-
-    def age_keys(self, request_ids: Iterable[RequestId]) -> list[tuple[int, float, int]]:
-        """``age_key`` of each request, in order; KeyError if one is unknown. O(n), in C."""
-        return list(map(_AGE_KEY, map(self._requests.__getitem__, request_ids)))
-
-    def group(self, request_id: RequestId) -> Hashable:
-        """The request's prefix group (``prefix.group_of`` its chunk keys). O(1)."""
-        return self._requests[request_id].group
-
-    def groups(self, request_ids: Iterable[RequestId]) -> list[Hashable]:
-        """``group`` of each request, in order; KeyError if one is unknown. O(n), in C."""
-        return list(map(_GROUP, map(self._requests.__getitem__, request_ids)))
-
-    def group_runners(self, request_id: RequestId) -> int:
-        """Running requests of the request's prefix group, itself included if it runs.
-        O(1)."""
-        return self.tree.group_runners(request_id)
-
-    def priority(self, request_id: RequestId) -> int:
-        """The request's priority class (lower is more urgent)."""
-        return self._requests[request_id].priority
-
-    def tenant(self, request_id: RequestId) -> Hashable:
-        """The request's tenant."""
-        return self._requests[request_id].tenant
+    # ---- admission ---------------------------------------------------------------------
 
     def due(self) -> RequestId | None:
         """The waiting request a bound puts first now (starved, or at its overtaking or
@@ -283,128 +157,6 @@ class FeatherQueue:
         if self.share is None:
             return self.bound.due(priority)
         return self.bound.due(priority, self.share.window(priority))
-
-    def keys(self, request_id: RequestId) -> list:
-        """The request's chunk keys."""
-        return self._requests[request_id].keys
-
-    def rank_key(self, request_id: RequestId) -> tuple[int, int, float, int]:
-        """A waiting request's place in the queue's order: (priority class, minus its
-        shared depth as the tree ranks it, its tenant's counter under fair share (else
-        0), arrival order).  Sorting waiting requests by it lists them as the queue would
-        offer them, bounds and the share's window aside: the tree's order
-        (``ChunkedHashTree.rank_key``), the least served tenant first among requests
-        sharing as much.  Without ``prefix_order``: (class, 0, the counter, its place in
-        its tenant's queue).  CHTError for a request not waiting (the tree holds no held
-        one).  O(1)."""
-        priority, depth, order = self.tree.rank_key(request_id)
-        share = self.share
-        served = 0.0 if share is None else share.service(self._requests[request_id].tenant)
-        if self.fifo is not None:
-            return priority, 0, served, self.fifo.place(request_id)
-        return priority, depth, served, order
-
-    def runs_exactly(self, request_ids: Set[RequestId]) -> bool:
-        """Whether the running set is exactly ``request_ids``.  O(len(request_ids))."""
-        return self.tree.runs_exactly(request_ids)
-
-    # ---- lifecycle --------------------------------------------------------------------
-
-    def add(self, request_id: RequestId, keys: Sequence[ChunkKey],
-            arrival_s: float | None = None, tokens: int | None = None,
-            priority: int = 0, tenant: Hashable = DEFAULT_TENANT) -> None:
-        """Enqueue a new request as waiting; ``arrival_s`` defaults to now, its prompt
-        ``tokens`` to its chunks' worth, its ``priority`` class to 0."""
-        if request_id in self._requests:
-            raise CHTError(f"request {request_id!r} is already in the queue")
-        self.tree.add(request_id, keys, priority, tenant)
-        arrival = self.clock() if arrival_s is None else arrival_s
-        length = len(keys) * self.chunk_tokens if tokens is None else tokens
-        self._requests[request_id] = _Request(list(keys), arrival, length, priority,
-                                              next(self._sequence_numbers),
-                                              group_of(keys, request_id), tenant)
-        self._waits(request_id, True)
-        if self.bound is not None:
-            number = 0 if self.share is None else self.share.slot(tenant)
-            self.bound.arrive(request_id, arrival, priority, number)
-        self._offer_to_guard(request_id)
-        self._changed()
-
-    def admit(self, request_id: RequestId) -> None:
-        """Move a waiting request into the running set."""
-        admission = self._admission
-        self._running_epoch += 1
-        self.tree.admit(request_id)
-        self._waits(request_id, False)
-        self._runs(request_id, True)
-        if self.bound is not None:
-            self.bound.admit(request_id)
-        if admission is not None and admission.forced and admission.request_id == request_id:
-            self._forced = request_id
-        self._changed()
-
-    def requeue(self, request_id: RequestId) -> None:
-        """Send a running or held request back to waiting; its arrival time stays."""
-        state = self.state(request_id)
-        if state is QueueState.RUNNING:
-            self._running_epoch += 1
-            self.tree.requeue(request_id)
-            self._runs(request_id, False)
-        elif state is QueueState.HELD:
-            self._enter_tree(request_id)
-        else:
-            raise CHTError(f"cannot requeue request {request_id!r}: it is waiting")
-        self._waits(request_id, True, returning=True)
-        if self.bound is not None:
-            self.bound.requeue(request_id)
-        self._offer_to_guard(request_id)
-        self._changed()
-
-    def hold(self, request_id: RequestId) -> None:
-        """Take a waiting or running request out of the tree, remembering it."""
-        state = self.state(request_id)
-        if state is QueueState.HELD:
-            raise CHTError(f"request {request_id!r} is already held")
-        self._running_epoch += state is QueueState.RUNNING
-        self.tree.remove(request_id)
-        if state is QueueState.RUNNING:
-            self._runs(request_id, False)
-        if state is QueueState.WAITING:
-            self._waits(request_id, False)
-        if self.bound is not None:
-            self.bound.hold(request_id, was_running=state is QueueState.RUNNING)
-        if self._forced == request_id:
-            self._forced = None  # a forced admission the engine did not run frees the slot
-        self._changed()
-
-    def run(self, request_id: RequestId) -> None:
-        """Put a held request straight into the running set (the engine runs it)."""
-        if self.state(request_id) is not QueueState.HELD:
-            raise CHTError(f"cannot run request {request_id!r}: it is not held")
-        self._running_epoch += 1
-        self._enter_tree(request_id)
-        self.tree.admit(request_id)
-        self._runs(request_id, True)
-        if self.bound is not None:
-            self.bound.admit(request_id)
-        self._changed()
-
-    def remove(self, request_id: RequestId) -> None:
-        """Forget a request in any state (finished, aborted, rejected)."""
-        state = self.state(request_id)
-        if state is not QueueState.HELD:
-            self._running_epoch += state is QueueState.RUNNING
-            self.tree.remove(request_id)
-        if state is QueueState.RUNNING:
-            self._runs(request_id, False)
-        if state is QueueState.WAITING:
-            self._waits(request_id, False)
-        if self.bound is not None:
-            self.bound.forget(request_id)
-        del self._requests[request_id]
-        self._changed()
-
-    # ---- admission --------------------------------------------------------------------
 
     def decide(self, offered: RequestId | None = None) -> Admission | None:
         """The answer for ``offered`` (default: the queue's own candidate, ``candidate``);
@@ -475,7 +227,30 @@ class FeatherQueue:
         self._promised = None
         self._admission = None
 
-    # ---- internals --------------------------------------------------------------------
+    def admit(self, request_id: RequestId) -> None:
+        """Move a waiting request into the running set (``QueueBook.admit``)."""
+        admission = self._admission
+        super().admit(request_id)
+        if admission is not None and admission.forced and admission.request_id == request_id:
+            self._forced = request_id
+
+    def hold(self, request_id: RequestId) -> None:
+        """Take a waiting or running request out of the tree (``QueueBook.hold``)."""
+        super().hold(request_id)
+        if self._forced == request_id:
+            self._forced = None  # a forced admission the engine did not run frees the slot
+
+    def _waits(self, request_id: RequestId, waiting: bool, returning: bool = False) -> None:
+        """``QueueBook._waits``; a request that stops waiting ends its ``promise``."""
+        if not waiting and request_id == self._promised:
+            self._promised = None
+        super()._waits(request_id, waiting, returning)
+
+    def _changed(self) -> None:
+        """Any change may change the candidate; a STOP still holds for this pass."""
+        self._admission = None
+
+    # ---- internals ---------------------------------------------------------------------
 
     def _answer(self, request_id: RequestId, forced: bool) -> Admission:
         """The answer for waiting ``request_id``; the gate is shown what admitting it
@@ -560,10 +335,11 @@ class FeatherQueue:
         past the bound (one a pass).  With a share, the oldest of the tenants the share
         admits now: it takes its own tenant's turn (without the overtaking bound's
         bookkeeping, only the oldest overall, when its tenant's turn comes)."""
-        if self.max_wait_s is None or self._forced is not None:
+        guard = self.guard
+        if guard is None or self._forced is not None:
             return None
-        oldest = self._oldest_waiting()
-        if oldest is None or not self._past_wait(oldest):
+        oldest = guard.first(self._is_waiting)
+        if oldest is None or not guard.past(self.arrival_s(oldest)):
             return None
         if self.share is None:
             return oldest
@@ -573,57 +349,7 @@ class FeatherQueue:
             oldest = self.bound.oldest(request.priority, tenants=window)
         elif not window[self.share.slot(request.tenant)]:
             return None
-        return oldest if oldest is not None and self._past_wait(oldest) else None
-
-    def _oldest_waiting(self) -> RequestId | None:
-        """The first waiting request in ``age_key`` order.  O(log n) amortised."""
-        heap = self._oldest
-        while heap:
-            request_id = heap[0][-1]
-            if request_id in self._requests and self.state(request_id) is QueueState.WAITING:
-                return request_id
-            heapq.heappop(heap)
-        return None
-
-    def _past_wait(self, request_id: RequestId) -> bool:
-        return self.clock() - self._requests[request_id].arrival_s > self.max_wait_s
-
-    def _offer_to_guard(self, request_id: RequestId) -> None:
-        if self.max_wait_s is not None:
-            request = self._requests[request_id]
-            entry = (*request.age_key, request_id)
-            heapq.heappush(self._oldest, entry)
-
-    def _enter_tree(self, request_id: RequestId) -> None:
-        request = self._requests[request_id]
-        self.tree.add(request_id, request.keys, request.priority, request.tenant)
-
-    def _waits(self, request_id: RequestId, waiting: bool, returning: bool = False) -> None:
-        """Tell the share a request started (or stopped) waiting, and ``fifo``: at its
-        tenant's head if it is ``returning`` (preempted or skipped); a request that stops
-        waiting ends its ``promise``.  O(1), O(log n) with ``fifo``."""
-        if not waiting and request_id == self._promised:
-            self._promised = None
-        if self.share is not None:
-            request = self._requests[request_id]
-            (self.share.wait if waiting else self.share.unwait)(request.tenant,
-                                                                request.priority)
-            if self.fifo is None:
-                return
-            if waiting:
-                self.fifo.enter(request_id, request.tenant, request.priority, returning)
-            else:
-                self.fifo.leave(request_id)
-
-    def _runs(self, request_id: RequestId, running: bool) -> None:
-        """Tell the share a request started (or stopped) running.  O(1)."""
-        if self.share is not None:
-            tenant = self._requests[request_id].tenant
-            (self.share.run if running else self.share.unrun)(tenant)
-
-    def _changed(self) -> None:
-        """Any change may change the candidate; a STOP still holds for this pass."""
-        self._admission = None
+        return oldest if oldest is not None and guard.past(self.arrival_s(oldest)) else None
 
 
 class _TenantBests:
