@@ -110,3 +110,15 @@ def test_unobserved_where_a_preempted_requests_recompute_is_not_counted() -> Non
     assert recomputed_tokens([unknown]) is None
     assert summarize(RunResult("server", [unknown], 1.0, preemptions=3))[
         "recomputed_tokens"] is None
+
+
+def test_the_cold_p99_is_that_of_the_requests_that_share_nothing() -> None:
+    def one(rid: str, group: int, ttft: float) -> RequestRecord:
+        return RequestRecord(rid, 10, group, 0.0, token_times_s=[ttft, ttft + 0.1],
+                             finished_s=ttft + 0.1, success=True)
+
+    shared = [one(f"s{i}", 3, 0.01) for i in range(10)]
+    cold = [one(f"c{i}", -1, 0.1 * (i + 1)) for i in range(5)]
+    summary = summarize(RunResult("fcfs", shared + cold, duration_s=1.0))
+    assert summary["cold_p99_ttft_ms"] == np.percentile([100, 200, 300, 400, 500], 99)
+    assert summarize(RunResult("fcfs", shared, duration_s=1.0))["cold_p99_ttft_ms"] is None

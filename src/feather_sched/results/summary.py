@@ -277,14 +277,20 @@ def worst_group_ratios(groups: dict[str, dict], baseline: dict[str, dict]) -> tu
     return mean, p99
 
 
+COLD = "-1"
+"""``ttft_by_group``'s key of the cold requests: those that share nothing with another."""
+
+
 def _group_keys(ok: list[RequestRecord]) -> Summary:
-    """Per prefix group TTFT, and the worst group's: where starvation shows."""
+    """Per prefix group TTFT, the worst group's and the cold requests' p99 (None without
+    any): where starvation shows."""
     groups = group_ttfts(ok)
     worst_mean = max(groups, key=lambda g: groups[g]["mean_ttft_ms"], default=None)
     worst_p99 = max(groups, key=lambda g: groups[g]["p99_ttft_ms"], default=None)
     return {
         "worst_group_mean_ttft_ms": groups[worst_mean]["mean_ttft_ms"] if worst_mean else None,
         "worst_group_p99_ttft_ms": groups[worst_p99]["p99_ttft_ms"] if worst_p99 else None,
+        "cold_p99_ttft_ms": groups[COLD]["p99_ttft_ms"] if COLD in groups else None,
         "ttft_by_group": groups,
     }
 
