@@ -277,8 +277,14 @@ def worst_group_ratios(groups: dict[str, dict], baseline: dict[str, dict]) -> tu
     return mean, p99
 
 
-COLD = "-1"
-"""``ttft_by_group``'s key of the cold requests: those that share nothing with another."""
+def cold_p99_ttft_ms(ok: list[RequestRecord]) -> float | None:
+    """p99 TTFT (ms) of the cold requests, those that share nothing with another of the
+    run: no prefix group (-1), or alone in theirs (a trace's group is its first block);
+    None without any.  O(records)."""
+    members = Counter(r.group for r in ok)
+    cold = [r.ttft_s for r in ok
+            if r.ttft_s is not None and (r.group == -1 or members[r.group] == 1)]
+    return _mean_p99("ttft", cold)["p99_ttft_ms"] if cold else None
 
 
 def _group_keys(ok: list[RequestRecord]) -> Summary:
@@ -290,7 +296,7 @@ def _group_keys(ok: list[RequestRecord]) -> Summary:
     return {
         "worst_group_mean_ttft_ms": groups[worst_mean]["mean_ttft_ms"] if worst_mean else None,
         "worst_group_p99_ttft_ms": groups[worst_p99]["p99_ttft_ms"] if worst_p99 else None,
-        "cold_p99_ttft_ms": groups[COLD]["p99_ttft_ms"] if COLD in groups else None,
+        "cold_p99_ttft_ms": cold_p99_ttft_ms(ok),
         "ttft_by_group": groups,
     }
 

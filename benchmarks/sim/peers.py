@@ -1,0 +1,181 @@
+"""Feather against what users would switch on instead: each peer's own knobs, tuned.
+
+    .venv/bin/python benchmarks/sim/peers.py [--seeds 3] [--set NAME] [--cells a,b]
+
+Llama-3-8B on the H100 SXM profile, vLLM's GPU limits. The peers, each knob swept over
+its useful range on each workload (every setting's runs are in the JSON):
+
+* ``vllm-cache-aware`` (vLLM 0.34): window 16, 64 or 256 x threshold 0 or 0.5;
+* ``vllm-active-cap`` (vLLM's ``max_num_active_seqs``): 32, 64, 128 or 192 of 256 seats;
+* SGLang 0.5.23's ``lpm``, ``dfs-weight``, ``hrrn`` and ``routing-key`` (no knob).
+
+Cells: the shared-prefix grid (8 or 32 groups of 4K-token prefixes, 480 requests, with
+120 cold requests that share nothing mixed in, Poisson at 1.5x FCFS's offline rate:
+saturated); Mooncake's synthetic trace (400 requests of seed k's third, stretched to
+0.8x FCFS's capacity: loaded, not swamped); ShareGPT (500 requests, no sharing, 0.8x).
+A knob's best setting is the one with the best median over seeds of the cell's
+objective: output tokens/s where saturated, mean TTFT where loaded. Figures: output
+tokens/s, mean and p99 TTFT, mean TPOT and the p99 TTFT of the cold requests, as
+ratios to FCFS and to the best peer (per seed, median and range). Writes peers.json and
+peers.md into results/NAME/ (default: the commit).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from feather_sched.bench.study import Study, markdown_table, offline_rate, parser, sim_plan
+from feather_sched.results.summary import median_and_range, summarize
+from feather_sched.sim.runner import simulate
+from feather_sched.workloads.options import WorkloadArgs
+from feather_sched.workloads.spec import ArrivalSpec, Workload
+from feather_sched.workloads.synthetic import no_sharing, shared_prefix_groups
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake-synthetic.jsonl"
+TRACE_WINDOW = 3993 // 3
+TRACE_REQUESTS = 400
+SHAREGPT_REQUESTS = 500
+HARDWARE = "h100-sxm"
+FEATHER, FCFS = "feather-model", "fcfs"
+KNOBS = {
+    "vllm-cache-aware": [f"vllm-cache-aware-w{w}-t{t}" for w in (16, 64, 256) for t in (0, 0.5)],
+    "vllm-active-cap": [f"vllm-active-cap-{cap}" for cap in (32, 64, 128, 192)],
+    "sglang-lpm": ["sglang-lpm"],
+    "sglang-dfs-weight": ["sglang-dfs-weight"],
+    "sglang-hrrn": ["sglang-hrrn"],
+    "sglang-routing-key": ["sglang-routing-key"],
+}
+"""Each peer and its settings swept."""
+SCHEDULERS = [FCFS, FEATHER, *(name for names in KNOBS.values() for name in names)]
+KEPT = ("completed", "output_throughput", "request_throughput", "mean_ttft_ms", "p99_ttft_ms",
+        "mean_tpot_ms", "cold_p99_ttft_ms", "worst_group_p99_ttft_ms",
+        "prefix_cache_hit_rate", "preemptions")
+FIGURES = (("output_throughput", "tok/s"), ("mean_ttft_ms", "mean TTFT"),
+           ("p99_ttft_ms", "p99 TTFT"), ("mean_tpot_ms", "TPOT"),
+           ("cold_p99_ttft_ms", "cold p99 TTFT"))
+
+
+def grid(groups: int, seed: int, rate: float | None) -> Workload:
+    """``groups`` groups of 4K-token prefixes (480 requests) and 120 cold requests."""
+    def arrival(share: float) -> ArrivalSpec | None:
+        return None if rate is None else ArrivalSpec(kind="poisson", rate=rate * share)
+
+    shared = shared_prefix_groups(groups=groups, prompts_per_group=480 // groups,
+                                  prefix_len=4096, suffix_len=32, output_len=50,
+                                  arrival=arrival(0.8), seed=seed)
+    cold = no_sharing(requests=120, prompt_len=4128, output_len=50, arrival=arrival(0.2),
+                      seed=1000 + seed)
+    return Workload(f"grid-{groups}", shared.requests + cold.requests)
+
+
+def trace(seed: int, rate: float | None) -> Workload:
+    args = WorkloadArgs(trace=TRACE, start=seed * TRACE_WINDOW, max_requests=TRACE_REQUESTS,
+                        seed=seed)
+    if rate is not None:
+        at_speed_one = args.build()
+        args.trace_speed = rate / (len(at_speed_one) / at_speed_one.requests[-1].arrival_s)
+    else:
+        args.trace_speed = 1e9
+    return args.build()
+
+
+def sharegpt(seed: int, rate: float | None) -> Workload:
+    return WorkloadArgs(dataset_name="sharegpt", max_requests=SHAREGPT_REQUESTS,
+                        request_rate=rate, seed=seed).build()
+
+
+CELLS: dict[str, tuple[Callable[[int, float | None], Workload], float, str]] = {
+    "grid-8": (lambda seed, rate: grid(8, seed, rate), 1.5, "output_throughput"),
+    "grid-32": (lambda seed, rate: grid(32, seed, rate), 1.5, "output_throughput"),
+    "mooncake": (trace, 0.8, "mean_ttft_ms"),
+    "sharegpt": (sharegpt, 0.8, "mean_ttft_ms"),
+}
+"""Each cell: its workload of (seed, rate), its load as a multiple of FCFS's offline
+rate, and the objective a knob's best setting is chosen by."""
+
+
+def run_cell(make: Callable[[int, float | None], Workload], load: float,
+             seeds: int) -> tuple[float, dict[str, list[dict]]]:
+    """Every scheduler on every seed at ``load`` x FCFS's offline rate (seed 0's)."""
+    rate = load * offline_rate(sim_plan(make(0, None), HARDWARE))
+    runs: dict[str, list[dict]] = {name: [] for name in SCHEDULERS}
+    for seed in range(seeds):
+        plan = sim_plan(make(seed, rate), HARDWARE)
+        for name in SCHEDULERS:
+            summary = summarize(simulate(plan, name))
+            runs[name].append({key: summary.get(key) for key in KEPT})
+    return rate, runs
+
+
+def better(objective: str) -> Callable[[float, float], bool]:
+    if objective == "output_throughput":
+        return lambda a, b: a > b
+    return lambda a, b: a < b
+
+
+def best_setting(runs: dict[str, list[dict]], names: list[str], objective: str) -> str:
+    """The setting of ``names`` with the best median ``objective`` over seeds."""
+    medians = {name: statistics.median(r[objective] for r in runs[name]) for name in names}
+    wins = better(objective)
+    best = names[0]
+    for name in names[1:]:
+        if wins(medians[name], medians[best]):
+            best = name
+    return best
+
+
+def ratio_text(runs: dict[str, list[dict]], name: str, base: str, key: str) -> str:
+    pairs = [(a.get(key), b.get(key)) for a, b in zip(runs[name], runs[base], strict=True)]
+    values = [a / b for a, b in pairs if a is not None and b]
+    return median_and_range(values, unit="x") if values else "-"
+
+
+def cell_rows(cell: dict) -> list[list[str]]:
+    """One row per peer (its best setting) and Feather: each figure over FCFS, and over
+    the best peer."""
+    runs, objective = cell["runs"], cell["objective"]
+    best = cell["best"]
+    top = best_setting(runs, list(best.values()), objective)
+    rows = []
+    for label, name in (*best.items(), (FEATHER, FEATHER)):
+        rows.append([cell["name"], label, name,
+                     *(ratio_text(runs, name, FCFS, key) for key, _ in FIGURES),
+                     *(ratio_text(runs, name, top, key) for key, _ in FIGURES)])
+    return rows
+
+
+def markdown(cells: list[dict]) -> str:
+    header = ["cell", "peer", "best setting",
+              *(f"{label} / FCFS" for _, label in FIGURES),
+              *(f"{label} / best peer" for _, label in FIGURES)]
+    rows = [row for cell in cells for row in cell_rows(cell)]
+    sweep = [[cell["name"], name,
+              median_and_range([r["output_throughput"] for r in cell["runs"][name]], "{:,.0f}"),
+              median_and_range([r["mean_ttft_ms"] for r in cell["runs"][name]], "{:,.1f}")]
+             for cell in cells for name in SCHEDULERS]
+    return (markdown_table(header, rows) + "\n\nThe sweep (medians over seeds, range):\n\n"
+            + markdown_table(["cell", "setting", "output tok/s", "mean TTFT ms"], sweep))
+
+
+def main() -> None:
+    arguments = parser(__doc__, seeds=3)
+    arguments.add_argument("--cells", default=",".join(CELLS), help="cells to run")
+    args = arguments.parse_args()
+    study = Study(__file__, set_name=args.set)
+    cells = []
+    for name in args.cells.split(","):
+        make, load, objective = CELLS[name]
+        rate, runs = run_cell(make, load, args.seeds)
+        best = {peer: best_setting(runs, names, objective) for peer, names in KNOBS.items()}
+        cells.append({"name": name, "hardware": HARDWARE, "rate_req_s": rate, "load": load,
+                      "objective": objective, "best": best, "runs": runs})
+        study.progress(f"{name}: {rate:.2f} req/s")
+        study.write_json("peers", {"cells": cells})
+    study.save("peers", {"cells": cells}, markdown(cells))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
