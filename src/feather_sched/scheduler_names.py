@@ -11,7 +11,7 @@
 * ``vllm-cache-aware[-w<N>][-t<F>]`` - vLLM 0.34's cache-aware admission, window ``N``
   (default 256) and KV-usage threshold ``F`` (default 0.5, vLLM's) (simulator only);
 * ``vllm-active-cap[-<N>]`` - vLLM's ``max_num_active_seqs``: at most ``N`` running
-  requests (default 64);
+  requests (default 64); on the real engine, vLLM's own option;
 * ``vtc`` - VTC (Sheng et al., OSDI'24): fair share between tenants by a virtual token
   counter, FIFO within a tenant, no prefix order: Feather's runtime in ``fairness: vtc``,
   the same code in the simulator and on the engine;
@@ -57,7 +57,8 @@ class SchedulerKind(Enum):
 
 
 ENGINE_KINDS = frozenset({SchedulerKind.FCFS, SchedulerKind.FCFS_NOCACHE,
-                          SchedulerKind.PRIORITY, SchedulerKind.VTC, SchedulerKind.FEATHER})
+                          SchedulerKind.PRIORITY, SchedulerKind.VTC, SchedulerKind.FEATHER,
+                          SchedulerKind.VLLM_ACTIVE_CAP})
 """What ``feather bench`` runs on the real vLLM engine."""
 SIM_KINDS = frozenset(SchedulerKind) - {SchedulerKind.FCFS_NOCACHE}
 """What ``feather sim`` models."""
