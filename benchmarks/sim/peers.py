@@ -58,17 +58,21 @@ FIGURES = (("output_throughput", "tok/s"), ("mean_ttft_ms", "mean TTFT"),
            ("cold_p99_ttft_ms", "cold p99 TTFT"))
 
 
-def grid(groups: int, seed: int, rate: float | None) -> Workload:
-    """``groups`` groups of 4K-token prefixes (480 requests) and 120 cold requests."""
+def grid(groups: int, seed: int, rate: float | None, *, shared: int = 480, cold: int = 120,
+         prefix: int = 4096, output: int = 50) -> Workload:
+    """``groups`` groups of ``prefix``-token prefixes (``shared`` requests, 32-token
+    suffixes) and ``cold`` requests of as many tokens that share nothing, Poisson at
+    ``rate`` in all (None: all at once)."""
     def arrival(share: float) -> ArrivalSpec | None:
         return None if rate is None else ArrivalSpec(kind="poisson", rate=rate * share)
 
-    shared = shared_prefix_groups(groups=groups, prompts_per_group=480 // groups,
-                                  prefix_len=4096, suffix_len=32, output_len=50,
-                                  arrival=arrival(0.8), seed=seed)
-    cold = no_sharing(requests=120, prompt_len=4128, output_len=50, arrival=arrival(0.2),
-                      seed=1000 + seed)
-    return Workload(f"grid-{groups}", shared.requests + cold.requests)
+    total = shared + cold
+    grouped = shared_prefix_groups(groups=groups, prompts_per_group=shared // groups,
+                                   prefix_len=prefix, suffix_len=32, output_len=output,
+                                   arrival=arrival(shared / total), seed=seed)
+    alone = no_sharing(requests=cold, prompt_len=prefix + 32, output_len=output,
+                       arrival=arrival(cold / total), seed=1000 + seed)
+    return Workload(f"grid-{groups}", grouped.requests + alone.requests)
 
 
 def trace(seed: int, rate: float | None) -> Workload:
