@@ -16,12 +16,14 @@ saturated); Mooncake's synthetic trace (400 requests of seed k's third, stretche
 A knob's best setting is the one with the best median over seeds of the cell's
 objective: output tokens/s where saturated, mean TTFT where loaded. Figures: output
 tokens/s, mean and p99 TTFT, mean TPOT and the p99 TTFT of the cold requests, as
-ratios to FCFS and to the best peer (per seed, median and range). Writes peers.json and
-peers.md into results/NAME/ (default: the commit).
+ratios to FCFS, and Feather's to each peer's best setting (per seed, median and range).
+Writes peers.json and peers.md into results/NAME/ (default: the commit); ``--tables
+JSON`` rewrites a recorded JSON's tables.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -138,23 +140,23 @@ def ratio_text(runs: dict[str, list[dict]], name: str, base: str, key: str) -> s
 
 
 def cell_rows(cell: dict) -> list[list[str]]:
-    """One row per peer (its best setting) and Feather: each figure over FCFS, and over
-    the best peer."""
-    runs, objective = cell["runs"], cell["objective"]
-    best = cell["best"]
-    top = best_setting(runs, list(best.values()), objective)
+    """One row per peer (its best setting): each figure over FCFS's, and Feather's over
+    the peer's; then Feather's over FCFS's, and over the best peer's (by the objective)."""
+    runs, best = cell["runs"], cell["best"]
+    top = best_setting(runs, list(best.values()), cell["objective"])
     rows = []
     for label, name in (*best.items(), (FEATHER, FEATHER)):
-        rows.append([cell["name"], label, name,
+        base = top if name == FEATHER else name
+        rows.append([cell["name"], label, base if name == FEATHER else name,
                      *(ratio_text(runs, name, FCFS, key) for key, _ in FIGURES),
-                     *(ratio_text(runs, name, top, key) for key, _ in FIGURES)])
+                     *(ratio_text(runs, FEATHER, base, key) for key, _ in FIGURES)])
     return rows
 
 
 def markdown(cells: list[dict]) -> str:
-    header = ["cell", "peer", "best setting",
+    header = ["cell", "peer", "best setting (Feather: the best peer's)",
               *(f"{label} / FCFS" for _, label in FIGURES),
-              *(f"{label} / best peer" for _, label in FIGURES)]
+              *(f"Feather / it: {label}" for _, label in FIGURES)]
     rows = [row for cell in cells for row in cell_rows(cell)]
     sweep = [[cell["name"], name,
               median_and_range([r["output_throughput"] for r in cell["runs"][name]], "{:,.0f}"),
@@ -164,10 +166,19 @@ def markdown(cells: list[dict]) -> str:
             + markdown_table(["cell", "setting", "output tok/s", "mean TTFT ms"], sweep))
 
 
+def tables(path: str) -> None:
+    """Rewrite the tables of a recorded ``peers.json`` into the ``peers.md`` beside it."""
+    cells = json.loads(Path(path).read_text())["cells"]
+    Path(path).with_suffix(".md").write_text(markdown(cells) + "\n")
+
+
 def main() -> None:
     arguments = parser(__doc__, seeds=3)
     arguments.add_argument("--cells", default=",".join(CELLS), help="cells to run")
+    arguments.add_argument("--tables", metavar="JSON", help="only rewrite JSON's tables")
     args = arguments.parse_args()
+    if args.tables:
+        return tables(args.tables)
     study = Study(__file__, set_name=args.set)
     cells = []
     for name in args.cells.split(","):

@@ -50,9 +50,9 @@ class SchedulerKind(Enum):
     SGLANG_DFS_WEIGHT = "sglang-dfs-weight"
     SGLANG_HRRN = "sglang-hrrn"
     SGLANG_ROUTING_KEY = "sglang-routing-key"
+    VTC = "vtc"
     VLLM_CACHE_AWARE = "vllm-cache-aware"
     VLLM_ACTIVE_CAP = "vllm-active-cap"
-    VTC = "vtc"
     FEATHER = "feather"
 
 
