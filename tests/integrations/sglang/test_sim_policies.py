@@ -46,7 +46,8 @@ def prompts(seed: int, count: int) -> dict[str, tuple[int, list[int]]]:
     for i in range(count):
         family = rng.randrange(FAMILIES)
         prefix = tokens(family, BLOCK * rng.randint(0, 6))
-        made[f"r{rng.randrange(10**6):06d}"] = (family, prefix + tokens(50 + i, rng.randint(3, 200)))
+        tail = tokens(50 + i, rng.randint(3, 200))
+        made[f"r{rng.randrange(10**6):06d}"] = (family, prefix + tail)
     return made
 
 
