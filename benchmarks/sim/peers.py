@@ -12,7 +12,9 @@ its useful range on each workload (every setting's runs are in the JSON):
 Cells: the shared-prefix grid (8 or 32 groups of 4K-token prefixes, 480 requests, with
 120 cold requests that share nothing mixed in, Poisson at 1.5x FCFS's offline rate:
 saturated); Mooncake's synthetic trace (400 requests of seed k's third, stretched to
-0.8x FCFS's capacity: loaded, not swamped); ShareGPT (500 requests, no sharing, 0.8x).
+0.8x FCFS's capacity: loaded, not swamped); ShareGPT (500 requests, no sharing, 0.8x);
+BFCL tool calls (600 requests, 0.8x) and Mooncake's conversation trace (400 requests
+of seed k's window, 0.8x), run by ``--cells bfcl,conversation``.
 A knob's best setting is the one with the best median over seeds of the cell's
 objective: output tokens/s where saturated, mean TTFT where loaded. Figures: output
 tokens/s, mean and p99 TTFT, mean TPOT and the p99 TTFT of the cold requests, as
@@ -37,6 +39,7 @@ from feather_sched.workloads.spec import ArrivalSpec, Workload
 from feather_sched.workloads.synthetic import no_sharing, shared_prefix_groups
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake-synthetic.jsonl"
+CONVERSATION = Path(__file__).resolve().parents[1] / "traces" / "mooncake-conversation.jsonl"
 TRACE_WINDOW = 3993 // 3
 TRACE_REQUESTS = 400
 SHAREGPT_REQUESTS = 500
@@ -77,8 +80,9 @@ def grid(groups: int, seed: int, rate: float | None, *, shared: int = 480, cold:
     return Workload(f"grid-{groups}", grouped.requests + alone.requests)
 
 
-def trace(seed: int, rate: float | None) -> Workload:
-    args = WorkloadArgs(trace=TRACE, start=seed * TRACE_WINDOW, max_requests=TRACE_REQUESTS,
+def trace(seed: int, rate: float | None, path: Path = TRACE) -> Workload:
+    """``TRACE_REQUESTS`` of the trace from seed k's window, at ``rate`` on average."""
+    args = WorkloadArgs(trace=path, start=seed * TRACE_WINDOW, max_requests=TRACE_REQUESTS,
                         seed=seed)
     if rate is not None:
         at_speed_one = args.build()
@@ -88,16 +92,19 @@ def trace(seed: int, rate: float | None) -> Workload:
     return args.build()
 
 
-def sharegpt(seed: int, rate: float | None) -> Workload:
-    return WorkloadArgs(dataset_name="sharegpt", max_requests=SHAREGPT_REQUESTS,
-                        request_rate=rate, seed=seed).build()
+def dataset(name: str, requests: int) -> Callable[[int, float | None], Workload]:
+    """``requests`` of a dataset's prompts (seeded order), Poisson at the rate."""
+    return lambda seed, rate: WorkloadArgs(dataset_name=name, max_requests=requests,
+                                           request_rate=rate, seed=seed).build()
 
 
 CELLS: dict[str, tuple[Callable[[int, float | None], Workload], float, str]] = {
     "grid-8": (lambda seed, rate: grid(8, seed, rate), 1.5, "output_throughput"),
     "grid-32": (lambda seed, rate: grid(32, seed, rate), 1.5, "output_throughput"),
     "mooncake": (trace, 0.8, "mean_ttft_ms"),
-    "sharegpt": (sharegpt, 0.8, "mean_ttft_ms"),
+    "sharegpt": (dataset("sharegpt", SHAREGPT_REQUESTS), 0.8, "mean_ttft_ms"),
+    "bfcl": (dataset("bfcl-tools", 600), 0.8, "mean_ttft_ms"),
+    "conversation": (lambda seed, rate: trace(seed, rate, CONVERSATION), 0.8, "mean_ttft_ms"),
 }
 """Each cell: its workload of (seed, rate), its load as a multiple of FCFS's offline
 rate, and the objective a knob's best setting is chosen by."""
@@ -174,7 +181,8 @@ def tables(path: str) -> None:
 
 def main() -> None:
     arguments = parser(__doc__, seeds=3)
-    arguments.add_argument("--cells", default=",".join(CELLS), help="cells to run")
+    arguments.add_argument("--cells", default="grid-8,grid-32,mooncake,sharegpt",
+                           help=f"cells to run, of {', '.join(CELLS)}")
     arguments.add_argument("--tables", metavar="JSON", help="only rewrite JSON's tables")
     args = arguments.parse_args()
     if args.tables:
