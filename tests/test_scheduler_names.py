@@ -48,8 +48,9 @@ def test_each_context_accepts_only_what_it_can_run() -> None:
     assert [n.kind for n in parse_schedulers("fcfs, fcfs-nocache,feather-always",
                                              ENGINE_KINDS)] == [
         SchedulerKind.FCFS, SchedulerKind.FCFS_NOCACHE, SchedulerKind.FEATHER]
-    with pytest.raises(ValueError, match="unknown scheduler 'sglang-lpm': use fcfs, "
-                                         "fcfs-nocache, priority, vtc, feather-"):
+    with pytest.raises(ValueError, match=r"unknown scheduler 'sglang-lpm': use fcfs, "
+                                         r"fcfs-nocache, priority, vtc, "
+                                         r"vllm-active-cap\[-CAP\], feather-"):
         parse_scheduler("sglang-lpm", ENGINE_KINDS)
     with pytest.raises(ValueError, match="unknown scheduler 'fcfs-nocache'"):
         parse_scheduler("fcfs-nocache", SIM_KINDS)

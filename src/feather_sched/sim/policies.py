@@ -1,5 +1,6 @@
-"""Schedulers for the simulator: Feather and VTC (the real FeatherRuntime), SGLang's LPM
-and DFS-weight, and the baselines of ``sim.fcfs`` (vLLM's own).
+"""Schedulers for the simulator: Feather and VTC (the real FeatherRuntime), SGLang's LPM,
+DFS-weight, HRRN and routing-key, the baselines of ``sim.fcfs`` (vLLM's own) and vLLM's
+knobs of ``sim.vllm_knobs``.
 
 Feather reads each request's priority class from its spec, as vLLM's scheduler under
 its priority policy; vLLM FCFS, VTC and SGLang's policies ignore priorities (``sim.fcfs``
@@ -13,7 +14,7 @@ The SGLang policies follow ``SchedulePolicy.calc_priority`` of SGLang 0.5.23: on
 pass they order the queue by cached prefix (LPM: longest first, falling back to FCFS above
 128 waiting requests, in-batch de-prioritisation of requests sharing 32+ tokens with one
 already chosen; DFS-weight: depth-first over the cached-prefix tree, heaviest subtree
-first).
+first; HRRN: ``HrrnPolicy``; routing-key: ``RoutingKeyPolicy``).
 
 They match prefixes against the pool's block keys, which is far cheaper than SGLang's
 token radix tree; so that the simulated clock still pays what SGLang pays, each ordering
@@ -23,8 +24,9 @@ request measured by ``feather cht-bench``, ``benchmarks/cht``).
 
 from __future__ import annotations
 
+import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 from itertools import pairwise
 from operator import attrgetter
@@ -36,9 +38,10 @@ from feather_sched.core.prefix import keys_per_chunk
 from feather_sched.core.runtime import FeatherRuntime
 from feather_sched.costmodel.cost import CostModel
 from feather_sched.gates.step_model import StepPrior
-from feather_sched.scheduler_names import SIM_KINDS, SchedulerKind, parse_scheduler
+from feather_sched.scheduler_names import SIM_KINDS, SchedulerKind, SchedulerName, parse_scheduler
 from feather_sched.sim.engine import SimEngine, SimRequest
 from feather_sched.sim.fcfs import FcfsPolicy, PriorityPolicy
+from feather_sched.sim.vllm_knobs import ActiveCapPolicy, CacheAwarePolicy
 
 LPM_MAX_WAITING = 128
 """SGLang's WAITING_QUEUE_PREFIX_MATCH_MAX: above it LPM does no prefix matching."""
@@ -114,6 +117,22 @@ class _SGLangPolicy(FcfsPolicy):
         return matched
 
 
+def deprioritized(pool: Any, matched: list[tuple[SimRequest, int]]) -> set[str]:
+    """SGLang's in-batch prefix caching (``_compute_prefix_matches``): of the waiting
+    requests with at most 32 cached tokens, each one sharing its first 32 tokens with an
+    earlier such request is pushed back (its request id in the set)."""
+    check_blocks = max(1, IN_BATCH_TOKENS // pool.block_tokens)
+    claimed: set[Hashable] = set()
+    pushed_back = set()
+    for request, blocks in matched:
+        if blocks * pool.block_tokens <= IN_BATCH_TOKENS and len(request.keys) >= check_blocks:
+            prefix = request.keys[check_blocks - 1]
+            if prefix in claimed:
+                pushed_back.add(request.request_id)
+            claimed.add(prefix)
+    return pushed_back
+
+
 class LpmPolicy(_SGLangPolicy):
     """SGLang ``lpm``: longest cached prefix first, in-batch duplicates pushed back."""
 
@@ -122,17 +141,85 @@ class LpmPolicy(_SGLangPolicy):
     def _order(self, pool: Any) -> list[SimRequest] | None:
         if len(self._queue) > LPM_MAX_WAITING:
             return None
-        check_blocks = max(1, IN_BATCH_TOKENS // pool.block_tokens)
-        claimed: set[Hashable] = set()
-        keyed = []
-        for index, (request, blocks) in enumerate(self._matched(pool)):
-            pushed_back = False
-            if blocks * pool.block_tokens <= IN_BATCH_TOKENS and len(request.keys) >= check_blocks:
-                prefix = request.keys[check_blocks - 1]
-                pushed_back = prefix in claimed
-                claimed.add(prefix)
-            keyed.append((pushed_back, -blocks, index, request))
+        matched = self._matched(pool)
+        pushed_back = deprioritized(pool, matched)
+        keyed = [(request.request_id in pushed_back, -blocks, index, request)
+                 for index, (request, blocks) in enumerate(matched)]
         return [request for *_, request in sorted(keyed, key=lambda k: k[:3])]
+
+
+class HrrnPolicy(_SGLangPolicy):
+    """SGLang ``hrrn`` (``_sort_by_hrrn``): highest response ratio next with token-based
+    aging, the ratio's growth ``waited prefill tokens / uncached prompt tokens`` (prefill
+    tokens run since the request first entered the queue); in-batch duplicates last, a
+    fully cached request first, ties by request id; FCFS above 128 waiting, as LPM."""
+
+    name = "sglang-hrrn"
+
+    def __init__(self, engine: SimEngine, match_s: float = SGLANG_MATCH_S) -> None:
+        super().__init__(engine, match_s)
+        self.processed_tokens = 0
+        """SGLang's ``processed_tokens_counter``: prefill tokens of every step so far."""
+        self._entered: dict[str, int] = {}
+        """Each request's ``arrival_processed_tokens`` (set once, on its first entry)."""
+
+    def enter_waiting(self, request: SimRequest) -> None:
+        self._entered.setdefault(request.request_id, self.processed_tokens)
+        super().enter_waiting(request)
+
+    def discard(self, request_id: Hashable) -> bool:
+        self._entered.pop(str(request_id), None)
+        return False
+
+    def end_pass(self, step: Hashable, running: Sequence[SimRequest]) -> None:
+        self.processed_tokens += sum(
+            r.scheduled_tokens for r in running
+            if r.step == step and (r.scheduled_tokens > 1 or r.num_output_tokens == 0))
+
+    def _order(self, pool: Any) -> list[SimRequest] | None:
+        if len(self._queue) > LPM_MAX_WAITING:
+            return None
+        matched = self._matched(pool)
+        pushed_back = deprioritized(pool, matched)
+
+        def key(item: tuple[SimRequest, int]) -> tuple[float, str]:
+            request, blocks = item
+            rid = request.request_id
+            uncached = request.prompt_len - blocks * pool.block_tokens
+            if rid in pushed_back:
+                return math.inf, rid
+            if uncached <= 0:
+                return -math.inf, rid
+            return -(self.processed_tokens - self._entered[rid]) / uncached, rid
+
+        return [request for request, _ in sorted(matched, key=key)]
+
+
+class RoutingKeyPolicy(FcfsPolicy):
+    """SGLang ``routing-key`` (``_sort_by_routing_key``): once a step, waiting requests
+    whose routing key the running batch holds go first, most-held key first, then the
+    others by key (none first), stable.  The key is the request's prefix group, as a
+    client that names its conversation or document would send it (``x-smg-routing-key``);
+    a request that shares nothing sends none.  Cache-agnostic: no prefix matching."""
+
+    name = "sglang-routing-key"
+
+    def begin_pass(self, running: Sequence[SimRequest]) -> list[SimRequest]:
+        counts = Counter(key for r in running if (key := routing_key(r)))
+        if counts and len(self._queue) > 1:
+            def key(request: SimRequest) -> tuple[int, int, str]:
+                own = routing_key(request)
+                if own and own in counts:
+                    return 0, -counts[own], own
+                return 1, 0, own or ""
+
+            self._queue = deque(sorted(self._queue, key=key))
+        return list(running)
+
+
+def routing_key(request: SimRequest) -> str | None:
+    """A request's routing key: its workload's prefix group, none where it shares nothing."""
+    return str(request.spec.group) if request.spec.group >= 0 else None
 
 
 class DfsWeightPolicy(_SGLangPolicy):
@@ -167,6 +254,19 @@ class DfsWeightPolicy(_SGLangPolicy):
         return order
 
 
+def _peer_policy(parsed: SchedulerName, engine: SimEngine) -> Any:
+    """The policy of a peer's name added after LPM and DFS-weight; None for the others."""
+    if parsed.kind is SchedulerKind.SGLANG_HRRN:
+        return HrrnPolicy(engine)
+    if parsed.kind is SchedulerKind.SGLANG_ROUTING_KEY:
+        return RoutingKeyPolicy()
+    if parsed.kind is SchedulerKind.VLLM_CACHE_AWARE:
+        return CacheAwarePolicy(engine, parsed.knob("window"), parsed.knob("threshold"))
+    if parsed.kind is SchedulerKind.VLLM_ACTIVE_CAP:
+        return ActiveCapPolicy(parsed.knob("cap"))
+    return None
+
+
 def make_policy(name: str, feather_options: dict[str, Any], engine: SimEngine) -> Any:
     """The simulated scheduler of a name (``schedulers.SIM_KINDS``) for ``engine``."""
     parsed = parse_scheduler(name, SIM_KINDS)
@@ -178,6 +278,9 @@ def make_policy(name: str, feather_options: dict[str, Any], engine: SimEngine) -
         return LpmPolicy(engine)
     if parsed.kind is SchedulerKind.SGLANG_DFS_WEIGHT:
         return DfsWeightPolicy(engine)
+    peer = _peer_policy(parsed, engine)
+    if peer is not None:
+        return peer
     options = parsed.feather_options(feather_options)
     if parsed.gate == "model" and isinstance(engine.cost_model, CostModel):
         # The profile of the simulated GPU is the prior a user would give for theirs.
