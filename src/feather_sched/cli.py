@@ -46,6 +46,18 @@ def require(engine: str, command: str) -> None:
         raise typer.Exit(2)
 
 
+def _warn_outside_range(command: str) -> None:
+    """One line on stderr where the installed vLLM is outside the releases Feather
+    supports (the command still runs; its scheduler warns again in the engine's log)."""
+    from feather_sched.integrations.vllm import compat
+
+    version = compat.installed_version()
+    if version is not None and not compat.supported(version):
+        Console(stderr=True).print(
+            f"feather {command}: feather-sched supports vLLM {compat.SUPPORTED}, this is "
+            f"vLLM {version}: untested there", highlight=False, markup=False, soft_wrap=True)
+
+
 @app.callback()
 def main() -> None:
     """Feather: prefix-aware request scheduling for vLLM and SGLang."""
@@ -382,6 +394,7 @@ def serve(
 
     on_ray = replicas > 1 or address is not None
     require("vllm", "serve")
+    _warn_outside_range("serve")
     if on_ray:
         require("ray", "serve --replicas")
     from feather_sched.serve import server_command
