@@ -199,6 +199,9 @@ class Verdict:
     peak_device_bytes: int | None = None
     """The device memory the check allocated at its peak, where measured (a GPU:
     ``gpu_check.check_measuring_memory``), to compare with ``check_memory``'s plan."""
+    peak_host_bytes: int | None = None
+    """The check's process's own peak resident memory, where it ran in one
+    (``isolation.run_isolated``)."""
 
     @property
     def max_error(self) -> float:
@@ -224,6 +227,9 @@ class Verdict:
             figures.append(f"eager launches +{1e6 * max(extra):.0f} us on the host")
         if self.peak_device_bytes is not None:
             figures.append(f"peak device memory {self.peak_device_bytes / (1 << 20):.0f} MiB")
+        if self.peak_host_bytes is not None:
+            figures.append(f"its process's peak host memory "
+                           f"{self.peak_host_bytes / (1 << 20):.0f} MiB")
         figures.extend(notes)
         how = "cached" if self.cached else f"{self.seconds:.1f} s"
         return (f"{'on' if self.on else 'off'} (self-check on {self.shapes.device}, "
@@ -245,7 +251,8 @@ class Verdict:
             return cls(on=bool(data["on"]), reason=str(data["reason"]),
                        min_shared_tokens=data["min_shared_tokens"], shapes=shapes,
                        cells=cells, seconds=float(data["seconds"]),
-                       peak_device_bytes=data.get("peak_device_bytes"))
+                       peak_device_bytes=data.get("peak_device_bytes"),
+                       peak_host_bytes=data.get("peak_host_bytes"))
         except (KeyError, TypeError) as error:
             raise ValueError(f"malformed {FORMAT} file: {error}") from None
 

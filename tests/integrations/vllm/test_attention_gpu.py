@@ -638,4 +638,10 @@ def test_interpreted_engine_check_in_its_own_process(config_on, tmp_path):
                                 "idle": (Cell(64, 3, 1),), "reps": 1})
     verdict = run_isolated(small, timeout_s=400)
     assert verdict.shapes == recipe.shapes and verdict.max_error < 1e-5
+    # The child ran under its plan's memory limit and out-of-memory score, and its own
+    # peak is what it reports (printed: the figure check_memory's process bytes rest on).
+    assert recipe.limits.oom_score_adj == 1000
+    assert 0 < verdict.peak_host_bytes < recipe.limits.memory_bytes
+    print(f"child peak host {verdict.peak_host_bytes >> 20} MiB, limit "
+          f"{recipe.limits.memory_bytes >> 20} MiB")
     assert [c.cell for c in verdict.cells] == [Cell(64, 2, 2, suffix=9), Cell(64, 3, 1)]

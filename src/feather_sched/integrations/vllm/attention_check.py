@@ -24,6 +24,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from feather_sched.attention import cpu_kernel, selfcheck
+from feather_sched.attention.check_memory import planned_limits
 from feather_sched.attention.gpu_check import PagedBatch, graph_timer, sync_seconds
 from feather_sched.attention.groups import StepPlan, plan_step
 from feather_sched.attention.isolation import Recipe, run_isolated
@@ -292,7 +293,8 @@ def gpu_recipe(builder: Any, vllm_config: Any, kv_cache_spec: Any) -> Recipe:
     """The engine's check as a child process builds it (``isolation``): ``gpu_subject``
     at this engine's shapes, backend, KV layout and device, kept for ``gpu_shapes``."""
     backend = "FLASH_ATTN" if builder.name == "FlashAttention" else "TRITON_ATTN"
-    return Recipe(gpu_shapes(builder, vllm_config, kv_cache_spec),
+    shapes = gpu_shapes(builder, vllm_config, kv_cache_spec)
+    return Recipe(shapes,
                   "feather_sched.integrations.vllm.attention_gpu:recipe_subject",
                   {"backend": backend,
                    "geometry": (builder.num_heads_q, kv_cache_spec.num_kv_heads,
@@ -303,7 +305,8 @@ def gpu_recipe(builder: Any, vllm_config: Any, kv_cache_spec: Any) -> Recipe:
                    "max_model_len": vllm_config.model_config.max_model_len,
                    "device": str(builder.device),
                    "kv_layout": resolved_layout(vllm_config)},
-                  run="feather_sched.attention.gpu_check:check_measuring_memory")
+                  run="feather_sched.attention.gpu_check:check_measuring_memory",
+                  limits=planned_limits(shapes, cuda=builder.device.type == "cuda"))
 
 
 def engine_check(builder: Any, vllm_config: Any, kv_cache_spec: Any,
