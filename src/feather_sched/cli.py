@@ -684,7 +684,7 @@ def _check_subject(model: str, tensor_parallel: int, dtype: str, backend: str,
         return CpuSubject(geometry, torch_dtype, block_size, max_num_seqs, max_model_len,
                           versions())
     if backend in ("FLASH_ATTN", "TRITON_ATTN"):
-        from feather_sched.integrations.vllm.attention_gpu import gpu_subject
+        from feather_sched.integrations.vllm.attention_subject import gpu_subject
 
         return gpu_subject(backend, geometry, torch_dtype, block_size, max_num_seqs,
                            max_model_len, "cuda" if torch.cuda.is_available() else "cpu")

@@ -70,7 +70,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from feather_sched.attention import gpu_decode, selfcheck
 from feather_sched.attention.partials import reference_attention
 from feather_sched.attention.selfcheck import Cell, device_name
-from feather_sched.integrations.vllm import attention_check, plugins
+from feather_sched.integrations.vllm import attention_check, attention_subject, plugins
 from feather_sched.integrations.vllm import attention_gpu as gpu
 from feather_sched.integrations.vllm.host_tables import HostRows
 from feather_sched.models import TINY_LLAMA
@@ -627,7 +627,7 @@ def test_interpreted_engine_check_in_its_own_process(config_on, tmp_path):
     from feather_sched.attention.isolation import run_isolated
 
     builder = BUILDERS["triton"](SPEC, ["layer"], config_on, torch.device("cpu"))
-    recipe = attention_check.gpu_recipe(builder, config_on, SPEC)
+    recipe = attention_subject.gpu_recipe(builder, config_on, SPEC)
     assert recipe.kwargs["backend"] == "TRITON_ATTN" and recipe.kwargs["device"] == "cpu"
     versions = dict(recipe.shapes.versions)
     assert versions["kv layout"].startswith("NHD") and "cuda graphs" not in versions

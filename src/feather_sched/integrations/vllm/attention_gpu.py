@@ -7,9 +7,9 @@ and Triton backends, is imported only when vLLM resolves one of them, under an e
 configuration).  Their builders behave exactly as vLLM's own in an engine that did not
 choose Feather (``choice.feather_chosen``: no option read, no mirror, no log line), and
 otherwise unless Feather's option ``shared_prefix_attention`` turns the path on: ``on``,
-or ``auto`` (the default) with ``FeatherScheduler`` where the
-self-check at engine start (``self_check``: this device, this engine's shapes, vLLM's own
-kernel as the reference) measured it exact and faster.  So ``feather serve`` on a GPU
+or ``auto`` (the default) with ``FeatherScheduler`` where the self-check at engine start
+(``attention_subject.engine_check``: this device, this engine's shapes, vLLM's own kernel
+as the reference) measured it exact and faster.  So ``feather serve`` on a GPU
 needs no attention argument, and vLLM's priority walk still picks the backend it would.
 
 Where on, each step's builder finds the decode rows sharing leading KV blocks from the
@@ -194,13 +194,15 @@ class SharedPrefixBuilder:
 
     def _self_check(self, vllm_config: Any, kv_cache_spec: Any, layer_names: list[str],
                     device: torch.device) -> Verdict:
-        """``auto``'s verdict (``self_check``), and the grouped decode where it is on. On
-        a GPU the check runs in its own process, so Feather's kernels first compile and
-        run in this worker only once they measured exact there; elsewhere (Triton's
-        interpreter) it runs here, on this builder's decode."""
+        """``auto``'s verdict (``attention_subject.engine_check``), and the grouped decode
+        where it is on. On a GPU the check runs in its own process, so Feather's kernels
+        first compile and run in this worker only once they measured exact there;
+        elsewhere (Triton's interpreter) it runs here, on this builder's decode."""
+        from feather_sched.integrations.vllm.attention_subject import engine_check
+
         if device.type != "cuda":
             self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
-        verdict = self_check(self, vllm_config, kv_cache_spec, layer_names)
+        verdict = engine_check(self, vllm_config, kv_cache_spec, layer_names)
         if verdict.on and self.decode is None:
             self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
         return verdict
@@ -388,65 +390,3 @@ class SharedPrefixTritonBackend(TritonAttentionBackend):
 
 BACKENDS = {"FLASH_ATTN": SharedPrefixFlashBackend, "TRITON_ATTN": SharedPrefixTritonBackend}
 """vLLM's backend names Feather extends, and its subclass of each."""
-
-
-def self_check(builder: SharedPrefixBuilder, vllm_config: Any, kv_cache_spec: Any,
-               layer_names: list[str]) -> Verdict:
-    """``auto``'s verdict for this engine (``attention_check.engine_check``: vLLM's own
-    kernel against the path, on this device, at this engine's shapes; on a GPU in a child
-    process), kept per device, versions and shapes (this rank's; ``checked`` has the ranks
-    agree)."""
-    from feather_sched.integrations.vllm.attention_check import engine_check
-
-    return engine_check(builder, vllm_config, kv_cache_spec, layer_names)
-
-
-def recipe_subject(geometry: tuple[int, int, int], dtype: str, **options: Any) -> Any:
-    """``gpu_subject`` from a recipe's plain values (``attention_check.gpu_recipe``:
-    unpickling them imports nothing of vLLM's, so the child can prepare its process before
-    vLLM loads)."""
-    from feather_sched.integrations.vllm.attention_check import Geometry
-
-    return gpu_subject(geometry=Geometry(*geometry), dtype=getattr(torch, dtype), **options)
-
-
-
-def gpu_subject(backend: str, geometry: Any, dtype: torch.dtype, block: int,
-                max_rows: int, max_model_len: int, device: str = "cuda",
-                kv_layout: str | None = None) -> Any:
-    """The engine-start check of vLLM's ``backend`` ("FLASH_ATTN" or "TRITON_ATTN") at
-    these shapes, outside an engine (``feather attention-check --backend``): vLLM's config
-    for the project's tiny model with these heads, Feather's builder with the path on (no
-    check of its own), and one layer's impl with the shapes' scale: an
-    ``attention_check.GpuSubject`` (``geometry`` its ``Geometry``)."""
-    from types import SimpleNamespace
-
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    from feather_sched.integrations.vllm.attention_check import GpuSubject
-    from feather_sched.models import TINY_LLAMA
-
-    heads, kv_heads, head_dim = geometry.q_heads, geometry.kv_heads, geometry.head_dim
-    model = ModelConfig(model=str(TINY_LLAMA), dtype=dtype, skip_tokenizer_init=True,
-                        max_model_len=max_model_len, hf_overrides={
-                            "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-                            "head_dim": head_dim, "hidden_size": heads * head_dim,
-                            "max_position_embeddings": max(max_model_len, 32768)})
-    config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block),
-                        additional_config={"feather": {"shared_prefix_attention": "on"}})
-    config.scheduler_config.max_num_seqs = max_rows
-    spec = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads, head_size=head_dim,
-                             dtype=dtype)
-    backend_cls = BACKENDS[backend]
-    builder = backend_cls.get_builder_cls()(spec, ["feather.check"], config,
-                                            torch.device(device))
-    impl = backend_cls.get_impl_cls()(heads, head_dim, head_dim ** -0.5, kv_heads,
-                                      alibi_slopes=None, sliding_window=None,
-                                      kv_cache_dtype="auto")
-    ones = torch.ones(1, device=device)
-    layer = SimpleNamespace(impl=impl, _q_scale=ones, _k_scale=ones, _v_scale=ones,
-                            _q_scale_float=1.0, _k_scale_float=1.0, _v_scale_float=1.0)
-    subject = GpuSubject(builder, config, spec, ["feather.check"], layer)
-    subject.kv_layout = kv_layout or subject.kv_layout  # the engine's, where it has one
-    return subject
