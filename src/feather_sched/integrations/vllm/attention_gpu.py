@@ -54,8 +54,10 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from feather_sched.attention import end_to_end
 from feather_sched.attention.eligibility import TRITON_KERNEL, LayerTraits
 from feather_sched.attention.eligibility import layer_problem as layer_problem_of
+from feather_sched.attention.end_to_end import EndToEnd
 from feather_sched.attention.gpu_decode import DecodeLimits, GroupedDecode
 from feather_sched.attention.groups import MIN_ROWS, MIN_SHARED_TOKENS, find_groups, min_blocks
 from feather_sched.attention.selfcheck import Verdict
@@ -133,6 +135,49 @@ def group_problem(vllm_config: Any, kv_cache_spec: Any, layer_names: list[str]) 
     return None
 
 
+END_TO_END_COMMAND = "feather attention-check --end-to-end --model DIR"
+"""What turns ``auto`` on for a CUDA engine: its end-to-end proof (``attention.end_to_end``)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether the path may act (``reason``: why not), and whether ``auto``'s kernel check
+    is still to decide (``check``)."""
+
+    reason: str | None
+    check: bool = False
+
+
+def decision(mode: str, refused: str | None) -> Decision:
+    """The decision before any check, from the option (``on``, ``auto``) and why the
+    engine's configuration refuses the path (``decide``, ``group_problem``; None: it
+    does not): pure."""
+    if refused is not None:
+        return Decision(refused)
+    return Decision(None, check=mode == "auto")
+
+
+def proven(reason: str | None, cuda: bool, proof: EndToEnd | None) -> str | None:
+    """Why ``auto`` keeps vLLM's path after its kernel check (``reason``: the check's,
+    None where it passed), or None where it acts: on CUDA only where an end-to-end proof
+    kept for the same key passed (FULL-graph replay and the host mirror are not in the
+    kernel check).  Pure."""
+    if reason is not None or not cuda:
+        return reason
+    if proof is None:
+        return (f"off (auto on CUDA: the kernel check passed, no end-to-end check has on "
+                f"this machine; run {END_TO_END_COMMAND} to turn it on, or set "
+                "shared_prefix_attention on)")
+    return None if proof.passed else f"off (auto: {proof.line()})"
+
+
+def full_graphs(compilation: Any) -> bool:
+    """Whether the engine's CUDA-graph mode (read at each step: vLLM resolves it after
+    the builders are made) has FULL graphs, which may replay any step's launches."""
+    mode = compilation.cudagraph_mode
+    return bool(mode and mode.has_full_cudagraphs())
+
+
 class SharedPrefixBuilder:
     """What Feather adds to a vLLM GPU metadata builder (a mixin placed before it)."""
 
@@ -156,56 +201,62 @@ class SharedPrefixBuilder:
 
     def _choose(self, vllm_config: Any, kv_cache_spec: Any, layer_names: list[str],
                 device: torch.device) -> None:
-        """Decide, once, whether this engine's decode steps are grouped, and say so."""
+        """Decide, once, whether this engine's decode steps are grouped (``decision``,
+        then ``proven`` after ``auto``'s check), then act on it and say so."""
         try:
             mode, min_tokens = attention_options(vllm_config)
         except ValueError as error:
             announce(f"off: {error}")
             return
         self.block_size = kv_cache_spec.block_size
-        reason = decide(vllm_config, mode) or group_problem(vllm_config, kv_cache_spec,
-                                                            layer_names)
         self._compilation = compilation = vllm_config.compilation_config
-        self._full_graphs = bool(compilation.cudagraph_mode
-                                 and compilation.cudagraph_mode.has_full_cudagraphs())
         self._max_graph_tokens = compilation.max_cudagraph_capture_size or 0
         self.min_shared_blocks = 1  # the self-check groups every prefix of its grid
-        verdict = None
-        if reason is None and mode == "on":  # asked for: a failure here is the engine's
-            self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
-        elif reason is None:
+        choice = decision(mode, decide(vllm_config, mode)
+                          or group_problem(vllm_config, kv_cache_spec, layer_names))
+        verdict, proof, reason = None, None, choice.reason
+        if choice.check:
             verdict, reason = checked(lambda: self._self_check(vllm_config, kv_cache_spec,
                                                                layer_names, device))
+            proof = verdict and end_to_end.kept(verdict.shapes)
+            reason = proven(reason, device.type == "cuda", proof)
             min_tokens = min_tokens or (verdict and verdict.min_shared_tokens)
             if device.type == "cuda":  # the check's batches, before vLLM allocates the KV
                 torch.cuda.empty_cache()
-        if reason is not None:
-            self.decode = None
-        else:
-            # The V1 runner's reuse of one group's metadata for another would pair this
-            # group's work with another table; MRV2's block ids mirrored on the host.
-            self.supports_update_block_table = False
-            host_tables.install()
-        self.min_shared_blocks = min_blocks(self.block_size, min_tokens or MIN_SHARED_TOKENS)
-        graphs = "FULL decode CUDA graphs kept" if self._full_graphs else "no CUDA graphs"
-        announce(reason or (verdict.line(graphs) if verdict else
+        self._act(reason, vllm_config, kv_cache_spec, device, min_tokens)
+        graphs = "FULL decode CUDA graphs kept" if full_graphs(compilation) else \
+            "no FULL CUDA graphs"
+        notes = (graphs, proof.line()) if proof else (graphs,)
+        announce(reason or (verdict.line(*notes) if verdict else
                             f"on ({self.name}, block size {self.block_size}, groups from "
                             f"{self.min_shared_blocks} shared blocks; {graphs})"))
 
+    def _act(self, reason: str | None, vllm_config: Any, kv_cache_spec: Any,
+             device: torch.device, min_tokens: int | None) -> None:
+        """The decision's side effects: the grouped decode and the host mirror where the
+        path acts (``reason`` None), vLLM's builder exactly where it does not."""
+        if reason is not None:
+            self.decode = None
+            return
+        if self.decode is None:
+            self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
+        # The V1 runner's reuse of one group's metadata for another would pair this
+        # group's work with another table; MRV2's block ids mirrored on the host.
+        self.supports_update_block_table = False
+        host_tables.install()
+        self.min_shared_blocks = min_blocks(self.block_size, min_tokens or MIN_SHARED_TOKENS)
+
     def _self_check(self, vllm_config: Any, kv_cache_spec: Any, layer_names: list[str],
                     device: torch.device) -> Verdict:
-        """``auto``'s verdict (``attention_subject.engine_check``), and the grouped decode
-        where it is on. On a GPU the check runs in its own process, so Feather's kernels
-        first compile and run in this worker only once they measured exact there;
-        elsewhere (Triton's interpreter) it runs here, on this builder's decode."""
+        """``auto``'s verdict (``attention_subject.engine_check``). On a GPU the check runs
+        in its own process, so Feather's kernels first compile and run in this worker
+        only once the path is decided on; elsewhere (Triton's interpreter) it runs here,
+        on this builder's decode."""
         from feather_sched.integrations.vllm.attention_subject import engine_check
 
         if device.type != "cuda":
             self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
-        verdict = engine_check(self, vllm_config, kv_cache_spec, layer_names)
-        if verdict.on and self.decode is None:
-            self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
-        return verdict
+        return engine_check(self, vllm_config, kv_cache_spec, layer_names)
 
     def _grouped_decode(self, vllm_config: Any, kv_cache_spec: Any,
                         device: torch.device) -> GroupedDecode:
@@ -265,8 +316,8 @@ class SharedPrefixBuilder:
         if self.decode is None:
             return base(0, common, fast_build)
         groups = self._groups(common, host) if host is not None else None  # None: capturing
-        if groups is None and not (self._capturing or self._replayed_whole(common)):
-            return base(0, common, fast_build)  # no group, no graph that needs the work
+        if groups is None and not (self._capturing or full_graphs(self._compilation)):
+            return base(0, common, fast_build)  # no group, and no graph can replay the work
         if groups is None:
             self.decode.clear()
         else:
@@ -276,21 +327,6 @@ class SharedPrefixBuilder:
         metadata = base(0, cut, fast_build)
         values = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
         return self.metadata_cls(**values, work=self.decode)
-
-    def _replayed_whole(self, common: CommonAttentionMetadata) -> bool:
-        """Whether vLLM replays this step as one FULL CUDA graph, whose captured launches
-        read the (empty) work: a uniform decode batch (one query token a row) under a mode
-        whose decode graphs are FULL, any batch where mixed ones are too, within the
-        captured sizes. Read at each step: vLLM resolves the mode after the builders are
-        made. Every other step (PIECEWISE or eager) without groups needs nothing of
-        Feather's."""
-        mode = self._compilation.cudagraph_mode
-        if not mode or common.num_actual_tokens > (
-                self._compilation.max_cudagraph_capture_size or 0):
-            return False
-        full = type(mode).FULL
-        uniform = common.max_query_len == 1 and common.num_actual_tokens == common.num_reqs
-        return mode.mixed_mode() == full or (uniform and mode.decode_mode() == full)
 
     def _groups(self, common: CommonAttentionMetadata, host: HostRows) -> Any:
         """The step's groups, or None where none can form (decided before any grouping
