@@ -60,7 +60,7 @@ from feather_sched.attention.eligibility import layer_problem as layer_problem_o
 from feather_sched.attention.end_to_end import EndToEnd
 from feather_sched.attention.gpu_decode import DecodeLimits, GroupedDecode
 from feather_sched.attention.groups import MIN_ROWS, MIN_SHARED_TOKENS, find_groups, min_blocks
-from feather_sched.attention.selfcheck import Verdict
+from feather_sched.attention.selfcheck import Shapes, Verdict
 from feather_sched.integrations.vllm import host_tables
 from feather_sched.integrations.vllm.attention_choice import (
     announce,
@@ -137,6 +137,11 @@ def group_problem(vllm_config: Any, kv_cache_spec: Any, layer_names: list[str]) 
 
 END_TO_END_COMMAND = "feather attention-check --end-to-end --model DIR"
 """What turns ``auto`` on for a CUDA engine: its end-to-end proof (``attention.end_to_end``)."""
+
+
+DECIDED: list[Shapes] = []
+"""The shapes (the kernel check's key) of each GPU builder of this process the path acts
+in: what ``attention_proof`` keeps its verdict by."""
 
 
 @dataclass(frozen=True)
@@ -245,6 +250,10 @@ class SharedPrefixBuilder:
         self.supports_update_block_table = False
         host_tables.install()
         self.min_shared_blocks = min_blocks(self.block_size, min_tokens or MIN_SHARED_TOKENS)
+        if device.type == "cuda":  # the key an end-to-end proof of this engine is kept by
+            from feather_sched.integrations.vllm.attention_check import gpu_shapes
+
+            DECIDED.append(gpu_shapes(self, vllm_config, kv_cache_spec))
 
     def _self_check(self, vllm_config: Any, kv_cache_spec: Any, layer_names: list[str],
                     device: torch.device) -> Verdict:
