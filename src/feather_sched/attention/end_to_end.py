@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from feather_sched.attention.selfcheck import Shapes, cache_dir
+from feather_sched.attention.selfcheck import Shapes, cache_dir, read_kept
 from feather_sched.telemetry.files import read_json, replace_atomically
 
 logger = logging.getLogger(__name__)
@@ -58,16 +58,9 @@ class EndToEnd:
     @classmethod
     def from_json(cls, data: dict) -> EndToEnd:
         """A verdict ``to_json`` wrote; ValueError for anything else."""
-        if not isinstance(data, dict) or data.get("format") != FORMAT or \
-                data.get("version") != VERSION:
-            raise ValueError(f"not a {FORMAT} version {VERSION} file")
-        try:
-            shapes = data["shapes"]
-            shapes = Shapes(**{**shapes, "versions": tuple(map(tuple, shapes["versions"]))})
-            return cls(bool(data["passed"]), str(data["reason"]), shapes, int(data["tokens"]),
-                       float(data["seconds_on"]), float(data["seconds_off"]))
-        except (KeyError, TypeError) as error:
-            raise ValueError(f"malformed {FORMAT} file: {error}") from None
+        return read_kept(data, FORMAT, VERSION, lambda shapes: cls(
+            bool(data["passed"]), str(data["reason"]), shapes, int(data["tokens"]),
+            float(data["seconds_on"]), float(data["seconds_off"])))
 
 
 def compare(shapes: Shapes, runs: Runs) -> EndToEnd:

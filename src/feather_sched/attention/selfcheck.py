@@ -241,20 +241,28 @@ class Verdict:
     @classmethod
     def from_json(cls, data: dict) -> Verdict:
         """A verdict ``to_json`` wrote; ValueError for anything else."""
-        if not isinstance(data, dict) or data.get("format") != FORMAT or \
-                data.get("version") != VERSION:
-            raise ValueError(f"not a {FORMAT} version {VERSION} file")
-        try:
-            shapes = data["shapes"]
-            shapes = Shapes(**{**shapes, "versions": tuple(map(tuple, shapes["versions"]))})
+        def build(shapes: Shapes) -> Verdict:
             cells = tuple(CellResult(**{**c, "cell": Cell(**c["cell"])}) for c in data["cells"])
             return cls(on=bool(data["on"]), reason=str(data["reason"]),
                        min_shared_tokens=data["min_shared_tokens"], shapes=shapes,
                        cells=cells, seconds=float(data["seconds"]),
                        peak_device_bytes=data.get("peak_device_bytes"),
                        peak_host_bytes=data.get("peak_host_bytes"))
-        except (KeyError, TypeError) as error:
-            raise ValueError(f"malformed {FORMAT} file: {error}") from None
+
+        return read_kept(data, FORMAT, VERSION, build)
+
+
+def read_kept(data: Any, kind: str, version: int, build: Callable[[Shapes], Any]) -> Any:
+    """``build(shapes)`` of a kept file's JSON ``data`` of format ``kind`` at ``version``
+    (its ``shapes`` read back); ValueError for anything else or anything malformed."""
+    if not isinstance(data, dict) or data.get("format") != kind or \
+            data.get("version") != version:
+        raise ValueError(f"not a {kind} version {version} file")
+    try:
+        shapes = data["shapes"]
+        return build(Shapes(**{**shapes, "versions": tuple(map(tuple, shapes["versions"]))}))
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"malformed {kind} file: {error}") from None
 
 
 def relative_error(output: torch.Tensor, expected: torch.Tensor) -> float:
