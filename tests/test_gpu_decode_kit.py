@@ -160,9 +160,10 @@ def test_the_self_check_runs_in_the_kit(sglang: str, tmp_path: Path) -> None:
     """``--only self-check``: the engine-start check, Feather's per-row decode standing in
     for the engine's kernel, and SGLang's Triton subject where SGLang is installed (else
     skipped with the reason, as on a machine with torch and Triton only), each exact
-    against its engine's kernel and float64, its check process's peak resident memory
-    (``getrusage``) within its memory plan (``check_memory``, that process included; the
-    SGLang server's own route, ``triton_recipe`` through ``run_isolated``), its verdict and
+    against its engine's kernel and float64, its check process's own peak resident
+    memory (``isolation.resident_peak``) within its memory plan (``check_memory``, that
+    process included; the SGLang server's own route, ``triton_recipe`` through
+    ``run_isolated``), its verdict and
     table written (in Triton's interpreter, tiny shapes; on a GPU the same command at Llama
     shapes)."""
     if sglang == "present" and importlib.util.find_spec("sglang") is None:

@@ -87,6 +87,19 @@ def test_a_metrics_port_without_replicas_is_refused() -> None:
     assert result.exit_code == 2 and "--metrics-port is for --replicas" in result.output
 
 
+def test_serve_outside_the_supported_vllm_range_says_so_once_and_runs(monkeypatch) -> None:
+    from feather_sched.integrations.vllm import compat
+
+    monkeypatch.setattr(compat, "installed_version", lambda: "0.35.0")
+    result = CliRunner().invoke(app, ["serve", "--dry-run"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    assert result.output.count("feather-sched supports vLLM >=0.32.0,<0.35, this is vLLM "
+                               "0.35.0") == 1
+    monkeypatch.undo()
+    result = CliRunner().invoke(app, ["serve", "--dry-run"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "supports vLLM" not in result.output
+
+
 @pytest.fixture(scope="module")
 def feather_server(tmp_path_factory) -> Iterator[tuple[str, Path]]:
     """One ``feather serve`` (bandit gate, fair share between tenants, vLLM logging each

@@ -771,7 +771,7 @@ def _isolated_self_check(engine: str, heads: tuple[int, int, int], dtype: torch.
                          device: str, tiny: bool, timeout_s: float) -> dict[str, Any]:
     """One check in a child process, with its memory plan: the verdict's JSON, line and
     table, or the failure, or why it was skipped."""
-    import resource
+    from dataclasses import replace as replaced
 
     from feather_sched.attention import check_memory, selfcheck
     from feather_sched.attention.gpu_decode import DecodeLimits
@@ -792,15 +792,14 @@ def _isolated_self_check(engine: str, heads: tuple[int, int, int], dtype: torch.
         cuda=device == "cuda")
     record: dict[str, Any] = {"plan": {k: v for k, v in plan.to_json().items()
                                        if k != "cells"}}
-    try:
-        verdict = run_isolated(recipe, timeout_s=timeout_s)
+    try:  # the child limited by this plan, as an engine's check is by its own
+        verdict = run_isolated(replaced(recipe, limits=check_memory.child_limits(plan)),
+                               timeout_s=timeout_s)
     except CheckFailed as error:
         record["failure"] = str(error)
-        verdict = None
-    record["measured_child_peak_host_bytes"] = \
-        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    if verdict is None:
+        record["measured_child_peak_host_bytes"] = error.peak_host_bytes
         return record
+    record["measured_child_peak_host_bytes"] = verdict.peak_host_bytes  # this child's own
     return {**record, **verdict.to_json(), "line": verdict.line(),
             "table": selfcheck.table(verdict),
             "measured_peak_device_bytes": verdict.peak_device_bytes}

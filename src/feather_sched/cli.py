@@ -46,6 +46,18 @@ def require(engine: str, command: str) -> None:
         raise typer.Exit(2)
 
 
+def _warn_outside_range(command: str) -> None:
+    """One line on stderr where the installed vLLM is outside the releases Feather
+    supports (the command still runs; its scheduler warns again in the engine's log)."""
+    from feather_sched.integrations.vllm import compat
+
+    version = compat.installed_version()
+    if version is not None and not compat.supported(version):
+        Console(stderr=True).print(
+            f"feather {command}: feather-sched supports vLLM {compat.SUPPORTED}, this is "
+            f"vLLM {version}: untested there", highlight=False, markup=False, soft_wrap=True)
+
+
 @app.callback()
 def main() -> None:
     """Feather: prefix-aware request scheduling for vLLM and SGLang."""
@@ -382,6 +394,7 @@ def serve(
 
     on_ray = replicas > 1 or address is not None
     require("vllm", "serve")
+    _warn_outside_range("serve")
     if on_ray:
         require("ray", "serve --replicas")
     from feather_sched.serve import server_command
@@ -622,6 +635,13 @@ def attention_check(
                                             "--model (a directory with a config.json) and "
                                             "its peak host and device memory, running no "
                                             "kernel (--json: write them).")] = False,
+    end_to_end: Annotated[bool, typer.Option(
+        help="Run --model (a directory or name) in vLLM with the path on and off, greedy, "
+             "compare every token and time both; kept for the engine's GPU key, it is what "
+             "'auto' waits for on CUDA.")] = False,
+    engine_args: Annotated[str, typer.Option(help="JSON arguments of vLLM's engine for "
+                                                  "--end-to-end (as the server's: its "
+                                                  "CUDA-graph mode, dtype, ...).")] = "{}",
 ) -> None:
     """Measure Feather's shared-prefix attention against the engine's own kernel on this
     machine, at a model's shapes: exactness first, then the grid; print the table and the
@@ -631,6 +651,9 @@ def attention_check(
 
     from feather_sched.attention import selfcheck
 
+    if end_to_end:
+        _attention_proof(model, _json_option(engine_args, "--engine-args"))
+        return
     block_size = block_size or (128 if backend == "cpu" and not plan else 16)
     if plan:
         _attention_plan(Path(model), tensor_parallel, dtype, block_size, max_num_seqs,
@@ -671,11 +694,26 @@ def _check_subject(model: str, tensor_parallel: int, dtype: str, backend: str,
         return CpuSubject(geometry, torch_dtype, block_size, max_num_seqs, max_model_len,
                           versions())
     if backend in ("FLASH_ATTN", "TRITON_ATTN"):
-        from feather_sched.integrations.vllm.attention_gpu import gpu_subject
+        from feather_sched.integrations.vllm.attention_subject import gpu_subject
 
         return gpu_subject(backend, geometry, torch_dtype, block_size, max_num_seqs,
                            max_model_len, "cuda" if torch.cuda.is_available() else "cpu")
     raise typer.BadParameter("--backend: cpu, FLASH_ATTN or TRITON_ATTN")
+
+
+def _attention_proof(model: str, engine_args: dict) -> None:
+    """``attention-check --end-to-end``: the proof's line; exit 1 where a token differed
+    or a run failed."""
+    from feather_sched.integrations.vllm.attention_proof import prove
+
+    try:
+        _, line = prove(model, engine_args)
+    except RuntimeError as error:
+        console.print(f"end-to-end check: {error}", highlight=False, markup=False)
+        raise typer.Exit(1) from None
+    console.print(line, highlight=False, markup=False)
+    if "check failed" in line:  # kept or not, a token differed
+        raise typer.Exit(1)
 
 
 def _attention_plan(model_dir: Path, tensor_parallel: int, dtype: str | None, block_size: int,

@@ -132,3 +132,7 @@ def test_the_memory_plan_is_the_fixed_buffers_and_the_largest_cell() -> None:
     assert plan.fixed_device_bytes >= limits.workspace_bytes + check_memory.ENGINE_ALLOWANCE
     assert all(c.reference == (c.cell.rows * (c.cell.prefix + c.cell.suffix + 1) <= 1 << 15)
                for c in plan.cells)  # float64 only on small cells
+    # The check's process is limited by this plan (its whole grid, the GPU's process).
+    child = check_memory.planned_limits(shapes, cuda=True)
+    assert child.memory_bytes == int(plan.peak_host_bytes * check_memory.LIMIT_HEADROOM)
+    assert child.oom_score_adj == 1000

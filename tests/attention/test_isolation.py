@@ -14,7 +14,13 @@ from dataclasses import replace
 import pytest
 
 from feather_sched.attention import selfcheck
-from feather_sched.attention.isolation import CheckFailed, Recipe, resolve, run_isolated
+from feather_sched.attention.isolation import (
+    CheckFailed,
+    ChildLimits,
+    Recipe,
+    resolve,
+    run_isolated,
+)
 from feather_sched.attention.selfcheck import Cell, Shapes
 from tests.helpers.selfcheck_fakes import ExactTrial
 
@@ -127,3 +133,42 @@ def test_a_failed_check_is_not_run_again_in_the_process(monkeypatch, tmp_path) -
         verdict, why = selfcheck.checked(lambda: selfcheck.cached_check(recipe("x"), run))
         assert verdict is None and "SIGKILL" in why
     assert len(runs) == 1
+
+
+def grows(megabytes: int) -> FasterSubject:
+    """Holds ``megabytes`` of private memory, touched, then is a subject."""
+    global _held
+    _held = bytearray(megabytes << 20)
+    return FasterSubject()
+
+
+def oom_score() -> FasterSubject:
+    """Reports its own out-of-memory score adjustment through the verdict's reason."""
+    return ScoredSubject(int(open("/proc/self/oom_score_adj").read()))
+
+
+class ScoredSubject(FasterSubject):
+    def __init__(self, score: int) -> None:
+        self.shapes = replace(SHAPES, layout=f"oom_score_adj {score}")
+
+
+def test_the_child_is_the_oom_killers_first_and_limited_to_its_plan() -> None:
+    limits = ChildLimits(None)
+    verdict = run_isolated(Recipe(None, f"{HERE}:oom_score", limits=limits), timeout_s=120)
+    assert verdict.shapes.layout == "oom_score_adj 1000" and limits.oom_score_adj == 1000
+    bounded = ChildLimits(1 << 30)  # far above the interpreter, far below 2 GiB
+    assert run_isolated(Recipe(SHAPES, f"{HERE}:grows", {"megabytes": 64}, limits=bounded),
+                        timeout_s=120).on
+    with pytest.raises(CheckFailed, match="MemoryError"):
+        run_isolated(Recipe(SHAPES, f"{HERE}:grows", {"megabytes": 2048}, limits=bounded),
+                     timeout_s=120)
+
+
+def test_each_childs_own_peak_is_recorded_not_the_largest_so_far() -> None:
+    big = run_isolated(Recipe(SHAPES, f"{HERE}:grows", {"megabytes": 512}), timeout_s=120)
+    small = run_isolated(Recipe(SHAPES, f"{HERE}:grows", {"megabytes": 8}), timeout_s=120)
+    assert big.peak_host_bytes > (512 << 20) > small.peak_host_bytes
+    assert small.peak_host_bytes > (8 << 20)
+    with pytest.raises(CheckFailed) as failed:
+        run_isolated(Recipe(SHAPES, f"{HERE}:raises"), timeout_s=120)
+    assert 0 < failed.value.peak_host_bytes < (512 << 20)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from feather_sched.core.cht import token_chunk_keys
 from feather_sched.core.isolation import (
@@ -51,3 +52,19 @@ def test_a_namespace_seeds_the_same_in_another_process() -> None:
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, env={**os.environ, "PYTHONHASHSEED": "7"})
     assert int(other.stdout) == Namespace((("lora", "a", "/p"),), "acme").seed
+
+
+def test_a_namespace_is_made_of_primitives_only() -> None:
+    """An object's ``repr`` may hold its address, which would make the seed per process
+    (the router's and the engine's namespaces would then never meet)."""
+    import enum
+
+    class Kind(enum.StrEnum):
+        LORA = "lora"
+
+    assert Namespace((("mm", "f00d", 3), ("salt", b"x", 1.5, True, None)), "acme").seed
+    for part in (object(), Kind.LORA, ["lora"], ("lora", {"a": 1})):
+        with pytest.raises(TypeError, match="a namespace is made of"):
+            Namespace((part,))
+    with pytest.raises(TypeError):
+        Isolation(isolate_tenants=True).namespace((), lambda: object())

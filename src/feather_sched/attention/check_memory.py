@@ -23,7 +23,8 @@ import torch
 
 from feather_sched.attention.gpu_check import REFERENCE_TOKENS
 from feather_sched.attention.gpu_decode import DecodeLimits, GroupedDecode
-from feather_sched.attention.selfcheck import Cell, Shapes
+from feather_sched.attention.isolation import ChildLimits
+from feather_sched.attention.selfcheck import Cell, Shapes, cells_to_run
 
 HOST_LIMIT = 1 << 30
 """The most host memory the check may use (1 GiB), whatever the model."""
@@ -47,6 +48,10 @@ CUDA_HOST_ALLOWANCE = 256 << 20
 an estimate, NOT measured (no GPU has run the check yet); the kit
 (``benchmarks/gpu_decode/kit.py``) records the child's real peak on a GPU
 (``measured_child_peak_host_bytes``) to check it."""
+LIMIT_HEADROOM = 1.5
+"""The check process's memory limit (``child_limits``) over its planned host peak: the
+plan's process figures are measured on a CPU and estimated for CUDA, so the limit stops
+a runaway check, not a plan a few hundred MiB off."""
 HOST_GROUPING_BYTES = 64
 """Host bytes per block-table entry while the step's groups are found (the table, its
 sorted copies and masks)."""
@@ -132,6 +137,20 @@ def memory_plan(shapes: Shapes, cells: Sequence[Cell], limits: DecodeLimits,
     return MemoryPlan(shapes, tuple(cell_memory(cell, shapes) for cell in cells),
                       fixed_host_bytes=decode.host_bytes + process,
                       fixed_device_bytes=decode.device_bytes + ENGINE_ALLOWANCE)
+
+
+def child_limits(plan: MemoryPlan) -> ChildLimits:
+    """The limits the check's process runs under (``isolation.ChildLimits``): its memory
+    ``LIMIT_HEADROOM`` times the plan's host peak, the out-of-memory killer's first."""
+    return ChildLimits(int(plan.peak_host_bytes * LIMIT_HEADROOM))
+
+
+def planned_limits(shapes: Shapes, cuda: bool) -> ChildLimits:
+    """``child_limits`` of the full check at ``shapes`` (every cell ``selfcheck`` runs;
+    the grouped decode sized for ``PLAN_SMS``), computed without a device."""
+    limits = DecodeLimits.for_device(PLAN_SMS, shapes.max_rows, shapes.q_heads,
+                                     shapes.kv_heads, shapes.head_dim)
+    return child_limits(memory_plan(shapes, cells_to_run(shapes), limits, cuda))
 
 
 def table(plan: MemoryPlan) -> str:

@@ -199,6 +199,9 @@ class Verdict:
     peak_device_bytes: int | None = None
     """The device memory the check allocated at its peak, where measured (a GPU:
     ``gpu_check.check_measuring_memory``), to compare with ``check_memory``'s plan."""
+    peak_host_bytes: int | None = None
+    """The check's process's own peak resident memory, where it ran in one
+    (``isolation.run_isolated``)."""
 
     @property
     def max_error(self) -> float:
@@ -224,6 +227,9 @@ class Verdict:
             figures.append(f"eager launches +{1e6 * max(extra):.0f} us on the host")
         if self.peak_device_bytes is not None:
             figures.append(f"peak device memory {self.peak_device_bytes / (1 << 20):.0f} MiB")
+        if self.peak_host_bytes is not None:
+            figures.append(f"its process's peak host memory "
+                           f"{self.peak_host_bytes / (1 << 20):.0f} MiB")
         figures.extend(notes)
         how = "cached" if self.cached else f"{self.seconds:.1f} s"
         return (f"{'on' if self.on else 'off'} (self-check on {self.shapes.device}, "
@@ -235,19 +241,28 @@ class Verdict:
     @classmethod
     def from_json(cls, data: dict) -> Verdict:
         """A verdict ``to_json`` wrote; ValueError for anything else."""
-        if not isinstance(data, dict) or data.get("format") != FORMAT or \
-                data.get("version") != VERSION:
-            raise ValueError(f"not a {FORMAT} version {VERSION} file")
-        try:
-            shapes = data["shapes"]
-            shapes = Shapes(**{**shapes, "versions": tuple(map(tuple, shapes["versions"]))})
+        def build(shapes: Shapes) -> Verdict:
             cells = tuple(CellResult(**{**c, "cell": Cell(**c["cell"])}) for c in data["cells"])
             return cls(on=bool(data["on"]), reason=str(data["reason"]),
                        min_shared_tokens=data["min_shared_tokens"], shapes=shapes,
                        cells=cells, seconds=float(data["seconds"]),
-                       peak_device_bytes=data.get("peak_device_bytes"))
-        except (KeyError, TypeError) as error:
-            raise ValueError(f"malformed {FORMAT} file: {error}") from None
+                       peak_device_bytes=data.get("peak_device_bytes"),
+                       peak_host_bytes=data.get("peak_host_bytes"))
+
+        return read_kept(data, FORMAT, VERSION, build)
+
+
+def read_kept(data: Any, kind: str, version: int, build: Callable[[Shapes], Any]) -> Any:
+    """``build(shapes)`` of a kept file's JSON ``data`` of format ``kind`` at ``version``
+    (its ``shapes`` read back); ValueError for anything else or anything malformed."""
+    if not isinstance(data, dict) or data.get("format") != kind or \
+            data.get("version") != version:
+        raise ValueError(f"not a {kind} version {version} file")
+    try:
+        shapes = data["shapes"]
+        return build(Shapes(**{**shapes, "versions": tuple(map(tuple, shapes["versions"]))}))
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"malformed {kind} file: {error}") from None
 
 
 def relative_error(output: torch.Tensor, expected: torch.Tensor) -> float:

@@ -34,15 +34,32 @@ import xxhash
 from feather_sched.core.cht import ChunkKey, token_chunk_keys
 from feather_sched.core.tenants import DEFAULT_TENANT
 
+PRIMITIVES = (str, int, float, bool, bytes, type(None))
+"""The types a namespace is made of (tuples of them too): their ``repr`` is the same in
+every process, so the seed is; an object's may carry its address."""
+
+
+def primitive(part: object) -> bool:
+    """Whether ``part`` is one of ``PRIMITIVES`` exactly (no subclass: an enum's ``repr``
+    is its own) or a tuple of such parts.  O(size of part)."""
+    if type(part) is tuple:
+        return all(primitive(item) for item in part)
+    return type(part) in PRIMITIVES
+
 
 @dataclass(frozen=True)
 class Namespace:
     """Where a request's prefix keys live: its engine ``boundary`` (the parts of it the
-    request has, each a hashable with a deterministic ``repr``, e.g. ``("cache_salt",
-    "s")``) and its ``tenant`` where tenants are isolated (else None)."""
+    request has, e.g. ``("cache_salt", "s")``) and its ``tenant`` where tenants are
+    isolated (else None); primitives only (``primitive``; TypeError otherwise)."""
 
     boundary: tuple[Hashable, ...] = ()
     tenant: Hashable | None = None
+
+    def __post_init__(self) -> None:
+        if not primitive((self.boundary, self.tenant)):
+            raise TypeError(f"a namespace is made of str, int, float, bool, bytes, None and "
+                            f"tuples of them, not {self!r}")
 
     @property
     def shared(self) -> bool:
@@ -52,7 +69,7 @@ class Namespace:
     @cached_property
     def seed(self) -> int:
         """A 64-bit digest of the namespace (0 for the shared one): the same in every
-        process, as it digests the parts' ``repr``."""
+        process, as it digests the ``repr`` of primitives."""
         return 0 if self.shared else xxhash.xxh3_64_intdigest(repr(self).encode()) or 1
 
     def beyond_engine(self) -> Namespace:

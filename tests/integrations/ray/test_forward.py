@@ -97,3 +97,51 @@ def test_the_hints_are_the_prompts_tokens_and_its_namespace() -> None:
     unparsed = HttpCall("POST", "/v1/x", b"", [], b"{not json")
     hints(unparsed, {})
     assert unparsed.prompt_token_ids is None and unparsed.namespace == SHARED
+
+
+def test_a_chat_is_rendered_with_every_template_field_vllm_passes() -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY_LLAMA))
+    template = ("{% for m in messages %}[{{ m.content }}]{% endfor %}"
+                "{% if add_generation_prompt %}<gen>{% endif %}"
+                "{{ flavour }}"
+                "{% for d in documents or [] %}<doc {{ d.text }}>{% endfor %}"
+                "{% if enable_thinking %}<think>{% endif %}")
+    hints = Hints(tokenizer, template, {}, None)
+
+    def rendered(**fields: object) -> str:
+        body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+        call = HttpCall("POST", "/v1/chat/completions", b"", [], json.dumps(body).encode())
+        hints(call, {})
+        assert call.prompt_token_ids == tokenizer.encode(call.prompt, add_special_tokens=False)
+        return call.prompt
+
+    assert rendered() == "[hi]<gen>"
+    # The final message left open: the tokenizer cuts the text after its content.
+    assert rendered(add_generation_prompt=False, continue_final_message=True) == "[hi"
+    assert rendered(chat_template_kwargs={"flavour": "F"}) == "[hi]<gen>F"
+    assert rendered(documents=[{"text": "d1"}]) == "[hi]<gen><doc d1>"
+    assert rendered(reasoning_effort="high") == "[hi]<gen><think>"
+    assert rendered(reasoning_effort="high",
+                    chat_template_kwargs={"enable_thinking": False}) == "[hi]<gen>"
+    # The request's fields win over its chat_template_kwargs, as in vLLM.
+    assert rendered(chat_template_kwargs={"add_generation_prompt": False}) == "[hi]<gen>"
+
+
+def test_a_chat_with_media_is_routed_by_load() -> None:
+    """vLLM keys an image's blocks by the item's hash, which the ingress cannot compute:
+    two chats with the same text and different images must not look alike."""
+    tokenizer = AutoTokenizer.from_pretrained(str(TINY_LLAMA))
+    hints = Hints(tokenizer, None, {}, None)
+
+    def hinted(content: object) -> HttpCall:
+        body = {"messages": [{"role": "user", "content": content}]}
+        call = HttpCall("POST", "/v1/chat/completions", b"", [], json.dumps(body).encode())
+        hints(call, {})
+        return call
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    for content in ([{"type": "text", "text": "what is it"}, image],
+                    [{"type": "input_audio", "input_audio": {"data": "AAAA"}}]):
+        call = hinted(content)
+        assert call.prompt_token_ids is None and call.prompt == ""
+    assert hinted([{"type": "text", "text": "what is it"}]).prompt_token_ids

@@ -23,7 +23,11 @@ from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
 from feather_sched.attention import cpu_kernel  # noqa: E402
 from feather_sched.attention.partials import reference_attention  # noqa: E402
 from feather_sched.integrations.vllm import attention as vllm_attention  # noqa: E402
-from feather_sched.integrations.vllm import attention_check, attention_choice  # noqa: E402
+from feather_sched.integrations.vllm import (  # noqa: E402
+    attention_check,
+    attention_choice,
+    backends,
+)
 from feather_sched.integrations.vllm.attention import (  # noqa: E402
     SharedPrefixCPUImpl,
     SharedPrefixMetadata,
@@ -336,7 +340,8 @@ def test_the_plugin_points_vllms_cpu_backend_at_feathers():
             "print(E.CPU_ATTN.get_path())")
     path = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip().splitlines()[-1]
-    assert path == f"{vllm_attention.__name__}.SharedPrefixCPUBackend"
+    assert path == backends.path("SharedPrefixCPUBackend")
+    assert backends.SharedPrefixCPUBackend is vllm_attention.SharedPrefixCPUBackend
 
 
 def test_the_ranks_vote_where_sglangs_do(monkeypatch):

@@ -70,7 +70,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from feather_sched.attention import gpu_decode, selfcheck
 from feather_sched.attention.partials import reference_attention
 from feather_sched.attention.selfcheck import Cell, device_name
-from feather_sched.integrations.vllm import attention_check, plugins
+from feather_sched.integrations.vllm import attention_check, attention_subject, plugins
 from feather_sched.integrations.vllm import attention_gpu as gpu
 from feather_sched.integrations.vllm.host_tables import HostRows
 from feather_sched.models import TINY_LLAMA
@@ -202,7 +202,7 @@ def test_the_option_and_its_default(kind, announced, config_on):
     on = builder(SPEC, ["layer"], config_on, torch.device("cpu"))
     assert on.decode is not None
     assert announced[-1] == (f"on ({builder.name}, block size 16, groups from 16 shared "
-                             "blocks; no CUDA graphs)")
+                             "blocks; no FULL CUDA graphs)")
     graphed = builder(SPEC, ["layer"], make_config({"shared_prefix_attention": "on"},
                                                    graphs=True), torch.device("cpu"))
     assert announced[-1].endswith("FULL decode CUDA graphs kept)") and graphed.decode
@@ -423,12 +423,12 @@ def test_a_step_without_groups(kind, config_on):
 
 
 @pytest.mark.parametrize("kind", BUILDERS)
-def test_a_step_without_groups_does_only_what_a_full_replay_needs(kind, monkeypatch):
-    """Under FULL_AND_PIECEWISE a mixed batch runs PIECEWISE (attention eagerly): without
-    groups it gets vLLM's own metadata, and Feather stages, clears, cuts and launches
-    nothing, reading nothing on the host (every device input on ``meta``). A uniform
-    decode step without groups is replayed as a FULL graph: only the empty work it
-    captured; where mixed batches are FULL graphs too (mode FULL), so is a mixed step."""
+def test_while_full_graphs_are_set_every_step_carries_the_work(kind, monkeypatch):
+    """Whether vLLM replays a step as a FULL graph is its dispatcher's call, so while the
+    mode has FULL graphs every step without groups carries the (cleared) work and the cut
+    lengths, mixed or not: a replay never reads a stale plan. Without FULL graphs (eager
+    or PIECEWISE only) such a step gets vLLM's own metadata, and Feather stages, clears,
+    cuts and launches nothing, reading nothing on the host (device inputs on ``meta``)."""
     monkeypatch.setattr(gpu_decode.GroupedDecode, "warm_up", lambda *args: None)
     meta = torch.device("meta")
     config = make_config({"shared_prefix_attention": "on"}, graphs=True)
@@ -455,14 +455,18 @@ def test_a_step_without_groups_does_only_what_a_full_replay_needs(kind, monkeypa
                        slot_mapping=common.slot_mapping.to(meta)), host
 
     mixed, host = unshared(decode_only=False)
+    decode, _ = unshared(decode_only=True)
     assert mixed.max_query_len > 1
-    metadata = builder.build_with(mixed, False, host)
-    assert type(metadata) is not builder.metadata_cls and work == []
-    decode, host = unshared(decode_only=True)
-    assert builder.build_with(decode, False, host).work is builder.decode
-    assert work == ["clear", "cut_seq_lens"]
-    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
-    assert builder.build_with(mixed, False, host).work is builder.decode
+    for batch in (mixed, decode):  # FULL_AND_PIECEWISE: each may replay a FULL graph
+        work.clear()
+        assert builder.build_with(batch, False, host).work is builder.decode
+        assert work == ["clear", "cut_seq_lens"]
+    for mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):  # read at each step
+        config.compilation_config.cudagraph_mode = mode
+        work.clear()
+        for batch in (mixed, decode):
+            metadata = builder.build_with(batch, False, host)
+            assert type(metadata) is not builder.metadata_cls and work == []
 
 
 @pytest.mark.parametrize("kind", BUILDERS)
@@ -627,7 +631,7 @@ def test_interpreted_engine_check_in_its_own_process(config_on, tmp_path):
     from feather_sched.attention.isolation import run_isolated
 
     builder = BUILDERS["triton"](SPEC, ["layer"], config_on, torch.device("cpu"))
-    recipe = attention_check.gpu_recipe(builder, config_on, SPEC)
+    recipe = attention_subject.gpu_recipe(builder, config_on, SPEC)
     assert recipe.kwargs["backend"] == "TRITON_ATTN" and recipe.kwargs["device"] == "cpu"
     versions = dict(recipe.shapes.versions)
     assert versions["kv layout"].startswith("NHD") and "cuda graphs" not in versions
@@ -638,4 +642,10 @@ def test_interpreted_engine_check_in_its_own_process(config_on, tmp_path):
                                 "idle": (Cell(64, 3, 1),), "reps": 1})
     verdict = run_isolated(small, timeout_s=400)
     assert verdict.shapes == recipe.shapes and verdict.max_error < 1e-5
+    # The child ran under its plan's memory limit and out-of-memory score, and its own
+    # peak is what it reports (printed: the figure check_memory's process bytes rest on).
+    assert recipe.limits.oom_score_adj == 1000
+    assert 0 < verdict.peak_host_bytes < recipe.limits.memory_bytes
+    print(f"child peak host {verdict.peak_host_bytes >> 20} MiB, limit "
+          f"{recipe.limits.memory_bytes >> 20} MiB")
     assert [c.cell for c in verdict.cells] == [Cell(64, 2, 2, suffix=9), Cell(64, 3, 1)]

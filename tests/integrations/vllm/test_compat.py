@@ -81,3 +81,26 @@ def test_runner_and_previous_step():
     compat.forget_prev_step(previous, "a")
     assert previous.prev_step_scheduled_req_ids == {"b"}
     compat.forget_prev_step(SimpleNamespace(), "a")  # 0.34 keeps no such set
+
+
+def test_outside_the_range_one_warning_per_consequence(monkeypatch, caplog):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    compat.in_range.cache_clear()
+    try:
+        assert not compat.in_range("it does A") and not compat.in_range("it does A")
+        assert not compat.in_range("it does B")
+    finally:
+        compat.in_range.cache_clear()
+    assert [r.getMessage() for r in caplog.records if r.name == "vllm.feather_sched"] == [
+        "feather-sched supports vLLM >=0.32.0,<0.35, this is vLLM 0.35.0: it does A",
+        "feather-sched supports vLLM >=0.32.0,<0.35, this is vLLM 0.35.0: it does B"]
+    monkeypatch.undo()
+    assert compat.in_range("it does A")
+
+
+def test_the_installed_version_is_read_without_importing_vllm():
+    import vllm
+
+    assert compat.installed_version().split("+")[0] == vllm.__version__.split("+")[0]

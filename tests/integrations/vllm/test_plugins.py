@@ -14,8 +14,9 @@ import pytest
 import vllm
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from feather_sched.integrations.vllm import plugins
+from feather_sched.integrations.vllm import compat, plugins
 from feather_sched.models import TINY_LLAMA
+from tests.helpers.releases import prelude
 
 ENTRY_POINTS = ("feather_batch_order", "feather_attention", "feather_attention_gpu")
 
@@ -45,20 +46,31 @@ PROBE = textwrap.dedent("""
                       if m.startswith(("vllm.v1.attention.backends", "vllm.v1.worker",
                                        "feather_sched.integrations.vllm.")))
     from vllm.v1.attention.backends import registry
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from feather_sched.integrations.vllm import compat
+    hooked = None  # no V1 runner (0.34): nothing to hook
+    if compat.has_v1_runner():
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        hooked = hasattr(GPUModelRunner._may_reorder_batch, "_feather_batch_order")
     print(json.dumps({{
         "loaded": sorted(e.name for e in loaded),
         "imported": imported,
         "overrides": {{m.name: p for m, p in registry._ATTN_OVERRIDES.items()}},
-        "hooked": hasattr(GPUModelRunner._may_reorder_batch, "_feather_batch_order"),
+        "hooked": hooked,
     }}))
 """).format(names=set(ENTRY_POINTS))
 
 
+def hooked(expected: bool) -> bool | None:
+    """What the probe reports for the V1 runner's batch-order hook: ``expected`` where the
+    release has that runner, None where it has none (0.34: nothing to hook)."""
+    return expected if compat.has_v1_runner() else None
+
+
 def probe(scheduler_cls: str, config: str) -> dict:
     env = {**os.environ, "VLLM_PLUGINS": "none-of-them", "VLLM_TARGET_DEVICE": "cpu"}
-    result = subprocess.run([sys.executable, "-c", PROBE, str(TINY_LLAMA), scheduler_cls,
-                             config], capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run([sys.executable, "-c", prelude() + PROBE, str(TINY_LLAMA),
+                             scheduler_cls, config], capture_output=True, text=True, env=env,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -68,7 +80,7 @@ def test_where_vllms_scheduler_is_current_the_plugins_change_nothing():
     assert report["loaded"] == sorted(ENTRY_POINTS)
     assert [m for m in report["imported"] if m.startswith("vllm.v1.attention.backends")] == []
     assert report["overrides"] == {}
-    assert report["hooked"] is False
+    assert report["hooked"] is hooked(False)
 
 
 def test_at_plugin_load_they_import_no_backend_and_name_feathers_classes_by_path():
@@ -78,10 +90,11 @@ def test_at_plugin_load_they_import_no_backend_and_name_feathers_classes_by_path
     report = probe("feather_sched.integrations.vllm.FeatherScheduler", "none")
     allowed = {"vllm.v1.attention.backends", "vllm.v1.attention.backends.registry",
                "feather_sched.integrations.vllm.plugins",
-               "feather_sched.integrations.vllm.compat"}
+               "feather_sched.integrations.vllm.compat",
+               "feather_sched.integrations.vllm.backends"}
     assert set(report["imported"]) <= allowed, report["imported"]
     assert report["overrides"] == plugins.CPU_BACKENDS
-    assert report["hooked"] is True
+    assert report["hooked"] is hooked(True)
 
 
 @pytest.fixture
@@ -104,8 +117,9 @@ def warnings_of(caplog) -> list[str]:
 def test_a_missing_vllm_internal_is_one_warning_and_nothing_registered(
         registry_restored, monkeypatch, caplog):
     from vllm.v1.attention.backends import registry
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    if compat.has_v1_runner():  # imported before the CUDA platform is faked below
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     monkeypatch.delattr(registry, "register_backend")
     plugins.register_attention()
     assert not registry_restored.is_overridden()
@@ -121,6 +135,11 @@ def test_a_missing_vllm_internal_is_one_warning_and_nothing_registered(
     assert warnings_of(caplog)[0].startswith(
         "Feather's vLLM plug-in feather_attention_gpu registered nothing: ImportError")
 
+    if not compat.has_v1_runner():  # 0.34: nothing to hook, nothing said
+        caplog.clear()
+        plugins.register_batch_order()
+        assert warnings_of(caplog) == []
+        return
     caplog.clear()
     monkeypatch.delattr(GPUModelRunner, "_may_reorder_batch")  # imported: hooked at once
     plugins.register_batch_order()
@@ -132,12 +151,12 @@ def test_a_missing_vllm_internal_is_one_warning_and_nothing_registered(
 def test_a_vllm_outside_the_supported_range_gets_a_warning_and_no_registration(
         registry_restored, monkeypatch, caplog):
     monkeypatch.setattr(vllm, "__version__", "0.35.0")
-    plugins._supported_here.cache_clear()
+    compat.in_range.cache_clear()
     try:
         plugins.register_attention()
         plugins.register_attention_gpu()
     finally:
-        plugins._supported_here.cache_clear()
+        compat.in_range.cache_clear()
     assert not registry_restored.is_overridden()
     assert warnings_of(caplog) == ["feather-sched supports vLLM >=0.32.0,<0.35, this is "
                                    "vLLM 0.35.0: its plug-ins register nothing"]  # once

@@ -56,7 +56,11 @@ HARNESS = ("tests/integrations/vllm/test_scheduler.py", "tests/integrations/vllm
            "tests/integrations/vllm/test_kv_events.py",
            "tests/integrations/vllm/test_block_hash.py",
            "tests/integrations/vllm/test_tenants.py",
-           "tests/integrations/vllm/test_vllm_knobs.py")
+           "tests/integrations/vllm/test_vllm_knobs.py",
+           "tests/integrations/vllm/test_plugins.py",
+           "tests/integrations/vllm/test_backends.py",
+           "tests/integrations/vllm/test_choice.py",
+           "tests/integrations/vllm/test_compat.py")
 """This project's vLLM tests that need no compiled op of vLLM's (those of the real CPU
 engine are marked ``real_engine``)."""
 

@@ -1236,3 +1236,38 @@ def test_isolate_tenants_gives_each_named_tenant_its_own_namespace(caching: bool
         groups, _ = _groups_and_shared(harness, requests)
         assert groups["a0"] == groups["a1"] and groups["u0"] == groups["u1"]
         assert (len({groups["a0"], groups["b0"], groups["u0"]}) == 3) is isolate
+
+
+def test_vllms_prefill_deferral_test_failing_is_a_contained_fault(monkeypatch,
+                                                                   contained_faults) -> None:
+    """``compat.prefills_deferred`` reads vLLM's scheduler attributes, which a release may
+    rename: the pass goes on (vLLM's own) and the fault is counted, labelled "urgent"."""
+    harness = Harness()
+    harness.add(harness.request("a0", group=0))
+    harness.step()
+    monkeypatch.setattr(compat, "prefills_deferred", lambda *args: 1 / 0)
+    harness.add(harness.request("a1", group=0))
+    harness.step()
+    assert [where for where, _ in contained_faults] == ["urgent"]
+    monkeypatch.undo()
+    harness.drain()
+    assert harness.runtime.faults.serves
+
+
+def test_a_vllm_outside_the_supported_range_is_one_warning_and_feather_runs(
+        monkeypatch, caplog) -> None:
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.35.0")
+    compat.in_range.cache_clear()
+    try:
+        harnesses = [Harness(), Harness()]
+    finally:
+        compat.in_range.cache_clear()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING
+            and r.name == "vllm.feather_sched" and "supports vLLM" in r.getMessage()] == [
+        "feather-sched supports vLLM >=0.32.0,<0.35, this is vLLM 0.35.0: "
+        "FeatherSyncScheduler runs on it untested"]
+    harnesses[1].add(harnesses[1].request("a0", group=0))
+    harnesses[1].drain()
+    harnesses[1].assert_empty()

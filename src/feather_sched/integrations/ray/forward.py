@@ -126,7 +126,8 @@ class Hints:
 
     def _prompt(self, body: dict) -> tuple[list[int] | None, str]:
         """The prompt's token ids and text: a completion's (its first, of several), a chat's
-        messages rendered as the server would (its template, the tools)."""
+        messages rendered as the server would (``template_kwargs``); none for a chat with
+        media (``has_media``: routed by load)."""
         encode: Callable[..., list[int]] | None = getattr(self.tokenizer, "encode", None)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -136,9 +137,43 @@ class Hints:
         if isinstance(prompt, str):
             return (encode(prompt) if encode else None), prompt
         messages = body.get("messages")
-        if not isinstance(messages, list) or encode is None:
+        if not isinstance(messages, list) or encode is None or has_media(messages):
             return None, ""
         text = self.tokenizer.apply_chat_template(
-            messages, tools=body.get("tools"), chat_template=self.chat_template,
-            add_generation_prompt=True, tokenize=False)
-        return encode(text, add_special_tokens=False), text
+            messages, tools=body.get("tools"),
+            chat_template=body.get("chat_template") or self.chat_template, tokenize=False,
+            **template_kwargs(body))
+        return encode(text, add_special_tokens=bool(body.get("add_special_tokens"))), text
+
+
+TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+"""The chat content parts that are text; any other (an image, audio, video, a file,
+embeddings) is keyed by vLLM through its item's hash, which the ingress cannot compute."""
+
+
+def has_media(messages: list) -> bool:
+    """Whether any message carries a content part that is not text: such a chat is
+    routed by load (the engine's namespace holds its items' hashes, the router's could
+    not)."""
+    return any(isinstance(message, dict) and isinstance(message.get("content"), list)
+               and any(not isinstance(part, str) and not (
+                   isinstance(part, dict) and part.get("type") in TEXT_PARTS)
+                   for part in message["content"])
+               for message in messages)
+
+
+def template_kwargs(body: dict) -> dict[str, Any]:
+    """The chat template's arguments as vLLM's server passes them
+    (``ChatCompletionRequest.build_chat_params``): the request's ``chat_template_kwargs``,
+    overridden by its ``add_generation_prompt`` (default true), ``continue_final_message``,
+    ``documents`` and ``reasoning_effort`` where set (None and "auto" are unset), and
+    ``enable_thinking`` from the effort unless the request names it."""
+    user = body.get("chat_template_kwargs")
+    user = user if isinstance(user, dict) else {}
+    fields = {"add_generation_prompt": body.get("add_generation_prompt", True),
+              "continue_final_message": body.get("continue_final_message", False),
+              "documents": body.get("documents"),
+              "reasoning_effort": body.get("reasoning_effort")}
+    if fields["reasoning_effort"] is not None and "enable_thinking" not in user:
+        fields["enable_thinking"] = fields["reasoning_effort"] != "none"
+    return user | {key: value for key, value in fields.items() if value not in (None, "auto")}

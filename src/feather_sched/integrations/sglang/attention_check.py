@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from feather_sched.attention import cpu_kernel
+from feather_sched.attention.check_memory import planned_limits
 from feather_sched.attention.gpu_check import graph_timer, random_source, sync_seconds
 from feather_sched.attention.isolation import Recipe
 from feather_sched.attention.partials import reference_attention
@@ -268,9 +269,11 @@ def triton_recipe(shapes: TritonShapes, versions: tuple[tuple[str, str], ...]) -
     """The server's check as its own process builds it (``isolation.run_isolated``:
     ``triton_subject`` at ``shapes``), kept for the shapes that subject has."""
     versions = triton_versions(shapes, versions)
-    return Recipe(triton_subject_shapes(shapes, versions), f"{__name__}:isolated_subject",
+    kept = triton_subject_shapes(shapes, versions)
+    return Recipe(kept, f"{__name__}:isolated_subject",
                   {"shapes": shapes, "versions": versions},
-                  run="feather_sched.attention.gpu_check:check_measuring_memory")
+                  run="feather_sched.attention.gpu_check:check_measuring_memory",
+                  limits=planned_limits(kept, cuda=shapes.device.startswith("cuda")))
 
 
 def triton_subject_shapes(shapes: TritonShapes, versions: tuple[tuple[str, str], ...]

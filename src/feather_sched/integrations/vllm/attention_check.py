@@ -23,16 +23,14 @@ import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from feather_sched.attention import cpu_kernel, selfcheck
+from feather_sched.attention import cpu_kernel
 from feather_sched.attention.gpu_check import PagedBatch, graph_timer, sync_seconds
 from feather_sched.attention.groups import StepPlan, plan_step
-from feather_sched.attention.isolation import Recipe, run_isolated
 from feather_sched.attention.partials import reference_attention
 from feather_sched.attention.selfcheck import (
     CPU_SOURCES,
     Cell,
     Shapes,
-    Verdict,
     device_facts,
     device_name,
     kernel_digest,
@@ -286,37 +284,6 @@ def gpu_shapes(builder: Any, vllm_config: Any, kv_cache_spec: Any) -> Shapes:
         max_rows=vllm_config.scheduler_config.max_num_seqs,
         max_context=vllm_config.model_config.max_model_len,
         versions=gpu_versions(builder, kv_cache_spec, resolved_layout(vllm_config)))
-
-
-def gpu_recipe(builder: Any, vllm_config: Any, kv_cache_spec: Any) -> Recipe:
-    """The engine's check as a child process builds it (``isolation``): ``gpu_subject``
-    at this engine's shapes, backend, KV layout and device, kept for ``gpu_shapes``."""
-    backend = "FLASH_ATTN" if builder.name == "FlashAttention" else "TRITON_ATTN"
-    return Recipe(gpu_shapes(builder, vllm_config, kv_cache_spec),
-                  "feather_sched.integrations.vllm.attention_gpu:recipe_subject",
-                  {"backend": backend,
-                   "geometry": (builder.num_heads_q, kv_cache_spec.num_kv_heads,
-                                kv_cache_spec.head_size),
-                   "dtype": str(kv_cache_spec.dtype).removeprefix("torch."),
-                   "block": kv_cache_spec.block_size,
-                   "max_rows": vllm_config.scheduler_config.max_num_seqs,
-                   "max_model_len": vllm_config.model_config.max_model_len,
-                   "device": str(builder.device),
-                   "kv_layout": resolved_layout(vllm_config)},
-                  run="feather_sched.attention.gpu_check:check_measuring_memory")
-
-
-def engine_check(builder: Any, vllm_config: Any, kv_cache_spec: Any,
-                 layer_names: list[str]) -> Verdict:
-    """``auto``'s verdict for this engine: kept per device, versions and shapes; measured
-    on a GPU in a child process (``isolation.run_isolated``: a device fault, a hang or a
-    kill there leaves the worker up, the verdict off with its reason), elsewhere (CPU
-    tensors in Triton's interpreter) in this process, on ``builder``'s own decode."""
-    if builder.device.type == "cuda":
-        return selfcheck.cached_check(gpu_recipe(builder, vllm_config, kv_cache_spec),
-                                      run_isolated)
-    return selfcheck.cached_check(GpuSubject(builder, vllm_config, kv_cache_spec,
-                                             layer_names))
 
 
 def resolved_layout(vllm_config: Any) -> str:

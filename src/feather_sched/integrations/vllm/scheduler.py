@@ -655,8 +655,9 @@ class VllmFeather:
         self.metering.before_schedule()
         self.urgent.forget()
         self.queue.begin_pass()
-        if self.faults.serves and not compat.prefills_deferred(self.scheduler,
-                                                               throttle_prefills):
+        if self.faults.serves and not self.faults.call(
+                "urgent", compat.prefills_deferred, self.scheduler, throttle_prefills,
+                default=True):
             self.faults.attempt("urgent", self.urgent.make)
 
     def after_schedule(self, output: Any) -> None:
@@ -789,6 +790,7 @@ class _Hooks:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        compat.in_range(f"{type(self).__name__} runs on it untested")
         is_async = bool(self.scheduler_config.async_scheduling)
         if is_async != isinstance(self, AsyncScheduler):
             raise ValueError(
