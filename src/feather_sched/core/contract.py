@@ -113,9 +113,10 @@ class RuntimeContract(Protocol[R]):
         order first, each counted as an urgent victim (at most ``max_urgent_preemptions``
         times); [] when none does."""
 
-    def promise(self, request: R) -> None:
+    def promise(self, request: R) -> bool:
         """The engine preempted ``urgent_victims`` for ``request``'s ADD: that ADD holds
-        until it runs or the pass ends, however the victims' return changes the queue."""
+        until it runs or the pass ends, however the victims' return changes the queue.
+        False where fair share gives the freed room to another request instead."""
 
     def preempted(self, request: R, *, urgent: bool = False) -> None:
         """The engine preempted ``request`` (``urgent``: for a more urgent request):

@@ -191,20 +191,21 @@ class FeatherQueue(QueueBook):
             return None
         return self._chosen(self.due())
 
-    def promise(self, request_id: RequestId) -> None:
+    def promise(self, request_id: RequestId) -> RequestId:
         """The engine preempted running requests to make room for waiting ``request_id``
         on its ADD: it stays the candidate and its answer ADD (the gate not asked again,
         a STOP not applied) until it leaves the waiting set or the pass ends, so the
         requeued victims cannot turn that answer and waste their preemption.  Under a
         ``share`` the share decides who takes the freed seat (``_seat_taker``): where the
         victims' tenant fell below its seat share and the request's is not admitted
-        now, the share's own pick is promised instead.  O(1), ``_seat_taker`` under a
-        share."""
+        now, the share's own pick is promised instead; the promised request is returned.
+        O(1), ``_seat_taker`` under a share."""
         if self.state(request_id) is not QueueState.WAITING:
             raise CHTError(f"cannot promise request {request_id!r}: it is not waiting")
         self._promised = None
         self._changed()
         self._promised = self._seat_taker(request_id)
+        return self._promised
 
     def _seat_taker(self, request_id: RequestId) -> RequestId:
         """Who takes the seats a preemption for ``request_id`` freed: it, unless under a

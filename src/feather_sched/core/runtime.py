@@ -217,9 +217,10 @@ class FeatherRuntime(Generic[R]):
         self._ledger.take(admission)
         return admission
 
-    def promise(self, request: R) -> None:
-        """``FeatherQueue.promise``.  O(1)."""
-        self.queue.promise(self.view.request_id(request))
+    def promise(self, request: R) -> bool:
+        """``FeatherQueue.promise``; whether ``request`` itself was promised.  O(1)."""
+        request_id = self.view.request_id(request)
+        return self.queue.promise(request_id) == request_id
 
     def rank_waiting(self, waiting: Sequence[R]) -> list[R]:
         """``Order.rank_waiting``.  O(n log n)."""

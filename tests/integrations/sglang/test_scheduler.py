@@ -125,14 +125,15 @@ class Engine:
     preemption) and ``--schedule-low-priority-values-first``; ``max_queued``:
     ``--max-queued-requests``; ``kv``: running requests hold KV rows (a real
     ``ReqToTokenPool`` and ``RadixCache``), as priority preemption needs; ``fairness``,
-    ``isolate_tenants``: Feather's options.
+    ``isolate_tenants``: Feather's options; ``seats``: SGLang's ``max_running_requests``
+    as Feather is told it.
     """
 
     def __init__(self, gate: str = "chunk-loss", gate_options: dict | None = None,
                  feather: bool = True, pool_tokens: int = 1 << 16, *, priority: bool = False,
                  low_first: bool = False, max_queued: int | None = None,
-                 kv: bool = False, fairness: str = "off", isolate_tenants: bool = False
-                 ) -> None:
+                 kv: bool = False, fairness: str = "off", isolate_tenants: bool = False,
+                 seats: int | None = None) -> None:
         self.allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", None, False)
         self.kv = kv
         if kv:
@@ -156,7 +157,7 @@ class Engine:
                                    **bounds)
             self.feather = FeatherSGLang(config, priority_scheduling=priority,
                                          low_priority_values_first=low_first,
-                                         priority_preemption=priority)
+                                         priority_preemption=priority, seats=seats)
             self.policy = FeatherSchedulePolicy(
                 self.feather, self.tree_cache, False, priority, low_first,
                 chunked_req=lambda: None)
@@ -706,6 +707,33 @@ def test_hooks_install_feather_under_priority_scheduling(monkeypatch) -> None:
 
 
 # ---- tenants ----------------------------------------------------------------------------
+
+
+def _tenant_req(group: str, index: int, tenant: str, priority: int) -> Req:
+    req = _req(group, index, priority=priority)
+    req.sampling_params.custom_params = {"tenant": tenant}
+    return req
+
+
+def test_the_share_decides_who_takes_the_seat_an_urgent_request_freed() -> None:
+    """Four seats held two each by tenants v and t, each with an urgent request waiting,
+    both at their seat share: t's, the less served, is offered first and preempts
+    Feather's victim, one of v's (the most served tenant's requests go last).  v is then
+    below its seat share and t at its, so the share gives the freed seat to v's urgent
+    request: SGLang does not add t's in that round, and the next one admits v's first."""
+    engine = Engine(gate="always", priority=True, kv=True, fairness="tenants", seats=4)
+    engine.arrive(*(_tenant_req(g, i, tenant, 0) for g, tenant in (("A", "v"), ("B", "t"))
+                   for i in range(2)))
+    assert len(engine.admission_round(seats=4)) == 4
+    runtime = engine.feather.runtime
+    runtime.served("A0", 100_000, 0)  # v far ahead of t
+    engine.arrive(_tenant_req("C", 0, "t", 20), _tenant_req("C", 1, "v", 20))
+    assert engine.admission_round(seats=4) == []
+    assert runtime.meter.stats.preemptions == 1
+    victim = next(req for req in engine.waiting if req.rid in ("A0", "A1"))
+    assert not victim.kv.holds_kv and runtime.queue.state(victim.rid) is QueueState.WAITING
+    assert [r.rid for r in engine.admission_round(seats=4)] == ["C1", "C0"]  # v's first
+    assert runtime.meter.stats.preemptions == 2  # t's preempts in turn: v has none left
 
 
 def test_the_tenant_is_custom_params_and_a_bad_one_is_refused_as_sglang_refuses() -> None:

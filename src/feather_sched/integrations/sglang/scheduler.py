@@ -421,6 +421,19 @@ class FeatherSGLang:
         beyond = [r for r in running if not r.finished() and priority(r) - urgency > threshold]
         return self.runtime.urgent_victims(beyond, req, room)
 
+    def takes_freed_room(self, req: Req, victims: list[Req]) -> bool:
+        """After ``victims`` were released for ``req``: they wait again in Feather's
+        picture (SGLang requeues them as its round ends) and the share decides who takes
+        the room they freed (``FeatherRuntime.promise``); False where it gives the room to
+        another request (the victims' tenant's, below its seat share), which SGLang's
+        next round offers first."""
+        return self.faults.call("promise", self._takes_freed_room, req, victims, default=True)
+
+    def _takes_freed_room(self, req: Req, victims: list[Req]) -> bool:
+        for victim in victims:
+            self.runtime.enter_waiting(victim)
+        return self.runtime.promise(req)
+
     @property
     def preempts(self) -> bool:
         """Whether a request may preempt for urgency now: SGLang's priority preemption is
@@ -536,7 +549,9 @@ class FeatherPrefillAdder(PrefillAdder):
     def _preempt_for(self, req: Req, seat: bool) -> bool:
         """Preempt Feather's urgent victims for ``req`` (False: none), those that make
         ``preemption.Room`` (``seat``: one is needed), with SGLang's own release
-        (``preemption.preempt``); counted as preemptions."""
+        (``preemption.preempt``); counted as preemptions.  False too where the share gives
+        the freed room to another request (``takes_freed_room``): SGLang then does not
+        add ``req`` now (its round ends, for a seat)."""
         feather = self.feather
         if not feather.preempts or not preemption.usable(self):
             return False
@@ -549,7 +564,7 @@ class FeatherPrefillAdder(PrefillAdder):
             return False
         preemption.preempt(self, victims)
         feather.retracted(victims, urgent=True)
-        return True
+        return feather.takes_freed_room(req, victims)
 
 
 # ---- scheduler hooks (applied by SGLang's HookRegistry) ------------------------------
