@@ -36,6 +36,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+from feather_sched.telemetry.prometheus import SessionSink
+
 TOOL_CALLS = "tool_calls"
 """The OpenAI finish reason of a turn that called a tool: its session goes on."""
 
@@ -162,6 +164,10 @@ class Sessions:
     @property
     def holds(self) -> list[Hold]:
         return list(self._holds.values())
+
+    def publish(self, sink: SessionSink) -> None:
+        """Hand the holds and counts to a metrics sink (an adapter calls it each step)."""
+        sink.observe(len(self._holds), self.held_blocks, vars(self.counts))
 
     def session_of(self, request_id: Hashable) -> Session | None:
         index = self._of_request.get(request_id)
