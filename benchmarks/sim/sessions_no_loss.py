@@ -10,9 +10,10 @@ charged to the clock.  Two workloads, seeds 0, 1 and 2:
   suffixes, 50 output tokens) at 100 requests/s, the H100's KV pool (the
   ``shared_prefix.py`` grid's first cell);
 * ``mooncake``: the FAST'25 synthetic trace (``../shared/traces``), the window of 1,000
-  requests from request 1,000 k, at 0.25x speed, in an 8 GiB KV pool (KV pressure, where
-  a hold would cost most; requests that extend an earlier one are recognised as a
-  session's turns, but none ends in a tool call).
+  requests from request 1,000 k, at 0.25x speed, in a 32 GiB KV pool (half the H100's:
+  KV pressure, where a hold would cost most, yet room for its longest request, 191K
+  tokens; requests that extend an earlier one are recognised as a session's turns, but
+  none ends in a tool call).
 
 Both schedulers run through the closed-loop driver (``sim.programs.run_programs``), each
 request a program of one turn: ``feather-model`` with vLLM's LRU retention, and
@@ -39,7 +40,7 @@ from feather_sched.workloads.synthetic import shared_prefix_groups
 
 HERE = Path(__file__).resolve().parent
 MOONCAKE = HERE.parents[2] / "shared" / "traces" / "mooncake-synthetic.jsonl"
-WORKLOADS = {"shared-prefix": None, "mooncake": 8.0}
+WORKLOADS = {"shared-prefix": None, "mooncake": 32.0}
 """Each workload's KV pool in GiB (None: the H100's)."""
 SEEDS = (0, 1, 2)
 GATE = "feather-model"
