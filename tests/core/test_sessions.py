@@ -72,15 +72,32 @@ def test_a_final_answer_is_not_held_but_a_returning_chat_is():
     assert hold is not None
 
 
-def test_holds_end_at_expiry_unless_their_turn_arrived_then_at_admission():
+def test_a_hold_lapses_at_expiry_and_goes_first_unless_its_turn_arrived():
     sessions = table(default_gap_s=2.0)
-    for name in ("x", "y"):
+    for name in ("x", "y", "z"):
         sessions.arrived(f"{name}0", "ns", keys(name), 0.0)
         sessions.turn_ended(f"{name}0", keys(name, "o"), 10, 160, 1.0, TOOL_CALLS)
     assert sessions.arrived("y1", "ns", keys("y", "o", "t"), 2.5)
-    assert [h.holder for h in sessions.expire(3.5)] == ["x0"]
-    assert sessions.admitted("y1").holder == "y0"
-    assert sessions.holds == [] and sessions.counts.expired == 1
+    assert len(sessions.holds) == 3  # lapsed holds stay while nothing needs their blocks
+    gone = sessions.reclaim(100, 3.5, lapsed_only=True)
+    assert sorted(h.holder for h in gone) == ["x0", "z0"]
+    assert sessions.admitted("y1").holder == "y0"  # arrived: held until admitted
+    assert sessions.holds == [] and sessions.counts.expired == 2
+    assert sessions.counts.reclaimed == 0
+
+
+def test_holds_sharing_blocks_count_them_once():
+    sessions = table(share=0.1)  # 100 blocks at most
+    for name in ("a", "b", "c"):  # 40 blocks each, 30 of them a shared system prompt
+        sessions.arrived(f"{name}0", "ns", keys(name), 0.0)
+        prompt = keys(*(["sys"] * 30 + [name] * 10))
+        hold, displaced = sessions.turn_ended(f"{name}0", prompt, 40, 640, 1.0, TOOL_CALLS)
+        assert hold is not None and not displaced
+    assert sessions.held_blocks == 60
+    sessions.arrived("d0", "ns", keys("d"), 1.0)
+    hold, _ = sessions.turn_ended("d0", keys(*(["sys"] * 30 + ["d"] * 50)), 80, 1280, 1.0,
+                                  TOOL_CALLS)
+    assert hold is None and sessions.held_blocks == 60  # 50 more would pass the bound
 
 
 def test_a_hold_beyond_the_bound_displaces_less_valuable_ones_or_is_refused():
@@ -126,7 +143,7 @@ OPS = st.lists(st.tuples(
 def test_held_blocks_never_exceed_the_bound(ops, share):
     """Random sessions that return or never do, turns aborted mid-flight (never ended),
     pool pressure: the holds' blocks never exceed ``max_held_share`` of the pool, and
-    every hold made is released once (expiry, admission, reclaim or displacement) or
+    every hold made is released once (lapsed, admission, reclaim or displacement) or
     still stands."""
     sessions = table(share=share, max_ttl_s=8.0, max_sessions=6)
     now, turn, live, depth, admitted = 0.0, 0, {}, {}, 0
@@ -148,7 +165,7 @@ def test_held_blocks_never_exceed_the_bound(ops, share):
         elif op == "admit" and live:
             admitted += sessions.admitted(next(iter(live))) is not None
         elif op == "expire":
-            sessions.expire(now)
+            sessions.reclaim(blocks, now, lapsed_only=True)
         elif op == "reclaim":
             sessions.reclaim(blocks, now)
         assert sessions.held_blocks <= sessions.bound_blocks

@@ -169,3 +169,41 @@ def test_a_fresh_scheduler_serves_every_documented_series_at_zero(tmp_path) -> N
         assert values and all(float(v) == 0 for v in values), counter
     assert 'feather:tenant_service_tokens_total{scheduler="fresh",tenant="default"} 0.0' \
         in done.stdout
+
+
+SESSION_SCRIPT = """
+from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+from feather_sched.core.sessions import TOOL_CALLS, RetentionConfig, Sessions
+from feather_sched.telemetry.prometheus import SessionSink
+
+sink = SessionSink("test")
+sessions = Sessions(RetentionConfig(default_gap_s=2.0), 1000, lambda tokens: tokens * 1e-3)
+for name in ("x", "y"):
+    sessions.arrived(name + "0", "ns", ["sys", "sys/" + name], 0.0)
+    sessions.turn_ended(name + "0", ["sys", "sys/" + name, "sys/" + name + "/o"], 3, 48,
+                        1.0, TOOL_CALLS)
+sessions.publish(sink)
+sessions.arrived("y1", "ns", ["sys", "sys/y", "sys/y/o", "sys/y/o/t"], 2.0)
+sessions.reclaim(1, 5.0, lapsed_only=True)  # x0 lapsed at 3.0: released
+sessions.publish(sink)
+sessions.publish(sink)  # nothing new: the counters stay
+registry = CollectorRegistry()
+multiprocess.MultiProcessCollector(registry)
+print(generate_latest(registry).decode())
+"""
+
+
+def test_session_series_follow_the_session_table(tmp_path) -> None:
+    """Two sessions held (sharing a system block: 5 distinct blocks), one continues and
+    finds its hold, the other's lapses and is released: the gauges show what is held at
+    the last publish, the counters each event once however often it is published."""
+    done = subprocess.run([sys.executable, "-c", SESSION_SCRIPT], capture_output=True,
+                          text=True, env=multiprocess_env(tmp_path), check=True,
+                          cwd=Path(__file__).parents[2])
+    text = done.stdout
+    assert 'feather:sessions_held{scheduler="test"} 1.0' in text
+    assert 'feather:session_blocks_held{scheduler="test"} 3.0' in text
+    for event, count in (("held", 2), ("reloads_avoided", 1), ("expired", 1),
+                         ("refused", 0), ("displaced", 0)):
+        assert f'feather:session_events_total{{event="{event}",scheduler="test"}} ' \
+            f'{count:.1f}' in text

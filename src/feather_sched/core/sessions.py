@@ -19,11 +19,13 @@ unpins the blocks itself.  The rule (docs/sessions.md):
   costs others at most ``blocks / pool * t`` engine-seconds; recomputing costs
   ``reload_s``): ski rental, so a session that never returns costs others at most
   what one reload would have cost it.
-* **Bound.** Held blocks never exceed ``max_held_share`` of the pool: a new hold first
-  displaces less valuable ones, else it is refused.  A hold's value is its reload
-  seconds per block, scaled by the share of its TTL left (the oldest is worth least).
-* **Release** at expiry (``expire``; not once the next turn has arrived: then at its
-  admission, ``admitted``), or under pressure (``reclaim``), least valuable first.
+* **Bound.** The distinct blocks of all holds (a block several hold counts once) never
+  exceed ``max_held_share`` of the pool: a new hold first displaces less valuable ones,
+  else it is refused.  A hold's value is its reload seconds per block, scaled by the
+  share of its TTL left; once its next turn has arrived, its full value.
+* **Release** at the next turn's admission (``admitted``), or when blocks are needed
+  (``reclaim``, a new hold's displacements), least valuable first.  At its TTL a hold
+  lapses: worth 0, the first to go (``reclaim(lapsed_only=True)`` takes only those).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+
+from feather_sched.telemetry.prometheus import SessionSink
 
 TOOL_CALLS = "tool_calls"
 """The OpenAI finish reason of a turn that called a tool: its session goes on."""
@@ -80,6 +84,8 @@ class Hold:
     since_s: float
     expires_s: float
     reload_s: float
+    keys: tuple[Hashable, ...] = ()
+    """Its blocks' keys (the rest of its ``blocks`` are unkeyed: counted as its own)."""
 
     def value(self, now: float) -> float:
         """Reload seconds saved per held block, times the share of the TTL left."""
@@ -138,6 +144,9 @@ class Sessions:
         self._of_request: dict[Hashable, int] = {}
         self._namespace_gaps: dict[Hashable, deque[float]] = {}
         self._holds: dict[Hashable, Hold] = {}
+        self._key_holds: dict[Hashable, int] = {}
+        """Holds counting each held key: a block shared by holds counts once."""
+        self._unkeyed = 0
         self._ids = itertools.count()
 
     # ---- state ------------------------------------------------------------------------
@@ -149,11 +158,16 @@ class Sessions:
 
     @property
     def held_blocks(self) -> int:
-        return sum(hold.blocks for hold in self._holds.values())
+        """Distinct blocks the holds count: each held key once, plus unkeyed blocks."""
+        return len(self._key_holds) + self._unkeyed
 
     @property
     def holds(self) -> list[Hold]:
         return list(self._holds.values())
+
+    def publish(self, sink: SessionSink) -> None:
+        """Hand the holds and counts to a metrics sink (an adapter calls it each step)."""
+        sink.observe(len(self._holds), self.held_blocks, vars(self.counts))
 
     def session_of(self, request_id: Hashable) -> Session | None:
         index = self._of_request.get(request_id)
@@ -237,13 +251,14 @@ class Sessions:
         if ttl is None or not self._expected(session, finish_reason) or blocks < 1:
             return None, []
         hold = Hold(request_id, session.id, blocks, tokens, now, now + ttl,
-                    self.reload_s(tokens))
+                    self.reload_s(tokens), tuple((session.namespace, key) for key in keys[:blocks]))
         displaced = self._room_for(hold, now)
         if displaced is None:
             self.counts.refused += 1
             return None, []
         session.hold = hold
         self._holds[request_id] = hold
+        self._account(hold, 1)
         self.counts.held += 1
         return hold, displaced
 
@@ -271,24 +286,51 @@ class Sessions:
         return ttl if ttl > 0 else None
 
     def _room_for(self, hold: Hold, now: float) -> list[Hold] | None:
-        """Holds to displace, least valuable first, so that ``hold`` fits the bound (None:
-        it does not fit even so, or only by displacing ones worth more)."""
-        excess = self.held_blocks + hold.blocks - self.bound_blocks
-        if excess <= 0:
+        """Holds to displace, least valuable first, so that ``hold``'s blocks not yet
+        held fit the bound (None: they do not fit even so, or only by displacing ones
+        worth more).  O(holds' keys) where some are displaced."""
+        if self._fits(hold):
             return []
-        value = hold.value(now)
-        displaced = []
-        for other in sorted(self._holds.values(), key=lambda h: (h.value(now), h.since_s)):
-            if excess <= 0 or other.value(now) >= value:
+        value, displaced = self._worth(hold, now), []
+        for other in self._by_worth(now):
+            if self._worth(other, now) >= value:
                 break
+            self._account(other, -1)
             displaced.append(other)
-            excess -= other.blocks
-        if excess > 0:
-            return None
+            if self._fits(hold):
+                lapsed = sum(self._lapsed(gone, now) for gone in displaced)
+                for gone in displaced:
+                    self._drop(gone, accounted=False)
+                self.counts.expired += lapsed
+                self.counts.displaced += len(displaced) - lapsed
+                return displaced
         for other in displaced:
-            self._drop(other)
-        self.counts.displaced += len(displaced)
-        return displaced
+            self._account(other, 1)
+        return None
+
+    def _fits(self, hold: Hold) -> bool:
+        new = sum(key not in self._key_holds for key in hold.keys)
+        return self.held_blocks + new + hold.blocks - len(hold.keys) <= self.bound_blocks
+
+    def _worth(self, hold: Hold, now: float) -> float:
+        """A hold's value; one whose next turn has arrived is worth its full value (its
+        return is certain), whatever is left of its TTL."""
+        session = self._sessions.get(hold.session)
+        return hold.value(hold.since_s if session is not None and session.returned else now)
+
+    def _by_worth(self, now: float) -> list[Hold]:
+        return sorted(self._holds.values(), key=lambda h: (self._worth(h, now), h.since_s))
+
+    def _account(self, hold: Hold, sign: int) -> None:
+        """Count ``hold``'s blocks in (``sign`` 1) or out (-1) of ``held_blocks``."""
+        counts = self._key_holds
+        for key in hold.keys:
+            left = counts.get(key, 0) + sign
+            if left:
+                counts[key] = left
+            else:
+                del counts[key]
+        self._unkeyed += sign * (hold.blocks - len(hold.keys))
 
     def admitted(self, request_id: Hashable) -> Hold | None:
         """A request was admitted: its session's hold (if any) ends; the adapter unpins it
@@ -300,31 +342,30 @@ class Sessions:
         self._drop(hold)
         return hold
 
-    def expire(self, now: float) -> list[Hold]:
-        """Holds whose TTL has run out and whose next turn has not arrived, released."""
-        gone = [hold for hold in self._holds.values() if hold.expires_s <= now
-                and not self._sessions[hold.session].returned]
-        for hold in gone:
-            self._drop(hold)
-        self.counts.expired += len(gone)
-        return gone
-
-    def reclaim(self, blocks: int, now: float) -> list[Hold]:
+    def reclaim(self, blocks: int, now: float, lapsed_only: bool = False) -> list[Hold]:
         """Under pressure: release holds, least valuable (then oldest) first, until at
-        least ``blocks`` blocks are released or none is left."""
+        least ``blocks`` blocks are released or none is left; ``lapsed_only``: only holds
+        past their TTL whose next turn has not arrived (worth 0, so they go first)."""
         gone = []
-        for hold in sorted(self._holds.values(), key=lambda h: (h.value(now), h.since_s)):
-            if blocks <= 0:
+        for hold in self._by_worth(now):
+            if blocks <= 0 or (lapsed_only and not self._lapsed(hold, now)):
                 break
             gone.append(hold)
             blocks -= hold.blocks
+        lapsed = sum(self._lapsed(hold, now) for hold in gone)
         for hold in gone:
             self._drop(hold)
-        self.counts.reclaimed += len(gone)
+        self.counts.expired += lapsed
+        self.counts.reclaimed += len(gone) - lapsed
         return gone
 
-    def _drop(self, hold: Hold) -> None:
+    def _lapsed(self, hold: Hold, now: float) -> bool:
+        return hold.expires_s <= now and not self._sessions[hold.session].returned
+
+    def _drop(self, hold: Hold, accounted: bool = True) -> None:
         del self._holds[hold.holder]
+        if accounted:
+            self._account(hold, -1)
         session = self._sessions.get(hold.session)
         if session is not None and session.hold is hold:
             session.hold, session.returned = None, False

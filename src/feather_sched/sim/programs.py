@@ -14,8 +14,9 @@ next turn can hit prompt and output); then:
   (``F`` their distribution); no bound; released at expiry, at the next turn, or when
   nothing can run; admission program-level FCFS (``ProgramFcfsPolicy``);
 * ``SessionRetention`` is Feather's rule (``core.sessions``): recognised by prefix match,
-  held within ``max_held_share`` of the pool, released at expiry, at the next turn, under
-  pressure (nothing able to run; optionally a running request's growth); a continuing
+  held within ``max_held_share`` of the pool, released at the next turn, or when blocks
+  are needed: a new hold's, nothing able to run, a running request's growth (lapsed
+  holds only, unless ``yield_to_growth``); a continuing
   turn whose prefix is warm (held, or half its blocks still cached) enters Feather's
   queue in class 0, others in class 1 (``SessionView``), so it is admitted first.
 """
@@ -219,9 +220,9 @@ class SessionRetention(_Holding):
 
     def __init__(self, engine: SimEngine, turns: Turns, reload_s: Callable[[int], float],
                  config: RetentionConfig | None = None, yield_to_growth: bool = False) -> None:
-        """``yield_to_growth``: holds are also released (least valuable first) where a
-        running request's growth lacks blocks, instead of preempting it (off by default:
-        in the agents benchmark it cost JCT, docs/sessions.md)."""
+        """``yield_to_growth``: holds not yet lapsed are also released (least valuable
+        first) where a running request's growth lacks blocks, instead of preempting it
+        (off by default: in the agents benchmark it cost JCT, docs/sessions.md)."""
         super().__init__(engine, turns)
         self.yield_to_growth = yield_to_growth
         self.sessions = Sessions(config or RetentionConfig(), engine.config.num_blocks,
@@ -233,7 +234,7 @@ class SessionRetention(_Holding):
         """Turns that continue a session."""
 
     def start(self) -> None:
-        self.engine.pool.reclaim = self._reclaim if self.yield_to_growth else None
+        self.engine.pool.reclaim = self._reclaim
 
     def arrived(self, spec: RequestSpec) -> None:
         namespace = Namespace((), spec.tenant)
@@ -269,7 +270,6 @@ class SessionRetention(_Holding):
             self.warm.discard(request_id)
             hold = sessions.admitted(request_id)
             self._release([hold] if hold else [])
-        self._release(sessions.expire(self.engine.now))
 
     def stalled(self) -> bool:
         gone = self.sessions.reclaim(1, self.engine.now)
@@ -277,7 +277,10 @@ class SessionRetention(_Holding):
         return bool(gone)
 
     def _reclaim(self, blocks: int) -> None:
-        self._release(self.sessions.reclaim(blocks, self.engine.now))
+        """A running request's growth lacks ``blocks``: lapsed holds yield to it (all
+        holds with ``yield_to_growth``)."""
+        self._release(self.sessions.reclaim(blocks, self.engine.now,
+                                            lapsed_only=not self.yield_to_growth))
 
     def _release(self, holds: list[Hold]) -> None:
         for hold in holds:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -54,6 +54,16 @@ class _Metrics:
     tenant_admissions: Counter
     tenant_deferral: Histogram
     tenant_service: Counter
+    sessions_held: Gauge
+    session_blocks_held: Gauge
+    session_events: Counter
+
+
+SESSION_EVENTS = {"held": "hold made", "expired": "lapsed hold released",
+                  "reloads_avoided": "continuing turn that found its blocks held",
+                  "refused": "hold refused by the bound", "reclaimed": "hold released "
+                  "under pressure", "displaced": "hold displaced by a more valuable one"}
+"""The ``event`` values of ``feather:session_events``: ``core.sessions.SessionCounts``'s."""
 
 
 @functools.cache
@@ -105,6 +115,13 @@ def _registered() -> _Metrics:
                                "received: 1 per prompt token computed (cache hits free), 2 "
                                "per token generated, before its weight.",
                                [*labels, "tenant"]),
+        sessions_held=Gauge("feather:sessions_held", "Agent sessions whose KV blocks are "
+                            "held for their next turn.", labels, multiprocess_mode="livesum"),
+        session_blocks_held=Gauge("feather:session_blocks_held", "Distinct KV blocks held "
+                                  "for sessions.", labels, multiprocess_mode="livesum"),
+        session_events=Counter("feather:session_events", "Session retention events: "
+                               + "; ".join(f"{k}: {v}" for k, v in SESSION_EVENTS.items())
+                               + ".", [*labels, "event"]),
     )
 
 
@@ -218,3 +235,27 @@ class PrometheusSink:
     def request_left(self, preemptions: int) -> None:
         """A request left the scheduler (finished, aborted, rejected), preempted so often."""
         self._request_preemptions.observe(preemptions)
+
+
+class SessionSink:
+    """One scheduler's session-retention series (``core.sessions.Sessions.publish``):
+    sessions and blocks held now, and each of ``SESSION_EVENTS`` as a counter, present at
+    zero from the start.  ``observe`` takes the cumulative counts and adds what they
+    gained since its last call.  O(events) a call."""
+
+    def __init__(self, scheduler: str) -> None:
+        metrics = _registered()
+        self._held = metrics.sessions_held.labels(scheduler)
+        self._blocks = metrics.session_blocks_held.labels(scheduler)
+        self._events = {event: metrics.session_events.labels(scheduler, event)
+                        for event in SESSION_EVENTS}
+        self._seen = dict.fromkeys(SESSION_EVENTS, 0)
+
+    def observe(self, sessions: int, blocks: int, counts: Mapping[str, int]) -> None:
+        self._held.set(sessions)
+        self._blocks.set(blocks)
+        for event, counter in self._events.items():
+            gained = counts.get(event, 0) - self._seen[event]
+            if gained > 0:
+                counter.inc(gained)
+                self._seen[event] += gained
