@@ -32,6 +32,7 @@ from typing import Any
 
 from feather_sched.core.cht import block_chunk_keys
 from feather_sched.core.config import FeatherConfig
+from feather_sched.core.contract import RuntimeContract
 from feather_sched.core.prefix import keys_per_chunk
 from feather_sched.core.runtime import FeatherRuntime
 from feather_sched.costmodel.cost import CostModel
@@ -145,7 +146,7 @@ class DfsWeightPolicy(_SGLangPolicy):
         weight: dict[Hashable, int] = {}
         at_node: dict[Hashable, list[SimRequest]] = {}
         for request, blocks in self._matched(pool):
-            path = [None, *request.keys[:blocks]]
+            path: list[Hashable] = [None, *request.keys[:blocks]]
             at_node.setdefault(path[-1], []).append(request)
             for parent, node in pairwise(path):
                 if node not in weight:
@@ -187,7 +188,8 @@ def make_policy(name: str, feather_options: dict[str, Any], engine: SimEngine) -
     config = FeatherConfig.from_sources(options, environ={})
     view = SimRequests(engine.config.block_tokens, config.chunk_tokens,
                        priorities=parsed.kind is SchedulerKind.FEATHER)
-    return FeatherRuntime(config, view, clock=engine.clock, name=name,
-                          seats=engine.config.max_num_seqs,
-                          kv_tokens=engine.config.num_blocks * engine.config.block_tokens,
-                          chunk_tokens=view.chunk_tokens)
+    runtime: RuntimeContract[SimRequest] = FeatherRuntime(
+        config, view, clock=engine.clock, name=name, seats=engine.config.max_num_seqs,
+        kv_tokens=engine.config.num_blocks * engine.config.block_tokens,
+        chunk_tokens=view.chunk_tokens)
+    return runtime

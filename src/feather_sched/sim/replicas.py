@@ -24,6 +24,8 @@ import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.core.prefix import keys_per_chunk
 from feather_sched.results.records import RequestRecord, RunResult
@@ -94,7 +96,8 @@ class Ingresses:
     def __len__(self) -> int:
         return len(self._owner)
 
-    def route_tokens(self, request_id: Hashable, tokens: Sequence[int]) -> Hashable:
+    def route_tokens(self, request_id: Hashable, tokens: np.ndarray | Sequence[int]
+                     ) -> Hashable:
         router = self.routers[next(self._turn) % len(self.routers)]
         self._owner[request_id] = router
         return router.route_tokens(request_id, tokens)

@@ -123,6 +123,9 @@ class TritonStep:
 class SharedPrefixTritonBackend(SharedPrefixDecode, TritonAttnBackend):
     """SGLang's Triton backend with the shared-prefix decode (see the module docstring)."""
 
+    forward_metadata: Any
+    """``TritonAttnBackend``'s metadata of the step, swapped for the cut batch's."""
+
     def __init__(self, model_runner: Any, min_shared_tokens: int) -> None:
         super().__init__(model_runner, min_shared_tokens)
         device = torch.device(model_runner.device)

@@ -91,7 +91,7 @@ class Room(core.Room[Req]):
         evictable once they are released."""
         if self.tree is None:
             return 0
-        root, held = self.tree.root_node, Counter()
+        root, held = self.tree.root_node, Counter[int]()
         nodes = {}
         for victim in victims:
             node = victim.lock.node if victim.lock is not None else root

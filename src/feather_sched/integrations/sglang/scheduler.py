@@ -44,6 +44,7 @@ from feather_sched.core import (
     FeatherConfigError,
     FeatherRuntime,
     Isolation,
+    RuntimeContract,
     is_true,
     parse_tenant,
     token_keys,
@@ -189,7 +190,7 @@ class FeatherSGLang:
                                        priority_scheduling=priority_scheduling,
                                        low_priority_values_first=low_priority_values_first,
                                        isolation=self.config.isolation)
-        self.runtime: FeatherRuntime[Req] = FeatherRuntime(
+        self.runtime: RuntimeContract[Req] = FeatherRuntime(
             self.config, self.requests, name="FeatherSGLang", seats=seats,
             kv_tokens=kv_tokens, engine=engine)
         self.priority_preemption = priority_preemption
@@ -412,7 +413,7 @@ class FeatherSGLang:
         if not self.preempts:
             return []
         return self.faults.call("urgent_victims", self._urgent_victims, running, req,
-                                threshold, room, default=[])
+                                threshold, room) or []
 
     def _urgent_victims(self, running: list[Req], req: Req, threshold: int,
                         room: Room) -> list[Req]:

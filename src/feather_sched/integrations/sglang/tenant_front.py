@@ -41,9 +41,10 @@ def carry_tenant(body: dict, header: str | None, *, native: bool,
         tenant = named_tenant(header, body.get("custom_params"), body.get("user"),
                               "custom_params", header_name)
         return tenant is not None and _name(body, tenant)
-    if header is None:
+    tenant = None if header is None else \
+        named_tenant(header, None, None, header_name=header_name)
+    if tenant is None:
         return False
-    tenant = named_tenant(header, None, None, header_name=header_name)
     params = body.get("sampling_params")
     if params is None:
         params = body["sampling_params"] = {}

@@ -157,7 +157,7 @@ class SharedPrefixCPUImpl(CPUAttentionBackendImpl):
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor,
                 output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(attn_metadata, SharedPrefixMetadata):
+        if not isinstance(attn_metadata, SharedPrefixMetadata) or attn_metadata.plan is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         if not self._acts(layer, query, kv_cache):

@@ -112,7 +112,7 @@ class VLLMBlockHasher:
     def _name(self, digest: bytes) -> Any:
         return int.from_bytes(digest[-8:], "big") if self.int_hashes else digest
 
-    def full_hashes(self, tokens: Sequence[int], parent: bytes | None = None,
+    def full_hashes(self, tokens: np.ndarray | Sequence[int], parent: bytes | None = None,
                     boundary: tuple = ()) -> list[bytes]:
         """Whole digests of the full blocks of ``tokens``, chained from ``parent`` (None:
         a prompt's start) with the extra keys of ``boundary`` (``extra_keys``).  No memo."""
