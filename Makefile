@@ -17,12 +17,12 @@ test:
 	$(MKDOCS) build --strict --site-dir site
 
 # The fast tier: ruff, mypy (the adapters hold the runtime as core.RuntimeContract:
-# pyproject.toml's [tool.mypy]), then every test that starts no engine process
-# (tests/conftest.py marks those `engine`).
+# pyproject.toml's [tool.mypy]), then every test that starts no engine process and takes
+# no minutes (tests/conftest.py marks those `engine` and `slow`).
 check:
 	.venv/bin/ruff check src tests
 	.venv/bin/mypy
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not engine"
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not engine and not slow"
 
 lint:
 	.venv/bin/ruff check src tests
