@@ -66,10 +66,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.engine)
         if f"{module}::{item.name}" in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
-    collected = {f"{item.path.relative_to(tests).as_posix()}::{item.name}" for item in items}
-    files = {name.split("::")[0] for name in collected}
-    stale = sorted(name for name in SLOW_TESTS
-                   if name.split("::")[0] in files and name not in collected)
+    modules = {item.path.relative_to(tests).as_posix(): item.module for item in items
+               if isinstance(item, pytest.Function)}
+    stale = sorted(name for name in SLOW_TESTS if name.split("::")[0] in modules and
+                   not hasattr(modules[name.split("::")[0]], name.split("::")[1].split("[")[0]))
     if stale:
         raise pytest.UsageError(f"tests/conftest.py's SLOW_TESTS names no test: {stale}")
 
