@@ -1,32 +1,17 @@
 """Feather inside vLLM's V1 engine (vLLM 0.32-0.34; their differences: ``compat``).
 
 Load with ``--scheduler-cls feather_sched.integrations.vllm.FeatherScheduler`` (server) or
-``LLM(..., scheduler_cls=FeatherScheduler)``.  The scheduler subclass is thin (``_Hooks``):
-it forwards ``schedule``, ``update_from_output``, ``_update_request_with_output`` (under
-fair share), ``_free_request`` and ``shutdown`` to one component (``SchedulerComponent``),
-``VllmFeather``, which translates vLLM's types for ``FeatherRuntime`` and replays vLLM's
-arithmetic behind named modules (``urgent``); the rules live in ``core``:
+``LLM(..., scheduler_cls=FeatherScheduler)``; options: ``--additional-config
+'{"feather": {...}}'`` or ``FEATHER_*``.  The scheduler subclass is thin (``_Hooks``): it
+forwards vLLM's calls to one component, ``VllmFeather``, which translates vLLM's types
+for the runtime (held as ``RuntimeContract``) through ``VllmRequests``,
+``FeatherWaitingQueue``, ``KvHoldingQueue`` and ``UrgentRoom``; ``VllmMeter`` measures,
+and is the FCFS baseline's component (``InstrumentedScheduler``).
 
-* ``VllmRequests``: how Feather reads a vLLM request (chunk keys from its block hashes,
-  its tenant from ``SamplingParams.extra_args["tenant"]``);
-* ``FeatherWaitingQueue``: vLLM's ``RequestQueue`` over the runtime; its truth value is
-  the gate's ADD/STOP, ``peek``/``pop`` serve the runtime's candidate;
-* ``KvHoldingQueue``: vLLM's ``kv_holding_waiting``, under Feather's waiting bound;
-* ``UrgentRoom`` (``urgent``): before each pass, a less urgent running request preempted
-  for Feather's next admission where it lacks a seat or KV blocks (vLLM's priority policy);
-* ``VllmMeter``: the measurements, the FCFS baseline's (``InstrumentedScheduler``)
-  component, held by ``VllmFeather``;
-* ``FeatherScheduler`` / ``FeatherSyncScheduler``: async scheduling on / off.
-
-Invariants: each ``schedule()`` is one pass, rewarded with the step of its own scheduler
-output; every pass takes vLLM's ``running`` list as the truth and puts it in Feather's
-order, whose end vLLM preempts; a request leaves Feather exactly once; under fair share
-every token a step computes for a request (past its cache hit, recomputation included)
-or generates is counted to its tenant before the request leaves (``served``).  A fault in
-Feather's code never reaches ``schedule()``: every call asks ``faults.serves``, and after
-a fault vLLM's own ``PriorityRequestQueue`` and admission serve until the next pass
-rebuilds Feather's picture.  Options:
-``--additional-config '{"feather": {...}}'`` or ``FEATHER_*``.  docs/vllm.md.
+Each ``schedule()`` is one pass, rewarded with the step of its own output; a request
+leaves Feather exactly once; a fault in Feather's code never reaches ``schedule()``
+(vLLM's own queue serves until the next pass).  The invariants in full: docs/vllm.md,
+"Mechanism".
 """
 
 from __future__ import annotations
