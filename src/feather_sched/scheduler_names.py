@@ -1,28 +1,13 @@
 """Scheduler names of the benchmarks and the simulator, parsed and validated in one place.
 
-* ``fcfs`` - the engine's own first-come-first-served scheduler;
-* ``fcfs-nocache`` - the same with prefix caching off (real engine only);
-* ``priority`` - the engine's own scheduler under its priority policy (vLLM's
-  ``scheduling_policy="priority"``: waiting requests by (priority, arrival), the victim of
-  preemption the latest arrival of the least urgent class);
-* ``sglang-lpm``, ``sglang-dfs-weight`` - SGLang's cache-aware policies (simulator only);
-* ``vtc`` - VTC (Sheng et al., OSDI'24): fair share between tenants by a virtual token
-  counter, FIFO within a tenant, no prefix order: Feather's runtime in ``fairness: vtc``,
-  the same code in the simulator and on the engine;
-* ``feather-<gate>`` - Feather with gate ``always``, ``chunk-loss``, ``bandit`` or
-  ``model``; ``-noorder`` keeps the engine's running order (to measure ordering's share),
-  ``-unbounded`` turns the fairness bound off (to measure what fairness costs) and
-  ``-fair`` turns fair share between tenants on (``fairness: tenants``), in that order
-  when several are given.
-
+``fcfs`` (``-nocache``: prefix caching off), ``priority`` (the engine's priority
+policy), ``sglang-lpm``, ``sglang-dfs-weight`` (simulator only), ``vtc`` (fair share by
+a virtual token counter: Feather's runtime in ``fairness: vtc``) and ``feather-<gate>``
+with ``-noorder``, ``-unbounded``, ``-fair`` in that order; any name may end in
+``-shared`` or ``-noshared`` (shared-prefix decode attention on or off for that run).
 Where a workload has several priority classes, Feather names run under the engine's
-priority policy too (``SchedulerName.priority_policy``); the other names run first come
-first served, with every request's priority stripped to 0.
-
-Any name may end in ``-shared`` or ``-noshared``: shared-prefix decode attention on or
-off for that run. Without either, each context's default holds: on the real engine,
-``auto`` (on with Feather's scheduler, off with the engine's own); in the simulator, its
-``--cascade`` flag.
+priority policy too (``SchedulerName.priority_policy``); the others run FCFS with every
+priority stripped to 0.  What each name means: docs/measuring.md, "Scheduler names".
 """
 
 from __future__ import annotations
