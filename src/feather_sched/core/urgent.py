@@ -9,10 +9,9 @@ arithmetic, which each engine answers through a ``Room``: vLLM's
 and the simulator's over its block pool (``sim.engine.PoolRoom``).  Every engine then
 preempts the whole set at once, with its own release mechanics, and admits the request.
 
-An adapter that replays an engine's arithmetic reads members the engine keeps private;
-it lists them in one tuple and checks them once (``engine_members``), so that an engine
-release without one turns urgent preemption off with a warning instead of failing inside
-the engine.
+An adapter that replays an engine's arithmetic lists the private members it reads in one
+tuple and checks them once (``engine_members``): an engine release without one turns
+urgent preemption off with a warning instead of failing inside the engine.
 """
 
 from __future__ import annotations

@@ -8,10 +8,9 @@ missed ones through a replay callback or by clearing that replica's entries;
 ``CacheIndex`` keeps per replica exactly the blocks it holds and answers how many leading
 blocks of a prompt each replica holds.  ``PreciseIndex`` is what ``FeatherRouter`` routes
 by: the cache index plus the prompts routed to each replica and not finished (their blocks
-are about to be stored there).  Block hashes are chained (hash *i* names the whole prefix
-through block *i*), so a prompt's hashes, computed by the router exactly as the engine
-computes them (same block size, hash function and seed; ``BlockHasher``), are looked up
-as they are.  Not thread-safe: callers that feed events from another thread hold one lock
+are about to be stored there).  Block hashes are chained, so a prompt's hashes, computed
+by the router exactly as the engine does (``BlockHasher``), are looked up as they are.
+Not thread-safe: callers that feed events from another thread hold one lock
 around every call (``EventFeed`` takes that lock itself).
 """
 
