@@ -106,14 +106,9 @@ OWNED_ELSEWHERE = {
 """Owned by another change (issue 64's other parts, in progress): their docstrings are
 trimmed there, and then they leave this list.  Lines as they stand."""
 NOT_YET_TRIMMED = {
-    "feather_sched.attention.groups": 21,
-    "feather_sched.bench.client": 21,
     "feather_sched.bench.offline": 23,
-    "feather_sched.bench.study": 20,
-    "feather_sched.core.cht": 22,
     "feather_sched.core.isolation": 23,
     "feather_sched.costmodel.cost.CostModel": 24,
-    "feather_sched.gates.step_model": 20,
     "feather_sched.integrations.vllm.attention": 23,
     "feather_sched.routing.baselines": 23,
     "feather_sched.routing.cache_index.PreciseIndex": 20,
