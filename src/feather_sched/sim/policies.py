@@ -1,24 +1,17 @@
 """Schedulers for the simulator: Feather and VTC (the real FeatherRuntime), SGLang's LPM
 and DFS-weight, and the baselines of ``sim.fcfs`` (vLLM's own).
 
-Feather reads each request's priority class from its spec, as vLLM's scheduler under
-its priority policy; vLLM FCFS, VTC and SGLang's policies ignore priorities (``sim.fcfs``
-has vLLM's own priority policy).
-
-Every policy drives the contract of ``feather_sched.core.runtime``.  Feather *is* the
-``FeatherRuntime`` the vLLM and SGLang adapters use, reading simulated requests through
-``SimRequests`` (chunk keys from the simulated pool's block keys) on the simulated clock;
-so is VTC (``fairness: vtc``), as ``feather bench``'s ``vtc`` on vLLM.
-The SGLang policies follow ``SchedulePolicy.calc_priority`` of SGLang 0.5.23: once per
-pass they order the queue by cached prefix (LPM: longest first, falling back to FCFS above
-128 waiting requests, in-batch de-prioritisation of requests sharing 32+ tokens with one
+Feather *is* the ``FeatherRuntime`` the vLLM and SGLang adapters use, reading simulated
+requests through ``SimRequests`` (chunk keys from the pool's block keys, each request's
+priority class from its spec) on the simulated clock; so is VTC (``fairness: vtc``).
+The SGLang policies follow ``SchedulePolicy.calc_priority`` of SGLang 0.5.23, ignoring
+priorities: once per pass they order the queue by cached prefix (LPM: longest first, FCFS
+above 128 waiting, in-batch de-prioritisation of requests sharing 32+ tokens with one
 already chosen; DFS-weight: depth-first over the cached-prefix tree, heaviest subtree
-first).
-
-They match prefixes against the pool's block keys, which is far cheaper than SGLang's
-token radix tree; so that the simulated clock still pays what SGLang pays, each ordering
-pass is charged ``match_s`` per waiting request it matched (default: SGLang's own cost per
-request measured by ``feather cht-bench``, ``benchmarks/cht``).
+first).  They match prefixes against the pool's block keys, far cheaper than SGLang's
+token radix tree, so each ordering pass is charged ``match_s`` per waiting request
+matched (default: SGLang's own cost measured by ``feather cht-bench``,
+``benchmarks/cht``).
 """
 
 from __future__ import annotations
