@@ -4,6 +4,7 @@ over 15 (a package's overview in its ``__init__`` excepted)."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import feather_sched
@@ -16,27 +17,33 @@ MAX_DOCSTRING_LINES = 15
 """The longest a docstring may be: what a thing does, its contract and its cost (proofs
 go to ``docs/``, history to commit messages)."""
 
+Definition = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+
+
+def modules(root: Path) -> Iterator[tuple[Path, str, ast.Module]]:
+    """Each Python file under ``root``: its path, its module name, its syntax tree."""
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
+        yield path, module, ast.parse(path.read_text(), str(path))
+
+
+def definitions(node: ast.AST, prefix: str) -> Iterator[tuple[str, Definition]]:
+    """Every function and class under ``node`` (nested ones too), by qualified name."""
+    for child in ast.iter_child_nodes(node):
+        name = prefix
+        if isinstance(child, Definition):
+            name = f"{prefix}.{child.name}"
+            yield name, child
+        yield from definitions(child, name)
+
 
 def long_functions(root: Path, limit: int = MAX_LINES) -> dict[str, int]:
     """``module.qualified.name`` -> lines, for every function (nested ones too) in the
     Python files under ``root`` longer than ``limit`` lines."""
-    found: dict[str, int] = {}
-    for path in sorted(root.rglob("*.py")):
-        module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
-        _visit(ast.parse(path.read_text(), str(path)), module, limit, found)
-    return found
-
-
-def _visit(node: ast.AST, prefix: str, limit: int, found: dict[str, int]) -> None:
-    for child in ast.iter_child_nodes(node):
-        name = prefix
-        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            name = f"{prefix}.{child.name}"
-        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
-            lines = child.end_lineno - child.lineno + 1
-            if lines > limit:
-                found[name] = lines
-        _visit(child, name, limit, found)
+    return {name: lines for _, module, tree in modules(root)
+            for name, node in definitions(tree, module)
+            if not isinstance(node, ast.ClassDef)
+            and (lines := node.end_lineno - node.lineno + 1) > limit}
 
 
 def test_no_function_is_over_60_lines():
@@ -62,33 +69,23 @@ def long_docstrings(root: Path, limit: int = MAX_DOCSTRING_LINES) -> dict[str, i
     """``module[.qualified.name]`` -> lines, for every docstring (a module's, a class's,
     a function's) in the Python files under ``root`` longer than ``limit`` lines, but a
     package's own (its ``__init__``'s module docstring: the package's overview)."""
-    found: dict[str, int] = {}
-    for path in sorted(root.rglob("*.py")):
-        module = ".".join(path.relative_to(root.parent).with_suffix("").parts)
-        tree = ast.parse(path.read_text(), str(path))
-        if path.name != "__init__.py":
-            _count_docstring(tree, module, limit, found)
-        _visit_docstrings(tree, module, limit, found)
+    found = {}
+    for path, module, tree in modules(root):
+        named = [(module, tree)] if path.name != "__init__.py" else []
+        for name, node in [*named, *definitions(tree, module)]:
+            lines = docstring_lines(node)
+            if lines > limit:
+                found[name] = lines
     return found
 
 
-def _visit_docstrings(node: ast.AST, prefix: str, limit: int, found: dict[str, int]) -> None:
-    for child in ast.iter_child_nodes(node):
-        name = prefix
-        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            name = f"{prefix}.{child.name}"
-            _count_docstring(child, name, limit, found)
-        _visit_docstrings(child, name, limit, found)
-
-
-def _count_docstring(node: ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef,
-                     name: str, limit: int, found: dict[str, int]) -> None:
+def docstring_lines(node: ast.Module | Definition) -> int:
+    """The lines of ``node``'s docstring, its quotes included (0: none)."""
     first = node.body[0] if node.body else None
     if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and \
             isinstance(first.value.value, str):
-        lines = first.end_lineno - first.lineno + 1
-        if lines > limit:
-            found[name] = lines
+        return first.end_lineno - first.lineno + 1
+    return 0
 
 
 OWNED_ELSEWHERE = {
