@@ -1,9 +1,9 @@
 """Tenants in the simulator: Feather's fair share (``feather-model-fair``) against VTC, on
 the issue's workload (one tenant floods from a shared prefix, others send unshared or
-long-output requests), in three cells, and beside tenants flooding with documents, a
-light interactive one.
+long-output requests), in three cells; beside tenants flooding with documents, a
+light interactive one; and many tenants, most of them light.
 
-    .venv/bin/python benchmarks/sim/tenants.py [--set NAME] [--seeds 3]     # ~40 s
+    .venv/bin/python benchmarks/sim/tenants.py [--set NAME] [--seeds 3]     # ~6 min
 
 Llama-3-8B on the H100 SXM profile, vLLM's limits (256 seats).  The workload is
 ``workloads.synthetic.multi_tenant`` (4 tenants: t0 sends 240 requests sharing an
@@ -26,6 +26,14 @@ cells:
   unshared prompts with 1,024-token outputs at 0.5 req/s; 60 s.  The light interactive
   tenant is the one fair share must protect; targets: every tenant's mean TTFT <= 1.25x
   VTC's, throughput >= 1.3x, service gap <= 1x.
+* ``100 tenants``: the same 12 GiB pool, 4 document tenants (24 private 8K-token
+  documents each, 2.5 req/s each, 256-token answers) beside 96 light users, each
+  appearing at a uniform moment of the 60 s and sending 1 to 3 unshared 1K-token prompts
+  (256-token outputs) about 5 s apart: an overload, as multi-tenant fleets see at peaks.
+  Targets: throughput >= 1.2x VTC's, the light users' mean TTFT (over all their
+  requests) and every document tenant's <= 1.25x VTC's.
+* ``1,000 users``: the per-user shape, 1,000 light users (1 or 2 prompts each) over 120 s
+  beside the same document tenants; the same targets.
 
 Runs: ``vtc`` (VTC itself, ``fairness: vtc``), ``feather-model`` (no fair share),
 ``feather-model-fair`` (a cache hit at half a computed token's price, the default), and
@@ -41,7 +49,7 @@ from __future__ import annotations
 
 from feather_sched.bench.study import MODEL, Study, markdown_table, parser, sim_plan
 from feather_sched.results.summary import median_and_range as spread
-from feather_sched.results.summary import summarize
+from feather_sched.results.summary import pool_tenants, summarize
 from feather_sched.sim.runner import simulate
 from feather_sched.workloads.spec import ArrivalSpec, Workload
 from feather_sched.workloads.synthetic import document_tenants, multi_tenant
@@ -61,12 +69,22 @@ DOCUMENTS = {"documents_per_tenant": 16, "doc_len": 8192, "doc_output_len": 256,
              "doc_rate": 2.5, "chat_prompt_len": 256, "chat_output_len": 1024,
              "chat_rate": 0.5, "duration_s": 60.0}
 """The interactive cell's workload (``document_tenants``)."""
+MANY = {**DOCUMENTS, "doc_tenants": 4, "documents_per_tenant": 24, "chat_rate": 0.0,
+        "light_users": 96, "light_requests": 3, "light_prompt_len": 1024,
+        "light_output_len": 256}
+"""The 100-tenant cell's workload: 4 document tenants, 96 light users."""
+PER_USER = {**MANY, "light_users": 1000, "light_requests": 2, "duration_s": 120.0}
+"""The per-user cell's workload: 4 document tenants beside 1,000 user ids."""
+LIGHT = "light users"
+"""The tenants ``user0``, ``user1``, ... taken together in the tables (``pool_tenants``)."""
 CELLS = {
     "device pool": {"prefixes_per_tenant": 0, "engine": {}},
     "device pool, cascade": {"prefixes_per_tenant": 0, "engine": {"cascade": True}},
     "tight pool": {"prefixes_per_tenant": 4, "engine": {"num_blocks": 3000}},
     "interactive beside documents": {"documents": DOCUMENTS,
                                      "engine": {"kv_cache_gib": 12}},
+    "100 tenants": {"documents": MANY, "engine": {"kv_cache_gib": 12}},
+    "1,000 users": {"documents": PER_USER, "engine": {"kv_cache_gib": 12}},
 }
 """Each cell's workload (the multi-tenant one with its own prefixes for t1 and t3, or
 ``documents``) and its engine options (``sim_plan``'s)."""
@@ -84,8 +102,10 @@ def workload(seed: int, options: dict) -> Workload:
 def ratios(runs: dict, name: str) -> dict[str, float]:
     """One seed's ratios of run ``name`` to VTC's."""
     ours, vtc = runs[name], runs["vtc"]
+    gap = {} if vtc["max_service_gap"] is None else {
+        "service gap": ours["max_service_gap"] / vtc["max_service_gap"]}
     return {
-        "service gap": ours["max_service_gap"] / vtc["max_service_gap"],
+        **gap,
         "throughput": ours["output_throughput"] / vtc["output_throughput"],
         "worst tenant TTFT": max(t["mean_ttft_ms"] / vtc["by_tenant"][k]["mean_ttft_ms"]
                                  for k, t in ours["by_tenant"].items()),
@@ -104,6 +124,7 @@ def run_cell(study: Study, cell: str, seeds: int) -> dict:
             plan = sim_plan(workload(seed, options), "h100-sxm",
                             feather_options=feather_options, **options["engine"])
             summary = summarize(simulate(plan, name))
+            summary["by_tenant"] = pool_tenants(summary["by_tenant"], "user", LIGHT)
             runs[label] = {key: summary[key] for key in FIGURES}
         per_seed.append(runs)
     return {"options": options, "runs": per_seed,
@@ -142,7 +163,7 @@ def markdown(cells: dict, seeds: int) -> str:
                   "prefix-cache hit rate, preemptions, mean TTFT per tenant (s).", ""]
         tenants = list(per_seed[0]["vtc"]["by_tenant"])
         rows = [[name, spread([s[name]["output_throughput"] for s in per_seed], "{:,.0f}"),
-                 spread([s[name]["max_service_gap"] for s in per_seed], "{:,.0f}"),
+                 gap_spread([s[name]["max_service_gap"] for s in per_seed]),
                  spread([s[name]["prefix_cache_hit_rate"] for s in per_seed]),
                  spread([s[name]["preemptions"] for s in per_seed], "{:,.0f}"),
                  *(spread([s[name]["by_tenant"][t]["mean_ttft_ms"] / 1e3 for s in per_seed])
@@ -152,15 +173,30 @@ def markdown(cells: dict, seeds: int) -> str:
     return "\n".join(lines)
 
 
+def gap_spread(gaps: list[float | None]) -> str:
+    """The service gaps' median and range; n/a where no interval had every tenant in the
+    engine (light users come and go)."""
+    return "n/a" if None in gaps else spread(gaps, "{:,.0f}")
+
+
 def describe(options: dict) -> str:
     if "documents" in options:
         docs = options["documents"]
-        return (f"a {options['engine']['kv_cache_gib']:g} GiB KV pool, docs0 and docs1 asking "
-                f"about {docs['documents_per_tenant']} private "
+        tenants = docs.get("doc_tenants", 2)
+        text = (f"a {options['engine']['kv_cache_gib']:g} GiB KV pool, {tenants} document "
+                f"tenants asking about {docs['documents_per_tenant']} private "
                 f"{docs['doc_len'] // 1024}K-token documents each at {docs['doc_rate']:g} "
-                f"req/s, chat: {docs['chat_prompt_len']}-token unshared prompts, "
-                f"{docs['chat_output_len']}-token outputs at {docs['chat_rate']:g} req/s; "
-                "targets here: throughput >= 1.3x, service gap <= 1x")
+                "req/s, ")
+        if docs.get("light_users"):
+            return text + (
+                f"{docs['light_users']:,} light users each sending 1 to "
+                f"{docs['light_requests']} unshared {docs['light_prompt_len']}-token prompts "
+                f"({docs['light_output_len']}-token outputs) from a moment of their own, "
+                f"{docs['duration_s']:g} s; targets: throughput >= 1.2x, the light users' "
+                "and every document tenant's mean TTFT <= 1.25x")
+        return text + (f"chat: {docs['chat_prompt_len']}-token unshared prompts, "
+                       f"{docs['chat_output_len']}-token outputs at {docs['chat_rate']:g} "
+                       "req/s; targets here: throughput >= 1.3x, service gap <= 1x")
     pool = options["engine"].get("num_blocks")
     prefixes = options["prefixes_per_tenant"]
     where = "the device's KV pool" if pool is None else f"a {pool:,}-block KV pool"

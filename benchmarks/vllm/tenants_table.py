@@ -13,14 +13,18 @@ import argparse
 from pathlib import Path
 
 from feather_sched.bench.study import Figure, load_rounds, markdown_table, ratios
-from feather_sched.results.summary import median_and_range
+from feather_sched.results.summary import median_and_range, pool_tenants
 
 BASE = "vtc"
 RUNS = ("feather-model-fair", "vtc-shared")
 
 
+LIGHT = "light users"
+"""The tenants ``user0``, ``user1``, ... taken together (``pool_tenants``)."""
+
+
 def tenant_ttft(tenant: str) -> Figure:
-    return lambda run: run["by_tenant"][tenant]["mean_ttft_ms"]
+    return lambda run: pool_tenants(run["by_tenant"], "user", LIGHT)[tenant]["mean_ttft_ms"]
 
 
 def main() -> None:
@@ -28,7 +32,7 @@ def main() -> None:
     parser.add_argument("tenants", type=Path)
     args = parser.parse_args()
     runs = load_rounds(args.tenants)
-    tenants = sorted(runs[BASE][0]["by_tenant"])
+    tenants = sorted(pool_tenants(runs[BASE][0]["by_tenant"], "user", LIGHT))
     compared = [run for run in RUNS if run in runs]  # the interactive cell: no vtc-shared
 
     def row(name: str, figure: Figure, target: str) -> list[str]:

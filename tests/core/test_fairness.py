@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,12 +23,15 @@ class Model:
         self.log: list[str] = []
         self.entered: dict[str, int] = {}
         self.held: dict[str, int] = {}
+        self.stops = 0
+        self.stops_at: dict[str, int] = {}
 
     def arrive(self, rid: str, priority: int = 0, tenant: int = 0) -> None:
         self.sequence[rid] = len(self.sequence)
         self.priority[rid] = priority
         self.tenant[rid] = tenant
         self.entered[rid] = len(self.log)
+        self.stops_at[rid] = self.stops
 
     def overtakes(self, rid: str) -> int:
         """Admissions since it entered of later arrivals of its tenant not more urgent
@@ -40,11 +44,22 @@ class Model:
     def top(self) -> int:
         return min((self.priority[r] for r in self.entered), default=0)
 
-    def due(self, limit: int) -> str | None:
-        """The oldest request of the most urgent class waiting at its bound."""
+    def due(self, limit: int | None, stop_limit: int | None = None,
+            tenants: set[int] | None = None) -> str | None:
+        """The oldest request of the most urgent class waiting at either bound (of the
+        ``tenants``, where given)."""
         at_bound = [r for r in self.entered
-                    if self.priority[r] == self.top() and self.overtakes(r) >= limit]
+                    if self.priority[r] == self.top() and
+                    (tenants is None or self.tenant[r] in tenants) and
+                    ((limit is not None and self.overtakes(r) >= limit) or
+                     (stop_limit is not None and self.stops - self.stops_at[r] >= stop_limit))]
         return min(at_bound, key=self.sequence.__getitem__, default=None)
+
+    def stops_left(self, stop_limit: int | None) -> int | None:
+        waiting = [r for r in self.entered if self.priority[r] == self.top()]
+        if stop_limit is None or not waiting:
+            return None
+        return max(0, stop_limit - max(self.stops - self.stops_at[r] for r in waiting))
 
 
 def test_a_minority_request_is_admitted_after_k_later_arrivals() -> None:
@@ -110,18 +125,23 @@ def test_a_skip_undoes_its_admission_and_a_preemption_starts_afresh() -> None:
 
 
 operations = st.lists(st.tuples(st.sampled_from(["arrive", "admit", "skip", "preempt",
-                                                 "finish", "park", "unpark"]),
+                                                 "finish", "park", "unpark", "stop"]),
                                 st.integers(0, 50)), max_size=150)
+limits = st.one_of(st.none(), st.integers(0, 4))
 
 
-@settings(max_examples=200, deadline=None)
-@given(operations, st.integers(0, 4), st.integers(1, 3), st.integers(1, 3))
-def test_counts_and_the_due_request_match_the_model(ops, limit: int, classes: int,
-                                                    tenants: int) -> None:
+@settings(max_examples=300, deadline=None)
+@given(operations, limits, limits, st.integers(1, 3), st.integers(1, 4),
+       st.one_of(st.none(), st.sets(st.integers(0, 4))))
+def test_counts_and_the_due_request_match_the_model(ops, limit: int | None,
+                                                    stop_limit: int | None, classes: int,
+                                                    tenants: int, window: set | None) -> None:
     """Requests of ``classes`` priority classes and ``tenants`` tenants: counts by later
-    arrivals of the same tenant and the same or a less urgent class, the due request of
-    the most urgent class waiting."""
-    bound, model = OvertakeBound(limit), Model()
+    arrivals of the same tenant and the same or a less urgent class, STOPs since entry,
+    the due request of the most urgent class waiting among the ``window``'s tenants."""
+    bound, model = OvertakeBound(limit, stop_limit), Model()
+    mask = None if window is None else np.isin(np.arange(3), sorted(window))
+    window = None if mask is None else set(np.flatnonzero(mask).tolist())  # 3, 4 unmarked
     waiting: list[str] = []
     running: list[str] = []
     parked: list[str] = []
@@ -161,15 +181,21 @@ def test_counts_and_the_due_request_match_the_model(ops, limit: int, classes: in
             bound.requeue(rid)
             model.held.pop(rid, None)
             model.entered[rid] = len(model.log)
+            model.stops_at[rid] = model.stops
             waiting.append(rid)
         elif op == "finish" and running:
             rid = running.pop(arg % len(running))
             bound.forget(rid)
             model.held.pop(rid, None)
+        elif op == "stop":
+            bound.stopped()
+            model.stops += 1
         last_admitted = None
         for rid in waiting:
             assert bound.overtakes(rid) == model.overtakes(rid)
-        assert bound.due(model.top()) == model.due(limit)
+            assert bound.stops(rid) == model.stops - model.stops_at[rid]
+        assert bound.due(model.top(), mask) == model.due(limit, stop_limit, window)
+        assert bound.stops_left(model.top()) == model.stops_left(stop_limit)
 
 
 def test_more_urgent_later_arrivals_do_not_count_and_only_the_top_class_is_due() -> None:

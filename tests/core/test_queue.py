@@ -665,8 +665,9 @@ def test_every_admission_keeps_the_seat_share_and_the_fair_order(data) -> None:
     share admits in the class then (``ShareRule``, an oracle kept apart from the share:
     backlogged, so below its seat share unless all are at theirs, and within the
     quantum of the least served), whether the tree, the fits-all rule, a bound or a
-    promise after an urgent preemption chose it; and each admission is of a request
-    waiting then (once per wait: ``ShareRule.move`` takes it out of the waiting)."""
+    promise after an urgent preemption or the starvation backstop (``max_wait_s``, in the
+    tenant's turn) chose it; and each admission is of a request waiting then (once per
+    wait: ``ShareRule.move`` takes it out of the waiting)."""
     bounds = {"max_overtakes": data.draw(st.sampled_from([0, 1, 3, 32, None])),
               "max_stops": data.draw(st.sampled_from([0, 1, 4, None]))}
     seats = data.draw(st.integers(1, 6))
@@ -675,7 +676,9 @@ def test_every_admission_keeps_the_seat_share_and_the_fair_order(data) -> None:
     quantum = data.draw(st.sampled_from([0, 40, 16384]))
     share = TenantShare(weights, quantum=quantum,
                         hit_weight=data.draw(st.sampled_from([0, 0.5, 1])))
-    queue = FeatherQueue(gate, max_wait_s=None, share=share, **bounds)
+    now = [0.0]
+    queue = FeatherQueue(gate, max_wait_s=data.draw(st.sampled_from([None, 0.0, 5.0])),
+                         share=share, clock=lambda: now[0], **bounds)
     queue.seats = seats
     queue.kv_tokens = data.draw(st.sampled_from([None, 10**6]))  # everything fits, or not
     rule = ShareRule(weights, quantum, seats)
@@ -684,6 +687,7 @@ def test_every_admission_keeps_the_seat_share_and_the_fair_order(data) -> None:
                                           st.sampled_from("abc"), st.integers(0, 5),
                                           st.integers(0, 1)), min_size=20, max_size=120))
     for n, (kind, tenant, group, priority) in enumerate(events):
+        now[0] = float(n)
         running = list(rule.running)
         if kind == "arrive":
             queue.add(f"r{n}", group_keys(group, n) if group < 3 else [(tenant, n)],

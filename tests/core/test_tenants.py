@@ -268,15 +268,17 @@ def test_queries_change_nothing_however_often_they_are_asked() -> None:
     assert share.service("flood") == 500 and share.eligible_tenants() == ["flood", "other"]
 
 
-def test_a_newcomer_has_the_whole_quantum() -> None:
-    """A tenant with no recent service has no part measured yet: the whole quantum, as
-    one served its fair part (not 0, which held every other tenant to VTC's rule while
-    any newcomer waited); once served, its measured part."""
+def test_a_newcomer_goes_before_anyone_more_served() -> None:
+    """A tenant with no recent service has quantum 0, as under VTC: while it waits, lifted
+    to the least counter, no tenant ahead of it is admitted; once served, its measured
+    part sets its quantum."""
     share = TenantShare(quantum=1000, hit_weight=0)
     served_alike(share, "ab", tokens=50)
+    share.charge("b", 1, 0)
     for tenant in ("a", "b", "new"):
         share.wait(tenant)
-    assert share.quantum_of("new") == 1000 == share.quantum_of("a")
+    assert share.quantum_of("new") == 0 and share.quantum_of("a") == 1000
+    assert share.eligible_tenants() == ["a", "new"]  # b is ahead of the newcomer
     share.charge("new", 0, 1)
     assert 0 < share.quantum_of("new") < 1000
 
@@ -365,8 +367,8 @@ def test_a_light_tenant_holds_the_others_to_its_own_part_of_the_quantum() -> Non
     assert share.eligible_tenants() == ["a", "light"]
     share.unwait("light")
     assert share.eligible_tenants() == ["a", "b"]
-    share.wait("new")  # a newcomer: the whole quantum (test_a_newcomer_has_the_whole_quantum)
-    assert share.quantum_of("new") == 3000 and share.eligible_tenants() == ["a", "b", "new"]
+    share.wait("new")  # a newcomer: quantum 0 (test_a_newcomer_goes_before_anyone_more_served)
+    assert share.quantum_of("new") == 0 and share.eligible_tenants() == ["a", "new"]
 
 
 def test_recent_service_decays_by_service_not_time() -> None:

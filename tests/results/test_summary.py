@@ -8,9 +8,10 @@ from collections import defaultdict
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from feather_sched.results.records import RequestRecord, RunResult
-from feather_sched.results.summary import recomputed_tokens, summarize
+from feather_sched.results.summary import job_figures, recomputed_tokens, summarize
 from feather_sched.sim.block_pool import BlockPool
 from feather_sched.sim.engine import EngineConfig, SimEngine
 from feather_sched.sim.fcfs import FcfsPolicy
@@ -110,3 +111,23 @@ def test_unobserved_where_a_preempted_requests_recompute_is_not_counted() -> Non
     assert recomputed_tokens([unknown]) is None
     assert summarize(RunResult("server", [unknown], 1.0, preemptions=3))[
         "recomputed_tokens"] is None
+
+
+def test_job_figures_time_each_job_from_first_arrival_to_last_end():
+    def turn(group: int, submitted: float, first_token: float, end: float,
+             ok: bool = True) -> RequestRecord:
+        return RequestRecord(f"{group}-{submitted}", 10, group, submitted, [first_token],
+                             end, success=ok)
+
+    records = [turn(0, 0.0, 0.5, 1.0), turn(0, 3.0, 3.1, 4.0),
+               turn(1, 1.0, 2.0, 2.5), turn(1, 4.0, 4.3, 6.0),
+               turn(2, 0.0, 0.1, 0.2), turn(2, 1.0, 1.1, 1.2, ok=False)]
+    figures = job_figures(records)
+    assert figures["jobs"] == 3 and figures["jobs_completed"] == 2
+    assert figures["mean_jct_s"] == pytest.approx(4.5)  # 4.0 and 5.0 s
+    assert figures["mean_first_turn_ttft_ms"] == pytest.approx(750.0)
+    assert figures["mean_later_turn_ttft_ms"] == pytest.approx(200.0)
+    assert figures["turn_ttft_ms"] == pytest.approx([750.0, 200.0])
+    run = RunResult("x", records, 6.0, jobs=True)
+    assert summarize(run)["mean_jct_s"] == pytest.approx(4.5)
+    assert "mean_jct_s" not in summarize(RunResult("x", records, 6.0))

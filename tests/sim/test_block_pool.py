@@ -203,3 +203,27 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestPoolMachine = PoolMachine.TestCase
+
+
+def test_held_blocks_are_never_evicted_until_their_holder_frees_them() -> None:
+    pool = BlockPool(num_blocks=4, block_tokens=4)
+    assert pool.allocate("a", ["k0", "k1"], 8)
+    pool.cache_full_blocks("a", ["k0", "k1"], 8)
+    pool.hold("a", "hold:a")
+    assert "a" not in pool and pool.num_free == 2
+    assert not pool.allocate("b", [], 12)  # the held two are not evictable
+    pool.free("hold:a")
+    assert pool.num_evictable == 2 and pool.match(["k0", "k1"])
+    assert pool.allocate("b", [], 16)  # now they are
+    pool.check()
+
+
+def test_growth_asks_reclaim_for_the_blocks_it_lacks() -> None:
+    pool = BlockPool(num_blocks=4, block_tokens=4)
+    assert pool.allocate("a", [], 8)
+    pool.hold("a", "hold:a")
+    assert pool.allocate("b", [], 8)
+    asked = []
+    pool.reclaim = lambda blocks: (asked.append(blocks), pool.free("hold:a"))
+    assert pool.grow("b", 12) and asked == [1]
+    pool.check()

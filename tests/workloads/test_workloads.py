@@ -675,9 +675,30 @@ def test_document_tenants_ask_about_private_documents_beside_a_light_interactive
         assert len({r.prompt[:32].tobytes() for r in siblings}) == 1
     chat = [r for r in workload if r.tenant == "chat"]
     assert all(r.group == -1 and r.prompt.size == 8 and r.output_len == 40 for r in chat)
-    with pytest.raises(ValueError, match="chat_rate must be finite and > 0"):
+    with pytest.raises(ValueError, match="chat_rate and light_users must be >= 0"):
         document_tenants(documents_per_tenant=1, doc_len=8, doc_output_len=1, doc_rate=1.0,
-                         chat_prompt_len=1, chat_output_len=1, chat_rate=0.0, duration_s=1.0)
+                         chat_prompt_len=1, chat_output_len=1, chat_rate=-1.0, duration_s=1.0)
+
+
+def test_light_users_each_send_a_few_unshared_prompts_from_a_moment_of_their_own() -> None:
+    """Without a chat tenant (``chat_rate`` 0), ``light_users`` tenants each send 1 to
+    ``light_requests`` unshared prompts; the document streams are those of the same seed
+    without them (the light users are drawn after)."""
+    options = dict(documents_per_tenant=2, doc_len=32, doc_output_len=4, doc_rate=10.0,
+                   chat_prompt_len=8, chat_output_len=8, chat_rate=0.0, duration_s=20.0,
+                   seed=3)
+    plain = document_tenants(**options)
+    workload = document_tenants(**options, light_users=50, light_requests=3,
+                                light_prompt_len=16, light_output_len=5)
+    users = {t: n for t, n in workload.tenants.items() if t.startswith("user")}
+    assert len(users) == 50 and set(users.values()) == {1, 2, 3} and "chat" not in users
+    light = [r for r in workload if r.tenant.startswith("user")]
+    assert all(r.group == -1 and r.prompt.size == 16 and r.output_len == 5 for r in light)
+    assert len({r.prompt.tobytes() for r in light}) == len(light)
+    starts = sorted(min(r.arrival_s for r in light if r.tenant == t) for t in users)
+    assert starts[0] < 5.0 and starts[-1] > 15.0  # spread over the stream
+    docs = [(r.arrival_s, r.prompt.tobytes()) for r in workload if r.tenant.startswith("docs")]
+    assert docs == [(r.arrival_s, r.prompt.tobytes()) for r in plain]
 
 
 def test_tenanted_keeps_a_prefix_group_in_one_tenant() -> None:

@@ -21,14 +21,13 @@ Bookkeeping: each request gets a sequence number when first seen (requests that 
 the same moment share one: none arrived after another); each admission is
 logged with its request's sequence, and STOPs are counted.  A waiting request's overtakes
 are the logged admissions since it entered waiting whose sequence is later than its own;
-its stops, the STOPs since it entered.  Among requests of one class waiting since they
-arrived, the oldest always has the most of both (every admission that passes a younger one passed it
-too), so only it and the requests that re-entered waiting (preempted ones, usually few)
-need checking: ``due`` costs one vectorised count over the log for each of them (one more
-comparison per entry once two classes or two tenants have been seen; the oldest fresh
-request of each tenant is checked), and none for a request that fewer
-admissions than the limit have passed since it entered (the common case while the queue
-is short).
+its stops, the STOPs since it entered.  Among requests of one class and tenant waiting
+since they arrived, the oldest (the tenant's head) has the most of both (every admission
+that passes a younger one passed it too), so only the heads and the requests that
+re-entered waiting (preempted ones, usually few) need checking.  The heads sit in arrays
+by tenant, so ``due`` scans them in C; a head is counted over the log only where its
+tenant has had ``limit`` admissions since it entered (overtakes need that many), and a
+requeued request once each.
 Admissions cost O(1) amortised; the log is trimmed to what waiting requests still need.
 """
 
@@ -36,10 +35,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Container, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
+
+from feather_sched.core.tenants import grown
 
 RequestId = Hashable
 
@@ -55,6 +56,34 @@ class _Wait:
     """Waiting since it arrived (never ran)."""
     stops: int
     """The STOP count when it entered waiting."""
+    tenant_admissions: int = 0
+    """Its tenant's admissions (any class) when it entered waiting."""
+
+
+_NONE = np.iinfo(np.int64).max
+"""A tenant's head sequence where it has no request waiting since it arrived."""
+
+
+class _Heads:
+    """For one priority class, each tenant's oldest request waiting since it arrived (its
+    head), by tenant number: what ``due`` needs of it, in arrays so the tenants are
+    scanned in C."""
+
+    def __init__(self) -> None:
+        self.sequence = np.zeros(0, dtype=np.int64)
+        """The head's arrival sequence (``_NONE``: no head)."""
+        self.stops = np.zeros(0, dtype=np.int64)
+        """The STOP count when it entered."""
+        self.admissions = np.zeros(0, dtype=np.int64)
+        """Its tenant's admissions when it entered."""
+
+    def set(self, tenant: int, sequence: int, wait: _Wait | None) -> None:
+        """Record the tenant's head (``wait`` None: it has none).  O(1) amortised."""
+        self.sequence = grown(self.sequence, tenant, _NONE)
+        self.stops, self.admissions = grown(self.stops, tenant), grown(self.admissions, tenant)
+        self.sequence[tenant] = _NONE if wait is None else sequence
+        if wait is not None:
+            self.stops[tenant], self.admissions[tenant] = wait.stops, wait.tenant_admissions
 
 
 class OvertakeBound:
@@ -82,6 +111,10 @@ class OvertakeBound:
         self._fresh: dict[tuple[int, int], list[tuple[int, RequestId]]] = {}
         """Per priority class and tenant, a lazy heap of requests waiting since they
         arrived."""
+        self._heads: dict[int, _Heads] = {}
+        """Per priority class, each tenant's oldest request waiting since it arrived."""
+        self._admitted = np.zeros(0, dtype=np.int64)
+        """Admissions so far, per tenant number (any class)."""
         self._requeued: set[RequestId] = set()
         self._log = np.zeros(1024, dtype=np.int64)
         self._log_priority = np.zeros(1024, dtype=np.int64)
@@ -108,14 +141,17 @@ class OvertakeBound:
         self._tenant[request_id] = tenant
         self._classes.add(priority)
         self._tenants.add(tenant)
-        self._enter(request_id, _Wait(self._position, fresh=True, stops=self._stops))
+        self._enter(request_id, self._new_wait(tenant, fresh=True))
 
     def admit(self, request_id: RequestId) -> None:
         """A waiting (or held) request runs: it passes every older waiting request."""
         wait = self._waiting.pop(request_id, None) or self._held.pop(request_id, None)
         self._requeued.discard(request_id)
-        self._append(self._sequence[request_id], self._priority[request_id],
-                     self._tenant[request_id])
+        tenant = self._tenant[request_id]
+        self._append(self._sequence[request_id], self._priority[request_id], tenant)
+        self._admitted = grown(self._admitted, tenant)
+        self._admitted[tenant] += 1
+        self._refresh_head(request_id)
         self._last = (request_id, wait) if wait is not None and self._log_len else None
 
     def hold(self, request_id: RequestId, *, was_running: bool) -> None:
@@ -128,6 +164,7 @@ class OvertakeBound:
             wait = self._waiting.pop(request_id)
             self._requeued.discard(request_id)
             self._held[request_id] = wait
+            self._refresh_head(request_id)
         elif self._last is not None and self._last[0] == request_id:
             self._log_len -= 1
             self._held[request_id] = self._last[1]
@@ -135,8 +172,8 @@ class OvertakeBound:
 
     def requeue(self, request_id: RequestId) -> None:
         """A held or running request waits again (a skip undone keeps its old record)."""
-        wait = self._held.pop(request_id, None) or _Wait(self._position, fresh=False,
-                                                         stops=self._stops)
+        wait = self._held.pop(request_id, None) or \
+            self._new_wait(self._tenant[request_id], fresh=False)
         self._enter(request_id, wait)
 
     def stopped(self) -> None:
@@ -144,10 +181,13 @@ class OvertakeBound:
         self._stops += 1
 
     def forget(self, request_id: RequestId) -> None:
+        """The request leaves for good (finished, aborted)."""
+        wait = self._waiting.pop(request_id, None)
+        if wait is not None and wait.fresh:
+            self._refresh_head(request_id)
         del self._sequence[request_id]
         del self._priority[request_id]
         del self._tenant[request_id]
-        self._waiting.pop(request_id, None)
         self._held.pop(request_id, None)
         self._requeued.discard(request_id)
         if self._last is not None and self._last[0] == request_id:
@@ -174,51 +214,85 @@ class OvertakeBound:
     def stops_left(self, priority: int = 0) -> int | None:
         """STOPs the gate may still take before some waiting request of class
         ``priority`` (the most urgent class waiting) is due (None: no stop limit, or none
-        waits).  O(requeued requests)."""
+        waits).  O(T) in C plus O(requeued requests)."""
         if self.stop_limit is None:
             return None
-        waiting = self._candidates(priority)
-        if not waiting:
+        entered = [self._waiting[r].stops for r in self._requeued_in(priority)]
+        heads = self._heads.get(priority)
+        if heads is not None and (heads.sequence != _NONE).any():
+            entered.append(int(heads.stops[heads.sequence != _NONE].min()))
+        if not entered:
             return None
-        return max(0, self.stop_limit - max(self.stops(r) for r in waiting))
+        return max(0, self.stop_limit - (self._stops - min(entered)))
 
-    def due(self, priority: int = 0, tenants: Container[int] | None = None
+    def due(self, priority: int = 0, tenants: np.ndarray | None = None
             ) -> RequestId | None:
         """The oldest waiting request of class ``priority`` (the most urgent class
-        waiting) at either bound; ``tenants``: only theirs (tenant numbers), where given.
-        O(requeued requests)."""
+        waiting) at either bound; ``tenants``: only theirs (a mask over tenant numbers),
+        where given.  O(T) in C, plus one count over the log for each requeued request
+        and each tenant head its tenant's admissions could have put at the bound."""
         found: RequestId | None = None
-        for request_id in self._candidates(priority):
-            if tenants is not None and self._tenant[request_id] not in tenants:
+        for request_id in self._requeued_in(priority):
+            if tenants is not None and not _marked(tenants, self._tenant[request_id]):
                 continue
             if self._at_bound(request_id) and (
                     found is None or self._sequence[request_id] < self._sequence[found]):
                 found = request_id
+        head = self._due_head(priority, tenants)
+        if head is not None and (found is None or
+                                 self._sequence[head] < self._sequence[found]):
+            found = head
         return found
 
-    def oldest(self, priority: int = 0, tenant: int | None = None) -> RequestId | None:
-        """The waiting request of class ``priority`` (and tenant number ``tenant``, where
-        given) that arrived first (of several that arrived together, any); None when none
-        waits.  O(requeued requests)."""
-        candidates = self._candidates(priority)
-        if tenant is not None:
-            candidates = [r for r in candidates if self._tenant[r] == tenant]
+    def oldest(self, priority: int = 0, tenant: int | None = None,
+               tenants: np.ndarray | None = None) -> RequestId | None:
+        """The waiting request of class ``priority`` that arrived first (of several that
+        arrived together, any), of tenant number ``tenant`` or of the ``tenants`` a mask
+        marks, where given; None when none waits.  O(T) in C plus O(requeued)."""
+        candidates = [r for r in self._requeued_in(priority)
+                      if (tenant is None or self._tenant[r] == tenant) and
+                      (tenants is None or _marked(tenants, self._tenant[r]))]
+        heads = self._heads.get(priority)
+        if heads is not None:
+            sequence = heads.sequence if tenants is None else \
+                np.where(_aligned(tenants, len(heads.sequence)), heads.sequence, _NONE)
+            first = int(np.argmin(sequence)) if tenant is None else tenant
+            if first < len(sequence) and sequence[first] != _NONE:
+                candidates.append(self._oldest_fresh((priority, first)))
         return min(candidates, key=self._sequence.__getitem__, default=None)
 
     def arrived_before(self, first: RequestId, second: RequestId) -> bool:
         """Whether ``first`` arrived before ``second`` (not together with it).  O(1)."""
         return self._sequence[first] < self._sequence[second]
 
-    def _candidates(self, priority: int) -> list[RequestId]:
-        """The class's requests that may be the first at a bound: its oldest fresh one
-        of each tenant and its requeued ones."""
-        waiting = list(self._requeued) if len(self._classes) == 1 else \
-            [r for r in self._requeued if self._priority[r] == priority]
-        for key in [key for key in self._fresh if key[0] == priority]:
-            oldest = self._oldest_fresh(key)
-            if oldest is not None:
-                waiting.append(oldest)
-        return waiting
+    def _requeued_in(self, priority: int) -> list[RequestId]:
+        """The class's requests waiting again after they left waiting (preempted ones)."""
+        if len(self._classes) == 1:
+            return list(self._requeued)
+        return [r for r in self._requeued if self._priority[r] == priority]
+
+    def _due_head(self, priority: int, tenants: np.ndarray | None) -> RequestId | None:
+        """The oldest tenant head of the class at either bound (among ``tenants``).  A
+        head is overtaken only by its tenant's admissions since it entered, so only the
+        heads with at least ``limit`` of those are counted."""
+        heads = self._heads.get(priority)
+        if heads is None:
+            return None
+        present = heads.sequence != _NONE
+        if tenants is not None:
+            present &= _aligned(tenants, len(present))
+        at = np.zeros(len(present), dtype=bool)
+        if self.stop_limit is not None:
+            at = present & (heads.stops <= self._stops - self.stop_limit)
+        if self.limit is not None:
+            self._admitted = grown(self._admitted, len(present) - 1)
+            since = self._admitted[:len(present)] - heads.admissions
+            for tenant in np.flatnonzero(present & ~at & (since >= self.limit)):
+                at[tenant] = self._at_bound(self._oldest_fresh((priority, int(tenant))))
+        if not at.any():
+            return None
+        return self._oldest_fresh((priority, int(np.argmin(np.where(at, heads.sequence,
+                                                                      _NONE)))))
 
     def _at_bound(self, request_id: RequestId) -> bool:
         if self.stop_limit is not None and self.stops(request_id) >= self.stop_limit:
@@ -234,14 +308,31 @@ class OvertakeBound:
     def _position(self) -> int:
         return self._log_base + self._log_len
 
+    def _new_wait(self, tenant: int, fresh: bool) -> _Wait:
+        admitted = int(self._admitted[tenant]) if tenant < len(self._admitted) else 0
+        return _Wait(self._position, fresh=fresh, stops=self._stops,
+                     tenant_admissions=admitted)
+
     def _enter(self, request_id: RequestId, wait: _Wait) -> None:
         self._waiting[request_id] = wait
         if wait.fresh:
             key = (self._priority[request_id], self._tenant[request_id])
             heap = self._fresh.setdefault(key, [])
             heapq.heappush(heap, (self._sequence[request_id], request_id))
+            self._refresh_head(request_id)
         else:
             self._requeued.add(request_id)
+
+    def _refresh_head(self, request_id: RequestId) -> None:
+        """Record the head of the request's class and tenant anew (it changed, or may
+        have: the request entered or left waiting)."""
+        priority, tenant = self._priority[request_id], self._tenant[request_id]
+        head = self._oldest_fresh((priority, tenant))
+        heads = self._heads.setdefault(priority, _Heads())
+        if head is None:
+            heads.set(tenant, 0, None)
+        else:
+            heads.set(tenant, self._sequence[head], self._waiting[head])
 
     def _oldest_fresh(self, key: tuple[int, int]) -> RequestId | None:
         """The oldest request waiting since it arrived, of a (class, tenant)."""
@@ -282,3 +373,14 @@ class OvertakeBound:
             self._log_tenant[:kept] = self._log_tenant[keep_from:self._log_len]
             self._log_len = kept
             self._log_base += keep_from
+
+
+def _aligned(mask: np.ndarray, n: int) -> np.ndarray:
+    """``mask`` cut or padded (False) to ``n`` entries."""
+    if len(mask) >= n:
+        return mask[:n]
+    return np.concatenate([mask, np.zeros(n - len(mask), dtype=bool)])
+
+
+def _marked(mask: np.ndarray, tenant: int) -> bool:
+    return tenant < len(mask) and bool(mask[tenant])

@@ -282,7 +282,7 @@ class FeatherQueue:
         priority = self.tree.priority(best)
         if self.share is None:
             return self.bound.due(priority)
-        return self.bound.due(priority, _Slots(self.share.window(priority)))
+        return self.bound.due(priority, self.share.window(priority))
 
     def keys(self, request_id: RequestId) -> list:
         """The request's chunk keys."""
@@ -557,16 +557,36 @@ class FeatherQueue:
 
     def _starved(self) -> RequestId | None:
         """The oldest waiting request of the most urgent class waiting, if it has waited
-        past the bound (one a pass)."""
+        past the bound (one a pass).  With a share, the oldest of the tenants the share
+        admits now: it takes its own tenant's turn (without the overtaking bound's
+        bookkeeping, only the oldest overall, when its tenant's turn comes)."""
         if self.max_wait_s is None or self._forced is not None:
             return None
+        oldest = self._oldest_waiting()
+        if oldest is None or not self._past_wait(oldest):
+            return None
+        if self.share is None:
+            return oldest
+        request = self._requests[oldest]
+        window = self.share.window(request.priority)
+        if self.bound is not None:
+            oldest = self.bound.oldest(request.priority, tenants=window)
+        elif not window[self.share.slot(request.tenant)]:
+            return None
+        return oldest if oldest is not None and self._past_wait(oldest) else None
+
+    def _oldest_waiting(self) -> RequestId | None:
+        """The first waiting request in ``age_key`` order.  O(log n) amortised."""
         heap = self._oldest
         while heap:
-            _, arrival, _, request_id = heap[0]
+            request_id = heap[0][-1]
             if request_id in self._requests and self.state(request_id) is QueueState.WAITING:
-                return request_id if self.clock() - arrival > self.max_wait_s else None
+                return request_id
             heapq.heappop(heap)
         return None
+
+    def _past_wait(self, request_id: RequestId) -> bool:
+        return self.clock() - self._requests[request_id].arrival_s > self.max_wait_s
 
     def _offer_to_guard(self, request_id: RequestId) -> None:
         if self.max_wait_s is not None:
@@ -604,16 +624,6 @@ class FeatherQueue:
     def _changed(self) -> None:
         """Any change may change the candidate; a STOP still holds for this pass."""
         self._admission = None
-
-
-class _Slots:
-    """The tenant slots a mask marks (``TenantShare.window``), as a container."""
-
-    def __init__(self, mask: np.ndarray) -> None:
-        self.mask = mask
-
-    def __contains__(self, slot: object) -> bool:
-        return bool(self.mask[slot])
 
 
 class _TenantBests:

@@ -1,103 +1,22 @@
-"""Fair share between tenants: a virtual service counter per tenant, a share of the
-engine's seats, and which tenants may be admitted from now; and what a tenant id is.
+"""Fair share between tenants (docs/fairness.md#tenants has the rules and the proof of
+their bound); what a tenant id is.
 
-The counter is VTC's (Sheng et al., OSDI'24): a tenant's service is ``INPUT_WEIGHT`` per
-prompt token and ``OUTPUT_WEIGHT`` per token generated for it, over the tenant's weight;
-a prompt token the prefix cache serves costs ``hit_weight`` of one the engine computes.
-So the share charges ``hit_weight`` of the whole prompt when a request is admitted
-(``admitted``; ``refund`` where the engine does not run it after all) and the rest,
-``1 - hit_weight`` of ``INPUT_WEIGHT``, per prompt token as the engine computes it, with
-each generated token (``charge``; a recomputation after preemption is computed again).
-``hit_weight`` 0 charges computed tokens only: a tenant whose requests share a prefix
-pays for it once.  1 is VTC's own charge, the whole prompt at admission whoever computed
-it.  Between them (``DEFAULT_HIT_WEIGHT``) a hit costs half a computed token: sharing
-still pays the tenant that shares, but its requests are not near-free, and near-free
-requests are what let a tenant whose prompts hit the cache fill the KV pool while one
-whose requests share nothing waits (docs/fairness.md#tenants).
+``TenantShare`` keeps a VTC counter per tenant (Sheng et al., OSDI'24): ``INPUT_WEIGHT``
+per computed prompt token and ``OUTPUT_WEIGHT`` per generated token over the tenant's
+weight, a cache hit at ``hit_weight`` of a computed token.  A tenant with a request
+waiting and below its share of the engine's seats is backlogged; it is lifted to the
+least backlogged counter when it becomes so.  The share admits the backlogged tenants
+within their quanta of one another (``window``), and the queue orders by prefix inside
+that window.  A tenant's quantum is ``quantum`` scaled by its part of the recent service
+over its fair part; a newcomer's is 0, so, as under VTC, its next request goes before
+anyone more served.  Queries are read-only; state changes in ``wait``, ``unwait``,
+``run``, ``unrun`` and once a pass in ``refresh``.  Costs: O(1) a charge; O(T) in C a
+query (``T`` the tenants seen); one admission decision at 10,000 backlogged tenants
+0.3 ms on a 2-core AMD EPYC (``benchmarks/core/``).
 
-Tenant ids.  A request names its tenant by an engine argument (``TENANT_ARG`` of vLLM's
-``SamplingParams.extra_args``, of SGLang's ``custom_params``), which an HTTP front fills
-from the ``x-tenant-id`` header, the body's own or OpenAI's ``user`` (``named_tenant``);
-every id, wherever it comes from, is checked by ``parse_tenant``.
-
-Seats.  Cheap service is not cheap seats: a request whose prompt is a cache hit costs
-its tenant a few tokens at admission, then holds one of the engine's seats for its whole
-output, so a counter alone lets such a tenant fill the seats in one burst while the
-others wait.  Where the engine's seats ``S`` are known (``seats``), a tenant with a
-request waiting has a *seat share*: the seats that tenants with nothing waiting do not
-hold, split by weight over the tenants with a request waiting (``seat_share``).  Such a
-tenant running its share or more is *at its seat share*.
-
-A tenant is *backlogged* while one of its requests waits (in a class, ``wait``/
-``unwait``) and it is not at its seat share.  When a tenant becomes backlogged (its first
-waiting request, or a seat of its own freed) its counter is lifted to the least counter
-of the other backlogged tenants (``floor``, the last one seen where none is): service it
-did not ask for while idle, or could not take while holding its share of the seats, is
-not banked.  Where every tenant waiting in a class is at its seat share, they all count
-as backlogged there, so the share alone never leaves a seat idle: with one class, the
-shares of the tenants waiting add up to the seats the others leave, so every one of them
-is at its share only when no seat is free.
-
-Admission (``eligible_tenants``): a backlogged tenant may be admitted while its counter
-is within ``quantum`` of the least counter among the tenants backlogged in the class,
-DLPM's deficit idea (Cao et al., arXiv 2501.14312): inside that window the queue admits
-in the tree's prefix order, the least served tenant first among requests sharing as much
-(``FeatherQueue.rank_key``), and outside it no tenant gets ahead.  Quantum 0 is VTC's
-rule (only the least served, ties aside).  The window is the tightest any backlogged
-tenant ``f`` sets: no tenant more than ``Q_f = quantum_of(f)`` ahead of ``f`` is admitted,
-``Q_f`` the quantum scaled by ``f``'s part of the recent service over its fair part
-(``RecentService``; at most the whole quantum; the whole for a newcomer).  The quantum
-buys the tenants ahead locality with the waits of those behind; a light tenant (an
-interactive one, a few requests that share nothing) gains nothing from it, so it is
-held back by little more than its own part.
-
-The bound.  For tenants ``f`` and ``g`` backlogged throughout an interval in which only
-one class has requests waiting (and none of theirs admitted over the share: by the
-starvation backstop ``max_wait_s``, a STOP bound, or a path bypassing the queue), the
-service they receive in it, each over its weight, differs by at most::
-
-    2 * (Q + n * U)
-
-``Q`` the quantum, ``U = INPUT_WEIGHT * L_in + OUTPUT_WEIGHT * L_out`` the most service
-one request is charged (``L_in`` and ``L_out`` the longest prompt and output, a preempted
-request's readmission and recomputation counted in), ``n`` the most requests one tenant
-has running after an admission: it was below its seat share before, so ``n <= ceil(S *
-w / W)`` (``w`` its weight, ``W`` the weight of the tenants waiting then: ``S / k`` for
-``k`` equal tenants all waiting), and ``n <= S`` where the seats are unknown.  Why: the
-least counter ``m`` of the backlogged tenants never decreases (counters only grow but
-for a refund, which stops at the floor; a tenant leaving raises ``m``, a joiner is lifted
-to it); a tenant is admitted only while backlogged and within ``Q`` of ``m``, and from
-then its counter grows only by its running requests' service, the admission's charge
-included, ``n * U`` at most, whether it stays backlogged or not; so every backlogged
-counter stays within ``[m, m + Q + n * U]``, and the difference over an interval is that
-of two such gaps.  A tenant's own quantum is at most ``Q``, so the window is never wider
-than the bound's; and while ``f`` is backlogged no tenant more than ``Q_f`` ahead of it
-is admitted in its class (the light tenant's guarantee: its requests go before another
-tenant's once that one is ``Q_f`` ahead, however much that one's requests share).  VTC
-states ``2 * max(w_p * L_in, w_q * M)`` (``M`` a batch's token capacity) for charging a
-prompt whole at admission; charging it as it is computed is what lets the in-flight
-term in, and the seat share is what makes ``n`` a share of the
-seats rather than all of them.  The seat share is a guarantee of its own: while a tenant
-below its share waits in the class, no tenant at its share is admitted there.
-
-VTC itself (``fairness: vtc``) is this share at quantum 0, hit weight 1 and no seat share
-(``shares_seats`` off), with ``TenantFifo``'s order in place of the tree's: the least
-served tenant's oldest request next.
-
-Preemption.  The share also says whom the engine preempts first: ``ranking`` orders the
-tenants by counter, and the runtime's running order, whose end vLLM preempts and SGLang
-retracts, puts the most served tenant's requests last in each class
-(``FeatherRuntime.order``).  Preempting charges nobody, so the bound stands as stated.
-
-Queries are read-only (``window``, ``eligible_tenants``, ``least_served``, ``eligible``):
-lifts happen where the state changes (``wait``, ``refresh`` at a pass's start, ``unrun``;
-docs/fairness.md#tenants).  A newcomer (no recent service) has the whole quantum.
-
-Costs, ``T`` the tenants seen (each a slot in numpy arrays): ``charge``, ``admitted``,
-``refund`` O(1); ``wait``, ``unwait``, ``run``, ``unrun`` O(1), O(T) in C where one lifts
-or moves the floor; the queries and ``refresh`` O(T) in C; ``ranking`` O(T log T) in C.
-Measured: one admission decision at 10,000 backlogged tenants 0.19 ms on a 2-core AMD
-EPYC (``benchmarks/core/``).
+Tenant ids come from an engine argument (``TENANT_ARG``), filled by an HTTP front from
+the ``x-tenant-id`` header or OpenAI's ``user`` (``named_tenant``); ``parse_tenant`` checks
+every id.
 """
 
 from __future__ import annotations
@@ -216,13 +135,13 @@ def user_tenant(user: object) -> str | None:
         return None
 
 
-def grown(array: np.ndarray, slot: int) -> np.ndarray:
+def grown(array: np.ndarray, slot: int, fill: int = 0) -> np.ndarray:
     """``array`` (one entry a tenant slot) with room for ``slot``: itself where it has
-    it, else doubled (at least 64 entries), the new entries 0.  O(1) amortised."""
+    it, else doubled (at least 64 entries), the new entries ``fill``.  O(1) amortised."""
     if slot < len(array):
         return array
     size = max(64, 2 * slot + 1, 2 * len(array))
-    return np.concatenate([array, np.zeros(size - len(array), array.dtype)])
+    return np.concatenate([array, np.full(size - len(array), fill, array.dtype)])
 
 
 class TenantShare:
@@ -356,12 +275,12 @@ class TenantShare:
     def quanta(self) -> np.ndarray:
         """Every slot's quantum: ``quantum`` scaled by its recent part of the service over
         its fair part (``RecentService``; fair: one over the tenants with a request
-        running or waiting), at most 1; a tenant with no recent service (a newcomer, or
-        one whose service decayed away) has the whole quantum, as one served its part.
-        O(T) in C."""
+        running or waiting), at most 1: 0 for a tenant with no recent service (a newcomer,
+        or one whose service decayed away), whose next request then goes before any tenant
+        more served, as under VTC.  O(T) in C."""
         parts = self.recent.parts(len(self._names))
         scaled = self.quantum * np.minimum(1.0, max(1, self._active) * parts)
-        return np.where(parts > 0, scaled, self.quantum)
+        return scaled
 
     # ---- backlog and seats ------------------------------------------------------------
 

@@ -91,3 +91,6 @@ class RunResult:
     scheduling_policy: str | None = None
     """The engine's policy when the run chose it: ``priority``, or ``fcfs`` (the requests'
     priorities then went to the engine as 0)."""
+    jobs: bool = False
+    """Each group is one job (an agent program's turns): the summary adds job completion
+    times and per-turn TTFT (``summary.job_figures``)."""

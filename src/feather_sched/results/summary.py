@@ -96,7 +96,33 @@ def summarize(run: RunResult, percentiles: Percentiles = VLLM_PERCENTILES) -> Su
     summary["by_tenant"] = tenants(run, ok)
     summary["max_service_gap"] = service_gap(run)
     summary.update(_feather_keys(run, ok))
+    if run.jobs:
+        summary.update(job_figures(run.records))
     return summary
+
+
+def job_figures(records: Sequence[RequestRecord]) -> Summary:
+    """Per job (the records of one group: an agent program's turns), its job completion
+    time: its first request's arrival to its last request's end, in seconds; a job with a
+    failed request counts as failed.  TTFT (ms) of first turns and of later turns apart,
+    and the mean TTFT of each turn by its index (``turn_ttft_ms``).  O(records)."""
+    jobs = _by_group(records)
+    done = {g: rs for g, rs in jobs.items() if all(r.success for r in rs)}
+    jct = [max(_end_s(r) for r in rs) - min(r.submitted_s for r in rs) for rs in done.values()]
+    turns: dict[int, list[float]] = {}
+    for members in done.values():
+        ordered = sorted(members, key=lambda r: r.submitted_s)
+        for index, record in enumerate(ordered):
+            if record.ttft_s is not None:
+                turns.setdefault(index, []).append(record.ttft_s)
+    later = [t for index, values in turns.items() if index for t in values]
+    figures: Summary = {"jobs": len(jobs), "jobs_completed": len(done),
+                        **_latency_stats("jct", jct, (90.0, 99.0), unit="s"),
+                        **_latency_stats("first_turn_ttft", turns.get(0, []), (90.0,)),
+                        **_latency_stats("later_turn_ttft", later, (90.0,))}
+    figures["turn_ttft_ms"] = [float(np.mean(turns[i])) * 1000  # type: ignore[assignment]
+                               for i in sorted(turns)]
+    return figures
 
 
 def median_and_range(values: Sequence[float], fmt: str | Callable[[float], str] = "{:.2f}",
@@ -177,6 +203,19 @@ def tenants(run: RunResult, ok: list[RequestRecord]) -> dict[str, dict] | None:
             map(_service, mine))
         result[name] = figures
     return result
+
+
+def pool_tenants(by_tenant: dict[str, dict], prefix: str, label: str) -> dict[str, dict]:
+    """``tenants``' figures with the tenants named ``prefix``... taken together as
+    ``label`` (appended; none: unchanged): their requests, and their mean TTFT over all
+    their requests.  For the tables of workloads of many light tenants.  O(tenants)."""
+    pooled = {k: v for k, v in by_tenant.items() if k.startswith(prefix)}
+    kept = {k: v for k, v in by_tenant.items() if k not in pooled}
+    requests = sum(v["requests"] for v in pooled.values())
+    if requests:
+        kept[label] = {"requests": requests, "mean_ttft_ms": sum(
+            v["requests"] * v["mean_ttft_ms"] for v in pooled.values()) / requests}
+    return kept
 
 
 def service_gap(run: RunResult) -> float | None:
@@ -323,16 +362,18 @@ def chunk_gaps(token_times_s: list[float]) -> list[float]:
     return [b - a for a, b in pairwise(chunks)]
 
 
-def _latency_stats(key: str, values: list[float], percentiles: Iterable[float]) -> Summary:
-    """Mean, median, std and percentiles in ms, as vLLM names them (empty -> 0)."""
-    data = values or 0
+def _latency_stats(key: str, values: list[float], percentiles: Iterable[float],
+                   unit: str = "ms") -> Summary:
+    """Mean, median, std and percentiles in ms (``unit`` "s": seconds), as vLLM names
+    them (empty -> 0)."""
+    data, scale = values or 0, 1000 if unit == "ms" else 1
     stats: Summary = {
-        f"mean_{key}_ms": float(np.mean(data)) * 1000,
-        f"median_{key}_ms": float(np.median(data)) * 1000,
-        f"std_{key}_ms": float(np.std(data)) * 1000,
+        f"mean_{key}_{unit}": float(np.mean(data)) * scale,
+        f"median_{key}_{unit}": float(np.median(data)) * scale,
+        f"std_{key}_{unit}": float(np.std(data)) * scale,
     }
     for p in percentiles:
-        stats[f"p{_percentile_word(p)}_{key}_ms"] = float(np.percentile(data, p)) * 1000
+        stats[f"p{_percentile_word(p)}_{key}_{unit}"] = float(np.percentile(data, p)) * scale
     return stats
 
 

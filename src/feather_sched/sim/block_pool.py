@@ -17,7 +17,7 @@ taken with ``take_events``).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from feather_sched.core.isolation import Namespace, token_keys
@@ -69,6 +69,9 @@ class BlockPool:
         self._registered: dict[RequestId, int] = {}
         """Leading blocks of each request already registered in the cache."""
         self._events: list[KVEvent] | None = [] if emit_events else None
+        self.reclaim: Callable[[int], None] | None = None
+        """Called with the blocks a running request's ``grow`` lacks, before it fails:
+        held blocks (``hold``) that may yield to it are released there."""
 
     # ---- counters ---------------------------------------------------------------------
 
@@ -165,6 +168,8 @@ class BlockPool:
         fresh = blocks_for(num_tokens, self.block_tokens) - len(blocks)
         if fresh <= 0:
             return True
+        if fresh > self.num_free and self.reclaim is not None:
+            self.reclaim(fresh - self.num_free)
         if fresh > self.num_free:
             return False
         blocks += self._take(fresh)
@@ -183,6 +188,14 @@ class BlockPool:
                 self._free.append(block)
             else:
                 self._evictable[block] = None
+
+    def hold(self, request_id: RequestId, holder: RequestId) -> None:
+        """Pass a request's blocks to ``holder`` (a session's hold): still referenced, so
+        never evicted, until ``free(holder)``."""
+        if holder in self._owned:
+            raise ValueError(f"holder {holder!r} already holds blocks")
+        self._owned[holder] = self._owned.pop(request_id)
+        self._registered[holder] = self._registered.pop(request_id)
 
     def cache_full_blocks(
         self, request_id: RequestId, keys: Sequence[BlockKey], computed_tokens: int

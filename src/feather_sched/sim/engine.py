@@ -236,6 +236,20 @@ def _charged_s(policy: Policy) -> float:
     return getattr(policy, "charged_s", 0.0)
 
 
+class Retention(Protocol):
+    """Keeps finished requests' blocks for what comes next (``sim.programs``)."""
+
+    def tick(self) -> None:
+        """Before each step: release what is due."""
+
+    def finished(self, request: SimRequest) -> bool:
+        """A request finished: True where its blocks were kept (else the engine frees
+        them)."""
+
+    def stalled(self) -> bool:
+        """Nothing runs and nothing was admitted: release held blocks; True if any."""
+
+
 class StepCostModel(Protocol):
     def step(self, batch: Sequence[BatchEntry]) -> StepCost: ...
 
@@ -329,6 +343,9 @@ class SimEngine:
         self.kv_events: Callable[[list[KVEvent]], None] | None = None
         """Where each step's KV cache events go, as vLLM publishes a batch per
         ``schedule()`` (set before ``start``; None: the pool emits none)."""
+        self.retention: Retention | None = None
+        """What happens to a finished request's blocks, and when held ones go back
+        (``sim.programs``; set before ``start``; None: freed to the LRU cache, as vLLM)."""
         self._reset([], None)
 
     def clock(self) -> float:
@@ -392,13 +409,15 @@ class SimEngine:
         if self._step >= self.config.max_steps:
             raise RuntimeError(
                 f"simulation did not finish within {self.config.max_steps} steps")
+        if self.retention is not None:
+            self.retention.tick()
         self._arrive()
         batch, preempted = self._schedule()
         if self.kv_events is not None and (events := self.pool.take_events()):
             self.kv_events(events)
         if batch:
             self._execute(batch)
-        elif not (preempted or self.running):
+        elif not (preempted or self.running or self._unstalled()):
             self._wait_for_arrival()
 
     def _reset(
@@ -705,8 +724,14 @@ class SimEngine:
             self.running = [r for r in self.running if r.state is SimState.RUNNING]
         return emitted
 
+    def _unstalled(self) -> bool:
+        """Nothing runs: held blocks go back where some are held and a request waits
+        (True: the next step may admit it)."""
+        return self.retention is not None and len(self.policy) > 0 and self.retention.stalled()
+
     def _finish(self, request: SimRequest) -> None:
-        self.pool.free(request.request_id)
+        if self.retention is None or not self.retention.finished(request):
+            self.pool.free(request.request_id)
         request.record.success = True
         self._end(request, SimState.FINISHED, self.now)
         self._timed(self.policy.discard, request.request_id)

@@ -385,6 +385,10 @@ def multi_tenant(
                   [f"t{t}" for t in owners])
 
 
+Stream = list[tuple[float, str, tuple[np.ndarray, int, int, int]]]
+"""(arrival, tenant, (prompt, output_len, group, shared_len)) entries of one generator."""
+
+
 def document_tenants(
     *,
     doc_tenants: int = 2,
@@ -397,6 +401,11 @@ def document_tenants(
     chat_output_len: int,
     chat_rate: float,
     duration_s: float,
+    light_users: int = 0,
+    light_requests: int = 3,
+    light_prompt_len: int = 1024,
+    light_output_len: int = 256,
+    light_gap_s: float = 5.0,
     seed: int = 0,
     vocab_size: int = 32000,
 ) -> Workload:
@@ -405,37 +414,72 @@ def document_tenants(
     ``doc_len`` tokens (drawn at random per request; a group each), Poisson at
     ``doc_rate`` req/s each; beside them tenant ``chat`` sends short unshared prompts
     (``chat_prompt_len``) with long outputs (``chat_output_len``), Poisson at the low
-    ``chat_rate``: the light interactive tenant that fair share must protect from
-    tenants flooding with document sets larger than the KV pool.  Each tenant's stream
-    lasts about ``duration_s``."""
+    ``chat_rate`` (0: no chat tenant), and ``light_users`` tenants ``user0``, ... each
+    appear at a uniform time and send 1 to ``light_requests`` unshared prompts
+    (``light_prompt_len``, ``light_output_len``) exponential ``light_gap_s`` apart: the
+    light tenants fair share must protect from tenants flooding with document sets
+    larger than the KV pool.  Each stream lasts about ``duration_s``."""
     check_positive(doc_tenants=doc_tenants, documents_per_tenant=documents_per_tenant,
                    doc_len=doc_len, doc_output_len=doc_output_len,
-                   chat_prompt_len=chat_prompt_len, chat_output_len=chat_output_len)
+                   chat_prompt_len=chat_prompt_len, chat_output_len=chat_output_len,
+                   light_requests=light_requests, light_prompt_len=light_prompt_len,
+                   light_output_len=light_output_len)
     check_range("question_len", question_len)
-    for name, value in (("doc_rate", doc_rate), ("chat_rate", chat_rate),
-                        ("duration_s", duration_s)):
+    for name, value in (("doc_rate", doc_rate), ("duration_s", duration_s),
+                        ("light_gap_s", light_gap_s)):
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be finite and > 0, got {value}")
+    if not (math.isfinite(chat_rate) and chat_rate >= 0) or light_users < 0:
+        raise ValueError(f"chat_rate and light_users must be >= 0, got {chat_rate}, "
+                         f"{light_users}")
     check_vocab(vocab_size)
     rng = np.random.default_rng(seed)
-    docs = _distinct_sequences(rng, [doc_len] * (doc_tenants * documents_per_tenant),
-                               vocab_size)
-    streams: list[tuple[float, str, tuple[np.ndarray, int, int, int]]] = []
-    for tenant in range(doc_tenants):
-        n = max(1, round(doc_rate * duration_s))
-        picks = tenant * documents_per_tenant + rng.integers(documents_per_tenant, size=n)
-        questions = _distinct_sequences(
-            rng, rng.integers(question_len[0], question_len[1], size=n, endpoint=True),
-            vocab_size)
-        times = arrival_times(n, ArrivalSpec("poisson", doc_rate), rng)
-        streams += [(t, f"docs{tenant}", (np.concatenate([docs[d], q]), doc_output_len,
-                                          int(d), doc_len))
-                    for t, d, q in zip(times, picks, questions, strict=True)]
-    n = max(1, round(chat_rate * duration_s))
-    prompts = _distinct_sequences(rng, [chat_prompt_len] * n, vocab_size)
-    times = arrival_times(n, ArrivalSpec("poisson", chat_rate), rng)
-    streams += [(t, "chat", (prompt, chat_output_len, -1, 0))
-                for t, prompt in zip(times, prompts, strict=True)]
+    streams = _document_streams(rng, doc_tenants, documents_per_tenant, doc_len,
+                                question_len, doc_output_len, doc_rate, duration_s,
+                                vocab_size)
+    if chat_rate > 0:
+        n = max(1, round(chat_rate * duration_s))
+        prompts = _distinct_sequences(rng, [chat_prompt_len] * n, vocab_size)
+        times = arrival_times(n, ArrivalSpec("poisson", chat_rate), rng)
+        streams += [(t, "chat", (prompt, chat_output_len, -1, 0))
+                    for t, prompt in zip(times, prompts, strict=True)]
+    streams += _light_user_streams(rng, light_users, light_requests, light_prompt_len,
+                                   light_output_len, light_gap_s, duration_s, vocab_size)
     streams.sort(key=lambda entry: entry[0])
     return _build("document-tenants", [part for _, _, part in streams],
                   np.array([t for t, _, _ in streams]), [tenant for _, tenant, _ in streams])
+
+
+def _document_streams(rng: np.random.Generator, tenants: int, documents: int, doc_len: int,
+                      question_len: tuple[int, int], output_len: int, rate: float,
+                      duration_s: float, vocab_size: int) -> Stream:
+    """Each document tenant's questions about its own documents, Poisson at ``rate``."""
+    docs = _distinct_sequences(rng, [doc_len] * (tenants * documents), vocab_size)
+    streams: Stream = []
+    for tenant in range(tenants):
+        n = max(1, round(rate * duration_s))
+        picks = tenant * documents + rng.integers(documents, size=n)
+        questions = _distinct_sequences(
+            rng, rng.integers(question_len[0], question_len[1], size=n, endpoint=True),
+            vocab_size)
+        times = arrival_times(n, ArrivalSpec("poisson", rate), rng)
+        streams += [(t, f"docs{tenant}", (np.concatenate([docs[d], q]), output_len,
+                                          int(d), doc_len))
+                    for t, d, q in zip(times, picks, questions, strict=True)]
+    return streams
+
+
+def _light_user_streams(rng: np.random.Generator, users: int, most: int, prompt_len: int,
+                        output_len: int, gap_s: float, duration_s: float,
+                        vocab_size: int) -> Stream:
+    """``users`` tenants, each from a uniform moment sending 1 to ``most`` unshared
+    prompts, exponential ``gap_s`` apart."""
+    streams: Stream = []
+    for user in range(users):
+        n = int(rng.integers(1, most, endpoint=True))
+        times = rng.uniform(0, duration_s) + np.cumsum(
+            np.concatenate([[0.0], rng.exponential(gap_s, size=n - 1)]))
+        prompts = _distinct_sequences(rng, [prompt_len] * n, vocab_size)
+        streams += [(float(t), f"user{user}", (prompt, output_len, -1, 0))
+                    for t, prompt in zip(times, prompts, strict=True)]
+    return streams

@@ -1,0 +1,137 @@
+"""Agent sessions in the simulator: job completion time of agent programs under vLLM's FCFS
+with LRU, CacheTTL's TTL rule, SGLang's LPM, Feather without sessions and Feather with
+them (issue 62).
+
+    PYTHONPATH=src .venv/bin/python benchmarks/sim/agents.py [--name NAME] [--jobs 2]
+
+Llama-3-8B on the H100 SXM profile, vLLM's GPU limits and the KV pool the H100 leaves
+(26,674 blocks of 16 tokens), the scheduler's Python time not charged to the clock (the
+figures are the policies' decisions alone, the same on any machine).  Workload: 240 agent
+programs (``workloads.agents.agent_programs``, its default ``AgentShape``: about 9.7 turns
+and an 11K-token final context each) starting at 3.5/s (Poisson), seeds 0, 1 and 2, closed
+loop (``sim.programs.run_programs``).  At this load the pool is contended: FCFS
+preempts and its prefix-cache hit rate falls to about 0.56.  Per scheduler: mean, p90
+and p99 job completion time, first- and later-turn TTFT, output tokens/s, prefix-cache
+hit rate, preemptions and the retention counters; medians over the seeds with their
+range, and Feather-with-sessions' ratios to each baseline seed by seed.  Writes
+agents.json (every run's figures) and agents.md into results/NAME/ (default: the commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from feather_sched.core.sessions import RetentionConfig
+from feather_sched.results.summary import median_and_range, summarize
+from feather_sched.sim import programs
+from feather_sched.sim.engine import SimEngine
+from feather_sched.sim.policies import make_policy
+from feather_sched.sim.runner import SimPlan
+from feather_sched.workloads.agents import agent_programs
+from feather_sched.workloads.spec import ArrivalSpec
+
+HERE = Path(__file__).resolve().parent
+PROGRAMS, RATE = 240, 3.5
+SEEDS = (0, 1, 2)
+GATE = "feather-model"
+SCHEDULERS = ("fcfs", "ttl", "sglang-lpm", GATE, f"{GATE}+sessions")
+LABELS = {"fcfs": "vLLM FCFS + LRU", "ttl": "CacheTTL rule (program FCFS + TTL pins)",
+          "sglang-lpm": "SGLang LPM + LRU", GATE: "Feather, no sessions",
+          f"{GATE}+sessions": "Feather + sessions"}
+FIGURES = ("mean_jct_s", "p90_jct_s", "p99_jct_s", "mean_first_turn_ttft_ms",
+           "mean_later_turn_ttft_ms", "output_throughput", "prefix_cache_hit_rate",
+           "preemptions")
+TARGETS = (("mean_jct_s", "fcfs", 0.5, "<="), ("mean_jct_s", "ttl", 0.9, "<="),
+           ("p90_jct_s", "ttl", 1.0, "<="), ("output_throughput", "fcfs", 1.0, ">="),
+           ("output_throughput", "ttl", 1.0, ">="))
+
+
+def run(scheduler: str, seed: int) -> dict[str, Any]:
+    """One scheduler on one seed's programs: its summary and retention counters."""
+    agents = agent_programs(programs=PROGRAMS, arrival=ArrivalSpec("poisson", RATE),
+                            seed=seed)
+    plan = SimPlan.from_options(agents.open_loop(), charge_scheduler_time=False)
+    engine = SimEngine(plan.cost_model("fcfs"), plan.engine_config())
+    turns = programs.Turns.of(agents)
+    reload_s = programs.reload_seconds(engine.cost_model, engine.config.max_num_batched_tokens)
+    retention: programs.LruRetention
+    if scheduler == "ttl":
+        retention = programs.TtlRetention(engine, turns, reload_s)
+        policy: Any = programs.ProgramFcfsPolicy(turns.start_s)
+    elif scheduler.endswith("+sessions"):
+        retention = programs.SessionRetention(engine, turns, reload_s, RetentionConfig())
+        options = {"gate": scheduler.removesuffix("+sessions").removeprefix("feather-")}
+        policy = programs.feather_with_sessions(engine, retention, options, scheduler)
+    else:
+        retention = programs.LruRetention(engine, turns)
+        policy = make_policy(scheduler, {}, engine)
+    result = programs.run_programs(engine, policy, agents, retention)
+    run_result = result.run_result()
+    run_result.jobs = True
+    summary = summarize(run_result)
+    summary["preemptions"] = result.num_preemptions
+    return {"scheduler": scheduler, "seed": seed, "summary": summary,
+            "retention": retention.counts()}
+
+
+def _run(args: tuple[str, int]) -> dict[str, Any]:
+    return run(*args)
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    """Medians over the seeds with their range, one row per scheduler."""
+    lines = ["| scheduler | " + " | ".join(FIGURES) + " |",
+             "|---" * (len(FIGURES) + 1) + "|"]
+    for scheduler in SCHEDULERS:
+        mine = [r["summary"] for r in runs if r["scheduler"] == scheduler]
+        cells = [median_and_range([float(s[f] or 0) for s in mine]) for f in FIGURES]
+        lines.append(f"| {LABELS[scheduler]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ratios(runs: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """Feather-with-sessions over each baseline seed by seed, against the issue's targets."""
+    by = {(r["scheduler"], r["seed"]): r["summary"] for r in runs}
+    ours = SCHEDULERS[-1]
+    lines, verdicts = [], {}
+    for figure, baseline, target, sense in TARGETS:
+        values = [by[(ours, s)][figure] / by[(baseline, s)][figure] for s in SEEDS]
+        met = all(v <= target if sense == "<=" else v >= target for v in values)
+        verdicts[f"{figure}/{baseline}"] = {"ratios": values, "target": f"{sense} {target}",
+                                            "met": met}
+        lines.append(f"- {figure} Feather+sessions / {LABELS[baseline]}: "
+                     f"{median_and_range(values, unit='x')}, target {sense} {target}: "
+                     f"{'met' if met else 'NOT met'}")
+    return "\n".join(lines), verdicts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--name", default=None)
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args()
+    name = args.name or subprocess.run(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       capture_output=True, check=True).stdout.strip()
+    cells = [(s, seed) for seed in SEEDS for s in SCHEDULERS]
+    with ProcessPoolExecutor(args.jobs) as pool:
+        runs = list(pool.map(_run, cells))
+    text, verdicts = ratios(runs)
+    retention = {r["scheduler"]: r["retention"] for r in runs if r["seed"] == SEEDS[0]}
+    report = (f"# Agent sessions, simulated (H100 SXM, Llama-3-8B)\n\n{PROGRAMS} programs at "
+              f"{RATE}/s, seeds {list(SEEDS)}; medians (range).\n\n{table(runs)}\n\n{text}\n\n"
+              f"Retention counters (seed {SEEDS[0]}): `{json.dumps(retention)}`\n")
+    out = HERE / "results" / name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "agents.json").write_text(json.dumps({"runs": runs, "targets": verdicts},
+                                                indent=1, default=float))
+    (out / "agents.md").write_text(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()

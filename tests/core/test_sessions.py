@@ -1,0 +1,157 @@
+"""core.sessions: recognition by prefix match and by key within a namespace, the hold
+rule and its TTL, the bound on held blocks, and the three ways a hold ends."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from feather_sched.core.sessions import TOOL_CALLS, RetentionConfig, Sessions, quantile
+
+POOL = 1000
+
+
+def table(share: float = 0.5, reload_per_token: float = 1e-3, **config) -> Sessions:
+    return Sessions(RetentionConfig(max_held_share=share, **config), POOL,
+                    lambda tokens: tokens * reload_per_token)
+
+
+def keys(*names: str) -> list[str]:
+    """Chained keys: key i names the prefix through block i."""
+    return ["/".join(names[:i + 1]) for i in range(len(names))]
+
+
+def test_a_request_extending_a_finished_turn_continues_its_session():
+    sessions = table()
+    assert not sessions.arrived("t0", "ns", keys("sys", "task"), 0.0)
+    hold, _ = sessions.turn_ended("t0", keys("sys", "task", "out"), 30, 480, 1.0, TOOL_CALLS)
+    assert hold is not None and hold.holder == "t0"
+    assert sessions.arrived("t1", "ns", keys("sys", "task", "out", "tool"), 2.0)
+    assert sessions.session_of("t1").id == hold.session
+    assert sessions.counts.continued == 1 and sessions.counts.reloads_avoided == 1
+
+
+def test_another_namespace_or_a_mere_shared_system_block_is_a_new_session():
+    sessions = table()
+    sessions.arrived("a0", "tenant-a", keys("sys", "task"), 0.0)
+    sessions.turn_ended("a0", keys("sys", "task", "out"), 30, 480, 1.0, TOOL_CALLS)
+    assert not sessions.arrived("b1", "tenant-b", keys("sys", "task", "out", "x"), 2.0)
+    assert not sessions.arrived("a9", "tenant-a", keys("sys", "other"), 2.0)
+    first = sessions.holds[0].session
+    assert sessions.session_of("b1").id != first and sessions.session_of("a9").id != first
+
+
+def test_an_explicit_key_names_the_session_whatever_the_prompt():
+    sessions = table()
+    sessions.arrived("t0", "ns", keys("a"), 0.0, explicit="user-7")
+    sessions.turn_ended("t0", keys("a", "b"), 10, 160, 1.0, TOOL_CALLS)
+    assert sessions.arrived("t1", "ns", keys("zzz"), 1.5, explicit="user-7")
+    assert not sessions.arrived("t2", "other", keys("zzz"), 1.5, explicit="user-7")
+
+
+def test_ttl_is_the_gap_quantile_capped_by_breakeven_and_max_ttl():
+    sessions = table(default_gap_s=4.0, max_ttl_s=60.0)
+    sessions.arrived("t0", "ns", keys("a"), 0.0)
+    session = sessions.session_of("t0")
+    # 100 blocks over 1,000 tokens: reload 1 s, breakeven 1 s * 1000 / 100 = 10 s.
+    assert sessions.ttl_s(session, 1000, 100) == 4.0
+    assert sessions.ttl_s(session, 1000, 400) == 2.5  # capped at breakeven: 1 s * 1000 / 400
+    session.gaps.extend([1.0, 2.0, 3.0, 8.0])
+    assert sessions.ttl_s(session, 1000, 100) == 8.0  # the 0.9 quantile of its own gaps
+    assert table(max_ttl_s=0.5).ttl_s(session, 1000, 100) == 0.5
+
+
+def test_a_final_answer_is_not_held_but_a_returning_chat_is():
+    sessions = table()
+    sessions.arrived("t0", "ns", keys("a"), 0.0)
+    hold, _ = sessions.turn_ended("t0", keys("a", "b"), 10, 160, 1.0, "stop")
+    assert hold is None
+    sessions.arrived("t1", "ns", keys("a", "b", "c"), 3.0)  # the user came back
+    hold, _ = sessions.turn_ended("t1", keys("a", "b", "c", "d"), 10, 160, 4.0, "stop")
+    assert hold is not None
+
+
+def test_holds_end_at_expiry_unless_their_turn_arrived_then_at_admission():
+    sessions = table(default_gap_s=2.0)
+    for name in ("x", "y"):
+        sessions.arrived(f"{name}0", "ns", keys(name), 0.0)
+        sessions.turn_ended(f"{name}0", keys(name, "o"), 10, 160, 1.0, TOOL_CALLS)
+    assert sessions.arrived("y1", "ns", keys("y", "o", "t"), 2.5)
+    assert [h.holder for h in sessions.expire(3.5)] == ["x0"]
+    assert sessions.admitted("y1").holder == "y0"
+    assert sessions.holds == [] and sessions.counts.expired == 1
+
+
+def test_a_hold_beyond_the_bound_displaces_less_valuable_ones_or_is_refused():
+    sessions = table(share=0.1, default_gap_s=5.0)  # 100 blocks at most
+    sessions.arrived("a0", "ns", keys("a"), 0.0)
+    sessions.turn_ended("a0", keys("a", "o"), 80, 1280, 0.0, TOOL_CALLS)
+    sessions.arrived("b0", "ns", keys("b"), 0.0)
+    hold, displaced = sessions.turn_ended("b0", keys("b", "o"), 60, 960, 4.0, TOOL_CALLS)
+    assert hold is not None and [h.holder for h in displaced] == ["a0"]  # a0 nearly expired
+    sessions.arrived("c0", "ns", keys("c"), 4.0)
+    hold, displaced = sessions.turn_ended("c0", keys("c", "o"), 60, 480, 4.0, TOOL_CALLS)
+    assert hold is None and not displaced and sessions.counts.refused == 1
+
+
+def test_reclaim_releases_least_valuable_first_until_enough():
+    sessions = table(default_gap_s=10.0)
+    for index, start in enumerate((0.0, 5.0, 9.0)):
+        sessions.arrived(f"r{index}", "ns", keys(f"r{index}"), start)
+        sessions.turn_ended(f"r{index}", keys(f"r{index}", "o"), 50, 800, start, TOOL_CALLS)
+    gone = sessions.reclaim(60, 9.0)
+    assert [h.holder for h in gone] == ["r0", "r1"]
+    assert sessions.held_blocks == 50
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError):
+        RetentionConfig(max_held_share=1.5)
+    with pytest.raises(ValueError):
+        RetentionConfig(gap_quantile=0.0)
+    with pytest.raises(ValueError):
+        Sessions(RetentionConfig(), 0, lambda tokens: 0.0)
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+
+
+OPS = st.lists(st.tuples(
+    st.sampled_from(["arrive", "end", "admit", "expire", "reclaim", "abort"]),
+    st.integers(0, 11), st.integers(1, 400), st.floats(0.0, 5.0),
+    st.sampled_from([TOOL_CALLS, "stop", None])), max_size=120)
+
+
+@settings(max_examples=200, deadline=None)
+@given(OPS, st.floats(0.0, 1.0))
+def test_held_blocks_never_exceed_the_bound(ops, share):
+    """Random sessions that return or never do, turns aborted mid-flight (never ended),
+    pool pressure: the holds' blocks never exceed ``max_held_share`` of the pool, and
+    every hold made is released once (expiry, admission, reclaim or displacement) or
+    still stands."""
+    sessions = table(share=share, max_ttl_s=8.0, max_sessions=6)
+    now, turn, live, depth, admitted = 0.0, 0, {}, {}, 0
+    for op, program, blocks, dt, reason in ops:
+        now += dt
+        if op == "arrive":
+            turn += 1
+            live[f"p{program}-{turn}"] = program
+            depth[program] = depth.get(program, 0) + 1
+            prompt = keys(f"p{program}", *"x" * depth[program])
+            sessions.arrived(f"p{program}-{turn}", program % 2, prompt, now)
+        elif op in ("end", "abort") and live:
+            request, owner = next(iter(live.items()))
+            del live[request]
+            depth[owner] += 1
+            if op == "end":
+                sessions.turn_ended(request, keys(f"p{owner}", *"x" * depth[owner]), blocks,
+                                    blocks * 16, now, reason)
+        elif op == "admit" and live:
+            admitted += sessions.admitted(next(iter(live))) is not None
+        elif op == "expire":
+            sessions.expire(now)
+        elif op == "reclaim":
+            sessions.reclaim(blocks, now)
+        assert sessions.held_blocks <= sessions.bound_blocks
+        assert len({h.holder for h in sessions.holds}) == len(sessions.holds)
+    c = sessions.counts
+    assert c.held == len(sessions.holds) + c.expired + c.reclaimed + c.displaced + admitted
