@@ -20,6 +20,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from feather_sched.core.isolation import Namespace, token_keys
 from feather_sched.routing.cache_index import BlockRemoved, BlockStored, KVEvent
 
@@ -35,7 +37,7 @@ class BlockKeys:
 
     block_size: int
 
-    def __call__(self, tokens: Sequence[int], boundary: tuple = ()) -> list[int]:
+    def __call__(self, tokens: np.ndarray | Sequence[int], boundary: tuple = ()) -> list[int]:
         return token_keys(tokens, self.block_size, Namespace(boundary))
 
 
