@@ -12,14 +12,17 @@ run:
 test:
 	scripts/setup.sh --vllm --sglang --ray --datasets --drift
 	.venv/bin/ruff check src tests
+	.venv/bin/mypy
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 	$(MKDOCS) build --strict --site-dir site
 
-# The fast tier: ruff, then every test that starts no engine process (tests/conftest.py
-# marks those `engine`).
+# The fast tier: ruff, mypy (the adapters hold the runtime as core.RuntimeContract:
+# pyproject.toml's [tool.mypy]), then every test that starts no engine process and takes
+# no minutes (tests/conftest.py marks those `engine` and `slow`).
 check:
 	.venv/bin/ruff check src tests
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not engine"
+	.venv/bin/mypy
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not engine and not slow"
 
 lint:
 	.venv/bin/ruff check src tests

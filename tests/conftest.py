@@ -1,7 +1,8 @@
 """Test-wide set-up: SGLang's scheduler code imports on this CPU machine as in the product
 (``feather_sched.integrations.sglang.stand_ins``); a fault Feather contains fails the test
 that did not ask for faults, so containment never hides a bug; the modules that start an
-engine process are marked ``engine`` (``make check`` runs every other test)."""
+engine process are marked ``engine``, and the tests of minutes each ``slow`` (``make
+check`` runs every other test, ``make test`` all)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,19 @@ ENGINE_MODULES = frozenset({
 """Test modules (relative to ``tests/``) that start an engine process: marked ``engine``,
 so ``pytest -m "not engine"`` (``make check``) runs the rest."""
 
+SLOW_TESTS = frozenset({
+    # a kernel's whole case set in Triton's CPU interpreter (one process each)
+    "attention/test_triton_kernels.py::test_kernels_in_the_triton_interpreter",
+    "integrations/sglang/test_attention_triton.py::test_kernels_in_the_triton_interpreter",
+    "integrations/vllm/test_attention_gpu.py::"
+    "test_forward_and_self_check_in_the_triton_interpreter",
+    "test_gpu_decode_kit.py::test_the_self_check_runs_in_the_kit[present]",
+})
+"""Tests (ids relative to ``tests/``) of minutes each on a 2-core CPU: marked ``slow``,
+left to ``make test``.  ``make check`` keeps a sample of each engine's interpreted
+kernels: ``attention/test_gpu_decode.py`` and the kit's, ``integrations/vllm/
+test_host_tables.py``, ``integrations/sglang/test_attention_triton.py``'s sample."""
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
@@ -47,8 +61,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if missing:
         raise pytest.UsageError(f"tests/conftest.py's ENGINE_MODULES names no module: {missing}")
     for item in items:
-        if item.path.relative_to(tests).as_posix() in ENGINE_MODULES:
+        module = item.path.relative_to(tests).as_posix()
+        if module in ENGINE_MODULES:
             item.add_marker(pytest.mark.engine)
+        if f"{module}::{item.name}" in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+    modules = {item.path.relative_to(tests).as_posix(): item.module for item in items
+               if isinstance(item, pytest.Function)}
+    stale = sorted(name for name in SLOW_TESTS if name.split("::")[0] in modules and
+                   not hasattr(modules[name.split("::")[0]], name.split("::")[1].split("[")[0]))
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py's SLOW_TESTS names no test: {stale}")
 
 
 @pytest.fixture

@@ -1,19 +1,16 @@
 """Reference pages generated from the code, so that they cannot drift from it.
 
 ``options_page()`` is ``docs/options.md``: every Feather option in the order of
-``core.config.VALIDATORS``, with what its validator accepts (the validator's own error
-message, the one a bad value gets at start-up), its default and Python type (the
-``FeatherConfig`` field), its ``FEATHER_*`` environment variable and its description (the
-field's docstring); then each gate's keyword options (``gate_options``), read from the
-signature of the class ``make_gate`` builds.
-
+``core.config.VALIDATORS``, with what its validator accepts (its own error message), its
+default and Python type (the ``FeatherConfig`` field), its ``FEATHER_*`` environment
+variable and its description (the field's docstring); then each gate's keyword options
+(``gate_options``), read from the signature of the class ``make_gate`` builds.
 ``contract_table()`` is the runtime contract's table in ``docs/architecture.md``, between
 ``CONTRACT_BEGIN`` and ``CONTRACT_END``: each member of ``core.contract.RuntimeContract``
 with its docstring.
 
-Regenerate both with ``python -m feather_sched.docs --out docs/options.md --contract
-docs/architecture.md`` (or ``make docs``); ``tests/test_docs.py`` fails while a committed
-page differs from what this produces.
+Regenerate both with ``make docs``; ``tests/test_docs.py`` fails while a committed page
+differs from what this produces.
 """
 
 from __future__ import annotations

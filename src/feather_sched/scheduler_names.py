@@ -1,34 +1,16 @@
 """Scheduler names of the benchmarks and the simulator, parsed and validated in one place.
 
-* ``fcfs`` - the engine's own first-come-first-served scheduler;
-* ``fcfs-nocache`` - the same with prefix caching off (real engine only);
-* ``priority`` - the engine's own scheduler under its priority policy (vLLM's
-  ``scheduling_policy="priority"``: waiting requests by (priority, arrival), the victim of
-  preemption the latest arrival of the least urgent class);
-* ``sglang-lpm``, ``sglang-dfs-weight``, ``sglang-hrrn``, ``sglang-routing-key`` - SGLang's
-  scheduling policies (simulator only; ``sglang-routing-key`` takes a request's prefix
-  group as its client-supplied routing key);
-* ``vllm-cache-aware[-w<N>][-t<F>]`` - vLLM 0.34's cache-aware admission, window ``N``
-  (default 256) and KV-usage threshold ``F`` (default 0.5, vLLM's) (simulator only);
-* ``vllm-active-cap[-<N>]`` - vLLM's ``max_num_active_seqs``: at most ``N`` running
-  requests (default 64); on the real engine, vLLM's own option;
-* ``vtc`` - VTC (Sheng et al., OSDI'24): fair share between tenants by a virtual token
-  counter, FIFO within a tenant, no prefix order: Feather's runtime in ``fairness: vtc``,
-  the same code in the simulator and on the engine;
-* ``feather-<gate>`` - Feather with gate ``always``, ``chunk-loss``, ``bandit`` or
-  ``model``; ``-noorder`` keeps the engine's running order (to measure ordering's share),
-  ``-unbounded`` turns the fairness bound off (to measure what fairness costs) and
-  ``-fair`` turns fair share between tenants on (``fairness: tenants``), in that order
-  when several are given.
-
+``fcfs`` (``-nocache``: prefix caching off), ``priority`` (the engine's priority
+policy), ``sglang-lpm``, ``sglang-dfs-weight``, ``sglang-hrrn``, ``sglang-routing-key``
+(SGLang's policies, simulator only), ``vllm-cache-aware[-w<N>][-t<F>]`` (vLLM 0.34's
+cache-aware admission, simulator only), ``vllm-active-cap[-<N>]`` (vLLM's
+``max_num_active_seqs``), ``vtc`` (fair share by a virtual token counter: Feather's
+runtime in ``fairness: vtc``) and ``feather-<gate>`` with ``-noorder``, ``-unbounded``,
+``-fair`` in that order; any name may end in ``-shared`` or ``-noshared`` (shared-prefix
+decode attention on or off for that run).
 Where a workload has several priority classes, Feather names run under the engine's
-priority policy too (``SchedulerName.priority_policy``); the other names run first come
-first served, with every request's priority stripped to 0.
-
-Any name may end in ``-shared`` or ``-noshared``: shared-prefix decode attention on or
-off for that run. Without either, each context's default holds: on the real engine,
-``auto`` (on with Feather's scheduler, off with the engine's own); in the simulator, its
-``--cascade`` flag.
+priority policy too (``SchedulerName.priority_policy``); the others run FCFS with every
+priority stripped to 0.  What each name means: docs/measuring.md, "Scheduler names".
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
 """The command line of vLLM's OpenAI-compatible server with Feather as its scheduler.
 
-What ``feather serve`` adds to the user's vLLM arguments, and why:
-
-* ``--scheduler-cls`` and ``--additional-config '{"feather": ...}'`` (merged with the
-  user's own additional config); Feather's options, ``FEATHER_*`` variables included,
-  are validated here, before the engine spends half a minute starting;
-* the embedded model by default (random weights, its own tokenizer, so vLLM checks
-  token ids against the vocabulary and text prompts work), served as ``tiny-llama``; a
-  local model directory is served by its name (``served_name``) unless
-  ``--served-model-name`` says otherwise;
-* an exact KV cache size: ``--kv-cache-gib`` becomes ``--kv-cache-memory-bytes``, an
-  explicit ``--kv-cache-memory-bytes`` is passed through as given, and on a CPU without
-  either, 4 GiB.  vLLM's legacy ``VLLM_CPU_KVCACHE_SPACE`` overrides both on CPU, so it
-  is refused beside them;
-* ``--middleware`` ``TenantMiddleware`` (``feather_sched.integrations.vllm.tenants``):
-  each request's tenant, from the ``x-tenant-id`` header, ``vllm_xargs.tenant`` or
-  OpenAI's ``user``, reaches Feather's scheduler (a bad one is a 400);
-* ``--shutdown-timeout`` (default ``SHUTDOWN_TIMEOUT_S``): on SIGTERM vLLM stops taking
-  requests, lets running ones finish for up to that long, then the engine shuts down,
-  Feather saves its files, and the server exits; vLLM's own default (0) kills the engine
-  at once, skipping the save, and leaves the HTTP server waiting on open streams.
+What ``feather serve`` adds to the user's vLLM arguments: ``--scheduler-cls`` and
+``--additional-config '{"feather": ...}'`` (merged with the user's; Feather's options
+validated here, before the engine spends half a minute starting); the embedded model by
+default, served as ``tiny-llama`` (a local directory by its ``served_name``); an exact KV
+cache size (``--kv-cache-gib``, else 4 GiB on CPU; ``VLLM_CPU_KVCACHE_SPACE`` beside
+either is refused); ``--middleware`` ``TenantMiddleware``; and ``--shutdown-timeout``
+(``SHUTDOWN_TIMEOUT_S``: running requests finish and Feather saves its files on
+SIGTERM, where vLLM's default 0 kills the engine at once).
 
 ``serve_replicas`` (``feather serve --replicas N``) runs the same engine arguments as N
-replicas on Ray Serve behind one OpenAI endpoint routed by ``FeatherRequestRouter``
-(``feather_sched.integrations.ray.app``).
+replicas on Ray Serve behind one OpenAI endpoint (``integrations.ray.app``).
+docs/vllm.md, "feather serve".
 """
 
 from __future__ import annotations

@@ -2,11 +2,13 @@
 member with the contract's signature, and the adapters (``integrations``, the simulator's
 policies in ``sim``) use no member of a runtime outside it, nor leave one of it unused.
 
-The adapters' runtime objects are found by the names they are bound to: ``runtime`` (a
-local, or an attribute such as ``self.runtime``), and in ``sim`` also ``policy`` (the
-simulated engine drives a ``FeatherRuntime`` as its policy).  ``core.urgent.make_room``
-drives a runtime on vLLM's adapter's and the simulator's behalf: its uses count as
-theirs."""
+The adapters hold their runtime as ``RuntimeContract`` (checked here), so mypy (``make
+check``, ``[tool.mypy]`` in pyproject.toml) refuses any member outside it, through any
+name or chain.  The scan below is the second net, for what mypy cannot see (a runtime
+typed ``Any``, as the simulator's policies are): it finds runtime objects by the names
+they are bound to, ``runtime`` (a local, or an attribute such as ``self.runtime``) and in
+``sim`` also ``policy``; ``core.urgent.make_room`` drives a runtime on vLLM's adapter's
+and the simulator's behalf, so its uses count as theirs."""
 
 from __future__ import annotations
 
@@ -26,6 +28,12 @@ BOUND_NAMES = {"integrations": {"runtime"}, "sim": {"runtime", "policy"}}
 """Per adapter package, the names its runtime objects are bound to."""
 ON_BEHALF = {"core/urgent.py": ("integrations/vllm", "sim")}
 """Core modules that drive a runtime (bound to ``runtime``) for the adapters named."""
+HOLDERS = ("integrations/vllm/scheduler.py", "integrations/sglang/scheduler.py",
+           "sim/policies.py")
+"""The modules that build a runtime: each holds it as ``RuntimeContract``."""
+TYPED_AS_THE_CLASS = {"integrations/vllm/urgent.py"}
+"""Owned by another change: still takes ``FeatherRuntime[Request]``, to become
+``RuntimeContract[Request]`` there."""
 
 
 # ---- FeatherRuntime implements the contract ------------------------------------------
@@ -160,3 +168,40 @@ def test_the_scan_finds_a_member_used_outside_the_contract(tmp_path: Path) -> No
     assert outside_the_contract(adapter_uses(tmp_path)) == [
         "integrations/planted.py:5 queue", "integrations/planted.py:6 __contains__",
         "integrations/planted.py:7 _tracked", "sim/planted.py:2 view"]
+
+
+# ---- the adapters hold the runtime as the contract (what mypy checks) ----------------
+
+
+def annotations_naming(source: str, name: str) -> list[int]:
+    """The lines of each annotation in ``source`` (a parameter's, a variable's, a
+    return's) that names ``name``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        annotations = []
+        if isinstance(node, ast.arg | ast.AnnAssign):
+            annotations.append(node.annotation)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            annotations.append(node.returns)
+        found += [annotation.lineno for annotation in annotations if annotation is not None
+                  and any(isinstance(part, ast.Name) and part.id == name
+                          for part in ast.walk(annotation))]
+    return sorted(found)
+
+
+def test_the_adapters_type_the_runtime_as_the_contract_never_as_the_class() -> None:
+    typed = {path: annotations_naming((PACKAGE / path).read_text(), "RuntimeContract")
+             for path in HOLDERS}
+    assert [path for path, lines in typed.items() if not lines] == []
+    as_the_class = [f"{path.relative_to(PACKAGE)}:{line}"
+                    for adapter in BOUND_NAMES for path in sorted((PACKAGE / adapter).rglob("*.py"))
+                    if str(path.relative_to(PACKAGE)) not in TYPED_AS_THE_CLASS
+                    for line in annotations_naming(path.read_text(), "FeatherRuntime")]
+    assert as_the_class == [], "hold the runtime as RuntimeContract, so that mypy checks its uses"
+
+
+def test_an_annotation_naming_the_class_is_found() -> None:
+    source = ("def f(runtime: FeatherRuntime[R]) -> list[FeatherRuntime]:\n"
+              "    held: RuntimeContract[R] = FeatherRuntime()\n")
+    assert annotations_naming(source, "FeatherRuntime") == [1, 1]
+    assert annotations_naming(source, "RuntimeContract") == [2]

@@ -112,10 +112,9 @@ def segment_attention(kv_cache: KVCache, query: torch.Tensor, scale: float,
     ``blocks[block_offsets[s]:block_offsets[s+1]]`` (int32; "nhd": token slots, one per
     token), its first ``lengths[s]`` tokens (int32); its rows of ``out``
     (``[len(tokens), q_heads, head_dim]`` fp32) and ``lse`` (``[len(tokens), q_heads]``
-    fp32) are ``token_offsets[s]`` onwards. A segment of no tokens gives LSE -inf and a
+    fp32) are ``token_offsets[s]`` onwards; a segment of no tokens gives LSE -inf and a
     zero output. Cost: one pass over each segment's KV per KV head, parallel over
-    (segment, KV head) on torch's intra-op threads ("nhd" gathers the slots' rows into a
-    block in cache on the way).
+    (segment, KV head) on torch's intra-op threads.
     """
     if layout == "nhd":
         keys, values = _token_major(kv_cache)

@@ -1,21 +1,17 @@
 """Shared-prefix decode whose launches can be captured in a CUDA graph (vLLM's FULL decode
 graphs) and replayed for any step's groups.
 
-A graph replays the launches it captured: the same kernels, grids, scalar arguments and
-buffer addresses. So everything a step changes lives in device memory here, in buffers
-allocated once (``GroupedDecode``): the host turns a step's groups into them (``stage``,
-one host-to-device copy, outside any graph); ``run`` makes only launches fixed by the
-engine's limits (``DecodeLimits``): grids sized for ``max_rows`` grouped rows, split
-counts chosen once, and every program past the step's live counts (read from device
-memory) returns at once. ``run`` never reads device memory on the host, allocates
-nothing and branches on nothing the step sets; nothing it launches compiles after
-``warm_up``.
+A graph replays the launches it captured, so everything a step changes lives in device
+buffers allocated once (``GroupedDecode``): ``stage`` turns a step's groups into them
+(one host-to-device copy, outside any graph); ``run`` makes only launches fixed by the
+engine's limits (``DecodeLimits``), every program past the step's live counts returning
+at once.  ``run`` never reads device memory on the host, allocates nothing and branches
+on nothing the step sets; nothing it launches compiles after ``warm_up``.
 
-The work is ``triton_kernels``'s: one attend launch over the groups' prefixes (a group of
-more than ``members_per_segment`` rows takes several segments over the same range, one
-program tile each), one over each grouped row's suffix, each writing fp32 partials and LSE
-by grouped row into one fixed workspace, then one merge into the output rows in their
-dtype. Engine-agnostic: torch and numpy here, Triton on the first launch.
+The work is ``triton_kernels``'s: one attend launch over the groups' prefixes (a large
+group over several segments), one over each grouped row's suffix, each writing fp32
+partials and LSE into one fixed workspace, then one merge into the output rows.
+Engine-agnostic: torch and numpy here, Triton on the first launch.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """Find each step's prefix groups in a block table, and plan the step around them.
 
 A group is a set of decode rows (one query token each) whose block-table rows start with
-the same physical block ids. Sharing is read from the block ids themselves, compared row
-by row, never from reference counts (a block freed late can look shared: vLLM #55227).
-Only full blocks strictly below the block of the token written this step count, so no
-block a group shares is written while it is read. Rows are grouped in any order: they are
-placed in a trie of their block ids, each compared only as far as it shares with another
-(the cost grows with the blocks rows share, not with their context), so rows sharing a
-prefix become adjacent, and the runs are split where that saves the most prefix reads (a
-run sharing a short system prompt whose subsets share long documents is split into the
-documents' groups).
+the same physical block ids, compared row by row, never by reference counts (a block
+freed late can look shared: vLLM #55227); only full blocks strictly below the block
+written this step count, so no shared block is written while it is read.  Rows go into a
+trie of their block ids, each compared only as far as it shares with another (the cost
+grows with what rows share, not with their context), and runs are split where that saves
+the most prefix reads.
 
 ``plan_step`` turns the groups into work: one segment per group (its queries over the
-shared prefix) and one per grouped row (its query over its own suffix), plus the engine's
-sequence lengths with every grouped row cut to one token, so the engine's kernel still
-runs the whole batch in one call, spending next to nothing on the grouped rows (whose
-outputs the segments replace), and serves the rows no group takes (prefill chunks,
-speculative rows, singletons, short prefixes) exactly as before.  ``plan_token_step``
-plans a step whose KV is listed token by token (SGLang's ``req_to_token``) the same way.
+shared prefix) and one per grouped row (its own suffix), plus the sequence lengths with
+every grouped row cut to one token, for the engine's kernel to run the whole batch.
+``plan_token_step`` does the same for KV listed token by token (SGLang's ``req_to_token``).
 """
 
 from __future__ import annotations

@@ -497,7 +497,7 @@ _failed: dict[Path, Exception] = {}
 """Checks that raised in this process, by cache file: raised again, not run again."""
 
 
-def cached_check(subject: Subject, run: Callable[[Subject], Verdict] = check) -> Verdict:
+def cached_check(subject: Any, run: Callable[[Any], Verdict] = check) -> Verdict:
     """The verdict for ``subject``'s shapes (``subject``: anything with ``shapes``, e.g.
     an ``isolation.Recipe``, that ``run`` measures): this process's, else the cached
     one, else ``run(subject)``, kept for next time (a file that cannot be read is

@@ -2,20 +2,16 @@
 shared-prefix (cascade) decode.
 
 A *segment* is a set of query rows that attend one token range of one block-table row.
-Shared-prefix decode runs two launches: one segment per prefix group (its members are the
-group's batch rows, the range is the group's prefix), so each prefix KV tile is loaded once
-per tile of up to 64 query rows instead of once per request; and one segment per row for
-the rest of its context. Each launch writes fp32 partial outputs normalised over their own
-tokens plus their natural-log log-sum-exp (vLLM's ``merge_attn_states`` convention), and
+Shared-prefix decode runs two launches: one segment per prefix group (its rows, its
+prefix), so each prefix KV tile is loaded once per tile of up to 64 query rows instead of
+once per request; and one segment per row for the rest of its context.  Each writes fp32
+partials and their natural-log LSE (vLLM's ``merge_attn_states`` convention), and
 ``merge_partials`` combines them exactly.
 
-The KV cache is vLLM's per-layer GPU view: ``key_cache`` and ``value_cache`` each
-``[num_blocks, block_size, kv_heads, head_dim]`` with any strides. Only torch is imported
-here; the kernels' source, ``triton_jit``, and with it Triton, is imported on the first
-launch, so importing this module never needs it.
-With ``TRITON_INTERPRET=1`` set before Triton is first imported, the kernels run in
-Triton's CPU interpreter, whose bf16 multiplication is wrong, so there the dot products
-run in fp32.
+The KV cache is vLLM's per-layer GPU view (``key_cache``, ``value_cache``: ``[num_blocks,
+block_size, kv_heads, head_dim]``, any strides).  Only torch is imported here; Triton on
+the first launch.  Under ``TRITON_INTERPRET=1`` (Triton's CPU interpreter, whose bf16
+multiplication is wrong) the dot products run in fp32.
 """
 
 from __future__ import annotations

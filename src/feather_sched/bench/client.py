@@ -1,22 +1,14 @@
 """Measure a running OpenAI-compatible server (vLLM or SGLang) as ``vllm bench serve`` does.
 
-Requests are sent on a schedule (all at once, the workload's own arrival times, or gamma
-inter-arrival gaps at a target rate) under an optional concurrency cap; every completion is
-streamed so the arrival time of each output token is recorded.  Token counting follows vLLM's
-``async_request_openai_completions``: each streamed chunk with a choice is one arrival, and the
-final usage chunk's ``completion_tokens`` fixes the output length (tokens bundled into one chunk
-share its arrival time).
-
-A request's priority class goes in the body's ``priority`` field (vLLM's; sent only when it
-is not 0, which vLLM accepts under any policy).  Its tenant goes in ``vllm_xargs.tenant``
-(SGLang's ``/generate``: ``sampling_params.custom_params.tenant``; sent only when it is not
-the default tenant, so a one-tenant body is what any server takes): vLLM carries
-``vllm_xargs`` to ``SamplingParams.extra_args``, where Feather's scheduler reads the
-tenant, on any vLLM server (``feather serve``, its Ray endpoint, a plain ``vllm serve
---scheduler-cls``), whereas OpenAI's ``user`` field names the tenant only where a front
-maps it (``feather serve`` and its Ray endpoint do).  The prompt tokens the server
-computed for a request are its prompt less the cached tokens its usage reports
-(``RequestRecord.prefill_cached``).  A server reports no preemptions per request;
+Requests are sent on a schedule (all at once, the workload's arrival times, or gamma gaps
+at a target rate) under an optional concurrency cap, every completion streamed so each
+output token's arrival is recorded; token counting follows vLLM's
+``async_request_openai_completions`` (each streamed chunk with a choice is one arrival;
+the final usage chunk fixes the output length).  A request's priority goes in the body's
+``priority`` (when not 0), its tenant in ``vllm_xargs.tenant`` (SGLang's ``/generate``:
+``sampling_params.custom_params.tenant``; when not the default tenant), which every vLLM
+server carries to Feather's scheduler.  The prompt tokens a server computed are the
+prompt less the cached tokens its usage reports (``RequestRecord.prefill_cached``);
 ``server_preemptions`` reads the run's total from vLLM's ``/metrics``.
 """
 

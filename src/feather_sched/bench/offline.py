@@ -1,25 +1,16 @@
 """Run a workload through the real vLLM engine, once per scheduler, timing every token.
 
-Each run builds a fresh engine (vLLM's default multi-process mode: the engine core steps
-in its own process, as in a server), submits requests at their arrival times, and records
-when each output token reaches the client.  Both sides of a comparison use vLLM's own
-scheduler code: the FCFS baseline runs ``InstrumentedScheduler`` (vLLM's scheduler with
-step accounting only), Feather runs ``FeatherScheduler``.
-
-Tenants: each request names the workload's tenant (``SamplingParams.extra_args``, which
-Feather's scheduler reads under fair share), and its record keeps it with the prompt
-tokens the engine computed for it (``RequestRecord.prefill_cached``: vLLM reports the
-cache hits of a request's first prefill only, so a recomputation after a preemption is
-not counted here, where the simulator counts it).
-
-Priorities: a run under vLLM's priority policy (``priority``, and Feather on a workload of
-several classes; ``SchedulerName.priority_policy``) submits each request with its class; a
-run under FCFS submits every request with priority 0, which is all vLLM accepts there.
-Either way the records keep the workload's class, so the report compares classes across
-runs.  Each request's preemptions come from vLLM's per-request stats
-(``RequestOutput.metrics.num_preemptions``), which the engine keeps with log stats on
-(turned off by ``disable_log_stats=True`` in the user's engine arguments: the report then
-has the scheduler's own total, from its stats file).
+Each run builds a fresh engine (vLLM's default multi-process mode, as in a server),
+submits requests at their arrival times, and records when each output token reaches the
+client.  Both sides use vLLM's own scheduler code: the FCFS baseline runs
+``InstrumentedScheduler`` (step accounting only), Feather ``FeatherScheduler``.  Each
+request names its tenant (``SamplingParams.extra_args``) and, under vLLM's priority policy
+(``SchedulerName.priority_policy``), its class (else priority 0, all vLLM accepts
+there); records keep both, and the prompt tokens the engine computed
+(``RequestRecord.prefill_cached``: vLLM reports the first prefill's cache hits only, so a
+recomputation after a preemption is not counted, where the simulator counts it).  Each
+request's preemptions come from vLLM's per-request stats, kept with log stats on (with
+``disable_log_stats=True`` the report has the scheduler's total, from its stats file).
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """The benchmarks' harness: what the studies under ``benchmarks/`` share, written once.
 
 A study declares its cells, its schedulers and its table's columns; this module does the
-rest:
-
-* **rounds** - ``feather bench`` runs a scheduler given again under the label ``name#2``,
-  ``name#3``, ... (``bench.offline.scheduler_specs``); ``rounds`` groups such labels into
-  ``Runs``, each scheduler's summaries in order.  Round k of every scheduler ran minutes
-  apart from round k + 1, so a ratio is taken round by round (``ratios``) before its
-  median.  A simulator study's seeds play the same part: one summary per seed.
-* **figures and tables** - medians with their range (``results.summary.median_and_range``),
-  per-round ratios (``ratios``, ``ratio``), markdown tables from a header and rows or from
-  declared columns (``markdown_table``, ``table``), and the table of medians and per-round
-  ratios to a base scheduler (``ratio_table``, what ``benchmarks/vllm/medians.py`` prints).
-* **the simulator** - Llama-3-8B on a datasheet GPU with vLLM's limits (``sim_plan``, through
-  ``SimPlan.from_options``), every scheduler's summary on one plan (``summaries``), FCFS's
-  offline request rate that a study's loads are multiples of (``offline_rate``).
-* **output** - ``Study``: a run set's folder (``benchmarks/<topic>/results/<set>/``), the
-  progress lines, and each result as JSON (with the command that made it) and markdown.
+rest: **rounds** (``rounds`` groups the labels ``name#2``, ``name#3``, ... of a scheduler
+run again into ``Runs``; a ratio is taken round by round, ``ratios``, before its median,
+since round k of every scheduler ran minutes apart from round k + 1; a simulator study's
+seeds play the same part); **figures and tables** (medians with their range, per-round
+ratios, markdown tables, ``ratio_table``: medians and per-round ratios to a base
+scheduler); **the simulator** (``sim_plan``: Llama-3-8B on a datasheet GPU with vLLM's
+limits; ``summaries``, every scheduler's on one plan; ``offline_rate``, FCFS's offline
+request rate that a study's loads are multiples of); **output** (``Study``: a run set's
+folder ``benchmarks/<topic>/results/<set>/``, progress lines, each result as JSON with
+the command that made it, and markdown).
 """
 
 from __future__ import annotations

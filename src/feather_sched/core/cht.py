@@ -1,21 +1,14 @@
 """Chunked Hash Tree: shared-prefix bookkeeping between waiting and running requests.
 
 A prompt is cut into fixed chunks; chunk *i*'s key digests everything through chunk *i*,
-so a key stands for a trie node and the chunks of a request that some running request also
-holds are always a *prefix* of its key list: every per-request question is a binary search
-over dict look-ups, never a walk over tokens.
-
-State, kept incrementally:
-
-* ``_running_refs`` / ``_waiting_refs``: key -> running / waiting requests holding it;
-* each waiting request's *depth*, its leading chunks in the running set, indexed by its
-  first missing key (``_by_frontier``: advanced when a key becomes live) and its last
-  present key (``_by_deepest``: set back when a key dies);
-* a lazy min-heap of (priority, -rank, arrival order): the best candidate is of the most
-  urgent class (lowest value; 0 unless given), then the deepest (a depth under
-  ``min_rank_chunks`` ranks as none), then the oldest.  Why depth, not the paper's fewest
-  missing chunks: docs/architecture.md.  With ``by_tenant``, one more such heap per
-  tenant, for the best of one tenant (``best_of``: fair share between tenants).
+so the chunks of a request that some running request also holds are always a *prefix* of
+its key list: every per-request question is a binary search over dict look-ups.  Kept
+incrementally: key -> running / waiting holders (``_running_refs``, ``_waiting_refs``);
+each waiting request's *depth*, indexed by its first missing key (``_by_frontier``) and
+its last present key (``_by_deepest``); a lazy min-heap of (priority, -rank, arrival
+order): the most urgent class, then the deepest (under ``min_rank_chunks``: none), then
+the oldest; with ``by_tenant``, one such heap per tenant (``best_of``).  Why depth, not
+the paper's fewest missing chunks: docs/architecture.md, "How the CHT works".
 
 Costs: admitting a request touches its own keys plus the waiting requests whose depth
 changes; one joining a group that already runs, only its own keys.

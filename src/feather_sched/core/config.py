@@ -4,16 +4,14 @@ Options come from the engine's own configuration channel when it reaches the sch
 (vLLM: ``--additional-config '{"feather": {...}}'``), else from ``FEATHER_*`` environment
 variables, else defaults.  Every value goes through one validator per option, whichever
 source it came from, so a typo or a wrong type fails start-up with a message naming the
-option (``feather serve`` runs the same check before the engine starts).  The files
-Feather will write are checked too: each must be a writable file in an existing
-directory, and a saved bandit table must load.
+option (``feather serve`` runs the same check before the engine starts).  Each file
+Feather will write must be a writable file in an existing directory; a saved bandit
+table must load.
 
-Files in a deployment of several scheduler processes (data-parallel ranks, replicas): each
-process writes its own (``Placement``).  A file option may hold ``{rank}``, the process's
-rank; a name without it gets the rank inserted when there are several processes
-(``stats.json`` -> ``stats.rank1.json``), so nothing two processes write is shared.  A
-bandit starts from its own table, else from the table under the name as given, which
-every rank reads and none writes (one pre-trained table warm-starts them all).
+Several scheduler processes (data-parallel ranks, replicas) each write their own files
+(``Placement``): a file option may hold ``{rank}``, else the rank is inserted where there
+are several (``stats.json`` -> ``stats.rank1.json``).  A bandit starts from its own
+table, else from the one under the name as given, which every rank reads and none writes.
 """
 
 from __future__ import annotations

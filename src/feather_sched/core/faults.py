@@ -27,29 +27,18 @@ T = TypeVar("T")
 class FaultGuard:
     """Contains exceptions of Feather's own code in one engine's scheduler.
 
-    The adapter runs each piece of Feather's work (tree and queue, gate, meter, metrics
-    sink, running order) through ``call`` or ``attempt``: an exception is handed to
-    ``fault``, which counts and logs it and then runs the adapter's ``on_fault``, its
-    fall-back: the engine's own order and admission for the rest of the scheduling pass.
-    Before that, ``reset`` empties Feather's picture: a fault may leave it half-updated
-    (a request the runtime tracks that the queue lost), and every later call into a
-    half-updated picture could raise again, each a fault of its own; an empty one
-    answers every call (a request it does not know is not charged, not discarded twice),
-    so one fault counts once.  While ``dirty``, the adapter rebuilds Feather's picture
-    from the engine's before the next pass (``FeatherRuntime.begin_pass`` does, given the
-    engine's queues).  ``fault``
-    logs the traceback the first time, then one line at most every
-    ``LOG_FAULTS_EVERY_S``, and counts (``SchedulerStats.faults``, ``feather:faults``);
-    ``limit`` faults in a row, i.e. with neither a pass that decided admissions nor
-    ``limit`` passes served without a fault between them (``served``), turn Feather off
-    for good, with one error line: ``active`` is then False and the adapter leaves the
-    engine to its own order.  O(1).
+    The adapter runs each piece of Feather's work through ``call`` or ``attempt``: an
+    exception goes to ``fault``, which counts and logs it (the traceback the first time,
+    then a line at most every ``LOG_FAULTS_EVERY_S``), empties Feather's picture
+    (``reset``: one fault counts once) and runs the adapter's ``on_fault``, its fall-back
+    to the engine's own order and admission.  While ``dirty`` the adapter rebuilds the
+    picture from the engine's before the next pass.  ``limit`` faults in a row (no pass
+    that decided admissions nor ``limit`` passes ``served`` between them) turn Feather off
+    for good: ``active`` is then False.  O(1).
 
-    The pass state is the guard's: ``open_pass`` as each engine pass starts, a fault
-    leaves it, and ``serves`` is the one predicate for "Feather serves this call", in the
-    pass and between passes alike.  ``active`` says only whether Feather is on at all (its
-    measurements and service accounting still run on a pass a fault left); ``dirty``,
-    whether its picture waits for the rebuild.
+    ``open_pass`` as each engine pass starts; ``serves`` is the one predicate for "Feather
+    serves this call", in the pass and between passes alike.  docs/vllm.md, "Faults of
+    Feather's own code never reach the engine".
     """
 
     def __init__(self, name: str, limit: int, meter: StepMeter,

@@ -1,25 +1,17 @@
 """Isolation: the namespace of a request's prefix keys, so that requests whose KV must not
 be shared are never grouped, ranked or ordered by each other's prefixes.
 
-Feather orders requests by the prefixes they share (the tree's admission rank, the
-running order, each step's groups), and a request's speed follows that order.  A prefix
-matched across an isolation boundary is therefore a channel: one tenant's order and speed
-would reveal another's prompt even where the engine never shares their KV
-(docs/isolation.md).  The rule, one for every engine and path: a request's keys live in
-its **namespace**, and keys of two namespaces never match (bar a 64-bit collision).  A
-request's namespace is
-
-* its engine's **boundary**: whatever besides the tokens the engine's own prefix cache
-  keys by, as the adapter reads it (vLLM: ``cache_salt``, the LoRA adapter, multimodal
-  items, prompt embeddings; SGLang: ``extra_key``, which carries the LoRA id, and
-  ``cache_salt``); empty for a plain request;
-* its **tenant**, under ``isolate_tenants``, where it names one (requests naming none,
-  ``DEFAULT_TENANT``'s, share one namespace).
+A prefix matched across an isolation boundary is a channel: Feather's order, and with it
+a request's speed, would reveal another's prompt even where the engine never shares
+their KV.  So a request's keys live in its **namespace**, and keys of two namespaces
+never match (bar a 64-bit collision): its engine's **boundary** (what besides the tokens
+the engine's prefix cache keys by, as the adapter reads it; empty for a plain request)
+and, under ``isolate_tenants``, its **tenant** where it names one.
 
 Keys come in two kinds: token keys Feather digests itself (``token_keys``: the namespace
 seeds the digest), and an engine's own keys (``engine_keys``: vLLM's block hashes, which
-hold vLLM's boundary already; the tenant, where isolated, is paired with each key).  The
-shared namespace's keys are exactly those without isolation: plain requests pay nothing.
+hold vLLM's boundary already; the tenant, where isolated, is paired with each key).  Plain
+requests pay nothing.  What each engine's boundary holds: docs/isolation.md.
 """
 
 from __future__ import annotations

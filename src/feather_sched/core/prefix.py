@@ -1,8 +1,7 @@
 """Prefix groups: which requests share a prompt prefix, and how much of it a batch shares.
 
-The one notion of a group for everything that describes or orders a batch (the
-simulator's batch layout and step cost, the step log, the order of the running list).
-Keys are cumulative (chunk *i*'s key stands for the whole prompt through chunk *i*, as
+The one notion of a group for all that describes or orders a batch.  Keys are
+cumulative (chunk *i*'s key stands for the whole prompt through chunk *i*, as
 ``cht.token_chunk_keys`` and an engine's chained block hashes are), so:
 
 * a request's **group** is the key of its first chunk (``DEFAULT_CHUNK_TOKENS`` tokens

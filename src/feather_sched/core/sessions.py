@@ -1,31 +1,16 @@
 """Agent sessions: which request continues which finished turn, whether a finished turn's
 KV blocks are held for its session's next turn, for how long, and the bound on all holds.
 
-Engine-agnostic: an adapter hands in block keys (chained: key *i* names the whole prefix
-through block *i*, as vLLM's block hashes and ``core.isolation.token_keys`` are), block
-counts and times, and gets back which holds to keep and which to release; it pins and
-unpins the blocks itself.  The rule (docs/sessions.md):
-
-* **Recognition.** A request continues a session when its client names one (``explicit``:
-  the OpenAI ``user`` field or a header), else when its prompt extends a recently
-  finished turn's prompt and output: some leading key of the request is that turn's last
-  full-block key.  Both only within one namespace (tenant and ``cache_salt``).
-* **Hold.** A turn that ends with its session expected to go on (finish reason
-  ``tool_calls``, or a session that came back before after a turn without one) is
-  held for ``ttl = min(max_ttl_s, gap, breakeven)``: ``gap`` the ``gap_quantile``
-  of the session's own gaps once it has ``own_gaps`` (else its namespace's, else
-  ``default_gap_s``),
-  ``breakeven = reload_s * pool / blocks`` (holding ``blocks`` of ``pool`` for ``t``
-  costs others at most ``blocks / pool * t`` engine-seconds; recomputing costs
-  ``reload_s``): ski rental, so a session that never returns costs others at most
-  what one reload would have cost it.
-* **Bound.** The distinct blocks of all holds (a block several hold counts once) never
-  exceed ``max_held_share`` of the pool: a new hold first displaces less valuable ones,
-  else it is refused.  A hold's value is its reload seconds per block, scaled by the
-  share of its TTL left; once its next turn has arrived, its full value.
-* **Release** at the next turn's admission (``admitted``), or when blocks are needed
-  (``reclaim``, a new hold's displacements), least valuable first.  At its TTL a hold
-  lapses: worth 0, the first to go (``reclaim(lapsed_only=True)`` takes only those).
+Engine-agnostic: an adapter hands in block keys (chained, as vLLM's block hashes and
+``core.isolation.token_keys`` are), block counts and times, and gets back which holds to
+keep and which to release; it pins and unpins the blocks itself.  **Recognition**: a
+client-named session, else a prompt extending a recently finished turn's prompt and
+output, within one namespace.  **Hold**: a turn that ends with its session expected to go
+on is held for ``min(max_ttl_s, gap, breakeven)`` (ski rental: a session that never
+returns costs others at most one reload).  **Bound**: held blocks never exceed
+``max_held_share`` of the pool (distinct blocks), less valuable holds displaced first.
+**Release** at the next turn's admission or when blocks are needed (``reclaim``), least
+valuable first; at its TTL a hold lapses, worth 0.  The rule in full: docs/sessions.md.
 """
 
 from __future__ import annotations

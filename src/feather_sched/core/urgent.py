@@ -9,12 +9,9 @@ room is the engine's arithmetic, which each engine answers through a ``Room``: v
 and the simulator's over its block pool (``sim.engine.PoolRoom``).  Every engine then
 preempts the whole set at once, with its own release mechanics, and admits the request.
 Engines that make room before their pass (vLLM, the simulator) run one protocol,
-``make_room``, and give it only their types and mechanics (``Engine``).
-
-An adapter that replays an engine's arithmetic reads members the engine keeps private;
-it lists them in one tuple and checks them once (``engine_members``), so that an engine
-release without one turns urgent preemption off with a warning instead of failing inside
-the engine.
+``make_room``, given only their types and mechanics (``Engine``).  ``engine_members``
+checks once the engine-private members a replay reads: a release without one turns
+urgent preemption off with a warning, not a failure inside the engine.
 """
 
 from __future__ import annotations
@@ -91,7 +88,7 @@ class Urgency(Protocol[R]):
 
     def urgent_victims(self, running: Sequence[R], request: R, room: Room[R]) -> list[R]: ...
 
-    def promise(self, request: R) -> None: ...
+    def promise(self, request: R) -> bool: ...
 
 
 class Engine(Protocol[R]):

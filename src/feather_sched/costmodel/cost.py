@@ -157,27 +157,14 @@ def summarize(batch: Sequence[BatchEntry]) -> StepTraffic:
 class CostModel:
     """Roofline step time with on-chip reuse of shared-prefix KV.
 
-    Terms (roofline: Williams, Waterman & Patterson, CACM 2009):
-
-    - Weights: every step streams all weights from HBM once (``model.weight_bytes``).
-    - KV: each request reads its whole context, ``context_tokens * kv_bytes_per_token``;
-      the private part (context - shared) always comes from HBM.
-    - Shared prefix, default kernel (PagedAttention walks requests one by one): the first
-      member of a group in the step reads the prefix from HBM; a later member hits L2 iff
-      its reuse distance (:func:`summarize`; the LRU stack-distance idea of Mattson et
-      al., IBM Sys. J. 1970) and the prefix itself each fit in ``l2_usable_fraction *
-      l2_bytes``, both measured per layer (bytes / layers) or per (layer, KV head) slice
-      (bytes / (layers * kv_heads)) as ``reuse_granularity`` says; else HBM again.
-      L2 reads cost ``bytes / (l2_bytes_per_s * l2_bandwidth_efficiency)``.
-    - Shared prefix, ``cascade=True`` (FlashInfer cascade attention, Ye et al. 2024;
-      Hydragen, Juravsky et al. 2024): each group's prefix is read once from HBM per step.
-    - Compute: ``2 * params`` FLOPs per new token for the linear layers plus attention
-      ``4 * layers * heads * head_dim * new * context`` (QK^T and PV, 2 FLOPs per
-      multiply-add; forward third of PaLM's 6N + 12LHQT, Chowdhery et al. 2022, app. B),
-      at ``bf16_flops * flops_efficiency``.
-    - Time: max(memory, compute) (or their sum if ``params.additive``), with memory =
-      HBM bytes / (peak * bandwidth_efficiency) + L2 time, plus ``step_overhead_s`` and
-      ``request_overhead_s`` per request. An empty batch costs nothing.
+    A step streams the weights once, each request's private KV from HBM, and each shared
+    prefix from HBM for a group's first member and from L2 for a later one whose reuse
+    distance and the prefix fit ``l2_usable_fraction * l2_bytes`` (``reuse_granularity``:
+    per layer or per (layer, KV head)); with ``cascade=True`` each prefix is read once.
+    Compute is ``2 * params`` FLOPs per new token plus attention's.  Time: max(memory,
+    compute) (their sum if ``params.additive``), plus ``step_overhead_s`` and
+    ``request_overhead_s`` per request; an empty batch costs nothing.  Each term, its
+    efficiency factor and its source: docs/simulator.md, "The step-cost model".
     """
 
     def __init__(self, hardware: HardwareProfile, model: ModelProfile,

@@ -1,20 +1,17 @@
 """ModelGate: ADD or STOP by what a step-time model, fitted online, says the candidate costs.
 
-With the batch laid out in Feather's order (``BatchLayout.FEATHER``) it admits every
-candidate and predicts nothing.  In the engine's layout it prices the candidate and up to
-``lookahead`` siblings that would follow it, in extra seconds per request per step, two
-ways: spread over the batch as the engine places newcomers (*now*), and as one contiguous
-run (*homogeneous*).  ADD when *now* is within ``1 + margin`` of *homogeneous*, or within
-the batch's average cost per request, or when a STOP would keep seats nobody fills
-(``_seats_would_idle``); else STOP.  It never refuses an empty batch, and leaves untaken
-the STOP that would bring a waiting request to the fairness bound.
+In Feather's batch layout it admits every candidate.  In the engine's layout it prices
+the candidate and up to ``lookahead`` siblings that would follow it, in extra seconds per
+request per step, two ways: spread over the batch as the engine places newcomers
+(*now*), and as one contiguous run (*homogeneous*).  ADD when *now* is within ``1 +
+margin`` of *homogeneous*, or within the batch's average cost per request, or when a STOP
+would keep seats nobody fills (``_seats_would_idle``); else STOP.  It never refuses an
+empty batch, and leaves untaken the STOP that would bring a waiting request to the
+fairness bound.  The model (``step_model.OnlineStepModel``) learns from executed steps,
+starting from a prior (``StepPrior.for_engine`` by default).  The rule in full, and why
+its parameters are what they are: docs/gates.md.
 
-The model (``step_model.OnlineStepModel``) learns from executed steps (``observe``),
-starting from a prior (``StepPrior.for_engine`` by default; cold on a device without a
-profile).  The rule in full, and why its parameters are what they are: docs/gates.md.
-
-Costs: two batch summaries per judged candidate, O(batch) each; O(batch) per observed
-step, plus ``OnlineStepModel.observe`` on the steps it learns from.
+Costs: two O(batch) batch summaries per judged candidate; O(batch) per observed step.
 """
 
 from __future__ import annotations

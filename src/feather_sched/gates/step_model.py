@@ -1,19 +1,13 @@
 """A step-time model fitted online from the engine's own steps.
 
 The step-cost model (``costmodel.cost``), made linear and learned while serving: a step's
-time is ``theta . features`` over six features of its batch, in execution order
-(``costmodel.cost.summarize``)::
-
-    1, requests, KV tokens read from HBM, KV tokens re-read from L2, new tokens,
-    attention tokens (new x context)
-
-Which re-reads of a shared prefix hit L2 depends on the cache's capacity, which enters
-non-linearly; as ``feather calibrate`` does offline, a grid of capacities each keeps its
-own normal equations and the one that explains the steps best is used.  A prior (the
-coefficients and capacity of a hardware profile) makes the model useful from the first
-step; it acts as a ridge of ``prior_steps`` pseudo-steps, so measured steps take over
-within tens of steps.  Old steps fade (``forgetting`` per step), so the fit follows a
-machine that drifts.
+time is ``theta . features`` over six features of its batch in execution order
+(``costmodel.cost.summarize``: 1, requests, KV tokens read from HBM, KV tokens re-read
+from L2, new tokens, attention tokens).  The L2 capacity enters non-linearly, so a grid of
+capacities each keeps its own normal equations and the best-fitting one is used.  A
+prior (a hardware profile's coefficients and capacity) acts as a ridge of
+``prior_steps`` pseudo-steps, so measured steps take over within tens of steps; old
+steps fade (``forgetting`` per step), so the fit follows a machine that drifts.
 
 Costs: ``observe`` O(batch + grid); ``predict`` O(batch); a refit (every
 ``refit_every`` steps) solves one 6x6 system per grid point.

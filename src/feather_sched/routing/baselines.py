@@ -1,25 +1,12 @@
 """The baseline routers FeatherRouter is measured against, and router names in one place.
 
 Each has ``Router``'s interface (``route``, ``finished``, ``add_replica``,
-``remove_replica``) and its load: requests routed and not finished.
-
-* ``round-robin``: replicas in turn;
-* ``power-of-two``: the less loaded of two random replicas (Ray Serve's default);
-* ``prefix-affinity``: Ray Serve's ``PrefixCacheAffinityRouter`` rule
-  (``python/ray/llm/_internal/serve/request_router/prefix_aware/prefix_aware_router.py``):
-  when the loads differ by more than ``imbalanced_threshold`` (10), power of two;
-  otherwise, when a replica was sent at least ``match_rate_threshold`` (0.1) of the
-  prompt before, the least loaded of the best-matching replicas, else the least loaded of
-  the replicas with the smallest prefix tree;
-* ``sglang-cache-aware``: SGLang's router ``cache_aware`` policy: when the loads are
-  imbalanced (max - min > ``balance_abs`` (32) and max > ``balance_rel`` (1.1) x min), the
-  least loaded replica; otherwise the best-matching replica when the match exceeds
-  ``cache_threshold`` (0.5) of the prompt, else the replica with the smallest tree;
-* ``feather``: ``router.FeatherRouter``.
-
-Both prefix rules remember every prompt routed, per replica, without eviction (Ray's
-default; SGLang evicts only past ``max_tree_size``), at chunk granularity: the match rate
-is the share of the prompt's full chunks matched (the partial last chunk is ignored).
+``remove_replica``) and its load: requests routed and not finished.  ``round-robin``;
+``power-of-two`` (Ray Serve's default); ``prefix-affinity`` (Ray Serve's
+``PrefixCacheAffinityRouter`` rule); ``sglang-cache-aware`` (SGLang's router
+``cache_aware`` policy); ``feather`` (``router.FeatherRouter``).  Both prefix rules
+remember every prompt routed, per replica, without eviction, at chunk granularity.  Each
+rule with its thresholds and source: docs/replicas.md, "Baselines and the simulator".
 """
 
 from __future__ import annotations

@@ -8,10 +8,9 @@ missed ones through a replay callback or by clearing that replica's entries;
 ``CacheIndex`` keeps per replica exactly the blocks it holds and answers how many leading
 blocks of a prompt each replica holds.  ``PreciseIndex`` is what ``FeatherRouter`` routes
 by: the cache index plus the prompts routed to each replica and not finished (their blocks
-are about to be stored there).  Block hashes are chained (hash *i* names the whole prefix
-through block *i*), so a prompt's hashes, computed by the router exactly as the engine
-computes them (same block size, hash function and seed; ``BlockHasher``), are looked up
-as they are.  Not thread-safe: callers that feed events from another thread hold one lock
+are about to be stored there).  Block hashes are chained, so a prompt's hashes, computed
+by the router exactly as the engine does (``BlockHasher``), are looked up as they are.
+Not thread-safe: callers that feed events from another thread hold one lock
 around every call (``EventFeed`` takes that lock itself).
 """
 
@@ -293,20 +292,15 @@ class PreciseIndex:
     """``FeatherRouter``'s index from the engines' events.
 
     A replica holds, of a prompt, the leading blocks its cache holds (``cache``, fed by
-    ``EventFeed``s) or that a request routed there and not finished has in its prompt
-    (stored there as soon as the engine schedules it, so a burst of a new prefix is not
-    scattered before the first events arrive).  Among replicas holding as many blocks, one
-    the prompt's prefix was routed to before ranks first; when no replica holds any of
-    it, those are the holders (where it was served before, as ``ApproximateIndex`` guesses:
-    the prefix keeps its home, whose cache it refills), and new prefixes go to the replicas
-    with the fewest prefixes routed there.  ``routed`` keeps that history: a
-    ``PrefixIndex`` over every ``chunk_blocks``-th block hash (a chunk), requests counted
-    while in flight and up to ``max_idle_keys`` chunks kept after.
+    ``EventFeed``s) or that a request routed there and not finished has in its prompt (so
+    a burst of a new prefix is not scattered before the first events arrive).  Among
+    replicas holding as many blocks, one the prefix was routed to before ranks first, and
+    a prefix no cache holds keeps that home (``routed``: a ``PrefixIndex`` over every
+    ``chunk_blocks``-th block hash, up to ``max_idle_keys`` chunks kept after); new
+    prefixes go to the replicas with the fewest prefixes routed there.  ``keys(tokens,
+    namespace)`` are the engine's block hashes (``hasher``) in the namespace.  Depths are
+    half-blocks: ``2 * blocks``, plus one for a replica the prefix was routed to before.
 
-    ``keys(tokens, namespace)`` are the engine's block hashes (``hasher``, given the
-    namespace's engine boundary), in the rest of the namespace (``isolation.engine_keys``).
-    Depths are half-blocks (compared only): ``2 * blocks``, plus one for a replica the
-    prefix was routed to before.
     Cost per request: the hasher, ``CacheIndex.depths`` by chunks, and O(chunks) on route
     and finish.
     """

@@ -95,32 +95,17 @@ class ApproximateIndex:
 class FeatherRouter(Router):
     """Keeps each prefix on the replicas caching it while load allows, and load even.
 
-    The rule.  The **band** is the replicas whose load (requests routed and not finished)
-    exceeds neither the least loaded replica's load plus ``balance_abs`` nor that load
-    times ``balance_rel`` (past the band means past both, as SGLang's bound).  In order:
+    The **band**: the replicas whose load (requests routed and not finished) exceeds
+    neither the least loaded one's plus ``balance_abs`` nor its times ``balance_rel``.  A
+    session's request goes to its last replica if in the band; else the in-band replica
+    holding the longest prefix of the prompt (ties: the least loaded); where holders exist
+    but none is in the band, the less loaded of two random replicas; a prefix nobody holds,
+    the least loaded in-band replica holding the ``fewest``.  "Holding" is the ``index``'s
+    (``ApproximateIndex`` by default, or ``cache_index.PreciseIndex``).  The ``max_sessions``
+    most recent sessions are remembered.
 
-    1. a request of a session (``route(..., session=)``) goes to the replica its session
-       last went to, if that replica is in the band;
-    2. among the replicas in the band, the one holding the longest prefix of the prompt
-       wins (ties: the least loaded);
-    3. when replicas hold some of it but none is in the band, load wins: the less loaded
-       of two random replicas, which then holds it too (a prefix one replica cannot keep
-       up with spreads to as many replicas as it needs, and is balanced over them);
-    4. a prefix nobody holds goes to the least loaded of the replicas in the band holding
-       the least (``fewest``), so new prefixes spread before load tells replicas apart; a
-       prompt too short for a key, to the least loaded replica.
-
-    What "holding" means is the ``index``'s: ``ApproximateIndex`` (the default: requests
-    routed there, served or queued, and prefixes served before; only the holders of the
-    deepest key count in step 2) or ``cache_index.PreciseIndex`` (the blocks the engine
-    reports it caches, plus requests routed there and not finished; every replica's own
-    depth counts).
-
-    Band defaults: ``balance_abs=32`` is SGLang's, ``balance_rel=1.5`` is not (why, and
-    what it was measured against: docs/replicas.md).  Sessions: the ``max_sessions`` most
-    recent are remembered.  Cost per request: the index's (``keys``, ``depths``,
-    O(keys) on route and finish) plus O(replicas) for the loads
-    (``benchmarks/replicas/router_overhead.py``).
+    Cost per request: the index's (O(keys) on route and finish) plus O(replicas) for the
+    loads.  The rule, its defaults and what they were measured against: docs/replicas.md.
     """
 
     name = "feather"

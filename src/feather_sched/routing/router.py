@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.core.isolation import SHARED, Namespace, token_keys
 from feather_sched.routing.prefix_index import ChunkKey, Replica, RequestId, SessionId
@@ -91,14 +93,14 @@ class Router:
         self.withdraw(request_id)
         self._assign(request_id, keys, replica)
 
-    def keys(self, tokens: Sequence[int], namespace: Namespace = SHARED
+    def keys(self, tokens: np.ndarray | Sequence[int], namespace: Namespace = SHARED
              ) -> Sequence[ChunkKey]:
         """The keys ``route`` takes for a prompt's token ids (int32 numpy is fastest) in
         the request's ``namespace`` (``core.isolation``: requests of two namespaces never
         route by each other's prefixes): its chunk keys here."""
         return token_keys(tokens, self.chunk_tokens, namespace)
 
-    def route_tokens(self, request_id: RequestId, tokens: Sequence[int],
+    def route_tokens(self, request_id: RequestId, tokens: np.ndarray | Sequence[int],
                      session: SessionId | None = None) -> Replica:
         """``route`` with the keys of a prompt's token ids."""
         return self.route(request_id, self.keys(tokens), session)

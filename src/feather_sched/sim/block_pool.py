@@ -1,19 +1,17 @@
 """A paged KV-cache block pool with prefix caching, shaped like vLLM V1's ``BlockPool``.
 
-Every physical block is in exactly one of three states:
-
-* **free**: no owner and no cached content, on the free list;
-* **referenced**: owned by one or more running requests (``ref count`` = number of owners);
-* **evictable**: no owner, but it holds a full prompt block registered under its chained
-  key, so a later request with the same prefix can reuse it; kept in LRU order of the
-  time it was freed and evicted (oldest first) only when the free list is empty.
+Every physical block is in exactly one of three states: **free** (no owner, no cached
+content, on the free list); **referenced** (owned by one or more running requests:
+``ref count`` = number of owners); **evictable** (no owner, but a full prompt block
+registered under its chained key, reusable by a later request with the same prefix;
+evicted in LRU order of freeing, only when the free list is empty).
 
 A request's full prompt blocks are named by chained keys (``token_chunk_keys(prompt,
 block_tokens)``: key *i* identifies the whole prefix through block *i*), so a prefix hit
 is the longest run of leading keys present in the cache.  Allocation is all-or-nothing,
-as in vLLM's ``allocate_slots``: it either succeeds or leaves the pool untouched.  With
-``emit_events`` the pool reports what it caches and evicts as vLLM's block pool does
-(``cache_index.BlockStored`` / ``BlockRemoved``, taken with ``take_events``).
+as in vLLM's ``allocate_slots``.  With ``emit_events`` the pool reports what it caches
+and evicts as vLLM's block pool does (``cache_index.BlockStored`` / ``BlockRemoved``,
+taken with ``take_events``).
 """
 
 from __future__ import annotations
@@ -21,6 +19,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from feather_sched.core.isolation import Namespace, token_keys
 from feather_sched.routing.cache_index import BlockRemoved, BlockStored, KVEvent
@@ -37,7 +37,7 @@ class BlockKeys:
 
     block_size: int
 
-    def __call__(self, tokens: Sequence[int], boundary: tuple = ()) -> list[int]:
+    def __call__(self, tokens: np.ndarray | Sequence[int], boundary: tuple = ()) -> list[int]:
         return token_keys(tokens, self.block_size, Namespace(boundary))
 
 

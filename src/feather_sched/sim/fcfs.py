@@ -94,7 +94,7 @@ class PriorityPolicy(FcfsPolicy):
     name = "priority"
 
     def __init__(self) -> None:
-        self._heap: list[tuple[tuple[int, float, int], SimRequest]] = []
+        self._heap: list[tuple[tuple[float, float, int], SimRequest]] = []
 
     def __len__(self) -> int:
         return len(self._heap)

@@ -1,25 +1,16 @@
 """Schedulers for the simulator: Feather and VTC (the real FeatherRuntime), SGLang's LPM,
-DFS-weight, HRRN and routing-key, the baselines of ``sim.fcfs`` (vLLM's own) and vLLM's
-knobs of ``sim.vllm_knobs``.
-
-Feather reads each request's priority class from its spec, as vLLM's scheduler under
-its priority policy; vLLM FCFS, VTC and SGLang's policies ignore priorities (``sim.fcfs``
-has vLLM's own priority policy).
-
-Every policy drives the contract of ``feather_sched.core.runtime``.  Feather *is* the
-``FeatherRuntime`` the vLLM and SGLang adapters use, reading simulated requests through
-``SimRequests`` (chunk keys from the simulated pool's block keys) on the simulated clock;
-so is VTC (``fairness: vtc``), as ``feather bench``'s ``vtc`` on vLLM.
-The SGLang policies follow ``SchedulePolicy.calc_priority`` of SGLang 0.5.23: once per
-pass they order the queue by cached prefix (LPM: longest first, falling back to FCFS above
-128 waiting requests, in-batch de-prioritisation of requests sharing 32+ tokens with one
+DFS-weight, HRRN and routing-key, ``sim.fcfs`` (vLLM's own) and ``sim.vllm_knobs``.
+Feather *is* the ``FeatherRuntime`` the vLLM and SGLang adapters use, reading simulated
+requests through ``SimRequests`` (chunk keys from the pool's block keys, each request's
+priority class from its spec) on the simulated clock; so is VTC (``fairness: vtc``).
+The SGLang policies follow ``SchedulePolicy.calc_priority`` of SGLang 0.5.23, ignoring
+priorities: once per pass they order the queue by cached prefix (LPM: longest first, FCFS
+above 128 waiting, in-batch de-prioritisation of requests sharing 32+ tokens with one
 already chosen; DFS-weight: depth-first over the cached-prefix tree, heaviest subtree
-first; HRRN: ``HrrnPolicy``; routing-key: ``RoutingKeyPolicy``).
-
-They match prefixes against the pool's block keys, which is far cheaper than SGLang's
-token radix tree; so that the simulated clock still pays what SGLang pays, each ordering
-pass is charged ``match_s`` per waiting request it matched (default: SGLang's own cost per
-request measured by ``feather cht-bench``, ``benchmarks/cht``).
+first; HRRN: ``HrrnPolicy``; routing-key: ``RoutingKeyPolicy``).  They match prefixes
+against the pool's block keys, far cheaper than SGLang's token radix tree, so each
+ordering pass is charged ``match_s`` per waiting request matched (default: SGLang's own
+cost measured by ``feather cht-bench``, ``benchmarks/cht``).
 """
 
 from __future__ import annotations
@@ -34,6 +25,7 @@ from typing import Any
 
 from feather_sched.core.cht import block_chunk_keys
 from feather_sched.core.config import FeatherConfig
+from feather_sched.core.contract import RuntimeContract
 from feather_sched.core.prefix import keys_per_chunk
 from feather_sched.core.runtime import FeatherRuntime
 from feather_sched.costmodel.cost import CostModel
@@ -207,13 +199,13 @@ class RoutingKeyPolicy(FcfsPolicy):
     def begin_pass(self, running: Sequence[SimRequest]) -> list[SimRequest]:
         counts = Counter(key for r in running if (key := routing_key(r)))
         if counts and len(self._queue) > 1:
-            def key(request: SimRequest) -> tuple[int, int, str]:
+            def rank(request: SimRequest) -> tuple[int, int, str]:
                 own = routing_key(request)
                 if own and own in counts:
                     return 0, -counts[own], own
                 return 1, 0, own or ""
 
-            self._queue = deque(sorted(self._queue, key=key))
+            self._queue = deque(sorted(self._queue, key=rank))
         return list(running)
 
 
@@ -232,7 +224,7 @@ class DfsWeightPolicy(_SGLangPolicy):
         weight: dict[Hashable, int] = {}
         at_node: dict[Hashable, list[SimRequest]] = {}
         for request, blocks in self._matched(pool):
-            path = [None, *request.keys[:blocks]]
+            path: list[Hashable] = [None, *request.keys[:blocks]]
             at_node.setdefault(path[-1], []).append(request)
             for parent, node in pairwise(path):
                 if node not in weight:
@@ -261,9 +253,9 @@ def _peer_policy(parsed: SchedulerName, engine: SimEngine) -> Any:
     if parsed.kind is SchedulerKind.SGLANG_ROUTING_KEY:
         return RoutingKeyPolicy()
     if parsed.kind is SchedulerKind.VLLM_CACHE_AWARE:
-        return CacheAwarePolicy(engine, parsed.knob("window"), parsed.knob("threshold"))
+        return CacheAwarePolicy(engine, int(parsed.knob("window")), parsed.knob("threshold"))
     if parsed.kind is SchedulerKind.VLLM_ACTIVE_CAP:
-        return ActiveCapPolicy(parsed.knob("cap"))
+        return ActiveCapPolicy(int(parsed.knob("cap")))
     return None
 
 
@@ -290,7 +282,8 @@ def make_policy(name: str, feather_options: dict[str, Any], engine: SimEngine) -
     config = FeatherConfig.from_sources(options, environ={})
     view = SimRequests(engine.config.block_tokens, config.chunk_tokens,
                        priorities=parsed.kind is SchedulerKind.FEATHER)
-    return FeatherRuntime(config, view, clock=engine.clock, name=name,
-                          seats=engine.config.max_num_seqs,
-                          kv_tokens=engine.config.num_blocks * engine.config.block_tokens,
-                          chunk_tokens=view.chunk_tokens)
+    runtime: RuntimeContract[SimRequest] = FeatherRuntime(
+        config, view, clock=engine.clock, name=name, seats=engine.config.max_num_seqs,
+        kv_tokens=engine.config.num_blocks * engine.config.block_tokens,
+        chunk_tokens=view.chunk_tokens)
+    return runtime

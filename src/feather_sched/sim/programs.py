@@ -3,22 +3,13 @@ KV blocks become.
 
 ``run_programs`` releases each program's next turn its tool time after the previous turn
 ends (``workloads.agents``), into one ``SimEngine``.  A ``Retention`` decides what a
-finished turn's blocks become.  Every one first caches the blocks of the turn's output
-under the next turn's keys, as vLLM caches every full block a request computed (so any
-next turn can hit prompt and output); then:
-
-* ``LruRetention`` frees them to the LRU cache (vLLM 0.34; SGLang's radix cache alike);
-* ``TtlRetention`` is CacheTTL's rule as we replay it (arXiv 2511.02230, docs/sessions.md):
-  a turn that ends in a tool call is pinned for the TTL that maximises ``F(t) * (reload +
-  queueing delay) - blocks / pool * E[min(gap, t)]`` over the tool times seen so far
-  (``F`` their distribution); no bound; released at expiry, at the next turn, or when
-  nothing can run; admission program-level FCFS (``ProgramFcfsPolicy``);
-* ``SessionRetention`` is Feather's rule (``core.sessions``): recognised by prefix match,
-  held within ``max_held_share`` of the pool, released at the next turn, or when blocks
-  are needed: a new hold's, nothing able to run, a running request's growth (lapsed
-  holds only, unless ``yield_to_growth``); a continuing
-  turn whose prefix is warm (held, or half its blocks still cached) enters Feather's
-  queue in class 0, others in class 1 (``SessionView``), so it is admitted first.
+finished turn's blocks become, after caching the turn's output blocks under the next
+turn's keys (as vLLM caches every full block computed): ``LruRetention`` frees them to
+the LRU cache (vLLM 0.34); ``TtlRetention`` replays CacheTTL's rule (arXiv 2511.02230:
+pinned for a TTL fitted to the tool times seen, no bound, program-level FCFS,
+``ProgramFcfsPolicy``); ``SessionRetention`` is Feather's (``core.sessions``), with a
+continuing turn whose prefix is warm entering Feather's queue in class 0, others in
+class 1 (``SessionView``).  Each rule in full: docs/sessions.md, "Baselines".
 """
 
 from __future__ import annotations
@@ -33,6 +24,7 @@ from functools import cache
 from typing import Any
 
 from feather_sched.core.config import FeatherConfig
+from feather_sched.core.contract import RuntimeContract
 from feather_sched.core.isolation import Namespace
 from feather_sched.core.runtime import FeatherRuntime
 from feather_sched.core.sessions import Hold, RetentionConfig, Sessions
@@ -320,14 +312,15 @@ class ProgramFcfsPolicy(PriorityPolicy):
             request.index
 
     def enter_waiting(self, request: SimRequest) -> None:
-        heapq.heappush(self._heap, (self.key(request), request))  # type: ignore[arg-type]
+        heapq.heappush(self._heap, (self.key(request), request))
 
     def preemption_victim(self, running: list[SimRequest]) -> SimRequest:  # type: ignore[override]
         return max(running, key=self.key)
 
 
 def feather_with_sessions(engine: SimEngine, retention: SessionRetention,
-                          options: dict[str, Any], name: str) -> FeatherRuntime:
+                          options: dict[str, Any], name: str
+                          ) -> RuntimeContract[SimRequest]:
     """Feather's runtime over ``SessionView`` (the same construction as ``make_policy``)."""
     config = FeatherConfig.from_sources(options, environ={})
     view = SessionView(retention, engine.config.block_tokens, config.chunk_tokens)

@@ -3,10 +3,8 @@
 Each replica is a ``SimEngine`` with its own policy, stepping independently; the driver
 always advances the replica whose next event is earliest, and routes each arrival at its
 arrival time, after every step that starts before it.  The router sees a request finish
-at the simulated time it finished (finishes wait in a heap until the clock passes them),
-so its view of load is what a real router would have: requests routed and not finished.
-Keys are computed once per request for the router (``Router.route_tokens``: chunk keys at
-the router's ``chunk_tokens``, or the engines' block keys for a precise index), as a real
+at the simulated time it finished, so its view of load is what a real router would have.
+Keys are computed once per request for the router (``Router.route_tokens``), as a real
 router would from token ids; the router's own CPU time is not charged to the clock
 (``benchmarks/replicas/router_overhead.py`` measures it).  A router whose index is a
 ``cache_index.PreciseIndex`` gets every engine's KV events (each step's batch, numbered,
@@ -23,6 +21,8 @@ import itertools
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.core.prefix import keys_per_chunk
@@ -94,7 +94,8 @@ class Ingresses:
     def __len__(self) -> int:
         return len(self._owner)
 
-    def route_tokens(self, request_id: Hashable, tokens: Sequence[int]) -> Hashable:
+    def route_tokens(self, request_id: Hashable, tokens: np.ndarray | Sequence[int]
+                     ) -> Hashable:
         router = self.routers[next(self._turn) % len(self.routers)]
         self._owner[request_id] = router
         return router.route_tokens(request_id, tokens)

@@ -1,6 +1,5 @@
 """vLLM's own scheduler knobs a user would switch on instead of Feather, replayed in the
 simulator from vLLM 0.34.0's source (``vllm/v1/core/sched/scheduler.py``):
-
 * ``vllm-cache-aware``: ``--cache-aware-admission-window N`` and
   ``--cache-aware-admission-threshold F`` (``Scheduler._reorder_waiting_by_cached_prefix``,
   PR #54625).  Once per ``schedule()``, after the running requests and only when none was
@@ -9,11 +8,10 @@ simulator from vLLM 0.34.0's source (``vllm/v1/core/sched/scheduler.py``):
   computed token) are re-sorted into their own slots by cached prefix tokens, deepest
   first, ties by position (``get_num_cached_tokens``: the last token always recomputed);
   a preempted request keeps its slot.  Then admission is FCFS's.
-* ``vllm-active-cap``: ``--max-num-active-seqs N`` (``max_num_active_reqs``): admission
-  stops once ``N`` requests run, whatever ``max_num_seqs`` sizes the runner for.
-
-Both are vLLM's FCFS queue otherwise (``sim.fcfs``).  ``tests/integrations/vllm/
-test_vllm_knobs.py`` checks the replayed window order against vLLM 0.34's own scheduler.
+* ``vllm-active-cap``: ``--max-num-active-seqs N``: admission stops once ``N`` requests
+  run, whatever ``max_num_seqs`` sizes the runner for.
+Both are vLLM's FCFS otherwise (``sim.fcfs``); ``tests/integrations/vllm/test_vllm_knobs.py``
+checks the replayed order against vLLM 0.34's own scheduler.
 """
 
 from __future__ import annotations

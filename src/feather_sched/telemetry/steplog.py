@@ -7,12 +7,11 @@ request of a step::
     step,position,group,shared_tokens,context_tokens,new_tokens,seconds
 
 ``position`` is the request's place in the batch, ``group`` its prefix group
-(``feather_sched.core.prefix``), ``seconds`` the step's measured time (equal on every row of a
-step).  A step is written in one piece, so a last line without its newline is a write cut
-short: writer and reader alike drop it with the rows of its step before it.  One process
-writes a log (each rank its own, ``feather_sched.core.config.Placement``); ``read_logs`` merges
-several.  Only the standard library is imported, so the GPU kit can use this module on a
-machine where nothing else is installed.
+(``core.prefix``), ``seconds`` the step's measured time (on every row of a step).  A step
+is written in one piece: a last line without its newline is a write cut short, dropped
+with the rows of its step.  One process writes a log (each rank its own,
+``core.config.Placement``); ``read_logs`` merges several.  Only the standard library is
+imported, so the GPU kit can use this module where nothing else is installed.
 """
 
 from __future__ import annotations

@@ -4,17 +4,10 @@ Turn ``t + 1`` of a program arrives its tool time after turn ``t`` ends, and its
 turn ``t``'s prompt, turn ``t``'s output (the tool call) and the tool's output; turn 0 is
 the program's agent type's system-and-tools block, then its task.  Every turn but the last
 ends in a tool call (finish reason ``tool_calls``), the last in ``stop``.  A program is
-known in full in advance (prompts, output tokens, tool times); only the arrival of turns
-after the first depends on the run, so the simulator's driver (``sim.programs``) releases
-each turn when its predecessor ends.
-
-The distributions are stated in ``AgentShape``; its defaults are our choices shaped after
-published agent statistics (docs/sessions.md): turns log-normal around a median of 8 (the
-median over 973 sessions of 8 coding agents, xor.tech "Execution Metrics"), capped at 30;
-tool time log-normal, as SAECache (arXiv 2605.18825) models inter-turn gaps, median 2 s,
-since CacheTTL (arXiv 2511.02230) observes most tool calls far shorter than human think
-time; a shared system-and-tools block per agent type, as BFCL's function documents and
-SWE-agent's tool instructions are.
+known in full in advance; only the arrival of turns after the first depends on the run,
+so the simulator's driver (``sim.programs``) releases each turn when its predecessor ends.
+The distributions are stated in ``AgentShape``, its defaults shaped after published agent
+statistics (their sources: docs/sessions.md, "Workload").
 """
 
 from __future__ import annotations

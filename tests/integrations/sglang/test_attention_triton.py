@@ -48,6 +48,17 @@ def test_kernels_in_the_triton_interpreter() -> None:
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
 
+def test_a_grouped_step_in_the_triton_interpreter() -> None:
+    """``make check``'s sample of the above (``slow``, left to ``make test``): one paged
+    GQA step against SGLang's kernel."""
+    if INTERPRETED:
+        pytest.skip("this is that process")
+    result = run_interpreted(
+        f"{__file__}::test_grouped_rows_by_feathers_kernels_and_the_rest_by_sglangs[16-8-2]")
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert "1 passed" in result.stdout, result.stdout[-2000:]
+
+
 def sglang_decode(q, keys, values, out, slot_rows, lens, page):
     """SGLang's Triton decode kernel over rows of slots, with the metadata its backend
     builds for a decode batch (``kv_indptr`` from the lengths, ``kv_indices`` the rows'

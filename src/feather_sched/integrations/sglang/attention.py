@@ -1,29 +1,17 @@
 """Shared-prefix decode attention inside SGLang 0.5.23's CPU backends (``torch_native``,
 and ``intel_amx`` where SGLang's CPU kernels are installed) and its GPU ``triton`` backend.
 
-``register`` (called by the launcher, ``integrations.sglang.launch``, in every SGLang
-process) points SGLang's ``torch_native``, ``intel_amx`` and ``triton`` backend factories
-(``attention_registry.ATTENTION_BACKENDS``) at ``create_backend``, which builds SGLang's own
-backend unless Feather's option ``shared_prefix_attention`` turns the path on for this
-server: ``on``, or ``auto`` (the default) with Feather's scheduler (``--schedule-policy
-feather``) on ``torch_native``, the backend the tests verify, where the self-check run when
-the backend is made (``self_check``: SGLang's decode against the path on SGLang's pools at
-the server's shapes, ``attention_check``) measured the path exact and faster, from the
-measured break-even.  Where on, the backend is a
-subclass (``SharedPrefixDecode``) that, once per decode step, finds the rows whose
-``req_to_token`` rows start with the same KV slots (``attention.groups.plan_token_step``),
-runs SGLang's own decode with those rows cut to one token, and replaces their outputs with
-the exact merge of each group's prefix, attended once for all its queries, and each row's
-suffix (``attention.cpu_kernel``, "nhd" layout: SGLang's token-major pool).  Extend,
-prefill, mixed and speculative batches run SGLang's code unchanged.
-
-Where it cannot act, SGLang's path runs and the log says why, once per process: the option,
-the self-check's verdict (with its figures) or its failure, the device, an MLA model, a
-pool that is not SGLang's token-major ``MHATokenToKVPool``, CPU graphs
-(``--enable-torch-compile``), no C++ compiler, or a layer the kernel cannot serve (the one
-rule, ``attention.eligibility.layer_problem``; SGLang's layer translated in
-``shared_decode``).  On a GPU (``triton``) the self-check runs in its own process
-(``attention.isolation``) and its verdict is agreed over the tensor-parallel ranks.
+``register`` (the launcher calls it in every SGLang process) points those backend
+factories at ``create_backend``, which builds SGLang's own backend unless
+``shared_prefix_attention`` turns the path on for this server (``on``, or ``auto`` with
+Feather's scheduler where the self-check, ``self_check``, measured it exact and faster).
+Where on, the backend is a ``SharedPrefixDecode`` subclass: once per decode step it
+groups the rows whose ``req_to_token`` rows start with the same KV slots, runs SGLang's
+decode with those rows cut to one token, and replaces their outputs with the exact merge
+of each group's prefix, attended once, and each row's suffix; other batches run SGLang's
+code.  Where it cannot act, SGLang's path runs and the log says why, once per process.
+On a GPU the check runs in its own process, agreed over the tensor-parallel ranks.
+docs/sglang.md, "Shared-prefix attention".
 """
 
 from __future__ import annotations

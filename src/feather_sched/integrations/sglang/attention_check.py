@@ -4,16 +4,14 @@ SGLang's own pools at the server's shapes.
 
 ``TokenBatch`` is one decode step of the grid (``attention.selfcheck.Cell``) on SGLang's
 ``MHATokenToKVPool`` and ``ReqToTokenPool``: random K and V in pages permuted over the pool
-(page 0 left as SGLang's padding), each group's full prefix pages listed in all its rows'
-``req_to_token`` rows (what SGLang's radix cache gives requests sharing a prefix; a prefix
-ending mid-page has its tail in each row's own pages), each row's suffix of its own, rows at
-shuffled pool indices.  The engine's kernel is SGLang's backend's ``forward_decode`` on the
-whole ``ForwardBatch``; the path is Feather's subclass of it on the same batch (SGLang's
-decode with the grouped rows cut, then ``cpu_kernel.attend_groups``), its groups planned
-once per step as the server plans them.  On the CPU a trial times one layer, the plan made
-outside (host work of microseconds); on a GPU (``SglangTritonSubject``) it times a whole
-step, SGLang's metadata and the path's plan (which syncs the device) and then as many
-layers as the model has, so the per-step cost is weighed against the per-layer gain.
+(page 0 left as SGLang's padding), each group's prefix pages in all its rows'
+``req_to_token`` rows (as SGLang's radix cache gives them), each row's suffix of its own,
+rows at shuffled pool indices.  The engine's kernel is SGLang's backend's
+``forward_decode`` on the whole ``ForwardBatch``; the path is Feather's subclass of it on
+the same batch, its groups planned once per step as the server plans them.  On the CPU a
+trial times one layer, the plan made outside (microseconds); on a GPU
+(``SglangTritonSubject``) a whole step, SGLang's metadata and the path's plan then every
+layer, so the per-step cost is weighed against the per-layer gain.
 """
 
 from __future__ import annotations

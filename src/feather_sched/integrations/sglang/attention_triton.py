@@ -2,37 +2,16 @@
 triton``), eager and under SGLang's decode CUDA graphs, the grouped rows by Feather's
 Triton kernels (``attention.gpu_decode``).
 
-Reading SGLang's pool in place: Feather's kernels read a block table of block ids into a
-cache of ``[blocks, block_size, kv_heads, head_dim]``; SGLang's ``req_to_token`` holds
-slots and its K/V buffers are ``[slots, kv_heads, head_dim]``.  So the block table is
-``req_to_token`` itself at every page's first slot (the view ``req_to_token[:, ::page]``,
-rows by pool index), and each buffer is read as windows of ``page`` slots, one starting at
-every slot (``paged``): a page's first slot is its block id.  Nothing is copied or
-allocated per step and no address changes, as a CUDA graph needs.
-
-Per decode step, where the path is on, ``TritonStep.plan`` copies the batch's first slots
-to the host (a few bytes, but a sync) and, only where two rows start in one slot, their
-rows of ``req_to_token`` up to the longest (a second), groups them
-(``groups.find_token_groups``: identical leading slots, whole pages) and stages the groups
-into ``GroupedDecode``; SGLang's metadata is built for the batch with the grouped rows cut
-to one token.  Each layer runs SGLang's own decode kernel (``decode_attention_fwd``) over
-that metadata, then ``GroupedDecode.run`` overwrites the grouped rows: each group's prefix
-read once for all its queries and each row's suffix, merged exactly (natural-log LSE, fp32
-partials).
-
-Eager steps (``init_forward_metadata``): SGLang's metadata is built twice, for the batch
-(for layers the path cannot serve) and for the cut batch.  Decode CUDA graphs: at capture
-(``init_forward_metadata_out_graph`` with ``in_capture``) nothing is staged and each layer
-records SGLang's decode and the three fixed-grid launches; before each replay the same
-hook, which SGLang runs eagerly, plans the step and fills SGLang's graph buffers from the
-cut lengths (from the whole ones, nothing staged, where nothing groups).  Replays plan only
-if every layer captured took the path (``graph_acts``).
+SGLang's pool is read in place (``paged``: ``req_to_token[:, ::page]`` is the block
+table): nothing is copied or allocated per step and no address changes, as a CUDA graph
+needs.  Per decode step ``TritonStep.plan`` groups the rows and stages the groups; each
+layer runs SGLang's decode over the batch with the grouped rows cut to one token, then
+``GroupedDecode.run`` overwrites the grouped rows, merged exactly.
 
 Cost: per step one or two syncs and the host grouping; per layer three launches (in the
 graph where captured); ``GroupedDecode``'s workspace.  Where it cannot act SGLang's code
-runs unchanged: extend, prefill, speculative and idle batches, and the layer features
-``shared_decode.SharedPrefixDecode`` names; ``attention.decide`` keeps it off for SGLang's
-metadata glue graph, two-batch overlap, decode context parallelism and translated KV ids.
+runs unchanged.  How it reads the pool, plans, and lives under graphs: docs/sglang.md,
+"Inside SGLang's Triton backend".
 """
 
 from __future__ import annotations
@@ -122,6 +101,9 @@ class TritonStep:
 
 class SharedPrefixTritonBackend(SharedPrefixDecode, TritonAttnBackend):
     """SGLang's Triton backend with the shared-prefix decode (see the module docstring)."""
+
+    forward_metadata: Any
+    """``TritonAttnBackend``'s metadata of the step, swapped for the cut batch's."""
 
     def __init__(self, model_runner: Any, min_shared_tokens: int) -> None:
         super().__init__(model_runner, min_shared_tokens)

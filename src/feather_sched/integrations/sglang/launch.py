@@ -1,27 +1,15 @@
 """Launch an SGLang server with Feather: ``python -m feather_sched.integrations.sglang.launch``.
 
-Takes every ``sglang serve`` / ``python -m sglang.launch_server`` argument, plus:
-
-* ``--schedule-policy feather`` - select Feather (SGLang itself is given ``fcfs``, the
-  base Feather reorders; any other policy runs SGLang unchanged);
-* ``--feather-options JSON`` - Feather's options, e.g. ``'{"gate": "bandit"}'`` (else
-  ``FEATHER_*`` environment variables).
-
-Mechanism: this module registers Feather's hooks with SGLang's ``HookRegistry`` at import
-time.  SGLang starts its scheduler processes with multiprocessing 'spawn', which
-re-imports the parent's ``__main__`` module (this one) in each child before running the
-child's target, and ``run_scheduler_process`` calls ``load_plugins()``, which applies the
-registered hooks.  The selection travels to the children as ``FEATHER_SGLANG=1`` (and
-``FEATHER_SGLANG_OPTIONS``) in the inherited environment; without it the hooks do nothing.
-The same import points SGLang's ``torch_native`` and ``intel_amx`` attention factories at
-Feather's (``attention.register``), which build SGLang's own backend unless the option
-``shared_prefix_attention`` turns the shared-prefix decode on (also under SGLang's own
-policies, with ``FEATHER_SHARED_PREFIX_ATTENTION=on``).  With Feather selected and
-its options using tenants (``fairness``, ``isolate_tenants``), the launcher adds
-``tenant_front.TenantMiddleware`` to SGLang's HTTP app (the ``tenant_header`` and OpenAI's
-``user`` become the request's tenant) when one HTTP process serves it: with
-``--tokenizer-worker-num`` above 1 each worker re-imports SGLang's app, and a tenant is
-named in the body's ``custom_params`` only.
+Takes every ``sglang serve`` / ``python -m sglang.launch_server`` argument, plus
+``--schedule-policy feather`` (SGLang itself is given ``fcfs``, the base Feather
+reorders; any other policy runs SGLang unchanged) and ``--feather-options JSON`` (else
+``FEATHER_*`` variables).  At import it registers Feather's hooks with SGLang's
+``HookRegistry`` and its attention factories (``attention.register``); SGLang's 'spawn'
+re-imports this ``__main__`` in each scheduler process, where ``load_plugins()`` applies
+them.  The selection travels as ``FEATHER_SGLANG=1`` (and ``FEATHER_SGLANG_OPTIONS``) in
+the inherited environment; without it the hooks do nothing.  Where the options use
+tenants, ``tenant_front.TenantMiddleware`` joins SGLang's HTTP app when one HTTP process
+serves it.  docs/sglang.md, "Mechanism" and "Tenants".
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
 """Urgent preemption in SGLang (0.5.23): its budget arithmetic and release mechanics, replayed.
 
-SGLang preempts for a more urgent request only where every seat is taken
-(``PrefillAdder.preempt_to_schedule``, under ``--enable-priority-scheduling``); Feather's
-adder (``scheduler.FeatherPrefillAdder``) also preempts for one its ``add_one_req`` refuses
-for KV room (``AddReqResult.NO_TOKEN``).  Either way the victims are the core's
-(``FeatherRuntime.urgent_victims``: the fewest in Feather's order that make room, each at
-most ``max_urgent_preemptions`` times), asked of this module's ``Room``, then all
-released at once by ``preempt``, SGLang's own mechanics, and ``add_one_req`` tried once
-more.
+SGLang preempts for a more urgent request only where every seat is taken; Feather's
+adder also preempts for one ``add_one_req`` refuses for KV room.  Either way the victims
+are the core's (``urgent_victims``: the fewest in Feather's order that make room),
+asked of this module's ``Room``, then all released at once by ``preempt``, SGLang's own
+mechanics, and ``add_one_req`` tried once more.
 
-``Room`` replays the adder's arithmetic from a snapshot taken before any release: the
-tokens ``add_one_req`` asks for the request (its uncached input, its output reserve
-clipped at ``CLIP_MAX_NEW_TOKENS``, the page overhead, the Mamba state and request-slot
-reserves), which must stay under ``rem_total_tokens`` (free plus evictable, less what the
-running requests reserve for their outputs); each victim gives back its output reserve
-(``_get_running_request_total_token_offset``, as ``preempt_to_schedule`` counts it), its
-own KV (``[cache_protected_len, kv_allocated_len)``, freed by ``release_kv_cache``) and,
-in a radix cache, the cached prefix nodes no request that stays locks (evictable once
-unlocked).  A seat needs one victim.  A request short of a hybrid model's Mamba state
-slots gets no room (the adder counted them once when built; no release gives any back to
-it this round).  Cost: O(running) to build, O(victims' prefix nodes) per set asked.
-
-``PRIVATE`` lists the members of SGLang's ``PrefillAdder`` this module reads that SGLang
-keeps private; ``usable`` checks them once per adder class, so a SGLang release without
-one leaves urgent preemption off, with one warning, instead of raising in its scheduler.
+``Room`` replays the adder's arithmetic from a snapshot taken before any release: what
+``add_one_req`` asks for the request against ``rem_total_tokens``, and what each victim
+gives back.  Cost: O(running) to build, O(victims' prefix nodes) per set asked.
+``PRIVATE`` lists the private members of SGLang's ``PrefillAdder`` read here; ``usable``
+checks them once per adder class (a release without one: urgent preemption off, one
+warning).  The arithmetic in full: docs/sglang.md, "Urgent preemption's arithmetic".
 """
 
 from __future__ import annotations
@@ -91,7 +79,7 @@ class Room(core.Room[Req]):
         evictable once they are released."""
         if self.tree is None:
             return 0
-        root, held = self.tree.root_node, Counter()
+        root, held = self.tree.root_node, Counter[int]()
         nodes = {}
         for victim in victims:
             node = victim.lock.node if victim.lock is not None else root

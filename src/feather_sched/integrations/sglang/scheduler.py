@@ -1,29 +1,17 @@
 """Feather inside SGLang's scheduler (pinned: sglang 0.5.23), through SGLang's plugin hooks.
 
-SGLang has no scheduler-class flag and spawns its scheduler processes: ``register()`` puts
-the AROUND hooks of ``HOOKS`` into SGLang's ``HookRegistry``, and ``load_plugins()``, which
-every scheduler process calls first, applies them there (``register()`` runs there because
-the launcher, ``feather_sched.integrations.sglang.launch``, calls it at import, and
-'spawn' re-imports it in each child).  The hooks are inert unless ``FEATHER_SGLANG=1``;
-then each scheduler gets a ``FeatherSGLang``, which translates SGLang's types for
-``FeatherRuntime`` and replays SGLang's arithmetic (the adder's preemption); the rules live
-in ``core``:
+``register()`` puts the AROUND hooks of ``HOOKS`` into SGLang's ``HookRegistry``, which
+every (spawned) scheduler process applies; they are inert unless ``FEATHER_SGLANG=1``.
+Then each scheduler gets a ``FeatherSGLang``, which translates SGLang's types for the
+runtime (held as ``RuntimeContract``): a round (``get_new_batch_prefill``) is one pass,
+rewarded with the next decode step.  ``SGLangRequests`` views SGLang's ``Req``;
+``FeatherSchedulePolicy`` is ``fcfs`` with the queue in Feather's order;
+``FeatherPrefillAdder`` asks Feather about each request offered (STOP ends the round)
+and gives SGLang's priority preemption Feather's urgent victims (``preemption``).
 
-* ``FeatherSGLang``: a round (``get_new_batch_prefill``) is one pass, rewarded with the
-  next decode step (keyed by ``batch.forward_iter``); the running batch in Feather's order;
-  each step's computed and generated tokens counted as its requests' tenants' service;
-* ``SGLangRequests``: the view of SGLang's ``Req`` (priority class, ``custom_params``'
-  tenant);
-* ``FeatherSchedulePolicy``: SGLang's ``fcfs`` with the waiting queue in Feather's order;
-* ``FeatherPrefillAdder``: asks Feather about each request SGLang offers (STOP ends the
-  round); SGLang's priority preemption takes Feather's urgent victims, also for a request
-  short of KV room (SGLang's arithmetic and release replayed in ``preemption``);
-* ``HOOKS``: what each hook wraps; ``_unsupported``: the modes refused at start-up.
-
-Invariant: a fault in Feather's code never reaches SGLang (``core.faults.FaultGuard``):
-every call asks ``faults.serves``, and after a fault SGLang's own admission and ``fcfs``
-order serve until Feather's picture is rebuilt from SGLang's queues.  Options:
-``FEATHER_*`` or ``FEATHER_SGLANG_OPTIONS`` (JSON).  docs/sglang.md.
+A fault in Feather's code never reaches SGLang: SGLang's own admission and ``fcfs`` serve
+until Feather's picture is rebuilt.  Options: ``FEATHER_*`` or ``FEATHER_SGLANG_OPTIONS``.
+How the hooks reach each process, the modes refused: docs/sglang.md, "Mechanism", "Limits".
 """
 
 from __future__ import annotations
@@ -44,6 +32,7 @@ from feather_sched.core import (
     FeatherConfigError,
     FeatherRuntime,
     Isolation,
+    RuntimeContract,
     is_true,
     parse_tenant,
     token_keys,
@@ -189,7 +178,7 @@ class FeatherSGLang:
                                        priority_scheduling=priority_scheduling,
                                        low_priority_values_first=low_priority_values_first,
                                        isolation=self.config.isolation)
-        self.runtime: FeatherRuntime[Req] = FeatherRuntime(
+        self.runtime: RuntimeContract[Req] = FeatherRuntime(
             self.config, self.requests, name="FeatherSGLang", seats=seats,
             kv_tokens=kv_tokens, engine=engine)
         self.priority_preemption = priority_preemption
@@ -412,7 +401,7 @@ class FeatherSGLang:
         if not self.preempts:
             return []
         return self.faults.call("urgent_victims", self._urgent_victims, running, req,
-                                threshold, room, default=[])
+                                threshold, room) or []
 
     def _urgent_victims(self, running: list[Req], req: Req, threshold: int,
                         room: Room) -> list[Req]:
@@ -427,7 +416,8 @@ class FeatherSGLang:
         the room they freed (``FeatherRuntime.promise``); False where it gives the room to
         another request (the victims' tenant's, below its seat share), which SGLang's
         next round offers first."""
-        return self.faults.call("promise", self._takes_freed_room, req, victims, default=True)
+        return self.faults.call("promise", self._takes_freed_room, req, victims,
+                                default=True) is not False
 
     def _takes_freed_room(self, req: Req, victims: list[Req]) -> bool:
         for victim in victims:

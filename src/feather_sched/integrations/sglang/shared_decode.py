@@ -13,7 +13,7 @@ import torch
 from feather_sched.attention import cpu_kernel
 from feather_sched.attention.announce import Announcer
 from feather_sched.attention.eligibility import CPU_KERNEL, Kernel, LayerTraits, layer_problem
-from feather_sched.attention.groups import StepPlan, plan_token_step
+from feather_sched.attention.groups import plan_token_step
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
 
 prepare_sglang_import()  # before the first SGLang import (see stand_ins)
@@ -61,8 +61,9 @@ class SharedPrefixDecode:
             return None
         return self.plan_rows(forward_batch, seq_lens)
 
-    def plan_rows(self, forward_batch: Any, seq_lens: torch.Tensor) -> StepPlan | None:
-        """The groups of a plain decode batch with these CPU lengths, for the CPU kernel."""
+    def plan_rows(self, forward_batch: Any, seq_lens: torch.Tensor) -> Any:
+        """The groups of a plain decode batch with these CPU lengths: a ``StepPlan`` for
+        the CPU kernel (a subclass plans for its own kernel), or None."""
         return plan_token_step(self.req_to_token_pool.req_to_token,
                                forward_batch.req_pool_indices.cpu(), seq_lens,
                                self.page_size, self.min_shared_tokens)

@@ -3,18 +3,15 @@ SGLang carries to its scheduler.
 
 SGLang 0.5.23 carries no request header and drops OpenAI's ``user`` before its scheduler;
 the one per-request field that reaches the scheduler's ``Req`` from every endpoint is
-``SamplingParams.custom_params`` (native ``/generate``: ``sampling_params.custom_params``;
-``/v1/completions`` and ``/v1/chat/completions``: the body's ``custom_params``), where
-Feather's view reads ``custom_params["tenant"]`` (``scheduler.SGLangRequests.tenant``).
-``TenantMiddleware``, an ASGI middleware the launcher adds to SGLang's FastAPI app, fills it
-on those three routes: the ``x-tenant-id`` header wins, then a tenant the body names
-already, then OpenAI's ``user`` where it is a valid tenant id (``core.named_tenant``, the
-rule vLLM's middleware follows); an invalid header or body tenant, where chosen, is answered
-400 saying why, as is the header given twice; it is read as UTF-8. Other routes, and a
-native request without the header, pass untouched (the body is read only where something
-may change it). The launcher installs it only where Feather's options use tenants
-(``fairness`` or ``isolate_tenants``), reading the ``tenant_header`` option's header; the
-header is client input that only a gateway should set (docs/isolation.md)."""
+``SamplingParams.custom_params``, where Feather's view reads ``custom_params["tenant"]``
+(``scheduler.SGLangRequests.tenant``).  ``TenantMiddleware``, an ASGI middleware the
+launcher adds to SGLang's FastAPI app, fills it on ``/generate``, ``/v1/completions`` and
+``/v1/chat/completions`` by ``core.named_tenant``'s rule (the header, then the body's
+tenant, then ``user``); an invalid header or body tenant, where chosen, or the header
+given twice, is a 400 saying why.  Other routes, and a native request without the
+header, pass untouched (the body is read only where something may change it).  Installed
+only where Feather's options use tenants; the header is client input that only a gateway
+should set (docs/isolation.md)."""
 
 from __future__ import annotations
 
@@ -41,9 +38,10 @@ def carry_tenant(body: dict, header: str | None, *, native: bool,
         tenant = named_tenant(header, body.get("custom_params"), body.get("user"),
                               "custom_params", header_name)
         return tenant is not None and _name(body, tenant)
-    if header is None:
+    tenant = None if header is None else \
+        named_tenant(header, None, None, header_name=header_name)
+    if tenant is None:
         return False
-    tenant = named_tenant(header, None, None, header_name=header_name)
     params = body.get("sampling_params")
     if params is None:
         params = body["sampling_params"] = {}

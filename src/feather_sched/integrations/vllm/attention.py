@@ -1,25 +1,17 @@
 """Shared-prefix decode attention inside vLLM's CPU backend (vLLM 0.32-0.34).
 
 The plug-in ``plugins.register_attention`` points vLLM's ``CPU_ATTN`` backend, by name,
-at ``SharedPrefixCPUBackend`` (this module is imported only when vLLM resolves that
-backend, under an engine's configuration): a subclass whose builders behave exactly as
-vLLM's own in an engine that did not choose Feather (``choice.feather_chosen``), and
-otherwise unless Feather's option ``shared_prefix_attention`` turns it on: ``on``, or
-``auto`` (the default) with
-``FeatherScheduler`` where the self-check at engine start (``self_check``) measured the
-path exact and faster than vLLM's kernel at the engine's shapes.  Where on, each step's
-builder finds the decode rows that share leading KV blocks
-(``feather_sched.attention.groups``) and hands vLLM's kernel the batch with those rows cut
-to one token; each layer's forward then runs vLLM's kernel once as usual and replaces the
-grouped rows' outputs with the exact merge of each group's prefix, attended once for all
-its queries, and each row's suffix (``attention.cpu_kernel``).
+at ``SharedPrefixCPUBackend``: a subclass that behaves exactly as vLLM's own in an engine
+that did not choose Feather (``choice.feather_chosen``), and otherwise unless
+``shared_prefix_attention`` turns it on (``on``, or ``auto`` with ``FeatherScheduler``
+where the self-check at engine start, ``self_check``, measured the path exact and
+faster).  Where on, each step's builder finds the decode rows that share leading KV
+blocks (``attention.groups``) and hands vLLM's kernel the batch with those rows cut to one
+token; each layer then runs vLLM's kernel once and replaces the grouped rows' outputs
+with the exact merge of each group's prefix, attended once, and each row's suffix.
 
-Where it cannot act, vLLM's path runs unchanged and the engine log says why, once: the
-option is off, the KV cache is in neither layout the kernel reads ("vec", and "amx",
-vLLM's bf16 layout on CPUs with AMX; NEON and other ISAs prepack it their own way), an
-fp8 KV cache, no C++ compiler to build the kernel, the self-check's verdict (with its
-figures), or a layer the kernel does not serve (``attention.eligibility``: sliding
-windows, ALiBi, soft-capping, sinks, cross or non-decoder attention and the like).
+Where it cannot act, vLLM's path runs unchanged and the engine log says why, once
+(``attention.eligibility`` for layers).  docs/vllm.md, "Shared-prefix attention".
 """
 
 from __future__ import annotations
@@ -157,7 +149,7 @@ class SharedPrefixCPUImpl(CPUAttentionBackendImpl):
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor,
                 output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(attn_metadata, SharedPrefixMetadata):
+        if not isinstance(attn_metadata, SharedPrefixMetadata) or attn_metadata.plan is None:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         if not self._acts(layer, query, kv_cache):

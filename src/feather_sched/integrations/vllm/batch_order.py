@@ -1,21 +1,17 @@
 """Keep each prefix group contiguous in vLLM's V1 model runner's batch (vLLM 0.32, 0.33).
 
 The decode-attention kernel walks the batch in order, so requests of one prefix group
-placed back to back re-read their shared KV blocks while they are still in cache.
-``FeatherScheduler`` keeps its running list ordered by prefix group; Model Runner V2 (the
-GPU default, and from 0.34 the only runner) batches decodes in that order by itself, but
-the V1 runner (CPU, and GPU modes V2 does not support) keeps a persistent batch that
-fills freed slots with whatever request comes next, interleaving groups over time.
+placed back to back re-read their shared KV blocks while they are still in cache.  Model
+Runner V2 batches decodes in the scheduler's order by itself; the V1 runner keeps a
+persistent batch that fills freed slots with whatever request comes next.
 
-``install`` (set by the plug-in ``plugins.register_batch_order`` to run when vLLM imports
-the V1 runner) wraps the runner's ``_may_reorder_batch`` hook.  For a runner whose engine
-did not choose Feather the wrapper only calls vLLM's hook (decided once per runner, no
-option read).  For one that did, it records the runner's block tables on the host
-(``host_tables.note_v1``) and, with ``order_running`` on, gathers each group (rows sharing
-their first KV block) where its first row stands, members in the scheduler's order
-(``scheduler_output.num_scheduled_tokens``), moving no other row; requests stay in the
-decode/extend/prefill regions that attention backends with a reorder threshold (e.g.
-FlashInfer, MLA) require.
+``install`` (run by the plug-in ``plugins.register_batch_order`` when vLLM imports the V1
+runner) wraps the runner's ``_may_reorder_batch`` hook.  For a runner whose engine did not
+choose Feather the wrapper only calls vLLM's hook (decided once per runner).  For one that
+did, it records the runner's block tables on the host (``host_tables.note_v1``) and, with
+``order_running`` on, gathers each group where its first row stands, members in the
+scheduler's order, moving no other row and keeping the decode/extend/prefill regions
+that some attention backends require.  docs/vllm.md, "Batch order".
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """vLLM's prefix-cache block hashes, computed at the router exactly as vLLM 0.32-0.34 do.
 
-vLLM names each full KV block of a prompt ``hash_fn((parent, tuple(block_tokens), extra))``
-(``kv_cache_utils.hash_block_tokens``; the first block's parent is ``NONE_HASH =
-hash_fn(seed)``; ``extra`` is None for a plain request), with ``hash_fn`` its
-``--prefix-caching-hash-algo``: ``sha256`` (the default: SHA-256 of the triple pickled
-with the highest protocol), ``sha256_cbor``
-(SHA-256 of canonical CBOR), ``xxhash`` / ``xxhash_cbor`` (XXH3-128 of either).  The seed
-is ``PYTHONHASHSEED`` where the engine's process has it set, else ``"vllm-none-hash"``
-for the SHA-256 algorithms and a random one for the XXH3 ones (which no router can then
-match: the start-up check says so).  Its KV events carry the low 64 bits of each hash
-as an int (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, on by default) or the whole hash.
-
-``VLLMBlockHasher`` serializes and digests each block as vLLM does (``pickle``,
-``cbor2``), and remembers the hashes of the prefixes it has seen by a cheap XXH3-64
-digest of their tokens, so a prompt whose prefix came before
-costs that digest and a dict look-up per chunk; ``check`` recomputes a ``BlockStored``
-event's hashes to catch a router and an engine that disagree (block size, algorithm,
-seed).  A request's cache boundary (``scheduler.boundary``: vLLM's own extra keys) is
-modelled where it is a LoRA adapter (``("lora", name, path)``, in every block's extra
-keys) or a ``cache_salt`` (``("cache_salt", salt)``, in the first block's), as
-``generate_block_hash_extra_keys`` puts them; multimodal and prompt-embedding requests are
-a ValueError (their extra keys depend on content the router does not see), and the router
-routes them by load.
+``VLLMBlockHasher`` serializes and digests each full block as vLLM does for each
+``--prefix-caching-hash-algo`` (``pickle``, ``cbor2``; SHA-256 or XXH3-128) from the seed
+vLLM uses, and remembers the hashes of the prefixes it has seen by a cheap XXH3-64 digest
+of their tokens: a prompt whose prefix came before costs that digest and a dict look-up
+per chunk.  ``check`` recomputes a ``BlockStored`` event's hashes to catch a router and an
+engine that disagree (block size, algorithm, seed).  A request's cache boundary is
+modelled where it is a LoRA adapter or a ``cache_salt``; multimodal and prompt-embedding
+requests are a ValueError (the router routes them by load).  vLLM's scheme in full:
+docs/replicas.md, "vLLM's block hashes".
 """
 
 from __future__ import annotations
@@ -112,7 +99,7 @@ class VLLMBlockHasher:
     def _name(self, digest: bytes) -> Any:
         return int.from_bytes(digest[-8:], "big") if self.int_hashes else digest
 
-    def full_hashes(self, tokens: Sequence[int], parent: bytes | None = None,
+    def full_hashes(self, tokens: np.ndarray | Sequence[int], parent: bytes | None = None,
                     boundary: tuple = ()) -> list[bytes]:
         """Whole digests of the full blocks of ``tokens``, chained from ``parent`` (None:
         a prompt's start) with the extra keys of ``boundary`` (``extra_keys``).  No memo."""

@@ -3,19 +3,10 @@ place, each told by what exists (a module, an attribute), never by a version str
 adapters call these and hold no release logic.  The one use of the version number is
 ``supported``: whether this vLLM is inside the range this package declares at all.
 
-Where a release moved or removed something (evidence: the three releases' sources):
-
-* 0.33 moved ``make_arg_parser`` to ``vllm.entrypoints.common.cli_args``, and dropped
-  ``vllm.utils.torch_utils.is_quantized_kv_cache`` (``vllm.v1.kv_cache_interface`` has it
-  in all three).
-* 0.33 defers prefills by a local cadence (``prefill_schedule_interval``) without data
-  parallelism too; 0.32 only under data-parallel balancing (``throttle_prefills``).
-* 0.34 removed the V1 model runner (``vllm.v1.worker.gpu_model_runner``) with its
-  ``BlockTable`` and the scheduler's ``use_v2_model_runner`` and
-  ``prev_step_scheduled_req_ids``; moved the CPU attention ops to ``vllm._cpu_ops``;
-  dropped the CPU attention impl's ``is_fp8_kv_cache``; and added cache-aware admission
-  (``cache_aware_admission_window``), which reorders ``scheduler.waiting``: Feather's
-  queue.
+The differences (moved CLI and KV-cache helpers, 0.33's local prefill cadence, 0.34's
+removal of the V1 model runner, its CPU attention ops' new module and its cache-aware
+admission, which reorders Feather's queue) and what Feather does about each:
+docs/vllm.md, "vLLM releases".
 """
 
 from __future__ import annotations

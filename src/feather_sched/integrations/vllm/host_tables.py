@@ -1,36 +1,16 @@
-"""The block tables of vLLM's model runners (0.32-0.34), on the host: a step's groups are found
-without reading the device (a device-to-host copy would wait for the GPU's queue and end
-async scheduling's overlap).
+"""The block tables of vLLM's model runners (0.32-0.34), on the host: a step's groups are
+found without reading the device (a device-to-host copy would wait for the GPU's queue and
+end async scheduling's overlap).
 
-``lookup`` takes an attention builder's ``block_table_tensor`` (a device view of one of a
-runner's tables) and returns the host table that holds the same block ids and the row of
-it each batch row reads, or None where the tensor is no table known here (the caller then
-turns its path off; it never reads the device instead):
+``lookup`` takes an attention builder's ``block_table_tensor`` and returns the host table
+holding the same block ids and the row of it each batch row reads, or None where the
+tensor is no table known here (the caller then turns its path off; it never reads the
+device instead).  Model Runner V2 keeps its tables on the device only: ``install`` wraps
+its ``BlockTables`` so every staged write also lands in a host mirror.  The V1 runner
+keeps a host copy beside each device table: ``note_v1`` records a runner's tables.
 
-* Model Runner V2 (the GPU default; the only runner from 0.34) keeps its tables on the
-  device only: ``install`` (called by a GPU builder whose engine chose Feather and whose
-  path is on, before the runner builds its ``BlockTables``) wraps its ``BlockTables`` so
-  every write it stages (``append_block_ids``: new, resumed and streaming re-added
-  requests with ``overwrite``, appended blocks, reused slots,
-  ``redirect_writes_to_null_block``) is written into a host mirror too, one table per
-  KV-cache group, equal to the device's per-slot table (``block_tables[i].gpu``) once
-  vLLM applies its writes.  Batch rows read slot ``req_idx[row]``, as vLLM's
-  ``gather_block_tables`` copies them into ``input_block_tables[i]``, the tensor the
-  builders see; dummy runs (profiling, capture, data-parallel padding) zero or fabricate
-  those rows instead, so from ``get_dummy_block_tables`` to the next gather the lookup
-  says None.
-* The V1 runner (0.32, 0.33) keeps a host copy beside each device table
-  (``BlockTable.block_table``, committed to the device each step): batch row ``r`` of a
-  view starting at row ``k`` reads host row ``k + r``.  ``note_v1`` records a runner's
-  tables, to find them again (``batch_order``'s hook, once per step of a runner whose
-  engine chose Feather).
-
-Not covered (None): tables vLLM builds elsewhere for a step, such as prefill context
-parallelism's local tables, kernel-block tables (``AttentionGroup.kernel_block_table``,
-where the kernel's block size differs from the KV manager's) and encoder-only zeros.
-Device-side rewrites of the slot tables outside ``append_block_ids`` would not be seen:
-vLLM 0.32 has none; 0.33 and 0.34 null the leading blocks of sliding-window groups on the
-device at gather time, groups Feather's GPU path refuses.
+Cost: one host write per staged device write (V2); O(1) per lookup.  What each runner
+does, and the tables not covered: docs/vllm.md, "Block tables on the host".
 """
 
 from __future__ import annotations

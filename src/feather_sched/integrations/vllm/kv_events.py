@@ -74,7 +74,7 @@ class _Source:
 
     def __init__(self, subscriber: KVEventSubscriber, replica: Replica, endpoint: str,
                  replay_endpoint: str | None, topic: str) -> None:
-        context = zmq.Context.instance()
+        context: zmq.Context = zmq.Context.instance()
         self.subscriber = subscriber
         self.replica = replica
         self.sub = context.socket(zmq.SUB)
@@ -96,7 +96,7 @@ class _Source:
             self.replay.setsockopt(zmq.LINGER, 0)
             self.replay.connect(self.replay_endpoint)
         self.replay.send_multipart((b"", start.to_bytes(8, "big")))
-        batches = []
+        batches: list[tuple[int, list[KVEvent]]] = []
         while self.replay.poll(int(REPLAY_TIMEOUT_S * 1000)):
             frames = self.replay.recv_multipart()
             seq = int.from_bytes(frames[-2], "big", signed=True)

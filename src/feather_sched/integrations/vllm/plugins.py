@@ -1,20 +1,17 @@
 """Feather's three vLLM general plug-ins (entry points ``vllm.general_plugins``), written
 to be good citizens: vLLM loads them in every process of an environment where this
 package is installed, whether or not an engine chose Feather, before any configuration
-exists, and does not catch what a plug-in's ``register()`` raises.
-
-So each entry point here:
+exists, and does not catch what a plug-in's ``register()`` raises.  So each entry point:
 
 * never raises: any error logs one warning naming what it did not find, and registers
   nothing (each registers all or nothing);
 * registers nothing in a vLLM outside the releases this package supports
   (``compat.SUPPORTED``; one warning per process), nor where a configuration is current
   and did not choose Feather (``choice.feather_chosen``);
-* imports none of vLLM's attention backends or model runners, parses no Feather option
-  and logs nothing above DEBUG: it names Feather's classes by dotted path in
-  ``backends``, which vLLM resolves only under an engine's configuration, to vLLM's own
-  class where Feather's does not import; their builders behave exactly as vLLM's in an
-  engine that did not choose Feather.
+* imports no backend or model runner, parses no option, logs nothing above DEBUG: it
+  names Feather's classes in ``backends``, resolved only under an engine's configuration
+  (to vLLM's own class where Feather's does not import), behaving as vLLM's where the
+  engine did not choose Feather.
 """
 
 from __future__ import annotations

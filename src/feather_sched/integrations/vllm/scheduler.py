@@ -1,32 +1,17 @@
 """Feather inside vLLM's V1 engine (vLLM 0.32-0.34; their differences: ``compat``).
 
 Load with ``--scheduler-cls feather_sched.integrations.vllm.FeatherScheduler`` (server) or
-``LLM(..., scheduler_cls=FeatherScheduler)``.  The scheduler subclass is thin (``_Hooks``):
-it forwards ``schedule``, ``update_from_output``, ``_update_request_with_output`` (under
-fair share), ``_free_request`` and ``shutdown`` to one component (``SchedulerComponent``),
-``VllmFeather``, which translates vLLM's types for ``FeatherRuntime`` and replays vLLM's
-arithmetic behind named modules (``urgent``); the rules live in ``core``:
+``LLM(..., scheduler_cls=FeatherScheduler)``; options: ``--additional-config
+'{"feather": {...}}'`` or ``FEATHER_*``.  The scheduler subclass is thin (``_Hooks``): it
+forwards vLLM's calls to one component, ``VllmFeather``, which translates vLLM's types
+for the runtime (held as ``RuntimeContract``) through ``VllmRequests``,
+``FeatherWaitingQueue``, ``KvHoldingQueue`` and ``UrgentRoom``; ``VllmMeter`` measures,
+and is the FCFS baseline's component (``InstrumentedScheduler``).
 
-* ``VllmRequests``: how Feather reads a vLLM request (chunk keys from its block hashes,
-  its tenant from ``SamplingParams.extra_args["tenant"]``);
-* ``FeatherWaitingQueue``: vLLM's ``RequestQueue`` over the runtime; its truth value is
-  the gate's ADD/STOP, ``peek``/``pop`` serve the runtime's candidate;
-* ``KvHoldingQueue``: vLLM's ``kv_holding_waiting``, under Feather's waiting bound;
-* ``UrgentRoom`` (``urgent``): before each pass, a less urgent running request preempted
-  for Feather's next admission where it lacks a seat or KV blocks (vLLM's priority policy);
-* ``VllmMeter``: the measurements, the FCFS baseline's (``InstrumentedScheduler``)
-  component, held by ``VllmFeather``;
-* ``FeatherScheduler`` / ``FeatherSyncScheduler``: async scheduling on / off.
-
-Invariants: each ``schedule()`` is one pass, rewarded with the step of its own scheduler
-output; every pass takes vLLM's ``running`` list as the truth and puts it in Feather's
-order, whose end vLLM preempts; a request leaves Feather exactly once; under fair share
-every token a step computes for a request (past its cache hit, recomputation included)
-or generates is counted to its tenant before the request leaves (``served``).  A fault in
-Feather's code never reaches ``schedule()``: every call asks ``faults.serves``, and after
-a fault vLLM's own ``PriorityRequestQueue`` and admission serve until the next pass
-rebuilds Feather's picture.  Options:
-``--additional-config '{"feather": {...}}'`` or ``FEATHER_*``.  docs/vllm.md.
+Each ``schedule()`` is one pass, rewarded with the step of its own output; a request
+leaves Feather exactly once; a fault in Feather's code never reaches ``schedule()``
+(vLLM's own queue serves until the next pass).  The invariants in full: docs/vllm.md,
+"Mechanism".
 """
 
 from __future__ import annotations
@@ -36,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from operator import attrgetter
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm.platforms import current_platform
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -59,6 +44,7 @@ from feather_sched.core import (
     FeatherConfig,
     FeatherRuntime,
     Isolation,
+    RuntimeContract,
     block_chunk_keys,
     describe_batch,
     engine_keys,
@@ -196,7 +182,7 @@ class FeatherWaitingQueue(RequestQueue):
     returns the request of the last ``peek_request``, the one vLLM has just given KV.
     """
 
-    def __init__(self, runtime: FeatherRuntime[Request], scheduler: Scheduler) -> None:
+    def __init__(self, runtime: RuntimeContract[Request], scheduler: Scheduler) -> None:
         self.runtime = runtime
         self.scheduler = scheduler
         self.faults = runtime.faults
@@ -210,12 +196,20 @@ class FeatherWaitingQueue(RequestQueue):
         self._peeked: Request | None = None
         self._popped: Request | None = None
 
+    @property
+    def _engine_queue(self) -> PriorityRequestQueue:
+        """vLLM's own queue, which serves while ``faults.serves`` is False (``fall_back``
+        builds it before that)."""
+        if self._fallback is None:
+            raise RuntimeError("vLLM's own queue asked for while Feather serves")
+        return self._fallback
+
     # ---- what vLLM's schedule() and request handling call -----------------------------
 
     def add_request(self, request: Request) -> None:
         self._members[request.request_id] = request
         if not self.faults.serves:
-            self._fallback.add_request(request)
+            self._engine_queue.add_request(request)
             return
         self.faults.attempt("enter_waiting", self._enter_waiting, request)
 
@@ -244,7 +238,7 @@ class FeatherWaitingQueue(RequestQueue):
         for request in requests:
             self._members.pop(request.request_id, None)
         if not self.faults.serves:
-            self._fallback.remove_requests(requests)
+            self._engine_queue.remove_requests(requests)
             return
         self.faults.attempt("discard", self._discard, requests)
 
@@ -258,7 +252,7 @@ class FeatherWaitingQueue(RequestQueue):
             admits = self.faults.call("decide", self._admits)
             if admits is not None:
                 return admits
-        return bool(self._fallback)
+        return bool(self._engine_queue)
 
     def peek_request(self) -> Request:
         if not self._members:
@@ -267,17 +261,15 @@ class FeatherWaitingQueue(RequestQueue):
             self._peeked = self.faults.call("decide", self._candidate)
             if self._peeked is not None:
                 return self._peeked
-        self._peeked = self._fallback.peek_request()
+        self._peeked = self._engine_queue.peek_request()
         return self._peeked
 
     def pop_request(self) -> Request:
-        request = self._peeked
-        if request is None or self._members.get(request.request_id) is not request:
-            request = self.peek_request()
+        request = self._last_peeked()
         self._peeked = None
         del self._members[request.request_id]
         if not self.faults.serves:
-            fallback = self._fallback
+            fallback = self._engine_queue
             if fallback.peek_request() is request:
                 fallback.pop_request()
             else:  # peeked from Feather's queue before the fall-back: O(waiting)
@@ -286,6 +278,13 @@ class FeatherWaitingQueue(RequestQueue):
         if self.faults.attempt("admit", self.runtime.admit, request):
             self._popped = request
         return request
+
+    def _last_peeked(self) -> Request:
+        """The request of the last ``peek_request`` while it waits, else a new peek."""
+        peeked = self._peeked
+        if peeked is not None and self._members.get(peeked.request_id) is peeked:
+            return peeked
+        return self.peek_request()
 
     def __len__(self) -> int:
         return len(self._members)
@@ -451,6 +450,9 @@ class KvHoldingQueue(RequestQueue):
 class SchedulerComponent(Protocol):
     """What the scheduler's hooks (``_Hooks``) call on their component: ``VllmMeter`` for
     the FCFS baseline, ``VllmFeather`` for Feather."""
+
+    def __init__(self, scheduler: Scheduler, config: FeatherConfig) -> None:
+        """Built by the hooks, once, for their scheduler and its options."""
 
     def before_schedule(self, throttle_prefills: bool = False) -> None:
         """Before vLLM's pass (``throttle_prefills``: as vLLM's ``schedule`` is told)."""
@@ -624,19 +626,21 @@ class VllmFeather:
         self.scheduler = scheduler
         self.config = config
         view = requests_view(scheduler, config)
-        self.runtime = FeatherRuntime(config, view, clock=scheduler.feather_clock,
-                                      name=type(scheduler).__name__,
-                                      seats=scheduler.max_num_active_reqs,
-                                      kv_tokens=kv_cache_tokens(scheduler),
-                                      engine=engine_shape(scheduler.vllm_config),
-                                      chunk_tokens=view.chunk_tokens,
-                                      on_fault=self._fall_back)
+        runtime = FeatherRuntime(config, view, clock=scheduler.feather_clock,
+                                 name=type(scheduler).__name__,
+                                 seats=scheduler.max_num_active_reqs,
+                                 kv_tokens=kv_cache_tokens(scheduler),
+                                 engine=engine_shape(scheduler.vllm_config),
+                                 chunk_tokens=view.chunk_tokens,
+                                 on_fault=self._fall_back)
+        self.runtime: RuntimeContract[Request] = runtime
+        """Held as the contract: a member outside it is a type error (``make check``)."""
         self.faults = self.runtime.faults
         self.metering = VllmMeter(scheduler, config, self.runtime.meter, self.faults)
         self._computed: OrderedDict[int, list[tuple[str, int]]] = OrderedDict()
         """Under fair share, each step in flight's prompt tokens computed, per request."""
         self.queue = FeatherWaitingQueue(self.runtime, scheduler)
-        self.urgent = UrgentRoom(scheduler, self.runtime)
+        self.urgent = UrgentRoom(scheduler, runtime)
         compat.disable_cache_aware_admission(scheduler)
         scheduler.waiting = self.queue
         scheduler.kv_holding_waiting = KvHoldingQueue(scheduler.kv_holding_waiting,
@@ -766,7 +770,13 @@ class VllmFeather:
                 "batch"), True
 
 
-class _Hooks:
+if TYPE_CHECKING:  # the hooks are mixed into vLLM's scheduler classes below
+    from vllm.v1.core.sched.scheduler import Scheduler as _EngineScheduler
+else:
+    _EngineScheduler = object
+
+
+class _Hooks(_EngineScheduler):
     """The scheduler calls Feather needs, each handed to ``self.feather`` (vLLM appending
     a step's sampled tokens, ``_update_request_with_output``, only under fair share).
 
@@ -775,14 +785,14 @@ class _Hooks:
     which would lose their own overrides: those must match the engine's mode).
     """
 
-    component: Callable[[Scheduler, FeatherConfig], SchedulerComponent] = VllmMeter
+    component: type[SchedulerComponent] = VllmMeter
     sync_variant: type | None = None
     feather_clock: Callable[[], float] = staticmethod(time.time)
     """The clock Feather's waiting bounds read: vLLM's own (``Request.arrival_time`` is
     ``time.time()``); a test harness may give its own."""
 
     def __new__(cls, *args: Any, **kwargs: Any):
-        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        vllm_config: Any = kwargs.get("vllm_config", args[0] if args else None)
         sync_variant = cls.__dict__.get("sync_variant")
         if sync_variant is not None and not vllm_config.scheduler_config.async_scheduling:
             return sync_variant(*args, **kwargs)

@@ -1,29 +1,17 @@
 """Tenants through vLLM's OpenAI server: ``TenantMiddleware`` names each request's tenant
 where vLLM's engine carries it to Feather's scheduler.
 
-vLLM loads it with ``--middleware feather_sched.integrations.vllm.tenants.TenantMiddleware``
-(``feather serve`` adds the flag). It acts only where the server's Feather options use
-tenants (``fairness`` or ``isolate_tenants``: ``FeatherConfig.tenant_header_of``, read once
-from vLLM's app state, else ``FEATHER_*``); otherwise every request passes untouched, as
-``vllm serve`` would take it. The header is the ``tenant_header`` option's
-(``x-tenant-id``), read as UTF-8; given twice it is a 400. It is client input: only a
-gateway that sets or strips it should let it through (docs/isolation.md). For a POST to
-one of ``TENANT_PATHS`` whose body is a JSON object, the tenant the request names
-(``core.named_tenant``: the header, then the body's ``vllm_xargs.tenant``, then OpenAI's
-``user`` where it is a valid tenant id) is written to the body's ``vllm_xargs.tenant``.
-vLLM's protocol classes pass ``vllm_xargs`` on as ``SamplingParams.extra_args``
-(``to_sampling_params`` of completions, chat completions and responses; the Anthropic
-messages request through its chat request), which reach the engine core with the request,
-where ``VllmRequests.tenant`` reads it. A bad header or ``vllm_xargs.tenant`` is a 400 in
-vLLM's error shape, before vLLM reads the body; a body that is not a JSON object (or whose
-``vllm_xargs`` is not one) passes untouched, for vLLM to answer; any other path or method
-is not read. A request that names no tenant is the default tenant's.
+Loaded with ``--middleware feather_sched.integrations.vllm.tenants.TenantMiddleware``
+(``feather serve`` adds it); it acts only where the server's Feather options use tenants,
+else every request passes untouched.  For a POST to one of ``TENANT_PATHS`` whose body is
+a JSON object, the tenant the request names (``core.named_tenant``: the header, then the
+body's ``vllm_xargs.tenant``, then OpenAI's ``user``) is written to
+``vllm_xargs.tenant``, which vLLM passes on as ``SamplingParams.extra_args`` to
+``VllmRequests.tenant``.  A bad header or ``vllm_xargs.tenant`` is a 400 in vLLM's error
+shape; any other body, path or method passes unread (the header: docs/isolation.md).
 
-Cost: the body is read once and parsed once (``json``: about 0.8 ms for an 8K-token
-prompt here); where the tenant it carries is not the one named (a header, a ``user``, a
-numeric id) the key is prepended to the bytes, or the body written again where it has a
-``vllm_xargs`` key already. vLLM adds ``--middleware`` classes outermost, so this runs
-before its API-key check: a 400 for a bad tenant can come before a 401.
+Cost: the body read and parsed once (about 0.8 ms for an 8K-token prompt here), rewritten
+only where the tenant it carries is not the one named.  docs/vllm.md, "Tenants".
 """
 
 from __future__ import annotations

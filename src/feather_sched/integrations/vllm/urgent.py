@@ -1,53 +1,17 @@
 """Urgent preemption in vLLM (0.32-0.34): room for a waiting request of a more urgent class.
 
-vLLM preempts only to give a RUNNING request KV blocks (``Scheduler.schedule()``, its
-running loop; vLLM issue #40004): under its priority policy a waiting request of a more
-urgent class waits for a seat or KV blocks behind less urgent decodes. ``UrgentRoom`` acts
-before vLLM's pass (``VllmFeather.before_schedule``, after Feather's running order is set):
-when Feather's next admission (its ADD for the candidate of the most urgent class waiting)
-lacks a seat or KV blocks and a running request of a less urgent class exists, it preempts
-``FeatherRuntime.urgent_victims`` (the core's order and bound, ``max_urgent_preemptions``:
-the fewest in Feather's order that make room), then vLLM's own pass admits it. That
-decision is the core's ``make_room`` (the simulator's too); ``UrgentRoom`` gives it vLLM's
-types, ``Room`` and preemption (``core.urgent.Engine``). Where there
-is room, made or found, ``kv_holding_waiting``, which vLLM drains first and which ``Room``
-does not count, keeps its less urgent requests back until the urgent one is in
-(``KvHoldingQueue``).
-
-Why before the pass: vLLM admits waiting requests only in a pass that preempted nothing
-(``if not preempted_reqs``), and a request its running loop scheduled cannot be taken back
-from outside; before the pass nothing is scheduled yet, so a victim is one vLLM's own loop
-could have preempted before reaching it, and the urgent request goes in the same pass.
-Each victim goes through vLLM's own ``_preempt_request`` (blocks and encoder cache freed,
-``num_computed_tokens`` 0, in-flight output marked stale under async scheduling, back to
-the waiting queue, its id in this pass's ``preempted_req_ids`` for the workers), as
-``reset_prefix_cache`` preempts outside the loop; its id leaves
-``prev_step_scheduled_req_ids`` as there where vLLM keeps that set (0.32, 0.33:
-``compat.forget_prev_step``), so a resume in this very pass carries its tokens to the V1
-runner.
-
-``Room`` replays vLLM's arithmetic with its pure queries: a seat is
-``max_num_active_reqs`` less paused streaming sessions; KV room is the free blocks, plus
-those the victims would free (a block frees only with its last holder: a prefix a request
-that stays shares does not), against the urgent request's blocks after its prefix-cache
-hits (its first chunk under chunked prefill), the watermark, and the blocks the running
-requests that stay take first in this pass
-(``KVCacheCoordinator.get_num_blocks_to_allocate``, as ``allocate_slots`` asks it). Not
-after a fault (Feather's code out of the pass), not while vLLM is paused, not in a pass
-whose prefills vLLM defers (data-parallel prefill balancing,
-``compat.prefills_deferred``; the next pass tries again), only under vLLM's priority
-policy, never for a request vLLM would skip (grammar not compiled, stale output in flight,
-no LoRA slot); a victim whose blocks a KV connector's deferred free holds frees none now
-(vLLM's own rule), and while a connector has block frees pending KV room is not lacking
-(vLLM waits for them too). Cost: nothing outside vLLM's priority policy; under it, a class
-check in O(running) a pass while requests wait, and only where Feather's candidate is more
-urgent than a running request the room test, O(running), then O(victims' blocks) per set
-of victims tried.
-
-``Room`` is vLLM's ``core.Room`` (the core's rule asks it, ``core/urgent.py``).  The
-vLLM-private members this module reads are ``PRIVATE``, checked once per scheduler where
-``UrgentRoom`` is built: a vLLM release without one leaves urgent preemption off, with one
-warning."""
+vLLM preempts only to give a RUNNING request KV blocks (vLLM issue #40004).  ``UrgentRoom``
+acts before vLLM's pass (``VllmFeather.before_schedule``): where Feather's next ADD, of the
+most urgent class waiting, lacks a seat or KV blocks, the core's ``make_room`` preempts
+``FeatherRuntime.urgent_victims`` through vLLM's own ``_preempt_request`` and vLLM's pass
+admits the request; ``KvHoldingQueue`` keeps ``kv_holding_waiting``'s less urgent requests
+back until it is in.  ``Room`` replays vLLM's arithmetic with its pure queries (seats, free
+blocks, what victims free, the watermark, the running requests' blocks first).  Cost:
+nothing outside vLLM's priority policy; under it O(running) a pass while requests wait,
+then O(victims' blocks) per set tried.  The vLLM-private members read are ``PRIVATE``,
+checked once: a release without one leaves urgent preemption off, with one warning.  Why
+before the pass, and every case left alone: docs/vllm.md#urgent-preemption.
+"""
 
 from __future__ import annotations
 
