@@ -111,10 +111,6 @@ def docstring_lines(node: ast.Module | Definition) -> int:
 
 
 OWNED_ELSEWHERE = {
-    "feather_sched.core.tenants": 20,
-    "feather_sched.core.fairness": 32,
-    "feather_sched.core.queue": 31,
-    "feather_sched.core.runtime": 19,
     "feather_sched.integrations.vllm.attention_gpu": 31,
     "feather_sched.integrations.ray.app": 22,
     "feather_sched.integrations.ray.router": 20,

@@ -1,34 +1,16 @@
 """The fairness bound: no waiting request is passed by more than K later arrivals, nor
-held back by more than S of the gate's STOPs.
+held back by more than S of the gate's STOPs (docs/fairness.md#the-guarantee, with why).
 
-Prefix-first order alone starves a minority prefix while a majority keeps arriving (the
-tree never prefers it), and a gate that keeps stopping delays everyone waiting.  The
-bound is stated against arrival order, the FCFS order a user expects: *while a request
-waits, at most* ``limit`` *requests that arrived after it are admitted before it, and the
-gate ends at most* ``stop_limit`` *scheduling passes early*; the request that reaches
-either bound is admitted next, over the tree's order and the gate (unless the engine
-itself cannot take it: then nobody is admitted in that pass).  A request that runs and is
-preempted waits under the bound afresh from the moment it returns.
-
-Priority classes (lower value more urgent, as in vLLM and SGLang): a request is overtaken
-only by later arrivals of its own class or a less urgent one (a more urgent request is
-entitled to go first), and only the most urgent class waiting can be due: the bound holds
-within a class, and across classes priority is strict.  Tenants (given where fair share
-between tenants is on, ``tenants``): a request is overtaken only by later arrivals of its
-own tenant; across tenants the share orders, and its own bound holds.
-
-Bookkeeping: each request gets a sequence number when first seen (requests that arrive at
-the same moment share one: none arrived after another); each admission is
-logged with its request's sequence, and STOPs are counted.  A waiting request's overtakes
-are the logged admissions since it entered waiting whose sequence is later than its own;
-its stops, the STOPs since it entered.  Among requests of one class and tenant waiting
-since they arrived, the oldest (the tenant's head) has the most of both (every admission
-that passes a younger one passed it too), so only the heads and the requests that
-re-entered waiting (preempted ones, usually few) need checking.  The heads sit in arrays
-by tenant, so ``due`` scans them in C; a head is counted over the log only where its
-tenant has had ``limit`` admissions since it entered (overtakes need that many), and a
-requeued request once each.
-Admissions cost O(1) amortised; the log is trimmed to what waiting requests still need.
+Against arrival order: while a request waits, at most ``limit`` later arrivals of its
+class or a less urgent one (and, with tenants, of its own tenant) are admitted before it,
+and the gate ends at most ``stop_limit`` passes early; at either bound it is due.  A
+preempted request waits under the bound afresh.  Only the most urgent class can be due.
+Bookkeeping: a sequence number per arrival (together: one), a log of admitted sequences,
+a STOP count.  The oldest request of a class and tenant waiting since it arrived (the
+head) has the most overtakes and stops of its kind, so only the heads and the requeued
+requests are checked; the heads sit in arrays by tenant (``due`` scans them in C) and
+one is counted over the log only where its tenant has had ``limit`` admissions since it
+entered.  Admissions O(1) amortised; the log is trimmed to what waiting requests need.
 """
 
 from __future__ import annotations

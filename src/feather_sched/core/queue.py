@@ -2,31 +2,16 @@
 
 The Chunked Hash Tree (``cht``) ranks waiting requests by the prefix they share with the
 running set; an ADD/STOP gate answers for the candidate; bounds on waiting override both.
-The requests, their states (WAITING, RUNNING, HELD) and their moves are the queue's book
-(``book.QueueBook``); this module decides on top of it.
-
-Invariants.  Priority classes (``add(..., priority=)``, lower more urgent) are strict:
-nothing is admitted while a more urgent request waits, and all below acts within the most
-urgent class waiting.  The candidate is, in order: a starved request (``max_wait_s``, one a
-pass); the oldest at its fairness bound (``max_overtakes``, ``max_stops``); while the
-engine could run everything in flight (``fits_all``), the oldest waiting request
-(``_chosen`` says when); else the tree's best, which passes an older request only for a
-shared prefix of ``min_passing_tokens`` or more.  A candidate a bound names is admitted
-whatever the gate says; after a STOP every answer is STOP until ``new_step``.  With fair
-share between tenants (``share``, a ``TenantShare``), the last two pick only among the
-tenants the share admits now (``tenants``, given the engine's ``seats`` for their seat
-share): the first of theirs in the tree's order, the least served tenant first among
-requests sharing as much (``rank_key``); the waiting bound counts overtakes within a
-tenant, and a request at its overtaking or stop bound is due only while the share admits
-its tenant (it takes its tenant's turn: ``due``), so no setting of the bounds turns the
-share off; the starvation backstop likewise acts in its tenant's turn; only a
-``promise`` is above the share.  Without
-``prefix_order`` (VTC itself) the candidate is instead the head of the least served
-tenant's first-come-first-served queue (``TenantFifo``).  Why each rule, and the
-guarantee they make: docs/fairness.md.
-
-Costs: the moves as ``QueueBook``'s; ``decide`` is cached per candidate until the next
-change.
+The requests and their moves are the queue's book (``book.QueueBook``).  Priority classes
+are strict.  The candidate, in the most urgent class waiting: a ``promise``d request; a
+starved one (``max_wait_s``, one a pass); the oldest at its fairness bound; while the
+engine could run everything in flight (``fits_all``), the oldest; else the tree's best.
+A candidate a bound names is admitted whatever the gate says; after a STOP every answer
+is STOP until ``new_step``.  With fair share (``share``), all of these but the promise
+pick among the tenants the share admits now: each bound acts in its tenant's turn.
+Without ``prefix_order`` (VTC) the least served tenant's FIFO head goes next.  Why each
+rule: docs/fairness.md.  Costs: the moves as ``QueueBook``'s; ``decide`` is cached per
+candidate until the next change.
 """
 
 from __future__ import annotations

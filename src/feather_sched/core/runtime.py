@@ -1,15 +1,13 @@
 """FeatherRuntime: the one admission contract that vLLM, SGLang and the simulator drive.
 
-A thin composition of rooms, each with one job and its own state, behind one contract
-(``core.contract.RuntimeContract``: every member an adapter may use, each with its
-contract; docs/architecture.md's table is generated from it): the ``FeatherQueue``, the
-``Record`` of the requests the engine holds, the ``Order`` of its lists, the
-``PassLedger`` of this pass's admissions, ``Recovery`` after a fault, urgent preemption's
+A thin composition of rooms behind one contract (``core.contract.RuntimeContract``): the
+``FeatherQueue``, the ``Record`` of the requests the engine holds, the ``Order`` of its
+lists, the ``PassLedger`` of this pass, ``Recovery`` after a fault, urgent preemption's
 rule (``core.urgent``) and the ``StepMeter``.  Adapters never reach the rooms.  The
-running set is never assumed from admissions: ``begin_pass`` and ``end_pass`` each take
-what the engine reports as running.  An exception in any call is contained by the adapter
-calling through ``faults`` (``FaultGuard``), and the next ``begin_pass``, given the
-engine's own queues, rebuilds the picture.  The contract's loop: docs/architecture.md.
+running set is never assumed from admissions: ``begin_pass`` and ``end_pass`` take what
+the engine reports.  An exception in any call is contained by the adapter's ``faults``
+(``FaultGuard``), and the next ``begin_pass`` rebuilds the picture from the engine's
+queues.  The contract's loop: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
-"""Fair share between tenants (docs/fairness.md#tenants has the rules and the proof of
-their bound); what a tenant id is.
-
-``TenantShare`` keeps a VTC counter per tenant (Sheng et al., OSDI'24): ``INPUT_WEIGHT``
-per computed prompt token and ``OUTPUT_WEIGHT`` per generated token over the tenant's
-weight, a cache hit at ``hit_weight`` of a computed token.  A tenant with a request
-waiting and below its share of the engine's seats is backlogged; it is lifted to the
-least backlogged counter when it becomes so.  The share admits the backlogged tenants
-within their quanta of one another (``window``), and the queue orders by prefix inside
-that window.  A tenant's quantum is ``quantum`` scaled by its part of the recent service
-over its fair part; a newcomer's is 0, so, as under VTC, its next request goes before
-anyone more served.  Queries are read-only; state changes in ``wait``, ``unwait``,
-``run``, ``unrun`` and once a pass in ``refresh``.  Costs: O(1) a charge; O(T) in C a
-query (``T`` the tenants seen); one admission decision at 10,000 backlogged tenants
-0.3 ms on a 2-core AMD EPYC (``benchmarks/core/``).
-
-Tenant ids come from an engine argument (``TENANT_ARG``), filled by an HTTP front from
-the ``x-tenant-id`` header or OpenAI's ``user`` (``named_tenant``); ``parse_tenant`` checks
-every id.
+"""Fair share between tenants (docs/fairness.md#tenants: the rules, the proof of their
+bound); what a tenant id is.  ``TenantShare`` keeps a VTC counter per tenant (Sheng et
+al., OSDI'24): ``INPUT_WEIGHT`` per computed prompt token and ``OUTPUT_WEIGHT`` per
+generated token over the tenant's weight, a cache hit at ``hit_weight`` of a computed
+token.  A tenant with a request waiting and below its share of the engine's seats is
+backlogged; it is lifted to the least backlogged counter when it becomes so.  The share
+admits the backlogged tenants within their quanta of one another (``window``), and the
+queue orders by prefix inside that window.  A tenant's quantum is ``quantum`` scaled by
+its part of the recent service over its fair part; a newcomer's is 0, so, as under VTC,
+its next request goes before anyone more served.  Queries are read-only.  Costs: O(1) a
+charge; O(T) in C a query (``T`` tenants seen); a decision at 10,000 tenants 0.3 ms
+(``benchmarks/core/``).  Tenant ids: an engine argument (``TENANT_ARG``) an HTTP front
+fills (``named_tenant``), each checked by ``parse_tenant``.
 """
 
 from __future__ import annotations
