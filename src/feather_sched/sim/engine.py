@@ -1,35 +1,16 @@
 """A discrete-event model of vLLM V1's continuous batching, driving real scheduler objects.
 
-Each step follows the shape of vLLM's ``Scheduler.schedule()``: running requests first
-(one decode token, or their next prefill chunk), preempting by recompute, when KV blocks
-run out, the policy's victim (vLLM FCFS: the most recently admitted; vLLM's priority
-policy: the latest arrival of the least urgent class; Feather: the newest member of that
-class's youngest prefix group); then, if nothing was
-preempted, admission from the waiting policy while the token budget, ``max_num_seqs``
-and the KV blocks allow.  Under Feather, before the pass, urgent preemption by the very
-protocol Feather's vLLM adapter runs (``core.urgent.make_room``): when the candidate of the
-most urgent class waiting lacks a seat or KV blocks and a less urgent request runs, the
-fewest running requests that make room (``urgent_victims``, asking a ``PoolRoom``) are
-preempted together, then the pass admits it.  The batch is laid out
-like vLLM's *persistent batch* (new requests take the lowest free slot, then ``condense``
-moves the last slots into the remaining holes), which is what interleaves prefix groups
-over time; under a policy whose ``layout`` is Feather's, each group
-gathers at its first slot, as Feather's worker plugin makes vLLM's V1 runner do.
-
-Every policy drives the contract of ``feather_sched.core.runtime`` (Feather is the real
-``FeatherRuntime``; the baselines implement the same calls), and prefix groups and
-shared tokens come from the requests' block keys (``feather_sched.core.prefix``), exactly as
-in the step log of a real engine.
-
-A cost model prices each step; when ``charge_scheduler_time`` is on, the wall-clock time
-the policy's calls took (and any modelled seconds it declares in ``charged_s``) is the
-scheduler's time, so a slow scheduler costs simulated throughput.  By default it adds to
-the step's model time, as in a synchronous engine (vLLM on CPU, or with async scheduling
-off): conservative for a GPU.  ``overlap_scheduler`` models vLLM's async scheduling (its
-GPU default: ``schedule()`` of step N+1 runs while step N executes) and SGLang's overlap
-scheduler: a step takes the longer of the two.  The run yields the same
-``RequestRecord`` and ``StepRecord`` lists as a real benchmark run, so the same report
-code reads both.
+Each step follows vLLM's ``Scheduler.schedule()``: running requests first (a decode token
+or their next prefill chunk), preempting the policy's victim by recompute when KV blocks
+run out; then, if nothing was preempted, admission while the token budget,
+``max_num_seqs`` and the KV blocks allow.  Under Feather, urgent preemption runs before
+the pass by the protocol of Feather's vLLM adapter (``core.urgent.make_room``, asking a
+``PoolRoom``).  The batch is laid out like vLLM's persistent batch (lowest free slot,
+holes condensed), each prefix group gathered at its first slot under Feather's layout.
+Every policy drives the runtime contract; a cost model prices each step, and with
+``charge_scheduler_time`` the policy's wall-clock time (plus its ``charged_s``) adds to
+it (``overlap_scheduler``: the longer of the two, as vLLM's async scheduling).  The run
+yields the same records as a real benchmark run.  In full: docs/simulator.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """Feather across vLLM replicas on Ray Serve: the two deployments and the application.
 
-* ``VLLMReplica``: one vLLM ``AsyncLLM`` engine with ``vllm serve``'s arguments (so
-  ``feather serve``'s Feather scheduler and options), and vLLM's own OpenAI server app
-  over it (``build_app`` and ``init_app_state`` of vLLM's launcher, its middlewares
-  included: the API key, Feather's tenant middleware); ``http`` answers a forwarded
-  request with that app (``forward.answer``).  Its Feather files are its own (its Serve
-  rank in ``FEATHER_REPLICA``), its ``vllm:`` and ``feather:`` metrics go through Ray's
-  (``ray.metrics``), and with KV events on it registers its endpoints and block hashing
-  (``router.register_kv_events``) once a one-block probe prompt has run.
-* ``OpenAIIngress``: forwards every request, as it came, to a replica chosen by a handle
-  whose request router is ``FeatherRequestRouter`` (or another, for comparisons), with
-  the hints the router reads (``forward.Hints``: the prompt's tokens and its isolation
-  namespace), and answers with the replica's answer; ``/feather/router`` is its own.
-* ``build_app``: both, as ``feather serve --replicas`` runs them.
-
-So the endpoint is vLLM's: every path and field ``vllm serve`` takes reaches the engine
-(``/health`` included), with vLLM's own answers and errors.  Invariants: a request whose
-replica died is resent only before any of its answer reached the client; nothing two
-replicas write is shared.  Why not Ray Serve LLM, the endpoints and metrics in full:
-docs/replicas.md.
+``VLLMReplica``: one vLLM ``AsyncLLM`` with ``vllm serve``'s arguments and vLLM's own
+OpenAI app over it (its middlewares included); its Feather files and metrics its own, and
+with KV events on it registers its endpoints and block hashing once a probe has run.
+``OpenAIIngress``: forwards every request as it came to a replica chosen by
+``FeatherRequestRouter``, with the router's hints (``forward.Hints``), and answers with
+the replica's answer.  ``build_app``: both, as ``feather serve --replicas`` runs them.
+So every path and field ``vllm serve`` takes reaches the engine.  Invariants: a request
+whose replica died is resent only before any of its answer reached the client; nothing
+two replicas write is shared.  In full: docs/replicas.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """``FeatherRequestRouter``: Ray Serve's request router with ``FeatherRouter`` deciding.
 
-Ray Serve (2.60) builds one router per deployment handle, in the caller's process (the
-ingress of ``feather_sched.integrations.ray.app``), and drives it from one event loop.
-This class only translates: a request's prompt becomes chunk keys once, Ray's
-``ReplicaID`` is the core's replica.  Invariants, the core's exactly-once contract:
-
-* a request is routed in the core when chosen (``choose_replicas``), moved when Ray sends
-  it elsewhere (``on_request_routed``), finished once when its ``ReplicaResult``
-  completes (any way), and withdrawn (``Router.withdraw``) if Ray gives it up unaccepted;
-* the core's replicas are Ray's (``update_replicas``, ``on_replica_actor_died``); a gone
-  replica is never chosen again, and its requests' later completions are ignored;
-* with ``kv_events`` the core routes by a ``cache_index.PreciseIndex`` fed by the
-  replicas' KV events (``vllm.kv_events.KVEventSubscriber``, checked against the
-  router's own ``vllm.block_hash.VLLMBlockHasher``), else by the approximate index.
-
-Needs strict ``max_ongoing_requests`` (Serve's default outside Ray Client).  Cost per
-request: the prompt's keys once, plus ``FeatherRouter``'s O(keys) bookkeeping; O(1) per
-completion.  The whole of it (prompts, sessions, dead replicas): docs/replicas.md.
+Ray Serve builds one per deployment handle, in the ingress's process, on one event loop.
+It only translates (a prompt's chunk keys once; Ray's ``ReplicaID`` the core's replica)
+and keeps the core's exactly-once contract: routed when chosen, moved when Ray sends it
+elsewhere, finished once when its result completes, withdrawn if Ray gives it up; a gone
+replica is never chosen again.  With ``kv_events`` the core routes by a ``PreciseIndex``
+fed by the replicas' KV events, else by the approximate index.  Needs strict
+``max_ongoing_requests``.  Cost per request: the prompt's keys once plus O(keys)
+bookkeeping; O(1) per completion.  In full: docs/replicas.md.
 """
 
 from __future__ import annotations
