@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import tomllib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
@@ -68,6 +68,7 @@ from vllm.v1.attention.selector import AttentionSelectorConfig
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from feather_sched.attention import gpu_decode, selfcheck
+from feather_sched.attention.groups import Groups
 from feather_sched.attention.partials import reference_attention
 from feather_sched.attention.selfcheck import Cell, device_name
 from feather_sched.integrations.vllm import attention_check, attention_subject, plugins
@@ -184,7 +185,7 @@ def test_an_engine_that_did_not_choose_feather_gets_vllms_builder(kind, announce
     config.additional_config = {}
     with caplog.at_level("DEBUG", logger="vllm.feather_sched"):
         builder = BUILDERS[kind](SPEC, ["layer"], config, torch.device("cpu"))
-    assert builder.decode is None and announced == []
+    assert builder.path is None and announced == []
     assert [r for r in caplog.records
             if r.name == "vllm.feather_sched" and r.levelno > logging.DEBUG] == []
     assert builder.supports_update_block_table == ENGINE_BUILDERS[kind].supports_update_block_table
@@ -194,18 +195,18 @@ def test_an_engine_that_did_not_choose_feather_gets_vllms_builder(kind, announce
 def test_the_option_and_its_default(kind, announced, config_on):
     builder = BUILDERS[kind]
     auto = builder(SPEC, ["layer"], make_config(), torch.device("cpu"))
-    assert auto.decode is None
+    assert auto.path is None
     assert announced == ["off (auto, and the scheduler is not Feather's)"]
     off = builder(SPEC, ["layer"], make_config({"shared_prefix_attention": "off"}),
                   torch.device("cpu"))
-    assert off.decode is None and announced[-1] == "off (option shared_prefix_attention)"
+    assert off.path is None and announced[-1] == "off (option shared_prefix_attention)"
     on = builder(SPEC, ["layer"], config_on, torch.device("cpu"))
-    assert on.decode is not None
+    assert on.path is not None
     assert announced[-1] == (f"on ({builder.name}, block size 16, groups from 16 shared "
                              "blocks; no FULL CUDA graphs)")
     graphed = builder(SPEC, ["layer"], make_config({"shared_prefix_attention": "on"},
                                                    graphs=True), torch.device("cpu"))
-    assert announced[-1].endswith("FULL decode CUDA graphs kept)") and graphed.decode
+    assert announced[-1].endswith("FULL decode CUDA graphs kept)") and graphed.path is not None
 
 
 def test_configurations_it_cannot_serve_stay_off(config_on, monkeypatch):
@@ -232,15 +233,15 @@ def test_fused_output_quantization_and_batch_invariance_are_refused_by_name(
     batch-invariant mode (a grouped row's numerics would depend on its neighbours)."""
     fused = make_config({"shared_prefix_attention": "on"})
     fused.compilation_config.pass_config.fuse_attn_quant = True
-    assert BUILDERS[kind](SPEC, ["layer"], fused, torch.device("cpu")).decode is None
+    assert BUILDERS[kind](SPEC, ["layer"], fused, torch.device("cpu")).path is None
     assert announced[-1].startswith("off with fused output quantization (compilation_config"
                                     ".pass_config.fuse_attn_quant")
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     invariant = make_config({"shared_prefix_attention": "on"})
-    assert BUILDERS[kind](SPEC, ["layer"], invariant, torch.device("cpu")).decode is None
+    assert BUILDERS[kind](SPEC, ["layer"], invariant, torch.device("cpu")).path is None
     assert announced[-1].startswith("off in batch-invariant mode (VLLM_BATCH_INVARIANT")
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
-    assert BUILDERS[kind](SPEC, ["layer"], invariant, torch.device("cpu")).decode is not None
+    assert BUILDERS[kind](SPEC, ["layer"], invariant, torch.device("cpu")).path is not None
 
 
 @pytest.mark.parametrize("kind", BUILDERS)
@@ -263,7 +264,7 @@ def test_layers_the_kernels_cannot_serve_turn_their_group_off(kind, config_on, a
         builder = BUILDERS[kind](SPEC, ["layer"], config_on, torch.device("cpu"))
     finally:
         LAYER_IMPL[0] = make_impl()
-    assert builder.decode is None and announced[-1] == "soft-capping"
+    assert builder.path is None and announced[-1] == "soft-capping"
 
 
 @pytest.mark.parametrize("kind", BUILDERS)
@@ -377,15 +378,15 @@ def test_the_builder_stages_host_groups_and_cuts_in_one_persistent_buffer(kind, 
     metadata = builder.build_with(common, False, slot_rows(batch))
     if kind == "flash":  # FA3's schedule is planned for the lengths its kernel will read
         assert planned[-1].tolist() == metadata.seq_lens.tolist()
-    assert isinstance(metadata, builder.metadata_cls) and metadata.work is builder.decode
+    assert isinstance(metadata, builder.metadata_cls) and metadata.work is builder.path.decode
     stock = ENGINE_BUILDERS[kind](SPEC, ["layer"], config_on, torch.device("cpu")).build(0, common)
     assert metadata.block_table is stock.block_table
     shared = {row: n for rows, n in zip(batch.groups, (18, 16), strict=True) for row in rows}
     assert sorted(shared) == [1, 2, 4, 5, 6]
     assert metadata.seq_lens.tolist() == [1 if row in shared else int(length)
                                           for row, length in enumerate(common.seq_lens)]
-    assert metadata.seq_lens.data_ptr() == builder._cut.data_ptr()
-    work = staged(builder.decode)
+    assert metadata.seq_lens.data_ptr() == builder.path.cut.data_ptr()
+    work = staged(builder.path.decode)
     starts = common.query_start_loc_cpu.tolist()
     assert sorted(work["suffix_rows"]) == sorted(shared)
     assert work["tokens"] == [starts[row] for row in work["suffix_rows"]]
@@ -397,10 +398,34 @@ def test_the_builder_stages_host_groups_and_cuts_in_one_persistent_buffer(kind, 
     second = replace(common, block_table_tensor=table[order], seq_lens=common.seq_lens[order],
                      seq_lens_cpu_upper_bound=common.seq_lens_cpu_upper_bound[order])
     again = builder.build_with(second, False, HostRows(table[order].numpy(), np.arange(8)))
-    assert again.seq_lens.data_ptr() == builder._cut.data_ptr()
+    assert again.seq_lens.data_ptr() == builder.path.cut.data_ptr()
     assert again.seq_lens.tolist() == [1 if r in (1, 4) else int(second.seq_lens[r])
                                        for r in range(8)]
-    assert sorted(staged(builder.decode)["suffix_rows"]) == [1, 4]  # the B rows, moved
+    assert sorted(staged(builder.path.decode)["suffix_rows"]) == [1, 4]  # the B rows, moved
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_the_metadata_is_every_field_vllm_built_and_the_work(kind, config_on, monkeypatch):
+    """``carrying``: vLLM's metadata of the step as Feather's subclass, each of the fields
+    this release's metadata has the very object vLLM built, then the work."""
+    stand_in_for_fa3(kind, monkeypatch)
+    stock = ENGINE_BUILDERS[kind](SPEC, ["layer"], config_on, torch.device("cpu")).build(
+        0, make_batch(decode_only=False).common)
+    work = BUILDERS[kind](SPEC, ["layer"], config_on, torch.device("cpu")).path.decode
+    carried = gpu.carrying(BUILDERS[kind].metadata_cls, stock, work)
+    assert type(carried) is BUILDERS[kind].metadata_cls and carried.work is work
+    assert [f.name for f in fields(carried)] == [*(f.name for f in fields(stock)), "work"]
+    assert [f.name for f in fields(stock) if getattr(carried, f.name) is not getattr(
+        stock, f.name)] == []
+
+
+def test_a_step_carries_the_work_unless_nothing_groups_and_no_graph_holds_it():
+    """``Step.carries_work``: groups to run, a capture, or a mode whose FULL graphs may
+    replay the step; only a step with none of these gets vLLM's metadata."""
+    groups = Groups(rows=np.array([0, 1]), offsets=np.array([0, 2]), shared=np.array([1]))
+    steps = [gpu.Step(found, capturing, graphs) for found in (None, groups)
+             for capturing in (False, True) for graphs in (False, True)]
+    assert [step for step in steps if not step.carries_work] == [gpu.Step(None, False, False)]
 
 
 @pytest.mark.parametrize("kind", BUILDERS)
@@ -415,11 +440,11 @@ def test_a_step_without_groups(kind, config_on):
                                                            graphs=True), torch.device("cpu"))
     for source in (host, None):  # no groups, or no host rows: a graph replays empty work
         metadata = graphed.build_with(batch.common, False, source)
-        assert metadata.work is graphed.decode and staged(graphed.decode)["tokens"] == []
+        assert metadata.work is graphed.path.decode and staged(graphed.path.decode)["tokens"] == []
         assert metadata.seq_lens.tolist() == batch.common.seq_lens.tolist()
-        assert metadata.seq_lens.data_ptr() == graphed._cut.data_ptr()
+        assert metadata.seq_lens.data_ptr() == graphed.path.cut.data_ptr()
     captured = graphed.build_for_cudagraph_capture(make_batch(decode_only=False).common)
-    assert captured.work is graphed.decode and staged(graphed.decode)["tokens"] == []
+    assert captured.work is graphed.path.decode and staged(graphed.path.decode)["tokens"] == []
 
 
 @pytest.mark.parametrize("kind", BUILDERS)
@@ -443,7 +468,7 @@ def test_while_full_graphs_are_set_every_step_carries_the_work(kind, monkeypatch
         return call
 
     for name in ("clear", "stage", "cut_seq_lens", "run"):
-        monkeypatch.setattr(builder.decode, name, recorded(name))
+        monkeypatch.setattr(builder.path.decode, name, recorded(name))
 
     def unshared(decode_only: bool):
         common = make_batch(decode_only).common
@@ -459,7 +484,7 @@ def test_while_full_graphs_are_set_every_step_carries_the_work(kind, monkeypatch
     assert mixed.max_query_len > 1
     for batch in (mixed, decode):  # FULL_AND_PIECEWISE: each may replay a FULL graph
         work.clear()
-        assert builder.build_with(batch, False, host).work is builder.decode
+        assert builder.build_with(batch, False, host).work is builder.path.decode
         assert work == ["clear", "cut_seq_lens"]
     for mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):  # read at each step
         config.compilation_config.cudagraph_mode = mode
@@ -487,7 +512,7 @@ def test_the_per_step_path_reads_no_device_tensor_on_the_host(kind, monkeypatch)
     with pytest.raises(NotImplementedError):
         on_meta.seq_lens.tolist()  # what any host read of a device tensor would meet
     metadata = builder.build_with(on_meta, False, slot_rows(batch))
-    assert metadata.work is builder.decode and metadata.seq_lens.device == meta
+    assert metadata.work is builder.path.decode and metadata.seq_lens.device == meta
 
 
 # The whole forward, in Triton's interpreter ------------------------------------------------
@@ -581,7 +606,7 @@ def test_interpreted_self_check_decides_auto(kind, faster, monkeypatch, tmp_path
     config.scheduler_config.scheduler_cls = FEATHER
     builder = BUILDERS[kind](SPEC, ["layer"], config, torch.device("cpu"))
     line = messages[-1]
-    assert (builder.decode is not None) is faster, line
+    assert (builder.path is not None) is faster, line
     assert line.startswith(f"{'on' if faster else 'off'} (self-check on {device_name('cpu')}, "
                            "8q/2kv/d64 "
                            f"float32, block 16, layout {builder.name}"), line
@@ -590,7 +615,7 @@ def test_interpreted_self_check_decides_auto(kind, faster, monkeypatch, tmp_path
     assert verdict.max_error < 1e-5 and all(c.reference_error < 1e-5 for c in verdict.cells)
     assert any(c.cell.idle for c in verdict.cells)  # the empty step, exact and timed too
     if faster:
-        assert builder.min_shared_blocks == 64 // BLOCK and "2.00x at 64 2x2" in line
+        assert builder.path.min_shared_blocks == 64 // BLOCK and "2.00x at 64 2x2" in line
     else:
         assert "not faster than the engine's kernel" in line
 

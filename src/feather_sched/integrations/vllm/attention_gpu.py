@@ -59,7 +59,13 @@ from feather_sched.attention.eligibility import TRITON_KERNEL, LayerTraits
 from feather_sched.attention.eligibility import layer_problem as layer_problem_of
 from feather_sched.attention.end_to_end import EndToEnd
 from feather_sched.attention.gpu_decode import DecodeLimits, GroupedDecode
-from feather_sched.attention.groups import MIN_ROWS, MIN_SHARED_TOKENS, find_groups, min_blocks
+from feather_sched.attention.groups import (
+    MIN_ROWS,
+    MIN_SHARED_TOKENS,
+    Groups,
+    find_groups,
+    min_blocks,
+)
 from feather_sched.attention.selfcheck import Shapes, Verdict
 from feather_sched.integrations.vllm import host_tables
 from feather_sched.integrations.vllm.attention_choice import (
@@ -183,6 +189,97 @@ def full_graphs(compilation: Any) -> bool:
     return bool(mode and mode.has_full_cudagraphs())
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """The decision once ``auto``'s checks ran: why the path keeps vLLM's (``reason``;
+    None: it acts), groups from ``min_tokens`` shared tokens (None: the default), and the
+    kernel check's verdict and the end-to-end proof where they ran."""
+
+    reason: str | None
+    min_tokens: int | None
+    verdict: Verdict | None = None
+    proof: EndToEnd | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One build of a builder the path acts in, read once at its start: the decode rows'
+    groups (``find_groups``; None: none formed, or no host rows), whether vLLM is
+    capturing a graph, and whether the engine's mode has FULL graphs now."""
+
+    groups: Groups | None
+    capturing: bool
+    full_graphs: bool
+
+    @property
+    def carries_work(self) -> bool:
+        """Whether the metadata carries the work: groups to run, or a graph that may
+        capture or replay the launches (then the work is cleared); otherwise it is
+        vLLM's, and Feather stages, cuts and launches nothing.  Pure."""
+        return self.groups is not None or self.capturing or self.full_graphs
+
+
+@dataclass(frozen=True)
+class GroupedPath:
+    """What a builder keeps where the path acts, made once at engine start: the
+    persistent work buffers (``decode``), the cut ``seq_lens`` buffer its graphs read
+    (``cut``), how rows group (``block_size``, ``min_shared_blocks``), and vLLM's
+    compilation config, whose graph mode each step reads."""
+
+    decode: GroupedDecode
+    cut: Tensor
+    block_size: int
+    min_shared_blocks: int
+    compilation: Any
+
+    def step(self, common: CommonAttentionMetadata, host: HostRows | None,
+             capturing: bool) -> Step:
+        """The step's state: its groups read from ``host`` (None: no host block ids)."""
+        groups = self.groups(common, host) if host is not None else None
+        return Step(groups, capturing, full_graphs(self.compilation))
+
+    def groups(self, common: CommonAttentionMetadata, host: HostRows) -> Groups | None:
+        """The step's groups, or None where none can form (decided before any grouping
+        where the batch is too short or has too few decode rows)."""
+        if (common.causal is not True or common.mm_req_doc_ranges is not None
+                or common.seq_lens_cpu_upper_bound is None
+                or common.max_seq_len <= self.min_shared_blocks * self.block_size):
+            return None
+        num_reqs = len(host.rows)
+        query_lens = np.diff(common.query_start_loc_cpu[:num_reqs + 1].numpy())
+        if np.count_nonzero(query_lens == 1) < MIN_ROWS:
+            return None
+        groups = find_groups(host.table, host_seq_lens(common)[:num_reqs], query_lens,
+                             self.block_size, self.min_shared_blocks, table_rows=host.rows)
+        return groups if len(groups) else None
+
+    def cut_seq_lens(self, common: CommonAttentionMetadata, step: Step) -> Tensor:
+        """Stage the step's groups into the work (cleared where there are none) and
+        return the lengths vLLM's kernel reads, grouped rows cut to one token, in
+        ``cut``."""
+        if step.groups is None:
+            self.decode.clear()
+        else:
+            self.decode.stage(step.groups, host_seq_lens(common),
+                              common.query_start_loc_cpu.numpy(), self.block_size)
+        return self.decode.cut_seq_lens(common.seq_lens, self.cut)
+
+
+def host_seq_lens(common: CommonAttentionMetadata) -> np.ndarray:
+    """The rows' exact lengths on the host (exact without speculative decoding, which
+    ``decide_gpu`` refuses)."""
+    return common.seq_lens_cpu_upper_bound.numpy()
+
+
+def carrying(metadata_cls: type, metadata: Any, work: GroupedDecode) -> Any:
+    """vLLM's metadata of the step as ``metadata_cls`` (its subclass adding ``work``):
+    every init field as vLLM built it, as ``dataclasses.replace`` copies (which keeps
+    the type).  vLLM 0.32-0.34's FlashAttention and Triton metadata are plain dataclasses,
+    every field an init field."""
+    kept = {f.name: getattr(metadata, f.name) for f in fields(metadata) if f.init}
+    return metadata_cls(**kept, work=work)
+
+
 class SharedPrefixBuilder:
     """What Feather adds to a vLLM GPU metadata builder (a mixin placed before it)."""
 
@@ -193,10 +290,11 @@ class SharedPrefixBuilder:
     engine_cls: ClassVar[type]
     engine_impl_cls: ClassVar[type]
     """vLLM's own builder and impl: the self-check's reference."""
-    decode: GroupedDecode | None = None
-    """The step's work buffers where the path is on (None: vLLM's builder, exactly)."""
+    path: GroupedPath | None = None
+    """What each step reads where the path acts (None: vLLM's builder, exactly)."""
     _capturing = False
-    """Inside ``build_for_cudagraph_capture``: the work is carried, empty."""
+    """Inside vLLM's ``build_for_cudagraph_capture`` (which calls ``build``): the work is
+    carried, empty."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
@@ -206,108 +304,127 @@ class SharedPrefixBuilder:
 
     def _choose(self, vllm_config: Any, kv_cache_spec: Any, layer_names: list[str],
                 device: torch.device) -> None:
-        """Decide, once, whether this engine's decode steps are grouped (``decision``,
-        then ``proven`` after ``auto``'s check), then act on it and say so."""
+        """Decide, once, whether this engine's decode steps are grouped (``decision``),
+        then its steps: ``auto``'s check (``_check``), ``_act``, ``_announce``."""
         try:
             mode, min_tokens = attention_options(vllm_config)
         except ValueError as error:
             announce(f"off: {error}")
             return
-        self.block_size = kv_cache_spec.block_size
-        self._compilation = compilation = vllm_config.compilation_config
-        self._max_graph_tokens = compilation.max_cudagraph_capture_size or 0
-        self.min_shared_blocks = 1  # the self-check groups every prefix of its grid
         choice = decision(mode, decide(vllm_config, mode)
                           or group_problem(vllm_config, kv_cache_spec, layer_names))
-        verdict, proof, reason = None, None, choice.reason
+        outcome = Outcome(choice.reason, min_tokens)
         if choice.check:
-            verdict, reason = checked(lambda: self._self_check(vllm_config, kv_cache_spec,
-                                                               layer_names, device))
-            proof = verdict and end_to_end.kept(verdict.shapes)
-            reason = proven(reason, device.type == "cuda", proof)
-            min_tokens = min_tokens or (verdict and verdict.min_shared_tokens)
-            if device.type == "cuda":  # the check's batches, before vLLM allocates the KV
-                torch.cuda.empty_cache()
-        self._act(reason, vllm_config, kv_cache_spec, device, min_tokens)
-        graphs = "FULL decode CUDA graphs kept" if full_graphs(compilation) else \
-            "no FULL CUDA graphs"
-        notes = (graphs, proof.line()) if proof else (graphs,)
-        announce(reason or (verdict.line(*notes) if verdict else
-                            f"on ({self.name}, block size {self.block_size}, groups from "
-                            f"{self.min_shared_blocks} shared blocks; {graphs})"))
+            outcome = self._check(min_tokens, vllm_config, kv_cache_spec, layer_names, device)
+        self._act(outcome, vllm_config, kv_cache_spec, device)
+        self._announce(outcome, kv_cache_spec.block_size, vllm_config.compilation_config)
 
-    def _act(self, reason: str | None, vllm_config: Any, kv_cache_spec: Any,
-             device: torch.device, min_tokens: int | None) -> None:
-        """The decision's side effects: the grouped decode and the host mirror where the
-        path acts (``reason`` None), vLLM's builder exactly where it does not."""
-        if reason is not None:
-            self.decode = None
+    def _check(self, min_tokens: int | None, vllm_config: Any, kv_cache_spec: Any,
+               layer_names: list[str], device: torch.device) -> Outcome:
+        """``auto``'s kernel check (``_self_check``), then ``proven`` by the end-to-end
+        proof kept for its key; groups from the option's length, else the verdict's
+        break-even.  On a GPU the check's batches are freed before vLLM allocates the KV."""
+        verdict, reason = checked(lambda: self._self_check(vllm_config, kv_cache_spec,
+                                                           layer_names, device))
+        proof = verdict and end_to_end.kept(verdict.shapes)
+        reason = proven(reason, device.type == "cuda", proof)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return Outcome(reason, min_tokens or (verdict and verdict.min_shared_tokens),
+                       verdict, proof)
+
+    def _act(self, outcome: Outcome, vllm_config: Any, kv_cache_spec: Any,
+             device: torch.device) -> None:
+        """The decision's side effects: the grouped path and the host mirror where the
+        path acts (``outcome.reason`` None), vLLM's builder exactly where it does not."""
+        if outcome.reason is not None:
+            self.path = None
             return
-        if self.decode is None:
-            self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
+        min_shared_blocks = min_blocks(kv_cache_spec.block_size,
+                                       outcome.min_tokens or MIN_SHARED_TOKENS)
+        if self.path is None:
+            self.path = self._grouped_path(vllm_config, kv_cache_spec, device,
+                                           min_shared_blocks)
+        else:  # the CPU self-check's, its buffers kept
+            self.path = replace(self.path, min_shared_blocks=min_shared_blocks)
         # The V1 runner's reuse of one group's metadata for another would pair this
         # group's work with another table; MRV2's block ids mirrored on the host.
         self.supports_update_block_table = False
         host_tables.install()
-        self.min_shared_blocks = min_blocks(self.block_size, min_tokens or MIN_SHARED_TOKENS)
         if device.type == "cuda":  # the key an end-to-end proof of this engine is kept by
             from feather_sched.integrations.vllm.attention_check import gpu_shapes
 
             DECIDED.append(gpu_shapes(self, vllm_config, kv_cache_spec))
+
+    def _announce(self, outcome: Outcome, block_size: int, compilation: Any) -> None:
+        """The engine log's one line: why the path is off, or on with the check's figures
+        (or the option's grouping), and whether FULL decode graphs are kept."""
+        graphs = "FULL decode CUDA graphs kept" if full_graphs(compilation) else \
+            "no FULL CUDA graphs"
+        if outcome.reason is not None or outcome.verdict is not None:
+            notes = (graphs, outcome.proof.line()) if outcome.proof else (graphs,)
+            announce(outcome.reason or outcome.verdict.line(*notes))
+        else:
+            announce(f"on ({self.name}, block size {block_size}, groups from "
+                     f"{self.path.min_shared_blocks} shared blocks; {graphs})")
 
     def _self_check(self, vllm_config: Any, kv_cache_spec: Any, layer_names: list[str],
                     device: torch.device) -> Verdict:
         """``auto``'s verdict (``attention_subject.engine_check``). On a GPU the check runs
         in its own process, so Feather's kernels first compile and run in this worker
         only once the path is decided on; elsewhere (Triton's interpreter) it runs here,
-        on this builder's decode."""
+        on this builder's path, grouping every prefix of its grid (one shared block)."""
         from feather_sched.integrations.vllm.attention_subject import engine_check
 
         if device.type != "cuda":
-            self.decode = self._grouped_decode(vllm_config, kv_cache_spec, device)
+            self.path = self._grouped_path(vllm_config, kv_cache_spec, device, 1)
         return engine_check(self, vllm_config, kv_cache_spec, layer_names)
 
-    def _grouped_decode(self, vllm_config: Any, kv_cache_spec: Any,
-                        device: torch.device) -> GroupedDecode:
+    def _grouped_path(self, vllm_config: Any, kv_cache_spec: Any, device: torch.device,
+                      min_shared_blocks: int) -> GroupedPath:
         """The persistent work buffers for this engine's largest step, and the cut
         ``seq_lens`` buffer its graphs read (as long as the longest padded batch, plus a
         scratch element); on a GPU, every kernel compiled (on a small cache of the engine's
         layout), so none compiles while serving."""
         from vllm.platforms import current_platform
 
-        scheduler = vllm_config.scheduler_config
-        q_heads = self.num_heads_q  # vLLM's own, per this group's layers
+        scheduler, compilation = vllm_config.scheduler_config, vllm_config.compilation_config
+        q_heads, block_size = self.num_heads_q, kv_cache_spec.block_size  # vLLM's, per group
         kv_heads, head_dim = kv_cache_spec.num_kv_heads, kv_cache_spec.head_size
         num_sms = (current_platform.num_compute_units(device.index or 0)
                    if device.type == "cuda" else 1)
         decode = GroupedDecode(DecodeLimits.for_device(num_sms, scheduler.max_num_seqs,
                                                        q_heads, kv_heads, head_dim), device)
-        self._cut = torch.zeros(max(scheduler.max_num_seqs, self._max_graph_tokens) + 1,
-                                dtype=torch.int32, device=device)
+        max_graph_tokens = compilation.max_cudagraph_capture_size or 0
+        cut = torch.zeros(max(scheduler.max_num_seqs, max_graph_tokens) + 1,
+                          dtype=torch.int32, device=device)
         if device.type == "cuda":  # compiles happen there (Triton's interpreter has none)
             dtype = kv_cache_spec.dtype
-            kv_cache = torch.zeros(1, self.block_size, kv_heads, 2 * head_dim, dtype=dtype,
+            kv_cache = torch.zeros(1, block_size, kv_heads, 2 * head_dim, dtype=dtype,
                                    device=device).transpose(1, 2)
             key_cache, value_cache = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
             query = torch.zeros(1, q_heads, head_dim, dtype=dtype, device=device)
             decode.warm_up(query, key_cache, value_cache,
                            torch.zeros(1, 1, dtype=torch.int32, device=device), query.clone())
-        return decode
+        return GroupedPath(decode, cut, block_size, min_shared_blocks, compilation)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> Any:
-        if self.decode is None:
+        if self.path is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
-        common = common_attn_metadata
-        host = None
-        if not self._capturing:
-            host = host_tables.lookup(common.block_table_tensor, common.req_idx, common.num_reqs)
-            if host is None and host_tables.seen_any() \
-                    and not host_tables.known(common.block_table_tensor):
-                announce(f"no groups in this {self.name} KV-cache group: its block table is "
-                         "not one whose block ids Feather sees on the host (host_tables: "
-                         "e.g. a kernel-block table, prefill context parallelism's)")
-        return self.build_with(common, fast_build, host)
+        host = None if self._capturing else self._host_rows(common_attn_metadata)
+        return self.build_with(common_attn_metadata, fast_build, host)
+
+    def _host_rows(self, common: CommonAttentionMetadata) -> HostRows | None:
+        """The step's rows' block ids on the host (``host_tables``), or None, said once
+        where the table is not one Feather mirrors."""
+        host = host_tables.lookup(common.block_table_tensor, common.req_idx, common.num_reqs)
+        if host is None and host_tables.seen_any() \
+                and not host_tables.known(common.block_table_tensor):
+            announce(f"no groups in this {self.name} KV-cache group: its block table is "
+                     "not one whose block ids Feather sees on the host (host_tables: "
+                     "e.g. a kernel-block table, prefill context parallelism's)")
+        return host
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> Any:
         """vLLM's capture metadata, carrying the (empty) work where the path is on, so the
@@ -321,42 +438,14 @@ class SharedPrefixBuilder:
     def build_with(self, common: CommonAttentionMetadata, fast_build: bool,
                    host: HostRows | None) -> Any:
         """The step's metadata, its groups read from ``host`` (None: no host block ids)."""
-        base = super().build
-        if self.decode is None:
+        base, path = super().build, self.path
+        if path is None:
             return base(0, common, fast_build)
-        groups = self._groups(common, host) if host is not None else None  # None: capturing
-        if groups is None and not (self._capturing or full_graphs(self._compilation)):
-            return base(0, common, fast_build)  # no group, and no graph can replay the work
-        if groups is None:
-            self.decode.clear()
-        else:
-            self.decode.stage(groups, self._seq_lens(common), common.query_start_loc_cpu.numpy(),
-                              self.block_size)
-        cut = replace(common, seq_lens=self.decode.cut_seq_lens(common.seq_lens, self._cut))
-        metadata = base(0, cut, fast_build)
-        values = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
-        return self.metadata_cls(**values, work=self.decode)
-
-    def _groups(self, common: CommonAttentionMetadata, host: HostRows) -> Any:
-        """The step's groups, or None where none can form (decided before any grouping
-        where the batch is too short or has too few decode rows)."""
-        if (common.causal is not True or common.mm_req_doc_ranges is not None
-                or common.seq_lens_cpu_upper_bound is None
-                or common.max_seq_len <= self.min_shared_blocks * self.block_size):
-            return None
-        num_reqs = len(host.rows)
-        query_lens = np.diff(common.query_start_loc_cpu[:num_reqs + 1].numpy())
-        if np.count_nonzero(query_lens == 1) < MIN_ROWS:
-            return None
-        groups = find_groups(host.table, self._seq_lens(common)[:num_reqs], query_lens,
-                             self.block_size, self.min_shared_blocks, table_rows=host.rows)
-        return groups if len(groups) else None
-
-    @staticmethod
-    def _seq_lens(common: CommonAttentionMetadata) -> np.ndarray:
-        """The rows' exact lengths on the host (exact without speculative decoding, which
-        ``decide_gpu`` refuses)."""
-        return common.seq_lens_cpu_upper_bound.numpy()
+        step = path.step(common, host, self._capturing)
+        if not step.carries_work:
+            return base(0, common, fast_build)
+        cut = replace(common, seq_lens=path.cut_seq_lens(common, step))
+        return carrying(self.metadata_cls, base(0, cut, fast_build), path.decode)
 
 
 class SharedPrefixImpl:
