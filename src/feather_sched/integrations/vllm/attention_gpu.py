@@ -1,33 +1,17 @@
 """Shared-prefix decode attention on vLLM's GPU path (0.32-0.34), inside vLLM's own
 default backends: FLASH_ATTN (FlashAttention 3 on Hopper, 2 on Ampere) and TRITON_ATTN.
 
-The plug-in ``plugins.register_attention_gpu`` points both members of vLLM's backend
-registry, by name, at the subclasses here (this module, and with it vLLM's FlashAttention
-and Triton backends, is imported only when vLLM resolves one of them, under an engine's
-configuration).  Their builders behave exactly as vLLM's own in an engine that did not
-choose Feather (``choice.feather_chosen``: no option read, no mirror, no log line), and
-otherwise unless Feather's option ``shared_prefix_attention`` turns the path on: ``on``,
-or ``auto`` (the default) with ``FeatherScheduler`` where the self-check at engine start
-(``attention_subject.engine_check``: this device, this engine's shapes, vLLM's own kernel
-as the reference) measured it exact and faster.  So ``feather serve`` on a GPU
-needs no attention argument, and vLLM's priority walk still picks the backend it would.
-
-Where on, each step's builder finds the decode rows sharing leading KV blocks from the
-block ids the runner keeps on the host (``host_tables``; never a device-to-host copy),
-stages the step's work into persistent device buffers (``attention.gpu_decode``), and
-hands vLLM's kernel the batch with the grouped rows cut to one token (a persistent
-``seq_lens`` buffer); each layer's forward runs vLLM's kernel as usual (FA3 for prefill,
-speculative rows, singletons and every row no group takes) and then overwrites the grouped
-rows with the exact LSE merge of each group's prefix, attended once for all its queries,
-and each row's suffix.  Every launch has a fixed grid and reads only device buffers, so
-it is captured in vLLM's FULL decode CUDA graphs (the backend reports vLLM's own graph
-support), and a step whose rows do not group replays the same graph with empty work.
-
-Where it cannot act, vLLM's path runs unchanged and the engine log says why, once: the
-option, the self-check's verdict (with its figures), a configuration the path does not
-serve (no prefix caching, speculative decoding, context parallelism, quantized KV, a
-layer the kernels do not serve: ``attention.eligibility``), or a runner whose block ids
-``host_tables`` cannot see.  Why each choice: docs/vllm.md.
+Imported only when vLLM resolves one of them under an engine's configuration; their
+builders behave exactly as vLLM's where the engine did not choose Feather, or where
+``shared_prefix_attention`` leaves the path off (``auto`` acts only on a passing kernel
+self-check and, on CUDA, an end-to-end proof on this machine).  Where on, each step finds
+the decode rows sharing leading KV blocks from the host's block ids (``host_tables``),
+stages the work in persistent device buffers (``attention.gpu_decode``), lets vLLM's
+kernel run with the grouped rows cut to one token, then overwrites them with the exact
+LSE merge of each group's prefix, attended once, and each row's suffix.  Every launch has
+a fixed grid, so FULL decode CUDA graphs capture it, and a step that does not group
+replays the same graph with empty work.  Where it cannot act, vLLM's path runs unchanged
+and the log says why, once.  In full: docs/vllm.md#on-gpus.
 """
 
 from __future__ import annotations
