@@ -146,30 +146,36 @@ def ratio_text(runs: dict[str, list[dict]], name: str, base: str, key: str) -> s
     return median_and_range(values, unit="x") if values else "-"
 
 
-def cell_rows(cell: dict) -> list[list[str]]:
-    """One row per peer (its best setting): each figure over FCFS's, and Feather's over
-    the peer's; then Feather's over FCFS's, and over the best peer's (by the objective)."""
+def cell_rows(cell: dict, feather: str = FEATHER) -> list[list[str]]:
+    """One row per peer (its best setting): each figure over FCFS's, and ``feather``'s
+    over the peer's; then ``feather``'s over FCFS's, and over the best peer's (by the
+    objective).  ``cell``: its name, objective, runs (per name, per seed) and best (per
+    peer, its setting's name in runs)."""
     runs, best = cell["runs"], cell["best"]
     top = best_setting(runs, list(best.values()), cell["objective"])
     rows = []
-    for label, name in (*best.items(), (FEATHER, FEATHER)):
-        base = top if name == FEATHER else name
-        rows.append([cell["name"], label, base if name == FEATHER else name,
+    for label, name in (*best.items(), (feather, feather)):
+        base = top if name == feather else name
+        rows.append([cell["name"], label, base if name == feather else name,
                      *(ratio_text(runs, name, FCFS, key) for key, _ in FIGURES),
-                     *(ratio_text(runs, FEATHER, base, key) for key, _ in FIGURES)])
+                     *(ratio_text(runs, feather, base, key) for key, _ in FIGURES)])
     return rows
 
 
-def markdown(cells: list[dict]) -> str:
-    header = ["cell", "peer", "best setting (Feather: the best peer's)",
+def peer_table(cells: list[dict], feather: str = FEATHER) -> str:
+    """``cell_rows`` of every cell under one header."""
+    header = ["cell", "peer", f"best setting ({feather}: the best peer's)",
               *(f"{label} / FCFS" for _, label in FIGURES),
-              *(f"Feather / it: {label}" for _, label in FIGURES)]
-    rows = [row for cell in cells for row in cell_rows(cell)]
+              *(f"{feather} / it: {label}" for _, label in FIGURES)]
+    return markdown_table(header, [row for cell in cells for row in cell_rows(cell, feather)])
+
+
+def markdown(cells: list[dict]) -> str:
     sweep = [[cell["name"], name,
               median_and_range([r["output_throughput"] for r in cell["runs"][name]], "{:,.0f}"),
               median_and_range([r["mean_ttft_ms"] for r in cell["runs"][name]], "{:,.1f}")]
              for cell in cells for name in SCHEDULERS]
-    return (markdown_table(header, rows) + "\n\nThe sweep (medians over seeds, range):\n\n"
+    return (peer_table(cells) + "\n\nThe sweep (medians over seeds, range):\n\n"
             + markdown_table(["cell", "setting", "output tok/s", "mean TTFT ms"], sweep))
 
 
