@@ -54,6 +54,16 @@ KNOBS = {
     "sglang-routing-key": ["sglang-routing-key"],
 }
 """Each peer and its settings swept."""
+SATURATED_BEST = {
+    "vllm-cache-aware": "vllm-cache-aware-w16-t0",
+    "vllm-active-cap": "vllm-active-cap-192",
+    "sglang-lpm": "sglang-lpm",
+    "sglang-dfs-weight": "sglang-dfs-weight",
+    "sglang-hrrn": "sglang-hrrn",
+    "sglang-routing-key": "sglang-routing-key",
+}
+"""Each peer's best setting on both saturated grid cells (results e1b38ec): the one
+tenants.py and priority.py run, over FCFS's capacity too, without re-tuning."""
 SCHEDULERS = [FCFS, FEATHER, *(name for names in KNOBS.values() for name in names)]
 KEPT = ("completed", "output_throughput", "request_throughput", "mean_ttft_ms", "p99_ttft_ms",
         "mean_tpot_ms", "cold_p99_ttft_ms", "worst_group_p99_ttft_ms",
@@ -162,11 +172,11 @@ def cell_rows(cell: dict, feather: str = FEATHER) -> list[list[str]]:
     return rows
 
 
-def peer_table(cells: list[dict], feather: str = FEATHER) -> str:
-    """``cell_rows`` of every cell under one header."""
-    header = ["cell", "peer", f"best setting ({feather}: the best peer's)",
+def peer_table(cells: list[dict], feather: str = FEATHER, name: str = "Feather") -> str:
+    """``cell_rows`` of every cell under one header, ``feather`` called ``name`` there."""
+    header = ["cell", "peer", f"best setting ({name}: the best peer's)",
               *(f"{label} / FCFS" for _, label in FIGURES),
-              *(f"{feather} / it: {label}" for _, label in FIGURES)]
+              *(f"{name} / it: {label}" for _, label in FIGURES)]
     return markdown_table(header, [row for cell in cells for row in cell_rows(cell, feather)])
 
 

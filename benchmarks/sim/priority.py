@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from peers import FCFS, peer_table
+from peers import FCFS, SATURATED_BEST, peer_table
 
 from feather_sched.bench.study import (
     MODEL,
@@ -48,14 +48,7 @@ RUNS = (  # (label, scheduler, with priority classes)
     ("fcfs (1 class)", "fcfs", False),
     ("feather-model (1 class)", "feather-model", False),
 )
-PEERS = {
-    "vllm-cache-aware": "vllm-cache-aware-w16-t0",
-    "vllm-active-cap": "vllm-active-cap-192",
-    "sglang-lpm": "sglang-lpm",
-    "sglang-dfs-weight": "sglang-dfs-weight",
-    "sglang-hrrn": "sglang-hrrn",
-    "sglang-routing-key": "sglang-routing-key",
-}
+PEERS = SATURATED_BEST
 """Each peer's knob at its best setting on peers.py's saturated shared-prefix grid (results
 e1b38ec; every cell here is over FCFS's capacity too).  None of them has priority
 classes: each runs the two-class workload first come first served (classes stripped)."""

@@ -47,7 +47,7 @@ commit).
 
 from __future__ import annotations
 
-from peers import FCFS, peer_table
+from peers import FCFS, SATURATED_BEST, peer_table
 
 from feather_sched.bench.study import MODEL, Study, by_scheduler, markdown_table, parser, sim_plan
 from feather_sched.results.summary import median_and_range as spread
@@ -64,14 +64,7 @@ RUNS = {
     "feather-model-fair, hits at VTC's price": ("feather-model-fair", {"fair_hit_weight": 1}),
 }
 """Each run's label: its scheduler and Feather options."""
-PEERS = {
-    "vllm-cache-aware": "vllm-cache-aware-w16-t0",
-    "vllm-active-cap": "vllm-active-cap-192",
-    "sglang-lpm": "sglang-lpm",
-    "sglang-dfs-weight": "sglang-dfs-weight",
-    "sglang-hrrn": "sglang-hrrn",
-    "sglang-routing-key": "sglang-routing-key",
-}
+PEERS = SATURATED_BEST
 """Each peer's knob at its best setting on peers.py's saturated shared-prefix grid (results
 e1b38ec; every cell here is over FCFS's capacity too), not re-tuned per cell."""
 PEER_RUNS = {FCFS: (FCFS, {}), **{name: (name, {}) for name in PEERS.values()}}
@@ -194,7 +187,7 @@ def markdown(cells: dict, seeds: int) -> str:
         lines.append(markdown_table(["run", "tok/s", "service gap", "hit rate", "preemptions",
                                      *tenants], rows))
     if FCFS in next(iter(cells.values()))["runs"][0]:
-        lines += ["", PEERS_NOTE, "", peer_table(peer_cells(cells), FAIR)]
+        lines += ["", PEERS_NOTE, "", peer_table(peer_cells(cells), FAIR, FAIR)]
     return "\n".join(lines)
 
 
