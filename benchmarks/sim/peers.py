@@ -54,6 +54,16 @@ KNOBS = {
     "sglang-routing-key": ["sglang-routing-key"],
 }
 """Each peer and its settings swept."""
+SATURATED_BEST = {
+    "vllm-cache-aware": "vllm-cache-aware-w16-t0",
+    "vllm-active-cap": "vllm-active-cap-192",
+    "sglang-lpm": "sglang-lpm",
+    "sglang-dfs-weight": "sglang-dfs-weight",
+    "sglang-hrrn": "sglang-hrrn",
+    "sglang-routing-key": "sglang-routing-key",
+}
+"""Each peer's best setting on both saturated grid cells (results e1b38ec): the one
+tenants.py and priority.py run, over FCFS's capacity too, without re-tuning."""
 SCHEDULERS = [FCFS, FEATHER, *(name for names in KNOBS.values() for name in names)]
 KEPT = ("completed", "output_throughput", "request_throughput", "mean_ttft_ms", "p99_ttft_ms",
         "mean_tpot_ms", "cold_p99_ttft_ms", "worst_group_p99_ttft_ms",
@@ -146,30 +156,36 @@ def ratio_text(runs: dict[str, list[dict]], name: str, base: str, key: str) -> s
     return median_and_range(values, unit="x") if values else "-"
 
 
-def cell_rows(cell: dict) -> list[list[str]]:
-    """One row per peer (its best setting): each figure over FCFS's, and Feather's over
-    the peer's; then Feather's over FCFS's, and over the best peer's (by the objective)."""
+def cell_rows(cell: dict, feather: str = FEATHER) -> list[list[str]]:
+    """One row per peer (its best setting): each figure over FCFS's, and ``feather``'s
+    over the peer's; then ``feather``'s over FCFS's, and over the best peer's (by the
+    objective).  ``cell``: its name, objective, runs (per name, per seed) and best (per
+    peer, its setting's name in runs)."""
     runs, best = cell["runs"], cell["best"]
     top = best_setting(runs, list(best.values()), cell["objective"])
     rows = []
-    for label, name in (*best.items(), (FEATHER, FEATHER)):
-        base = top if name == FEATHER else name
-        rows.append([cell["name"], label, base if name == FEATHER else name,
+    for label, name in (*best.items(), (feather, feather)):
+        base = top if name == feather else name
+        rows.append([cell["name"], label, base if name == feather else name,
                      *(ratio_text(runs, name, FCFS, key) for key, _ in FIGURES),
-                     *(ratio_text(runs, FEATHER, base, key) for key, _ in FIGURES)])
+                     *(ratio_text(runs, feather, base, key) for key, _ in FIGURES)])
     return rows
 
 
-def markdown(cells: list[dict]) -> str:
-    header = ["cell", "peer", "best setting (Feather: the best peer's)",
+def peer_table(cells: list[dict], feather: str = FEATHER, name: str = "Feather") -> str:
+    """``cell_rows`` of every cell under one header, ``feather`` called ``name`` there."""
+    header = ["cell", "peer", f"best setting ({name}: the best peer's)",
               *(f"{label} / FCFS" for _, label in FIGURES),
-              *(f"Feather / it: {label}" for _, label in FIGURES)]
-    rows = [row for cell in cells for row in cell_rows(cell)]
+              *(f"{name} / it: {label}" for _, label in FIGURES)]
+    return markdown_table(header, [row for cell in cells for row in cell_rows(cell, feather)])
+
+
+def markdown(cells: list[dict]) -> str:
     sweep = [[cell["name"], name,
               median_and_range([r["output_throughput"] for r in cell["runs"][name]], "{:,.0f}"),
               median_and_range([r["mean_ttft_ms"] for r in cell["runs"][name]], "{:,.1f}")]
              for cell in cells for name in SCHEDULERS]
-    return (markdown_table(header, rows) + "\n\nThe sweep (medians over seeds, range):\n\n"
+    return (peer_table(cells) + "\n\nThe sweep (medians over seeds, range):\n\n"
             + markdown_table(["cell", "setting", "output tok/s", "mean TTFT ms"], sweep))
 
 

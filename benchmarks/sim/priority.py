@@ -1,7 +1,7 @@
 """Two priority classes in the simulator: what Feather keeps of vLLM's priority policy and
 of its own grouping gain.
 
-    .venv/bin/python benchmarks/sim/priority.py [--set NAME]       # ~30 s
+    .venv/bin/python benchmarks/sim/priority.py [--set NAME]       # ~2 min
 
 Llama-3-8B on the H100 SXM profile, vLLM's limits. 10% of the requests (a seeded random
 choice, so both classes hold members of every prefix group) are in priority class 0,
@@ -25,7 +25,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from feather_sched.bench.study import MODEL, Study, markdown_table, parser, sim_plan, summaries
+from peers import FCFS, SATURATED_BEST, peer_table
+
+from feather_sched.bench.study import (
+    MODEL,
+    Study,
+    by_scheduler,
+    markdown_table,
+    parser,
+    sim_plan,
+    summaries,
+)
 from feather_sched.results.summary import median_and_range as spread
 from feather_sched.workloads.spec import ArrivalSpec, Workload, prioritized
 from feather_sched.workloads.synthetic import minority_groups, shared_prefix_groups
@@ -38,9 +48,14 @@ RUNS = (  # (label, scheduler, with priority classes)
     ("fcfs (1 class)", "fcfs", False),
     ("feather-model (1 class)", "feather-model", False),
 )
+PEERS = SATURATED_BEST
+"""Each peer's knob at its best setting on peers.py's saturated shared-prefix grid (results
+e1b38ec; every cell here is over FCFS's capacity too).  None of them has priority
+classes: each runs the two-class workload first come first served (classes stripped)."""
+PEER_RUNS = tuple((name, name, True) for name in PEERS.values())
 FIGURES = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "preemptions",
            "max_preemptions_per_request", "by_priority", "ttft_by_group",
-           "preemptions_by_group")
+           "preemptions_by_group", "mean_tpot_ms", "cold_p99_ttft_ms")
 
 
 def groups_at(rate: float) -> Callable[[int], Workload]:
@@ -77,7 +92,7 @@ def cell_runs(make: Callable[[int], Workload], blocks: int | None) -> list[dict]
         classes = {True: prioritized(workload, HIGH_SHARE, seed=seed),
                    False: prioritized(workload, 0.0)}
         rows.append({label: measure(classes[mixed], blocks, scheduler)
-                     for label, scheduler, mixed in RUNS})
+                     for label, scheduler, mixed in (*RUNS, *PEER_RUNS)})
     return rows
 
 
@@ -141,7 +156,7 @@ def markdown(cells: list[dict]) -> str:
               "preemptions in all / most of one request.", ""]
     rows = []
     for cell in cells:
-        for label, _, mixed in RUNS:
+        for label, _, mixed in (*RUNS, *PEER_RUNS):
             runs = [seed[label] for seed in cell["runs"]]
             rows.append([cell["cell"], label,
                          spread([r["output_throughput"] for r in runs], "{:,.0f}"),
@@ -172,7 +187,26 @@ def markdown(cells: list[dict]) -> str:
         ["cell", "group", "requests", "feather / fcfs, 1 class", "feather / priority, classes",
          "preemptions fcfs / feather, 1 class", "preemptions priority / feather, classes"],
         rows))
+    lines += ["", PEERS_NOTE, "", peer_table(peer_cells(cells))]
     return "\n".join(lines)
+
+
+PEERS_NOTE = (
+    "Peers' knobs, at `PEERS`'s settings (the best on peers.py's saturated grid, e1b38ec, "
+    "not re-tuned here), on the two-class workload, which none of them can tell apart (the "
+    "per-run table above gives each class's TTFT under them): throughput, mean and p99 "
+    "TTFT, TPOT and the cold requests' p99 TTFT over FCFS's (one class) on the same seed, "
+    "and `feather-model`'s (with classes) over the peer's; the last row of a cell is "
+    "`feather-model` over FCFS and over the peer with the best median throughput.")
+
+
+def peer_cells(cells: list[dict]) -> list[dict]:
+    """The cells as ``peers.peer_table`` reads them (FCFS: ``fcfs (1 class)``), each by
+    output throughput."""
+    return [{"name": cell["cell"], "objective": "output_throughput", "best": PEERS,
+             "runs": by_scheduler({FCFS if label == "fcfs (1 class)" else label: run
+                                   for label, run in seed.items()} for seed in cell["runs"])}
+            for cell in cells]
 
 
 def class_ttft(runs: list[dict], priority: str) -> str:

@@ -3,7 +3,7 @@ the issue's workload (one tenant floods from a shared prefix, others send unshar
 long-output requests), in three cells; beside tenants flooding with documents, a
 light interactive one; and many tenants, most of them light.
 
-    .venv/bin/python benchmarks/sim/tenants.py [--set NAME] [--seeds 3]     # ~6 min
+    .venv/bin/python benchmarks/sim/tenants.py [--set NAME] [--seeds 3] [--cells A,B] [--peers]
 
 Llama-3-8B on the H100 SXM profile, vLLM's limits (256 seats).  The workload is
 ``workloads.synthetic.multi_tenant`` (4 tenants: t0 sends 240 requests sharing an
@@ -47,7 +47,9 @@ commit).
 
 from __future__ import annotations
 
-from feather_sched.bench.study import MODEL, Study, markdown_table, parser, sim_plan
+from peers import FCFS, SATURATED_BEST, peer_table
+
+from feather_sched.bench.study import MODEL, Study, by_scheduler, markdown_table, parser, sim_plan
 from feather_sched.results.summary import median_and_range as spread
 from feather_sched.results.summary import pool_tenants, summarize
 from feather_sched.sim.runner import simulate
@@ -62,9 +64,14 @@ RUNS = {
     "feather-model-fair, hits at VTC's price": ("feather-model-fair", {"fair_hit_weight": 1}),
 }
 """Each run's label: its scheduler and Feather options."""
+PEERS = SATURATED_BEST
+"""Each peer's knob at its best setting on peers.py's saturated shared-prefix grid (results
+e1b38ec; every cell here is over FCFS's capacity too), not re-tuned per cell."""
+PEER_RUNS = {FCFS: (FCFS, {}), **{name: (name, {}) for name in PEERS.values()}}
+"""The peer rows' runs: FCFS, the baseline of their ratios, and each peer's setting."""
 RATE = 40.0
 FIGURES = ("output_throughput", "mean_ttft_ms", "max_service_gap", "prefix_cache_hit_rate",
-           "preemptions", "by_tenant")
+           "preemptions", "by_tenant", "p99_ttft_ms", "mean_tpot_ms", "cold_p99_ttft_ms")
 DOCUMENTS = {"documents_per_tenant": 16, "doc_len": 8192, "doc_output_len": 256,
              "doc_rate": 2.5, "chat_prompt_len": 256, "chat_output_len": 1024,
              "chat_rate": 0.5, "duration_s": 60.0}
@@ -114,13 +121,14 @@ def ratios(runs: dict, name: str) -> dict[str, float]:
     }
 
 
-def run_cell(study: Study, cell: str, seeds: int) -> dict:
-    """A cell's runs on every seed and their ratios to VTC."""
+def run_cell(study: Study, cell: str, seeds: int, runs_of: dict) -> dict:
+    """A cell's runs (``runs_of``: label -> scheduler and Feather options) on every seed
+    and their ratios to VTC."""
     options = CELLS[cell]
     per_seed = []
     for seed in study.each(range(seeds), lambda s: f"{cell}, seed {s}"):
         runs = {}
-        for label, (name, feather_options) in RUNS.items():
+        for label, (name, feather_options) in runs_of.items():
             plan = sim_plan(workload(seed, options), "h100-sxm",
                             feather_options=feather_options, **options["engine"])
             summary = summarize(simulate(plan, name))
@@ -129,17 +137,25 @@ def run_cell(study: Study, cell: str, seeds: int) -> dict:
         per_seed.append(runs)
     return {"options": options, "runs": per_seed,
             "ratios_to_vtc": {label: [ratios(runs, label) for runs in per_seed]
-                              for label in list(RUNS)[1:]}}
+                              for label in list(runs_of)[1:]}}
 
 
 def main() -> None:
-    args = parser(__doc__, seeds=3).parse_args()
+    arguments = parser(__doc__, seeds=3)
+    arguments.add_argument("--cells", default=",".join(CELLS),
+                           help=f"cells to run, comma-separated, of: {', '.join(CELLS)}")
+    arguments.add_argument("--peers", action="store_true",
+                           help="also run FCFS and each peer's knob (PEERS)")
+    args = arguments.parse_args()
     study = Study(__file__, set_name=args.set)
-    cells = {cell: run_cell(study, cell, args.seeds) for cell in CELLS}
+    runs_of = {**RUNS, **(PEER_RUNS if args.peers else {})}
+    cells = {cell: run_cell(study, cell, args.seeds, runs_of)
+             for cell in args.cells.split(",")}
     study.save("tenants", {"hardware": "h100-sxm", "model": MODEL, "rate": RATE,
                            "seeds": list(range(args.seeds)),
                            "runs": {label: {"scheduler": name, "options": options}
-                                    for label, (name, options) in RUNS.items()},
+                                    for label, (name, options) in runs_of.items()},
+                           "peers": PEERS if args.peers else {},
                            "cells": cells},
                markdown(cells, args.seeds))
 
@@ -167,10 +183,27 @@ def markdown(cells: dict, seeds: int) -> str:
                  spread([s[name]["prefix_cache_hit_rate"] for s in per_seed]),
                  spread([s[name]["preemptions"] for s in per_seed], "{:,.0f}"),
                  *(spread([s[name]["by_tenant"][t]["mean_ttft_ms"] / 1e3 for s in per_seed])
-                   for t in tenants)] for name in RUNS]
+                   for t in tenants)] for name in per_seed[0]]
         lines.append(markdown_table(["run", "tok/s", "service gap", "hit rate", "preemptions",
                                      *tenants], rows))
+    if FCFS in next(iter(cells.values()))["runs"][0]:
+        lines += ["", PEERS_NOTE, "", peer_table(peer_cells(cells), FAIR, FAIR)]
     return "\n".join(lines)
+
+
+FAIR = "feather-model-fair"
+PEERS_NOTE = (
+    "## Peers' knobs (`--peers`)\n\nEach peer's knob at `PEERS`'s setting (the best on "
+    "peers.py's saturated grid, e1b38ec, not re-tuned here): throughput, mean and p99 TTFT, "
+    "TPOT and the cold requests' p99 TTFT over FCFS's on the same seed, and "
+    f"`{FAIR}`'s over the peer's; the last row of a cell is `{FAIR}` over FCFS and over "
+    "the peer with the best median throughput. Medians over the seeds (range).")
+
+
+def peer_cells(cells: dict) -> list[dict]:
+    """The cells as ``peers.peer_table`` reads them, each by output throughput."""
+    return [{"name": cell, "objective": "output_throughput", "best": PEERS,
+             "runs": by_scheduler(result["runs"])} for cell, result in cells.items()]
 
 
 def gap_spread(gaps: list[float | None]) -> str:
