@@ -10,12 +10,16 @@ Environment:
   FEATHER_UPSTREAM_RECORD     a file to write each test's outcome to (JSON: node id ->
                               "passed", "failed", "error" or "skipped")
 
+The other Hub models the tests name run from their Hub config.json (hub_configs/), and
+vLLM's conftest fixture ``caplog_vllm`` is defined here as there.
+
 Version skew: a keyword argument that the installed vLLM's config classes no longer
 accept (e.g. CacheConfig(swap_space=...)) is dropped, and listed at the end of the run.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import logging
@@ -36,6 +40,9 @@ hybrid Qwen3-Next), in ``hub_configs/ORG--NAME``: their Hub ``config.json`` (lla
 its image preprocessor and tokenizer configs); the tests build configs and a scheduler,
 never weights. Each is run from a copy that gets the embedded model's tokenizer, with the
 added tokens its ``tokenizer_config.json`` lists (llava's ``<image>``) at their ids."""
+
+STAND_IN_TORCHVISION = False
+"""Whether torchvision is SGLang's import-only stand-in (``_torchvision_for_import_only``)."""
 
 LOCAL_MODELS: dict[str, str] = {}
 """Hub name -> the directory made for it this session (``_prepare_hub_models``)."""
@@ -115,12 +122,33 @@ def _prepare_hub_models(target: Path) -> None:
         LOCAL_MODELS[source.name.replace("--", "/", 1)] = str(directory)
 
 
+def _torchvision_for_import_only() -> bool:
+    """Where no torchvision is installed (PyPI's Linux wheels need CUDA torch; here torch
+    is CPU), put SGLang's import-only stand-in on the path, for this process and vLLM's
+    model-inspection subprocess: vLLM's llava imports transformers' pixtral image
+    processor, which imports torchvision at module level. Any call into it raises; the
+    multimodal models' images are then processed by transformers' PIL backend
+    (``_local_model``). True if the stand-in is in use."""
+    if importlib.util.find_spec("torchvision") is not None:
+        return False
+    import feather_sched
+
+    stand_ins = Path(feather_sched.__file__).parent / "integrations" / "sglang" / "stand_ins"
+    sys.path.insert(0, str(stand_ins))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(stand_ins), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return True
+
+
 def _local_model(compat, kwargs) -> None:
     model = kwargs.get("model")
     if model in TEXT_MODELS:
         kwargs["model"] = _model_dir()
     elif model in LOCAL_MODELS:
         kwargs["model"] = LOCAL_MODELS[model]
+        if STAND_IN_TORCHVISION and (Path(kwargs["model"]) / "preprocessor_config.json").exists():
+            kwargs["mm_processor_kwargs"] = {"backend": "pil",
+                                             **(kwargs.get("mm_processor_kwargs") or {})}
 
 
 def _eos_into_sampling_params(compat, kwargs) -> None:
@@ -204,6 +232,8 @@ def pytest_configure(config) -> None:
     hub_models = Path(tempfile.mkdtemp(prefix="feather-hub-models-"))
     config.add_cleanup(lambda: shutil.rmtree(hub_models, ignore_errors=True))
     _prepare_hub_models(hub_models)
+    global STAND_IN_TORCHVISION
+    STAND_IN_TORCHVISION = _torchvision_for_import_only()
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
