@@ -129,11 +129,13 @@ def _torchvision_for_import_only() -> bool:
     processor, which imports torchvision at module level. Any call into it raises; the
     multimodal models' images are then processed by transformers' PIL backend
     (``_local_model``). True if the stand-in is in use."""
-    if importlib.util.find_spec("torchvision") is not None:
-        return False
     import feather_sched
 
-    stand_ins = Path(feather_sched.__file__).parent / "integrations" / "sglang" / "stand_ins"
+    stand_ins = (Path(feather_sched.__file__).parent / "integrations" / "sglang"
+                 / "stand_ins").resolve()
+    found = importlib.util.find_spec("torchvision")
+    if found is not None and not Path(found.origin or "").resolve().is_relative_to(stand_ins):
+        return False  # a real torchvision (the stand-in may be on the path already)
     sys.path.insert(0, str(stand_ins))
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(stand_ins), *filter(None, [os.environ.get("PYTHONPATH")])])
