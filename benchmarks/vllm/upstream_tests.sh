@@ -28,7 +28,9 @@
 # and its vllm/ source tree would shadow the installed vLLM). The pytest plugin
 # scripts/pytest_plugins/feather_upstream.py swaps vLLM's Scheduler/AsyncScheduler in the
 # test modules for FeatherScheduler (which picks the sync variant when the config has
-# async scheduling off), points the Hub text model at a local directory, and drops keyword
+# async scheduling off), points the Hub text model at a local directory and the other Hub
+# models (llava, Qwen3, Qwen3-Next) at their config.json in scripts/pytest_plugins/hub_configs,
+# defines vLLM's conftest fixture caplog_vllm, and drops keyword
 # arguments the installed vLLM's config classes no longer take (listed at the end of the
 # run). VLLM_ENABLE_V1_MULTIPROCESSING=0. A checkout should match the installed vLLM;
 # --mode both separates version skew from Feather's own differences.

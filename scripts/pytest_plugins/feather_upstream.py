@@ -6,9 +6,12 @@ Environment:
   FEATHER_UPSTREAM_OPTIONS    JSON object of Feather options, put into each
                               VllmConfig's additional_config["feather"]
   FEATHER_UPSTREAM_MODEL      local model directory (config.json + tokenizer) used in
-                              place of the Hub's text models the tests name
+                              place of the Hub's text model the tests name (opt-125m)
   FEATHER_UPSTREAM_RECORD     a file to write each test's outcome to (JSON: node id ->
                               "passed", "failed", "error" or "skipped")
+
+The other Hub models the tests name run from their Hub config.json (hub_configs/), and
+vLLM's conftest fixture ``caplog_vllm`` is defined here as there.
 
 Version skew: a keyword argument that the installed vLLM's config classes no longer
 accept (e.g. CacheConfig(swap_space=...)) is dropped, and listed at the end of the run.
@@ -16,15 +19,33 @@ accept (e.g. CacheConfig(swap_space=...)) is dropped, and listed at the end of t
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
+import logging
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
+import pytest
+
 TEXT_MODELS = {"facebook/opt-125m"}
-"""Hub text models the tests name; multimodal ones (llava) are left alone (offline they
-fail to load, as they would without a Hub cache)."""
+"""Hub text models the tests name, run on FEATHER_UPSTREAM_MODEL."""
+
+HUB_CONFIGS = Path(__file__).with_name("hub_configs")
+"""The other Hub models the tests name (multimodal llava, Qwen3 for the Mamba spec tests,
+hybrid Qwen3-Next), in ``hub_configs/ORG--NAME``: their Hub ``config.json`` (llava's also
+its image preprocessor and tokenizer configs); the tests build configs and a scheduler,
+never weights. Each is run from a copy that gets the embedded model's tokenizer, with the
+added tokens its ``tokenizer_config.json`` lists (llava's ``<image>``) at their ids."""
+
+STAND_IN_TORCHVISION = False
+"""Whether torchvision is SGLang's import-only stand-in (``_torchvision_for_import_only``)."""
+
+LOCAL_MODELS: dict[str, str] = {}
+"""Hub name -> the directory made for it this session (``_prepare_hub_models``)."""
 
 PATCHED_MODULE_PREFIXES = ("tests.v1.core",)
 
@@ -78,9 +99,58 @@ def _mode() -> str:
     return mode
 
 
+def _prepare_hub_models(target: Path) -> None:
+    """Each HUB_CONFIGS directory copied under ``target``, with a tokenizer: the embedded
+    model's, plus the added tokens of the directory's tokenizer_config.json."""
+    from tokenizers import AddedToken, Tokenizer
+
+    embedded = Path(_model_dir())
+    for source in sorted(p for p in HUB_CONFIGS.iterdir() if p.is_dir()):
+        directory = target / source.name
+        shutil.copytree(source, directory)
+        tokenizer = Tokenizer.from_file(str(embedded / "tokenizer.json"))
+        config = directory / "tokenizer_config.json"
+        if not config.exists():
+            shutil.copy(embedded / "tokenizer_config.json", config)
+        added = json.loads(config.read_text()).get("added_tokens_decoder", {})
+        for token_id, token in sorted(added.items(), key=lambda item: int(item[0])):
+            if tokenizer.token_to_id(token["content"]) is None:
+                tokenizer.add_special_tokens([AddedToken(token["content"], special=True)])
+            if tokenizer.token_to_id(token["content"]) != int(token_id):
+                raise ValueError(f"{source.name}: {token['content']} is not id {token_id}")
+        tokenizer.save(str(directory / "tokenizer.json"))
+        LOCAL_MODELS[source.name.replace("--", "/", 1)] = str(directory)
+
+
+def _torchvision_for_import_only() -> bool:
+    """Where no torchvision is installed (PyPI's Linux wheels need CUDA torch; here torch
+    is CPU), put SGLang's import-only stand-in on the path, for this process and vLLM's
+    model-inspection subprocess: vLLM's llava imports transformers' pixtral image
+    processor, which imports torchvision at module level. Any call into it raises; the
+    multimodal models' images are then processed by transformers' PIL backend
+    (``_local_model``). True if the stand-in is in use."""
+    import feather_sched
+
+    stand_ins = (Path(feather_sched.__file__).parent / "integrations" / "sglang"
+                 / "stand_ins").resolve()
+    found = importlib.util.find_spec("torchvision")
+    if found is not None and not Path(found.origin or "").resolve().is_relative_to(stand_ins):
+        return False  # a real torchvision (the stand-in may be on the path already)
+    sys.path.insert(0, str(stand_ins))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(stand_ins), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return True
+
+
 def _local_model(compat, kwargs) -> None:
-    if kwargs.get("model") in TEXT_MODELS:
+    model = kwargs.get("model")
+    if model in TEXT_MODELS:
         kwargs["model"] = _model_dir()
+    elif model in LOCAL_MODELS:
+        kwargs["model"] = LOCAL_MODELS[model]
+        if STAND_IN_TORCHVISION and (Path(kwargs["model"]) / "preprocessor_config.json").exists():
+            kwargs["mm_processor_kwargs"] = {"backend": "pil",
+                                             **(kwargs.get("mm_processor_kwargs") or {})}
 
 
 def _eos_into_sampling_params(compat, kwargs) -> None:
@@ -143,11 +213,29 @@ def _patch(module) -> None:
                 setattr(module, name, _feather_scheduler(getattr(module, name)))
 
 
+@pytest.fixture
+def caplog_vllm(caplog):
+    """vLLM's conftest fixture (tests/conftest.py, not among the files the sdist's tests
+    are taken from): ``caplog`` with the "vllm" logger propagating to the root, where
+    caplog's handler listens."""
+    logger = logging.getLogger("vllm")
+    logger.propagate = True
+    try:
+        yield caplog
+    finally:
+        logger.propagate = False
+
+
 def pytest_configure(config) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     config.addinivalue_line("markers", "cpu_test: vLLM's marker for CPU-only tests")
+    hub_models = Path(tempfile.mkdtemp(prefix="feather-hub-models-"))
+    config.add_cleanup(lambda: shutil.rmtree(hub_models, ignore_errors=True))
+    _prepare_hub_models(hub_models)
+    global STAND_IN_TORCHVISION
+    STAND_IN_TORCHVISION = _torchvision_for_import_only()
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
