@@ -177,12 +177,7 @@ class QueueBook(EntryTable):
         state = self.state(request_id)
         if state is QueueState.HELD:
             raise CHTError(f"request {request_id!r} is already held")
-        self._running_epoch += state is QueueState.RUNNING
-        self.tree.remove(request_id)
-        if state is QueueState.RUNNING:
-            self._runs(request_id, False)
-        if state is QueueState.WAITING:
-            self._waits(request_id, False)
+        self._leave_tree(request_id, state)
         if self.bound is not None:
             self.bound.hold(request_id, was_running=state is QueueState.RUNNING)
         self._changed()
@@ -203,18 +198,23 @@ class QueueBook(EntryTable):
         """Forget a request in any state (finished, aborted, rejected)."""
         state = self.state(request_id)
         if state is not QueueState.HELD:
-            self._running_epoch += state is QueueState.RUNNING
-            self.tree.remove(request_id)
-        if state is QueueState.RUNNING:
-            self._runs(request_id, False)
-        if state is QueueState.WAITING:
-            self._waits(request_id, False)
+            self._leave_tree(request_id, state)
         if self.bound is not None:
             self.bound.forget(request_id)
         del self._requests[request_id]
         self._changed()
 
     # ---- internals ---------------------------------------------------------------------
+
+    def _leave_tree(self, request_id: RequestId, state: QueueState) -> None:
+        """A waiting or running request leaves the tree (held or removed); the share is
+        told it stopped running or waiting."""
+        self._running_epoch += state is QueueState.RUNNING
+        self.tree.remove(request_id)
+        if state is QueueState.RUNNING:
+            self._runs(request_id, False)
+        else:
+            self._waits(request_id, False)
 
     def _is_waiting(self, request_id: RequestId) -> bool:
         return request_id in self._requests and self.state(request_id) is QueueState.WAITING
