@@ -18,7 +18,10 @@ from typer.testing import CliRunner
 
 from feather_sched.cli import app
 
-READY_TIMEOUT_S = 240
+READY_TIMEOUT_S = 480
+"""How long a test server may take to serve: about 40 s alone on this project's 2-core
+machine, past 240 s once while ``pytest -n 2`` ran an engine test beside it (a server
+that exits fails at once, ``wait_until_serving``)."""
 BOUNDED_POOL = ["--max-total-tokens", "32768"]
 """SGLang's KV pool for a test server: on a CPU SGLang sizes it from the machine's free
 memory (13 GB here), which two servers started side by side (``pytest -n 2``) do not
