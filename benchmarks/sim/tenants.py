@@ -54,7 +54,7 @@ from feather_sched.results.summary import median_and_range as spread
 from feather_sched.results.summary import pool_tenants, summarize
 from feather_sched.sim.runner import simulate
 from feather_sched.workloads.spec import ArrivalSpec, Workload
-from feather_sched.workloads.synthetic import document_tenants, multi_tenant
+from feather_sched.workloads.synthetic import LIGHT_USER_PREFIX, document_tenants, multi_tenant
 
 RUNS = {
     "vtc": ("vtc", {}),
@@ -132,7 +132,7 @@ def run_cell(study: Study, cell: str, seeds: int, runs_of: dict) -> dict:
             plan = sim_plan(workload(seed, options), "h100-sxm",
                             feather_options=feather_options, **options["engine"])
             summary = summarize(simulate(plan, name))
-            summary["by_tenant"] = pool_tenants(summary["by_tenant"], "user", LIGHT)
+            summary["by_tenant"] = pool_tenants(summary["by_tenant"], LIGHT_USER_PREFIX, LIGHT)
             runs[label] = {key: summary[key] for key in FIGURES}
         per_seed.append(runs)
     return {"options": options, "runs": per_seed,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from feather_sched.bench.study import Figure, load_rounds, markdown_table, ratios
 from feather_sched.results.summary import median_and_range, pool_tenants
+from feather_sched.workloads.synthetic import LIGHT_USER_PREFIX
 
 BASE = "vtc"
 RUNS = ("feather-model-fair", "vtc-shared")
@@ -24,7 +25,8 @@ LIGHT = "light users"
 
 
 def tenant_ttft(tenant: str) -> Figure:
-    return lambda run: pool_tenants(run["by_tenant"], "user", LIGHT)[tenant]["mean_ttft_ms"]
+    return lambda run: pool_tenants(run["by_tenant"], LIGHT_USER_PREFIX,
+                                    LIGHT)[tenant]["mean_ttft_ms"]
 
 
 def main() -> None:
@@ -32,7 +34,7 @@ def main() -> None:
     parser.add_argument("tenants", type=Path)
     args = parser.parse_args()
     runs = load_rounds(args.tenants)
-    tenants = sorted(pool_tenants(runs[BASE][0]["by_tenant"], "user", LIGHT))
+    tenants = sorted(pool_tenants(runs[BASE][0]["by_tenant"], LIGHT_USER_PREFIX, LIGHT))
     compared = [run for run in RUNS if run in runs]  # the interactive cell: no vtc-shared
 
     def row(name: str, figure: Figure, target: str) -> list[str]:

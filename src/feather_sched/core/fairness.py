@@ -201,8 +201,9 @@ class OvertakeBound:
             return None
         entered = [self._waiting[r].stops for r in self._requeued_in(priority)]
         heads = self._heads.get(priority)
-        if heads is not None and (heads.sequence != _NONE).any():
-            entered.append(int(heads.stops[heads.sequence != _NONE].min()))
+        present = None if heads is None else heads.sequence != _NONE
+        if present is not None and present.any():
+            entered.append(int(heads.stops[present].min()))
         if not entered:
             return None
         return max(0, self.stop_limit - (self._stops - min(entered)))

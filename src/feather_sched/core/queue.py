@@ -130,8 +130,8 @@ class FeatherQueue(QueueBook):
         With a ``share``, one at its overtaking or stop bound only among the tenants the
         share admits now: it takes its own tenant's turn, it does not jump the share
         (so ``max_overtakes`` or ``max_stops`` 0 is arrival order within the share's
-        window, never across it).  O(requeued requests), plus
-        ``TenantShare.window`` with a share."""
+        window, never across it).  ``OvertakeBound.due``'s cost (O(T) in C plus the
+        requeued requests), plus ``TenantShare.window`` with a share."""
         best = self.tree.best()
         if best is None:
             return None

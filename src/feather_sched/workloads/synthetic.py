@@ -385,6 +385,8 @@ def multi_tenant(
                   [f"t{t}" for t in owners])
 
 
+LIGHT_USER_PREFIX = "user"
+"""The tenant id of a light user of ``document_tenants``: this prefix and its number."""
 Stream = list[tuple[float, str, tuple[np.ndarray, int, int, int]]]
 """(arrival, tenant, (prompt, output_len, group, shared_len)) entries of one generator."""
 
@@ -480,6 +482,6 @@ def _light_user_streams(rng: np.random.Generator, users: int, most: int, prompt_
         times = rng.uniform(0, duration_s) + np.cumsum(
             np.concatenate([[0.0], rng.exponential(gap_s, size=n - 1)]))
         prompts = _distinct_sequences(rng, [prompt_len] * n, vocab_size)
-        streams += [(float(t), f"user{user}", (prompt, output_len, -1, 0))
+        streams += [(float(t), f"{LIGHT_USER_PREFIX}{user}", (prompt, output_len, -1, 0))
                     for t, prompt in zip(times, prompts, strict=True)]
     return streams
