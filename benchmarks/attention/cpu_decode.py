@@ -11,15 +11,26 @@ in every round:
   with the grouped rows cut to one token, then each group's prefix once for all its
   queries and each row's suffix (``feather_sched.attention.cpu_kernel``), merged.
 
-The KV cache is written through vLLM's own ``cpu_attn_reshape_and_cache`` (the ISA vLLM
-picks on this machine), block ids are shuffled over the cache, and every configuration is
-checked against ``sorted`` before it is timed. The per-step work done once for all layers
-(the plan and vLLM's scheduler metadata) is timed separately. Each timing is the median
-of ``--reps`` calls; ``--rounds`` repeats the whole grid, and the table gives the median
-ratio over rounds with its range.
+Where the kernel multiplies an "amx" cache in AMX tiles, ``shared (registers)`` times
+the same path in AVX-512 registers beside it. The KV cache is written through vLLM's own
+``cpu_attn_reshape_and_cache`` (the ISA vLLM picks on this machine), block ids are
+shuffled over the cache, and every configuration is checked against ``sorted`` before it
+is timed. The per-step work done once for all layers (the plan and vLLM's scheduler
+metadata) is timed separately. Each timing is the median of ``--reps`` calls;
+``--rounds`` repeats the whole grid, and the table gives the median ratio over rounds with
+its range.
+
+Against the limit: per cell the prefix kernel alone (the groups' segments) is timed and
+given as GFLOP/s and prefix-KV GB/s, beside this machine's ceilings measured in the same
+round: a streaming read of the same bytes, oneDNN's bf16 ``torch.matmul`` of the same
+shapes (per group and KV head: rows x prefix scores, then their product with V), and a
+large bf16 ``torch.matmul`` (the GEMM peak). The floor is the larger of the cell's FLOPs
+over the GEMM peak and its prefix bytes over the streaming rate.
 
     .venv/bin/python benchmarks/attention/cpu_decode.py            # the grid, ~4 min
     .venv/bin/python benchmarks/attention/cpu_decode.py --quick    # 4 x 16 at 8K only
+    .venv/bin/python benchmarks/attention/cpu_decode.py --cells 4x16x8192,4x16x1024 \
+        --geometry llama-3-8b --threads 2                         # named cells
 
 Writes STEM.json (every round's records, the summary) and STEM.md (the table) into
 results/NAME/ (``--set NAME``, default the commit; ``--stem``, default cpu-decode).
@@ -33,8 +44,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
+import ceilings
 import torch
 
+from feather_sched.attention import cpu_kernel
 from feather_sched.attention.groups import min_blocks, plan_step
 from feather_sched.attention.selfcheck import Cell
 from feather_sched.bench.study import Study, markdown_table
@@ -62,7 +75,7 @@ def median_s(run: Callable[[], None], reps: int) -> tuple[float, list[float]]:
 
 
 def measure(batch: CpuBatch, reps: int) -> dict:
-    """One round of one configuration: the three paths, checked, then timed."""
+    """One round of one configuration: the paths, checked, then timed."""
     cell = batch.cell
     interleaved = batch.table.view(cell.groups, cell.per_group, -1).transpose(0, 1) \
         .reshape(cell.rows, -1)
@@ -76,16 +89,37 @@ def measure(batch: CpuBatch, reps: int) -> dict:
     expected = batch.engine().float().clone()
     error = float(((batch.shared().float() - expected).norm(dim=-1) /
                    expected.norm(dim=-1)).max())
-    timings = {name: median_s(path, reps) for name, path in (
-        ("sorted", batch.engine),
-        ("interleaved", lambda: batch.kernel(batch.seq_lens, sorted_meta, interleaved)),
-        ("shared", batch.shared), ("plan_per_step", per_step))}
+    paths = [("sorted", batch.engine),
+             ("interleaved", lambda: batch.kernel(batch.seq_lens, sorted_meta, interleaved)),
+             ("shared", batch.shared), ("plan_per_step", per_step),
+             ("prefix_kernel", prefix_kernel(batch)),
+             *ceilings.same_bytes_and_shapes(batch)]
+    if batch.isa == "amx" and cpu_kernel.tiles():
+        paths.append(("shared_registers", lambda: batch.shared(use_tiles=False)))
+    timings = {name: median_s(path, reps) for name, path in paths}
     return {"max_relative_difference": error, "grouped_rows": len(batch.plan.tokens),
+            "gflop": ceilings.prefix_flop(batch) / 1e9,
+            "prefix_gb": ceilings.prefix_bytes(batch) / 1e9,
             "seconds": {name: t[0] for name, t in timings.items()},
             "reps_s": {name: t[1] for name, t in timings.items()}}
 
 
-def grid(quick: bool, prefixes: list[int]) -> list[Cell]:
+def prefix_kernel(batch: CpuBatch) -> Callable[[], None]:
+    """Feather's kernel over the groups' prefix segments alone (no suffix, no merge)."""
+    segments, groups = batch.plan.segments, batch.cell.groups
+    rows = int(segments.token_offsets[groups])
+    out = torch.empty(rows, *batch.query.shape[1:])
+    lse = torch.empty(rows, batch.query.shape[1])
+    args = (segments.token_offsets[:groups + 1].contiguous(), segments.tokens[:rows].contiguous(),
+            segments.block_offsets[:groups + 1].contiguous(), segments.blocks,
+            segments.lengths[:groups].contiguous(), out, lse, batch.isa)
+    return lambda: cpu_kernel.segment_attention(batch.cache, batch.query, batch.scale, *args)
+
+
+def grid(quick: bool, prefixes: list[int], cells: str | None) -> list[Cell]:
+    if cells:
+        return [Cell(int(p), int(g), int(m)) for g, m, p in
+                (spec.split("x") for spec in cells.split(","))]
     if quick:
         return [Cell(8192, 4, 16)]
     return [Cell(p, g, m) for p in prefixes for g in (1, 4, 8) for m in (4, 16, 64)
@@ -103,9 +137,10 @@ def summarize(records: list[dict]) -> list[dict]:
         rows.append({
             "geometry": key[0], "dtype": key[1], **mine[0]["config"], "rounds": len(mine),
             **{f"{name}_ms": 1e3 * statistics.median(r["seconds"][name] for r in mine)
-               for name in ("sorted", "interleaved", "shared", "plan_per_step")},
+               for name in mine[0]["seconds"]},
             **{f"{name}_over_shared": statistics.median(v) for name, v in ratios.items()},
             **{f"{name}_over_shared_range": [min(v), max(v)] for name, v in ratios.items()},
+            **ceilings.against_the_limit(mine),
             "max_relative_difference": max(r["max_relative_difference"] for r in mine)})
     return rows
 
@@ -117,16 +152,22 @@ def table(rows: list[dict]) -> str:
 
     return markdown_table(
         ["model", "dtype", "G x M", "prefix", "sorted ms", "interleaved ms", "shared ms",
-         "sorted / shared (range)", "interleaved / shared", "plan per step ms"],
+         "sorted / shared (range)", "interleaved / shared", "plan per step ms",
+         "kernel ms", "kernel GFLOP/s", "kernel GB/s", "floor ms", "kernel / floor",
+         "same-shape matmul ms"],
         ([r["geometry"], r["dtype"], f"{r['groups']} x {r['per_group']}", str(r["prefix"]),
           f"{r['sorted_ms']:.2f}", f"{r['interleaved_ms']:.2f}", f"{r['shared_ms']:.2f}",
-          ratio(r), f"{r['interleaved_over_shared']:.2f}x", f"{r['plan_per_step_ms']:.3f}"]
+          ratio(r), f"{r['interleaved_over_shared']:.2f}x", f"{r['plan_per_step_ms']:.3f}",
+          f"{r['prefix_kernel_ms']:.2f}", f"{r['kernel_gflops']:.0f}",
+          f"{r['kernel_gbps']:.1f}", f"{r['floor_ms']:.2f}", f"{r['kernel_over_floor']:.2f}x",
+          f"{r['matmul_same_shapes_ms']:.2f}"]
          for r in rows))
 
 
 def main() -> None:
     parser = study_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="4 x 16 at 8K only")
+    parser.add_argument("--cells", help="comma-separated GxMxPREFIX cells instead of the grid")
     parser.add_argument("--prefixes", default="2048,8192,16384",
                         help="comma-separated prefix lengths, multiples of 128 tokens")
     parser.add_argument("--geometry", default="tiny-llama,llama-3-8b",
@@ -140,14 +181,19 @@ def main() -> None:
     study = Study(__file__, set_name=args.set)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    records = []
+    records, peaks = [], []
+    cells = grid(args.quick, [int(p) for p in args.prefixes.split(",")], args.cells)
     for round_index in range(args.rounds):
+        peaks.append(ceilings.gemm_peak_gflops(dtype))
+        print(f"round {round_index}: bf16 GEMM peak {peaks[-1]:.0f} GFLOP/s", flush=True)
         for name in args.geometry.split(","):
-            for config in grid(args.quick, [int(p) for p in args.prefixes.split(",")]):
+            for config in cells:
                 batch = CpuBatch(config, GEOMETRIES[name], dtype, BLOCK, seed=round_index)
                 record = measure(batch, args.reps)
                 records.append({"round": round_index, "geometry": name, "dtype": args.dtype,
-                                "isa": batch.isa, "config": asdict(config), **record})
+                                "isa": batch.isa, "kernel_isa": cpu_kernel.isa(),
+                                "gemm_peak_gflops": peaks[-1], "config": asdict(config),
+                                **record})
                 s = record["seconds"]
                 print(f"round {round_index} {name} {config}: sorted {1e3 * s['sorted']:.2f} ms, "
                       f"shared {1e3 * s['shared']:.2f} ms "
@@ -155,8 +201,9 @@ def main() -> None:
                       f"max diff {record['max_relative_difference']:.1e}", flush=True)
     rows = summarize(records)
     study.write_json(args.stem, {
-        "machine": platform.processor() or platform.machine(), "threads": args.threads,
-        "torch": torch.__version__, "summary": rows, "records": records})
+        "machine": platform.processor() or platform.machine(), "cpu": ceilings.cpu_name(),
+        "threads": args.threads, "torch": torch.__version__, "kernel_isa": cpu_kernel.isa(),
+        "gemm_peak_gflops": peaks, "summary": rows, "records": records})
     study.write_markdown(args.stem, table(rows))
 
 

@@ -28,18 +28,25 @@ def run_segments(cache, query, segments, scale, layout="vec"):
     return out, lse
 
 
-BUILDS = ["native", "x86-64-v3"] + (["skylake-avx512"] if "avx512f" in cpu_kernel._cpu_flags()
-                                    else [])
-"""This CPU's build, the portable loop (built for AVX2, without AVX-512) and, where the
-CPU runs it, AVX-512 without AVX512_BF16 (its bf16 path multiplies in fp32)."""
+EMULATED_TILES = "native+emulated-tiles"
+BUILDS = ["native", "x86-64-v3"] + (["skylake-avx512", EMULATED_TILES]
+                                    if "avx512f" in cpu_kernel._cpu_flags() else [])
+"""This CPU's build (AMX tiles over an "amx" cache where the CPU has them), the portable
+loop (built for AVX2, without AVX-512) and, where the CPU runs AVX-512: that without
+AVX512_BF16 (its bf16 path multiplies in fp32), and this CPU's build with the tiles'
+instruction emulated (the tile path's layout arithmetic, tested without AMX)."""
 
 
 @pytest.fixture(params=BUILDS)
 def kernel(request, monkeypatch):
     if request.param == "native":
         return cpu_kernel.load()
-    library = cpu_kernel.build(request.param)
-    assert library.feather_kernel_vectorized() == (request.param == "skylake-avx512")
+    if request.param == EMULATED_TILES:
+        library = cpu_kernel.build("native", ("FEATHER_EMULATE_TILES",))
+        assert library.feather_kernel_tiles() == 2
+    else:
+        library = cpu_kernel.build(request.param)
+        assert library.feather_kernel_vectorized() == (request.param == "skylake-avx512")
     monkeypatch.setattr(cpu_kernel, "load", lambda: library)
     return library
 
@@ -187,3 +194,56 @@ def test_a_failing_compiler_is_reported(tmp_path, monkeypatch):
         assert list(tmp_path.iterdir()) == []
     finally:
         cpu_kernel.load.cache_clear()
+
+
+@pytest.mark.parametrize(("layout", "dtype"), [("vec", torch.bfloat16), ("amx", torch.bfloat16),
+                                              ("vec", torch.float32)])
+@pytest.mark.parametrize("threads", [2, 7])
+def test_long_segments_split_over_threads_match_the_reference(kernel, layout, dtype, threads):
+    """Few (segment, KV head) items for the threads: the long segments are split into parts
+    (one ending mid-block) on threads that would otherwise idle, and merged exactly."""
+    torch.manual_seed(3)
+    block_size, blocks, kv_heads = 32, 80, 1
+    keys = (torch.randn(blocks * block_size, kv_heads, 64) * 2).to(dtype)
+    values = torch.randn(blocks * block_size, kv_heads, 64).to(dtype)
+    cache = write_cache(keys, values, block_size, layout)
+    query = (torch.randn(12, 4, 64) * 2).to(dtype)
+    order = torch.randperm(blocks).tolist()
+    segments = [(list(range(10)), order[:70], 70 * 32 - 5), ([10], order[70:80], 300),
+                ([11], order[:20], 20 * 32)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = run_segments(cache, query, segments, 64 ** -0.5, layout)
+    finally:
+        torch.set_num_threads(before)
+    token_slots = [[b * block_size + t for b in seg_blocks for t in range(block_size)][:length]
+                   for _, seg_blocks, length in segments]
+    assert_segments(out, lse, query, keys, values, 64 ** -0.5, segments, token_slots)
+
+
+def test_tiles_multiply_an_amx_cache_where_built(kernel):
+    """The emulated build's tile path differs from its AVX-512 path in the last bits only
+    (P in two bf16 parts): it ran, and both are within the reference's bound above."""
+    if kernel.feather_kernel_tiles() == 0:
+        pytest.skip("this build multiplies in AVX-512 registers (no AMX, no emulation)")
+    torch.manual_seed(4)
+    keys, values = torch.randn(4 * 32, 2, 128).bfloat16(), torch.randn(4 * 32, 2, 128).bfloat16()
+    cache = write_cache(keys, values, 32, "amx")
+    query = torch.randn(20, 8, 128).bfloat16()
+    args = (torch.tensor([0, 20]), torch.arange(20), torch.tensor([0, 4]),
+            torch.arange(4, dtype=torch.int32), torch.tensor([113], dtype=torch.int32))
+    outputs = []
+    for use_tiles in (True, False):
+        out, lse = torch.empty(20, 8, 128), torch.empty(20, 8)
+        cpu_kernel.segment_attention(cache, query, 0.1, *args, out, lse, "amx", use_tiles)
+        outputs.append(out)
+    difference = (outputs[0] - outputs[1]).abs().max()
+    assert 0 < difference < 1e-5 * outputs[1].abs().max()
+
+
+@pytest.mark.skipif("amx_bf16" not in cpu_kernel._cpu_flags(),
+                    reason="no AMX on this CPU: the tile path ran emulated above")
+def test_this_cpus_build_multiplies_in_amx_tiles():
+    assert cpu_kernel.tiles() == "amx"
+    assert cpu_kernel.isa().startswith("amx tiles")

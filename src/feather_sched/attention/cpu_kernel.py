@@ -9,9 +9,10 @@ time, for torch.compile) into a per-user cache keyed by the source, the flags, t
 compiler and this CPU's feature flags, so a machine with another processor builds its
 own. The library is written under a temporary name and renamed into place, so concurrent
 engine processes never load half a file. Where the CPU has AVX-512 the kernel works in
-registers (``vectorized``); elsewhere it is a portable loop, exact but no faster than
-vLLM's kernel. Building fails with ``KernelUnavailable`` (the reason in its message)
-where there is no compiler.
+registers (``vectorized``), and over vLLM's "amx" cache in AMX tiles where the CPU has
+them (``tiles``: each group's rows times its prefix as a matrix product); elsewhere it is
+a portable loop, exact but no faster than vLLM's kernel. Building fails with
+``KernelUnavailable`` (the reason in its message) where there is no compiler.
 """
 
 from __future__ import annotations
@@ -61,21 +62,23 @@ def load() -> ctypes.CDLL:
     return build("native")
 
 
-def build(march: str) -> ctypes.CDLL:
-    """The kernel built for ``-march=march``, from the on-disk cache when it is there."""
+def build(march: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The kernel built for ``-march=march`` with the preprocessor ``defines`` (tests build
+    ``FEATHER_EMULATE_TILES``), from the on-disk cache when it is there."""
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise KernelUnavailable("no C++ compiler (c++ or g++) on PATH")
-    flags = (*FLAGS, f"-march={march}")
+    flags = (*FLAGS, f"-march={march}", *(f"-D{name}" for name in defines))
     library = _cache_dir() / f"feather_prefix_{_build_key(compiler, flags)}.so"
     if not library.exists():
         _build(compiler, flags, library)
     lib = ctypes.CDLL(str(library))
     lib.feather_kernel_vectorized.restype = _I32
+    lib.feather_kernel_tiles.restype = _I32
     lib.feather_segment_attention.restype = _I32
     lib.feather_segment_attention.argtypes = [
         _I32, _I32, _VOID, _VOID, _I64, _VOID, _I64, _I32, _I32, _I32, _I32, ctypes.c_float, _I32,
-        _VOID, _VOID, _VOID, _VOID, _VOID, _VOID, _VOID, _I32]
+        _VOID, _VOID, _VOID, _VOID, _VOID, _VOID, _VOID, _I32, _I32]
     return lib
 
 
@@ -91,6 +94,26 @@ def vectorized() -> bool:
     return bool(load().feather_kernel_vectorized())
 
 
+TILE_KINDS = {0: None, 1: "amx", 2: "emulated"}
+
+
+def tiles() -> str | None:
+    """How an "amx" cache's blocks multiply: "amx" in AMX tiles (the build has them and
+    Linux granted this process the tile state), "emulated" (a test build), or None: in
+    AVX-512 registers."""
+    return TILE_KINDS[load().feather_kernel_tiles()]
+
+
+def isa() -> str:
+    """The instructions this CPU's kernel multiplies with, per layout, for records:
+    e.g. "amx tiles (amx layout); avx512-bf16" or "portable"."""
+    if not vectorized():
+        return "portable"
+    dot = "avx512-bf16" if "avx512_bf16" in _cpu_flags() else "avx512"
+    kind = tiles()
+    return f"{kind} tiles (amx layout); {dot}" if kind else dot
+
+
 KVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """One layer's KV as the kernel reads it: vLLM's CPU cache tensor ("vec", "amx"), or the
 (K, V) buffers of a token-major pool ("nhd")."""
@@ -100,7 +123,7 @@ def segment_attention(kv_cache: KVCache, query: torch.Tensor, scale: float,
                       token_offsets: torch.Tensor, tokens: torch.Tensor,
                       block_offsets: torch.Tensor, blocks: torch.Tensor,
                       lengths: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                      layout: str = "vec") -> None:
+                      layout: str = "vec", use_tiles: bool = True) -> None:
     """Attend each segment over its KV blocks; write fp32 partials and natural-log LSE.
 
     ``kv_cache``: one layer's vLLM CPU cache ``[num_blocks, kv_heads, block_size,
@@ -113,8 +136,10 @@ def segment_attention(kv_cache: KVCache, query: torch.Tensor, scale: float,
     token), its first ``lengths[s]`` tokens (int32); its rows of ``out``
     (``[len(tokens), q_heads, head_dim]`` fp32) and ``lse`` (``[len(tokens), q_heads]``
     fp32) are ``token_offsets[s]`` onwards; a segment of no tokens gives LSE -inf and a
-    zero output. Cost: one pass over each segment's KV per KV head, parallel over
-    (segment, KV head) on torch's intra-op threads.
+    zero output. An "amx" cache multiplies in tiles where ``tiles()`` has them
+    (``use_tiles``). Cost: one pass over each segment's KV per KV head, parallel over
+    (segment, KV head) on torch's intra-op threads, a long segment split over threads
+    that would otherwise idle.
     """
     if layout == "nhd":
         keys, values = _token_major(kv_cache)
@@ -134,13 +159,13 @@ def segment_attention(kv_cache: KVCache, query: torch.Tensor, scale: float,
         scale, len(lengths),
         token_offsets.data_ptr(), tokens.data_ptr(), block_offsets.data_ptr(),
         blocks.data_ptr(), lengths.data_ptr(), out.data_ptr(), lse.data_ptr(),
-        torch.get_num_threads())
+        torch.get_num_threads(), int(use_tiles))
     if status != 0:
         raise ValueError(f"segment attention failed with status {status}")
 
 
 def attend_groups(plan: StepPlan, query: torch.Tensor, kv_cache: KVCache, scale: float,
-                  output: torch.Tensor, layout: str = "vec") -> None:
+                  output: torch.Tensor, layout: str = "vec", use_tiles: bool = True) -> None:
     """Overwrite the grouped rows of ``output`` (``[tokens, q_heads, head_dim]``) with their
     attention: each group's prefix once for all its queries, each row's suffix, merged.
 
@@ -153,7 +178,7 @@ def attend_groups(plan: StepPlan, query: torch.Tensor, kv_cache: KVCache, scale:
     lse = torch.empty(segments.rows, heads)
     segment_attention(kv_cache, query, scale, segments.token_offsets, segments.tokens,
                       segments.block_offsets, segments.blocks, segments.lengths, partials, lse,
-                      layout)
+                      layout, use_tiles)
     rows = len(plan.tokens)
     merged = merge_partials(partials[:rows], lse[:rows], partials[rows:], lse[rows:])
     output[plan.tokens] = merged.to(output.dtype)

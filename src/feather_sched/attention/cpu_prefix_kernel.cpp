@@ -35,6 +35,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -44,6 +45,10 @@
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -108,6 +113,7 @@ struct Geometry {
   int64_t q_token_stride;  // elements between query tokens
   float scale;
   int64_t kv_token_stride;  // "nhd": elements between token slots of the K and V buffers
+  bool tiles;               // "amx": multiply in tiles (``attend_block_tiles``)
 };
 
 constexpr int kPack = 64;  // "nhd": tokens gathered into one block of the scratch
@@ -118,13 +124,17 @@ using Element = std::conditional_t<DT == F32, float, uint16_t>;
 // Per-row softmax state of one work item, plus scratch, reused across calls.
 struct Scratch {
   std::vector<float> q, acc, max, sum, scores;
-  std::vector<int32_t> q_pairs;  // bf16 queries as (d, d+1) pairs, for vdpbf16ps
+  std::vector<int32_t> q_pairs;  // bf16 queries as (d, d+1) pairs, for vdpbf16ps and tiles
   std::vector<float> packed;     // "nhd": one gathered block of K then V (any dtype)
+  std::vector<uint16_t> p_high, p_low;  // tiles: probabilities as bf16 high + low parts
+  std::vector<uint16_t> v_tail;         // tiles: a block's last token pairs, zero-padded
 
-  void reset(int rows, int head_dim, int block_size, int score_rows) {
+  // ``padded_rows`` (rows rounded up to a tile's 16 where tiles multiply, else rows): the
+  // padding rows of the bf16 query and of the accumulator are zeros.
+  void reset(int rows, int padded_rows, int head_dim, int block_size, int score_rows) {
     q.resize(static_cast<size_t>(rows) * head_dim);
-    q_pairs.resize(static_cast<size_t>(rows) * head_dim / 2);
-    acc.assign(static_cast<size_t>(rows) * head_dim, 0.0f);
+    q_pairs.assign(static_cast<size_t>(padded_rows) * head_dim / 2, 0);
+    acc.assign(static_cast<size_t>(padded_rows) * head_dim, 0.0f);
     max.assign(rows, -std::numeric_limits<float>::infinity());
     sum.assign(rows, 0.0f);
     scores.resize(static_cast<size_t>(score_rows) * block_size);
@@ -216,71 +226,80 @@ constexpr bool kBf16Dot = true;  // bf16 pairs multiplied exactly, summed in fp3
 constexpr bool kBf16Dot = false;
 #endif
 
-// scores[r][t] = scale * q[r] . K[t] for the tile's rows and the block's first n tokens.
-// Meanwhile it prefetches ``prefetch_bytes`` from ``prefetch`` into L2, spread evenly over
-// the (token tile, head_dim) steps: the next block's K and V, which a random block order would
-// otherwise leave to DRAM latency (the K loads stride by block_size, which the hardware
-// prefetcher follows only within a block). A bf16 cache on a CPU with AVX512_BF16 takes
-// head_dim in pairs (vdpbf16ps: exact bf16 products, fp32 sums), at twice the FMA rate;
-// the "amx" layout stores K as those pairs already.
-template <int DT, int LO, int NR>
+// scores[r][t] = scale * q[r] . K[t] for the tile's rows and the block's first n tokens,
+// NT token tiles of 16 at a time (two where rows are few: more independent sums in flight,
+// each broadcast query pair used twice). Meanwhile it prefetches ``prefetch_bytes`` from
+// ``prefetch`` into L2, spread evenly over the (token tiles, head_dim) steps: the next
+// block's K and V, which a random block order would otherwise leave to DRAM latency (the K
+// loads stride by block_size, which the hardware prefetcher follows only within a block).
+// A bf16 cache on a CPU with AVX512_BF16 takes head_dim in pairs (vdpbf16ps: exact bf16
+// products, fp32 sums), at twice the FMA rate; the "amx" layout stores K as those pairs.
+template <int DT, int LO, int NR, int NT>
 void tile_scores(const float* q, const int32_t* q_pairs, int head_dim, const void* cache,
                  int64_t k_base, int block_size, int n, float scale, float* scores,
                  const char* prefetch, int64_t prefetch_bytes) {
   static_assert(LO == VEC || DT == BF16, "the amx layout holds bf16");
   constexpr bool pairs = DT == BF16 && kBf16Dot;
   constexpr int d_step = pairs || LO == AMX ? 2 : 1;
-  const int64_t steps =
-      static_cast<int64_t>((n + kTokenTile - 1) / kTokenTile) * (head_dim / d_step);
+  constexpr int span = NT * kTokenTile;
+  const int64_t steps = static_cast<int64_t>((n + span - 1) / span) * (head_dim / d_step);
   const int64_t stride = 64 * ((prefetch_bytes / 64 + steps - 1) / steps);
   int64_t line = 0;
-  for (int t0 = 0; t0 < n; t0 += kTokenTile) {
-    const int left = n - t0;
-    const __mmask16 mask = left >= kTokenTile ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-    __m512 acc[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int t0 = 0; t0 < n; t0 += span) {
+    __mmask16 mask[NT];
+    for (int j = 0; j < NT; ++j) {
+      const int left = n - t0 - j * kTokenTile;
+      mask[j] = left >= kTokenTile ? 0xFFFF
+                : left > 0         ? static_cast<__mmask16>((1u << left) - 1) : 0;
+    }
+    __m512 acc[NT][NR];
+    for (int j = 0; j < NT; ++j)
+      for (int r = 0; r < NR; ++r) acc[j][r] = _mm512_setzero_ps();
     for (int d = 0; d < head_dim; d += d_step) {
-      const int64_t row = k_base + k_offset<LO>(d, t0, block_size, head_dim);
-      if constexpr (LO == AMX) {
-        // [K(d, t), K(d+1, t)] for t = t0 ... t0 + 15, as stored.
-        const __m512i both = _mm512_maskz_loadu_epi32(
-            mask, static_cast<const uint16_t*>(cache) + row);
-        if constexpr (pairs) {
+      for (int j = 0; j < NT; ++j) {
+        const int64_t row = k_base + k_offset<LO>(d, t0 + j * kTokenTile, block_size, head_dim);
+        if constexpr (LO == AMX) {
+          // [K(d, t), K(d+1, t)] for the tile's 16 tokens, as stored.
+          const __m512i both = _mm512_maskz_loadu_epi32(
+              mask[j], static_cast<const uint16_t*>(cache) + row);
+          if constexpr (pairs) {
 #ifdef __AVX512BF16__
+            for (int r = 0; r < NR; ++r) {
+              acc[j][r] = _mm512_dpbf16_ps(
+                  acc[j][r], (__m512bh)_mm512_set1_epi32(q_pairs[(r * head_dim + d) / 2]),
+                  (__m512bh)both);
+            }
+#endif
+          } else {
+            __m512 even, odd;
+            split_bf16_pairs(both, even, odd);
+            for (int r = 0; r < NR; ++r) {
+              acc[j][r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * head_dim + d]), even, acc[j][r]);
+              acc[j][r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * head_dim + d + 1]), odd,
+                                          acc[j][r]);
+            }
+          }
+        } else if constexpr (pairs) {
+#ifdef __AVX512BF16__
+          const uint16_t* k = static_cast<const uint16_t*>(cache);
+          const __m512i both = _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(mask[j], k + row)),
+              _mm256_maskz_loadu_epi16(mask[j], k + row + block_size), 1);
+          // [K(d, t), K(d+1, t)] for the tile's 16 tokens: the pairs vdpbf16ps sums.
+          const __m512i interleave = _mm512_set_epi16(
+              31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+          const __m512bh kd = (__m512bh)_mm512_permutexvar_epi16(interleave, both);
           for (int r = 0; r < NR; ++r) {
-            acc[r] = _mm512_dpbf16_ps(
-                acc[r], (__m512bh)_mm512_set1_epi32(q_pairs[(r * head_dim + d) / 2]),
-                (__m512bh)both);
+            acc[j][r] = _mm512_dpbf16_ps(
+                acc[j][r], (__m512bh)_mm512_set1_epi32(q_pairs[(r * head_dim + d) / 2]), kd);
           }
 #endif
         } else {
-          __m512 even, odd;
-          split_bf16_pairs(both, even, odd);
+          const __m512 k = load16_masked<DT>(cache, row, mask[j]);
           for (int r = 0; r < NR; ++r) {
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * head_dim + d]), even, acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * head_dim + d + 1]), odd, acc[r]);
+            acc[j][r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * head_dim + d]), k, acc[j][r]);
           }
-        }
-      } else if constexpr (pairs) {
-#ifdef __AVX512BF16__
-        const uint16_t* k = static_cast<const uint16_t*>(cache);
-        const __m512i both = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(mask, k + row)),
-            _mm256_maskz_loadu_epi16(mask, k + row + block_size), 1);
-        // [K(d, t), K(d+1, t)] for t = t0 ... t0 + 15: the pairs vdpbf16ps sums.
-        const __m512i interleave = _mm512_set_epi16(
-            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-            23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-        const __m512bh kd = (__m512bh)_mm512_permutexvar_epi16(interleave, both);
-        for (int r = 0; r < NR; ++r) {
-          acc[r] = _mm512_dpbf16_ps(
-              acc[r], (__m512bh)_mm512_set1_epi32(q_pairs[(r * head_dim + d) / 2]), kd);
-        }
-#endif
-      } else {
-        const __m512 k = load16_masked<DT>(cache, row, mask);
-        for (int r = 0; r < NR; ++r) {
-          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * head_dim + d]), k, acc[r]);
         }
       }
       for (const int64_t end = line + stride; line < end && line < prefetch_bytes; line += 64) {
@@ -288,21 +307,29 @@ void tile_scores(const float* q, const int32_t* q_pairs, int head_dim, const voi
       }
     }
     const __m512 s = _mm512_set1_ps(scale);
-    for (int r = 0; r < NR; ++r) {
-      _mm512_storeu_ps(scores + r * block_size + t0, _mm512_mul_ps(acc[r], s));
+    for (int j = 0; j < NT; ++j) {
+      if (!mask[j]) continue;
+      for (int r = 0; r < NR; ++r) {
+        _mm512_storeu_ps(scores + r * block_size + t0 + j * kTokenTile,
+                         _mm512_mul_ps(acc[j][r], s));
+      }
     }
   }
 }
+
+// Rows of at most kPairedRows take two token tiles a pass.
+constexpr int kPairedRows = 8;
 
 template <int DT, int LO>
 void scores_dispatch(int rows, const float* q, const int32_t* q_pairs, int head_dim,
                      const void* cache, int64_t k_base, int block_size, int n, float scale,
                      float* scores, const char* prefetch, int64_t prefetch_bytes) {
   switch (rows) {
-#define FEATHER_ROWS(R)                                                                      \
-  case R:                                                                                    \
-    return tile_scores<DT, LO, R>(q, q_pairs, head_dim, cache, k_base, block_size, n, scale, \
-                                  scores, prefetch, prefetch_bytes);
+#define FEATHER_ROWS(R)                                                                    \
+  case R:                                                                                  \
+    return tile_scores<DT, LO, R, (R <= kPairedRows ? 2 : 1)>(                             \
+        q, q_pairs, head_dim, cache, k_base, block_size, n, scale, scores, prefetch,       \
+        prefetch_bytes);
     FEATHER_ROWS(1) FEATHER_ROWS(2) FEATHER_ROWS(3) FEATHER_ROWS(4) FEATHER_ROWS(5)
     FEATHER_ROWS(6) FEATHER_ROWS(7) FEATHER_ROWS(8) FEATHER_ROWS(9) FEATHER_ROWS(10)
     FEATHER_ROWS(11) FEATHER_ROWS(12) FEATHER_ROWS(13) FEATHER_ROWS(14) FEATHER_ROWS(15)
@@ -449,6 +476,304 @@ void attend_block(const Geometry& g, const void* cache, Scratch& w, int rows, in
 constexpr int kScoreRows = kRowTile;
 constexpr int32_t kVectorized = 1;
 
+// ---- Tiles: a (prefix group, KV head) over an "amx" cache as matrix products ----------
+//
+// Over vLLM's "amx" layout a block's K is already the B operand of a bf16 tile product
+// (16 tokens of (d, d + 1) pairs per 64-byte row) and so is its V (16 dims of (t, t + 1)
+// pairs), so the group's rows, padded to 16, multiply them in place: scores = Q K^T in
+// fp32 (exact bf16 products, as vdpbf16ps), the online softmax in AVX-512, then
+// acc += P V with P split into a bf16 high part and the bf16 rounding of the rest, so the
+// probabilities keep ~16 bits (within 4e-6 of fp32) where one bf16 would keep 8.
+// ``Tiles`` is AMX (``_tile_dpbf16ps``) where the build has it and Linux grants the tile
+// state, or, built with FEATHER_EMULATE_TILES, the same instruction's semantics in plain
+// loops, so that this path's layout arithmetic is tested on CPUs without AMX.
+
+#if defined(FEATHER_EMULATE_TILES)
+
+struct Tiles {
+  static constexpr int32_t kKind = 2;
+  alignas(64) static inline thread_local uint8_t reg[8][16 * 64];
+
+  static bool ready() { return true; }
+  static void configure() {}
+  static void release() {}
+  template <int T>
+  static void zero() { std::memset(reg[T], 0, sizeof reg[T]); }
+  template <int T>
+  static void load(const void* base, int64_t stride) {
+    for (int r = 0; r < 16; ++r) {
+      std::memcpy(reg[T] + 64 * r, static_cast<const char*>(base) + r * stride, 64);
+    }
+  }
+  template <int T>
+  static void store(void* base, int64_t stride) {
+    for (int r = 0; r < 16; ++r) {
+      std::memcpy(static_cast<char*>(base) + r * stride, reg[T] + 64 * r, 64);
+    }
+  }
+  // tdpbf16ps: C[m][n] += A[m][2k] * B[k][2n] + A[m][2k + 1] * B[k][2n + 1], in fp32.
+  template <int C, int A, int B>
+  static void dot() {
+    float* c = reinterpret_cast<float*>(reg[C]);
+    const uint16_t* a = reinterpret_cast<const uint16_t*>(reg[A]);
+    const uint16_t* b = reinterpret_cast<const uint16_t*>(reg[B]);
+    for (int m = 0; m < 16; ++m) {
+      for (int k = 0; k < 16; ++k) {
+        for (int n = 0; n < 16; ++n) {
+          c[m * 16 + n] += load1<BF16>(a, m * 32 + 2 * k) * load1<BF16>(b, k * 32 + 2 * n);
+          c[m * 16 + n] += load1<BF16>(a, m * 32 + 2 * k + 1) * load1<BF16>(b, k * 32 + 2 * n + 1);
+        }
+      }
+    }
+  }
+};
+#define FEATHER_TILES 1
+
+#elif defined(__AMX_TILE__) && defined(__AMX_BF16__)
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+struct Tiles {
+  static constexpr int32_t kKind = 1;
+
+  // Linux hands a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM
+  // for XFEATURE_XTILEDATA); without it a tile instruction raises SIGILL.
+  static bool ready() {
+    static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return granted;
+  }
+  static void configure() {  // eight tiles of 16 rows x 64 bytes
+    TileConfig config{};
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+      config.bytes_per_row[t] = 64;
+      config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+  }
+  static void release() { _tile_release(); }
+  // The tile intrinsics name their registers in the instruction (GCC pastes the number
+  // into the assembly), so each template argument is spelled out once.
+#define FEATHER_TILE_CASES(OP)                                                       \
+  if constexpr (T == 0) { OP(0); } else if constexpr (T == 1) { OP(1); }             \
+  else if constexpr (T == 2) { OP(2); } else if constexpr (T == 3) { OP(3); }        \
+  else if constexpr (T == 4) { OP(4); } else if constexpr (T == 5) { OP(5); }        \
+  else if constexpr (T == 6) { OP(6); } else { static_assert(T == 7); OP(7); }
+#define FEATHER_ZERO(I) _tile_zero(I)
+#define FEATHER_LOAD(I) _tile_loadd(I, base, stride)
+#define FEATHER_STORE(I) _tile_stored(I, base, stride)
+  template <int T>
+  static void zero() { FEATHER_TILE_CASES(FEATHER_ZERO) }
+  template <int T>
+  static void load(const void* base, int64_t stride) { FEATHER_TILE_CASES(FEATHER_LOAD) }
+  template <int T>
+  static void store(void* base, int64_t stride) { FEATHER_TILE_CASES(FEATHER_STORE) }
+#undef FEATHER_ZERO
+#undef FEATHER_LOAD
+#undef FEATHER_STORE
+#undef FEATHER_TILE_CASES
+  // The products the kernel makes: accumulators 0-3, left operands 4-5, right 6-7.
+  template <int C, int A, int B>
+  static void dot() {
+#define FEATHER_DOT(c, a, b) if constexpr (C == c && A == a && B == b) { _tile_dpbf16ps(c, a, b); } else
+    FEATHER_DOT(0, 4, 6) FEATHER_DOT(0, 5, 6) FEATHER_DOT(1, 4, 7) FEATHER_DOT(1, 5, 7)
+    FEATHER_DOT(2, 4, 6) FEATHER_DOT(2, 5, 6) FEATHER_DOT(3, 4, 7) FEATHER_DOT(3, 5, 7)
+    static_assert(C < 0, "a tile product the kernel does not make");
+#undef FEATHER_DOT
+  }
+};
+#define FEATHER_TILES 1
+
+#endif
+
+#ifdef FEATHER_TILES
+constexpr int32_t kTileKind = Tiles::kKind;
+constexpr int kTileRows = 16;  // rows of every tile; 64 bytes each
+
+// Whether this call's "amx" work items multiply in tiles.
+bool tiles_ready() { return Tiles::ready(); }
+
+// scores[r][t] (unscaled) for two or one 16-row tiles x two or one 16-token groups at
+// (r0, t0): tiles 0-3 accumulate, 4-5 hold the query rows, 6-7 the K groups.
+template <bool TwoRows, bool TwoGroups>
+void score_tiles(const int32_t* q_pairs, int head_dim, const uint16_t* k_block, int block_size,
+                 int r0, int t0, float* scores) {
+  const int64_t q_stride = 2 * static_cast<int64_t>(head_dim);
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(q_pairs) + r0 * head_dim;
+  const uint16_t* k = k_block + static_cast<int64_t>(t0) * head_dim;  // 16 tokens x head_dim
+  Tiles::zero<0>();
+  if constexpr (TwoGroups) Tiles::zero<1>();
+  if constexpr (TwoRows) Tiles::zero<2>();
+  if constexpr (TwoRows && TwoGroups) Tiles::zero<3>();
+  for (int d = 0; d < head_dim; d += 32) {
+    Tiles::load<4>(q + d, q_stride);
+    Tiles::load<6>(k + 16 * d, 64);
+    Tiles::dot<0, 4, 6>();
+    if constexpr (TwoGroups) {
+      Tiles::load<7>(k + 16 * (head_dim + d), 64);
+      Tiles::dot<1, 4, 7>();
+    }
+    if constexpr (TwoRows) {
+      Tiles::load<5>(q + kTileRows * head_dim + d, q_stride);
+      Tiles::dot<2, 5, 6>();
+      if constexpr (TwoGroups) Tiles::dot<3, 5, 7>();
+    }
+  }
+  const int64_t s_stride = 4 * static_cast<int64_t>(block_size);
+  float* s = scores + static_cast<int64_t>(r0) * block_size + t0;
+  Tiles::store<0>(s, s_stride);
+  if constexpr (TwoGroups) Tiles::store<1>(s + 16, s_stride);
+  if constexpr (TwoRows) Tiles::store<2>(s + kTileRows * block_size, s_stride);
+  if constexpr (TwoRows && TwoGroups) Tiles::store<3>(s + kTileRows * block_size + 16, s_stride);
+}
+
+// p_high + p_low = p (to ~16 bits) for every padded row and 32-token step of the block;
+// zero outside the first ``rows`` rows and ``n`` tokens.
+void split_probabilities(const float* probs, int rows, int padded_rows, int n, int steps,
+                         int block_size, uint16_t* high, uint16_t* low) {
+  const __m512i round_bias = _mm512_set1_epi32(0x7FFF);
+  const __m512i one = _mm512_set1_epi32(1);
+  const auto to_bf16 = [&](__m512 x) {  // round to nearest even (no NaN here)
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+    return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(round_bias, lsb)), 16);
+  };
+  const int width = 32 * steps;
+  for (int r = 0; r < padded_rows; ++r) {
+    for (int t0 = 0; t0 < width; t0 += 16) {
+      const int left = r < rows ? n - t0 : 0;
+      const __mmask16 mask = left >= 16 ? 0xFFFF
+                             : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
+      const __m512 p = _mm512_maskz_loadu_ps(mask, probs + static_cast<int64_t>(r) * block_size
+                                                       + t0);
+      const __m512i h = to_bf16(p);
+      const __m512 rest = _mm512_sub_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+      const int64_t at = static_cast<int64_t>(r) * width + t0;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + at), _mm512_cvtepi32_epi16(h));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + at),
+                          _mm512_cvtepi32_epi16(to_bf16(rest)));
+    }
+  }
+}
+
+// acc[r0 .. r0 + 15][16 * (g0 .. g0 + NG - 1)] += P V over ``steps`` 32-token steps:
+// tiles 0-3 accumulate, 4-5 hold P's high and low parts, 6-7 the V pairs. ``v_rows(step,
+// group)``: where the 16 rows of (t, t + 1) pairs of that step and 16-dim group start.
+template <int NG, class VRows>
+void value_tiles(const uint16_t* high, const uint16_t* low, int steps, int r0, int g0,
+                 int head_dim, float* acc, const VRows& v_rows) {
+  const int64_t p_stride = 64 * static_cast<int64_t>(steps);
+  const int64_t a_stride = 4 * static_cast<int64_t>(head_dim);
+  float* a = acc + static_cast<int64_t>(r0) * head_dim + 16 * g0;
+  Tiles::load<0>(a, a_stride);
+  if constexpr (NG > 1) Tiles::load<1>(a + 16, a_stride);
+  if constexpr (NG > 2) Tiles::load<2>(a + 32, a_stride);
+  if constexpr (NG > 3) Tiles::load<3>(a + 48, a_stride);
+  const int64_t p0 = static_cast<int64_t>(r0) * 32 * steps;
+  for (int step = 0; step < steps; ++step) {
+    Tiles::load<4>(high + p0 + 32 * step, p_stride);
+    Tiles::load<5>(low + p0 + 32 * step, p_stride);
+    Tiles::load<6>(v_rows(step, g0), 64);
+    Tiles::dot<0, 4, 6>();
+    Tiles::dot<0, 5, 6>();
+    if constexpr (NG > 1) {
+      Tiles::load<7>(v_rows(step, g0 + 1), 64);
+      Tiles::dot<1, 4, 7>();
+      Tiles::dot<1, 5, 7>();
+    }
+    if constexpr (NG > 2) {
+      Tiles::load<6>(v_rows(step, g0 + 2), 64);
+      Tiles::dot<2, 4, 6>();
+      Tiles::dot<2, 5, 6>();
+    }
+    if constexpr (NG > 3) {
+      Tiles::load<7>(v_rows(step, g0 + 3), 64);
+      Tiles::dot<3, 4, 7>();
+      Tiles::dot<3, 5, 7>();
+    }
+  }
+  Tiles::store<0>(a, a_stride);
+  if constexpr (NG > 1) Tiles::store<1>(a + 16, a_stride);
+  if constexpr (NG > 2) Tiles::store<2>(a + 32, a_stride);
+  if constexpr (NG > 3) Tiles::store<3>(a + 48, a_stride);
+}
+
+// The block's V pairs of the last, partial 32-token step, zero beyond its n tokens (the
+// cache past them may hold anything, and 0 x NaN is NaN): [groups][16 rows][32].
+void copy_value_tail(const uint16_t* v_block, int block_size, int head_dim, int n,
+                     uint16_t* tail) {
+  const int t0 = n / 32 * 32;
+  for (int group = 0; group < head_dim / 16; ++group) {
+    const uint16_t* rows = v_block + static_cast<int64_t>(group) * 16 * block_size + t0 * 16;
+    uint16_t* out = tail + group * 512;
+    for (int i = 0; i < 512; ++i) {
+      const int token = t0 + 2 * (i / 32) + i % 2;
+      out[i] = token < n ? rows[i] : 0;
+    }
+  }
+}
+
+// Every row of the work item over one block of n tokens, in tiles (see above).
+void attend_block_tiles(const Geometry& g, const void* cache, Scratch& w, int rows,
+                        int64_t k_base, int n) {
+  const int D = g.head_dim, bs = g.block_size;
+  const int padded = (rows + kTileRows - 1) / kTileRows * kTileRows;
+  const uint16_t* k_block = static_cast<const uint16_t*>(cache) + k_base;
+  const uint16_t* v_block = k_block + static_cast<int64_t>(bs) * D;
+  const int token_groups = (n + 15) / 16;
+  for (int r0 = 0; r0 < padded; r0 += 2 * kTileRows) {
+    const bool two_rows = r0 + kTileRows < padded;
+    for (int group = 0; group < token_groups; group += 2) {
+      const bool two_groups = group + 1 < token_groups;
+#define FEATHER_SCORES(R, G) \
+  score_tiles<R, G>(w.q_pairs.data(), D, k_block, bs, r0, 16 * group, w.scores.data())
+      if (two_rows) {
+        two_groups ? FEATHER_SCORES(true, true) : FEATHER_SCORES(true, false);
+      } else {
+        two_groups ? FEATHER_SCORES(false, true) : FEATHER_SCORES(false, false);
+      }
+#undef FEATHER_SCORES
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(g.scale);
+  for (int r = 0; r < rows; ++r) {
+    float* s = w.scores.data() + static_cast<int64_t>(r) * bs;
+    for (int t = 0; t < n; t += 16) {
+      const __mmask16 mask = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+      _mm512_mask_storeu_ps(s + t, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, s + t), scale));
+    }
+  }
+  softmax_block(rows, n, bs, D, w.scores.data(), w.max.data(), w.sum.data(), w.acc.data());
+  const int steps = (n + 31) / 32;
+  split_probabilities(w.scores.data(), rows, padded, n, steps, bs, w.p_high.data(),
+                      w.p_low.data());
+  const bool tail = n % 32 != 0;
+  if (tail) copy_value_tail(v_block, bs, D, n, w.v_tail.data());
+  const auto v_rows = [&](int step, int group) -> const uint16_t* {
+    if (tail && step == steps - 1) return w.v_tail.data() + group * 512;
+    return v_block + static_cast<int64_t>(group) * 16 * bs + step * 512;
+  };
+  const int groups = D / 16;
+  for (int r0 = 0; r0 < padded; r0 += kTileRows) {
+    for (int g0 = 0; g0 < groups; g0 += 4) {
+      switch (groups - g0 < 4 ? groups - g0 : 4) {
+        case 1: value_tiles<1>(w.p_high.data(), w.p_low.data(), steps, r0, g0, D, w.acc.data(), v_rows); break;
+        case 2: value_tiles<2>(w.p_high.data(), w.p_low.data(), steps, r0, g0, D, w.acc.data(), v_rows); break;
+        case 3: value_tiles<3>(w.p_high.data(), w.p_low.data(), steps, r0, g0, D, w.acc.data(), v_rows); break;
+        default: value_tiles<4>(w.p_high.data(), w.p_low.data(), steps, r0, g0, D, w.acc.data(), v_rows);
+      }
+    }
+  }
+}
+
+void configure_tiles() { Tiles::configure(); }
+void release_tiles() { Tiles::release(); }
+#endif  // FEATHER_TILES
+
 #else  // no AVX-512F: the same arithmetic, one row and one token at a time
 
 template <int DT, int LO>
@@ -489,6 +814,14 @@ constexpr int32_t kVectorized = 0;
 
 #endif
 
+#ifndef FEATHER_TILES
+constexpr int32_t kTileKind = 0;
+bool tiles_ready() { return false; }
+void configure_tiles() {}
+void release_tiles() {}
+void attend_block_tiles(const Geometry&, const void*, Scratch&, int, int64_t, int) {}
+#endif
+
 // "nhd": the K and V of one KV head at ``n`` token slots (at most kPack), gathered into the
 // "vec" layout of one kPack-token block: K [head_dim][kPack], then V [kPack][head_dim].
 // Slots are in no order the hardware prefetcher follows, so the rows kAhead tokens on (of
@@ -518,11 +851,11 @@ void gather_tokens(const Geometry& g, const void* keys, const void* values, cons
   }
 }
 
-// One work item: every query row of one segment, one KV head, over the segment's blocks
-// (``cache``; "nhd": its token slots in the ``cache`` and ``values`` buffers, gathered
-// kPack at a time). ``following``: the first block of the item after this one, prefetched
-// during this item's last block (many short suffix segments would otherwise each start
-// cold).
+// One work item: every query row of one segment, one KV head, over ``length`` of the
+// segment's tokens from ``blocks`` on (``cache``; "nhd": token slots in the ``cache`` and
+// ``values`` buffers, gathered kPack at a time). ``following``: the first block of the item
+// after this one, prefetched during this item's last block (many short suffix segments
+// would otherwise each start cold).
 template <int DT, int LO>
 void attend_segment(const Geometry& g, const void* cache, const void* values,
                     const void* query, const int64_t* tokens, int num_tokens,
@@ -530,7 +863,15 @@ void attend_segment(const Geometry& g, const void* cache, const void* values,
                     float* out, float* lse, Scratch& w, const char* following) {
   const int rows = num_tokens * g.gqa;
   const int D = g.head_dim;
-  w.reset(rows, D, LO == NHD ? kPack : g.block_size, kScoreRows);
+  const bool tiles = LO == AMX && g.tiles;
+  const int padded = tiles ? (rows + 15) / 16 * 16 : rows;
+  w.reset(rows, padded, D, LO == NHD ? kPack : g.block_size, tiles ? padded : kScoreRows);
+  if (tiles) {
+    const size_t width = (g.block_size + 31) / 32 * 32;
+    w.p_high.resize(padded * width);
+    w.p_low.resize(padded * width);
+    w.v_tail.resize(static_cast<size_t>(D) / 16 * 512);
+  }
   for (int r = 0; r < rows; ++r) {
     const int64_t q_off = tokens[r / g.gqa] * g.q_token_stride +
                           static_cast<int64_t>(kv_head * g.gqa + r % g.gqa) * D;
@@ -561,6 +902,10 @@ void attend_segment(const Geometry& g, const void* cache, const void* values,
                                                              : g.block_size;
       const int64_t k_base = (static_cast<int64_t>(blocks[b]) * g.kv_heads + kv_head) * 2 *
                              block_elems;
+      if (tiles) {
+        attend_block_tiles(g, cache, w, rows, k_base, n);
+        continue;
+      }
       const bool last = (b + 1) * g.block_size >= length;
       const char* next = last ? following : block_start<DT>(g, cache, blocks[b + 1], kv_head);
       attend_block<DT, LO>(g, cache, w, rows, k_base, n, next, block_bytes);
@@ -579,33 +924,153 @@ void attend_segment(const Geometry& g, const void* cache, const void* values,
   }
 }
 
+// ---- Work items: where few (segment, KV head) pairs would leave threads idle -----------
+
+constexpr int kMinPartTokens = 512;  // no part of a split segment is shorter
+constexpr int kPartsPerThread = 4;   // the share of the work one item may hold, at most
+
+// One work item: a KV head of ``length`` of a segment's tokens from ``first`` on (a whole
+// number of units: blocks, "nhd" kPack tokens), into rows ``row0`` on of ``out``/``lse``.
+struct Item {
+  int64_t segment, row0;
+  int32_t kv_head, first, length;
+  float *out, *lse;
+};
+
+// A split segment's parts: part p's row i is row ``row0 + p * tokens + i`` of the parts'.
+struct Split {
+  int64_t segment, row0;
+  int32_t parts, tokens;
+};
+
+// The call's work items. With one thread every (segment, KV head) is one item. With more,
+// a segment whose items would each hold over 1 / (kPartsPerThread x threads) of the work
+// (its query rows x its tokens) is split into parts of whole units, no shorter than
+// kMinPartTokens, each written to the parts' buffers and merged by ``merge_parts``: as
+// vLLM's split-KV, so one long prefix group keeps every thread busy. Cost: O(items).
+struct Plan {
+  std::vector<Item> items;
+  std::vector<Split> splits;
+  std::vector<float> part_out, part_lse;
+
+  Plan(const Geometry& g, int32_t num_segments, const int64_t* token_offsets,
+       const int32_t* lengths, int unit, int32_t threads, float* out, float* lse) {
+    double total = 0;
+    for (int32_t s = 0; s < num_segments; ++s) {
+      total += static_cast<double>(token_offsets[s + 1] - token_offsets[s]) * lengths[s];
+    }
+    const double cap = total * g.kv_heads / (static_cast<double>(kPartsPerThread) * threads);
+    const int32_t shortest = (kMinPartTokens + unit - 1) / unit * unit;
+    std::vector<int32_t> part_length(num_segments);
+    int64_t part_rows = 0;
+    for (int32_t s = 0; s < num_segments; ++s) {
+      const int32_t tokens = static_cast<int32_t>(token_offsets[s + 1] - token_offsets[s]);
+      const double cost = static_cast<double>(tokens) * lengths[s];
+      part_length[s] = lengths[s];
+      if (threads > 1 && cost > cap && lengths[s] > shortest) {
+        const int32_t parts = static_cast<int32_t>(std::ceil(cost / cap));
+        const int32_t even = (lengths[s] + parts - 1) / parts;
+        part_length[s] = std::max(shortest, (even + unit - 1) / unit * unit);
+      }
+      if (part_length[s] < lengths[s]) {
+        const int32_t parts = (lengths[s] + part_length[s] - 1) / part_length[s];
+        splits.push_back({s, part_rows, parts, tokens});
+        part_rows += static_cast<int64_t>(parts) * tokens;
+      }
+    }
+    const int64_t q_heads = static_cast<int64_t>(g.kv_heads) * g.gqa;
+    part_out.resize(part_rows * q_heads * g.head_dim);
+    part_lse.resize(part_rows * q_heads);
+    size_t next_split = 0;
+    for (int32_t s = 0; s < num_segments; ++s) {
+      const bool split = next_split < splits.size() && splits[next_split].segment == s;
+      for (int32_t head = 0; head < g.kv_heads; ++head) {
+        if (!split) {
+          items.push_back({s, token_offsets[s], head, 0, lengths[s], out, lse});
+          continue;
+        }
+        const Split& parts = splits[next_split];
+        for (int32_t p = 0; p < parts.parts; ++p) {
+          const int32_t first = p * part_length[s];
+          items.push_back({s, parts.row0 + static_cast<int64_t>(p) * parts.tokens, head, first,
+                           std::min(part_length[s], lengths[s] - first), part_out.data(),
+                           part_lse.data()});
+        }
+      }
+      next_split += split;
+    }
+  }
+};
+
+// Each split segment's rows from its parts' partials: the exact log-sum-exp merge, in
+// fp32 (a part of no weight, LSE -inf, adds nothing). Parallel over the segments' rows.
+void merge_parts(const Geometry& g, const Plan& plan, const int64_t* token_offsets,
+                 float* out, float* lse) {
+  const int64_t q_heads = static_cast<int64_t>(g.kv_heads) * g.gqa;
+  const int D = g.head_dim;
+  for (const Split& split : plan.splits) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < split.tokens * q_heads; ++i) {
+      const int64_t token = i / q_heads, head = i % q_heads;
+      const auto part_row = [&](int32_t p) {
+        return (split.row0 + static_cast<int64_t>(p) * split.tokens + token) * q_heads + head;
+      };
+      float top = -std::numeric_limits<float>::infinity();
+      for (int32_t p = 0; p < split.parts; ++p) top = std::max(top, plan.part_lse[part_row(p)]);
+      const int64_t row = (token_offsets[split.segment] + token) * q_heads + head;
+      float* o = out + row * D;
+      std::fill(o, o + D, 0.0f);
+      if (top == -std::numeric_limits<float>::infinity()) {
+        lse[row] = top;
+        continue;
+      }
+      float total = 0.0f;
+      for (int32_t p = 0; p < split.parts; ++p) {
+        const float weight = std::exp(plan.part_lse[part_row(p)] - top);
+        const float* part = plan.part_out.data() + part_row(p) * D;
+        for (int d = 0; d < D; ++d) o[d] += weight * part[d];
+        total += weight;
+      }
+      for (int d = 0; d < D; ++d) o[d] /= total;
+      lse[row] = top + std::log(total);
+    }
+  }
+}
+
 template <int DT, int LO>
 void attend_all(const Geometry& g, const void* cache, const void* values, const void* query,
                 int32_t num_segments,
                 const int64_t* token_offsets, const int64_t* tokens,
                 const int64_t* block_offsets, const int32_t* blocks, const int32_t* lengths,
                 float* out, float* lse, int32_t threads) {
-  const int64_t items = static_cast<int64_t>(num_segments) * g.kv_heads;
+  const int unit = LO == NHD ? kPack : g.block_size;
+  const Plan plan(g, num_segments, token_offsets, lengths, unit, threads, out, lse);
+  const int64_t count = static_cast<int64_t>(plan.items.size());
+  const auto first_block = [&](const Item& item) -> const int32_t* {
+    return blocks + block_offsets[item.segment] + item.first / (LO == NHD ? 1 : g.block_size);
+  };
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     Scratch scratch;
+    if (g.tiles) configure_tiles();
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t seg = item / g.kv_heads;
-      const int kv_head = static_cast<int>(item % g.kv_heads);
-      const int64_t after = (item + 1) / g.kv_heads;
+    for (int64_t i = 0; i < count; ++i) {
+      const Item& item = plan.items[i];
       const char* following = nullptr;
       if constexpr (LO != NHD) {
-        if (after < num_segments && lengths[after] > 0) {
-          following = block_start<DT>(g, cache, blocks[block_offsets[after]],
-                                      static_cast<int>((item + 1) % g.kv_heads));
+        if (i + 1 < count && plan.items[i + 1].length > 0) {
+          following = block_start<DT>(g, cache, *first_block(plan.items[i + 1]),
+                                      plan.items[i + 1].kv_head);
         }
       }
+      const int64_t seg = item.segment;
       attend_segment<DT, LO>(g, cache, values, query, tokens + token_offsets[seg],
                              static_cast<int>(token_offsets[seg + 1] - token_offsets[seg]),
-                             blocks + block_offsets[seg], lengths[seg], kv_head,
-                             token_offsets[seg], out, lse, scratch, following);
+                             first_block(item), item.length, item.kv_head, item.row0,
+                             item.out, item.lse, scratch, following);
     }
+    merge_parts(g, plan, token_offsets, out, lse);
+    if (g.tiles) release_tiles();
   }
 }
 
@@ -619,6 +1084,13 @@ int32_t feather_kernel_vectorized() {
   return kVectorized;
 }
 
+// How an "amx" cache's blocks multiply: 0 in AVX-512 registers (or the portable loop), 1
+// in AMX tiles (this CPU has them and Linux granted the tile state), 2 in emulated tiles
+// (a build with FEATHER_EMULATE_TILES, for tests).
+int32_t feather_kernel_tiles() {
+  return tiles_ready() ? kTileKind : 0;
+}
+
 // Attend every segment; see the file comment. Segment s has query tokens
 // tokens[token_offsets[s] : token_offsets[s+1]] (indices into the query's first dim), KV
 // blocks blocks[block_offsets[s] : ...] ("nhd": token slots) and lengths[s] tokens (at
@@ -626,7 +1098,9 @@ int32_t feather_kernel_vectorized() {
 // of out ([rows, q_heads, head_dim] fp32) and lse ([rows, q_heads] fp32). ``layout``: 0
 // for vLLM's "vec", 1 for "amx" (bf16 only), 2 for "nhd" (``cache`` then holds K and
 // ``values`` V, a slot every ``kv_token_stride`` elements; both unused otherwise).
-// Returns 0, or -1 for an unknown dtype or layout.
+// ``use_tiles``: an "amx" cache of heads of a multiple of 32 multiplies in tiles where
+// ``feather_kernel_tiles`` says they exist; 0 keeps it in AVX-512 registers. Returns 0, or -1 for an unknown dtype or
+// layout.
 int32_t feather_segment_attention(int32_t dtype, int32_t layout, const void* cache,
                                   const void* values, int64_t kv_token_stride,
                                   const void* query, int64_t q_token_stride,
@@ -635,10 +1109,11 @@ int32_t feather_segment_attention(int32_t dtype, int32_t layout, const void* cac
                                   int32_t num_segments, const int64_t* token_offsets,
                                   const int64_t* tokens, const int64_t* block_offsets,
                                   const int32_t* blocks, const int32_t* lengths, float* out,
-                                  float* lse, int32_t threads) {
+                                  float* lse, int32_t threads, int32_t use_tiles) {
   using std::integral_constant;
+  const bool tiles = use_tiles && layout == AMX && head_dim % 32 == 0 && feather_kernel_tiles();
   const Geometry g{kv_heads, block_size, head_dim, gqa, q_token_stride, scale,
-                   kv_token_stride};
+                   kv_token_stride, tiles};
   const auto run = [&](auto dt, auto lo) -> int32_t {
     attend_all<decltype(dt)::value, decltype(lo)::value>(
         g, cache, values, query, num_segments, token_offsets, tokens, block_offsets, blocks,

@@ -178,7 +178,7 @@ class SglangCpuSubject:
     def build(self) -> tuple[tuple[str, str], ...]:
         """What else the verdict depends on: the threads and the CPU kernel's build."""
         return (("threads", str(torch.get_num_threads())),
-                ("kernel build", "avx512" if cpu_kernel.vectorized() else "portable"))
+                ("kernel build", cpu_kernel.isa()))
 
     def runner(self, pool: Any, req_to_token: Any) -> Any:
         """A model runner as SGLang's backend reads it, over a trial's pools."""

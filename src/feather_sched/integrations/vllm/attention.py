@@ -99,7 +99,7 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         self.min_shared_blocks = min_blocks(self.block_size, min_tokens or default_tokens)
         announce(reason or (verdict.line() if verdict else
                             f"on (isa {self.isa}, {self.dtype}, block size {self.block_size}, "
-                            f"{'AVX-512' if cpu_kernel.vectorized() else 'portable'} kernel, "
+                            f"kernel {cpu_kernel.isa()}, "
                             f"groups from {self.min_shared_blocks} shared blocks)"))
 
     def _layout_problem(self, kv_cache_spec: Any) -> str | None:

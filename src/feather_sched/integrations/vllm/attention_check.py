@@ -158,12 +158,13 @@ class CpuBatch:
         self.kernel(self.seq_lens, self._engine_meta)
         return self.out
 
-    def shared(self) -> torch.Tensor:
+    def shared(self, use_tiles: bool = True) -> torch.Tensor:
+        """The shared-prefix path (``use_tiles``: as ``cpu_kernel.segment_attention``)."""
         if self.plan is None:  # no group: the path is the engine's kernel
             return self.engine()
         self.kernel(self.plan.seq_lens, self._cut_meta)
         cpu_kernel.attend_groups(self.plan, self.query, self.cache, self.scale, self.out,
-                                 self.isa)
+                                 self.isa, use_tiles)
         return self.out
 
     def reference(self) -> torch.Tensor | None:
@@ -190,8 +191,7 @@ class CpuSubject:
                              dtype=str(dtype).removeprefix("torch."), block_size=block,
                              layout=layout, max_rows=max_rows, max_context=max_model_len,
                              versions=(*versions, ("threads", str(torch.get_num_threads())),
-                                       ("kernel build", "avx512" if cpu_kernel.vectorized()
-                                        else "portable")))
+                                       ("kernel build", cpu_kernel.isa())))
 
     def trial(self, cell: Cell, seed: int) -> CpuBatch:
         return CpuBatch(cell, self.geometry, self.dtype, self.block, seed)
