@@ -37,16 +37,30 @@ AVX512_BF16 (its bf16 path multiplies in fp32), and this CPU's build with the ti
 instruction emulated (the tile path's layout arithmetic, tested without AMX)."""
 
 
+TILE_BUILDS = [EMULATED_TILES] + (["native"] if "amx_bf16" in cpu_kernel._cpu_flags() else [])
+"""The builds that multiply in tiles here: the emulated one, and this CPU's where it has AMX."""
+
+
 @pytest.fixture(params=BUILDS)
 def kernel(request, monkeypatch):
-    if request.param == "native":
+    return _use(request.param, monkeypatch)
+
+
+@pytest.fixture(params=[b for b in TILE_BUILDS if b in BUILDS])
+def tile_kernel(request, monkeypatch):
+    return _use(request.param, monkeypatch)
+
+
+def _use(build: str, monkeypatch: pytest.MonkeyPatch):
+    """The kernel of ``build``, made the one ``cpu_kernel`` calls for the test."""
+    if build == "native":
         return cpu_kernel.load()
-    if request.param == EMULATED_TILES:
+    if build == EMULATED_TILES:
         library = cpu_kernel.build("native", ("FEATHER_EMULATE_TILES",))
         assert library.feather_kernel_tiles() == 2
     else:
-        library = cpu_kernel.build(request.param)
-        assert library.feather_kernel_vectorized() == (request.param == "skylake-avx512")
+        library = cpu_kernel.build(build)
+        assert library.feather_kernel_vectorized() == (build == "skylake-avx512")
     monkeypatch.setattr(cpu_kernel, "load", lambda: library)
     return library
 
@@ -222,21 +236,21 @@ def test_long_segments_split_over_threads_match_the_reference(kernel, layout, dt
     assert_segments(out, lse, query, keys, values, 64 ** -0.5, segments, token_slots)
 
 
-def test_tiles_multiply_an_amx_cache_where_built(kernel):
-    """The emulated build's tile path differs from its AVX-512 path in the last bits only
-    (P in two bf16 parts): it ran, and both are within the reference's bound above."""
-    if kernel.feather_kernel_tiles() == 0:
-        pytest.skip("this build multiplies in AVX-512 registers (no AMX, no emulation)")
+@pytest.mark.parametrize("layout", ["amx", "nhd"])
+def test_tiles_multiply_bf16_blocks_where_built(tile_kernel, layout):
+    """A tile build's tile path differs from its AVX-512 path in the last bits only (P in
+    two bf16 parts): it ran, and both are within the reference's bound above."""
     torch.manual_seed(4)
     keys, values = torch.randn(4 * 32, 2, 128).bfloat16(), torch.randn(4 * 32, 2, 128).bfloat16()
-    cache = write_cache(keys, values, 32, "amx")
+    cache = (keys, values) if layout == "nhd" else write_cache(keys, values, 32, "amx")
+    blocks = torch.randperm(113 if layout == "nhd" else 4).int()
     query = torch.randn(20, 8, 128).bfloat16()
-    args = (torch.tensor([0, 20]), torch.arange(20), torch.tensor([0, 4]),
-            torch.arange(4, dtype=torch.int32), torch.tensor([113], dtype=torch.int32))
+    args = (torch.tensor([0, 20]), torch.arange(20), torch.tensor([0, len(blocks)]), blocks,
+            torch.tensor([113], dtype=torch.int32))
     outputs = []
     for use_tiles in (True, False):
         out, lse = torch.empty(20, 8, 128), torch.empty(20, 8)
-        cpu_kernel.segment_attention(cache, query, 0.1, *args, out, lse, "amx", use_tiles)
+        cpu_kernel.segment_attention(cache, query, 0.1, *args, out, lse, layout, use_tiles)
         outputs.append(out)
     difference = (outputs[0] - outputs[1]).abs().max()
     assert 0 < difference < 1e-5 * outputs[1].abs().max()

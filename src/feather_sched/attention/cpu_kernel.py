@@ -9,8 +9,9 @@ time, for torch.compile) into a per-user cache keyed by the source, the flags, t
 compiler and this CPU's feature flags, so a machine with another processor builds its
 own. The library is written under a temporary name and renamed into place, so concurrent
 engine processes never load half a file. Where the CPU has AVX-512 the kernel works in
-registers (``vectorized``), and over vLLM's "amx" cache in AMX tiles where the CPU has
-them (``tiles``: each group's rows times its prefix as a matrix product); elsewhere it is
+registers (``vectorized``), and over vLLM's "amx" cache or SGLang's pool in AMX tiles
+where the CPU has them (``tiles``: each group's rows times its prefix as a matrix
+product); elsewhere it is
 a portable loop, exact but no faster than vLLM's kernel. Building fails with
 ``KernelUnavailable`` (the reason in its message) where there is no compiler.
 """
@@ -98,20 +99,20 @@ TILE_KINDS = {0: None, 1: "amx", 2: "emulated"}
 
 
 def tiles() -> str | None:
-    """How an "amx" cache's blocks multiply: "amx" in AMX tiles (the build has them and
-    Linux granted this process the tile state), "emulated" (a test build), or None: in
-    AVX-512 registers."""
+    """How bf16 heads of a multiple of 32 multiply over an "amx" cache or an "nhd" pool:
+    "amx" in AMX tiles (the build has them and Linux granted this process the tile
+    state), "emulated" (a test build), or None: in AVX-512 registers."""
     return TILE_KINDS[load().feather_kernel_tiles()]
 
 
 def isa() -> str:
     """The instructions this CPU's kernel multiplies with, per layout, for records:
-    e.g. "amx tiles (amx layout); avx512-bf16" or "portable"."""
+    e.g. "amx tiles (bf16 amx/nhd); avx512-bf16" or "portable"."""
     if not vectorized():
         return "portable"
     dot = "avx512-bf16" if "avx512_bf16" in _cpu_flags() else "avx512"
     kind = tiles()
-    return f"{kind} tiles (amx layout); {dot}" if kind else dot
+    return f"{kind} tiles (bf16 amx/nhd); {dot}" if kind else dot
 
 
 KVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -136,8 +137,8 @@ def segment_attention(kv_cache: KVCache, query: torch.Tensor, scale: float,
     token), its first ``lengths[s]`` tokens (int32); its rows of ``out``
     (``[len(tokens), q_heads, head_dim]`` fp32) and ``lse`` (``[len(tokens), q_heads]``
     fp32) are ``token_offsets[s]`` onwards; a segment of no tokens gives LSE -inf and a
-    zero output. An "amx" cache multiplies in tiles where ``tiles()`` has them
-    (``use_tiles``). Cost: one pass over each segment's KV per KV head, parallel over
+    zero output. A bf16 "amx" cache or "nhd" pool multiplies in tiles where ``tiles()``
+    has them (``use_tiles``). Cost: one pass over each segment's KV per KV head, parallel over
     (segment, KV head) on torch's intra-op threads, a long segment split over threads
     that would otherwise idle.
     """

@@ -484,7 +484,8 @@ constexpr int32_t kVectorized = 1;
 // fp32 (exact bf16 products, as vdpbf16ps), the online softmax in AVX-512, then
 // acc += P V with P split into a bf16 high part and the bf16 rounding of the rest, so the
 // probabilities keep ~16 bits (within 4e-6 of fp32) where one bf16 would keep 8.
-// ``Tiles`` is AMX (``_tile_dpbf16ps``) where the build has it and Linux grants the tile
+// An "nhd" pool's tokens are gathered into "amx"-layout blocks first. ``Tiles`` is AMX
+// (``_tile_dpbf16ps``) where the build has it and Linux grants the tile
 // state, or, built with FEATHER_EMULATE_TILES, the same instruction's semantics in plain
 // loops, so that this path's layout arithmetic is tested on CPUs without AMX.
 
@@ -822,11 +823,12 @@ void release_tiles() {}
 void attend_block_tiles(const Geometry&, const void*, Scratch&, int, int64_t, int) {}
 #endif
 
-// "nhd": the K and V of one KV head at ``n`` token slots (at most kPack), gathered into the
-// "vec" layout of one kPack-token block: K [head_dim][kPack], then V [kPack][head_dim].
-// Slots are in no order the hardware prefetcher follows, so the rows kAhead tokens on (of
-// the ``left`` the segment still holds from ``slots``) are prefetched meanwhile.
-template <int DT>
+// "nhd": the K and V of one KV head at ``n`` token slots (at most kPack), gathered into
+// one kPack-token block of the layout ``OUT``: "vec" (K [head_dim][kPack], then V
+// [kPack][head_dim]) or, for tiles, "amx". Slots are in no order the hardware prefetcher
+// follows, so the rows kAhead tokens on (of the ``left`` the segment still holds from
+// ``slots``) are prefetched meanwhile.
+template <int DT, int OUT>
 void gather_tokens(const Geometry& g, const void* keys, const void* values, const int32_t* slots,
                    int n, int64_t left, int kv_head, void* packed) {
   using E = Element<DT>;
@@ -846,8 +848,12 @@ void gather_tokens(const Geometry& g, const void* keys, const void* values, cons
       }
     }
     const int64_t row = slots[t] * g.kv_token_stride + head;
-    for (int d = 0; d < D; ++d) pk[d * kPack + t] = k[row + d];
-    std::memcpy(pv + static_cast<int64_t>(t) * D, v + row, D * sizeof(E));
+    for (int d = 0; d < D; ++d) pk[k_offset<OUT>(d, t, kPack, D)] = k[row + d];
+    if constexpr (OUT == AMX) {
+      for (int d = 0; d < D; ++d) pv[v_offset<OUT>(t, d, kPack, D)] = v[row + d];
+    } else {
+      std::memcpy(pv + static_cast<int64_t>(t) * D, v + row, D * sizeof(E));
+    }
   }
 }
 
@@ -863,11 +869,12 @@ void attend_segment(const Geometry& g, const void* cache, const void* values,
                     float* out, float* lse, Scratch& w, const char* following) {
   const int rows = num_tokens * g.gqa;
   const int D = g.head_dim;
-  const bool tiles = LO == AMX && g.tiles;
+  const bool tiles = DT == BF16 && LO != VEC && g.tiles;
   const int padded = tiles ? (rows + 15) / 16 * 16 : rows;
-  w.reset(rows, padded, D, LO == NHD ? kPack : g.block_size, tiles ? padded : kScoreRows);
+  const int block_size = LO == NHD ? kPack : g.block_size;
+  w.reset(rows, padded, D, block_size, tiles ? padded : kScoreRows);
   if (tiles) {
-    const size_t width = (g.block_size + 31) / 32 * 32;
+    const size_t width = (block_size + 31) / 32 * 32;
     w.p_high.resize(padded * width);
     w.p_low.resize(padded * width);
     w.v_tail.resize(static_cast<size_t>(D) / 16 * 512);
@@ -890,9 +897,15 @@ void attend_segment(const Geometry& g, const void* cache, const void* values,
     w.packed.resize(2 * kPack * D * element_bytes<DT>() / sizeof(float));
     for (int t0 = 0; t0 < length; t0 += kPack) {
       const int n = length - t0 < kPack ? length - t0 : kPack;
-      gather_tokens<DT>(g, cache, values, blocks + t0, n, length - t0, kv_head,
-                        w.packed.data());
-      attend_block<DT, VEC>(block, w.packed.data(), w, rows, 0, n, nullptr, 0);
+      if (tiles) {
+        gather_tokens<DT, AMX>(g, cache, values, blocks + t0, n, length - t0, kv_head,
+                               w.packed.data());
+        attend_block_tiles(block, w.packed.data(), w, rows, 0, n);
+      } else {
+        gather_tokens<DT, VEC>(g, cache, values, blocks + t0, n, length - t0, kv_head,
+                               w.packed.data());
+        attend_block<DT, VEC>(block, w.packed.data(), w, rows, 0, n, nullptr, 0);
+      }
     }
   } else {
     const int64_t block_elems = static_cast<int64_t>(g.block_size) * D;
@@ -1084,7 +1097,7 @@ int32_t feather_kernel_vectorized() {
   return kVectorized;
 }
 
-// How an "amx" cache's blocks multiply: 0 in AVX-512 registers (or the portable loop), 1
+// How bf16 "amx" and "nhd" blocks multiply: 0 in AVX-512 registers (or the portable loop), 1
 // in AMX tiles (this CPU has them and Linux granted the tile state), 2 in emulated tiles
 // (a build with FEATHER_EMULATE_TILES, for tests).
 int32_t feather_kernel_tiles() {
@@ -1098,8 +1111,8 @@ int32_t feather_kernel_tiles() {
 // of out ([rows, q_heads, head_dim] fp32) and lse ([rows, q_heads] fp32). ``layout``: 0
 // for vLLM's "vec", 1 for "amx" (bf16 only), 2 for "nhd" (``cache`` then holds K and
 // ``values`` V, a slot every ``kv_token_stride`` elements; both unused otherwise).
-// ``use_tiles``: an "amx" cache of heads of a multiple of 32 multiplies in tiles where
-// ``feather_kernel_tiles`` says they exist; 0 keeps it in AVX-512 registers. Returns 0, or -1 for an unknown dtype or
+// ``use_tiles``: a bf16 "amx" cache or "nhd" pool of heads of a multiple of 32 multiplies
+// in tiles where ``feather_kernel_tiles`` says they exist; 0 keeps it in AVX-512 registers. Returns 0, or -1 for an unknown dtype or
 // layout.
 int32_t feather_segment_attention(int32_t dtype, int32_t layout, const void* cache,
                                   const void* values, int64_t kv_token_stride,
@@ -1111,7 +1124,8 @@ int32_t feather_segment_attention(int32_t dtype, int32_t layout, const void* cac
                                   const int32_t* blocks, const int32_t* lengths, float* out,
                                   float* lse, int32_t threads, int32_t use_tiles) {
   using std::integral_constant;
-  const bool tiles = use_tiles && layout == AMX && head_dim % 32 == 0 && feather_kernel_tiles();
+  const bool tiles = use_tiles && dtype == BF16 && (layout == AMX || layout == NHD) &&
+                     head_dim % 32 == 0 && feather_kernel_tiles();
   const Geometry g{kv_heads, block_size, head_dim, gqa, q_token_stride, scale,
                    kv_token_stride, tiles};
   const auto run = [&](auto dt, auto lo) -> int32_t {
