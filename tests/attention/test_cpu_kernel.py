@@ -15,7 +15,8 @@ from tests.helpers.kv_layouts import write_cache
 
 
 def run_segments(cache, query, segments, scale, layout="vec"):
-    """segments: (query tokens, block ids, length); returns out, lse per listed token."""
+    """segments: (query tokens, block ids, length); returns out, lse per listed token
+    (in tiles where the build has them)."""
     tokens = [t for seg in segments for t in seg[0]]
     token_offsets = torch.tensor([0] + [len(s[0]) for s in segments]).cumsum(0)
     block_offsets = torch.tensor([0] + [len(s[1]) for s in segments]).cumsum(0)
@@ -24,7 +25,8 @@ def run_segments(cache, query, segments, scale, layout="vec"):
     cpu_kernel.segment_attention(
         cache, query, scale, token_offsets, torch.tensor(tokens, dtype=torch.int64),
         block_offsets, torch.tensor([b for s in segments for b in s[1]], dtype=torch.int32),
-        torch.tensor([s[2] for s in segments], dtype=torch.int32), out, lse, layout)
+        torch.tensor([s[2] for s in segments], dtype=torch.int32), out, lse, layout,
+        use_tiles=True)
     return out, lse
 
 

@@ -105,6 +105,22 @@ def tiles() -> str | None:
     return TILE_KINDS[load().feather_kernel_tiles()]
 
 
+def tiles_proven(verdict: object | None) -> bool:
+    """Whether an engine multiplies in this build's tiles: only AMX's, and only where the
+    self-check, run in a process of its own (``tiles_need_isolation``), measured the path
+    exact and faster (``verdict``). The AVX-512 path, tested on every CPU with AVX-512,
+    serves otherwise."""
+    return verdict is not None and tiles() == "amx"
+
+
+def tiles_need_isolation() -> bool:
+    """Whether the self-check must run away from the engine: the AMX tile path is not
+    exercised where the project is tested (its logic is, through the emulated build), so
+    its first run on a machine happens in a child process a fault cannot reach the engine
+    from (``isolation.run_isolated``)."""
+    return tiles() == "amx"
+
+
 def isa() -> str:
     """The instructions this CPU's kernel multiplies with, per layout, for records:
     e.g. "amx tiles (bf16 amx/nhd); avx512-bf16" or "portable"."""
@@ -124,7 +140,7 @@ def segment_attention(kv_cache: KVCache, query: torch.Tensor, scale: float,
                       token_offsets: torch.Tensor, tokens: torch.Tensor,
                       block_offsets: torch.Tensor, blocks: torch.Tensor,
                       lengths: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                      layout: str = "vec", use_tiles: bool = True) -> None:
+                      layout: str = "vec", use_tiles: bool = False) -> None:
     """Attend each segment over its KV blocks; write fp32 partials and natural-log LSE.
 
     ``kv_cache``: one layer's vLLM CPU cache ``[num_blocks, kv_heads, block_size,
@@ -137,10 +153,11 @@ def segment_attention(kv_cache: KVCache, query: torch.Tensor, scale: float,
     token), its first ``lengths[s]`` tokens (int32); its rows of ``out``
     (``[len(tokens), q_heads, head_dim]`` fp32) and ``lse`` (``[len(tokens), q_heads]``
     fp32) are ``token_offsets[s]`` onwards; a segment of no tokens gives LSE -inf and a
-    zero output. A bf16 "amx" cache or "nhd" pool multiplies in tiles where ``tiles()``
-    has them (``use_tiles``). Cost: one pass over each segment's KV per KV head, parallel over
-    (segment, KV head) on torch's intra-op threads, a long segment split over threads
-    that would otherwise idle.
+    zero output. With ``use_tiles``, a bf16 "amx" cache or "nhd" pool multiplies in tiles
+    where ``tiles()`` has them (the engines ask for that only after a self-check measured
+    them exact and faster on the machine: ``tiles_proven``). Cost: one pass over each
+    segment's KV per KV head, parallel over (segment, KV head) on torch's intra-op
+    threads, a long segment split over threads that would otherwise idle.
     """
     if layout == "nhd":
         keys, values = _token_major(kv_cache)
@@ -166,7 +183,7 @@ def segment_attention(kv_cache: KVCache, query: torch.Tensor, scale: float,
 
 
 def attend_groups(plan: StepPlan, query: torch.Tensor, kv_cache: KVCache, scale: float,
-                  output: torch.Tensor, layout: str = "vec", use_tiles: bool = True) -> None:
+                  output: torch.Tensor, layout: str = "vec", use_tiles: bool = False) -> None:
     """Overwrite the grouped rows of ``output`` (``[tokens, q_heads, head_dim]``) with their
     attention: each group's prefix once for all its queries, each row's suffix, merged.
 

@@ -547,7 +547,13 @@ struct Tiles {
     static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
     return granted;
   }
+  // The thread's tile configuration before ``configure``: another library in the engine
+  // (oneDNN, PyTorch's brgemm, SGLang's AMX kernels) may keep one across its calls and
+  // skip reloading it, so ``release`` puts it back rather than clearing it.
+  alignas(64) static inline thread_local TileConfig before{};
+
   static void configure() {  // eight tiles of 16 rows x 64 bytes
+    _tile_storeconfig(&before);
     TileConfig config{};
     config.palette = 1;
     for (int t = 0; t < 8; ++t) {
@@ -556,7 +562,13 @@ struct Tiles {
     }
     _tile_loadconfig(&config);
   }
-  static void release() { _tile_release(); }
+  static void release() {
+    if (before.palette != 0) {
+      _tile_loadconfig(&before);
+    } else {
+      _tile_release();
+    }
+  }
   // The tile intrinsics name their registers in the instruction (GCC pastes the number
   // into the assembly), so each template argument is spelled out once.
 #define FEATHER_TILE_CASES(OP)                                                       \

@@ -258,6 +258,33 @@ def test_auto_is_what_the_self_check_measured(faster, monkeypatch, tmp_path):
     assert messages[0].endswith("; cached)"), messages
 
 
+@pytest.mark.parametrize("faster", [True, False])
+def test_amx_tiles_act_only_after_a_check_in_a_process_of_its_own(faster, monkeypatch):
+    """Where the kernel has AMX tiles (a path the project's own machines exercise only
+    emulated), the CPU check goes to a child process as a recipe (here: the child's work,
+    after a pickle round trip, in this process) and the backend multiplies in tiles only
+    where that check measured the path exact and faster."""
+    import pickle
+
+    from feather_sched.attention import cpu_kernel, isolation
+
+    monkeypatch.setattr(cpu_kernel, "tiles", lambda: "amx")
+    monkeypatch.setattr(attention_check.SglangCpuSubject, "seconds",
+                        timed_as(0 if faster else None))
+    recipes = []
+
+    def in_this_process(recipe, timeout_s=None):
+        recipes.append(recipe := pickle.loads(pickle.dumps(recipe)))
+        subject = isolation.resolve(recipe.factory)(**recipe.kwargs)
+        return isolation.resolve(recipe.run)(subject, **recipe.run_kwargs)
+
+    monkeypatch.setattr(isolation, "run_isolated", in_this_process)
+    backend = attention.create_backend("torch_native", Engine(1, torch.bfloat16).runner,
+                                       FEATHER_AUTO)
+    assert [r.factory.rsplit(":", 1)[1] for r in recipes] == ["cpu_check_subject"]
+    assert getattr(backend, "use_tiles", False) is faster
+
+
 def test_auto_groups_from_the_measured_break_even(monkeypatch):
     monkeypatch.setattr(attention_check.SglangCpuSubject, "seconds", timed_as(1024))
     messages = []

@@ -20,7 +20,7 @@ from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
     _get_attn_isa,
 )
 
-from feather_sched.attention import cpu_kernel  # noqa: E402
+from feather_sched.attention import cpu_kernel, isolation, selfcheck  # noqa: E402
 from feather_sched.attention.partials import reference_attention  # noqa: E402
 from feather_sched.integrations.vllm import attention as vllm_attention  # noqa: E402
 from feather_sched.integrations.vllm import (  # noqa: E402
@@ -355,3 +355,35 @@ def test_the_ranks_vote_where_sglangs_do(monkeypatch):
     monkeypatch.setattr(selfcheck, "tp_vote", lambda verdict, state: votes.append(state))
     attention_choice.agreed(None)
     assert votes == [parallel_state]
+
+
+def test_amx_tiles_act_only_after_a_check_in_a_process_of_its_own(monkeypatch, tmp_path):
+    """Where the kernel has AMX tiles (a path the project's own machines exercise only
+    emulated), the self-check runs from a recipe in a child process (here: the child's
+    work, in this process) and the engine multiplies in tiles only after that check
+    measured the path exact and faster."""
+    monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernel, "tiles", lambda: "amx")
+    monkeypatch.setattr(attention_check.CpuSubject, "seconds", timed_as(0))
+    recipes = []
+
+    def in_this_process(recipe, timeout_s=None):
+        recipes.append(recipe)
+        return selfcheck.check(isolation.resolve(recipe.factory)(**recipe.kwargs))
+
+    monkeypatch.setattr(vllm_attention, "run_isolated", in_this_process)
+    tiles_asked = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(cpu_kernel, name)
+
+        def attend_groups(self, plan, *args):
+            tiles_asked.append(args[-1])
+            return cpu_kernel.attend_groups(plan, *args)
+
+    monkeypatch.setattr(vllm_attention, "cpu_kernel", Recording())
+    prompts, lengths = mixed_prompts(1)
+    generate(make_llm("bfloat16", SHORT_PREFIXES), prompts[:9], lengths[:9])
+    assert [r.factory.rsplit(":", 1)[1] for r in recipes] == ["cpu_subject"]
+    assert tiles_asked and all(tiles_asked)

@@ -45,3 +45,17 @@ def test_feather_attention_check_prints_the_grid_and_writes_the_verdict(tmp_path
     assert verdict.shapes.max_context == 1200 and verdict.shapes.dtype == "float32"
     assert {r.cell.prefix for r in verdict.cells if r.speedup} == {512, 1024}
     assert verdict.max_error < selfcheck.TOLERANCE["float32"]
+
+
+def test_the_cpu_check_travels_to_its_process_as_a_recipe() -> None:
+    """What the child builds from the recipe's plain values (after a pickle round trip)
+    is the engine's check: the same shapes, versions and threads."""
+    import pickle
+
+    from feather_sched.attention.isolation import resolve
+    from feather_sched.integrations.vllm.attention_check import CpuSubject
+
+    subject = CpuSubject(Geometry(8, 2, 64), torch.bfloat16, 128, 64, 4096, (("vllm", "x"),))
+    recipe = pickle.loads(pickle.dumps(subject.recipe()))
+    assert recipe.shapes == subject.shapes
+    assert resolve(recipe.factory)(**recipe.kwargs).shapes == subject.shapes

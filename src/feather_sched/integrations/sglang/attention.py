@@ -158,19 +158,18 @@ def self_check(name: str, runner: Any) -> Verdict:
     """``auto``'s verdict for this server's shapes (``attention.selfcheck``: SGLang's
     backend ``name`` against the path on SGLang's pools, ``attention_check``), cached per
     device, versions and shapes.  On the CPU it runs here, on its small grid (a few
-    seconds cold); on a GPU in a process of its own (``isolation.run_isolated``, from
-    plain shapes: a device fault, a hang or a kill there leaves this server up and the
-    verdict off with its reason), the selfcheck grid at the model's layers per step.
-    Warm: one file read."""
+    seconds cold), or where the kernel has AMX tiles in a process of its own; on a GPU
+    in a process of its own (``isolation.run_isolated``, from plain shapes: a device
+    fault, a hang or a kill there leaves this server up and the verdict off with its
+    reason), the selfcheck grid at the model's layers per step. Warm: one file read."""
     import sglang
     from sglang.srt.runtime_context import get_parallel
 
     from feather_sched import __version__
-    from feather_sched.attention.isolation import run_isolated
+    from feather_sched.attention.isolation import Recipe, run_isolated
     from feather_sched.integrations.sglang.attention_check import (
         EXACTNESS_CELLS,
         GRID,
-        SglangCpuSubject,
         TritonShapes,
         triton_recipe,
     )
@@ -187,12 +186,27 @@ def self_check(name: str, runner: Any) -> Verdict:
                               runner.req_to_token_pool.max_context_len,
                               str(torch.device(runner.device, runner.gpu_id)))
         return cached_check(triton_recipe(shapes, versions), run_isolated)
-    subject = SglangCpuSubject(
-        *BACKENDS[name], q_heads=q_heads, kv_heads=pool.head_num, head_dim=pool.head_dim,
-        dtype=pool.dtype, page_size=page_size, max_rows=runner.req_to_token_pool.size,
-        max_context=runner.req_to_token_pool.max_context_len,
-        versions=(*versions, ("kernel", kernel_digest(CPU_SOURCES))))
+    options = {"name": name, "q_heads": q_heads, "kv_heads": pool.head_num,
+               "head_dim": pool.head_dim, "dtype": str(pool.dtype).removeprefix("torch."),
+               "page_size": page_size, "max_rows": runner.req_to_token_pool.size,
+               "max_context": runner.req_to_token_pool.max_context_len,
+               "versions": (*versions, ("kernel", kernel_digest(CPU_SOURCES)))}
+    subject = cpu_check_subject(**options, threads=torch.get_num_threads())
+    if cpu_kernel.tiles_need_isolation():
+        recipe = Recipe(subject.shapes, f"{__name__}:cpu_check_subject",
+                        {**options, "threads": torch.get_num_threads()},
+                        run_kwargs={"grid": GRID, "exactness": EXACTNESS_CELLS, "reps": 3})
+        return cached_check(recipe, run_isolated)
     return cached_check(subject, lambda s: check(s, GRID, EXACTNESS_CELLS, reps=3))
+
+
+def cpu_check_subject(name: str, dtype: str, threads: int, **options: Any) -> Any:
+    """The CPU self-check's subject for SGLang's backend ``name`` from plain values (in
+    this process, or a child's from a recipe), on the server's threads."""
+    from feather_sched.integrations.sglang.attention_check import SglangCpuSubject
+
+    torch.set_num_threads(threads)
+    return SglangCpuSubject(*BACKENDS[name], dtype=getattr(torch, dtype), **options)
 
 
 def tp_agreed(verdict: Verdict | None) -> Verdict | None:
@@ -223,6 +237,8 @@ def create_backend(name: str, runner: Any, environ: Mapping[str, str] | None = N
     tokens = min_tokens or (verdict and verdict.min_shared_tokens) or \
         cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT["nhd"]
     backend = shared(runner, tokens)
+    if name in BACKENDS:
+        backend.use_tiles = cpu_kernel.tiles_proven(verdict)
     if verdict:
         announce(verdict.line(*[f"the option groups from {tokens}"] * bool(min_tokens)))
     else:

@@ -41,6 +41,8 @@ class SharedPrefixDecode:
         self.page_size = max(1, model_runner.page_size or 1)
         self.step: tuple[Any, Any] = (None, None)
         """The ``ForwardBatch`` planned for, and its plan (``plan``)."""
+        self.use_tiles = False
+        """Whether the kernel multiplies in AMX tiles (``cpu_kernel.tiles_proven``)."""
         self.acts: dict[int, bool] = {}
         """Per layer id: whether the path can serve it (decided at its first grouped step)."""
 
@@ -83,7 +85,7 @@ class SharedPrefixDecode:
         cache = (self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                  self.token_to_kv_pool.get_value_buffer(layer.layer_id))
         cpu_kernel.attend_groups(plan, q.reshape(-1, heads, dim), cache, layer.scaling,
-                                 output.view(-1, heads, dim), "nhd")
+                                 output.view(-1, heads, dim), "nhd", self.use_tiles)
         return output
 
     def _acts(self, layer: Any, q: torch.Tensor, sinks: Any) -> bool:

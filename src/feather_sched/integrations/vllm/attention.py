@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import CrossAttentionSpec, EncoderOnlyAttentionS
 from feather_sched.attention import cpu_kernel
 from feather_sched.attention.eligibility import CPU_KERNEL, LayerTraits, layer_problem
 from feather_sched.attention.groups import StepPlan, min_blocks, plan_step
+from feather_sched.attention.isolation import run_isolated
 from feather_sched.attention.selfcheck import Verdict, cached_check
 from feather_sched.integrations.vllm import compat
 from feather_sched.integrations.vllm.attention_choice import (
@@ -58,6 +59,8 @@ def self_check(vllm_config: Any, kv_cache_spec: Any, isa: str) -> Verdict:
     if subject.shapes.layout != isa:
         raise RuntimeError(f"the self-check would measure layout {subject.shapes.layout}, "
                            f"the engine uses {isa}")
+    if cpu_kernel.tiles_need_isolation():
+        return cached_check(subject.recipe(), run_isolated)
     return cached_check(subject)
 
 
@@ -68,6 +71,8 @@ class SharedPrefixMetadata(CPUAttentionMetadata):
 
     plan: StepPlan | None = None
     original: CPUAttentionMetadata | None = None
+    use_tiles: bool = False
+    """Multiply in the kernel's AMX tiles (``cpu_kernel.tiles_proven``)."""
 
 
 class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -75,6 +80,8 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
     shared_prefixes = False
     """Whether this engine's steps are grouped (never where it did not choose Feather)."""
+    use_tiles = False
+    """Whether the kernel multiplies in AMX tiles (only where a verdict measured them)."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
@@ -96,10 +103,12 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             verdict, reason = checked(lambda: self_check(vllm_config, kv_cache_spec, self.isa))
             default_tokens = (verdict and verdict.min_shared_tokens) or default_tokens
         self.shared_prefixes = reason is None
+        self.use_tiles = cpu_kernel.tiles_proven(verdict)
         self.min_shared_blocks = min_blocks(self.block_size, min_tokens or default_tokens)
         announce(reason or (verdict.line() if verdict else
                             f"on (isa {self.isa}, {self.dtype}, block size {self.block_size}, "
-                            f"kernel {cpu_kernel.isa()}, "
+                            f"kernel {'AVX-512' if cpu_kernel.vectorized() else 'portable'}"
+                            " registers, "
                             f"groups from {self.min_shared_blocks} shared blocks)"))
 
     def _layout_problem(self, kv_cache_spec: Any) -> str | None:
@@ -125,7 +134,8 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         cut = replace(common_attn_metadata, seq_lens=plan.seq_lens)
         metadata = super().build(common_prefix_len, cut, fast_build)
         values = {f.name: getattr(metadata, f.name) for f in fields(CPUAttentionMetadata)}
-        return SharedPrefixMetadata(**values, plan=plan, original=original)
+        return SharedPrefixMetadata(**values, plan=plan, original=original,
+                                    use_tiles=self.use_tiles)
 
     def _plan(self, common: CommonAttentionMetadata) -> StepPlan | None:
         """The step's groups; None at once where no row is long enough to hold a group's
@@ -158,7 +168,7 @@ class SharedPrefixCPUImpl(CPUAttentionBackendImpl):
         super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                         output_scale, output_block_scale)
         cpu_kernel.attend_groups(attn_metadata.plan, query, kv_cache, self.scale, output,
-                                 layer.isa)
+                                 layer.isa, attn_metadata.use_tiles)
         return output
 
     def _acts(self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:

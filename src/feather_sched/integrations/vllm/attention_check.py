@@ -15,7 +15,7 @@ cpu_decode.py`` times the same batches over a larger grid.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 from feather_sched.attention import cpu_kernel
 from feather_sched.attention.gpu_check import PagedBatch, graph_timer, sync_seconds
 from feather_sched.attention.groups import StepPlan, plan_step
+from feather_sched.attention.isolation import Recipe
 from feather_sched.attention.partials import reference_attention
 from feather_sched.attention.selfcheck import (
     CPU_SOURCES,
@@ -184,7 +185,7 @@ class CpuSubject:
 
     def __init__(self, geometry: Geometry, dtype: torch.dtype, block: int, max_rows: int,
                  max_model_len: int, versions: tuple[tuple[str, str], ...]) -> None:
-        self.geometry, self.dtype, self.block = geometry, dtype, block
+        self.geometry, self.dtype, self.block, self.versions = geometry, dtype, block, versions
         layout = _get_attn_isa(dtype, block, geometry.head_dim, "auto")
         self.shapes = Shapes(device=device_name("cpu"), q_heads=geometry.q_heads,
                              kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
@@ -198,6 +199,22 @@ class CpuSubject:
 
     def seconds(self, run: Callable[[], object], reps: int) -> float:
         return median_seconds(run, reps)
+
+    def recipe(self) -> Recipe:
+        """This check as a child process builds it (``isolation.run_isolated``: plain
+        values, the engine's thread count), kept for these shapes."""
+        return Recipe(self.shapes, f"{__name__}:cpu_subject",
+                      {"geometry": astuple(self.geometry), "dtype": self.shapes.dtype,
+                       "block": self.block, "max_rows": self.shapes.max_rows,
+                       "max_model_len": self.shapes.max_context, "versions": self.versions,
+                       "threads": torch.get_num_threads()})
+
+
+def cpu_subject(geometry: tuple[int, int, int], dtype: str, threads: int,
+                **options: Any) -> CpuSubject:
+    """``CpuSubject`` from a recipe's plain values, on the engine's threads."""
+    torch.set_num_threads(threads)
+    return CpuSubject(Geometry(*geometry), getattr(torch, dtype), **options)
 
 
 class GpuTrial:
