@@ -7,13 +7,11 @@ partials with their log-sum-exp. It is compiled on first use with
 ``c++ -O3 -march=native -fopenmp`` (vLLM's CPU build already needs a C++ compiler at run
 time, for torch.compile) into a per-user cache keyed by the source, the flags, the
 compiler and this CPU's feature flags, so a machine with another processor builds its
-own. The library is written under a temporary name and renamed into place, so concurrent
-engine processes never load half a file. Where the CPU has AVX-512 the kernel works in
-registers (``vectorized``), and over vLLM's "amx" cache or SGLang's pool in AMX tiles
-where the CPU has them (``tiles``: each group's rows times its prefix as a matrix
-product); elsewhere it is
-a portable loop, exact but no faster than vLLM's kernel. Building fails with
-``KernelUnavailable`` (the reason in its message) where there is no compiler.
+own; it is written under a temporary name and renamed into place, so concurrent engines
+never load half a file. With AVX-512 it works in registers (``vectorized``), over vLLM's
+"amx" cache or SGLang's pool in AMX tiles where the CPU has them (``tiles``: a group's
+rows times its prefix as one matrix product); elsewhere it is a portable loop. Building
+fails with ``KernelUnavailable`` (the reason in its message) where there is no compiler.
 """
 
 from __future__ import annotations
@@ -145,19 +143,16 @@ def segment_attention(kv_cache: KVCache, query: torch.Tensor, scale: float,
 
     ``kv_cache``: one layer's vLLM CPU cache ``[num_blocks, kv_heads, block_size,
     2 * head_dim]`` in ``layout`` (``LAYOUT_CODES``), or for "nhd" its K and V buffers
-    ``[slots, kv_heads, head_dim]`` (each token's heads packed, one stride between slots
-    for both); ``query``: ``[num_tokens, q_heads, head_dim]`` of the cache's dtype, rows
-    contiguous. Segment ``s`` is attended by query tokens
-    ``tokens[token_offsets[s]:token_offsets[s+1]]`` (int64) over blocks
-    ``blocks[block_offsets[s]:block_offsets[s+1]]`` (int32; "nhd": token slots, one per
-    token), its first ``lengths[s]`` tokens (int32); its rows of ``out``
-    (``[len(tokens), q_heads, head_dim]`` fp32) and ``lse`` (``[len(tokens), q_heads]``
-    fp32) are ``token_offsets[s]`` onwards; a segment of no tokens gives LSE -inf and a
-    zero output. With ``use_tiles``, a bf16 "amx" cache or "nhd" pool multiplies in tiles
-    where ``tiles()`` has them (the engines ask for that only after a self-check measured
-    them exact and faster on the machine: ``tiles_proven``). Cost: one pass over each
-    segment's KV per KV head, parallel over (segment, KV head) on torch's intra-op
-    threads, a long segment split over threads that would otherwise idle.
+    ``[slots, kv_heads, head_dim]`` (one stride between slots for both); ``query``:
+    ``[num_tokens, q_heads, head_dim]`` of the cache's dtype, rows contiguous. Segment
+    ``s``: query tokens ``tokens[token_offsets[s]:token_offsets[s+1]]`` (int64) over blocks
+    ``blocks[block_offsets[s]:block_offsets[s+1]]`` (int32; "nhd": one slot per token),
+    its first ``lengths[s]`` tokens (int32); its rows of ``out`` (``[len(tokens), q_heads,
+    head_dim]`` fp32) and ``lse`` (``[len(tokens), q_heads]``) start at
+    ``token_offsets[s]``; no tokens give LSE -inf and a zero output. ``use_tiles``: a bf16
+    "amx" cache or "nhd" pool multiplies in tiles where ``tiles()`` has them (engines ask
+    once a check proved them: ``tiles_proven``). Cost: one pass over each segment's KV per
+    KV head, parallel over (segment, KV head), long segments split over idle threads.
     """
     if layout == "nhd":
         keys, values = _token_major(kv_cache)
