@@ -647,6 +647,35 @@ def test_interpreted_feather_attention_check_backend(monkeypatch, tmp_path):
     assert verdict.max_error < 1e-5 and verdict.cells[0].speedup is not None
 
 
+def test_the_check_child_builds_its_config_under_the_engines_settings(monkeypatch):
+    """The engine's attention settings (here FlashAttention's split cap under graphs) and
+    the compilation settings Feather's builder reads travel in the recipe as plain values,
+    and the child's vLLM config is built under them, as the user gave them (so vLLM
+    resolves them as it resolved the engine's); fields a release lacks are left out."""
+    import vllm.config
+
+    config = make_config({"shared_prefix_attention": "on"})
+    config.attention_config.flash_attn_max_num_splits_for_cuda_graph = 8
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    config.compilation_config.max_cudagraph_capture_size = 64
+    config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8, 16, 32, 64]
+    builder = BUILDERS["triton"](SPEC, ["layer"], config, torch.device("cpu"))
+    kwargs = attention_subject.gpu_recipe(builder, config, SPEC).kwargs
+    assert kwargs["attention"]["flash_attn_max_num_splits_for_cuda_graph"] == 8
+    assert "backend" not in kwargs["attention"]  # the check runs the backend it was asked
+    assert kwargs["compilation"] == {"cudagraph_mode": "FULL_DECODE_ONLY",
+                                     "max_cudagraph_capture_size": 64}
+    given = []  # as handed to vLLM, before this platform resolves it (NONE on a CPU)
+    monkeypatch.setattr(vllm.config, "VllmConfig", lambda **parts: given.append((
+        parts["compilation_config"].cudagraph_mode,
+        parts["compilation_config"].max_cudagraph_capture_size)) or VllmConfig(**parts))
+    child = attention_subject.check_config(
+        attention_check.Geometry(8, 2, 64), torch.float32, BLOCK, 4, 512,
+        {**kwargs["attention"], "a_later_release_only": 1}, kwargs["compilation"])
+    assert child.attention_config.flash_attn_max_num_splits_for_cuda_graph == 8
+    assert given == [(CUDAGraphMode.FULL_DECODE_ONLY, 64)]
+
+
 @interpreted
 def test_interpreted_engine_check_in_its_own_process(config_on, tmp_path):
     """What a GPU worker runs under ``auto``: the engine's check rebuilt in a fresh

@@ -10,6 +10,8 @@ builders, which call ``engine_check``.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from types import SimpleNamespace
 from typing import Any
 
@@ -47,12 +49,11 @@ def engine_check(builder: Any, vllm_config: Any, kv_cache_spec: Any,
 
 def gpu_recipe(builder: Any, vllm_config: Any, kv_cache_spec: Any) -> Recipe:
     """The engine's check as a child process builds it (``isolation``): ``gpu_subject``
-    at this engine's shapes, backend, KV layout, device and FlashAttention version (the
-    engine's ``attention_config`` forces it, or the platform's default), kept for
-    ``gpu_shapes``, limited by its memory plan."""
+    at this engine's shapes, backend, KV layout and device, under its attention and
+    compilation settings (``engine_settings``), kept for ``gpu_shapes``, limited by its
+    memory plan."""
     backend = "FLASH_ATTN" if builder.name == "FlashAttention" else "TRITON_ATTN"
     shapes = gpu_shapes(builder, vllm_config, kv_cache_spec)
-    attention = getattr(vllm_config, "attention_config", None)
     return Recipe(shapes, f"{__name__}:recipe_subject",
                   {"backend": backend,
                    "geometry": (builder.num_heads_q, kv_cache_spec.num_kv_heads,
@@ -63,10 +64,39 @@ def gpu_recipe(builder: Any, vllm_config: Any, kv_cache_spec: Any) -> Recipe:
                    "max_model_len": vllm_config.model_config.max_model_len,
                    "device": str(builder.device),
                    "kv_layout": resolved_layout(vllm_config),
-                   "flash_attn_version": getattr(attention, "flash_attn_version", None),
+                   **engine_settings(vllm_config),
                    "expected_flash": dict(shapes.versions).get("flash-attn")},
                   run="feather_sched.attention.gpu_check:check_measuring_memory",
                   limits=planned_limits(shapes, cuda=builder.device.type == "cuda"))
+
+
+SETTINGS_CHOSEN_BY_THE_CHECK = frozenset({"backend", "backend_per_kind"})
+"""Attention settings the check sets itself (it runs vLLM's backend it was asked for)."""
+COMPILATION_SETTINGS = ("cudagraph_mode", "max_cudagraph_capture_size")
+"""Compilation settings Feather's builder reads (the graph mode each step, the largest
+captured batch)."""
+
+
+def engine_settings(vllm_config: Any) -> dict[str, dict[str, Any]]:
+    """The engine's attention settings (``attention_config``: FlashAttention's version, its
+    split cap under CUDA graphs, ...) and the compilation settings the builder reads, as
+    the user gave them (the graph mode by name; other values not plain numbers, strings or
+    None left out), for the check's child to build its config under (``check_config``).
+    O(fields)."""
+    attention = getattr(vllm_config, "attention_config", None)
+    chosen = {field.name: getattr(attention, field.name) for field in
+              (dataclasses.fields(attention) if dataclasses.is_dataclass(attention) else ())
+              if field.name not in SETTINGS_CHOSEN_BY_THE_CHECK}
+    compilation = vllm_config.compilation_config
+    graphs = {name: getattr(compilation, name, None) for name in COMPILATION_SETTINGS}
+    if isinstance(graphs["cudagraph_mode"], enum.Enum):
+        graphs["cudagraph_mode"] = graphs["cudagraph_mode"].name
+    return {"attention": _plain(chosen), "compilation": _plain(graphs)}
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    return {name: value for name, value in values.items()
+            if isinstance(value, (type(None), bool, int, float, str))}
 
 
 def recipe_subject(geometry: tuple[int, int, int], dtype: str, **options: Any) -> Any:
@@ -77,17 +107,20 @@ def recipe_subject(geometry: tuple[int, int, int], dtype: str, **options: Any) -
 
 def gpu_subject(backend: str, geometry: Any, dtype: torch.dtype, block: int,
                 max_rows: int, max_model_len: int, device: str = "cuda",
-                kv_layout: str | None = None, flash_attn_version: int | None = None,
+                kv_layout: str | None = None, attention: dict[str, Any] | None = None,
+                compilation: dict[str, Any] | None = None,
                 expected_flash: str | None = None) -> GpuSubject:
     """The engine-start check of vLLM's ``backend`` ("FLASH_ATTN" or "TRITON_ATTN") at
     these shapes, outside an engine (``feather attention-check --backend``): vLLM's config
-    for the project's tiny model with these heads and ``flash_attn_version`` (None: the
-    platform's), current while Feather's builder (path on, no check of its own) and one
-    layer's impl are made, so vLLM's kernels take that version.  RuntimeError where the
+    for the project's tiny model with these heads under the engine's ``attention`` and
+    ``compilation`` settings (``engine_settings``; None: the platform's), current while
+    Feather's builder (path on, no check of its own) and one layer's impl are made, so
+    vLLM's kernels take the engine's FlashAttention version.  RuntimeError where the
     version they took is not ``expected_flash`` (the verdict's key: the engine's)."""
     from vllm.config import set_current_vllm_config
 
-    config = check_config(geometry, dtype, block, max_rows, max_model_len, flash_attn_version)
+    config = check_config(geometry, dtype, block, max_rows, max_model_len, attention,
+                          compilation)
     spec = _spec(geometry, dtype, block)
     backend_cls = getattr(backends, BACKEND_CLASSES[backend])
     if not backend_cls.__module__.startswith("feather_sched."):
@@ -112,11 +145,14 @@ def gpu_subject(backend: str, geometry: Any, dtype: torch.dtype, block: int,
 
 
 def check_config(geometry: Any, dtype: torch.dtype, block: int, max_rows: int,
-                 max_model_len: int, flash_attn_version: int | None = None) -> Any:
+                 max_model_len: int, attention: dict[str, Any] | None = None,
+                 compilation: dict[str, Any] | None = None) -> Any:
     """vLLM's configuration of the check: the project's tiny model with ``geometry``'s
-    heads, Feather's path on, the engine's FlashAttention version where it forces one."""
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig
+    heads, Feather's path on, under the engine's settings (``engine_settings``: those this
+    release names; vLLM resolves them as it resolved the engine's)."""
+    from vllm.config import CacheConfig, CompilationConfig, ModelConfig, VllmConfig
     from vllm.config.attention import AttentionConfig
+    from vllm.config.compilation import CUDAGraphMode
 
     from feather_sched.models import TINY_LLAMA
 
@@ -126,11 +162,22 @@ def check_config(geometry: Any, dtype: torch.dtype, block: int, max_rows: int,
                             "num_attention_heads": heads, "num_key_value_heads": kv_heads,
                             "head_dim": head_dim, "hidden_size": heads * head_dim,
                             "max_position_embeddings": max(max_model_len, 32768)})
+    graphs = _known(CompilationConfig, compilation)
+    if graphs.get("cudagraph_mode") is not None:
+        graphs["cudagraph_mode"] = CUDAGraphMode[graphs["cudagraph_mode"]]
     config = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=block),
-                        attention_config=AttentionConfig(flash_attn_version=flash_attn_version),
+                        attention_config=AttentionConfig(**_known(AttentionConfig, attention)),
+                        compilation_config=CompilationConfig(**graphs),
                         additional_config={"feather": {"shared_prefix_attention": "on"}})
     config.scheduler_config.max_num_seqs = max_rows
     return config
+
+
+def _known(config_cls: Any, settings: dict[str, Any] | None) -> dict[str, Any]:
+    """``settings`` this release's ``config_cls`` has a field for (a recipe from another
+    release may name more)."""
+    names = {field.name for field in dataclasses.fields(config_cls)}
+    return {name: value for name, value in (settings or {}).items() if name in names}
 
 
 def _spec(geometry: Any, dtype: torch.dtype, block: int) -> Any:
