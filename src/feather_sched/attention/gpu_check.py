@@ -214,7 +214,7 @@ class KitSubject:
                                        ("kernel", kernel_digest())))
         timer = graph_timer(device)
         self.seconds = timer.seconds if timer else sync_seconds(device)
-        self.host_seconds = timer and timer.host_seconds
+        self.host_seconds = timer.host_seconds if timer else None
 
     def trial(self, cell: Cell, seed: int) -> KitTrial:
         return KitTrial(PagedBatch(cell, *self.geometry, self.device, seed), self.decode)

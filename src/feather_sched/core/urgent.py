@@ -20,7 +20,6 @@ import logging
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from feather_sched.core.queue import Admission
 from feather_sched.core.view import R
 from feather_sched.gates.base import Decision
 
@@ -77,18 +76,29 @@ def fewest_victims(candidates: list[R], room: Room[R],
     return victims
 
 
+class Answer(Protocol):
+    """What ``make_room`` reads of the runtime's decision (``core.queue.Admission``)."""
+
+    @property
+    def request_id(self) -> Hashable: ...
+
+    @property
+    def decision(self) -> Decision: ...
+
+
 class Urgency(Protocol[R]):
-    """The runtime's calls ``make_room`` makes (``core.contract.RuntimeContract``'s)."""
+    """The runtime's calls ``make_room`` makes (``core.contract.RuntimeContract``'s, or a
+    simulated policy's: ``sim.engine.UrgentPreemption``)."""
 
     def __len__(self) -> int: ...
 
     def candidate(self) -> R | None: ...
 
-    def decide(self, offered: R | None = None) -> Admission | None: ...
+    def decide(self) -> Answer | None: ...
 
     def urgent_victims(self, running: Sequence[R], request: R, room: Room[R]) -> list[R]: ...
 
-    def promise(self, request: R) -> bool: ...
+    def promise(self, request: R) -> object: ...
 
 
 class Engine(Protocol[R]):

@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from feather_sched.core.cht import DEFAULT_CHUNK_TOKENS
 from feather_sched.core.prefix import SharedPrefixes, describe_batch, group_of, keys_per_chunk
-from feather_sched.core.urgent import Room, make_room
+from feather_sched.core.urgent import Answer, Room, make_room
 from feather_sched.costmodel.cost import StepCost
 from feather_sched.gates.base import BatchLayout, Decision
 from feather_sched.results.records import RequestRecord, RunResult, StepRecord
@@ -92,11 +92,6 @@ class SimRequest:
         return self.prompt_len + self.num_output_tokens
 
 
-class Answer(Protocol):
-    request_id: Hashable
-    decision: Decision
-
-
 class Policy(Protocol):
     """A scheduler as the simulated engine drives it: the contract of ``runtime``.
 
@@ -107,11 +102,14 @@ class Policy(Protocol):
     ``served(request_id, computed_tokens, generated_tokens)`` after each step for each
     request of its batch (fair share)."""
 
-    name: str
-    layout: BatchLayout
-    """How the batch is laid out: ``FEATHER``, each group gathered at its first slot (the
-    policy orders the running list, as Feather's worker plugin makes vLLM's V1 runner
-    do), or ``ENGINE``, vLLM's persistent batch as it stands."""
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def layout(self) -> BatchLayout:
+        """How the batch is laid out: ``FEATHER``, each group gathered at its first slot
+        (the policy orders the running list, as Feather's worker plugin makes vLLM's V1
+        runner do), or ``ENGINE``, vLLM's persistent batch as it stands."""
 
     def enter_waiting(self, request: SimRequest) -> None: ...
 
@@ -149,6 +147,16 @@ class UrgentPreemption(Policy, Protocol):
 
     def promise(self, request: SimRequest) -> None:
         """Victims were preempted for ``request``'s ADD: it holds for this pass."""
+
+
+@runtime_checkable
+class ServiceCounting(Policy, Protocol):
+    """The optional part of ``Policy`` told the service each step did (fair share)."""
+
+    counts_service: bool
+
+    def served(self, request_id: Hashable, computed_tokens: int,
+               generated_tokens: int) -> None: ...
 
 
 class PoolRoom(Room[SimRequest]):
@@ -197,7 +205,7 @@ class PoolRoom(Room[SimRequest]):
 
     def _freed(self, victims: Sequence[SimRequest]) -> set[int]:
         """The blocks every holder of which is a victim: they return to the pool."""
-        pool, held = self.pool, Counter()
+        pool, held = self.pool, Counter[int]()
         for victim in victims:
             held.update(pool.blocks_of(victim.request_id))
         return {block for block, count in held.items() if pool.ref_count(block) <= count}
@@ -655,15 +663,17 @@ class SimEngine:
                 else:
                     slots[request.slot] = request
         condense(slots, holes)
+        placed = [r for r in slots if r is not None]  # condensed: every slot is occupied
         if self.policy.layout is BatchLayout.FEATHER:
             place = {id(request): index for index, request in enumerate(scheduled)}
             anchor: dict[Hashable, int] = {}
-            for index, request in enumerate(slots):
+            for index, request in enumerate(placed):
                 anchor.setdefault(request.group, index)
-            slots.sort(key=lambda request: (anchor[request.group], place[id(request)]))
-            for index, request in enumerate(slots):
+            placed.sort(key=lambda request: (anchor[request.group], place[id(request)]))
+            for index, request in enumerate(placed):
                 request.slot = index
-        return [r for r in slots if r is not None]  # condensed: every slot is occupied
+            slots[:] = placed
+        return placed
 
     # ---- execution --------------------------------------------------------------------
 
@@ -689,12 +699,14 @@ class SimEngine:
         (``served``)."""
         emitted = 0
         finished = False
-        served = self.policy.served if getattr(self.policy, "counts_service", False) else None
+        policy = self.policy
+        served = policy.served if isinstance(policy, ServiceCounting) and \
+            policy.counts_service else None
         for request in batch:
             decoding = request.num_output_tokens > 0 and request.scheduled_tokens == 1 and \
                 request.num_computed_tokens + 1 == request.num_tokens
             computed = 0 if decoding else request.scheduled_tokens  # prefill, recompute
-            request.record.computed_tokens += computed
+            request.record.computed_tokens = (request.record.computed_tokens or 0) + computed
             request.num_computed_tokens += request.scheduled_tokens
             reached = request.num_computed_tokens >= request.num_tokens  # else mid-prefill
             generated = int(reached and request.num_output_tokens < request.spec.output_len)

@@ -31,7 +31,7 @@ from feather_sched.core.runtime import FeatherRuntime
 from feather_sched.costmodel.cost import CostModel
 from feather_sched.gates.step_model import StepPrior
 from feather_sched.scheduler_names import SIM_KINDS, SchedulerKind, SchedulerName, parse_scheduler
-from feather_sched.sim.engine import SimEngine, SimRequest
+from feather_sched.sim.engine import Policy, SimEngine, SimRequest
 from feather_sched.sim.fcfs import FcfsPolicy, PriorityPolicy
 from feather_sched.sim.vllm_knobs import ActiveCapPolicy, CacheAwarePolicy
 
@@ -259,7 +259,7 @@ def _peer_policy(parsed: SchedulerName, engine: SimEngine) -> Any:
     return None
 
 
-def make_policy(name: str, feather_options: dict[str, Any], engine: SimEngine) -> Any:
+def make_policy(name: str, feather_options: dict[str, Any], engine: SimEngine) -> Policy:
     """The simulated scheduler of a name (``schedulers.SIM_KINDS``) for ``engine``."""
     parsed = parse_scheduler(name, SIM_KINDS)
     if parsed.kind is SchedulerKind.FCFS:

@@ -160,6 +160,7 @@ def pretrain_bandit(plan: SimPlan, state_file: str, rounds: int,
         for shape in PRETRAIN_FAMILY:
             workload = workload_of(*shape, round_index)
             policy = make_policy("feather-bandit", options, engine)
+            assert isinstance(policy, FeatherRuntime)
             engine.run(workload, policy)
             policy.meter.gate.save(state_file)
             pulls = sum(arm.pulls for arms in policy.meter.gate.table.values()

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import ray
 from fastapi import FastAPI, Request
@@ -173,9 +173,10 @@ class VLLMReplica:
 
     def __del__(self) -> None:
         """Serve's shutdown of the replica: the last metrics out, the directory removed."""
-        if getattr(self, "relay", None) is not None:
-            self.relay.stop()
-            shutil.rmtree(self.relay.directory, ignore_errors=True)
+        relay = getattr(self, "relay", None)  # None where __init__ did not get so far
+        if relay is not None:
+            relay.stop()
+            shutil.rmtree(relay.directory, ignore_errors=True)
 
     async def _openai_app(self, args: Any) -> Any:
         """vLLM's OpenAI server app over this engine, as ``vllm serve`` builds it (its
@@ -359,7 +360,8 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
     threads = str(max(1, int(cpus_per_replica)))
     replica_env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": threads,
                    "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})}
-    replica = VLLMReplica.options(
+    # Deployments (``@serve.deployment``), which mypy types as the classes they decorate
+    replica = cast(Any, VLLMReplica).options(
         num_replicas=replicas,
         ray_actor_options={"num_cpus": cpus_per_replica},
         request_router_config=RequestRouterConfig(request_router_class=RAY_ROUTERS[router],
@@ -368,5 +370,5 @@ def build_app(argv: list[str], *, replicas: int, router: str = "feather",
     additional = args.additional_config if isinstance(args.additional_config, dict) else {}
     hints = {"chat_template": chat_template, "options": additional.get("feather"),
              "adapters": {module.name: module.path for module in args.lora_modules or ()}}
-    return OpenAIIngress.options(num_replicas=ingresses).bind(
+    return cast(Any, OpenAIIngress).options(num_replicas=ingresses).bind(
         replica, tokenizer, tokenizer_options, hints, api_keys)

@@ -45,6 +45,12 @@ class HttpCall:
     """The request's session, for routers that keep sessions together ("": none)."""
 
 
+async def _nothing_more() -> asgi.Message:
+    """``receive`` after the body: it never returns (the client's leaving is the
+    handling's cancellation)."""
+    return await asyncio.get_running_loop().create_future()
+
+
 async def answer(app: asgi.ASGIApp, call: HttpCall) -> AsyncIterator[dict[str, Any] | bytes]:
     """``app``'s answer to ``call``: first ``{"status", "headers"}``, then the body's
     pieces as the app sends them (an event stream's events one by one).  Cancelling the
@@ -55,8 +61,7 @@ async def answer(app: asgi.ASGIApp, call: HttpCall) -> AsyncIterator[dict[str, A
              "raw_path": call.path.encode(), "query_string": call.query, "root_path": "",
              "headers": call.headers, "client": None, "server": None}
     sent: asyncio.Queue = asyncio.Queue()
-    task = asyncio.create_task(app(scope, asgi.replay(call.body, asyncio.Event().wait),
-                                   sent.put))
+    task = asyncio.ensure_future(app(scope, asgi.replay(call.body, _nothing_more), sent.put))
     task.add_done_callback(lambda _: sent.put_nowait(None))
     try:
         while (message := await sent.get()) is not None:

@@ -20,7 +20,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
@@ -124,21 +124,21 @@ class FeatherRequestRouter(RequestRouter):
             core = self.core
             if core is None:
                 return {"index": None, "replicas": {}}
-            precise = isinstance(core.index, PreciseIndex)
+            cache = core.index.cache if isinstance(core.index, PreciseIndex) else None
             replicas = {}
             for replica in core.replicas:
                 entry: dict[str, Any] = {"load": core.load(replica)}
-                if precise:
+                if cache is not None:
                     feed = self.subscriber.feeds.get(replica)
                     entry.update(
-                        cached_blocks=core.index.cache.blocks(replica),
+                        cached_blocks=cache.blocks(replica),
                         mismatch=replica in self._mismatched,
                         events=None if feed is None else {
                             "next_seq": feed.next_seq, "replayed": feed.replayed,
                             "clears": feed.clears})
-                replicas[replica.to_full_id_str()] = entry
+                replicas[cast(ReplicaID, replica).to_full_id_str()] = entry
         return {"index": core.index.name, "replicas": replicas,
-                "hashing": self.hasher.describe() if precise else None}
+                "hashing": self.hasher.describe() if cache is not None else None}
 
     # ---- Ray's hooks ------------------------------------------------------------------
 
@@ -330,7 +330,8 @@ class FeatherRequestRouter(RequestRouter):
             if prompt is None:
                 return ()
             assert self.core is not None
-            return self.core.keys(np.asarray(prompt, dtype=np.int32), namespace_of(request))
+            tokens = np.asarray(prompt, dtype=np.int32)  # OverflowError beyond int32
+            return self.core.keys(cast(Sequence[int], tokens), namespace_of(request))
         except (ValueError, OverflowError, OSError) as error:
             logger.warning("Feather router: routing a request by load only: %s", error)
             return ()

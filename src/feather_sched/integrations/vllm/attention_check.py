@@ -91,7 +91,7 @@ class CpuBatch:
         suffixes = ids[g * shared_blocks:].view(g * m, own_blocks)
         self._kv: list[tuple[torch.Tensor, ...]] = []
         """Per row: its group's prefix K and V, its own K and V (for the reference)."""
-        rows = []
+        rows: list[torch.Tensor] = []
         for group in range(g):
             key, value = self._random(cell.prefix, generator)
             self._write(prefixes[group], key[:shared_blocks * block],
@@ -280,7 +280,7 @@ class GpuSubject:
         self.shapes = gpu_shapes(builder, vllm_config, kv_cache_spec)
         timer = graph_timer(self.device)
         self._seconds = timer.seconds if timer else sync_seconds(self.device)
-        self.host_seconds = timer and timer.host_seconds
+        self.host_seconds = timer.host_seconds if timer else None
 
     def seconds(self, run: Callable[[], object], reps: int) -> float:
         return self._seconds(run, reps)

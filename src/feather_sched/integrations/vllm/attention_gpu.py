@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -63,6 +63,12 @@ from feather_sched.integrations.vllm.compat import is_quantized_kv_cache
 from feather_sched.integrations.vllm.host_tables import HostRows
 
 logger = logging.getLogger("vllm.feather_sched")
+
+if TYPE_CHECKING:  # the mixins' attributes and super() calls are those of vLLM's classes
+    from vllm.v1.attention.backend import AttentionImpl as _VllmImpl
+    from vllm.v1.attention.backend import AttentionMetadataBuilder as _VllmBuilder
+else:
+    _VllmBuilder = _VllmImpl = object
 
 
 def decide_gpu(vllm_config: Any, kv_cache_spec: Any) -> str | None:
@@ -264,7 +270,7 @@ def carrying(metadata_cls: type, metadata: Any, work: GroupedDecode) -> Any:
     return metadata_cls(**kept, work=work)
 
 
-class SharedPrefixBuilder:
+class SharedPrefixBuilder(_VllmBuilder):
     """What Feather adds to a vLLM GPU metadata builder (a mixin placed before it)."""
 
     name: ClassVar[str]
@@ -310,12 +316,12 @@ class SharedPrefixBuilder:
         break-even.  On a GPU the check's batches are freed before vLLM allocates the KV."""
         verdict, reason = checked(lambda: self._self_check(vllm_config, kv_cache_spec,
                                                            layer_names, device))
-        proof = verdict and end_to_end.kept(verdict.shapes)
+        proof = end_to_end.kept(verdict.shapes) if verdict else None
         reason = proven(reason, device.type == "cuda", proof)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return Outcome(reason, min_tokens or (verdict and verdict.min_shared_tokens),
-                       verdict, proof)
+        measured = verdict.min_shared_tokens if verdict else None
+        return Outcome(reason, min_tokens or measured, verdict, proof)
 
     def _act(self, outcome: Outcome, vllm_config: Any, kv_cache_spec: Any,
              device: torch.device) -> None:
@@ -345,10 +351,12 @@ class SharedPrefixBuilder:
         (or the option's grouping), and whether FULL decode graphs are kept."""
         graphs = "FULL decode CUDA graphs kept" if full_graphs(compilation) else \
             "no FULL CUDA graphs"
-        if outcome.reason is not None or outcome.verdict is not None:
+        if outcome.reason is not None:
+            announce(outcome.reason)
+        elif outcome.verdict is not None:
             notes = (graphs, outcome.proof.line()) if outcome.proof else (graphs,)
-            announce(outcome.reason or outcome.verdict.line(*notes))
-        else:
+            announce(outcome.verdict.line(*notes))
+        elif self.path is not None:
             announce(f"on ({self.name}, block size {block_size}, groups from "
                      f"{self.path.min_shared_blocks} shared blocks; {graphs})")
 
@@ -432,7 +440,7 @@ class SharedPrefixBuilder:
         return carrying(self.metadata_cls, base(0, cut, fast_build), path.decode)
 
 
-class SharedPrefixImpl:
+class SharedPrefixImpl(_VllmImpl):
     """What Feather adds to a vLLM GPU attention impl (a mixin placed before it)."""
 
     def forward(self, layer: Any, query: Tensor, key: Tensor, value: Tensor,
