@@ -145,18 +145,40 @@ def _program(rng: np.random.Generator, index: int, agent_type: int, system: np.n
     outputs = shape.output_tokens.draw(rng, count).round().astype(int)
     tool_outputs = shape.tool_output_tokens.draw(rng, count).round().astype(int)
     tools = shape.tool_s.draw(rng, count)
-    tools[0] = 0.0
     task = random_tokens(rng, int(shape.task_tokens.draw(rng, 1)[0]), vocab_size)
+    steps = [Step(random_tokens(rng, int(outputs[t]), vocab_size),
+                  random_tokens(rng, int(tool_outputs[t]), vocab_size),
+                  0.0 if t == 0 else float(tools[t]),
+                  STOP if t == count - 1 else TOOL_CALLS) for t in range(count)]
+    return chained(index, agent_type, start_s, system, task, steps)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One turn of a program as ``chained`` strings them: what the model generates, what
+    follows it in the next turn's prompt (a tool's output, a user's message), the time
+    before the turn (tool or user time), and how it ends."""
+
+    output: np.ndarray
+    then: np.ndarray
+    before_s: float
+    finish_reason: str
+
+
+def chained(index: int, agent_type: int, start_s: float, system: np.ndarray,
+            task: np.ndarray, steps: list[Step]) -> AgentProgram:
+    """Program ``index``: turn 0's prompt ``system`` then ``task``, each next turn's its
+    predecessor's prompt, output and ``then``; open-loop arrivals (start plus the times
+    before).  Request ids ``p<index>-t<turn>``, ``group`` the program, ``shared_len`` what
+    a turn shares with its predecessor's prompt and output (``system`` for the first).
+    O(total tokens)."""
     prompt, shared, arrival = np.concatenate([system, task]), system.size, start_s
     turns = []
-    for t in range(count):
-        arrival += float(tools[t])
-        output = random_tokens(rng, int(outputs[t]), vocab_size)
-        spec = RequestSpec(f"p{index}-t{t}", prompt, output.size, arrival, group=index,
+    for t, step in enumerate(steps):
+        arrival += step.before_s
+        spec = RequestSpec(f"p{index}-t{t}", prompt, step.output.size, arrival, group=index,
                            shared_len=shared)
-        reason = STOP if t == count - 1 else TOOL_CALLS
-        turns.append(AgentTurn(spec, float(tools[t]), reason, output))
-        shared = prompt.size + output.size
-        prompt = np.concatenate([prompt, output,
-                                 random_tokens(rng, int(tool_outputs[t]), vocab_size)])
+        turns.append(AgentTurn(spec, step.before_s, step.finish_reason, step.output))
+        shared = prompt.size + step.output.size
+        prompt = np.concatenate([prompt, step.output, step.then])
     return AgentProgram(index, agent_type, tuple(turns))

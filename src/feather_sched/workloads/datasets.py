@@ -70,7 +70,7 @@ def load_dataset(name: str, *, path: str | Path | None = None,
     if name == "sharegpt":
         parts = _sharegpt(_sharegpt_path(path), encoder, wanted, output_len, seed)
     else:
-        parts = _bfcl(_bfcl_source(path), encoder, wanted, output_len, seed)
+        parts = _bfcl(bfcl_source(path), encoder, wanted, output_len, seed)
     if start >= len(parts):
         raise ValueError(f"start {start} leaves none of {name}'s {len(parts)} requests")
     parts = parts[start:wanted]
@@ -138,8 +138,8 @@ def _sharegpt(path: Path, encoder: Tokenizer, wanted: int | None, output_len: in
     low, max_prompt, max_total = SHAREGPT_LIMITS
     parts = []
     for batch in _batches(entries, BATCH):
-        prompts = _encode(encoder, [e["conversations"][0]["value"] for e in batch], True)
-        replies = _encode(encoder, [e["conversations"][1]["value"] for e in batch], True)
+        prompts = encode_texts(encoder, [e["conversations"][0]["value"] for e in batch], True)
+        replies = encode_texts(encoder, [e["conversations"][1]["value"] for e in batch], True)
         for prompt, reply in zip(prompts, replies, strict=True):
             out = len(reply) if output_len is None else output_len
             if (low <= len(prompt) <= max_prompt and len(prompt) + out <= max_total
@@ -153,7 +153,7 @@ def _sharegpt(path: Path, encoder: Tokenizer, wanted: int | None, output_len: in
 # ---- BFCL tools ---------------------------------------------------------------------------
 
 
-def _bfcl_source(path: str | Path | None) -> Path:
+def bfcl_source(path: str | Path | None) -> Path:
     """The wheel, the JSON file or the installed package's data directory to read."""
     if path is not None:
         return _existing(path)
@@ -203,11 +203,11 @@ def _bfcl(source: Path, encoder: Tokenizer, wanted: int | None, output_len: int 
         docs.setdefault(json.dumps(record["function"]), len(docs))
     random.Random(seed).shuffle(records)
     records = records[:wanted]
-    doc_ids = _encode(encoder, [TOOLS_HEADER + "\n".join(json.dumps(f) for f in json.loads(d))
+    doc_ids = encode_texts(encoder, [TOOLS_HEADER + "\n".join(json.dumps(f) for f in json.loads(d))
                                 + "\n</tools>\n" for d in docs], True)
-    questions = _encode(encoder, [_conversation(r["question"][0]) for r in records], False)
+    questions = encode_texts(encoder, [render_messages(r["question"][0]) for r in records], False)
     outs = ([output_len] * len(records) if output_len is not None else
-            [len(ids) for ids in _encode(encoder, [_calls(answers[r["id"]]) for r in records],
+            [len(ids) for ids in encode_texts(encoder, [_calls(answers[r["id"]]) for r in records],
                                          False)])
     parts = []
     for record, question, out in zip(records, questions, outs, strict=True):
@@ -217,7 +217,7 @@ def _bfcl(source: Path, encoder: Tokenizer, wanted: int | None, output_len: int 
     return parts
 
 
-def _conversation(messages: Sequence[dict[str, str]]) -> str:
+def render_messages(messages: Sequence[dict[str, str]]) -> str:
     """The conversation after the tool block, then the assistant's turn."""
     return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
 
@@ -245,7 +245,7 @@ def _batches(items: list, size: int) -> Iterator[list]:
         yield items[i:i + size]
 
 
-def _encode(encoder: Tokenizer, texts: list[str], special: bool) -> list[np.ndarray]:
+def encode_texts(encoder: Tokenizer, texts: list[str], special: bool) -> list[np.ndarray]:
     """Token ids of each text, as int32 arrays (one batched call)."""
     return [np.asarray(e.ids, dtype=np.int32)
             for e in encoder.encode_batch(texts, add_special_tokens=special)]
