@@ -468,6 +468,16 @@ class SchedulerComponent(Protocol):
     def __init__(self, scheduler: Scheduler, config: FeatherConfig) -> None:
         """Built by the hooks, once, for their scheduler and its options."""
 
+    def _sessions_pass(self) -> None:
+        """Before a pass: lapsed holds end; with Feather off, every hold, for good."""
+        sessions = self.sessions
+        if sessions is not None and self.faults.active:
+            sessions.before_pass()
+        elif sessions is not None:
+            self.sessions = None
+            self.view.warm = None
+            sessions.release_all()
+
     def before_schedule(self, throttle_prefills: bool = False) -> None:
         """Before vLLM's pass (``throttle_prefills``: as vLLM's ``schedule`` is told)."""
 
@@ -529,6 +539,16 @@ class VllmMeter:
     def wants_batches(self) -> bool:
         """Whether each step's batch is described (for the step log)."""
         return self.config.step_log is not None
+
+    def _sessions_pass(self) -> None:
+        """Before a pass: lapsed holds end; with Feather off, every hold, for good."""
+        sessions = self.sessions
+        if sessions is not None and self.faults.active:
+            sessions.before_pass()
+        elif sessions is not None:
+            self.sessions = None
+            self.view.warm = None
+            sessions.release_all()
 
     def before_schedule(self, throttle_prefills: bool = False) -> None:
         """Before vLLM's pass: its ``schedule()`` time starts."""
@@ -667,6 +687,7 @@ class VllmFeather:
         """Under fair share, each step in flight's prompt tokens computed, per request."""
         self.queue = FeatherWaitingQueue(self.runtime, scheduler)
         self.urgent = UrgentRoom(scheduler, runtime)
+        self.view = view
         self.sessions = self._sessions(view) if config.sessions else None
         compat.disable_cache_aware_admission(scheduler)
         scheduler.waiting = self.queue
@@ -702,15 +723,21 @@ class VllmFeather:
                                 type(scheduler).__name__)
         view.warm = sessions.warm
         manager.allocate_slots = retrying_allocation(manager.allocate_slots,
-                                                     self._growth_lacks_blocks)
+                                                     self._lacks_blocks)
         return sessions
 
-    def _growth_lacks_blocks(self) -> bool:
-        """A running request's growth lacks blocks (inside vLLM's pass): whether a lapsed
-        hold gave some back."""
-        sessions = self.sessions
-        return sessions is not None and self.faults.active and bool(self.faults.call(
-            "sessions", sessions.growth_lacks_blocks, default=False))
+    def _lacks_blocks(self, request: Request) -> bool:
+        """An allocation for ``request`` lacks blocks (inside vLLM's pass): whether a hold
+        gave some back (least valuable first), for a running request's growth (vLLM would
+        preempt) or a request waiting past ``max_wait_s``; none for another."""
+        sessions, max_wait_s = self.sessions, self.config.max_wait_s
+        if sessions is None or not self.faults.active:
+            return False
+        running = request.status is RequestStatus.RUNNING
+        if not running and (max_wait_s is None or
+                            self.scheduler.feather_clock() - request.arrival_time < max_wait_s):
+            return False
+        return bool(self.faults.call("sessions", sessions.lacks_blocks, default=False))
 
     def arrived(self, request: Request) -> None:
         """A new request reaches vLLM's scheduler (before its queue sees it)."""
@@ -723,10 +750,19 @@ class VllmFeather:
         if self.sessions is not None:
             self.faults.attempt("sessions", self.sessions.release_all)
 
-    def before_schedule(self, throttle_prefills: bool = False) -> None:
-        if self.sessions is not None and not self.faults.active:  # Feather is off
-            self.faults.attempt("sessions", self.sessions.release_all)
+    def _sessions_pass(self) -> None:
+        """Before a pass: lapsed holds end; with Feather off, every hold, for good."""
+        sessions = self.sessions
+        if sessions is not None and self.faults.active:
+            sessions.before_pass()
+        elif sessions is not None:
             self.sessions = None
+            self.view.warm = None
+            sessions.release_all()
+
+    def before_schedule(self, throttle_prefills: bool = False) -> None:
+        if self.sessions is not None:
+            self.faults.attempt("sessions", self._sessions_pass)
         self.metering.before_schedule()
         self.urgent.forget()
         self.queue.begin_pass()

@@ -1,18 +1,17 @@
 """Agent sessions in vLLM (0.32-0.34): ``core.sessions``'s rule over vLLM's requests and
-its own ``BlockPool``.
+its own ``BlockPool``; ``VllmSessions`` translates, the rule decides.
 
-``VllmSessions`` translates; the rule decides.  A new request's prompt block hashes go to
-``Sessions.arrived`` (its namespace: its tenant and ``cache_salt``/LoRA boundary); a warm
-continuing turn is named in ``warm``, which ``VllmRequests.priority`` reads (class 0 of
-its vLLM priority, other requests class 1, so Feather's queue admits it first within its
-bounds).  When a request is freed (``Scheduler._free_request``, before vLLM frees its
-blocks) its prefix-cached blocks are held where ``Sessions.turn_ended`` says so: one more
-reference each (``BlockPool.touch``), so vLLM's own free leaves them out of the free queue;
-a hold ends with ``BlockPool.free_blocks`` of exactly those blocks, tail first, as vLLM
-frees a request's: at its next turn's admission, when a running request's growth lacks
-blocks (lapsed holds, ``allocate_slots`` retried), when a pass schedules nothing while
-requests wait (``reclaim``), on a prefix-cache reset, on Feather turning off and at
-shutdown.  Cost: O(a request's blocks) at arrival and at its end.  docs/sessions.md.
+A new request's prompt block hashes go to ``Sessions.arrived`` (namespace: its tenant and
+``cache_salt``/LoRA boundary); a warm continuing turn is named in ``warm``, class 0 of its
+vLLM priority in ``VllmRequests.priority`` (others class 1).  When vLLM frees a request
+(``Scheduler._free_request``, before its blocks) its prefix-cached blocks are held where
+``Sessions.turn_ended`` says: one more reference each (``BlockPool.touch``), so vLLM's
+free leaves them out of the free queue.  A hold ends with ``BlockPool.free_blocks`` of
+those blocks, tail first: at its next turn's admission, at its TTL (checked each pass),
+when an allocation for a running request's growth or a request waiting past
+``max_wait_s`` lacks blocks (``allocate_slots`` retried), when a pass schedules nothing
+while requests wait, on a prefix-cache reset, Feather turning off, shutdown.  Cost:
+O(a request's blocks) at arrival and end, O(holds) a pass.  docs/sessions.md.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import Request
 
 from feather_sched.core.isolation import Namespace
 from feather_sched.core.sessions import Hold, RetentionConfig, Sessions
@@ -154,10 +153,16 @@ class VllmSessions:
 
     # ---- pressure, metrics, the end ---------------------------------------------------
 
-    def growth_lacks_blocks(self) -> bool:
-        """A running request's growth lacks blocks: lapsed holds yield (least valuable
-        first), one at a time; whether one did."""
-        gone = self.sessions.reclaim(1, self.clock(), lapsed_only=True)
+    def before_pass(self) -> None:
+        """A pass starts: holds past their TTL whose turn has not come end (expiry)."""
+        now = self.clock()
+        if any(hold.expires_s <= now for hold in self.sessions.holds):
+            self.release(self.sessions.reclaim(sys.maxsize, now, lapsed_only=True))
+
+    def lacks_blocks(self) -> bool:
+        """An allocation lacks blocks: the least valuable hold (then the oldest) yields;
+        whether one did."""
+        gone = self.sessions.reclaim(1, self.clock())
         self.release(gone)
         return bool(gone)
 
@@ -188,14 +193,16 @@ class VllmSessions:
             self.pool.free_blocks(reversed(self.pinned.pop(holder)))
 
 
-def retrying_allocation(allocate: Callable[..., Any], yields: Callable[[], bool]
+def retrying_allocation(allocate: Callable[..., Any], yields: Callable[[Request], bool]
                         ) -> Callable[..., Any]:
-    """``KVCacheManager.allocate_slots`` that, where a RUNNING request's growth finds no
-    blocks, asks ``yields`` (a hold released?) and tries again while one is: vLLM then
-    preempts no request for blocks a lapsed hold kept.  Otherwise vLLM's own call."""
+    """``KVCacheManager.allocate_slots`` that, where ``request`` finds no blocks, asks
+    ``yields(request)`` (a hold released for it?) and tries again while one is: vLLM
+    then neither preempts a request nor stops admitting for blocks a hold kept.  vLLM's
+    own call otherwise; a retry repeats vLLM's call unchanged (a failed one took no
+    blocks: it returns before ``allocate_new_computed_blocks``)."""
     def allocate_slots(request: Request, *args: Any, **kwargs: Any) -> Any:
         blocks = allocate(request, *args, **kwargs)
-        while blocks is None and request.status is RequestStatus.RUNNING and yields():
+        while blocks is None and yields(request):
             blocks = allocate(request, *args, **kwargs)
         return blocks
     allocate_slots.feather_wraps = allocate  # type: ignore[attr-defined]
