@@ -134,14 +134,13 @@ class VllmRequests:
 
     def priority(self, request: Request) -> int:
         """vLLM's priority; with sessions on, each vLLM class split in two: its warm
-        continuing turns first (``2 * priority``), then its other waiting requests.  A
-        running request is of its class's first half: a warm turn is never more urgent
-        than it (urgent preemption acts across vLLM's classes only)."""
+        continuing turns first (``2 * priority``), then its other requests.  Urgent
+        preemption compares vLLM's own classes (``UrgentRoom.priority``): a warm turn
+        preempts no running request of its vLLM class."""
         warm = self.warm
         if warm is None:
             return request.priority
-        return 2 * request.priority + (request.request_id not in warm and
-                                       request.status is not RequestStatus.RUNNING)
+        return 2 * request.priority + (request.request_id not in warm)
 
     def session_namespace(self, request: Request) -> Namespace:
         """Where the request's session lives: its tenant and its engine boundary
