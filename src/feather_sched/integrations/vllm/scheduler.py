@@ -470,16 +470,6 @@ class SchedulerComponent(Protocol):
     def __init__(self, scheduler: Scheduler, config: FeatherConfig) -> None:
         """Built by the hooks, once, for their scheduler and its options."""
 
-    def _sessions_pass(self) -> None:
-        """Before a pass: lapsed holds end; with Feather off, every hold, for good."""
-        sessions = self.sessions
-        if sessions is not None and self.faults.active:
-            sessions.before_pass()
-        elif sessions is not None:
-            self.sessions = None
-            self.view.warm = None
-            sessions.release_all()
-
     def before_schedule(self, throttle_prefills: bool = False) -> None:
         """Before vLLM's pass (``throttle_prefills``: as vLLM's ``schedule`` is told)."""
 
@@ -541,16 +531,6 @@ class VllmMeter:
     def wants_batches(self) -> bool:
         """Whether each step's batch is described (for the step log)."""
         return self.config.step_log is not None
-
-    def _sessions_pass(self) -> None:
-        """Before a pass: lapsed holds end; with Feather off, every hold, for good."""
-        sessions = self.sessions
-        if sessions is not None and self.faults.active:
-            sessions.before_pass()
-        elif sessions is not None:
-            self.sessions = None
-            self.view.warm = None
-            sessions.release_all()
 
     def before_schedule(self, throttle_prefills: bool = False) -> None:
         """Before vLLM's pass: its ``schedule()`` time starts."""

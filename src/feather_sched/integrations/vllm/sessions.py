@@ -182,7 +182,7 @@ class VllmSessions:
         """The holds' blocks go back to vLLM's pool (their last reference: evictable, still
         cached), tail first."""
         for hold in holds:
-            blocks = self.pinned.pop(hold.holder, None)
+            blocks = self.pinned.pop(str(hold.holder), None)
             if blocks:
                 self.pool.free_blocks(reversed(blocks))
 
