@@ -291,6 +291,33 @@ def test_a_request_waiting_past_max_wait_s_takes_a_holds_blocks() -> None:
     assert running.status is RequestStatus.RUNNING and running.num_preemptions == 0
 
 
+def test_a_request_past_max_wait_s_goes_before_a_waiting_warm_turn() -> None:
+    """32 blocks: a hold of 4, a long request running on 21; a newcomer of 10 blocks
+    waits, then a warm turn that lacks blocks too (class 0: vLLM's pass stops at it).
+    Past ``max_wait_s`` the newcomer joins the warm class, older, so it is offered first,
+    and the hold yields to it."""
+    engine = Engine(num_blocks=33, max_wait_s=3.0, max_urgent_preemptions=0)
+    cost = engine.sessions.cost
+    cost.per_token_s, cost.min_tokens = 1.0, 1 << 30  # holds last their gap (5 s)
+    _, second = session(engine, 2)
+    running = engine.turn("run", [30_000 + t for t in range(20 * BLOCK)], output=300)
+    engine.h.add(running)
+    engine.step()
+    engine.h.add(engine.turn("new", [40_000 + t for t in range(9 * BLOCK + 4)], output=2))
+    engine.step()
+    engine.clock.now += 1.0
+    prompt = next_prompt(list(second.prompt_token_ids), 4, [990 + t for t in range(8 * BLOCK)])
+    engine.h.add(engine.turn("t3", prompt, output=2))
+    assert "t3" in engine.sessions.warm
+    for _ in range(3):
+        engine.step()
+    assert "new" not in engine.hits and "t3" not in engine.hits
+    engine.clock.now += 2.5  # the newcomer 3.5 s old, the warm turn 2.5 s
+    engine.step()
+    assert "new" in engine.hits and "t3" not in engine.hits
+    assert engine.sessions.sessions.counts.reclaimed == 1 and running.num_preemptions == 0
+
+
 def test_an_aborted_turn_is_never_held() -> None:
     engine = Engine()
     _, second = session(engine, 2)
@@ -506,7 +533,7 @@ def watch_overdue(engine: Engine, max_wait_s: float) -> list[tuple[float, list[s
                    if r.status in waiting and now - r.arrival_time >= max_wait_s]
         room = len(scheduler.running) < scheduler.max_num_running_reqs and \
             output.total_num_scheduled_tokens < scheduler.max_num_scheduled_tokens
-        if overdue and room and engine.sessions.pinned and not engine.sessions.warm:
+        if overdue and room and engine.sessions.pinned:
             found.append((now, overdue))
 
     scheduler.feather.after_schedule = checked

@@ -309,6 +309,10 @@ class FeatherWaitingQueue(RequestQueue):
         """The requests in vLLM's priority order (priority, arrival)."""
         return iter(sorted(self._members.values()))
 
+    def members(self) -> list[Request]:
+        """The waiting requests, unordered.  O(waiting)."""
+        return list(self._members.values())
+
     # ---- Feather's side ---------------------------------------------------------------
 
     def begin_pass(self) -> None:
@@ -742,12 +746,33 @@ class VllmFeather:
             self.view.warm = None
             sessions.release_all()
 
+    def _overdue_join_warm(self) -> None:
+        """Requests past ``max_wait_s`` while warm turns of their vLLM class wait join them
+        (re-entered in class ``2 * priority``, arrival kept): the queue's starvation
+        guard, which ages within a class, then offers them first, so warm turns overtake
+        within ``max_wait_s`` only.  Each re-entry counts the request out and in again in
+        Feather's request stats.  O(waiting) a pass while warm turns wait."""
+        warm, max_wait_s = self.view.warm, self.config.max_wait_s
+        if not warm or max_wait_s is None:
+            return
+        members, now = self.queue.members(), self.scheduler.feather_clock()
+        classes = {r.priority for r in members if r.request_id in warm}
+        late = [r for r in members if r.request_id not in warm and r.priority in classes
+                and now - r.arrival_time > max_wait_s]
+        if late:
+            warm.update(r.request_id for r in late)
+            self.queue.remove_requests(late)
+            for request in late:
+                self.queue.add_request(request)
+
     def before_schedule(self, throttle_prefills: bool = False) -> None:
         if self.sessions is not None:
             self.faults.attempt("sessions", self._sessions_pass)
         self.metering.before_schedule()
         self.urgent.forget()
         self.queue.begin_pass()
+        if self.sessions is not None and self.faults.serves:
+            self.faults.attempt("sessions", self._overdue_join_warm)
         if self.faults.serves and not self.faults.call(
                 "urgent", compat.prefills_deferred, self.scheduler, throttle_prefills,
                 default=True):
