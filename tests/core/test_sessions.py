@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from feather_sched.core.sessions import TOOL_CALLS, RetentionConfig, Sessions, quantile
+from feather_sched.core.sessions import (
+    CUT_SHORT,
+    TOOL_CALLS,
+    RetentionConfig,
+    Sessions,
+    quantile,
+)
 
 POOL = 1000
 
@@ -110,6 +116,39 @@ def test_a_hold_beyond_the_bound_displaces_less_valuable_ones_or_is_refused():
     sessions.arrived("c0", "ns", keys("c"), 4.0)
     hold, displaced = sessions.turn_ended("c0", keys("c", "o"), 60, 480, 4.0, TOOL_CALLS)
     assert hold is None and not displaced and sessions.counts.refused == 1
+
+
+def test_a_turn_cut_short_is_never_held():
+    sessions = table()
+    sessions.arrived("t0", "ns", keys("a"), 0.0)
+    sessions.turn_ended("t0", keys("a", "b"), 10, 160, 1.0, "stop")
+    sessions.arrived("t1", "ns", keys("a", "b", "c"), 3.0)  # came back: would be held
+    for reason in CUT_SHORT:
+        assert sessions.turn_ended("t1", keys("a", "b", "c", "d"), 10, 160, 4.0,
+                                   reason) == (None, [])
+        sessions.arrived("t1", "ns", keys("a", "b", "c", "d", "e"), 5.0)
+
+
+def test_a_hold_no_turn_took_ends_with_its_sessions_next_turn():
+    """A turn that ended without admission (aborted waiting) releases its session's hold."""
+    sessions = table()
+    sessions.arrived("t0", "ns", keys("a"), 0.0)
+    held, _ = sessions.turn_ended("t0", keys("a", "b"), 10, 160, 1.0, TOOL_CALLS)
+    assert sessions.arrived("t1", "ns", keys("a", "b", "c"), 2.0)
+    hold, released = sessions.turn_ended("t1", [], 0, 0, 2.5, "abort")
+    assert hold is None and released == [held] and sessions.holds == []
+    assert sessions.held_blocks == 0 and sessions.counts.displaced == 1
+
+
+def test_holds_named_by_engine_block_ids_count_each_block_once():
+    """``held``: the engine's block ids, shared between two sessions' holds."""
+    sessions = table()
+    for name, ids in (("a", [1, 2, 3]), ("b", [1, 2, 4, 5])):
+        sessions.arrived(f"{name}0", "ns", keys(name), 0.0)
+        hold, _ = sessions.turn_ended(f"{name}0", keys(name, "o"), len(ids), 64, 1.0,
+                                      TOOL_CALLS, held=ids)
+        assert hold.keys == tuple(ids)
+    assert sessions.held_blocks == 5
 
 
 def test_reclaim_releases_least_valuable_first_until_enough():

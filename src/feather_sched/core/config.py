@@ -174,6 +174,16 @@ class FeatherConfig:
     order_running: bool = True
     """Keep the running list, and so the batch, ordered by prefix group
     (``batch_layout``)."""
+    sessions: bool = False
+    """Agent sessions (docs/sessions.md): a request extending a recently finished one's
+    prompt and output is its session's next turn; a turn that ends with its session
+    expected to go on keeps its KV blocks from eviction for a time the rule chooses, and
+    the next turn whose prefix is warm is admitted ahead of newcomers (within the bounds
+    above).  Off by default: a hold keeps KV from other requests on a guess, and vLLM never
+    tells the scheduler that a turn called a tool, so the first gap of a session is never
+    held there (docs/sessions.md#wiring-into-the-runtime)."""
+    session_held_share: float = 0.5
+    """The most of the KV pool's blocks that session holds keep at once (``sessions``)."""
     stats_file: str | None = None
     """Where the adapter writes its ``SchedulerStats`` as JSON (periodically and at
     shutdown): scheduling time, step time, admission counts, queue sizes, preemptions,
@@ -558,6 +568,8 @@ VALIDATORS: dict[str, Callable[[Any], Any]] = {
     "max_preemptions": _optional_positive_integer,
     "min_passing_tokens": _count,
     "order_running": _boolean,
+    "sessions": _boolean,
+    "session_held_share": _fraction,
     "stats_file": _optional_path,
     "step_log": _optional_path,
     "shared_prefix_attention": _shared_prefix_mode,

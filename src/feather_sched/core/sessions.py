@@ -25,6 +25,9 @@ from feather_sched.telemetry.prometheus import SessionSink
 
 TOOL_CALLS = "tool_calls"
 """The OpenAI finish reason of a turn that called a tool: its session goes on."""
+CUT_SHORT = frozenset({"abort", "error"})
+"""Finish reasons of a turn that did not end as its model chose (an engine's abort or
+error): its blocks are never held, whatever its session's history."""
 
 
 @dataclass(frozen=True)
@@ -220,32 +223,48 @@ class Sessions:
     # ---- holds ------------------------------------------------------------------------
 
     def turn_ended(self, request_id: Hashable, keys: Sequence[Hashable], blocks: int,
-                   tokens: int, now: float, finish_reason: str | None = None
-                   ) -> tuple[Hold | None, list[Hold]]:
+                   tokens: int, now: float, finish_reason: str | None = None,
+                   held: Sequence[Hashable] | None = None) -> tuple[Hold | None, list[Hold]]:
         """A request ended holding ``blocks`` blocks over ``tokens`` tokens; ``keys`` are
-        its prompt-and-output full-block keys (what its next turn extends).  Returns the
-        hold to make (None: free the blocks as usual) and the holds it displaces (the
-        adapter releases them first)."""
+        its prompt-and-output full-block keys (what its next turn extends); ``held``, where
+        given, names the ``blocks`` blocks as the engine's pool does (its block ids: a
+        block two holds name counts once), else they are ``keys[:blocks]``.  Returns the
+        hold to make (None: free the blocks as usual) and the holds to release first: those
+        it displaces, and a hold of the same session that no turn took (its turn ended
+        without admission, or two of its turns overlapped)."""
         session = self.session_of(request_id)
         self._of_request.pop(request_id, None)
         if session is None:
             return None, []
+        standing = self._untaken(session)
         self._retail(session, keys[-1] if keys else None)
         session.ended_s, session.reason = now, finish_reason
         ttl = self.ttl_s(session, tokens, blocks)
         if ttl is None or not self._expected(session, finish_reason) or blocks < 1:
-            return None, []
+            return None, standing
+        named = tuple(held) if held is not None else \
+            tuple((session.namespace, key) for key in keys[:blocks])
         hold = Hold(request_id, session.id, blocks, tokens, now, now + ttl,
-                    self.reload_s(tokens), tuple((session.namespace, key) for key in keys[:blocks]))
+                    self.reload_s(tokens), named)
         displaced = self._room_for(hold, now)
         if displaced is None:
             self.counts.refused += 1
-            return None, []
+            return None, standing
         session.hold = hold
         self._holds[request_id] = hold
         self._account(hold, 1)
         self.counts.held += 1
-        return hold, displaced
+        return hold, standing + displaced
+
+    def _untaken(self, session: Session) -> list[Hold]:
+        """The session's standing hold, dropped (counted displaced): a turn of the session
+        ended, so no turn will take it."""
+        hold = session.hold
+        if hold is None:
+            return []
+        self._drop(hold)
+        self.counts.displaced += 1
+        return [hold]
 
     def _retail(self, session: Session, tail: Hashable | None) -> None:
         if session.tail is not None:
@@ -257,7 +276,9 @@ class Sessions:
     def _expected(self, session: Session, finish_reason: str | None) -> bool:
         """Whether the session is expected to go on: its turn called a tool, or it came
         back before after a turn that did not (a chat's user returns; an agent's final
-        answer does not)."""
+        answer does not); never after a turn cut short (``CUT_SHORT``)."""
+        if finish_reason in CUT_SHORT:
+            return False
         return finish_reason == TOOL_CALLS or session.returns_untold > 0
 
     def ttl_s(self, session: Session, tokens: int, blocks: int) -> float | None:

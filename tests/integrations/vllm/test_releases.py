@@ -60,7 +60,8 @@ HARNESS = ("tests/integrations/vllm/test_scheduler.py", "tests/integrations/vllm
            "tests/integrations/vllm/test_plugins.py",
            "tests/integrations/vllm/test_backends.py",
            "tests/integrations/vllm/test_choice.py",
-           "tests/integrations/vllm/test_compat.py")
+           "tests/integrations/vllm/test_compat.py",
+           "tests/integrations/vllm/test_sessions.py")
 """This project's vLLM tests that need no compiled op of vLLM's (those of the real CPU
 engine are marked ``real_engine``)."""
 

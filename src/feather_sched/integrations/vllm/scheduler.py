@@ -44,6 +44,7 @@ from feather_sched.core import (
     FeatherConfig,
     FeatherRuntime,
     Isolation,
+    Namespace,
     RuntimeContract,
     block_chunk_keys,
     describe_batch,
@@ -54,6 +55,7 @@ from feather_sched.core import (
 )
 from feather_sched.integrations.vllm import compat
 from feather_sched.integrations.vllm.choice import feather_mapping
+from feather_sched.integrations.vllm.sessions import VllmSessions, retrying_allocation
 from feather_sched.integrations.vllm.urgent import UrgentRoom
 from feather_sched.telemetry.stats import StepMeter
 from feather_sched.telemetry.steplog import BatchEntry
@@ -103,6 +105,8 @@ class VllmRequests:
         """Tokens a chunk key stands for: ``chunk_tokens`` in whole blocks (at least one)."""
         self.isolation = isolation or Isolation()
         self._bad_tenant_logged = False
+        self.warm: set[str] | None = None
+        """With agent sessions on, the warm continuing turns (``VllmSessions.warm``)."""
 
     request_id = attrgetter("request_id")
     """The request's id (an attrgetter: the runtime maps it over the running list)."""
@@ -129,7 +133,19 @@ class VllmRequests:
         return request.arrival_time
 
     def priority(self, request: Request) -> int:
-        return request.priority
+        """vLLM's priority; with sessions on, each vLLM class split in two: its warm
+        continuing turns first (``2 * priority``), then its other requests.  Urgent
+        preemption compares vLLM's own classes (``UrgentRoom.priority``): a warm turn
+        preempts no running request of its vLLM class."""
+        warm = self.warm
+        if warm is None:
+            return request.priority
+        return 2 * request.priority + (request.request_id not in warm)
+
+    def session_namespace(self, request: Request) -> Namespace:
+        """Where the request's session lives: its tenant and its engine boundary
+        (``cache_salt``, LoRA, multimodal items), isolated tenants or not."""
+        return Namespace(boundary(request), self.tenant(request))
 
     def tenant(self, request: Request) -> str:
         """``extra_args["tenant"]`` (an OpenAI body's ``vllm_xargs``, which ``feather
@@ -292,6 +308,10 @@ class FeatherWaitingQueue(RequestQueue):
     def __iter__(self) -> Iterator[Request]:
         """The requests in vLLM's priority order (priority, arrival)."""
         return iter(sorted(self._members.values()))
+
+    def members(self) -> list[Request]:
+        """The waiting requests, unordered.  O(waiting)."""
+        return list(self._members.values())
 
     # ---- Feather's side ---------------------------------------------------------------
 
@@ -470,8 +490,14 @@ class SchedulerComponent(Protocol):
     def generated(self, request: Request, tokens: int) -> None:
         """vLLM appended ``tokens`` sampled tokens to ``request``."""
 
+    def arrived(self, request: Request) -> None:
+        """A new request reaches the scheduler."""
+
     def freed(self, request: Request) -> None:
         """vLLM frees ``request`` (finished or aborted)."""
+
+    def before_reset(self) -> None:
+        """vLLM is about to reset its prefix cache."""
 
     def close(self) -> None:
         """The scheduler shuts down."""
@@ -558,8 +584,14 @@ class VllmMeter:
         self.meter.preempted(request.num_preemptions, priority=request.priority,
                              urgent=urgent)
 
+    def arrived(self, request: Request) -> None:
+        """Nothing to recognise without Feather."""
+
     def freed(self, request: Request) -> None:
         """Nothing to forget without Feather."""
+
+    def before_reset(self) -> None:
+        """Nothing held without Feather."""
 
     counts_service = False
     """Without Feather no service is counted."""
@@ -641,6 +673,8 @@ class VllmFeather:
         """Under fair share, each step in flight's prompt tokens computed, per request."""
         self.queue = FeatherWaitingQueue(self.runtime, scheduler)
         self.urgent = UrgentRoom(scheduler, runtime)
+        self.view = view
+        self.sessions = self._sessions(view) if config.sessions else None
         compat.disable_cache_aware_admission(scheduler)
         scheduler.waiting = self.queue
         scheduler.kv_holding_waiting = KvHoldingQueue(scheduler.kv_holding_waiting,
@@ -655,10 +689,90 @@ class VllmFeather:
         """After a fault (the runtime's ``on_fault``): vLLM's own queue and victim rule."""
         self.queue.fall_back()
 
+    def _sessions(self, view: VllmRequests) -> VllmSessions | None:
+        """Agent sessions over this scheduler's block pool (``option sessions``); None,
+        with a warning, where vLLM's cache cannot hold them: prefix caching off (nothing
+        to hold), a KV connector (it may free or write blocks late) or hashes of another
+        block size than the pool's."""
+        scheduler = self.scheduler
+        manager = scheduler.kv_cache_manager
+        why = "prefix caching is off" if not manager.enable_caching else \
+            "a KV connector is configured" if scheduler.connector is not None else \
+            "the hash block size is not the KV block size" if \
+            (getattr(scheduler, "hash_block_size", None) or scheduler.block_size) != \
+            scheduler.block_size else None
+        if why is not None:
+            logger.warning("Feather's agent sessions are off: %s", why)
+            return None
+        sessions = VllmSessions(scheduler, self.config.session_held_share,
+                                view.session_namespace, scheduler.feather_clock,
+                                type(scheduler).__name__)
+        view.warm = sessions.warm
+        manager.allocate_slots = retrying_allocation(manager.allocate_slots,
+                                                     self._lacks_blocks)
+        return sessions
+
+    def _lacks_blocks(self, request: Request) -> bool:
+        """An allocation for ``request`` lacks blocks (inside vLLM's pass): whether a hold
+        gave some back (least valuable first), for a running request's growth (vLLM would
+        preempt) or a request waiting past ``max_wait_s``; none for another."""
+        sessions, max_wait_s = self.sessions, self.config.max_wait_s
+        if sessions is None or not self.faults.active:
+            return False
+        running = request.status is RequestStatus.RUNNING
+        if not running and (max_wait_s is None or
+                            self.scheduler.feather_clock() - request.arrival_time < max_wait_s):
+            return False
+        return bool(self.faults.call("sessions", sessions.lacks_blocks, default=False))
+
+    def arrived(self, request: Request) -> None:
+        """A new request reaches vLLM's scheduler (before its queue sees it)."""
+        if self.sessions is not None and self.faults.active:
+            self.faults.attempt("sessions", self.sessions.arrived, request)
+
+    def before_reset(self) -> None:
+        """vLLM is about to reset its prefix cache: every hold ends first (vLLM refuses
+        to reset while any block is referenced)."""
+        if self.sessions is not None:
+            self.faults.attempt("sessions", self.sessions.release_all)
+
+    def _sessions_pass(self) -> None:
+        """Before a pass: lapsed holds end; with Feather off, every hold, for good."""
+        sessions = self.sessions
+        if sessions is not None and self.faults.active:
+            sessions.before_pass()
+        elif sessions is not None:
+            self.sessions = None
+            self.view.warm = None
+            sessions.release_all()
+
+    def _overdue_join_warm(self) -> None:
+        """Requests past ``max_wait_s`` while warm turns of their vLLM class wait join them
+        (re-entered in class ``2 * priority``, arrival kept): the queue's starvation
+        guard, which ages within a class, then offers them first, so warm turns overtake
+        within ``max_wait_s`` only.  Each re-entry counts the request out and in again in
+        Feather's request stats.  O(waiting) a pass while warm turns wait."""
+        warm, max_wait_s = self.view.warm, self.config.max_wait_s
+        if not warm or max_wait_s is None:
+            return
+        members, now = self.queue.members(), self.scheduler.feather_clock()
+        classes = {r.priority for r in members if r.request_id in warm}
+        late = [r for r in members if r.request_id not in warm and r.priority in classes
+                and now - r.arrival_time > max_wait_s]
+        if late:
+            warm.update(r.request_id for r in late)
+            self.queue.remove_requests(late)
+            for request in late:
+                self.queue.add_request(request)
+
     def before_schedule(self, throttle_prefills: bool = False) -> None:
+        if self.sessions is not None:
+            self.faults.attempt("sessions", self._sessions_pass)
         self.metering.before_schedule()
         self.urgent.forget()
         self.queue.begin_pass()
+        if self.sessions is not None and self.faults.serves:
+            self.faults.attempt("sessions", self._overdue_join_warm)
         if self.faults.serves and not self.faults.call(
                 "urgent", compat.prefills_deferred, self.scheduler, throttle_prefills,
                 default=True):
@@ -669,6 +783,8 @@ class VllmFeather:
             return
         if self.faults.serves:
             self.faults.attempt("end_pass", self._end_pass, output)
+        if self.sessions is not None:
+            self.faults.attempt("sessions", self.sessions.after_pass, output)
         self.faults.attempt("meter", self._measure, output)
         if self.runtime.counts_service:
             self.faults.attempt("served", self._note_computed, output)
@@ -731,6 +847,8 @@ class VllmFeather:
     def _end_step(self, output: Any, size: int, seconds: float,
                   batch: list[BatchEntry] | None) -> None:
         self.runtime.end_step(id(output), size, seconds, batch)
+        if self.sessions is not None:
+            self.sessions.cost.observe(output.total_num_scheduled_tokens, seconds)
 
     @property
     def counts_service(self) -> bool:
@@ -742,10 +860,13 @@ class VllmFeather:
         self.faults.attempt("served", self.runtime.served, request.request_id, 0, tokens)
 
     def freed(self, request: Request) -> None:
+        if self.sessions is not None and self.faults.active:
+            self.faults.attempt("sessions", self.sessions.ended, request)
         if self.faults.serves:  # otherwise rebuilt before its next pass
             self.faults.attempt("discard", self.runtime.discard, request.request_id)
 
     def close(self) -> None:
+        self.before_reset()
         self.metering.close()
 
     def order_note(self) -> tuple[str, bool]:
@@ -828,9 +949,18 @@ class _Hooks(_EngineScheduler):
             self.feather.generated(request, len(new_token_ids))
         return new_token_ids, stopped
 
+    def add_request(self, request: Request) -> None:
+        if request.request_id not in self.requests:  # not a streaming input's next chunk
+            self.feather.arrived(request)
+        super().add_request(request)
+
     def _free_request(self, request: Request, *args: Any, **kwargs: Any):
         self.feather.freed(request)
         return super()._free_request(request, *args, **kwargs)
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        self.feather.before_reset()
+        return super().reset_prefix_cache(*args, **kwargs)
 
     def shutdown(self) -> None:
         self.feather.close()

@@ -1,0 +1,209 @@
+"""Agent sessions in vLLM (0.32-0.34): ``core.sessions``'s rule over vLLM's requests and
+its own ``BlockPool``; ``VllmSessions`` translates, the rule decides.
+
+A new request's prompt block hashes go to ``Sessions.arrived`` (namespace: its tenant and
+``cache_salt``/LoRA boundary); a warm continuing turn is named in ``warm``, class 0 of its
+vLLM priority in ``VllmRequests.priority`` (others class 1).  When vLLM frees a request
+(``Scheduler._free_request``, before its blocks) its prefix-cached blocks are held where
+``Sessions.turn_ended`` says: one more reference each (``BlockPool.touch``), so vLLM's
+free leaves them out of the free queue.  A hold ends with ``BlockPool.free_blocks`` of
+those blocks, tail first: at its next turn's admission, at its TTL (checked each pass),
+when an allocation for a running request's growth or a request waiting past
+``max_wait_s`` lacks blocks (``allocate_slots`` retried), when a pass schedules nothing
+while requests wait, on a prefix-cache reset, Feather turning off, shutdown.  Cost:
+O(a request's blocks) at arrival and end, O(holds) a pass.  docs/sessions.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from vllm.v1.request import Request
+
+from feather_sched.core.isolation import Namespace
+from feather_sched.core.sessions import Hold, RetentionConfig, Sessions
+from feather_sched.telemetry import prometheus as metrics
+
+logger = logging.getLogger("vllm.feather_sched")
+
+SESSION_ARG = "session"
+"""``SamplingParams.extra_args`` key that names a request's session explicitly."""
+PRIOR_S_PER_TOKEN = 1e-4
+"""What recomputing a prompt token costs before the engine's steps have been measured."""
+
+
+class ReloadCost:
+    """What recomputing a prefix costs the engine: an average of the measured step seconds
+    per scheduled token over steps of at least ``min_tokens`` tokens (prefill steps
+    mostly), ``PRIOR_S_PER_TOKEN`` before any.  O(1)."""
+
+    def __init__(self, min_tokens: int = 64, weight: float = 0.1) -> None:
+        self.min_tokens, self.weight = min_tokens, weight
+        self.per_token_s = PRIOR_S_PER_TOKEN
+        self._measured = False
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A step computed ``tokens`` tokens in ``seconds``."""
+        if tokens < self.min_tokens or seconds <= 0:
+            return
+        rate = seconds / tokens
+        self.per_token_s = rate if not self._measured else \
+            self.per_token_s + self.weight * (rate - self.per_token_s)
+        self._measured = True
+
+    def seconds(self, tokens: int) -> float:
+        return tokens * self.per_token_s
+
+
+def pool_of(block: Any) -> Any:
+    """The ``BlockPool`` a KV block names as its own (vLLM 0.34 by weak reference), or
+    None where it names none."""
+    owner = getattr(block, "pool", None)
+    return owner() if isinstance(owner, weakref.ref) else owner
+
+
+class VllmSessions:
+    """Feather's sessions in one vLLM scheduler (module docstring).  ``namespace_of(request)``
+    is the request's session namespace, ``clock`` Feather's clock."""
+
+    def __init__(self, scheduler: Any, held_share: float,
+                 namespace_of: Callable[[Request], Namespace],
+                 clock: Callable[[], float], name: str) -> None:
+        self.scheduler = scheduler
+        self.pool = scheduler.kv_cache_manager.block_pool
+        self.groups = list(range(len(scheduler.kv_cache_config.kv_cache_groups)))
+        self.cost = ReloadCost()
+        self.sessions = Sessions(RetentionConfig(max_held_share=held_share),
+                                 self.pool.num_gpu_blocks - 1, self.cost.seconds)
+        self.namespace_of, self.clock = namespace_of, clock
+        self.warm: set[str] = set()
+        """Waiting continuing turns whose prefix is warm (their session's blocks held, or
+        at least half their prompt's blocks cached): Feather's class 0."""
+        self.pinned: dict[str, list[Any]] = {}
+        """Each hold's blocks, by its holder (the request that ended), one reference each."""
+        self.sink = metrics.SessionSink(name) if metrics.enabled() else None
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def arrived(self, request: Request) -> None:
+        """A new request: its session recognised (``Sessions.arrived``), warm or not."""
+        keys = request.block_hashes[: request.num_prompt_tokens // self.scheduler.block_size]
+        params = request.sampling_params
+        explicit = params.extra_args.get(SESSION_ARG) if params and params.extra_args else None
+        held = self.sessions.arrived(request.request_id, self.namespace_of(request), keys,
+                                     self.clock(), explicit)
+        session = self.sessions.session_of(request.request_id)
+        if session is not None and session.ended_s is not None and \
+                (held or 2 * self.cached_blocks(keys) >= len(keys)):
+            self.warm.add(request.request_id)
+
+    def cached_blocks(self, keys: list) -> int:
+        """How many of ``keys``' leading blocks vLLM's prefix cache holds now."""
+        cached = 0
+        for key in keys:
+            if self.pool.get_cached_block(key, self.groups) is None:
+                break
+            cached += 1
+        return cached
+
+    def admitted(self, request_ids: Iterable[str]) -> None:
+        """Requests vLLM has just scheduled for the first time (their blocks taken): their
+        sessions' holds end."""
+        for request_id in request_ids:
+            self.warm.discard(request_id)
+            hold = self.sessions.admitted(request_id)
+            if hold is not None:
+                self.release([hold])
+
+    def ended(self, request: Request) -> None:
+        """vLLM is about to free finished (or aborted) ``request``: its prefix-cached
+        blocks are held if the rule says so (touched now, so vLLM's free keeps them)."""
+        request_id = request.request_id
+        self.warm.discard(request_id)
+        if self.sessions.session_of(request_id) is None:
+            return
+        blocks = self.held_blocks(request_id)
+        reason = request.get_finished_reason()
+        tokens = min(request.num_computed_tokens, len(blocks) * self.scheduler.block_size)
+        hold, released = self.sessions.turn_ended(
+            request_id, request.block_hashes, len(blocks), tokens, self.clock(),
+            "abort" if reason is None else str(reason), held=[b.block_id for b in blocks])
+        if hold is not None:
+            self.pool.touch(blocks)
+            self.pinned[request_id] = blocks
+        self.release(released)
+
+    def held_blocks(self, request_id: str) -> list[Any]:
+        """The request's blocks a hold keeps: those in vLLM's prefix cache (hashed), of
+        this pool, each once, in the request's order."""
+        seen: set[int] = set()
+        blocks = []
+        for group in self.scheduler.kv_cache_manager.get_blocks(request_id).blocks:
+            for block in group:
+                if block.block_hash is None or block.is_null or block.block_id in seen or \
+                        pool_of(block) not in (None, self.pool):
+                    continue
+                seen.add(block.block_id)
+                blocks.append(block)
+        return blocks
+
+    # ---- pressure, metrics, the end ---------------------------------------------------
+
+    def before_pass(self) -> None:
+        """A pass starts: holds past their TTL whose turn has not come end (expiry)."""
+        now = self.clock()
+        if any(hold.expires_s <= now for hold in self.sessions.holds):
+            self.release(self.sessions.reclaim(sys.maxsize, now, lapsed_only=True))
+
+    def lacks_blocks(self) -> bool:
+        """An allocation lacks blocks: the least valuable hold (then the oldest) yields;
+        whether one did."""
+        gone = self.sessions.reclaim(1, self.clock())
+        self.release(gone)
+        return bool(gone)
+
+    def after_pass(self, output: Any) -> None:
+        """After vLLM's pass formed ``output``: the holds of the turns it admitted end; a
+        pass that scheduled nothing while requests wait and none runs releases the least
+        valuable hold (holds never stall the engine); the metrics published."""
+        self.admitted(new.req_id for new in output.scheduled_new_reqs)
+        scheduler = self.scheduler
+        if not output.num_scheduled_tokens and self.pinned and len(scheduler.waiting) and \
+                not scheduler.running:
+            self.release(self.sessions.reclaim(1, self.clock()))
+        if self.sink is not None:
+            self.sessions.publish(self.sink)
+
+    def release(self, holds: Iterable[Hold]) -> None:
+        """The holds' blocks go back to vLLM's pool (their last reference: evictable, still
+        cached), tail first."""
+        for hold in holds:
+            blocks = self.pinned.pop(str(hold.holder), None)
+            if blocks:
+                self.pool.free_blocks(reversed(blocks))
+
+    def release_all(self) -> None:
+        """Every hold ends (a prefix-cache reset, Feather off, shutdown)."""
+        self.release(self.sessions.reclaim(sys.maxsize, self.clock()))
+        for holder in list(self.pinned):  # none, unless the rule lost one: never leak
+            self.pool.free_blocks(reversed(self.pinned.pop(holder)))
+
+
+def retrying_allocation(allocate: Callable[..., Any], yields: Callable[[Request], bool]
+                        ) -> Callable[..., Any]:
+    """``KVCacheManager.allocate_slots`` that, where ``request`` finds no blocks, asks
+    ``yields(request)`` (a hold released for it?) and tries again while one is: vLLM
+    then neither preempts a request nor stops admitting for blocks a hold kept.  vLLM's
+    own call otherwise; a retry repeats vLLM's call unchanged (a failed one took no
+    blocks: it returns before ``allocate_new_computed_blocks``)."""
+    def allocate_slots(request: Request, *args: Any, **kwargs: Any) -> Any:
+        blocks = allocate(request, *args, **kwargs)
+        while blocks is None and yields(request):
+            blocks = allocate(request, *args, **kwargs)
+        return blocks
+    allocate_slots.feather_wraps = allocate  # type: ignore[attr-defined]
+    return allocate_slots
