@@ -247,9 +247,10 @@ class SessionRetention(_Holding):
         keys = self.keys(after.spec.prompt if after is not None else turn.spec.prompt)
         computed = request.num_computed_tokens
         keys = keys[:computed // self.engine.config.block_tokens]
-        blocks = len(self.engine.pool.blocks_of(request.request_id))
+        held = self.engine.pool.blocks_of(request.request_id)  # as vLLM's adapter names them
         hold, displaced = self.sessions.turn_ended(
-            request.request_id, keys, blocks, computed, self.engine.now, turn.finish_reason)
+            request.request_id, keys, len(held), computed, self.engine.now,
+            turn.finish_reason, held=held)
         self._release(displaced)
         if hold is None:
             return False
