@@ -35,6 +35,7 @@ ENGINE_MODULES = frozenset({
     "integrations/vllm/test_engine.py",
     "integrations/vllm/test_kv_events.py",
     "integrations/vllm/test_releases.py",  # pytest processes against each release (.venv-drift)
+    "integrations/vllm/test_releases_harness.py",
     "integrations/vllm/test_urgent.py",
     "test_serve.py",  # feather serve's real servers
 })
