@@ -1,8 +1,9 @@
 """Test-wide set-up: SGLang's scheduler code imports on this CPU machine as in the product
 (``feather_sched.integrations.sglang.stand_ins``); a fault Feather contains fails the test
 that did not ask for faults, so containment never hides a bug; the modules that start an
-engine process are marked ``engine``, and the tests of minutes each ``slow`` (``make
-check`` runs every other test, ``make test`` all)."""
+engine process are marked ``engine`` (and the tests that start one in other modules), and
+the tests of minutes each ``slow`` (``make check`` runs every other test, ``make test``
+all)."""
 
 from __future__ import annotations
 
@@ -35,11 +36,23 @@ ENGINE_MODULES = frozenset({
     "integrations/vllm/test_engine.py",
     "integrations/vllm/test_kv_events.py",
     "integrations/vllm/test_releases.py",  # pytest processes against each release (.venv-drift)
+    "integrations/vllm/test_releases_harness.py",
     "integrations/vllm/test_urgent.py",
     "test_serve.py",  # feather serve's real servers
 })
 """Test modules (relative to ``tests/``) that start an engine process: marked ``engine``,
 so ``pytest -m "not engine"`` (``make check``) runs the rest."""
+
+ENGINE_TESTS = frozenset({
+    # `feather attention-check --end-to-end`: two vLLM CPU engines, the path on and off
+    "integrations/vllm/test_attention_proof.py::"
+    "test_the_cpu_engine_gives_the_same_tokens_with_the_path_on_and_off",
+    # a plain vLLM engine run in a process without Feather's core
+    "integrations/vllm/test_backends.py::"
+    "test_without_feathers_core_a_plain_vllm_engine_still_runs",
+})
+"""Tests (ids relative to ``tests/``) that start an engine process in modules that
+otherwise start none: marked ``engine`` too."""
 
 SLOW_TESTS = frozenset({
     # a kernel's whole case set in Triton's CPU interpreter (one process each)
@@ -62,16 +75,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(f"tests/conftest.py's ENGINE_MODULES names no module: {missing}")
     for item in items:
         module = item.path.relative_to(tests).as_posix()
-        if module in ENGINE_MODULES:
+        if module in ENGINE_MODULES or f"{module}::{item.name}" in ENGINE_TESTS:
             item.add_marker(pytest.mark.engine)
         if f"{module}::{item.name}" in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
     modules = {item.path.relative_to(tests).as_posix(): item.module for item in items
                if isinstance(item, pytest.Function)}
-    stale = sorted(name for name in SLOW_TESTS if name.split("::")[0] in modules and
+    stale = sorted(name for name in ENGINE_TESTS | SLOW_TESTS
+                   if name.split("::")[0] in modules and
                    not hasattr(modules[name.split("::")[0]], name.split("::")[1].split("[")[0]))
     if stale:
-        raise pytest.UsageError(f"tests/conftest.py's SLOW_TESTS names no test: {stale}")
+        raise pytest.UsageError(f"tests/conftest.py's ENGINE_TESTS/SLOW_TESTS name no test: "
+                                f"{stale}")
 
 
 @pytest.fixture

@@ -77,7 +77,7 @@ LOADED_BY_VLLM = ("feather_sched.integrations.vllm.plugins",
                   "feather_sched.integrations.vllm.tenants")
 """Every module of Feather's that vLLM imports itself: the entry points' module, the
 backends its registry names, the V1 runner's hook, ``--scheduler-cls`` and the server
-middleware (run on each release by ``test_releases.HARNESS``)."""
+middleware (run on each release by ``test_releases_harness.HARNESS``)."""
 
 
 @pytest.mark.parametrize("module", LOADED_BY_VLLM)

@@ -1,5 +1,5 @@
 """The differences between vLLM releases, told by what exists.  Each release's own
-scheduler runs these paths in ``test_releases.py``; here, the rules themselves and the
+scheduler runs these paths in ``test_releases_harness.py``; here, the rules themselves and the
 installed release's answers."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Agent sessions in vLLM's real scheduler and block pool (``integrations.vllm.sessions``),
 driven as ``test_scheduler.py`` drives it: vLLM's own ``Scheduler``, ``KVCacheManager``
 and ``BlockPool``, fabricated model outputs, Feather's clock in the test's hands.  Runs on
-every vLLM release (no compiled op: ``test_releases.py`` runs it on 0.33 and 0.34)."""
+every vLLM release (no compiled op: ``test_releases_harness.py`` runs it on 0.33 and 0.34)."""
 
 from __future__ import annotations
 

