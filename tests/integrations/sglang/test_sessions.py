@@ -246,3 +246,19 @@ def test_a_fault_in_sessions_never_reaches_sglang(monkeypatch, contained_faults)
     _session_turns(engine, 1, 2)  # every call inside SGLang's path contained
     assert {where for where, _ in contained_faults} == {"sessions"}
     assert not engine.feather.holds_yield(None, alone=False)
+
+
+@pytest.mark.parametrize("low_first", [False, True])
+def test_warm_turns_go_first_within_sglangs_own_priority_classes(low_first) -> None:
+    from feather_sched.integrations.sglang.scheduler import SGLangRequests
+
+    view = SGLangRequests(CHUNK, priority_scheduling=True, low_priority_values_first=low_first)
+    reqs = {(value, warm): Req(f"{value}{warm}", "", array("q", [1]),
+                               SamplingParams(max_new_tokens=1), priority=value)
+            for value in (-3, 0, 5) for warm in (True, False)}
+    unsplit = sorted(reqs, key=lambda k: view.priority(reqs[k]))
+    view.warm = {req.rid for (value, warm), req in reqs.items() if warm}
+    split = sorted(reqs, key=lambda k: view.priority(reqs[k]))
+    assert [value for value, _ in split] == [value for value, _ in unsplit]
+    assert [warm for _, warm in split] == [True, False] * 3
+    assert all(view.engine_class(req) == view.priority(req) // 2 for req in reqs.values())

@@ -604,14 +604,19 @@ class FeatherPrefillAdder(PrefillAdder):
                 self._preempt_for(req, seat=False):
             req.init_next_round_input(self.tree_cache)
             result = super().add_one_req(req, has_chunked_req, truncation_align_size)
-        alone = not self.can_run_list and self.running_batch.is_empty()
         while result is AddReqResult.NO_TOKEN and not self._added(req) and \
-                feather.holds_yield(req, alone):
+                feather.holds_yield(req, self._alone()):
             req.init_next_round_input(self.tree_cache)
             result = super().add_one_req(req, has_chunked_req, truncation_align_size)
         if self._added(req):
             feather.admitted(req)
         return result
+
+    def _alone(self) -> bool:
+        """Nothing runs and the round has admitted nothing: a request refused now would
+        leave the engine idle."""
+        batch = self.running_batch
+        return not self.can_run_list and (batch is None or batch.is_empty())
 
     def _added(self, req: Req) -> bool:
         return bool(self.can_run_list) and self.can_run_list[-1] is req
