@@ -152,14 +152,16 @@ def test_a_hold_expires_at_its_ttl() -> None:
 
 
 def test_a_decode_step_short_of_room_takes_a_hold_before_sglang_retracts(monkeypatch) -> None:
-    engine = _engine()
-    _session_turns(engine, 1, 2)
+    engine = _engine(pool=3 * TURN)
+    _session_turns(engine, 1, 2)  # holds its second prompt: 96 of the pool's 192 tokens
+    running = _turn("r", _context(9, 1)[: TURN // 2])
+    engine.arrive(running)
+    assert running in engine.admission_round() and engine.feather.sessions.locks
+    engine.allocator.alloc(engine.allocator.available_size())  # the pool is full
+    assert not engine.batch.check_decode_mem()  # SGLang alone would retract ``r``
     monkeypatch.setattr(feather_sglang, "_process_feather", engine.feather)
-    batch = ScheduleBatch(reqs=[])
-    answers = iter([False, True])
-    fits = feather_sglang._hook_check_decode_mem(lambda b: next(answers), batch)
-    assert fits and not engine.feather.sessions.locks
-    assert engine.tree_cache.protected_size() == 0
+    assert feather_sglang._hook_check_decode_mem(ScheduleBatch.check_decode_mem, engine.batch)
+    assert not engine.feather.sessions.locks
     assert engine.feather.sessions.sessions.counts.reclaimed == 1
 
 
