@@ -264,3 +264,18 @@ def test_warm_turns_go_first_within_sglangs_own_priority_classes(low_first) -> N
     assert [value for value, _ in split] == [value for value, _ in unsplit]
     assert [warm for _, warm in split] == [True, False] * 3
     assert all(view.engine_class(req) == view.priority(req) // 2 for req in reqs.values())
+
+
+def test_the_scheduler_hook_starts_sessions_over_sglangs_tree_when_asked(monkeypatch) -> None:
+    from tests.integrations.sglang.test_scheduler import _stub_scheduler
+
+    monkeypatch.setattr(feather_sglang, "_process_feather", None)  # restored afterwards
+    monkeypatch.setenv("FEATHER_SGLANG", "1")
+    monkeypatch.setenv("FEATHER_SGLANG_OPTIONS", '{"sessions": true, "session_held_share": 0.3}')
+    scheduler = _stub_scheduler(RadixCache.create_simulated())
+    feather_sglang._hook_init_schedule_policy(lambda s: None, scheduler)
+    sessions = scheduler.feather.sessions
+    assert sessions.tree_cache is scheduler.tree_cache
+    assert sessions.sessions.bound_blocks == int(0.3 * 4096)  # max_total_num_tokens, pages of 1
+    assert scheduler.feather.requests.warm is sessions.warm
+    assert "on_release" in vars(scheduler.tree_cache)
