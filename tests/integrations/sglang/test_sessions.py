@@ -5,6 +5,7 @@ caches them in the tree), as the scheduler's result processing does."""
 
 from __future__ import annotations
 
+import time
 from array import array
 from dataclasses import replace
 
@@ -38,10 +39,10 @@ class Clock:
         return self.now
 
 
-def _engine(sessions: bool = True, share: float = 0.5, pool: int = POOL) -> Engine:
-    engine = Engine(kv=True, pool_tokens=pool)
-    engine.feather.config = replace(engine.feather.config, sessions=sessions,
-                                    session_held_share=share)
+def _engine(sessions: bool = True, share: float = 0.5, pool: int = POOL,
+            **options) -> Engine:
+    engine = Engine(kv=True, pool_tokens=pool, options=dict(
+        options, sessions=sessions, session_held_share=share))
     engine.clock = Clock()
     engine.feather.start_sessions(engine.tree_cache, pool)
     if engine.feather.sessions is not None:
@@ -166,8 +167,7 @@ def test_a_decode_step_short_of_room_takes_a_hold_before_sglang_retracts(monkeyp
 
 
 def test_a_request_alone_without_room_takes_the_holds_room() -> None:
-    engine = _engine(pool=3 * TURN)  # the held context (2 turns) leaves one turn's room
-    engine.feather.config = replace(engine.feather.config, max_wait_s=None)
+    engine = _engine(pool=3 * TURN, max_wait_s=None)  # the held prompt leaves 96 tokens
     _session_turns(engine, 1, 2)
     assert engine.feather.sessions.locks
     big = _turn("big", _context(9, 2)[: 2 * TURN - 8])
@@ -279,3 +279,18 @@ def test_the_scheduler_hook_starts_sessions_over_sglangs_tree_when_asked(monkeyp
     assert sessions.sessions.bound_blocks == int(0.3 * 4096)  # max_total_num_tokens, pages of 1
     assert scheduler.feather.requests.warm is sessions.warm
     assert "on_release" in vars(scheduler.tree_cache)
+
+
+@pytest.mark.parametrize("max_wait_s", [None, 1e-6])
+def test_warm_turns_overtake_a_newcomer_only_within_max_wait_s(max_wait_s) -> None:
+    engine = _engine(max_wait_s=max_wait_s)
+    _session_turns(engine, 1, 2)
+    newcomer = _turn("new", _context(7, 1))
+    engine.arrive(newcomer)
+    time.sleep(0.01)  # the newcomer waits past max_wait_s (Feather's own clock)
+    warm = _turn("s1t3", _context(1, 3)[: -TURN // 2])
+    engine.arrive(warm)
+    assert warm.rid in engine.feather.sessions.warm
+    first = engine.admission_round(max_requests=1)
+    assert first == ([warm] if max_wait_s is None else [newcomer])
+    assert engine.feather.requests.arrivals == {}

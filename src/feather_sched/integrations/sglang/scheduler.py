@@ -98,6 +98,8 @@ class SGLangRequests:
         self.low_priority_values_first = low_priority_values_first
         self.warm: set[str] | None = None
         """With agent sessions on, the warm continuing turns (``SGLangSessions.warm``)."""
+        self.arrivals: dict[str, float] = {}
+        """Arrivals kept for requests re-entered in Feather's queue (on its clock)."""
 
     request_id = attrgetter("rid")
     """The request's id (an attrgetter: the runtime maps it over the running list)."""
@@ -115,8 +117,10 @@ class SGLangRequests:
     def prompt_tokens(self, req: Req) -> int:
         return len(req.origin_input_ids)
 
-    def arrival_s(self, req: Req) -> None:
-        return None  # now, on the runtime's clock
+    def arrival_s(self, req: Req) -> float | None:
+        """None (now, on the runtime's clock), but for a request re-entered while it
+        waits (``FeatherSGLang``'s overdue requests joining the warm turns)."""
+        return self.arrivals.get(req.rid)
 
     def priority(self, req: Req) -> int:
         """Feather's class: ``engine_class``; with sessions on, each SGLang class split in
@@ -260,6 +264,26 @@ class FeatherSGLang:
         sessions.unwrap()
         sessions.release_all()
 
+    def _overdue_join_warm(self, waiting: list[Req]) -> None:
+        """Requests past ``max_wait_s`` while warm turns of their SGLang class wait join
+        them (re-entered in class ``2 * class``, arrival kept): the queue's starvation
+        guard, which ages within a class, then offers them first, so warm turns overtake
+        within ``max_wait_s`` only (as vLLM's adapter does).  O(waiting) a round while
+        warm turns wait."""
+        warm, max_wait_s, runtime = self.requests.warm, self.config.max_wait_s, self.runtime
+        if not warm or max_wait_s is None:
+            return
+        engine_class, now = self.requests.engine_class, runtime.clock()
+        classes = {engine_class(r) for r in waiting if r.rid in warm}
+        late = [r for r in waiting if r.rid not in warm and engine_class(r) in classes
+                and now - runtime.age_key(r)[1] > max_wait_s]
+        for req in late:
+            self.requests.arrivals[req.rid] = runtime.age_key(req)[1]
+            warm.add(req.rid)
+            runtime.discard(req.rid)
+            runtime.enter_waiting(req)
+            del self.requests.arrivals[req.rid]
+
     def holds_yield(self, req: Req | None, alone: bool) -> bool:
         """SGLang lacks KV room for ``req`` (None: the running batch's next decode step):
         whether a hold gave some back (least valuable first), for the decode step (SGLang
@@ -282,7 +306,10 @@ class FeatherSGLang:
         self._bound = None
         self._sessions_round()
         if self.faults.open_pass():
-            self.faults.attempt("begin_pass", self._begin_round, list(running), list(waiting))
+            waiting = list(waiting)
+            self.faults.attempt("begin_pass", self._begin_round, list(running), waiting)
+            if self.sessions is not None and self.faults.serves:
+                self.faults.attempt("sessions", self._overdue_join_warm, waiting)
 
     def _begin_round(self, running: list[Req], waiting: list[Req]) -> None:
         if not waiting and not self.faults.dirty:
