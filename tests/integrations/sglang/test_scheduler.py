@@ -1067,12 +1067,19 @@ def test_retracted_requests_are_counted_as_preemptions(monkeypatch) -> None:
         feather_sglang.HOOKS
 
 
-def test_hooks_install_feather_when_selected(monkeypatch) -> None:
+def installed(monkeypatch, options: str) -> SimpleNamespace:
+    """A stub scheduler over a simulated radix cache after SGLang's
+    ``init_schedule_policy`` hook ran with Feather selected and ``options`` (JSON)."""
     monkeypatch.setattr(feather_sglang, "_process_feather", None)  # restored afterwards
     monkeypatch.setenv("FEATHER_SGLANG", "1")
-    monkeypatch.setenv("FEATHER_SGLANG_OPTIONS", '{"gate": "bandit", "chunk_tokens": 64}')
+    monkeypatch.setenv("FEATHER_SGLANG_OPTIONS", options)
     scheduler = _stub_scheduler(RadixCache.create_simulated())
     feather_sglang._hook_init_schedule_policy(lambda s: None, scheduler)
+    return scheduler
+
+
+def test_hooks_install_feather_when_selected(monkeypatch) -> None:
+    scheduler = installed(monkeypatch, '{"gate": "bandit", "chunk_tokens": 64}')
     assert isinstance(scheduler.policy, FeatherSchedulePolicy)
     assert scheduler.feather.config.gate == "bandit"
     assert scheduler.feather.config.chunk_tokens == 64

@@ -11,24 +11,30 @@ from dataclasses import replace
 
 import pytest
 
-from feather_sched.bench.cht.sglang_policy import sglang_installed
+from feather_sched.bench.cht.sglang_policy import published_server_args, sglang_installed
 
 if not sglang_installed():
     pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)", allow_module_level=True)
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req, ScheduleBatch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.common import release_kv_cache
-from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 from feather_sched.integrations.sglang import scheduler as feather_sglang
-from tests.integrations.sglang.test_scheduler import CHUNK, Engine, _server_args  # noqa: F401
+from tests.integrations.sglang.test_scheduler import CHUNK, Engine, installed
 
 POOL = 1024
 """KV tokens of the pool (SGLang's ``max_total_num_tokens``)."""
 TURN = 4 * CHUNK
 """Tokens each turn adds to its session's context."""
+
+
+@pytest.fixture(autouse=True)
+def _server_args():
+    with published_server_args():  # what SGLang's request and cache code reads
+        yield
 
 
 class Clock:
@@ -96,9 +102,6 @@ def _session_turns(engine: Engine, names: int | tuple[int, ...], turns: int,
 
 
 def _cached(engine: Engine, tokens: list[int], **key) -> int:
-    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-
     match = engine.tree_cache.match_prefix(MatchPrefixParams(key=RadixKey(
         array("q", tokens), cache_salt=key.get("cache_salt"))))
     return match.device_prefix_len
@@ -267,13 +270,7 @@ def test_warm_turns_go_first_within_sglangs_own_priority_classes(low_first) -> N
 
 
 def test_the_scheduler_hook_starts_sessions_over_sglangs_tree_when_asked(monkeypatch) -> None:
-    from tests.integrations.sglang.test_scheduler import _stub_scheduler
-
-    monkeypatch.setattr(feather_sglang, "_process_feather", None)  # restored afterwards
-    monkeypatch.setenv("FEATHER_SGLANG", "1")
-    monkeypatch.setenv("FEATHER_SGLANG_OPTIONS", '{"sessions": true, "session_held_share": 0.3}')
-    scheduler = _stub_scheduler(RadixCache.create_simulated())
-    feather_sglang._hook_init_schedule_policy(lambda s: None, scheduler)
+    scheduler = installed(monkeypatch, '{"sessions": true, "session_held_share": 0.3}')
     sessions = scheduler.feather.sessions
     assert sessions.tree_cache is scheduler.tree_cache
     assert sessions.sessions.bound_blocks == int(0.3 * 4096)  # max_total_num_tokens, pages of 1
