@@ -209,11 +209,9 @@ class FeatherSGLang:
                                        priority_scheduling=priority_scheduling,
                                        low_priority_values_first=low_priority_values_first,
                                        isolation=self.config.isolation)
-        runtime = FeatherRuntime(self.config, self.requests, name="FeatherSGLang",
-                                 seats=seats, kv_tokens=kv_tokens, engine=engine)
-        self.runtime: RuntimeContract[Req] = runtime
-        self.clock, self._age_key = runtime.clock, runtime.age_key
-        """Feather's clock, and a request's (class, arrival, entry) on it (sessions)."""
+        self.runtime: RuntimeContract[Req] = FeatherRuntime(
+            self.config, self.requests, name="FeatherSGLang", seats=seats,
+            kv_tokens=kv_tokens, engine=engine)
         self.priority_preemption = priority_preemption
         self._bound: list[Req] | None = None
         self._cursor = 0
@@ -246,7 +244,7 @@ class FeatherSGLang:
             return
         self.sessions = SGLangSessions(
             tree_cache, pool_tokens, self.config.session_held_share,
-            self.requests.session_namespace, self.config.chunk_tokens, self.clock,
+            self.requests.session_namespace, self.config.chunk_tokens, self.runtime.now,
             "FeatherSGLang", guard=self._guarded)
         self.requests.warm = self.sessions.warm
 
@@ -275,12 +273,12 @@ class FeatherSGLang:
         warm, max_wait_s, runtime = self.requests.warm, self.config.max_wait_s, self.runtime
         if not warm or max_wait_s is None:
             return
-        engine_class, now = self.requests.engine_class, self.clock()
+        engine_class, now = self.requests.engine_class, runtime.now()
         classes = {engine_class(r) for r in waiting if r.rid in warm}
         late = [r for r in waiting if r.rid not in warm and engine_class(r) in classes
-                and now - self._age_key(r)[1] > max_wait_s]
+                and now - runtime.age_key(r)[1] > max_wait_s]
         for req in late:
-            self.requests.arrivals[req.rid] = self._age_key(req)[1]
+            self.requests.arrivals[req.rid] = runtime.age_key(req)[1]
             warm.add(req.rid)
             runtime.discard(req.rid)
             runtime.enter_waiting(req)
@@ -296,7 +294,7 @@ class FeatherSGLang:
             return False
         if req is not None and not alone and (
                 max_wait_s is None or not self.faults.serves or
-                self.clock() - self._age_key(req)[1] < max_wait_s):
+                self.runtime.now() - self.runtime.age_key(req)[1] < max_wait_s):
             return False
         return bool(self.faults.call("sessions", sessions.yields, default=False))
 
