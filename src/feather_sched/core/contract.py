@@ -144,6 +144,13 @@ class RuntimeContract(Protocol[R]):
     def is_running(self, request_id: RequestId) -> bool:
         """Whether Feather has the request in its running set."""
 
+    def age_key(self, request: R) -> tuple[int, float, float]:
+        """The request's (class, arrival on ``clock``, order of entry) as Feather's queue
+        holds it; one it does not hold counts as arriving now, after the others."""
+
+    def now(self) -> float:
+        """The time on Feather's clock, in seconds (``age_key``'s arrivals are on it)."""
+
     def describe_batch(self, rows: Iterable[tuple[R, int, int]]) -> list[BatchEntry]:
         """A step's batch for ``end_step``: ``rows`` of (request, context tokens, new
         tokens) described in Feather's chunks, the same in every engine."""

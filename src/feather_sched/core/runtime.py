@@ -187,6 +187,10 @@ class FeatherRuntime(Generic[R]):
         """``Order.age_key``: class, then age, the oldest first. O(1)."""
         return self._order.age_key(request)
 
+    def now(self) -> float:
+        """The time on Feather's clock. O(1)."""
+        return self.clock()
+
     def preempted(self, request: R, *, urgent: bool = False) -> None:
         """Counted per request and class, with its group's running size; at
         ``max_preemptions`` it goes last of its group (``Order.spend``). O(running)."""

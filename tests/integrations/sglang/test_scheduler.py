@@ -125,15 +125,15 @@ class Engine:
     preemption) and ``--schedule-low-priority-values-first``; ``max_queued``:
     ``--max-queued-requests``; ``kv``: running requests hold KV rows (a real
     ``ReqToTokenPool`` and ``RadixCache``), as priority preemption needs; ``fairness``,
-    ``isolate_tenants``: Feather's options; ``seats``: SGLang's ``max_running_requests``
-    as Feather is told it.
+    ``isolate_tenants``, ``options``: Feather's options; ``seats``: SGLang's
+    ``max_running_requests`` as Feather is told it.
     """
 
     def __init__(self, gate: str = "chunk-loss", gate_options: dict | None = None,
                  feather: bool = True, pool_tokens: int = 1 << 16, *, priority: bool = False,
                  low_first: bool = False, max_queued: int | None = None,
                  kv: bool = False, fairness: str = "off", isolate_tenants: bool = False,
-                 seats: int | None = None) -> None:
+                 seats: int | None = None, options: dict | None = None) -> None:
         self.allocator = TokenToKVPoolAllocator(pool_tokens, torch.float16, "cpu", None, False)
         self.kv = kv
         if kv:
@@ -154,7 +154,7 @@ class Engine:
             config = FeatherConfig(gate=gate, gate_options=gate_options or {},
                                    chunk_tokens=CHUNK, min_passing_tokens=PREFIX,
                                    fairness=fairness, isolate_tenants=isolate_tenants,
-                                   **bounds)
+                                   **bounds, **(options or {}))
             self.feather = FeatherSGLang(config, priority_scheduling=priority,
                                          low_priority_values_first=low_first,
                                          priority_preemption=priority, seats=seats)
@@ -1067,12 +1067,19 @@ def test_retracted_requests_are_counted_as_preemptions(monkeypatch) -> None:
         feather_sglang.HOOKS
 
 
-def test_hooks_install_feather_when_selected(monkeypatch) -> None:
+def installed(monkeypatch, options: str) -> SimpleNamespace:
+    """A stub scheduler over a simulated radix cache after SGLang's
+    ``init_schedule_policy`` hook ran with Feather selected and ``options`` (JSON)."""
     monkeypatch.setattr(feather_sglang, "_process_feather", None)  # restored afterwards
     monkeypatch.setenv("FEATHER_SGLANG", "1")
-    monkeypatch.setenv("FEATHER_SGLANG_OPTIONS", '{"gate": "bandit", "chunk_tokens": 64}')
+    monkeypatch.setenv("FEATHER_SGLANG_OPTIONS", options)
     scheduler = _stub_scheduler(RadixCache.create_simulated())
     feather_sglang._hook_init_schedule_policy(lambda s: None, scheduler)
+    return scheduler
+
+
+def test_hooks_install_feather_when_selected(monkeypatch) -> None:
+    scheduler = installed(monkeypatch, '{"gate": "bandit", "chunk_tokens": 64}')
     assert isinstance(scheduler.policy, FeatherSchedulePolicy)
     assert scheduler.feather.config.gate == "bandit"
     assert scheduler.feather.config.chunk_tokens == 64

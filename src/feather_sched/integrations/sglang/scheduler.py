@@ -32,6 +32,7 @@ from feather_sched.core import (
     FeatherConfigError,
     FeatherRuntime,
     Isolation,
+    Namespace,
     RuntimeContract,
     is_true,
     parse_tenant,
@@ -39,6 +40,11 @@ from feather_sched.core import (
 )
 from feather_sched.integrations.sglang import preemption
 from feather_sched.integrations.sglang.preemption import Room
+from feather_sched.integrations.sglang.sessions import (
+    SGLangSessions,
+    session_namespace,
+    why_no_sessions,
+)
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
 from feather_sched.telemetry.steplog import BatchEntry
 
@@ -90,6 +96,10 @@ class SGLangRequests:
         self.isolation = isolation or Isolation()
         self.priority_scheduling = priority_scheduling
         self.low_priority_values_first = low_priority_values_first
+        self.warm: set[str] | None = None
+        """With agent sessions on, the warm continuing turns (``SGLangSessions.warm``)."""
+        self.arrivals: dict[str, float] = {}
+        """Arrivals kept for requests re-entered in Feather's queue (on its clock)."""
 
     request_id = attrgetter("rid")
     """The request's id (an attrgetter: the runtime maps it over the running list)."""
@@ -101,18 +111,28 @@ class SGLangRequests:
         Feather (multimodal items are in the tokens: SGLang pads them with their hashes)."""
         if not len(req.origin_input_ids):
             return []  # an empty prompt shares nothing (SGLang decides what to do with it)
-        boundary = (("extra_key", req.extra_key) if req.extra_key is not None else None,
-                    ("cache_salt", req.cache_salt) if req.cache_salt is not None else None)
-        namespace = self.isolation.namespace(boundary, lambda: self.tenant(req))
+        namespace = self.isolation.namespace(self.boundary(req), lambda: self.tenant(req))
         return token_keys(req.origin_input_ids, self.chunk_tokens, namespace)
 
     def prompt_tokens(self, req: Req) -> int:
         return len(req.origin_input_ids)
 
-    def arrival_s(self, req: Req) -> None:
-        return None  # now, on the runtime's clock
+    def arrival_s(self, req: Req) -> float | None:
+        """None (now, on the runtime's clock), but for a request re-entered while it
+        waits (``FeatherSGLang``'s overdue requests joining the warm turns)."""
+        return self.arrivals.get(req.rid)
 
     def priority(self, req: Req) -> int:
+        """Feather's class: ``engine_class``; with sessions on, each SGLang class split in
+        two, its warm continuing turns first (``2 * class``), then its other requests (a
+        class beyond 2**61, as None's, is not split: it would leave 64 bits).  Urgent
+        preemption compares SGLang's own classes: a warm turn preempts none of its class."""
+        engine_class, warm = self.engine_class(req), self.warm
+        if warm is None or abs(engine_class) >= 1 << 61:
+            return engine_class
+        return 2 * engine_class + (req.rid not in warm)
+
+    def engine_class(self, req: Req) -> int:
         """The class (lower more urgent) in SGLang's order of urgency: 0 without priority
         scheduling (SGLang then ignores ``Req.priority``); ``Req.priority`` when low values
         go first; else ``~priority`` (``-1 - priority``: SGLang's default runs high values
@@ -125,6 +145,17 @@ class SGLangRequests:
         if value is None:
             return sys.maxsize
         return value if self.low_priority_values_first else ~value
+
+    def session_namespace(self, req: Req) -> Namespace:
+        """Where the request's session lives: its tenant and its radix-cache boundary
+        (``extra_key``, ``cache_salt``), isolated tenants or not."""
+        return session_namespace(self.boundary(req), self.tenant(req))
+
+    @staticmethod
+    def boundary(req: Req) -> tuple:
+        """What SGLang's ``RadixKey`` keys by besides the tokens, the parts the request has."""
+        return (("extra_key", req.extra_key) if req.extra_key is not None else None,
+                ("cache_salt", req.cache_salt) if req.cache_salt is not None else None)
 
     def tenant(self, req: Req) -> Hashable:
         """``custom_params["tenant"]`` of the request's ``SamplingParams`` (``parse_tenant``),
@@ -197,6 +228,75 @@ class FeatherSGLang:
         self.faults = self.runtime.faults
         """Containment; ``faults.serves``: whether Feather serves the round (a round is a
         pass: ``begin_round`` opens it) and the calls after it, else SGLang's own order."""
+        self.sessions: SGLangSessions | None = None
+        """Agent sessions (``option sessions``, ``start_sessions``)."""
+
+    # ---- sessions ---------------------------------------------------------------------
+
+    def start_sessions(self, tree_cache: Any, pool_tokens: int) -> None:
+        """Agent sessions over the scheduler's radix cache, where the option asks for them;
+        off, with a warning, where that cache cannot hold them (``why_no_sessions``)."""
+        if not self.config.sessions:
+            return
+        why = why_no_sessions(tree_cache)
+        if why is not None:
+            logger.warning("Feather's agent sessions are off: %s", why)
+            return
+        self.sessions = SGLangSessions(
+            tree_cache, pool_tokens, self.config.session_held_share,
+            self.requests.session_namespace, self.config.chunk_tokens, self.runtime.now,
+            "FeatherSGLang", guard=self._guarded)
+        self.requests.warm = self.sessions.warm
+
+    def _guarded(self, call: Callable[..., Any], *args: Any) -> None:
+        if self.faults.active:
+            self.faults.attempt("sessions", call, *args)
+
+    def _sessions_round(self) -> None:
+        """Before a round: lapsed holds end; with Feather off, every hold, for good."""
+        sessions = self.sessions
+        if sessions is None:
+            return
+        if self.faults.active:
+            self.faults.attempt("sessions", sessions.before_round)
+            return
+        self.sessions = self.requests.warm = None
+        sessions.unwrap()
+        sessions.release_all()
+
+    def _overdue_join_warm(self, waiting: list[Req]) -> None:
+        """Requests past ``max_wait_s`` while warm turns of their SGLang class wait join
+        them (re-entered in class ``2 * class``, arrival kept): the queue's starvation
+        guard, which ages within a class, then offers them first, so warm turns overtake
+        within ``max_wait_s`` only (as vLLM's adapter does).  O(waiting) a round while
+        warm turns wait."""
+        warm, max_wait_s, runtime = self.requests.warm, self.config.max_wait_s, self.runtime
+        if not warm or max_wait_s is None:
+            return
+        engine_class, now = self.requests.engine_class, runtime.now()
+        classes = {engine_class(r) for r in waiting if r.rid in warm}
+        late = [r for r in waiting if r.rid not in warm and engine_class(r) in classes
+                and now - runtime.age_key(r)[1] > max_wait_s]
+        for req in late:
+            self.requests.arrivals[req.rid] = runtime.age_key(req)[1]
+            warm.add(req.rid)
+            runtime.discard(req.rid)
+            runtime.enter_waiting(req)
+            del self.requests.arrivals[req.rid]
+
+    def holds_yield(self, req: Req | None, alone: bool) -> bool:
+        """SGLang lacks KV room for ``req`` (None: the running batch's next decode step):
+        whether a hold gave some back (least valuable first), for the decode step (SGLang
+        would retract), for a request the round would otherwise run ``alone`` or one
+        waiting past ``max_wait_s``; none for another."""
+        sessions, max_wait_s = self.sessions, self.config.max_wait_s
+        if sessions is None or not self.faults.active or not sessions.locks:
+            return False
+        if req is not None and not alone and (
+                max_wait_s is None or not self.faults.serves or
+                self.runtime.now() - self.runtime.age_key(req)[1] < max_wait_s):
+            return False
+        return bool(self.faults.call("sessions", sessions.yields, default=False))
 
     # ---- rounds -----------------------------------------------------------------------
 
@@ -204,8 +304,12 @@ class FeatherSGLang:
         """A round starts: after a fault, Feather's picture is rebuilt from SGLang's
         running and waiting requests first; a fault here leaves the round to SGLang."""
         self._bound = None
+        self._sessions_round()
         if self.faults.open_pass():
-            self.faults.attempt("begin_pass", self._begin_round, list(running), list(waiting))
+            waiting = list(waiting)
+            self.faults.attempt("begin_pass", self._begin_round, list(running), waiting)
+            if self.sessions is not None and self.faults.serves:
+                self.faults.attempt("sessions", self._overdue_join_warm, waiting)
 
     def _begin_round(self, running: list[Req], waiting: list[Req]) -> None:
         if not waiting and not self.faults.dirty:
@@ -235,7 +339,10 @@ class FeatherSGLang:
         return answer is not None and answer.decision is Decision.STOP
 
     def admitted(self, req: Req) -> None:
-        """SGLang admitted ``req``: the runtime admits it; the next best comes up."""
+        """SGLang admitted ``req``: the runtime admits it; the next best comes up; its
+        session's hold ends."""
+        if self.sessions is not None and self.faults.active:
+            self.faults.attempt("sessions", self.sessions.admitted, req)
         if self.faults.serves:
             self.faults.attempt("admit", self._admitted, req)
 
@@ -270,6 +377,8 @@ class FeatherSGLang:
         if self.faults.active:
             self.faults.attempt("meter", self.runtime.meter.scheduled,
                                 time.perf_counter() - started)
+            if self.sessions is not None:
+                self.faults.attempt("sessions", self.sessions.publish)
 
     # ---- steps ------------------------------------------------------------------------
 
@@ -302,6 +411,9 @@ class FeatherSGLang:
         if self.faults.active:
             self.faults.attempt("step", self._processed, batch, key, seconds, entries,
                                 outputs)
+        if self.sessions is not None and self.faults.active and \
+                batch.forward_mode.is_extend() and batch.extend_lens:
+            self.sessions.cost.observe(sum(batch.extend_lens), seconds)
 
     def _processed(self, batch: ScheduleBatch, key: Hashable, seconds: float,
                    entries: list[BatchEntry] | None, outputs: list[int] | None) -> None:
@@ -377,7 +489,10 @@ class FeatherSGLang:
             self.runtime.preempted(req, urgent=urgent)
 
     def entered(self, req: Req) -> None:
-        """SGLang put ``req`` at the end of its waiting queue."""
+        """SGLang put ``req`` at the end of its waiting queue (its session recognised
+        first: its class depends on it)."""
+        if self.sessions is not None and self.faults.active:
+            self.faults.attempt("sessions", self.sessions.arrived, req)
         if self.faults.serves:
             self.faults.attempt("enter_waiting", self.runtime.enter_waiting, req)
 
@@ -405,7 +520,7 @@ class FeatherSGLang:
 
     def _urgent_victims(self, running: list[Req], req: Req, threshold: int,
                         room: Room) -> list[Req]:
-        priority = self.requests.priority
+        priority = self.requests.engine_class
         urgency = priority(req)
         beyond = [r for r in running if not r.finished() and priority(r) - urgency > threshold]
         return self.runtime.urgent_victims(beyond, req, room)
@@ -516,9 +631,19 @@ class FeatherPrefillAdder(PrefillAdder):
                 self._preempt_for(req, seat=False):
             req.init_next_round_input(self.tree_cache)
             result = super().add_one_req(req, has_chunked_req, truncation_align_size)
+        while result is AddReqResult.NO_TOKEN and not self._added(req) and \
+                feather.holds_yield(req, self._alone()):
+            req.init_next_round_input(self.tree_cache)
+            result = super().add_one_req(req, has_chunked_req, truncation_align_size)
         if self._added(req):
             feather.admitted(req)
         return result
+
+    def _alone(self) -> bool:
+        """Nothing runs and the round has admitted nothing: a request refused now would
+        leave the engine idle."""
+        batch = self.running_batch
+        return not self.can_run_list and (batch is None or batch.is_empty())
 
     def _added(self, req: Req) -> bool:
         return bool(self.can_run_list) and self.can_run_list[-1] is req
@@ -614,6 +739,8 @@ def _hook_init_schedule_policy(original: Callable, scheduler: Any, *args: Any, *
                             low_priority_values_first=scheduler.schedule_low_priority_values_first,
                             priority_preemption=getattr(scheduler, "enable_priority_preemption",
                                                         False))
+    feather.start_sessions(scheduler.tree_cache,
+                           getattr(scheduler, "max_total_num_tokens", None) or 1)
     scheduler.feather = _process_feather = feather
     scheduler.policy = FeatherSchedulePolicy(
         feather,
@@ -700,6 +827,16 @@ def _hook_decode_retraction_order(original: Callable, reqs: list, *args: Any,
     return original(reqs, *args, **kwargs) if order is None else order
 
 
+def _hook_check_decode_mem(original: Callable, batch: Any, *args: Any, **kwargs: Any) -> bool:
+    """Whether the next decode step fits; where it does not, session holds yield first
+    (least valuable first), before SGLang retracts a running request."""
+    fits = original(batch, *args, **kwargs)
+    feather = _process_feather
+    while not fits and feather is not None and feather.holds_yield(None, alone=False):
+        fits = original(batch, *args, **kwargs)
+    return fits
+
+
 def _hook_retract_decode(original: Callable, batch: Any, *args: Any, **kwargs: Any):
     """SGLang's retraction under memory pressure: its retracted requests are counted as
     preemptions."""
@@ -721,6 +858,8 @@ HOOKS: dict[str, Callable] = {
     "sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order":
         _hook_decode_retraction_order,
     "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode": _hook_retract_decode,
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem":
+        _hook_check_decode_mem,
 }
 """Hook target -> AROUND hook; each is inert on a scheduler without ``feather``."""
 

@@ -25,38 +25,13 @@ from typing import Any
 from vllm.v1.request import Request
 
 from feather_sched.core.isolation import Namespace
-from feather_sched.core.sessions import Hold, RetentionConfig, Sessions
+from feather_sched.core.sessions import Hold, ReloadCost, RetentionConfig, Sessions
 from feather_sched.telemetry import prometheus as metrics
 
 logger = logging.getLogger("vllm.feather_sched")
 
 SESSION_ARG = "session"
 """``SamplingParams.extra_args`` key that names a request's session explicitly."""
-PRIOR_S_PER_TOKEN = 1e-4
-"""What recomputing a prompt token costs before the engine's steps have been measured."""
-
-
-class ReloadCost:
-    """What recomputing a prefix costs the engine: an average of the measured step seconds
-    per scheduled token over steps of at least ``min_tokens`` tokens (prefill steps
-    mostly), ``PRIOR_S_PER_TOKEN`` before any.  O(1)."""
-
-    def __init__(self, min_tokens: int = 64, weight: float = 0.1) -> None:
-        self.min_tokens, self.weight = min_tokens, weight
-        self.per_token_s = PRIOR_S_PER_TOKEN
-        self._measured = False
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        """A step computed ``tokens`` tokens in ``seconds``."""
-        if tokens < self.min_tokens or seconds <= 0:
-            return
-        rate = seconds / tokens
-        self.per_token_s = rate if not self._measured else \
-            self.per_token_s + self.weight * (rate - self.per_token_s)
-        self._measured = True
-
-    def seconds(self, tokens: int) -> float:
-        return tokens * self.per_token_s
 
 
 def pool_of(block: Any) -> Any:
