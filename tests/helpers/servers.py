@@ -48,22 +48,35 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until_serving(url: str, server: subprocess.Popen, timeout_s: float) -> None:
+SGLANG_READY = "The server is fired up and ready to roll!"
+"""What SGLang's server logs once its own warmup request has finished (it answers
+``/v1/models`` before: the warmup, least urgent under priority scheduling, would then run
+beside a test's first requests)."""
+
+
+def wait_until_serving(url: str, server: subprocess.Popen, timeout_s: float,
+                       log_path: Path | None = None, ready: str | None = None) -> None:
+    """Return once ``url`` answers ``/v1/models`` and, given ``ready``, the server's log at
+    ``log_path`` holds that line; raise if the server exits or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise RuntimeError(f"server exited with {server.returncode}")
         try:
             with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
-                return
+                if ready is None or (log_path is not None and ready in log_path.read_text()):
+                    return
         except OSError:
-            time.sleep(2)
+            pass
+        time.sleep(2)
     raise TimeoutError(f"no server at {url} after {timeout_s} s")
 
 
 @contextmanager
-def serving(module_args: list[str], log_path: Path, env: dict[str, str]) -> Iterator[str]:
-    """Run ``python -m <module_args> --host 127.0.0.1 --port P``; yield its URL when ready."""
+def serving(module_args: list[str], log_path: Path, env: dict[str, str],
+            ready: str | None = None) -> Iterator[str]:
+    """Run ``python -m <module_args> --host 127.0.0.1 --port P``; yield its URL when ready
+    (``wait_until_serving``: with ``ready``, once its log holds that line)."""
     port = free_port()
     command = [sys.executable, "-m", *module_args, "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "w") as log:
@@ -71,7 +84,7 @@ def serving(module_args: list[str], log_path: Path, env: dict[str, str]) -> Iter
                                   env={**os.environ, **env}, start_new_session=True)
         try:
             url = f"http://127.0.0.1:{port}"
-            wait_until_serving(url, server, READY_TIMEOUT_S)
+            wait_until_serving(url, server, READY_TIMEOUT_S, log_path, ready)
             yield url
         finally:
             os.killpg(server.pid, signal.SIGTERM)

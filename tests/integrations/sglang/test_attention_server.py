@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from feather_sched.bench.cht.sglang_policy import sglang_installed
-from tests.helpers.servers import BOUNDED_POOL, serving
+from tests.helpers.servers import BOUNDED_POOL, SGLANG_READY, serving
 
 if not sglang_installed():
     pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)", allow_module_level=True)
@@ -109,7 +109,7 @@ def run_server(tmp_path: Path, model: Path, mode: str) -> tuple[list[list[int]],
     env = {"FEATHER_TEST_PROBE": str(probe), "SGLANG_TEST_RETRACT": "1",
            "PYTHONPATH": os.pathsep.join([str(sitecustomize),
                                           *filter(None, [os.environ.get("PYTHONPATH")])])}
-    with serving(command, log, env) as url:
+    with serving(command, log, env, SGLANG_READY) as url:
         batch, lengths = prompts()
         outputs = generate(url, batch, lengths)
     rows = sum(int(line) for line in probe.read_text().split()) if probe.exists() else 0

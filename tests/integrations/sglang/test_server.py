@@ -10,7 +10,7 @@ import pytest
 
 from feather_sched.bench.cht.sglang_policy import sglang_installed
 from feather_sched.telemetry.steplog import read_steps
-from tests.helpers.servers import BOUNDED_POOL, bench_server, serving, wait_for
+from tests.helpers.servers import BOUNDED_POOL, SGLANG_READY, bench_server, serving, wait_for
 
 if not sglang_installed():
     pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)", allow_module_level=True)
@@ -32,7 +32,7 @@ def test_sglang_server_runs_feather_and_answers_feather_bench(tmp_path) -> None:
                "--attention-backend", "torch_native", "--schedule-policy", "feather",
                "--feather-options", options, "--enable-metrics", *BOUNDED_POOL]
     env: dict[str, str] = {}  # the launcher itself provides what SGLang's import needs
-    with serving(command, log, env) as url:
+    with serving(command, log, env, SGLANG_READY) as url:
         summary = bench_server(url, tmp_path / "sglang.json", "sglang-feather",
                                "--api", "sglang")
         assert summary["completed"] == 6 and summary["total_output_tokens"] == 30

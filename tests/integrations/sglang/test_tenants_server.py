@@ -22,7 +22,7 @@ import pytest
 
 from feather_sched.bench.cht.sglang_policy import sglang_installed
 from feather_sched.telemetry import stats
-from tests.helpers.servers import serving, wait_for
+from tests.helpers.servers import SGLANG_READY, serving, wait_for
 
 if not sglang_installed():
     pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)", allow_module_level=True)
@@ -113,7 +113,7 @@ def test_tenants_service_and_urgent_preemption_on_the_real_server(tmp_path) -> N
     paths = [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {"FEATHER_TEST_PROBE": str(probe_file), "PYTHONPATH": os.pathsep.join(paths)}
     probe = Probe(probe_file)
-    with serving(command, tmp_path / "server.log", env) as url:
+    with serving(command, tmp_path / "server.log", env, SGLANG_READY) as url:
         # ---- tenants and service: what SGLang reports computing is what Feather counts
         shared = prompt(1, 150)  # chunked at 64; the second request hits its prefix
         native = {
