@@ -87,14 +87,17 @@ def _run(args: tuple[str, int, str]) -> dict[str, Any]:
     return run(*args)
 
 
-def table(runs: list[dict[str, Any]]) -> str:
-    """Medians over the seeds with their range, one row per scheduler."""
-    lines = ["| scheduler | " + " | ".join(FIGURES) + " |",
-             "|---" * (len(FIGURES) + 1) + "|"]
-    for scheduler in SCHEDULERS:
-        mine = [r["summary"] for r in runs if r["scheduler"] == scheduler]
-        cells = [median_and_range([float(s[f] or 0) for s in mine]) for f in FIGURES]
-        lines.append(f"| {LABELS[scheduler]} | " + " | ".join(cells) + " |")
+def table(runs: list[dict[str, Any]], column: str = "scheduler",
+          rows: tuple[str, ...] = SCHEDULERS, labels: dict[str, str] = LABELS,
+          figures: tuple[str, ...] = FIGURES) -> str:
+    """Medians over the seeds with their range, one row per ``rows`` entry (the runs
+    whose ``column`` names it, labelled by ``labels``)."""
+    lines = [f"| {column} | " + " | ".join(figures) + " |",
+             "|---" * (len(figures) + 1) + "|"]
+    for row in rows:
+        mine = [r["summary"] for r in runs if r[column] == row]
+        cells = [median_and_range([float(s[f] or 0) for s in mine]) for f in figures]
+        lines.append(f"| {labels[row]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

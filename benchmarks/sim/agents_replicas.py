@@ -28,7 +28,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from agents import GATE, RATE, SEEDS, WORKLOADS
+from agents import GATE, RATE, SEEDS, WORKLOADS, table
 
 from feather_sched.results.summary import median_and_range
 from feather_sched.routing.baselines import make_router
@@ -89,17 +89,6 @@ def _run(args: tuple[str, int, int, int, str]) -> dict[str, Any]:
     return run(*args)
 
 
-def table(runs: list[dict[str, Any]]) -> str:
-    """Medians over the seeds with their range, one row per pair."""
-    lines = ["| router + replicas | " + " | ".join(FIGURES) + " |",
-             "|---" * (len(FIGURES) + 1) + "|"]
-    for pair in PAIRS:
-        mine = [r["summary"] for r in runs if r["pair"] == pair]
-        cells = [median_and_range([float(s[f] or 0) for s in mine]) for f in FIGURES]
-        lines.append(f"| {LABELS[pair]} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def ratios(runs: list[dict[str, Any]]) -> str:
     """Feather router + sessions over each other pair, seed by seed (mean and p90 JCT)."""
     by = {(r["pair"], r["seed"]): r["summary"] for r in runs}
@@ -127,7 +116,7 @@ def main() -> None:
     report = (f"# Agent sessions over {args.replicas} replicas, simulated (H100 SXM, "
               f"Llama-3-8B)\n\n{args.programs * args.replicas} {args.workload} programs at "
               f"{RATE * args.replicas}/s, seeds {list(SEEDS)}; medians (range).\n\n"
-              f"{table(runs)}\n\n{ratios(runs)}\n")
+              f"{table(runs, 'pair', tuple(PAIRS), LABELS, FIGURES)}\n\n{ratios(runs)}\n")
     stem = f"agents-replicas-{args.replicas}" + \
         ("" if args.workload == "agents" else f"-{args.workload}")
     out = HERE / "results" / name

@@ -26,6 +26,7 @@ from feather_sched.sim.programs import LruRetention, TurnQueue, Turns, serving
 from feather_sched.sim.replicas import Finishes, ReplicaResult, collect, connect
 from feather_sched.sim.runner import SimPlan
 from feather_sched.workloads.agents import AgentWorkload
+from feather_sched.workloads.spec import RequestSpec
 
 
 @dataclass
@@ -93,22 +94,16 @@ def run_program_replicas(agents: AgentWorkload, router: Router,
         replica.engine.retention = replica.retention
         replica.engine.start(replica.policy, on_done=on_done)
         replica.retention.start()
-    engines = [replica.engine for replica in replicas.values()]
     placed: dict[str, Hashable] = {}
-    while True:
-        engine = min(engines, key=SimEngine.next_event_s)
-        event, until = engine.next_event_s(), queue.next_s()
-        if event == math.inf and not queue:
-            break
-        if event < until:
-            engine.step()
-            continue
-        spec = queue.pop()
+
+    def arrive(spec: RequestSpec) -> None:
         finishes.deliver(router, spec.arrival_s)
         chosen = placed[spec.request_id] = router.route_tokens(
             spec.request_id, spec.prompt, session=spec.group)
         replicas[chosen].retention.arrived(spec)
         replicas[chosen].engine.add(spec)
+
+    queue.serve([replica.engine for replica in replicas.values()], arrive)
     finishes.deliver(router, math.inf)
     result = collect(list(placed), router,
                      {r: replica.engine.result() for r, replica in replicas.items()}, name)

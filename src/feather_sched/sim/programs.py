@@ -2,14 +2,15 @@
 KV blocks become.
 
 ``run_programs`` releases each program's next turn its tool time after the previous turn
-ends (``workloads.agents``), into one ``SimEngine``.  A ``Retention`` decides what a
-finished turn's blocks become, after caching the turn's output blocks under the next
-turn's keys (as vLLM caches every full block computed): ``LruRetention`` frees them to
-the LRU cache (vLLM 0.34); ``TtlRetention`` replays CacheTTL's rule (arXiv 2511.02230:
-pinned for a TTL fitted to the tool times seen, no bound, program-level FCFS,
-``ProgramFcfsPolicy``); ``SessionRetention`` is Feather's (``core.sessions``), with a
-continuing turn whose prefix is warm entering Feather's queue in class 0, others in
-class 1 (``SessionView``).  Each rule in full: docs/sessions.md, "Baselines".
+ends (``workloads.agents``; ``TurnQueue``, shared with ``sim.program_replicas``), into one
+``SimEngine``.  A ``Retention`` decides what a finished turn's blocks become, after
+caching the turn's output blocks under the next turn's keys (as vLLM caches every full
+block computed): ``LruRetention`` frees them to the LRU cache (vLLM 0.34);
+``TtlRetention`` replays CacheTTL's rule (arXiv 2511.02230: pinned for a TTL fitted to
+the tool times seen, no bound, program-level FCFS, ``ProgramFcfsPolicy``);
+``SessionRetention`` is Feather's (``core.sessions``), with a continuing turn whose
+prefix is warm entering Feather's queue in class 0, others in class 1 (``SessionView``).
+Each rule in full: docs/sessions.md, "Baselines".
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
@@ -364,6 +365,21 @@ class TurnQueue:
             heapq.heappush(self._heap, (arrival, next(self._order),
                                         replace(after.spec, arrival_s=arrival)))
 
+    def serve(self, engines: Sequence[SimEngine], arrive: Callable[[RequestSpec], None]
+              ) -> None:
+        """Step the earliest of ``engines`` while it acts before the next turn is due,
+        else hand that turn to ``arrive`` (which adds it to an engine), until no engine
+        has work and no turn is due.  O(engines) per step."""
+        while True:
+            engine = min(engines, key=SimEngine.next_event_s)
+            event = engine.next_event_s()
+            if event == math.inf and not self:
+                return
+            if event < self.next_s():
+                engine.step()
+            else:
+                arrive(self.pop())
+
 
 def serving(scheduler: str, engine: SimEngine, turns: Turns,
             config: RetentionConfig | None = None) -> tuple[Any, LruRetention]:
@@ -388,15 +404,10 @@ def run_programs(engine: SimEngine, policy: Any, agents: AgentWorkload,
     engine.retention = retention
     engine.start(policy, on_done=queue.released)
     retention.start()
-    while True:
-        until = queue.next_s()
-        event = engine.next_event_s()
-        if event == math.inf and not queue:
-            break
-        if event < until:
-            engine.step()
-            continue
-        spec = queue.pop()
+
+    def arrive(spec: RequestSpec) -> None:
         retention.arrived(spec)
         engine.add(spec)
+
+    queue.serve([engine], arrive)
     return engine.result()
