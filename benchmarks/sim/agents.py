@@ -31,11 +31,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from feather_sched.core.sessions import RetentionConfig
 from feather_sched.results.summary import median_and_range, summarize
 from feather_sched.sim import programs
 from feather_sched.sim.engine import SimEngine
-from feather_sched.sim.policies import make_policy
 from feather_sched.sim.runner import SimPlan
 from feather_sched.workloads.agents import agent_programs
 from feather_sched.workloads.bfcl_programs import bfcl_programs
@@ -75,19 +73,7 @@ def run(scheduler: str, seed: int, workload: str = "agents") -> dict[str, Any]:
                                  seed=seed)
     plan = SimPlan.from_options(agents.open_loop(), charge_scheduler_time=False)
     engine = SimEngine(plan.cost_model("fcfs"), plan.engine_config())
-    turns = programs.Turns.of(agents)
-    reload_s = programs.reload_seconds(engine.cost_model, engine.config.max_num_batched_tokens)
-    retention: programs.LruRetention
-    if scheduler == "ttl":
-        retention = programs.TtlRetention(engine, turns, reload_s)
-        policy: Any = programs.ProgramFcfsPolicy(turns.start_s)
-    elif scheduler.endswith("+sessions"):
-        retention = programs.SessionRetention(engine, turns, reload_s, RetentionConfig())
-        options = {"gate": scheduler.removesuffix("+sessions").removeprefix("feather-")}
-        policy = programs.feather_with_sessions(engine, retention, options, scheduler)
-    else:
-        retention = programs.LruRetention(engine, turns)
-        policy = make_policy(scheduler, {}, engine)
+    policy, retention = programs.serving(scheduler, engine, programs.Turns.of(agents))
     result = programs.run_programs(engine, policy, agents, retention)
     run_result = result.run_result()
     run_result.jobs = True
@@ -101,14 +87,17 @@ def _run(args: tuple[str, int, str]) -> dict[str, Any]:
     return run(*args)
 
 
-def table(runs: list[dict[str, Any]]) -> str:
-    """Medians over the seeds with their range, one row per scheduler."""
-    lines = ["| scheduler | " + " | ".join(FIGURES) + " |",
-             "|---" * (len(FIGURES) + 1) + "|"]
-    for scheduler in SCHEDULERS:
-        mine = [r["summary"] for r in runs if r["scheduler"] == scheduler]
-        cells = [median_and_range([float(s[f] or 0) for s in mine]) for f in FIGURES]
-        lines.append(f"| {LABELS[scheduler]} | " + " | ".join(cells) + " |")
+def table(runs: list[dict[str, Any]], column: str = "scheduler",
+          rows: tuple[str, ...] = SCHEDULERS, labels: dict[str, str] = LABELS,
+          figures: tuple[str, ...] = FIGURES) -> str:
+    """Medians over the seeds with their range, one row per ``rows`` entry (the runs
+    whose ``column`` names it, labelled by ``labels``)."""
+    lines = [f"| {column} | " + " | ".join(figures) + " |",
+             "|---" * (len(figures) + 1) + "|"]
+    for row in rows:
+        mine = [r["summary"] for r in runs if r[column] == row]
+        cells = [median_and_range([float(s[f] or 0) for s in mine]) for f in figures]
+        lines.append(f"| {labels[row]} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

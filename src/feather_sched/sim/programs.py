@@ -2,14 +2,15 @@
 KV blocks become.
 
 ``run_programs`` releases each program's next turn its tool time after the previous turn
-ends (``workloads.agents``), into one ``SimEngine``.  A ``Retention`` decides what a
-finished turn's blocks become, after caching the turn's output blocks under the next
-turn's keys (as vLLM caches every full block computed): ``LruRetention`` frees them to
-the LRU cache (vLLM 0.34); ``TtlRetention`` replays CacheTTL's rule (arXiv 2511.02230:
-pinned for a TTL fitted to the tool times seen, no bound, program-level FCFS,
-``ProgramFcfsPolicy``); ``SessionRetention`` is Feather's (``core.sessions``), with a
-continuing turn whose prefix is warm entering Feather's queue in class 0, others in
-class 1 (``SessionView``).  Each rule in full: docs/sessions.md, "Baselines".
+ends (``workloads.agents``; ``TurnQueue``, shared with ``sim.program_replicas``), into one
+``SimEngine``.  A ``Retention`` decides what a finished turn's blocks become, after
+caching the turn's output blocks under the next turn's keys (as vLLM caches every full
+block computed): ``LruRetention`` frees them to the LRU cache (vLLM 0.34);
+``TtlRetention`` replays CacheTTL's rule (arXiv 2511.02230: pinned for a TTL fitted to
+the tool times seen, no bound, program-level FCFS, ``ProgramFcfsPolicy``);
+``SessionRetention`` is Feather's (``core.sessions``), with a continuing turn whose
+prefix is warm entering Feather's queue in class 0, others in class 1 (``SessionView``).
+Each rule in full: docs/sessions.md, "Baselines".
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
@@ -32,7 +33,7 @@ from feather_sched.results.records import RequestRecord
 from feather_sched.sim.block_pool import BlockKeys
 from feather_sched.sim.engine import SimEngine, SimRequest, SimResult, StepCostModel
 from feather_sched.sim.fcfs import PriorityPolicy
-from feather_sched.sim.policies import SimRequests
+from feather_sched.sim.policies import SimRequests, make_policy
 from feather_sched.telemetry.steplog import BatchEntry
 from feather_sched.workloads.agents import TOOL_CALLS, AgentTurn, AgentWorkload
 from feather_sched.workloads.spec import RequestSpec
@@ -331,37 +332,82 @@ def feather_with_sessions(engine: SimEngine, retention: SessionRetention,
                           chunk_tokens=view.chunk_tokens)
 
 
-def run_programs(engine: SimEngine, policy: Any, agents: AgentWorkload,
-                 retention: LruRetention) -> SimResult:
-    """Serve ``agents`` closed loop: each program's first turn at its start, each next
-    turn its tool time after the previous one ends (a failed turn ends its program).
-    Every turn ends exactly once (or this raises)."""
-    turns = retention.turns
-    upcoming: list[tuple[float, int, RequestSpec]] = []
-    order = itertools.count()
+class TurnQueue:
+    """Turns to come, by arrival: each program's first at its start, each next turn its
+    tool time after its predecessor ends (``released``; a failed turn ends its program).
+    O(log turns) per turn."""
 
-    def on_done(record: RequestRecord) -> None:
-        after = turns.next.get(record.request_id)
+    def __init__(self, agents: AgentWorkload, turns: Turns) -> None:
+        self.turns = turns
+        self._order = itertools.count()
+        self._heap: list[tuple[float, int, RequestSpec]] = []
+        for program in agents.programs:
+            first = program.turns[0].spec
+            heapq.heappush(self._heap, (first.arrival_s, next(self._order), first))
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def next_s(self) -> float:
+        """When the next turn arrives (inf: none is due, though a running turn may
+        release one)."""
+        return self._heap[0][0] if self._heap else math.inf
+
+    def pop(self) -> RequestSpec:
+        """The next turn, its ``arrival_s`` the real one."""
+        return heapq.heappop(self._heap)[2]
+
+    def released(self, record: RequestRecord) -> None:
+        """A turn ended (an engine's ``on_done``): its successor is due after its tool time."""
+        after = self.turns.next.get(record.request_id)
         if record.success and after is not None:
             arrival = (record.finished_s or 0.0) + after.tool_s
-            heapq.heappush(upcoming, (arrival, next(order),
-                                      replace(after.spec, arrival_s=arrival)))
+            heapq.heappush(self._heap, (arrival, next(self._order),
+                                        replace(after.spec, arrival_s=arrival)))
 
+    def serve(self, engines: Sequence[SimEngine], arrive: Callable[[RequestSpec], None]
+              ) -> None:
+        """Step the earliest of ``engines`` while it acts before the next turn is due,
+        else hand that turn to ``arrive`` (which adds it to an engine), until no engine
+        has work and no turn is due.  O(engines) per step."""
+        while True:
+            engine = min(engines, key=SimEngine.next_event_s)
+            event = engine.next_event_s()
+            if event == math.inf and not self:
+                return
+            if event < self.next_s():
+                engine.step()
+            else:
+                arrive(self.pop())
+
+
+def serving(scheduler: str, engine: SimEngine, turns: Turns,
+            config: RetentionConfig | None = None) -> tuple[Any, LruRetention]:
+    """The policy and retention ``engine`` serves agent programs with under a scheduler
+    name: ``ttl`` (CacheTTL's rule), ``<feather scheduler>+sessions`` (Feather with
+    sessions under ``config``), else ``make_policy``'s scheduler over ``LruRetention``."""
+    reload_s = reload_seconds(engine.cost_model, engine.config.max_num_batched_tokens)
+    if scheduler == "ttl":
+        return ProgramFcfsPolicy(turns.start_s), TtlRetention(engine, turns, reload_s)
+    if scheduler.endswith("+sessions"):
+        retention = SessionRetention(engine, turns, reload_s, config or RetentionConfig())
+        options = {"gate": scheduler.removesuffix("+sessions").removeprefix("feather-")}
+        return feather_with_sessions(engine, retention, options, scheduler), retention
+    return make_policy(scheduler, {}, engine), LruRetention(engine, turns)
+
+
+def run_programs(engine: SimEngine, policy: Any, agents: AgentWorkload,
+                 retention: LruRetention) -> SimResult:
+    """Serve ``agents`` closed loop (``TurnQueue``) on one engine.  Every turn ends
+    exactly once (or this raises)."""
+    queue = TurnQueue(agents, retention.turns)
     engine.retention = retention
-    engine.start(policy, on_done=on_done)
+    engine.start(policy, on_done=queue.released)
     retention.start()
-    for program in agents.programs:
-        first = program.turns[0].spec
-        heapq.heappush(upcoming, (first.arrival_s, next(order), first))
-    while True:
-        until = upcoming[0][0] if upcoming else math.inf
-        event = engine.next_event_s()
-        if event == math.inf and not upcoming:
-            break
-        if event < until:
-            engine.step()
-            continue
-        spec = heapq.heappop(upcoming)[2]
+
+    def arrive(spec: RequestSpec) -> None:
         retention.arrived(spec)
         engine.add(spec)
+
+    queue.serve([engine], arrive)
     return engine.result()

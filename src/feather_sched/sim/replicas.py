@@ -109,32 +109,20 @@ def run_replicas(workload: Workload, router: Router | Ingresses,
     """Serve ``workload`` with ``engines`` (replica -> engine and its policy) behind
     ``router`` (or several), whose replicas must be exactly the engines'.  Every request
     is routed once and ends once (or this raises)."""
-    if set(router.replicas) != set(engines):
-        raise ValueError(f"router replicas {router.replicas} are not the engines' "
-                         f"{list(engines)}")
-    finishes: list[tuple[float, int, Hashable]] = []
-    order = itertools.count()
-
-    def on_done(record: RequestRecord) -> None:
-        heapq.heappush(finishes, (record.finished_s or 0.0, next(order), record.request_id))
-
-    indexes = [r.index for r in getattr(router, "routers", [router])
-               if isinstance(getattr(r, "index", None), PreciseIndex)]
-    for replica, (engine, policy) in engines.items():
-        engine.kv_events = _Publisher([EventFeed(index.cache, replica) for index in indexes]) \
-            if indexes else None
-        engine.start(policy, on_done=on_done)
+    finishes = Finishes()
+    connect(router, {replica: engine for replica, (engine, _) in engines.items()})
+    for engine, policy in engines.values():
+        engine.start(policy, on_done=finishes.add)
     steppers = [engine for engine, _ in engines.values()]
     for spec in workload.requests:
         _advance(steppers, spec.arrival_s)
-        _deliver(router, finishes, spec.arrival_s)
+        finishes.deliver(router, spec.arrival_s)
         replica = router.route_tokens(spec.request_id, spec.prompt)
         engines[replica][0].add(spec)
     _advance(steppers, math.inf)
-    _deliver(router, finishes, math.inf)
-    if len(router):
-        raise RuntimeError(f"{len(router)} requests routed and never finished")
-    return _result(workload, {r: engine.result() for r, (engine, _) in engines.items()}, name)
+    finishes.deliver(router, math.inf)
+    return collect([spec.request_id for spec in workload.requests], router,
+                   {r: engine.result() for r, (engine, _) in engines.items()}, name)
 
 
 def precise_index(config: EngineConfig,
@@ -168,14 +156,47 @@ def _advance(engines: Sequence[SimEngine], until: float) -> None:
         engine.step()
 
 
-def _deliver(router: Router | Ingresses, finishes: list[tuple[float, int, Hashable]],
-             until: float) -> None:
-    """Tell the router of every request that finished by ``until``."""
-    while finishes and finishes[0][0] <= until:
-        router.finished(heapq.heappop(finishes)[2])
+class Finishes:
+    """Requests that ended, by their simulated end, until the router is told of them
+    (as a real router learns of a finish when it happens).  O(log requests) each."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Hashable]] = []
+        self._order = itertools.count()
+
+    def add(self, record: RequestRecord) -> None:
+        """An engine's ``on_done``."""
+        heapq.heappush(self._heap, (record.finished_s or 0.0, next(self._order),
+                                    record.request_id))
+
+    def deliver(self, router: Router | Ingresses, until: float) -> None:
+        """Tell the router of every request that finished by ``until``."""
+        heap = self._heap
+        while heap and heap[0][0] <= until:
+            router.finished(heapq.heappop(heap)[2])
 
 
-def _result(workload: Workload, results: dict[Hashable, SimResult], name: str) -> ReplicaResult:
+def connect(router: Router | Ingresses, engines: dict[Hashable, SimEngine]) -> None:
+    """Each engine's KV events to its replica's feed of every ``PreciseIndex`` among the
+    router's (or ingresses') indexes (none: the engines emit no events).  Before ``start``;
+    ValueError unless the router's replicas are exactly the engines'."""
+    if set(router.replicas) != set(engines):
+        raise ValueError(f"router replicas {router.replicas} are not the engines' "
+                         f"{list(engines)}")
+    indexes = [r.index for r in getattr(router, "routers", [router])
+               if isinstance(getattr(r, "index", None), PreciseIndex)]
+    for replica, engine in engines.items():
+        engine.kv_events = _Publisher([EventFeed(index.cache, replica) for index in indexes]) \
+            if indexes else None
+
+
+def collect(request_ids: Sequence[str], router: Router | Ingresses,
+            results: dict[Hashable, SimResult], name: str) -> ReplicaResult:
+    """The run of the requests routed (``request_ids``, in that order) from each replica's
+    result; raises unless the router has been told of every finish and every request
+    routed ended exactly once."""
+    if len(router):
+        raise RuntimeError(f"{len(router)} requests routed and never finished")
     records: dict[str, RequestRecord] = {}
     stats = []
     for replica, result in results.items():
@@ -184,7 +205,9 @@ def _result(workload: Workload, results: dict[Hashable, SimResult], name: str) -
             replica=replica, requests=len(result.records),
             groups=len({r.group for r in result.records} - {-1}),
             busy_s=result.costs.model_seconds, preemptions=result.num_preemptions))
-    ordered = [records[spec.request_id] for spec in workload.requests]
+    if sum(s.requests for s in stats) != len(request_ids) or set(records) != set(request_ids):
+        raise RuntimeError("the engines' records are not the requests routed, once each")
+    ordered = [records[request_id] for request_id in request_ids]
     run = RunResult(name=name, records=ordered,
                     duration_s=max((r.finished_s or 0.0 for r in ordered), default=0.0),
                     steps=[step for result in results.values() for step in result.steps])
