@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ from feather_sched.serve import (
 )
 from tests.helpers.replay_trace import REPLAY_FLAGS, REQUESTS, implied_hit_rate, write_trace
 from tests.helpers.servers import (
+    READY_TIMEOUT_S,
     bench_server,
     free_port,
     serving,
@@ -100,24 +102,53 @@ def test_serve_outside_the_supported_vllm_range_says_so_once_and_runs(monkeypatc
     assert result.exit_code == 0 and "supports vLLM" not in result.output
 
 
+@dataclass
+class Server:
+    """The module's ``feather serve``: where it answers, its log, its process and the
+    directory of Feather's files (``bandit.json``, ``stats.json``)."""
+
+    url: str
+    log: Path
+    process: subprocess.Popen
+    state_dir: Path
+
+
 @pytest.fixture(scope="module")
-def feather_server(tmp_path_factory) -> Iterator[tuple[str, Path]]:
-    """One ``feather serve`` (bandit gate, fair share between tenants, vLLM logging each
-    request's sampling parameters) for the module: its URL and its log."""
+def feather_server(tmp_path_factory) -> Iterator[Server]:
+    """One ``feather serve`` for the module: bandit gate saving its table and stats every
+    0.5 s, fair share between tenants, vLLM logging each request's sampling parameters.
+    ``test_a_server_no_client_or_disk_can_take_down``, the module's last test on it,
+    stops it (SIGTERM under load); the fixture kills what is left."""
     pytest.importorskip("vllm", reason="the vllm extra is not installed")
-    log = tmp_path_factory.mktemp("feather-serve") / "server.log"
-    command = ["feather_sched.cli", "serve", "--gate", "bandit", "--feather-options",
-               '{"fairness": "tenants"}', "--enforce-eager", "--kv-cache-gib", "1",
-               "--enable-log-requests"]
-    with serving(command, log, {"PROMETHEUS_MULTIPROC_DIR": ""}) as url:
-        yield url, log
+    directory = tmp_path_factory.mktemp("feather-serve")
+    state_dir = directory / "state"
+    state_dir.mkdir()
+    options = json.dumps({"gate": "bandit", "fairness": "tenants",
+                          "state_file": str(state_dir / "bandit.json"),
+                          "stats_file": str(state_dir / "stats.json"), "save_every_s": 0.5})
+    port, log = free_port(), directory / "server.log"
+    command = [sys.executable, "-m", "feather_sched.cli", "serve", "--enforce-eager",
+               "--kv-cache-gib", "1", "--feather-options", options, "--enable-log-requests",
+               "--host", "127.0.0.1", "--port", str(port)]
+    env = {**os.environ, "FEATHER_SGLANG": "", "PROMETHEUS_MULTIPROC_DIR": ""}
+    with open(log, "w") as handle:
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_serving(url, process, READY_TIMEOUT_S)
+        yield Server(url, log, process, state_dir)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def test_a_fresh_feather_serve_lists_every_documented_counter(feather_server) -> None:
     """Before its first request, the server's /metrics lists every ``feather:`` counter
     docs/metrics.md documents, with HELP and TYPE, at zero (the engine-core process's
     scheduler, collected by vLLM's server)."""
-    url, _ = feather_server
+    url = feather_server.url
     metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
     counters = documented_series("counter")
     assert "feather:faults_total" in counters and "feather:preemptions_total" in counters
@@ -127,7 +158,7 @@ def test_a_fresh_feather_serve_lists_every_documented_counter(feather_server) ->
 
 
 def test_feather_serve_answers_feather_bench(feather_server, tmp_path) -> None:
-    url, log = feather_server
+    url, log = feather_server.url, feather_server.log
     summary = bench_server(url, tmp_path / "server.json", "feather-server",
                            "--max-concurrency", "4")
     metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
@@ -166,7 +197,7 @@ def test_feather_serve_names_each_requests_tenant(feather_server, tmp_path) -> N
     request log says so), a ``user`` that is no tenant id names none; a bad header or
     ``vllm_xargs.tenant`` is a 400 saying why; a body that is not JSON is
     vLLM's own 400; feather bench's multi-tenant workload comes back per tenant."""
-    url, log = feather_server
+    url, log = feather_server.url, feather_server.log
     prompt = {"prompt": [5, 6, 7], "max_tokens": 2}
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     named = [
@@ -215,69 +246,56 @@ def test_feather_serve_names_each_requests_tenant(feather_server, tmp_path) -> N
     assert summary["max_service_gap"] is not None
 
 
-def test_a_server_no_client_or_disk_can_take_down(tmp_path) -> None:
+def _stopped_under_load(server: Server, model: str) -> tuple[float, list[int]]:
+    """SIGTERM ``server`` while 8 requests are on their way in or running; the seconds it
+    took to exit and the requests' statuses."""
+    results: list[int] = []
+
+    def one(i: int) -> None:
+        results.append(post(server.url, "/v1/completions", {
+            "model": model, "prompt": f"load {i} " * 50, "max_tokens": 60}, timeout=120)[0])
+
+    load = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for thread in load:
+        thread.start()
+    time.sleep(2)  # the load on its way in (sent, some of it running)
+    stopped = time.monotonic()
+    os.killpg(server.process.pid, signal.SIGTERM)
+    server.process.wait(timeout=SHUTDOWN_TIMEOUT_S + 30)
+    drained_s = time.monotonic() - stopped
+    for thread in load:
+        thread.join(timeout=30)
+    return drained_s, results
+
+
+def test_a_server_no_client_or_disk_can_take_down(feather_server) -> None:
     """Text and chat prompts work; an out-of-vocabulary id is a 400; a state directory
     that vanishes at run time is logged, not fatal; SIGTERM under load drains, saves
-    the bandit table and exits within the shutdown timeout."""
-    pytest.importorskip("vllm", reason="the vllm extra is not installed")
-    state_dir = tmp_path / "state"
+    the bandit table and exits within the shutdown timeout; nothing the module's other
+    tests sent (bad tenants, a body that is not JSON) left a traceback.  It stops the
+    module's server: the last test on it."""
+    url, state_dir = feather_server.url, feather_server.state_dir
+    model = json.loads(urllib.request.urlopen(f"{url}/v1/models").read())["data"][0]["id"]
+    status, body = post(url, "/v1/completions", {"model": model, "prompt": "Hello there",
+                                                 "max_tokens": 4})
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+    status, body = post(url, "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert status == 200 and body["choices"][0]["message"]["content"] is not None
+    status, body = post(url, "/v1/completions", {"model": model, "prompt": [5, 32000, 7],
+                                                 "max_tokens": 2})
+    assert status == 400 and "out of vocabulary" in json.dumps(body)
+    shutil.rmtree(state_dir)  # every write Feather makes now fails
+    for _ in range(3):
+        assert post(url, "/v1/completions", {"model": model, "prompt": "again and again",
+                                             "max_tokens": 40})[0] == 200
+    wait_for(lambda: "could not write its stats file" in feather_server.log.read_text(),
+             "the failed write logged", timeout_s=30)  # a save is due every 0.5 s
+    assert post(url, "/v1/completions", {"model": model, "prompt": "still here",
+                                         "max_tokens": 4})[0] == 200
     state_dir.mkdir()
-    state, stats = state_dir / "bandit.json", state_dir / "stats.json"
-    options = json.dumps({"gate": "bandit", "state_file": str(state),
-                          "stats_file": str(stats), "save_every_s": 0.5})
-    port = free_port()
-    log_path = tmp_path / "server.log"
-    command = [sys.executable, "-m", "feather_sched.cli", "serve", "--enforce-eager",
-               "--kv-cache-gib", "1", "--feather-options", options,
-               "--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, "FEATHER_SGLANG": ""}
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                  start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_serving(url, server, 240)
-        model = json.loads(urllib.request.urlopen(f"{url}/v1/models").read())["data"][0]["id"]
-        status, body = post(url, "/v1/completions", {"model": model, "prompt": "Hello there",
-                                                     "max_tokens": 4})
-        assert status == 200 and body["usage"]["completion_tokens"] == 4
-        status, body = post(url, "/v1/chat/completions", {
-            "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
-        assert status == 200 and body["choices"][0]["message"]["content"] is not None
-        status, body = post(url, "/v1/completions", {"model": model, "prompt": [5, 32000, 7],
-                                                     "max_tokens": 2})
-        assert status == 400 and "out of vocabulary" in json.dumps(body)
-        shutil.rmtree(state_dir)  # every write Feather makes now fails
-        for _ in range(3):
-            assert post(url, "/v1/completions", {"model": model, "prompt": "again and again",
-                                                 "max_tokens": 40})[0] == 200
-        wait_for(lambda: "could not write its stats file" in log_path.read_text(),
-                 "the failed write logged", timeout_s=30)  # a save is due every 0.5 s
-        assert post(url, "/v1/completions", {"model": model, "prompt": "still here",
-                                             "max_tokens": 4})[0] == 200
-        state_dir.mkdir()
-        results: list[int] = []
-
-        def one(i: int) -> None:
-            results.append(post(url, "/v1/completions", {
-                "model": model, "prompt": f"load {i} " * 50, "max_tokens": 60}, timeout=120)[0])
-
-        load = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-        for thread in load:
-            thread.start()
-        time.sleep(2)  # the load on its way in (sent, some of it running)
-        stopped = time.monotonic()
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=SHUTDOWN_TIMEOUT_S + 30)
-        drained_s = time.monotonic() - stopped
-        for thread in load:
-            thread.join(timeout=30)
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-    text = log_path.read_text()
-    assert "could not write its stats file" in text
+    drained_s, results = _stopped_under_load(feather_server, model)
+    text = feather_server.log.read_text()
     # vLLM 0.32's API server logs EngineDeadError from its output handler once the engine
     # core has drained and exited; that is its own shutdown. Nothing may fail before it, and
     # no traceback anywhere may pass through Feather.
@@ -287,8 +305,9 @@ def test_a_server_no_client_or_disk_can_take_down(tmp_path) -> None:
     assert not [line for line in frames if "feather_sched" in line], frames
     assert drained_s < SHUTDOWN_TIMEOUT_S + 15, drained_s
     assert results and all(code == 200 for code in results), results  # drained, not cut
-    assert json.loads(state.read_text())["format"] == "feather-bandit"  # saved at exit
-    assert json.loads(stats.read_text())["steps"] > 0
+    saved = json.loads((state_dir / "bandit.json").read_text())  # saved at exit
+    assert saved["format"] == "feather-bandit"
+    assert json.loads((state_dir / "stats.json").read_text())["steps"] > 0
 
 
 def _steps_and_groups(url: str) -> tuple[float, float]:

@@ -5,8 +5,9 @@ one CPU each, KV events on) behind ``OpenAIIngress`` routing with ``FeatherReque
 on its precise index at a tight load bound (``balance_abs=2``), so that a hot group
 spreads with a few requests; both write Feather's files (bandit table, stats, step log)
 under the same names.  Greedy
-outputs are compared with one in-process engine of the same model.  Ray is imported
-unconditionally: a broken or missing Ray install fails this module.
+outputs and every answer's shape are compared with vLLM's own server (its own scheduler)
+on the same model and server arguments.  Ray is imported unconditionally: a broken or
+missing Ray install fails this module.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from feather_sched.integrations.ray.app import (
     unserved_server_flags,
 )
 from feather_sched.models import TINY_LLAMA
-from feather_sched.serve import serve_replicas, vllm_server_args
+from feather_sched.serve import SERVER_MODULE, serve_replicas, vllm_server_args
 from feather_sched.telemetry.stats import SchedulerStats
 from feather_sched.telemetry.steplog import read_steps
 from tests.helpers.servers import free_port, serving
@@ -60,21 +61,37 @@ LENGTHS = {"a": 8, "b": 8, "c": 8, "hot": 32, "k1": 512, "k2": 512}
 
 
 @pytest.fixture(scope="module")
-def expected() -> dict[Key, list[int]]:
-    """Greedy output token ids of every prompt from one in-process engine (vLLM's own
-    scheduler)."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def reference(tmp_path_factory) -> Iterator[str]:
+    """vLLM's own server (its scheduler: no ``--scheduler-cls``, no Feather options) with
+    the replicas' server arguments but the API key (its readiness probe lacks one; vLLM
+    ignores the header without one), for the module: whose tokens and answers the
+    replicas' must equal."""
+    template = chat_template(tmp_path_factory)
+    argv = vllm_server_args(None, {}, ["--enforce-eager", "--chat-template", str(template)],
+                            kv_cache_gib=KV_GIB, environ={})
+    for flag in ("--scheduler-cls", "--additional-config"):
+        at = argv.index(flag)
+        del argv[at:at + 2]
+    directory = tmp_path_factory.mktemp("reference")
+    metrics = directory / "metrics"
+    metrics.mkdir()
+    with serving([SERVER_MODULE, *argv], directory / "server.log",
+                 {"PROMETHEUS_MULTIPROC_DIR": str(metrics)}) as address:
+        yield address
 
-    llm = LLM(model=str(TINY_LLAMA), load_format="dummy", skip_tokenizer_init=True,
-              enforce_eager=True, max_model_len=16384, kv_cache_memory_bytes=KV_GIB * 2**30)
+
+@pytest.fixture(scope="module")
+def expected(reference) -> dict[Key, list[int]]:
+    """Greedy output token ids of every prompt from vLLM's own server, all sent at once."""
     keys = [(name, i) for name, group in GROUPS.items() for i in range(len(group))]
-    outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=GROUPS[name][i]) for name, i in keys],
-        [SamplingParams(max_tokens=LENGTHS[name], temperature=0, ignore_eos=True)
-         for name, _ in keys])
-    del llm
-    return {key: list(out.outputs[0].token_ids) for key, out in zip(keys, outputs, strict=True)}
+
+    def one(key: Key) -> list[int]:
+        status, body, _ = complete(reference, GROUPS[key[0]][key[1]], LENGTHS[key[0]])
+        assert status == 200, (key, body)
+        return body["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(len(keys)) as pool:
+        return dict(zip(keys, pool.map(one, keys), strict=True))
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'forbidden' %}"
@@ -116,7 +133,7 @@ def files(tmp_path_factory) -> Path:
 def url(expected, tmp_path_factory, metrics_port, files) -> Iterator[str]:
     """Ray (2 CPUs) with the app of two replicas (an API key, a chat template file, the
     same Feather file names, fair share between tenants), started after ``expected``
-    (whose engine is gone by then); torn down after the module."""
+    (the reference server idle by then); torn down after the module."""
     template = chat_template(tmp_path_factory)
     feather = {"gate": "bandit", "state_file": str(files / "bandit.json"),
                "stats_file": str(files / "stats.json"), "step_log": str(files / "steps.csv"),
@@ -173,7 +190,7 @@ def stream(url: str, path: str, body: dict) -> list[dict]:
 
 def run(url: str, expected: dict[Key, list[int]], keys: list[Key],
         concurrency: int) -> dict[Key, str]:
-    """Complete every (group, index) prompt; assert each equals the single engine's
+    """Complete every (group, index) prompt; assert each equals vLLM's own server's
     output; return the replica that served each."""
     def one(key: tuple[str, int]) -> tuple[int, dict, str | None]:
         return complete(url, GROUPS[key[0]][key[1]], LENGTHS[key[0]])
@@ -483,19 +500,6 @@ def test_feathers_router_turns_the_replicas_kv_events_on_unless_told_not_to() ->
         build_app(argv, replicas=2, router_options={"index": "exact"})
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory) -> Iterator[str]:
-    """One ``feather serve`` (no replicas) with the replicas' server options (but the API
-    key, which its readiness probe lacks; vLLM ignores the header without one)."""
-    template = chat_template(tmp_path_factory)
-    command = ["feather_sched.cli", "serve", "--enforce-eager", "--kv-cache-gib", str(KV_GIB),
-               "--chat-template", str(template), "--feather-options",
-               json.dumps({"fairness": "tenants"})]
-    log = tmp_path_factory.mktemp("single") / "server.log"
-    with serving(command, log, {"PROMETHEUS_MULTIPROC_DIR": ""}) as address:
-        yield address
-
-
 def shape(value: object) -> object:
     """A JSON value's shape: its keys and the types of its leaves (not their values); a
     map of tokens to log probabilities by its size (its keys are the tokens drawn)."""
@@ -574,11 +578,12 @@ SAME_BODIES = [
 """Requests as clients send them, each with the status ``vllm serve`` gives it."""
 
 
-def test_the_replicas_answer_every_body_as_the_single_server_does(url, single) -> None:
+def test_the_replicas_answer_every_body_as_vllms_own_server_does(url, reference) -> None:
     """Every field vLLM's server takes reaches the replicas' engine: the same request gets
     the same status and the same response shape from ``feather serve --replicas 2`` as
-    from ``feather serve``, on every path (``/health`` included)."""
+    from vLLM's own server with the same arguments, on every path (``/health``
+    included)."""
     for method, path, body, status in SAME_BODIES:
-        one = answered(single, method, path, body)
+        one = answered(reference, method, path, body)
         assert one[0] == status, (path, body, one)
         assert answered(url, method, path, body) == one, (path, body)
