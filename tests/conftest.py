@@ -3,9 +3,7 @@
 that did not ask for faults, so containment never hides a bug; the modules that start an
 engine process are marked ``engine`` (and the tests that start one in other modules), and
 the tests of minutes each ``slow`` (``make check`` runs every other test, ``make test``
-all); the modules holding either run first, so that ``pytest -n 2 --dist loadfile
---no-loadscope-reorder`` shares the long files out first and the short ones fill in at
-the end (xdist's own order, by tests per file, left the long one-test files to the end)."""
+all)."""
 
 from __future__ import annotations
 
@@ -75,16 +73,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     missing = sorted(name for name in ENGINE_MODULES if not (tests / name).is_file())
     if missing:
         raise pytest.UsageError(f"tests/conftest.py's ENGINE_MODULES names no module: {missing}")
-    long_modules = set(ENGINE_MODULES)
     for item in items:
         module = item.path.relative_to(tests).as_posix()
         if module in ENGINE_MODULES or f"{module}::{item.name}" in ENGINE_TESTS:
             item.add_marker(pytest.mark.engine)
-            long_modules.add(module)
         if f"{module}::{item.name}" in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
-            long_modules.add(module)
-    items.sort(key=lambda item: item.path.relative_to(tests).as_posix() not in long_modules)
     modules = {item.path.relative_to(tests).as_posix(): item.module for item in items
                if isinstance(item, pytest.Function)}
     stale = sorted(name for name in ENGINE_TESTS | SLOW_TESTS
