@@ -89,7 +89,7 @@ def run_program_replicas(agents: AgentWorkload, router: Router,
         finishes.add(record)
         queue.released(record)
 
-    connect(router, {name: replica.engine for name, replica in replicas.items()})
+    connect(router, {r: replica.engine for r, replica in replicas.items()})
     for replica in replicas.values():
         replica.engine.retention = replica.retention
         replica.engine.start(replica.policy, on_done=on_done)

@@ -31,11 +31,11 @@ from feather_sched.workloads.agents import (
     chained,
 )
 from feather_sched.workloads.datasets import (
-    TOOLS_HEADER,
     bfcl_source,
     encode_texts,
     load_tokenizer,
     render_messages,
+    tool_block,
 )
 from feather_sched.workloads.spec import (
     ArrivalSpec,
@@ -111,8 +111,7 @@ def _read(source: Path) -> tuple[list[tuple[dict, list]], dict[str, list[dict]]]
 def _tool_block(classes: tuple[str, ...], docs: dict[str, list[dict]]) -> str:
     """The system block: the header and the classes' functions, as ``bfcl-tools`` renders
     them (all of them: the block is the classes', shared by their tasks)."""
-    functions = [doc for cls in classes for doc in docs[cls]]
-    return TOOLS_HEADER + "\n".join(json.dumps(f) for f in functions) + "\n</tools>\n"
+    return tool_block([doc for cls in classes for doc in docs[cls]])
 
 
 def _program(index: int, agent_type: int, start_s: float, system: np.ndarray, task: dict,

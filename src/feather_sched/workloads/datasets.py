@@ -203,18 +203,22 @@ def _bfcl(source: Path, encoder: Tokenizer, wanted: int | None, output_len: int 
         docs.setdefault(json.dumps(record["function"]), len(docs))
     random.Random(seed).shuffle(records)
     records = records[:wanted]
-    doc_ids = encode_texts(encoder, [TOOLS_HEADER + "\n".join(json.dumps(f) for f in json.loads(d))
-                                + "\n</tools>\n" for d in docs], True)
+    doc_ids = encode_texts(encoder, [tool_block(json.loads(d)) for d in docs], True)
     questions = encode_texts(encoder, [render_messages(r["question"][0]) for r in records], False)
+    calls = [_calls(answers[r["id"]]) for r in records]
     outs = ([output_len] * len(records) if output_len is not None else
-            [len(ids) for ids in encode_texts(encoder, [_calls(answers[r["id"]]) for r in records],
-                                         False)])
+            [len(ids) for ids in encode_texts(encoder, calls, False)])
     parts = []
     for record, question, out in zip(records, questions, outs, strict=True):
         group = docs[json.dumps(record["function"])]
         doc = doc_ids[group]
         parts.append((np.concatenate([doc, question]), out, group, len(doc)))
     return parts
+
+
+def tool_block(functions: Sequence[dict]) -> str:
+    """The system block of a tool set: the header, then each function's JSON."""
+    return TOOLS_HEADER + "\n".join(json.dumps(f) for f in functions) + "\n</tools>\n"
 
 
 def render_messages(messages: Sequence[dict[str, str]]) -> str:
