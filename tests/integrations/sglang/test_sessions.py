@@ -253,6 +253,26 @@ def test_a_fault_in_sessions_never_reaches_sglang(monkeypatch, contained_faults)
     assert not engine.feather.holds_yield(None, alone=False)
 
 
+def test_sessions_that_fail_to_start_or_to_let_go_never_reach_sglang(monkeypatch,
+                                                                      caplog) -> None:
+    engine = _engine(sessions=False)
+    engine.feather.config = replace(engine.feather.config, sessions=True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(feather_sglang, "SGLangSessions", broken)
+        engine.feather.start_sessions(engine.tree_cache, POOL)  # the scheduler's start
+    assert engine.feather.sessions is None and "failed to start" in caplog.text
+    engine = _engine()
+    _session_turns(engine, 1, 2)
+    monkeypatch.setattr(engine.feather.sessions, "release_all", broken)
+    engine.feather.faults.active = False
+    engine.feather.begin_round([], [])  # Feather off: the holds' release fails, contained
+    assert engine.feather.sessions is None and "releasing the holds failed" in caplog.text
+
+
 @pytest.mark.parametrize("low_first", [False, True])
 def test_warm_turns_go_first_within_sglangs_own_priority_classes(low_first) -> None:
     from feather_sched.integrations.sglang.scheduler import SGLangRequests

@@ -242,10 +242,15 @@ class FeatherSGLang:
         if why is not None:
             logger.warning("Feather's agent sessions are off: %s", why)
             return
-        self.sessions = SGLangSessions(
-            tree_cache, pool_tokens, self.config.session_held_share,
-            self.requests.session_namespace, self.config.chunk_tokens, self.runtime.now,
-            "FeatherSGLang", guard=self._guarded)
+        try:
+            self.sessions = SGLangSessions(
+                tree_cache, pool_tokens, self.config.session_held_share,
+                self.requests.session_namespace, self.config.chunk_tokens, self.runtime.now,
+                "FeatherSGLang", guard=self._guarded)
+        except Exception:  # an optional part: never the scheduler's start
+            logger.warning("Feather's agent sessions are off: they failed to start",
+                           exc_info=True)
+            return
         self.requests.warm = self.sessions.warm
 
     def _guarded(self, call: Callable[..., Any], *args: Any) -> None:
@@ -261,8 +266,11 @@ class FeatherSGLang:
             self.faults.attempt("sessions", sessions.before_round)
             return
         self.sessions = self.requests.warm = None
-        sessions.unwrap()
-        sessions.release_all()
+        try:  # Feather is off: nothing of it may raise into SGLang's round
+            sessions.unwrap()
+            sessions.release_all()
+        except Exception:
+            logger.exception("Feather's agent sessions: releasing the holds failed")
 
     def _overdue_join_warm(self, waiting: list[Req]) -> None:
         """Requests past ``max_wait_s`` while warm turns of their SGLang class wait join
@@ -289,14 +297,19 @@ class FeatherSGLang:
         whether a hold gave some back (least valuable first), for the decode step (SGLang
         would retract), for a request the round would otherwise run ``alone`` or one
         waiting past ``max_wait_s``; none for another."""
-        sessions, max_wait_s = self.sessions, self.config.max_wait_s
+        sessions = self.sessions
         if sessions is None or not self.faults.active or not sessions.locks:
             return False
+        return bool(self.faults.call("sessions", self._holds_yield, sessions, req, alone,
+                                     default=False))
+
+    def _holds_yield(self, sessions: SGLangSessions, req: Req | None, alone: bool) -> bool:
+        max_wait_s = self.config.max_wait_s
         if req is not None and not alone and (
                 max_wait_s is None or not self.faults.serves or
                 self.runtime.now() - self.runtime.age_key(req)[1] < max_wait_s):
             return False
-        return bool(self.faults.call("sessions", sessions.yields, default=False))
+        return sessions.yields()
 
     # ---- rounds -----------------------------------------------------------------------
 
@@ -411,9 +424,15 @@ class FeatherSGLang:
         if self.faults.active:
             self.faults.attempt("step", self._processed, batch, key, seconds, entries,
                                 outputs)
-        if self.sessions is not None and self.faults.active and \
-                batch.forward_mode.is_extend() and batch.extend_lens:
-            self.sessions.cost.observe(sum(batch.extend_lens), seconds)
+        if self.sessions is not None and self.faults.active:
+            self.faults.attempt("sessions", self._observe_reload, self.sessions, batch,
+                                seconds)
+
+    @staticmethod
+    def _observe_reload(sessions: SGLangSessions, batch: ScheduleBatch, seconds: float) -> None:
+        """An extend step's tokens and seconds, for what recomputing a prefix costs."""
+        if batch.forward_mode.is_extend() and batch.extend_lens:
+            sessions.cost.observe(sum(batch.extend_lens), seconds)
 
     def _processed(self, batch: ScheduleBatch, key: Hashable, seconds: float,
                    entries: list[BatchEntry] | None, outputs: list[int] | None) -> None:
@@ -720,7 +739,7 @@ the hook on ``ScheduleBatch``'s retraction order, which sees only requests."""
 def _hook_init_schedule_policy(original: Callable, scheduler: Any, *args: Any, **kwargs: Any):
     global _process_feather
     result = original(scheduler, *args, **kwargs)
-    scheduler.feather = None
+    scheduler.feather = _process_feather = None  # no earlier scheduler's Feather acts here
     if not feather_enabled():
         return result
     reason = _unsupported(scheduler)
