@@ -105,7 +105,8 @@ def measure(batch: CpuBatch, reps: int) -> dict:
 
 
 def prefix_kernel(batch: CpuBatch) -> Callable[[], None]:
-    """Feather's kernel over the groups' prefix segments alone (no suffix, no merge)."""
+    """Feather's kernel over the groups' prefix segments alone (no suffix, no merge), as
+    ``shared`` runs it (in tiles where the kernel has them)."""
     segments, groups = batch.plan.segments, batch.cell.groups
     rows = int(segments.token_offsets[groups])
     out = torch.empty(rows, *batch.query.shape[1:])
@@ -113,7 +114,8 @@ def prefix_kernel(batch: CpuBatch) -> Callable[[], None]:
     args = (segments.token_offsets[:groups + 1].contiguous(), segments.tokens[:rows].contiguous(),
             segments.block_offsets[:groups + 1].contiguous(), segments.blocks,
             segments.lengths[:groups].contiguous(), out, lse, batch.isa)
-    return lambda: cpu_kernel.segment_attention(batch.cache, batch.query, batch.scale, *args)
+    return lambda: cpu_kernel.segment_attention(batch.cache, batch.query, batch.scale, *args,
+                                                use_tiles=True)
 
 
 def grid(quick: bool, prefixes: list[int], cells: str | None) -> list[Cell]:

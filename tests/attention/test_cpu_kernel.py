@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from feather_sched.attention import cpu_kernel
-from feather_sched.attention.partials import reference_attention
+from feather_sched.attention.partials import merge_partials, reference_attention
 from tests.helpers.kv_layouts import write_cache
 
 
@@ -30,17 +30,20 @@ def run_segments(cache, query, segments, scale, layout="vec"):
     return out, lse
 
 
-EMULATED_TILES = "native+emulated-tiles"
-BUILDS = ["native", "x86-64-v3"] + (["skylake-avx512", EMULATED_TILES]
+EMULATED = "+emulated-tiles"
+EMULATED_TILES = ["native" + EMULATED, "skylake-avx512" + EMULATED]
+BUILDS = ["native", "x86-64-v3"] + (["skylake-avx512", *EMULATED_TILES]
                                     if "avx512f" in cpu_kernel._cpu_flags() else [])
 """This CPU's build (AMX tiles over an "amx" cache where the CPU has them), the portable
 loop (built for AVX2, without AVX-512) and, where the CPU runs AVX-512: that without
-AVX512_BF16 (its bf16 path multiplies in fp32), and this CPU's build with the tiles'
-instruction emulated (the tile path's layout arithmetic, tested without AMX)."""
+AVX512_BF16 (its bf16 path multiplies in fp32), and the tiles' instruction emulated in
+this CPU's build and in that one (the tile path's layout arithmetic and its softmax
+with and without AVX512_BF16's conversions, tested without AMX)."""
 
 
-TILE_BUILDS = [EMULATED_TILES] + (["native"] if "amx_bf16" in cpu_kernel._cpu_flags() else [])
-"""The builds that multiply in tiles here: the emulated one, and this CPU's where it has AMX."""
+TILE_BUILDS = [*EMULATED_TILES] + (["native"] if "amx_bf16" in cpu_kernel._cpu_flags() else [])
+"""The builds that multiply in tiles here: the emulated ones, and this CPU's where it has
+AMX."""
 
 
 @pytest.fixture(params=BUILDS)
@@ -57,8 +60,8 @@ def _use(build: str, monkeypatch: pytest.MonkeyPatch):
     """The kernel of ``build``, made the one ``cpu_kernel`` calls for the test."""
     if build == "native":
         return cpu_kernel.load()
-    if build == EMULATED_TILES:
-        library = cpu_kernel.build("native", ("FEATHER_EMULATE_TILES",))
+    if build.endswith(EMULATED):
+        library = cpu_kernel.build(build.removesuffix(EMULATED), ("FEATHER_EMULATE_TILES",))
         assert library.feather_kernel_tiles() == 2
     else:
         library = cpu_kernel.build(build)
@@ -258,8 +261,46 @@ def test_tiles_multiply_bf16_blocks_where_built(tile_kernel, layout):
     assert 0 < difference < 1e-5 * outputs[1].abs().max()
 
 
+@pytest.mark.parametrize(("tokens", "tiled"), [(1, False), (2, True), (9, True)])
+def test_few_rows_multiply_in_registers(tile_kernel, tokens, tiled):
+    """A segment of fewer than 8 query rows (here: tokens x 4 query heads per KV head) is
+    attended in registers even where tiles are asked for (tiles pad rows to 16); 8 rows
+    and more, in chunks of 32 with the last chunk padded, in tiles."""
+    torch.manual_seed(5)
+    keys, values = torch.randn(300, 2, 64).bfloat16(), torch.randn(300, 2, 64).bfloat16()
+    cache = write_cache(keys, values, 32, "amx")
+    query = torch.randn(tokens, 8, 64).bfloat16()
+    args = (torch.tensor([0, tokens]), torch.arange(tokens), torch.tensor([0, 10]),
+            torch.randperm(10).int(), torch.tensor([300], dtype=torch.int32))
+    outputs = []
+    for use_tiles in (True, False):
+        out, lse = torch.empty(tokens, 8, 64), torch.empty(tokens, 8)
+        cpu_kernel.segment_attention(cache, query, 0.125, *args, out, lse, "amx", use_tiles)
+        outputs.append(out)
+    assert torch.equal(outputs[0], outputs[1]) != tiled
+    assert (outputs[0] - outputs[1]).abs().max() < 1e-5 * outputs[1].abs().max()
+
+
 @pytest.mark.skipif("amx_bf16" not in cpu_kernel._cpu_flags(),
                     reason="no AMX on this CPU: the tile path ran emulated above")
 def test_this_cpus_build_multiplies_in_amx_tiles():
     assert cpu_kernel.tiles() == "amx"
     assert cpu_kernel.isa().startswith("amx tiles")
+
+
+def test_prefix_and_suffix_partials_merge_in_place_as_merge_partials_does(kernel):
+    """``feather_merge_halves`` (attend_groups' merge): row i becomes the merge of rows i and
+    rows + i, exactly as ``partials.merge_partials``, parts of no tokens (LSE -inf)
+    included."""
+    torch.manual_seed(6)
+    rows, heads, dim = 5, 3, 48
+    out = torch.randn(2 * rows, heads, dim)
+    lse = torch.randn(2 * rows, heads) * 4
+    lse[1, 0] = lse[rows + 2, 1] = -torch.inf  # one part empty
+    lse[3, 2] = lse[rows + 3, 2] = -torch.inf  # both: zeros, -inf
+    expected = merge_partials(out[:rows], lse[:rows], out[rows:], lse[rows:])
+    expected_lse = torch.logaddexp(lse[:rows], lse[rows:])
+    kernel.feather_merge_halves(rows, heads, dim, out.data_ptr(), lse.data_ptr(), 2)
+    assert torch.allclose(out[:rows], expected, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(lse[:rows], expected_lse, atol=1e-6, rtol=1e-6)
+    assert torch.equal(out[3, 2], torch.zeros(dim))

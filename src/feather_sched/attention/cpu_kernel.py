@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from feather_sched.attention.groups import MIN_SHARED_TOKENS, StepPlan
-from feather_sched.attention.partials import merge_partials
 
 SOURCE = Path(__file__).with_name("cpu_prefix_kernel.cpp")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -75,6 +74,8 @@ def build(march: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     lib.feather_kernel_vectorized.restype = _I32
     lib.feather_kernel_tiles.restype = _I32
     lib.feather_segment_attention.restype = _I32
+    lib.feather_merge_halves.restype = None
+    lib.feather_merge_halves.argtypes = [_I64, _I32, _I32, _VOID, _VOID, _I32]
     lib.feather_segment_attention.argtypes = [
         _I32, _I32, _VOID, _VOID, _I64, _VOID, _I64, _I32, _I32, _I32, _I32, ctypes.c_float, _I32,
         _VOID, _VOID, _VOID, _VOID, _VOID, _VOID, _VOID, _I32, _I32]
@@ -182,8 +183,9 @@ def attend_groups(plan: StepPlan, query: torch.Tensor, kv_cache: KVCache, scale:
     """Overwrite the grouped rows of ``output`` (``[tokens, q_heads, head_dim]``) with their
     attention: each group's prefix once for all its queries, each row's suffix, merged.
 
-    One kernel call for all of the plan's segments, one fp32 merge; the other rows of
-    ``output`` are left as the engine's kernel wrote them.
+    One kernel call for all of the plan's segments, one fp32 merge in place
+    (``feather_merge_halves``); the other rows of ``output`` are left as the engine's
+    kernel wrote them.
     """
     segments = plan.segments
     heads, head_dim = query.shape[1:]
@@ -193,8 +195,9 @@ def attend_groups(plan: StepPlan, query: torch.Tensor, kv_cache: KVCache, scale:
                       segments.block_offsets, segments.blocks, segments.lengths, partials, lse,
                       layout, use_tiles)
     rows = len(plan.tokens)
-    merged = merge_partials(partials[:rows], lse[:rows], partials[rows:], lse[rows:])
-    output[plan.tokens] = merged.to(output.dtype)
+    load().feather_merge_halves(rows, heads, head_dim, partials.data_ptr(), lse.data_ptr(),
+                                torch.get_num_threads())
+    output[plan.tokens] = partials[:rows].to(output.dtype)
 
 
 def _token_major(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:

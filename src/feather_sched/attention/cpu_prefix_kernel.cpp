@@ -117,6 +117,8 @@ struct Geometry {
 };
 
 constexpr int kPack = 64;  // "nhd": tokens gathered into one block of the scratch
+constexpr int kChunkRows = 32;  // tiles: rows one pass over a block takes
+constexpr int kMinTileRows = 8;  // fewer rows multiply in registers (tiles pad them to 16)
 
 template <int DT>
 using Element = std::conditional_t<DT == F32, float, uint16_t>;
@@ -610,13 +612,13 @@ constexpr int kTileRows = 16;  // rows of every tile; 64 bytes each
 // Whether this call's "amx" work items multiply in tiles.
 bool tiles_ready() { return Tiles::ready(); }
 
-// scores[r][t] (unscaled) for two or one 16-row tiles x two or one 16-token groups at
-// (r0, t0): tiles 0-3 accumulate, 4-5 hold the query rows, 6-7 the K groups.
+// scores[r][t] (unscaled) for two or one 16-row tiles of ``q`` (bf16 rows of head_dim) x
+// two or one 16-token groups from t0: tiles 0-3 accumulate, 4-5 hold the query rows, 6-7
+// the K groups; ``scores``' rows are block_size apart.
 template <bool TwoRows, bool TwoGroups>
-void score_tiles(const int32_t* q_pairs, int head_dim, const uint16_t* k_block, int block_size,
-                 int r0, int t0, float* scores) {
+void score_tiles(const uint16_t* q, int head_dim, const uint16_t* k_block, int block_size,
+                 int t0, float* scores) {
   const int64_t q_stride = 2 * static_cast<int64_t>(head_dim);
-  const uint16_t* q = reinterpret_cast<const uint16_t*>(q_pairs) + r0 * head_dim;
   const uint16_t* k = k_block + static_cast<int64_t>(t0) * head_dim;  // 16 tokens x head_dim
   Tiles::zero<0>();
   if constexpr (TwoGroups) Tiles::zero<1>();
@@ -637,38 +639,115 @@ void score_tiles(const int32_t* q_pairs, int head_dim, const uint16_t* k_block, 
     }
   }
   const int64_t s_stride = 4 * static_cast<int64_t>(block_size);
-  float* s = scores + static_cast<int64_t>(r0) * block_size + t0;
+  float* s = scores + t0;
   Tiles::store<0>(s, s_stride);
   if constexpr (TwoGroups) Tiles::store<1>(s + 16, s_stride);
   if constexpr (TwoRows) Tiles::store<2>(s + kTileRows * block_size, s_stride);
   if constexpr (TwoRows && TwoGroups) Tiles::store<3>(s + kTileRows * block_size + 16, s_stride);
 }
 
-// p_high + p_low = p (to ~16 bits) for every padded row and 32-token step of the block;
-// zero outside the first ``rows`` rows and ``n`` tokens.
-void split_probabilities(const float* probs, int rows, int padded_rows, int n, int steps,
-                         int block_size, uint16_t* high, uint16_t* low) {
-  const __m512i round_bias = _mm512_set1_epi32(0x7FFF);
-  const __m512i one = _mm512_set1_epi32(1);
-  const auto to_bf16 = [&](__m512 x) {  // round to nearest even (no NaN here)
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-    return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(round_bias, lsb)), 16);
+// 2^x in the lanes of ``mask`` (0 elsewhere), for x <= 0 plus rounding: x = n + f,
+// |f| <= 1/2, 2^f by a degree-5 polynomial (within 3e-7), scaled by 2^n (under fp32's
+// normal range it fades to 0, as the fp32 result does).
+inline __m512 exp2_nonpositive(__mmask16 mask, __m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.327647129e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.675540961e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713092e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402212024e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.000000119f));
+  return _mm512_maskz_scalef_ps(mask, p, n);
+}
+
+// 32 probabilities (``a`` then ``b``) as bf16 high and low parts, high + low = p to ~16
+// bits: high is p rounded (half up) to bf16 by integer arithmetic, so it and the rest
+// p - high are exact in fp32 (no compiler contraction can touch them); low is the rest
+// rounded to bf16.
+inline void split_bf16(__m512 a, __m512 b, uint16_t* high, uint16_t* low) {
+  const auto top = [](__m512 x) {
+    const __m512i bits = _mm512_add_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(0x8000));
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
   };
-  const int width = 32 * steps;
-  for (int r = 0; r < padded_rows; ++r) {
-    for (int t0 = 0; t0 < width; t0 += 16) {
-      const int left = r < rows ? n - t0 : 0;
-      const __mmask16 mask = left >= 16 ? 0xFFFF
-                             : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
-      const __m512 p = _mm512_maskz_loadu_ps(mask, probs + static_cast<int64_t>(r) * block_size
-                                                       + t0);
-      const __m512i h = to_bf16(p);
-      const __m512 rest = _mm512_sub_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
-      const int64_t at = static_cast<int64_t>(r) * width + t0;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + at), _mm512_cvtepi32_epi16(h));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + at),
-                          _mm512_cvtepi32_epi16(to_bf16(rest)));
+  const __m512 a_high = top(a), b_high = top(b);
+  const __m512 a_low = _mm512_sub_ps(a, a_high), b_low = _mm512_sub_ps(b, b_high);
+#ifdef __AVX512BF16__
+  _mm512_storeu_si512(high, (__m512i)_mm512_cvtne2ps_pbh(b_high, a_high));
+  _mm512_storeu_si512(low, (__m512i)_mm512_cvtne2ps_pbh(b_low, a_low));
+#else
+  const auto to_bf16 = [](__m512 x) {  // round to nearest even (no NaN here)
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16));
+  };
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(high), to_bf16(a_high));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + 16), to_bf16(b_high));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(low), to_bf16(a_low));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + 16), to_bf16(b_low));
+#endif
+}
+
+// Elements between rows of the probabilities' bf16 parts: a block's tokens in whole
+// 32-token steps (the same for every block, so padding rows stay zero).
+constexpr int probability_width(int block_size) { return (block_size + 31) / 32 * 32; }
+
+// The online softmax of one block's unscaled scores, written as bf16 high + low parts of
+// the probabilities (``split_bf16``), rows ``width`` apart, zero past the block's n tokens
+// up to a whole 32-token step: per row the running max (scaled) and sum are updated and
+// the accumulator rescaled, as ``softmax_block`` does; the scale and log2(e) are folded
+// into one FMA before ``exp2_nonpositive`` (``scale`` > 0). Meanwhile ``prefetch_bytes``
+// from ``prefetch`` (the next block) are prefetched, spread over the rows.
+void softmax_split(int rows, int n, int block_size, int head_dim, int width, float scale,
+                   const float* scores, float* max, float* sum, float* acc, uint16_t* high,
+                   uint16_t* low, const char* prefetch, int64_t prefetch_bytes) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  const int span = (n + 31) / 32 * 32;
+  const int64_t pairs = static_cast<int64_t>(rows) * (span / 32);
+  const int64_t lines_per_pair = (prefetch_bytes / 64 + pairs - 1) / pairs;
+  const char* const prefetch_end = prefetch + prefetch_bytes;
+  for (int r = 0; r < rows; ++r) {
+    const float* s = scores + static_cast<int64_t>(r) * block_size;
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int t0 = 0; t0 < n; t0 += kTokenTile) {
+      const int left = n - t0;
+      const __mmask16 mask = left >= kTokenTile ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      vmax = _mm512_mask_max_ps(vmax, mask, vmax, _mm512_maskz_loadu_ps(mask, s + t0));
+    }
+    const float block_max = scale * _mm512_reduce_max_ps(vmax);
+    const float new_max = block_max > max[r] ? block_max : max[r];
+    const float alpha = std::exp(max[r] - new_max);  // 0 when max[r] is -inf
+    const __m512 shift = _mm512_set1_ps(-new_max * kLog2e);
+    const __m512 factor = _mm512_set1_ps(scale * kLog2e);
+    __m512 vsum = _mm512_setzero_ps();
+    uint16_t* h = high + static_cast<int64_t>(r) * width;
+    uint16_t* l = low + static_cast<int64_t>(r) * width;
+    for (int t0 = 0; t0 < span; t0 += 2 * kTokenTile) {
+      for (int64_t i = 0; i < lines_per_pair && prefetch < prefetch_end; ++i, prefetch += 64) {
+        _mm_prefetch(prefetch, _MM_HINT_T1);
+      }
+      __m512 p[2];
+      for (int j = 0; j < 2; ++j) {
+        const int left = n - t0 - j * kTokenTile;
+        const __mmask16 mask = left >= kTokenTile ? 0xFFFF
+                               : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
+        const __m512 x = _mm512_fmadd_ps(
+            _mm512_maskz_loadu_ps(mask, s + t0 + j * kTokenTile), factor, shift);
+        p[j] = exp2_nonpositive(mask, x);
+        vsum = _mm512_add_ps(vsum, p[j]);
+      }
+      split_bf16(p[0], p[1], h + t0, l + t0);
+    }
+    sum[r] = sum[r] * alpha + _mm512_reduce_add_ps(vsum);
+    max[r] = new_max;
+    if (alpha != 1.0f) {
+      float* a = acc + static_cast<int64_t>(r) * head_dim;
+      const __m512 va = _mm512_set1_ps(alpha);
+      for (int d = 0; d < head_dim; d += 16) {
+        _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), va));
+      }
     }
   }
 }
@@ -677,16 +756,16 @@ void split_probabilities(const float* probs, int rows, int padded_rows, int n, i
 // tiles 0-3 accumulate, 4-5 hold P's high and low parts, 6-7 the V pairs. ``v_rows(step,
 // group)``: where the 16 rows of (t, t + 1) pairs of that step and 16-dim group start.
 template <int NG, class VRows>
-void value_tiles(const uint16_t* high, const uint16_t* low, int steps, int r0, int g0,
-                 int head_dim, float* acc, const VRows& v_rows) {
-  const int64_t p_stride = 64 * static_cast<int64_t>(steps);
+void value_tiles(const uint16_t* high, const uint16_t* low, int width, int steps, int r0,
+                 int g0, int head_dim, float* acc, const VRows& v_rows) {
+  const int64_t p_stride = 2 * static_cast<int64_t>(width);
   const int64_t a_stride = 4 * static_cast<int64_t>(head_dim);
   float* a = acc + static_cast<int64_t>(r0) * head_dim + 16 * g0;
   Tiles::load<0>(a, a_stride);
   if constexpr (NG > 1) Tiles::load<1>(a + 16, a_stride);
   if constexpr (NG > 2) Tiles::load<2>(a + 32, a_stride);
   if constexpr (NG > 3) Tiles::load<3>(a + 48, a_stride);
-  const int64_t p0 = static_cast<int64_t>(r0) * 32 * steps;
+  const int64_t p0 = static_cast<int64_t>(r0) * width;
   for (int step = 0; step < steps; ++step) {
     Tiles::load<4>(high + p0 + 32 * step, p_stride);
     Tiles::load<5>(low + p0 + 32 * step, p_stride);
@@ -730,54 +809,60 @@ void copy_value_tail(const uint16_t* v_block, int block_size, int head_dim, int 
   }
 }
 
-// Every row of the work item over one block of n tokens, in tiles (see above).
+// Every row of the work item over one block of n tokens, in tiles (see above), a chunk of
+// kChunkRows rows at a time through scores, softmax and values (so a chunk's scores and
+// probabilities stay in L1); the next block (``next``, ``block_bytes``) is prefetched
+// meanwhile.
 void attend_block_tiles(const Geometry& g, const void* cache, Scratch& w, int rows,
-                        int64_t k_base, int n) {
-  const int D = g.head_dim, bs = g.block_size;
+                        int64_t k_base, int n, const char* next, int64_t block_bytes) {
+  const int D = g.head_dim, bs = g.block_size, width = probability_width(bs);
   const int padded = (rows + kTileRows - 1) / kTileRows * kTileRows;
   const uint16_t* k_block = static_cast<const uint16_t*>(cache) + k_base;
   const uint16_t* v_block = k_block + static_cast<int64_t>(bs) * D;
-  const int token_groups = (n + 15) / 16;
-  for (int r0 = 0; r0 < padded; r0 += 2 * kTileRows) {
-    const bool two_rows = r0 + kTileRows < padded;
-    for (int group = 0; group < token_groups; group += 2) {
-      const bool two_groups = group + 1 < token_groups;
-#define FEATHER_SCORES(R, G) \
-  score_tiles<R, G>(w.q_pairs.data(), D, k_block, bs, r0, 16 * group, w.scores.data())
-      if (two_rows) {
-        two_groups ? FEATHER_SCORES(true, true) : FEATHER_SCORES(true, false);
-      } else {
-        two_groups ? FEATHER_SCORES(false, true) : FEATHER_SCORES(false, false);
-      }
-#undef FEATHER_SCORES
-    }
-  }
-  const __m512 scale = _mm512_set1_ps(g.scale);
-  for (int r = 0; r < rows; ++r) {
-    float* s = w.scores.data() + static_cast<int64_t>(r) * bs;
-    for (int t = 0; t < n; t += 16) {
-      const __mmask16 mask = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
-      _mm512_mask_storeu_ps(s + t, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, s + t), scale));
-    }
-  }
-  softmax_block(rows, n, bs, D, w.scores.data(), w.max.data(), w.sum.data(), w.acc.data());
-  const int steps = (n + 31) / 32;
-  split_probabilities(w.scores.data(), rows, padded, n, steps, bs, w.p_high.data(),
-                      w.p_low.data());
+  const int token_groups = (n + 15) / 16, steps = (n + 31) / 32, groups = D / 16;
   const bool tail = n % 32 != 0;
   if (tail) copy_value_tail(v_block, bs, D, n, w.v_tail.data());
   const auto v_rows = [&](int step, int group) -> const uint16_t* {
     if (tail && step == steps - 1) return w.v_tail.data() + group * 512;
     return v_block + static_cast<int64_t>(group) * 16 * bs + step * 512;
   };
-  const int groups = D / 16;
-  for (int r0 = 0; r0 < padded; r0 += kTileRows) {
-    for (int g0 = 0; g0 < groups; g0 += 4) {
-      switch (groups - g0 < 4 ? groups - g0 : 4) {
-        case 1: value_tiles<1>(w.p_high.data(), w.p_low.data(), steps, r0, g0, D, w.acc.data(), v_rows); break;
-        case 2: value_tiles<2>(w.p_high.data(), w.p_low.data(), steps, r0, g0, D, w.acc.data(), v_rows); break;
-        case 3: value_tiles<3>(w.p_high.data(), w.p_low.data(), steps, r0, g0, D, w.acc.data(), v_rows); break;
-        default: value_tiles<4>(w.p_high.data(), w.p_low.data(), steps, r0, g0, D, w.acc.data(), v_rows);
+  const int chunks = (padded + kChunkRows - 1) / kChunkRows;
+  const int64_t slice = next ? (block_bytes / chunks + 63) / 64 * 64 : 0;
+  float* scores = w.scores.data();
+  uint16_t *high = w.p_high.data(), *low = w.p_low.data();
+  for (int c0 = 0; c0 < padded; c0 += kChunkRows) {
+    const bool two_rows = c0 + kTileRows < padded;
+    const int real = std::min(rows - c0, kChunkRows);
+    const uint16_t* q = reinterpret_cast<const uint16_t*>(w.q_pairs.data()) + c0 * D;
+    for (int group = 0; group < token_groups; group += 2) {
+      const bool two_groups = group + 1 < token_groups;
+      const int t0 = 16 * group;
+      if (two_rows) {
+        two_groups ? score_tiles<true, true>(q, D, k_block, bs, t0, scores)
+                   : score_tiles<true, false>(q, D, k_block, bs, t0, scores);
+      } else {
+        two_groups ? score_tiles<false, true>(q, D, k_block, bs, t0, scores)
+                   : score_tiles<false, false>(q, D, k_block, bs, t0, scores);
+      }
+    }
+    const int64_t from = std::min<int64_t>(c0 / kChunkRows * slice, block_bytes);
+    softmax_split(real, n, bs, D, width, g.scale, scores, w.max.data() + c0,
+                  w.sum.data() + c0, w.acc.data() + static_cast<int64_t>(c0) * D, high, low,
+                  next + from, std::min(slice, block_bytes - from));
+    const int tile_rows = two_rows ? kChunkRows : kTileRows;
+    if (real < tile_rows) {  // the padding rows of the last chunk multiply as zeros
+      std::memset(high + real * width, 0, (tile_rows - real) * width * sizeof(uint16_t));
+      std::memset(low + real * width, 0, (tile_rows - real) * width * sizeof(uint16_t));
+    }
+    float* acc = w.acc.data() + static_cast<int64_t>(c0) * D;
+    for (int r0 = 0; r0 < tile_rows; r0 += kTileRows) {
+      for (int g0 = 0; g0 < groups; g0 += 4) {
+        switch (groups - g0 < 4 ? groups - g0 : 4) {
+          case 1: value_tiles<1>(high, low, width, steps, r0, g0, D, acc, v_rows); break;
+          case 2: value_tiles<2>(high, low, width, steps, r0, g0, D, acc, v_rows); break;
+          case 3: value_tiles<3>(high, low, width, steps, r0, g0, D, acc, v_rows); break;
+          default: value_tiles<4>(high, low, width, steps, r0, g0, D, acc, v_rows);
+        }
       }
     }
   }
@@ -832,7 +917,8 @@ constexpr int32_t kTileKind = 0;
 bool tiles_ready() { return false; }
 void configure_tiles() {}
 void release_tiles() {}
-void attend_block_tiles(const Geometry&, const void*, Scratch&, int, int64_t, int) {}
+void attend_block_tiles(const Geometry&, const void*, Scratch&, int, int64_t, int,
+                        const char*, int64_t) {}
 #endif
 
 // "nhd": the K and V of one KV head at ``n`` token slots (at most kPack), gathered into
@@ -881,14 +967,14 @@ void attend_segment(const Geometry& g, const void* cache, const void* values,
                     float* out, float* lse, Scratch& w, const char* following) {
   const int rows = num_tokens * g.gqa;
   const int D = g.head_dim;
-  const bool tiles = DT == BF16 && LO != VEC && g.tiles;
+  const bool tiles = DT == BF16 && LO != VEC && g.tiles && rows >= kMinTileRows;
   const int padded = tiles ? (rows + 15) / 16 * 16 : rows;
   const int block_size = LO == NHD ? kPack : g.block_size;
-  w.reset(rows, padded, D, block_size, tiles ? padded : kScoreRows);
-  if (tiles) {
+  w.reset(rows, padded, D, block_size, tiles ? kChunkRows : kScoreRows);
+  if (tiles) {  // padding rows of the probabilities stay zero
     const size_t width = (block_size + 31) / 32 * 32;
-    w.p_high.resize(padded * width);
-    w.p_low.resize(padded * width);
+    w.p_high.assign(kChunkRows * width, 0);
+    w.p_low.assign(kChunkRows * width, 0);
     w.v_tail.resize(static_cast<size_t>(D) / 16 * 512);
   }
   for (int r = 0; r < rows; ++r) {
@@ -912,7 +998,7 @@ void attend_segment(const Geometry& g, const void* cache, const void* values,
       if (tiles) {
         gather_tokens<DT, AMX>(g, cache, values, blocks + t0, n, length - t0, kv_head,
                                w.packed.data());
-        attend_block_tiles(block, w.packed.data(), w, rows, 0, n);
+        attend_block_tiles(block, w.packed.data(), w, rows, 0, n, nullptr, 0);
       } else {
         gather_tokens<DT, VEC>(g, cache, values, blocks + t0, n, length - t0, kv_head,
                                w.packed.data());
@@ -927,12 +1013,12 @@ void attend_segment(const Geometry& g, const void* cache, const void* values,
                                                              : g.block_size;
       const int64_t k_base = (static_cast<int64_t>(blocks[b]) * g.kv_heads + kv_head) * 2 *
                              block_elems;
-      if (tiles) {
-        attend_block_tiles(g, cache, w, rows, k_base, n);
-        continue;
-      }
       const bool last = (b + 1) * g.block_size >= length;
       const char* next = last ? following : block_start<DT>(g, cache, blocks[b + 1], kv_head);
+      if (tiles) {
+        attend_block_tiles(g, cache, w, rows, k_base, n, next, block_bytes);
+        continue;
+      }
       attend_block<DT, LO>(g, cache, w, rows, k_base, n, next, block_bytes);
     }
   }
@@ -1027,8 +1113,44 @@ struct Plan {
   }
 };
 
-// Each split segment's rows from its parts' partials: the exact log-sum-exp merge, in
-// fp32 (a part of no weight, LSE -inf, adds nothing). Parallel over the segments' rows.
+// One row's attention over the union of ``parts`` disjoint parts (``part(p)``: its output,
+// ``lse[p]`` its LSE) into ``o`` and ``lse_out``: the exact log-sum-exp merge in fp32 (a
+// part of no weight, LSE -inf, adds nothing; no weight at all gives 0 and -inf). ``o`` may
+// be one of the parts: each is read before ``o`` is written.
+template <class Part>
+void merge_row(int parts, const Part& part, const float* lse, int head_dim, float* o,
+               float* lse_out) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int p = 0; p < parts; ++p) top = std::max(top, lse[p]);
+  if (top == -std::numeric_limits<float>::infinity()) {
+    std::fill(o, o + head_dim, 0.0f);
+    *lse_out = top;
+    return;
+  }
+  float weight[2], total = 0.0f;
+  const bool pair = parts == 2;  // the common case, kept out of memory
+  std::vector<float> merged(pair ? 0 : head_dim, 0.0f);
+  for (int p = 0; p < parts; ++p) {
+    const float w = std::exp(lse[p] - top);
+    total += w;
+    if (pair) {
+      weight[p] = w;
+      continue;
+    }
+    const float* part_out = part(p);
+    for (int d = 0; d < head_dim; ++d) merged[d] += w * part_out[d];
+  }
+  if (pair) {
+    const float *a = part(0), *b = part(1);
+    for (int d = 0; d < head_dim; ++d) o[d] = (weight[0] * a[d] + weight[1] * b[d]) / total;
+  } else {
+    for (int d = 0; d < head_dim; ++d) o[d] = merged[d] / total;
+  }
+  *lse_out = top + std::log(total);
+}
+
+// Each split segment's rows from its parts' partials (``merge_row``). Parallel over the
+// segments' rows.
 void merge_parts(const Geometry& g, const Plan& plan, const int64_t* token_offsets,
                  float* out, float* lse) {
   const int64_t q_heads = static_cast<int64_t>(g.kv_heads) * g.gqa;
@@ -1040,24 +1162,11 @@ void merge_parts(const Geometry& g, const Plan& plan, const int64_t* token_offse
       const auto part_row = [&](int32_t p) {
         return (split.row0 + static_cast<int64_t>(p) * split.tokens + token) * q_heads + head;
       };
-      float top = -std::numeric_limits<float>::infinity();
-      for (int32_t p = 0; p < split.parts; ++p) top = std::max(top, plan.part_lse[part_row(p)]);
+      std::vector<float> part_lse(split.parts);
+      for (int32_t p = 0; p < split.parts; ++p) part_lse[p] = plan.part_lse[part_row(p)];
       const int64_t row = (token_offsets[split.segment] + token) * q_heads + head;
-      float* o = out + row * D;
-      std::fill(o, o + D, 0.0f);
-      if (top == -std::numeric_limits<float>::infinity()) {
-        lse[row] = top;
-        continue;
-      }
-      float total = 0.0f;
-      for (int32_t p = 0; p < split.parts; ++p) {
-        const float weight = std::exp(plan.part_lse[part_row(p)] - top);
-        const float* part = plan.part_out.data() + part_row(p) * D;
-        for (int d = 0; d < D; ++d) o[d] += weight * part[d];
-        total += weight;
-      }
-      for (int d = 0; d < D; ++d) o[d] /= total;
-      lse[row] = top + std::log(total);
+      merge_row(split.parts, [&](int p) { return plan.part_out.data() + part_row(p) * D; },
+                part_lse.data(), D, out + row * D, lse + row);
     }
   }
 }
@@ -1116,6 +1225,22 @@ int32_t feather_kernel_tiles() {
   return tiles_ready() ? kTileKind : 0;
 }
 
+// Row i of the first ``rows`` rows of ``out`` ([2 * rows, heads, head_dim] fp32) and
+// ``lse`` ([2 * rows, heads]) becomes the merge of itself and row ``rows + i`` (a query's
+// prefix and suffix partials): the exact log-sum-exp merge, in place, parallel over rows.
+void feather_merge_halves(int64_t rows, int32_t heads, int32_t head_dim, float* out, float* lse,
+                          int32_t threads) {
+  const int64_t half = rows * heads;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t i = 0; i < half; ++i) {
+    const float pair_lse[2] = {lse[i], lse[half + i]};
+    float* a = out + i * head_dim;
+    const float* b = out + (half + i) * head_dim;
+    merge_row(2, [&](int p) -> const float* { return p ? b : a; }, pair_lse, head_dim, a,
+              lse + i);
+  }
+}
+
 // Attend every segment; see the file comment. Segment s has query tokens
 // tokens[token_offsets[s] : token_offsets[s+1]] (indices into the query's first dim), KV
 // blocks blocks[block_offsets[s] : ...] ("nhd": token slots) and lengths[s] tokens (at
@@ -1137,7 +1262,7 @@ int32_t feather_segment_attention(int32_t dtype, int32_t layout, const void* cac
                                   float* lse, int32_t threads, int32_t use_tiles) {
   using std::integral_constant;
   const bool tiles = use_tiles && dtype == BF16 && (layout == AMX || layout == NHD) &&
-                     head_dim % 32 == 0 && feather_kernel_tiles();
+                     head_dim % 32 == 0 && scale > 0 && feather_kernel_tiles();
   const Geometry g{kv_heads, block_size, head_dim, gqa, q_token_stride, scale,
                    kv_token_stride, tiles};
   const auto run = [&](auto dt, auto lo) -> int32_t {
