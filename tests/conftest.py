@@ -90,6 +90,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
+def self_check_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engines' self-check in this process, where a test's patches of its subject hold
+    (on an AMX CPU the engines run it in a child: ``tests/attention/test_isolation.py``)."""
+    from feather_sched.attention import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "tiles_need_isolation", lambda: False)
+
+
+@pytest.fixture
 def contained_faults() -> list[tuple[str, Exception]]:
     """The faults Feather contained during the test (``FaultGuard.fault``: where, what),
     in order; a test that asks for this fixture may have them."""

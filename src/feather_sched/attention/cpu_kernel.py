@@ -120,6 +120,15 @@ def tiles_need_isolation() -> bool:
     return tiles() == "amx"
 
 
+def path(use_tiles: bool) -> str:
+    """How an engine's calls multiply, for its log line: "amx tiles" (or "emulated
+    tiles"), "AVX-512 registers" or "a portable loop"."""
+    kind = tiles() if use_tiles else None
+    if kind:
+        return f"{kind} tiles"
+    return "AVX-512 registers" if vectorized() else "a portable loop"
+
+
 def isa() -> str:
     """The instructions this CPU's kernel multiplies with, per layout, for records:
     e.g. "amx tiles (bf16 amx/nhd); avx512-bf16" or "portable"."""

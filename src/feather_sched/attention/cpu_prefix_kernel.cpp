@@ -608,6 +608,7 @@ struct Tiles {
 #ifdef FEATHER_TILES
 constexpr int32_t kTileKind = Tiles::kKind;
 constexpr int kTileRows = 16;  // rows of every tile; 64 bytes each
+static_assert(kChunkRows == 2 * kTileRows, "a chunk is two row tiles (attend_block_tiles)");
 
 // Whether this call's "amx" work items multiply in tiles.
 bool tiles_ready() { return Tiles::ready(); }

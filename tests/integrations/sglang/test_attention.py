@@ -234,7 +234,7 @@ FEATHER_AUTO = {ENV_ENABLE: "1"}
 
 
 @pytest.mark.parametrize("faster", [True, False])
-def test_auto_is_what_the_self_check_measured(faster, monkeypatch, tmp_path):
+def test_auto_is_what_the_self_check_measured(faster, monkeypatch, tmp_path, self_check_here):
     """Under auto with Feather's scheduler the backend is made after the self-check, SGLang's
     kernel against the path on SGLang's pools at the server's shapes: on, with its line,
     where the path measured exact and faster; off, with the figures, where slower; kept,
@@ -285,7 +285,7 @@ def test_amx_tiles_act_only_after_a_check_in_a_process_of_its_own(faster, monkey
     assert getattr(backend, "use_tiles", False) is faster
 
 
-def test_auto_groups_from_the_measured_break_even(monkeypatch):
+def test_auto_groups_from_the_measured_break_even(monkeypatch, self_check_here):
     monkeypatch.setattr(attention_check.SglangCpuSubject, "seconds", timed_as(1024))
     messages = []
     monkeypatch.setattr(attention, "announce", messages.append)
@@ -296,7 +296,8 @@ def test_auto_groups_from_the_measured_break_even(monkeypatch):
         "groups from 1024 shared tokens" in messages[0], messages
 
 
-def test_a_self_check_that_cannot_run_leaves_auto_off_and_the_server_up(monkeypatch):
+def test_a_self_check_that_cannot_run_leaves_auto_off_and_the_server_up(monkeypatch,
+                                                                         self_check_here):
     def broken(*args):
         raise RuntimeError("no pool here")
 

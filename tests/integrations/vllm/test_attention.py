@@ -45,7 +45,7 @@ layout (vLLM's bf16 cache on CPUs with AMX), so they set the "vec" layout's."""
 
 
 def make_llm(dtype: str, feather: dict | None = None, scheduler: str | None = FEATHER,
-             kv_blocks: int = 256, batched_tokens: int = 4096) -> LLM:
+             kv_blocks: int = 256, batched_tokens: int = 4096, max_model_len: int = 2048) -> LLM:
     """The tiny model with its dummy weights scaled up: vLLM draws them from +-1e-3, which
     leaves attention near uniform; +-0.3 gives scores of order 1 and peaked softmaxes."""
     extra = {"scheduler_cls": scheduler} if scheduler else {}
@@ -53,7 +53,8 @@ def make_llm(dtype: str, feather: dict | None = None, scheduler: str | None = FE
         extra["additional_config"] = {"feather": feather}
     bytes_per_token = 2 * 8 * 64 * 2 * (4 if dtype == "float32" else 2)
     llm = LLM(model=str(TINY_LLAMA), load_format="dummy", skip_tokenizer_init=True,
-              enforce_eager=True, seed=0, max_model_len=2048, block_size=BLOCK, dtype=dtype,
+              enforce_eager=True, seed=0, max_model_len=max_model_len, block_size=BLOCK,
+              dtype=dtype,
               kv_cache_memory_bytes=kv_blocks * BLOCK * bytes_per_token,
               max_num_batched_tokens=batched_tokens, **extra)
     llm.apply_model(lambda model: [p.data.mul_(300) for p in model.parameters()])
@@ -145,7 +146,8 @@ def test_auto_stays_off_under_vllms_scheduler_and_on_turns_it_on(grouped_rows):
 
 
 @pytest.mark.parametrize("faster", [True, False])
-def test_auto_is_what_the_self_check_measured(faster, grouped_rows, monkeypatch, tmp_path):
+def test_auto_is_what_the_self_check_measured(faster, grouped_rows, monkeypatch, tmp_path,
+                                               self_check_here):
     """Auto (the default, with FeatherScheduler) asks the self-check at engine start: on,
     with its line in the log, where the path measured exact and faster than vLLM's kernel;
     off, with the figures, where it measured slower."""
@@ -178,8 +180,27 @@ def test_a_check_that_raises_still_votes_so_no_rank_waits_on_it(monkeypatch):
     assert votes == [None]
 
 
-def test_a_self_check_that_cannot_run_leaves_auto_off_and_the_engine_up(
+@pytest.mark.skipif("amx_bf16" not in cpu_kernel._cpu_flags(),
+                    reason="no AMX on this CPU: the tile path's check is not isolated here")
+def test_on_an_amx_cpu_auto_proves_the_tiles_in_a_child_then_multiplies_in_them(
         grouped_rows, monkeypatch, tmp_path):
+    """The engine's real self-check, in a process of its own (a fault in tile registers
+    cannot reach the engine), measures the AMX tile path at the engine's shapes (prefixes up
+    to 8K: the tiny model's heads gain from there); the engine then groups its rows and
+    multiplies in tiles, and says so."""
+    monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path))
+    messages = []
+    monkeypatch.setattr(vllm_attention, "announce", messages.append)
+    prompts, lengths = mixed_prompts(1)
+    generate(make_llm("bfloat16", SHORT_PREFIXES, max_model_len=16384), prompts[:9],
+             lengths[:9])
+    line = next(m for m in messages if "self-check on" in m)
+    assert line.startswith("on (self-check") and "kernel in amx tiles" in line, line
+    assert sum(grouped_rows) > 0
+
+
+def test_a_self_check_that_cannot_run_leaves_auto_off_and_the_engine_up(
+        grouped_rows, monkeypatch, tmp_path, self_check_here):
     monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path))
 
     def broken(*args):
@@ -194,7 +215,7 @@ def test_a_self_check_that_cannot_run_leaves_auto_off_and_the_engine_up(
     assert "off: the self-check could not run (no kernel here)" in messages
 
 
-def test_auto_groups_from_the_measured_break_even(monkeypatch, tmp_path):
+def test_auto_groups_from_the_measured_break_even(monkeypatch, tmp_path, self_check_here):
     monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(attention_check.CpuSubject, "seconds", timed_as(1024))
     messages = []

@@ -240,7 +240,10 @@ def create_backend(name: str, runner: Any, environ: Mapping[str, str] | None = N
     if name in BACKENDS:
         backend.use_tiles = cpu_kernel.tiles_proven(verdict)
     if verdict:
-        announce(verdict.line(*[f"the option groups from {tokens}"] * bool(min_tokens)))
+        notes = [f"the option groups from {tokens}"] * bool(min_tokens)
+        if name in BACKENDS:
+            notes.append(f"kernel in {cpu_kernel.path(backend.use_tiles)}")
+        announce(verdict.line(*notes))
     else:
         kernel = "Triton" if name in GPU_BACKENDS else \
             "AVX-512" if cpu_kernel.vectorized() else "portable"

@@ -105,11 +105,10 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         self.shared_prefixes = reason is None
         self.use_tiles = cpu_kernel.tiles_proven(verdict)
         self.min_shared_blocks = min_blocks(self.block_size, min_tokens or default_tokens)
-        announce(reason or (verdict.line() if verdict else
+        kernel = "" if reason else f"kernel in {cpu_kernel.path(self.use_tiles)}"
+        announce(reason or (verdict.line(kernel) if verdict else
                             f"on (isa {self.isa}, {self.dtype}, block size {self.block_size}, "
-                            f"kernel {'AVX-512' if cpu_kernel.vectorized() else 'portable'}"
-                            " registers, "
-                            f"groups from {self.min_shared_blocks} shared blocks)"))
+                            f"{kernel}, groups from {self.min_shared_blocks} shared blocks)"))
 
     def _layout_problem(self, kv_cache_spec: Any) -> str | None:
         if isinstance(kv_cache_spec, CrossAttentionSpec | EncoderOnlyAttentionSpec):
