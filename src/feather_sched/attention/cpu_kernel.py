@@ -39,10 +39,11 @@ LAYOUT_CODES = {"vec": 0, "amx": 1, "nhd": 2}
 bf16; and "nhd", separate K and V buffers ``[slots, kv_heads, head_dim]`` read through
 each segment's token slots (SGLang's ``MHATokenToKVPool``), for any of those dtypes."""
 MIN_SHARED_TOKENS_BY_LAYOUT = {"vec": MIN_SHARED_TOKENS, "amx": 8192, "nhd": MIN_SHARED_TOKENS}
-"""Shortest shared prefix worth a group, per layout. Over an "amx" cache vLLM's kernel
-multiplies in AMX tiles, several times this kernel's AVX-512 rate, so reading a prefix
-once pays only where re-reading it costs more than the arithmetic (the crossover, as
-measured: docs/results.md#shared-prefix-attention)."""
+"""Shortest shared prefix worth a group, per layout, where no check measured one (``on``).
+Over an "amx" cache vLLM's kernel multiplies in AMX tiles, several times this kernel's
+AVX-512 rate, and ``on`` keeps this kernel in registers (its tiles act only once a check
+measured them), so reading a prefix once pays only from long prefixes (the crossover, as
+measured: docs/results.md#shared-prefix-attention); ``auto`` measures its own."""
 HEAD_SIZES = "multiples of 16"
 """The head sizes the kernel reads (``head_size_fits``), as a log line names them."""
 BUILD_TIMEOUT_S = 300
