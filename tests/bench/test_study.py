@@ -150,12 +150,14 @@ def test_a_sim_plan_is_llama_3_8b_with_vllms_gpu_limits() -> None:
 
 
 def test_summaries_and_the_offline_rate_are_the_simulators() -> None:
-    plan = study.sim_plan(workload())
+    # The policies' own time uncharged: the figures are then the model's, whatever the host
+    # is doing (charged, this tiny run moves with the machine's load).
+    plan = study.sim_plan(workload(), charge_scheduler_time=False)
     got = study.summaries(plan, ["fcfs", "sglang-lpm"])
     assert list(got) == ["fcfs", "sglang-lpm"]
     assert all(s["completed"] == 8 for s in got.values())
     expected = summarize(simulate(plan, "fcfs"))["request_throughput"]
-    assert study.offline_rate(plan) == pytest.approx(expected, rel=0.05)
+    assert study.offline_rate(plan) == pytest.approx(expected, rel=1e-9)
 
 
 def test_parallel_maps_over_processes_in_order() -> None:
