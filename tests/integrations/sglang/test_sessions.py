@@ -17,6 +17,7 @@ if not sglang_installed():
     pytest.skip("SGLang is not installed (scripts/setup.sh --sglang)", allow_module_level=True)
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req, ScheduleBatch
+from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
@@ -131,7 +132,7 @@ def test_a_held_turn_survives_eviction_and_its_next_turn_matches_it() -> None:
         assert engine.feather.requests.priority(nxt) == 0
         assert nxt in engine.admission_round()
         assert nxt.prefix_len == len(held)  # SGLang matched the held prefix
-        assert not feather.locks and feather.sessions.counts.reloads_avoided == 1
+        assert not feather.pins and feather.sessions.counts.reloads_avoided == 1
         assert engine.tree_cache.protected_size() == nxt.prefix_len
 
 
@@ -148,10 +149,10 @@ def test_a_hold_expires_at_its_ttl() -> None:
     engine = _engine()
     _session_turns(engine, 1, 2)
     feather = engine.feather.sessions
-    assert feather.locks
+    assert feather.pins
     engine.clock.now += 3600
     engine.admission_round()
-    assert not feather.locks and engine.tree_cache.protected_size() == 0
+    assert not feather.pins and engine.tree_cache.protected_size() == 0
     assert feather.sessions.counts.expired == 1
 
 
@@ -160,23 +161,23 @@ def test_a_decode_step_short_of_room_takes_a_hold_before_sglang_retracts(monkeyp
     _session_turns(engine, 1, 2)  # holds its second prompt: 96 of the pool's 192 tokens
     running = _turn("r", _context(9, 1)[: TURN // 2])
     engine.arrive(running)
-    assert running in engine.admission_round() and engine.feather.sessions.locks
+    assert running in engine.admission_round() and engine.feather.sessions.pins
     engine.allocator.alloc(engine.allocator.available_size())  # the pool is full
     assert not engine.batch.check_decode_mem()  # SGLang alone would retract ``r``
     monkeypatch.setattr(feather_sglang, "_process_feather", engine.feather)
     assert feather_sglang._hook_check_decode_mem(ScheduleBatch.check_decode_mem, engine.batch)
-    assert not engine.feather.sessions.locks
+    assert not engine.feather.sessions.pins
     assert engine.feather.sessions.sessions.counts.reclaimed == 1
 
 
 def test_a_request_alone_without_room_takes_the_holds_room() -> None:
     engine = _engine(pool=3 * TURN, max_wait_s=None)  # the held prompt leaves 96 tokens
     _session_turns(engine, 1, 2)
-    assert engine.feather.sessions.locks
+    assert engine.feather.sessions.pins
     big = _turn("big", _context(9, 2)[: 2 * TURN - 8])
     engine.arrive(big)
     assert big in engine.admission_round()
-    assert not engine.feather.sessions.locks
+    assert not engine.feather.sessions.pins
     assert engine.feather.sessions.sessions.counts.reclaimed == 1
 
 
@@ -184,9 +185,9 @@ def test_a_cache_flush_and_feather_off_release_every_hold() -> None:
     engine = _engine()
     _session_turns(engine, 1, 2)
     engine.tree_cache.reset()  # Scheduler.flush_cache
-    assert not engine.feather.sessions.locks and engine.tree_cache.protected_size() == 0
+    assert not engine.feather.sessions.pins and engine.tree_cache.protected_size() == 0
     _session_turns(engine, 2, 2)
-    assert engine.feather.sessions.locks
+    assert engine.feather.sessions.pins
     engine.feather.faults.active = False
     engine.feather.begin_round([], [])
     assert engine.feather.sessions is None and engine.feather.requests.warm is None
@@ -204,8 +205,31 @@ def test_an_aborted_turn_is_never_held() -> None:
     third = _context(1, 3)
     _run_turn(engine, _turn("s1t3", third[: -TURN // 2]), third[-TURN // 2:],
               reason=FINISH_ABORT("client gone"))
-    assert not engine.feather.sessions.locks
+    assert not engine.feather.sessions.pins
     assert engine.feather.sessions.sessions.counts.held == 0
+
+
+def test_a_warm_turn_aborted_while_waiting_lets_its_hold_go() -> None:
+    """SGLang pops an aborted waiting request and drops its cache-side state
+    (``Scheduler._release_aborted_request``, through Feather's hook): the hold its arrival
+    found, which would not lapse at its TTL (its turn came), is released, and the turn is
+    no longer warm or known to its session."""
+    engine = _engine()
+    _session_turns(engine, 1, 2)  # the first return makes the session expected to go on
+    feather = engine.feather.sessions
+    assert feather.pins and engine.tree_cache.protected_size() > 0
+    engine.clock.now += GAP_S
+    nxt = _turn("s1t3", _context(1, 3)[: -TURN // 2])
+    engine.arrive(nxt)
+    assert nxt.rid in feather.warm
+    engine.scheduler.waiting_queue.remove(nxt)
+    feather_sglang._hook_release_aborted_request(Scheduler._release_aborted_request,
+                                                 engine.scheduler, nxt)
+    assert nxt.rid not in feather.warm and feather.sessions.session_of(nxt.rid) is None
+    assert not feather.pins and engine.tree_cache.protected_size() == 0
+    engine.clock.now += 10 * GAP_S
+    engine.feather.begin_round([], [])  # the rule has nothing left to expire or release
+    assert not feather.sessions.holds
 
 
 @pytest.mark.parametrize("params", [{"tenant": "other"}, {}])
@@ -245,7 +269,7 @@ def test_a_fault_in_sessions_never_reaches_sglang(monkeypatch, contained_faults)
     def broken(*args, **kwargs):
         raise RuntimeError("injected")
 
-    for name in ("arrived", "admitted", "ended", "before_round", "publish"):
+    for name in ("arrived", "admitted", "ended", "expire", "publish"):
         monkeypatch.setattr(feather, name, broken)
     monkeypatch.setattr(feather.sessions, "reclaim", broken)
     _session_turns(engine, 1, 2)  # every call inside SGLang's path contained

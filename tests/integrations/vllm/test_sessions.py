@@ -17,11 +17,8 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from feather_sched.integrations.vllm.sessions import (
-    ReloadCost,
-    VllmSessions,
-    pool_of,
-)
+from feather_sched.core.sessions import ReloadCost
+from feather_sched.integrations.vllm.sessions import VllmSessions, pool_of
 from feather_sched.telemetry.prometheus import SessionSink
 from tests.integrations.vllm.test_scheduler import BLOCK, Harness
 
@@ -87,7 +84,7 @@ class Engine:
         return {b.block_id: b.ref_cnt for b in self.pool.blocks if b.ref_cnt and not b.is_null}
 
     def held(self) -> set[int]:
-        return {b.block_id for blocks in self.sessions.pinned.values() for b in blocks}
+        return {b.block_id for blocks in self.sessions.pins.values() for b in blocks}
 
     def filler(self, tag: str, blocks: int) -> None:
         """Unrelated requests that take ``blocks`` blocks of the pool, one after another:
@@ -141,7 +138,7 @@ def test_a_held_turn_survives_pool_pressure_and_its_next_turn_hits_it() -> None:
     assert engine.hits["t3"] == 4 * BLOCK
     assert cold.hits[cold_third.request_id] == 0  # without sessions the filler evicted it
     assert cold.sessions is None
-    (holder, blocks), = engine.sessions.pinned.items()
+    (holder, blocks), = engine.sessions.pins.items()
     assert holder == "t3" and engine.refs() == {b.block_id: 1 for b in blocks}
     assert engine.sessions.sessions.held_blocks == len(blocks) == len(third.all_token_ids) // BLOCK
 
@@ -181,11 +178,11 @@ def test_a_warm_turn_preempts_no_running_request_of_its_vllm_class() -> None:
 def test_the_next_turns_admission_releases_the_hold_it_took() -> None:
     engine = Engine()
     _, second = session(engine, 2)
-    blocks = engine.sessions.pinned["t2"]
+    blocks = engine.sessions.pins["t2"]
     prompt = next_prompt(list(second.prompt_token_ids), 4, [990 + t for t in range(BLOCK)])
     engine.h.add(engine.turn("t3", prompt, output=8))
     engine.step()
-    assert "t2" not in engine.sessions.pinned  # t3 runs on the blocks; one reference each
+    assert "t2" not in engine.sessions.pins  # t3 runs on the blocks; one reference each
     assert all(engine.refs()[b.block_id] == 1 for b in blocks)
     mine = {b.block_id for b in engine.scheduler.kv_cache_manager.get_blocks("t3").blocks[0]}
     assert {b.block_id for b in blocks} <= mine
@@ -215,10 +212,10 @@ def test_the_held_share_never_exceeds_its_bound() -> None:
 def test_a_hold_ends_at_its_ttl() -> None:
     engine = Engine()
     session(engine, 2)
-    assert engine.sessions.pinned
+    assert engine.sessions.pins
     engine.clock.now += 61.0  # past max_ttl_s (60 by default), the turn not back
     engine.serve(engine.turn("other", [40_000 + t for t in range(BLOCK)]))
-    assert not engine.sessions.pinned and engine.sessions.sessions.counts.expired == 1
+    assert not engine.sessions.pins and engine.sessions.sessions.counts.expired == 1
     assert not engine.refs()
 
 
@@ -227,11 +224,11 @@ def test_a_prefix_cache_reset_and_shutdown_release_every_hold() -> None:
     session(engine, 2)
     assert engine.refs()
     assert engine.scheduler.reset_prefix_cache()  # vLLM refuses while a block is referenced
-    assert not engine.refs() and not engine.sessions.pinned
+    assert not engine.refs() and not engine.sessions.pins
     session(engine, 2, tag="u")
     assert engine.refs()
     engine.scheduler.shutdown()
-    assert not engine.refs() and not engine.sessions.pinned
+    assert not engine.refs() and not engine.sessions.pins
 
 
 def test_a_running_requests_growth_takes_a_holds_blocks_before_vllm_preempts() -> None:
@@ -244,7 +241,7 @@ def test_a_running_requests_growth_takes_a_holds_blocks_before_vllm_preempts() -
     engine.serve(grower)
     assert grower.num_preemptions == 0 and grower.num_output_tokens == 5 * BLOCK
     counts = engine.sessions.sessions.counts
-    assert not engine.sessions.pinned and counts.reclaimed == 1 and counts.expired == 0
+    assert not engine.sessions.pins and counts.reclaimed == 1 and counts.expired == 0
 
 
 def test_without_sessions_the_same_growth_is_preempted() -> None:
@@ -283,10 +280,10 @@ def test_a_request_waiting_past_max_wait_s_takes_a_holds_blocks() -> None:
     engine.h.add(waiting)
     for _ in range(3):
         engine.step()
-    assert "wait" not in engine.hits and engine.sessions.pinned
+    assert "wait" not in engine.hits and engine.sessions.pins
     engine.clock.now += 3.5
     engine.step()
-    assert engine.hits["wait"] == 0 and not engine.sessions.pinned
+    assert engine.hits["wait"] == 0 and not engine.sessions.pins
     assert engine.sessions.sessions.counts.reclaimed == 1
     assert running.status is RequestStatus.RUNNING and running.num_preemptions == 0
 
@@ -327,7 +324,7 @@ def test_an_aborted_turn_is_never_held() -> None:
     engine.step()
     assert engine.scheduler.requests["t3"].num_output_tokens > 0
     engine.scheduler.finish_requests("t3", RequestStatus.FINISHED_ABORTED)
-    assert not engine.sessions.pinned and not engine.refs()
+    assert not engine.sessions.pins and not engine.refs()
     assert engine.sessions.sessions.counts.held == 1  # turn 2's, which turn 3 took
 
 
@@ -337,7 +334,7 @@ def test_an_aborted_waiting_turn_releases_its_sessions_hold() -> None:
     prompt = next_prompt(list(second.prompt_token_ids), 4, [990 + t for t in range(BLOCK)])
     engine.h.add(engine.turn("t3", prompt))
     engine.scheduler.finish_requests("t3", RequestStatus.FINISHED_ABORTED)
-    assert not engine.sessions.pinned and not engine.refs()
+    assert not engine.sessions.pins and not engine.refs()
 
 
 @pytest.mark.parametrize("fields", [{"cache_salt": "other"},
@@ -356,7 +353,7 @@ def test_another_namespace_never_continues_a_session(fields: dict) -> None:
     assert sessions.sessions.session_of("x").ended_s is None  # a new session
     assert "x" not in sessions.warm and sessions.sessions.counts.continued == 1
     engine.serve()
-    assert "t2" in sessions.pinned  # turn 2's hold stands: no turn of its session came
+    assert "t2" in sessions.pins  # turn 2's hold stands: no turn of its session came
 
 
 def test_an_explicit_session_key_is_honoured_within_its_tenant_only() -> None:
@@ -371,7 +368,7 @@ def test_an_explicit_session_key_is_honoured_within_its_tenant_only() -> None:
     engine.clock.now += 2.0
     engine.serve(keyed("b", "alice", 5000))  # no prefix in common: the key says
     sessions = engine.sessions.sessions
-    assert sessions.counts.continued == 1 and "b" in engine.sessions.pinned
+    assert sessions.counts.continued == 1 and "b" in engine.sessions.pins
     engine.h.add(keyed("c", "bob", 9000))
     assert sessions.session_of("c").ended_s is None and sessions.counts.continued == 1
 
@@ -402,12 +399,12 @@ def test_a_fault_in_the_sessions_code_never_reaches_vllm(monkeypatch,
     is off and every hold is released."""
     engine = Engine(max_faults=3)
     session(engine, 2)
-    assert engine.sessions.pinned
+    assert engine.sessions.pins
 
     def broken(*args: object) -> None:
         raise RuntimeError("injected")
 
-    for name in ("arrived", "ended", "before_pass", "after_pass"):
+    for name in ("arrived", "ended", "expire", "after_pass"):
         monkeypatch.setattr(VllmSessions, name, broken)
     served = session(engine, 3, tag="v")
     assert all(r.is_finished() for r in served)
@@ -509,7 +506,7 @@ def expected_refs(engine: Engine) -> dict[int, int]:
     for rid in engine.scheduler.requests:
         for group in manager.get_blocks(rid).blocks:
             expected.update(b.block_id for b in group if not b.is_null)
-    for blocks in engine.sessions.pinned.values():
+    for blocks in engine.sessions.pins.values():
         expected.update(b.block_id for b in blocks)
     return dict(expected)
 
@@ -533,7 +530,7 @@ def watch_overdue(engine: Engine, max_wait_s: float) -> list[tuple[float, list[s
                    if r.status in waiting and now - r.arrival_time >= max_wait_s]
         room = len(scheduler.running) < scheduler.max_num_running_reqs and \
             output.total_num_scheduled_tokens < scheduler.max_num_scheduled_tokens
-        if overdue and room and engine.sessions.pinned:
+        if overdue and room and engine.sessions.pins:
             found.append((now, overdue))
 
     scheduler.feather.after_schedule = checked

@@ -263,7 +263,7 @@ class FeatherSGLang:
         if sessions is None:
             return
         if self.faults.active:
-            self.faults.attempt("sessions", sessions.before_round)
+            self.faults.attempt("sessions", sessions.expire)
             return
         self.sessions = self.requests.warm = None
         try:  # Feather is off: nothing of it may raise into SGLang's round
@@ -298,7 +298,7 @@ class FeatherSGLang:
         would retract), for a request the round would otherwise run ``alone`` or one
         waiting past ``max_wait_s``; none for another."""
         sessions = self.sessions
-        if sessions is None or not self.faults.active or not sessions.locks:
+        if sessions is None or not self.faults.active or not sessions.pins:
             return False
         return bool(self.faults.call("sessions", self._holds_yield, sessions, req, alone,
                                      default=False))
@@ -355,7 +355,7 @@ class FeatherSGLang:
         """SGLang admitted ``req``: the runtime admits it; the next best comes up; its
         session's hold ends."""
         if self.sessions is not None and self.faults.active:
-            self.faults.attempt("sessions", self.sessions.admitted, req)
+            self.faults.attempt("sessions", self.sessions.admitted, req.rid)
         if self.faults.serves:
             self.faults.attempt("admit", self._admitted, req)
 
@@ -514,6 +514,12 @@ class FeatherSGLang:
             self.faults.attempt("sessions", self.sessions.arrived, req)
         if self.faults.serves:
             self.faults.attempt("enter_waiting", self.runtime.enter_waiting, req)
+
+    def dropped(self, req: Req) -> None:
+        """SGLang dropped ``req`` unrun (``Scheduler._release_aborted_request``: aborted or
+        refused while waiting): its session lets go of it (``SGLangSessions.dropped``)."""
+        if self.sessions is not None and self.faults.active:
+            self.faults.attempt("sessions", self.sessions.dropped, req)
 
     def refuse_bad_tenant(self, req: Req) -> None:
         """Under fair share, a request entering SGLang's queue whose tenant is invalid is
@@ -793,6 +799,15 @@ def _hook_add_request_to_queue(original: Callable, scheduler: Any, req: Any, *ar
     return result
 
 
+def _hook_release_aborted_request(original: Callable, scheduler: Any, req: Any, *args: Any,
+                                  **kwargs: Any):
+    result = original(scheduler, req, *args, **kwargs)
+    feather = getattr(scheduler, "feather", None)
+    if feather is not None:
+        feather.dropped(req)
+    return result
+
+
 def _hook_get_new_batch_prefill(original: Callable, scheduler: Any, *args: Any,
                                 **kwargs: Any):
     feather = getattr(scheduler, "feather", None)
@@ -870,6 +885,7 @@ HOOKS: dict[str, Callable] = {
     f"{_SCHEDULER}.init_schedule_policy": _hook_init_schedule_policy,
     f"{_SCHEDULER}.get_prefill_adder_class": _hook_get_prefill_adder_class,
     f"{_SCHEDULER}._add_request_to_queue": _hook_add_request_to_queue,
+    f"{_SCHEDULER}._release_aborted_request": _hook_release_aborted_request,
     f"{_SCHEDULER}.get_new_batch_prefill": _hook_get_new_batch_prefill,
     f"{_SCHEDULER}.update_running_batch": _hook_update_running_batch,
     f"{_SCHEDULER}.run_batch": _hook_run_batch,

@@ -1,4 +1,4 @@
-"""Agent sessions in SGLang (0.5.23): ``core.sessions``'s rule over its ``RadixCache``.
+"""Agent sessions in SGLang (0.5.23): ``core.session_pins`` over its ``RadixCache``.
 
 A request entering the waiting queue goes to ``Sessions.arrived`` with its prompt's token
 chunk keys (namespace: its tenant and ``extra_key``/``cache_salt`` boundary); a warm
@@ -7,24 +7,21 @@ continuing turn is named in ``warm``, class 0 of its SGLang class in
 KV row after caching it in the tree (``BasePrefixCache.on_release``, checkpointed), the
 path to its last node is held where ``Sessions.turn_ended`` says: a tree lock on
 ``req.last_node`` (``inc_lock_ref`` up to the root), named by its KV pages.  A hold ends
-with ``dec_lock_ref`` (evictable, still cached): at its next turn's admission, at its TTL
-(checked each round), when a decode step lacks KV room (before SGLang retracts) or the
-adder lacks it for the only request it could run or one waiting past ``max_wait_s``, on
-``RadixCache.reset`` (cache flush), Feather turning off.  Cost: O(a request's tokens) at
-arrival and end, O(holds) a round.  docs/sessions.md.
+with ``dec_lock_ref`` (evictable, still cached): at its next turn's admission or abort
+while waiting (``Scheduler._release_aborted_request``), at its TTL (checked each round),
+when a decode step lacks KV room (before SGLang retracts) or the adder lacks it for the
+only request it could run or one waiting past ``max_wait_s``, on ``RadixCache.reset``,
+Feather turning off.  Cost: O(a request's tokens) at arrival and end, O(holds) a round.
 """
-
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from feather_sched.core.isolation import Namespace, token_keys
-from feather_sched.core.sessions import Hold, ReloadCost, RetentionConfig, Sessions
+from feather_sched.core.session_pins import PinnedSessions
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
-from feather_sched.telemetry import prometheus as metrics
 
 prepare_sglang_import()  # before the first SGLang import (see stand_ins)
 
@@ -49,30 +46,26 @@ def why_no_sessions(tree_cache: Any) -> str | None:
     return None
 
 
-class SGLangSessions:
-    """Feather's sessions over one SGLang ``RadixCache`` (module docstring).
-    ``namespace_of(req)``: the request's session namespace; ``chunk_tokens``: tokens a
-    recognition key covers; ``pool_tokens``: SGLang's ``max_total_num_tokens``;
-    ``guard(call, *args)``: how a call from inside SGLang's cache runs."""
+class SGLangSessions(PinnedSessions[Any]):
+    """Feather's sessions over one SGLang ``RadixCache`` (module docstring), a hold pinned
+    by a tree lock.  ``namespace_of(req)``: the request's session namespace;
+    ``chunk_tokens``: tokens a recognition key covers; ``pool_tokens``: SGLang's
+    ``max_total_num_tokens``; ``guard(call, *args)``: how a call from inside SGLang's cache
+    runs."""
 
     def __init__(self, tree_cache: RadixCache, pool_tokens: int, held_share: float,
                  namespace_of: Callable[[Req], Namespace], chunk_tokens: int,
                  clock: Callable[[], float], name: str,
                  guard: Callable[..., Any] = lambda call, *args: call(*args)) -> None:
+        super().__init__(held_share, pool_tokens // tree_cache.page_size, clock, name)
         self.guard = guard
         """Runs each call from inside SGLang's cache (Feather's fault guard)."""
         self.tree_cache, self.page_size = tree_cache, tree_cache.page_size
-        self.cost = ReloadCost()
-        self.sessions = Sessions(RetentionConfig(max_held_share=held_share),
-                                 max(pool_tokens // self.page_size, 1), self.cost.seconds)
-        self.namespace_of, self.chunk_tokens, self.clock = namespace_of, chunk_tokens, clock
-        self.warm: set[str] = set()
-        """Waiting continuing turns whose prefix is warm (held, or at least half their
-        prompt in the tree): Feather's class 0."""
-        self.locks: dict[str, Any] = {}
-        """Each hold's tree lock (``RadixCache.lock`` of its last node), by its holder."""
-        self.sink = metrics.SessionSink(name) if metrics.enabled() else None
+        self.namespace_of, self.chunk_tokens = namespace_of, chunk_tokens
         self._wrap(tree_cache)
+
+    def unpin(self, pin: Any) -> None:
+        self.tree_cache.unlock(pin)
 
     def _wrap(self, tree_cache: RadixCache) -> None:
         """Hear the cache's releases and resets (its instance's methods, SGLang's own
@@ -85,7 +78,7 @@ class SGLangSessions:
 
         def on_reset() -> None:
             self.guard(self.release_all)
-            self.locks.clear()  # whatever the rule says, the old tree's locks go with it
+            self.pins.clear()  # whatever the rule says, the old tree's locks go with it
             reset()
 
         tree_cache.on_release, tree_cache.reset = on_release, on_reset
@@ -107,49 +100,35 @@ class SGLangSessions:
         not (a retracted one comes back: nothing)."""
         if self.sessions.session_of(req.rid) is not None:
             return
-        keys = self.keys(req.origin_input_ids)
         params = req.sampling_params.custom_params
         explicit = params.get(SESSION_ARG) if isinstance(params, dict) else None
-        held = self.sessions.arrived(req.rid, self.namespace_of(req), keys, self.clock(),
-                                     explicit)
-        session = self.sessions.session_of(req.rid)
-        if session is not None and session.ended_s is not None and \
-                (held or 2 * self.cached_tokens(req) >= len(req.origin_input_ids)):
-            self.warm.add(req.rid)
+        self.recognise(req.rid, self.namespace_of(req), self.keys(req.origin_input_ids),
+                       explicit,
+                       lambda: 2 * self.cached_tokens(req) >= len(req.origin_input_ids))
 
     def cached_tokens(self, req: Req) -> int:
         """How many of the prompt's leading tokens SGLang's radix tree holds now."""
         key = RadixKey(req.origin_input_ids, req.extra_key, cache_salt=req.cache_salt)
         return self.tree_cache.match_prefix(MatchPrefixParams(key=key)).device_prefix_len
 
-    def admitted(self, req: Req) -> None:
-        """SGLang admitted ``req`` (its prefix matched and locked): its session's hold
-        ends."""
-        self.warm.discard(req.rid)
-        hold = self.sessions.admitted(req.rid)
-        if hold is not None:
-            self.release([hold])
+    def dropped(self, req: Req) -> None:
+        """SGLang dropped ``req`` unrun (aborted or refused while waiting:
+        ``PinnedSessions.left``)."""
+        self.left(req.rid, self.keys(req.origin_input_ids))
 
     def ended(self, req: Req, checkpointed: bool) -> None:
         """SGLang released ``req``'s KV row (``checkpointed``: into the tree first); a
         finished turn's path is held if the rule says so.  A retracted request (not
         finished) is still its turn."""
-        if not req.finished():
-            return
-        self.warm.discard(req.rid)
-        if self.sessions.session_of(req.rid) is None:
+        if not req.finished() or not self.ending(req.rid):
             return
         node = req.last_node if checkpointed else None
         pages = self.path_pages(node)
-        tokens = len(pages) * self.page_size
         reason = "abort" if isinstance(req.finished_reason, FINISH_ABORT) or \
             not checkpointed else str(req.finished_reason.to_json().get("type"))
-        hold, released = self.sessions.turn_ended(
-            req.rid, self.keys(list(req.origin_input_ids) + list(req.output_ids)),
-            len(pages), tokens, self.clock(), reason, held=pages)
-        if hold is not None:
-            self.locks[req.rid] = self.tree_cache.lock(node)
-        self.release(released)
+        self.turn_ended(req.rid, self.keys(list(req.origin_input_ids) + list(req.output_ids)),
+                        len(pages), len(pages) * self.page_size, reason, pages,
+                        lambda: self.tree_cache.lock(node))
 
     def path_pages(self, node: Any) -> list[int]:
         """The KV pages of the tree's path from the root to ``node``, in order."""
@@ -157,38 +136,6 @@ class SGLangSessions:
             return []
         indices = self.tree_cache.path_device_indices(node)
         return (indices[:: self.page_size] // self.page_size).tolist()
-
-    # ---- pressure, metrics, the end ---------------------------------------------------
-
-    def before_round(self) -> None:
-        """A round starts: holds past their TTL whose turn has not come end (expiry)."""
-        now = self.clock()
-        if any(hold.expires_s <= now for hold in self.sessions.holds):
-            self.release(self.sessions.reclaim(sys.maxsize, now, lapsed_only=True))
-
-    def yields(self) -> bool:
-        """KV room lacks: the least valuable hold (then the oldest) yields; whether one
-        did."""
-        gone = self.sessions.reclaim(1, self.clock())
-        self.release(gone)
-        return bool(gone)
-
-    def publish(self) -> None:
-        if self.sink is not None:
-            self.sessions.publish(self.sink)
-
-    def release(self, holds: Iterable[Hold]) -> None:
-        """The holds' tree locks go (``dec_lock_ref``: evictable, still cached)."""
-        for hold in holds:
-            lock = self.locks.pop(str(hold.holder), None)
-            if lock is not None:
-                self.tree_cache.unlock(lock)
-
-    def release_all(self) -> None:
-        """Every hold ends (a cache flush, Feather off, shutdown)."""
-        self.release(self.sessions.reclaim(sys.maxsize, self.clock()))
-        for holder in list(self.locks):  # none, unless the rule lost one: never leak
-            self.tree_cache.unlock(self.locks.pop(holder))
 
 
 def session_namespace(boundary: tuple[Hashable, ...], tenant: Hashable) -> Namespace:

@@ -723,7 +723,7 @@ class VllmFeather:
         if not running and (max_wait_s is None or
                             self.scheduler.feather_clock() - request.arrival_time < max_wait_s):
             return False
-        return bool(self.faults.call("sessions", sessions.lacks_blocks, default=False))
+        return bool(self.faults.call("sessions", sessions.yields, default=False))
 
     def arrived(self, request: Request) -> None:
         """A new request reaches vLLM's scheduler (before its queue sees it)."""
@@ -740,7 +740,7 @@ class VllmFeather:
         """Before a pass: lapsed holds end; with Feather off, every hold, for good."""
         sessions = self.sessions
         if sessions is not None and self.faults.active:
-            sessions.before_pass()
+            sessions.expire()
         elif sessions is not None:
             self.sessions = None
             self.view.warm = None

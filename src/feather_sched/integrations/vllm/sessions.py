@@ -17,16 +17,14 @@ O(a request's blocks) at arrival and end, O(holds) a pass.  docs/sessions.md.
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.request import Request
 
 from feather_sched.core.isolation import Namespace
-from feather_sched.core.sessions import Hold, ReloadCost, RetentionConfig, Sessions
-from feather_sched.telemetry import prometheus as metrics
+from feather_sched.core.session_pins import PinnedSessions
 
 logger = logging.getLogger("vllm.feather_sched")
 
@@ -41,40 +39,33 @@ def pool_of(block: Any) -> Any:
     return owner() if isinstance(owner, weakref.ref) else owner
 
 
-class VllmSessions:
-    """Feather's sessions in one vLLM scheduler (module docstring).  ``namespace_of(request)``
-    is the request's session namespace, ``clock`` Feather's clock."""
+class VllmSessions(PinnedSessions[list[Any]]):
+    """Feather's sessions in one vLLM scheduler (module docstring), a hold pinned by one
+    more reference on each of its blocks.  ``namespace_of(request)`` is the request's
+    session namespace, ``clock`` Feather's clock."""
 
     def __init__(self, scheduler: Any, held_share: float,
                  namespace_of: Callable[[Request], Namespace],
                  clock: Callable[[], float], name: str) -> None:
         self.scheduler = scheduler
         self.pool = scheduler.kv_cache_manager.block_pool
+        super().__init__(held_share, self.pool.num_gpu_blocks - 1, clock, name)
         self.groups = list(range(len(scheduler.kv_cache_config.kv_cache_groups)))
-        self.cost = ReloadCost()
-        self.sessions = Sessions(RetentionConfig(max_held_share=held_share),
-                                 self.pool.num_gpu_blocks - 1, self.cost.seconds)
-        self.namespace_of, self.clock = namespace_of, clock
-        self.warm: set[str] = set()
-        """Waiting continuing turns whose prefix is warm (their session's blocks held, or
-        at least half their prompt's blocks cached): Feather's class 0."""
-        self.pinned: dict[str, list[Any]] = {}
-        """Each hold's blocks, by its holder (the request that ended), one reference each."""
-        self.sink = metrics.SessionSink(name) if metrics.enabled() else None
+        self.namespace_of = namespace_of
+
+    def unpin(self, pin: list[Any]) -> None:
+        self.pool.free_blocks(reversed(pin))  # tail first, as vLLM frees a request's
 
     # ---- requests ---------------------------------------------------------------------
 
     def arrived(self, request: Request) -> None:
-        """A new request: its session recognised (``Sessions.arrived``), warm or not."""
+        """A new request: its session recognised (``PinnedSessions.recognise``), warm or
+        not."""
         keys = request.block_hashes[: request.num_prompt_tokens // self.scheduler.block_size]
         params = request.sampling_params
         explicit = params.extra_args.get(SESSION_ARG) if params and params.extra_args else None
-        held = self.sessions.arrived(request.request_id, self.namespace_of(request), keys,
-                                     self.clock(), explicit)
-        session = self.sessions.session_of(request.request_id)
-        if session is not None and session.ended_s is not None and \
-                (held or 2 * self.cached_blocks(keys) >= len(keys)):
-            self.warm.add(request.request_id)
+        self.recognise(request.request_id, self.namespace_of(request), keys, explicit,
+                       lambda: 2 * self.cached_blocks(keys) >= len(keys))
 
     def cached_blocks(self, keys: list) -> int:
         """How many of ``keys``' leading blocks vLLM's prefix cache holds now."""
@@ -85,32 +76,22 @@ class VllmSessions:
             cached += 1
         return cached
 
-    def admitted(self, request_ids: Iterable[str]) -> None:
-        """Requests vLLM has just scheduled for the first time (their blocks taken): their
-        sessions' holds end."""
-        for request_id in request_ids:
-            self.warm.discard(request_id)
-            hold = self.sessions.admitted(request_id)
-            if hold is not None:
-                self.release([hold])
-
     def ended(self, request: Request) -> None:
         """vLLM is about to free finished (or aborted) ``request``: its prefix-cached
         blocks are held if the rule says so (touched now, so vLLM's free keeps them)."""
         request_id = request.request_id
-        self.warm.discard(request_id)
-        if self.sessions.session_of(request_id) is None:
+        if not self.ending(request_id):
             return
         blocks = self.held_blocks(request_id)
         reason = request.get_finished_reason()
         tokens = min(request.num_computed_tokens, len(blocks) * self.scheduler.block_size)
-        hold, released = self.sessions.turn_ended(
-            request_id, request.block_hashes, len(blocks), tokens, self.clock(),
-            "abort" if reason is None else str(reason), held=[b.block_id for b in blocks])
-        if hold is not None:
-            self.pool.touch(blocks)
-            self.pinned[request_id] = blocks
-        self.release(released)
+        self.turn_ended(request_id, request.block_hashes, len(blocks), tokens,
+                        "abort" if reason is None else str(reason),
+                        [b.block_id for b in blocks], lambda: self._touched(blocks))
+
+    def _touched(self, blocks: list[Any]) -> list[Any]:
+        self.pool.touch(blocks)
+        return blocks
 
     def held_blocks(self, request_id: str) -> list[Any]:
         """The request's blocks a hold keeps: those in vLLM's prefix cache (hashed), of
@@ -126,46 +107,17 @@ class VllmSessions:
                 blocks.append(block)
         return blocks
 
-    # ---- pressure, metrics, the end ---------------------------------------------------
-
-    def before_pass(self) -> None:
-        """A pass starts: holds past their TTL whose turn has not come end (expiry)."""
-        now = self.clock()
-        if any(hold.expires_s <= now for hold in self.sessions.holds):
-            self.release(self.sessions.reclaim(sys.maxsize, now, lapsed_only=True))
-
-    def lacks_blocks(self) -> bool:
-        """An allocation lacks blocks: the least valuable hold (then the oldest) yields;
-        whether one did."""
-        gone = self.sessions.reclaim(1, self.clock())
-        self.release(gone)
-        return bool(gone)
-
     def after_pass(self, output: Any) -> None:
         """After vLLM's pass formed ``output``: the holds of the turns it admitted end; a
         pass that scheduled nothing while requests wait and none runs releases the least
         valuable hold (holds never stall the engine); the metrics published."""
-        self.admitted(new.req_id for new in output.scheduled_new_reqs)
+        for new in output.scheduled_new_reqs:
+            self.admitted(new.req_id)
         scheduler = self.scheduler
-        if not output.num_scheduled_tokens and self.pinned and len(scheduler.waiting) and \
+        if not output.num_scheduled_tokens and self.pins and len(scheduler.waiting) and \
                 not scheduler.running:
-            self.release(self.sessions.reclaim(1, self.clock()))
-        if self.sink is not None:
-            self.sessions.publish(self.sink)
-
-    def release(self, holds: Iterable[Hold]) -> None:
-        """The holds' blocks go back to vLLM's pool (their last reference: evictable, still
-        cached), tail first."""
-        for hold in holds:
-            blocks = self.pinned.pop(str(hold.holder), None)
-            if blocks:
-                self.pool.free_blocks(reversed(blocks))
-
-    def release_all(self) -> None:
-        """Every hold ends (a prefix-cache reset, Feather off, shutdown)."""
-        self.release(self.sessions.reclaim(sys.maxsize, self.clock()))
-        for holder in list(self.pinned):  # none, unless the rule lost one: never leak
-            self.pool.free_blocks(reversed(self.pinned.pop(holder)))
+            self.yields()
+        self.publish()
 
 
 def retrying_allocation(allocate: Callable[..., Any], yields: Callable[[Request], bool]
