@@ -187,20 +187,23 @@ def test_on_an_amx_cpu_auto_checks_the_tiles_in_a_child_and_multiplies_in_them_i
     """The engine's real self-check runs in a process of its own (a fault in tile registers
     cannot reach the engine; only that process's peak memory is reported) and measures the
     AMX tile path at the engine's shapes; where it finds it faster (as it does on a quiet
-    AMX Xeon) the engine groups its rows and multiplies in tiles, and says so; where a
-    loaded machine measured it slower, nothing groups."""
+    AMX Xeon) the engine groups its rows and multiplies in tiles, says so, and gives the
+    greedy tokens it gives with the path off; where a loaded machine measured it slower,
+    nothing groups."""
     monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path))
     messages = []
     monkeypatch.setattr(vllm_attention, "announce", messages.append)
     prompts, lengths = mixed_prompts(1)
-    generate(make_llm("bfloat16", SHORT_PREFIXES, max_model_len=16384), prompts[:9],
-             lengths[:9])
+    tiled = generate(make_llm("bfloat16", SHORT_PREFIXES, max_model_len=16384), prompts,
+                     lengths)
     line = next(m for m in messages if "self-check on" in m)
     assert "its process's peak host memory" in line, line
-    if line.startswith("on (self-check"):
-        assert "kernel in amx tiles" in line and sum(grouped_rows) > 0, line
-    else:
-        assert line.startswith("off (self-check") and sum(grouped_rows) == 0, line
+    if line.startswith("off (self-check"):
+        assert sum(grouped_rows) == 0, line
+        return
+    assert "kernel in amx tiles" in line and sum(grouped_rows) > 0, line
+    off = make_llm("bfloat16", {"shared_prefix_attention": "off"}, max_model_len=16384)
+    assert generate(off, prompts, lengths) == tiled  # greedy: the same tokens
 
 
 def test_a_self_check_that_cannot_run_leaves_auto_off_and_the_engine_up(
