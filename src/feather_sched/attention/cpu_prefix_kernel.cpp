@@ -120,6 +120,10 @@ constexpr int kPack = 64;  // "nhd": tokens gathered into one block of the scrat
 constexpr int kChunkRows = 32;  // tiles: rows one pass over a block takes
 constexpr int kMinTileRows = 8;  // fewer rows multiply in registers (tiles pad them to 16)
 
+// Tiles: elements between rows of the probabilities' bf16 parts, a block's tokens in whole
+// 32-token steps (the same for every block, so padding rows stay zero).
+constexpr int probability_width(int block_size) { return (block_size + 31) / 32 * 32; }
+
 template <int DT>
 using Element = std::conditional_t<DT == F32, float, uint16_t>;
 
@@ -340,40 +344,56 @@ void scores_dispatch(int rows, const float* q, const int32_t* q_pairs, int head_
   }
 }
 
+// The first ``count`` of a vector's 16 lanes (none where ``count`` <= 0).
+inline __mmask16 first_lanes(int count) {
+  return count >= kTokenTile ? 0xFFFF
+         : count > 0         ? static_cast<__mmask16>((1u << count) - 1) : 0;
+}
+
+// The largest of a block row's ``n`` scores.
+inline float row_max(const float* s, int n) {
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int t0 = 0; t0 < n; t0 += kTokenTile) {
+    const __mmask16 mask = first_lanes(n - t0);
+    vmax = _mm512_mask_max_ps(vmax, mask, vmax, _mm512_maskz_loadu_ps(mask, s + t0));
+  }
+  return _mm512_reduce_max_ps(vmax);
+}
+
+// A row's running max and sum move to ``new_max`` after a block whose probabilities
+// (against ``new_max``) sum to ``block_sum``; its accumulator is rescaled to match.
+inline void advance_row(float& max, float& sum, float* acc, int head_dim, float new_max,
+                        float block_sum) {
+  const float alpha = std::exp(max - new_max);  // 0 when max is -inf
+  sum = sum * alpha + block_sum;
+  max = new_max;
+  if (alpha != 1.0f) {
+    const __m512 va = _mm512_set1_ps(alpha);
+    for (int d = 0; d < head_dim; d += 16) {
+      _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), va));
+    }
+  }
+}
+
 // Online softmax over one block: scores become probabilities against the updated running
 // max; the running sum and the accumulated output are rescaled to that max.
 void softmax_block(int rows, int n, int block_size, int head_dim, float* scores, float* max,
                    float* sum, float* acc) {
   for (int r = 0; r < rows; ++r) {
     float* s = scores + r * block_size;
-    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int t0 = 0; t0 < n; t0 += kTokenTile) {
-      const int left = n - t0;
-      const __mmask16 mask = left >= kTokenTile ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      vmax = _mm512_mask_max_ps(vmax, mask, vmax, _mm512_maskz_loadu_ps(mask, s + t0));
-    }
-    const float block_max = _mm512_reduce_max_ps(vmax);
+    const float block_max = row_max(s, n);
     const float new_max = block_max > max[r] ? block_max : max[r];
-    const float alpha = std::exp(max[r] - new_max);  // 0 when max[r] is -inf
     const __m512 shift = _mm512_set1_ps(new_max);
     __m512 vsum = _mm512_setzero_ps();
     for (int t0 = 0; t0 < n; t0 += kTokenTile) {
-      const int left = n - t0;
-      const __mmask16 mask = left >= kTokenTile ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      const __mmask16 mask = first_lanes(n - t0);
       const __m512 p = _mm512_maskz_mov_ps(
           mask, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t0), shift)));
       _mm512_mask_storeu_ps(s + t0, mask, p);
       vsum = _mm512_add_ps(vsum, p);
     }
-    sum[r] = sum[r] * alpha + _mm512_reduce_add_ps(vsum);
-    max[r] = new_max;
-    if (alpha != 1.0f) {
-      float* a = acc + r * head_dim;
-      const __m512 va = _mm512_set1_ps(alpha);
-      for (int d = 0; d < head_dim; d += 16) {
-        _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), va));
-      }
-    }
+    advance_row(max[r], sum[r], acc + r * head_dim, head_dim, new_max,
+                _mm512_reduce_add_ps(vsum));
   }
 }
 
@@ -691,10 +711,6 @@ inline void split_bf16(__m512 a, __m512 b, uint16_t* high, uint16_t* low) {
 #endif
 }
 
-// Elements between rows of the probabilities' bf16 parts: a block's tokens in whole
-// 32-token steps (the same for every block, so padding rows stay zero).
-constexpr int probability_width(int block_size) { return (block_size + 31) / 32 * 32; }
-
 // The online softmax of one block's unscaled scores, written as bf16 high + low parts of
 // the probabilities (``split_bf16``), rows ``width`` apart, zero past the block's n tokens
 // up to a whole 32-token step: per row the running max (scaled) and sum are updated and
@@ -705,21 +721,14 @@ void softmax_split(int rows, int n, int block_size, int head_dim, int width, flo
                    const float* scores, float* max, float* sum, float* acc, uint16_t* high,
                    uint16_t* low, const char* prefetch, int64_t prefetch_bytes) {
   constexpr float kLog2e = 1.44269504088896341f;
-  const int span = (n + 31) / 32 * 32;
+  const int span = probability_width(n);
   const int64_t pairs = static_cast<int64_t>(rows) * (span / 32);
   const int64_t lines_per_pair = (prefetch_bytes / 64 + pairs - 1) / pairs;
   const char* const prefetch_end = prefetch + prefetch_bytes;
   for (int r = 0; r < rows; ++r) {
     const float* s = scores + static_cast<int64_t>(r) * block_size;
-    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int t0 = 0; t0 < n; t0 += kTokenTile) {
-      const int left = n - t0;
-      const __mmask16 mask = left >= kTokenTile ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      vmax = _mm512_mask_max_ps(vmax, mask, vmax, _mm512_maskz_loadu_ps(mask, s + t0));
-    }
-    const float block_max = scale * _mm512_reduce_max_ps(vmax);
+    const float block_max = scale * row_max(s, n);
     const float new_max = block_max > max[r] ? block_max : max[r];
-    const float alpha = std::exp(max[r] - new_max);  // 0 when max[r] is -inf
     const __m512 shift = _mm512_set1_ps(-new_max * kLog2e);
     const __m512 factor = _mm512_set1_ps(scale * kLog2e);
     __m512 vsum = _mm512_setzero_ps();
@@ -731,9 +740,7 @@ void softmax_split(int rows, int n, int block_size, int head_dim, int width, flo
       }
       __m512 p[2];
       for (int j = 0; j < 2; ++j) {
-        const int left = n - t0 - j * kTokenTile;
-        const __mmask16 mask = left >= kTokenTile ? 0xFFFF
-                               : left > 0 ? static_cast<__mmask16>((1u << left) - 1) : 0;
+        const __mmask16 mask = first_lanes(n - t0 - j * kTokenTile);
         const __m512 x = _mm512_fmadd_ps(
             _mm512_maskz_loadu_ps(mask, s + t0 + j * kTokenTile), factor, shift);
         p[j] = exp2_nonpositive(mask, x);
@@ -741,15 +748,8 @@ void softmax_split(int rows, int n, int block_size, int head_dim, int width, flo
       }
       split_bf16(p[0], p[1], h + t0, l + t0);
     }
-    sum[r] = sum[r] * alpha + _mm512_reduce_add_ps(vsum);
-    max[r] = new_max;
-    if (alpha != 1.0f) {
-      float* a = acc + static_cast<int64_t>(r) * head_dim;
-      const __m512 va = _mm512_set1_ps(alpha);
-      for (int d = 0; d < head_dim; d += 16) {
-        _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), va));
-      }
-    }
+    advance_row(max[r], sum[r], acc + static_cast<int64_t>(r) * head_dim, head_dim, new_max,
+                _mm512_reduce_add_ps(vsum));
   }
 }
 
@@ -973,7 +973,7 @@ void attend_segment(const Geometry& g, const void* cache, const void* values,
   const int block_size = LO == NHD ? kPack : g.block_size;
   w.reset(rows, padded, D, block_size, tiles ? kChunkRows : kScoreRows);
   if (tiles) {  // padding rows of the probabilities stay zero
-    const size_t width = (block_size + 31) / 32 * 32;
+    const size_t width = probability_width(block_size);
     w.p_high.assign(kChunkRows * width, 0);
     w.p_low.assign(kChunkRows * width, 0);
     w.v_tail.resize(static_cast<size_t>(D) / 16 * 512);
@@ -1115,38 +1115,31 @@ struct Plan {
 };
 
 // One row's attention over the union of ``parts`` disjoint parts (``part(p)``: its output,
-// ``lse[p]`` its LSE) into ``o`` and ``lse_out``: the exact log-sum-exp merge in fp32 (a
-// part of no weight, LSE -inf, adds nothing; no weight at all gives 0 and -inf). ``o`` may
-// be one of the parts: each is read before ``o`` is written.
-template <class Part>
-void merge_row(int parts, const Part& part, const float* lse, int head_dim, float* o,
+// ``part_lse(p)`` its LSE) into ``o`` and ``lse_out``: the exact log-sum-exp merge in fp32
+// (a part of no weight, LSE -inf, adds nothing; no weight at all gives 0 and -inf). ``o``
+// may be part 0 (each element is read before it is written), no other part.
+template <class Out, class Lse>
+void merge_row(int parts, const Out& part, const Lse& part_lse, int head_dim, float* o,
                float* lse_out) {
   float top = -std::numeric_limits<float>::infinity();
-  for (int p = 0; p < parts; ++p) top = std::max(top, lse[p]);
+  for (int p = 0; p < parts; ++p) top = std::max(top, part_lse(p));
   if (top == -std::numeric_limits<float>::infinity()) {
     std::fill(o, o + head_dim, 0.0f);
     *lse_out = top;
     return;
   }
-  float weight[2], total = 0.0f;
-  const bool pair = parts == 2;  // the common case, kept out of memory
-  std::vector<float> merged(pair ? 0 : head_dim, 0.0f);
+  float total = 0.0f;
   for (int p = 0; p < parts; ++p) {
-    const float w = std::exp(lse[p] - top);
-    total += w;
-    if (pair) {
-      weight[p] = w;
-      continue;
+    const float weight = std::exp(part_lse(p) - top);
+    const float* x = part(p);
+    if (p == 0) {
+      for (int d = 0; d < head_dim; ++d) o[d] = weight * x[d];
+    } else {
+      for (int d = 0; d < head_dim; ++d) o[d] += weight * x[d];
     }
-    const float* part_out = part(p);
-    for (int d = 0; d < head_dim; ++d) merged[d] += w * part_out[d];
+    total += weight;
   }
-  if (pair) {
-    const float *a = part(0), *b = part(1);
-    for (int d = 0; d < head_dim; ++d) o[d] = (weight[0] * a[d] + weight[1] * b[d]) / total;
-  } else {
-    for (int d = 0; d < head_dim; ++d) o[d] = merged[d] / total;
-  }
+  for (int d = 0; d < head_dim; ++d) o[d] /= total;
   *lse_out = top + std::log(total);
 }
 
@@ -1163,11 +1156,10 @@ void merge_parts(const Geometry& g, const Plan& plan, const int64_t* token_offse
       const auto part_row = [&](int32_t p) {
         return (split.row0 + static_cast<int64_t>(p) * split.tokens + token) * q_heads + head;
       };
-      std::vector<float> part_lse(split.parts);
-      for (int32_t p = 0; p < split.parts; ++p) part_lse[p] = plan.part_lse[part_row(p)];
       const int64_t row = (token_offsets[split.segment] + token) * q_heads + head;
       merge_row(split.parts, [&](int p) { return plan.part_out.data() + part_row(p) * D; },
-                part_lse.data(), D, out + row * D, lse + row);
+                [&](int p) { return plan.part_lse[part_row(p)]; }, D, out + row * D,
+                lse + row);
     }
   }
 }
@@ -1234,11 +1226,10 @@ void feather_merge_halves(int64_t rows, int32_t heads, int32_t head_dim, float* 
   const int64_t half = rows * heads;
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
   for (int64_t i = 0; i < half; ++i) {
-    const float pair_lse[2] = {lse[i], lse[half + i]};
-    float* a = out + i * head_dim;
-    const float* b = out + (half + i) * head_dim;
-    merge_row(2, [&](int p) -> const float* { return p ? b : a; }, pair_lse, head_dim, a,
-              lse + i);
+    float* prefix = out + i * head_dim;
+    const float* suffix = out + (half + i) * head_dim;
+    merge_row(2, [&](int p) -> const float* { return p ? suffix : prefix; },
+              [&](int p) { return lse[p ? half + i : i]; }, head_dim, prefix, lse + i);
   }
 }
 
