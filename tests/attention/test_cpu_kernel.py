@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from feather_sched.attention import cpu_kernel
-from feather_sched.attention.partials import merge_partials, reference_attention
+from feather_sched.attention.partials import reference_attention
 from tests.helpers.kv_layouts import write_cache
+from tests.helpers.merge import merge_partials
 
 
 def run_segments(cache, query, segments, scale, layout="vec"):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from feather_sched.attention.partials import merge_partials, reference_attention
+from feather_sched.attention.partials import reference_attention
+from tests.helpers.merge import merge_partials
 
 
 def test_merging_two_parts_gives_attention_over_their_union():

@@ -1,32 +1,16 @@
-"""Partial attentions and their exact merge; the float64 reference the tests compare with.
+"""Partial attentions and the float64 reference the tests and the self-check compare with.
 
 A partial is attention over part of a query's context: its output normalised over that
 part and the part's log-sum-exp of scaled scores, in natural log (vLLM's convention:
 ``merge_attn_states`` and ``lse_base_on_e``; FlashInfer's cascade uses base 2, and
 mixing the two silently corrupts outputs). Merging partials over disjoint parts by
-their LSE gives exactly the attention over the union.
+their LSE gives exactly the attention over the union (the CPU kernel's
+``feather_merge_halves``, the Triton kernels' ``merge_partials``).
 """
 
 from __future__ import annotations
 
 import torch
-
-
-def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                   lse_b: torch.Tensor) -> torch.Tensor:
-    """Attention over the union of two disjoint parts, in fp32.
-
-    ``out_*``: ``[rows, heads, head_dim]`` fp32 partials; ``lse_*``: ``[rows, heads]``
-    natural-log LSE, -inf for a part with no tokens (its weight is then 0; a row with no
-    tokens in either part gives 0). Cost: a few elementwise passes over the partials.
-    """
-    top = torch.maximum(lse_a, lse_b)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    weight_a = torch.exp(lse_a - top).unsqueeze(-1)
-    weight_b = torch.exp(lse_b - top).unsqueeze(-1)
-    total = weight_a + weight_b
-    merged = (weight_a * out_a + weight_b * out_b) / torch.where(total > 0, total, 1.0)
-    return merged
 
 
 def reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

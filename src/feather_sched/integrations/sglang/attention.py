@@ -245,11 +245,10 @@ def create_backend(name: str, runner: Any, environ: Mapping[str, str] | None = N
             notes.append(f"kernel in {cpu_kernel.path(backend.use_tiles)}")
         announce(verdict.line(*notes))
     else:
-        kernel = "Triton" if name in GPU_BACKENDS else \
-            "AVX-512" if cpu_kernel.vectorized() else "portable"
+        kernel = "Triton kernels" if name in GPU_BACKENDS else \
+            f"kernel in {cpu_kernel.path(backend.use_tiles)}"
         announce(f"on ({mode}; {name}, {runner.token_to_kv_pool.dtype}, page size "
-                 f"{backend.page_size}, {kernel} kernels, groups from {tokens} shared "
-                 "tokens)")
+                 f"{backend.page_size}, {kernel}, groups from {tokens} shared tokens)")
     return backend
 
 
