@@ -27,6 +27,11 @@ shapes (per group and KV head: rows x prefix scores, then their product with V),
 large bf16 ``torch.matmul`` (the GEMM peak). The floor is the larger of the cell's FLOPs
 over the GEMM peak and its prefix bytes over the streaming rate.
 
+Where ``auto`` acts: each round runs the engine's self-check for each model (as vLLM's
+CPU engine runs it at start: ``max_num_seqs`` 256, a 32K context) and the table says in
+how many rounds its verdict groups the cell (``auto groups``), so a cell slower than
+vLLM's kernel where the path would act shows.
+
     .venv/bin/python benchmarks/attention/cpu_decode.py            # the grid, ~4 min
     .venv/bin/python benchmarks/attention/cpu_decode.py --quick    # 4 x 16 at 8K only
     .venv/bin/python benchmarks/attention/cpu_decode.py --cells 4x16x8192,4x16x1024 \
@@ -47,15 +52,16 @@ from dataclasses import asdict
 import ceilings
 import torch
 
-from feather_sched.attention import cpu_kernel
+from feather_sched.attention import cpu_kernel, selfcheck
 from feather_sched.attention.groups import min_blocks, plan_step
 from feather_sched.attention.selfcheck import Cell
 from feather_sched.bench.study import Study, markdown_table
 from feather_sched.bench.study import parser as study_parser
-from feather_sched.integrations.vllm.attention_check import CpuBatch, Geometry
+from feather_sched.integrations.vllm.attention_check import CpuBatch, CpuSubject, Geometry
 
 BLOCK = 128
 MAX_ROWS = 256  # vLLM's default max_num_seqs
+MAX_CONTEXT = 32768
 
 
 GEOMETRIES = {
@@ -143,6 +149,7 @@ def summarize(records: list[dict]) -> list[dict]:
             **{f"{name}_over_shared": statistics.median(v) for name, v in ratios.items()},
             **{f"{name}_over_shared_range": [min(v), max(v)] for name, v in ratios.items()},
             **ceilings.against_the_limit(mine),
+            "auto_groups": sum(r["auto_groups"] for r in mine),
             "max_relative_difference": max(r["max_relative_difference"] for r in mine)})
     return rows
 
@@ -156,13 +163,13 @@ def table(rows: list[dict]) -> str:
         ["model", "dtype", "G x M", "prefix", "sorted ms", "interleaved ms", "shared ms",
          "sorted / shared (range)", "interleaved / shared", "plan per step ms",
          "kernel ms", "kernel GFLOP/s", "kernel GB/s", "floor ms", "kernel / floor",
-         "same-shape matmul ms"],
+         "same-shape matmul ms", "auto groups"],
         ([r["geometry"], r["dtype"], f"{r['groups']} x {r['per_group']}", str(r["prefix"]),
           f"{r['sorted_ms']:.2f}", f"{r['interleaved_ms']:.2f}", f"{r['shared_ms']:.2f}",
           ratio(r), f"{r['interleaved_over_shared']:.2f}x", f"{r['plan_per_step_ms']:.3f}",
           f"{r['prefix_kernel_ms']:.2f}", f"{r['kernel_gflops']:.0f}",
           f"{r['kernel_gbps']:.1f}", f"{r['floor_ms']:.2f}", f"{r['kernel_over_floor']:.2f}x",
-          f"{r['matmul_same_shapes_ms']:.2f}"]
+          f"{r['matmul_same_shapes_ms']:.2f}", f"{r['auto_groups']}/{r['rounds']}"]
          for r in rows))
 
 
@@ -183,18 +190,24 @@ def main() -> None:
     study = Study(__file__, set_name=args.set)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    records, peaks = [], []
+    records, peaks, verdicts = [], [], []
     cells = grid(args.quick, [int(p) for p in args.prefixes.split(",")], args.cells)
     for round_index in range(args.rounds):
         peaks.append(ceilings.gemm_peak_gflops(dtype))
         print(f"round {round_index}: bf16 GEMM peak {peaks[-1]:.0f} GFLOP/s", flush=True)
         for name in args.geometry.split(","):
+            verdict = selfcheck.check(CpuSubject(GEOMETRIES[name], dtype, BLOCK, MAX_ROWS,
+                                                 MAX_CONTEXT, ()))
+            verdicts.append({"round": round_index, "geometry": name,
+                             "verdict": verdict.to_json()})
+            print(f"round {round_index} {name}: auto {verdict.line()}", flush=True)
             for config in cells:
                 batch = CpuBatch(config, GEOMETRIES[name], dtype, BLOCK, seed=round_index)
                 record = measure(batch, args.reps)
                 records.append({"round": round_index, "geometry": name, "dtype": args.dtype,
                                 "isa": batch.isa, "kernel_isa": cpu_kernel.isa(),
                                 "gemm_peak_gflops": peaks[-1], "config": asdict(config),
+                                "auto_groups": verdict.groups(config.per_group, config.prefix),
                                 **record})
                 s = record["seconds"]
                 print(f"round {round_index} {name} {config}: sorted {1e3 * s['sorted']:.2f} ms, "
@@ -205,7 +218,8 @@ def main() -> None:
     study.write_json(args.stem, {
         "machine": platform.processor() or platform.machine(), "cpu": ceilings.cpu_name(),
         "threads": args.threads, "torch": torch.__version__, "kernel_isa": cpu_kernel.isa(),
-        "gemm_peak_gflops": peaks, "summary": rows, "records": records})
+        "gemm_peak_gflops": peaks, "summary": rows, "records": records,
+        "verdicts": verdicts})
     study.write_markdown(args.stem, table(rows))
 
 

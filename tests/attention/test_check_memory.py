@@ -130,8 +130,10 @@ def test_the_memory_plan_is_the_fixed_buffers_and_the_largest_cell() -> None:
     assert largest.cell == Cell(8192, 4, 16)
     assert plan.peak_device_bytes == plan.fixed_device_bytes + largest.device_bytes
     assert plan.fixed_device_bytes >= limits.workspace_bytes + check_memory.ENGINE_ALLOWANCE
-    assert all(c.reference == (c.cell.rows * (c.cell.prefix + c.cell.suffix + 1) <= 1 << 15)
+    assert all(c.reference == (c.cell.rows * c.cell.length <= 1 << 15
+                               and c.cell.length <= selfcheck.REFERENCE_CONTEXT)
                for c in plan.cells)  # float64 only on small cells
+    assert any(c.reference for c in plan.cells if c.cell in selfcheck.GRID)
     # The check's process is limited by this plan (its whole grid, the GPU's process).
     child = check_memory.planned_limits(shapes, cuda=True)
     assert child.memory_bytes == int(plan.peak_host_bytes * check_memory.LIMIT_HEADROOM)

@@ -315,3 +315,39 @@ def test_a_token_plan_is_none_where_rows_start_in_different_slots():
     pool = TokenPool(1)
     rows = [pool.allocate(400) for _ in range(4)]
     assert groups.plan_token_step(*pool.table(rows), 1, 256) is None
+
+
+def test_groups_are_kept_by_what_the_check_asked_of_their_size():
+    """``by_size``: a group takes the entry of the largest size it reaches (the first
+    entry below them all); None keeps no group of that size; empty keeps every group."""
+    pairs = [[1, 2, 3, 4, 10 + i] for i in range(2)]  # 2 rows sharing 4 blocks
+    fours = [[5, 6, 20 + i] for i in range(4)]  # 4 rows sharing 2 blocks
+    eights = [[7, 30 + i] for i in range(8)]  # 8 rows sharing 1 block
+    rows = pairs + fours + eights
+    bt = torch.from_numpy(table(rows))
+    lens = torch.from_numpy(lens_for(rows))
+    starts = torch.arange(len(rows) + 1, dtype=torch.int32)
+
+    def kept(by_size) -> list[int]:
+        plan = plan_step(bt, lens, starts, len(rows), BS, 1, by_size)
+        return [] if plan is None else sorted(plan.groups.sizes().tolist())
+
+    assert kept(()) == [2, 4, 8]
+    assert kept(((4, 2 * BS), (8, BS))) == [2, 4, 8]
+    assert kept(((4, 3 * BS), (8, BS))) == [2, 8]  # the pair shares 4 blocks, the 4s 2
+    assert kept(((4, 5 * BS), (8, 2 * BS))) == []
+    assert kept(((4, None), (8, BS))) == [8]
+    assert kept(((2, None), (4, 2 * BS), (8, 2 * BS))) == [4]
+
+
+def test_a_token_plan_keeps_groups_by_their_size_too():
+    pool = TokenPool(1)
+    small, large = pool.allocate(600), pool.allocate(300)
+    rows = [small + pool.allocate(5) for _ in range(2)] + \
+        [large + pool.allocate(5) for _ in range(8)]
+    table, pool_rows, lens = pool.table(rows)
+    both = groups.plan_token_step(table, pool_rows, lens, 1, 256)
+    assert sorted(both.groups.sizes().tolist()) == [2, 8]
+    by_size = ((4, 1024), (8, 256))
+    plan = groups.plan_token_step(table, pool_rows, lens, 1, 256, by_size)
+    assert plan.groups.sizes().tolist() == [8] and plan.groups.shared.tolist() == [300]

@@ -64,6 +64,26 @@ def test_on_from_the_shortest_prefix_from_which_every_cell_is_faster() -> None:
     assert dip.on and dip.min_shared_tokens == 4096
 
 
+def test_each_group_size_groups_from_its_own_break_even() -> None:
+    """A lone small group saves least against the path's fixed costs: where it pays only
+    from a longer prefix than larger groups, each size keeps its own break-even (kept in
+    the cache as measured); a larger size never waits longer than a smaller one."""
+    small_late = selfcheck.check(Subject(
+        lambda c: 1.5 if c.prefix >= (4096 if c.per_group == 4 else 1024) else 0.9))
+    assert small_late.on and small_late.by_size == ((4, 4096), (16, 1024))
+    assert small_late.min_shared_tokens == 1024
+    assert "by size: 4+ rows from 4096, 16+ rows from 1024" in small_late.line()
+    assert Verdict.from_json(json.loads(json.dumps(small_late.to_json()))) == small_late
+    assert [small_late.groups(rows, tokens) for rows, tokens in (
+        (2, 4096), (15, 2048), (16, 1024), (64, 512))] == [True, False, True, False]
+    never = selfcheck.check(Subject(lambda c: 0.9 if c.per_group == 4 else 1.5))
+    assert never.on and never.by_size == ((4, None), (16, 512))
+    assert "4+ rows from never" in never.line()
+    large_late = selfcheck.check(Subject(
+        lambda c: 1.5 if c.prefix >= (2048 if c.per_group == 4 else 8192) else 0.9))
+    assert large_late.by_size == ((4, 2048), (16, 2048))
+
+
 def test_a_path_measured_slower_everywhere_keeps_auto_off_with_its_figures() -> None:
     verdict = selfcheck.check(Subject(lambda c: 0.7))
     assert not verdict.on and verdict.min_shared_tokens is None
@@ -159,26 +179,32 @@ def _vote(rank: int, store: str, on: bool, tokens: int | None, answers) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    verdict = None if tokens is None else Verdict(on, "test", tokens if on else None, SHAPES)
+    by_size = ((4, None), (16, tokens)) if on and tokens and tokens % 1000 == 0 else ()
+    verdict = None if tokens is None else Verdict(on, "test", tokens if on else None, SHAPES,
+                                                  by_size=by_size)
     group = SimpleNamespace(cpu_group=dist.group.WORLD)  # an engine's TP group, as both have
     engine = SimpleNamespace(model_parallel_is_initialized=lambda: True,
                              get_tp_group=lambda: group)
     agreed = selfcheck.tp_vote(verdict, engine)
     answers.put((rank, None if agreed is None else (agreed.on, agreed.min_shared_tokens,
-                                                    agreed.reason)))
+                                                    agreed.reason, agreed.by_size)))
     dist.destroy_process_group()
 
 
+OFF = "another tensor-parallel rank found it off"
+
+
 @pytest.mark.parametrize("votes, expected", [
-    (((True, 512), (True, 2048)), {(True, 2048, "test")}),
-    (((True, 512), (False, 0)), {(False, None, "another tensor-parallel rank found it off"),
-                                 (False, None, "test")}),
-    (((True, 512), (False, None)), {(False, None, "another tensor-parallel rank found it off"),
-                                    None})], ids=["both-on", "one-off", "one-failed"])
+    (((True, 512), (True, 2048)), {(True, 2048, "test", ((4, 2048), (16, 2048)))}),
+    (((True, 512), (True, 1000)), {(True, 1000, "test", ((4, None), (16, 1000)))}),
+    (((True, 512), (False, 0)), {(False, None, OFF, ()), (False, None, "test", ())}),
+    (((True, 512), (False, None)), {(False, None, OFF, ()), None})],
+    ids=["both-on", "by-size", "one-off", "one-failed"])
 def test_tensor_parallel_ranks_agree_on_one_verdict(votes, expected, tmp_path) -> None:
     """Two real ranks (gloo, as the engines' host-side groups) through ``tp_vote``, where
-    vLLM's and SGLang's adapters vote: on only if both are, from the longer break-even; a
-    rank whose check failed (None) votes off."""
+    vLLM's and SGLang's adapters vote: on only if both are, from the longer break-even of
+    each group size (a rank's one break-even stands for every size; a size either finds
+    never worth grouping is never grouped); a rank whose check failed (None) votes off."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")

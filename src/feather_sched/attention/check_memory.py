@@ -104,7 +104,7 @@ def cell_memory(cell: Cell, shapes: Shapes) -> CellMemory:
     """What one cell holds (see the module docstring), in bytes."""
     size, block = itemsize(shapes.dtype), shapes.block_size
     q, kv, d, rows = shapes.q_heads, shapes.kv_heads, shapes.head_dim, cell.rows
-    length = cell.prefix + cell.suffix + 1
+    length = cell.length
     shared = cell.prefix // block
     own = -(-(length - shared * block) // block)
     blocks = cell.groups * shared + rows * own
@@ -116,7 +116,7 @@ def cell_memory(cell: Cell, shapes: Shapes) -> CellMemory:
               + rows * q * (d + 1) * 4             # a stand-in engine's fp32 partials
               + rows * (columns + 16) * 8)         # table, lengths, slots, segments
     host = HOST_GROUPING_BYTES * rows * columns + 12 * blocks + 64 * rows
-    reference = rows * length <= REFERENCE_TOKENS
+    reference = cell.referenced(REFERENCE_TOKENS)
     if reference:
         context = length * kv * 2 * d
         device += context * size                   # one row's context gathered

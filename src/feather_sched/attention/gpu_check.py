@@ -69,7 +69,7 @@ class PagedBatch:
         g, m = cell.groups, cell.per_group
         self.cell, self.block, self.kv_heads = cell, block, kv_heads
         shared_blocks = cell.prefix // block
-        self.length = length = cell.prefix + cell.suffix + 1
+        self.length = length = cell.length
         own_blocks = -(-(length - shared_blocks * block) // block)
         blocks = g * shared_blocks + g * m * own_blocks
         ids = torch.randperm(blocks, generator=generator).int()
@@ -106,8 +106,8 @@ class PagedBatch:
 
     def reference(self) -> torch.Tensor | None:
         """Float64 attention of every row over its whole context, computed one row at a
-        time on the host (small cells only: ``REFERENCE_TOKENS``)."""
-        if self.cell.rows * self.length > REFERENCE_TOKENS:
+        time on the host (small cells only: ``Cell.referenced``)."""
+        if not self.cell.referenced(REFERENCE_TOKENS):
             return None
         query = self.query.cpu()
         table = torch.from_numpy(self.table_host).long()

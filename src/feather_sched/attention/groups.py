@@ -58,6 +58,37 @@ class Groups:
         """Shared blocks of each row in ``rows``."""
         return np.repeat(self.shared, self.sizes())
 
+    def only(self, keep: np.ndarray, shared: np.ndarray | None = None) -> Groups:
+        """The groups where ``keep`` (bool per group) holds, with ``shared`` (per group)
+        in place of theirs if given.  O(rows)."""
+        shared = self.shared if shared is None else shared
+        if not keep.any():
+            return _no_groups()
+        members = [self.rows[lo:hi] for lo, hi, kept in zip(
+            self.offsets[:-1], self.offsets[1:], keep, strict=True) if kept]
+        return Groups(np.concatenate(members), np.cumsum([0] + [len(m) for m in members]),
+                      shared[keep].astype(np.int64))
+
+
+BySize = tuple[tuple[int, int | None], ...]
+"""From how many shared tokens a group is worth its own pass, by its size: entry
+``(rows, tokens)`` for groups of at least ``rows`` rows (rows ascending), the first entry
+also for smaller groups; ``tokens`` None: never.  Empty: every group found is worth it
+(what the self-check measured per size, ``selfcheck.Verdict.by_size``)."""
+
+
+def worth_by_size(groups: Groups, by_size: BySize, unit: int) -> Groups:
+    """``groups`` less those sharing fewer tokens than ``by_size`` asks of their size
+    (``groups.shared`` counts ``unit`` tokens each).  O(groups + rows) where any is cut."""
+    if not by_size or not len(groups):
+        return groups
+    least = np.array([rows for rows, _ in by_size])
+    needed = np.array([np.iinfo(np.int64).max if tokens is None else tokens
+                       for _, tokens in by_size], dtype=np.int64)
+    entry = np.maximum(np.searchsorted(least, groups.sizes(), side="right") - 1, 0)
+    keep = groups.shared * unit >= needed[entry]
+    return groups if keep.all() else groups.only(keep)
+
 
 def min_blocks(block_size: int, min_tokens: int = MIN_SHARED_TOKENS) -> int:
     """Fewest shared blocks worth a group at this block size: ``min_tokens`` rounded up."""
@@ -397,11 +428,12 @@ class StepPlan:
 
 def plan_step(block_table: torch.Tensor, seq_lens: torch.Tensor,
               query_start_loc: torch.Tensor, num_reqs: int, block_size: int,
-              min_shared_blocks: int) -> StepPlan | None:
+              min_shared_blocks: int, by_size: BySize = ()) -> StepPlan | None:
     """The step's plan, or None when no rows group (the engine then runs unchanged).
 
     CPU tensors in vLLM's shapes: ``block_table`` ``[>= num_reqs, width]`` int32,
     ``seq_lens`` ``[num_reqs]``, ``query_start_loc`` ``[num_reqs + 1]``; none is modified.
+    Groups share at least ``min_shared_blocks`` and what ``by_size`` asks of their size.
     A batch whose rows all start on different blocks returns at once (a few us).
     """
     if distinct(block_table[:num_reqs, 0]):
@@ -409,7 +441,8 @@ def plan_step(block_table: torch.Tensor, seq_lens: torch.Tensor,
     starts = query_start_loc[:num_reqs + 1].numpy()
     table = block_table[:num_reqs].numpy()
     lens = seq_lens[:num_reqs].numpy()
-    groups = find_groups(table, lens, np.diff(starts), block_size, min_shared_blocks)
+    groups = worth_by_size(find_groups(table, lens, np.diff(starts), block_size,
+                                       min_shared_blocks), by_size, block_size)
     if not len(groups):
         return None
     return _plan(groups, table, groups.rows, lens, starts[groups.rows], block_size)
@@ -417,7 +450,7 @@ def plan_step(block_table: torch.Tensor, seq_lens: torch.Tensor,
 
 def plan_token_step(token_table: torch.Tensor, table_rows: torch.Tensor,
                     seq_lens: torch.Tensor, page_size: int,
-                    min_shared_tokens: int) -> StepPlan | None:
+                    min_shared_tokens: int, by_size: BySize = ()) -> StepPlan | None:
     """The plan of a decode step (one query token per row) whose KV is listed token by
     token, or None when no rows group: row ``i``'s token ``t`` is in KV slot
     ``token_table[table_rows[i], t]`` (SGLang's ``req_to_token`` and ``req_pool_indices``:
@@ -427,7 +460,7 @@ def plan_token_step(token_table: torch.Tensor, table_rows: torch.Tensor,
     ``find_token_groups``'.
     """
     groups = find_token_groups(token_table, table_rows, seq_lens, page_size,
-                               min_shared_tokens)
+                               min_shared_tokens, by_size)
     if not len(groups):
         return None
     rows = table_rows.numpy().astype(np.int64)
@@ -436,11 +469,12 @@ def plan_token_step(token_table: torch.Tensor, table_rows: torch.Tensor,
 
 
 def find_token_groups(token_table: torch.Tensor, table_rows: torch.Tensor,
-                      seq_lens: torch.Tensor, page_size: int, min_shared_tokens: int
-                      ) -> Groups:
+                      seq_lens: torch.Tensor, page_size: int, min_shared_tokens: int,
+                      by_size: BySize = ()) -> Groups:
     """The decode rows of a token table (as ``plan_token_step`` takes it) that share at
-    least ``min_shared_tokens`` leading tokens, grouped; ``shared`` counts tokens, whole
-    pages of ``page_size`` (what SGLang's radix cache shares).
+    least ``min_shared_tokens`` leading tokens (and what ``by_size`` asks of their size),
+    grouped; ``shared`` counts tokens, whole pages of ``page_size`` (what SGLang's radix
+    cache shares).
 
     Groups are found over chunks of ``max(page_size, TOKEN_CHUNK)`` tokens, each named by
     its first slot (``find_groups`` on a table that many times narrower), then each group's
@@ -460,8 +494,8 @@ def find_token_groups(token_table: torch.Tensor, table_rows: torch.Tensor,
     chunks = table[:, :int(lens.max()):chunk][rows]
     groups = find_groups(chunks, lens, np.ones(len(rows), dtype=np.int64), chunk,
                          min_blocks(chunk, min_shared_tokens))
-    return _identical(Groups(groups.rows, groups.offsets, groups.shared * chunk), table,
-                      rows, min_shared_tokens, page_size)
+    return worth_by_size(_identical(Groups(groups.rows, groups.offsets, groups.shared * chunk),
+                                    table, rows, min_shared_tokens, page_size), by_size, 1)
 
 
 def _identical(groups: Groups, table: np.ndarray, table_rows: np.ndarray,
@@ -470,21 +504,15 @@ def _identical(groups: Groups, table: np.ndarray, table_rows: np.ndarray,
     the token table ``table`` all its rows share (its ``shared`` tokens at most: a chunk
     named by its first slot can end past what is shared), and less those left under
     ``min_tokens``.  One numpy compare per group: O(grouped rows x shared tokens)."""
-    keep, shared = [], []
-    for group, (lo, hi, tokens) in enumerate(zip(
-            groups.offsets[:-1].tolist(), groups.offsets[1:].tolist(),
-            groups.shared.tolist(), strict=True)):
+    shared = []
+    for lo, hi, tokens in zip(groups.offsets[:-1].tolist(), groups.offsets[1:].tolist(),
+                              groups.shared.tolist(), strict=True):
         slots = table[table_rows[groups.rows[lo:hi]], :tokens]
         differs = (slots[1:] != slots[0]).any(axis=0)
-        common = (int(differs.argmax()) if differs.any() else tokens) // page_size * page_size
-        if common >= max(min_tokens, 1):
-            keep.append(group)
-            shared.append(common)
-    if not keep:
-        return _no_groups()
-    members = [groups.rows[groups.offsets[g]:groups.offsets[g + 1]] for g in keep]
-    return Groups(np.concatenate(members), np.cumsum([0] + [len(m) for m in members]),
-                  np.array(shared, dtype=np.int64))
+        shared.append((int(differs.argmax()) if differs.any() else tokens)
+                      // page_size * page_size)
+    common = np.array(shared, dtype=np.int64)
+    return groups.only(common >= max(min_tokens, 1), common)
 
 
 def _plan(groups: Groups, table: np.ndarray, own_rows: np.ndarray, lens: np.ndarray,

@@ -9,7 +9,8 @@ the whole batch and the shared-prefix path (the engine's kernel on the batch wit
 grouped rows cut, then the groups).  ``check`` runs exactness first (every cell against the
 engine's kernel; float64 where the trial has a reference), then times both paths over the
 grid, and returns a ``Verdict``: on only where every cell is exact and the path is faster,
-with the shortest prefix worth grouping taken from the measured break-even.
+with the shortest prefix worth grouping taken from the measured break-even of each group
+size.
 ``cached_check`` keeps verdicts per device, versions and shapes (one JSON file each), so
 a restart costs nothing.  Engine-agnostic: imports torch only.
 """
@@ -29,14 +30,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
+from feather_sched.attention.groups import BySize, Groups, worth_by_size
 from feather_sched.telemetry.files import read_json, replace_atomically
 
 logger = logging.getLogger("feather_sched")
 
 FORMAT = "feather-attention-check"
-VERSION = 1
+VERSION = 2
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}
 """Largest relative difference (per row, L2) from the engine's kernel that counts as exact:
 what rounding in the dtype allows, orders of magnitude under a wrong block or mask."""
@@ -90,6 +93,17 @@ class Cell:
         return self.groups * self.per_group
 
     @property
+    def length(self) -> int:
+        """Tokens of each row's context, this step's included."""
+        return self.prefix + self.suffix + 1
+
+    def referenced(self, max_tokens: int) -> bool:
+        """Whether a float64 reference is computed for this cell: at most ``max_tokens``
+        rows x context and ``REFERENCE_CONTEXT`` tokens a row (its host memory grows with
+        the context; it is slow)."""
+        return self.rows * self.length <= max_tokens and self.length <= REFERENCE_CONTEXT
+
+    @property
     def idle(self) -> bool:
         """Rows that share nothing (groups of one): the path cannot act."""
         return self.per_group == 1
@@ -127,14 +141,22 @@ class Subject(Protocol):
         cost of an eager call, for steps the engine does not replay as one graph."""
 
 
+REFERENCE_CONTEXT = 2048
+"""The longest row a cell's float64 reference is computed over (``Cell.referenced``)."""
 EXACTNESS_CELLS = (Cell(300, 3, 5, suffix=33), Cell(1024, 1, 2, suffix=1),
                    Cell(640, 2, 20, suffix=200))
 """Cells checked for exactness only: a prefix ending mid-block, the smallest group with a
 suffix of one token, larger groups with long suffixes."""
 GRID = tuple(Cell(prefix, groups, per_group) for prefix in (512, 1024, 2048, 4096, 8192)
-             for groups, per_group in ((4, 4), (4, 16)))
-"""The timed cells: prefix lengths from under to over a typical break-even, in small and
-larger groups."""
+             for groups, per_group in ((1, 4), (1, 16)))
+"""The timed cells: prefix lengths from under to over a typical break-even, for a lone
+group of each size: the least a step with such groups saves against the path's fixed
+costs (the cut batch's pass, the merge), so each size's break-even holds for any number
+of its groups."""
+GRID_SIZES = tuple(sorted({cell.per_group for cell in GRID}))
+"""The group sizes the grid measures (what ``Verdict.by_size`` lists)."""
+_NEVER = 1 << 62
+"""A size's break-even in the tensor-parallel vote where it has none."""
 IDLE_CELL = Cell(1024, 16, 1)
 """A step whose rows share nothing (``Cell.idle``): what the path costs where it cannot act
 (on a GPU, its launches with no work, captured in the engine's graphs), timed for subjects
@@ -189,7 +211,7 @@ class Verdict:
     reason: str
     """Why, in a few words (the figures are in ``line``)."""
     min_shared_tokens: int | None
-    """The shortest prefix worth a group (the measured break-even); None when off."""
+    """The shortest prefix worth any group (the least of ``by_size``); None when off."""
     shapes: Shapes
     cells: tuple[CellResult, ...] = ()
     seconds: float = 0.0
@@ -202,10 +224,22 @@ class Verdict:
     peak_host_bytes: int | None = None
     """The check's process's own peak resident memory, where it ran in one
     (``isolation.run_isolated``)."""
+    by_size: BySize = ()
+    """The break-even per group size measured (``groups.BySize``: groups of at least so
+    many rows from so many shared tokens, None where never); empty: ``min_shared_tokens``
+    for every group."""
 
     @property
     def max_error(self) -> float:
         return max((c.error for c in self.cells), default=0.0)
+
+    def groups(self, rows: int, shared_tokens: int) -> bool:
+        """Whether ``auto`` under this verdict groups ``rows`` rows sharing
+        ``shared_tokens`` tokens (``groups.worth_by_size``)."""
+        if not self.on or shared_tokens < (self.min_shared_tokens or 0):
+            return False
+        one = Groups(np.arange(rows), np.array([0, rows]), np.array([shared_tokens]))
+        return len(worth_by_size(one, self.by_size, 1)) == 1
 
     def line(self, *notes: str) -> str:
         """The engine log's line: the verdict with its figures (and ``notes``, such as the
@@ -221,6 +255,10 @@ class Verdict:
                            f"{worst.speedup:.2f}x at {worst.cell.describe()}")
         if self.min_shared_tokens is not None:
             figures.append(f"groups from {self.min_shared_tokens} shared tokens")
+        if len(self.by_size) > 1:
+            figures.append("by size: " + ", ".join(
+                f"{rows}+ rows from {'never' if tokens is None else tokens}"
+                for rows, tokens in self.by_size))
         figures.extend(f"{c.speedup:.2f}x where nothing groups" for c in idle)
         extra = [c.extra_host_s for c in timed if c.extra_host_s is not None]
         if extra:
@@ -247,7 +285,8 @@ class Verdict:
                        min_shared_tokens=data["min_shared_tokens"], shapes=shapes,
                        cells=cells, seconds=float(data["seconds"]),
                        peak_device_bytes=data.get("peak_device_bytes"),
-                       peak_host_bytes=data.get("peak_host_bytes"))
+                       peak_host_bytes=data.get("peak_host_bytes"),
+                       by_size=tuple((rows, tokens) for rows, tokens in data["by_size"]))
 
         return read_kept(data, FORMAT, VERSION, build)
 
@@ -277,7 +316,7 @@ def fitting(cells: Iterable[Cell], shapes: Shapes) -> list[Cell]:
     """The cells the engine can hold: at most ``max_rows`` rows of at most
     ``max_context`` tokens."""
     return [cell for cell in cells if cell.rows <= shapes.max_rows and
-            cell.prefix + cell.suffix + 1 <= shapes.max_context]
+            cell.length <= shapes.max_context]
 
 
 def check(subject: Subject, grid: Sequence[Cell] = GRID,
@@ -291,7 +330,7 @@ def check(subject: Subject, grid: Sequence[Cell] = GRID,
     tolerance = TOLERANCE.get(shapes.dtype, TOLERANCE["float32"])
     cells = cells_to_run(shapes, grid, exactness, idle, subject.idle_cost)
     if not any(cell in grid for cell in cells):
-        return _verdict(shapes, False, "no cell of the grid fits this engine", None, [],
+        return _verdict(shapes, False, "no cell of the grid fits this engine", (), [],
                         started)
     timed = {*grid, *idle}
     results = []
@@ -299,7 +338,7 @@ def check(subject: Subject, grid: Sequence[Cell] = GRID,
         result = _run_cell(subject, cell, index, cell in timed, reps)
         results.append(result)
         if result.error > tolerance or (result.reference_error or 0) > tolerance:
-            return _verdict(shapes, False, f"not exact at {cell.describe()}", None, results,
+            return _verdict(shapes, False, f"not exact at {cell.describe()}", (), results,
                             started)
     return decide(shapes, results, started)
 
@@ -340,28 +379,45 @@ def _run_cell(subject: Subject, cell: Cell, seed: int, timed: bool, reps: int) -
 def decide(shapes: Shapes, results: Sequence[CellResult],
            started: float | None = None) -> Verdict:
     """The verdict from exact, timed cells: off where the idle step (if timed) is slower by
-    more than ``IDLE_MARGIN``; else on from the break-even, the shortest timed prefix from
-    which every timed cell, that prefix and longer, is faster by ``MARGIN``; off where no
-    prefix is."""
+    more than ``IDLE_MARGIN``; else, per group size (``Cell.per_group``), the break-even:
+    the shortest timed prefix from which every cell of that size, that prefix and longer,
+    is faster by ``MARGIN`` (a larger size at most a smaller one's: more rows save more);
+    on where any size has one, off where none does."""
     timed = [r for r in results if r.speedup is not None and not r.cell.idle]
     idle = [r for r in results if r.speedup is not None and r.cell.idle]
     slowest = min(idle, key=lambda r: r.speedup, default=None)
     if slowest is not None and slowest.speedup < 1 - IDLE_MARGIN:
         return _verdict(shapes, False, f"exact, but {slowest.speedup:.2f}x the engine's "
-                        "kernel on a step where nothing groups", None, results, started)
-    prefixes = sorted({r.cell.prefix for r in timed})
-    for prefix in prefixes:
-        if all(r.faster for r in timed if r.cell.prefix >= prefix):
-            return _verdict(shapes, True, "exact, and faster from the break-even", prefix,
-                            results, started)
-    return _verdict(shapes, False, "exact, but not faster than the engine's kernel", None,
+                        "kernel on a step where nothing groups", (), results, started)
+    by_size: list[tuple[int, int | None]] = []
+    for size in sorted({r.cell.per_group for r in timed}):
+        tokens = break_even([r for r in timed if r.cell.per_group == size])
+        smaller = by_size[-1][1] if by_size else None
+        if smaller is not None and (tokens is None or tokens > smaller):
+            tokens = smaller
+        by_size.append((size, tokens))
+    if any(tokens is not None for _, tokens in by_size):
+        return _verdict(shapes, True, "exact, and faster from the break-even",
+                        tuple(by_size), results, started)
+    return _verdict(shapes, False, "exact, but not faster than the engine's kernel", (),
                     results, started)
 
 
-def _verdict(shapes: Shapes, on: bool, reason: str, min_tokens: int | None,
+def break_even(timed: Sequence[CellResult]) -> int | None:
+    """The shortest prefix from which every one of ``timed``, that prefix and longer, is
+    faster (``CellResult.faster``); None where none is."""
+    for prefix in sorted({r.cell.prefix for r in timed}):
+        if all(r.faster for r in timed if r.cell.prefix >= prefix):
+            return prefix
+    return None
+
+
+def _verdict(shapes: Shapes, on: bool, reason: str, by_size: BySize,
              results: Sequence[CellResult], started: float | None) -> Verdict:
     seconds = 0.0 if started is None else time.perf_counter() - started
-    return Verdict(on, reason, min_tokens, shapes, tuple(results), seconds)
+    least = min((tokens for _, tokens in by_size if tokens is not None), default=None)
+    return Verdict(on, reason, least, shapes, tuple(results), seconds,
+                   by_size=by_size if len(by_size) > 1 else ())
 
 
 def checked(measure: Callable[[], Verdict],
@@ -387,23 +443,32 @@ def agreed(verdict: Verdict | None, group: object | None) -> Verdict | None:
     """One verdict for every tensor-parallel rank of ``group`` (a ``torch.distributed``
     process group on the host, gloo: the engine's; None or one rank: ``verdict`` as it
     is). Each rank measured its own; None, a check that failed, votes off: on only if
-    every rank is on, from the longest break-even any rank found. The ranks must agree,
-    or they would compute different batches' attention differently. The one place vLLM's
-    and SGLang's adapters vote; every rank calls it, whatever its check did."""
+    every rank is on, from the longest break-even any rank found for each group size
+    (``GRID_SIZES``). The ranks must agree, or they would compute different batches'
+    attention differently. The one place vLLM's and SGLang's adapters vote; every rank
+    calls it, whatever its check did."""
     import torch.distributed as dist
 
     if group is None or dist.get_world_size(group) == 1:
         return verdict
     on = verdict is not None and verdict.on
-    votes = torch.tensor([0 if on else 1, (verdict and verdict.min_shared_tokens) or 0])
+    sizes = dict((verdict.by_size or [(s, verdict.min_shared_tokens) for s in GRID_SIZES])
+                 if on and verdict else [])
+    votes = torch.tensor([0 if on else 1, *(_NEVER if sizes.get(s, 0) is None else
+                                             sizes.get(s, 0) for s in GRID_SIZES)])
     dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
-    off, tokens = (int(v) for v in votes)
+    off, *tokens = (int(v) for v in votes)
     if verdict is None:
         return None
     if off and on:
         return replace(verdict, on=False, reason="another tensor-parallel rank found it off",
-                       min_shared_tokens=None)
-    return replace(verdict, min_shared_tokens=tokens or None) if on else verdict
+                       min_shared_tokens=None, by_size=())
+    if not on:
+        return verdict
+    by_size = tuple((s, None if t == _NEVER else t) for s, t in zip(GRID_SIZES, tokens,
+                                                                      strict=True))
+    return replace(verdict, min_shared_tokens=min(t for _, t in by_size if t is not None),
+                   by_size=by_size)
 
 
 def tp_vote(verdict: Verdict | None, parallel_state: Any) -> Verdict | None:

@@ -291,9 +291,28 @@ def test_auto_groups_from_the_measured_break_even(monkeypatch, self_check_here):
     monkeypatch.setattr(attention, "announce", messages.append)
     backend = attention.create_backend("torch_native", Engine(16, torch.float32).runner,
                                        FEATHER_AUTO)
-    assert backend.min_shared_tokens == 1024
+    assert backend.min_shared_tokens == 1024 and backend.by_size == ()
     assert messages[0].startswith("on (self-check") and \
         "groups from 1024 shared tokens" in messages[0], messages
+
+
+def test_a_verdict_by_group_size_reaches_the_backends_plans(monkeypatch):
+    """Each size's break-even (``Verdict.by_size``) is what the backend plans with, unless
+    the option sets the length; the plan keeps only the groups their size allows."""
+    by_size = ((4, 2048), (16, 1024))
+    shapes = selfcheck.Shapes("test CPU", 4, 2, 16, "float32", 16, "nhd", 32, 2048)
+    verdict = selfcheck.Verdict(True, "test", 1024, shapes, by_size=by_size)
+    monkeypatch.setattr(attention, "self_check", lambda name, runner: verdict)
+    monkeypatch.setattr(attention, "announce", lambda line: None)
+    runner = Engine(16, torch.float32).runner
+    backend = attention.create_backend("torch_native", runner, FEATHER_AUTO)
+    assert backend.min_shared_tokens == 1024 and backend.by_size == by_size
+    seen = []
+    monkeypatch.setattr(shared_decode, "plan_token_step", lambda *args: seen.append(args))
+    backend.plan_rows(SimpleNamespace(req_pool_indices=torch.arange(2)), torch.tensor([9, 9]))
+    assert seen[0][-1] == by_size
+    option = {**FEATHER_AUTO, "FEATHER_SHARED_PREFIX_MIN_TOKENS": "512"}
+    assert attention.create_backend("torch_native", runner, option).by_size == ()
 
 
 def test_a_self_check_that_cannot_run_leaves_auto_off_and_the_server_up(monkeypatch,

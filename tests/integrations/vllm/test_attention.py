@@ -222,14 +222,26 @@ def test_a_self_check_that_cannot_run_leaves_auto_off_and_the_engine_up(
     assert "off: the self-check could not run (no kernel here)" in messages
 
 
-def test_auto_groups_from_the_measured_break_even(monkeypatch, tmp_path, self_check_here):
+def test_auto_groups_from_the_measured_break_even_of_each_group_size(
+        monkeypatch, tmp_path, self_check_here):
+    """Lone groups of 4 measured faster from 1,024 tokens, groups of 16 from 512: the
+    builder plans with both, so groups of 7 rows over a 677-token prefix stay vLLM's."""
     monkeypatch.setenv("FEATHER_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(attention_check.CpuSubject, "seconds", timed_as(1024))
-    messages = []
+    small, large = timed_as(1024), timed_as(512)
+    monkeypatch.setattr(attention_check.CpuSubject, "seconds", lambda subject, run, reps: (
+        small if run.__self__.cell.per_group < 16 else large)(subject, run, reps))
+    messages, planned = [], []
     monkeypatch.setattr(vllm_attention, "announce", messages.append)
-    make_llm("bfloat16", {})
-    assert any(m.startswith("on (self-check") and "groups from 1024 shared tokens" in m
+    original = vllm_attention.plan_step
+    monkeypatch.setattr(vllm_attention, "plan_step", lambda *args: planned.append(
+        plan := original(*args)) or plan)
+    prompts, lengths = mixed_prompts(1)
+    generate(make_llm("bfloat16", {}), prompts, lengths)
+    assert any(m.startswith("on (self-check") and "groups from 512 shared tokens" in m
+               and "by size: 4+ rows from 1024, 16+ rows from 512" in m
                for m in messages), messages
+    shared = {int(n) for plan in planned if plan for n in plan.groups.shared}
+    assert shared and min(shared) * BLOCK >= 1024
 
 
 def test_steps_whose_rows_are_shorter_than_the_threshold_are_not_planned(monkeypatch):

@@ -616,6 +616,7 @@ def test_interpreted_self_check_decides_auto(kind, faster, monkeypatch, tmp_path
     assert any(c.cell.idle for c in verdict.cells)  # the empty step, exact and timed too
     if faster:
         assert builder.path.min_shared_blocks == 64 // BLOCK and "2.00x at 64 2x2" in line
+        assert builder.path.by_size == verdict.by_size == ((2, 64), (3, 64))
     else:
         assert "not faster than the engine's kernel" in line
 

@@ -237,6 +237,7 @@ def create_backend(name: str, runner: Any, environ: Mapping[str, str] | None = N
     tokens = min_tokens or (verdict and verdict.min_shared_tokens) or \
         cpu_kernel.MIN_SHARED_TOKENS_BY_LAYOUT["nhd"]
     backend = shared(runner, tokens)
+    backend.by_size = () if min_tokens or verdict is None else verdict.by_size
     if name in BACKENDS:
         backend.use_tiles = cpu_kernel.tiles_proven(verdict)
     if verdict:

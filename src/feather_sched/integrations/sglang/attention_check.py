@@ -70,7 +70,7 @@ class TokenBatch:
         generator = torch.Generator().manual_seed(seed)
         g, m = cell.groups, cell.per_group
         self.cell = cell
-        length = cell.prefix + cell.suffix + 1
+        length = cell.length
         shared_pages = cell.prefix // page
         own_pages = -(-(length - shared_pages * page) // page)
         pages = g * shared_pages + g * m * own_pages
@@ -144,7 +144,7 @@ class TokenBatch:
         return self._decode(self._shared)
 
     def reference(self) -> torch.Tensor | None:
-        if len(self.rows) * len(self.rows[0]) > REFERENCE_TOKENS:
+        if not self.cell.referenced(REFERENCE_TOKENS):
             return None
         heads, dim = self.layer.tp_q_head_num, self.layer.qk_head_dim
         keys, values = self.pool.k_buffer[0].cpu(), self.pool.v_buffer[0].cpu()

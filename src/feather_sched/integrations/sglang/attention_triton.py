@@ -26,7 +26,7 @@ import torch
 
 from feather_sched.attention.eligibility import TRITON_KERNEL
 from feather_sched.attention.gpu_decode import DecodeLimits, GroupedDecode
-from feather_sched.attention.groups import Groups, find_token_groups
+from feather_sched.attention.groups import BySize, Groups, find_token_groups
 from feather_sched.integrations.sglang.shared_decode import SharedPrefixDecode, announce
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
 
@@ -61,9 +61,10 @@ class TritonStep:
     @classmethod
     def plan(cls, decode: GroupedDecode, req_to_token: torch.Tensor,
              req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
-             min_shared_tokens: int) -> TritonStep | None:
+             min_shared_tokens: int, by_size: BySize = ()) -> TritonStep | None:
         """The step's groups staged into ``decode`` (block table rows: the pool rows), or
-        None (nothing staged) where no rows share ``min_shared_tokens`` leading slots.
+        None (nothing staged) where no rows share ``min_shared_tokens`` leading slots (and
+        what ``by_size`` asks of their size).
         ``req_to_token`` and ``req_pool_indices`` on the pool's device, ``seq_lens`` CPU
         int (this step's token included).  Where two rows are longer than
         ``min_shared_tokens`` (a graph's padding rows are not), one device-to-host copy of
@@ -80,7 +81,8 @@ class TritonStep:
         width = -(-int(seq_lens.max()) // page_size) * page_size
         host = req_to_token[req_pool_indices, :width].cpu()
         rows = torch.arange(len(seq_lens))
-        groups = find_token_groups(host, rows, seq_lens, page_size, min_shared_tokens)
+        groups = find_token_groups(host, rows, seq_lens, page_size, min_shared_tokens,
+                                   by_size)
         if not len(groups):
             return None
         groups = Groups(groups.rows, groups.offsets, groups.shared // page_size)
@@ -134,7 +136,8 @@ class SharedPrefixTritonBackend(SharedPrefixDecode, TritonAttnBackend):
 
     def plan_rows(self, forward_batch: Any, seq_lens: torch.Tensor) -> TritonStep | None:
         return TritonStep.plan(self.decode, self.req_to_token, forward_batch.req_pool_indices,
-                               seq_lens, self.page_size, self.min_shared_tokens)
+                               seq_lens, self.page_size, self.min_shared_tokens,
+                               self.by_size)
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         step = self.plan(forward_batch)

@@ -13,7 +13,7 @@ import torch
 from feather_sched.attention import cpu_kernel
 from feather_sched.attention.announce import Announcer
 from feather_sched.attention.eligibility import CPU_KERNEL, Kernel, LayerTraits, layer_problem
-from feather_sched.attention.groups import plan_token_step
+from feather_sched.attention.groups import BySize, plan_token_step
 from feather_sched.integrations.sglang.stand_ins import prepare_sglang_import
 
 prepare_sglang_import()  # before the first SGLang import (see stand_ins)
@@ -43,6 +43,8 @@ class SharedPrefixDecode:
         """The ``ForwardBatch`` planned for, and its plan (``plan``)."""
         self.use_tiles = False
         """Whether the kernel multiplies in AMX tiles (``cpu_kernel.tiles_proven``)."""
+        self.by_size: BySize = ()
+        """The verdict's break-even per group size (``groups.BySize``), where measured."""
         self.acts: dict[int, bool] = {}
         """Per layer id: whether the path can serve it (decided at its first grouped step)."""
 
@@ -68,7 +70,7 @@ class SharedPrefixDecode:
         the CPU kernel (a subclass plans for its own kernel), or None."""
         return plan_token_step(self.req_to_token_pool.req_to_token,
                                forward_batch.req_pool_indices.cpu(), seq_lens,
-                               self.page_size, self.min_shared_tokens)
+                               self.page_size, self.min_shared_tokens, self.by_size)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,
                        forward_batch: Any, save_kv_cache: bool = True,

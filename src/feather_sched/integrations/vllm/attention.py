@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import CrossAttentionSpec, EncoderOnlyAttentionS
 
 from feather_sched.attention import cpu_kernel
 from feather_sched.attention.eligibility import CPU_KERNEL, LayerTraits, layer_problem
-from feather_sched.attention.groups import StepPlan, min_blocks, plan_step
+from feather_sched.attention.groups import BySize, StepPlan, min_blocks, plan_step
 from feather_sched.attention.isolation import run_isolated
 from feather_sched.attention.selfcheck import Verdict, cached_check
 from feather_sched.integrations.vllm import compat
@@ -82,6 +82,8 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     """Whether this engine's steps are grouped (never where it did not choose Feather)."""
     use_tiles = False
     """Whether the kernel multiplies in AMX tiles (only where a verdict measured them)."""
+    by_size: BySize = ()
+    """The verdict's break-even per group size (none where the option sets the length)."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
                  device: torch.device) -> None:
@@ -105,6 +107,7 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         self.shared_prefixes = reason is None
         self.use_tiles = cpu_kernel.tiles_proven(verdict)
         self.min_shared_blocks = min_blocks(self.block_size, min_tokens or default_tokens)
+        self.by_size = () if min_tokens or verdict is None else verdict.by_size
         kernel = "" if reason else f"kernel in {cpu_kernel.path(self.use_tiles)}"
         announce(reason or (verdict.line(kernel) if verdict else
                             f"on (isa {self.isa}, {self.dtype}, block size {self.block_size}, "
@@ -145,7 +148,7 @@ class SharedPrefixCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             return None
         return plan_step(common.block_table_tensor, common.seq_lens,
                          common.query_start_loc_cpu, common.num_reqs, self.block_size,
-                         self.min_shared_blocks)
+                         self.min_shared_blocks, self.by_size)
 
 
 class SharedPrefixCPUImpl(CPUAttentionBackendImpl):

@@ -81,7 +81,7 @@ class CpuBatch:
         # Only full blocks are shared (as vLLM's prefix cache shares them): a prefix ending
         # mid-block has its last tokens, the same in every row, in each row's own blocks.
         shared_blocks = cell.prefix // block
-        length = cell.prefix + cell.suffix + 1
+        length = cell.length
         own_blocks = -(-(length - shared_blocks * block) // block)
         blocks = g * shared_blocks + g * m * own_blocks
         heads, dim = geometry.kv_heads, geometry.head_dim
@@ -169,7 +169,7 @@ class CpuBatch:
         return self.out
 
     def reference(self) -> torch.Tensor | None:
-        if self.cell.rows * int(self.seq_lens[0]) > REFERENCE_TOKENS:
+        if not self.cell.referenced(REFERENCE_TOKENS):
             return None
         return torch.stack([
             reference_attention(self.query[row], torch.cat([key, own_key]),

@@ -46,9 +46,11 @@ from feather_sched.attention.gpu_decode import DecodeLimits, GroupedDecode
 from feather_sched.attention.groups import (
     MIN_ROWS,
     MIN_SHARED_TOKENS,
+    BySize,
     Groups,
     find_groups,
     min_blocks,
+    worth_by_size,
 )
 from feather_sched.attention.selfcheck import Shapes, Verdict
 from feather_sched.integrations.vllm import host_tables
@@ -182,13 +184,15 @@ def full_graphs(compilation: Any) -> bool:
 @dataclass(frozen=True)
 class Outcome:
     """The decision once ``auto``'s checks ran: why the path keeps vLLM's (``reason``;
-    None: it acts), groups from ``min_tokens`` shared tokens (None: the default), and the
-    kernel check's verdict and the end-to-end proof where they ran."""
+    None: it acts), groups from ``min_tokens`` shared tokens (None: the default) and as
+    ``by_size`` asks of their size, and the kernel check's verdict and the end-to-end
+    proof where they ran."""
 
     reason: str | None
     min_tokens: int | None
     verdict: Verdict | None = None
     proof: EndToEnd | None = None
+    by_size: BySize = ()
 
 
 @dataclass(frozen=True)
@@ -213,14 +217,15 @@ class Step:
 class GroupedPath:
     """What a builder keeps where the path acts, made once at engine start: the
     persistent work buffers (``decode``), the cut ``seq_lens`` buffer its graphs read
-    (``cut``), how rows group (``block_size``, ``min_shared_blocks``), and vLLM's
-    compilation config, whose graph mode each step reads."""
+    (``cut``), how rows group (``block_size``, ``min_shared_blocks``, ``by_size``), and
+    vLLM's compilation config, whose graph mode each step reads."""
 
     decode: GroupedDecode
     cut: Tensor
     block_size: int
     min_shared_blocks: int
     compilation: Any
+    by_size: BySize = ()
 
     def step(self, common: CommonAttentionMetadata, host: HostRows | None,
              capturing: bool) -> Step:
@@ -241,6 +246,7 @@ class GroupedPath:
             return None
         groups = find_groups(host.table, host_seq_lens(common)[:num_reqs], query_lens,
                              self.block_size, self.min_shared_blocks, table_rows=host.rows)
+        groups = worth_by_size(groups, self.by_size, self.block_size)
         return groups if len(groups) else None
 
     def cut_seq_lens(self, common: CommonAttentionMetadata, step: Step) -> Tensor:
@@ -321,7 +327,8 @@ class SharedPrefixBuilder(_VllmBuilder):
         if device.type == "cuda":
             torch.cuda.empty_cache()
         measured = verdict.min_shared_tokens if verdict else None
-        return Outcome(reason, min_tokens or measured, verdict, proof)
+        by_size = () if min_tokens or verdict is None else verdict.by_size
+        return Outcome(reason, min_tokens or measured, verdict, proof, by_size)
 
     def _act(self, outcome: Outcome, vllm_config: Any, kv_cache_spec: Any,
              device: torch.device) -> None:
@@ -335,8 +342,9 @@ class SharedPrefixBuilder(_VllmBuilder):
         if self.path is None:
             self.path = self._grouped_path(vllm_config, kv_cache_spec, device,
                                            min_shared_blocks)
-        else:  # the CPU self-check's, its buffers kept
-            self.path = replace(self.path, min_shared_blocks=min_shared_blocks)
+        # (else the CPU self-check's, its buffers kept)
+        self.path = replace(self.path, min_shared_blocks=min_shared_blocks,
+                            by_size=outcome.by_size)
         # The V1 runner's reuse of one group's metadata for another would pair this
         # group's work with another table; MRV2's block ids mirrored on the host.
         self.supports_update_block_table = False
