@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from feather_sched.core.sessions import (
     CUT_SHORT,
+    PRIOR_S_PER_TOKEN,
     TOOL_CALLS,
+    ReloadCost,
     RetentionConfig,
     Sessions,
     quantile,
@@ -62,10 +64,13 @@ def test_ttl_is_the_gap_quantile_capped_by_breakeven_and_max_ttl():
     session = sessions.session_of("t0")
     # 100 blocks over 1,000 tokens: reload 1 s, breakeven 1 s * 1000 / 100 = 10 s.
     assert sessions.ttl_s(session, 1000, 100) == 4.0
-    assert sessions.ttl_s(session, 1000, 400) == 2.5  # capped at breakeven: 1 s * 1000 / 400
     session.gaps.extend([1.0, 2.0, 3.0, 8.0])
     assert sessions.ttl_s(session, 1000, 100) == 8.0  # the 0.9 quantile of its own gaps
-    assert table(max_ttl_s=0.5).ttl_s(session, 1000, 100) == 0.5
+    assert sessions.ttl_s(session, 1000, 400) == 2.5  # capped at breakeven: 1 s * 1000 / 400
+    assert table(max_ttl_s=3.0).ttl_s(session, 1000, 100) == 3.0
+    # under the median gap (2 s) a hold would most likely lapse unused: none
+    assert sessions.ttl_s(session, 1000, 1000) is None
+    assert table(max_ttl_s=0.5).ttl_s(session, 1000, 100) is None
 
 
 def test_a_final_answer_is_not_held_but_a_returning_chat_is():
@@ -159,6 +164,38 @@ def test_reclaim_releases_least_valuable_first_until_enough():
     gone = sessions.reclaim(60, 9.0)
     assert [h.holder for h in gone] == ["r0", "r1"]
     assert sessions.held_blocks == 50
+
+
+def test_a_hold_yields_at_once_to_work_that_cannot_wait_and_to_a_request_past_its_bound():
+    sessions = table(default_gap_s=10.0)
+    for name in ("a", "b"):
+        sessions.arrived(f"{name}0", "ns", keys(name), 0.0)
+        sessions.turn_ended(f"{name}0", keys(name, "o"), 50, 800, 0.0, TOOL_CALLS)
+    assert sessions.yield_for(30.0, 1.0) == []  # no bound: a newcomer waits
+    assert sessions.yield_for(4.0, 1.0, max_wait_s=5.0) == []
+    assert len(sessions.yield_for(5.0, 1.0, max_wait_s=5.0)) == 1
+    assert len(sessions.yield_for(None, 1.0)) == 1 and sessions.holds == []
+    assert sessions.yield_for(None, 1.0) == []
+
+
+def test_a_hold_that_would_most_likely_lapse_before_its_turn_is_not_made():
+    """Where a reload is cheap against the pool a hold takes (the break-even TTL under
+    the median gap), holding would keep room from others for nothing."""
+    cheap = table(reload_per_token=1e-6, default_gap_s=10.0)  # 800 tokens: 0.016 s TTL
+    cheap.arrived("r0", "ns", keys("r"), 0.0)
+    assert cheap.turn_ended("r0", keys("r", "o"), 50, 800, 0.0, TOOL_CALLS)[0] is None
+    dear = table(default_gap_s=10.0)  # 800 tokens at 1 ms: a 16 s break-even
+    dear.arrived("r0", "ns", keys("r"), 0.0)
+    assert dear.turn_ended("r0", keys("r", "o"), 50, 800, 0.0, TOOL_CALLS)[0] is not None
+
+
+def test_the_reload_cost_is_measured_per_token() -> None:
+    cost = ReloadCost(min_tokens=10, weight=0.5)
+    assert cost.seconds(10) == pytest.approx(10 * PRIOR_S_PER_TOKEN)  # before any step
+    cost.observe(5, 1.0)  # too few tokens to say
+    cost.observe(100, 1.0)
+    cost.observe(100, 2.0)
+    assert cost.seconds(10) == pytest.approx(10 * 0.015)
 
 
 def test_config_is_checked():

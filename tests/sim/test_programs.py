@@ -76,19 +76,23 @@ def test_a_next_turn_hits_its_predecessors_prompt_and_output_in_a_roomy_pool():
             assert records[after.spec.request_id].cached_tokens == grown // 16 * 16
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_sessions_hold_within_their_bound_under_pressure(seed):
-    """A pool of a few programs' worth: the blocks held never exceed the share, holds
-    are released (expiry, next turn, displacement or a stall), every turn ends."""
-    agents, engine, policy, retention = setup("sessions", seed, programs_n=16, num_blocks=600,
-                                              share=0.3)
-    result = programs.run_programs(engine, policy, agents, retention)
-    assert all(r.success for r in result.records)
-    counts = retention.counts()
-    assert counts["held"] > 0
-    assert 0 < counts["max_held_share"] <= 0.3
-    assert retention.held == {}  # nothing is held once every program has ended
-    engine.pool.check()
+def test_sessions_hold_within_their_bound_under_pressure():
+    """A pool of a few programs' worth, four seeds: the blocks held never exceed the
+    share, holds are released (expiry, next turn, displacement or a stall), every turn
+    ends.  A seed whose gaps outlast what a reload costs against its hold makes none."""
+    shares = []
+    for seed in range(4):
+        agents, engine, policy, retention = setup("sessions", seed, programs_n=16,
+                                                  num_blocks=600, share=0.3)
+        result = programs.run_programs(engine, policy, agents, retention)
+        assert all(r.success for r in result.records)
+        counts = retention.counts()
+        assert counts["max_held_share"] <= 0.3
+        assert (counts["held"] > 0) is (counts["max_held_share"] > 0)
+        assert retention.held == {}  # nothing is held once every program has ended
+        engine.pool.check()
+        shares.append(counts["max_held_share"])
+    assert max(shares) > 0.25  # the bound was reached for
 
 
 def test_ttl_pins_are_released_and_the_pool_stays_consistent():

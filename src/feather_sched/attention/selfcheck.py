@@ -43,8 +43,10 @@ VERSION = 2
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}
 """Largest relative difference (per row, L2) from the engine's kernel that counts as exact:
 what rounding in the dtype allows, orders of magnitude under a wrong block or mask."""
-MARGIN = 0.05
-"""A cell counts as faster only at a speed-up of at least 1 + this (timing noise)."""
+MARGIN = 0.10
+"""A cell counts as faster only at a speed-up of at least 1 + this: a shared host's timing
+noise (at 5%, one check in three on an AMX Xeon turned on a cell the benchmark then
+measured at 0.99x, benchmarks/attention/results/amx-4f044c6)."""
 
 
 @dataclass(frozen=True)

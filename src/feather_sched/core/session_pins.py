@@ -95,10 +95,11 @@ class PinnedSessions(Generic[Pin]):
         if any(hold.expires_s <= now for hold in self.sessions.holds):
             self.release(self.sessions.reclaim(sys.maxsize, now, lapsed_only=True))
 
-    def yields(self) -> bool:
-        """The engine lacks KV room: the least valuable hold (then the oldest) yields;
-        whether one did."""
-        gone = self.sessions.reclaim(1, self.clock())
+    def yields(self, waited_s: float | None = None, max_wait_s: float | None = None) -> bool:
+        """The engine lacks KV room for work that has waited ``waited_s`` (None: work that
+        cannot wait): whether a hold gave some back (``Sessions.yield_for`` decides
+        which, least valuable first, if any)."""
+        gone = self.sessions.yield_for(waited_s, self.clock(), max_wait_s)
         self.release(gone)
         return bool(gone)
 

@@ -282,14 +282,17 @@ class Sessions:
         return finish_reason == TOOL_CALLS or session.returns_untold > 0
 
     def ttl_s(self, session: Session, tokens: int, blocks: int) -> float | None:
-        """The rule's TTL for holding ``blocks`` over ``tokens`` (None: do not hold, as
-        where ``max_ttl_s`` is 0)."""
+        """The rule's TTL for holding ``blocks`` over ``tokens``; None (do not hold) where
+        it is 0 (``max_ttl_s`` 0) or shorter than the median gap: such a hold would most
+        likely lapse before its turn comes, keeping room from others for nothing (where a
+        reload is cheap against the pool a hold takes, as on a small CPU engine)."""
         gaps = session.gaps if len(session.gaps) >= self.config.own_gaps else \
             self._namespace_gaps.get(session.namespace) or session.gaps
-        gap = quantile(gaps, self.config.gap_quantile) if gaps else self.config.default_gap_s
+        gap, median = (quantile(gaps, self.config.gap_quantile), quantile(gaps, 0.5)) \
+            if gaps else (self.config.default_gap_s, self.config.default_gap_s)
         breakeven = self.reload_s(tokens) * self.pool_blocks / max(blocks, 1)
         ttl = min(self.config.max_ttl_s, breakeven, gap)
-        return ttl if ttl > 0 else None
+        return ttl if ttl > 0 and ttl >= median else None
 
     def _room_for(self, hold: Hold, now: float) -> list[Hold] | None:
         """Holds to displace, least valuable first, so that ``hold``'s blocks not yet
@@ -364,6 +367,18 @@ class Sessions:
         self.counts.expired += lapsed
         self.counts.reclaimed += len(gone) - lapsed
         return gone
+
+    def yield_for(self, waited_s: float | None, now: float,
+                  max_wait_s: float | None = None) -> list[Hold]:
+        """The engine lacks KV room for work that has waited ``waited_s`` (None: work that
+        cannot wait, a running request's growth or a step that would stall): the hold to
+        release (``reclaim`` of one block, least valuable first), or none.  It yields to
+        such work at once, to a waiting request only once its wait reaches ``max_wait_s``:
+        a hold keeps its room from newcomers, lapsed or not (docs/sessions.md: yielding
+        to them cost the agents' JCT in the simulator)."""
+        if waited_s is not None and (max_wait_s is None or waited_s < max_wait_s):
+            return []
+        return self.reclaim(1, now)
 
     def _lapsed(self, hold: Hold, now: float) -> bool:
         return hold.expires_s <= now and not self._sessions[hold.session].returned

@@ -294,9 +294,9 @@ class FeatherSGLang:
 
     def holds_yield(self, req: Req | None, alone: bool) -> bool:
         """SGLang lacks KV room for ``req`` (None: the running batch's next decode step):
-        whether a hold gave some back (least valuable first), for the decode step (SGLang
-        would retract), for a request the round would otherwise run ``alone`` or one
-        waiting past ``max_wait_s``; none for another."""
+        whether a hold gave some back (``PinnedSessions.yields``: at once for the
+        decode step, where SGLang would retract, or a request the round would otherwise
+        run ``alone``; for another, after its wait)."""
         sessions = self.sessions
         if sessions is None or not self.faults.active or not sessions.pins:
             return False
@@ -304,12 +304,12 @@ class FeatherSGLang:
                                      default=False))
 
     def _holds_yield(self, sessions: SGLangSessions, req: Req | None, alone: bool) -> bool:
-        max_wait_s = self.config.max_wait_s
-        if req is not None and not alone and (
-                max_wait_s is None or not self.faults.serves or
-                self.runtime.now() - self.runtime.age_key(req)[1] < max_wait_s):
+        if req is None or alone:
+            return sessions.yields()
+        if not self.faults.serves:
             return False
-        return sessions.yields()
+        return sessions.yields(self.runtime.now() - self.runtime.age_key(req)[1],
+                                   self.config.max_wait_s)
 
     # ---- rounds -----------------------------------------------------------------------
 

@@ -714,16 +714,15 @@ class VllmFeather:
 
     def _lacks_blocks(self, request: Request) -> bool:
         """An allocation for ``request`` lacks blocks (inside vLLM's pass): whether a hold
-        gave some back (least valuable first), for a running request's growth (vLLM would
-        preempt) or a request waiting past ``max_wait_s``; none for another."""
-        sessions, max_wait_s = self.sessions, self.config.max_wait_s
+        gave some back (``PinnedSessions.yields``: at once for a running request's
+        growth, where vLLM would preempt; for a waiting one, after its wait)."""
+        sessions = self.sessions
         if sessions is None or not self.faults.active:
             return False
-        running = request.status is RequestStatus.RUNNING
-        if not running and (max_wait_s is None or
-                            self.scheduler.feather_clock() - request.arrival_time < max_wait_s):
-            return False
-        return bool(self.faults.call("sessions", sessions.yields, default=False))
+        waited = None if request.status is RequestStatus.RUNNING else \
+            self.scheduler.feather_clock() - request.arrival_time
+        return bool(self.faults.call("sessions", sessions.yields, waited,
+                                     self.config.max_wait_s, default=False))
 
     def arrived(self, request: Request) -> None:
         """A new request reaches vLLM's scheduler (before its queue sees it)."""
