@@ -9,10 +9,9 @@ the whole batch and the shared-prefix path (the engine's kernel on the batch wit
 grouped rows cut, then the groups).  ``check`` runs exactness first (every cell against the
 engine's kernel; float64 where the trial has a reference), then times both paths over the
 grid, and returns a ``Verdict``: on only where every cell is exact and the path is faster,
-with the shortest prefix worth grouping taken from the measured break-even of each group
-size.
-``cached_check`` keeps verdicts per device, versions and shapes (one JSON file each), so
-a restart costs nothing.  Engine-agnostic: imports torch only.
+each group size grouped from its measured break-even.  ``cached_check`` keeps verdicts per
+device, versions and shapes (one JSON file each), so a restart costs nothing.
+Engine-agnostic: imports torch only.
 """
 
 from __future__ import annotations

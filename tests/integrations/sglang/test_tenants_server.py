@@ -49,8 +49,9 @@ if os.environ.get("FEATHER_TEST_PROBE"):
 '''
 LOW, URGENT = 0, 10
 """Priorities (SGLang's default: higher values first; threshold 0)."""
-LONG = 64
-"""The low-priority requests' outputs: they run while the urgent ones come and go."""
+LONG = 256
+"""The low-priority requests' outputs: they run while the urgent ones come and go (long
+enough that both still run when U3 comes, on a fast CPU too)."""
 
 
 def post(url: str, path: str, body: dict, headers: dict[str, str] | None = None) -> dict:

@@ -39,7 +39,7 @@ def test_feather_attention_check_prints_the_grid_and_writes_the_verdict(tmp_path
     result = CliRunner().invoke(app, ["attention-check", "--max-model-len", "1200",
                                       "--dtype", "float32", "--json", str(out)])
     assert result.exit_code == 0, result.output
-    assert "| 512 | 1 x 4 |" in result.output and "| 1024 | 4 x 16 |" in result.output
+    assert "| 512 | 1 x 4 |" in result.output and "| 1024 | 1 x 16 |" in result.output
     assert "Feather shared-prefix attention: " in result.output
     verdict = selfcheck.Verdict.from_json(json.loads(out.read_text()))
     assert verdict.shapes.max_context == 1200 and verdict.shapes.dtype == "float32"

@@ -274,20 +274,15 @@ class FeatherSGLang:
 
     def _overdue_join_warm(self, waiting: list[Req]) -> None:
         """Requests past ``max_wait_s`` while warm turns of their SGLang class wait join
-        them (re-entered in class ``2 * class``, arrival kept): the queue's starvation
-        guard, which ages within a class, then offers them first, so warm turns overtake
-        within ``max_wait_s`` only (as vLLM's adapter does).  O(waiting) a round while
-        warm turns wait."""
-        warm, max_wait_s, runtime = self.requests.warm, self.config.max_wait_s, self.runtime
-        if not warm or max_wait_s is None:
+        them (``PinnedSessions.join_overdue``), re-entered in class ``2 * class``."""
+        runtime, sessions = self.runtime, self.sessions
+        if sessions is None:
             return
-        engine_class, now = self.requests.engine_class, runtime.now()
-        classes = {engine_class(r) for r in waiting if r.rid in warm}
-        late = [r for r in waiting if r.rid not in warm and engine_class(r) in classes
-                and now - runtime.age_key(r)[1] > max_wait_s]
+        late = sessions.join_overdue(waiting, self.config.max_wait_s, runtime.now(),
+                                     lambda r: r.rid, self.requests.engine_class,
+                                     lambda r: runtime.age_key(r)[1])
         for req in late:
             self.requests.arrivals[req.rid] = runtime.age_key(req)[1]
-            warm.add(req.rid)
             runtime.discard(req.rid)
             runtime.enter_waiting(req)
             del self.requests.arrivals[req.rid]

@@ -747,19 +747,14 @@ class VllmFeather:
 
     def _overdue_join_warm(self) -> None:
         """Requests past ``max_wait_s`` while warm turns of their vLLM class wait join them
-        (re-entered in class ``2 * priority``, arrival kept): the queue's starvation
-        guard, which ages within a class, then offers them first, so warm turns overtake
-        within ``max_wait_s`` only.  Each re-entry counts the request out and in again in
-        Feather's request stats.  O(waiting) a pass while warm turns wait."""
-        warm, max_wait_s = self.view.warm, self.config.max_wait_s
-        if not warm or max_wait_s is None:
-            return
-        members, now = self.queue.members(), self.scheduler.feather_clock()
-        classes = {r.priority for r in members if r.request_id in warm}
-        late = [r for r in members if r.request_id not in warm and r.priority in classes
-                and now - r.arrival_time > max_wait_s]
+        (``PinnedSessions.join_overdue``), re-entered in class ``2 * priority``.  Each
+        re-entry counts the request out and in again in Feather's request stats."""
+        if self.sessions is None or not self.sessions.warm:
+            return  # (before the queue's members are listed: O(1) without warm turns)
+        late = self.sessions.join_overdue(
+            self.queue.members(), self.config.max_wait_s, self.scheduler.feather_clock(),
+            lambda r: r.request_id, lambda r: r.priority, lambda r: r.arrival_time)
         if late:
-            warm.update(r.request_id for r in late)
             self.queue.remove_requests(late)
             for request in late:
                 self.queue.add_request(request)
