@@ -206,7 +206,8 @@ def test_sglangs_layers_are_translated_for_the_one_rule():
     ("torch_native", "auto", True, True), ("torch_native", "auto", False, False),
     ("torch_native", "on", False, True), ("torch_native", "off", True, False),
     ("intel_amx", "auto", True, False)])
-def test_the_option_decides_per_server(name, mode, feather, acts, caplog, monkeypatch):
+def test_the_option_decides_per_server(name, mode, feather, acts, caplog, monkeypatch,
+                                       self_check_here):
     monkeypatch.setattr(shared_decode.announce, "said", set())
     caplog.set_level(logging.INFO, logger=attention.logger.name)
     engine = Engine(1, torch.float32)
