@@ -339,12 +339,9 @@ class SharedPrefixBuilder(_VllmBuilder):
             return
         min_shared_blocks = min_blocks(kv_cache_spec.block_size,
                                        outcome.min_tokens or MIN_SHARED_TOKENS)
-        if self.path is None:
-            self.path = self._grouped_path(vllm_config, kv_cache_spec, device,
-                                           min_shared_blocks)
-        # (else the CPU self-check's, its buffers kept)
-        self.path = replace(self.path, min_shared_blocks=min_shared_blocks,
-                            by_size=outcome.by_size)
+        path = self.path or self._grouped_path(vllm_config, kv_cache_spec, device,
+                                               min_shared_blocks)  # or the CPU check's
+        self.path = replace(path, min_shared_blocks=min_shared_blocks, by_size=outcome.by_size)
         # The V1 runner's reuse of one group's metadata for another would pair this
         # group's work with another table; MRV2's block ids mirrored on the host.
         self.supports_update_block_table = False
