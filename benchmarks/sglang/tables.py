@@ -14,8 +14,9 @@ from pathlib import Path
 
 from feather_sched.bench.study import markdown_table
 
-POLICIES = ("fcfs", "lpm", "dfs-weight", "feather")
-"""``run.sh``'s servers: ``<policy>.json``, the run labelled ``sglang-<policy>``."""
+POLICIES = ("fcfs", "lpm", "dfs-weight", "hrrn", "shortest-prefill-first", "feather")
+"""``run.sh``'s servers: ``<policy>.json``, the run labelled ``sglang-<policy>`` (those a
+set has: older sets ran four)."""
 ORDERING = ("ordered-1", "unordered-1", "ordered-2", "unordered-2")
 """``ordering.sh``'s runs: ``ordering-<run>.json`` and Feather's ``ordering-<run>.stats.json``."""
 
@@ -26,7 +27,8 @@ def run(path: Path, label: str) -> dict:
 
 def policies(folder: Path) -> str:
     """Per policy: output tok/s, its ratio to FCFS's, mean TTFT and TPOT."""
-    runs = {p: run(folder / f"{p}.json", f"sglang-{p}") for p in POLICIES}
+    runs = {p: run(folder / f"{p}.json", f"sglang-{p}") for p in POLICIES
+            if (folder / f"{p}.json").is_file()}
     base = runs["fcfs"]["output_throughput"]
     return markdown_table(
         ["policy", "output tok/s", "vs fcfs", "mean TTFT ms", "mean TPOT ms"],
