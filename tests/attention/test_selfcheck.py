@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from feather_sched.attention import selfcheck
+from feather_sched.attention import groups, selfcheck
 from feather_sched.attention.selfcheck import Cell, Shapes, Verdict
 
 SHAPES = Shapes(device="test CPU", q_heads=4, kv_heads=2, head_dim=16, dtype="float32",
@@ -76,8 +76,13 @@ def test_each_group_size_groups_from_its_own_break_even() -> None:
     assert Verdict.from_json(json.loads(json.dumps(small_late.to_json()))) == small_late
     assert [small_late.groups(rows, tokens) for rows, tokens in (
         (2, 4096), (15, 2048), (16, 1024), (64, 512))] == [True, False, True, False]
+    # what the tensor-parallel vote sends: each size's ask, whatever sizes a grid measured
+    assert small_late.required((2, 4, 15, 16, 64)) == [4096, 4096, 4096, 1024, 1024]
+    other_grid = Verdict(True, "test", 64, SHAPES, by_size=((2, 128), (3, 64)))
+    assert other_grid.required(selfcheck.GRID_SIZES) == [64, 64]
     never = selfcheck.check(Subject(lambda c: 0.9 if c.per_group == 4 else 1.5))
     assert never.on and never.by_size == ((4, None), (16, 512))
+    assert never.required((4, 16)) == [groups.NEVER, 512] and not never.groups(8, 8192)
     assert "4+ rows from never" in never.line()
     large_late = selfcheck.check(Subject(
         lambda c: 1.5 if c.prefix >= (2048 if c.per_group == 4 else 8192) else 0.9))

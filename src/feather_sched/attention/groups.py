@@ -77,16 +77,25 @@ also for smaller groups; ``tokens`` None: never.  Empty: every group found is wo
 (what the self-check measured per size, ``selfcheck.Verdict.by_size``)."""
 
 
+NEVER = np.iinfo(np.int64).max
+"""What ``required_tokens`` asks of a size ``BySize`` never groups."""
+
+
+def required_tokens(by_size: BySize, sizes: np.ndarray) -> np.ndarray:
+    """The shared tokens non-empty ``by_size`` asks of a group of each of ``sizes`` rows
+    (int64; ``NEVER`` where it groups none of that size).  O(sizes x log entries)."""
+    least = np.array([rows for rows, _ in by_size])
+    needed = np.array([NEVER if tokens is None else tokens for _, tokens in by_size],
+                      dtype=np.int64)
+    return needed[np.maximum(np.searchsorted(least, sizes, side="right") - 1, 0)]
+
+
 def worth_by_size(groups: Groups, by_size: BySize, unit: int) -> Groups:
     """``groups`` less those sharing fewer tokens than ``by_size`` asks of their size
     (``groups.shared`` counts ``unit`` tokens each).  O(groups + rows) where any is cut."""
     if not by_size or not len(groups):
         return groups
-    least = np.array([rows for rows, _ in by_size])
-    needed = np.array([np.iinfo(np.int64).max if tokens is None else tokens
-                       for _, tokens in by_size], dtype=np.int64)
-    entry = np.maximum(np.searchsorted(least, groups.sizes(), side="right") - 1, 0)
-    keep = groups.shared * unit >= needed[entry]
+    keep = groups.shared * unit >= required_tokens(by_size, groups.sizes())
     return groups if keep.all() else groups.only(keep)
 
 

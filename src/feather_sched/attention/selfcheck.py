@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from feather_sched.attention.groups import BySize, Groups, worth_by_size
+from feather_sched.attention.groups import NEVER, BySize, required_tokens
 from feather_sched.telemetry.files import read_json, replace_atomically
 
 logger = logging.getLogger("feather_sched")
@@ -155,9 +155,7 @@ group of each size: the least a step with such groups saves against the path's f
 costs (the cut batch's pass, the merge), so each size's break-even holds for any number
 of its groups."""
 GRID_SIZES = tuple(sorted({cell.per_group for cell in GRID}))
-"""The group sizes the grid measures (what ``Verdict.by_size`` lists)."""
-_NEVER = 1 << 62
-"""A size's break-even in the tensor-parallel vote where it has none."""
+"""The group sizes the grid measures: what tensor-parallel ranks vote on (``agreed``)."""
 IDLE_CELL = Cell(1024, 16, 1)
 """A step whose rows share nothing (``Cell.idle``): what the path costs where it cannot act
 (on a GPU, its launches with no work, captured in the engine's graphs), timed for subjects
@@ -239,8 +237,17 @@ class Verdict:
         ``shared_tokens`` tokens (``groups.worth_by_size``)."""
         if not self.on or shared_tokens < (self.min_shared_tokens or 0):
             return False
-        one = Groups(np.arange(rows), np.array([0, rows]), np.array([shared_tokens]))
-        return len(worth_by_size(one, self.by_size, 1)) == 1
+        return not self.by_size or \
+            int(required_tokens(self.by_size, np.array([rows]))[0]) <= shared_tokens
+
+    def required(self, sizes: Sequence[int]) -> list[int]:
+        """The shared tokens this verdict asks of a group of each of ``sizes`` rows
+        (``groups.NEVER`` where it groups none of that size, or none at all)."""
+        if not self.on or self.min_shared_tokens is None:
+            return [NEVER] * len(sizes)
+        if not self.by_size:
+            return [self.min_shared_tokens] * len(sizes)
+        return required_tokens(self.by_size, np.array(sizes)).tolist()
 
     def line(self, *notes: str) -> str:
         """The engine log's line: the verdict with its figures (and ``notes``, such as the
@@ -453,10 +460,8 @@ def agreed(verdict: Verdict | None, group: object | None) -> Verdict | None:
     if group is None or dist.get_world_size(group) == 1:
         return verdict
     on = verdict is not None and verdict.on
-    sizes = dict((verdict.by_size or [(s, verdict.min_shared_tokens) for s in GRID_SIZES])
-                 if on and verdict else [])
-    votes = torch.tensor([0 if on else 1, *(_NEVER if sizes.get(s, 0) is None else
-                                             sizes.get(s, 0) for s in GRID_SIZES)])
+    asked = verdict.required(GRID_SIZES) if on and verdict else [0] * len(GRID_SIZES)
+    votes = torch.tensor([0 if on else 1, *asked], dtype=torch.int64)
     dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
     off, *tokens = (int(v) for v in votes)
     if verdict is None:
@@ -466,8 +471,8 @@ def agreed(verdict: Verdict | None, group: object | None) -> Verdict | None:
                        min_shared_tokens=None, by_size=())
     if not on:
         return verdict
-    by_size = tuple((s, None if t == _NEVER else t) for s, t in zip(GRID_SIZES, tokens,
-                                                                      strict=True))
+    by_size = tuple((s, None if t == NEVER else t) for s, t in zip(GRID_SIZES, tokens,
+                                                                     strict=True))
     return replace(verdict, min_shared_tokens=min(t for _, t in by_size if t is not None),
                    by_size=by_size)
 

@@ -62,19 +62,21 @@ class PinnedSessions(Generic[Pin]):
         if hold is not None:
             self.release([hold])
 
-    def join_overdue(self, waiting: Iterable[Waiting], max_wait_s: float | None, now: float,
-                     id_of: Callable[[Waiting], str], class_of: Callable[[Waiting], Hashable],
+    def join_overdue(self, waiting: Callable[[], Iterable[Waiting]], max_wait_s: float | None,
+                     now: float, id_of: Callable[[Waiting], str],
+                     class_of: Callable[[Waiting], Hashable],
                      arrival_of: Callable[[Waiting], float]) -> list[Waiting]:
-        """The ``waiting`` requests past ``max_wait_s`` in an engine class where warm turns
-        wait, now warm themselves: the adapter re-enters them in Feather's queue (arrival
-        kept), whose starvation guard ages them first, so warm turns overtake within
-        ``max_wait_s`` only.  O(waiting) while warm turns wait, O(1) otherwise."""
+        """The requests ``waiting()`` lists past ``max_wait_s`` in an engine class where
+        warm turns wait, now warm themselves: the adapter re-enters them in Feather's queue
+        (arrival kept), whose starvation guard ages them first, so warm turns overtake
+        within ``max_wait_s`` only.  O(waiting) while warm turns wait; O(1), ``waiting``
+        not called, otherwise."""
         warm = self.warm
         if not warm or max_wait_s is None:
             return []
-        waiting = list(waiting)
-        classes = {class_of(r) for r in waiting if id_of(r) in warm}
-        late = [r for r in waiting if id_of(r) not in warm and class_of(r) in classes
+        members = list(waiting())
+        classes = {class_of(r) for r in members if id_of(r) in warm}
+        late = [r for r in members if id_of(r) not in warm and class_of(r) in classes
                 and now - arrival_of(r) > max_wait_s]
         warm.update(id_of(r) for r in late)
         return late

@@ -278,7 +278,7 @@ class FeatherSGLang:
         runtime, sessions = self.runtime, self.sessions
         if sessions is None:
             return
-        late = sessions.join_overdue(waiting, self.config.max_wait_s, runtime.now(),
+        late = sessions.join_overdue(lambda: waiting, self.config.max_wait_s, runtime.now(),
                                      lambda r: r.rid, self.requests.engine_class,
                                      lambda r: runtime.age_key(r)[1])
         for req in late:
@@ -304,7 +304,7 @@ class FeatherSGLang:
         if not self.faults.serves:
             return False
         return sessions.yields(self.runtime.now() - self.runtime.age_key(req)[1],
-                                   self.config.max_wait_s)
+                               self.config.max_wait_s)
 
     # ---- rounds -----------------------------------------------------------------------
 

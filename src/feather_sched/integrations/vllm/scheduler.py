@@ -749,10 +749,10 @@ class VllmFeather:
         """Requests past ``max_wait_s`` while warm turns of their vLLM class wait join them
         (``PinnedSessions.join_overdue``), re-entered in class ``2 * priority``.  Each
         re-entry counts the request out and in again in Feather's request stats."""
-        if self.sessions is None or not self.sessions.warm:
-            return  # (before the queue's members are listed: O(1) without warm turns)
+        if self.sessions is None:
+            return
         late = self.sessions.join_overdue(
-            self.queue.members(), self.config.max_wait_s, self.scheduler.feather_clock(),
+            self.queue.members, self.config.max_wait_s, self.scheduler.feather_clock(),
             lambda r: r.request_id, lambda r: r.priority, lambda r: r.arrival_time)
         if late:
             self.queue.remove_requests(late)
