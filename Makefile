@@ -13,7 +13,7 @@ test:
 	scripts/setup.sh --vllm --sglang --ray --datasets --drift
 	.venv/bin/ruff check src tests
 	.venv/bin/mypy
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 	$(MKDOCS) build --strict --site-dir site
 
 # The fast tier: ruff, mypy (the adapters hold the runtime as core.RuntimeContract:
@@ -22,7 +22,7 @@ test:
 check:
 	.venv/bin/ruff check src tests
 	.venv/bin/mypy
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not engine and not slow"
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile -m "not engine and not slow"
 
 lint:
 	.venv/bin/ruff check src tests

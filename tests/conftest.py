@@ -68,46 +68,11 @@ kernels: ``attention/test_gpu_decode.py`` and the kit's, ``integrations/vllm/
 test_host_tables.py``, ``integrations/sglang/test_attention_triton.py``'s sample."""
 
 
-HEAVIEST_FIRST = (
-    "integrations/vllm/test_attention.py",
-    "integrations/ray/test_serve.py",
-    "integrations/vllm/test_releases.py",
-    "integrations/sglang/test_attention_server.py",
-    "integrations/vllm/test_releases_harness.py",
-    "bench/test_soak.py",
-    "test_serve.py",
-    "integrations/vllm/test_attention_gpu.py",
-    "integrations/vllm/test_engine.py",
-    "bench/test_offline.py",
-    "integrations/sglang/test_attention_triton.py",
-    "test_gpu_decode_kit.py",
-    "integrations/sglang/test_server.py",
-    "attention/test_isolation.py",
-    "integrations/sglang/test_tenants_server.py",
-    "integrations/vllm/test_attention_proof.py",
-)
-"""The modules of a minute or more each (a full run with ``--durations`` on a 2-core AMX
-Xeon, longest first): collected first, so that with ``--dist loadfile
---no-loadscope-reorder`` (the Makefile's) the workers start on them and end on short
-modules, instead of one worker running a long one alone at the end."""
-
-
-def heaviest_first(items: list[pytest.Item], tests: Path) -> None:
-    """Reorders ``items`` in place: ``HEAVIEST_FIRST``'s modules in its order, then the
-    rest as collected (stable). O(items log items)."""
-    rank = {module: at for at, module in enumerate(HEAVIEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.relative_to(tests).as_posix(),
-                                         len(rank)))
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests = Path(__file__).parent
-    heaviest_first(items, tests)
-    missing = sorted(name for name in ENGINE_MODULES | set(HEAVIEST_FIRST)
-                     if not (tests / name).is_file())
+    missing = sorted(name for name in ENGINE_MODULES if not (tests / name).is_file())
     if missing:
-        raise pytest.UsageError(f"tests/conftest.py's ENGINE_MODULES or HEAVIEST_FIRST "
-                                f"names no module: {missing}")
+        raise pytest.UsageError(f"tests/conftest.py's ENGINE_MODULES names no module: {missing}")
     for item in items:
         module = item.path.relative_to(tests).as_posix()
         if module in ENGINE_MODULES or f"{module}::{item.name}" in ENGINE_TESTS:
