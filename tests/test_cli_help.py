@@ -59,3 +59,10 @@ def test_a_bad_report_option_is_a_usage_error_before_any_run() -> None:
         result = CliRunner().invoke(app, [command, "--metric-percentiles", "100"],
                                     env={"COLUMNS": "200"})
         assert result.exit_code == 2 and "--metric-percentiles" in result.output
+
+
+def test_routing_keys_without_a_server_are_a_usage_error_before_any_run() -> None:
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(app, ["bench", "--routing-keys"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "--routing-keys is sent to a server" in result.output

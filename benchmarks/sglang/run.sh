@@ -9,11 +9,13 @@ source benchmarks/sglang/server.sh
 out=$(benchmarks/run_set.sh sglang)
 port=30187
 workload=(--groups 4 --prompts-per-group 16 --prefix-len 4096 --output-len 32 --seed 0)
-# POLICIES replaces the list (SGLang's routing-key needs a client key: not run here)
-for policy in ${POLICIES:-fcfs lpm dfs-weight hrrn shortest-prefill-first feather}; do
+# POLICIES replaces the list; routing-key is given each request's prefix group as its key
+# (--routing-keys, what SGLang's own bench sends with --gsp-send-routing-key)
+for policy in ${POLICIES:-fcfs lpm dfs-weight hrrn shortest-prefill-first routing-key feather}; do
+    keys=(); [ "$policy" = routing-key ] && keys=(--routing-keys)
     start_sglang $port "$out/server-$policy.log" --schedule-policy $policy
     .venv/bin/feather bench --base-url "http://127.0.0.1:$port" --api sglang "${workload[@]}" \
-        --label "sglang-$policy" --json "$out/$policy.json" | tee "$out/$policy.txt"
+        "${keys[@]}" --label "sglang-$policy" --json "$out/$policy.json" | tee "$out/$policy.txt"
     kill "$server"; wait "$server" || true
 done
 .venv/bin/python benchmarks/sglang/tables.py policies $out

@@ -328,6 +328,10 @@ def bench(
     label: Annotated[str, typer.Option(help="Name of the server run.")] = "server",
     api: Annotated[str, typer.Option(help="Server API: openai (/v1/completions) or sglang "
                                      "(native /generate, token ids).")] = "openai",
+    routing_keys: Annotated[bool, typer.Option(help="Server mode: send each request's "
+                                               "prefix group as SGLang's routing key "
+                                               "(for --schedule-policy routing-key).")]
+    = False,
 ) -> None:
     """Feather vs the engine's own scheduler on the real vLLM engine (or any server)."""
     if base_url is None:
@@ -343,7 +347,9 @@ def bench(
             model=model or str(TINY_LLAMA), engine_args=_engine_args(engine_arg or []),
             kv_cache_gib=kv_cache_gib, base_url=base_url, label=label,
             max_concurrency=max_concurrency, request_rate=workload.request_rate, api=api,
-            percentiles=report.percentiles)
+            routing_keys=routing_keys, percentiles=report.percentiles)
+        if routing_keys and not base_url:
+            raise ValueError("--routing-keys is sent to a server: give --base-url")
         if not base_url:
             parse_schedulers(schedulers, ENGINE_KINDS)
     except ValueError as error:

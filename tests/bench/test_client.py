@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from feather_sched.bench.client import run_against_server, send_offsets, server_preemptions
+from feather_sched.bench.client import (
+    ROUTING_KEY_HEADER,
+    run_against_server,
+    send_offsets,
+    server_preemptions,
+)
 from feather_sched.results.records import RequestRecord
 from feather_sched.workloads.spec import RequestSpec, Workload
 
@@ -23,7 +28,9 @@ MODEL = "fake-model"
 
 
 class FakeServer:
-    """``/v1/models`` and streaming ``/v1/completions``, counting requests in flight.
+    """``/v1/models`` and streaming ``/v1/completions`` (and SGLang's ``/generate``, its
+    tokens in one chunk), counting requests in flight and keeping each body and its
+    routing-key header.
 
     Each completion streams ``max_tokens`` tokens ``tokens_per_chunk`` at a time, as
     ``token_ids`` lists or (``token_ids=False``) as one piece of text per chunk, then a
@@ -46,11 +53,13 @@ class FakeServer:
         self.token_ids = token_ids
         self.report_cached = report_cached
         self.bodies: list[dict[str, Any]] = []
+        self.routing_headers: list[str | None] = []
         self.in_flight = 0
         self.max_in_flight = 0
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/generate", self.generate)
         if metrics:
             app.router.add_get("/metrics", self.metrics)
         self.runner = web.AppRunner(app)
@@ -77,9 +86,23 @@ class FakeServer:
             f'vllm:num_preemptions_total{{engine="1",{labels}}} 3.0',
             f"vllm:num_requests_running{{{labels}}} 0.0", ""]))
 
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        self.routing_headers.append(request.headers.get(ROUTING_KEY_HEADER))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        count = body["sampling_params"]["max_new_tokens"]
+        await response.write(sse({"output_ids": list(range(count)), "meta_info": {
+            "completion_tokens": count, "prompt_tokens": len(body["input_ids"]),
+            "cached_tokens": 0}}))
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.routing_headers.append(request.headers.get(ROUTING_KEY_HEADER))
         if FAIL_TOKEN in body["prompt"]:
             return web.json_response({"error": {"message": "bad prompt"}}, status=400)
         self.in_flight += 1
@@ -259,6 +282,28 @@ def test_tenants_go_in_vllm_xargs_and_stay_in_the_records() -> None:
     generate = APIS["sglang"][1]  # SGLang's /generate: in its sampling params
     assert [generate(spec, MODEL)["sampling_params"].get("custom_params") for spec in load] \
         == [{"tenant": "acme"}, None] * 2
+
+
+@pytest.mark.parametrize("api", ["openai", "sglang"])
+def test_routing_keys_name_each_requests_prefix_group_where_sglang_reads_them(api) -> None:
+    """``routing_keys``: a grouped request's group goes as SGLang's routing key (the
+    header on the OpenAI API, ``routing_key`` in ``/generate``'s body), none for a
+    request that shares nothing; without it, nothing is sent."""
+    load = Workload("k", [RequestSpec(f"r{i}", [1, 2, 3 + i], 2, 0.0, group=(0, 5, -1)[i])
+                          for i in range(3)])
+    expected = {0: "group-0", 1: "group-5", 2: None}
+    for routing_keys in (True, False):
+        server = FakeServer()
+        records, _ = run(server, load, api=api, routing_keys=routing_keys)
+        assert all(r.success for r in records)
+        last = [(b.get("prompt") or b.get("input_ids"))[-1] - 3 for b in server.bodies]
+        sent = dict(zip(last, server.routing_headers if api == "openai" else
+                        [b.get("routing_key") for b in server.bodies], strict=True))
+        assert sent == (expected if routing_keys else dict.fromkeys(expected))
+        if api == "sglang":
+            assert server.routing_headers == [None] * 3
+        else:
+            assert all("routing_key" not in b for b in server.bodies)
 
 
 def test_sglang_generate_chunks_count_tokens_from_meta_info() -> None:

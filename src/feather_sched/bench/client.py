@@ -7,7 +7,10 @@ output token's arrival is recorded; token counting follows vLLM's
 the final usage chunk fixes the output length).  A request's priority goes in the body's
 ``priority`` (when not 0), its tenant in ``vllm_xargs.tenant`` (SGLang's ``/generate``:
 ``sampling_params.custom_params.tenant``; when not the default tenant), which every vLLM
-server carries to Feather's scheduler.  The prompt tokens a server computed are the
+server carries to Feather's scheduler.  With ``routing_keys`` each request of a prefix group
+carries the group as SGLang's routing key (``/generate``'s ``routing_key``, the
+``x-smg-routing-key`` header on the OpenAI API), what ``--schedule-policy routing-key``
+groups by.  The prompt tokens a server computed are the
 prompt less the cached tokens its usage reports (``RequestRecord.prefill_cached``);
 ``server_preemptions`` reads the run's total from vLLM's ``/metrics``.
 """
@@ -35,6 +38,9 @@ ERROR_CHARS = 300
 """Error texts are squashed to one line of at most this many characters."""
 PREEMPTIONS_METRIC = "vllm:num_preemptions_total"
 """vLLM's preemption counter on ``/metrics`` (one sample per engine)."""
+ROUTING_KEY_HEADER = "x-smg-routing-key"
+"""Where SGLang's OpenAI endpoints read a request's routing key
+(``serving_base.OpenAIServingBase.extract_routing_key``); other servers ignore it."""
 
 
 def send_offsets(
@@ -81,6 +87,7 @@ async def run_against_server(
     timeout_s: float = 600.0,
     on_done: Callable[[RequestRecord], None] | None = None,
     api: str = "openai",
+    routing_keys: bool = False,
 ) -> tuple[list[RequestRecord], float]:
     """Stream every request of ``workload`` from the server; return (records, duration_s).
 
@@ -92,6 +99,7 @@ async def run_against_server(
     ``on_done`` is called as each request finishes (e.g. to advance a progress bar).
     ``api="sglang"`` uses SGLang's native ``/generate`` with ``input_ids``, which, unlike
     its OpenAI endpoint, serves token ids when the server runs without a tokenizer.
+    ``routing_keys``: each request's ``routing_key`` goes with it (module docstring).
     """
     if api not in APIS:
         raise ValueError(f"api must be one of {', '.join(APIS)}, got {api!r}")
@@ -114,8 +122,14 @@ async def run_against_server(
         start = time.perf_counter()
 
         async def one(spec: RequestSpec) -> RequestRecord:
+            payload, headers = payload_of(spec, model), {}
+            key = routing_key(spec) if routing_keys else None
+            if key is not None and api == "sglang":
+                payload["routing_key"] = key
+            elif key is not None:
+                headers[ROUTING_KEY_HEADER] = key
             async with slots:
-                record = await _send(session, url, payload_of(spec, model), spec, start, fold)
+                record = await _send(session, url, payload, spec, start, fold, headers)
             if on_done is not None:
                 on_done(record)
             return record
@@ -195,6 +209,12 @@ def _generate_payload(spec: RequestSpec, model: str) -> dict[str, Any]:
     }
 
 
+def routing_key(spec: RequestSpec) -> str | None:
+    """The routing key of a request: its prefix group's (``group-N``); None for one that
+    shares no prefix."""
+    return f"group-{spec.group}" if spec.group >= 0 else None
+
+
 def _tenant_arg(field: str, spec: RequestSpec) -> dict[str, Any]:
     """``{field: {"tenant": ...}}`` for a request of a tenant other than the default one,
     else nothing (a one-tenant body stays what any server takes)."""
@@ -208,14 +228,16 @@ async def _send(
     spec: RequestSpec,
     start: float,
     fold: Callable[[RequestRecord, dict[str, Any], float], None],
+    headers: dict[str, str],
 ) -> RequestRecord:
-    """Send one request and record its token arrivals; failures end up in the record."""
+    """Send one request (with ``headers``) and record its token arrivals; failures end up
+    in the record."""
     record = RequestRecord(
         spec.request_id, spec.prompt.size, spec.group, time.perf_counter() - start,
         priority=spec.priority, tenant=spec.tenant,
     )
     try:
-        async with session.post(url, json=payload) as response:
+        async with session.post(url, json=payload, headers=headers) as response:
             if response.status == 200:
                 await _read_stream(response.content, record, start, fold)
             else:

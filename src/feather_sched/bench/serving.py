@@ -40,6 +40,8 @@ class BenchPlan:
     max_concurrency: int | None = None
     request_rate: float | None = None
     api: str = "openai"
+    routing_keys: bool = False
+    """Server mode: send each request's prefix group as SGLang's routing key."""
     percentiles: Percentiles = field(default_factory=Percentiles)
 
 
@@ -83,7 +85,8 @@ def save_outputs(runs: list[RunResult], config: dict[str, Any], json_path: Path 
 def bench_config(plan: BenchPlan) -> dict[str, Any]:
     return {"workload": plan.workload.describe(), "schedulers": plan.schedulers,
             "model": plan.model, "engine_args": plan.engine_args,
-            "feather_options": plan.feather_options, "base_url": plan.base_url}
+            "feather_options": plan.feather_options, "base_url": plan.base_url,
+            **({"routing_keys": True} if plan.routing_keys else {})}
 
 
 def _runners(plan: BenchPlan) -> list[tuple[str, Runner]]:
@@ -120,7 +123,7 @@ def _server_run(plan: BenchPlan, advance: Callable[[RequestRecord], None]) -> Ru
         before = await server_preemptions(base_url)
         records, duration = await run_against_server(
             plan.workload, base_url=base_url, max_concurrency=plan.max_concurrency,
-            on_done=advance, api=plan.api)
+            on_done=advance, api=plan.api, routing_keys=plan.routing_keys)
         after = await server_preemptions(base_url)
         preemptions = None if before is None or after is None else round(after - before)
         return RunResult(name=plan.label, records=records, duration_s=duration,
