@@ -14,7 +14,7 @@ from feather_sched.core.sessions import (
     ReloadCost,
     RetentionConfig,
     Sessions,
-    quantile,
+    quantiles,
 )
 
 POOL = 1000
@@ -205,7 +205,8 @@ def test_config_is_checked():
         RetentionConfig(gap_quantile=0.0)
     with pytest.raises(ValueError):
         Sessions(RetentionConfig(), 0, lambda tokens: 0.0)
-    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert quantiles([3.0, 1.0, 2.0], 0.5) == (2.0,)
+    assert quantiles([4.0, 1.0, 3.0, 2.0], 0.9, 0.5, 0.0) == (4.0, 2.0, 1.0)
 
 
 OPS = st.lists(st.tuples(

@@ -288,8 +288,8 @@ class Sessions:
         reload is cheap against the pool a hold takes, as on a small CPU engine)."""
         gaps = session.gaps if len(session.gaps) >= self.config.own_gaps else \
             self._namespace_gaps.get(session.namespace) or session.gaps
-        gap, median = (quantile(gaps, self.config.gap_quantile), quantile(gaps, 0.5)) \
-            if gaps else (self.config.default_gap_s, self.config.default_gap_s)
+        gap, median = quantiles(gaps, self.config.gap_quantile, 0.5) if gaps else \
+            (self.config.default_gap_s, self.config.default_gap_s)
         breakeven = self.reload_s(tokens) * self.pool_blocks / max(blocks, 1)
         ttl = min(self.config.max_ttl_s, breakeven, gap)
         return ttl if ttl > 0 and ttl >= median else None
@@ -419,7 +419,9 @@ class ReloadCost:
         return tokens * self.per_token_s
 
 
-def quantile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` (nearest rank, the smallest value at or above it)."""
+def quantiles(values: Sequence[float], *qs: float) -> tuple[float, ...]:
+    """The ``qs`` quantiles of ``values`` (nearest rank: the smallest value at or above
+    each), from one sort. O(n log n)."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+    return tuple(ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+                 for q in qs)
