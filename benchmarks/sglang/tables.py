@@ -14,7 +14,8 @@ from pathlib import Path
 
 from feather_sched.bench.study import markdown_table
 
-POLICIES = ("fcfs", "lpm", "dfs-weight", "hrrn", "shortest-prefill-first", "feather")
+POLICIES = ("fcfs", "lpm", "dfs-weight", "hrrn", "shortest-prefill-first", "routing-key",
+            "feather")
 """``run.sh``'s servers: ``<policy>.json``, the run labelled ``sglang-<policy>`` (those a
 set has: older sets ran four)."""
 ORDERING = ("ordered-1", "unordered-1", "ordered-2", "unordered-2")
