@@ -46,7 +46,8 @@ environment() {  # the venv with vLLM's dependencies and this package, editable 
         cp "$requirements" "$venv/requirements.txt"
     fi
     if ! cmp -s "$root/pyproject.toml" "$venv/pyproject.toml"; then
-        "$venv/bin/python" -m pip --disable-pip-version-check -q install --no-deps -e "$root"
+        "$root/scripts/editable.lock" "$venv/bin/python" -m pip --disable-pip-version-check \
+            -q install --no-deps -e "$root"
         cp "$root/pyproject.toml" "$venv/pyproject.toml"
     fi
 }

