@@ -7,12 +7,10 @@ output token's arrival is recorded; token counting follows vLLM's
 the final usage chunk fixes the output length).  A request's priority goes in the body's
 ``priority`` (when not 0), its tenant in ``vllm_xargs.tenant`` (SGLang's ``/generate``:
 ``sampling_params.custom_params.tenant``; when not the default tenant), which every vLLM
-server carries to Feather's scheduler.  With ``routing_keys`` each request of a prefix group
-carries the group as SGLang's routing key (``/generate``'s ``routing_key``, the
-``x-smg-routing-key`` header on the OpenAI API), what ``--schedule-policy routing-key``
-groups by.  The prompt tokens a server computed are the
-prompt less the cached tokens its usage reports (``RequestRecord.prefill_cached``);
-``server_preemptions`` reads the run's total from vLLM's ``/metrics``.
+server carries to Feather's scheduler; with ``routing_keys``, its prefix group as SGLang's
+routing key (``_keyed``).  The prompt tokens a server computed are the prompt less the
+cached tokens its usage reports (``RequestRecord.prefill_cached``); ``server_preemptions``
+reads the run's total from vLLM's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -97,10 +95,8 @@ async def run_against_server(
     ``ConnectionError`` when it cannot be reached.  A failing request never raises: its
     record has ``success=False`` and the error text.  ``timeout_s`` limits each request;
     ``on_done`` is called as each request finishes (e.g. to advance a progress bar).
-    ``api="sglang"`` uses SGLang's native ``/generate`` with ``input_ids``, which, unlike
-    its OpenAI endpoint, serves token ids when the server runs without a tokenizer.
-    ``routing_keys``: each request's ``routing_key`` goes with it (module docstring).
-    """
+    ``api="sglang"``: SGLang's native ``/generate`` with ``input_ids`` (unlike its OpenAI
+    endpoint, it serves token ids without a tokenizer); ``routing_keys``: ``_keyed``."""
     if api not in APIS:
         raise ValueError(f"api must be one of {', '.join(APIS)}, got {api!r}")
     if api != "openai" and any(spec.priority for spec in workload):
@@ -122,12 +118,7 @@ async def run_against_server(
         start = time.perf_counter()
 
         async def one(spec: RequestSpec) -> RequestRecord:
-            payload, headers = payload_of(spec, model), {}
-            key = routing_key(spec) if routing_keys else None
-            if key is not None and api == "sglang":
-                payload["routing_key"] = key
-            elif key is not None:
-                headers[ROUTING_KEY_HEADER] = key
+            payload, headers = _keyed(payload_of(spec, model), spec, api, routing_keys)
             async with slots:
                 record = await _send(session, url, payload, spec, start, fold, headers)
             if on_done is not None:
@@ -213,6 +204,18 @@ def routing_key(spec: RequestSpec) -> str | None:
     """The routing key of a request: its prefix group's (``group-N``); None for one that
     shares no prefix."""
     return f"group-{spec.group}" if spec.group >= 0 else None
+
+
+def _keyed(payload: dict[str, Any], spec: RequestSpec, api: str, routing_keys: bool
+           ) -> tuple[dict[str, Any], dict[str, str]]:
+    """``payload`` and the request's headers, with its ``routing_key`` where
+    ``routing_keys`` (``/generate``'s field on the sglang API, else SGLang's header)."""
+    key = routing_key(spec) if routing_keys else None
+    if key is None:
+        return payload, {}
+    if api == "sglang":
+        return {**payload, "routing_key": key}, {}
+    return payload, {ROUTING_KEY_HEADER: key}
 
 
 def _tenant_arg(field: str, spec: RequestSpec) -> dict[str, Any]:
