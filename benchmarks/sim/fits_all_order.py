@@ -2,21 +2,20 @@
 
     .venv/bin/python benchmarks/sim/fits_all_order.py [--seeds 3] [--set NAME]
 
-A study for issue 63, not the product: while everything fits (``FeatherQueue.fits_all``)
-Feather admits the oldest waiting request (docs/results.md: the tree's best order cost
-BFCL's p99 there), while SGLang's ``hrrn`` beats its mean TTFT on Mooncake.  The order
-only matters within a step's prefill budget then, so three candidates are replayed in
-``FeatherQueue._chosen`` (patched here, the rest of Feather unchanged):
+Issue 63: while everything fits (``FeatherQueue.fits_all``) Feather admits the oldest
+waiting request by default (docs/results.md: the tree's best order cost BFCL's p99
+there), while SGLang's ``hrrn`` beats its mean TTFT on Mooncake.  The order only matters
+within a step's prefill budget then; three rules for that case, the rest of Feather
+unchanged:
 
-* ``arrival``: today's rule, the oldest first;
-* ``shortest``: the fewest uncached prompt tokens first (its tokens less the chunks it
-  shares with the running set, as the tree ranks them), ties by arrival;
-* ``hrrn``: the highest response ratio, SGLang's token aging: prompt tokens admitted since
-  it arrived over its uncached tokens.
+* ``arrival``: the default, the oldest first;
+* ``shortest``: the option ``shortest_when_all_fits``, the fewest uncached prompt tokens
+  first (its tokens less the chunks it shares with the running set), ties by arrival;
+* ``hrrn``: replayed here in ``FeatherQueue._chosen`` (a scan per candidate), SGLang's
+  token aging: prompt tokens admitted since it arrived over its uncached tokens.
 
-Each scans the waiting requests per candidate (O(waiting)): fine for a study, not the hot
-path.  The cells and loads of ``peers.py`` (Llama-3-8B, H100 SXM), FCFS and SGLang's
-``hrrn`` beside; writes fits-all-order.json and .md into results/NAME/.
+The cells and loads of ``peers.py`` (Llama-3-8B, H100 SXM), FCFS and SGLang's ``hrrn``
+beside; writes fits-all-order.json and .md into results/NAME/.
 """
 
 from __future__ import annotations
@@ -46,14 +45,12 @@ def uncached(queue: FeatherQueue, request_id: Any) -> int:
     return max(queue._requests[request_id].tokens + minus_depth * queue.chunk_tokens, 1)
 
 
-def chooser(rule: str) -> Callable[[FeatherQueue, Any], Any]:
-    """``FeatherQueue._chosen`` with ``rule``'s pick while everything fits."""
+def hrrn_chooser() -> Callable[[FeatherQueue, Any], Any]:
+    """``FeatherQueue._chosen`` with the highest response ratio while everything fits."""
     chosen = FeatherQueue._chosen
 
     def key(queue: FeatherQueue, request_id: Any) -> tuple[float, float]:
         tokens = uncached(queue, request_id)
-        if rule == "shortest":
-            return tokens, queue._requests[request_id].arrival_s
         waited = queue.admitted_tokens - queue.arrived_at[request_id]
         return -waited / tokens, tokens
 
@@ -71,9 +68,9 @@ def chooser(rule: str) -> Callable[[FeatherQueue, Any], Any]:
 
 @contextmanager
 def rule_in_place(rule: str):
-    """Feather's queue with ``rule`` while everything fits (``arrival``: as it is)."""
+    """Feather's queue with ``hrrn`` while everything fits (other rules: as it is)."""
     saved = FeatherQueue._chosen, QueueBook.add, QueueBook.admit
-    if rule != "arrival":
+    if rule == "hrrn":
         add, admit = QueueBook.add, QueueBook.admit
 
         def counted_add(queue: QueueBook, request_id: Any, *args: Any, **kwargs: Any) -> None:
@@ -86,7 +83,7 @@ def rule_in_place(rule: str):
                 uncached(queue, request_id)  # type: ignore[arg-type]
             admit(queue, request_id)
 
-        FeatherQueue._chosen = chooser(rule)  # type: ignore[method-assign]
+        FeatherQueue._chosen = hrrn_chooser()  # type: ignore[method-assign]
         QueueBook.add, QueueBook.admit = counted_add, counted_admit  # type: ignore[method-assign]
     try:
         yield
@@ -105,8 +102,11 @@ def run_cell(name: str, seeds: int) -> dict[str, list[dict]]:
             summary = summarize(simulate(plan, scheduler))
             runs.setdefault(scheduler, []).append({k: summary[k] for k in KEPT})
         for rule in RULES:
+            options = {"shortest_when_all_fits": rule == "shortest"}
             with rule_in_place(rule):
-                summary = summarize(simulate(plan, peers.FEATHER))
+                summary = summarize(simulate(sim_plan(make(seed, rate), peers.HARDWARE,
+                                                      feather_options=options),
+                                             peers.FEATHER))
             runs.setdefault(rule, []).append({k: summary[k] for k in KEPT})
     return runs
 

@@ -41,9 +41,10 @@ def common_prefix(key_lists: list[list]) -> int:
 class ReferenceModel:
     """Obvious, slow answers to every question the tree answers."""
 
-    def __init__(self, min_rank_chunks: int = 1) -> None:
-        self.min_rank_chunks = min_rank_chunks
+    def __init__(self, min_rank_chunks: int = 1, chunk_tokens: int = 1) -> None:
+        self.min_rank_chunks, self.chunk_tokens = min_rank_chunks, chunk_tokens
         self.keys: dict[int, list] = {}
+        self.tokens: dict[int, int] = {}
         self.state: dict[int, RequestState] = {}
         self.order: dict[int, int] = {}
         self.arrivals = 0
@@ -73,6 +74,13 @@ class ReferenceModel:
             return None
         return min(waiting, key=lambda r: (-self.rank(r), self.order[r]))
 
+    def fewest_uncached(self) -> int | None:
+        waiting = self.waiting()
+        if not waiting:
+            return None
+        return min(waiting, key=lambda r: (
+            max(self.tokens[r] - self.rank(r) * self.chunk_tokens, 0), self.order[r]))
+
     def shared(self) -> int | None:
         running = self.running()
         return common_prefix([self.keys[r] for r in running]) if running else None
@@ -94,28 +102,32 @@ paths = st.lists(st.integers(0, 2), min_size=0, max_size=5).map(tuple)
 class TreeMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.tree = ChunkedHashTree()
+        self.tree = ChunkedHashTree(uncached_order=True)
         self.model = ReferenceModel()
         self.next_id = 0
         self.retired: list[int] = []
 
-    @initialize(min_rank_chunks=st.integers(1, 3))
-    def rank_from(self, min_rank_chunks: int) -> None:
+    @initialize(min_rank_chunks=st.integers(1, 3), chunk_tokens=st.sampled_from([1, 16]))
+    def rank_from(self, min_rank_chunks: int, chunk_tokens: int) -> None:
         """Depths under ``min_rank_chunks`` rank as none (the queue passes 2 by default)."""
-        self.tree = ChunkedHashTree(min_rank_chunks)
-        self.model = ReferenceModel(min_rank_chunks)
+        self.tree = ChunkedHashTree(min_rank_chunks, chunk_tokens=chunk_tokens,
+                                    uncached_order=True)
+        self.model = ReferenceModel(min_rank_chunks, chunk_tokens)
 
     def snapshot(self) -> tuple:
         tree = self.tree
         states = {r: tree.state(r) for r in self.model.state}
         return (states, tree.best(), tree.shared_prefix_chunks(), tree.num_waiting)
 
-    @rule(path=paths)
-    def add(self, path: tuple[int, ...]) -> None:
+    @rule(path=paths, tail=st.one_of(st.none(), st.integers(0, 40)))
+    def add(self, path: tuple[int, ...], tail: int | None) -> None:
+        """A prompt of the path's chunks and ``tail`` tokens more (None: the chunks')."""
         rid = self.next_id
         self.next_id += 1
-        self.tree.add(rid, path_keys(path))
+        tokens = None if tail is None else len(path) * self.model.chunk_tokens + tail
+        self.tree.add(rid, path_keys(path), tokens=tokens)
         self.model.keys[rid] = path_keys(path)
+        self.model.tokens[rid] = len(path) * self.model.chunk_tokens + (tail or 0)
         self.model.state[rid] = RequestState.WAITING
         self.model.order[rid] = self.model.arrivals
         self.model.arrivals += 1
@@ -149,7 +161,8 @@ class TreeMachine(RuleBasedStateMachine):
         self.forget(rid)
 
     def forget(self, rid: int) -> None:
-        del self.model.state[rid], self.model.keys[rid], self.model.order[rid]
+        del self.model.state[rid], self.model.keys[rid], self.model.order[rid], \
+            self.model.tokens[rid]
         self.retired.append(rid)
 
     @rule(data=st.data())
@@ -176,6 +189,7 @@ class TreeMachine(RuleBasedStateMachine):
         assert list(tree.waiting_ids()) == model.waiting()
         assert set(tree.running_ids()) == set(model.running())
         assert tree.best() == model.best()
+        assert tree.fewest_uncached() == model.fewest_uncached()
         firsts = [model.keys[r][0] for r in model.running() if model.keys[r]]
         assert tree.has_running_group() == (len(set(firsts)) < len(firsts))
         for rid in model.waiting() + model.running():
@@ -263,6 +277,26 @@ def test_a_prefix_under_min_rank_chunks_does_not_pass_older_requests() -> None:
     assert tree.best() == "two chunks"
     with pytest.raises(ValueError, match="min_rank_chunks must be at least 1"):
         ChunkedHashTree(min_rank_chunks=0)
+
+
+def test_fewest_uncached_counts_the_tokens_a_running_prefix_does_not_cover() -> None:
+    """The shortest prompt first while nothing runs; once a group's prefix runs, its
+    long member with little left to compute passes it; the most urgent class leads."""
+    tree = ChunkedHashTree(chunk_tokens=16, uncached_order=True)
+    tree.add("long", path_keys((1, 2, 3, 4)), tokens=66)
+    tree.add("short", path_keys((9,)), tokens=20)
+    assert tree.fewest_uncached() == "short"
+    tree.add("running", path_keys((1, 2, 3, 5)))
+    tree.admit("running")
+    assert tree.fewest_uncached() == "long"  # 66 - 3 x 16 = 18 tokens left, "short" 20
+    tree.add("one more", path_keys((1, 2, 3, 4)), tokens=64)  # 16 left
+    assert tree.fewest_uncached() == "one more"
+    tree.add("urgent", path_keys((8, 8)), priority=-1)
+    assert tree.fewest_uncached() == "urgent"
+    with pytest.raises(ValueError, match="chunk_tokens must be at least 1"):
+        ChunkedHashTree(chunk_tokens=0)
+    with pytest.raises(CHTError, match="uncached_order"):
+        ChunkedHashTree().fewest_uncached()
 
 
 def test_bad_requests_get_clear_errors() -> None:

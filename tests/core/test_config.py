@@ -71,6 +71,13 @@ def test_environment_parses_every_option(tmp_path) -> None:
     assert config.max_overtakes is None
 
 
+def test_shortest_when_all_fits_reaches_the_queue_and_its_tree() -> None:
+    queue = FeatherConfig.from_sources({"shortest_when_all_fits": True}, environ={}) \
+        .make_queue()
+    assert queue.uncached_order and queue.tree.fewest_uncached() is None
+    assert not FeatherConfig().make_queue().uncached_order
+
+
 def test_min_passing_tokens_reach_the_tree() -> None:
     config = FeatherConfig.from_sources(None, environ={"FEATHER_MIN_PASSING_TOKENS": "512",
                                                        "FEATHER_CHUNK_TOKENS": "64"})

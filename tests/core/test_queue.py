@@ -358,6 +358,38 @@ def test_while_everything_fits_arrival_order_holds_and_the_gate_answers() -> Non
     assert queue.candidate() == "stranger"
 
 
+def test_while_everything_fits_the_fewest_uncached_tokens_go_first_and_the_gate_answers(
+        ) -> None:
+    """Running and waiting within the seats, their chunks within the KV cache: the
+    siblings of the running group (one chunk left to compute each) go before the older
+    stranger (three), in arrival order; the gate still answers for each, and its STOP
+    for the stranger stands (not forced).  With ``shortest_when_all_fits``."""
+    queue = sized_queue(seats=4, kv_tokens=16 * 10, shortest_when_all_fits=True)
+    queue.gate.stops_in_ordered_batches = False  # as the model gate declares
+    a_stranger_then_siblings(queue)
+    assert queue.fits_all()
+    assert [admit_next(queue) for _ in range(2)] == ["sibling1", "sibling2"]
+    assert queue.fits_all()
+    admission = queue.decide()
+    assert admission.request_id == "stranger" and not admission.forced
+    assert admission.context is not None and admission.context.chunk_loss == 2
+    assert admission.decision is Decision.STOP  # the gate's answer stands: not forced
+    queue.new_step()
+    assert queue.candidate() == "stranger"
+
+
+def test_while_everything_fits_a_shorter_prompt_passes_a_longer_older_one() -> None:
+    """Sharing nothing, the prompt with fewer tokens to compute goes first (its class
+    first: a more urgent long prompt still leads).  With ``shortest_when_all_fits``."""
+    queue = sized_queue(seats=8, kv_tokens=16 * 100, shortest_when_all_fits=True)
+    queue.gate = AlwaysAddGate()
+    queue.add("long", group_keys(7, 0), arrival_s=0.0, tokens=40)
+    queue.add("short", group_keys(8, 0), arrival_s=1.0, tokens=36)
+    queue.add("urgent-long", group_keys(9, 0), arrival_s=2.0, tokens=48, priority=-1)
+    assert queue.fits_all()
+    assert [admit_next(queue) for _ in range(3)] == ["urgent-long", "short", "long"]
+
+
 @pytest.mark.parametrize(("seats", "kv_tokens"), [(3, 16 * 10), (4, 16 * 9),
                                                   (None, 16 * 10), (4, None)])
 def test_the_tree_orders_once_something_would_not_fit(seats, kv_tokens) -> None:

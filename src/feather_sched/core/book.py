@@ -34,7 +34,7 @@ class QueueBook(EntryTable):
     def __init__(self, *, max_overtakes: int | None, max_stops: int | None,
                  max_wait_s: float | None, chunk_tokens: int, min_rank_chunks: int,
                  clock: Callable[[], float], share: TenantShare | None,
-                 prefix_order: bool) -> None:
+                 prefix_order: bool, uncached_order: bool = False) -> None:
         self.max_overtakes = max_overtakes
         self.max_stops = max_stops
         self.max_wait_s = max_wait_s
@@ -45,6 +45,8 @@ class QueueBook(EntryTable):
         self.clock = clock
         self.share = share
         self.prefix_order = prefix_order
+        self.uncached_order = uncached_order
+        """The tree keeps the fewest-uncached order too (``ChunkedHashTree.fewest_uncached``)."""
         self._running_epoch = 0
         self.clear()
 
@@ -52,7 +54,9 @@ class QueueBook(EntryTable):
         """Forget every request (the tree, the bounds' and the guard's counts, the share's
         backlog; the counters stay).  O(1) plus freeing the old structures."""
         self._running_epoch += 1
-        self.tree = ChunkedHashTree(self.min_rank_chunks, by_tenant=self.share is not None)
+        self.tree = ChunkedHashTree(self.min_rank_chunks, by_tenant=self.share is not None,
+                                    chunk_tokens=self.chunk_tokens,
+                                    uncached_order=self.uncached_order)
         if self.share is not None:
             self.share.clear_backlog()
         self.fifo = None if self.prefix_order else TenantFifo()
@@ -133,9 +137,9 @@ class QueueBook(EntryTable):
         ``tokens`` to its chunks' worth, its ``priority`` class to 0."""
         if request_id in self._requests:
             raise CHTError(f"request {request_id!r} is already in the queue")
-        self.tree.add(request_id, keys, priority, tenant)
-        arrival = self.clock() if arrival_s is None else arrival_s
         length = len(keys) * self.chunk_tokens if tokens is None else tokens
+        self.tree.add(request_id, keys, priority, tenant, length)
+        arrival = self.clock() if arrival_s is None else arrival_s
         self._enter(request_id, list(keys), arrival, length, priority,
                     group_of(keys, request_id), tenant)
         self._waits(request_id, True)
@@ -225,7 +229,8 @@ class QueueBook(EntryTable):
 
     def _enter_tree(self, request_id: RequestId) -> None:
         request = self._requests[request_id]
-        self.tree.add(request_id, request.keys, request.priority, request.tenant)
+        self.tree.add(request_id, request.keys, request.priority, request.tenant,
+                      request.tokens)
 
     def _waits(self, request_id: RequestId, waiting: bool, returning: bool = False) -> None:
         """Tell the share a request started (or stopped) waiting, and ``fifo``: at its

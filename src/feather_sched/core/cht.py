@@ -7,11 +7,11 @@ incrementally: key -> running / waiting holders (``_running_refs``, ``_waiting_r
 each waiting request's *depth*, indexed by its first missing key (``_by_frontier``) and
 its last present key (``_by_deepest``); a lazy min-heap of (priority, -rank, arrival
 order): the most urgent class, then the deepest (under ``min_rank_chunks``: none), then
-the oldest; with ``by_tenant``, one such heap per tenant (``best_of``).  Why depth, not
-the paper's fewest missing chunks: docs/architecture.md, "How the CHT works".
-
-Costs: admitting a request touches its own keys plus the waiting requests whose depth
-changes; one joining a group that already runs, only its own keys.
+the oldest; with ``by_tenant``, one such heap per tenant (``best_of``); and one of
+(priority, prompt tokens less the ranked shared chunks', arrival) (``fewest_uncached``).
+Why depth, for ``best``: docs/architecture.md, "How the CHT works".  Costs: admitting a
+request touches its own keys plus the waiting requests whose depth changes; one joining
+a group that already runs, only its own keys.
 """
 
 from __future__ import annotations
@@ -110,10 +110,12 @@ class Candidate:
 
 
 class _Entry:
-    __slots__ = ("depth", "keys", "order", "priority", "rank", "state", "tenant")
+    __slots__ = ("depth", "keys", "order", "priority", "rank", "state", "tenant", "tokens")
 
-    def __init__(self, keys: list, order: int, priority: int, tenant: Hashable) -> None:
+    def __init__(self, keys: list, order: int, priority: int, tenant: Hashable,
+                 tokens: int) -> None:
         self.keys = keys
+        self.tokens = tokens
         self.order = order
         self.priority = priority
         self.tenant = tenant
@@ -122,17 +124,26 @@ class _Entry:
         self.rank = -1
         """The rank of the request's live heap entry (-1: none since it entered waiting)."""
 
+    def uncached(self, chunk_tokens: int) -> int:
+        """Its prompt tokens less its ranked shared chunks' (``fewest_uncached``)."""
+        return max(self.tokens - max(self.rank, 0) * chunk_tokens, 0)
+
 
 class ChunkedHashTree:
     """Tracks which waiting request shares most with the running set, in microseconds."""
 
-    def __init__(self, min_rank_chunks: int = 1, by_tenant: bool = False) -> None:
+    def __init__(self, min_rank_chunks: int = 1, by_tenant: bool = False,
+                 chunk_tokens: int = 1, uncached_order: bool = False) -> None:
         """``min_rank_chunks``: the shared depth from which a waiting request ranks above
         those sharing nothing (at least 1); ``by_tenant``: keep each tenant's best too
-        (``best_of``), at one more heap push per rank change."""
+        (``best_of``), and ``uncached_order`` the fewest uncached (``fewest_uncached``),
+        each at one more heap push per rank change; ``chunk_tokens``: a chunk's tokens."""
         if min_rank_chunks < 1:
             raise ValueError(f"min_rank_chunks must be at least 1, got {min_rank_chunks}")
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
         self.min_rank_chunks = min_rank_chunks
+        self.chunk_tokens = chunk_tokens
         self._entries: dict[RequestId, _Entry] = {}
         self._running: dict[RequestId, None] = {}
         self._running_refs: dict[ChunkKey, int] = {}
@@ -142,6 +153,8 @@ class ChunkedHashTree:
         self._by_frontier: dict[ChunkKey, set[RequestId]] = {}
         self._by_deepest: dict[ChunkKey, set[RequestId]] = {}
         self._heap: list[tuple[int, int, int, RequestId]] = []
+        self._uncached_heap: list[tuple[int, int, int, RequestId, int]] | None = \
+            [] if uncached_order else None
         self._tenant_heaps: dict[Hashable, list[tuple[int, int, int, RequestId]]] | None = \
             {} if by_tenant else None
         self._tenant_waiting: Counter[Hashable] = Counter()
@@ -203,12 +216,14 @@ class ChunkedHashTree:
     # ---- lifecycle --------------------------------------------------------------------
 
     def add(self, request_id: RequestId, keys: Sequence[ChunkKey], priority: int = 0,
-            tenant: Hashable = None) -> None:
+            tenant: Hashable = None, tokens: int | None = None) -> None:
         """Register a new waiting request with its chunk keys (see ``token_chunk_keys``)
-        in priority class ``priority`` (lower is more urgent), for ``tenant``."""
+        in priority class ``priority`` (lower is more urgent), for ``tenant``, its prompt
+        ``tokens`` (default: its chunks' worth)."""
         if request_id in self._entries:
             raise CHTError(f"request {request_id!r} is already in the tree")
-        entry = _Entry(list(keys), next(self._arrivals), priority, tenant)
+        tokens = len(keys) * self.chunk_tokens if tokens is None else tokens
+        entry = _Entry(list(keys), next(self._arrivals), priority, tenant, tokens)
         self._entries[request_id] = entry
         self._enter_waiting(request_id, entry)
 
@@ -262,6 +277,15 @@ class ChunkedHashTree:
         ties to the oldest."""
         return self._top(self._heap)
 
+    def fewest_uncached(self) -> RequestId | None:
+        """The waiting request of the most urgent priority class with the fewest prompt
+        tokens left to compute (its tokens less its chunks shared with the running set,
+        as ``best`` ranks them), ties to the oldest.  O(log n) amortized; a tree made
+        with ``uncached_order`` only."""
+        if self._uncached_heap is None:
+            raise CHTError("fewest_uncached needs a tree made with uncached_order")
+        return self._top(self._uncached_heap, at=4)
+
     def best_of(self, tenant: Hashable) -> RequestId | None:
         """``best`` among the waiting requests of ``tenant`` (a tree made ``by_tenant``;
         None when none of its requests waits).  O(1) amortised."""
@@ -278,18 +302,16 @@ class ChunkedHashTree:
         """The request's tenant (as ``add`` was given it)."""
         return self._entry(request_id).tenant
 
-    def _top(self, heap: list[tuple[int, int, int, RequestId]]) -> RequestId | None:
-        """The first live entry of a lazy heap of ranks, stale ones popped."""
+    def _top(self, heap: list, at: int = 1) -> RequestId | None:
+        """The first live entry of a lazy heap, stale ones popped: its request waits at
+        the rank the entry was pushed at (minus the rank is its item's ``at``-th)."""
         entries = self._entries
         while heap:
-            _, negative_rank, _, request_id = heap[0]
-            entry = entries.get(request_id)
-            if (
-                entry is not None
-                and entry.state is RequestState.WAITING
-                and entry.rank == -negative_rank
-            ):
-                return request_id
+            item = heap[0]
+            entry = entries.get(item[3])
+            if entry is not None and entry.state is RequestState.WAITING and \
+                    entry.rank == -item[at]:
+                return item[3]
             heapq.heappop(heap)
         return None
 
@@ -412,6 +434,9 @@ class ChunkedHashTree:
         entry.rank = rank
         item = (entry.priority, -rank, entry.order, request_id)
         heapq.heappush(self._heap, item)
+        if self._uncached_heap is not None:
+            heapq.heappush(self._uncached_heap, (entry.priority, entry.uncached(
+                self.chunk_tokens), entry.order, request_id, -rank))
         if len(self._heap) > 4 * self._num_waiting + 64:
             self._compact_heap()
         if self._tenant_heaps is not None:
@@ -487,26 +512,23 @@ class ChunkedHashTree:
             _discard(self._by_frontier, keys[depth], request_id)
 
     def _compact_heap(self) -> None:
-        entries = self._entries
-        self._heap = [
-            (e.priority, -e.rank, e.order, rid)
-            for rid, e in entries.items()
-            if e.state is RequestState.WAITING
-        ]
-        heapq.heapify(self._heap)
+        """Both heaps, their stale entries dropped (they grow together).  O(n)."""
+        self._heap = _live(self._heap, self._entries)
+        if self._uncached_heap is not None:
+            self._uncached_heap = _live(self._uncached_heap, self._entries, at=4)
 
     def _compact_tenant_heap(self, tenant: Hashable) -> None:
         """Drop a tenant heap's stale entries.  O(its length)."""
         assert self._tenant_heaps is not None
-        entries = self._entries
-        live = []
-        for item in self._tenant_heaps[tenant]:
-            entry = entries.get(item[3])
-            if entry is not None and entry.state is RequestState.WAITING and \
-                    entry.rank == -item[1]:
-                live.append(item)
-        heapq.heapify(live)
-        self._tenant_heaps[tenant] = live
+        self._tenant_heaps[tenant] = _live(self._tenant_heaps[tenant], self._entries)
+
+
+def _live(heap: list, entries: dict[RequestId, _Entry], at: int = 1) -> list:
+    """A lazy heap's live items (``ChunkedHashTree._top``'s test), as a heap.  O(n)."""
+    live = [item for item in heap if (entry := entries.get(item[3])) is not None and
+            entry.state is RequestState.WAITING and entry.rank == -item[at]]
+    heapq.heapify(live)
+    return live
 
 
 def _discard(index: dict[ChunkKey, set[RequestId]], key: ChunkKey, request_id: RequestId) -> None:

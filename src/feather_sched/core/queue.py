@@ -5,13 +5,13 @@ running set; an ADD/STOP gate answers for the candidate; bounds on waiting overr
 The requests and their moves are the queue's book (``book.QueueBook``).  Priority classes
 are strict.  The candidate, in the most urgent class waiting: a ``promise``d request; a
 starved one (``max_wait_s``, one a pass); the oldest at its fairness bound; while the
-engine could run everything in flight (``fits_all``), the oldest; else the tree's best.
+engine could run everything in flight (``fits_all``), the oldest (or, with
+``shortest_when_all_fits``, the fewest prompt tokens left to compute); else the tree's best.
 A candidate a bound names is admitted whatever the gate says; after a STOP every answer
 is STOP until ``new_step``.  With fair share (``share``), all of these but the promise
 pick among the tenants the share admits now: each bound acts in its tenant's turn.
-Without ``prefix_order`` (VTC) the least served tenant's FIFO head goes next.  Why each
-rule: docs/fairness.md.  Costs: the moves as ``QueueBook``'s; ``decide`` is cached per
-candidate until the next change.
+Without ``prefix_order`` (VTC) the least served tenant's FIFO head goes next.  Why:
+docs/fairness.md.  Costs: ``QueueBook``'s; ``decide`` is cached until the next change.
 """
 
 from __future__ import annotations
@@ -67,10 +67,13 @@ class FeatherQueue(QueueBook):
         clock: Callable[[], float] = time.monotonic,
         share: TenantShare | None = None,
         prefix_order: bool = True,
+        shortest_when_all_fits: bool = False,
     ) -> None:
         """``share``: fair share between tenants (None: off, every tenant alike);
         ``prefix_order`` off (with a ``share``): VTC's order, the least served tenant's
-        oldest request first (``TenantFifo``), a returning one at its tenant's head."""
+        oldest request first (``TenantFifo``), a returning one at its tenant's head;
+        ``shortest_when_all_fits``: while everything fits, the fewest uncached tokens
+        first, not the oldest (``_chosen``)."""
         if not prefix_order and share is None:
             raise ValueError("an order without prefixes is a share's: give a share")
         if max_wait_s is not None and max_wait_s < 0:
@@ -90,7 +93,8 @@ class FeatherQueue(QueueBook):
         super().__init__(max_overtakes=max_overtakes, max_stops=max_stops,
                          max_wait_s=max_wait_s, chunk_tokens=chunk_tokens,
                          min_rank_chunks=max(1, -(-min_passing_tokens // chunk_tokens)),
-                         clock=clock, share=share, prefix_order=prefix_order)
+                         clock=clock, share=share, prefix_order=prefix_order,
+                         uncached_order=shortest_when_all_fits)
 
     @property
     def seats(self) -> int | None:
@@ -283,16 +287,16 @@ class FeatherQueue(QueueBook):
         engine could run everything in flight (``fits_all``), lays its batch out in
         Feather's order (``BatchLayout.FEATHER``) and the gate does not STOP there
         (``Gate.stops_in_ordered_batches``: always-add, the model gate), the oldest
-        waiting request of the most urgent class if it arrived before the tree's best;
-        else the tree's best.  With a ``share``, "the tree's best" is the first, in
-        ``rank_key``'s order (the least served tenant first among requests sharing as
-        much), of the best of each tenant it admits now, and while everything fits the
-        oldest of the least served tenant (prefix order buys nothing then; choosing the
-        tenant of the tree's best instead admitted one tenant after another, each until
-        it was a quantum ahead); without ``prefix_order``, the head of the least served
-        tenant's queue (``TenantFifo``) in the most urgent class.  The gate still answers
-        for it.  Why arrival order while everything fits: docs/fairness.md.  O(requeued
-        requests), plus ``_TenantBests.first`` with a share."""
+        waiting request of the most urgent class if it arrived before the tree's best
+        (with ``shortest_when_all_fits``, the one with the fewest prompt tokens left to
+        compute, ``ChunkedHashTree.fewest_uncached``); else the tree's best.  With a ``share``,
+        "the tree's best" is the first, in ``rank_key``'s order (the least served tenant
+        first among requests sharing as much), of the best of each tenant it admits now,
+        and while everything fits the oldest of the least served tenant (choosing the
+        tenant of the tree's best instead admitted one tenant after another); without
+        ``prefix_order``, the head of the least served tenant's queue (``TenantFifo``).
+        The gate still answers for it.  Why: docs/fairness.md.  O(requeued requests),
+        plus ``_TenantBests.first`` with a share, O(log n) amortized while all fits."""
         if self._promised is not None:
             return self._promised
         if due is not None:
@@ -306,12 +310,15 @@ class FeatherQueue(QueueBook):
         if self.bound is None or self.layout is not BatchLayout.FEATHER or \
                 self.gate.stops_in_ordered_batches or not self.fits_all():
             return best
-        priority = self.tree.priority(best)
         if self.share is not None:  # everything fits: the least served tenant's oldest
+            priority = self.tree.priority(best)
             tenant = self.share.least_served(priority)
             oldest = self.bound.oldest(priority, self.share.slot(tenant))
             return best if oldest is None else oldest
-        oldest = self.bound.oldest(priority)
+        if self.uncached_order:
+            shortest = self.tree.fewest_uncached()
+            return best if shortest is None else shortest
+        oldest = self.bound.oldest(self.tree.priority(best))
         if oldest is None or not self.bound.arrived_before(oldest, best):
             return best
         return oldest
