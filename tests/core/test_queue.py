@@ -350,9 +350,15 @@ def test_while_everything_fits_arrival_order_holds_and_the_gate_answers() -> Non
     queue.gate.stops_in_ordered_batches = False  # as the model gate declares
     a_stranger_then_siblings(queue)
     assert queue.fits_all()
+    the_stranger_is_stopped(queue, chunk_loss=3)
+
+
+def the_stranger_is_stopped(queue: FeatherQueue, chunk_loss: int) -> None:
+    """The stranger is the candidate, unforced, the gate's STOP (it loses ``chunk_loss``
+    chunks) stands, and it is the candidate again next pass."""
     admission = queue.decide()
     assert admission.request_id == "stranger" and not admission.forced
-    assert admission.context is not None and admission.context.chunk_loss == 3
+    assert admission.context is not None and admission.context.chunk_loss == chunk_loss
     assert admission.decision is Decision.STOP  # the gate's answer stands: not forced
     queue.new_step()
     assert queue.candidate() == "stranger"
@@ -370,12 +376,7 @@ def test_while_everything_fits_the_fewest_uncached_tokens_go_first_and_the_gate_
     assert queue.fits_all()
     assert [admit_next(queue) for _ in range(2)] == ["sibling1", "sibling2"]
     assert queue.fits_all()
-    admission = queue.decide()
-    assert admission.request_id == "stranger" and not admission.forced
-    assert admission.context is not None and admission.context.chunk_loss == 2
-    assert admission.decision is Decision.STOP  # the gate's answer stands: not forced
-    queue.new_step()
-    assert queue.candidate() == "stranger"
+    the_stranger_is_stopped(queue, chunk_loss=2)
 
 
 def test_while_everything_fits_a_shorter_prompt_passes_a_longer_older_one() -> None:
