@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/traces/sim.py [--set NAME]  # ~10 minutes on this 2-core machine
     .venv/bin/python benchmarks/traces/sim.py --overlap-scheduler   # sim-overlap.json
+    .venv/bin/python benchmarks/traces/sim.py --feather-options JSON --set NAME  # an option
 
 Llama-3-8B on the H100 SXM and H200 profiles, vLLM's GPU limits; three workloads:
 
@@ -27,6 +28,7 @@ into ``sim-overlap.json``.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -67,7 +69,7 @@ def trace_rate(seed: int) -> float:
     return len(workload) / workload.requests[-1].arrival_s
 
 
-def command(args: WorkloadArgs, hardware: str, overlap: bool) -> str:
+def command(args: WorkloadArgs, hardware: str, overlap: bool, options: str = "{}") -> str:
     """The ``feather sim`` command of one run."""
     source = (f"--trace ../shared/traces/{TRACE.name} --start {args.start} "
               f"--max-requests {args.max_requests} --trace-speed {args.trace_speed:.4g}"
@@ -76,12 +78,16 @@ def command(args: WorkloadArgs, hardware: str, overlap: bool) -> str:
               + (f" --max-requests {args.max_requests}" if args.max_requests else ""))
     return (f"feather sim {source} --seed {args.seed} --hardware {hardware} "
             f"--model {MODEL} --schedulers {','.join(SCHEDULERS)}"
-            + (" --overlap-scheduler" if overlap else ""))
+            + (" --overlap-scheduler" if overlap else "")
+            + (f" --feather-options '{options}'" if json.loads(options) else ""))
 
 
-def run(args: WorkloadArgs, hardware: str, scheduler: str, overlap: bool) -> RunResult:
-    """One simulated run; ``overlap``: the scheduler's time overlaps each step."""
-    plan = sim_plan(args.build(), hardware, schedulers=[scheduler], overlap_scheduler=overlap)
+def run(args: WorkloadArgs, hardware: str, scheduler: str, overlap: bool,
+        options: str = "{}") -> RunResult:
+    """One simulated run; ``overlap``: the scheduler's time overlaps each step;
+    ``options``: Feather's, as JSON."""
+    plan = sim_plan(args.build(), hardware, schedulers=[scheduler], overlap_scheduler=overlap,
+                    feather_options=json.loads(options))
     return simulate(plan, scheduler)
 
 
@@ -97,7 +103,10 @@ def main() -> None:
     arguments = parser(__doc__)
     arguments.add_argument("--overlap-scheduler", action="store_true",
                            help="overlap the scheduler's time with each step: sim-overlap.json")
+    arguments.add_argument("--feather-options", default="{}",
+                           help="Feather's options, JSON (with --set: the run set)")
     args = arguments.parse_args()
+    options = args.feather_options
     overlap = args.overlap_scheduler
     study = Study(__file__, set_name=args.set)
     cells = []
@@ -111,17 +120,18 @@ def main() -> None:
                     seeded = workload_args(workload, seed, share * rate)
                     for name in SCHEDULERS:
                         runs[name].append(slim(summarize(run(seeded, hardware, name,
-                                                             overlap))))
+                                                             overlap, options))))
                 arrivals = f"{share * rate:.2f} req/s, {share}x FCFS's capacity"
                 cells.append({"workload": workload, "hardware": hardware, "load": load,
                               "arrivals": arrivals, "capacity_req_s": rate,
                               "command": command(workload_args(workload, 0, share * rate),
-                                                 hardware, overlap),
+                                                 hardware, overlap, options),
                               "runs": runs})
                 print(f"{workload} {hardware} {load}: {arrivals}, "
                       f"{time.perf_counter() - started:.0f} s", flush=True)
                 study.write_json("sim-overlap" if overlap else "sim",
-                                 {"cells": cells, "overlap_scheduler": overlap})
+                                 {"cells": cells, "overlap_scheduler": overlap,
+                                  "feather_options": json.loads(options)})
 
 
 if __name__ == "__main__":

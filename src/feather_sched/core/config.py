@@ -176,7 +176,7 @@ class FeatherConfig:
     request with the fewest prompt tokens left to compute first (shared chunks with the
     running set do not count), not the oldest; still within ``max_overtakes``.  Mean
     TTFT 0.67-0.88x on Mooncake, BFCL and conversation traces in the simulator, but p99
-    up to 1.26x FCFS's on BFCL at 0.8x capacity (docs/fairness.md)."""
+    1.26x FCFS's on BFCL at 0.8x capacity (docs/fairness.md)."""
     order_running: bool = True
     """Keep the running list, and so the batch, ordered by prefix group
     (``batch_layout``)."""
