@@ -299,6 +299,23 @@ def test_fewest_uncached_counts_the_tokens_a_running_prefix_does_not_cover() -> 
         ChunkedHashTree().fewest_uncached()
 
 
+@pytest.mark.parametrize("uncached_order", [False, True])
+def test_a_rank_that_keeps_coming_back_leaves_the_heaps_bounded(uncached_order) -> None:
+    """A waiting request whose rank goes back and forth (its group's runner admitted and
+    preempted, again and again) pushes an item per change into each heap: compaction
+    keeps both heaps within their bound, and the order right."""
+    tree = ChunkedHashTree(uncached_order=uncached_order)
+    tree.add("waiting", path_keys((1, 2, 3, 4)))
+    tree.add("runner", path_keys((1, 2, 3, 5)))
+    for _ in range(500):
+        tree.admit("runner")
+        tree.requeue("runner")
+    bound = 4 * tree.num_waiting + 64 + 1
+    assert len(tree._heap) <= bound
+    assert not uncached_order or len(tree._uncached_heap) <= bound
+    assert tree.best() == "waiting"
+
+
 def test_bad_requests_get_clear_errors() -> None:
     tree = ChunkedHashTree()
     with pytest.raises(CHTError, match="unknown request 'x'"):

@@ -512,10 +512,16 @@ class ChunkedHashTree:
             _discard(self._by_frontier, keys[depth], request_id)
 
     def _compact_heap(self) -> None:
-        """Both heaps, their stale entries dropped (they grow together).  O(n)."""
-        self._heap = _live(self._heap, self._entries)
+        """Both heaps rebuilt from the waiting entries, one item each (they grow
+        together; an item per rank change, so a rank that came back leaves two).  O(n)."""
+        waiting = [(rid, e) for rid, e in self._entries.items()
+                   if e.state is RequestState.WAITING]
+        self._heap = [(e.priority, -e.rank, e.order, rid) for rid, e in waiting]
+        heapq.heapify(self._heap)
         if self._uncached_heap is not None:
-            self._uncached_heap = _live(self._uncached_heap, self._entries, at=4)
+            self._uncached_heap = [(e.priority, e.uncached(self.chunk_tokens), e.order, rid,
+                                    -e.rank) for rid, e in waiting]
+            heapq.heapify(self._uncached_heap)
 
     def _compact_tenant_heap(self, tenant: Hashable) -> None:
         """Drop a tenant heap's stale entries.  O(its length)."""
@@ -523,10 +529,10 @@ class ChunkedHashTree:
         self._tenant_heaps[tenant] = _live(self._tenant_heaps[tenant], self._entries)
 
 
-def _live(heap: list, entries: dict[RequestId, _Entry], at: int = 1) -> list:
+def _live(heap: list, entries: dict[RequestId, _Entry]) -> list:
     """A lazy heap's live items (``ChunkedHashTree._top``'s test), as a heap.  O(n)."""
     live = [item for item in heap if (entry := entries.get(item[3])) is not None and
-            entry.state is RequestState.WAITING and entry.rank == -item[at]]
+            entry.state is RequestState.WAITING and entry.rank == -item[1]]
     heapq.heapify(live)
     return live
 
