@@ -39,10 +39,10 @@ CELLS = ("mooncake", "bfcl", "conversation", "sharegpt")
 KEPT = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms")
 
 
-def uncached(queue: FeatherQueue, request_id: Any) -> int:
-    """A waiting request's prompt tokens less those it shares with the running set."""
-    _, minus_depth, _ = queue.tree.rank_key(request_id)
-    return max(queue._requests[request_id].tokens + minus_depth * queue.chunk_tokens, 1)
+def uncached(queue: QueueBook, request_id: Any) -> int:
+    """A waiting request's prompt tokens less its ranked shared chunks' (the tree's own
+    count, ``shortest``'s key), at least 1 (a ratio's denominator)."""
+    return max(queue.tree._entry(request_id).uncached(queue.tree.chunk_tokens), 1)
 
 
 def hrrn_chooser() -> Callable[[FeatherQueue, Any], Any]:
@@ -80,7 +80,7 @@ def rule_in_place(rule: str):
 
         def counted_admit(queue: QueueBook, request_id: Any) -> None:
             queue.admitted_tokens = vars(queue).get("admitted_tokens", 0) + \
-                uncached(queue, request_id)  # type: ignore[arg-type]
+                uncached(queue, request_id)
             admit(queue, request_id)
 
         FeatherQueue._chosen = hrrn_chooser()  # type: ignore[method-assign]
