@@ -58,4 +58,5 @@ fi
 
 if [ -n "${drift_job:-}" ]; then
     wait "$drift_job" || { echo "setup.sh: scripts/drift.sh failed (above)" >&2; exit 1; }
+    trap - EXIT  # reaped: its pid may be another process's now
 fi
